@@ -1,0 +1,7 @@
+"""graphrunner: capture PyTorch inference steps into device graphs and replay them."""
+
+from graphrunner.errors import CaptureError, CaptureUnsafeOpError, GraphRunnerError, RankTimeoutError
+
+__version__ = "0.1.0"
+from graphrunner.devices import CudaDevice, Device, TapeDevice, get_device
+from graphrunner.breakable import BreakableGraph, breakable_graph, force_no_graph, is_in_breakable_graph, no_graph

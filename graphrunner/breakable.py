@@ -1,0 +1,282 @@
+"""Breakable graphs: device-graph segments with eager breaks between them.
+
+A step that cannot be captured whole (attention metadata, all-to-all, host
+syncs) is captured as a :class:`BreakableGraph`: every call of a
+:func:`no_graph` function during capture ends the current graph segment, runs
+the function eagerly once, records it as an eager step, and starts a new
+segment. Replay runs segment, eager step, segment, ... in capture order.
+
+    graph = BreakableGraph()
+    with breakable_graph(graph):
+        out = step(static_inputs)        # @no_graph functions inside break it
+    ...
+    static_inputs.copy_(new_values)
+    graph.replay()                        # refreshes ``out`` in place
+
+Segments come from ``device.new_graph()``: TapeGraphs on any machine, CUDA
+graphs in one shared pool when CUDA is present. The active capture is held
+in a ``ContextVar``; outside capture a ``no_graph`` function is a plain call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from contextvars import ContextVar
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils import _pytree as pytree
+
+from graphrunner.devices import get_device
+from graphrunner.errors import CaptureError
+
+__all__ = ["BreakableGraph", "breakable_graph", "no_graph", "force_no_graph", "is_in_breakable_graph"]
+
+logger = logging.getLogger("graphrunner")
+
+_ACTIVE: ContextVar["_Capture | None"] = ContextVar("graphrunner_breakable_capture", default=None)
+_FORCE: ContextVar[bool] = ContextVar("graphrunner_force_no_graph", default=False)
+
+
+def _fn_name(fn: Callable) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+class _EagerStep:
+    """One eager break, replayed by calling the function again on the same
+    (static) arguments and copying its fresh result into the tensors the
+    capture returned, which later segments read."""
+
+    __slots__ = ("fn", "args", "kwargs", "leaves", "spec", "name")
+
+    def __init__(self, fn, args, kwargs, result) -> None:
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.leaves, self.spec = pytree.tree_flatten(result)
+        self.name = _fn_name(fn)
+
+    def __call__(self) -> None:
+        fresh = self.fn(*self.args, **self.kwargs)
+        leaves, spec = pytree.tree_flatten(fresh)
+        if spec != self.spec:
+            raise CaptureError(
+                f"@no_graph function {self.name} returned a different structure at replay "
+                f"({spec}) than at capture ({self.spec}); a graph freezes it. Return the same "
+                "structure every call, or re-capture."
+            )
+        for i, (old, new) in enumerate(zip(self.leaves, leaves)):
+            if isinstance(old, torch.Tensor):
+                if old is new:
+                    continue
+                if not isinstance(new, torch.Tensor) or new.shape != old.shape or new.dtype != old.dtype:
+                    got = (f"{tuple(new.shape)} {new.dtype}" if isinstance(new, torch.Tensor)
+                           else type(new).__name__)
+                    raise CaptureError(
+                        f"@no_graph function {self.name} returned output {i} as {got} at replay, "
+                        f"but {tuple(old.shape)} {old.dtype} at capture; the graph segments after "
+                        "it read the captured tensor. Keep shapes and dtypes fixed per shape key "
+                        "(pad to the bucket), or re-capture."
+                    )
+                old.copy_(new)
+            elif old != new and isinstance(old, (int, float, bool, str, type(None))):
+                raise CaptureError(
+                    f"@no_graph function {self.name} returned {new!r} at replay where it returned "
+                    f"{old!r} at capture; the segments after it froze that Python value. Return "
+                    "tensors for values that change, or re-capture."
+                )
+
+
+class BreakableGraph:
+    """A captured step: graph segments and eager steps, replayed in order.
+
+    ``device`` (default ``get_device("auto")``) makes every segment with
+    ``device.new_graph()``; ``pool`` overrides the device's shared pool for
+    API parity with ``torch.cuda.CUDAGraph``. ``trace``, ``key`` and
+    ``backend`` only label the segment and eager-break events recorded during
+    capture. Capture with :func:`breakable_graph`; ``replay()`` raises
+    :class:`CaptureError` before a capture. A graph is captured once;
+    ``reset()`` empties it for a new capture.
+    """
+
+    def __init__(self, pool: Any = None, device: Any = None, trace: Any = None,
+                 key: Any = None, backend: str = "breakable") -> None:
+        self.device = get_device(device if device is not None else "auto")
+        self._pool = pool
+        self.trace, self.key, self.backend = trace, key, backend
+        self._steps: list[Callable[[], None]] = []
+        self._graphs: list[Any] = []
+        self.num_breaks = 0
+        self._inference_mode = False  # captured under inference_mode: replay under it too
+
+    @property
+    def num_segments(self) -> int:
+        """Number of device-graph segments captured (empty segments are dropped)."""
+        return len(self._graphs)
+
+    @property
+    def captured(self) -> bool:
+        """True once a capture has completed and replay is allowed."""
+        return bool(self._steps)
+
+    def pool(self) -> Any:
+        """The memory-pool handle the segments are captured into."""
+        return self._pool if self._pool is not None else self.device.graph_pool()
+
+    def replay(self) -> None:
+        """Run every segment and eager step in capture order, with autograd off
+        (under ``inference_mode`` if the capture was). No synchronization."""
+        if not self._steps:
+            raise CaptureError("replay() of a BreakableGraph that holds no capture; capture it "
+                               "with `with breakable_graph(graph): ...` first")
+        # Eager steps run with autograd off, under the grad mode of the capture.
+        with torch.inference_mode() if self._inference_mode else torch.no_grad():
+            for step in self._steps:
+                step()
+
+    def reset(self) -> None:
+        """Drop every segment and eager step; the graph can be captured again."""
+        for g in self._graphs:
+            with contextlib.suppress(Exception):
+                g.reset()
+        self._steps.clear()
+        self._graphs.clear()
+        self.num_breaks = 0
+
+    def _record(self, kind: str, **data) -> None:
+        if self.trace is not None:
+            self.trace.record(kind, key=self.key, backend=self.backend, **data)
+
+
+class _Capture:
+    """State of one active breakable capture: the open segment, if any."""
+
+    def __init__(self, graph: BreakableGraph, stream, capture_error_mode: str, barrier_fn) -> None:
+        self.graph, self.stream, self.mode, self.barrier_fn = graph, stream, capture_error_mode, barrier_fn
+        self.segment = None  # (graph, context) while a segment is being captured
+
+    def open_segment(self) -> None:
+        g = self.graph.device.new_graph()
+        ctx = self.graph.device.capture(g, stream=self.stream, capture_error_mode=self.mode)
+        self.graph._record("segment_begin", segment=len(self.graph._graphs))
+        ctx.__enter__()
+        self.segment = (g, ctx)
+
+    def close_segment(self, exc_info=(None, None, None)) -> None:
+        g, ctx = self.segment
+        self.segment = None
+        ctx.__exit__(*exc_info)
+        if exc_info[0] is not None:
+            return
+        self.graph._record("segment_end", segment=len(self.graph._graphs))
+        if getattr(g, "num_ops", None) == 0:
+            return  # nothing captured (break at start/end, back-to-back breaks)
+        self.graph._graphs.append(g)
+        self.graph._steps.append(g.replay)
+
+    def eager_break(self, fn: Callable, stub: Callable | None, args, kwargs):
+        self.close_segment()
+        if self.barrier_fn is not None:
+            self.barrier_fn()
+        token = _ACTIVE.set(None)  # the body runs eagerly: nested no_graph calls are plain
+        try:
+            trace = self.graph.trace
+            span = (trace.span("eager_break", key=self.graph.key, backend=self.graph.backend,
+                               fn=_fn_name(fn)) if trace is not None else contextlib.nullcontext())
+            with span:
+                result = (stub or fn)(*args, **kwargs)
+        finally:
+            _ACTIVE.reset(token)
+        self.graph._steps.append(_EagerStep(fn, args, kwargs, result))
+        self.graph.num_breaks += 1
+        self.open_segment()
+        return result
+
+
+@contextlib.contextmanager
+def breakable_graph(graph: BreakableGraph, stream: Any = None, capture_error_mode: str = "global",
+                    barrier_fn: Callable[[], None] | None = None) -> Iterator[BreakableGraph]:
+    """Capture the block into ``graph``, breaking it at every :func:`no_graph` call.
+
+    ``stream`` is the capture stream (default: the device's), and
+    ``capture_error_mode`` is passed to each segment's ``capture_begin``.
+    ``barrier_fn``, if given, is called before every eager break during
+    capture (never at replay) so that ranks realign before eager code that may
+    hold collectives. Nesting raises :class:`CaptureError`. If the block
+    raises, the open segment's capture is ended, ``graph`` is reset to empty
+    and the exception propagates.
+    """
+    if _ACTIVE.get() is not None:
+        raise CaptureError("breakable_graph() inside another breakable_graph capture: nesting is not "
+                           "supported; end the outer capture first")
+    if graph.captured:
+        raise CaptureError("this BreakableGraph already holds a capture; call graph.reset() first")
+    state = _Capture(graph, stream, capture_error_mode, barrier_fn)
+    graph._inference_mode = torch.is_inference_mode_enabled()
+    token = _ACTIVE.set(state)
+    try:
+        state.open_segment()
+        yield graph
+        state.close_segment()
+    except BaseException as exc:
+        if state.segment is not None:
+            with contextlib.suppress(Exception):
+                state.close_segment((type(exc), exc, exc.__traceback__))
+        graph.reset()
+        raise
+    finally:
+        _ACTIVE.reset(token)
+    if not graph._steps:
+        # An empty block: keep replay() legal and a no-op, like an empty CUDA graph.
+        graph._steps.append(lambda: None)
+
+
+def no_graph(fn: Callable | None = None, *, enable: bool = True,
+             capture_stub: Callable | None = None):
+    """Mark a function (or bound method) as an eager break.
+
+    Use as ``@no_graph`` or ``@no_graph(enable=..., capture_stub=...)``.
+    Outside a breakable capture the function is a plain call. During a
+    capture, a call ends the current segment, calls the capture's
+    ``barrier_fn``, runs the body (or ``capture_stub``, called with the same
+    arguments, if given) once, records an eager step and starts a new segment.
+    At replay the real body runs again on the same argument objects and its
+    fresh result is copied into the tensors returned at capture; a changed
+    shape, dtype or structure raises :class:`CaptureError` naming the
+    function. Arguments must therefore be static tensors (graph inputs,
+    segment outputs, weights) or values that are fixed for the shape key.
+    ``enable=False`` leaves the function to be captured like any other code,
+    unless :func:`force_no_graph` is active.
+    """
+    if fn is None:
+        return lambda f: no_graph(f, enable=enable, capture_stub=capture_stub)
+    if not callable(fn):
+        raise TypeError(f"no_graph expects a function or method, got {type(fn).__name__}")
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        state = _ACTIVE.get()
+        if state is None or not (enable or _FORCE.get()):
+            return fn(*args, **kwargs)
+        return state.eager_break(fn, capture_stub, args, kwargs)
+
+    wrapper.__graphrunner_no_graph__ = True
+    return wrapper
+
+
+@contextlib.contextmanager
+def force_no_graph() -> Iterator[None]:
+    """Make every :func:`no_graph` function a break while active, including
+    those declared with ``enable=False`` (to bisect a graph bug by breaking
+    everywhere the model allows)."""
+    token = _FORCE.set(True)
+    try:
+        yield
+    finally:
+        _FORCE.reset(token)
+
+
+def is_in_breakable_graph() -> bool:
+    """True while code runs inside a graph segment of a breakable capture;
+    False outside capture and inside an eager break's body."""
+    return _ACTIVE.get() is not None

@@ -1,0 +1,203 @@
+"""Devices: where graphs are made, captured and synchronized.
+
+A device is any object with ``synchronize()``, ``new_graph()``,
+``graph_pool()``, ``capture_stream()`` and ``capture(graph, ...)``. Two are
+provided:
+
+- :class:`CudaDevice`: real ``torch.cuda.CUDAGraph`` graphs, one shared memory
+  pool and one capture stream per device object.
+- :class:`TapeDevice`: :class:`~graphrunner.tape.TapeGraph` graphs, the CPU
+  emulation of CUDA graphs; works on any torch device.
+
+:func:`get_device` picks one. Every graph the library makes comes from
+``device.new_graph()`` and is captured through ``device.capture(graph)``, so
+tests can inject a recording device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+__all__ = ["Device", "TapeDevice", "CudaDevice", "get_device"]
+
+
+class Device:
+    """Base of the devices: the interface the backends and breakable graphs use.
+
+    Subclasses set ``kind`` ("tape" or "cuda") and ``torch_device`` and
+    implement the five methods below.
+    """
+
+    kind: str = "abstract"
+    torch_device: torch.device
+
+    def synchronize(self) -> None:
+        """Block until all work queued on this device has finished."""
+        raise NotImplementedError
+
+    def new_graph(self) -> Any:
+        """Return a new, empty graph (``capture_begin``/``capture_end``/``replay``/``reset``)."""
+        raise NotImplementedError
+
+    def graph_pool(self) -> Any:
+        """Return the memory-pool handle shared by every graph captured on this device object."""
+        raise NotImplementedError
+
+    def capture_stream(self) -> Any:
+        """Return the stream captures run on (``None`` where streams do not apply)."""
+        raise NotImplementedError
+
+    def capture(self, graph: Any, stream: Any = None, capture_error_mode: str = "global"):
+        """Context manager: capture the work done inside it into ``graph``.
+
+        Uses this device's shared pool and, unless ``stream`` is given, its
+        capture stream. On an exception inside the block the capture is ended
+        (its state cleaned up) and the exception propagates.
+        """
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.torch_device)!r})"
+
+
+class TapeDevice(Device):
+    """Graphs are :class:`~graphrunner.tape.TapeGraph` tapes over tensors on ``torch_device``.
+
+    ``synchronize`` waits for the device when it is a CUDA device and is a
+    no-op on CPU. There is no capture stream.
+    """
+
+    kind = "tape"
+
+    def __init__(self, torch_device: str | torch.device = "cpu") -> None:
+        self.torch_device = torch.device(torch_device)
+        self._pool = None
+
+    def synchronize(self) -> None:
+        """Wait for queued work (CUDA tensors only; CPU work is synchronous)."""
+        if self.torch_device.type == "cuda":
+            torch.cuda.synchronize(self.torch_device)
+
+    def new_graph(self):
+        """Return a new, empty :class:`~graphrunner.tape.TapeGraph`."""
+        from graphrunner.tape import TapeGraph
+
+        return TapeGraph()
+
+    def graph_pool(self):
+        """Return this device's shared tape pool handle (made on first use)."""
+        if self._pool is None:
+            from graphrunner.tape import graph_pool_handle
+
+            self._pool = graph_pool_handle()
+        return self._pool
+
+    def capture_stream(self) -> None:
+        """Tapes have no streams: always ``None``."""
+        return None
+
+    def capture(self, graph, stream=None, capture_error_mode: str = "global"):
+        """Capture into ``graph`` with :func:`~graphrunner.tape.tape_graph` and this device's pool."""
+        from graphrunner.tape import tape_graph
+
+        return tape_graph(graph, pool=self.graph_pool(), capture_error_mode=capture_error_mode)
+
+
+class CudaDevice(Device):
+    """Real CUDA graphs on one GPU.
+
+    All graphs made through one ``CudaDevice`` share one memory pool
+    (``torch.cuda.graph_pool_handle()``) and are captured on one side stream,
+    as serving engines do, so segments of a breakable graph and the graphs of
+    all buckets reuse the same memory.
+    """
+
+    kind = "cuda"
+
+    def __init__(self, index: int | None = None) -> None:
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "CudaDevice needs a CUDA GPU, and torch.cuda.is_available() is False here. "
+                "Use get_device('auto') (falls back to the tape emulation) or TapeDevice()."
+            )
+        if index is None:
+            index = torch.cuda.current_device()
+        self.torch_device = torch.device("cuda", index)
+        self._pool = None
+        self._stream = None
+
+    def synchronize(self) -> None:
+        """``torch.cuda.synchronize`` on this GPU."""
+        torch.cuda.synchronize(self.torch_device)
+
+    def new_graph(self) -> "torch.cuda.CUDAGraph":
+        """Return a new, empty ``torch.cuda.CUDAGraph``."""
+        return torch.cuda.CUDAGraph()
+
+    def graph_pool(self):
+        """Return the pool handle shared by every graph of this device (made on first use)."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
+    def capture_stream(self) -> "torch.cuda.Stream":
+        """Return the side stream every capture of this device runs on (made on first use)."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.torch_device)
+        return self._stream
+
+    @contextlib.contextmanager
+    def capture(self, graph, stream=None, capture_error_mode: str = "global") -> Iterator[None]:
+        """Capture into ``graph`` on the capture stream with the shared pool.
+
+        Unlike ``torch.cuda.graph`` this neither synchronizes nor collects
+        garbage on entry: the capture protocol synchronizes once before the
+        first segment, and a breakable graph enters here once per segment.
+        """
+        stream = stream if stream is not None else self.capture_stream()
+        stream.wait_stream(torch.cuda.current_stream(self.torch_device))
+        with torch.cuda.device(self.torch_device), torch.cuda.stream(stream):
+            graph.capture_begin(pool=self.graph_pool(), capture_error_mode=capture_error_mode)
+            try:
+                yield
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    graph.capture_end()
+                with contextlib.suppress(Exception):
+                    graph.reset()
+                raise
+            graph.capture_end()
+        torch.cuda.current_stream(self.torch_device).wait_stream(stream)
+
+
+_KINDS = ("auto", "tape", "cuda")
+
+
+def get_device(kind: "str | Device | None" = "auto") -> Device:
+    """Return a device.
+
+    ``"auto"`` (or ``None``) gives a :class:`CudaDevice` when CUDA is
+    available, else a :class:`TapeDevice` on CPU; ``"cuda"`` and ``"tape"``
+    force one (``"cuda"`` raises ``ValueError`` without a GPU). Any object that
+    already has ``new_graph`` and ``synchronize`` is returned unchanged, so a
+    custom or recording device can be injected everywhere a device is taken.
+    """
+    if kind is None:
+        kind = "auto"
+    if not isinstance(kind, str):
+        if hasattr(kind, "new_graph") and hasattr(kind, "synchronize"):
+            return kind
+        raise TypeError(
+            f"device must be one of {_KINDS} or a device object with new_graph() and "
+            f"synchronize(); got {type(kind).__name__}"
+        )
+    if kind == "auto":
+        return CudaDevice() if torch.cuda.is_available() else TapeDevice("cpu")
+    if kind == "cuda":
+        return CudaDevice()
+    if kind == "tape":
+        return TapeDevice("cpu")
+    raise ValueError(f"unknown device {kind!r}: expected one of {_KINDS} or a device object")

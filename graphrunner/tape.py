@@ -1,0 +1,870 @@
+"""TapeGraph: a CUDA graph you can run on a CPU.
+
+A :class:`TapeGraph` records every aten op that runs during capture (through a
+``TorchDispatchMode``) and replays the recorded ops against the same tensors.
+It mirrors ``torch.cuda.CUDAGraph`` closely enough that capture code written for
+one runs on the other:
+
+* Tensors not produced inside the capture are *external* (static inputs,
+  weights, KV cache); replay reads and writes them in place.  Writes to
+  externals made while capturing are undone at capture end, because a CUDA
+  capture launches nothing.
+* Python control flow, Python scalars and shapes are frozen at capture.
+* Tensors produced inside the capture that are still referenced after it
+  (*survivors*: returned, stored on an object, ...) keep their identity and are
+  refreshed in place at every replay; everything else is a temporary.
+* Host-synchronising and data-dependent-shape operations raise
+  :class:`~graphrunner.errors.CaptureUnsafeOpError` during capture.
+* RNG ops draw fresh numbers at each replay; collectives (``c10d`` ops) are
+  re-issued and waited on.
+* Replay runs straight-line Python generated once at ``capture_end``; it never
+  goes through a dispatch mode.
+
+Limits (as on a CUDA graph, the graph holds tensors, not names): ``resize_``,
+``set_``, or re-assigning a module attribute / cache tensor after capture
+silently invalidates the graph; re-capture after such a change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import warnings
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from graphrunner.errors import CaptureError, CaptureUnsafeOpError
+
+__all__ = [
+    "TapeGraph",
+    "TapePool",
+    "tape_graph",
+    "graph_pool_handle",
+    "is_tape_capturing",
+    "EscapedTensorWarning",
+]
+
+logger = logging.getLogger("graphrunner")
+
+_THIS_FILE = os.path.abspath(__file__)
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+
+# The capture in progress (at most one at a time, process-wide, like a CUDA
+# capture with capture_error_mode="global").
+_ACTIVE: "_Capture | None" = None
+
+# Storages that survived some capture: id(storage) -> (weakref(storage), weakref(graph)).
+# Used to warn when another graph writes a survivor (TAPE-NOTES item 8).
+_SURVIVORS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+class EscapedTensorWarning(UserWarning):
+    """A tensor created inside one tape capture and still referenced after it
+    (a *survivor*, refreshed in place at each replay of its graph) was written
+    by code outside that graph: by another graph's capture or by eager code.
+
+    Such a tensor is usually a persistent buffer allocated lazily on first use
+    inside a capture; its contents are overwritten whenever the producing graph
+    replays, so state written from outside is lost (on CUDA the memory belongs
+    to the graph's private pool, wrong in a different way).  Allocate the
+    buffer before capture instead.
+    """
+
+
+class TapePool:
+    """Opaque memory-pool handle, for API parity with ``torch.cuda.graph_pool_handle()``.
+
+    Graphs given the same pool share this handle; a tape graph allocates from
+    the ordinary CPU allocator, so the pool carries no memory.
+    """
+
+    __slots__ = ("__weakref__",)
+
+    def __repr__(self) -> str:
+        return f"<TapePool at {id(self):#x}>"
+
+
+def graph_pool_handle() -> TapePool:
+    """Return a new :class:`TapePool`, to pass as ``pool=`` to several captures
+    (mirrors ``torch.cuda.graph_pool_handle``)."""
+    return TapePool()
+
+
+def is_tape_capturing() -> bool:
+    """True while any :class:`TapeGraph` capture is active in this process."""
+    return _ACTIVE is not None
+
+
+# ---------------------------------------------------------------------------
+# capture-unsafe op detection
+
+_INDEX_OPS = {"index", "_unsafe_index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put"}
+
+# ops returning non-tensors that only read metadata (safe to freeze)
+_METADATA_OPS = {
+    "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size", "stride", "numel", "dim",
+    "is_same_size", "_has_compatible_shallow_copy_type", "is_contiguous", "is_strides_like_format",
+    "is_non_overlapping_and_dense", "is_complex", "is_floating_point", "is_signed", "is_conj", "is_neg",
+    "is_inference", "is_set_to", "_nnz", "output_nr", "_version", "is_leaf", "retains_grad", "storage_offset",
+    "is_coalesced", "dense_dim", "sparse_dim", "_is_zerotensor", "is_pinned", "_debug_has_internal_overlap",
+}
+
+_FRIENDLY = {
+    "item": "Tensor.item() / float(t) / int(t) of a tensor (reads a value on the host)",
+    "_local_scalar_dense": "Tensor.item() / float(t) / int(t) / bool(t) of a tensor (reads a value on the host)",
+    "is_nonzero": "bool(t) / `if t:` on a tensor (reads a value on the host)",
+    "nonzero": "torch.nonzero / 1-argument torch.where (output shape depends on data)",
+    "masked_select": "torch.masked_select (output shape depends on data)",
+    "equal": "torch.equal (returns a host bool)",
+    "allclose": "torch.allclose (returns a host bool)",
+    "bincount": "torch.bincount (output shape depends on data)",
+    "repeat_interleave": "torch.repeat_interleave with tensor repeats (output shape depends on data)",
+}
+
+# Composite ops that reach the mode whole under inference_mode, untagged.
+_EXPLICIT_UNSAFE = {
+    "where.default": "1-argument torch.where (a nonzero: output shape depends on data)",
+    "nonzero_numpy": "nonzero (output shape depends on data)",
+    "argwhere": "torch.argwhere (output shape depends on data)",
+    "unique_dim": "torch.unique (output shape depends on data)",
+    "_unique": "torch.unique (output shape depends on data)",
+    "is_nonzero": _FRIENDLY["is_nonzero"],
+}
+
+# Host-reading idioms that reach the dispatcher as nothing (or as an innocuous
+# op), caught by a TorchFunctionMode guard instead.  Keyed by __qualname__.
+_UNSAFE_FUNCTIONS = {
+    "TensorBase.tolist": "Tensor.tolist() (copies data to a Python list on the host)",
+    "TensorBase.numpy": "Tensor.numpy() (hands host memory to NumPy)",
+    "TensorBase.cpu": "Tensor.cpu() (a device-to-host copy)",
+    "Tensor.__repr__": "printing / repr() of a tensor (reads data on the host)",
+    "Tensor.__format__": "formatting a tensor (f-string / print) (reads data on the host)",
+    "Tensor.__array__": "converting a tensor to a NumPy array",
+    "TensorBase.item": "Tensor.item() (reads a value on the host)",
+    "TensorBase.__bool__": "bool(t) / `if t:` on a tensor (reads a value on the host)",
+    "TensorBase.__float__": "float(t) of a tensor (reads a value on the host)",
+    "TensorBase.__int__": "int(t) of a tensor (reads a value on the host)",
+    "TensorBase.__index__": "using a tensor as a Python index (reads a value on the host)",
+    "TensorBase.__complex__": "complex(t) of a tensor (reads a value on the host)",
+    "TensorBase.equal": "Tensor.equal (returns a host bool)",
+    "TensorBase.allclose": "Tensor.allclose (returns a host bool)",
+    "equal": "torch.equal (returns a host bool)",
+    "allclose": "torch.allclose (returns a host bool)",
+}
+
+
+def _user_frame() -> str:
+    """Describe the innermost stack frame outside torch and this module."""
+    f = sys._getframe(1)
+    while f is not None:
+        fn = os.path.abspath(f.f_code.co_filename)
+        if fn != _THIS_FILE and not fn.startswith(_TORCH_DIR) and not fn.startswith("<frozen"):
+            import linecache
+
+            src = linecache.getline(f.f_code.co_filename, f.f_lineno).strip()
+            where = f"{f.f_code.co_filename}:{f.f_lineno} in {f.f_code.co_name}"
+            return f"{where}: `{src}`" if src else where
+        f = f.f_back
+    return "<unknown location>"
+
+
+def _unsafe(what: str, op: str) -> CaptureUnsafeOpError:
+    return CaptureUnsafeOpError(
+        f"capture-unsafe operation during tape capture: {what} [op: {op}] at {_user_frame()}. "
+        "A device graph cannot hold a host synchronisation or a data-dependent shape. "
+        "Move this code out of the captured region, e.g. into a function decorated with "
+        "@no_graph (graphrunner.no_graph) so it runs eagerly between graph segments, "
+        "or rewrite it with static shapes."
+    )
+
+
+def _returns_only_tensors(schema) -> bool:
+    for r in schema.returns:
+        s = str(r.type)
+        if s not in ("Tensor", "Tensor?", "List[Tensor]", "List[Optional[Tensor]]", "Tensor[]", "Tensor?[]"):
+            return False
+    return True
+
+
+def _check_safe(func, args, kwargs) -> None:
+    """Raise CaptureUnsafeOpError if ``func`` cannot be held by a device graph."""
+    name = func._schema.name.split("::", 1)[-1]
+    tags = func.tags
+    # index.Tensor is tagged dynamic_output_shape, but only a bool/uint8 mask
+    # index makes it so (checked below): no false alarm on long-index indexing.
+    if name not in _INDEX_OPS and (
+        torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags
+    ):
+        raise _unsafe(_FRIENDLY.get(name, f"{name} (output shape or value read on the host)"), str(func))
+    if not _returns_only_tensors(func._schema) and name not in _METADATA_OPS:
+        raise _unsafe(_FRIENDLY.get(name, f"{name} (returns a host value computed from tensor data)"), str(func))
+    if name in _EXPLICIT_UNSAFE or f"{name}.{func._overloadname}" in _EXPLICIT_UNSAFE:
+        what = _EXPLICIT_UNSAFE.get(name) or _EXPLICIT_UNSAFE[f"{name}.{func._overloadname}"]
+        raise _unsafe(what, str(func))
+    if name == "repeat_interleave" and func._overloadname in ("Tensor", "self_Tensor"):
+        if kwargs.get("output_size") is None:  # with output_size the shape is static
+            raise _unsafe(_FRIENDLY[name], str(func))
+    if name in _INDEX_OPS:
+        idx = args[1] if len(args) > 1 else kwargs.get("indices")
+        for t in idx or ():
+            if isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8):
+                what = (
+                    "boolean-mask assignment x[mask] = v (index_put with a bool mask; data-dependent)"
+                    if "put" in name
+                    else "boolean-mask indexing x[mask] (output shape depends on data)"
+                )
+                raise _unsafe(what, str(func))
+
+
+class _Guard(TorchFunctionMode):
+    """Rejects host-reading Tensor methods that never reach the dispatcher."""
+
+    def __init__(self, cap: "_Capture"):
+        super().__init__()
+        self.cap = cap
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        what = _UNSAFE_FUNCTIONS.get(getattr(func, "__qualname__", None))
+        if what is not None:
+            err = _unsafe(what, getattr(func, "__qualname__", str(func)))
+            self.cap.failed = err
+            raise err
+        return func(*args, **(kwargs or {}))
+
+
+# ---------------------------------------------------------------------------
+# recording
+
+
+class _Ref:
+    """Placeholder for a tensor inside a recorded argument template."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class _Op:
+    """One recorded aten op: callable, argument templates, output names."""
+
+    __slots__ = ("func", "args", "kwargs", "outs", "new", "in_names", "writes", "pure", "collective", "seeded",
+                 "out_skeys", "in_skeys", "fast")
+
+    def __init__(self):
+        self.fast = None
+
+
+def _storage(t: torch.Tensor):
+    try:
+        return t.untyped_storage()
+    except Exception:  # tensors without storage (sparse, nested, ...)
+        return None
+
+
+class _Capture:
+    """Mutable state of one capture in progress (dropped at capture end)."""
+
+    def __init__(self, graph: "TapeGraph"):
+        self.graph = graph
+        self.names: dict[int, str] = {}            # id(tensor) -> name
+        self.strong: dict[str, torch.Tensor] = {}  # name -> tensor (keeps ids unique during capture)
+        self.kind: dict[str, str] = {}             # name -> "ext" | "int"
+        self.skey: dict[str, int] = {}             # name -> storage key
+        self.storages: dict[int, Any] = {}         # storage key -> storage (strong, during capture)
+        self.internal_storages: dict[int, str] = {}  # storage key -> name of the allocating tensor
+        self.alloc_meta: dict[str, tuple] = {}     # allocating name -> (dtype, device, size, stride, offset)
+        self.written: set[int] = set()             # storage keys written by recorded ops
+        self.ext_storages: set[int] = set()        # storage keys of externals
+        self.snapshots: dict[int, tuple] = {}      # external storage key -> (storage, byte copy)
+        self.ops: list[_Op] = []
+        self.n = 0
+        self.failed: BaseException | None = None
+        self.inference = torch.is_inference_mode_enabled()
+        self.warned: set[int] = set()
+
+    # -- naming -----------------------------------------------------------
+    def _skey(self, t):
+        st = _storage(t)
+        if st is None:
+            return None
+        k = id(st)
+        self.storages.setdefault(k, st)
+        return k
+
+    def name_in(self, t: torch.Tensor) -> str:
+        n = self.names.get(id(t))
+        if n is not None:
+            return n
+        k = self._skey(t)
+        if k is not None and k in self.internal_storages:
+            raise CaptureError(
+                "a tensor aliasing memory created inside the capture appeared without being produced by a "
+                f"recorded op (at {_user_frame()}); create views with tensor ops, not with storage APIs"
+            )
+        n = f"e{self.n}"
+        self.n += 1
+        self.names[id(t)] = n
+        self.strong[n] = t
+        self.kind[n] = "ext"
+        self.skey[n] = k
+        if k is not None:
+            self.ext_storages.add(k)
+        return n
+
+    def name_out(self, t: torch.Tensor) -> tuple[str, bool]:
+        n = self.names.get(id(t))
+        if n is not None:
+            return n, False
+        n = f"v{self.n}"
+        self.n += 1
+        self.names[id(t)] = n
+        self.strong[n] = t
+        self.kind[n] = "int"
+        k = self._skey(t)
+        self.skey[n] = k
+        if k is not None and k not in self.internal_storages and k not in self.ext_storages:
+            self.internal_storages[k] = n
+            self.alloc_meta[n] = (t.dtype, t.device, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        return n, True
+
+    # -- templates --------------------------------------------------------
+    def template_in(self, v, names: list):
+        if isinstance(v, torch.Tensor):
+            n = self.name_in(v)
+            names.append(n)
+            return _Ref(n)
+        if isinstance(v, (list, tuple)):
+            return type(v)(self.template_in(x, names) for x in v)
+        return v
+
+    def template_out(self, v, new: list, allnames: list):
+        if isinstance(v, torch.Tensor):
+            n, is_new = self.name_out(v)
+            allnames.append(n)
+            if is_new:
+                new.append(n)
+            return _Ref(n)
+        if isinstance(v, (list, tuple)):
+            return type(v)(self.template_out(x, new, allnames) for x in v)
+        return None
+
+    # -- writes to externals ----------------------------------------------
+    def note_write(self, t: torch.Tensor, func) -> None:
+        k = self._skey(t)
+        if k is None:
+            return
+        self.written.add(k)
+        if k in self.internal_storages or k in self.snapshots:
+            return
+        st = self.storages[k]
+        # Snapshot the whole storage on first write: a CUDA capture launches
+        # nothing, so the external must look untouched after capture_end.
+        with torch.inference_mode():
+            b = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
+            self.snapshots[k] = (st, b.clone())
+        ent = _SURVIVORS.get(k)
+        if ent is not None and ent[0]() is st:
+            g = ent[1]()
+            if g is not None and g is not self.graph and k not in self.warned:
+                self.warned.add(k)
+                warnings.warn(
+                    f"op {func} in this tape capture writes a tensor that was created inside another graph's "
+                    f"capture and survived it (at {_user_frame()}). That graph refreshes the tensor at each of "
+                    "its replays, overwriting what is written here; allocate persistent buffers (caches, "
+                    "counters) before capture.",
+                    EscapedTensorWarning,
+                    stacklevel=2,
+                )
+
+    def restore(self) -> None:
+        with torch.inference_mode():
+            for st, snap in self.snapshots.values():
+                torch.empty(0, dtype=torch.uint8, device=st.device).set_(st).copy_(snap)
+        self.snapshots.clear()
+
+
+class _Recorder(TorchDispatchMode):
+    """Records every aten op of a capture (and runs it, once)."""
+
+    def __init__(self, cap: _Capture):
+        super().__init__()
+        self.cap = cap
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        cap = self.cap
+        kwargs = kwargs or {}
+        collective = func.namespace == "c10d"
+        try:
+            if not collective:
+                _check_safe(func, args, kwargs)
+            schema = func._schema
+            if torch.is_grad_enabled():
+                for a in list(args) + list(kwargs.values()):
+                    ts = a if isinstance(a, (list, tuple)) else (a,)
+                    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in ts):
+                        raise CaptureError(
+                            f"autograd is recording during tape capture: {func} received a tensor that "
+                            f"requires grad while grad mode is enabled (at {_user_frame()}). Graphs are for "
+                            "inference: capture under torch.no_grad() or torch.inference_mode()."
+                        )
+            seeded = torch.Tag.nondeterministic_seeded in func.tags
+            # which arguments does the op write?
+            written = []
+            mutable = collective or schema.is_mutable
+            if mutable:
+                for i, a in enumerate(schema.arguments):
+                    if not collective and not (a.alias_info is not None and a.alias_info.is_write):
+                        continue
+                    v = args[i] if i < len(args) else kwargs.get(a.name)
+                    for t in v if isinstance(v, (list, tuple)) else (v,):
+                        if isinstance(t, torch.Tensor):
+                            written.append(t)
+            in_names: list[str] = []
+            targs = cap.template_in(tuple(args), in_names)
+            tkwargs = {k: cap.template_in(v, in_names) for k, v in kwargs.items()}
+            for t in written:
+                cap.note_write(t, func)
+        except BaseException as e:
+            cap.failed = e
+            raise
+        out = func(*args, **kwargs)
+        try:
+            op = _Op()
+            op.func, op.args, op.kwargs = func, targs, tkwargs
+            op.in_names = in_names
+            op.new, allout = [], []
+            op.outs = cap.template_out(out, op.new, allout)
+            op.writes = [cap.names[id(t)] for t in written]
+            op.collective = collective
+            op.seeded = seeded
+            op.pure = not mutable and not collective and not seeded
+            op.in_skeys = {cap.skey[n] for n in in_names}
+            op.out_skeys = [cap.skey[n] for n in op.new]
+            cap.ops.append(op)
+        except BaseException as e:
+            cap.failed = e
+            raise
+        return out
+
+
+# ---------------------------------------------------------------------------
+# code generation
+
+
+def _literal(v) -> str | None:
+    """Source text for a constant that round-trips exactly, else None."""
+    if v is None or isinstance(v, (bool, str)):
+        return repr(v)
+    if isinstance(v, int):
+        return repr(v)
+    if isinstance(v, float):
+        if v != v or v in (float("inf"), float("-inf")):
+            return None
+        return repr(v)
+    if isinstance(v, (tuple, list)):
+        parts = [_literal(x) for x in v]
+        if any(p is None for p in parts):
+            return None
+        if isinstance(v, tuple):
+            return "(" + "".join(p + ", " for p in parts) + ")"
+        return "[" + ", ".join(parts) + "]"
+    return None
+
+
+class _Program:
+    """The generated replay function and what it binds."""
+
+    def __init__(self):
+        self.env: dict[str, Any] = {}
+        self.lines: list[str] = []
+        self._consts: dict[int, str] = {}
+
+    def const(self, v, prefix="c") -> str:
+        key = id(v)
+        n = self._consts.get(key)
+        if n is None:
+            n = f"{prefix}{len(self.env)}"
+            self.env[n] = v
+            self._consts[key] = n
+        return n
+
+    def build(self) -> Callable[[], None]:
+        names = list(self.env)
+        body = "\n".join("        " + ln for ln in self.lines) or "        pass"
+        # Bound values become closure cells of _replay (LOAD_DEREF: no per-call setup).
+        src = f"def _make({', '.join(names)}):\n    def _replay():\n{body}\n    return _replay\n"
+        self.source = src
+        code = compile(src, "<tape replay>", "exec")
+        ns: dict[str, Any] = {}
+        exec(code, ns)
+        return ns["_make"](**self.env)
+
+
+# ---------------------------------------------------------------------------
+# public API
+
+
+class TapeGraph:
+    """CPU emulation of ``torch.cuda.CUDAGraph``: record aten ops once, replay them.
+
+    Contract:
+      * ``capture_begin()`` ... ``capture_end()`` (or ``with tape_graph(g):``)
+        records every aten op run in between, on any device.  Only one tape
+        capture may be active at a time (:class:`CaptureError` otherwise).
+      * ``replay()`` re-runs the recorded ops: externals (tensors not created
+        in the capture) are read/written in place; tensors created in the
+        capture and still referenced afterwards are refreshed in place; the
+        results are bit-identical to running the captured code eagerly on the
+        current contents of the externals.
+      * ``reset()`` drops the recording (and aborts a capture in progress).
+      * ``num_ops`` is the number of aten ops recorded (0 when empty).
+    """
+
+    def __init__(self, keep_graph: bool = False):
+        self._pool: TapePool | None = None
+        self._cap: _Capture | None = None
+        self._modes: tuple | None = None
+        self._fn: Callable[[], None] | None = None
+        self._num_ops = 0
+        self._inference = False
+        self._statics: list[torch.Tensor] = []
+        self._versioned: list[tuple[weakref.ref, int]] = []
+        self.source: str | None = None  # generated replay source, for debugging
+
+    # -- capture ------------------------------------------------------------
+    def capture_begin(self, pool: TapePool | None = None, capture_error_mode: str = "global") -> None:
+        """Start recording.  Raises CaptureError if this graph already holds a
+        capture (call ``reset()`` first) or another tape capture is active."""
+        global _ACTIVE
+        if capture_error_mode not in _CAPTURE_ERROR_MODES:
+            raise ValueError(f"capture_error_mode must be one of {_CAPTURE_ERROR_MODES}, got {capture_error_mode!r}")
+        if pool is not None and not isinstance(pool, TapePool):
+            raise TypeError(f"pool must be a TapePool from graph_pool_handle() or None, got {type(pool).__name__}")
+        if self._cap is not None:
+            raise CaptureError("this TapeGraph is already capturing; call capture_end() (or reset()) first")
+        if _ACTIVE is not None:
+            raise CaptureError(
+                "another TapeGraph capture is active; tape captures cannot nest. End it (capture_end) first."
+            )
+        if self._fn is not None:
+            raise CaptureError("this TapeGraph already holds a capture; call reset() before capturing again")
+        self._pool = pool if pool is not None else (self._pool or TapePool())
+        cap = _Capture(self)
+        modes = (_Guard(cap), _Recorder(cap))
+        _ACTIVE = cap
+        self._cap = cap
+        for m in modes:
+            m.__enter__()
+        self._modes = modes
+
+    def _stop(self) -> _Capture:
+        """Leave the modes, restore externals; return the capture state."""
+        global _ACTIVE
+        cap, modes = self._cap, self._modes
+        self._cap = self._modes = None
+        if _ACTIVE is cap:
+            _ACTIVE = None
+        try:
+            if modes is not None:
+                for m in reversed(modes):
+                    m.__exit__(None, None, None)
+        finally:
+            cap.restore()
+        return cap
+
+    def capture_end(self) -> None:
+        """Finish recording and generate the replay function.
+
+        Writes made to externals during capture are undone here.  If an op
+        failed during capture, the graph is left empty and CaptureError is
+        raised (chaining the original error)."""
+        if self._cap is None:
+            raise CaptureError("capture_end() called on a TapeGraph that is not capturing")
+        cap = self._stop()
+        if cap.failed is not None:
+            self._clear()
+            raise CaptureError(f"tape capture failed earlier: {cap.failed}") from cap.failed
+        try:
+            self._finalize(cap)
+        except BaseException:
+            self._clear()
+            raise
+
+    def _abort(self) -> None:
+        if self._cap is not None:
+            self._stop()
+        self._clear()
+
+    def _clear(self) -> None:
+        self._fn = None
+        self._num_ops = 0
+        self._statics = []
+        self._versioned = []
+        self.source = None
+
+    def reset(self) -> None:
+        """Drop the recording (aborting a capture in progress, undoing its writes
+        to externals); the graph can capture again."""
+        self._abort()
+
+    def pool(self) -> TapePool:
+        """Return this graph's pool handle (opaque; for API parity)."""
+        if self._pool is None:
+            self._pool = TapePool()
+        return self._pool
+
+    @property
+    def num_ops(self) -> int:
+        """Number of aten ops recorded by the last capture (0 when empty)."""
+        return self._num_ops
+
+    # -- replay ---------------------------------------------------------------
+    def replay(self) -> None:
+        """Re-run the captured ops with autograd off (under inference_mode when
+        the capture was).  Raises CaptureError on an empty or capturing graph."""
+        fn = self._fn
+        if fn is None:
+            if self._cap is not None:
+                raise CaptureError("cannot replay a TapeGraph while it is capturing; call capture_end() first")
+            raise CaptureError("cannot replay an empty TapeGraph: capture something first")
+        if self._versioned:
+            self._check_versions()
+        if self._inference:
+            guard = torch._C._InferenceMode(True)
+            try:
+                fn()
+            finally:
+                del guard
+        else:
+            prev = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(False)
+            try:
+                fn()
+            finally:
+                torch._C._set_grad_enabled(prev)
+        if self._versioned:
+            self._versioned = [(w, (w()._version if w() is not None else v)) for w, v in self._versioned]
+
+    def _check_versions(self) -> None:
+        for w, v in self._versioned:
+            t = w()
+            if t is not None and t._version != v:
+                warnings.warn(
+                    "a tensor created inside this TapeGraph's capture (a survivor, refreshed in place at "
+                    "each replay) was written by code outside the graph since the last replay; the replay "
+                    "overwrites it. Allocate persistent buffers before capture.",
+                    EscapedTensorWarning,
+                    stacklevel=3,
+                )
+                break
+
+    # -- capture end: survivors, hoisting, code generation ---------------------
+    def _finalize(self, cap: _Capture) -> None:
+        ops = cap.ops
+        kind = cap.kind
+        ext_storages = {cap.skey[n] for n, k in kind.items() if k == "ext"}
+        # 1. Hoisting (TAPE-NOTES item 2): a pure op whose inputs are all
+        #    externals/constants and whose outputs really share storage with an
+        #    input is a view of an external: keep the capture-time tensor.  A
+        #    pure factory (no tensor input) is constant if nothing ever writes
+        #    its storage.
+        for op in ops:
+            if not op.pure or not op.new:
+                continue
+            if any(kind[n] != "ext" and kind[n] != "const" for n in op.in_names):
+                continue
+            if op.in_names:
+                ok = all(k is not None and k in op.in_skeys for k in op.out_skeys)
+            else:
+                ok = all(k is not None and k not in cap.written for k in op.out_skeys)
+            if ok:
+                op.fast = "hoisted"
+                for n in op.new:
+                    kind[n] = "const"
+        const_storages = {cap.skey[n] for n, k in kind.items() if k == "const"}
+        consts = {n: cap.strong[n] for n, k in kind.items() if k in ("ext", "const")}
+
+        # 2. Survivors (TAPE-NOTES item 7): drop our own references to the
+        #    internal tensors and see which storages are still alive.  Keyed by
+        #    storage, so a kept view keeps (and refreshes) its base.
+        alloc_w = {n: weakref.ref(cap.strong[n]) for n in cap.alloc_meta}
+        st_w = {k: weakref.ref(cap.storages[k]) for k in cap.internal_storages}
+        int_w = {n: weakref.ref(t) for n, t in cap.strong.items() if kind[n] == "int"}
+        cap.strong.clear()
+        cap.storages.clear()
+        cap.names.clear()
+        survivors: dict[str, torch.Tensor] = {}  # allocating name -> static tensor
+        versioned = []
+        for k, alloc in cap.internal_storages.items():
+            st = st_w[k]()
+            if st is None or k in const_storages:
+                continue
+            t = alloc_w[alloc]()
+            if t is None:  # only a view survives: rebuild the allocating tensor on the storage
+                dtype, device, size, stride, off = cap.alloc_meta[alloc]
+                with torch.inference_mode(cap.inference):
+                    t = torch.empty(0, dtype=dtype, device=device).set_(st, off, size, stride)
+            survivors[alloc] = t
+            _SURVIVORS[k] = (weakref.ref(st), weakref.ref(self))
+            if not t.is_inference():
+                # remember one user-visible tensor per storage to detect outside writes
+                for n, w in int_w.items():
+                    u = w()
+                    if u is not None and cap.skey[n] == k and not u.is_inference():
+                        versioned.append((w, u._version))
+                        break
+        del st_w, alloc_w
+        for k in [k for k, (w, _) in _SURVIVORS.items() if w() is None]:
+            del _SURVIVORS[k]
+
+        # 3. Dead-code elimination: keep ops with effects, ops producing
+        #    survivors, and ops whose outputs feed kept ops.
+        keep = [False] * len(ops)
+        needed: set[str] = set()
+        for i in range(len(ops) - 1, -1, -1):
+            op = ops[i]
+            if op.fast == "hoisted":
+                continue
+            live = (not op.pure) or any(n in needed or n in survivors for n in op.new)
+            if live and op.pure and not op.new:
+                live = False  # returns its input unchanged (e.g. .to() no-op)
+            if live:
+                keep[i] = True
+                needed.update(op.in_names)
+
+        # 4. Generate straight-line code.
+        prog = _Program()
+        ref_expr: dict[str, str] = {}
+        for n, t in consts.items():
+            ref_expr[n] = prog.const(t, "k")
+        static_names = {}
+        for n, t in survivors.items():
+            static_names[n] = prog.const(t, "s")
+        last_use: dict[str, int] = {}
+        for i, op in enumerate(ops):
+            if keep[i]:
+                for n in op.in_names:
+                    last_use[n] = i
+
+        def expr(v) -> str:
+            if isinstance(v, _Ref):
+                return ref_expr[v.name]
+            lit = _literal(v)
+            if lit is not None:
+                return lit
+            if isinstance(v, (list, tuple)):
+                inner = ", ".join(expr(x) for x in v)
+                return f"[{inner}]" if isinstance(v, list) else f"({inner},)"
+            return prog.const(v)
+
+        n_ops = 0
+        for i, op in enumerate(ops):
+            if not keep[i]:
+                continue
+            n_ops += 1
+            f = prog.const(op.func._op, "f")
+            call = f"{f}(" + ", ".join(
+                [expr(a) for a in op.args] + [f"{k}={expr(v)}" for k, v in op.kwargs.items()]
+            ) + ")"
+            lines = prog.lines
+            newset = set(op.new)
+            if op.collective:
+                lines.append(f"_o = {call}")
+                for path in _work_paths(op.outs):
+                    lines.append(f"_o{path}.wait()")
+                bind_src = "_o"
+            elif not newset:
+                lines.append(call)
+                bind_src = None
+            elif isinstance(op.outs, _Ref):
+                lines.append(f"{op.outs.name} = {call}")
+                bind_src = None
+            else:
+                lines.append(f"_o = {call}")
+                bind_src = "_o"
+            if bind_src is not None:
+                for path, ref in _ref_paths(op.outs):
+                    if ref.name in newset:
+                        lines.append(f"{ref.name} = {bind_src}{path}")
+            for n in op.new:
+                if n in static_names:
+                    s = static_names[n]
+                    lines.append(f"{s}.copy_({n})")
+                    ref_expr[n] = s
+                    lines.append(f"del {n}")
+                else:
+                    ref_expr[n] = n
+            dead = [n for n in set(op.in_names) if last_use.get(n) == i and ref_expr.get(n) == n]
+            dead += [n for n in op.new if ref_expr[n] == n and n not in last_use]
+            if dead:
+                lines.append("del " + ", ".join(sorted(set(dead))))
+            if bind_src == "_o":
+                lines.append("del _o")
+        self._fn = prog.build()
+        self.source = prog.source
+        self._env = prog.env
+        self._num_ops = len(ops)
+        self._num_replayed = n_ops
+        self._inference = cap.inference
+        self._statics = list(survivors.values())
+        self._versioned = versioned
+        logger.debug(
+            "tape capture: %d ops recorded, %d replayed, %d survivors, %d externals",
+            len(ops), n_ops, len(survivors), sum(1 for k in kind.values() if k == "ext"),
+        )
+
+    @property
+    def num_replayed_ops(self) -> int:
+        """Ops the generated replay function runs (after hoisting and dead-code elimination)."""
+        return getattr(self, "_num_replayed", 0) if self._fn is not None else 0
+
+
+def _ref_paths(v, path=""):
+    if isinstance(v, _Ref):
+        yield path, v
+    elif isinstance(v, (list, tuple)):
+        for i, x in enumerate(v):
+            yield from _ref_paths(x, f"{path}[{i}]")
+
+
+def _work_paths(v, path=""):
+    # outputs of c10d ops that are not tensors are Work objects (recorded as None)
+    if isinstance(v, (list, tuple)):
+        for i, x in enumerate(v):
+            if x is None:
+                yield f"{path}[{i}]"
+            elif isinstance(x, (list, tuple)):
+                yield from _work_paths(x, f"{path}[{i}]")
+
+
+@contextlib.contextmanager
+def tape_graph(
+    graph: TapeGraph, pool: TapePool | None = None, stream: Any = None, capture_error_mode: str = "global"
+) -> Iterator[TapeGraph]:
+    """Capture the body into ``graph`` (mirrors ``torch.cuda.graph``).
+
+    ``stream`` is accepted for API parity and ignored.  If the body raises, the
+    capture is aborted (no mode stays active, writes to externals are undone,
+    the graph is left empty) and the exception propagates unchanged; the next
+    capture works normally.
+    """
+    if not isinstance(graph, TapeGraph):
+        raise TypeError(f"tape_graph() needs a TapeGraph, got {type(graph).__name__}")
+    graph.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
+    try:
+        yield graph
+    except BaseException:
+        graph._abort()
+        raise
+    graph.capture_end()
