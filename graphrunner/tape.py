@@ -531,7 +531,7 @@ class TapeGraph:
       * ``num_ops`` is the number of aten ops recorded (0 when empty).
     """
 
-    def __init__(self, keep_graph: bool = False):
+    def __init__(self):
         self._pool: TapePool | None = None
         self._cap: _Capture | None = None
         self._modes: tuple | None = None
@@ -708,15 +708,18 @@ class TapeGraph:
         versioned = []
         for k, alloc in cap.internal_storages.items():
             st = st_w[k]()
-            if st is None or k in const_storages:
+            if st is None:
                 continue
+            # every survivor (a hoisted constant too) is registered for item 8
+            _SURVIVORS[k] = (weakref.ref(st), weakref.ref(self))
+            if k in const_storages:
+                continue  # computed once at capture, nothing to refresh
             t = alloc_w[alloc]()
             if t is None:  # only a view survives: rebuild the allocating tensor on the storage
                 dtype, device, size, stride, off = cap.alloc_meta[alloc]
                 with torch.inference_mode(cap.inference):
                     t = torch.empty(0, dtype=dtype, device=device).set_(st, off, size, stride)
             survivors[alloc] = t
-            _SURVIVORS[k] = (weakref.ref(st), weakref.ref(self))
             if not t.is_inference():
                 # remember one user-visible tensor per storage to detect outside writes
                 for n, w in int_w.items():
