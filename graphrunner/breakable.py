@@ -37,7 +37,6 @@ __all__ = ["BreakableGraph", "breakable_graph", "no_graph", "force_no_graph", "i
 logger = logging.getLogger("graphrunner")
 
 _ACTIVE: ContextVar["_Capture | None"] = ContextVar("graphrunner_breakable_capture", default=None)
-_FORCE: ContextVar[bool] = ContextVar("graphrunner_force_no_graph", default=False)
 
 
 def _fn_name(fn: Callable) -> str:
@@ -178,15 +177,13 @@ class _Capture:
         self.close_segment()
         if self.barrier_fn is not None:
             self.barrier_fn()
-        token = _ACTIVE.set(None)  # the body runs eagerly: nested no_graph calls are plain
-        try:
-            trace = self.graph.trace
-            span = (trace.span("eager_break", key=self.graph.key, backend=self.graph.backend,
-                               fn=_fn_name(fn)) if trace is not None else contextlib.nullcontext())
-            with span:
-                result = (stub or fn)(*args, **kwargs)
-        finally:
-            _ACTIVE.reset(token)
+        # The body runs eagerly with no segment open, so no_graph calls nested
+        # in it are plain calls.
+        trace = self.graph.trace
+        span = (trace.span("eager_break", key=self.graph.key, backend=self.graph.backend,
+                           fn=_fn_name(fn)) if trace is not None else contextlib.nullcontext())
+        with span:
+            result = (stub or fn)(*args, **kwargs)
         self.graph._steps.append(_EagerStep(fn, args, kwargs, result))
         self.graph.num_breaks += 1
         self.open_segment()
@@ -236,27 +233,31 @@ def no_graph(fn: Callable | None = None, *, enable: bool = True,
     """Mark a function (or bound method) as an eager break.
 
     Use as ``@no_graph`` or ``@no_graph(enable=..., capture_stub=...)``.
-    Outside a breakable capture the function is a plain call. During a
-    capture, a call ends the current segment, calls the capture's
-    ``barrier_fn``, runs the body (or ``capture_stub``, called with the same
-    arguments, if given) once, records an eager step and starts a new segment.
-    At replay the real body runs again on the same argument objects and its
-    fresh result is copied into the tensors returned at capture; a changed
-    shape, dtype or structure raises :class:`CaptureError` naming the
+    Outside a breakable capture, and inside the body of another break, the
+    function is a plain call. During a capture, a call ends the current
+    segment, calls the capture's ``barrier_fn``, runs the body (or
+    ``capture_stub``, called with the same arguments, if given) once, records
+    an eager step and starts a new segment. At replay the real body runs
+    again on the same argument objects and its fresh result is copied into the
+    tensors returned at capture (later segments read those); a changed shape,
+    dtype, structure or Python value raises :class:`CaptureError` naming the
     function. Arguments must therefore be static tensors (graph inputs,
     segment outputs, weights) or values that are fixed for the shape key.
-    ``enable=False`` leaves the function to be captured like any other code,
-    unless :func:`force_no_graph` is active.
+    ``enable=False`` returns ``fn`` unchanged (captured like any other code).
     """
+    if capture_stub is not None and not callable(capture_stub):
+        raise TypeError(f"no_graph: capture_stub must be callable, got {type(capture_stub).__name__}")
     if fn is None:
         return lambda f: no_graph(f, enable=enable, capture_stub=capture_stub)
     if not callable(fn):
         raise TypeError(f"no_graph expects a function or method, got {type(fn).__name__}")
+    if not enable:
+        return fn
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         state = _ACTIVE.get()
-        if state is None or not (enable or _FORCE.get()):
+        if state is None or state.segment is None:
             return fn(*args, **kwargs)
         return state.eager_break(fn, capture_stub, args, kwargs)
 
@@ -264,19 +265,18 @@ def no_graph(fn: Callable | None = None, *, enable: bool = True,
     return wrapper
 
 
-@contextlib.contextmanager
-def force_no_graph() -> Iterator[None]:
-    """Make every :func:`no_graph` function a break while active, including
-    those declared with ``enable=False`` (to bisect a graph bug by breaking
-    everywhere the model allows)."""
-    token = _FORCE.set(True)
-    try:
-        yield
-    finally:
-        _FORCE.reset(token)
+@no_graph
+def force_no_graph() -> None:
+    """Split the current breakable-capture segment here, with no eager work.
+
+    Inside a :func:`breakable_graph` capture this ends the open segment and
+    starts a new one (``barrier_fn`` runs, as for any break); outside capture
+    it does nothing. Useful to bisect a graph bug by cutting a step into
+    smaller segments.
+    """
 
 
 def is_in_breakable_graph() -> bool:
-    """True while code runs inside a graph segment of a breakable capture;
-    False outside capture and inside an eager break's body."""
+    """True while a :func:`breakable_graph` capture is active in this context,
+    including inside the body of an eager break; False otherwise."""
     return _ACTIVE.get() is not None

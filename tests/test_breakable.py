@@ -224,43 +224,54 @@ def test_capturing_into_a_captured_graph_raises_until_reset():
     assert torch.equal(out, torch.full((2,), 3.0))
 
 
-def test_force_no_graph_breaks_disabled_functions_too():
-    calls = []
-
-    @no_graph(enable=False)
-    def maybe(t):
-        calls.append(1)
+def test_enable_false_returns_the_function_unchanged():
+    def plain(t):
         return t * 2
 
+    assert no_graph(enable=False)(plain) is plain
     x = torch.ones(3)
-    graph, out = capture(lambda: maybe(x + 1))
-    assert graph.num_breaks == 0  # enable=False: captured into the segment
-    with force_no_graph():
-        graph2, out2 = capture(lambda: maybe(x + 1))
-    assert graph2.num_breaks == 1
-    calls.clear()
+    graph, out = capture(lambda: no_graph(plain, enable=False)(x + 1))
+    assert graph.num_breaks == 0 and graph.num_segments == 1
+
+
+def test_force_no_graph_splits_the_segment_without_eager_work():
+    barriers = []
+    x = torch.ones(3)
+
+    def step():
+        a = x * 2
+        force_no_graph()
+        return a + 1
+
+    graph, out = capture(step, barrier_fn=lambda: barriers.append(1))
+    assert graph.num_segments == 2 and graph.num_breaks == 1 and barriers == [1]
     x.fill_(4.0)
     graph.replay()
-    graph2.replay()
-    assert calls == [1]  # only the forced break re-runs its body
-    assert torch.equal(out, torch.full((3,), 10.0)) and torch.equal(out2, torch.full((3,), 10.0))
+    assert torch.equal(out, torch.full((3,), 9.0))
+    force_no_graph()  # outside capture: does nothing
 
 
-def test_is_in_breakable_graph_inside_segments_not_inside_breaks():
+def test_is_in_breakable_graph_during_capture_including_break_bodies():
     seen = {}
+
+    @no_graph
+    def inner(t):
+        seen["inner_is_plain"] = True
+        return t
 
     @no_graph
     def body(t):
         seen["in_break"] = is_in_breakable_graph()
-        return t
+        return inner(t)  # nested break inside a break body: a plain call
 
     def step():
         seen["in_segment"] = is_in_breakable_graph()
         return body(x) + 1
 
     x = torch.ones(1)
-    capture(step)
-    assert seen == {"in_segment": True, "in_break": False}
+    graph, _ = capture(step)
+    assert seen == {"in_segment": True, "in_break": True, "inner_is_plain": True}
+    assert graph.num_breaks == 1
     assert not is_in_breakable_graph()
 
 
@@ -282,6 +293,8 @@ def test_every_segment_comes_from_device_new_graph():
 def test_no_graph_rejects_non_callables():
     with pytest.raises(TypeError, match="function"):
         no_graph(42)
+    with pytest.raises(TypeError, match="capture_stub"):
+        no_graph(capture_stub=3)
 
 
 def test_get_device_choices():

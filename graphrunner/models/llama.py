@@ -301,8 +301,8 @@ def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     Attends over all ``S = max_seq_len`` cache positions of each row with a mask, so its shapes
     depend only on ``B`` and ``T``; it can live inside a full graph. Positions are not
-    range-checked (that would need a host read). Declared ``@no_graph(enable=False)``: captured
-    like any other code, but a break under :func:`graphrunner.breakable.force_no_graph`.
+    range-checked (that would need a host read). Declared ``@no_graph(enable=False)``, which
+    leaves it a plain function: captured like any other code.
     """
     if positions.dim() == 1:
         positions = positions[:, None]
