@@ -6,3 +6,8 @@ __version__ = "0.1.0"
 from graphrunner.devices import CudaDevice, Device, TapeDevice, get_device
 from graphrunner.breakable import BreakableGraph, breakable_graph, force_no_graph, is_in_breakable_graph, no_graph
 from graphrunner.tape import EscapedTensorWarning, TapeGraph, TapePool, graph_pool_handle, is_tape_capturing, tape_graph
+from graphrunner.group import LocalGroup, TorchDistGroup
+from graphrunner.trace import Event, EventKind, NullTrace, Trace, check_capture_order
+from graphrunner.backends import BreakableGraphBackend, EagerBackend, FullGraphBackend, GraphBackend
+from graphrunner.runner import BatchInput, GraphRunner, RunnerStats, default_buckets
+from graphrunner.report import BucketReport, CaptureReport

@@ -1,0 +1,458 @@
+"""The capture protocol, in one place.
+
+:class:`GraphBackend` holds the one method that orders capture,
+:meth:`GraphBackend.capture_one`. For every shape key, on every rank::
+
+    repeat warmups (default 2):
+        device.synchronize(); group.barrier()
+        out = forward_fn(); post_warmup_hook()       # the hook only after warmups
+    device.synchronize()                             # drain the last warmup/hook's async work
+    group.barrier()                                  # no rank starts capturing early
+    graph = <make a graph>                           # only after both
+    capture  copy_into(output_view(key), forward_fn())   exactly once; no hook
+
+Subclasses supply only :meth:`GraphBackend._make_graph` and
+:meth:`GraphBackend._capture_into` (and the two counters of
+:meth:`GraphBackend._graph_stats`). Each step of the order is a small method
+(``_final_sync``, ``_final_barrier``, ...) so that a test can break exactly
+one step and watch the checks fail; the order itself lives only in
+``capture_one``. Nothing on the replay path synchronizes the device or calls
+the group. See ``docs/protocol.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional
+
+import torch
+
+from graphrunner.backends.outputs import OutputBuffer, tensor_bytes, unflatten
+from graphrunner.errors import CaptureError, RankTimeoutError
+from graphrunner.group import LocalGroup
+from graphrunner.trace import EventKind, Trace, as_trace
+
+__all__ = ["GraphBackend"]
+
+logger = logging.getLogger("graphrunner")
+
+
+@dataclass
+class _Entry:
+    """Everything one captured key holds (kept alive until cleanup)."""
+
+    key: Any
+    graph: Any
+    forward_fn: Callable[[], Any]
+    capture_inputs: Any
+    spec: tuple
+    views: List[torch.Tensor]
+    capture_seconds: float = 0.0
+    warmup_seconds: float = 0.0
+    graph_capture_seconds: float = 0.0
+    capture_input_bytes: int = 0
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+def _find_rank_timeout(exc: BaseException) -> Optional[RankTimeoutError]:
+    seen = set()
+    e: Optional[BaseException] = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, RankTimeoutError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+class GraphBackend:
+    """Base class of every backend: the one capture protocol.
+
+    Args:
+        device: a device object (``synchronize()``, ``new_graph()``,
+            ``graph_pool()``, ``capture_stream()``, ``capture(graph)``), a
+            kind for :func:`graphrunner.devices.get_device` (``"auto"``,
+            ``"tape"``, ``"cuda"``), or ``None`` for ``"auto"``.
+        group: a group (``rank``, ``size``, ``barrier(phase=, key=)``,
+            ``all_max``, ``all_min``); ``None`` means :class:`LocalGroup`.
+        warmups: eager warmup forwards before each capture (``>= 0``; the
+            default 2 lets lazy initialisation and autotuning settle).
+        trace: a :class:`~graphrunner.trace.Trace` to record protocol events
+            into, or ``None`` to record nothing.
+
+    Use::
+
+        with backend.capture_session():
+            for key in keys_largest_first:
+                backend.capture_one(key, forward_fn, capture_inputs, post_warmup_hook)
+        out = backend.replay(key)          # leading-rows views of the shared output buffer
+        backend.cleanup()
+
+    Keys are any hashable values (the runner uses ints, the padded batch
+    size). The forward may return any pytree of tensors (tensor, tuple,
+    list, dict, namedtuple, dataclass, ``None``). All keys share one output
+    buffer, allocated at the first key captured, so capture the largest key
+    first; dim 0 of every tensor is its row dimension and ``replay(key)``
+    returns that key's leading-rows views, valid until the next replay of
+    any key. 0-dim tensors are not batch-major: every key shares the whole
+    scalar. Events are recorded with the trace's ``rank``; with a multi-rank
+    group the trace's ``rank`` is set to the group's.
+    """
+
+    #: Name recorded in trace events and used in messages.
+    name = "base"
+
+    def __init__(self, device: Any = None, group: Any = None, warmups: int = 2, trace: Optional[Trace] = None):
+        if isinstance(warmups, bool) or not isinstance(warmups, int):
+            raise TypeError(f"warmups must be an int >= 0, got {type(warmups).__name__} ({warmups!r})")
+        if warmups < 0:
+            raise ValueError(f"warmups must be >= 0, got {warmups}; use 0 to capture without warmup forwards")
+        self.device = self._resolve_device(device)
+        self.group = group if group is not None else LocalGroup()
+        self.warmups = warmups
+        self.trace: Trace = as_trace(trace)
+        if self.trace and int(getattr(self.group, "size", 1)) > 1 and self.trace.rank != self.rank:
+            # One trace per process; every event carries the trace's rank, so
+            # in a multi-rank group it must be this process's rank.
+            self.trace.rank = self.rank
+        self._entries: Dict[Hashable, _Entry] = {}
+        self._out = OutputBuffer()
+        self._in_session = False
+        self._capturing: Optional[Any] = None
+
+    @staticmethod
+    def _resolve_device(device: Any) -> Any:
+        from graphrunner.devices import get_device
+
+        return get_device("auto" if device is None else device)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in ``group``."""
+        return int(getattr(self.group, "rank", 0))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(device={self.device!r}, group={self.group!r}, warmups={self.warmups}, keys={list(self._entries)})"
+
+    # ------------------------------------------------------------- session
+    @contextlib.contextmanager
+    def capture_session(self) -> Iterator["GraphBackend"]:
+        """Context manager around a batch of :meth:`capture_one` calls.
+
+        On entry: ``gc.collect()`` then ``gc.freeze()`` (objects that exist
+        now are never scanned by the collector during capture, so a GC pass
+        cannot free memory a capture is using nor stall one rank), and a
+        ``session_begin`` event. On exit, also on an exception:
+        ``gc.unfreeze()`` and ``session_end``. Sessions do not nest.
+        """
+        if self._in_session:
+            raise CaptureError(f"{type(self).__name__}.capture_session() is already active; sessions do not nest")
+        gc.collect()
+        gc.freeze()
+        self._in_session = True
+        self.trace.record(EventKind.SESSION_BEGIN, backend=self.name)
+        try:
+            yield self
+        finally:
+            self._in_session = False
+            gc.unfreeze()
+            self.trace.record(EventKind.SESSION_END, backend=self.name)
+
+    # ------------------------------------------------------------- protocol
+    def capture_one(
+        self,
+        key: Hashable,
+        forward_fn: Callable[[], Any],
+        capture_inputs: Any = None,
+        post_warmup_hook: Optional[Callable[[], Any]] = None,
+    ) -> None:
+        """Warm up and capture ``forward_fn`` for ``key``: THE capture protocol.
+
+        Steps, in this order and nowhere else:
+
+        1. ``warmups`` times: device synchronize, group barrier,
+           ``forward_fn()``, then ``post_warmup_hook()`` if given.
+        2. device synchronize, then group barrier.
+        3. construct the graph (:meth:`_make_graph`) and capture
+           ``forward_fn()`` exactly once (its output copied into the shared
+           output buffer inside the graph). The hook does not run.
+
+        ``forward_fn`` takes no arguments and reads static input tensors;
+        ``capture_inputs`` (any object, typically those static tensors) is
+        kept alive until :meth:`cleanup`, because a graph holds addresses,
+        not Python references. Must be called inside
+        :meth:`capture_session`; a key may be captured once (until cleanup).
+
+        Errors: ``RankTimeoutError`` from the group passes through unchanged;
+        any other exception cleans up this key's capture state and is
+        re-raised as ``CaptureError`` naming the shape key and the step,
+        with the original as ``__cause__``.
+        """
+        if not self._in_session:
+            raise CaptureError(
+                f"capture_one(key={key!r}) called outside a capture session: wrap the captures in "
+                f"`with backend.capture_session(): ...`"
+            )
+        try:
+            hash(key)
+        except TypeError:
+            raise TypeError(f"shape key must be hashable (an int or a tuple), got {type(key).__name__} {key!r}") from None
+        if key in self._entries:
+            raise CaptureError(f"shape key {key!r} is already captured by this {type(self).__name__}; call cleanup() to re-capture")
+        if not callable(forward_fn):
+            raise TypeError(f"forward_fn must be callable with no arguments, got {type(forward_fn).__name__}")
+        if post_warmup_hook is not None and not callable(post_warmup_hook):
+            raise TypeError(f"post_warmup_hook must be callable or None, got {type(post_warmup_hook).__name__}")
+
+        step = "start"
+        graph = None
+        t0 = time.perf_counter()
+        self._capturing = key
+        try:
+            out = None
+            for i in range(self.warmups):
+                step = f"warmup {i + 1}/{self.warmups} synchronize"
+                self._warmup_sync(key, i)
+                step = f"warmup {i + 1}/{self.warmups} barrier"
+                self._warmup_barrier(key, i)
+                step = f"warmup {i + 1}/{self.warmups} forward"
+                out = self._warmup_forward(key, forward_fn, i)
+                if post_warmup_hook is not None:
+                    step = f"post-warmup hook {i + 1}/{self.warmups}"
+                    self._post_warmup_hook(key, post_warmup_hook, i)
+            t_warm = time.perf_counter()
+
+            step = "final synchronize"
+            self._final_sync(key)
+            step = "final barrier"
+            self._final_barrier(key)
+
+            # Bind the key's output views. From the last warmup output when
+            # there was one; with warmups=0 the first key's buffer is made
+            # inside the capture from the captured output.
+            binding: Dict[str, Any] = {}
+            if out is not None or self.warmups > 0:
+                step = "output binding"
+                if not self._out.allocated:
+                    self._out.allocate(out, key)
+                binding["spec"], binding["views"] = self._out.views(out, key)
+            del out
+
+            def captured() -> None:
+                """The function the graph holds: forward, then copy into the buffer."""
+                result = forward_fn()
+                if "views" not in binding:
+                    if not self._out.allocated:
+                        self._out.allocate(result, key)
+                    binding["spec"], binding["views"] = self._out.views(result, key)
+                else:
+                    self._out.views(result, key)  # same structure as at warmup, or a clear error
+                OutputBuffer.copy_into(binding["views"], result)
+
+            step = "graph construction"
+            graph = self._construct(key)
+            step = "capture"
+            t_cap = time.perf_counter()
+            self._capture_forward(key, graph, captured)
+            if "views" not in binding:
+                raise CaptureError(f"the capture of shape key {key!r} never called the forward")
+            t_end = time.perf_counter()
+        except BaseException as exc:
+            self._capturing = None
+            self._abort(key, graph)
+            rte = _find_rank_timeout(exc)
+            if rte is not None:
+                if rte is exc:
+                    raise
+                raise rte from None
+            if not isinstance(exc, Exception):
+                raise
+            raise CaptureError(
+                f"{self.name} backend: capture of shape key {key!r} failed on rank {self.rank} during {step}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        self._capturing = None
+        self._entries[key] = _Entry(
+            key=key,
+            graph=graph,
+            forward_fn=forward_fn,
+            capture_inputs=capture_inputs,
+            spec=binding["spec"],
+            views=binding["views"],
+            capture_seconds=t_end - t0,
+            warmup_seconds=t_warm - t0,
+            graph_capture_seconds=t_end - t_cap,
+            capture_input_bytes=tensor_bytes(capture_inputs),
+        )
+        logger.debug("%s: captured key %r on rank %d in %.3fs", self.name, key, self.rank, t_end - t0)
+
+    # Each step of the protocol is one small method. Override one only to
+    # test what breaks without it; never reorder them (the order lives in
+    # capture_one).
+    def _sync(self, key: Any, phase: str) -> None:
+        """Device synchronize, recorded as a ``synchronize`` span."""
+        with self.trace.span(EventKind.SYNCHRONIZE, key=key, backend=self.name, phase=phase):
+            self.device.synchronize()
+
+    def _barrier(self, key: Any, phase: str) -> None:
+        """Group barrier, recorded as a ``barrier`` span."""
+        with self.trace.span(EventKind.BARRIER, key=key, backend=self.name, phase=phase):
+            self.group.barrier(phase=phase, key=key)
+
+    def _warmup_sync(self, key: Any, i: int) -> None:
+        """Step 1a: synchronize before warmup forward ``i``."""
+        self._sync(key, "warmup")
+
+    def _warmup_barrier(self, key: Any, i: int) -> None:
+        """Step 1b: barrier before warmup forward ``i``."""
+        self._barrier(key, "warmup")
+
+    def _warmup_forward(self, key: Any, forward_fn: Callable[[], Any], i: int) -> Any:
+        """Step 1c: warmup forward ``i`` (eager); returns its output."""
+        with self.trace.span(EventKind.WARMUP_FORWARD, key=key, backend=self.name, i=i, warmups=self.warmups):
+            return forward_fn()
+
+    def _post_warmup_hook(self, key: Any, hook: Callable[[], Any], i: int) -> None:
+        """Step 1d: the post-warmup hook after warmup forward ``i``."""
+        with self.trace.span(EventKind.HOOK, key=key, backend=self.name, i=i):
+            hook()
+
+    def _final_sync(self, key: Any) -> None:
+        """Step 2a: synchronize after the last warmup and its hook, so their
+        asynchronous work (lazy kernel loading, hook side effects) cannot run
+        into the capture."""
+        self._sync(key, "pre_capture")
+
+    def _final_barrier(self, key: Any) -> None:
+        """Step 2b: barrier after the final synchronize, so no rank starts
+        capturing while another is still warming up."""
+        self._barrier(key, "pre_capture")
+
+    def _construct(self, key: Any) -> Any:
+        """Step 3a: make the graph (``graph_construct`` span)."""
+        with self.trace.span(EventKind.GRAPH_CONSTRUCT, key=key, backend=self.name, warmups=self.warmups):
+            return self._make_graph(key)
+
+    def _capture_forward(self, key: Any, graph: Any, fn: Callable[[], None]) -> None:
+        """Step 3b: capture ``fn`` into ``graph`` once (``capture_forward`` span)."""
+        with self.trace.span(EventKind.CAPTURE_FORWARD, key=key, backend=self.name):
+            self._capture_into(graph, key, fn)
+
+    def _abort(self, key: Any, graph: Any) -> None:
+        """Clean up after a failed capture: reset the graph, and drop the
+        output buffer if this key allocated it."""
+        if graph is not None and hasattr(graph, "reset"):
+            try:
+                graph.reset()
+            except Exception:  # noqa: BLE001 - the capture error is what the caller needs
+                logger.exception("%s: reset of the graph for key %r failed after a capture error", self.name, key)
+        if self._out.first_key == key and not self._entries:
+            self._out.release()
+        self._entries.pop(key, None)
+
+    # ----------------------------------------------------- subclass hooks
+    def _make_graph(self, key: Any) -> Any:
+        """Return a new, empty graph for ``key`` (called only in step 3)."""
+        raise NotImplementedError
+
+    def _capture_into(self, graph: Any, key: Any, fn: Callable[[], None]) -> None:
+        """Capture ``fn()`` into ``graph``, calling it exactly once."""
+        raise NotImplementedError
+
+    def _graph_stats(self, graph: Any) -> Dict[str, int]:
+        """``{"num_segments": n, "num_breaks": m}`` of a captured graph."""
+        raise NotImplementedError
+
+    # -------------------------------------------------------------- replay
+    def can_run(self, key: Hashable) -> bool:
+        """True if ``key`` was captured (and not cleaned up)."""
+        try:
+            return key in self._entries
+        except TypeError:
+            return False
+
+    def keys(self) -> List[Hashable]:
+        """The captured keys, in capture order."""
+        return list(self._entries)
+
+    def replay(self, key: Hashable) -> Any:
+        """Replay ``key``'s graph and return its output pytree.
+
+        The tensors returned are leading-rows views of the shared static
+        output buffer: they are overwritten by the next replay of any key
+        (clone to keep them). No device synchronize, no group call. Raises
+        ``CaptureError`` for a key that was never captured.
+        """
+        entry = self._entries.get(key) if self._hashable(key) else None
+        if entry is None:
+            raise CaptureError(
+                f"replay of shape key {key!r}, which this {type(self).__name__} never captured "
+                f"(captured: {list(self._entries)}); check can_run(key) first, or capture it"
+            )
+        if self.trace:
+            with self.trace.span(EventKind.REPLAY, key=key, backend=self.name):
+                entry.graph.replay()
+        else:
+            entry.graph.replay()
+        return unflatten(entry.spec, entry.views)
+
+    @staticmethod
+    def _hashable(key: Any) -> bool:
+        try:
+            hash(key)
+            return True
+        except TypeError:
+            return False
+
+    # --------------------------------------------------------------- info
+    def info(self, key: Hashable) -> Dict[str, Any]:
+        """Report data for a captured key (raises ``KeyError`` otherwise):
+
+        ``key``, ``backend``, ``rank``, ``capture_seconds`` (whole
+        ``capture_one``: warmups + capture), ``warmup_seconds``,
+        ``graph_capture_seconds`` (construction + capture only),
+        ``num_segments``, ``num_breaks``, ``output_bytes`` (this key's
+        views), ``output_buffer_bytes`` (the whole shared buffer, the same
+        for every key: do not sum it over keys), ``capture_input_bytes``
+        (distinct storages reachable from ``capture_inputs``) and
+        ``bytes_held`` = ``output_bytes + capture_input_bytes``.
+        """
+        entry = self._entries.get(key) if self._hashable(key) else None
+        if entry is None:
+            raise KeyError(f"shape key {key!r} is not captured by this {type(self).__name__} (captured: {list(self._entries)})")
+        out_bytes = sum(v.numel() * v.element_size() for v in entry.views)
+        d: Dict[str, Any] = {
+            "key": key,
+            "backend": self.name,
+            "rank": self.rank,
+            "capture_seconds": entry.capture_seconds,
+            "warmup_seconds": entry.warmup_seconds,
+            "graph_capture_seconds": entry.graph_capture_seconds,
+        }
+        d.update(self._graph_stats(entry.graph))
+        d.update(
+            output_bytes=out_bytes,
+            output_buffer_bytes=self._out.nbytes,
+            capture_input_bytes=entry.capture_input_bytes,
+            bytes_held=out_bytes + entry.capture_input_bytes,
+        )
+        return d
+
+    # ------------------------------------------------------------- cleanup
+    def cleanup(self) -> None:
+        """Reset every graph and drop every key, the output buffer and the
+        capture inputs. The backend can capture again afterwards."""
+        if self._capturing is not None:
+            raise CaptureError(f"cleanup() during the capture of shape key {self._capturing!r}")
+        for entry in self._entries.values():
+            if hasattr(entry.graph, "reset"):
+                try:
+                    entry.graph.reset()
+                except Exception:  # noqa: BLE001
+                    logger.exception("%s: graph.reset() failed for key %r during cleanup", self.name, entry.key)
+        self._entries.clear()
+        self._out.release()

@@ -1,0 +1,63 @@
+"""BreakableGraphBackend: graph segments with eager breaks per key."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Dict, Optional
+
+from graphrunner.backends.base import GraphBackend
+from graphrunner.trace import Trace
+
+__all__ = ["BreakableGraphBackend"]
+
+
+class BreakableGraphBackend(GraphBackend):
+    """Capture each key as a :class:`~graphrunner.breakable.BreakableGraph`:
+    every ``@no_graph`` call in the forward ends a graph segment and runs
+    eagerly (once at capture, again at each replay).
+
+    Args (in addition to :class:`~graphrunner.backends.base.GraphBackend`'s):
+        debug_eager: capture the whole forward as a single eager break
+            (the same code path, no device graph at all), to tell a graph
+            bug from a model bug: if outputs are right with
+            ``debug_eager=True`` and wrong without, the graph is at fault.
+
+    During capture the group's barrier (``phase="capture_break"``) is the
+    breakable graph's ``barrier_fn``, so all ranks realign before every
+    eager break (eager code often holds collectives). Replay calls no
+    barrier. Segment and eager-break events are recorded by the
+    ``BreakableGraph`` into this backend's trace. ``info(key)`` reports the
+    graph's ``num_segments`` and ``num_breaks``.
+    """
+
+    name = "breakable"
+
+    def __init__(self, device: Any = None, group: Any = None, warmups: int = 2, trace: Optional[Trace] = None, debug_eager: bool = False):
+        super().__init__(device=device, group=group, warmups=warmups, trace=trace)
+        self.debug_eager = bool(debug_eager)
+        if self.debug_eager:
+            self.name = "breakable_debug_eager"
+
+    def _make_graph(self, key: Any) -> Any:
+        from graphrunner.breakable import BreakableGraph
+
+        return BreakableGraph(
+            device=self.device,
+            trace=self.trace if self.trace else None,
+            key=key,
+            backend=self.name,
+        )
+
+    def _break_barrier(self, key: Any, *args: Any, **kwargs: Any) -> None:
+        """The barrier before each eager break during capture."""
+        self._barrier(key, "capture_break")
+
+    def _capture_into(self, graph: Any, key: Any, fn: Callable[[], None]) -> None:
+        from graphrunner.breakable import breakable_graph, no_graph
+
+        body = no_graph(fn) if self.debug_eager else fn
+        with breakable_graph(graph, stream=self.device.capture_stream(), barrier_fn=functools.partial(self._break_barrier, key)):
+            body()
+
+    def _graph_stats(self, graph: Any) -> Dict[str, int]:
+        return {"num_segments": int(graph.num_segments), "num_breaks": int(graph.num_breaks)}

@@ -1,0 +1,34 @@
+"""FullGraphBackend: the whole forward in one device graph per key."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict
+
+from graphrunner.backends.base import GraphBackend
+
+__all__ = ["FullGraphBackend"]
+
+
+class FullGraphBackend(GraphBackend):
+    """Capture the whole forward of each key into one graph from
+    ``device.new_graph()`` (a ``torch.cuda.CUDAGraph`` on CUDA, a
+    ``TapeGraph`` otherwise), captured through ``device.capture(graph)``
+    with the device's shared pool and capture stream.
+
+    The forward must be fully capturable: a ``@no_graph`` function inside it
+    is a plain call here (use :class:`BreakableGraphBackend` to break).
+    Constructor and API: see :class:`~graphrunner.backends.base.GraphBackend`.
+    ``info(key)`` reports ``num_segments == 1`` and ``num_breaks == 0``.
+    """
+
+    name = "full"
+
+    def _make_graph(self, key: Any) -> Any:
+        return self.device.new_graph()
+
+    def _capture_into(self, graph: Any, key: Any, fn: Callable[[], None]) -> None:
+        with self.device.capture(graph):
+            fn()
+
+    def _graph_stats(self, graph: Any) -> Dict[str, int]:
+        return {"num_segments": 1, "num_breaks": 0}

@@ -1,0 +1,243 @@
+"""The shared static output buffer of a backend (internal helper).
+
+A forward may return any pytree of tensors: a tensor, ``tuple``, ``list``,
+``dict``, dataclass instance, ``None``, nested. All keys of one backend share
+one buffer, allocated at the first captured key (which must be the largest):
+
+- every tensor leaf with ``ndim >= 1`` is *batch-major*: dim 0 is the row
+  dimension. Its buffer has the first key's shape; a later key's output must
+  have the same dtype, device, ``ndim`` and trailing dims, and at most as
+  many rows. That key's output is the leading-rows view ``buffer[:rows]``.
+- a 0-dim leaf (a scalar tensor: a loss, a counter) is not batch-major: every
+  key shares the whole 0-dim buffer leaf; it holds the value of the most
+  recent replay, whichever key that was.
+- ``None`` is kept as ``None``; any other non-tensor leaf is rejected with a
+  ``TypeError`` naming its path (a graph would freeze it silently).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, List, Optional, Tuple
+
+import torch
+
+from graphrunner.errors import CaptureError
+
+# A spec is a nested tuple:
+#   ("T",)                                   tensor leaf
+#   ("N",)                                   None
+#   ("tuple", type, (child specs...))        tuple / namedtuple
+#   ("list", (child specs...))
+#   ("dict", type, (keys...), (child specs...))
+#   ("dc", type, (field names...), (child specs...))   dataclass instance
+
+
+def flatten(obj: Any, path: str = "output") -> Tuple[tuple, List[torch.Tensor]]:
+    """Return ``(spec, tensor_leaves)`` of an output pytree."""
+    leaves: List[torch.Tensor] = []
+    spec = _flatten(obj, path, leaves)
+    return spec, leaves
+
+
+def _flatten(obj: Any, path: str, leaves: list) -> tuple:
+    if isinstance(obj, torch.Tensor):
+        leaves.append(obj)
+        return ("T",)
+    if obj is None:
+        return ("N",)
+    if isinstance(obj, tuple):
+        return ("tuple", type(obj), tuple(_flatten(x, f"{path}[{i}]", leaves) for i, x in enumerate(obj)))
+    if isinstance(obj, list):
+        return ("list", tuple(_flatten(x, f"{path}[{i}]", leaves) for i, x in enumerate(obj)))
+    if isinstance(obj, dict):
+        keys = tuple(obj.keys())
+        return ("dict", type(obj), keys, tuple(_flatten(obj[k], f"{path}[{k!r}]", leaves) for k in keys))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        names = tuple(f.name for f in dataclasses.fields(obj))
+        return ("dc", type(obj), names, tuple(_flatten(getattr(obj, n), f"{path}.{n}", leaves) for n in names))
+    raise TypeError(
+        f"forward output {path} is a {type(obj).__name__} ({obj!r:.60}); a captured forward may return only "
+        "tensors, None, and tuples/lists/dicts/dataclasses of them (a graph would freeze any other value). "
+        "Return it as a tensor, or compute it outside the forward."
+    )
+
+
+def unflatten(spec: tuple, leaves: List[torch.Tensor]) -> Any:
+    """Rebuild the pytree described by ``spec`` from its tensor leaves."""
+    it = iter(leaves)
+    return _unflatten(spec, it)
+
+
+def _unflatten(spec: tuple, it) -> Any:
+    tag = spec[0]
+    if tag == "T":
+        return next(it)
+    if tag == "N":
+        return None
+    if tag == "tuple":
+        items = [_unflatten(s, it) for s in spec[2]]
+        cls = spec[1]
+        if cls is tuple:
+            return tuple(items)
+        if hasattr(cls, "_fields"):  # namedtuple
+            return cls(*items)
+        return cls(items)
+    if tag == "list":
+        return [_unflatten(s, it) for s in spec[1]]
+    if tag == "dict":
+        d = {k: _unflatten(s, it) for k, s in zip(spec[2], spec[3])}
+        return d if spec[1] is dict else spec[1](d)
+    if tag == "dc":
+        cls = spec[1]
+        values = {n: _unflatten(s, it) for n, s in zip(spec[2], spec[3])}
+        obj = object.__new__(cls)
+        for n, v in values.items():
+            object.__setattr__(obj, n, v)  # works for frozen dataclasses too
+        return obj
+    raise AssertionError(f"bad output spec {spec!r}")
+
+
+def describe(spec: tuple, leaves: Optional[List[torch.Tensor]] = None) -> str:
+    """A readable one-line description, e.g. ``tuple(Tensor[8, 16] float32, None)``."""
+    it = iter(leaves) if leaves is not None else None
+    return _describe(spec, it)
+
+
+def _leaf(it) -> str:
+    if it is None:
+        return "Tensor"
+    t = next(it)
+    return f"Tensor{list(t.shape)} {str(t.dtype).replace('torch.', '')}"
+
+
+def _describe(spec: tuple, it) -> str:
+    tag = spec[0]
+    if tag == "T":
+        return _leaf(it)
+    if tag == "N":
+        return "None"
+    if tag == "tuple":
+        name = spec[1].__name__
+        return f"{name}(" + ", ".join(_describe(s, it) for s in spec[2]) + ")"
+    if tag == "list":
+        return "list[" + ", ".join(_describe(s, it) for s in spec[1]) + "]"
+    if tag == "dict":
+        return "dict(" + ", ".join(f"{k!r}: {_describe(s, it)}" for k, s in zip(spec[2], spec[3])) + ")"
+    if tag == "dc":
+        return f"{spec[1].__name__}(" + ", ".join(f"{n}={_describe(s, it)}" for n, s in zip(spec[2], spec[3])) + ")"
+    return repr(spec)
+
+
+class OutputBuffer:
+    """The static buffer every key's output is copied into.
+
+    ``allocate(out, key)`` makes it from a (warmup) output; ``views(out, key)``
+    validates another output against it and returns the leading-rows views;
+    ``copy_into(views, out)`` copies an output into views (inside the graph).
+    """
+
+    def __init__(self) -> None:
+        self.spec: Optional[tuple] = None
+        self.leaves: List[torch.Tensor] = []
+        self.first_key: Any = None
+
+    @property
+    def allocated(self) -> bool:
+        """True once the buffer exists."""
+        return self.spec is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the whole shared buffer."""
+        return sum(t.numel() * t.element_size() for t in self.leaves)
+
+    def allocate(self, out: Any, key: Any) -> None:
+        """Allocate an uninitialised buffer shaped like ``out`` (contiguous)."""
+        spec, leaves = flatten(out)
+        self.spec = spec
+        self.leaves = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in leaves]
+        self.first_key = key
+
+    def release(self) -> None:
+        """Drop the buffer (next ``allocate`` starts over)."""
+        self.spec = None
+        self.leaves = []
+        self.first_key = None
+
+    def views(self, out: Any, key: Any) -> Tuple[tuple, List[torch.Tensor]]:
+        """Validate ``out`` against the buffer and return ``(spec, views)``.
+
+        Raises ``CaptureError`` naming both structures if the pytree
+        structure differs, or naming the leaf if a dtype, device, ndim or
+        trailing dim differs or it has more rows than the buffer.
+        """
+        spec, leaves = flatten(out)
+        if spec != self.spec:
+            raise CaptureError(
+                f"forward for shape key {key!r} returned {describe(spec, leaves)}, but the shared output buffer "
+                f"was allocated at shape key {self.first_key!r} for {describe(self.spec, self.leaves)}: every "
+                "shape key must return the same structure (same containers, keys and number of tensors)"
+            )
+        views = []
+        for i, (t, b) in enumerate(zip(leaves, self.leaves)):
+            if t.dtype != b.dtype or t.device != b.device or t.dim() != b.dim() or tuple(t.shape[1:]) != tuple(b.shape[1:]):
+                raise CaptureError(
+                    f"forward for shape key {key!r}: output tensor {i} is {list(t.shape)} {t.dtype} on {t.device}, "
+                    f"but the shared output buffer (allocated at shape key {self.first_key!r}) holds "
+                    f"{list(b.shape)} {b.dtype} on {b.device}; only dim 0 (rows) may differ between keys"
+                )
+            if t.dim() == 0:
+                views.append(b)
+                continue
+            if t.shape[0] > b.shape[0]:
+                raise CaptureError(
+                    f"forward for shape key {key!r}: output tensor {i} has {t.shape[0]} rows, more than the "
+                    f"{b.shape[0]} rows of the shared output buffer allocated at shape key {self.first_key!r}; "
+                    "capture the largest key first"
+                )
+            views.append(b if t.shape[0] == b.shape[0] else b[: t.shape[0]])
+        return spec, views
+
+    @staticmethod
+    def copy_into(views: List[torch.Tensor], out: Any) -> None:
+        """Copy the tensor leaves of ``out`` into ``views`` (no autograd)."""
+        _, leaves = flatten(out)
+        with torch.no_grad():
+            for v, t in zip(views, leaves):
+                if v is not t:
+                    v.copy_(t)
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the distinct storages of all tensors reachable through
+    tuples, lists, dicts, sets and dataclasses in ``obj``."""
+    seen = set()
+    total = 0
+    stack = [obj]
+    visited = set()
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            try:
+                st = x.untyped_storage()
+                ident = (st.data_ptr(), st.nbytes(), str(x.device))
+                n = st.nbytes()
+            except Exception:  # noqa: BLE001 - tensors without storage (meta, sparse)
+                ident, n = (id(x),), x.numel() * x.element_size()
+            if ident not in seen:
+                seen.add(ident)
+                total += n
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            if id(x) not in visited:
+                visited.add(id(x))
+                stack.extend(x)
+        elif isinstance(x, dict):
+            if id(x) not in visited:
+                visited.add(id(x))
+                stack.extend(x.values())
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            if id(x) not in visited:
+                visited.add(id(x))
+                stack.extend(getattr(x, f.name) for f in dataclasses.fields(x))
+    return total

@@ -1,0 +1,173 @@
+"""Rank groups: the barrier and integer agreement the capture protocol needs.
+
+A *group* is any object with ``rank``, ``size``, ``barrier(phase=, key=)``,
+``all_max(value, phase=, key=)`` and ``all_min(value, phase=, key=)``. Callers
+in graphrunner always pass ``phase=`` and ``key=`` as keywords (they only name
+the step in error messages); a test fake must accept them (``**kwargs``).
+
+Two implementations:
+
+- :class:`LocalGroup`: one process, every call returns at once.
+- :class:`TorchDistGroup`: the ranks of a ``torch.distributed`` process group
+  (gloo on CPU, nccl on GPU). Every call is a collective with a deadline: if
+  it does not complete within ``timeout`` seconds (a peer died, raised, or is
+  stuck) it raises :class:`~graphrunner.errors.RankTimeoutError` naming this
+  rank, the phase and the shape key, so a failure on one rank makes every
+  other rank fail loudly instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import operator
+import time
+from typing import Any, Hashable, Optional
+
+import torch
+
+from graphrunner.errors import RankTimeoutError
+
+__all__ = ["LocalGroup", "TorchDistGroup"]
+
+logger = logging.getLogger("graphrunner")
+
+
+def _check_int(value: Any, what: str) -> int:
+    """``value`` as an int (Python, numpy or 0-dim integer tensor); TypeError otherwise."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{what} expects a Python int, got {type(value).__name__} ({value!r})")
+
+
+class LocalGroup:
+    """A group of exactly one rank (``rank == 0``, ``size == 1``).
+
+    ``barrier`` returns immediately; ``all_max(v)`` and ``all_min(v)`` return
+    ``v``. Used when no process group is given. The ``phase`` and ``key``
+    keywords are accepted and ignored.
+    """
+
+    rank: int = 0
+    size: int = 1
+
+    def barrier(self, phase: str = "", key: Optional[Hashable] = None) -> None:
+        """Return immediately (there is no other rank to wait for)."""
+
+    def all_max(self, value: int, phase: str = "", key: Optional[Hashable] = None) -> int:
+        """Return ``value`` (the maximum over a single rank)."""
+        return _check_int(value, "all_max")
+
+    def all_min(self, value: int, phase: str = "", key: Optional[Hashable] = None) -> int:
+        """Return ``value`` (the minimum over a single rank)."""
+        return _check_int(value, "all_min")
+
+    def __repr__(self) -> str:
+        return "LocalGroup(rank=0, size=1)"
+
+
+class TorchDistGroup:
+    """The ranks of a ``torch.distributed`` process group, with deadlines.
+
+    Args:
+        process_group: the process group to use; ``None`` means the default
+            (world) group. ``torch.distributed`` must be initialised.
+        timeout: seconds each ``barrier`` / ``all_max`` / ``all_min`` may take
+            before it raises :class:`~graphrunner.errors.RankTimeoutError`.
+
+    Every method is a collective: all ranks of the group must call the same
+    methods in the same order. Each is issued as an asynchronous
+    ``all_reduce`` of a one-element tensor and waited on with ``timeout``;
+    a timeout *or any other failure of the collective* (gloo reports a dead
+    peer as a ``RuntimeError`` such as "Connection closed by peer") is
+    re-raised as ``RankTimeoutError`` naming this rank, the phase and the
+    shape key, with the original error as ``__cause__``. After such an error
+    the process group is in an undefined state: do not issue further
+    collectives on it; let the process fail.
+
+    The reduction tensor lives on CPU for gloo and on the current CUDA device
+    for nccl (whose completion is polled against the deadline; for a cheap
+    per-step agreement on GPUs prefer a gloo group,
+    ``TorchDistGroup(torch.distributed.new_group(backend="gloo"))``). ``rank`` and ``size`` are this process's rank and the group
+    size within ``process_group``.
+    """
+
+    def __init__(self, process_group: Any = None, timeout: float = 60.0):
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "TorchDistGroup needs an initialised torch.distributed: call "
+                "torch.distributed.init_process_group(...) first, or use LocalGroup() for one process"
+            )
+        timeout = float(timeout)
+        if not timeout > 0:
+            raise ValueError(f"TorchDistGroup timeout must be > 0 seconds, got {timeout}")
+        self._dist = dist
+        self.process_group = process_group
+        self.timeout = timeout
+        self.rank: int = dist.get_rank(process_group)
+        self.size: int = dist.get_world_size(process_group)
+        backend = str(dist.get_backend(process_group)).lower()
+        self.backend_name = backend
+        if "nccl" in backend:
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self._device = torch.device("cpu")
+
+    def __repr__(self) -> str:
+        return f"TorchDistGroup(rank={self.rank}, size={self.size}, backend={self.backend_name!r}, timeout={self.timeout})"
+
+    def _reduce(self, value: int, op: Any, what: str, phase: str, key: Optional[Hashable]) -> int:
+        dist = self._dist
+        t = torch.tensor([value], dtype=torch.int64, device=self._device)
+        where = f"{what} in phase {phase or '<unnamed>'!r} for shape key {key!r}"
+        try:
+            deadline = time.monotonic() + self.timeout
+            work = dist.all_reduce(t, op=op, group=self.process_group, async_op=True)
+            ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+            if ok is False:  # some backends report a timeout by returning False
+                raise TimeoutError("wait() returned False")
+            if self._device.type == "cuda":
+                # NCCL's wait() only orders the current stream after the
+                # collective (unless blocking wait is on): poll for completion
+                # so that reading the result cannot block past the deadline.
+                while not work.is_completed():
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("the NCCL all_reduce did not complete")
+                    time.sleep(0.0001)
+        except Exception as exc:  # noqa: BLE001 - every failure of the collective means the ranks diverged
+            msg = (
+                f"rank {self.rank} of {self.size}: {where} did not complete within {self.timeout:g}s "
+                f"(a peer rank died, raised, or is stuck): {type(exc).__name__}: {str(exc).strip()[:500]}"
+            )
+            logger.error(msg)
+            raise RankTimeoutError(msg) from exc
+        return int(t.item())
+
+    def barrier(self, phase: str = "", key: Optional[Hashable] = None) -> None:
+        """Block until every rank of the group reached this barrier.
+
+        Raises ``RankTimeoutError`` (naming this rank, ``phase`` and ``key``)
+        if that does not happen within ``timeout`` seconds or a peer failed.
+        """
+        self._reduce(0, self._dist.ReduceOp.SUM, "barrier", phase, key)
+
+    def all_max(self, value: int, phase: str = "", key: Optional[Hashable] = None) -> int:
+        """Return the maximum of ``value`` over all ranks (a collective).
+
+        Raises ``RankTimeoutError`` like :meth:`barrier`.
+        """
+        return self._reduce(_check_int(value, "all_max"), self._dist.ReduceOp.MAX, "all_max", phase, key)
+
+    def all_min(self, value: int, phase: str = "", key: Optional[Hashable] = None) -> int:
+        """Return the minimum of ``value`` over all ranks (a collective).
+
+        Raises ``RankTimeoutError`` like :meth:`barrier`.
+        """
+        return self._reduce(_check_int(value, "all_min"), self._dist.ReduceOp.MIN, "all_min", phase, key)

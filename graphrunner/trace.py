@@ -1,0 +1,569 @@
+"""Structured events from every layer, their export, and the protocol checker.
+
+A :class:`Trace` is a list of :class:`Event` spans. Every layer that is handed
+a trace records what it does: the backends record the capture protocol
+(``session_begin``/``session_end``, ``warmup_forward``, ``hook``,
+``synchronize``, ``barrier``, ``graph_construct``, ``capture_forward``,
+``replay``); a ``BreakableGraph`` records ``segment_begin``/``segment_end``
+and ``eager_break``. Times come from :func:`time.monotonic_ns`, which on Linux
+is one system-wide clock, so traces written by different processes on one
+machine can be merged (:meth:`Trace.merge`) and compared.
+
+:func:`check_capture_order` reads a (possibly merged) trace and returns the
+list of violations of the capture protocol; an empty list means it held.
+
+Export: :meth:`Trace.to_jsonl` (one JSON object per event, reload with
+:meth:`Trace.from_jsonl`) and :meth:`Trace.to_chrome` (Chrome trace-event
+format; open in https://ui.perfetto.dev or ``chrome://tracing``; one process
+per rank, one thread per layer). See ``docs/protocol.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Hashable, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+__all__ = [
+    "EventKind",
+    "Event",
+    "Trace",
+    "NullTrace",
+    "NULL_TRACE",
+    "as_trace",
+    "check_capture_order",
+    "layer_of",
+]
+
+
+class EventKind:
+    """The event kinds (plain ``str`` constants) every layer records.
+
+    Backend layer: ``SESSION_BEGIN``, ``SESSION_END``, ``WARMUP_FORWARD``,
+    ``HOOK``, ``GRAPH_CONSTRUCT``, ``CAPTURE_FORWARD``, ``REPLAY``. Device
+    layer: ``SYNCHRONIZE``. Group layer: ``BARRIER`` (also used for the
+    barrier before each eager break during a breakable capture; those carry
+    ``data["phase"] == "capture_break"``). Breakable-graph layer:
+    ``SEGMENT_BEGIN``, ``SEGMENT_END``, ``EAGER_BREAK``.
+    """
+
+    SESSION_BEGIN = "session_begin"
+    SESSION_END = "session_end"
+    WARMUP_FORWARD = "warmup_forward"
+    HOOK = "hook"
+    SYNCHRONIZE = "synchronize"
+    BARRIER = "barrier"
+    GRAPH_CONSTRUCT = "graph_construct"
+    CAPTURE_FORWARD = "capture_forward"
+    SEGMENT_BEGIN = "segment_begin"
+    SEGMENT_END = "segment_end"
+    EAGER_BREAK = "eager_break"
+    REPLAY = "replay"
+
+    ALL = (
+        SESSION_BEGIN,
+        SESSION_END,
+        WARMUP_FORWARD,
+        HOOK,
+        SYNCHRONIZE,
+        BARRIER,
+        GRAPH_CONSTRUCT,
+        CAPTURE_FORWARD,
+        SEGMENT_BEGIN,
+        SEGMENT_END,
+        EAGER_BREAK,
+        REPLAY,
+    )
+
+
+_LAYER = {
+    EventKind.SYNCHRONIZE: "device",
+    EventKind.BARRIER: "group",
+    EventKind.SEGMENT_BEGIN: "breakable",
+    EventKind.SEGMENT_END: "breakable",
+    EventKind.EAGER_BREAK: "breakable",
+}
+_LAYER_TID = {"backend": 1, "device": 2, "group": 3, "breakable": 4, "runner": 5, "other": 9}
+
+
+def layer_of(event: "Event") -> str:
+    """The layer an event belongs to: ``data["layer"]`` if set, else derived
+    from its kind (``backend``, ``device``, ``group`` or ``breakable``)."""
+    layer = event.data.get("layer") if event.data else None
+    return str(layer) if layer else _LAYER.get(event.kind, "backend")
+
+
+_SEQ = itertools.count()
+
+
+@dataclass
+class Event:
+    """One recorded span (an instant event has ``t_end_ns == t_begin_ns``).
+
+    Fields: ``kind`` (an :class:`EventKind` string), ``key`` (the shape key or
+    ``None``), ``rank``, ``backend`` (the recording backend's name, or
+    ``None``), ``t_begin_ns``/``t_end_ns`` (:func:`time.monotonic_ns`;
+    ``t_end_ns`` is ``None`` while the span is open), ``data`` (JSON-able
+    extras: ``phase``, ``i``, ``warmups``, ``error`` when the span raised, ...)
+    and ``seq`` (a process-wide counter that orders events with equal begin
+    times; only meaningful within one process).
+    """
+
+    kind: str
+    key: Any = None
+    rank: int = 0
+    backend: Optional[str] = None
+    t_begin_ns: int = 0
+    t_end_ns: Optional[int] = None
+    data: Dict[str, Any] = field(default_factory=dict)
+    seq: int = field(default_factory=lambda: next(_SEQ))
+
+    @property
+    def end(self) -> int:
+        """``t_end_ns``, or ``t_begin_ns`` for a span that never closed."""
+        return self.t_end_ns if self.t_end_ns is not None else self.t_begin_ns
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSONL record of this event (see ``docs/protocol.md``)."""
+        return {
+            "kind": self.kind,
+            "key": _jsonable(self.key),
+            "rank": self.rank,
+            "backend": self.backend,
+            "t_begin_ns": self.t_begin_ns,
+            "t_end_ns": self.t_end_ns,
+            "seq": self.seq,
+            "layer": layer_of(self),
+            "data": {k: _jsonable(v) for k, v in (self.data or {}).items()},
+        }
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "Event":
+        """Inverse of :meth:`to_dict`; JSON lists in ``key`` become tuples."""
+        return cls(
+            kind=d["kind"],
+            key=_unjson_key(d.get("key")),
+            rank=int(d.get("rank", 0)),
+            backend=d.get("backend"),
+            t_begin_ns=int(d["t_begin_ns"]),
+            t_end_ns=None if d.get("t_end_ns") is None else int(d["t_end_ns"]),
+            data=dict(d.get("data") or {}),
+            seq=int(d.get("seq", 0)),
+        )
+
+
+def _jsonable(v: Any) -> Any:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    return repr(v)
+
+
+def _unjson_key(v: Any) -> Any:
+    if isinstance(v, list):
+        return tuple(_unjson_key(x) for x in v)
+    return v
+
+
+class Trace:
+    """A thread-safe list of :class:`Event` spans recorded by one process.
+
+    Args:
+        rank: the rank stamped on events recorded without an explicit ``rank``.
+
+    ``record(kind, ...)`` adds an instant event; ``span(kind, ...)`` is a
+    context manager that adds the event when entered (so ``events`` is in
+    begin order) and sets ``t_end_ns`` when left, also on an exception (then
+    ``data["error"]`` names it). ``bool(trace)`` is ``True`` (a
+    :class:`NullTrace` is falsy), so layers may write ``if trace:``.
+    """
+
+    enabled = True
+
+    def __init__(self, rank: int = 0):
+        self.rank = int(rank)
+        self.events: List[Event] = []
+        self._lock = threading.Lock()
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def __repr__(self) -> str:
+        return f"Trace(rank={self.rank}, events={len(self.events)})"
+
+    def _new(self, kind: str, key: Any, backend: Optional[str], rank: Optional[int], data: Dict[str, Any]) -> Event:
+        ev = Event(
+            kind=kind,
+            key=key,
+            rank=self.rank if rank is None else int(rank),
+            backend=backend,
+            t_begin_ns=time.monotonic_ns(),
+            data=data,
+        )
+        with self._lock:
+            self.events.append(ev)
+        return ev
+
+    def record(self, kind: str, key: Any = None, backend: Optional[str] = None, rank: Optional[int] = None, **data: Any) -> Event:
+        """Record an instant event of ``kind`` now and return it."""
+        ev = self._new(kind, key, backend, rank, data)
+        ev.t_end_ns = ev.t_begin_ns
+        return ev
+
+    @contextlib.contextmanager
+    def span(self, kind: str, key: Any = None, backend: Optional[str] = None, rank: Optional[int] = None, **data: Any) -> Iterator[Event]:
+        """Record a span of ``kind`` around the ``with`` body; yields the
+        :class:`Event` (``t_begin_ns`` set on entry, ``t_end_ns`` on exit)."""
+        ev = self._new(kind, key, backend, rank, data)
+        try:
+            yield ev
+        except BaseException as exc:
+            ev.data["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            raise
+        finally:
+            ev.t_end_ns = time.monotonic_ns()
+
+    def of(self, kind: Optional[str] = None, key: Any = ..., rank: Optional[int] = None) -> List[Event]:
+        """Events filtered by ``kind``, ``key`` (``...`` = any) and ``rank``."""
+        return [
+            e
+            for e in self.events
+            if (kind is None or e.kind == kind) and (key is ... or e.key == key) and (rank is None or e.rank == rank)
+        ]
+
+    def clear(self) -> None:
+        """Drop every recorded event."""
+        with self._lock:
+            self.events.clear()
+
+    # ---------------------------------------------------------------- export
+    def to_jsonl(self, path: str) -> None:
+        """Write one JSON object per event to ``path`` (fields: ``kind``,
+        ``key``, ``rank``, ``backend``, ``t_begin_ns``, ``t_end_ns``, ``seq``,
+        ``layer``, ``data``)."""
+        with open(path, "w", encoding="utf-8") as f:
+            for ev in list(self.events):
+                f.write(json.dumps(ev.to_dict()) + "\n")
+
+    @classmethod
+    def from_jsonl(cls, path: str) -> "Trace":
+        """Load a trace written by :meth:`to_jsonl` (its rank is that of the
+        first event, or 0)."""
+        events = []
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    events.append(Event.from_dict(json.loads(line)))
+        t = cls(rank=events[0].rank if events else 0)
+        t.events = events
+        return t
+
+    def to_chrome_dict(self) -> Dict[str, Any]:
+        """The Chrome trace-event JSON object (``{"traceEvents": [...]}``):
+        complete events (``ph="X"``, ``ts``/``dur`` in microseconds since the
+        first event) with ``pid`` = rank and ``tid`` = layer, plus metadata
+        events naming each process ``rank N`` and each thread by its layer."""
+        events = sorted(self.events, key=lambda e: (e.t_begin_ns, e.seq))
+        t0 = events[0].t_begin_ns if events else 0
+        out: List[Dict[str, Any]] = []
+        seen_pid = set()
+        seen_tid = set()
+        for ev in events:
+            layer = layer_of(ev)
+            tid = _LAYER_TID.get(layer, _LAYER_TID["other"])
+            if ev.rank not in seen_pid:
+                seen_pid.add(ev.rank)
+                out.append({"name": "process_name", "ph": "M", "pid": ev.rank, "tid": 0, "args": {"name": f"rank {ev.rank}"}})
+                out.append({"name": "process_sort_index", "ph": "M", "pid": ev.rank, "tid": 0, "args": {"sort_index": ev.rank}})
+            if (ev.rank, tid) not in seen_tid:
+                seen_tid.add((ev.rank, tid))
+                out.append({"name": "thread_name", "ph": "M", "pid": ev.rank, "tid": tid, "args": {"name": layer}})
+            args = {"key": _jsonable(ev.key), "backend": ev.backend}
+            args.update({k: _jsonable(v) for k, v in (ev.data or {}).items()})
+            name = ev.kind if ev.key is None else f"{ev.kind} {_jsonable(ev.key)}"
+            out.append(
+                {
+                    "name": name,
+                    "cat": ev.kind,
+                    "ph": "X",
+                    "ts": (ev.t_begin_ns - t0) / 1000.0,
+                    "dur": max(ev.end - ev.t_begin_ns, 0) / 1000.0,
+                    "pid": ev.rank,
+                    "tid": tid,
+                    "args": args,
+                }
+            )
+        return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {"clock": "time.monotonic_ns", "t0_ns": t0}}
+
+    def to_chrome(self, path: str) -> None:
+        """Write :meth:`to_chrome_dict` as JSON to ``path`` (open it in
+        https://ui.perfetto.dev or ``chrome://tracing``)."""
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_chrome_dict(), f)
+
+    @staticmethod
+    def merge(traces: Iterable["Trace"]) -> "Trace":
+        """One trace holding every event of ``traces`` (e.g. one per rank,
+        loaded with :meth:`from_jsonl`), sorted by begin time. Events keep
+        their own ``rank``."""
+        traces = list(traces)
+        merged = Trace(rank=traces[0].rank if traces else 0)
+        events = [e for t in traces for e in t.events]
+        events.sort(key=lambda e: (e.t_begin_ns, e.rank, e.seq))
+        merged.events = events
+        return merged
+
+
+class NullTrace(Trace):
+    """A trace that records nothing (falsy). ``record`` returns ``None``;
+    ``span`` yields ``None``. Used when a layer is given ``trace=None``."""
+
+    enabled = False
+
+    def __init__(self, rank: int = 0):
+        super().__init__(rank)
+
+    def __bool__(self) -> bool:
+        return False
+
+    def record(self, kind: str, key: Any = None, backend: Optional[str] = None, rank: Optional[int] = None, **data: Any) -> None:  # type: ignore[override]
+        """Do nothing."""
+        return None
+
+    @contextlib.contextmanager
+    def span(self, kind: str, key: Any = None, backend: Optional[str] = None, rank: Optional[int] = None, **data: Any) -> Iterator[None]:  # type: ignore[override]
+        """Run the body; record nothing."""
+        yield None
+
+
+NULL_TRACE = NullTrace()
+
+
+def as_trace(trace: Optional[Trace]) -> Trace:
+    """``trace`` itself, or the shared :data:`NULL_TRACE` when ``None``."""
+    return NULL_TRACE if trace is None else trace
+
+
+# ----------------------------------------------------------------- checker
+_PROTOCOL_KINDS = {
+    EventKind.WARMUP_FORWARD,
+    EventKind.HOOK,
+    EventKind.SYNCHRONIZE,
+    EventKind.BARRIER,
+    EventKind.GRAPH_CONSTRUCT,
+    EventKind.CAPTURE_FORWARD,
+}
+
+
+def _order(e: Event) -> Tuple[int, int]:
+    return (e.t_begin_ns, e.seq)
+
+
+def _inside(inner: Event, outer: Event) -> bool:
+    return inner is not outer and inner.rank == outer.rank and outer.t_begin_ns <= inner.t_begin_ns <= outer.end and (
+        inner.t_begin_ns > outer.t_begin_ns or inner.seq > outer.seq
+    )
+
+
+def _episodes(events: Sequence[Event]) -> List[List[Event]]:
+    """Split one (rank, key)'s protocol events into capture attempts: an
+    attempt ends with its ``capture_forward`` (or its ``graph_construct`` if
+    the capture forward never started); a later warmup/sync/barrier starts a
+    new one."""
+    episodes: List[List[Event]] = []
+    cur: List[Event] = []
+    closed = False
+    for e in events:
+        if closed and e.kind in (EventKind.WARMUP_FORWARD, EventKind.HOOK, EventKind.SYNCHRONIZE, EventKind.BARRIER, EventKind.GRAPH_CONSTRUCT):
+            episodes.append(cur)
+            cur, closed = [], False
+        cur.append(e)
+        if e.kind == EventKind.CAPTURE_FORWARD:
+            closed = True
+    if cur:
+        episodes.append(cur)
+    return episodes
+
+
+def _check_episode(rank: int, key: Any, ev: List[Event], warmups: Optional[int], tag: str) -> List[str]:
+    v: List[str] = []
+    where = f"rank {rank} key {key!r}{tag}"
+    warm = [e for e in ev if e.kind == EventKind.WARMUP_FORWARD]
+    hooks = [e for e in ev if e.kind == EventKind.HOOK]
+    syncs = [e for e in ev if e.kind == EventKind.SYNCHRONIZE]
+    bars = [e for e in ev if e.kind == EventKind.BARRIER]
+    cons = [e for e in ev if e.kind == EventKind.GRAPH_CONSTRUCT]
+    caps = [e for e in ev if e.kind == EventKind.CAPTURE_FORWARD]
+
+    expected = warmups
+    if expected is None:
+        for e in cons + warm:
+            if "warmups" in e.data:
+                expected = int(e.data["warmups"])
+                break
+    if expected is not None and len(warm) != expected:
+        v.append(f"{where}: {len(warm)} warmup forwards, expected {expected}")
+
+    # Each warmup forward is preceded (since the previous warmup's forward
+    # and hook ended) by a synchronize and then a barrier.
+    prev_end = None
+    for i, w in enumerate(warm):
+        lo = prev_end if prev_end is not None else -1
+        s = [e for e in syncs if e.t_begin_ns >= lo and e.end <= w.t_begin_ns]
+        b = [e for e in bars if e.t_begin_ns >= lo and e.end <= w.t_begin_ns]
+        if not s:
+            v.append(f"{where}: warmup forward {i} not preceded by a synchronize")
+        if not b:
+            v.append(f"{where}: warmup forward {i} not preceded by a barrier")
+        elif s and not any(x.t_begin_ns >= min(y.end for y in s) for x in b):
+            v.append(f"{where}: warmup forward {i}: barrier did not follow the synchronize")
+        ends = [w.end] + [h.end for h in hooks if h.t_begin_ns >= w.end and (i + 1 >= len(warm) or h.t_begin_ns < warm[i + 1].t_begin_ns)]
+        prev_end = max(ends)
+
+    # Hooks: only after a warmup forward, at most one per warmup, never
+    # after graph construction (the capture forward runs without it).
+    if len(hooks) > len(warm):
+        v.append(f"{where}: {len(hooks)} post-warmup hooks for {len(warm)} warmup forwards")
+    for h in hooks:
+        before = [w for w in warm if w.end <= h.t_begin_ns]
+        if not before:
+            v.append(f"{where}: post-warmup hook ran before any warmup forward ended")
+        if any(c.t_begin_ns <= h.t_begin_ns for c in cons + caps):
+            v.append(f"{where}: post-warmup hook ran after graph construction / during capture")
+    for i, w in enumerate(warm):
+        hs = [h for h in hooks if h.t_begin_ns >= w.end and (i + 1 >= len(warm) or h.t_begin_ns < warm[i + 1].t_begin_ns)]
+        if len(hs) > 1:
+            v.append(f"{where}: {len(hs)} hooks after warmup forward {i}")
+
+    # Construction: exactly once, after a synchronize and then a barrier
+    # that both follow the last warmup forward and its hook.
+    if len(cons) != 1:
+        v.append(f"{where}: {len(cons)} graph constructions, expected 1")
+    if len(caps) != 1:
+        v.append(f"{where}: {len(caps)} capture forwards, expected exactly 1")
+    if cons:
+        c = cons[0]
+        last = max([e.end for e in warm + hooks if e.t_begin_ns <= c.t_begin_ns] or [-1])
+        final_syncs = [s for s in syncs if s.t_begin_ns >= last and s.end <= c.t_begin_ns]
+        if not final_syncs:
+            v.append(f"{where}: no synchronize between the last warmup/hook and graph construction")
+        fb = [b for b in bars if b.t_begin_ns >= last and b.end <= c.t_begin_ns]
+        if not fb:
+            v.append(f"{where}: no barrier between the last warmup/hook and graph construction")
+        if final_syncs and fb:
+            first_sync_end = min(s.end for s in final_syncs)
+            if not any(b.t_begin_ns >= first_sync_end for b in fb):
+                v.append(f"{where}: final barrier began before the final synchronize ended (expected synchronize, then barrier)")
+        for w in warm + hooks:
+            if w.t_begin_ns > c.t_begin_ns:
+                v.append(f"{where}: {w.kind} ran after graph construction began")
+        for cap in caps:
+            if cap.t_begin_ns < c.t_begin_ns:
+                v.append(f"{where}: capture forward began before graph construction")
+    for cap in caps:
+        for w in warm:
+            if w.t_begin_ns >= cap.t_begin_ns:
+                v.append(f"{where}: warmup forward after the capture forward")
+    return v
+
+
+def check_capture_order(trace: Trace, warmups: Optional[int] = None) -> List[str]:
+    """Return the violations of the capture protocol found in ``trace``.
+
+    ``trace`` may hold one rank's events or several ranks' merged with
+    :meth:`Trace.merge`. For every (rank, key) capture attempt it checks:
+
+    - the number of ``warmup_forward`` events equals ``warmups`` (or, when
+      ``None``, the ``warmups`` the backend stamped on its events);
+    - each warmup forward is preceded by a ``synchronize`` and then a
+      ``barrier``;
+    - ``hook`` events run only after a warmup forward (at most one each) and
+      never after graph construction;
+    - after the last warmup forward and its hook: a ``synchronize``, then a
+      ``barrier``, and only then ``graph_construct`` (exactly one);
+    - exactly one ``capture_forward``, after the construction.
+
+    Per rank: no ``synchronize`` or ``barrier`` inside a ``replay`` span.
+
+    Across ranks (merged trace): no rank's ``graph_construct`` for a key
+    begins before every other rank's last warmup activity (the end of its
+    last hook, or of its last warmup forward) for that key ended; and every
+    rank that appears in the trace captured each key the others captured.
+
+    Events nested inside a ``capture_forward`` (the barrier before each eager
+    break, segment events) or inside a ``replay`` are not protocol steps.
+    An empty list means the protocol held.
+    """
+    events = sorted(trace.events, key=_order)
+    violations: List[str] = []
+
+    caps = [e for e in events if e.kind == EventKind.CAPTURE_FORWARD]
+    replays = [e for e in events if e.kind == EventKind.REPLAY]
+
+    # No synchronize or barrier inside a replay.
+    for r in replays:
+        for e in events:
+            if e.kind in (EventKind.SYNCHRONIZE, EventKind.BARRIER) and _inside(e, r):
+                violations.append(f"rank {r.rank} key {r.key!r}: {e.kind} inside replay")
+
+    # Inside a capture forward only the barriers before eager breaks belong;
+    # any other protocol step there is a violation of its own.
+    nested = set()
+    for c in caps:
+        for e in events:
+            if e.kind in _PROTOCOL_KINDS and _inside(e, c):
+                nested.add(id(e))
+                if e.kind != EventKind.BARRIER:
+                    violations.append(f"rank {c.rank} key {c.key!r}: {e.kind} ran inside the capture forward")
+
+    groups: Dict[Tuple[int, Any], List[Event]] = {}
+    for e in events:
+        if e.kind in _PROTOCOL_KINDS and e.key is not None and id(e) not in nested:
+            try:
+                groups.setdefault((e.rank, e.key), []).append(e)
+            except TypeError:  # unhashable key
+                groups.setdefault((e.rank, repr(e.key)), []).append(e)
+
+    # last warmup activity and construction begin, per (key, rank), per episode index
+    last_activity: Dict[Any, Dict[int, List[int]]] = {}
+    construct: Dict[Any, Dict[int, List[int]]] = {}
+    for (rank, key), evs in sorted(groups.items(), key=lambda kv: (kv[0][0], repr(kv[0][1]))):
+        eps = _episodes(evs)
+        for n, ep in enumerate(eps):
+            tag = f" (capture #{n + 1})" if len(eps) > 1 else ""
+            violations.extend(_check_episode(rank, key, ep, warmups, tag))
+            cons = [e for e in ep if e.kind == EventKind.GRAPH_CONSTRUCT]
+            act = [e.end for e in ep if e.kind in (EventKind.WARMUP_FORWARD, EventKind.HOOK) and (not cons or e.t_begin_ns <= cons[0].t_begin_ns)]
+            last_activity.setdefault(key, {}).setdefault(rank, []).append(max(act) if act else None)
+            construct.setdefault(key, {}).setdefault(rank, []).append(cons[0].t_begin_ns if cons else None)
+
+    ranks = sorted({e.rank for e in events})
+    if len(ranks) > 1:
+        for key, per_rank in construct.items():
+            missing = [r for r in ranks if r not in per_rank]
+            if missing:
+                violations.append(f"key {key!r}: captured on ranks {sorted(per_rank)} but not on ranks {missing}")
+            for r, cons_list in per_rank.items():
+                for n, c in enumerate(cons_list):
+                    if c is None:
+                        continue
+                    for other, acts in last_activity.get(key, {}).items():
+                        if other == r or n >= len(acts) or acts[n] is None:
+                            continue
+                        if c < acts[n]:
+                            violations.append(
+                                f"key {key!r}: rank {r} began graph construction {(acts[n] - c) / 1e6:.3f} ms before "
+                                f"rank {other} finished its last warmup/hook (missing or broken final barrier)"
+                            )
+    return violations
