@@ -1,0 +1,172 @@
+"""Per-call overhead of GraphRunner against a hand-written minimal loop.
+
+Both drive the SAME captured graphs (the runner's backend) on the same
+sequence of random batch sizes, interleaved in one process:
+
+- ``runner``:  ``runner(**inputs)`` (validation, bucket lookup, copy, padding,
+  replay, slicing, stats).
+- ``minimal``: bisect the bucket, copy each input into the static buffer,
+  ``backend.replay(bucket)``, slice the output. No validation, no padding.
+
+Prints the per-call medians and their ratio (target <= 1.25x) and writes JSON
+(``--out``, default ``bench/results/runner_overhead.json``). Not a test: it
+never fails on a timing.
+
+    python bench/runner_overhead.py [--backend full|breakable] [--hidden 256] [--reps 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import os
+import platform
+import random
+import statistics
+import time
+
+import torch
+
+import graphrunner
+from graphrunner.breakable import no_graph
+from graphrunner.runner import BatchInput, GraphRunner
+
+
+def build_step(hidden: int, vocab: int, layers: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    emb = torch.randn(vocab, hidden, generator=g) / 4
+    ws = [torch.randn(hidden, hidden, generator=g) / hidden ** 0.5 for _ in range(layers)]
+
+    @no_graph
+    def host_part(h):  # one eager break (used by the breakable backend)
+        return h
+
+    def step(input_ids, positions, hidden_in):
+        h = emb[input_ids] + hidden_in + positions[:, None].to(hidden_in.dtype) * 1e-3
+        for i, w in enumerate(ws):
+            h = torch.nn.functional.silu(h @ w)
+            if i == 0:
+                h = host_part(h)
+        return h
+
+    return step
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", default="full", choices=["full", "breakable", "eager"])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--calls", type=int, default=300, help="calls per timed round")
+    ap.add_argument("--reps", type=int, default=7, help="interleaved rounds per variant")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (default 1: per-call timings on a shared CPU stay stable)")
+    ap.add_argument("--out", default=os.path.join("bench", "results", "runner_overhead.json"))
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(max(1, args.threads))
+    vocab, buckets = 1000, [1, 2, 4, 8, 16, 32]
+    step = build_step(args.hidden, vocab, args.layers, args.seed)
+    inputs = {
+        "input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0),
+        "positions": BatchInput(trailing=(), dtype=torch.long, pad=0),
+        "hidden_in": BatchInput(trailing=(args.hidden,), dtype=torch.float32, pad=0.0),
+    }
+    runner = GraphRunner(step, inputs, buckets, backend=args.backend, device=args.device, progress=False)
+    report = runner.capture()
+    tdev = runner.torch_device
+
+    rng = random.Random(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    batches = []
+    for _ in range(args.calls):
+        n = rng.randint(1, buckets[-1])
+        batches.append({
+            "input_ids": torch.randint(0, vocab, (n,), generator=gen).to(tdev),
+            "positions": torch.randint(0, 4096, (n,), generator=gen).to(tdev),
+            "hidden_in": torch.randn(n, args.hidden, generator=gen).to(tdev),
+        })
+
+    # The hand-written loop over the runner's own captured graphs and buffers.
+    bufs = runner.static_inputs
+    names = list(inputs)
+    backend = runner.backend
+
+    def minimal(batch):
+        n = batch["input_ids"].shape[0]
+        b = buckets[bisect.bisect_left(buckets, n)]
+        for name in names:
+            bufs[name][:n].copy_(batch[name])
+        return backend.replay(b)[:n]
+
+    def run_runner():
+        for batch in batches:
+            runner(**batch)
+        runner.device.synchronize()
+
+    def run_minimal():
+        for batch in batches:
+            minimal(batch)
+        runner.device.synchronize()
+
+    # Same results (sanity) and warm both paths.
+    for batch in batches[:20]:
+        a = runner(**batch).clone()
+        bmin = minimal(batch)
+        assert torch.equal(a, bmin), "runner and minimal loop disagree"
+    run_runner()
+    run_minimal()
+
+    times = {"runner": [], "minimal": []}
+    for rep in range(args.reps):
+        order = [("runner", run_runner), ("minimal", run_minimal)]
+        if rep % 2:
+            order.reverse()
+        for name, fn in order:
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) / args.calls)
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratio = med["runner"] / med["minimal"]
+    best = {k: min(v) for k, v in times.items()}
+    result = {
+        "benchmark": "runner_overhead",
+        "graphrunner": graphrunner.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "device": report.device,
+        "backend": report.backend,
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "buckets": buckets,
+        "calls_per_round": args.calls,
+        "rounds": args.reps,
+        "per_call_us": {k: v * 1e6 for k, v in med.items()},
+        "per_call_us_all_rounds": {k: [x * 1e6 for x in v] for k, v in times.items()},
+        "overhead_us": (med["runner"] - med["minimal"]) * 1e6,
+        "ratio_runner_over_minimal": ratio,
+        "per_call_us_best_round": {k: v * 1e6 for k, v in best.items()},
+        "ratio_best_rounds": best["runner"] / best["minimal"],
+        "threads": args.threads,
+        "target_ratio": 1.25,
+    }
+    print(f"runner overhead ({report.backend} backend on {report.device}, hidden {args.hidden}, "
+          f"{args.calls} calls x {args.reps} interleaved rounds)")
+    print(f"  minimal loop : {med['minimal'] * 1e6:9.1f} us/call")
+    print(f"  GraphRunner  : {med['runner'] * 1e6:9.1f} us/call  (+{result['overhead_us']:.1f} us)")
+    print(f"  ratio        : {ratio:9.3f}x  (target <= 1.25x; medians)  "
+          f"{best['runner'] / best['minimal']:.3f}x (best rounds)")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

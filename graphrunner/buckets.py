@@ -1,0 +1,105 @@
+"""Batch-size buckets: validation, the default ladder and the O(1) lookup table.
+
+A *bucket* is a padded batch size the runner captures a graph for. A call
+with ``n`` real rows replays the smallest bucket ``>= n`` with ``bucket - n``
+padding rows.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Iterable, List, Optional, Sequence
+
+__all__ = ["default_buckets", "validate_buckets", "bucket_table"]
+
+
+def default_buckets(max_batch: int) -> List[int]:
+    """Return the default bucket ladder up to ``max_batch`` (inclusive).
+
+    ``[1, 2, 4]`` and then every multiple of 8 up to ``max_batch``, with
+    ``max_batch`` itself appended when it is not on the ladder (the ladder
+    serving engines such as vLLM use). A call then pays at most 7 padding
+    rows above batch 8, and ``len(buckets)`` is about ``max_batch / 8``.
+    ``default_buckets(1) == [1]``; ``default_buckets(6) == [1, 2, 4, 6]``.
+    Raises ``ValueError`` for ``max_batch < 1``.
+    """
+    try:
+        max_batch = operator.index(max_batch)
+    except TypeError:
+        raise TypeError(f"default_buckets(max_batch) expects an int, got {type(max_batch).__name__}") from None
+    if max_batch < 1:
+        raise ValueError(f"default_buckets(max_batch): max_batch must be >= 1, got {max_batch}")
+    ladder = [b for b in (1, 2, 4) if b <= max_batch] + list(range(8, max_batch + 1, 8))
+    if ladder[-1] != max_batch:
+        ladder.append(max_batch)
+    return ladder
+
+
+def validate_buckets(buckets: Iterable[int]) -> List[int]:
+    """Return ``buckets`` as a list of ints, or raise a clear error.
+
+    Buckets must be a non-empty, strictly increasing sequence of positive
+    ints (no duplicates, no bools). ``TypeError`` for non-int entries,
+    ``ValueError`` for everything else; the message names the offending
+    entry and what to pass instead (e.g. ``gr.default_buckets(max_batch)``).
+    """
+    if isinstance(buckets, (str, bytes)) or not hasattr(buckets, "__iter__"):
+        raise TypeError(f"buckets must be a list of ints such as [1, 2, 4, 8], got {type(buckets).__name__}")
+    out: List[int] = []
+    for i, b in enumerate(buckets):
+        if isinstance(b, bool):
+            raise TypeError(f"buckets[{i}] is a bool ({b!r}); buckets must be ints")
+        try:
+            b = operator.index(b)
+        except TypeError:
+            raise TypeError(f"buckets[{i}] is a {type(b).__name__} ({b!r}); buckets must be ints") from None
+        if b <= 0:
+            raise ValueError(f"buckets[{i}] is {b}; every bucket must be a batch size >= 1")
+        out.append(b)
+    if not out:
+        raise ValueError("buckets is empty; pass at least one batch size, e.g. gr.default_buckets(max_batch)")
+    for i in range(1, len(out)):
+        if out[i] == out[i - 1]:
+            raise ValueError(f"buckets has the duplicate {out[i]} (positions {i - 1} and {i}); list each batch size once")
+        if out[i] < out[i - 1]:
+            raise ValueError(
+                f"buckets must be sorted in increasing order: {out[i - 1]} at position {i - 1} comes before "
+                f"{out[i]}; pass sorted(buckets)"
+            )
+    return out
+
+
+def bucket_table(buckets: Sequence[int], max_padding_ratio: Optional[float]) -> List[Optional[int]]:
+    """Return ``table`` with ``table[n]`` = the bucket a batch of ``n`` rows replays.
+
+    ``table[n]`` is the smallest bucket ``>= n``, or ``None`` when padding to
+    it would exceed ``max_padding_ratio`` (padding rows / bucket rows) and
+    the batch must fall back. ``table[0]`` is ``None``; the table has
+    ``buckets[-1] + 1`` entries (larger batches always fall back).
+    """
+    table: List[Optional[int]] = [None] * (buckets[-1] + 1)
+    j = 0
+    for n in range(1, buckets[-1] + 1):
+        while buckets[j] < n:
+            j += 1
+        b = buckets[j]
+        if max_padding_ratio is not None and (b - n) / b > max_padding_ratio + 1e-12:
+            table[n] = None
+        else:
+            table[n] = b
+    return table
+
+
+def _check_ratio(r) -> Optional[float]:
+    if r is None:
+        return None
+    if isinstance(r, bool) or not isinstance(r, (int, float)):
+        raise TypeError(f"max_padding_ratio must be a float in [0, 1) or None, got {type(r).__name__} ({r!r})")
+    r = float(r)
+    if math.isnan(r) or not 0.0 <= r < 1.0:
+        raise ValueError(
+            f"max_padding_ratio must be in [0, 1) (the largest allowed share of padding rows in a bucket), got {r}; "
+            "use None to always pad"
+        )
+    return r

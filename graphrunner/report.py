@@ -1,0 +1,147 @@
+"""What :meth:`GraphRunner.capture` returns: per-bucket capture facts.
+
+``print(report)`` shows a table; ``report.to_json()`` / ``report.to_dict()``
+give the same data for tooling.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Dict, List
+
+__all__ = ["BucketReport", "CaptureReport", "format_bytes"]
+
+
+def format_bytes(n: int) -> str:
+    """``1536 -> '1.5 KiB'`` (binary units)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"  # pragma: no cover
+
+
+@dataclass
+class BucketReport:
+    """One captured bucket.
+
+    ``capture_seconds`` is the whole protocol for the bucket (warmups +
+    graph capture), ``graph_capture_seconds`` only the graph construction and
+    capture. ``num_segments`` / ``num_breaks`` are the backend's counts (a
+    full graph is 1 / 0, eager 0 / 1, a breakable graph one segment per
+    graph-able stretch and one break per ``@no_graph`` call). ``bytes_held``
+    is the backend's ``info(key)["bytes_held"]`` (this bucket's output views
+    plus the distinct storages of its static inputs; the static inputs and
+    the output buffer are shared by all buckets, so do not sum it).
+    ``info`` is the backend's full ``info(key)`` dict.
+    """
+
+    bucket: int
+    capture_seconds: float
+    graph_capture_seconds: float
+    num_segments: int
+    num_breaks: int
+    bytes_held: int
+    info: Dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """A JSON-ready dict (``info`` included, values made JSON-safe)."""
+        return {
+            "bucket": self.bucket,
+            "capture_seconds": self.capture_seconds,
+            "graph_capture_seconds": self.graph_capture_seconds,
+            "num_segments": self.num_segments,
+            "num_breaks": self.num_breaks,
+            "bytes_held": self.bytes_held,
+            "info": {k: _json_safe(v) for k, v in self.info.items()},
+        }
+
+
+@dataclass
+class CaptureReport:
+    """The result of :meth:`GraphRunner.capture`.
+
+    ``buckets`` lists :class:`BucketReport` in capture order (largest
+    first). ``static_input_bytes`` is the runner's static input buffers
+    (allocated once at the largest bucket) and ``output_buffer_bytes`` the
+    backend's one shared output buffer; ``total_bytes_held`` is their sum,
+    the memory the runner itself keeps outside the graphs' pool.
+    ``total_seconds`` is the wall time of the whole ``capture()``.
+    """
+
+    backend: str
+    device: str
+    rank: int
+    world_size: int
+    buckets: List[BucketReport]
+    total_seconds: float
+    static_input_bytes: int
+    output_buffer_bytes: int
+
+    @property
+    def total_bytes_held(self) -> int:
+        """Static input buffers + the shared output buffer, in bytes."""
+        return self.static_input_bytes + self.output_buffer_bytes
+
+    @property
+    def num_buckets(self) -> int:
+        """Number of captured buckets."""
+        return len(self.buckets)
+
+    def bucket(self, size: int) -> BucketReport:
+        """The :class:`BucketReport` of bucket ``size`` (``KeyError`` if absent)."""
+        for b in self.buckets:
+            if b.bucket == size:
+                return b
+        raise KeyError(f"bucket {size} is not in this report (buckets: {[b.bucket for b in self.buckets]})")
+
+    def to_dict(self) -> Dict[str, Any]:
+        """A JSON-ready dict with every field and one entry per bucket."""
+        return {
+            "backend": self.backend,
+            "device": self.device,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "total_seconds": self.total_seconds,
+            "static_input_bytes": self.static_input_bytes,
+            "output_buffer_bytes": self.output_buffer_bytes,
+            "total_bytes_held": self.total_bytes_held,
+            "buckets": [b.to_dict() for b in self.buckets],
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """``json.dumps(self.to_dict())``."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def table(self) -> str:
+        """A fixed-width text table: one row per bucket and a totals row."""
+        head = (f"graphrunner capture: backend={self.backend} device={self.device} "
+                f"rank={self.rank}/{self.world_size} buckets={self.num_buckets} total={self.total_seconds:.3f}s")
+        cols = f"{'bucket':>7} {'capture_s':>10} {'graph_s':>9} {'segments':>9} {'breaks':>7} {'bytes_held':>12}"
+        lines = [head, cols, "-" * len(cols)]
+        for b in self.buckets:
+            lines.append(f"{b.bucket:>7} {b.capture_seconds:>10.4f} {b.graph_capture_seconds:>9.4f} "
+                         f"{b.num_segments:>9} {b.num_breaks:>7} {format_bytes(b.bytes_held):>12}")
+        lines.append("-" * len(cols))
+        lines.append(f"{'total':>7} {sum(b.capture_seconds for b in self.buckets):>10.4f} "
+                     f"{sum(b.graph_capture_seconds for b in self.buckets):>9.4f} "
+                     f"{sum(b.num_segments for b in self.buckets):>9} {sum(b.num_breaks for b in self.buckets):>7} "
+                     f"{format_bytes(self.total_bytes_held):>12}")
+        lines.append(f"held by the runner: static inputs {format_bytes(self.static_input_bytes)}, "
+                     f"shared output buffer {format_bytes(self.output_buffer_bytes)}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _json_safe(v: Any) -> Any:
+    if isinstance(v, (str, int, float, bool)) or v is None:
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_json_safe(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _json_safe(x) for k, x in v.items()}
+    return repr(v)
