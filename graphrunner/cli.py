@@ -1,86 +1,74 @@
-"""The ``graphrunner`` command line.
-
-``graphrunner demo`` captures a small multi-layer step as a breakable graph on
-the default device, replays it for several inputs, checks every replay against
-eager PyTorch and prints a table; it exits 1 on any mismatch.
-"""
+"""The ``graphrunner`` command line: ``graphrunner demo`` and ``graphrunner bench``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 
-import torch
 
-from graphrunner.breakable import BreakableGraph, breakable_graph, no_graph
-from graphrunner.devices import get_device
+def _buckets(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"buckets must be comma-separated integers, e.g. 1,2,4,8; got {text!r}")
 
 
 def _demo(args: argparse.Namespace) -> int:
-    device = get_device(args.device)
-    tdev = device.torch_device
-    gen = torch.Generator().manual_seed(args.seed)
-    weights = [(torch.randn(64, 64, generator=gen) / 8).to(tdev) for _ in range(args.layers)]
+    from graphrunner.demo import run_demo
 
-    @no_graph
-    def normalize(h: torch.Tensor) -> torch.Tensor:
-        # Host-side work a graph cannot hold: runs eagerly as a break.
-        return h / (1.0 + h.abs().max().item())
-
-    def step(x: torch.Tensor) -> torch.Tensor:
-        h = x
-        for w in weights:
-            h = normalize(torch.nn.functional.silu(h @ w))
-        return h
-
-    static_x = torch.zeros(args.batch, 64, device=tdev)
-    graph = BreakableGraph(device=device)
-    with torch.inference_mode():
-        step(static_x)  # warmup
-        device.synchronize()
-        t0 = time.perf_counter()
-        with breakable_graph(graph):
-            out = step(static_x)
-        capture_ms = (time.perf_counter() - t0) * 1e3
-    print(f"graphrunner demo: {args.layers}-layer MLP, batch {args.batch}, device {device.kind} "
-          f"({tdev}); captured {graph.num_segments} segments + {graph.num_breaks} breaks "
-          f"in {capture_ms:.1f} ms")
-    print(f"{'replay':>6} {'max |graph - eager|':>20} {'result':>8}")
-    mismatches = 0
-    for i in range(args.replays):
-        x = torch.randn(args.batch, 64, generator=gen).to(tdev)
-        static_x.copy_(x)
-        graph.replay()
-        with torch.inference_mode():
-            ref = step(x)
-        diff = (out - ref).abs().max().item()
-        ok = torch.equal(out, ref)
-        mismatches += not ok
-        print(f"{i:>6} {diff:>20.3g} {'ok' if ok else 'MISMATCH':>8}")
-    print(f"{args.replays - mismatches}/{args.replays} replays equal eager")
-    return 1 if mismatches else 0
+    result = run_demo(backend=args.backend, device=args.device, steps=args.steps, buckets=args.buckets,
+                      max_batch=args.max_batch, seed=args.seed, layers=args.layers,
+                      trace_out=args.trace_out or None, progress=not args.no_progress)
+    return 0 if result.ok else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of the ``graphrunner`` command."""
-    parser = argparse.ArgumentParser(prog="graphrunner", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="graphrunner",
+        description="Graph capture and replay for PyTorch inference steps.")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="capture a step, replay it, check every replay against eager")
+    demo = sub.add_parser(
+        "demo", help="capture a Llama-style decoder per bucket and serve decode steps, checked against eager",
+        description="Build a small Llama-style decoder (random weights), capture its decode step through "
+                    "GraphRunner once per bucket, serve decode steps with random batch sizes (some above the "
+                    "largest bucket: eager fallback), check every call against eager PyTorch, print the capture "
+                    "report, latencies and the trace checker's verdict, and write the trace. Exits 1 on any "
+                    "mismatch or protocol violation.")
+    demo.add_argument("--backend", default="breakable", choices=["full", "breakable", "eager"],
+                      help="breakable: attention is an eager break (default); full: one graph per bucket "
+                           "(uses capturable masked attention); eager: no graph")
     demo.add_argument("--device", default="auto", choices=["auto", "tape", "cuda"],
                       help="graph kind: cuda when available, else tape (default: auto)")
-    demo.add_argument("--layers", type=int, default=4, help="MLP layers, one eager break each")
-    demo.add_argument("--batch", type=int, default=8, help="batch rows")
-    demo.add_argument("--replays", type=int, default=5, help="replays to check against eager")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--steps", type=int, default=200, help="decode steps to serve (default: 200)")
+    demo.add_argument("--buckets", type=_buckets, default=[1, 2, 4, 8, 16, 32],
+                      help="comma-separated batch buckets (default: 1,2,4,8,16,32)")
+    demo.add_argument("--max-batch", type=int, default=40,
+                      help="largest batch size drawn; above the largest bucket means fallback (default: 40)")
+    demo.add_argument("--layers", type=int, default=4, help="decoder layers (default: 4)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of weights and batches (default: 0)")
+    demo.add_argument("--trace-out", default="graphrunner-demo-trace",
+                      help="path prefix of the trace files <prefix>.jsonl and <prefix>.chrome.json "
+                           "(default: graphrunner-demo-trace; '' writes none)")
+    demo.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
     demo.set_defaults(func=_demo)
+    try:
+        from graphrunner.bench import add_bench_subparser
+    except ImportError:  # pragma: no cover - bench driver not present
+        pass
+    else:
+        add_bench_subparser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``graphrunner`` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, TypeError) as exc:
+        print(f"graphrunner {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,197 @@
+"""``graphrunner demo``: capture the demo decoder through GraphRunner and serve decode steps.
+
+The demo builds the Llama-style decoder of :mod:`graphrunner.models` with
+random weights, captures its decode step once per bucket (attention is an
+eager break for the breakable backend; the full backend uses the masked,
+capturable attention), then serves a stream of decode steps with random
+batch sizes, some above the largest bucket (eager fallback). Every call is
+checked twice:
+
+- bit for bit against eager PyTorch on the same padded batch (what the graph
+  computes): any difference is a graph bug;
+- against eager on the real, unpadded batch within float32 tolerance (CPU
+  GEMMs may round differently for a different number of rows), which shows
+  padding rows never leak into real rows.
+
+It prints the capture report, a latency table per bucket (runner call vs
+eager on the real batch), the fallback count and the trace checker's verdict,
+writes the trace as JSONL and Chrome trace, and returns non-zero on any
+mismatch or protocol violation.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, TextIO
+
+import torch
+
+from graphrunner.devices import get_device
+from graphrunner.models import LlamaConfig, build_model
+from graphrunner.runner import BatchInput, GraphRunner
+from graphrunner.trace import Trace, check_capture_order
+
+#: Tolerance of the unpadded-batch check (float32 GEMM rounding differences only).
+UNPADDED_ATOL = 1e-4
+UNPADDED_RTOL = 1e-4
+
+
+@dataclass
+class DemoResult:
+    """What one demo run measured; ``ok`` is False on any mismatch or violation."""
+
+    steps: int
+    graph_mismatches: int
+    padding_mismatches: int
+    max_abs_diff_padded: float
+    max_abs_diff_unpadded: float
+    fallbacks: int
+    violations: List[str]
+    latency: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    trace_files: List[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.graph_mismatches == 0 and self.padding_mismatches == 0 and not self.violations
+
+
+def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def _ms(samples: List[float]) -> float:
+    return statistics.median(samples) * 1e3 if samples else float("nan")
+
+
+def run_demo(backend: str = "breakable", device: str = "auto", steps: int = 200,
+             buckets: Sequence[int] = (1, 2, 4, 8, 16, 32), max_batch: int = 40, seed: int = 0,
+             layers: int = 4, trace_out: Optional[str] = "graphrunner-demo-trace",
+             progress: bool = True, out: TextIO = sys.stdout) -> DemoResult:
+    """Run the demo and return its :class:`DemoResult` (see the module docstring).
+
+    ``max_batch`` is the largest batch size drawn; batches above
+    ``max(buckets)`` take the eager fallback. ``trace_out`` is a path prefix:
+    ``<prefix>.jsonl`` and ``<prefix>.chrome.json`` are written (``None``
+    writes nothing).
+    """
+    if backend not in ("full", "breakable", "eager"):
+        raise ValueError(f"backend must be 'full', 'breakable' or 'eager', got {backend!r}")
+    if steps < 1 or max_batch < 1:
+        raise ValueError(f"steps and max_batch must be >= 1, got steps={steps}, max_batch={max_batch}")
+    dev = get_device(device)
+    torch_device = dev.torch_device
+    # A full graph cannot hold the varlen attention break (it reads lengths on
+    # the host); the masked attention computes the same thing capturably.
+    attention = "masked" if backend == "full" else "varlen"
+    config = LlamaConfig.demo(num_layers=layers, attention=attention,
+                              max_batch_size=max(64, max_batch, max(buckets)))
+    model = build_model(config, seed=seed, device=torch_device)
+    print(f"graphrunner demo: Llama-style decoder ({config.num_layers} layers, hidden {config.hidden_size}, "
+          f"{config.num_heads}/{config.num_kv_heads} heads, {attention} attention), backend={backend}, "
+          f"device={dev.kind} ({torch_device}), buckets={list(buckets)}, {steps} steps with batch 1..{max_batch}",
+          file=out)
+
+    trace = Trace()
+    runner = GraphRunner(
+        lambda input_ids, positions: model.decode_step(input_ids, positions),
+        inputs={"input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0),
+                "positions": BatchInput(trailing=(), dtype=torch.long, pad=0)},
+        buckets=list(buckets), backend=backend, device=dev, trace=trace, progress=progress)
+    report = runner.capture()
+    print(report.table(), file=out)
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    graph_ms: Dict[object, List[float]] = {}
+    eager_ms: Dict[object, List[float]] = {}
+    graph_bad = pad_bad = 0
+    max_padded = max_unpadded = 0.0
+    t_start = time.perf_counter()
+    for i in range(steps):
+        n = int(torch.randint(1, max_batch + 1, (1,), generator=gen))
+        ids = torch.randint(0, config.vocab_size, (n,), generator=gen).to(torch_device)
+        pos = torch.randint(0, config.max_seq_len, (n,), generator=gen).to(torch_device)
+
+        dev.synchronize()
+        t0 = time.perf_counter()
+        got = runner(input_ids=ids, positions=pos)
+        dev.synchronize()
+        t1 = time.perf_counter()
+        bucket = runner.stats.last_bucket
+        label = bucket if bucket is not None else "fallback"
+        got = got.clone()
+
+        rows = bucket if bucket is not None else n
+        with torch.inference_mode():
+            padded_ref = model.decode_step(_pad(ids, rows), _pad(pos, rows))[:n]
+            dev.synchronize()
+            t2 = time.perf_counter()
+            ref = model.decode_step(ids, pos)
+            dev.synchronize()
+            t3 = time.perf_counter()
+        graph_ms.setdefault(label, []).append(t1 - t0)
+        eager_ms.setdefault(label, []).append(t3 - t2)
+
+        d_pad = (got - padded_ref).abs().max().item()
+        d_unpad = (got - ref).abs().max().item()
+        max_padded, max_unpadded = max(max_padded, d_pad), max(max_unpadded, d_unpad)
+        if not torch.equal(got, padded_ref):
+            graph_bad += 1
+        if not torch.allclose(got, ref, atol=UNPADDED_ATOL, rtol=UNPADDED_RTOL):
+            pad_bad += 1
+        if progress and (i + 1) % 20 == 0 or i + 1 == steps:
+            if progress:
+                print(f"\rserving: step {i + 1}/{steps}, {time.perf_counter() - t_start:.1f}s, "
+                      f"mismatches {graph_bad + pad_bad}", end="" if i + 1 < steps else "\n",
+                      file=sys.stderr, flush=True)
+
+    latency: Dict[str, Dict[str, float]] = {}
+    print(f"\n{'bucket':>8} {'calls':>6} {'eager_ms':>9} {'graph_ms':>9} {'speedup':>8}", file=out)
+    labels = [b for b in buckets if b in graph_ms] + (["fallback"] if "fallback" in graph_ms else [])
+    for label in labels:
+        e, g = _ms(eager_ms[label]), _ms(graph_ms[label])
+        latency[str(label)] = {"calls": len(graph_ms[label]), "eager_ms": e, "graph_ms": g, "speedup": e / g}
+        print(f"{label:>8} {len(graph_ms[label]):>6} {e:>9.3f} {g:>9.3f} {e / g:>7.2f}x", file=out)
+    print("(eager_ms: the step eagerly on the real batch; graph_ms: the runner call incl. copy, pad, "
+          "replay, slice; medians)", file=out)
+
+    stats = runner.stats
+    print(f"\nfallbacks: {stats.fallbacks} of {stats.calls} calls {dict(stats.fallback_reasons) or ''}; "
+          f"padding rows computed: {stats.padding_rows} for {stats.real_rows} real rows", file=out)
+    print(f"graph vs eager on the padded batch: {steps - graph_bad}/{steps} bit-exact "
+          f"(max |diff| {max_padded:.3g})", file=out)
+    print(f"graph vs eager on the real batch: {steps - pad_bad}/{steps} within atol={UNPADDED_ATOL} "
+          f"rtol={UNPADDED_RTOL} (max |diff| {max_unpadded:.3g})", file=out)
+
+    violations = check_capture_order(trace)
+    keys = len({e.key for e in trace.events if e.kind == "capture_forward"})
+    if violations:
+        print(f"trace checker: {len(violations)} protocol violation(s):", file=out)
+        for v in violations:
+            print(f"  - {v}", file=out)
+    else:
+        print(f"trace checker: capture protocol held for all {keys} keys "
+              f"(warmups, hook, sync, barrier, construct, one capture; nothing synced in replay)", file=out)
+
+    files: List[str] = []
+    if trace_out:
+        parent = os.path.dirname(trace_out)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        files = [f"{trace_out}.jsonl", f"{trace_out}.chrome.json"]
+        trace.to_jsonl(files[0])
+        trace.to_chrome(files[1])
+        print(f"trace: {len(trace.events)} events -> {files[0]}, {files[1]} "
+              f"(open the .chrome.json in https://ui.perfetto.dev or chrome://tracing)", file=out)
+    runner.cleanup()
+
+    result = DemoResult(steps=steps, graph_mismatches=graph_bad, padding_mismatches=pad_bad,
+                        max_abs_diff_padded=max_padded, max_abs_diff_unpadded=max_unpadded,
+                        fallbacks=stats.fallbacks, violations=violations, latency=latency, trace_files=files)
+    print("demo: OK" if result.ok else "demo: FAILED (see above)", file=out)
+    return result
