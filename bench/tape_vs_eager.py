@@ -1,15 +1,26 @@
-"""Benchmark: TapeGraph replay vs eager for a 4-layer decoder step on CPU.
+"""Benchmark: TapeGraph replay vs eager for a decoder decode step on CPU.
 
-The decoder (hidden 256, RMSNorm, attention over a static KV cache written with
-index_copy_, SwiGLU MLP) is built inline with random weights from a seed.  For
-each batch size, eager and replay are timed interleaved in one process
-(alternating runs, many reps, medians) and replay is checked bit-exact against
-eager first.  Prints a table and writes JSON (--out).
+Two workloads, random weights from a seed:
+
+* ``llama`` (the headline rows): the demo :class:`~graphrunner.models.LlamaForCausalLM`
+  (``LlamaConfig.demo(attention="masked")``: 4 layers, hidden 256, GQA, RoPE, SwiGLU, a static
+  KV cache written with ``index_put_``), its whole ``decode_step`` captured, which is what users
+  run. Eager is that same ``nn.Module`` call.
+* ``inline``: a 4-layer decoder written as one flat function (hidden 256, RMSNorm, attention
+  over a static KV cache written with ``index_copy_``, SwiGLU MLP). It has almost no Python
+  overhead of its own, so it shows the floor of what replay can save.
+
+For each workload and batch size, eager and replay are timed interleaved in one process
+(alternating runs, many reps, medians) and replay is checked bit-exact against eager first.
+``--baseline PATH`` also captures with another ``tape.py`` (e.g. an older version) and times it
+in the same interleaving. Prints a table and writes JSON (--out): ``rows`` holds the ``llama``
+rows, ``rows_inline`` the ``inline`` ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -17,10 +28,21 @@ import time
 
 import torch
 
-from graphrunner.tape import TapeGraph, tape_graph
+from graphrunner import tape as _tape
 
 
-def build(hidden=256, heads=4, layers=4, ffn=688, max_len=128, batch=1, seed=0):
+def load_tape(path: str | None):
+    """The tape module to benchmark: graphrunner.tape, or a copy loaded from ``path``."""
+    if not path:
+        return _tape
+    spec = importlib.util.spec_from_file_location(f"_tape_{abs(hash(path))}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def build_inline(hidden=256, heads=4, layers=4, ffn=688, max_len=128, batch=1, seed=0):
+    """The flat decoder: returns (step, set_inputs, caches); ``step()`` reads its inputs in place."""
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g) * 0.05  # noqa: E731
     W = [dict(n1=torch.ones(hidden), n2=torch.ones(hidden), qkv=r(3 * hidden, hidden), o=r(hidden, hidden),
@@ -53,67 +75,133 @@ def build(hidden=256, heads=4, layers=4, ffn=688, max_len=128, batch=1, seed=0):
             h = h + F.linear(F.silu(F.linear(m, w["gate"])) * F.linear(m, w["up"]), w["down"])
         return h
 
-    def set_pos(p):
+    def set_inputs(p, seed):
+        x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)))
         pos.fill_(p)
         mask.fill_(float("-inf"))
         mask[..., : p + 1] = 0.0
 
-    return step, x, set_pos, kc + vc
+    return step, set_inputs, kc + vc
 
 
-def bench_batch(batch, reps, inner):
-    step, x, set_pos, caches = build(batch=batch)
+def build_llama(batch=1, seed=0):
+    """The demo Llama decode step over static inputs: returns (step, set_inputs, caches)."""
+    from graphrunner.models import LlamaConfig, build_model
+
+    model = build_model(LlamaConfig.demo(attention="masked"), seed=seed)
+    ids = torch.zeros(batch, dtype=torch.long)
+    pos = torch.zeros(batch, dtype=torch.long)
+
+    def step():
+        return model.decode_step(ids, pos)
+
+    def set_inputs(p, seed):
+        g = torch.Generator().manual_seed(seed)
+        ids.copy_(torch.randint(0, model.config.vocab_size, (batch,), generator=g))
+        pos.fill_(p)
+
+    return step, set_inputs, model.kv_cache_tensors()
+
+
+BUILDERS = {"llama": build_llama, "inline": build_inline}
+
+
+def bench_batch(model, batch, reps, inner, tapes):
+    """Time eager and a replay per tape module in ``tapes`` (name -> module), interleaved."""
+    step, set_inputs, caches = BUILDERS[model](batch=batch)
+    row = dict(model=model, batch=batch)
     with torch.inference_mode():
-        set_pos(3)
+        set_inputs(3, 0)
         for _ in range(3):
             step()  # warm up
-        g = TapeGraph()
-        t0 = time.perf_counter()
-        with tape_graph(g):
-            out = step()
-        capture_s = time.perf_counter() - t0
-        # correctness: replay == eager for the same inputs (cache state restored between)
-        x.copy_(torch.randn_like(x))
-        snap = [c.clone() for c in caches]
-        g.replay()
-        got = out.clone()
-        for c, s in zip(caches, snap):
-            c.copy_(s)
-        exact = bool(torch.equal(got, step()))
-        te, tr = [], []
+        graphs = {}
+        for name, mod in tapes.items():
+            g = mod.TapeGraph()
+            t0 = time.perf_counter()
+            with mod.tape_graph(g):
+                out = step()
+            cap_ms = (time.perf_counter() - t0) * 1e3
+            # correctness: replay == eager on new inputs (cache state restored between)
+            set_inputs(5, 1)
+            snap = [c.clone() for c in caches]
+            g.replay()
+            got = out.clone()
+            for c, s in zip(caches, snap):
+                c.copy_(s)
+            exact = bool(torch.equal(got, step()))
+            graphs[name] = g
+            sfx = "" if name == "new" else f"_{name}"
+            row.update({f"bit_exact{sfx}": exact, f"num_ops{sfx}": g.num_ops,
+                        f"replayed_ops{sfx}": g.num_replayed_ops, f"capture_ms{sfx}": cap_ms})
+        times = {"eager": []}
+        times.update({name: [] for name in graphs})
         for _ in range(reps):
             t = time.perf_counter()
             for _ in range(inner):
                 step()
-            te.append((time.perf_counter() - t) / inner)
-            t = time.perf_counter()
-            for _ in range(inner):
-                g.replay()
-            tr.append((time.perf_counter() - t) / inner)
-    e, r = statistics.median(te), statistics.median(tr)
-    return dict(batch=batch, eager_us=e * 1e6, replay_us=r * 1e6, speedup=e / r, bit_exact=exact,
-                num_ops=g.num_ops, replayed_ops=g.num_replayed_ops, capture_ms=capture_s * 1e3)
+            times["eager"].append((time.perf_counter() - t) / inner)
+            for name, g in graphs.items():
+                t = time.perf_counter()
+                for _ in range(inner):
+                    g.replay()
+                times[name].append((time.perf_counter() - t) / inner)
+    e = statistics.median(times["eager"])
+    row["eager_us"] = e * 1e6
+    for name in graphs:
+        r = statistics.median(times[name])
+        sfx = "" if name == "new" else f"_{name}"
+        row[f"replay_us{sfx}"] = r * 1e6
+        row[f"speedup{sfx}"] = e / r
+    return row
+
+
+def print_table(rows, baseline: bool):
+    head = f"{'model':>6} {'batch':>5} {'eager us':>9} {'replay us':>9} {'speedup':>8} {'exact':>6} {'ops':>4} {'replayed':>8} {'capture ms':>10}"
+    if baseline:
+        head += f" {'base us':>8} {'base spd':>8} {'base ops':>8}"
+    print(head)
+    for r in rows:
+        line = (f"{r['model']:>6} {r['batch']:>5} {r['eager_us']:>9.1f} {r['replay_us']:>9.1f} {r['speedup']:>7.2f}x "
+                f"{str(r['bit_exact']):>6} {r['num_ops']:>4} {r['replayed_ops']:>8} {r['capture_ms']:>10.1f}")
+        if baseline:
+            line += f" {r['replay_us_base']:>8.1f} {r['speedup_base']:>7.2f}x {r['replayed_ops_base']:>8}"
+        print(line)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join("bench", "results", "tape_vs_eager.json"))
+    ap.add_argument("--models", default="llama,inline", help="comma list of: llama, inline")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--inner", type=int, default=20)
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
+    ap.add_argument("--tape", default=os.environ.get("GRAPHRUNNER_TAPE_IMPL"),
+                    help="benchmark this tape.py instead of graphrunner.tape (default: $GRAPHRUNNER_TAPE_IMPL)")
+    ap.add_argument("--baseline", default=None, help="also time replay with this tape.py, interleaved")
+    ap.add_argument("--quick", action="store_true", help="smoke run: batches 1,8, 3 reps of 5")
     a = ap.parse_args(argv)
+    if a.quick:
+        a.batches, a.reps, a.inner = "1,8", 3, 5
     if a.threads:
         torch.set_num_threads(a.threads)
-    rows = [bench_batch(int(b), a.reps, a.inner) for b in a.batches.split(",")]
-    print(f"{'batch':>5} {'eager us':>10} {'replay us':>10} {'speedup':>8} {'exact':>6} {'ops':>5} {'replayed':>8} {'capture ms':>10}")
-    for r in rows:
-        print(f"{r['batch']:>5} {r['eager_us']:>10.1f} {r['replay_us']:>10.1f} {r['speedup']:>7.2f}x "
-              f"{str(r['bit_exact']):>6} {r['num_ops']:>5} {r['replayed_ops']:>8} {r['capture_ms']:>10.1f}")
+    tapes = {"new": load_tape(a.tape)}
+    if a.baseline:
+        tapes["base"] = load_tape(a.baseline)
+    models = [m.strip() for m in a.models.split(",") if m.strip()]
+    for m in models:
+        if m not in BUILDERS:
+            ap.error(f"unknown model {m!r} (choose from {', '.join(BUILDERS)})")
+    rows = [bench_batch(m, int(b), a.reps, a.inner, tapes) for m in models for b in a.batches.split(",")]
+    print_table(rows, bool(a.baseline))
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    result = dict(torch=torch.__version__, threads=torch.get_num_threads(),
+                  rows=[r for r in rows if r["model"] == "llama"],
+                  rows_inline=[r for r in rows if r["model"] == "inline"])
     with open(a.out, "w") as f:
-        json.dump(dict(torch=torch.__version__, threads=torch.get_num_threads(), rows=rows), f, indent=2)
+        json.dump(result, f, indent=2)
     print(f"wrote {a.out}")
+    return result
 
 
 if __name__ == "__main__":

@@ -48,15 +48,26 @@ class _EagerStep:
     (static) arguments and copying its fresh result into the tensors the
     capture returned, which later segments read."""
 
-    __slots__ = ("fn", "args", "kwargs", "leaves", "spec", "name")
+    __slots__ = ("fn", "args", "kwargs", "leaves", "spec", "name", "single")
 
     def __init__(self, fn, args, kwargs, result) -> None:
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.leaves, self.spec = pytree.tree_flatten(result)
         self.name = _fn_name(fn)
+        # The common case (one tensor, or nothing) skips pytree work at replay.
+        self.single = isinstance(result, torch.Tensor) or result is None
 
     def __call__(self) -> None:
         fresh = self.fn(*self.args, **self.kwargs)
+        if self.single:
+            old = self.leaves[0] if self.leaves else None
+            if fresh is old:
+                return
+            if (old is not None and type(fresh) is torch.Tensor
+                    and fresh.shape == old.shape and fresh.dtype == old.dtype):
+                old.copy_(fresh)
+                return
+            # Anything else falls through to the general check and its error.
         leaves, spec = pytree.tree_flatten(fresh)
         if spec != self.spec:
             raise CaptureError(

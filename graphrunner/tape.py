@@ -18,7 +18,15 @@ one runs on the other:
 * RNG ops draw fresh numbers at each replay; collectives (``c10d`` ops) are
   re-issued and waited on.
 * Replay runs straight-line Python generated once at ``capture_end``; it never
-  goes through a dispatch mode.
+  goes through a dispatch mode.  To make it cheap: views of externals and
+  constant factories are hoisted (computed once); each op calls the public
+  binding (``torch.mul``, ``Tensor.view``, ...) verified at capture to match
+  the aten op bit for bit, with Python scalars as shared 0-dim tensors; views
+  with their input's exact metadata are dropped; a pure op repeating an
+  earlier one on unchanged inputs reuses its result (CSE); dead ops are
+  dropped.  Torch-function handling is disabled during replay, so no mode or
+  tensor subclass intercepts the bindings (the recorded aten ops never saw one
+  either).
 
 Limits (as on a CUDA graph, the graph holds tensors, not names): ``resize_``,
 ``set_``, or re-assigning a module attribute / cache tensor after capture
@@ -259,10 +267,19 @@ class _Op:
     """One recorded aten op: callable, argument templates, output names."""
 
     __slots__ = ("func", "args", "kwargs", "outs", "new", "in_names", "writes", "pure", "collective", "seeded",
-                 "out_skeys", "in_skeys", "fast")
+                 "out_skeys", "in_skeys", "fast", "call", "cargs", "in_vers", "alias", "view")
 
     def __init__(self):
+        # fast: None (replayed), "hoisted" (computed once at capture), "alias"
+        # (a view with its input's exact metadata: replaced by its input) or
+        # "cse" (recomputes an earlier op's value: replaced by that value).
         self.fast = None
+        # call/cargs: a verified public binding (torch.mul, Tensor.view, ...) and
+        # its argument templates, used at replay instead of func._op (None: aten).
+        self.call = None
+        self.cargs = None
+        self.alias = None  # for "alias": (output name, input name)
+        self.view = None   # a view of an internal storage: (base name, size, stride, offset)
 
 
 def _storage(t: torch.Tensor):
@@ -292,6 +309,22 @@ class _Capture:
         self.failed: BaseException | None = None
         self.inference = torch.is_inference_mode_enabled()
         self.warned: set[int] = set()
+        self.wcount: dict[int, int] = {}           # storage key -> writes so far (for CSE)
+        self.scalars: dict[tuple, torch.Tensor] = {}  # Python scalar -> shared 0-dim tensor
+        self.meta_mutated = False                  # an inplace_view op (t_, unsqueeze_, ...) ran
+
+    def scalar_tensor(self, v, dtype=None) -> torch.Tensor:
+        """One shared 0-dim tensor per Python scalar and dtype (default float64 /
+        int64, the dtype of the wrapped number a binding makes).  Only ever read."""
+        if dtype is None:
+            dtype = torch.float64 if isinstance(v, float) else torch.int64
+        key = (type(v), repr(v), dtype)  # repr tells -0.0 from 0.0
+        t = self.scalars.get(key)
+        if t is None:
+            with torch.inference_mode(False):
+                t = torch.tensor(v, dtype=dtype)
+            self.scalars[key] = t
+        return t
 
     # -- naming -----------------------------------------------------------
     def _skey(self, t):
@@ -394,6 +427,280 @@ class _Capture:
         self.snapshots.clear()
 
 
+# ---------------------------------------------------------------------------
+# fast replay calls: public bindings verified against the aten op
+#
+# Calling an OpOverload from Python (``aten.mul.Tensor._op(x, y)``) costs about
+# 1.5x the public binding (``torch.mul(x, y)``), and a Python scalar argument
+# costs more than a 0-dim tensor (the binding wraps it in a fresh float64
+# tensor at every call, which the kernel then casts).  At capture we therefore
+# try, per recorded op, a few candidates, in order:
+#   * a rewrite for ops without a binding of their own name or with a cheaper
+#     equivalent (slice -> torch.narrow; linear(x, w) -> torch.matmul(x, w.t())
+#     with w.t() taken once, for an external weight);
+#   * the public C binding of the same name (torch.X, torch._C._nn.X, or the
+#     Tensor method; in-place ops: the Tensor method), with Python scalars
+#     replaced by one shared 0-dim tensor per value (in the result's dtype,
+#     then float64 / int64), then with the scalars as they were;
+# and keep the first one whose result is identical to the aten op's on the
+# capture-time data: same bits, dtype, shape, strides, storage offset and
+# aliasing (and, for ops that write, the same bytes written, checked on a
+# copy of the written storages).  Anything else replays through the aten op.
+
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
+_VF = torch._C._VariableFunctions
+_NN = torch._C._nn
+_TB = torch._C.TensorBase
+_BUILTIN_TYPES = ("builtin_function_or_method", "method_descriptor")
+_BINDINGS: dict[Any, tuple] = {}
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Ops writing a storage larger than this (a KV cache, ...) replay through the
+# aten op: verifying a binding needs a copy of every storage it writes, which
+# would cost more capture time (and memory) than the ~1 us per call it saves.
+_MAX_TWIN_BYTES = 1 << 20
+
+
+def _bindings(func) -> tuple:
+    """Public C bindings named like aten op ``func`` (in-place ops: Tensor methods only)."""
+    got = _BINDINGS.get(func)
+    if got is None:
+        name = func._schema.name.split("::", 1)[-1]
+        got = []
+        if func.namespace == "aten":
+            for src in (_TB,) if name.endswith("_") else (_VF, _NN, _TB):
+                c = getattr(src, name, None)
+                if c is not None and type(c).__name__ in _BUILTIN_TYPES and c not in got:
+                    got.append(c)
+        got = _BINDINGS[func] = tuple(got)
+    return got
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaNs with the same payload equal, -0.0 != 0.0)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    if a.dtype != torch.bool:
+        it = _INT_OF_SIZE.get(a.element_size())
+        if it is None:
+            return False
+        a, b = a.view(it), b.view(it)
+    return torch.equal(a, b)
+
+
+def _flat_tensors(v, acc: list) -> list:
+    if isinstance(v, torch.Tensor):
+        acc.append(v)
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            _flat_tensors(x, acc)
+    elif isinstance(v, dict):
+        for x in v.values():
+            _flat_tensors(x, acc)
+    return acc
+
+
+def _alias_index(t: torch.Tensor, inputs: list) -> tuple:
+    """Indices of the inputs whose storage ``t`` shares."""
+    st = _storage(t)
+    if st is None or st.nbytes() == 0:
+        return ()
+    p = st.data_ptr()
+    out = []
+    for i, x in enumerate(inputs):
+        xs = _storage(x)
+        if xs is not None and xs.nbytes() and xs.data_ptr() == p:
+            out.append(i)
+    return tuple(out)
+
+
+def _same_result(ref, got, ref_in: list, got_in: list) -> bool:
+    """``got`` (binding result on ``got_in``) is indistinguishable from ``ref``
+    (aten result on ``ref_in``): structure, metadata, bits and aliasing."""
+    if isinstance(ref, torch.Tensor):
+        if type(got) is not type(ref):
+            return False
+        if (got.dtype != ref.dtype or got.device != ref.device or got.layout != ref.layout
+                or ref.layout != torch.strided or got.shape != ref.shape or got.stride() != ref.stride()
+                or got.storage_offset() != ref.storage_offset() or got.is_inference() != ref.is_inference()
+                or got.requires_grad != ref.requires_grad):
+            return False
+        if _alias_index(ref, ref_in) != _alias_index(got, got_in):
+            return False
+        return _bits_equal(ref, got)
+    if isinstance(ref, (list, tuple)):
+        return (isinstance(got, (list, tuple)) and len(got) == len(ref)
+                and all(_same_result(r, g, ref_in, got_in) for r, g in zip(ref, got)))
+    return type(got) is type(ref) and got == ref
+
+
+def _tupled(v):
+    """Lists of literals become tuples (a constant in the generated code, not a
+    list built at each call); bindings take either for int[] / float[]."""
+    if isinstance(v, list) and all(isinstance(x, (int, float, bool)) for x in v):
+        return tuple(v)
+    return v
+
+
+def _slice_as_narrow(args, kwargs, out):
+    """aten.slice.Tensor (no public binding) as torch.narrow with the same result."""
+    x, dim = args[0], (args[1] if len(args) > 1 else kwargs.get("dim", 0))
+    step = args[4] if len(args) > 4 else kwargs.get("step", 1)
+    if step != 1 or not isinstance(out, torch.Tensor) or kwargs:
+        return []
+    dim %= x.dim()
+    start = (out.storage_offset() - x.storage_offset()) // x.stride(dim) if out.numel() and x.stride(dim) else 0
+    return [(_VF.narrow, [x, dim, start, out.size(dim)], {})]
+
+
+def _linear_as_matmul(args, kwargs, out):
+    """aten.linear(x, w) without bias as torch.matmul(x, w.t()), with w.t() taken
+    once at capture (linear re-derives it at every call).  Only for an external
+    weight (checked by the caller): the view then stays valid at replay."""
+    x, w = args[0], args[1]
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    if bias is not None or w.dim() != 2:
+        return []
+    return [(_VF.matmul, [x, w.t()], {})]
+
+
+# Ops without a public binding of their own name: functions returning
+# [(binding, args, kwargs)] to try first (verified like the others).
+_REWRITES: dict[Any, Callable] = {torch.ops.aten.slice.Tensor: _slice_as_narrow,
+                                  torch.ops.aten.linear.default: _linear_as_matmul}
+# rewrites that take a view of an argument at capture: only when that argument is external
+_REWRITE_NEEDS_EXTERNAL = {torch.ops.aten.linear.default: 1}
+
+
+class _Verifier:
+    """Prepared before an aten op runs (copies of the storages it writes), then
+    asked after it ran for the fastest binding computing the same thing."""
+
+    def __init__(self, cap: "_Capture", func, args, kwargs, written: list, fresh: dict):
+        self.ok = False
+        self.twin_st: dict[int, tuple] = {}  # storage key -> (storage, its bytes before the op)
+        self.work: dict[int, torch.Tensor] = {}
+        if func.namespace != "aten" or not (_bindings(func) or func in _REWRITES):
+            return
+        for t in written:
+            st = _storage(t)
+            if st is None or st.nbytes() > _MAX_TWIN_BYTES:
+                return
+            k = id(st)
+            if k not in self.twin_st:
+                b = fresh.get(k)  # the capture's snapshot, taken just now (never modified)
+                if b is None:
+                    with torch.inference_mode():
+                        b = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st).clone()
+                self.twin_st[k] = (st, b)
+        self.ok = True
+
+    def _twin(self, v):
+        """``v`` with every tensor on a written storage replaced by the same view of its copy."""
+        if isinstance(v, torch.Tensor):
+            st = _storage(v)
+            work = self.work.get(id(st)) if st is not None else None
+            if work is None:
+                return v
+            with torch.inference_mode(v.is_inference()), torch.no_grad():
+                return torch.empty(0, dtype=v.dtype, device=v.device).set_(
+                    work.untyped_storage(), v.storage_offset(), v.size(), v.stride())
+        if isinstance(v, (list, tuple)):
+            return type(v)(self._twin(x) for x in v)
+        if isinstance(v, dict):
+            return {k: self._twin(x) for k, x in v.items()}
+        return v
+
+    def _same_writes(self) -> bool:
+        """Every written storage holds the same bytes as its copy written by the binding."""
+        with torch.inference_mode():
+            for k, (st, _) in self.twin_st.items():
+                real = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
+                if not torch.equal(real, self.work[k]):
+                    return False
+        return True
+
+    def pick(self, cap: "_Capture", func, args, kwargs, out):
+        """Return (binding, args, kwargs) verified equal to ``func`` on this data, or None."""
+        if not self.ok:
+            return None
+        schema_args = func._schema.arguments
+        variants = []
+        # Python scalars passed for Tensor / Scalar parameters -> shared 0-dim
+        # tensors.  Tried first in the op's result dtype (float32 for half /
+        # bfloat16 results, whose kernels compute in float32): a float64 0-dim
+        # tensor (what a wrapped scalar is) costs a cast (_to_copy) per call.
+        slots = []
+        for i, a in enumerate(schema_args):
+            if str(a.type) not in ("Tensor", "Scalar"):
+                continue
+            key = i if i < len(args) else a.name
+            v = args[i] if i < len(args) else kwargs.get(a.name)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                slots.append((key, v))
+        res = out if isinstance(out, torch.Tensor) else None
+        dtypes = []
+        if slots and res is not None:
+            dt = res.dtype
+            if dt in (torch.float16, torch.bfloat16):
+                dt = torch.float32
+            if dt.is_floating_point or (not dt.is_complex and dt != torch.bool
+                                         and all(isinstance(v, int) for _, v in slots)):
+                dtypes.append(dt)
+        if slots:
+            dtypes += [None]  # None: float64 / int64, like a wrapped scalar
+        for dt in dict.fromkeys(dtypes):
+            sargs, skw = list(args), dict(kwargs)
+            for key, v in slots:
+                t = cap.scalar_tensor(v, dt)
+                if isinstance(key, int):
+                    sargs[key] = t
+                else:
+                    skw[key] = t
+            variants.append(([_tupled(v) for v in sargs], {k: _tupled(v) for k, v in skw.items()}))
+        variants.append(([_tupled(v) for v in args], {k: _tupled(v) for k, v in kwargs.items()}))
+        tries = [(fn, va, vk) for fn in _bindings(func) for va, vk in variants]
+        rewrite = _REWRITES.get(func)
+        ext_arg = _REWRITE_NEEDS_EXTERNAL.get(func)
+        if ext_arg is not None:
+            a = args[ext_arg] if ext_arg < len(args) else None
+            n = cap.names.get(id(a)) if isinstance(a, torch.Tensor) else None
+            if n is None or cap.kind.get(n) != "ext":
+                rewrite = None
+        if rewrite is not None:
+            try:
+                tries[:0] = rewrite(args, kwargs, out)
+            except Exception:
+                pass
+        ref_in = _flat_tensors((args, kwargs), [])
+        scalar_ids = {id(t) for t in cap.scalars.values()}
+        for fn, va, vk in tries:
+            try:
+                # a fresh copy of the written storages, as they were before the op
+                with torch.inference_mode():
+                    self.work = {k: b.clone() for k, (_, b) in self.twin_st.items()}
+                ca, ck = self._twin(va), self._twin(vk)
+                with torch._C.DisableTorchFunction():
+                    got = fn(*ca, **ck)
+                # Inputs in the same order as ref_in: our 0-dim scalars (Python
+                # numbers in the aten call) left out, and aliased by no output.
+                got_all = _flat_tensors((ca, ck), [])
+                got_in = [t for t in got_all if id(t) not in scalar_ids]
+                if len(got_in) != len(got_all) and any(
+                        _alias_index(o, [t for t in got_all if id(t) in scalar_ids])
+                        for o in _flat_tensors(got, [])):
+                    continue
+                if not _same_result(out, got, ref_in, got_in):
+                    continue
+                if not self._same_writes():
+                    continue
+            except Exception:
+                continue
+            return fn, tuple(va), vk
+        return None
+
+
 class _Recorder(TorchDispatchMode):
     """Records every aten op of a capture (and runs it, once)."""
 
@@ -418,7 +725,10 @@ class _Recorder(TorchDispatchMode):
                             f"requires grad while grad mode is enabled (at {_user_frame()}). Graphs are for "
                             "inference: capture under torch.no_grad() or torch.inference_mode()."
                         )
-            seeded = torch.Tag.nondeterministic_seeded in func.tags
+            tags = func.tags
+            seeded = torch.Tag.nondeterministic_seeded in tags
+            if torch.Tag.inplace_view in tags or func._schema.name in ("aten::set_", "aten::resize_", "aten::resize_as_"):
+                cap.meta_mutated = True
             # which arguments does the op write?
             written = []
             mutable = collective or schema.is_mutable
@@ -433,8 +743,16 @@ class _Recorder(TorchDispatchMode):
             in_names: list[str] = []
             targs = cap.template_in(tuple(args), in_names)
             tkwargs = {k: cap.template_in(v, in_names) for k, v in kwargs.items()}
+            in_vers = tuple(cap.wcount.get(cap.skey[n], 0) for n in in_names)
+            had_snapshot = set(cap.snapshots)
             for t in written:
                 cap.note_write(t, func)
+            # storages first written by this op: their snapshot is their state before it
+            fresh = {k: cap.snapshots[k][1] for k in cap.snapshots.keys() - had_snapshot}
+            # RNG ops would draw twice; collectives are re-issued as recorded.
+            verifier = None
+            if not collective and not seeded:
+                verifier = _Verifier(cap, func, args, kwargs, written, fresh)
         except BaseException as e:
             cap.failed = e
             raise
@@ -443,6 +761,7 @@ class _Recorder(TorchDispatchMode):
             op = _Op()
             op.func, op.args, op.kwargs = func, targs, tkwargs
             op.in_names = in_names
+            op.in_vers = in_vers
             op.new, allout = [], []
             op.outs = cap.template_out(out, op.new, allout)
             op.writes = [cap.names[id(t)] for t in written]
@@ -451,6 +770,41 @@ class _Recorder(TorchDispatchMode):
             op.pure = not mutable and not collective and not seeded
             op.in_skeys = {cap.skey[n] for n in in_names}
             op.out_skeys = [cap.skey[n] for n in op.new]
+            for t in written:
+                k = cap.skey.get(cap.names[id(t)])
+                cap.wcount[k] = cap.wcount.get(k, 0) + 1
+            # A pure op returning a tensor with exactly its single tensor
+            # input's storage and metadata (view to the same shape, full slice,
+            # alias, detach, ...) can be replaced by that input at replay.
+            if (op.pure and len(set(in_names)) == 1 and isinstance(op.outs, _Ref) and op.new
+                    and isinstance(out, torch.Tensor)):
+                src = cap.strong[in_names[0]]
+                if (_storage(out) is not None and _storage(src) is not None
+                        and _storage(out).data_ptr() == _storage(src).data_ptr()
+                        and out.dtype == src.dtype and out.shape == src.shape and out.stride() == src.stride()
+                        and out.storage_offset() == src.storage_offset()):
+                    op.alias = (op.new[0], in_names[0])
+            # Any other view of an internal storage is replayable as one
+            # as_strided call on the tensor that allocated that storage: it is
+            # cheaper than view / narrow / transpose, and the intermediate
+            # views of a chain (view -> transpose -> reshape) become dead code.
+            if (op.alias is None and op.pure and len(set(in_names)) == 1 and isinstance(op.outs, _Ref)
+                    and op.new and isinstance(out, torch.Tensor) and out.layout == torch.strided
+                    and not (out.is_conj() or out.is_neg() or out.is_quantized)):
+                k = cap.skey.get(op.new[0])
+                base = cap.internal_storages.get(k)
+                if base is not None and base != op.new[0] and k in op.in_skeys:
+                    b = cap.strong.get(base)
+                    if b is not None and b.dtype == out.dtype and not (b.is_conj() or b.is_neg()):
+                        op.view = (base, tuple(out.size()), tuple(out.stride()), out.storage_offset())
+            if verifier is not None and op.alias is None:
+                got = verifier.pick(cap, func, args, kwargs, out)
+                if got is not None:
+                    fn, cargs, ckwargs = got
+                    op.call = fn
+                    scratch: list = []  # 0-dim scalar tensors become externals (constants)
+                    op.cargs = (cap.template_in(cargs, scratch), {k: cap.template_in(v, scratch)
+                                                                  for k, v in ckwargs.items()})
             cap.ops.append(op)
         except BaseException as e:
             cap.failed = e
@@ -640,19 +994,24 @@ class TapeGraph:
             raise CaptureError("cannot replay an empty TapeGraph: capture something first")
         if self._versioned:
             self._check_versions()
-        if self._inference:
-            guard = torch._C._InferenceMode(True)
-            try:
-                fn()
-            finally:
-                del guard
-        else:
-            prev = torch.is_grad_enabled()
-            torch._C._set_grad_enabled(False)
-            try:
-                fn()
-            finally:
-                torch._C._set_grad_enabled(prev)
+        # The generated code calls public bindings (torch.mul, Tensor.view, ...):
+        # with torch-function handling disabled they go straight to the
+        # dispatcher, as the recorded aten ops did (no mode or tensor-subclass
+        # __torch_function__ can intercept them).
+        with _NO_TORCH_FUNCTION():
+            if self._inference:
+                guard = torch._C._InferenceMode(True)
+                try:
+                    fn()
+                finally:
+                    del guard
+            else:
+                prev = torch.is_grad_enabled()
+                torch._C._set_grad_enabled(False)
+                try:
+                    fn()
+                finally:
+                    torch._C._set_grad_enabled(prev)
         if self._versioned:
             self._versioned = [(w, (w()._version if w() is not None else v)) for w, v in self._versioned]
 
@@ -731,22 +1090,100 @@ class TapeGraph:
         for k in [k for k, (w, _) in _SURVIVORS.items() if w() is None]:
             del _SURVIVORS[k]
 
-        # 3. Dead-code elimination: keep ops with effects, ops producing
+        # 3. Aliases and common subexpressions.  canon maps a value's name to
+        #    the name of an equal value computed earlier.
+        canon: dict[str, str] = {}
+
+        def cn(n: str) -> str:
+            while n in canon:
+                n = canon[n]
+            return n
+
+        def unify(later: str, earlier: str) -> None:
+            a, b = cn(later), cn(earlier)
+            if a != b:
+                canon[a] = b
+
+        surv_storages = {k for k, alloc in cap.internal_storages.items() if alloc in survivors}
+        if not cap.meta_mutated:  # an in-place metadata change (unsqueeze_, ...) breaks "same metadata"
+            # Externals / hoisted views that are the same view of the same
+            # storage (e.g. `positions[:, None]` taken in every layer) are
+            # interchangeable: one name, so that CSE sees equal inputs.
+            by_meta: dict[tuple, str] = {}
+            for n, t in consts.items():
+                if type(t) is torch.Tensor and t.layout == torch.strided and cap.skey.get(n) is not None:
+                    mk = (cap.skey[n], t.dtype, t.device, tuple(t.shape), t.stride(), t.storage_offset(),
+                          t.is_inference())
+                    unify(n, by_meta.setdefault(mk, n))
+            # Hoisted ops repeating an earlier hoisted op (the same constant
+            # factory, e.g. `torch.arange(L)` in every layer, or the same view)
+            # give equal constants: never written, so one will do.
+            seen_h: dict[tuple, _Op] = {}
+            for op in ops:
+                if op.fast != "hoisted":
+                    continue
+                try:
+                    first = seen_h.setdefault((op.func, _key(op.args, cn), _key(op.kwargs, cn)), op)
+                except TypeError:
+                    continue
+                if first is not op and len(first.new) == len(op.new):
+                    for a, b in zip(op.new, first.new):
+                        unify(a, b)
+            for op in ops:
+                if op.fast is None and op.alias is not None:
+                    out_n, in_n = op.alias
+                    op.fast = "alias"
+                    unify(out_n, in_n)
+        # CSE: a pure op repeating an earlier one (same op, same inputs not
+        # written in between, same literal arguments) reuses its result, unless
+        # a result is written later (then the two differ) or survives.
+        seen: dict[tuple, _Op] = {}
+        for op in ops:
+            if op.fast is not None or not op.pure or not op.new or torch.Tag.nondeterministic_bitwise in op.func.tags:
+                continue
+            refs = [r.name for _, r in _ref_paths(op.outs)]
+            if refs != op.new or any(
+                k is None or k in surv_storages or (k in cap.internal_storages and k in cap.written)
+                for k in op.out_skeys
+            ):
+                continue
+            try:
+                key = (op.func, _key(op.args, cn), _key(op.kwargs, cn), op.in_vers)
+                first = seen.setdefault(key, op)
+            except TypeError:  # an unhashable argument
+                continue
+            if first is not op:
+                op.fast = "cse"
+                for a, b in zip(op.new, first.new):
+                    unify(a, b)
+
+        # Views of internal storages -> as_strided on the allocating tensor (its
+        # layout is the same at every replay, shapes being frozen).  Not after
+        # set_ / resize_, which can swap a storage.
+        if not cap.meta_mutated:
+            for op in ops:
+                if op.fast is None and op.view is not None:
+                    base, size, stride, offset = op.view
+                    op.call = _VF.as_strided
+                    op.cargs = ((_Ref(base), size, stride, offset), {})
+                    op.in_names = [base]
+
+        # 4. Dead-code elimination: keep ops with effects, ops producing
         #    survivors, and ops whose outputs feed kept ops.
         keep = [False] * len(ops)
         needed: set[str] = set()
         for i in range(len(ops) - 1, -1, -1):
             op = ops[i]
-            if op.fast == "hoisted":
+            if op.fast is not None:
                 continue
             live = (not op.pure) or any(n in needed or n in survivors for n in op.new)
             if live and op.pure and not op.new:
                 live = False  # returns its input unchanged (e.g. .to() no-op)
             if live:
                 keep[i] = True
-                needed.update(op.in_names)
+                needed.update(cn(n) for n in op.in_names)
 
-        # 4. Generate straight-line code.
+        # 5. Generate straight-line code.
         prog = _Program()
         ref_expr: dict[str, str] = {}
         for n, t in consts.items():
@@ -758,15 +1195,18 @@ class TapeGraph:
         for i, op in enumerate(ops):
             if keep[i]:
                 for n in op.in_names:
-                    last_use[n] = i
+                    last_use[cn(n)] = i
 
         def expr(v) -> str:
             if isinstance(v, _Ref):
-                return ref_expr[v.name]
+                return ref_expr[cn(v.name)]
             lit = _literal(v)
             if lit is not None:
                 return lit
             if isinstance(v, (list, tuple)):
+                if v and all(isinstance(x, _Ref) and cn(x.name) in consts for x in v):
+                    # only constants: build the list once (ops do not modify their list arguments)
+                    return prog.const(type(v)(consts[cn(x.name)] for x in v))
                 inner = ", ".join(expr(x) for x in v)
                 return f"[{inner}]" if isinstance(v, list) else f"({inner},)"
             return prog.const(v)
@@ -776,12 +1216,18 @@ class TapeGraph:
             if not keep[i]:
                 continue
             n_ops += 1
-            f = prog.const(op.func._op, "f")
+            if op.call is not None:
+                f = prog.const(op.call, "f")
+                cargs, ckwargs = op.cargs
+            else:
+                f = prog.const(op.func._op, "f")
+                cargs, ckwargs = op.args, op.kwargs
             call = f"{f}(" + ", ".join(
-                [expr(a) for a in op.args] + [f"{k}={expr(v)}" for k, v in op.kwargs.items()]
+                [expr(a) for a in cargs] + [f"{k}={expr(v)}" for k, v in ckwargs.items()]
             ) + ")"
             lines = prog.lines
             newset = set(op.new)
+            paths = list(_ref_paths(op.outs))
             if op.collective:
                 lines.append(f"_o = {call}")
                 for path in _work_paths(op.outs):
@@ -793,11 +1239,16 @@ class TapeGraph:
             elif isinstance(op.outs, _Ref):
                 lines.append(f"{op.outs.name} = {call}")
                 bind_src = None
+            elif isinstance(op.outs, (list, tuple)) and all(isinstance(x, _Ref) for x in op.outs):
+                # a flat tuple of tensors: unpack in one statement
+                lhs = [x.name if x.name in newset else "_" for x in op.outs]
+                lines.append(", ".join(lhs) + (", = " if len(lhs) == 1 else " = ") + call)
+                bind_src = None
             else:
                 lines.append(f"_o = {call}")
                 bind_src = "_o"
             if bind_src is not None:
-                for path, ref in _ref_paths(op.outs):
+                for path, ref in paths:
                     if ref.name in newset:
                         lines.append(f"{ref.name} = {bind_src}{path}")
             for n in op.new:
@@ -808,7 +1259,7 @@ class TapeGraph:
                     lines.append(f"del {n}")
                 else:
                     ref_expr[n] = n
-            dead = [n for n in set(op.in_names) if last_use.get(n) == i and ref_expr.get(n) == n]
+            dead = [cn(n) for n in set(op.in_names) if last_use.get(cn(n)) == i and ref_expr.get(cn(n)) == cn(n)]
             dead += [n for n in op.new if ref_expr[n] == n and n not in last_use]
             if dead:
                 lines.append("del " + ", ".join(sorted(set(dead))))
@@ -831,6 +1282,21 @@ class TapeGraph:
     def num_replayed_ops(self) -> int:
         """Ops the generated replay function runs (after hoisting and dead-code elimination)."""
         return getattr(self, "_num_replayed", 0) if self._fn is not None else 0
+
+
+def _key(v, cn):
+    """Hashable form of an argument template (names through ``cn``); floats by
+    repr so that 0.0 / -0.0 and NaNs stay distinct.  TypeError if unhashable."""
+    if isinstance(v, _Ref):
+        return ("R", cn(v.name))
+    if isinstance(v, float):
+        return ("F", repr(v))
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__,) + tuple(_key(x, cn) for x in v)
+    if isinstance(v, dict):
+        return ("D",) + tuple((k, _key(x, cn)) for k, x in v.items())
+    hash(v)
+    return (type(v).__name__, v)
 
 
 def _ref_paths(v, path=""):
