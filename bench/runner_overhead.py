@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import json
 import os
 import platform
 import random
@@ -27,6 +26,8 @@ import statistics
 import time
 
 import torch
+
+from graphrunner.bench import write_json
 
 import graphrunner
 from graphrunner.breakable import no_graph
@@ -161,10 +162,7 @@ def main(argv=None) -> dict:
     print(f"  GraphRunner  : {med['runner'] * 1e6:9.1f} us/call  (+{result['overhead_us']:.1f} us)")
     print(f"  ratio        : {ratio:9.3f}x  (target <= 1.25x; medians)  "
           f"{best['runner'] / best['minimal']:.3f}x (best rounds)")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.out, result, announce=True)
     return result
 
 

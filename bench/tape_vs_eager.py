@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import statistics
 import time
 
 import torch
+
+from graphrunner.bench import write_json
 
 from graphrunner import tape as _tape
 
@@ -194,13 +195,10 @@ def main(argv=None):
             ap.error(f"unknown model {m!r} (choose from {', '.join(BUILDERS)})")
     rows = [bench_batch(m, int(b), a.reps, a.inner, tapes) for m in models for b in a.batches.split(",")]
     print_table(rows, bool(a.baseline))
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     result = dict(torch=torch.__version__, threads=torch.get_num_threads(),
                   rows=[r for r in rows if r["model"] == "llama"],
                   rows_inline=[r for r in rows if r["model"] == "inline"])
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {a.out}")
+    write_json(a.out, result, announce=True)
     return result
 
 

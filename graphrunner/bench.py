@@ -1,0 +1,576 @@
+"""``graphrunner bench``: run the benchmark suite, write one JSON file and a latency plot.
+
+The benchmark scripts live in the repository's ``bench/`` directory (it is not a
+package and is not installed). This driver finds that directory next to the
+package source tree (``<repo>/graphrunner/../bench``; override with
+``--bench-dir`` or ``$GRAPHRUNNER_BENCH_DIR``), imports each script with
+:mod:`importlib` and calls its ``main(argv)`` in this one process, then merges
+the results::
+
+    graphrunner bench                      # full suite (a few minutes on 2 CPU cores)
+    graphrunner bench --quick              # smoke run (seconds; torch.compile skipped)
+    python -m graphrunner.bench --only latency_vs_batch --out /tmp/b.json
+
+Outputs (defaults, in the repository wherever the command runs):
+``bench/results/bench.json`` (the merged results; each script also writes its
+own ``bench/results/<name>.json`` next to it) and
+``bench/results/latency_vs_batch.png`` (per-call latency of the demo decoder
+step against batch size; skipped with a message when matplotlib is missing).
+See ``docs/benchmarks.md`` for what each script measures and how to read the
+JSON. Benchmarks print ratios measured side by side in one run; they never
+fail on a timing. The exit status is 1 when a script raised, else 0.
+
+The module also holds the small helpers the scripts share
+(:func:`decode_inputs`, :func:`decode_runner`, :func:`environment`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib.util
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+__all__ = [
+    "SUITE",
+    "DEFAULT_OUT",
+    "DEFAULT_PLOT",
+    "BenchDirNotFoundError",
+    "find_bench_dir",
+    "load_script",
+    "run_suite",
+    "plot_latency",
+    "summarize",
+    "decode_inputs",
+    "decode_runner",
+    "environment",
+    "build_parser",
+    "add_bench_subparser",
+    "main",
+]
+
+#: The scripts of the suite, in the order they run (``bench/<name>.py``).
+#: ``capture_vs_compile`` runs last: torch.compile leaves compiled state behind.
+SUITE = ("tape_vs_eager", "runner_overhead", "latency_vs_batch", "capture_vs_compile")
+
+#: Default merged JSON path and plot file name: ``results/bench.json`` inside the
+#: benchmark directory (``<repo>/bench/results/bench.json``, wherever the command runs),
+#: and ``latency_vs_batch.png`` next to the JSON.
+DEFAULT_OUT = os.path.join("bench", "results", "bench.json")
+DEFAULT_PLOT = os.path.join("bench", "results", "latency_vs_batch.png")
+
+# Quick-mode arguments for scripts that have no ``--quick`` flag of their own
+# (used only when the script's source does not mention "--quick").
+_QUICK_FALLBACK: Dict[str, List[str]] = {
+    "tape_vs_eager": ["--batches", "1,8", "--reps", "3", "--inner", "5"],
+    "runner_overhead": ["--calls", "40", "--reps", "2"],
+}
+
+# Methods drawn on the latency plot, in legend order, with their line style.
+_PLOT_STYLE = {
+    "eager": dict(color="black", marker="o", linestyle="-"),
+    "eager_masked": dict(color="gray", marker="o", linestyle="--"),
+    "tape_full": dict(color="tab:blue", marker="s", linestyle="-"),
+    "tape_breakable": dict(color="tab:orange", marker="^", linestyle="-"),
+    "cuda_eager": dict(color="tab:green", marker="o", linestyle=":"),
+    "cuda_full": dict(color="tab:purple", marker="s", linestyle=":"),
+    "cuda_breakable": dict(color="tab:red", marker="^", linestyle=":"),
+}
+
+
+class BenchDirNotFoundError(FileNotFoundError):
+    """The ``bench/`` scripts directory could not be found (e.g. a non-editable install)."""
+
+
+# --------------------------------------------------------------------------- helpers for scripts
+def decode_inputs() -> Dict[str, Any]:
+    """The :class:`~graphrunner.runner.BatchInput` spec of the demo decoder's decode step:
+    ``input_ids`` and ``positions``, both long ``[B]`` padded with 0."""
+    from graphrunner.runner import BatchInput
+
+    return {
+        "input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0),
+        "positions": BatchInput(trailing=(), dtype=torch.long, pad=0),
+    }
+
+
+def decode_runner(model: Any, backend: str, device: str, buckets: Sequence[int], warmups: int = 2) -> Any:
+    """A not-yet-captured :class:`~graphrunner.runner.GraphRunner` over ``model.decode_step``.
+
+    ``backend`` is ``"full"``, ``"breakable"`` or ``"eager"``; ``device`` is
+    ``"tape"``, ``"cuda"`` or ``"auto"``. No progress bar. The caller times
+    ``runner.capture()`` itself.
+    """
+    from graphrunner.runner import GraphRunner
+
+    def step(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return model.decode_step(input_ids, positions)
+
+    return GraphRunner(step, inputs=decode_inputs(), buckets=list(buckets), backend=backend, device=device,
+                       warmups=warmups, progress=False)
+
+
+def environment() -> Dict[str, Any]:
+    """Facts about this process that make numbers comparable: versions, CPU, threads, GPU."""
+    import graphrunner
+
+    cuda = torch.cuda.is_available()
+    return {
+        "graphrunner": graphrunner.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda_available": cuda,
+        "cuda_device": torch.cuda.get_device_name(0) if cuda else None,
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+# --------------------------------------------------------------------------- finding and loading
+def find_bench_dir(bench_dir: Optional[str | os.PathLike] = None) -> Path:
+    """Return the directory holding the benchmark scripts.
+
+    Order: ``bench_dir`` if given, else ``$GRAPHRUNNER_BENCH_DIR``, else
+    ``bench/`` next to the ``graphrunner`` package source tree (an editable
+    install or a checkout on ``sys.path``). Raises
+    :class:`BenchDirNotFoundError` naming the places looked at when none is a
+    directory (a non-editable install has no ``bench/``).
+    """
+    if bench_dir is None:
+        bench_dir = os.environ.get("GRAPHRUNNER_BENCH_DIR") or None
+    if bench_dir is not None:
+        path = Path(bench_dir).expanduser().resolve()
+        if not path.is_dir():
+            raise BenchDirNotFoundError(f"benchmark directory {str(path)!r} does not exist or is not a directory")
+        return path
+    import graphrunner
+
+    pkg = Path(graphrunner.__file__).resolve().parent
+    path = pkg.parent / "bench"
+    if not path.is_dir():
+        raise BenchDirNotFoundError(
+            f"the benchmark scripts (bench/) were not found next to the graphrunner package at {str(pkg)!r}: "
+            f"looked for {str(path)!r}. bench/ is part of the source repository, not of an installed wheel; "
+            "run from a clone installed with `pip install -e .`, or pass --bench-dir PATH "
+            "(or set GRAPHRUNNER_BENCH_DIR) to a checkout's bench/ directory")
+    return path
+
+
+def load_script(path: str | os.PathLike, name: Optional[str] = None) -> Any:
+    """Import the script at ``path`` as a fresh module (``graphrunner_bench_<name>``) and return it.
+
+    The module is registered in ``sys.modules`` while it executes (dataclasses
+    need that) and replaced on every call. Raises ``FileNotFoundError`` when the
+    file does not exist; errors raised by the script's top level propagate.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"benchmark script {str(path)!r} does not exist")
+    modname = f"graphrunner_bench_{name or path.stem}"
+    spec = importlib.util.spec_from_file_location(modname, path)
+    if spec is None or spec.loader is None:  # pragma: no cover - only for odd file names
+        raise ImportError(f"cannot import benchmark script {str(path)!r}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[modname] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(modname, None)
+        raise
+    return module
+
+
+def _quick_args(name: str, path: Path) -> List[str]:
+    try:
+        source = path.read_text()
+    except OSError:
+        source = ""
+    if "--quick" in source:
+        return ["--quick"]
+    return list(_QUICK_FALLBACK.get(name, []))
+
+
+# --------------------------------------------------------------------------- the suite
+def run_suite(
+    out: Optional[str | os.PathLike] = None,
+    plot: Optional[str | os.PathLike] = "auto",
+    quick: bool = False,
+    only: Optional[Sequence[str]] = None,
+    skip: Sequence[str] = (),
+    bench_dir: Optional[str | os.PathLike] = None,
+    extra_args: Optional[Dict[str, List[str]]] = None,
+    echo: Callable[[str], Any] = print,
+) -> Dict[str, Any]:
+    """Run the benchmark scripts in this process and write the merged JSON (and the plot).
+
+    Args:
+        out: merged JSON path; each script writes ``<dirname(out)>/<name>.json``.
+            ``None``: ``<bench dir>/results/bench.json`` (:data:`DEFAULT_OUT` in a checkout).
+        plot: PNG path for the latency plot, ``"auto"`` for
+            ``<dirname(out)>/latency_vs_batch.png``, or ``None`` for no plot.
+        quick: smoke run: passes ``--quick`` to scripts that support it (or a
+            small fixed argument list to the known scripts that do not).
+        only: names to run (default: every script of :data:`SUITE`; a
+            script whose file is absent is recorded in ``skipped``); an
+            unknown name is an error.
+        skip: names not to run.
+        bench_dir: see :func:`find_bench_dir`.
+        extra_args: ``{name: [args]}`` appended to that script's argv.
+        echo: where progress lines go (``print`` by default).
+
+    Returns the merged dict (also written to ``out``): ``schema``,
+    ``created``, ``quick``, ``environment``, ``bench_dir``, ``results``
+    (``{name: the script's dict}``), ``seconds`` (wall time per script),
+    ``argv`` (per script), ``skipped`` (``{name: reason}``), ``errors``
+    (``{name: traceback}``), ``summary`` (:func:`summarize`), ``plot`` (the
+    PNG path or ``None``), ``plot_note`` and ``out`` (the JSON path).
+
+    A script that raises is recorded in ``errors`` and the suite goes on.
+    The JSON is rewritten after every script, so a run that is killed keeps
+    the results of the scripts that finished.
+    The process-wide torch thread count is restored after each script (a
+    script may pin it for its own run). Raises
+    :class:`BenchDirNotFoundError` when ``bench/`` cannot be found and
+    ``ValueError`` for an unknown name in ``only``/``skip``.
+    """
+    bdir = find_bench_dir(bench_dir)
+    extra_args = dict(extra_args or {})
+    names = list(SUITE)
+    for label, given in (("only", only or ()), ("skip", skip)):
+        unknown = [n for n in given if n not in SUITE]
+        if unknown:
+            raise ValueError(f"--{label}: unknown benchmark(s) {unknown}; known: {list(SUITE)}")
+    if only:
+        names = [n for n in names if n in only]
+    names = [n for n in names if n not in skip]
+
+    out = bdir / "results" / "bench.json" if out is None else Path(out)
+    results_dir = out.parent
+    if isinstance(plot, str) and plot == "auto":
+        plot = results_dir / "latency_vs_batch.png"
+    results_dir.mkdir(parents=True, exist_ok=True)
+    merged: Dict[str, Any] = {
+        "schema": 1,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "quick": bool(quick),
+        "environment": environment(),
+        "bench_dir": str(bdir),
+        "results": {},
+        "seconds": {},
+        "argv": {},
+        "skipped": {},
+        "errors": {},
+        "plot": None,
+        "plot_note": "not drawn yet (the run was cut short)",
+        "out": str(out),
+    }
+    for name in SUITE:
+        if name not in names:
+            merged["skipped"][name] = "not selected (--only/--skip)"
+    write_json(out, merged)
+    for name in names:
+        path = bdir / f"{name}.py"
+        if not path.is_file():
+            merged["skipped"][name] = f"{path} does not exist"
+            echo(f"[bench] {name}: skipped ({path} does not exist)")
+            continue
+        script_out = results_dir / f"{name}.json"
+        argv = ["--out", str(script_out)]
+        if quick:
+            argv += _quick_args(name, path)
+        argv += list(extra_args.get(name, []))
+        merged["argv"][name] = argv
+        if script_out.is_file():
+            script_out.unlink()  # never read back a previous run's file
+        echo(f"[bench] {name}: python {path} {' '.join(argv)}")
+        threads = torch.get_num_threads()
+        t0 = time.perf_counter()
+        try:
+            module = load_script(path, name)
+            fn = getattr(module, "main", None)
+            if not callable(fn):
+                merged["skipped"][name] = f"{path} has no main(argv) function"
+                echo(f"[bench] {name}: skipped (no main(argv))")
+                continue
+            result = fn(argv)
+            if result is None and script_out.is_file():
+                # Scripts that only write their JSON: read it back.
+                result = json.loads(script_out.read_text())
+            if not isinstance(result, dict):
+                raise TypeError(f"{name}.main(argv) returned {type(result).__name__}, expected a dict "
+                                f"(or None after writing --out)")
+            merged["results"][name] = result
+        except SystemExit as exc:  # argparse errors
+            merged["errors"][name] = f"SystemExit({exc.code!r}) from {name}.main({argv})"
+            echo(f"[bench] {name}: FAILED: exited with {exc.code}")
+        except Exception:  # noqa: BLE001 - record and go on with the suite
+            merged["errors"][name] = traceback.format_exc()
+            echo(f"[bench] {name}: FAILED\n{merged['errors'][name]}")
+        finally:
+            merged["seconds"][name] = time.perf_counter() - t0
+            if torch.get_num_threads() != threads:
+                # A script changed the process-wide thread count: do not let it leak into the next.
+                echo(f"[bench] {name}: restoring torch threads {torch.get_num_threads()} -> {threads}")
+                torch.set_num_threads(threads)
+        if name in merged["results"]:
+            echo(f"[bench] {name}: done in {merged['seconds'][name]:.1f}s")
+        # Write what we have after every script, so a run cut short keeps its finished results.
+        merged["summary"] = summarize(merged["results"])
+        write_json(out, merged)
+
+    merged["plot_note"] = None
+    lat = merged["results"].get("latency_vs_batch")
+    if plot is None:
+        merged["plot_note"] = "no plot requested"
+    elif lat is None:
+        merged["plot_note"] = "latency_vs_batch did not run; no plot"
+    else:
+        try:
+            written = plot_latency(lat, plot)
+        except Exception:  # noqa: BLE001 - a plot failure must not lose the numbers
+            merged["plot_note"] = "plot failed:\n" + traceback.format_exc()
+        else:
+            if written is None:
+                merged["plot_note"] = "matplotlib is not installed: no plot (pip install -e '.[bench]')"
+            else:
+                merged["plot"] = str(written)
+        if merged["plot_note"]:
+            echo(f"[bench] {merged['plot_note']}")
+    merged["summary"] = summarize(merged["results"])
+    write_json(out, merged)
+    return merged
+
+
+def write_json(path: "str | os.PathLike", obj: Dict[str, Any], announce: bool = False) -> None:
+    """Write ``obj`` as JSON to ``path`` atomically (a run killed while writing
+    leaves the previous complete file), creating its folder; with
+    ``announce``, print ``wrote <path>``. Every bench script writes through it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=_json_default))
+    os.replace(tmp, path)
+    if announce:
+        print(f"wrote {path}")
+
+
+def _json_default(v: Any) -> Any:
+    if isinstance(v, (torch.dtype, torch.device, Path)):
+        return str(v)
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
+        return v.item()
+    return repr(v)
+
+
+def summarize(results: Dict[str, Any]) -> Dict[str, Any]:
+    """The headline numbers of a suite run, from each script's result dict.
+
+    Keys (present when the script ran):
+
+    - ``capture_vs_compile``: ``ratio`` (compile seconds / capture seconds on
+      the same bucket sizes), ``target_ratio``, ``meets_target``,
+      ``capture_seconds_all_buckets``, ``capture_seconds_same_buckets``,
+      ``compile_seconds``, ``compile_buckets``, ``compile_skipped``.
+    - ``latency_vs_batch``: ``batches``; ``speedup`` per graph method, one
+      value per batch (its eager reference's latency / its latency);
+      ``reference`` (that eager method, per graph method).
+    - ``runner_overhead``: ``ratio_runner_over_minimal``, ``target_ratio``.
+    - ``tape_vs_eager``: ``speedup`` per batch (its ``rows``: the demo decoder's
+      TapeGraph replay vs eager) and ``speedup_inline`` (its ``rows_inline``).
+    """
+    s: Dict[str, Any] = {}
+    cvc = results.get("capture_vs_compile")
+    if isinstance(cvc, dict):
+        s["capture_vs_compile"] = {k: cvc.get(k) for k in (
+            "ratio", "target_ratio", "meets_target", "capture_seconds_all_buckets", "capture_seconds_same_buckets",
+            "compile_seconds", "compile_buckets", "compile_skipped")}
+    lat = results.get("latency_vs_batch")
+    if isinstance(lat, dict):
+        methods = lat.get("methods") or {}
+        s["latency_vs_batch"] = {
+            "batches": lat.get("batches"),
+            "speedup": lat.get("speedup"),
+            "reference": {m: (methods.get(m) or {}).get("reference") for m in (lat.get("speedup") or {})},
+        }
+    ro = results.get("runner_overhead")
+    if isinstance(ro, dict):
+        s["runner_overhead"] = {"ratio_runner_over_minimal": ro.get("ratio_runner_over_minimal"),
+                                "target_ratio": ro.get("target_ratio")}
+    tve = results.get("tape_vs_eager")
+    if isinstance(tve, dict):
+        t: Dict[str, Any] = {}
+        for key, rows_key in (("speedup", "rows"), ("speedup_inline", "rows_inline")):
+            rows = tve.get(rows_key)
+            if isinstance(rows, list) and rows:
+                t[key] = {str(r.get("batch")): r.get("speedup") for r in rows if isinstance(r, dict)}
+        s["tape_vs_eager"] = t
+    return s
+
+
+def plot_latency(latency: Dict[str, Any], path: str | os.PathLike) -> Optional[Path]:
+    """Draw per-call latency against batch size from a ``latency_vs_batch`` result and save a PNG.
+
+    One line per method in ``latency["methods"]`` (``latency_us`` aligned
+    with ``latency["batches"]``; ``None`` entries are not drawn), log-log
+    axes. Uses the ``Agg`` backend (no display needed). Returns the path
+    written, or ``None`` when matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    batches = list(latency["batches"])
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    methods = latency["methods"]
+    order = [m for m in _PLOT_STYLE if m in methods] + [m for m in methods if m not in _PLOT_STYLE]
+    for name in order:
+        ys = methods[name].get("latency_us") or []
+        pts = [(b, y) for b, y in zip(batches, ys) if y is not None]
+        if not pts:
+            continue
+        style = _PLOT_STYLE.get(name, dict(marker="x", linestyle="-"))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, **style)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(batches)
+    ax.set_xticklabels([str(b) for b in batches])
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("per-call latency (µs, median)")
+    env = latency.get("environment") or {}
+    cfg = latency.get("config") or {}
+    title = "demo decoder step: latency vs batch"
+    sub = (f"{cfg.get('num_layers', '?')} layers, hidden {cfg.get('hidden_size', '?')}; "
+           f"torch {env.get('torch', '?')}, {env.get('torch_threads', '?')} threads")
+    ax.set_title(f"{title}\n{sub}", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------- command line
+def _print_summary(merged: Dict[str, Any], out: Path) -> None:
+    s = merged.get("summary", {})
+    print("\n[bench] summary (timings on a shared machine are noisy; ratios are measured side by side)")
+    cvc = s.get("capture_vs_compile")
+    if cvc:
+        if cvc.get("ratio") is not None:
+            print(f"  capture vs torch.compile: {cvc['ratio']:.1f}x faster on buckets {cvc.get('compile_buckets')} "
+                  f"(target >= {cvc.get('target_ratio')}x: {'met' if cvc.get('meets_target') else 'NOT met'})")
+        else:
+            print(f"  capture vs torch.compile: compile side skipped ({cvc.get('compile_skipped')})")
+    lat = s.get("latency_vs_batch")
+    if lat and lat.get("speedup"):
+        for m, sp in lat["speedup"].items():
+            cells = ", ".join(f"b{b}: {x:.2f}x" for b, x in zip(lat["batches"], sp) if x is not None)
+            ref = (lat.get("reference") or {}).get(m) or "eager"
+            print(f"  {m} vs {ref}: {cells}")
+    ro = s.get("runner_overhead")
+    if ro and ro.get("ratio_runner_over_minimal") is not None:
+        print(f"  runner vs minimal loop: {ro['ratio_runner_over_minimal']:.3f}x (target <= {ro.get('target_ratio')})")
+    tve = s.get("tape_vs_eager")
+    for key, label in (("speedup", "demo decoder"), ("speedup_inline", "inline decoder")):
+        if tve and tve.get(key):
+            print(f"  TapeGraph replay vs eager ({label}): " +
+                  ", ".join(f"b{b}: {x:.2f}x" for b, x in tve[key].items() if x is not None))
+    for name, reason in merged.get("skipped", {}).items():
+        print(f"  skipped {name}: {reason}")
+    for name in merged.get("errors", {}):
+        print(f"  FAILED {name} (traceback in the JSON under errors.{name})")
+    print(f"[bench] wrote {out}" + (f" and {merged['plot']}" if merged.get("plot") else ""))
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default=None,
+                   help=f"merged JSON path; per-script JSON files go next to it (default: {DEFAULT_OUT} "
+                        "in the repository, wherever the command runs)")
+    p.add_argument("--plot", default="auto",
+                   help="latency plot PNG path (default: latency_vs_batch.png next to --out)")
+    p.add_argument("--no-plot", action="store_true", help="do not draw the plot")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: few sizes and repetitions, torch.compile skipped (seconds, not minutes)")
+    p.add_argument("--only", default="", help=f"comma-separated subset of {','.join(SUITE)}")
+    p.add_argument("--skip", default="", help="comma-separated benchmarks not to run")
+    p.add_argument("--bench-dir", default=None,
+                   help="directory holding the bench scripts (default: bench/ next to the package source)")
+    p.add_argument("--compile-buckets", default=None,
+                   help="capture_vs_compile: bucket sizes torch.compile compiles, e.g. 1,2,4,8 or 'all' "
+                        "(default there: 1,2,4,8; with --quick: skipped)")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                   help="capture_vs_compile: device of the comparison (default cpu)")
+
+
+_DESCRIPTION = ("Run the graphrunner benchmark suite (bench/*.py) in one process; write one merged JSON "
+                "file and a latency-vs-batch plot. Timings are never assertions.")
+
+
+def _split(s: str) -> List[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def _run_from_args(args: argparse.Namespace) -> int:
+    extra: Dict[str, List[str]] = {}
+    if args.compile_buckets is not None:
+        extra.setdefault("capture_vs_compile", []).extend(["--compile-buckets", args.compile_buckets])
+    if args.device is not None:
+        extra.setdefault("capture_vs_compile", []).extend(["--device", args.device])
+    try:
+        merged = run_suite(out=args.out, plot=None if args.no_plot else args.plot, quick=args.quick,
+                           only=_split(args.only) or None, skip=_split(args.skip), bench_dir=args.bench_dir,
+                           extra_args=extra)
+    except (BenchDirNotFoundError, ValueError) as exc:
+        print(f"graphrunner bench: error: {exc}", file=sys.stderr)
+        return 2
+    _print_summary(merged, Path(merged["out"]))
+    return 1 if merged["errors"] else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``python -m graphrunner.bench`` (same options as ``graphrunner bench``)."""
+    p = argparse.ArgumentParser(prog="python -m graphrunner.bench", description=_DESCRIPTION)
+    _add_arguments(p)
+    p.set_defaults(func=_run_from_args)
+    return p
+
+
+def add_bench_subparser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the ``bench`` subcommand on ``subparsers`` (from ``parser.add_subparsers()``).
+
+    Sets ``func`` so that ``args.func(args)`` runs the suite and returns the
+    exit code (0 ok, 1 a script failed, 2 bad options or no ``bench/``).
+    Returns the new subparser.
+    """
+    p = subparsers.add_parser("bench", help="run the benchmark suite; write JSON and a latency plot",
+                              description=_DESCRIPTION)
+    _add_arguments(p)
+    p.set_defaults(func=_run_from_args)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``python -m graphrunner.bench``; returns the exit code."""
+    args = build_parser().parse_args(None if argv is None else list(argv))
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""The benchmark driver: a quick run of the real suite writes the merged JSON and the PNG,
+and the driver reports failing, missing and main-less scripts instead of hiding them.
+
+Benchmarks are never timed assertions: these tests check structure and correctness values
+(graph output == eager output), not speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import graphrunner
+from graphrunner import bench as grbench
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH_DIR = REPO / "bench"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.pop("GRAPHRUNNER_BENCH_DIR", None)
+    return env
+
+
+def test_quick_suite_writes_json_and_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "res" / "bench.json"
+    png = tmp_path / "res" / "latency.png"
+    # cwd is tmp_path: the driver must find bench/ from the package, not from the cwd.
+    proc = subprocess.run(
+        [sys.executable, "-m", "graphrunner.bench", "--quick", "--out", str(out), "--plot", str(png)],
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+
+    for key in ("schema", "created", "quick", "environment", "bench_dir", "results", "seconds", "argv",
+                "skipped", "errors", "summary", "plot", "plot_note", "out"):
+        assert key in data, key
+    assert data["quick"] is True and data["out"] == str(out)
+    assert data["errors"] == {}
+    assert Path(data["bench_dir"]) == BENCH_DIR.resolve()
+    # Every suite script present in bench/ ran (or says why not); ours always run.
+    for name in grbench.SUITE:
+        if (BENCH_DIR / f"{name}.py").is_file():
+            assert name in data["results"] or name in data["skipped"], name
+            if name in data["results"]:
+                assert (out.parent / f"{name}.json").is_file(), name
+    assert {"latency_vs_batch", "capture_vs_compile"} <= set(data["results"])
+
+    lat = data["results"]["latency_vs_batch"]
+    batches = lat["batches"]
+    assert batches == sorted(batches) and len(batches) >= 2
+    for m in ("eager", "eager_masked", "tape_full", "tape_breakable"):
+        row = lat["methods"][m]
+        assert len(row["latency_us"]) == len(batches)
+        assert all(isinstance(v, float) and v > 0 for v in row["latency_us"]), (m, row["latency_us"])
+    # Replays equal eager on the same inputs (tape replays run the same kernels).
+    assert lat["methods"]["tape_full"]["max_abs_diff"] == [0.0] * len(batches)
+    assert lat["methods"]["tape_breakable"]["max_abs_diff"] == [0.0] * len(batches)
+    assert lat["methods"]["tape_full"]["reference"] == "eager_masked"
+    assert lat["methods"]["tape_breakable"]["reference"] == "eager"
+    for m in ("tape_full", "tape_breakable"):
+        want = [r / x for r, x in zip(lat["methods"][lat["methods"][m]["reference"]]["latency_us"],
+                                      lat["methods"][m]["latency_us"])]
+        assert lat["speedup"][m] == pytest.approx(want)
+
+    cvc = data["results"]["capture_vs_compile"]
+    assert cvc["capture_seconds_all_buckets"] > 0
+    assert cvc["capture"]["full_all"]["segments"] == {str(b): 1 for b in cvc["buckets"]}  # one graph per bucket
+    assert all(n > 1 for n in cvc["capture"]["breakable_varlen_all"]["segments"].values())
+    assert cvc["compile"] is None and cvc["ratio"] is None and "--quick" in cvc["compile_skipped"]
+    assert data["summary"]["capture_vs_compile"]["compile_skipped"] == cvc["compile_skipped"]
+
+    assert data["plot"] == str(png)
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    assert "summary" in proc.stdout
+
+
+# ----------------------------------------------------------------------------- driver behaviour
+_GOOD_LATENCY = '''
+import json, sys
+def main(argv):
+    out = argv[argv.index("--out") + 1]
+    res = {"batches": [1, 2], "methods": {"eager": {"latency_us": [10.0, 20.0]},
+           "tape_full": {"latency_us": [5.0, None]}}, "speedup": {"tape_full": [2.0, None]},
+           "argv": list(argv)}
+    json.dump(res, open(out, "w"))
+    return res
+'''
+
+_FAILING = '''
+def main(argv):
+    raise RuntimeError("boom from the fake benchmark")
+'''
+
+_NO_MAIN = "X = 1\n"
+
+_WRITES_ONLY = '''
+import json
+def main(argv):
+    json.dump({"rows": [{"batch": 1, "speedup": 1.5}]}, open(argv[argv.index("--out") + 1], "w"))
+'''
+
+
+def _fake_bench(tmp_path: Path, **scripts: str) -> Path:
+    d = tmp_path / "fakebench"
+    d.mkdir()
+    for name, src in scripts.items():
+        (d / f"{name}.py").write_text(src)
+    return d
+
+
+def test_driver_records_failures_missing_and_mainless_scripts(tmp_path, capsys):
+    d = _fake_bench(tmp_path, latency_vs_batch=_GOOD_LATENCY, capture_vs_compile=_FAILING,
+                    runner_overhead=_NO_MAIN, tape_vs_eager=_WRITES_ONLY)
+    out = tmp_path / "r" / "bench.json"
+    rc = grbench.main(["--bench-dir", str(d), "--out", str(out), "--plot", str(tmp_path / "r" / "p.png"),
+                       "--quick"])
+    assert rc == 1  # a script raised
+    data = json.loads(out.read_text())
+    assert "boom from the fake benchmark" in data["errors"]["capture_vs_compile"]
+    assert "no main(argv)" in data["skipped"]["runner_overhead"]
+    assert data["results"]["tape_vs_eager"] == {"rows": [{"batch": 1, "speedup": 1.5}]}  # read back from --out
+    assert data["summary"]["tape_vs_eager"] == {"speedup": {"1": 1.5}}
+    # Each script got its own --out next to the merged file; no --quick for scripts without it.
+    assert data["results"]["latency_vs_batch"]["argv"] == ["--out", str(out.parent / "latency_vs_batch.json")]
+    assert (tmp_path / "r" / "p.png").is_file() or data["plot_note"]
+    assert "FAILED capture_vs_compile" in capsys.readouterr().out
+
+    # Negative control: without the failing script the same run exits 0.
+    (d / "capture_vs_compile.py").unlink()
+    rc = grbench.main(["--bench-dir", str(d), "--out", str(out), "--no-plot"])
+    data = json.loads(out.read_text())
+    assert rc == 0 and data["errors"] == {}
+    assert "does not exist" in data["skipped"]["capture_vs_compile"]
+    assert data["plot"] is None and data["plot_note"] == "no plot requested"
+
+
+def test_quick_flag_passed_only_to_scripts_that_take_it(tmp_path):
+    takes_quick = _GOOD_LATENCY.replace('"argv": list(argv)', '"argv": list(argv), "doc": "--quick"')
+    d = _fake_bench(tmp_path, latency_vs_batch=takes_quick)
+    out = tmp_path / "bench.json"
+    grbench.run_suite(out=out, plot=None, quick=True, only=["latency_vs_batch"], bench_dir=d, echo=lambda s: None)
+    assert json.loads(out.read_text())["results"]["latency_vs_batch"]["argv"][-1] == "--quick"
+    grbench.run_suite(out=out, plot=None, quick=False, only=["latency_vs_batch"], bench_dir=d, echo=lambda s: None)
+    assert "--quick" not in json.loads(out.read_text())["results"]["latency_vs_batch"]["argv"]
+
+
+def test_unknown_names_and_missing_bench_dir_are_clear_errors(tmp_path, monkeypatch, capsys):
+    with pytest.raises(ValueError, match="unknown benchmark"):
+        grbench.run_suite(out=tmp_path / "b.json", only=["nope"], bench_dir=BENCH_DIR)
+    with pytest.raises(grbench.BenchDirNotFoundError, match="does not exist"):
+        grbench.find_bench_dir(tmp_path / "missing")
+    # A non-editable install: the package lives in site-packages with no bench/ next to it.
+    fake_pkg = tmp_path / "site-packages" / "graphrunner"
+    fake_pkg.mkdir(parents=True)
+    monkeypatch.delenv("GRAPHRUNNER_BENCH_DIR", raising=False)
+    monkeypatch.setattr(graphrunner, "__file__", str(fake_pkg / "__init__.py"))
+    with pytest.raises(grbench.BenchDirNotFoundError, match=r"pip install -e \.|--bench-dir"):
+        grbench.find_bench_dir()
+    assert grbench.main(["--out", str(tmp_path / "b.json")]) == 2
+    assert "bench/" in capsys.readouterr().err
+    # The environment variable points the driver at a checkout.
+    monkeypatch.setenv("GRAPHRUNNER_BENCH_DIR", str(BENCH_DIR))
+    assert grbench.find_bench_dir() == BENCH_DIR.resolve()
+
+
+def test_plot_skipped_with_message_without_matplotlib(tmp_path, monkeypatch):
+    d = _fake_bench(tmp_path, latency_vs_batch=_GOOD_LATENCY)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    lat = {"batches": [1, 2], "methods": {"eager": {"latency_us": [1.0, 2.0]}}}
+    assert grbench.plot_latency(lat, tmp_path / "x.png") is None
+    merged = grbench.run_suite(out=tmp_path / "b.json", plot=tmp_path / "p.png", only=["latency_vs_batch"],
+                               bench_dir=d, echo=lambda s: None)
+    assert merged["plot"] is None and "matplotlib is not installed" in merged["plot_note"]
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_plot_draws_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    lat = {"batches": [1, 2, 4], "methods": {"eager": {"latency_us": [10.0, 12.0, 15.0]},
+                                             "tape_full": {"latency_us": [8.0, None, 11.0]},
+                                             "other": {"latency_us": [9.0, 9.5, 9.9]}}}
+    path = grbench.plot_latency(lat, tmp_path / "sub" / "p.png")
+    assert path == tmp_path / "sub" / "p.png"
+    assert path.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_add_bench_subparser_registers_command():
+    parser = argparse.ArgumentParser(prog="graphrunner")
+    sub = parser.add_subparsers(dest="command", required=True)
+    grbench.add_bench_subparser(sub)
+    args = parser.parse_args(["bench", "--quick", "--only", "latency_vs_batch", "--compile-buckets", "1,2"])
+    assert args.func is grbench._run_from_args
+    assert args.quick and args.only == "latency_vs_batch" and args.compile_buckets == "1,2"
+    assert args.out is None and args.plot == "auto"  # default: <repo>/bench/results/, wherever it runs
+
+
+def test_every_public_name_has_a_docstring():
+    for name in grbench.__all__:
+        obj = getattr(grbench, name)
+        if callable(obj):
+            assert obj.__doc__ and obj.__doc__.strip(), name
+
+
+def test_thread_count_restored_after_each_script(tmp_path):
+    import torch
+
+    pins = '''
+import torch
+def main(argv):
+    torch.set_num_threads(torch.get_num_threads() + 1)
+    return {"ok": True}
+'''
+    d = _fake_bench(tmp_path, tape_vs_eager=pins)
+    before = torch.get_num_threads()
+    try:
+        grbench.run_suite(out=tmp_path / "b.json", plot=None, only=["tape_vs_eager"], bench_dir=d,
+                          echo=lambda s: None)
+        assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)
