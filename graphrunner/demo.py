@@ -69,6 +69,36 @@ def _ms(samples: List[float]) -> float:
     return statistics.median(samples) * 1e3 if samples else float("nan")
 
 
+def _latency_table(runner: GraphRunner, model, dev, buckets: List[int], config: LlamaConfig,
+                   gen: torch.Generator, out: TextIO, reps: int = 15) -> Dict[str, Dict[str, float]]:
+    """Time, per bucket, a full-bucket runner call against the eager step on
+    the same inputs, interleaved call by call; print and return the medians."""
+    latency: Dict[str, Dict[str, float]] = {}
+    print(f"\n{'bucket':>7} {'eager_ms':>9} {'graph_ms':>9} {'speedup':>8}", file=out)
+    for b in buckets:
+        ids = torch.randint(0, config.vocab_size, (b,), generator=gen).to(dev.torch_device)
+        pos = torch.randint(0, config.max_seq_len, (b,), generator=gen).to(dev.torch_device)
+        eager_s: List[float] = []
+        graph_s: List[float] = []
+        for _ in range(reps):
+            dev.synchronize()
+            t0 = time.perf_counter()
+            runner(input_ids=ids, positions=pos)
+            dev.synchronize()
+            t1 = time.perf_counter()
+            with torch.inference_mode():
+                model.decode_step(ids, pos)
+            dev.synchronize()
+            eager_s.append(time.perf_counter() - t1)
+            graph_s.append(t1 - t0)
+        e, g = _ms(eager_s), _ms(graph_s)
+        latency[str(b)] = {"eager_ms": e, "graph_ms": g, "speedup": e / g}
+        print(f"{b:>7} {e:>9.3f} {g:>9.3f} {e / g:>7.2f}x", file=out)
+    print(f"(medians of {reps} interleaved calls per bucket; graph_ms is the whole runner call: "
+          "copy, pad, replay, slice)", file=out)
+    return latency
+
+
 def run_demo(backend: str = "breakable", device: str = "auto", steps: int = 200,
              buckets: Sequence[int] = (1, 2, 4, 8, 16, 32), max_batch: int = 40, seed: int = 0,
              layers: int = 4, trace_out: Optional[str] = "graphrunner-demo-trace",
@@ -107,8 +137,6 @@ def run_demo(backend: str = "breakable", device: str = "auto", steps: int = 200,
     print(report.table(), file=out)
 
     gen = torch.Generator().manual_seed(seed + 1)
-    graph_ms: Dict[object, List[float]] = {}
-    eager_ms: Dict[object, List[float]] = {}
     graph_bad = pad_bad = 0
     max_padded = max_unpadded = 0.0
     t_start = time.perf_counter()
@@ -117,25 +145,12 @@ def run_demo(backend: str = "breakable", device: str = "auto", steps: int = 200,
         ids = torch.randint(0, config.vocab_size, (n,), generator=gen).to(torch_device)
         pos = torch.randint(0, config.max_seq_len, (n,), generator=gen).to(torch_device)
 
-        dev.synchronize()
-        t0 = time.perf_counter()
-        got = runner(input_ids=ids, positions=pos)
-        dev.synchronize()
-        t1 = time.perf_counter()
+        got = runner(input_ids=ids, positions=pos).clone()
         bucket = runner.stats.last_bucket
-        label = bucket if bucket is not None else "fallback"
-        got = got.clone()
-
         rows = bucket if bucket is not None else n
         with torch.inference_mode():
             padded_ref = model.decode_step(_pad(ids, rows), _pad(pos, rows))[:n]
-            dev.synchronize()
-            t2 = time.perf_counter()
             ref = model.decode_step(ids, pos)
-            dev.synchronize()
-            t3 = time.perf_counter()
-        graph_ms.setdefault(label, []).append(t1 - t0)
-        eager_ms.setdefault(label, []).append(t3 - t2)
 
         d_pad = (got - padded_ref).abs().max().item()
         d_unpad = (got - ref).abs().max().item()
@@ -150,19 +165,10 @@ def run_demo(backend: str = "breakable", device: str = "auto", steps: int = 200,
                       f"mismatches {graph_bad + pad_bad}", end="" if i + 1 < steps else "\n",
                       file=sys.stderr, flush=True)
 
-    latency: Dict[str, Dict[str, float]] = {}
-    print(f"\n{'bucket':>8} {'calls':>6} {'eager_ms':>9} {'graph_ms':>9} {'speedup':>8}", file=out)
-    labels = [b for b in buckets if b in graph_ms] + (["fallback"] if "fallback" in graph_ms else [])
-    for label in labels:
-        e, g = _ms(eager_ms[label]), _ms(graph_ms[label])
-        latency[str(label)] = {"calls": len(graph_ms[label]), "eager_ms": e, "graph_ms": g, "speedup": e / g}
-        print(f"{label:>8} {len(graph_ms[label]):>6} {e:>9.3f} {g:>9.3f} {e / g:>7.2f}x", file=out)
-    print("(eager_ms: the step eagerly on the real batch; graph_ms: the runner call incl. copy, pad, "
-          "replay, slice; medians)", file=out)
-
     stats = runner.stats
     print(f"\nfallbacks: {stats.fallbacks} of {stats.calls} calls {dict(stats.fallback_reasons) or ''}; "
           f"padding rows computed: {stats.padding_rows} for {stats.real_rows} real rows", file=out)
+    latency = _latency_table(runner, model, dev, list(buckets), config, gen, out)
     print(f"graph vs eager on the padded batch: {steps - graph_bad}/{steps} bit-exact "
           f"(max |diff| {max_padded:.3g})", file=out)
     print(f"graph vs eager on the real batch: {steps - pad_bad}/{steps} within atol={UNPADDED_ATOL} "
