@@ -40,33 +40,19 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from graphrunner.bench import write_json
-
-from graphrunner.bench import decode_runner, environment
+from graphrunner.bench import decode_runner, environment, parse_int_list, sync_device, write_json
 from graphrunner.models import LlamaConfig, build_model
 
 # Target: capturing every bucket is at least this many times faster than compiling the same sizes.
 TARGET_RATIO = 50.0
 
 
-def _parse_ints(s: str) -> List[int]:
-    vals = [int(x) for x in s.split(",") if x.strip()]
-    if not vals or any(v <= 0 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive ints, got {s!r}")
-    return sorted(set(vals))
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def _capture(model: Any, backend: str, gr_device: str, dev: str, buckets: List[int], warmups: int) -> Dict[str, Any]:
     runner = decode_runner(model, backend, gr_device, buckets, warmups)
-    _sync(dev)
+    sync_device(dev)
     t0 = time.perf_counter()
     report = runner.capture()
-    _sync(dev)
+    sync_device(dev)
     wall = time.perf_counter() - t0
     per_bucket = {str(b.bucket): b.capture_seconds for b in report.buckets}
     segments = {str(b.bucket): b.num_segments for b in report.buckets}
@@ -101,10 +87,10 @@ def _compile_side(model: Any, dev: str, buckets: List[int], cold: bool, vocab: i
                 ids = torch.randint(0, vocab, (b,), generator=gen).to(dev)
                 pos = torch.full((b,), 100, dtype=torch.long, device=dev)
                 with torch.inference_mode():
-                    _sync(dev)
+                    sync_device(dev)
                     t0 = time.perf_counter()
                     out = compiled(ids, pos)
-                    _sync(dev)
+                    sync_device(dev)
                     per_bucket[str(b)] = time.perf_counter() - t0
                     ref = step(ids, pos)
                     diffs[str(b)] = float((out.float() - ref.float()).abs().max())
@@ -136,7 +122,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     ap.add_argument("--out", default=os.path.join("bench", "results", "capture_vs_compile.json"))
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: buckets 1,2; compile side skipped unless --compile-buckets is given")
-    ap.add_argument("--buckets", type=_parse_ints, default=None, help="graphrunner buckets (default 1,2,4,8,16,32)")
+    ap.add_argument("--buckets", type=parse_int_list, default=None, help="graphrunner buckets (default 1,2,4,8,16,32)")
     ap.add_argument("--compile-buckets", default=None,
                     help="sizes torch.compile compiles: comma-separated, 'all' (= --buckets) or 'none' "
                          "(default 1,2,4,8; with --quick: none)")
@@ -166,7 +152,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     elif spec == "all":
         compile_buckets = list(buckets)
     else:
-        compile_buckets = _parse_ints(spec)
+        compile_buckets = parse_int_list(spec)
     compile_skipped = None
     if not compile_buckets:
         compile_skipped = ("--quick: torch.compile takes seconds to a minute per size; pass --compile-buckets"

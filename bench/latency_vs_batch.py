@@ -35,9 +35,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from graphrunner.bench import write_json
-
-from graphrunner.bench import decode_runner, environment
+from graphrunner.bench import decode_runner, environment, parse_int_list, sync_device, write_json
 from graphrunner.models import LlamaConfig, build_model
 
 # method -> (device kind, attention config, backend or None for eager, eager reference method)
@@ -64,18 +62,6 @@ DESCRIPTIONS = {
 }
 
 
-def _parse_ints(s: str) -> List[int]:
-    vals = [int(x) for x in s.split(",") if x.strip()]
-    if not vals or any(v <= 0 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive ints, got {s!r}")
-    return sorted(set(vals))
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def main(argv: Optional[List[str]] = None) -> dict:
     """Run the benchmark; return (and write to ``--out``) the result dict.
 
@@ -88,7 +74,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join("bench", "results", "latency_vs_batch.json"))
     ap.add_argument("--quick", action="store_true", help="smoke run: batches 1,2,4, 2 rounds, 3 calls")
-    ap.add_argument("--batches", type=_parse_ints, default=None, help="batch sizes (default 1,2,4,8,16,32)")
+    ap.add_argument("--batches", type=parse_int_list, default=None, help="batch sizes (default 1,2,4,8,16,32)")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 7)")
     ap.add_argument("--calls", type=int, default=None, help="calls per (method, batch) per round (default 20)")
     ap.add_argument("--methods", default=None,
@@ -158,7 +144,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
             runner = decode_runner(model, backend, "cuda" if dev == "cuda" else "tape", batches, args.warmups)
             t0 = time.perf_counter()
             runner.capture()
-            _sync(dev)
+            sync_device(dev)
             capture_s[m] = time.perf_counter() - t0
 
             def fn(b, runner=runner, ids=ids, pos=pos):
@@ -185,7 +171,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     for m in wanted:
         for b in batches:
             fns[m](b)
-        _sync(METHODS[m][0])
+        sync_device(METHODS[m][0])
     per_round: Dict[str, Dict[int, List[float]]] = {m: {b: [] for b in batches} for m in wanted}
     for r in range(rounds):
         k = r % len(wanted)
@@ -196,11 +182,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
             dev = METHODS[m][0]
             fn = fns[m]
             for b in batches:
-                _sync(dev)
+                sync_device(dev)
                 t0 = time.perf_counter()
                 for _ in range(calls):
                     fn(b)
-                _sync(dev)
+                sync_device(dev)
                 per_round[m][b].append((time.perf_counter() - t0) / calls * 1e6)
 
     methods: Dict[str, Any] = {}

@@ -92,6 +92,24 @@ class BenchDirNotFoundError(FileNotFoundError):
 
 
 # --------------------------------------------------------------------------- helpers for scripts
+def parse_int_list(text: str) -> List[int]:
+    """Parse ``"1,2,4"`` into sorted, distinct positive ints; raise
+    ``argparse.ArgumentTypeError`` naming the text otherwise (for ``type=``)."""
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 1,2,4,8; got {text!r}")
+    return sorted(set(vals))
+
+
+def sync_device(device: str) -> None:
+    """Wait for queued GPU work when ``device`` is ``"cuda"``, so wall-clock timings are honest."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def decode_inputs() -> Dict[str, Any]:
     """The :class:`~graphrunner.runner.BatchInput` spec of the demo decoder's decode step:
     ``input_ids`` and ``positions``, both long ``[B]`` padded with 0."""

@@ -5,12 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-def _buckets(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"buckets must be comma-separated integers, e.g. 1,2,4,8; got {text!r}")
+from graphrunner.bench import add_bench_subparser, parse_int_list
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -41,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default="auto", choices=["auto", "tape", "cuda"],
                       help="graph kind: cuda when available, else tape (default: auto)")
     demo.add_argument("--steps", type=int, default=200, help="decode steps to serve (default: 200)")
-    demo.add_argument("--buckets", type=_buckets, default=[1, 2, 4, 8, 16, 32],
+    demo.add_argument("--buckets", type=parse_int_list, default=[1, 2, 4, 8, 16, 32],
                       help="comma-separated batch buckets (default: 1,2,4,8,16,32)")
     demo.add_argument("--max-batch", type=int, default=40,
                       help="largest batch size drawn; above the largest bucket means fallback (default: 40)")
@@ -52,12 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default: graphrunner-demo-trace; '' writes none)")
     demo.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
     demo.set_defaults(func=_demo)
-    try:
-        from graphrunner.bench import add_bench_subparser
-    except ImportError:  # pragma: no cover - bench driver not present
-        pass
-    else:
-        add_bench_subparser(sub)
+    add_bench_subparser(sub)
     return parser
 
 
