@@ -27,8 +27,8 @@ from contextvars import ContextVar
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils import _pytree as pytree
 
+from graphrunner._pytree import describe, flatten, structure
 from graphrunner.devices import get_device
 from graphrunner.errors import CaptureError
 
@@ -52,9 +52,13 @@ class _EagerStep:
 
     def __init__(self, fn, args, kwargs, result) -> None:
         self.fn, self.args, self.kwargs = fn, args, kwargs
-        self.leaves, self.spec = pytree.tree_flatten(result)
         self.name = _fn_name(fn)
-        # The common case (one tensor, or nothing) skips pytree work at replay.
+        try:
+            self.spec, self.leaves = flatten(result, f"the result of @no_graph function {self.name}",
+                                             scalars=True)
+        except TypeError as exc:
+            raise CaptureError(str(exc)) from None
+        # The common case (one tensor, or nothing) skips the tree walk at replay.
         self.single = isinstance(result, torch.Tensor) or result is None
 
     def __call__(self) -> None:
@@ -68,33 +72,33 @@ class _EagerStep:
                 old.copy_(fresh)
                 return
             # Anything else falls through to the general check and its error.
-        leaves, spec = pytree.tree_flatten(fresh)
+        try:
+            spec, leaves = flatten(fresh, f"the result of @no_graph function {self.name}", scalars=True)
+        except TypeError as exc:
+            raise CaptureError(str(exc)) from None
         if spec != self.spec:
+            if structure(spec) == structure(self.spec):
+                raise CaptureError(
+                    f"@no_graph function {self.name} returned {describe(spec, leaves)} at replay where it "
+                    f"returned {describe(self.spec, self.leaves)} at capture; the segments after it froze "
+                    "that Python value. Return tensors for values that change, or re-capture."
+                )
             raise CaptureError(
                 f"@no_graph function {self.name} returned a different structure at replay "
-                f"({spec}) than at capture ({self.spec}); a graph freezes it. Return the same "
-                "structure every call, or re-capture."
+                f"({describe(spec, leaves)}) than at capture ({describe(self.spec, self.leaves)}); a graph "
+                "freezes it. Return the same structure every call, or re-capture."
             )
         for i, (old, new) in enumerate(zip(self.leaves, leaves)):
-            if isinstance(old, torch.Tensor):
-                if old is new:
-                    continue
-                if not isinstance(new, torch.Tensor) or new.shape != old.shape or new.dtype != old.dtype:
-                    got = (f"{tuple(new.shape)} {new.dtype}" if isinstance(new, torch.Tensor)
-                           else type(new).__name__)
-                    raise CaptureError(
-                        f"@no_graph function {self.name} returned output {i} as {got} at replay, "
-                        f"but {tuple(old.shape)} {old.dtype} at capture; the graph segments after "
-                        "it read the captured tensor. Keep shapes and dtypes fixed per shape key "
-                        "(pad to the bucket), or re-capture."
-                    )
-                old.copy_(new)
-            elif old != new and isinstance(old, (int, float, bool, str, type(None))):
+            if old is new:
+                continue
+            if new.shape != old.shape or new.dtype != old.dtype:
                 raise CaptureError(
-                    f"@no_graph function {self.name} returned {new!r} at replay where it returned "
-                    f"{old!r} at capture; the segments after it froze that Python value. Return "
-                    "tensors for values that change, or re-capture."
+                    f"@no_graph function {self.name} returned output {i} as {tuple(new.shape)} {new.dtype} "
+                    f"at replay, but {tuple(old.shape)} {old.dtype} at capture; the graph segments after "
+                    "it read the captured tensor. Keep shapes and dtypes fixed per shape key "
+                    "(pad to the bucket), or re-capture."
                 )
+            old.copy_(new)
 
 
 class BreakableGraph:
@@ -167,7 +171,8 @@ class _Capture:
 
     def open_segment(self) -> None:
         g = self.graph.device.new_graph()
-        ctx = self.graph.device.capture(g, stream=self.stream, capture_error_mode=self.mode)
+        ctx = self.graph.device.capture(g, stream=self.stream, capture_error_mode=self.mode,
+                                        pool=self.graph.pool())
         self.graph._record("segment_begin", segment=len(self.graph._graphs))
         ctx.__enter__()
         self.segment = (g, ctx)
@@ -179,7 +184,8 @@ class _Capture:
         if exc_info[0] is not None:
             return
         self.graph._record("segment_end", segment=len(self.graph._graphs))
-        if getattr(g, "num_ops", None) == 0:
+        is_empty = getattr(self.graph.device, "is_empty", None)
+        if is_empty(g) if is_empty is not None else getattr(g, "num_ops", None) == 0:
             return  # nothing captured (break at start/end, back-to-back breaks)
         self.graph._graphs.append(g)
         self.graph._steps.append(g.replay)

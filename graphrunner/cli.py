@@ -8,6 +8,16 @@ import sys
 from graphrunner.bench import add_bench_subparser, parse_int_list
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def _demo(args: argparse.Namespace) -> int:
     from graphrunner.demo import run_demo
 
@@ -35,12 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "(uses capturable masked attention); eager: no graph")
     demo.add_argument("--device", default="auto", choices=["auto", "tape", "cuda"],
                       help="graph kind: cuda when available, else tape (default: auto)")
-    demo.add_argument("--steps", type=int, default=200, help="decode steps to serve (default: 200)")
+    demo.add_argument("--steps", type=_positive_int, default=200, help="decode steps to serve (default: 200)")
     demo.add_argument("--buckets", type=parse_int_list, default=[1, 2, 4, 8, 16, 32],
                       help="comma-separated batch buckets (default: 1,2,4,8,16,32)")
-    demo.add_argument("--max-batch", type=int, default=40,
+    demo.add_argument("--max-batch", type=_positive_int, default=40,
                       help="largest batch size drawn; above the largest bucket means fallback (default: 40)")
-    demo.add_argument("--layers", type=int, default=4, help="decoder layers (default: 4)")
+    demo.add_argument("--layers", type=_positive_int, default=4, help="decoder layers (default: 4)")
     demo.add_argument("--seed", type=int, default=0, help="seed of weights and batches (default: 0)")
     demo.add_argument("--trace-out", default="graphrunner-demo-trace",
                       help="path prefix of the trace files <prefix>.jsonl and <prefix>.chrome.json "
@@ -52,13 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``graphrunner`` console script; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    """Entry point of the ``graphrunner`` console script; returns the exit code
+    (2 for a bad command line, with argparse's message on stderr)."""
     try:
-        return int(args.func(args) or 0)
-    except (ValueError, TypeError) as exc:
-        print(f"graphrunner {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
+        return int(exc.code or 0)
+    return int(args.func(args) or 0)
 
 
 if __name__ == "__main__":

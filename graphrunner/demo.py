@@ -56,6 +56,7 @@ class DemoResult:
 
     @property
     def ok(self) -> bool:
+        """True when every call matched eager and the capture protocol held."""
         return self.graph_mismatches == 0 and self.padding_mismatches == 0 and not self.violations
 
 
@@ -159,11 +160,10 @@ def run_demo(backend: str = "breakable", device: str = "auto", steps: int = 200,
             graph_bad += 1
         if not torch.allclose(got, ref, atol=UNPADDED_ATOL, rtol=UNPADDED_RTOL):
             pad_bad += 1
-        if progress and (i + 1) % 20 == 0 or i + 1 == steps:
-            if progress:
-                print(f"\rserving: step {i + 1}/{steps}, {time.perf_counter() - t_start:.1f}s, "
-                      f"mismatches {graph_bad + pad_bad}", end="" if i + 1 < steps else "\n",
-                      file=sys.stderr, flush=True)
+        if progress and ((i + 1) % 20 == 0 or i + 1 == steps):
+            print(f"\rserving: step {i + 1}/{steps}, {time.perf_counter() - t_start:.1f}s, "
+                  f"mismatches {graph_bad + pad_bad}", end="" if i + 1 < steps else "\n",
+                  file=sys.stderr, flush=True)
 
     stats = runner.stats
     print(f"\nfallbacks: {stats.fallbacks} of {stats.calls} calls {dict(stats.fallback_reasons) or ''}; "

@@ -17,6 +17,8 @@ tests can inject a recording device.
 from __future__ import annotations
 
 import contextlib
+import warnings
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -50,14 +52,31 @@ class Device:
         """Return the stream captures run on (``None`` where streams do not apply)."""
         raise NotImplementedError
 
-    def capture(self, graph: Any, stream: Any = None, capture_error_mode: str = "global"):
+    def capture(self, graph: Any, stream: Any = None, capture_error_mode: str = "global", pool: Any = None):
         """Context manager: capture the work done inside it into ``graph``.
 
-        Uses this device's shared pool and, unless ``stream`` is given, its
-        capture stream. On an exception inside the block the capture is ended
-        (its state cleaned up) and the exception propagates.
+        Uses ``pool`` (default: this device's shared pool) and, unless
+        ``stream`` is given, the capture stream. On an exception inside the
+        block the capture is ended (its state cleaned up) and the exception
+        propagates.
         """
         raise NotImplementedError
+
+    def warmup_context(self):
+        """Context manager that warmup forwards and hooks run in: the stream
+        captures run on, so per-stream lazy state (library handles,
+        workspaces) exists before capture. A no-op where streams do not apply."""
+        return contextlib.nullcontext()
+
+    def is_empty(self, graph: Any) -> bool:
+        """True if a finished capture recorded no work (such segments are dropped)."""
+        return getattr(graph, "num_ops", None) == 0
+
+    def release_pool(self) -> None:
+        """Forget the shared pool handle once its graphs are reset; the next
+        capture starts a fresh pool (a CUDA pool whose graphs were all reset
+        cannot be captured into again)."""
+        self._pool = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.torch_device)!r})"
@@ -99,11 +118,12 @@ class TapeDevice(Device):
         """Tapes have no streams: always ``None``."""
         return None
 
-    def capture(self, graph, stream=None, capture_error_mode: str = "global"):
-        """Capture into ``graph`` with :func:`~graphrunner.tape.tape_graph` and this device's pool."""
+    def capture(self, graph, stream=None, capture_error_mode: str = "global", pool=None):
+        """Capture into ``graph`` with :func:`~graphrunner.tape.tape_graph` (``pool``: default the device's)."""
         from graphrunner.tape import tape_graph
 
-        return tape_graph(graph, pool=self.graph_pool(), capture_error_mode=capture_error_mode)
+        return tape_graph(graph, pool=pool if pool is not None else self.graph_pool(),
+                          capture_error_mode=capture_error_mode)
 
 
 class CudaDevice(Device):
@@ -128,6 +148,7 @@ class CudaDevice(Device):
         self.torch_device = torch.device("cuda", index)
         self._pool = None
         self._stream = None
+        self._empty_graphs: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 
     def synchronize(self) -> None:
         """``torch.cuda.synchronize`` on this GPU."""
@@ -150,17 +171,32 @@ class CudaDevice(Device):
         return self._stream
 
     @contextlib.contextmanager
-    def capture(self, graph, stream=None, capture_error_mode: str = "global") -> Iterator[None]:
-        """Capture into ``graph`` on the capture stream with the shared pool.
+    def _on_capture_stream(self, stream=None) -> Iterator["torch.cuda.Stream"]:
+        stream = stream if stream is not None else self.capture_stream()
+        current = torch.cuda.current_stream(self.torch_device)
+        stream.wait_stream(current)
+        with torch.cuda.device(self.torch_device), torch.cuda.stream(stream):
+            yield stream
+        current.wait_stream(stream)
+
+    def warmup_context(self):
+        """Run warmups on the capture stream, as ``torch.cuda`` recommends, so
+        cuBLAS handles and workspaces for that stream exist before capture."""
+        return self._on_capture_stream()
+
+    @contextlib.contextmanager
+    def capture(self, graph, stream=None, capture_error_mode: str = "global", pool=None) -> Iterator[None]:
+        """Capture into ``graph`` on the capture stream, into ``pool`` (default: the shared pool).
 
         Unlike ``torch.cuda.graph`` this neither synchronizes nor collects
         garbage on entry: the capture protocol synchronizes once before the
-        first segment, and a breakable graph enters here once per segment.
+        first segment, and a breakable graph enters here once per segment. A
+        capture that recorded no work is marked so that :meth:`is_empty` can
+        drop it, instead of printing torch's "CUDA Graph is empty" warning.
         """
-        stream = stream if stream is not None else self.capture_stream()
-        stream.wait_stream(torch.cuda.current_stream(self.torch_device))
-        with torch.cuda.device(self.torch_device), torch.cuda.stream(stream):
-            graph.capture_begin(pool=self.graph_pool(), capture_error_mode=capture_error_mode)
+        pool = pool if pool is not None else self.graph_pool()
+        with self._on_capture_stream(stream):
+            graph.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
             try:
                 yield
             except BaseException:
@@ -168,12 +204,27 @@ class CudaDevice(Device):
                     graph.capture_end()
                 with contextlib.suppress(Exception):
                     graph.reset()
+                if stream is None:
+                    self._stream = None  # a failed capture may leave the stream bound to the pool
                 raise
-            graph.capture_end()
-        torch.cuda.current_stream(self.torch_device).wait_stream(stream)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                graph.capture_end()
+            empty = False
+            for w in caught:
+                if "empty" in str(w.message).lower() and "graph" in str(w.message).lower():
+                    empty = True
+                else:
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            self._empty_graphs[graph] = empty
+
+    def is_empty(self, graph) -> bool:
+        """True if the capture of ``graph`` recorded no kernels."""
+        return self._empty_graphs.get(graph, False)
 
 
 _KINDS = ("auto", "tape", "cuda")
+_DEVICE_METHODS = ("synchronize", "new_graph", "graph_pool", "capture_stream", "capture")
 
 
 def get_device(kind: "str | Device | None" = "auto") -> Device:
@@ -182,17 +233,21 @@ def get_device(kind: "str | Device | None" = "auto") -> Device:
     ``"auto"`` (or ``None``) gives a :class:`CudaDevice` when CUDA is
     available, else a :class:`TapeDevice` on CPU; ``"cuda"`` and ``"tape"``
     force one (``"cuda"`` raises ``ValueError`` without a GPU). Any object that
-    already has ``new_graph`` and ``synchronize`` is returned unchanged, so a
-    custom or recording device can be injected everywhere a device is taken.
+    has the device methods (``synchronize``, ``new_graph``, ``graph_pool``,
+    ``capture_stream``, ``capture``) is returned unchanged, so a custom or
+    recording device can be injected everywhere a device is taken; one that
+    lacks some raises ``TypeError`` naming them.
     """
     if kind is None:
         kind = "auto"
     if not isinstance(kind, str):
-        if hasattr(kind, "new_graph") and hasattr(kind, "synchronize"):
+        missing = [m for m in _DEVICE_METHODS if not callable(getattr(kind, m, None))]
+        if not missing:
             return kind
         raise TypeError(
-            f"device must be one of {_KINDS} or a device object with new_graph() and "
-            f"synchronize(); got {type(kind).__name__}"
+            f"device must be one of {_KINDS} or a device object with {', '.join(_DEVICE_METHODS)}; "
+            f"{type(kind).__name__} lacks {', '.join(missing)}. Subclass graphrunner.devices.Device "
+            "(or TapeDevice) to get the optional methods"
         )
     if kind == "auto":
         return CudaDevice() if torch.cuda.is_available() else TapeDevice("cpu")

@@ -517,7 +517,9 @@ class GraphRunner:
         if views is None:
             views = self._in_views[n] = [buf[:n] for buf, _ in self._pads]
         for v, t in zip(views, tensors):
-            v.copy_(t)
+            # detach: a copy from a tensor that requires grad would chain an
+            # autograd history onto the static buffer at every call.
+            v.copy_(t.detach() if t.requires_grad else t)
         filled = self._filled
         if filled > n:  # rows [n, filled) may hold an earlier call's data: pad rows [n, b)
             pv = self._pad_views.get((n, b))

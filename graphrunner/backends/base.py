@@ -147,10 +147,13 @@ class GraphBackend:
         now are never scanned by the collector during capture, so a GC pass
         cannot free memory a capture is using nor stall one rank), and a
         ``session_begin`` event. On exit, also on an exception:
-        ``gc.unfreeze()`` and ``session_end``. Sessions do not nest.
+        ``gc.unfreeze()`` (skipped if the caller had frozen objects itself
+        before the session, so an engine's own ``gc.freeze()`` stays) and
+        ``session_end``. Sessions do not nest.
         """
         if self._in_session:
             raise CaptureError(f"{type(self).__name__}.capture_session() is already active; sessions do not nest")
+        caller_froze = gc.get_freeze_count() > 0  # e.g. an engine that froze its heap after fork
         gc.collect()
         gc.freeze()
         self._in_session = True
@@ -159,7 +162,8 @@ class GraphBackend:
             yield self
         finally:
             self._in_session = False
-            gc.unfreeze()
+            if not caller_froze:
+                gc.unfreeze()
             self.trace.record(EventKind.SESSION_END, backend=self.name)
 
     # ------------------------------------------------------------- protocol
@@ -313,13 +317,19 @@ class GraphBackend:
 
     def _warmup_forward(self, key: Any, forward_fn: Callable[[], Any], i: int) -> Any:
         """Step 1c: warmup forward ``i`` (eager); returns its output."""
-        with self.trace.span(EventKind.WARMUP_FORWARD, key=key, backend=self.name, i=i, warmups=self.warmups):
+        with self.trace.span(EventKind.WARMUP_FORWARD, key=key, backend=self.name, i=i, warmups=self.warmups), \
+                self._warmup_context():
             return forward_fn()
 
     def _post_warmup_hook(self, key: Any, hook: Callable[[], Any], i: int) -> None:
         """Step 1d: the post-warmup hook after warmup forward ``i``."""
-        with self.trace.span(EventKind.HOOK, key=key, backend=self.name, i=i):
+        with self.trace.span(EventKind.HOOK, key=key, backend=self.name, i=i), self._warmup_context():
             hook()
+
+    def _warmup_context(self):
+        """The device's warmup context (on CUDA: the capture stream), if it has one."""
+        make = getattr(self.device, "warmup_context", None)
+        return make() if make is not None else contextlib.nullcontext()
 
     def _final_sync(self, key: Any) -> None:
         """Step 2a: synchronize after the last warmup and its hook, so their
@@ -456,3 +466,6 @@ class GraphBackend:
                     logger.exception("%s: graph.reset() failed for key %r during cleanup", self.name, entry.key)
         self._entries.clear()
         self._out.release()
+        release_pool = getattr(self.device, "release_pool", None)
+        if release_pool is not None:
+            release_pool()  # a CUDA pool whose graphs were all reset cannot be captured into again
