@@ -188,7 +188,9 @@ class GraphRunner:
             falls back.
         fallback: ``"eager"`` (run ``step`` eagerly on the batch when no
             bucket fits) or ``"error"`` (raise ``ValueError`` instead).
-        trace: a :class:`graphrunner.Trace` handed to the backend.
+        trace: a :class:`graphrunner.Trace` handed to the backend. It records
+            every replay too and grows without bound: attach one for capture
+            and debugging, not to a long-running server.
         copy_outputs: return clones instead of views (see below); can be
             overridden per call with :meth:`run`.
         progress: draw a capture progress bar on rank 0 (stderr).
@@ -282,6 +284,10 @@ class GraphRunner:
         self.rank = int(getattr(self.group, "rank", 0))
         self.world_size = int(getattr(self.group, "size", 1))
         self._agree = self.world_size > 1 and self.agree_bucket
+        if self._agree and "nccl" in str(getattr(self.group, "backend_name", "")):
+            logger.warning("GraphRunner: bucket agreement over an NCCL group waits for the GPU on every call "
+                           "(its result is read on the host); pass TorchDistGroup(torch.distributed.new_group("
+                           "backend='gloo')) as group= for a host-only agreement")
         if self.world_size > 1 and not self.agree_bucket:
             logger.warning("GraphRunner(agree_bucket=False) on a %d-rank group: ranks may replay different "
                            "buckets (unsafe; for tests only)", self.world_size)

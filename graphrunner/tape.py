@@ -134,6 +134,11 @@ _FRIENDLY = {
     "allclose": "torch.allclose (returns a host bool)",
     "bincount": "torch.bincount (output shape depends on data)",
     "repeat_interleave": "torch.repeat_interleave with tensor repeats (output shape depends on data)",
+    "_unique2": "torch.unique (output shape depends on data)",
+    "_unique": "torch.unique (output shape depends on data)",
+    "unique_dim": "torch.unique with dim (output shape depends on data)",
+    "unique_consecutive": "torch.unique_consecutive (output shape depends on data)",
+    "argwhere": "torch.argwhere (output shape depends on data)",
 }
 
 # Composite ops that reach the mode whole under inference_mode, untagged.

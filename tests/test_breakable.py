@@ -112,9 +112,12 @@ def test_break_shape_change_at_replay_raises_naming_the_function():
         return torch.ones(n["rows"], 3)
 
     x = torch.ones(2, 3)
-    graph, _ = capture(lambda: shifty(x) + x)
+    graph, out = capture(lambda: shifty(x) + x)
+    x.fill_(4.0)
+    graph.replay()  # positive control: unchanged break, new input
+    assert torch.equal(out, torch.full((2, 3), 5.0))
     n["rows"] = 3
-    with pytest.raises(CaptureError, match="shifty"):
+    with pytest.raises(CaptureError, match=r"shifty.*\(3, 3\).*\(2, 3\)"):
         graph.replay()
 
 
@@ -126,9 +129,46 @@ def test_break_dtype_change_at_replay_raises():
         return t.to(dt["dtype"])
 
     x = torch.ones(4)
-    graph, _ = capture(lambda: caster(x * 2) + 1)
+    graph, out = capture(lambda: caster(x * 2) + 1)
+    x.fill_(3.0)
+    graph.replay()  # positive control: unchanged break, new input
+    assert torch.equal(out, torch.full((4,), 7.0))
     dt["dtype"] = torch.float64
     with pytest.raises(CaptureError, match=r"caster.*float64"):
+        graph.replay()
+
+
+def test_break_structure_change_at_replay_raises():
+    mode = {"pair": True}
+
+    @no_graph
+    def pairer(t):
+        return (t + 1, t * 2) if mode["pair"] else t + 1
+
+    x = torch.ones(3)
+    graph, out = capture(lambda: (lambda r: r[0] + r[1])(pairer(x)))
+    x.fill_(2.0)
+    graph.replay()  # positive control
+    assert torch.equal(out, torch.full((3,), 7.0))
+    mode["pair"] = False  # tuple -> single tensor
+    with pytest.raises(CaptureError, match=r"pairer returned a different structure"):
+        graph.replay()
+
+
+def test_break_python_value_change_at_replay_raises():
+    k = {"v": 7}
+
+    @no_graph
+    def counted(t):
+        return t * 2, k["v"]
+
+    x = torch.ones(3)
+    graph, out = capture(lambda: (lambda r: r[0] + r[1])(counted(x)))
+    x.fill_(2.0)
+    graph.replay()  # positive control: the same Python value
+    assert torch.equal(out, torch.full((3,), 11.0))
+    k["v"] = 8  # the segment after the break froze 7
+    with pytest.raises(CaptureError, match=r"counted.*froze that Python value"):
         graph.replay()
 
 
@@ -232,6 +272,10 @@ def test_enable_false_returns_the_function_unchanged():
     x = torch.ones(3)
     graph, out = capture(lambda: no_graph(plain, enable=False)(x + 1))
     assert graph.num_breaks == 0 and graph.num_segments == 1
+    assert torch.equal(out, torch.full((3,), 4.0))
+    x.fill_(5.0)
+    graph.replay()  # plain ran inside the segment: its work replays
+    assert torch.equal(out, torch.full((3,), 12.0))
 
 
 def test_force_no_graph_splits_the_segment_without_eager_work():

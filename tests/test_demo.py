@@ -55,6 +55,54 @@ def test_demo_reports_a_graph_that_differs_from_eager(monkeypatch, tmp_path):
                            layers=1, trace_out=None, progress=False, out=out)
     assert not result.ok and result.graph_mismatches == 4
     assert "demo: FAILED" in out.getvalue()
+    # the command line turns the failure into exit code 1 (each main() builds a fresh drifting model)
+    assert main(["demo", "--device", "tape", "--steps", "4", "--buckets", "1,2", "--max-batch", "2",
+                 "--layers", "1", "--no-progress", "--trace-out", ""]) == 1
+
+
+def test_demo_reports_a_protocol_violation(monkeypatch):
+    """Negative control: a backend that skips the final synchronize and barrier
+    replays correct values, but the trace checker must catch it and fail the demo."""
+    from graphrunner.backends.base import GraphBackend
+
+    monkeypatch.setattr(GraphBackend, "_final_barrier", lambda self, key: None)
+    monkeypatch.setattr(GraphBackend, "_final_sync", lambda self, key: None)
+    out = io.StringIO()
+    result = demo.run_demo(backend="breakable", device="tape", steps=3, buckets=(1, 2), max_batch=2,
+                           layers=1, trace_out=None, progress=False, out=out)
+    assert result.graph_mismatches == 0 and result.padding_mismatches == 0  # values are fine ...
+    assert not result.ok and result.violations  # ... the protocol is not
+    assert any("no barrier between the last warmup/hook and graph construction" in v for v in result.violations)
+    assert any("no synchronize between the last warmup/hook and graph construction" in v
+               for v in result.violations)
+    assert "protocol violation" in out.getvalue() and "demo: FAILED" in out.getvalue()
+
+
+def test_demo_reports_padding_that_leaks_into_real_rows(monkeypatch):
+    """Negative control: a step that mixes rows (adds the batch mean) is bit-exact
+    against eager on the same padded batch, but the padding rows change the real
+    rows' results, which the comparison with eager on the real batch must catch."""
+    real_build = demo.build_model
+
+    def build_leaky_model(*args, **kwargs):
+        model = real_build(*args, **kwargs)
+        step = model.decode_step
+
+        def leaky(input_ids, positions, slot_ids=None):
+            out = step(input_ids, positions)
+            return out + out.mean(0, keepdim=True)  # every row sees every other row, padding included
+
+        model.decode_step = leaky
+        return model
+
+    monkeypatch.setattr(demo, "build_model", build_leaky_model)
+    out = io.StringIO()
+    # bucket 4 only, batches of 1..3: every call is padded
+    result = demo.run_demo(backend="breakable", device="tape", steps=4, buckets=(4,), max_batch=3,
+                           layers=1, trace_out=None, progress=False, out=out)
+    assert result.padding_mismatches == 4 and not result.ok
+    assert result.fallbacks == 0 and result.violations == []
+    assert "demo: FAILED" in out.getvalue()
 
 
 def test_demo_rejects_bad_arguments():

@@ -94,6 +94,14 @@ def breakable_runner():
     r.cleanup()
 
 
+@pytest.fixture(scope="module", params=["full", "breakable"])
+def graph_runner(request):
+    r = make_runner(request.param)
+    r.capture()
+    yield r
+    r.cleanup()
+
+
 # --------------------------------------------------------------------------- replay == eager
 
 
@@ -117,24 +125,26 @@ def test_replay_equals_eager_for_every_batch_size(backend):
     r.cleanup()
 
 
-def test_replay_really_replays_graphs(breakable_runner):
+def test_replay_really_replays_graphs(graph_runner):
     # Negative control for the equality test: a replayed graph keeps the
     # capture's frozen Python state. Changing a Python global the step reads
     # after capture changes eager results but not the replay (proves the
     # outputs come from the graph, not from calling step eagerly).
     global GATE
     batch = make_batch(5)
-    before = breakable_runner(**batch)["logits"].clone()
+    before = graph_runner(**batch)["logits"].clone()
+    assert torch.equal(before, eager(batch)["logits"])
     old = GATE
     try:
         GATE = old * 3.0  # a new tensor object: eager sees it, the captured graph does not
         assert not torch.equal(eager(batch)["logits"], before)
-        assert torch.equal(breakable_runner(**batch)["logits"], before)
+        assert torch.equal(graph_runner(**batch)["logits"], before)
+        assert graph_runner.stats.last_bucket == 8  # a replay, not the eager fallback
     finally:
         GATE = old
 
 
-def test_randomised_sweep_2000_calls(breakable_runner):
+def test_randomised_sweep_2000_calls(graph_runner):
     rng = random.Random(7)
     gen = torch.Generator().manual_seed(7)
     mismatches = 0
@@ -142,9 +152,9 @@ def test_randomised_sweep_2000_calls(breakable_runner):
     for _ in range(2000):
         n = rng.randint(1, BUCKETS[-1] + 3)
         batch = make_batch(n, gen)
-        out = breakable_runner(**batch)
+        out = graph_runner(**batch)
         ref = eager(batch)
-        seen.add(breakable_runner.stats.last_bucket)
+        seen.add(graph_runner.stats.last_bucket)
         mismatches += sum(not torch.equal(out[k], ref[k]) for k in ref)
     assert mismatches == 0
     assert seen == set(BUCKETS) | {None}
