@@ -13,9 +13,12 @@ hard timeout, for multi-rank tests.
 
 Each rank runs in a fresh process (forked from a forkserver that preloaded
 torch, or spawned): environment ``MASTER_ADDR``/
-``MASTER_PORT`` (a free port), ``RANK``, ``WORLD_SIZE``, then
-``torch.distributed.init_process_group(backend, ...)`` unless ``init=False``,
-then ``worker(rank, world_size, *args)``. The result or exception (type,
+``MASTER_PORT`` (a free port, for workers that set up their own group),
+``RANK``, ``WORLD_SIZE``, then
+``torch.distributed.init_process_group(backend, init_method="file://...")``
+unless ``init=False``, then ``worker(rank, world_size, *args)``. The group
+meets through a fresh file in a fresh temporary directory per run (a
+FileStore), not a TCP port: no run can collide with another's port. The result or exception (type,
 message, traceback, and the exception object itself when picklable) comes
 back through a queue. A rank that failed leaves without destroying the
 process group (a collective may still be pending on it) so it cannot hang
@@ -28,7 +31,9 @@ from __future__ import annotations
 import os
 import pickle
 import queue as queue_mod
+import shutil
 import socket
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -86,7 +91,7 @@ def _context(start_method: Optional[str]):
     return ctx
 
 
-def _entry(fn, rank, world_size, port, backend, init, init_timeout, args, kwargs, q) -> None:
+def _entry(fn, rank, world_size, port, store_file, backend, init, init_timeout, args, kwargs, q) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"] = str(rank)
@@ -104,7 +109,8 @@ def _entry(fn, rank, world_size, port, backend, init, init_timeout, args, kwargs
             import torch.distributed as dist
 
             dist.init_process_group(
-                backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=init_timeout)
+                backend, init_method=f"file://{store_file}", rank=rank, world_size=world_size,
+                timeout=datetime.timedelta(seconds=init_timeout),
             )
         value = fn(rank, world_size, *args, **kwargs)
         msg = ("ok", rank, value, time.monotonic() - t0)
@@ -159,12 +165,15 @@ def run_ranks(
     ctx = _context(start_method)
     q = ctx.Queue()
     port = free_port()
+    store_dir = tempfile.mkdtemp(prefix="graphrunner-ranks-")
+    store_file = os.path.join(store_dir, "store")  # must not exist yet: FileStore creates it
     results = [RankResult(rank=r) for r in range(world_size)]
     procs = []
     for r in range(world_size):
         p = ctx.Process(
             target=_entry,
-            args=(fn, r, world_size, port, backend, init, init_timeout, tuple(args), dict(kwargs or {}), q),
+            args=(fn, r, world_size, port, store_file, backend, init, init_timeout, tuple(args),
+                  dict(kwargs or {}), q),
             daemon=True,
         )
         p.start()
@@ -206,6 +215,7 @@ def run_ranks(
                 p.kill()
                 p.join(5)
         q.close()
+        shutil.rmtree(store_dir, ignore_errors=True)
     return results
 
 

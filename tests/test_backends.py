@@ -82,6 +82,34 @@ class SyncInReplay(FullGraphBackend):
         return super().replay(key)
 
 
+class HookAfterConstruction(FullGraphBackend):
+    """Runs the post-warmup hook once more right after graph construction."""
+
+    def _post_warmup_hook(self, key, hook, i):
+        self._hook = hook
+        super()._post_warmup_hook(key, hook, i)
+
+    def _construct(self, key):
+        graph = super()._construct(key)
+        self._post_warmup_hook(key, self._hook, self.warmups)  # the bug
+        return graph
+
+
+class TwoCaptureForwards(FullGraphBackend):
+    """Captures the forward twice (the second time into a fresh graph)."""
+
+    def _capture_forward(self, key, graph, fn):
+        super()._capture_forward(key, graph, fn)
+        super()._capture_forward(key, self._make_graph(key), fn)  # the bug
+
+
+class BarrierInReplay(FullGraphBackend):
+    def replay(self, key):
+        with self.trace.span(EventKind.REPLAY, key=key, backend=self.name, rank=self.rank):
+            self._barrier(key, "replay")  # the bug: a group call on the replay path
+        return super().replay(key)
+
+
 W = torch.randn(6, 5)
 
 
@@ -169,6 +197,36 @@ def test_negative_control_sync_in_replay():
     assert "sync" in log  # what the replay assertion above would catch
     v = check_capture_order(trace)
     assert any("synchronize inside replay" in s for s in v), v
+
+
+def test_negative_control_hook_after_construction():
+    _, log, trace, _, _ = run_capture(HookAfterConstruction)
+    assert log.index("hook", log.index("new_graph")) > log.index("new_graph")  # the bug really ran
+    with pytest.raises(AssertionError):
+        assert_protocol_order(log)
+    v = check_capture_order(trace)
+    assert any("post-warmup hook ran after graph construction" in s for s in v), v
+    assert any("3 post-warmup hooks for 2 warmup forwards" in s for s in v), v
+
+
+def test_negative_control_two_capture_forwards():
+    _, log, trace, _, _ = run_capture(TwoCaptureForwards)
+    assert log.count("forward") == 4  # 2 warmups + 2 captures
+    with pytest.raises(AssertionError):
+        assert_protocol_order(log)
+    v = check_capture_order(trace)
+    assert any("2 capture forwards, expected exactly 1" in s for s in v), v
+
+
+def test_negative_control_barrier_in_replay():
+    backend, log, trace, _, _ = run_capture(BarrierInReplay)
+    assert check_capture_order(trace) == []  # capture itself is fine
+    del log[:]
+    with torch.inference_mode():
+        backend.replay(8)
+    assert log == ["barrier"]  # what test_protocol_order_observed's `log == []` would catch
+    v = check_capture_order(trace)
+    assert any("barrier inside replay" in s for s in v), v
 
 
 def test_protocol_order_several_keys_and_zero_warmups():
@@ -267,7 +325,7 @@ def test_capture_session_freezes_gc_and_records_events():
         with b.capture_session():
             assert gc.get_freeze_count() > before
             raise RuntimeError("inside")
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == before
     assert [e.kind for e in trace.events] == [EventKind.SESSION_BEGIN, EventKind.SESSION_END]
 
 

@@ -43,18 +43,26 @@ def _values_worker(rank, world_size):
     return mx, mn
 
 
-def _stuck_worker(rank, world_size):
+def _stuck_worker(rank, world_size, done_file):
     g = TorchDistGroup(timeout=1.0)
     g.barrier(phase="start")
     if rank == 1:
-        time.sleep(2.5)  # stuck: never reaches the barrier in time
+        # Stuck (alive, never reaching the barrier) until rank 0 is done, for
+        # at most 25 s: longer than the test's bound, so only the group's own
+        # timeout can end rank 0's wait in time (not this rank leaving).
+        t0 = time.monotonic()
+        while not os.path.exists(done_file) and time.monotonic() - t0 < 25:
+            time.sleep(0.05)
         return "slept"
     t0 = time.monotonic()
     try:
         g.barrier(phase="pre_capture", key=16)
     except RankTimeoutError as exc:
-        return ("timeout", str(exc), time.monotonic() - t0)
-    return ("no timeout", "", time.monotonic() - t0)
+        result = ("timeout", str(exc), time.monotonic() - t0)
+    else:
+        result = ("no timeout", "", time.monotonic() - t0)
+    open(done_file, "w").close()
+    return result
 
 
 def _dead_worker(rank, world_size):
@@ -78,13 +86,14 @@ def test_torch_dist_group_agreement_three_ranks():
 
 
 @pytest.mark.multirank
-def test_torch_dist_group_stuck_peer_times_out_naming_rank_phase_key():
-    res = run_ranks(_stuck_worker, world_size=2, timeout=60)
+def test_torch_dist_group_stuck_peer_times_out_naming_rank_phase_key(tmp_path):
+    res = run_ranks(_stuck_worker, world_size=2, args=(str(tmp_path / "done"),), timeout=60)
     assert_all_ok(res)
     status, msg, secs = res[0].value
     assert status == "timeout", format_results(res)
     assert "rank 0 of 2" in msg and "'pre_capture'" in msg and "shape key 16" in msg
-    assert 0.9 <= secs < 2.4, secs  # the group's timeout, not gloo's 30 s default
+    # the group's 1 s timeout: not gloo's 30 s default, nor the stuck peer leaving (25 s)
+    assert 0.9 <= secs < 15, secs
     assert res[1].value == "slept"
 
 

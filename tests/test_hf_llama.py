@@ -106,3 +106,13 @@ def test_main_prints_summary_and_exit_code(capsys):
     assert hf.main(["--steps", "3", "--batch", "1"]) == 0
     out = capsys.readouterr().out
     assert "OK: bit-exact" in out and "steps=3" in out
+
+
+def test_main_exits_1_on_a_mismatch(monkeypatch, capsys):
+    # main() has no restore switch: route its run() through the negative
+    # control above (no cache restore after capture), which must exit 1.
+    real_run = hf.run
+    monkeypatch.setattr(hf, "run", lambda **kw: real_run(**kw, restore_after_capture=False))
+    assert hf.main(["--steps", "3", "--batch", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "MISMATCH" in out and "OK: bit-exact" not in out

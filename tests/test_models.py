@@ -407,6 +407,7 @@ def test_hf_style_parameter_names_and_inference_mode():
     assert not m.training and not any(p.requires_grad for p in m.parameters())
     with torch.inference_mode():
         m2 = build_model(LlamaConfig.tiny(num_layers=1))
+    assert not m2.kv_cache_tensors()[0].is_inference()  # built under inference_mode, still a normal tensor
     m2.reset_cache()                                    # cache is a normal tensor, writable anywhere
 
 
