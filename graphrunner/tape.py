@@ -212,7 +212,9 @@ def _check_safe(func, args, kwargs) -> None:
     tags = func.tags
     # index.Tensor is tagged dynamic_output_shape, but only a bool/uint8 mask
     # index makes it so (checked below): no false alarm on long-index indexing.
-    if name not in _INDEX_OPS and (
+    # repeat_interleave.Tensor is tagged too, but is static given output_size
+    # (also checked below).
+    if name not in _INDEX_OPS and name != "repeat_interleave" and (
         torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags
     ):
         raise _unsafe(_FRIENDLY.get(name, f"{name} (output shape or value read on the host)"), str(func))

@@ -161,13 +161,7 @@ def test_repeat_interleave_with_int_repeats_is_safe(ctx):
                        lambda: [torch.repeat_interleave(x, 2), x.repeat_interleave(3)])
 
 
-@pytest.mark.parametrize("ctx", [
-    torch.inference_mode,
-    pytest.param(torch.no_grad, marks=pytest.mark.xfail(
-        strict=True, raises=CaptureUnsafeOpError,
-        reason="known tape gap: under no_grad repeat_interleave(x, t, output_size=n) decomposes into "
-               "repeat_interleave.Tensor, whose dynamic_output_shape tag is checked before output_size")),
-])
+@pytest.mark.parametrize("ctx", [torch.inference_mode, torch.no_grad])
 def test_repeat_interleave_with_output_size_is_safe(ctx):
     x = torch.randn(4)
     rep = torch.tensor([1, 2, 1, 1])
