@@ -87,12 +87,26 @@ class TapeDevice(Device):
 
     ``synchronize`` waits for the device when it is a CUDA device and is a
     no-op on CPU. There is no capture stream.
+
+    ``poison_captured_values``: every graph this device makes fills the
+    tensors that survive its capture (outputs, a segment's results handed to
+    an eager break) with a poison value at capture end (NaN; an integer
+    dtype's maximum; ``True``), as a CUDA capture, which launches nothing,
+    leaves them holding uninitialised memory until the first replay. Replay
+    is unchanged. ``None`` (the default) reads ``$GRAPHRUNNER_TAPE_POISON``
+    (``1`` enables it) when the device is made; see
+    :class:`~graphrunner.tape.TapeGraph`.
     """
 
     kind = "tape"
 
-    def __init__(self, torch_device: str | torch.device = "cpu") -> None:
+    def __init__(self, torch_device: str | torch.device = "cpu",
+                 poison_captured_values: bool | None = None) -> None:
+        from graphrunner.tape import _resolve_poison
+
         self.torch_device = torch.device(torch_device)
+        #: Whether the graphs this device makes poison their survivors at capture end.
+        self.poison_captured_values: bool = _resolve_poison(poison_captured_values, "TapeDevice")
         self._pool = None
 
     def synchronize(self) -> None:
@@ -101,10 +115,11 @@ class TapeDevice(Device):
             torch.cuda.synchronize(self.torch_device)
 
     def new_graph(self):
-        """Return a new, empty :class:`~graphrunner.tape.TapeGraph`."""
+        """Return a new, empty :class:`~graphrunner.tape.TapeGraph` (poisoning
+        its survivors at capture end when ``poison_captured_values``)."""
         from graphrunner.tape import TapeGraph
 
-        return TapeGraph()
+        return TapeGraph(poison_captured_values=self.poison_captured_values)
 
     def graph_pool(self):
         """Return this device's shared tape pool handle (made on first use)."""
@@ -124,6 +139,10 @@ class TapeDevice(Device):
 
         return tape_graph(graph, pool=pool if pool is not None else self.graph_pool(),
                           capture_error_mode=capture_error_mode)
+
+    def __repr__(self) -> str:
+        extra = ", poison_captured_values=True" if self.poison_captured_values else ""
+        return f"TapeDevice({str(self.torch_device)!r}{extra})"
 
 
 class CudaDevice(Device):

@@ -17,6 +17,12 @@ one runs on the other:
   :class:`~graphrunner.errors.CaptureUnsafeOpError` during capture.
 * RNG ops draw fresh numbers at each replay; collectives (``c10d`` ops) are
   re-issued and waited on.
+* Optionally (``TapeGraph(poison_captured_values=True)``, or the environment
+  variable ``GRAPHRUNNER_TAPE_POISON=1``), survivors are filled with a poison
+  value at capture end (NaN, the integer dtype's max, ``True``), because on a
+  CUDA graph they hold uninitialised pool memory until the first replay: code
+  that reads them between capture and replay (an eager break, a check of the
+  capture-time output) then fails on CPU as it would on the GPU.
 * Replay runs straight-line Python generated once at ``capture_end``; it never
   goes through a dispatch mode.  To make it cheap: views of externals and
   constant factories are hoisted (computed once); each op calls the public
@@ -51,6 +57,9 @@ from graphrunner.errors import CaptureError, CaptureUnsafeOpError
 
 __all__ = [
     "TapeGraph",
+    "POISON_ENV_VAR",
+    "poison_default",
+    "poison_value",
     "TapePool",
     "tape_graph",
     "graph_pool_handle",
@@ -68,9 +77,65 @@ _CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 # capture with capture_error_mode="global").
 _ACTIVE: "_Capture | None" = None
 
+# Survivor storages a poisoning graph filled with poison and that it has not
+# replayed since: id(storage) -> weakref(graph); the graph holds the entry
+# (see TapeGraph._poisoned).  Another tape capture that reads one gets its real
+# values while it captures (a CUDA capture runs nothing, so its ops can never
+# fail on the garbage; the tape runs them): see _Capture.lift_poison.
+_POISONED: dict[int, weakref.ref] = {}
+
 # Storages that survived some capture: id(storage) -> (weakref(storage), weakref(graph)).
 # Used to warn when another graph writes a survivor (TAPE-NOTES item 8).
 _SURVIVORS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+#: Environment variable giving the default of ``poison_captured_values`` for
+#: :class:`TapeGraph` and :class:`~graphrunner.devices.TapeDevice`.
+POISON_ENV_VAR = "GRAPHRUNNER_TAPE_POISON"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def poison_default() -> bool:
+    """The default of ``poison_captured_values``: ``$GRAPHRUNNER_TAPE_POISON``.
+
+    ``1``/``true``/``yes``/``on`` (any case) enable poisoning; unset, empty,
+    ``0``/``false``/``no``/``off`` disable it; anything else raises
+    ``ValueError``.  Read each time a graph or device is made without an
+    explicit value, so a test suite can set it once for every graph.
+    """
+    v = os.environ.get(POISON_ENV_VAR, "").strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ValueError(f"${POISON_ENV_VAR} must be one of {_TRUE + _FALSE[1:]} or empty, "
+                     f"got {os.environ[POISON_ENV_VAR]!r}")
+
+
+def poison_value(dtype: torch.dtype) -> "float | int | bool | None":
+    """The value a poisoning :class:`TapeGraph` fills survivors of ``dtype`` with.
+
+    Floating and complex dtypes: NaN (it propagates through arithmetic);
+    integer dtypes: the dtype's maximum (out of range as an index or a length);
+    ``bool``: ``True``.  ``None`` for dtypes that cannot be filled (quantized).
+    """
+    if dtype == torch.bool:
+        return True
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    try:
+        return torch.iinfo(dtype).max
+    except TypeError:
+        return None
+
+
+def _resolve_poison(flag: "bool | None", who: str) -> bool:
+    if flag is None:
+        return poison_default()
+    if not isinstance(flag, bool):
+        raise TypeError(f"{who}: poison_captured_values must be a bool or None, got {type(flag).__name__}")
+    return flag
 
 
 class EscapedTensorWarning(UserWarning):
@@ -296,6 +361,29 @@ def _storage(t: torch.Tensor):
         return None
 
 
+class _Poisoned:
+    """One poisoned survivor storage of a graph: its bytes as a uint8 view, its
+    real (capture-time) bytes, a flat view in its dtype and the poison value."""
+
+    __slots__ = ("raw", "real", "typed", "value", "once")
+
+    def __init__(self, st, dtype: torch.dtype, value, once: bool):
+        with torch.inference_mode():
+            self.raw = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
+            self.real = self.raw.clone()
+            self.typed = torch.empty(0, dtype=dtype, device=st.device).set_(st, 0, (st.nbytes() // dtype.itemsize,))
+        self.value = value
+        self.once = once  # computed once at capture (a hoisted constant): never refreshed by replay
+
+    def poison(self) -> None:
+        with torch.inference_mode():
+            self.typed.fill_(self.value)
+
+    def lift(self) -> None:
+        with torch.inference_mode():
+            self.raw.copy_(self.real)
+
+
 class _Capture:
     """Mutable state of one capture in progress (dropped at capture end)."""
 
@@ -319,6 +407,7 @@ class _Capture:
         self.wcount: dict[int, int] = {}           # storage key -> writes so far (for CSE)
         self.scalars: dict[tuple, torch.Tensor] = {}  # Python scalar -> shared 0-dim tensor
         self.meta_mutated = False                  # an inplace_view op (t_, unsqueeze_, ...) ran
+        self.lifted: list[_Poisoned] = []          # other graphs' poisoned survivors lifted for this capture
 
     def scalar_tensor(self, v, dtype=None) -> torch.Tensor:
         """One shared 0-dim tensor per Python scalar and dtype (default float64 /
@@ -359,8 +448,26 @@ class _Capture:
         self.kind[n] = "ext"
         self.skey[n] = k
         if k is not None:
+            if _POISONED and k not in self.ext_storages:
+                self.lift_poison(k)
             self.ext_storages.add(k)
         return n
+
+    def lift_poison(self, k: int) -> None:
+        """An external storage poisoned by another graph's capture end: give it
+        its real values until this capture ends (then it is poisoned again).
+        A CUDA capture never computes on it; the tape does, and poison could
+        make an op raise (an out-of-range index) where the GPU would not."""
+        w = _POISONED.get(k)
+        g = w() if w is not None else None
+        if g is None:
+            _POISONED.pop(k, None)
+            return
+        ent = g._poisoned.get(k)
+        if ent is None or _storage(ent.raw) is not self.storages.get(k):
+            return
+        ent.lift()
+        self.lifted.append(ent)
 
     def name_out(self, t: torch.Tensor) -> tuple[str, bool]:
         n = self.names.get(id(t))
@@ -890,9 +997,27 @@ class TapeGraph:
         current contents of the externals.
       * ``reset()`` drops the recording (and aborts a capture in progress).
       * ``num_ops`` is the number of aten ops recorded (0 when empty).
+
+    ``poison_captured_values`` (default: ``$GRAPHRUNNER_TAPE_POISON``, see
+    :func:`poison_default`) emulates what a CUDA capture leaves in the
+    survivors: it launches nothing, so until the first replay they hold
+    whatever the pool memory held.  When true, ``capture_end()`` fills every
+    survivor's storage with :func:`poison_value` of its dtype (NaN, the
+    integer maximum, ``True``); code that reads a survivor before the first
+    replay (an eager break of a breakable capture reading a segment's
+    output, a test checking the capture-time output) sees the poison.
+    Replay is unaffected: it refreshes every survivor, so replays stay
+    bit-identical to eager.  (A survivor the tape computes once at capture
+    instead of at each replay, a constant such as ``torch.arange(n)``, gets
+    its value back at the first replay, as a CUDA graph would compute it.)
+    Until that first replay the graph keeps a copy of each poisoned
+    survivor's real bytes: another tape capture that reads the survivor
+    computes on them (a CUDA capture never computes, so it cannot fail on
+    the garbage), and the survivor is poisoned again when that capture ends.
     """
 
-    def __init__(self):
+    def __init__(self, poison_captured_values: bool | None = None):
+        self.poison_captured_values: bool = _resolve_poison(poison_captured_values, "TapeGraph")
         self._pool: TapePool | None = None
         self._cap: _Capture | None = None
         self._modes: tuple | None = None
@@ -901,6 +1026,8 @@ class TapeGraph:
         self._inference = False
         self._statics: list[torch.Tensor] = []
         self._versioned: list[tuple[weakref.ref, int]] = []
+        self._surv_storages: list[tuple] = []  # (storage, dtype, computed once) of each survivor, for poisoning
+        self._poisoned: dict[int, _Poisoned] = {}  # storage key -> survivor poisoned since capture end
         self.source: str | None = None  # generated replay source, for debugging
 
     # -- capture ------------------------------------------------------------
@@ -942,6 +1069,9 @@ class TapeGraph:
                     m.__exit__(None, None, None)
         finally:
             cap.restore()
+            for ent in cap.lifted:  # other graphs' survivors: garbage again until those graphs replay
+                ent.poison()
+            cap.lifted.clear()
         return cap
 
     def capture_end(self) -> None:
@@ -961,6 +1091,35 @@ class TapeGraph:
         except BaseException:
             self._clear()
             raise
+        targets, self._surv_storages = self._surv_storages, []
+        if self.poison_captured_values:
+            self._poison(targets)
+
+    def _poison(self, targets: list) -> None:
+        """Fill each survivor storage with the poison value of its dtype (the
+        whole storage: a survivor view's base too), keeping its real bytes for
+        later tape captures that read it and for constants, which replay
+        never recomputes."""
+        for k in [k for k, w in _POISONED.items() if w() is None]:
+            del _POISONED[k]  # graphs dropped before their first replay
+        me = weakref.ref(self)
+        for st, dtype, once in targets:
+            v = poison_value(dtype)
+            if v is None or st.nbytes() < dtype.itemsize:
+                continue
+            ent = _Poisoned(st, dtype, v, once)
+            ent.poison()
+            self._poisoned[id(st)] = ent
+            _POISONED[id(st)] = me
+
+    def _unpoison(self) -> None:
+        """First replay: forget the poisoned storages (replay refreshes them),
+        giving constants (not recomputed by replay) their real values back."""
+        for k, ent in self._poisoned.items():
+            if ent.once:
+                ent.lift()
+            _POISONED.pop(k, None)
+        self._poisoned = {}
 
     def _abort(self) -> None:
         if self._cap is not None:
@@ -972,6 +1131,10 @@ class TapeGraph:
         self._num_ops = 0
         self._statics = []
         self._versioned = []
+        self._surv_storages = []
+        for k in self._poisoned:
+            _POISONED.pop(k, None)
+        self._poisoned = {}
         self.source = None
 
     def reset(self) -> None:
@@ -1001,6 +1164,8 @@ class TapeGraph:
             raise CaptureError("cannot replay an empty TapeGraph: capture something first")
         if self._versioned:
             self._check_versions()
+        if self._poisoned:
+            self._unpoison()
         # The generated code calls public bindings (torch.mul, Tensor.view, ...):
         # with torch-function handling disabled they go straight to the
         # dispatcher, as the recorded aten ops did (no mode or tensor-subclass
@@ -1078,6 +1243,7 @@ class TapeGraph:
                 continue
             # every survivor (a hoisted constant too) is registered for item 8
             _SURVIVORS[k] = (weakref.ref(st), weakref.ref(self))
+            self._surv_storages.append((st, cap.alloc_meta[alloc][0], k in const_storages))
             if k in const_storages:
                 continue  # computed once at capture, nothing to refresh
             t = alloc_w[alloc]()
