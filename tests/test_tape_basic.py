@@ -109,7 +109,7 @@ def _counter_step():
         counter.add_(1)
         return cache.sum(0)
 
-    return step, cache, counter
+    return step, cache, counter, pos, k
 
 
 def test_negative_control_without_the_restore_the_capture_write_stays(monkeypatch):
@@ -119,7 +119,7 @@ def test_negative_control_without_the_restore_the_capture_write_stays(monkeypatc
     import graphrunner.tape as tape
 
     monkeypatch.setattr(tape._Capture, "restore", lambda self: None)
-    step, cache, counter = _counter_step()
+    step, cache, counter, _, _ = _counter_step()
     with torch.inference_mode():
         g = TapeGraph()
         with tape_graph(g):
@@ -132,16 +132,7 @@ def test_negative_control_without_the_restore_the_capture_write_stays(monkeypatc
 
 
 def test_writes_to_externals_are_undone_at_capture_and_land_at_replay():
-    cache = torch.zeros(6, 4)
-    counter = torch.zeros((), dtype=torch.long)
-    pos = torch.tensor([0])
-    k = torch.randn(1, 4)
-
-    def step():
-        cache.index_copy_(0, pos, k * 2)
-        counter.add_(1)
-        return cache.sum(0)
-
+    step, cache, counter, pos, k = _counter_step()
     with torch.inference_mode():
         g = TapeGraph()
         with tape_graph(g):
