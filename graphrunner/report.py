@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List
 
+from graphrunner.trace import jsonable
+
 __all__ = ["BucketReport", "CaptureReport", "format_bytes"]
 
 
@@ -55,7 +57,7 @@ class BucketReport:
             "num_segments": self.num_segments,
             "num_breaks": self.num_breaks,
             "bytes_held": self.bytes_held,
-            "info": {k: _json_safe(v) for k, v in self.info.items()},
+            "info": {k: jsonable(v) for k, v in self.info.items()},
         }
 
 
@@ -135,13 +137,3 @@ class CaptureReport:
 
     def __str__(self) -> str:
         return self.table()
-
-
-def _json_safe(v: Any) -> Any:
-    if isinstance(v, (str, int, float, bool)) or v is None:
-        return v
-    if isinstance(v, (list, tuple)):
-        return [_json_safe(x) for x in v]
-    if isinstance(v, dict):
-        return {str(k): _json_safe(x) for k, x in v.items()}
-    return repr(v)

@@ -131,14 +131,14 @@ class Event:
         """The JSONL record of this event (see ``docs/protocol.md``)."""
         return {
             "kind": self.kind,
-            "key": _jsonable(self.key),
+            "key": jsonable(self.key),
             "rank": self.rank,
             "backend": self.backend,
             "t_begin_ns": self.t_begin_ns,
             "t_end_ns": self.t_end_ns,
             "seq": self.seq,
             "layer": layer_of(self),
-            "data": {k: _jsonable(v) for k, v in (self.data or {}).items()},
+            "data": {k: jsonable(v) for k, v in (self.data or {}).items()},
         }
 
     @classmethod
@@ -156,13 +156,15 @@ class Event:
         )
 
 
-def _jsonable(v: Any) -> Any:
+def jsonable(v: Any) -> Any:
+    """``v`` as JSON-ready data: scalars as they are, lists/tuples/dicts
+    recursively (dict keys as strings), anything else as its ``repr``."""
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
     if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
+        return [jsonable(x) for x in v]
     if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
+        return {str(k): jsonable(x) for k, x in v.items()}
     return repr(v)
 
 
@@ -289,9 +291,9 @@ class Trace:
             if (ev.rank, tid) not in seen_tid:
                 seen_tid.add((ev.rank, tid))
                 out.append({"name": "thread_name", "ph": "M", "pid": ev.rank, "tid": tid, "args": {"name": layer}})
-            args = {"key": _jsonable(ev.key), "backend": ev.backend}
-            args.update({k: _jsonable(v) for k, v in (ev.data or {}).items()})
-            name = ev.kind if ev.key is None else f"{ev.kind} {_jsonable(ev.key)}"
+            args = {"key": jsonable(ev.key), "backend": ev.backend}
+            args.update({k: jsonable(v) for k, v in (ev.data or {}).items()})
+            name = ev.kind if ev.key is None else f"{ev.kind} {jsonable(ev.key)}"
             out.append(
                 {
                     "name": name,
