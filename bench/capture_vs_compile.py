@@ -32,6 +32,7 @@ Writes JSON (``--out``). Not a test: it never fails on a timing.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import time
 import warnings
@@ -164,8 +165,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
     cfg = LlamaConfig(attention="masked", max_batch_size=max(64, max(buckets + compile_buckets)))
 
     t0 = time.perf_counter()
-    import torch._dynamo  # noqa: F401  (imported by both sides; timed apart)
-    import torch._inductor.config  # noqa: F401
+    # importlib, not `import torch._dynamo`: that statement would make `torch` a
+    # local name of main() and break every use of torch above it.
+    importlib.import_module("torch._dynamo")  # imported by both sides; timed apart
+    importlib.import_module("torch._inductor.config")
     import_seconds = time.perf_counter() - t0
 
     print(f"capture_vs_compile: demo decoder ({cfg.num_layers} layers, hidden {cfg.hidden_size}, masked attention) "

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from graphrunner.bench import write_json
+from graphrunner.bench import environment, write_json
 
 import graphrunner
 from graphrunner.breakable import no_graph
@@ -154,6 +154,7 @@ def main(argv=None) -> dict:
         "per_call_us_best_round": {k: v * 1e6 for k, v in best.items()},
         "ratio_best_rounds": best["runner"] / best["minimal"],
         "threads": args.threads,
+        "environment": environment(),
         "target_ratio": 1.25,
     }
     print(f"runner overhead ({report.backend} backend on {report.device}, hidden {args.hidden}, "

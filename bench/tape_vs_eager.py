@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from graphrunner.bench import write_json
+from graphrunner.bench import environment, write_json
 
 from graphrunner import tape as _tape
 
@@ -195,7 +195,7 @@ def main(argv=None):
             ap.error(f"unknown model {m!r} (choose from {', '.join(BUILDERS)})")
     rows = [bench_batch(m, int(b), a.reps, a.inner, tapes) for m in models for b in a.batches.split(",")]
     print_table(rows, bool(a.baseline))
-    result = dict(torch=torch.__version__, threads=torch.get_num_threads(),
+    result = dict(torch=torch.__version__, threads=torch.get_num_threads(), environment=environment(),
                   rows=[r for r in rows if r["model"] == "llama"],
                   rows_inline=[r for r in rows if r["model"] == "inline"])
     write_json(a.out, result, announce=True)

@@ -40,6 +40,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from graphrunner.threads import add_threads_argument, thread_facts, torch_threads
+
 __all__ = [
     "SUITE",
     "DEFAULT_OUT",
@@ -149,10 +151,9 @@ def environment() -> Dict[str, Any]:
         "platform": platform.platform(),
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
         "cuda_available": cuda,
         "cuda_device": torch.cuda.get_device_name(0) if cuda else None,
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        **thread_facts(),
     }
 
 
@@ -230,6 +231,7 @@ def run_suite(
     bench_dir: Optional[str | os.PathLike] = None,
     extra_args: Optional[Dict[str, List[str]]] = None,
     echo: Callable[[str], Any] = print,
+    threads: Optional[int] = None,
 ) -> Dict[str, Any]:
     """Run the benchmark scripts in this process and write the merged JSON (and the plot).
 
@@ -247,11 +249,15 @@ def run_suite(
         bench_dir: see :func:`find_bench_dir`.
         extra_args: ``{name: [args]}`` appended to that script's argv.
         echo: where progress lines go (``print`` by default).
+        threads: torch intra-op threads for the whole suite (``--threads N``
+            is passed to every script that takes it, so each script's JSON
+            records it); ``None`` leaves the caller's count. The caller's
+            count is restored when the suite ends.
 
     Returns the merged dict (also written to ``out``): ``schema``,
     ``created``, ``quick``, ``environment``, ``bench_dir``, ``results``
     (``{name: the script's dict}``), ``seconds`` (wall time per script),
-    ``argv`` (per script), ``skipped`` (``{name: reason}``), ``errors``
+    ``argv`` (per script), ``threads`` (the count the scripts ran with), ``skipped`` (``{name: reason}``), ``errors``
     (``{name: traceback}``), ``summary`` (:func:`summarize`), ``plot`` (the
     PNG path or ``None``), ``plot_note`` and ``out`` (the JSON path).
 
@@ -264,7 +270,14 @@ def run_suite(
     ``ValueError`` for an unknown name in ``only``/``skip``.
     """
     bdir = find_bench_dir(bench_dir)
-    extra_args = dict(extra_args or {})
+    with torch_threads(threads or torch.get_num_threads()) as n:
+        return _run_suite(bdir, out, plot, quick, only, skip, dict(extra_args or {}), echo,
+                          n if threads else None)
+
+
+def _run_suite(bdir: Path, out: Optional[str | os.PathLike], plot: Any, quick: bool,
+               only: Optional[Sequence[str]], skip: Sequence[str], extra_args: Dict[str, List[str]],
+               echo: Callable[[str], Any], threads: Optional[int]) -> Dict[str, Any]:
     names = list(SUITE)
     for label, given in (("only", only or ()), ("skip", skip)):
         unknown = [n for n in given if n not in SUITE]
@@ -288,6 +301,7 @@ def run_suite(
         "results": {},
         "seconds": {},
         "argv": {},
+        "threads": torch.get_num_threads(),
         "skipped": {},
         "errors": {},
         "plot": None,
@@ -298,6 +312,7 @@ def run_suite(
         if name not in names:
             merged["skipped"][name] = "not selected (--only/--skip)"
     write_json(out, merged)
+    echo(f"[bench] torch threads: {merged['threads']}, load average: {merged['environment']['load_average']}")
     for name in names:
         path = bdir / f"{name}.py"
         if not path.is_file():
@@ -308,6 +323,8 @@ def run_suite(
         argv = ["--out", str(script_out)]
         if quick:
             argv += _quick_args(name, path)
+        if threads is not None and "--threads" in path.read_text():
+            argv += ["--threads", str(threads)]
         argv += list(extra_args.get(name, []))
         merged["argv"][name] = argv
         if script_out.is_file():
@@ -518,6 +535,7 @@ def _print_summary(merged: Dict[str, Any], out: Path) -> None:
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
+    add_threads_argument(p)
     p.add_argument("--out", default=None,
                    help=f"merged JSON path; per-script JSON files go next to it (default: {DEFAULT_OUT} "
                         "in the repository, wherever the command runs)")
@@ -554,7 +572,7 @@ def _run_from_args(args: argparse.Namespace) -> int:
     try:
         merged = run_suite(out=args.out, plot=None if args.no_plot else args.plot, quick=args.quick,
                            only=_split(args.only) or None, skip=_split(args.skip), bench_dir=args.bench_dir,
-                           extra_args=extra)
+                           extra_args=extra, threads=args.threads)
     except (BenchDirNotFoundError, ValueError) as exc:
         print(f"graphrunner bench: error: {exc}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from graphrunner.bench import add_bench_subparser, parse_int_list
+from graphrunner.threads import add_threads_argument, torch_threads
 
 
 def _positive_int(text: str) -> int:
@@ -21,9 +22,10 @@ def _positive_int(text: str) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from graphrunner.demo import run_demo
 
-    result = run_demo(backend=args.backend, device=args.device, steps=args.steps, buckets=args.buckets,
-                      max_batch=args.max_batch, seed=args.seed, layers=args.layers,
-                      trace_out=args.trace_out or None, progress=not args.no_progress)
+    with torch_threads(args.threads):
+        result = run_demo(backend=args.backend, device=args.device, steps=args.steps, buckets=args.buckets,
+                          max_batch=args.max_batch, seed=args.seed, layers=args.layers,
+                          trace_out=args.trace_out or None, progress=not args.no_progress)
     return 0 if result.ok else 1
 
 
@@ -56,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="path prefix of the trace files <prefix>.jsonl and <prefix>.chrome.json "
                            "(default: graphrunner-demo-trace; '' writes none)")
     demo.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
+    add_threads_argument(demo)
     demo.set_defaults(func=_demo)
     add_bench_subparser(sub)
     return parser

@@ -53,6 +53,7 @@ class DemoResult:
     violations: List[str]
     latency: Dict[str, Dict[str, float]] = field(default_factory=dict)
     trace_files: List[str] = field(default_factory=list)
+    threads: int = 0  #: torch intra-op threads the steps ran with
 
     @property
     def ok(self) -> bool:
@@ -103,14 +104,17 @@ def _latency_table(runner: GraphRunner, model, dev, buckets: List[int], config: 
 def run_demo(backend: str = "breakable", device: str = "auto", steps: int = 200,
              buckets: Sequence[int] = (1, 2, 4, 8, 16, 32), max_batch: int = 40, seed: int = 0,
              layers: int = 4, trace_out: Optional[str] = "graphrunner-demo-trace",
-             progress: bool = True, out: TextIO = sys.stdout) -> DemoResult:
+             progress: bool = True, out: Optional[TextIO] = None) -> DemoResult:
     """Run the demo and return its :class:`DemoResult` (see the module docstring).
 
     ``max_batch`` is the largest batch size drawn; batches above
     ``max(buckets)`` take the eager fallback. ``trace_out`` is a path prefix:
     ``<prefix>.jsonl`` and ``<prefix>.chrome.json`` are written (``None``
-    writes nothing).
+    writes nothing). The steps run with the caller's torch thread count
+    (``graphrunner demo --threads N`` sets it; ``threads`` in the result and
+    the header line say what was used).
     """
+    out = sys.stdout if out is None else out  # looked up per call, so redirected stdout is honoured
     if backend not in ("full", "breakable", "eager"):
         raise ValueError(f"backend must be 'full', 'breakable' or 'eager', got {backend!r}")
     if steps < 1 or max_batch < 1:
@@ -125,8 +129,8 @@ def run_demo(backend: str = "breakable", device: str = "auto", steps: int = 200,
     model = build_model(config, seed=seed, device=torch_device)
     print(f"graphrunner demo: Llama-style decoder ({config.num_layers} layers, hidden {config.hidden_size}, "
           f"{config.num_heads}/{config.num_kv_heads} heads, {attention} attention), backend={backend}, "
-          f"device={dev.kind} ({torch_device}), buckets={list(buckets)}, {steps} steps with batch 1..{max_batch}",
-          file=out)
+          f"device={dev.kind} ({torch_device}), buckets={list(buckets)}, {steps} steps with batch 1..{max_batch}, "
+          f"threads={torch.get_num_threads()}", file=out)
 
     trace = Trace()
     runner = GraphRunner(
@@ -143,6 +147,7 @@ def run_demo(backend: str = "breakable", device: str = "auto", steps: int = 200,
     gen = torch.Generator().manual_seed(seed + 1)
     graph_bad = pad_bad = 0
     max_padded = max_unpadded = 0.0
+    threads = torch.get_num_threads()
     t_start = time.perf_counter()
     for i in range(steps):
         n = int(torch.randint(1, max_batch + 1, (1,), generator=gen))
@@ -202,6 +207,7 @@ def run_demo(backend: str = "breakable", device: str = "auto", steps: int = 200,
 
     result = DemoResult(steps=steps, graph_mismatches=graph_bad, padding_mismatches=pad_bad,
                         max_abs_diff_padded=max_padded, max_abs_diff_unpadded=max_unpadded,
-                        fallbacks=stats.fallbacks, violations=violations, latency=latency, trace_files=files)
+                        fallbacks=stats.fallbacks, violations=violations, latency=latency, trace_files=files,
+                        threads=threads)
     print("demo: OK" if result.ok else "demo: FAILED (see above)", file=out)
     return result

@@ -96,7 +96,7 @@ def _entry(fn, rank, world_size, port, store_file, backend, init, init_timeout, 
     os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["OMP_NUM_THREADS"] = "1"  # ranks share the cores: one thread each
     import datetime
 
     import torch

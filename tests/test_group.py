@@ -108,3 +108,20 @@ def test_torch_dist_group_dead_peer_fails_fast():
     assert "RuntimeError" in cause  # gloo's error is chained as __cause__
     assert secs < 20  # did not wait for the 20 s timeout: a dead peer is detected
     assert res[0].exitcode == 0 and not res[0].timed_out
+
+
+def _threads_worker(rank, world_size):
+    import os
+
+    import torch
+
+    return (torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS"))
+
+
+@pytest.mark.multirank
+def test_rank_processes_run_with_one_thread_each():
+    """Ranks share the machine's cores: each rank process runs one intra-op
+    thread (more busy-wait on cores their peers hold)."""
+    res = run_ranks(_threads_worker, world_size=2, timeout=60, init=False)
+    assert_all_ok(res)
+    assert [r.value for r in res] == [(1, "1")] * 2
