@@ -20,6 +20,7 @@ import contextlib
 import functools
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
@@ -305,6 +306,11 @@ class GraphRunner:
         self._n_inputs = len(self._names)
         self._checks = tuple((s.dtype, s.trailing, len(s.trailing) + 1) for s in self.inputs.values())
         self._pads = tuple((self._buffers[n], s.pad) for n, s in self.inputs.items())
+        # [start, end) byte address of every static buffer: an input that starts
+        # inside one aliases the runner's own memory (checked before any write).
+        self._ranges = tuple((buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size())
+                             for buf, _ in self._pads)
+        self._span = (min(lo for lo, _ in self._ranges), max(hi for _, hi in self._ranges))
         self._filled = 0  # rows >= _filled of every buffer hold their pad value
         self._in_views: List[Optional[List[torch.Tensor]]] = [None] * (self.max_batch + 1)
         self._pad_views: Dict[Tuple[int, int], List[Tuple[torch.Tensor, Any]]] = {}  # (n, bucket) -> rows [n, bucket)
@@ -312,7 +318,11 @@ class GraphRunner:
         self.report: Optional[CaptureReport] = None
         self._captured = False
         self._capturing = False
+        self._cleaned_up = False
         self._calls = 0
+        # One call (or capture) at a time: the static buffers serve one batch.
+        self._busy = threading.Lock()
+        self._busy_thread: Optional[int] = None
         self._reset_replay_state()
 
     # ----------------------------------------------------------- properties
@@ -396,6 +406,13 @@ class GraphRunner:
         """
         if self._captured:
             raise CaptureError("GraphRunner.capture() was already called; call runner.cleanup() before capturing again")
+        self._enter("capture()")
+        try:
+            return self._capture()
+        finally:
+            self._leave()
+
+    def _capture(self) -> CaptureReport:
         order = list(reversed(self.buckets))
         bar = CaptureProgress(len(order), enabled=self.progress and self.rank == 0)
         reports: List[BucketReport] = []
@@ -462,8 +479,29 @@ class GraphRunner:
         the runner can :meth:`capture` again. Static input buffers are kept."""
         self.backend.cleanup()
         self._captured = False
+        self._cleaned_up = True
         self.report = None
         self._reset_replay_state()
+
+    # ------------------------------------------------------- thread ownership
+    def _enter(self, what: str) -> None:
+        """Take the runner for one call or capture, or raise at once if
+        another one is in progress (another thread, or re-entrantly)."""
+        if not self._busy.acquire(blocking=False):
+            me, owner = threading.get_ident(), self._busy_thread
+            if owner == me:
+                raise GraphRunnerError(
+                    f"GraphRunner.{what} called re-entrantly (from inside step or a hook of the same runner): "
+                    "its static buffers hold the batch in progress; do not call a runner from its own step")
+            raise GraphRunnerError(
+                f"GraphRunner.{what} called from thread {threading.current_thread().name} (id {me}) while thread "
+                f"id {owner} is inside a call of the same runner: one runner serves one call at a time (its static "
+                "buffers hold one batch). Use one runner per thread, or serialize the calls with a lock")
+        self._busy_thread = threading.get_ident()
+
+    def _leave(self) -> None:
+        self._busy_thread = None
+        self._busy.release()
 
     # ----------------------------------------------------------------- call
     def __call__(self, **inputs: torch.Tensor) -> Any:
@@ -481,10 +519,26 @@ class GraphRunner:
         runner's setting) is true. Raises ``ValueError``/``TypeError`` for
         invalid inputs and, with ``fallback="error"``, when no bucket fits;
         the runner stays usable. Raises :class:`CaptureError` before
-        :meth:`capture`. See the class docstring for multi-rank agreement.
+        :meth:`capture` (or after :meth:`cleanup`). Every input is validated
+        (names, dtype, shape, a real device, no aliasing of the runner's own
+        static buffers) before anything is written; a copy that still fails
+        resets the static buffers to their pad values and raises
+        :class:`GraphRunnerError`. Raises :class:`GraphRunnerError` when
+        another call of this runner is in progress (another thread, or from
+        inside ``step``). See the class docstring for multi-rank agreement.
         """
         if not self._captured:
+            if self._cleaned_up:
+                raise CaptureError("GraphRunner called after cleanup(): its graphs were released; call "
+                                   "runner.capture() again before serving")
             raise CaptureError("GraphRunner called before capture(): call runner.capture() once first")
+        self._enter("run()")
+        try:
+            return self._run(inputs, copy_outputs)
+        finally:
+            self._leave()
+
+    def _run(self, inputs: Mapping[str, torch.Tensor], copy_outputs: Optional[bool]) -> Any:
         self._calls += 1
         # -- validate (fast path: one pass; any mismatch goes to the slow diagnosis)
         n = -1
@@ -492,7 +546,8 @@ class GraphRunner:
             if len(inputs) != self._n_inputs:
                 raise KeyError
             tensors = [inputs[name] for name in self._names]
-            for t, (dtype, trailing, ndim) in zip(tensors, self._checks):
+            lo_all, hi_all = self._span
+            for name, t, (dtype, trailing, ndim), own in zip(self._names, tensors, self._checks, self._ranges):
                 shape = t.shape
                 if t.dtype != dtype or len(shape) != ndim or shape[1:] != trailing or not isinstance(t, _Tensor):
                     raise KeyError
@@ -500,6 +555,15 @@ class GraphRunner:
                     if n >= 0:
                         raise KeyError
                     n = shape[0]
+                ptr = t.data_ptr()  # must hold data (not meta) and not point into a static buffer
+                if ptr == 0:
+                    if t.is_meta:
+                        raise KeyError
+                elif lo_all <= ptr < hi_all and (ptr != own[0] or not t.is_contiguous()):
+                    # Between the static buffers' addresses and not exactly its own
+                    # rows [0, n) (a harmless no-op copy): the slow path decides.
+                    if self._alias_error(name, t) is not None:
+                        raise KeyError
             if n <= 0:
                 raise KeyError
         except (KeyError, TypeError, AttributeError):
@@ -518,14 +582,39 @@ class GraphRunner:
             return self._fallback(tensors, n, n, reason, copy_outputs)
         return self._replay_bucket(tensors, n, b, copy_outputs)
 
-    def _replay_bucket(self, tensors: List[torch.Tensor], n: int, b: int, copy_outputs: bool) -> Any:
+    def _stage(self, tensors: List[torch.Tensor], n: int) -> None:
+        """Copy the (validated) inputs into rows ``[0, n)`` of the static
+        buffers. If a copy fails, every buffer is reset to its pad value
+        (no half-written rows stay behind) and :class:`GraphRunnerError`
+        names the input."""
         views = self._in_views[n]
         if views is None:
             views = self._in_views[n] = [buf[:n] for buf, _ in self._pads]
-        for v, t in zip(views, tensors):
-            # detach: a copy from a tensor that requires grad would chain an
-            # autograd history onto the static buffer at every call.
-            v.copy_(t.detach() if t.requires_grad else t)
+        i = 0
+        try:
+            for i, (v, t) in enumerate(zip(views, tensors)):
+                # detach: a copy from a tensor that requires grad would chain an
+                # autograd history onto the static buffer at every call.
+                v.copy_(t.detach() if t.requires_grad else t)
+        except Exception as exc:
+            self._restore_pads(max(self._filled, n))
+            t = tensors[i]
+            raise GraphRunnerError(
+                f"GraphRunner: copying input {self._names[i]!r} ({type(t).__name__} of shape {list(t.shape)}, "
+                f"{t.dtype}, on {t.device}) into its static buffer failed: {type(exc).__name__}: {exc}. Nothing "
+                "was replayed and the static buffers were reset to their pad values; the runner is still usable"
+            ) from exc
+
+    def _restore_pads(self, rows: int) -> None:
+        """Set rows ``[0, rows)`` of every static buffer to its pad value."""
+        for buf, pad in self._pads:
+            buf[:rows].fill_(pad)
+        self._filled = 0
+
+    def _replay_bucket(self, tensors: Optional[List[torch.Tensor]], n: int, b: int, copy_outputs: bool) -> Any:
+        """Copy (unless ``tensors`` is None: already staged), pad rows ``[n, b)``, replay ``b``, slice."""
+        if tensors is not None:
+            self._stage(tensors, n)
         filled = self._filled
         if filled > n:  # rows [n, filled) may hold an earlier call's data: pad rows [n, b)
             pv = self._pad_views.get((n, b))
@@ -571,6 +660,17 @@ class GraphRunner:
 
     def _run_agreed(self, tensors: List[torch.Tensor], n: int, copy_outputs: bool) -> Any:
         group, key = self.group, self._calls
+        # Copy before agreeing, so that a copy that fails is reported to every
+        # rank by the agreement itself (as invalid inputs) instead of leaving
+        # this rank out of the step's collectives.
+        if n <= self.max_batch:
+            try:
+                self._stage(tensors, n)
+            except GraphRunnerError:
+                self._agree_invalid()
+                raise
+            if self._filled < n:
+                self._filled = n  # rows [0, n) now hold this call's data, whatever the agreement decides
         big_n = group.all_max(n, phase="runner_batch", key=key)
         b = self._table[big_n] if big_n <= self.max_batch else None
         code = 1 if (b is not None and self._replayable[b]) else 0
@@ -581,7 +681,7 @@ class GraphRunner:
                 "step (see that rank's error); the runner is still usable"
             )
         if agreed == 1:
-            return self._replay_bucket(tensors, n, b, copy_outputs)
+            return self._replay_bucket(None, n, b, copy_outputs)
         if big_n > self.max_batch:
             reason = "over_max_bucket"
         elif b is None:
@@ -633,6 +733,20 @@ class GraphRunner:
         logger.debug("GraphRunner: eager fallback (%s) for batch %d (rows %d)", reason, n, rows)
         return _clone(out) if copy_outputs else out
 
+    def _alias_error(self, name: str, t: torch.Tensor) -> Optional[Exception]:
+        """The error for an input whose memory starts inside one of the
+        runner's static buffers (other than exactly its own rows ``[0, n)``),
+        else ``None``. Copying from such a tensor would read rows that this
+        same call overwrites."""
+        ptr = t.data_ptr()
+        for (lo, hi), other in zip(self._ranges, self._names):
+            if lo <= ptr < hi and not (other == name and ptr == lo and t.is_contiguous()):
+                return ValueError(
+                    f"GraphRunner: input {name!r} aliases the runner's static buffer of input {other!r} (a view of "
+                    f"runner.static_inputs[{other!r}] or of its memory): the call would overwrite what it reads. "
+                    "Pass a separate tensor (e.g. .clone())")
+        return None
+
     def _input_error(self, inputs: Any) -> Exception:
         """Diagnose invalid call inputs (slow path) and return the error to raise."""
         if not isinstance(inputs, Mapping):
@@ -659,6 +773,12 @@ class GraphRunner:
                 return ValueError(f"GraphRunner: input {name!r} has shape {list(t.shape)}, expected "
                                   f"[batch, {', '.join(map(str, spec.trailing))}]".replace(", ]", "]")
                                   + f" (trailing shape {spec.trailing})")
+            if t.is_meta:
+                return ValueError(f"GraphRunner: input {name!r} is on the meta device (shape only, no data); "
+                                  "pass a tensor that holds its values")
+            err = self._alias_error(name, t)
+            if err is not None:
+                return err
             if n is None:
                 n, first = t.shape[0], name
             elif t.shape[0] != n:
