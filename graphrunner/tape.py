@@ -219,6 +219,8 @@ _FRIENDLY = {
     "unique_dim": "torch.unique with dim (output shape depends on data)",
     "unique_consecutive": "torch.unique_consecutive (output shape depends on data)",
     "argwhere": "torch.argwhere (output shape depends on data)",
+    "one_hot": "F.one_hot without num_classes (or num_classes=-1: the class count is read on the host; "
+               "pass num_classes, a Python int >= 1, and it is capturable, as on CUDA)",
 }
 
 # Composite ops that reach the mode whole under inference_mode, untagged.
@@ -318,20 +320,53 @@ def _check_safe(func, args, kwargs) -> None:
                 raise _unsafe(what, str(func))
 
 
+def _one_hot_static(args, kwargs) -> "torch.Tensor | None":
+    """``F.one_hot(t, num_classes)`` as PyTorch runs it on CUDA when
+    ``num_classes >= 1`` is given: zeros, then a scatter of ones, with no host
+    read of the class values (CUDA relies on the scatter's device assert; on
+    the tape an out-of-range class makes the scatter raise).  Raises
+    CaptureUnsafeOpError without ``num_classes`` (or with -1: the class count
+    is read on the host); returns None for any other call (a non-int64
+    input, ...), which then runs as is."""
+    t = args[0] if args else kwargs.get("input")
+    n = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+    if type(t) is not torch.Tensor or t.dtype != torch.int64 or len(args) + len(kwargs) > 2:
+        return None
+    if isinstance(n, int) and not isinstance(n, bool) and n == -1:
+        raise _unsafe(_FRIENDLY["one_hot"], "one_hot")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        return None
+    out = torch.zeros(*t.shape, n, dtype=t.dtype, device=t.device)
+    return out.scatter_(-1, t.unsqueeze(-1), 1)
+
+
 class _Guard(TorchFunctionMode):
-    """Rejects host-reading Tensor methods that never reach the dispatcher."""
+    """Rejects host-reading Tensor methods that never reach the dispatcher,
+    and runs ``F.one_hot`` with ``num_classes`` without its CPU-only host read."""
 
     def __init__(self, cap: "_Capture"):
         super().__init__()
         self.cap = cap
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         what = _UNSAFE_FUNCTIONS.get(getattr(func, "__qualname__", None))
         if what is not None:
             err = _unsafe(what, getattr(func, "__qualname__", str(func)))
             self.cap.failed = err
             raise err
-        return func(*args, **(kwargs or {}))
+        if func is _ONE_HOT:
+            try:
+                out = _one_hot_static(args, kwargs)
+            except CaptureUnsafeOpError as err:
+                self.cap.failed = err
+                raise
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+
+_ONE_HOT = torch.nn.functional.one_hot
 
 
 # ---------------------------------------------------------------------------
