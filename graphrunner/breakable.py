@@ -37,7 +37,8 @@ from graphrunner._pytree import describe, flatten, structure
 from graphrunner.devices import get_device
 from graphrunner.errors import CaptureError
 
-__all__ = ["BreakableGraph", "BreakableCUDAGraph", "breakable_graph", "no_graph", "force_no_graph", "is_in_breakable_graph"]
+__all__ = ["BreakableGraph", "BreakableCUDAGraph", "breakable_graph", "no_graph", "force_no_graph",
+           "is_in_breakable_graph"]
 
 logger = logging.getLogger("graphrunner")
 

@@ -320,6 +320,9 @@ def _check_safe(func, args, kwargs) -> None:
                 raise _unsafe(what, str(func))
 
 
+_ONE_HOT = torch.nn.functional.one_hot
+
+
 def _one_hot_static(args, kwargs) -> "torch.Tensor | None":
     """``F.one_hot(t, num_classes)`` as PyTorch runs it on CUDA when
     ``num_classes >= 1`` is given: zeros, then a scatter of ones, with no host
@@ -364,9 +367,6 @@ class _Guard(TorchFunctionMode):
             if out is not None:
                 return out
         return func(*args, **kwargs)
-
-
-_ONE_HOT = torch.nn.functional.one_hot
 
 
 # ---------------------------------------------------------------------------
@@ -447,7 +447,8 @@ def _op_generator(args, kwargs) -> "torch.Generator | None":
     if device.type == "cpu":
         return torch.default_generator
     if device.type == "cuda":
-        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
     return None  # meta and other devices: nothing to restore
 
 
