@@ -4,7 +4,7 @@ from graphrunner.errors import CaptureError, CaptureUnsafeOpError, GraphRunnerEr
 
 __version__ = "0.1.0"
 from graphrunner.devices import CudaDevice, Device, TapeDevice, get_device
-from graphrunner.breakable import BreakableGraph, breakable_graph, force_no_graph, is_in_breakable_graph, no_graph
+from graphrunner.breakable import BreakableCUDAGraph, BreakableGraph, breakable_graph, force_no_graph, is_in_breakable_graph, no_graph
 from graphrunner.tape import EscapedTensorWarning, TapeGraph, TapePool, graph_pool_handle, is_tape_capturing, tape_graph
 from graphrunner.group import LocalGroup, TorchDistGroup
 from graphrunner.trace import Event, EventKind, NullTrace, Trace, check_capture_order

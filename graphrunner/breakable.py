@@ -16,12 +16,17 @@ segment. Replay runs segment, eager step, segment, ... in capture order.
 Segments come from ``device.new_graph()``: TapeGraphs on any machine, CUDA
 graphs in one shared pool when CUDA is present. The active capture is held
 in a ``ContextVar``; outside capture a ``no_graph`` function is a plain call.
+
+Meta's ``breakable_cuda_graphs`` spellings work too: ``BreakableCUDAGraph``
+is :class:`BreakableGraph`, and ``breakable_graph(cuda_graph=graph)`` is
+``breakable_graph(graph)``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 from contextvars import ContextVar
 from typing import Any, Callable, Iterator
@@ -32,7 +37,8 @@ from graphrunner._pytree import describe, flatten, structure
 from graphrunner.devices import get_device
 from graphrunner.errors import CaptureError
 
-__all__ = ["BreakableGraph", "breakable_graph", "no_graph", "force_no_graph", "is_in_breakable_graph"]
+__all__ = ["BreakableGraph", "BreakableCUDAGraph", "breakable_graph", "no_graph", "force_no_graph",
+           "is_in_breakable_graph"]
 
 logger = logging.getLogger("graphrunner")
 
@@ -41,6 +47,37 @@ _ACTIVE: ContextVar["_Capture | None"] = ContextVar("graphrunner_breakable_captu
 
 def _fn_name(fn: Callable) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+def _bind_error(f: Callable, params: "list[inspect.Parameter] | None" = None) -> str | None:
+    """Why ``f`` cannot be called with ``params`` (the required parameters of
+    another function; none when None), or None if it can or its signature
+    cannot be read (a C function)."""
+    try:
+        sig = inspect.signature(f)
+    except (TypeError, ValueError):
+        return None
+    args, kwargs = [], {}
+    for p in params or ():
+        if p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.kind == p.KEYWORD_ONLY:
+            kwargs[p.name] = None
+        else:
+            args.append(None)
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        return str(exc)
+    return None
+
+
+def _params(fn: Callable) -> "list[inspect.Parameter] | None":
+    """The parameters of ``fn``, or None if its signature cannot be read."""
+    try:
+        return list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
 
 
 class _EagerStep:
@@ -162,6 +199,11 @@ class BreakableGraph:
             self.trace.record(kind, key=self.key, backend=self.backend, **data)
 
 
+#: Meta's ``breakable_cuda_graphs`` name for :class:`BreakableGraph` (the same
+#: class), so code written against that module ports by import rename.
+BreakableCUDAGraph = BreakableGraph
+
+
 class _Capture:
     """State of one active breakable capture: the open segment, if any."""
 
@@ -208,18 +250,40 @@ class _Capture:
 
 
 @contextlib.contextmanager
-def breakable_graph(graph: BreakableGraph, stream: Any = None, capture_error_mode: str = "global",
-                    barrier_fn: Callable[[], None] | None = None) -> Iterator[BreakableGraph]:
+def breakable_graph(graph: BreakableGraph | None = None, stream: Any = None, capture_error_mode: str = "global",
+                    barrier_fn: Callable[[], None] | None = None, *,
+                    cuda_graph: BreakableGraph | None = None) -> Iterator[BreakableGraph]:
     """Capture the block into ``graph``, breaking it at every :func:`no_graph` call.
 
+    ``graph`` is a :class:`BreakableGraph` (alias :data:`BreakableCUDAGraph`);
+    ``cuda_graph=`` is accepted as a synonym, the keyword Meta's
+    ``breakable_cuda_graphs`` uses (give one of the two, not both).
     ``stream`` is the capture stream (default: the device's), and
     ``capture_error_mode`` is passed to each segment's ``capture_begin``.
-    ``barrier_fn``, if given, is called before every eager break during
-    capture (never at replay) so that ranks realign before eager code that may
-    hold collectives. Nesting raises :class:`CaptureError`. If the block
-    raises, the open segment's capture is ended, ``graph`` is reset to empty
-    and the exception propagates.
+    ``barrier_fn``, if given, must be callable with no arguments; it is called
+    before every eager break during capture (never at replay) so that ranks
+    realign before eager code that may hold collectives. The arguments are
+    checked on entry (``TypeError``), before anything is captured. Nesting
+    raises :class:`CaptureError`. If the block raises, the open segment's
+    capture is ended, ``graph`` is reset to empty and the exception
+    propagates.
     """
+    if cuda_graph is not None:
+        if graph is not None:
+            raise TypeError("breakable_graph() got both graph and cuda_graph (a synonym, for Meta's "
+                            "breakable_cuda_graphs); pass the BreakableGraph once")
+        graph = cuda_graph
+    if not isinstance(graph, BreakableGraph):
+        raise TypeError("breakable_graph() needs a BreakableGraph (graph= or cuda_graph=), got "
+                        f"{type(graph).__name__}; make one with graphrunner.BreakableGraph()")
+    if barrier_fn is not None and not callable(barrier_fn):
+        raise TypeError(f"breakable_graph(): barrier_fn must be callable (called with no arguments before "
+                        f"each eager break) or None, got {type(barrier_fn).__name__}")
+    if barrier_fn is not None:
+        why = _bind_error(barrier_fn)
+        if why is not None:
+            raise TypeError(f"breakable_graph(): barrier_fn {_fn_name(barrier_fn)} is called with no arguments "
+                            f"before each eager break, but cannot be: {why}")
     if _ACTIVE.get() is not None:
         raise CaptureError("breakable_graph() inside another breakable_graph capture: nesting is not "
                            "supported; end the outer capture first")
@@ -261,6 +325,8 @@ def no_graph(fn: Callable | None = None, *, enable: bool = True,
     function. Arguments must therefore be static tensors (graph inputs,
     segment outputs, weights) or values that are fixed for the shape key.
     ``enable=False`` returns ``fn`` unchanged (captured like any other code).
+    A ``capture_stub`` that is not callable, or cannot take ``fn``'s required
+    parameters, raises ``TypeError`` here, at decoration time.
     """
     if capture_stub is not None and not callable(capture_stub):
         raise TypeError(f"no_graph: capture_stub must be callable, got {type(capture_stub).__name__}")
@@ -268,6 +334,13 @@ def no_graph(fn: Callable | None = None, *, enable: bool = True,
         return lambda f: no_graph(f, enable=enable, capture_stub=capture_stub)
     if not callable(fn):
         raise TypeError(f"no_graph expects a function or method, got {type(fn).__name__}")
+    if capture_stub is not None:
+        params = _params(fn)
+        why = _bind_error(capture_stub, params) if params is not None else None
+        if why is not None:
+            raise TypeError(f"no_graph({_fn_name(fn)}): capture_stub {_fn_name(capture_stub)} is called with the "
+                            f"same arguments as the function during capture, but cannot take them: {why}. "
+                            "Give it the function's parameters (or *args, **kwargs)")
     if not enable:
         return fn
 

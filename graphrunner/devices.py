@@ -134,11 +134,14 @@ class TapeDevice(Device):
         return None
 
     def capture(self, graph, stream=None, capture_error_mode: str = "global", pool=None):
-        """Capture into ``graph`` with :func:`~graphrunner.tape.tape_graph` (``pool``: default the device's)."""
-        from graphrunner.tape import tape_graph
+        """Capture into ``graph`` as :func:`~graphrunner.tape.tape_graph` does
+        (``pool``: default the device's), without its "graph is empty"
+        warning: :meth:`is_empty` tells callers, which drop such captures (a
+        breakable graph's segment between back-to-back breaks)."""
+        from graphrunner.tape import _capturing
 
-        return tape_graph(graph, pool=pool if pool is not None else self.graph_pool(),
-                          capture_error_mode=capture_error_mode)
+        return _capturing(graph, pool if pool is not None else self.graph_pool(), capture_error_mode,
+                          warn_empty=False)
 
     def __repr__(self) -> str:
         extra = ", poison_captured_values=True" if self.poison_captured_values else ""

@@ -15,8 +15,13 @@ one runs on the other:
   refreshed in place at every replay; everything else is a temporary.
 * Host-synchronising and data-dependent-shape operations raise
   :class:`~graphrunner.errors.CaptureUnsafeOpError` during capture.
-* RNG ops draw fresh numbers at each replay; collectives (``c10d`` ops) are
-  re-issued and waited on.
+* RNG as on CUDA: a capture consumes nothing from any generator (the default
+  CPU generator and every generator the capture drew from get their state
+  back at capture end); each replay draws what the eager step would draw from
+  the generator's current state.  Re-seeding (``torch.manual_seed``, ...)
+  during capture raises :class:`~graphrunner.errors.CaptureError`.  An empty
+  capture warns (:data:`EMPTY_GRAPH_MESSAGE`).
+* Collectives (``c10d`` ops) are re-issued and waited on.
 * Optionally (``TapeGraph(poison_captured_values=True)``, or the environment
   variable ``GRAPHRUNNER_TAPE_POISON=1``), survivors are filled with a poison
   value at capture end (NaN, the integer dtype's max, ``True``), because on a
@@ -65,6 +70,7 @@ __all__ = [
     "graph_pool_handle",
     "is_tape_capturing",
     "EscapedTensorWarning",
+    "EMPTY_GRAPH_MESSAGE",
 ]
 
 logger = logging.getLogger("graphrunner")
@@ -88,6 +94,15 @@ _POISONED: dict[int, weakref.ref] = {}
 # Used to warn when another graph writes a survivor (TAPE-NOTES item 8).
 _SURVIVORS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
+
+#: The warning ``capture_end()`` gives when no aten op ran during the capture
+#: (CUDA's is "The CUDA Graph is empty. This usually means that the graph was
+#: attempted to be captured on wrong device or stream.").
+EMPTY_GRAPH_MESSAGE = (
+    "The tape graph is empty: no aten op ran between capture_begin() and capture_end(), so replay() does "
+    "nothing. This usually means the work ran outside the capture (before capture_begin(), in another "
+    "thread) or was not tensor work; check that the captured code really runs inside the capture."
+)
 
 #: Environment variable giving the default of ``poison_captured_values`` for
 #: :class:`TapeGraph` and :class:`~graphrunner.devices.TapeDevice`.
@@ -204,6 +219,8 @@ _FRIENDLY = {
     "unique_dim": "torch.unique with dim (output shape depends on data)",
     "unique_consecutive": "torch.unique_consecutive (output shape depends on data)",
     "argwhere": "torch.argwhere (output shape depends on data)",
+    "one_hot": "F.one_hot without num_classes (or num_classes=-1: the class count is read on the host; "
+               "pass num_classes, a Python int >= 1, and it is capturable, as on CUDA)",
 }
 
 # Composite ops that reach the mode whole under inference_mode, untagged.
@@ -303,20 +320,136 @@ def _check_safe(func, args, kwargs) -> None:
                 raise _unsafe(what, str(func))
 
 
+_ONE_HOT = torch.nn.functional.one_hot
+
+
+def _one_hot_static(args, kwargs) -> "torch.Tensor | None":
+    """``F.one_hot(t, num_classes)`` as PyTorch runs it on CUDA when
+    ``num_classes >= 1`` is given: zeros, then a scatter of ones, with no host
+    read of the class values (CUDA relies on the scatter's device assert; on
+    the tape an out-of-range class makes the scatter raise).  Raises
+    CaptureUnsafeOpError without ``num_classes`` (or with -1: the class count
+    is read on the host); returns None for any other call (a non-int64
+    input, ...), which then runs as is."""
+    t = args[0] if args else kwargs.get("input")
+    n = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+    if type(t) is not torch.Tensor or t.dtype != torch.int64 or len(args) + len(kwargs) > 2:
+        return None
+    if isinstance(n, int) and not isinstance(n, bool) and n == -1:
+        raise _unsafe(_FRIENDLY["one_hot"], "one_hot")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        return None
+    out = torch.zeros(*t.shape, n, dtype=t.dtype, device=t.device)
+    return out.scatter_(-1, t.unsqueeze(-1), 1)
+
+
 class _Guard(TorchFunctionMode):
-    """Rejects host-reading Tensor methods that never reach the dispatcher."""
+    """Rejects host-reading Tensor methods that never reach the dispatcher,
+    and runs ``F.one_hot`` with ``num_classes`` without its CPU-only host read."""
 
     def __init__(self, cap: "_Capture"):
         super().__init__()
         self.cap = cap
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         what = _UNSAFE_FUNCTIONS.get(getattr(func, "__qualname__", None))
         if what is not None:
             err = _unsafe(what, getattr(func, "__qualname__", str(func)))
             self.cap.failed = err
             raise err
-        return func(*args, **(kwargs or {}))
+        if func is _ONE_HOT:
+            try:
+                out = _one_hot_static(args, kwargs)
+            except CaptureUnsafeOpError as err:
+                self.cap.failed = err
+                raise
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# random number generators (TAPE-NOTES item 6)
+#
+# A CUDA capture consumes nothing from a generator: it records the Philox
+# offset increments, and each replay advances the generator as the eager step
+# would.  The tape runs the RNG ops at capture (they really draw), so it saves
+# the state of every generator the capture may draw from -- the default CPU
+# generator at capture begin, any other (an explicit ``generator=``, a CUDA
+# default generator) before the first op that uses it -- and restores them at
+# capture end.  Replay runs each seeded op again on the same generator
+# (``generator=None``: the default one), so replay k draws what eager step k
+# would from the same state.  Re-seeding during capture raises, as
+# ``manual_seed`` does during a CUDA capture.
+
+_RESEED_FUNCTIONS = ("manual_seed", "seed", "set_rng_state")
+
+
+def _reseed_error(what: str) -> CaptureError:
+    return CaptureError(
+        f"{what} during a tape capture (at {_user_frame()}): a device graph cannot re-seed a generator "
+        "(CUDA raises on manual_seed during capture), and the tape restores every generator's state at "
+        "capture end, so the new seed would be lost. Seed before capture_begin() (or between replays)."
+    )
+
+
+def _guarded_reseed(name: str, fn: Callable) -> Callable:
+    def guarded(*args, **kwargs):
+        cap = _ACTIVE
+        if cap is not None:
+            err = _reseed_error(f"torch.{name}()")
+            cap.failed = err
+            raise err
+        return fn(*args, **kwargs)
+
+    guarded.__wrapped__ = fn
+    guarded._graphrunner_reseed_guard = True
+    guarded.__name__ = guarded.__qualname__ = name
+    guarded.__doc__ = fn.__doc__
+    return guarded
+
+
+@contextlib.contextmanager
+def _reseed_guard() -> Iterator[None]:
+    """Make ``torch.manual_seed`` / ``torch.seed`` / ``torch.set_rng_state``
+    (and their ``torch.random`` spellings) raise while a capture is active.
+    Direct ``Generator.manual_seed`` calls are C methods that cannot be
+    intercepted; :meth:`_Capture.restore_generators` catches those at capture
+    end by the changed ``initial_seed()``."""
+    import torch.random as trandom
+
+    saved = []
+    for mod in (torch, trandom):
+        for name in _RESEED_FUNCTIONS + ("_manual_seed_impl",):
+            fn = mod.__dict__.get(name)
+            if fn is None or getattr(fn, "_graphrunner_reseed_guard", False):
+                continue
+            saved.append((mod, name, fn))
+            setattr(mod, name, _guarded_reseed(name.lstrip("_").replace("_impl", ""), fn))
+    try:
+        yield
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
+
+
+def _op_generator(args, kwargs) -> "torch.Generator | None":
+    """The generator a seeded op draws from: its explicit generator argument,
+    else the default generator of its tensors' (or ``device=``) device."""
+    device = kwargs.get("device")
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, torch.Generator):
+            return v
+        if device is None and isinstance(v, torch.Tensor):
+            device = v.device
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
+    return None  # meta and other devices: nothing to restore
 
 
 # ---------------------------------------------------------------------------
@@ -408,6 +541,8 @@ class _Capture:
         self.scalars: dict[tuple, torch.Tensor] = {}  # Python scalar -> shared 0-dim tensor
         self.meta_mutated = False                  # an inplace_view op (t_, unsqueeze_, ...) ran
         self.lifted: list[_Poisoned] = []          # other graphs' poisoned survivors lifted for this capture
+        self.generators: dict[int, tuple] = {}     # id(generator) -> (generator, state, initial seed) at first use
+        self.track_generator(torch.default_generator)
 
     def scalar_tensor(self, v, dtype=None) -> torch.Tensor:
         """One shared 0-dim tensor per Python scalar and dtype (default float64 /
@@ -533,6 +668,29 @@ class _Capture:
                     EscapedTensorWarning,
                     stacklevel=2,
                 )
+
+    # -- generators ---------------------------------------------------------
+    def track_generator(self, g: "torch.Generator | None") -> None:
+        """Save ``g``'s state before the capture first draws from it."""
+        if g is not None and id(g) not in self.generators:
+            self.generators[id(g)] = (g, g.get_state(), g.initial_seed())
+
+    def restore_generators(self) -> "CaptureError | None":
+        """Put every tracked generator back in its state before the capture
+        (the capture consumed nothing); return an error for one re-seeded
+        during the capture (``Generator.manual_seed`` called directly)."""
+        err = None
+        for g, state, seed in self.generators.values():
+            if err is None and g.initial_seed() != seed:
+                err = CaptureError(
+                    f"a torch.Generator (on {g.device}) was re-seeded during a tape capture (its initial_seed "
+                    f"changed from {seed} to {g.initial_seed()}): a device graph cannot re-seed a generator "
+                    "(CUDA raises on manual_seed during capture), and the tape restores every generator's "
+                    "state at capture end. Seed before capture_begin() (or between replays)."
+                )
+            g.set_state(state)
+        self.generators.clear()
+        return err
 
     def restore(self) -> None:
         with torch.inference_mode():
@@ -867,6 +1025,8 @@ class _Recorder(TorchDispatchMode):
             verifier = None
             if not collective and not seeded:
                 verifier = _Verifier(cap, func, args, kwargs, written, fresh)
+            if seeded:
+                cap.track_generator(_op_generator(args, kwargs))
         except BaseException as e:
             cap.failed = e
             raise
@@ -995,6 +1155,10 @@ class TapeGraph:
         capture and still referenced afterwards are refreshed in place; the
         results are bit-identical to running the captured code eagerly on the
         current contents of the externals.
+      * RNG: the capture consumes nothing from any generator; each replay
+        draws (and advances the generator) exactly as running the captured
+        code eagerly would, from the generator's current state.  Re-seeding a
+        generator during capture raises :class:`CaptureError`.
       * ``reset()`` drops the recording (and aborts a capture in progress).
       * ``num_ops`` is the number of aten ops recorded (0 when empty).
 
@@ -1049,7 +1213,7 @@ class TapeGraph:
             raise CaptureError("this TapeGraph already holds a capture; call reset() before capturing again")
         self._pool = pool if pool is not None else (self._pool or TapePool())
         cap = _Capture(self)
-        modes = (_Guard(cap), _Recorder(cap))
+        modes = (_reseed_guard(), _Guard(cap), _Recorder(cap))
         _ACTIVE = cap
         self._cap = cap
         for m in modes:
@@ -1069,6 +1233,9 @@ class TapeGraph:
                     m.__exit__(None, None, None)
         finally:
             cap.restore()
+            reseeded = cap.restore_generators()
+            if reseeded is not None and cap.failed is None:
+                cap.failed = reseeded
             for ent in cap.lifted:  # other graphs' survivors: garbage again until those graphs replay
                 ent.poison()
             cap.lifted.clear()
@@ -1077,9 +1244,17 @@ class TapeGraph:
     def capture_end(self) -> None:
         """Finish recording and generate the replay function.
 
-        Writes made to externals during capture are undone here.  If an op
-        failed during capture, the graph is left empty and CaptureError is
-        raised (chaining the original error)."""
+        Writes made to externals during capture are undone here, and every
+        generator the capture drew from gets back its state from before the
+        capture (a capture consumes no random numbers).  If an op failed
+        during capture, or a generator was re-seeded, the graph is left empty
+        and CaptureError is raised (chaining the original error).  A capture
+        that recorded no op warns with :data:`EMPTY_GRAPH_MESSAGE` (a
+        ``UserWarning``, like CUDA's "The CUDA Graph is empty") and replays as
+        a no-op."""
+        self._end(warn_empty=True)
+
+    def _end(self, warn_empty: bool) -> None:
         if self._cap is None:
             raise CaptureError("capture_end() called on a TapeGraph that is not capturing")
         cap = self._stop()
@@ -1091,6 +1266,8 @@ class TapeGraph:
         except BaseException:
             self._clear()
             raise
+        if not cap.ops and warn_empty:
+            warnings.warn(EMPTY_GRAPH_MESSAGE, UserWarning, stacklevel=3)
         targets, self._surv_storages = self._surv_storages, []
         if self.poison_captured_values:
             self._poison(targets)
@@ -1490,17 +1667,25 @@ def _work_paths(v, path=""):
                 yield from _work_paths(x, f"{path}[{i}]")
 
 
-@contextlib.contextmanager
 def tape_graph(
     graph: TapeGraph, pool: TapePool | None = None, stream: Any = None, capture_error_mode: str = "global"
-) -> Iterator[TapeGraph]:
+) -> "contextlib.AbstractContextManager[TapeGraph]":
     """Capture the body into ``graph`` (mirrors ``torch.cuda.graph``).
 
     ``stream`` is accepted for API parity and ignored.  If the body raises, the
-    capture is aborted (no mode stays active, writes to externals are undone,
-    the graph is left empty) and the exception propagates unchanged; the next
-    capture works normally.
+    capture is aborted (no mode stays active, writes to externals and
+    generator states are restored, the graph is left empty) and the exception
+    propagates unchanged; the next capture works normally.  An empty body
+    warns as :meth:`TapeGraph.capture_end` does.
     """
+    return _capturing(graph, pool, capture_error_mode, warn_empty=True)
+
+
+@contextlib.contextmanager
+def _capturing(graph: TapeGraph, pool: TapePool | None, capture_error_mode: str,
+               warn_empty: bool) -> Iterator[TapeGraph]:
+    """:func:`tape_graph`; ``warn_empty=False`` for callers that drop empty
+    captures themselves (a device capturing breakable-graph segments)."""
     if not isinstance(graph, TapeGraph):
         raise TypeError(f"tape_graph() needs a TapeGraph, got {type(graph).__name__}")
     graph.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
@@ -1509,4 +1694,4 @@ def tape_graph(
     except BaseException:
         graph._abort()
         raise
-    graph.capture_end()
+    graph._end(warn_empty=warn_empty)

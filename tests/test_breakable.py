@@ -357,9 +357,76 @@ def test_get_device_choices():
 
 
 def test_public_names_are_exported():
-    for name in ("BreakableGraph", "breakable_graph", "no_graph", "force_no_graph",
+    for name in ("BreakableGraph", "BreakableCUDAGraph", "breakable_graph", "no_graph", "force_no_graph",
                  "is_in_breakable_graph", "get_device", "CudaDevice", "TapeDevice"):
         assert hasattr(gr, name), name
+
+
+def test_meta_names_breakable_cuda_graph_and_cuda_graph_keyword():
+    """Meta's spelling: BreakableCUDAGraph(...) and breakable_graph(cuda_graph=...)."""
+    assert gr.BreakableCUDAGraph is BreakableGraph
+    m = BreakMLP()
+    static_x = torch.randn(5, 16)
+    graph = gr.BreakableCUDAGraph(device=TapeDevice())
+    with torch.inference_mode(), gr.breakable_graph(cuda_graph=graph):
+        out = m(static_x)
+    assert graph.num_breaks == 3
+    static_x.copy_(torch.randn(5, 16))
+    graph.replay()
+    with torch.inference_mode():
+        assert torch.equal(out, m.forward(static_x))
+
+
+def test_graph_and_cuda_graph_together_or_neither_raise():
+    g = BreakableGraph(device=TapeDevice())
+    with pytest.raises(TypeError, match="both graph and cuda_graph"):
+        with breakable_graph(g, cuda_graph=g):
+            pass
+    with pytest.raises(TypeError, match="needs a BreakableGraph"):
+        with breakable_graph():
+            pass
+    with pytest.raises(TypeError, match="needs a BreakableGraph.*TapeGraph"):
+        with breakable_graph(gr.TapeGraph()):
+            pass
+    assert not is_in_breakable_graph() and not g.captured
+    with breakable_graph(graph=g):  # negative control: one of them is fine
+        pass
+    assert g.captured
+
+
+@pytest.mark.parametrize("bad", [3, "barrier", lambda rank: None])
+def test_bad_barrier_fn_raises_on_entry_before_any_capture(bad):
+    calls = []
+
+    @no_graph
+    def brk(t):
+        calls.append("break")
+        return t + 1
+
+    g = BreakableGraph(device=TapeDevice())
+    with pytest.raises(TypeError, match="barrier_fn"):
+        with torch.inference_mode(), breakable_graph(g, barrier_fn=bad):
+            calls.append("body")
+            brk(torch.zeros(2))
+    assert calls == [] and not g.captured and not gr.is_tape_capturing()
+
+
+@pytest.mark.parametrize("stub", [lambda: None, lambda t, u: None, lambda *, t: None])
+def test_capture_stub_that_cannot_take_the_arguments_raises_at_decoration(stub):
+    def real(t):
+        return t + 1
+
+    with pytest.raises(TypeError, match="capture_stub .* cannot take them"):
+        no_graph(capture_stub=stub)(real)
+
+
+@pytest.mark.parametrize("stub", [lambda t: t, lambda *a, **k: a[0], lambda t, scale=2: t])
+def test_capture_stub_with_compatible_signature_is_accepted(stub):
+    """Negative control for the check above: compatible stubs decorate and run."""
+    real = no_graph(capture_stub=stub)(lambda t: t + 1)
+    graph, out = capture(lambda: real(torch.zeros(2)) * 3)
+    graph.replay()
+    assert torch.equal(out, torch.full((2,), 3.0))
 
 
 @pytest.mark.cuda

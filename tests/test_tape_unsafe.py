@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from graphrunner.errors import CaptureUnsafeOpError
 from graphrunner.tape import TapeGraph, is_tape_capturing, tape_graph
@@ -49,6 +50,9 @@ UNSAFE = {
     "equal": (lambda: torch.equal(X, X), "torch.equal", "aten.equal.default"),
     "method_equal": (lambda: X.equal(X), "Tensor.equal", "TensorBase.equal"),
     "allclose": (lambda: torch.allclose(X, X), "torch.allclose", "aten.allclose.default"),
+    "one_hot": (lambda: F.one_hot(torch.tensor([0, 2])), "F.one_hot without num_classes", "one_hot"),
+    "one_hot_minus1": (lambda: F.one_hot(torch.tensor([0, 2]), num_classes=-1), "F.one_hot without num_classes",
+                       "one_hot"),
 }
 
 # The message: "capture-unsafe operation during tape capture: <what> [op: <op>] at <file>:<line> ...: `<source>`".
@@ -191,3 +195,28 @@ def test_copies_of_externals_are_replayed_not_hoisted(ctx):
         x.copy_(torch.randn(3, 4, generator=torch.Generator().manual_seed(seed)))
 
     _capture_and_check(ctx, build, refill, build)
+
+
+@pytest.mark.parametrize("ctx", [torch.inference_mode, torch.no_grad])
+def test_one_hot_with_num_classes_is_safe(ctx):
+    """As on CUDA, F.one_hot with num_classes >= 1 reads nothing on the host."""
+    idx = torch.tensor([[0, 2], [1, 3]])
+    empty = torch.zeros(0, dtype=torch.long)
+
+    def refill(seed):
+        idx.copy_(torch.tensor([[[3, 3], [0, 1]], [[2, 0], [0, 0]]][seed]))
+
+    build = lambda: [F.one_hot(idx, 4), F.one_hot(idx, num_classes=5) * 2, F.one_hot(empty, 3)]  # noqa: E731
+    _capture_and_check(ctx, build, refill, build)
+
+
+def test_one_hot_out_of_range_class_still_fails_at_capture():
+    """Negative control: skipping the host check does not hide a bad class
+    (eager raises too; on CUDA the scatter's device assert fires)."""
+    bad = torch.tensor([0, 4])
+    with pytest.raises(RuntimeError):
+        F.one_hot(bad, 4)
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        with torch.inference_mode(), tape_graph(TapeGraph()):
+            F.one_hot(bad, 4)
+    assert not is_tape_capturing()
