@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+import graphrunner
 from graphrunner.bench import add_bench_subparser, parse_int_list
 
 
@@ -32,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="graphrunner",
         description="Graph capture and replay for PyTorch inference steps.")
+    parser.add_argument("--version", action="version", version=f"graphrunner {graphrunner.__version__}",
+                        help="print 'graphrunner <version>' and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo", help="capture a Llama-style decoder per bucket and serve decode steps, checked against eager",
