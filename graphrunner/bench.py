@@ -46,6 +46,8 @@ __all__ = [
     "DEFAULT_PLOT",
     "BenchDirNotFoundError",
     "find_bench_dir",
+    "parse_int_list",
+    "parse_buckets",
     "load_script",
     "run_suite",
     "plot_latency",
@@ -92,16 +94,32 @@ class BenchDirNotFoundError(FileNotFoundError):
 
 
 # --------------------------------------------------------------------------- helpers for scripts
-def parse_int_list(text: str) -> List[int]:
-    """Parse ``"1,2,4"`` into sorted, distinct positive ints; raise
-    ``argparse.ArgumentTypeError`` naming the text otherwise (for ``type=``)."""
+def _positive_ints(text: str) -> List[int]:
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         vals = []
     if not vals or any(v <= 0 for v in vals):
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 1,2,4,8; got {text!r}")
-    return sorted(set(vals))
+    return vals
+
+
+def parse_int_list(text: str) -> List[int]:
+    """Parse ``"1,2,4"`` into sorted, distinct positive ints; raise
+    ``argparse.ArgumentTypeError`` naming the text otherwise (for ``type=``)."""
+    return sorted(set(_positive_ints(text)))
+
+
+def parse_buckets(text: str) -> List[int]:
+    """Parse a bucket list such as ``"1,2,4"`` (for ``type=``): positive ints,
+    strictly increasing as written. Raise ``argparse.ArgumentTypeError`` naming
+    the text for anything else: ``"4,2"`` or ``"2,2"`` is a mistake, not
+    something to sort silently."""
+    vals = _positive_ints(text)
+    if any(a >= b for a, b in zip(vals, vals[1:])):
+        raise argparse.ArgumentTypeError(
+            f"buckets must be strictly increasing (no duplicates), such as 1,2,4,8; got {text!r}")
+    return vals
 
 
 def sync_device(device: str) -> None:
@@ -556,7 +574,7 @@ def _run_from_args(args: argparse.Namespace) -> int:
                            only=_split(args.only) or None, skip=_split(args.skip), bench_dir=args.bench_dir,
                            extra_args=extra)
     except (BenchDirNotFoundError, ValueError) as exc:
-        print(f"graphrunner bench: error: {exc}", file=sys.stderr)
+        print(f"graphrunner: error: {exc}", file=sys.stderr)
         return 2
     _print_summary(merged, Path(merged["out"]))
     return 1 if merged["errors"] else 0

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
+
 import graphrunner
-from graphrunner.bench import add_bench_subparser, parse_int_list
+from graphrunner.bench import add_bench_subparser, parse_buckets
 
 
 def _positive_int(text: str) -> int:
@@ -17,6 +19,24 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line on stderr,
+    ``graphrunner: error: <message> (see '<prog> --help')``, and exit code 2
+    (subcommand parsers inherit it)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        """Print the one-line error and exit 2 (``SystemExit``)."""
+        self.exit(2, f"graphrunner: error: {message} (see '{self.prog} --help')\n")
+
+
+def _check_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    # --device cuda (demo and bench) on a machine without CUDA is a user error, found before any work.
+    if getattr(args, "device", None) == "cuda" and not torch.cuda.is_available():
+        other = "tape (or auto)" if args.command == "demo" else "cpu"
+        parser.error("argument --device: cuda was requested but torch.cuda.is_available() is False on this "
+                     f"machine; use --device {other}")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -30,7 +50,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of the ``graphrunner`` command."""
-    parser = argparse.ArgumentParser(
+    parser = _ArgumentParser(
         prog="graphrunner",
         description="Graph capture and replay for PyTorch inference steps.")
     parser.add_argument("--version", action="version", version=f"graphrunner {graphrunner.__version__}",
@@ -49,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default="auto", choices=["auto", "tape", "cuda"],
                       help="graph kind: cuda when available, else tape (default: auto)")
     demo.add_argument("--steps", type=_positive_int, default=200, help="decode steps to serve (default: 200)")
-    demo.add_argument("--buckets", type=parse_int_list, default=[1, 2, 4, 8, 16, 32],
-                      help="comma-separated batch buckets (default: 1,2,4,8,16,32)")
+    demo.add_argument("--buckets", type=parse_buckets, default=[1, 2, 4, 8, 16, 32],
+                      help="comma-separated batch buckets, strictly increasing (default: 1,2,4,8,16,32)")
     demo.add_argument("--max-batch", type=_positive_int, default=40,
                       help="largest batch size drawn; above the largest bucket means fallback (default: 40)")
     demo.add_argument("--layers", type=_positive_int, default=4, help="decoder layers (default: 4)")
@@ -65,10 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``graphrunner`` console script; returns the exit code
-    (2 for a bad command line, with argparse's message on stderr)."""
+    """Entry point of the ``graphrunner`` console script; returns the exit code.
+
+    A bad command line (unknown option, bad value, buckets not strictly
+    increasing, ``--device cuda`` without CUDA) returns 2 after one line on
+    stderr, ``graphrunner: error: ...``; no traceback.
+    """
+    parser = build_parser()
     try:
-        args = build_parser().parse_args(argv)
+        args = parser.parse_args(argv)
+        _check_device(parser, args)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
         return int(exc.code or 0)
     return int(args.func(args) or 0)

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
+import pytest
+import torch
+
 import graphrunner
+from graphrunner.bench import parse_buckets
 from graphrunner.cli import main
 
 
@@ -37,3 +42,51 @@ def test_pyproject_ships_py_typed_and_an_spdx_license():
     assert not any(c.startswith("License ::") for c in project["project"].get("classifiers", []))
     assert "py.typed" in project["tool"]["setuptools"]["package-data"]["graphrunner"]
     assert (root / "graphrunner" / "py.typed").is_file()
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("graphrunner: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv", [
+    ["demo", "--steps", "0"],
+    ["demo", "--buckets", "a,b"],
+    ["demo", "--backend", "nope"],
+    ["demo", "--bogus"],
+    [],
+])
+def test_bad_arguments_are_one_line_and_exit_2(capsys, argv):
+    assert main(argv) == 2
+    _one_error_line(capsys)
+
+
+@pytest.mark.parametrize("buckets", ["4,2", "1,2,2", "2,1,4"])
+def test_buckets_must_be_strictly_increasing(capsys, buckets):
+    assert main(["demo", "--buckets", buckets, "--trace-out", ""]) == 2
+    assert "strictly increasing" in _one_error_line(capsys)
+
+
+def test_parse_buckets_keeps_an_increasing_list():
+    assert parse_buckets("1,2, 8") == [1, 2, 8]
+    with pytest.raises(argparse.ArgumentTypeError, match="strictly increasing"):
+        parse_buckets("8,1")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available: --device cuda is not an error")
+@pytest.mark.parametrize("argv", [["demo", "--device", "cuda", "--trace-out", ""], ["bench", "--device", "cuda"]])
+def test_device_cuda_without_cuda_is_one_line_and_exit_2(capsys, argv):
+    assert main(argv) == 2
+    assert "cuda" in _one_error_line(capsys)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available: --device cuda is not an error")
+def test_device_cuda_without_cuda_from_the_console(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "graphrunner.cli", "demo", "--device", "cuda"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("graphrunner: error: "), proc.stderr
+    assert proc.stdout == ""
