@@ -32,6 +32,7 @@ import torch
 
 from graphrunner.devices import get_device
 from graphrunner.models import LlamaConfig, build_model
+from graphrunner.progress import StatusLine
 from graphrunner.runner import BatchInput, GraphRunner
 from graphrunner.trace import Trace, check_capture_order
 
@@ -143,6 +144,9 @@ def run_demo(backend: str = "breakable", device: str = "auto", steps: int = 200,
     gen = torch.Generator().manual_seed(seed + 1)
     graph_bad = pad_bad = 0
     max_padded = max_unpadded = 0.0
+    # serving progress on stderr: about ten milestones (redrawn in place on a terminal)
+    status = StatusLine() if progress else None
+    every = max(1, steps // 10)
     t_start = time.perf_counter()
     for i in range(steps):
         n = int(torch.randint(1, max_batch + 1, (1,), generator=gen))
@@ -164,10 +168,9 @@ def run_demo(backend: str = "breakable", device: str = "auto", steps: int = 200,
             graph_bad += 1
         if not torch.allclose(got, ref, atol=UNPADDED_ATOL, rtol=UNPADDED_RTOL):
             pad_bad += 1
-        if progress and ((i + 1) % 20 == 0 or i + 1 == steps):
-            print(f"\rserving: step {i + 1}/{steps}, {time.perf_counter() - t_start:.1f}s, "
-                  f"mismatches {graph_bad + pad_bad}", end="" if i + 1 < steps else "\n",
-                  file=sys.stderr, flush=True)
+        if status is not None and ((i + 1) % every == 0 or i + 1 == steps):
+            status.write(f"serving: step {i + 1}/{steps}, {time.perf_counter() - t_start:.1f}s, "
+                         f"mismatches {graph_bad + pad_bad}", final=i + 1 == steps)
 
     stats = runner.stats
     print(f"\nfallbacks: {stats.fallbacks} of {stats.calls} calls {dict(stats.fallback_reasons) or ''}; "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ import torch
 import graphrunner
 from graphrunner.bench import parse_buckets
 from graphrunner.cli import main
+from graphrunner.progress import CaptureProgress, StatusLine
 
 
 def test_version_prints_the_package_version(capsys):
@@ -90,3 +92,43 @@ def test_device_cuda_without_cuda_from_the_console(tmp_path):
     assert proc.returncode == 2
     assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("graphrunner: error: "), proc.stderr
     assert proc.stdout == ""
+
+
+# --------------------------------------------------------------------------- progress output
+
+TINY_DEMO = ["demo", "--device", "tape", "--steps", "3", "--layers", "1", "--buckets", "1,2", "--max-batch", "3",
+             "--trace-out", ""]
+
+
+def test_progress_to_a_redirected_stderr_has_no_carriage_returns(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "graphrunner.cli", *TINY_DEMO], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "\r" not in proc.stderr and "\r" not in proc.stdout
+    lines = proc.stderr.splitlines()
+    assert any("graphrunner capture: bucket" in line for line in lines), proc.stderr
+    assert any(line.startswith("serving: step 3/3") for line in lines), proc.stderr
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_status_line_redraws_only_on_a_terminal():
+    plain, tty = io.StringIO(), _Terminal()
+    for stream in (plain, tty):
+        line = StatusLine(stream)
+        line.write("step 1")
+        line.write("step 2", final=True)
+    assert plain.getvalue() == "step 1\nstep 2\n"
+    assert tty.getvalue() == "\rstep 1\rstep 2\n"
+
+
+def test_capture_progress_on_a_plain_stream_writes_lines_even_with_tqdm():
+    s = io.StringIO()
+    p = CaptureProgress(2, stream=s)  # use_tqdm=None: tqdm (if installed) only on a terminal
+    p.start(0, 2)
+    p.start(1, 1)
+    p.close()
+    assert "\r" not in s.getvalue() and len(s.getvalue().splitlines()) == 3
