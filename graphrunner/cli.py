@@ -1,4 +1,7 @@
-"""The ``graphrunner`` command line: ``graphrunner demo`` and ``graphrunner bench``."""
+"""The ``graphrunner`` command line: ``graphrunner demo``, ``graphrunner bench`` and ``graphrunner --version``.
+
+A bad command line is one line on stderr, ``graphrunner: error: ...``, and exit code 2.
+"""
 
 from __future__ import annotations
 
@@ -61,13 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Build a small Llama-style decoder (random weights), capture its decode step through "
                     "GraphRunner once per bucket, serve decode steps with random batch sizes (some above the "
                     "largest bucket: eager fallback), check every call against eager PyTorch, print the capture "
-                    "report, latencies and the trace checker's verdict, and write the trace. Exits 1 on any "
-                    "mismatch or protocol violation.")
+                    "report (with a legend line), latencies and the trace checker's verdict, and write the "
+                    "trace. Exits 1 on any mismatch or protocol violation, 2 (one line on stderr) for a bad "
+                    "command line.")
     demo.add_argument("--backend", default="breakable", choices=["full", "breakable", "eager"],
                       help="breakable: attention is an eager break (default); full: one graph per bucket "
                            "(uses capturable masked attention); eager: no graph")
     demo.add_argument("--device", default="auto", choices=["auto", "tape", "cuda"],
-                      help="graph kind: cuda when available, else tape (default: auto)")
+                      help="graph kind: cuda when available, else tape (default: auto); cuda without a GPU "
+                           "is an error")
     demo.add_argument("--steps", type=_positive_int, default=200, help="decode steps to serve (default: 200)")
     demo.add_argument("--buckets", type=parse_buckets, default=[1, 2, 4, 8, 16, 32],
                       help="comma-separated batch buckets, strictly increasing (default: 1,2,4,8,16,32)")
@@ -78,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--trace-out", default="graphrunner-demo-trace",
                       help="path prefix of the trace files <prefix>.jsonl and <prefix>.chrome.json "
                            "(default: graphrunner-demo-trace; '' writes none)")
-    demo.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
+    demo.add_argument("--no-progress", action="store_true",
+                      help="no progress output on stderr (redrawn in place on a terminal, plain lines otherwise)")
     demo.set_defaults(func=_demo)
     add_bench_subparser(sub)
     return parser

@@ -132,3 +132,8 @@ def test_capture_progress_on_a_plain_stream_writes_lines_even_with_tqdm():
     p.start(1, 1)
     p.close()
     assert "\r" not in s.getvalue() and len(s.getvalue().splitlines()) == 3
+
+
+def test_help_mentions_version(capsys):
+    assert main(["--help"]) == 0
+    assert "--version" in capsys.readouterr().out
