@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from graphrunner.bench import decode_runner, environment, parse_buckets, parse_int_list, sync_device, write_json
+from graphrunner.bench import decode_runner, environment, parse_buckets, sync_device, write_json
 from graphrunner.models import LlamaConfig, build_model
 
 # Target: capturing every bucket is at least this many times faster than compiling the same sizes.
@@ -152,7 +152,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     elif spec == "all":
         compile_buckets = list(buckets)
     else:
-        compile_buckets = parse_int_list(spec)
+        compile_buckets = parse_buckets(spec)
     compile_skipped = None
     if not compile_buckets:
         compile_skipped = ("--quick: torch.compile takes seconds to a minute per size; pass --compile-buckets"

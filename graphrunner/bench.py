@@ -535,6 +535,13 @@ def _print_summary(merged: Dict[str, Any], out: Path) -> None:
     print(f"[bench] wrote {out}" + (f" and {merged['plot']}" if merged.get("plot") else ""))
 
 
+def _compile_buckets(text: str) -> str:
+    # validated here (one clear error before the suite starts), passed on as written
+    if text not in ("all", "none"):
+        parse_buckets(text)
+    return text
+
+
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None,
                    help=f"merged JSON path; per-script JSON files go next to it (default: {DEFAULT_OUT} "
@@ -548,9 +555,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip", default="", help="comma-separated benchmarks not to run")
     p.add_argument("--bench-dir", default=None,
                    help="directory holding the bench scripts (default: bench/ next to the package source)")
-    p.add_argument("--compile-buckets", default=None,
-                   help="capture_vs_compile: bucket sizes torch.compile compiles, e.g. 1,2,4,8 or 'all' "
-                        "(default there: 1,2,4,8; with --quick: skipped)")
+    p.add_argument("--compile-buckets", default=None, type=_compile_buckets,
+                   help="capture_vs_compile: bucket sizes torch.compile compiles, strictly increasing, "
+                        "e.g. 1,2,4,8, or 'all' or 'none' (default there: 1,2,4,8; with --quick: skipped)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"],
                    help="capture_vs_compile: device of the comparison (default cpu)")
 

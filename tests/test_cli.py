@@ -70,6 +70,8 @@ def test_bad_arguments_are_one_line_and_exit_2(capsys, argv):
 def test_buckets_must_be_strictly_increasing(capsys, buckets):
     assert main(["demo", "--buckets", buckets, "--trace-out", ""]) == 2
     assert "strictly increasing" in _one_error_line(capsys)
+    assert main(["bench", "--compile-buckets", buckets]) == 2
+    assert "strictly increasing" in _one_error_line(capsys)
 
 
 def test_parse_buckets_keeps_an_increasing_list():
