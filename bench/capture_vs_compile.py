@@ -41,7 +41,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from graphrunner.bench import decode_runner, environment, parse_int_list, sync_device, write_json
+from graphrunner.bench import decode_runner, environment, parse_buckets, sync_device, write_json
 from graphrunner.models import LlamaConfig, build_model
 
 # Target: capturing every bucket is at least this many times faster than compiling the same sizes.
@@ -123,7 +123,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     ap.add_argument("--out", default=os.path.join("bench", "results", "capture_vs_compile.json"))
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: buckets 1,2; compile side skipped unless --compile-buckets is given")
-    ap.add_argument("--buckets", type=parse_int_list, default=None, help="graphrunner buckets (default 1,2,4,8,16,32)")
+    ap.add_argument("--buckets", type=parse_buckets, default=None, help="graphrunner buckets (default 1,2,4,8,16,32)")
     ap.add_argument("--compile-buckets", default=None,
                     help="sizes torch.compile compiles: comma-separated, 'all' (= --buckets) or 'none' "
                          "(default 1,2,4,8; with --quick: none)")
@@ -153,7 +153,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     elif spec == "all":
         compile_buckets = list(buckets)
     else:
-        compile_buckets = parse_int_list(spec)
+        compile_buckets = parse_buckets(spec)
     compile_skipped = None
     if not compile_buckets:
         compile_skipped = ("--quick: torch.compile takes seconds to a minute per size; pass --compile-buckets"

@@ -11,3 +11,24 @@ from graphrunner.trace import Event, EventKind, NullTrace, Trace, check_capture_
 from graphrunner.backends import BreakableGraphBackend, EagerBackend, FullGraphBackend, GraphBackend
 from graphrunner.runner import BatchInput, GraphRunner, RunnerStats, default_buckets
 from graphrunner.report import BucketReport, CaptureReport
+
+#: The public API: every name above (``help(graphrunner)`` lists these).
+__all__ = [
+    "__version__",
+    # errors
+    "CaptureError", "CaptureUnsafeOpError", "GraphRunnerError", "RankTimeoutError",
+    # devices
+    "CudaDevice", "Device", "TapeDevice", "get_device",
+    # breakable graphs
+    "BreakableCUDAGraph", "BreakableGraph", "breakable_graph", "force_no_graph", "is_in_breakable_graph", "no_graph",
+    # tape (CPU emulation of CUDA graphs)
+    "EscapedTensorWarning", "TapeGraph", "TapePool", "graph_pool_handle", "is_tape_capturing", "tape_graph",
+    # rank groups
+    "LocalGroup", "TorchDistGroup",
+    # tracing
+    "Event", "EventKind", "NullTrace", "Trace", "check_capture_order",
+    # backends
+    "BreakableGraphBackend", "EagerBackend", "FullGraphBackend", "GraphBackend",
+    # the runner and its report
+    "BatchInput", "GraphRunner", "RunnerStats", "default_buckets", "BucketReport", "CaptureReport",
+]

@@ -48,6 +48,8 @@ __all__ = [
     "DEFAULT_PLOT",
     "BenchDirNotFoundError",
     "find_bench_dir",
+    "parse_int_list",
+    "parse_buckets",
     "load_script",
     "run_suite",
     "plot_latency",
@@ -94,16 +96,32 @@ class BenchDirNotFoundError(FileNotFoundError):
 
 
 # --------------------------------------------------------------------------- helpers for scripts
-def parse_int_list(text: str) -> List[int]:
-    """Parse ``"1,2,4"`` into sorted, distinct positive ints; raise
-    ``argparse.ArgumentTypeError`` naming the text otherwise (for ``type=``)."""
+def _positive_ints(text: str) -> List[int]:
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         vals = []
     if not vals or any(v <= 0 for v in vals):
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 1,2,4,8; got {text!r}")
-    return sorted(set(vals))
+    return vals
+
+
+def parse_int_list(text: str) -> List[int]:
+    """Parse ``"1,2,4"`` into sorted, distinct positive ints; raise
+    ``argparse.ArgumentTypeError`` naming the text otherwise (for ``type=``)."""
+    return sorted(set(_positive_ints(text)))
+
+
+def parse_buckets(text: str) -> List[int]:
+    """Parse a bucket list such as ``"1,2,4"`` (for ``type=``): positive ints,
+    strictly increasing as written. Raise ``argparse.ArgumentTypeError`` naming
+    the text for anything else: ``"4,2"`` or ``"2,2"`` is a mistake, not
+    something to sort silently."""
+    vals = _positive_ints(text)
+    if any(a >= b for a, b in zip(vals, vals[1:])):
+        raise argparse.ArgumentTypeError(
+            f"buckets must be strictly increasing (no duplicates), such as 1,2,4,8; got {text!r}")
+    return vals
 
 
 def sync_device(device: str) -> None:
@@ -534,6 +552,13 @@ def _print_summary(merged: Dict[str, Any], out: Path) -> None:
     print(f"[bench] wrote {out}" + (f" and {merged['plot']}" if merged.get("plot") else ""))
 
 
+def _compile_buckets(text: str) -> str:
+    # validated here (one clear error before the suite starts), passed on as written
+    if text not in ("all", "none"):
+        parse_buckets(text)
+    return text
+
+
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     add_threads_argument(p)
     p.add_argument("--out", default=None,
@@ -548,9 +573,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip", default="", help="comma-separated benchmarks not to run")
     p.add_argument("--bench-dir", default=None,
                    help="directory holding the bench scripts (default: bench/ next to the package source)")
-    p.add_argument("--compile-buckets", default=None,
-                   help="capture_vs_compile: bucket sizes torch.compile compiles, e.g. 1,2,4,8 or 'all' "
-                        "(default there: 1,2,4,8; with --quick: skipped)")
+    p.add_argument("--compile-buckets", default=None, type=_compile_buckets,
+                   help="capture_vs_compile: bucket sizes torch.compile compiles, strictly increasing, "
+                        "e.g. 1,2,4,8, or 'all' or 'none' (default there: 1,2,4,8; with --quick: skipped)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"],
                    help="capture_vs_compile: device of the comparison (default cpu)")
 
@@ -574,7 +599,7 @@ def _run_from_args(args: argparse.Namespace) -> int:
                            only=_split(args.only) or None, skip=_split(args.skip), bench_dir=args.bench_dir,
                            extra_args=extra, threads=args.threads)
     except (BenchDirNotFoundError, ValueError) as exc:
-        print(f"graphrunner bench: error: {exc}", file=sys.stderr)
+        print(f"graphrunner: error: {exc}", file=sys.stderr)
         return 2
     _print_summary(merged, Path(merged["out"]))
     return 1 if merged["errors"] else 0

@@ -1,11 +1,17 @@
-"""The ``graphrunner`` command line: ``graphrunner demo`` and ``graphrunner bench``."""
+"""The ``graphrunner`` command line: ``graphrunner demo``, ``graphrunner bench`` and ``graphrunner --version``.
+
+A bad command line is one line on stderr, ``graphrunner: error: ...``, and exit code 2.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from graphrunner.bench import add_bench_subparser, parse_int_list
+import torch
+
+import graphrunner
+from graphrunner.bench import add_bench_subparser, parse_buckets
 from graphrunner.threads import add_threads_argument, torch_threads
 
 
@@ -17,6 +23,24 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line on stderr,
+    ``graphrunner: error: <message> (see '<prog> --help')``, and exit code 2
+    (subcommand parsers inherit it)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        """Print the one-line error and exit 2 (``SystemExit``)."""
+        self.exit(2, f"graphrunner: error: {message} (see '{self.prog} --help')\n")
+
+
+def _check_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    # --device cuda (demo and bench) on a machine without CUDA is a user error, found before any work.
+    if getattr(args, "device", None) == "cuda" and not torch.cuda.is_available():
+        other = "tape (or auto)" if args.command == "demo" else "cpu"
+        parser.error("argument --device: cuda was requested but torch.cuda.is_available() is False on this "
+                     f"machine; use --device {other}")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -31,25 +55,29 @@ def _demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of the ``graphrunner`` command."""
-    parser = argparse.ArgumentParser(
+    parser = _ArgumentParser(
         prog="graphrunner",
         description="Graph capture and replay for PyTorch inference steps.")
+    parser.add_argument("--version", action="version", version=f"graphrunner {graphrunner.__version__}",
+                        help="print 'graphrunner <version>' and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo", help="capture a Llama-style decoder per bucket and serve decode steps, checked against eager",
         description="Build a small Llama-style decoder (random weights), capture its decode step through "
                     "GraphRunner once per bucket, serve decode steps with random batch sizes (some above the "
                     "largest bucket: eager fallback), check every call against eager PyTorch, print the capture "
-                    "report, latencies and the trace checker's verdict, and write the trace. Exits 1 on any "
-                    "mismatch or protocol violation.")
+                    "report (with a legend line), latencies and the trace checker's verdict, and write the "
+                    "trace. Exits 1 on any mismatch or protocol violation, 2 (one line on stderr) for a bad "
+                    "command line.")
     demo.add_argument("--backend", default="breakable", choices=["full", "breakable", "eager"],
                       help="breakable: attention is an eager break (default); full: one graph per bucket "
                            "(uses capturable masked attention); eager: no graph")
     demo.add_argument("--device", default="auto", choices=["auto", "tape", "cuda"],
-                      help="graph kind: cuda when available, else tape (default: auto)")
+                      help="graph kind: cuda when available, else tape (default: auto); cuda without a GPU "
+                           "is an error")
     demo.add_argument("--steps", type=_positive_int, default=200, help="decode steps to serve (default: 200)")
-    demo.add_argument("--buckets", type=parse_int_list, default=[1, 2, 4, 8, 16, 32],
-                      help="comma-separated batch buckets (default: 1,2,4,8,16,32)")
+    demo.add_argument("--buckets", type=parse_buckets, default=[1, 2, 4, 8, 16, 32],
+                      help="comma-separated batch buckets, strictly increasing (default: 1,2,4,8,16,32)")
     demo.add_argument("--max-batch", type=_positive_int, default=40,
                       help="largest batch size drawn; above the largest bucket means fallback (default: 40)")
     demo.add_argument("--layers", type=_positive_int, default=4, help="decoder layers (default: 4)")
@@ -57,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--trace-out", default="graphrunner-demo-trace",
                       help="path prefix of the trace files <prefix>.jsonl and <prefix>.chrome.json "
                            "(default: graphrunner-demo-trace; '' writes none)")
-    demo.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
+    demo.add_argument("--no-progress", action="store_true",
+                      help="no progress output on stderr (redrawn in place on a terminal, plain lines otherwise)")
     add_threads_argument(demo)
     demo.set_defaults(func=_demo)
     add_bench_subparser(sub)
@@ -65,10 +94,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``graphrunner`` console script; returns the exit code
-    (2 for a bad command line, with argparse's message on stderr)."""
+    """Entry point of the ``graphrunner`` console script; returns the exit code.
+
+    A bad command line (unknown option, bad value, buckets not strictly
+    increasing, ``--device cuda`` without CUDA) returns 2 after one line on
+    stderr, ``graphrunner: error: ...``; no traceback.
+    """
+    parser = build_parser()
     try:
-        args = build_parser().parse_args(argv)
+        args = parser.parse_args(argv)
+        _check_device(parser, args)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
         return int(exc.code or 0)
     return int(args.func(args) or 0)

@@ -32,17 +32,25 @@ import torch
 
 from graphrunner.devices import get_device
 from graphrunner.models import LlamaConfig, build_model
+from graphrunner.progress import StatusLine
 from graphrunner.runner import BatchInput, GraphRunner
 from graphrunner.trace import Trace, check_capture_order
 
 #: Tolerance of the unpadded-batch check (float32 GEMM rounding differences only).
 UNPADDED_ATOL = 1e-4
 UNPADDED_RTOL = 1e-4
+#: Interleaved calls per bucket behind each median of the latency table.
+LATENCY_REPS = 15
 
 
 @dataclass
 class DemoResult:
-    """What one demo run measured; ``ok`` is False on any mismatch or violation."""
+    """What one demo run measured; ``ok`` is False on any mismatch or violation.
+
+    ``latency`` maps each bucket (as a string) to its latency table row:
+    ``eager_ms``, ``graph_ms`` and ``speedup``, or ``eager_ms`` and
+    ``runner_ms`` for the eager backend (no graph).
+    """
 
     steps: int
     graph_mismatches: int
@@ -71,17 +79,33 @@ def _ms(samples: List[float]) -> float:
     return statistics.median(samples) * 1e3 if samples else float("nan")
 
 
+def _legend(backend: str, reps: int) -> str:
+    """The one line that explains the columns of the capture report and the latency table."""
+    call = ("graph_ms = the whole runner call (copy in, pad, replay, slice), speedup = eager_ms / graph_ms"
+            if backend != "eager" else
+            "runner_ms = the whole runner call (copy in, pad, eager step, slice; there is no graph to compare)")
+    return ("columns: capture_s = warmups + capture of the bucket, graph_s = graph construction + capture only, "
+            "bytes_held = the bucket's output views + static inputs (buffers shared by all buckets); "
+            f"eager_ms = the eager decode step on the same inputs, {call} (medians of {reps} interleaved calls)")
+
+
 def _latency_table(runner: GraphRunner, model, dev, buckets: List[int], config: LlamaConfig,
-                   gen: torch.Generator, out: TextIO, reps: int = 15) -> Dict[str, Dict[str, float]]:
+                   gen: torch.Generator, out: TextIO, graphed: bool = True,
+                   reps: int = LATENCY_REPS) -> Dict[str, Dict[str, float]]:
     """Time, per bucket, a full-bucket runner call against the eager step on
-    the same inputs, interleaved call by call; print and return the medians."""
+    the same inputs, interleaved call by call; print and return the medians.
+
+    Columns (and keys of each bucket's dict): ``eager_ms`` and, with a graph,
+    ``graph_ms`` and ``speedup``; ``graphed=False`` (the eager backend: no
+    graph) gives ``runner_ms`` and no speedup."""
+    call_col = "graph_ms" if graphed else "runner_ms"
     latency: Dict[str, Dict[str, float]] = {}
-    print(f"\n{'bucket':>7} {'eager_ms':>9} {'graph_ms':>9} {'speedup':>8}", file=out)
+    print(f"\n{'bucket':>7} {'eager_ms':>9} {call_col:>9}" + (f" {'speedup':>8}" if graphed else ""), file=out)
     for b in buckets:
         ids = torch.randint(0, config.vocab_size, (b,), generator=gen).to(dev.torch_device)
         pos = torch.randint(0, config.max_seq_len, (b,), generator=gen).to(dev.torch_device)
         eager_s: List[float] = []
-        graph_s: List[float] = []
+        call_s: List[float] = []
         for _ in range(reps):
             dev.synchronize()
             t0 = time.perf_counter()
@@ -92,12 +116,14 @@ def _latency_table(runner: GraphRunner, model, dev, buckets: List[int], config: 
                 model.decode_step(ids, pos)
             dev.synchronize()
             eager_s.append(time.perf_counter() - t1)
-            graph_s.append(t1 - t0)
-        e, g = _ms(eager_s), _ms(graph_s)
-        latency[str(b)] = {"eager_ms": e, "graph_ms": g, "speedup": e / g}
-        print(f"{b:>7} {e:>9.3f} {g:>9.3f} {e / g:>7.2f}x", file=out)
-    print(f"(medians of {reps} interleaved calls per bucket; graph_ms is the whole runner call: "
-          "copy, pad, replay, slice)", file=out)
+            call_s.append(t1 - t0)
+        e, c = _ms(eager_s), _ms(call_s)
+        latency[str(b)] = {"eager_ms": e, call_col: c}
+        line = f"{b:>7} {e:>9.3f} {c:>9.3f}"
+        if graphed:
+            latency[str(b)]["speedup"] = e / c
+            line += f" {e / c:>7.2f}x"
+        print(line, file=out)
     return latency
 
 
@@ -142,12 +168,16 @@ def run_demo(backend: str = "breakable", device: str = "auto", steps: int = 200,
     # The warmup forwards wrote K/V of the capture inputs into the cache; start
     # serving from a clean cache, zeroed in place (graphs hold its address).
     model.reset_cache()
+    print(_legend(backend, LATENCY_REPS), file=out)
     print(report.table(), file=out)
 
     gen = torch.Generator().manual_seed(seed + 1)
     graph_bad = pad_bad = 0
     max_padded = max_unpadded = 0.0
     threads = torch.get_num_threads()
+    # serving progress on stderr: about ten milestones (redrawn in place on a terminal)
+    status = StatusLine() if progress else None
+    every = max(1, steps // 10)
     t_start = time.perf_counter()
     for i in range(steps):
         n = int(torch.randint(1, max_batch + 1, (1,), generator=gen))
@@ -169,15 +199,14 @@ def run_demo(backend: str = "breakable", device: str = "auto", steps: int = 200,
             graph_bad += 1
         if not torch.allclose(got, ref, atol=UNPADDED_ATOL, rtol=UNPADDED_RTOL):
             pad_bad += 1
-        if progress and ((i + 1) % 20 == 0 or i + 1 == steps):
-            print(f"\rserving: step {i + 1}/{steps}, {time.perf_counter() - t_start:.1f}s, "
-                  f"mismatches {graph_bad + pad_bad}", end="" if i + 1 < steps else "\n",
-                  file=sys.stderr, flush=True)
+        if status is not None and ((i + 1) % every == 0 or i + 1 == steps):
+            status.write(f"serving: step {i + 1}/{steps}, {time.perf_counter() - t_start:.1f}s, "
+                         f"mismatches {graph_bad + pad_bad}", final=i + 1 == steps)
 
     stats = runner.stats
     print(f"\nfallbacks: {stats.fallbacks} of {stats.calls} calls {dict(stats.fallback_reasons) or ''}; "
           f"padding rows computed: {stats.padding_rows} for {stats.real_rows} real rows", file=out)
-    latency = _latency_table(runner, model, dev, list(buckets), config, gen, out)
+    latency = _latency_table(runner, model, dev, list(buckets), config, gen, out, graphed=backend != "eager")
     print(f"graph vs eager on the padded batch: {steps - graph_bad}/{steps} bit-exact "
           f"(max |diff| {max_padded:.3g})", file=out)
     print(f"graph vs eager on the real batch: {steps - pad_bad}/{steps} within atol={UNPADDED_ATOL} "

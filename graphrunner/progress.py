@@ -1,9 +1,12 @@
-"""The capture progress bar (rank 0 only, stderr).
+"""Progress output on stderr: the capture progress bar (rank 0 only) and status lines.
 
-Uses ``tqdm`` when it is installed; otherwise writes one line to stderr that
-is redrawn with a carriage return when stderr is a terminal, and one line per
-bucket when it is not (logs stay readable). This is the only place the
-library writes to a stream; everything else goes through
+A :class:`StatusLine` is redrawn in place with a carriage return only when
+its stream is a terminal; on any other stream (a redirected stderr, a log
+file, a pipe) every update is a plain newline-terminated line, so logs stay
+readable. :class:`CaptureProgress` draws with ``tqdm`` when it is installed
+and the stream is a terminal, and with a :class:`StatusLine` otherwise (one
+line per bucket when not a terminal). This is the only place the library
+writes to a stream; everything else goes through
 ``logging.getLogger("graphrunner")``.
 """
 
@@ -13,7 +16,45 @@ import sys
 import time
 from typing import Any, Optional, TextIO
 
-__all__ = ["CaptureProgress"]
+__all__ = ["CaptureProgress", "StatusLine"]
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except Exception:  # noqa: BLE001 - a stream without (a working) isatty is not a terminal
+        return False
+
+
+class StatusLine:
+    """One line of status text on ``stream`` (default: ``sys.stderr``, looked up at construction).
+
+    :meth:`write` redraws the line in place (``\\r``, padded over the previous
+    text) when the stream is a TTY, and writes ``text`` plus a newline
+    otherwise. ``final=True`` ends the line (a newline on a TTY too). A stream
+    that fails to write disables the line instead of raising.
+    """
+
+    def __init__(self, stream: Optional[TextIO] = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = _isatty(self.stream)
+        self.enabled = True
+        self._width = 0
+
+    def write(self, text: str, final: bool = False) -> None:
+        """Show ``text`` (see the class docstring); a no-op once disabled."""
+        if not self.enabled:
+            return
+        try:
+            if self.tty:
+                pad = max(0, self._width - len(text))
+                self.stream.write("\r" + text + " " * pad + ("\n" if final else ""))
+                self._width = 0 if final else len(text)
+            else:
+                self.stream.write(text + "\n")
+            self.stream.flush()
+        except Exception:  # noqa: BLE001 - a broken stderr must not break the caller
+            self.enabled = False
 
 
 class CaptureProgress:
@@ -21,8 +62,10 @@ class CaptureProgress:
 
     ``enabled=False`` makes every method a no-op. ``stream`` defaults to
     ``sys.stderr`` (looked up at construction). ``use_tqdm`` (default: when
-    importable) draws with tqdm. Call :meth:`start` before bucket ``i`` (0-based)
-    is captured and :meth:`close` once at the end (also after an error).
+    importable and the stream is a TTY) draws with tqdm; otherwise a
+    :class:`StatusLine` shows the bucket (one line per bucket when the stream
+    is not a TTY). Call :meth:`start` before bucket ``i`` (0-based) is
+    captured and :meth:`close` once at the end (also after an error).
     """
 
     def __init__(self, total: int, enabled: bool = True, stream: Optional[TextIO] = None,
@@ -33,11 +76,11 @@ class CaptureProgress:
         self.desc = desc
         self.t0 = time.perf_counter()
         self._bar: Any = None
-        self._width = 0
+        self._line = StatusLine(self.stream)
         self._closed = False
         if not self.enabled:
             return
-        if use_tqdm is None or use_tqdm:
+        if use_tqdm or (use_tqdm is None and self._line.tty):
             try:
                 from tqdm import tqdm  # noqa: WPS433 - optional dependency
             except ImportError:
@@ -45,10 +88,6 @@ class CaptureProgress:
                     raise
             else:
                 self._bar = tqdm(total=total, desc=desc, unit="bucket", file=self.stream, leave=True)
-        try:
-            self._tty = bool(self.stream.isatty())
-        except Exception:  # noqa: BLE001 - a stream without isatty
-            self._tty = False
 
     def start(self, i: int, bucket: int) -> None:
         """Show that bucket ``bucket`` (the ``i``-th, 0-based) is being captured."""
@@ -60,7 +99,7 @@ class CaptureProgress:
                 self._bar.update(1)
             self._bar.set_postfix_str(f"bucket {bucket}")
             return
-        self._write(f"{self.desc}: bucket {bucket:>5} ({i + 1}/{self.total}) {elapsed:7.2f}s")
+        self._line.write(f"{self.desc}: bucket {bucket:>5} ({i + 1}/{self.total}) {elapsed:7.2f}s")
 
     def close(self, ok: bool = True) -> None:
         """Finish the bar with the total elapsed time (``ok=False``: failed)."""
@@ -74,16 +113,4 @@ class CaptureProgress:
             self._bar.close()
             return
         status = f"{self.total} buckets in {elapsed:.2f}s" if ok else f"FAILED after {elapsed:.2f}s"
-        self._write(f"{self.desc}: {status}", final=True)
-
-    def _write(self, text: str, final: bool = False) -> None:
-        try:
-            if self._tty:
-                pad = max(0, self._width - len(text))
-                self.stream.write("\r" + text + " " * pad + ("\n" if final else ""))
-                self._width = 0 if final else len(text)
-            else:
-                self.stream.write(text + "\n")
-            self.stream.flush()
-        except Exception:  # noqa: BLE001 - a broken stderr must not break capture
-            self.enabled = False
+        self._line.write(f"{self.desc}: {status}", final=True)

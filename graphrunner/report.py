@@ -118,9 +118,18 @@ class CaptureReport:
         return json.dumps(self.to_dict(), indent=indent)
 
     def table(self) -> str:
-        """A fixed-width text table: one row per bucket and a totals row."""
+        """A fixed-width text table: one row per bucket, a totals row, and the runner's memory.
+
+        The header's ``wall`` is :attr:`total_seconds`. The totals row holds
+        true sums of the rows for ``capture_s``, ``graph_s``, ``segments`` and
+        ``breaks``; its ``bytes_held`` cell is ``-`` because the rows'
+        ``bytes_held`` are views into buffers shared by every bucket (they
+        overlap, a sum would count the shared buffers once per bucket). The
+        last line gives the memory held instead: static inputs + shared output
+        buffer = :attr:`total_bytes_held`.
+        """
         head = (f"graphrunner capture: backend={self.backend} device={self.device} "
-                f"rank={self.rank}/{self.world_size} buckets={self.num_buckets} total={self.total_seconds:.3f}s")
+                f"rank={self.rank}/{self.world_size} buckets={self.num_buckets} wall={self.total_seconds:.3f}s")
         cols = f"{'bucket':>7} {'capture_s':>10} {'graph_s':>9} {'segments':>9} {'breaks':>7} {'bytes_held':>12}"
         lines = [head, cols, "-" * len(cols)]
         for b in self.buckets:
@@ -130,9 +139,11 @@ class CaptureReport:
         lines.append(f"{'total':>7} {sum(b.capture_seconds for b in self.buckets):>10.4f} "
                      f"{sum(b.graph_capture_seconds for b in self.buckets):>9.4f} "
                      f"{sum(b.num_segments for b in self.buckets):>9} {sum(b.num_breaks for b in self.buckets):>7} "
-                     f"{format_bytes(self.total_bytes_held):>12}")
-        lines.append(f"held by the runner: static inputs {format_bytes(self.static_input_bytes)}, "
-                     f"shared output buffer {format_bytes(self.output_buffer_bytes)}")
+                     f"{'-':>12}")
+        lines.append(f"held by the runner outside the graphs' pool: static inputs {format_bytes(self.static_input_bytes)} + "
+                     f"shared output buffer {format_bytes(self.output_buffer_bytes)} = "
+                     f"{format_bytes(self.total_bytes_held)} (each row's bytes_held is views into these "
+                     "shared buffers, so rows overlap and are not summed)")
         return "\n".join(lines)
 
     def __str__(self) -> str:

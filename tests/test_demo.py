@@ -122,3 +122,61 @@ def test_cli_demo_exit_code_and_help(tmp_path):
                               capture_output=True, text=True, timeout=120).stdout
     for flag in ("--backend", "--device", "--steps", "--trace-out"):
         assert flag in helptext
+
+
+def _table_rows(text: str):
+    """The bucket rows and the totals row of a capture report table, split into cells."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["bucket", "capture_s"])
+    rows, total = [], None
+    for line in lines[start + 2:]:
+        cells = line.split()
+        if cells and cells[0] == "total":
+            total = cells
+            break
+        if cells and cells[0].isdigit():
+            rows.append(cells)
+    return rows, total
+
+
+def test_capture_report_totals_are_sums_of_its_rows():
+    from graphrunner.report import BucketReport, CaptureReport
+
+    rows = [BucketReport(4, 0.5, 0.25, 3, 2, 4096), BucketReport(2, 0.125, 0.0625, 3, 2, 2048),
+            BucketReport(1, 0.0625, 0.03125, 3, 2, 1024)]
+    report = CaptureReport("breakable", "tape", 0, 1, rows, total_seconds=1.0, static_input_bytes=64,
+                           output_buffer_bytes=4096)
+    printed, total = _table_rows(report.table())
+    assert len(printed) == 3
+    assert total[1:5] == ["0.6875", "0.3438", "9", "6"]  # 0.5+0.125+0.0625, 0.25+0.0625+0.03125, 3*3, 3*2
+    assert total[5] == "-"  # overlapping views of shared buffers: no sum printed
+    assert "= 4.1 KiB" in report.table() and report.total_bytes_held == 64 + 4096
+
+
+def test_demo_prints_a_legend_and_true_totals():
+    out = io.StringIO()
+    result = demo.run_demo(backend="breakable", device="tape", steps=3, buckets=(1, 2), max_batch=3, layers=1,
+                           trace_out=None, progress=False, out=out)
+    text = out.getvalue()
+    assert result.ok, text
+    legend = [line for line in text.splitlines() if line.startswith("columns:")]
+    assert len(legend) == 1
+    for col in ("capture_s", "graph_s", "bytes_held", "eager_ms", "graph_ms", "speedup"):
+        assert col in legend[0], col
+    rows, total = _table_rows(text)
+    for col in (1, 2):
+        assert float(total[col]) == pytest.approx(sum(float(r[col]) for r in rows), abs=1e-4 * len(rows))
+    for col in (3, 4):
+        assert int(total[col]) == sum(int(r[col]) for r in rows)
+
+
+def test_demo_eager_latency_table_has_no_graph_columns():
+    out = io.StringIO()
+    result = demo.run_demo(backend="eager", device="tape", steps=3, buckets=(1, 2), max_batch=3, layers=1,
+                           trace_out=None, progress=False, out=out)
+    text = out.getvalue()
+    assert result.ok, text
+    head = next(line for line in text.splitlines() if line.split()[:2] == ["bucket", "eager_ms"])
+    assert head.split() == ["bucket", "eager_ms", "runner_ms"]
+    assert "speedup" not in text and "graph_ms" not in text and "x\n" not in text
+    assert set(result.latency["1"]) == {"eager_ms", "runner_ms"}

@@ -1,0 +1,141 @@
+"""The ``graphrunner`` command line: version, one-line user errors, argument validation."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import graphrunner
+from graphrunner.bench import parse_buckets
+from graphrunner.cli import main
+from graphrunner.progress import CaptureProgress, StatusLine
+
+
+def test_version_prints_the_package_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"graphrunner {graphrunner.__version__}"
+
+
+def test_version_from_the_module_entry_point():
+    proc = subprocess.run([sys.executable, "-m", "graphrunner.cli", "--version"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"graphrunner {graphrunner.__version__}"
+
+
+def test_all_lists_the_public_api():
+    public = {n for n in dir(graphrunner) if not n.startswith("_") and
+              type(getattr(graphrunner, n)).__name__ != "module"}
+    assert public <= set(graphrunner.__all__)
+    assert all(hasattr(graphrunner, n) for n in graphrunner.__all__)
+
+
+def test_pyproject_ships_py_typed_and_an_spdx_license():
+    tomllib = __import__("pytest").importorskip("tomllib")
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())
+    assert isinstance(project["project"]["license"], str)  # SPDX expression, not the deprecated table
+    assert not any(c.startswith("License ::") for c in project["project"].get("classifiers", []))
+    assert "py.typed" in project["tool"]["setuptools"]["package-data"]["graphrunner"]
+    assert (root / "graphrunner" / "py.typed").is_file()
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("graphrunner: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv", [
+    ["demo", "--steps", "0"],
+    ["demo", "--buckets", "a,b"],
+    ["demo", "--backend", "nope"],
+    ["demo", "--bogus"],
+    [],
+])
+def test_bad_arguments_are_one_line_and_exit_2(capsys, argv):
+    assert main(argv) == 2
+    _one_error_line(capsys)
+
+
+@pytest.mark.parametrize("buckets", ["4,2", "1,2,2", "2,1,4"])
+def test_buckets_must_be_strictly_increasing(capsys, buckets):
+    assert main(["demo", "--buckets", buckets, "--trace-out", ""]) == 2
+    assert "strictly increasing" in _one_error_line(capsys)
+    assert main(["bench", "--compile-buckets", buckets]) == 2
+    assert "strictly increasing" in _one_error_line(capsys)
+
+
+def test_parse_buckets_keeps_an_increasing_list():
+    assert parse_buckets("1,2, 8") == [1, 2, 8]
+    with pytest.raises(argparse.ArgumentTypeError, match="strictly increasing"):
+        parse_buckets("8,1")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available: --device cuda is not an error")
+@pytest.mark.parametrize("argv", [["demo", "--device", "cuda", "--trace-out", ""], ["bench", "--device", "cuda"]])
+def test_device_cuda_without_cuda_is_one_line_and_exit_2(capsys, argv):
+    assert main(argv) == 2
+    assert "cuda" in _one_error_line(capsys)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available: --device cuda is not an error")
+def test_device_cuda_without_cuda_from_the_console(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "graphrunner.cli", "demo", "--device", "cuda"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("graphrunner: error: "), proc.stderr
+    assert proc.stdout == ""
+
+
+# --------------------------------------------------------------------------- progress output
+
+TINY_DEMO = ["demo", "--device", "tape", "--steps", "3", "--layers", "1", "--buckets", "1,2", "--max-batch", "3",
+             "--trace-out", ""]
+
+
+def test_progress_to_a_redirected_stderr_has_no_carriage_returns(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "graphrunner.cli", *TINY_DEMO], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "\r" not in proc.stderr and "\r" not in proc.stdout
+    lines = proc.stderr.splitlines()
+    assert any("graphrunner capture: bucket" in line for line in lines), proc.stderr
+    assert any(line.startswith("serving: step 3/3") for line in lines), proc.stderr
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_status_line_redraws_only_on_a_terminal():
+    plain, tty = io.StringIO(), _Terminal()
+    for stream in (plain, tty):
+        line = StatusLine(stream)
+        line.write("step 1")
+        line.write("step 2", final=True)
+    assert plain.getvalue() == "step 1\nstep 2\n"
+    assert tty.getvalue() == "\rstep 1\rstep 2\n"
+
+
+def test_capture_progress_on_a_plain_stream_writes_lines_even_with_tqdm():
+    s = io.StringIO()
+    p = CaptureProgress(2, stream=s)  # use_tqdm=None: tqdm (if installed) only on a terminal
+    p.start(0, 2)
+    p.start(1, 1)
+    p.close()
+    assert "\r" not in s.getvalue() and len(s.getvalue().splitlines()) == 3
+
+
+def test_help_mentions_version(capsys):
+    assert main(["--help"]) == 0
+    assert "--version" in capsys.readouterr().out
