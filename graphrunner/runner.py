@@ -189,9 +189,10 @@ class GraphRunner:
             falls back.
         fallback: ``"eager"`` (run ``step`` eagerly on the batch when no
             bucket fits) or ``"error"`` (raise ``ValueError`` instead).
-        trace: a :class:`graphrunner.Trace` handed to the backend. It records
-            every replay too and grows without bound: attach one for capture
-            and debugging, not to a long-running server.
+        trace: a :class:`graphrunner.Trace` handed to the backend. It keeps
+            every capture event and the most recent replay events (10,000 by
+            default, ``Trace(max_replay_events=...)``), so it stays bounded
+            on a long-running server; ``trace.replays_recorded`` counts them all.
         copy_outputs: return clones instead of views (see below); can be
             overridden per call with :meth:`run`.
         progress: draw a capture progress bar on rank 0 (stderr).

@@ -37,6 +37,7 @@ __all__ = [
     "as_trace",
     "check_capture_order",
     "layer_of",
+    "DEFAULT_MAX_REPLAY_EVENTS",
 ]
 
 
@@ -174,11 +175,22 @@ def _unjson_key(v: Any) -> Any:
     return v
 
 
+#: Replay events a :class:`Trace` keeps by default (the most recent ones).
+DEFAULT_MAX_REPLAY_EVENTS = 10_000
+
+
 class Trace:
     """A thread-safe list of :class:`Event` spans recorded by one process.
 
     Args:
         rank: the rank stamped on events recorded without an explicit ``rank``.
+        max_replay_events: how many ``replay`` events to keep (the most
+            recent; default :data:`DEFAULT_MAX_REPLAY_EVENTS`), so a trace
+            attached to a long-running server stays bounded. Every other
+            event (the whole capture protocol) is always kept.
+            ``replays_recorded`` counts every replay and
+            ``replay_events_dropped`` those no longer in ``events``.
+            ``None`` keeps everything.
 
     ``record(kind, ...)`` adds an instant event; ``span(kind, ...)`` is a
     context manager that adds the event when entered (so ``events`` is in
@@ -189,9 +201,15 @@ class Trace:
 
     enabled = True
 
-    def __init__(self, rank: int = 0):
+    def __init__(self, rank: int = 0, max_replay_events: Optional[int] = DEFAULT_MAX_REPLAY_EVENTS):
+        if max_replay_events is not None and int(max_replay_events) < 0:
+            raise ValueError(f"max_replay_events must be >= 0 or None, got {max_replay_events}")
         self.rank = int(rank)
         self.events: List[Event] = []
+        self.max_replay_events = None if max_replay_events is None else int(max_replay_events)
+        self.replays_recorded = 0
+        self.replay_events_dropped = 0
+        self._replays_kept = 0
         self._lock = threading.Lock()
 
     def __bool__(self) -> bool:
@@ -201,7 +219,8 @@ class Trace:
         return len(self.events)
 
     def __repr__(self) -> str:
-        return f"Trace(rank={self.rank}, events={len(self.events)})"
+        dropped = f", replay_events_dropped={self.replay_events_dropped}" if self.replay_events_dropped else ""
+        return f"Trace(rank={self.rank}, events={len(self.events)}{dropped})"
 
     def _new(self, kind: str, key: Any, backend: Optional[str], rank: Optional[int], data: Dict[str, Any]) -> Event:
         ev = Event(
@@ -214,7 +233,32 @@ class Trace:
         )
         with self._lock:
             self.events.append(ev)
+            if kind == EventKind.REPLAY:
+                self.replays_recorded += 1
+                self._replays_kept += 1
+                bound = self.max_replay_events
+                if bound is not None and self._replays_kept > 2 * bound + 64:
+                    self._drop_old_replays(bound)
         return ev
+
+    def _drop_old_replays(self, keep: int) -> None:
+        """Drop all but the last ``keep`` replay events (caller holds the lock).
+        Runs once per ``keep + 64`` replays or more, so recording stays O(1)
+        amortized."""
+        replays = sum(1 for e in self.events if e.kind == EventKind.REPLAY)
+        drop = replays - keep
+        if drop <= 0:
+            self._replays_kept = replays
+            return
+        kept: List[Event] = []
+        for e in self.events:
+            if e.kind == EventKind.REPLAY and drop > 0:
+                drop -= 1
+                self.replay_events_dropped += 1
+                continue
+            kept.append(e)
+        self.events[:] = kept
+        self._replays_kept = keep
 
     def record(self, kind: str, key: Any = None, backend: Optional[str] = None, rank: Optional[int] = None, **data: Any) -> Event:
         """Record an instant event of ``kind`` now and return it."""
@@ -247,6 +291,7 @@ class Trace:
         """Drop every recorded event."""
         with self._lock:
             self.events.clear()
+            self.replays_recorded = self.replay_events_dropped = self._replays_kept = 0
 
     # ---------------------------------------------------------------- export
     def to_jsonl(self, path: str) -> None:
@@ -267,7 +312,7 @@ class Trace:
                 line = line.strip()
                 if line:
                     events.append(Event.from_dict(json.loads(line)))
-        t = cls(rank=events[0].rank if events else 0)
+        t = cls(rank=events[0].rank if events else 0, max_replay_events=None)
         t.events = events
         return t
 
@@ -320,7 +365,7 @@ class Trace:
         loaded with :meth:`from_jsonl`), sorted by begin time. Events keep
         their own ``rank``."""
         traces = list(traces)
-        merged = Trace(rank=traces[0].rank if traces else 0)
+        merged = Trace(rank=traces[0].rank if traces else 0, max_replay_events=None)
         events = [e for t in traces for e in t.events]
         events.sort(key=lambda e: (e.t_begin_ns, e.rank, e.seq))
         merged.events = events
@@ -334,7 +379,7 @@ class NullTrace(Trace):
     enabled = False
 
     def __init__(self, rank: int = 0):
-        super().__init__(rank)
+        super().__init__(rank, max_replay_events=None)
 
     def __bool__(self) -> bool:
         return False
@@ -376,6 +421,23 @@ def _inside(inner: Event, outer: Event) -> bool:
     return inner is not outer and inner.rank == outer.rank and outer.t_begin_ns <= inner.t_begin_ns <= outer.end and (
         inner.t_begin_ns > outer.t_begin_ns or inner.seq > outer.seq
     )
+
+
+def _enclosed(events: Sequence[Event], outer_kind: str, inner_kinds: Any) -> Iterator[Tuple[Event, Event]]:
+    """``(inner, outer)`` for every event of ``inner_kinds`` that begins inside
+    a span of ``outer_kind`` on the same rank (see :func:`_inside`), in one
+    pass over ``events`` (sorted by :func:`_order`): per rank, the open outer
+    span that ends last is the one to test against."""
+    open_outer: Dict[int, Event] = {}
+    for e in events:
+        if e.kind == outer_kind:
+            cur = open_outer.get(e.rank)
+            if cur is None or e.end > cur.end:
+                open_outer[e.rank] = e
+        if e.kind in inner_kinds:
+            cur = open_outer.get(e.rank)
+            if cur is not None and _inside(e, cur):
+                yield e, cur
 
 
 def _episodes(events: Sequence[Event]) -> List[List[Event]]:
@@ -505,29 +567,23 @@ def check_capture_order(trace: Trace, warmups: Optional[int] = None) -> List[str
 
     Events nested inside a ``capture_forward`` (the barrier before each eager
     break, segment events) or inside a ``replay`` are not protocol steps.
-    An empty list means the protocol held.
+    An empty list means the protocol held. Time is linear in the number of
+    events (after one sort), plus the per-key capture checks.
     """
     events = sorted(trace.events, key=_order)
     violations: List[str] = []
 
-    caps = [e for e in events if e.kind == EventKind.CAPTURE_FORWARD]
-    replays = [e for e in events if e.kind == EventKind.REPLAY]
-
     # No synchronize or barrier inside a replay.
-    for r in replays:
-        for e in events:
-            if e.kind in (EventKind.SYNCHRONIZE, EventKind.BARRIER) and _inside(e, r):
-                violations.append(f"rank {r.rank} key {r.key!r}: {e.kind} inside replay")
+    for e, r in _enclosed(events, EventKind.REPLAY, (EventKind.SYNCHRONIZE, EventKind.BARRIER)):
+        violations.append(f"rank {r.rank} key {r.key!r}: {e.kind} inside replay")
 
     # Inside a capture forward only the barriers before eager breaks belong;
     # any other protocol step there is a violation of its own.
     nested = set()
-    for c in caps:
-        for e in events:
-            if e.kind in _PROTOCOL_KINDS and _inside(e, c):
-                nested.add(id(e))
-                if e.kind != EventKind.BARRIER:
-                    violations.append(f"rank {c.rank} key {c.key!r}: {e.kind} ran inside the capture forward")
+    for e, c in _enclosed(events, EventKind.CAPTURE_FORWARD, _PROTOCOL_KINDS):
+        nested.add(id(e))
+        if e.kind != EventKind.BARRIER:
+            violations.append(f"rank {c.rank} key {c.key!r}: {e.kind} ran inside the capture forward")
 
     groups: Dict[Tuple[int, Any], List[Event]] = {}
     for e in events:
