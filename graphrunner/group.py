@@ -45,6 +45,18 @@ def _check_int(value: Any, what: str) -> int:
     raise TypeError(f"{what} expects a Python int, got {type(value).__name__} ({value!r})")
 
 
+def _bound_timeout(process_group: Any, seconds: float) -> None:
+    """Set ``process_group``'s own collective timeout to ``seconds`` (torch's
+    ``_set_pg_timeout``); warn and go on where this PyTorch has no such call."""
+    try:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(datetime.timedelta(seconds=seconds), process_group)
+    except Exception as exc:  # noqa: BLE001 - a missing private API must not stop the run
+        logger.warning("TorchDistGroup: could not set the process group's timeout to %gs (%s: %s); collectives "
+                       "inside the step keep the process group's own timeout", seconds, type(exc).__name__, exc)
+
+
 class LocalGroup:
     """A group of exactly one rank (``rank == 0``, ``size == 1``).
 
@@ -79,6 +91,15 @@ class TorchDistGroup:
             (world) group. ``torch.distributed`` must be initialised.
         timeout: seconds each ``barrier`` / ``all_max`` / ``all_min`` may take
             before it raises :class:`~graphrunner.errors.RankTimeoutError`.
+        bound_process_group: also make ``timeout`` the process group's own
+            timeout (default ``True``), so that every collective on it,
+            including the ones inside a captured step, its eager breaks and
+            the eager fallback, fails after ``timeout`` seconds instead of the
+            process group's (torch's default: 30 minutes for gloo);
+            :class:`~graphrunner.GraphRunner` turns such a failure into
+            ``RankTimeoutError``. Collectives on *another* process group
+            (e.g. a separate tensor-parallel group) keep that group's timeout:
+            wrap it in a ``TorchDistGroup`` too.
 
     Every method is a collective: all ranks of the group must call the same
     methods in the same order. Each is issued as an asynchronous
@@ -97,7 +118,7 @@ class TorchDistGroup:
     size within ``process_group``.
     """
 
-    def __init__(self, process_group: Any = None, timeout: float = 60.0):
+    def __init__(self, process_group: Any = None, timeout: float = 60.0, bound_process_group: bool = True):
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
@@ -111,6 +132,8 @@ class TorchDistGroup:
         self._dist = dist
         self.process_group = process_group
         self.timeout = timeout
+        if bound_process_group:
+            _bound_timeout(process_group, timeout)
         self.rank: int = dist.get_rank(process_group)
         self.size: int = dist.get_world_size(process_group)
         backend = str(dist.get_backend(process_group)).lower()

@@ -31,7 +31,7 @@ from graphrunner.backends.base import GraphBackend
 from graphrunner.backends.outputs import flatten as _flatten_out
 from graphrunner.backends.outputs import unflatten as _unflatten_out
 from graphrunner.buckets import _check_ratio, bucket_table, default_buckets, validate_buckets
-from graphrunner.errors import CaptureError, GraphRunnerError
+from graphrunner.errors import CaptureError, GraphRunnerError, RankTimeoutError
 from graphrunner.progress import CaptureProgress
 from graphrunner.report import BucketReport, CaptureReport
 
@@ -42,6 +42,9 @@ logger = logging.getLogger("graphrunner")
 _Tensor = torch.Tensor
 _BACKENDS = ("full", "breakable", "eager")
 _FALLBACKS = ("eager", "error")
+#: Words in a ``RuntimeError`` that mark a failed collective (gloo, NCCL, c10d).
+_COLLECTIVE_FAILURES = ("Timed out", "timed out", "Connection closed", "Connection reset", "gloo", "NCCL",
+                        "ProcessGroup", "c10d")
 
 
 @dataclass(frozen=True)
@@ -626,7 +629,10 @@ class GraphRunner:
             self._filled = filled if filled > b else n
         else:
             self._filled = n
-        result = self._replay(b)
+        try:
+            result = self._replay(b)
+        except Exception as exc:
+            raise self._step_failure(exc, "replay", b) from exc
         stats = self.stats
         stats.replays[b] += 1
         stats.padding_rows += b - n
@@ -721,8 +727,11 @@ class GraphRunner:
             elif t.device != dev:
                 t = t.to(dev)
             kwargs[name] = t
-        with self._grad_ctx():
-            out = self.step(**kwargs)
+        try:
+            with self._grad_ctx():
+                out = self.step(**kwargs)
+        except Exception as exc:
+            raise self._step_failure(exc, "fallback", rows) from exc
         if rows != n:
             out = _slice_rows(out, n)
         stats = self.stats
@@ -747,6 +756,25 @@ class GraphRunner:
                     f"runner.static_inputs[{other!r}] or of its memory): the call would overwrite what it reads. "
                     "Pass a separate tensor (e.g. .clone())")
         return None
+
+    def _step_failure(self, exc: Exception, phase: str, key: int) -> Exception:
+        """The error to raise for ``exc`` from the step at ``phase``: on a
+        multi-rank runner, a failed collective (a peer stalled or died; gloo
+        and NCCL report it as a ``RuntimeError``) becomes
+        :class:`RankTimeoutError` naming this rank, the phase and the key;
+        anything else is ``exc`` itself."""
+        if self.world_size <= 1 or isinstance(exc, GraphRunnerError) or not isinstance(exc, RuntimeError):
+            return exc
+        text = str(exc)
+        if not any(m in text for m in _COLLECTIVE_FAILURES):
+            return exc
+        timeout = getattr(self.group, "timeout", None)
+        within = f" within {timeout:g}s" if isinstance(timeout, (int, float)) else ""
+        where = ("the captured step or one of its eager breaks" if phase == "replay" else "the eager step")
+        return RankTimeoutError(
+            f"rank {self.rank} of {self.world_size}: a collective inside {where} did not complete{within} in phase "
+            f"{phase!r} for shape key {key!r} (a peer rank died, raised, or is stuck): {type(exc).__name__}: "
+            f"{text.strip()[:300]}. The process group is no longer usable: let this process exit")
 
     def _input_error(self, inputs: Any) -> Exception:
         """Diagnose invalid call inputs (slow path) and return the error to raise."""

@@ -21,8 +21,10 @@ meets through a fresh file in a fresh temporary directory per run (a
 FileStore), not a TCP port: no run can collide with another's port. The result or exception (type,
 message, traceback, and the exception object itself when picklable) comes
 back through a queue. A rank that failed leaves without destroying the
-process group (a collective may still be pending on it) so it cannot hang
-on the way out. After ``timeout`` seconds every process still alive is
+process group (a collective may still be pending on it), with a normal
+interpreter exit (``sys.exit(1)``; never ``os._exit``, which would hide a
+shutdown hang; ``exit_seconds`` measures it; pass ``start_method="spawn"``
+for a full interpreter shutdown including ``atexit``). After ``timeout`` seconds every process still alive is
 killed and reported as ``timed_out``: nothing can hang the test session.
 """
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import queue as queue_mod
 import shutil
 import socket
@@ -54,7 +57,9 @@ class RankResult:
     ``None``) describe what it raised. ``exitcode``: the process's exit code
     (``None`` if it had to be killed). ``timed_out``: it had not finished
     when the timeout expired and was killed. ``seconds``: the worker's own
-    run time (init to return/raise), if it reported.
+    run time (init to return/raise), if it reported. ``exit_seconds``: an
+    upper bound on the time from its report to its process's exit (workers
+    leave with a normal interpreter exit, never ``os._exit``).
     """
 
     rank: int
@@ -68,6 +73,7 @@ class RankResult:
     timed_out: bool = False
     reported: bool = False
     seconds: Optional[float] = None
+    exit_seconds: Optional[float] = None
 
 
 def free_port() -> int:
@@ -138,8 +144,10 @@ def _entry(fn, rank, world_size, port, store_file, backend, init, init_timeout, 
                 dist.destroy_process_group()
         except Exception:  # noqa: BLE001
             pass
-    # Leave without running atexit handlers of a possibly broken process group.
-    os._exit(0 if ok else 1)
+    # A normal exit (no os._exit): a process that cannot shut down after a
+    # failed collective must show up as a slow exit, not be hidden.
+    if not ok:
+        sys.exit(1)
 
 
 def run_ranks(
@@ -181,6 +189,7 @@ def run_ranks(
     deadline = time.monotonic() + timeout
     pending = set(range(world_size))
     dead_since: dict = {}
+    reported_at: dict = {}
     try:
         while pending and time.monotonic() < deadline:
             try:
@@ -198,6 +207,7 @@ def run_ranks(
                             results[r].exc_message = f"rank {r} exited with code {procs[r].exitcode} without reporting"
                 continue
             _store(results, status, rank, payload, secs)
+            reported_at[rank] = time.monotonic()
             pending.discard(rank)
         for r, p in enumerate(procs):
             p.join(timeout=max(deadline - time.monotonic(), 0.0))
@@ -206,6 +216,8 @@ def run_ranks(
                 p.kill()
                 p.join(5)
             results[r].exitcode = p.exitcode if not results[r].timed_out else None
+            if r in reported_at and not results[r].timed_out:
+                results[r].exit_seconds = time.monotonic() - reported_at[r]
             if results[r].timed_out and not results[r].reported:
                 results[r].exc_type = results[r].exc_type or "Timeout"
                 results[r].exc_message = results[r].exc_message or f"rank {r} still running after {timeout:g}s: killed"
