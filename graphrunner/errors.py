@@ -6,6 +6,8 @@ classes below, with a message that names what was wrong and what to do.
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 
 class GraphRunnerError(RuntimeError):
     """Base class of graphrunner's own errors."""
@@ -29,6 +31,31 @@ class CaptureError(GraphRunnerError):
 
 
 class RankTimeoutError(GraphRunnerError):
-    """A barrier or agreement across ranks did not complete within the
-    group's timeout: a peer rank died, raised, or is stuck. The message names
-    this rank, the phase and the shape key."""
+    """A barrier, agreement or collective across ranks did not complete
+    within the group's timeout: a peer rank died, raised, or is stuck. The
+    message names this rank, the phase and the shape key."""
+
+    @classmethod
+    def from_step(cls, exc: BaseException, group: Any, phase: str, key: Any) -> Optional["RankTimeoutError"]:
+        """The error for ``exc``, raised by the step (warmup, capture, replay,
+        eager break or fallback) of a multi-rank ``group``, if ``exc`` is a
+        failed collective (gloo/NCCL/c10d report a dead or stuck peer as a
+        ``RuntimeError``); ``None`` for any other exception or a one-rank group."""
+        size = int(getattr(group, "size", 1))
+        if size <= 1 or isinstance(exc, GraphRunnerError) or not isinstance(exc, RuntimeError):
+            return None
+        text = str(exc)
+        if not any(m in text for m in _COLLECTIVE_FAILURES):
+            return None
+        timeout = getattr(group, "timeout", None)
+        within = f" within {timeout:g}s" if isinstance(timeout, (int, float)) else ""
+        return cls(
+            f"rank {int(getattr(group, 'rank', 0))} of {size}: a collective inside the step did not complete{within} "
+            f"in phase {phase!r} for shape key {key!r} (a peer rank died, raised, or is stuck): "
+            f"{type(exc).__name__}: {text.strip()[:300]}. The process group is no longer usable: let this process "
+            "exit")
+
+
+#: Words in a ``RuntimeError`` that mark a failed collective (gloo, NCCL, c10d).
+_COLLECTIVE_FAILURES = ("Timed out", "timed out", "Connection closed", "Connection reset", "gloo", "NCCL",
+                        "ProcessGroup", "c10d")

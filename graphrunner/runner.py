@@ -42,9 +42,6 @@ logger = logging.getLogger("graphrunner")
 _Tensor = torch.Tensor
 _BACKENDS = ("full", "breakable", "eager")
 _FALLBACKS = ("eager", "error")
-#: Words in a ``RuntimeError`` that mark a failed collective (gloo, NCCL, c10d).
-_COLLECTIVE_FAILURES = ("Timed out", "timed out", "Connection closed", "Connection reset", "gloo", "NCCL",
-                        "ProcessGroup", "c10d")
 
 
 @dataclass(frozen=True)
@@ -631,8 +628,11 @@ class GraphRunner:
             self._filled = n
         try:
             result = self._replay(b)
-        except Exception as exc:
-            raise self._step_failure(exc, "replay", b) from exc
+        except Exception as exc:  # a failed collective on a multi-rank runner: RankTimeoutError
+            err = RankTimeoutError.from_step(exc, self.group, "replay", b)
+            if err is None:
+                raise
+            raise err from exc
         stats = self.stats
         stats.replays[b] += 1
         stats.padding_rows += b - n
@@ -730,8 +730,11 @@ class GraphRunner:
         try:
             with self._grad_ctx():
                 out = self.step(**kwargs)
-        except Exception as exc:
-            raise self._step_failure(exc, "fallback", rows) from exc
+        except Exception as exc:  # a failed collective on a multi-rank runner: RankTimeoutError
+            err = RankTimeoutError.from_step(exc, self.group, "fallback", rows)
+            if err is None:
+                raise
+            raise err from exc
         if rows != n:
             out = _slice_rows(out, n)
         stats = self.stats
@@ -756,25 +759,6 @@ class GraphRunner:
                     f"runner.static_inputs[{other!r}] or of its memory): the call would overwrite what it reads. "
                     "Pass a separate tensor (e.g. .clone())")
         return None
-
-    def _step_failure(self, exc: Exception, phase: str, key: int) -> Exception:
-        """The error to raise for ``exc`` from the step at ``phase``: on a
-        multi-rank runner, a failed collective (a peer stalled or died; gloo
-        and NCCL report it as a ``RuntimeError``) becomes
-        :class:`RankTimeoutError` naming this rank, the phase and the key;
-        anything else is ``exc`` itself."""
-        if self.world_size <= 1 or isinstance(exc, GraphRunnerError) or not isinstance(exc, RuntimeError):
-            return exc
-        text = str(exc)
-        if not any(m in text for m in _COLLECTIVE_FAILURES):
-            return exc
-        timeout = getattr(self.group, "timeout", None)
-        within = f" within {timeout:g}s" if isinstance(timeout, (int, float)) else ""
-        where = ("the captured step or one of its eager breaks" if phase == "replay" else "the eager step")
-        return RankTimeoutError(
-            f"rank {self.rank} of {self.world_size}: a collective inside {where} did not complete{within} in phase "
-            f"{phase!r} for shape key {key!r} (a peer rank died, raised, or is stuck): {type(exc).__name__}: "
-            f"{text.strip()[:300]}. The process group is no longer usable: let this process exit")
 
     def _input_error(self, inputs: Any) -> Exception:
         """Diagnose invalid call inputs (slow path) and return the error to raise."""

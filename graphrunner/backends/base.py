@@ -275,6 +275,9 @@ class GraphBackend:
                 raise rte from None
             if not isinstance(exc, Exception):
                 raise
+            collective = RankTimeoutError.from_step(exc, self.group, step, key)
+            if collective is not None:
+                raise collective from exc
             raise CaptureError(
                 f"{self.name} backend: capture of shape key {key!r} failed on rank {self.rank} during {step}: "
                 f"{type(exc).__name__}: {exc}"
