@@ -299,7 +299,7 @@ class DecodeRunner:
         dev = self.model.device
         prefill(self.model, self.cache, torch.zeros((self.max_batch, 1), dtype=torch.long, device=dev))
         try:
-            tensors = cache_tensors(self.cache)
+            cache_tensors(self.cache)
         except ValueError as exc:
             raise CaptureError(f"architecture {self.model_type!r}: the StaticCache stayed empty after a forward; "
                                f"the model does not use it, so its decode step cannot be captured") from exc
@@ -314,7 +314,6 @@ class DecodeRunner:
             if getattr(layer, "keys", None) is None or layer.keys.shape[0] != self.max_batch:
                 raise CaptureError(f"architecture {self.model_type!r}: unexpected StaticCache layer "
                                    f"{type(layer).__name__}; cannot build padded bucket views")
-        del tensors
         zero_cache(self.cache)
 
     # ------------------------------------------------------------------ API

@@ -143,3 +143,20 @@ def test_import_graphrunner_does_not_import_transformers():
     code = ("import sys, graphrunner; assert 'transformers' not in sys.modules, 'eager import'; "
             "assert 'graphrunner.hf' not in sys.modules; graphrunner.hf; assert 'transformers' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_public_name_has_a_docstring():
+    for name in gr.hf.__all__:
+        obj = getattr(gr.hf, name)
+        if callable(obj):
+            assert obj.__doc__ and obj.__doc__.strip(), name
+    for name in ("capture", "generate", "cleanup"):
+        assert getattr(gr.hf.DecodeRunner, name).__doc__, name
+
+
+def test_unverified_architecture_is_refused_at_capture():
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=32)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    runner = gr.hf.DecodeRunner(model, max_batch=1, max_cache_len=8, buckets=[1])
+    with pytest.raises(CaptureError, match=r"'gpt2'.*not verified.*Supported: llama"):
+        runner.capture()
