@@ -158,5 +158,5 @@ def test_unverified_architecture_is_refused_at_capture():
     cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=32)
     model = transformers.GPT2LMHeadModel(cfg).eval()
     runner = gr.hf.DecodeRunner(model, max_batch=1, max_cache_len=8, buckets=[1])
-    with pytest.raises(CaptureError, match=r"'gpt2'.*not verified.*Supported: llama"):
+    with pytest.raises(CaptureError, match=r"not verified architecture 'gpt2'.*Supported: llama"):
         runner.capture()
