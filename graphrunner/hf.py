@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from graphrunner.buckets import default_buckets, validate_buckets
 from graphrunner.devices import get_device
 from graphrunner.errors import CaptureError, GraphRunnerError
 from graphrunner.runner import BatchInput, GraphRunner
@@ -192,8 +193,7 @@ def make_decode_step(model, cache) -> Callable[..., torch.Tensor]:
     between calls, so it can be captured.
     """
     names = _forward_kwargs(model)
-    pick = cache if callable(cache) and not hasattr(cache, "layers") and not hasattr(cache, "key_cache") \
-        else (lambda _b: cache)
+    pick = cache if callable(cache) else (lambda _batch: cache)
 
     def step(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         kwargs = {names["cache"]: pick(input_ids.shape[0]), "position_ids": position_ids, "use_cache": True}
@@ -254,9 +254,8 @@ class DecodeRunner:
         if not isinstance(max_cache_len, int) or max_cache_len < 2:
             raise ValueError(f"max_cache_len must be an int >= 2 (prompt + new tokens), got {max_cache_len!r}")
         if buckets is None:
-            from graphrunner.runner import default_buckets
             buckets = default_buckets(max_batch)
-        buckets = sorted(set(int(b) for b in buckets))
+        buckets = validate_buckets(buckets)  # GraphRunner's rules, checked before anything is built
         if buckets[-1] != max_batch:
             raise ValueError(f"the largest bucket must equal max_batch={max_batch}, got buckets {buckets}: "
                              f"add {max_batch} or lower max_batch")
