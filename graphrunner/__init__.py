@@ -32,3 +32,12 @@ __all__ = [
     # the runner and its report
     "BatchInput", "GraphRunner", "RunnerStats", "default_buckets", "BucketReport", "CaptureReport",
 ]
+
+
+def __getattr__(name):
+    """Lazy submodules: ``gr.hf`` imports :mod:`graphrunner.hf` (needs ``transformers``) on first access."""
+    if name == "hf":
+        import importlib
+
+        return importlib.import_module("graphrunner.hf")
+    raise AttributeError(f"module 'graphrunner' has no attribute {name!r}")

@@ -1,9 +1,10 @@
-"""A Hugging Face LlamaForCausalLM decode step with a StaticCache, captured through GraphRunner.
+"""examples/hf_llama.py: a Hugging Face LlamaForCausalLM decoded through gr.hf.DecodeRunner.
 
 Needs the ``hf`` extra (``pip install -e '.[hf]'``); skipped without ``transformers``.
-The logic lives in ``examples/hf_llama.py`` (imported here), so the example and
-the test check the same thing: 20 replayed decode steps equal an eager twin bit
-for bit, logits and every cache tensor.
+The example is imported here, so the example and the test check the same
+thing: 20 generated tokens (19 graph replays) equal ``model.generate(...,
+cache_implementation="static")``. The cache helpers it relies on live in
+``graphrunner.hf`` and are checked at the end.
 """
 
 import importlib.util
@@ -46,57 +47,61 @@ def _one_thread():
 
 
 @pytest.mark.parametrize("backend,batch", [("breakable", 1), ("full", 1), ("breakable", 2)])
-def test_twenty_decode_steps_replay_bit_exact(backend, batch):
+def test_twenty_decode_steps_equal_model_generate(backend, batch):
     result = hf.run(steps=20, batch=batch, backend=backend, device="auto")
     assert result.ok, result.summary()
-    assert result.max_logit_diff == 0.0
-    assert result.replays == 20  # every step was a graph replay, none an eager fallback
+    assert result.got.shape == (batch, 6 + 20)
+    assert result.replays == 19  # every step after the prefill's token was a graph replay, no eager fallback
     assert (result.num_segments, result.num_breaks) == (1, 0)  # HF Llama decode needs no break
-    assert result.capture_ms > 0 and result.replay_ms > 0 and result.eager_ms > 0
+    assert result.capture_ms > 0 and result.generate_ms > 0 and result.reference_ms > 0
 
 
 def test_eager_backend_matches_too():
     # Same protocol, no graph: the comparison machinery itself is sound.
     result = hf.run(steps=5, batch=1, backend="eager", device="auto")
     assert result.ok, result.summary()
-    assert (result.replays, result.num_segments, result.num_breaks) == (5, 0, 1)
+    assert (result.replays, result.num_segments, result.num_breaks) == (4, 0, 1)
 
 
 def test_warmup_writes_are_caught_without_the_cache_restore():
     # Negative control: the capture protocol's eager warmups really write the
-    # StaticCache. Skipping the in-place restore after capture must show up as
-    # a cache mismatch (and, from the wrong cache rows, as wrong logits), so a
-    # passing run above is evidence, not luck.
+    # StaticCache. Skipping the in-place reset after capture must show up as
+    # different tokens, so a passing run above is evidence, not luck.
     result = hf.run(steps=3, batch=1, backend="breakable", device="auto", restore_after_capture=False)
     assert not result.ok
-    assert any("cache" in m for m in result.mismatches), result.mismatches
 
 
 def test_cache_helpers_snapshot_restore_in_place():
+    from graphrunner import hf as ghf
+
     with torch.inference_mode():
         model = hf.build_model(seed=3)
-        cache = hf.make_static_cache(model, batch_size=1, max_cache_len=8)
+        cache = ghf.make_static_cache(model, batch_size=1, max_cache_len=8)
         if not _allocated_at_construction(cache):  # transformers >= 4.56 allocates at the first write
             with pytest.raises(ValueError, match="prefill"):
-                hf.cache_tensors(cache)
-        logits = hf.prefill(model, cache, torch.tensor([[1, 2, 3]]))
+                ghf.cache_tensors(cache)
+        logits = ghf.prefill(model, cache, torch.tensor([[1, 2, 3]]))
         assert logits.shape == (1, 3, model.config.vocab_size)
-        tensors = hf.cache_tensors(cache)
+        tensors = ghf.cache_tensors(cache)
         ids = {name: id(t) for name, t in tensors.items()}
-        saved = hf.snapshot_cache(cache)
-        step = hf.make_decode_step(model, cache)
+        saved = ghf.snapshot_cache(cache)
+        step = ghf.make_decode_step(model, cache)
         step(input_ids=torch.tensor([[4]]), position_ids=torch.tensor([[3]]))
-        twin = hf.make_static_cache(model, batch_size=1, max_cache_len=8)
-        hf.prefill(model, twin, torch.tensor([[1, 2, 3]]))
-        assert hf.compare_caches(cache, twin), "a decode step must change the cache"
-        hf.restore_cache(cache, saved)
-        assert hf.compare_caches(cache, twin) == []
-        assert {name: id(t) for name, t in hf.cache_tensors(cache).items()} == ids  # restored in place
+        twin = ghf.make_static_cache(model, batch_size=1, max_cache_len=8)
+        ghf.prefill(model, twin, torch.tensor([[1, 2, 3]]))
+        assert ghf.compare_caches(cache, twin), "a decode step must change the cache"
+        ghf.restore_cache(cache, saved)
+        assert ghf.compare_caches(cache, twin) == []
+        assert {name: id(t) for name, t in ghf.cache_tensors(cache).items()} == ids  # restored in place
+        ghf.zero_cache(cache)
+        assert all(not t.any() for t in ghf.cache_tensors(cache).values())
 
 
 def _allocated_at_construction(cache) -> bool:
+    from graphrunner import hf as ghf
+
     try:
-        hf.cache_tensors(cache)
+        ghf.cache_tensors(cache)
         return True
     except ValueError:
         return False
@@ -105,14 +110,14 @@ def _allocated_at_construction(cache) -> bool:
 def test_main_prints_summary_and_exit_code(capsys):
     assert hf.main(["--steps", "3", "--batch", "1"]) == 0
     out = capsys.readouterr().out
-    assert "OK: bit-exact" in out and "steps=3" in out
+    assert "OK: tokens equal model.generate" in out and "steps=3" in out
 
 
 def test_main_exits_1_on_a_mismatch(monkeypatch, capsys):
     # main() has no restore switch: route its run() through the negative
-    # control above (no cache restore after capture), which must exit 1.
+    # control above (no cache reset after capture), which must exit 1.
     real_run = hf.run
     monkeypatch.setattr(hf, "run", lambda **kw: real_run(**kw, restore_after_capture=False))
     assert hf.main(["--steps", "3", "--batch", "1"]) == 1
     out = capsys.readouterr().out
-    assert "MISMATCH" in out and "OK: bit-exact" not in out
+    assert "MISMATCH" in out and "OK:" not in out
