@@ -6,7 +6,9 @@ A bad command line is one line on stderr, ``graphrunner: error: ...``, and exit 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 
 import torch
 
@@ -41,6 +43,17 @@ def _check_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         other = "tape (or auto)" if args.command == "demo" else "cpu"
         parser.error("argument --device: cuda was requested but torch.cuda.is_available() is False on this "
                      f"machine; use --device {other}")
+    trace_out = getattr(args, "trace_out", "")
+    if trace_out:
+        # The trace is written at the end of the run: find an unwritable path now, not after the work.
+        folder = os.path.dirname(os.path.abspath(trace_out))
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as exc:
+            parser.error(f"argument --trace-out: cannot write the trace files under {folder!r} "
+                         f"({exc.strerror or exc}); pass another prefix, or '' to write none")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -97,8 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``graphrunner`` console script; returns the exit code.
 
     A bad command line (unknown option, bad value, buckets not strictly
-    increasing, ``--device cuda`` without CUDA) returns 2 after one line on
-    stderr, ``graphrunner: error: ...``; no traceback.
+    increasing, ``--device cuda`` without CUDA, a ``--trace-out`` that
+    cannot be written) returns 2 after one line on stderr,
+    ``graphrunner: error: ...``; no traceback. A closed stdout pipe
+    (``graphrunner demo | head``) returns 1 quietly.
     """
     parser = build_parser()
     try:
@@ -106,7 +121,12 @@ def main(argv: list[str] | None = None) -> int:
         _check_device(parser, args)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
         return int(exc.code or 0)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:  # e.g. `graphrunner demo | head`: the reader left; not an error of ours
+        # Point stdout at devnull so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -139,3 +139,21 @@ def test_capture_progress_on_a_plain_stream_writes_lines_even_with_tqdm():
 def test_help_mentions_version(capsys):
     assert main(["--help"]) == 0
     assert "--version" in capsys.readouterr().out
+
+
+def test_unwritable_trace_out_is_one_line_before_any_work(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["demo", "--trace-out", str(blocker / "trace")]) == 2  # a file where the folder should be
+    assert "--trace-out" in _one_error_line(capsys)
+
+
+def test_closed_stdout_pipe_is_a_quiet_exit(tmp_path):
+    """`graphrunner demo | head -1`: the reader leaves early; no BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "graphrunner.cli", *TINY_DEMO, "--no-progress"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()  # like head after its first line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=240) == 1
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
