@@ -64,7 +64,7 @@ __all__ = [
 
 #: The scripts of the suite, in the order they run (``bench/<name>.py``).
 #: ``capture_vs_compile`` runs last: torch.compile leaves compiled state behind.
-SUITE = ("tape_vs_eager", "runner_overhead", "latency_vs_batch", "capture_vs_compile")
+SUITE = ("tape_vs_eager", "runner_overhead", "latency_vs_batch", "capture_vs_compile", "hf_capture_vs_compile")
 
 #: Default merged JSON path and plot file name: ``results/bench.json`` inside the
 #: benchmark directory (``<repo>/bench/results/bench.json``, wherever the command runs),
