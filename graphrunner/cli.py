@@ -14,17 +14,7 @@ import torch
 
 import graphrunner
 from graphrunner.bench import add_bench_subparser, parse_buckets
-from graphrunner.threads import add_threads_argument, torch_threads
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+from graphrunner.threads import add_threads_argument, positive_int, torch_threads
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -88,12 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default="auto", choices=["auto", "tape", "cuda"],
                       help="graph kind: cuda when available, else tape (default: auto); cuda without a GPU "
                            "is an error")
-    demo.add_argument("--steps", type=_positive_int, default=200, help="decode steps to serve (default: 200)")
+    demo.add_argument("--steps", type=positive_int, default=200, help="decode steps to serve (default: 200)")
     demo.add_argument("--buckets", type=parse_buckets, default=[1, 2, 4, 8, 16, 32],
                       help="comma-separated batch buckets, strictly increasing (default: 1,2,4,8,16,32)")
-    demo.add_argument("--max-batch", type=_positive_int, default=40,
+    demo.add_argument("--max-batch", type=positive_int, default=40,
                       help="largest batch size drawn; above the largest bucket means fallback (default: 40)")
-    demo.add_argument("--layers", type=_positive_int, default=4, help="decoder layers (default: 4)")
+    demo.add_argument("--layers", type=positive_int, default=4, help="decoder layers (default: 4)")
     demo.add_argument("--seed", type=int, default=0, help="seed of weights and batches (default: 0)")
     demo.add_argument("--trace-out", default="graphrunner-demo-trace",
                       help="path prefix of the trace files <prefix>.jsonl and <prefix>.chrome.json "

@@ -26,20 +26,22 @@ import torch
 DEFAULT_CLI_THREADS = 1
 
 
-def _thread_count(text: str) -> int:
+def positive_int(text: str) -> int:
+    """``argparse`` type: ``text`` as an int >= 1, else ``ArgumentTypeError``
+    (a one-line usage error). Used by ``--threads`` and the demo's counts."""
     try:
         value = int(text)
     except ValueError:
         value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive number of threads, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
 
 
 def add_threads_argument(parser: argparse.ArgumentParser) -> None:
     """Add ``--threads N`` (a positive int, default :data:`DEFAULT_CLI_THREADS`) to ``parser``."""
     parser.add_argument(
-        "--threads", type=_thread_count, default=DEFAULT_CLI_THREADS,
+        "--threads", type=positive_int, default=DEFAULT_CLI_THREADS,
         help=f"torch intra-op CPU threads for this run (default: {DEFAULT_CLI_THREADS}; the workloads are "
              "small, and more threads than free cores busy-wait: see docs/troubleshooting.md)")
 

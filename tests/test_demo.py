@@ -153,12 +153,17 @@ def test_capture_report_totals_are_sums_of_its_rows():
     assert "= 4.1 KiB" in report.table() and report.total_bytes_held == 64 + 4096
 
 
-def test_demo_prints_a_legend_and_true_totals():
+def _tiny_demo(backend: str):
+    """``(result, stdout)`` of a 3-step demo run that passed."""
     out = io.StringIO()
-    result = demo.run_demo(backend="breakable", device="tape", steps=3, buckets=(1, 2), max_batch=3, layers=1,
+    result = demo.run_demo(backend=backend, device="tape", steps=3, buckets=(1, 2), max_batch=3, layers=1,
                            trace_out=None, progress=False, out=out)
-    text = out.getvalue()
-    assert result.ok, text
+    assert result.ok, out.getvalue()
+    return result, out.getvalue()
+
+
+def test_demo_prints_a_legend_and_true_totals():
+    _, text = _tiny_demo("breakable")
     legend = [line for line in text.splitlines() if line.startswith("columns:")]
     assert len(legend) == 1
     for col in ("capture_s", "graph_s", "bytes_held", "eager_ms", "graph_ms", "speedup"):
@@ -171,11 +176,7 @@ def test_demo_prints_a_legend_and_true_totals():
 
 
 def test_demo_eager_latency_table_has_no_graph_columns():
-    out = io.StringIO()
-    result = demo.run_demo(backend="eager", device="tape", steps=3, buckets=(1, 2), max_batch=3, layers=1,
-                           trace_out=None, progress=False, out=out)
-    text = out.getvalue()
-    assert result.ok, text
+    result, text = _tiny_demo("eager")
     head = next(line for line in text.splitlines() if line.split()[:2] == ["bucket", "eager_ms"])
     assert head.split() == ["bucket", "eager_ms", "runner_ms"]
     assert "speedup" not in text and "graph_ms" not in text and "x\n" not in text

@@ -16,7 +16,7 @@ import torch  # noqa: E402
 import graphrunner as gr  # noqa: E402
 from graphrunner.errors import CaptureError  # noqa: E402
 
-pytestmark = pytest.mark.hf
+pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_torch_thread")]
 
 VOCAB = 128
 MAX_BATCH = 4
@@ -58,12 +58,6 @@ def reference(model, ids: torch.Tensor) -> torch.Tensor:
                               do_sample=False, cache_implementation="static")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

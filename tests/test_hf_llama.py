@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-pytestmark = pytest.mark.hf
+pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_torch_thread")]
 
 _EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_llama.py"
 
@@ -36,14 +36,6 @@ def _load_example():
 hf = _load_example()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The model is tiny: one intra-op thread is faster than two spinning ones
-    # on a busy 2-core CI machine. Restored after this module.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("backend,batch", [("breakable", 1), ("full", 1), ("breakable", 2)])
