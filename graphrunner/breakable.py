@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from graphrunner._pytree import describe, flatten, structure
+from graphrunner._pytree import describe, flatten, structure, unflatten
 from graphrunner.devices import get_device
 from graphrunner.errors import CaptureError
 
@@ -80,12 +80,28 @@ def _params(fn: Callable) -> "list[inspect.Parameter] | None":
         return None
 
 
+def _overlaps(t: torch.Tensor) -> bool:
+    """True if a replay ``copy_`` into ``t`` would be refused because several
+    of its elements share one memory location (an ``expand``-ed, stride-0
+    view; ``as_strided``/``unfold`` windows), or if PyTorch cannot tell."""
+    if t.layout != torch.strided or t.numel() <= 1:
+        return False
+    if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
+        return True
+    return torch._debug_has_internal_overlap(t) != 0  # 1: overlaps, 2: too hard to tell
+
+
 class _EagerStep:
     """One eager break, replayed by calling the function again on the same
     (static) arguments and copying its fresh result into the tensors the
-    capture returned, which later segments read."""
+    capture returned, which later segments read.
 
-    __slots__ = ("fn", "args", "kwargs", "leaves", "spec", "name", "single")
+    A result tensor whose elements share memory (``mask.expand(b, h, q, k)``)
+    cannot be written by ``copy_``; it is replaced at capture by a contiguous
+    copy with the same values (``self.result``, what the capture returns and
+    later segments read), and replay copies each fresh result into that."""
+
+    __slots__ = ("fn", "args", "kwargs", "leaves", "spec", "name", "single", "result")
 
     def __init__(self, fn, args, kwargs, result) -> None:
         self.fn, self.args, self.kwargs = fn, args, kwargs
@@ -95,6 +111,11 @@ class _EagerStep:
                                              scalars=True)
         except TypeError as exc:
             raise CaptureError(str(exc)) from None
+        if any(type(t) is torch.Tensor and _overlaps(t) for t in self.leaves):
+            self.leaves = [t.clone(memory_format=torch.contiguous_format)
+                           if type(t) is torch.Tensor and _overlaps(t) else t for t in self.leaves]
+            result = unflatten(self.spec, self.leaves)
+        self.result = result
         # The common case (one tensor, or nothing) skips the tree walk at replay.
         self.single = isinstance(result, torch.Tensor) or result is None
 
@@ -243,10 +264,11 @@ class _Capture:
                            fn=_fn_name(fn)) if trace is not None else contextlib.nullcontext())
         with span:
             result = (stub or fn)(*args, **kwargs)
-        self.graph._steps.append(_EagerStep(fn, args, kwargs, result))
+        step = _EagerStep(fn, args, kwargs, result)
+        self.graph._steps.append(step)
         self.graph.num_breaks += 1
         self.open_segment()
-        return result
+        return step.result
 
 
 @contextlib.contextmanager

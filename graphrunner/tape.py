@@ -50,6 +50,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 import warnings
 import weakref
 from typing import Any, Callable, Iterator
@@ -79,9 +80,17 @@ _THIS_FILE = os.path.abspath(__file__)
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 
-# The capture in progress (at most one at a time, process-wide, like a CUDA
-# capture with capture_error_mode="global").
-_ACTIVE: "_Capture | None" = None
+# The captures in progress: thread id -> capture (at most one per thread).
+# Like CUDA, captures in different threads may overlap when neither uses
+# capture_error_mode="global"; a global-mode capture is the only one while it
+# lasts.  Changed only under _ACTIVE_LOCK.
+_ACTIVE: "dict[int, _Capture]" = {}
+_ACTIVE_LOCK = threading.Lock()
+
+
+def _capture_here() -> "_Capture | None":
+    """The capture in progress in the calling thread, if any."""
+    return _ACTIVE.get(threading.get_ident())
 
 # Survivor storages a poisoning graph filled with poison and that it has not
 # replayed since: id(storage) -> weakref(graph); the graph holds the entry
@@ -186,8 +195,10 @@ def graph_pool_handle() -> TapePool:
 
 
 def is_tape_capturing() -> bool:
-    """True while any :class:`TapeGraph` capture is active in this process."""
-    return _ACTIVE is not None
+    """True while any :class:`TapeGraph` capture is active in this process
+    (in any thread; with ``capture_error_mode="thread_local"`` or
+    ``"relaxed"`` several threads may be capturing at once)."""
+    return bool(_ACTIVE)
 
 
 # ---------------------------------------------------------------------------
@@ -396,7 +407,9 @@ def _reseed_error(what: str) -> CaptureError:
 
 def _guarded_reseed(name: str, fn: Callable) -> Callable:
     def guarded(*args, **kwargs):
-        cap = _ACTIVE
+        # This thread's capture, else a global-mode capture in another thread
+        # (CUDA forbids unsafe calls from any thread only in global mode).
+        cap = _capture_here() or next((c for c in list(_ACTIVE.values()) if c.mode == "global"), None)
         if cap is not None:
             err = _reseed_error(f"torch.{name}()")
             cap.failed = err
@@ -419,19 +432,32 @@ def _reseed_guard() -> Iterator[None]:
     end by the changed ``initial_seed()``."""
     import torch.random as trandom
 
-    saved = []
-    for mod in (torch, trandom):
-        for name in _RESEED_FUNCTIONS + ("_manual_seed_impl",):
-            fn = mod.__dict__.get(name)
-            if fn is None or getattr(fn, "_graphrunner_reseed_guard", False):
-                continue
-            saved.append((mod, name, fn))
-            setattr(mod, name, _guarded_reseed(name.lstrip("_").replace("_impl", ""), fn))
+    # Concurrent captures (other threads) share one installation: the last
+    # capture to end restores the originals.
+    with _RESEED_LOCK:
+        if not _RESEED_SAVED:
+            for mod in (torch, trandom):
+                for name in _RESEED_FUNCTIONS + ("_manual_seed_impl",):
+                    fn = mod.__dict__.get(name)
+                    if fn is None or getattr(fn, "_graphrunner_reseed_guard", False):
+                        continue
+                    _RESEED_SAVED.append((mod, name, fn))
+                    setattr(mod, name, _guarded_reseed(name.lstrip("_").replace("_impl", ""), fn))
+        _RESEED_USERS[0] += 1
     try:
         yield
     finally:
-        for mod, name, fn in saved:
-            setattr(mod, name, fn)
+        with _RESEED_LOCK:
+            _RESEED_USERS[0] -= 1
+            if _RESEED_USERS[0] == 0:
+                for mod, name, fn in _RESEED_SAVED:
+                    setattr(mod, name, fn)
+                _RESEED_SAVED.clear()
+
+
+_RESEED_LOCK = threading.Lock()
+_RESEED_SAVED: list = []   # (module, name, original function) while guarded
+_RESEED_USERS = [0]        # captures using the installation
 
 
 def _op_generator(args, kwargs) -> "torch.Generator | None":
@@ -520,8 +546,11 @@ class _Poisoned:
 class _Capture:
     """Mutable state of one capture in progress (dropped at capture end)."""
 
-    def __init__(self, graph: "TapeGraph"):
+    def __init__(self, graph: "TapeGraph", mode: str = "global"):
         self.graph = graph
+        self.mode = mode                           # capture_error_mode
+        self.thread = threading.get_ident()        # the capturing thread
+        self.thread_name = threading.current_thread().name
         self.names: dict[int, str] = {}            # id(tensor) -> name
         self.strong: dict[str, torch.Tensor] = {}  # name -> tensor (keeps ids unique during capture)
         self.kind: dict[str, str] = {}             # name -> "ext" | "int"
@@ -1196,37 +1225,66 @@ class TapeGraph:
 
     # -- capture ------------------------------------------------------------
     def capture_begin(self, pool: TapePool | None = None, capture_error_mode: str = "global") -> None:
-        """Start recording.  Raises CaptureError if this graph already holds a
-        capture (call ``reset()`` first) or another tape capture is active."""
-        global _ACTIVE
+        """Start recording in the calling thread.
+
+        Raises CaptureError if this graph already holds a capture (call
+        ``reset()`` first), if this thread is already capturing (captures do
+        not nest), or if another thread is capturing and either capture uses
+        ``capture_error_mode="global"``. As with CUDA, captures in different
+        threads may overlap when both use ``"thread_local"`` or ``"relaxed"``;
+        only the calling thread's tensor work is recorded."""
         if capture_error_mode not in _CAPTURE_ERROR_MODES:
             raise ValueError(f"capture_error_mode must be one of {_CAPTURE_ERROR_MODES}, got {capture_error_mode!r}")
         if pool is not None and not isinstance(pool, TapePool):
             raise TypeError(f"pool must be a TapePool from graph_pool_handle() or None, got {type(pool).__name__}")
         if self._cap is not None:
             raise CaptureError("this TapeGraph is already capturing; call capture_end() (or reset()) first")
-        if _ACTIVE is not None:
-            raise CaptureError(
-                "another TapeGraph capture is active; tape captures cannot nest. End it (capture_end) first."
-            )
         if self._fn is not None:
             raise CaptureError("this TapeGraph already holds a capture; call reset() before capturing again")
-        self._pool = pool if pool is not None else (self._pool or TapePool())
-        cap = _Capture(self)
-        modes = (_reseed_guard(), _Guard(cap), _Recorder(cap))
-        _ACTIVE = cap
-        self._cap = cap
-        for m in modes:
-            m.__enter__()
-        self._modes = modes
+        cap = _Capture(self, capture_error_mode)
+        with _ACTIVE_LOCK:
+            if cap.thread in _ACTIVE:
+                raise CaptureError(
+                    "another TapeGraph capture is active in this thread; tape captures cannot nest. End it "
+                    "(capture_end) first."
+                )
+            other = next(iter(_ACTIVE.values()), None)
+            if other is not None and "global" in (capture_error_mode, other.mode):
+                raise CaptureError(
+                    f"concurrent capture in another thread: thread {other.thread_name!r} is capturing a "
+                    f"TapeGraph (capture_error_mode={other.mode!r}), and a capture_error_mode='global' capture "
+                    f"cannot overlap another one (this one asked for {capture_error_mode!r}). Capture one "
+                    "after the other, or use capture_error_mode='thread_local' (or 'relaxed') for both."
+                )
+            _ACTIVE[cap.thread] = cap
+        try:
+            self._pool = pool if pool is not None else (self._pool or TapePool())
+            modes = (_reseed_guard(), _Guard(cap), _Recorder(cap))
+            self._cap = cap
+            entered = []
+            try:
+                for m in modes:
+                    m.__enter__()
+                    entered.append(m)
+            except BaseException:
+                for m in reversed(entered):
+                    m.__exit__(None, None, None)
+                self._cap = None
+                raise
+            self._modes = modes
+        except BaseException:
+            with _ACTIVE_LOCK:
+                if _ACTIVE.get(cap.thread) is cap:
+                    del _ACTIVE[cap.thread]
+            raise
 
     def _stop(self) -> _Capture:
         """Leave the modes, restore externals; return the capture state."""
-        global _ACTIVE
         cap, modes = self._cap, self._modes
         self._cap = self._modes = None
-        if _ACTIVE is cap:
-            _ACTIVE = None
+        with _ACTIVE_LOCK:
+            if _ACTIVE.get(cap.thread) is cap:
+                del _ACTIVE[cap.thread]
         try:
             if modes is not None:
                 for m in reversed(modes):
@@ -1277,8 +1335,8 @@ class TapeGraph:
         whole storage: a survivor view's base too), keeping its real bytes for
         later tape captures that read it and for constants, which replay
         never recomputes."""
-        for k in [k for k, w in _POISONED.items() if w() is None]:
-            del _POISONED[k]  # graphs dropped before their first replay
+        for k in [k for k, w in list(_POISONED.items()) if w() is None]:
+            _POISONED.pop(k, None)  # graphs dropped before their first replay
         me = weakref.ref(self)
         for st, dtype, once in targets:
             v = poison_value(dtype)
@@ -1437,8 +1495,8 @@ class TapeGraph:
                         versioned.append((w, u._version))
                         break
         del st_w, alloc_w
-        for k in [k for k, (w, _) in _SURVIVORS.items() if w() is None]:
-            del _SURVIVORS[k]
+        for k in [k for k, (w, _) in list(_SURVIVORS.items()) if w() is None]:
+            _SURVIVORS.pop(k, None)
 
         # 3. Aliases and common subexpressions.  canon maps a value's name to
         #    the name of an equal value computed earlier.

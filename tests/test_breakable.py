@@ -449,3 +449,69 @@ def test_cuda_breakable_replay_equals_eager():
             expected = m(fresh)
         torch.cuda.synchronize()
         assert torch.equal(out, expected)
+
+
+# -- overlapping (expanded, stride-0) break results ---------------------------
+
+def _sdpa_like_step(x, b, q, k):
+    """A step whose break returns an expanded (stride-0) mask, as Gemma3's
+    sdpa mask does, read by the next segment."""
+
+    @no_graph
+    def make_mask(t):
+        keep = (t.sum(dim=(0, 1)) > 0).to(t.dtype)          # (k,), depends on the input
+        return keep.view(1, 1, k).expand(b, q, k)
+
+    def step():
+        return (x * 3) * make_mask(x) + 1
+
+    return step
+
+
+def test_expanded_break_result_replays_equal_to_eager():
+    b, q, k = 2, 3, 5
+    static_x = torch.randn(b, q, k)
+    step = _sdpa_like_step(static_x, b, q, k)
+    graph, out = capture(step)
+    assert graph.num_breaks == 1
+    for seed in range(5):
+        fresh = torch.randn(b, q, k, generator=torch.Generator().manual_seed(200 + seed))
+        fresh[..., seed % k] = -10.0  # make that key's column sum negative: the mask changes per replay
+        static_x.copy_(fresh)
+        graph.replay()
+        with torch.inference_mode():
+            expected = _sdpa_like_step(fresh, b, q, k)()
+        assert torch.equal(out, expected), f"replay {seed} differs from eager"
+
+
+def test_expanded_break_result_in_a_tuple_with_scale():
+    b, q, k = 2, 4, 3
+    static_x = torch.randn(b, q, k)
+
+    @no_graph
+    def brk(t):
+        base = t.new_ones(1, 1, k) * t.mean()
+        return base.expand(b, q, k) * 2, t.new_ones(1, 1, k).expand(b, q, k)
+
+    def step():
+        m, ones = brk(static_x)
+        return static_x + m - ones
+
+    graph, out = capture(step)
+    for seed in range(3):
+        fresh = torch.randn(b, q, k, generator=torch.Generator().manual_seed(300 + seed))
+        static_x.copy_(fresh)
+        graph.replay()
+        with torch.inference_mode():
+            m = (fresh.new_ones(1, 1, k) * fresh.mean()).expand(b, q, k) * 2
+            expected = fresh + m - 1
+        assert torch.allclose(out, expected), f"replay {seed} differs from eager"
+
+
+def test_expanded_break_result_is_what_raw_copy_refuses():
+    # Negative control: the raw write the replay used to do is refused by PyTorch,
+    # so the tests above do exercise the overlapping case.
+    k = 4
+    view = torch.ones(1, 1, k).expand(2, 3, k)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        view.copy_(torch.zeros(2, 3, k))
