@@ -7,14 +7,28 @@ rows, captures the one-token greedy decode step per batch bucket through
 in place (the graphs hold its tensors' addresses; the capture protocol's
 eager warmups really write K/V and advance the write counter).
 
-Padded buckets: every bucket ``b`` gets its own ``StaticCache`` object whose
-per-layer ``keys``/``values`` are the views ``[:b]`` of the one ``max_batch``
-cache (and whose write counter is the same tensor), so the graph for bucket
-``b`` reads and writes rows ``[0, b)``. A batch of ``n < b`` rows is prefilled
-into rows ``[0, n)``; rows ``[n, b)`` hold zeros (the cache is zeroed before
-every :meth:`DecodeRunner.generate`) and decode pad token 0 at position 0,
-which keeps them finite. Attention, norms and per-token MoE routing never mix
-rows, so padding rows never affect real rows.
+Two kinds of cache layer are handled. Attention models (Llama, ...) get
+``StaticLayer`` objects: ``keys``/``values`` ``[B, heads, max_cache_len, dim]`` and,
+on transformers 5.x, a write-counter tensor. Mamba gets
+``LinearAttentionLayer`` objects: per layer a ``conv_states[0]`` ``[B, channels,
+kernel]`` and a ``recurrent_states[0]`` ``[B, channels, state]``, both updated
+in place by the decode step (``copy_``), plus a Python flag
+``has_previous_state`` that picks the mixer's branch (prefill or one-token
+update). The graphs are captured with the flag set (the branch every decode
+step takes after a prefill) on zeroed states; zeroing the cache
+(:func:`zero_cache`) also clears the flag so that the next eager prefill
+starts from no state, exactly as ``model.generate`` does.
+
+Padded buckets: every bucket ``b`` gets its own cache object whose per-layer
+state tensors (``keys``/``values``, or ``conv_states``/``recurrent_states``)
+are the views ``[:b]`` of the one ``max_batch`` cache (and whose write counter
+and flags are the same objects), so the graph for bucket ``b`` reads and
+writes rows ``[0, b)``. A batch of ``n < b`` rows is prefilled into rows
+``[0, n)``; rows ``[n, b)`` hold zeros (the cache is zeroed before every
+:meth:`DecodeRunner.generate`) and decode pad token 0 at position 0, which
+keeps them finite. Attention, norms, per-token MoE routing and Mamba's
+per-row convolution and state update never mix rows, so padding rows never
+affect real rows.
 
 The lower-level helpers (:func:`make_static_cache`, :func:`cache_tensors`,
 :func:`snapshot_cache`, :func:`restore_cache`, :func:`compare_caches`,
@@ -56,15 +70,13 @@ __all__ = [
 ]
 
 #: ``config.model_type`` values whose decode step :class:`DecodeRunner` captures and
-#: has tested against ``model.generate(..., cache_implementation="static")``.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "phi3", "mixtral")
+#: has tested against ``model.generate(..., cache_implementation="static")``. The Mamba types keep
+#: conv/recurrent states in the StaticCache's linear-attention layers; their default cache holds the same
+#: layers, so plain ``model.generate(...)`` gives the same tokens too (tested).
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "phi3", "mixtral", "mamba", "mamba2")
 
-#: Why the known-unsupported architectures cannot be captured safely.
-_UNSUPPORTED_REASONS = {
-    "mamba": "Mamba keeps its recurrent state in its own MambaCache, not in a transformers StaticCache, "
-             "so DecodeRunner has no static K/V cache to capture and restore",
-    "mamba2": "Mamba2 keeps its recurrent state in its own cache, not in a transformers StaticCache",
-}
+#: Per-layer dicts ``{state_idx: tensor}`` of a transformers linear-attention (Mamba) cache layer.
+_STATE_DICTS = ("conv_states", "recurrent_states")
 
 
 def make_static_cache(model, batch_size: int, max_cache_len: int):
@@ -96,7 +108,9 @@ def cache_tensors(cache) -> Dict[str, torch.Tensor]:
 
     On ``transformers`` >= 4.56 these are the tensor attributes of each layer
     in ``cache.layers`` (``keys``, ``values`` and, on 5.x, the write counter
-    ``cumulative_length``); on older versions the ``key_cache`` and
+    ``cumulative_length``) and, for linear-attention (Mamba) layers, the
+    tensors of its ``conv_states``/``recurrent_states`` dicts (named
+    ``layers[i].conv_states[0]``); on older versions the ``key_cache`` and
     ``value_cache`` lists. Raises ``ValueError`` if the cache holds none
     (not yet allocated: prefill it first).
     """
@@ -107,6 +121,10 @@ def cache_tensors(cache) -> Dict[str, torch.Tensor]:
             for name, value in sorted(vars(layer).items()):
                 if isinstance(value, torch.Tensor):
                     out[f"layers[{i}].{name}"] = value
+                elif name in _STATE_DICTS and isinstance(value, dict):
+                    for idx, t in sorted(value.items()):
+                        if isinstance(t, torch.Tensor):
+                            out[f"layers[{i}].{name}[{idx}]"] = t
     else:
         for attr in ("key_cache", "value_cache"):
             for i, value in enumerate(getattr(cache, attr, None) or []):
@@ -139,7 +157,23 @@ def restore_cache(cache, snapshot: Dict[str, torch.Tensor]) -> None:
 
 
 def zero_cache(cache) -> None:
-    """Zero every cache tensor in place (keys, values and write counters): an empty cache at the same addresses."""
+    """Empty the cache in place: an empty cache at the same addresses.
+
+    Zeroes every cache tensor (keys, values, write counters, Mamba's conv and
+    recurrent states) and clears the linear-attention layers' Python flag
+    ``has_previous_state``, so that the next forward is a prefill from no
+    state (as on a fresh cache); the tensors themselves stay allocated.
+    """
+    _zero_tensors(cache)
+    for layer in getattr(cache, "layers", None) or []:
+        flags = getattr(layer, "has_previous_state", None)
+        if isinstance(flags, dict):
+            for idx in flags:
+                flags[idx] = False
+
+
+def _zero_tensors(cache) -> None:
+    """Zero every cache tensor in place; Python flags untouched."""
     for t in cache_tensors(cache).values():
         t.zero_()
 
@@ -215,8 +249,11 @@ def decode_inputs() -> Dict[str, Any]:
 def _row_view_cache(cache, rows: int):
     """A shallow copy of an allocated ``StaticCache`` whose layers see rows ``[0, rows)`` of ``cache``'s tensors.
 
-    ``keys``/``values`` become the views ``[:rows]`` (same storage); every
-    other tensor (the write counter) is the very same tensor.
+    ``keys``/``values`` become the views ``[:rows]`` (same storage), and so do
+    the tensors of a linear-attention layer's ``conv_states``/``recurrent_states``
+    (new dicts of views); every other attribute (the write counter tensor, the
+    ``has_previous_state`` flags dict) is the very same object, so resetting
+    the full cache resets every view.
     """
     view = copy.copy(cache)
     layers = []
@@ -228,6 +265,11 @@ def _row_view_cache(cache, rows: int):
                 setattr(lv, name, t[:rows])
                 if hasattr(lv, "batch_size"):
                     lv.batch_size = rows
+        for name in _STATE_DICTS:
+            states = getattr(layer, name, None)
+            if isinstance(states, dict):
+                setattr(lv, name, {idx: t[:rows] if isinstance(t, torch.Tensor) else t
+                                   for idx, t in states.items()})
         layers.append(lv)
     view.layers = layers
     return view
@@ -282,9 +324,6 @@ class DecodeRunner:
 
     def _check_architecture(self) -> None:
         mt = self.model_type
-        if mt in _UNSUPPORTED_REASONS:
-            raise CaptureError(f"gr.hf.DecodeRunner cannot capture architecture {mt!r}: {_UNSUPPORTED_REASONS[mt]}. "
-                               f"Decode it eagerly with model.generate(); supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
         if mt not in SUPPORTED_MODEL_TYPES:
             raise CaptureError(f"gr.hf.DecodeRunner has not verified architecture {mt!r} (config.model_type): "
                                f"its decode step may keep state outside a StaticCache or need per-row positions, "
@@ -306,6 +345,9 @@ class DecodeRunner:
             raise CaptureError(f"architecture {self.model_type!r}: this transformers version's StaticCache has no "
                                f"per-layer objects (transformers >= 4.56 needed for padded buckets); upgrade it")
         for layer in self.cache.layers:
+            if type(layer).__name__ == "LinearAttentionLayer":
+                self._check_linear_layer(layer)
+                continue
             if getattr(layer, "is_sliding", False) and type(layer).__name__ != "StaticLayer":
                 raise CaptureError(f"architecture {self.model_type!r}: sliding-window cache layers keep a Python "
                                    f"write counter a graph cannot replay; set config.sliding_window=None or use "
@@ -313,7 +355,22 @@ class DecodeRunner:
             if getattr(layer, "keys", None) is None or layer.keys.shape[0] != self.max_batch:
                 raise CaptureError(f"architecture {self.model_type!r}: unexpected StaticCache layer "
                                    f"{type(layer).__name__}; cannot build padded bucket views")
-        zero_cache(self.cache)
+        # Zero the tensors but keep linear-attention layers' has_previous_state set, so that every warmup and
+        # the capture run the one-token update branch that each decode step after a prefill takes (with the
+        # flag cleared by zero_cache, the first warmup would run the prefill branch instead).
+        _zero_tensors(self.cache)
+
+    def _check_linear_layer(self, layer) -> None:
+        """Refuse a linear-attention (Mamba) cache layer whose state a graph could not hold in place."""
+        if getattr(layer, "record_past", False):
+            raise CaptureError(f"architecture {self.model_type!r}: a linear-attention cache layer records its past "
+                               f"(activate_past_recording), so its conv state grows and is reassigned instead of "
+                               f"updated in place; a graph would write a stale tensor. Do not record the past")
+        states = [t for name in _STATE_DICTS for t in getattr(layer, name).values()]
+        if not states or any(not isinstance(t, torch.Tensor) or t.shape[0] != self.max_batch for t in states):
+            raise CaptureError(f"architecture {self.model_type!r}: a linear-attention cache layer did not allocate "
+                               f"its conv/recurrent states with {self.max_batch} rows after a forward; "
+                               f"cannot build padded bucket views")
 
     # ------------------------------------------------------------------ API
     def capture(self):
@@ -342,7 +399,8 @@ class DecodeRunner:
 
     def _reset_cache(self) -> None:
         """Empty the cache in place (the graphs keep the same tensors): after capture, undoing the warmups'
-        K/V writes and write-counter advances, and before every :meth:`generate`."""
+        K/V and state writes and write-counter advances, and before every :meth:`generate` (which also clears
+        Mamba's ``has_previous_state`` so the eager prefill starts from no state; see :func:`zero_cache`)."""
         zero_cache(self.cache)
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int,

@@ -1,10 +1,11 @@
 """gr.hf.DecodeRunner: graph-replayed greedy decoding equals model.generate(..., cache_implementation="static").
 
 Tiny random-weight configs (2 layers, hidden 64, vocab 128, seeded; nothing is
-downloaded) of Llama, Qwen2, Mistral, Phi3 and Mixtral; max_batch=4 with
-buckets [1, 2, 4], so batch 3 replays the padded bucket 4. Mamba has no
-StaticCache: capture() must refuse it with a clear error. Skipped without
-``transformers``.
+downloaded) of Llama, Qwen2, Mistral, Phi3, Mixtral, Mamba and Mamba2;
+max_batch=4 with buckets [1, 2, 4], so batch 3 replays the padded bucket 4.
+Mamba's conv/recurrent states live in the StaticCache's linear-attention
+layers; its reference is plain ``model.generate`` (its default cache) and the
+static one. Skipped without ``transformers``.
 """
 
 import pytest
@@ -25,24 +26,31 @@ PROMPT_LEN = 5
 NEW_TOKENS = 5
 MAX_CACHE_LEN = 16
 
-_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+_ATTENTION = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+# initializer_range 0.5: at the default 0.1 a tiny random Mamba repeats one token, which would hide a wrong state.
+_MAMBA = dict(vocab_size=VOCAB, hidden_size=64, state_size=8, num_hidden_layers=2, initializer_range=0.5)
 
-#: model_type -> (config class, model class, config overrides)
+#: model_type -> (config class, model class, config kwargs)
 ARCHS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", _ATTENTION),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _ATTENTION),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {**_ATTENTION, "sliding_window": None}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {**_ATTENTION, "pad_token_id": 0}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
-                {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+                {**_ATTENTION, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+    "mamba": ("MambaConfig", "MambaForCausalLM", _MAMBA),
+    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM",
+               {**_MAMBA, "num_heads": 8, "head_dim": 16, "n_groups": 2, "expand": 2, "chunk_size": 16}),
 }
+#: Architectures whose state is a conv/recurrent state (no K/V): model.generate's default cache is their own.
+STATE_SPACE = {"mamba", "mamba2"}
 
 
 def build_model(arch: str, seed: int = 0, **overrides):
     """A tiny eval-mode ``*ForCausalLM`` of ``arch`` with random weights from ``seed``."""
-    cfg_name, model_name, extra = ARCHS[arch]
-    cfg = getattr(transformers, cfg_name)(**{**_COMMON, **extra, **overrides})
+    cfg_name, model_name, kwargs = ARCHS[arch]
+    cfg = getattr(transformers, cfg_name)(**{**kwargs, **overrides})
     torch.manual_seed(seed)
     return getattr(transformers, model_name)(cfg).eval()
 
@@ -52,12 +60,11 @@ def prompts(batch: int, seed: int) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(seed))
 
 
-def reference(model, ids: torch.Tensor) -> torch.Tensor:
+def reference(model, ids: torch.Tensor, n: int = NEW_TOKENS, **kwargs) -> torch.Tensor:
+    """``model.generate`` greedy, static cache unless ``cache_implementation=None`` (the model's default) is given."""
+    kwargs.setdefault("cache_implementation", "static")
     with torch.inference_mode():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                              do_sample=False, cache_implementation="static")
-
-
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, **kwargs)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -73,17 +80,21 @@ def test_generate_equals_model_generate(arch):
         got = runner.generate(ids, max_new_tokens=NEW_TOKENS)
         want = reference(model, ids)
         assert torch.equal(got, want), f"{arch} batch {batch}:\n{got}\n{want}"
+        if arch in STATE_SPACE:  # and its own default cache, as a user calls model.generate
+            assert torch.equal(got, reference(model, ids, cache_implementation=None)), f"{arch} batch {batch}"
     # Every decode step was a replay (bucket 1, padded bucket 4 twice), none an eager fallback.
     assert runner.runner.stats.replays.get(1, 0) == NEW_TOKENS - 1
     assert runner.runner.stats.replays.get(4, 0) == 2 * (NEW_TOKENS - 1)
     runner.cleanup()
 
 
-def test_negative_control_without_cache_reset(monkeypatch):
-    # The capture warmups really write K/V and advance the StaticCache write counter. With the
-    # in-place reset after capture (and before generate) turned into a no-op, the tokens must differ:
-    # the equality above is evidence, not luck.
-    model = build_model("llama")
+@pytest.mark.parametrize("arch", ["llama", "mamba"])
+def test_negative_control_without_cache_reset(monkeypatch, arch):
+    # The capture warmups really write K/V (Mamba: conv/recurrent states) and advance the StaticCache
+    # write counter (Mamba: leave has_previous_state set, so the prefill would continue the stale
+    # state). With the in-place reset after capture (and before generate) turned into a no-op, the
+    # tokens must differ: the equality above is evidence, not luck.
+    model = build_model(arch)
     monkeypatch.setattr(gr.hf.DecodeRunner, "_reset_cache", lambda self: None)
     runner = gr.hf.DecodeRunner(model, max_batch=MAX_BATCH, max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS)
     runner.capture()
@@ -92,15 +103,81 @@ def test_negative_control_without_cache_reset(monkeypatch):
     assert not torch.equal(got, reference(model, ids))
 
 
-def test_mamba_is_refused_at_capture():
-    cfg = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=64, state_size=8, num_hidden_layers=2)
-    torch.manual_seed(0)
-    model = transformers.MambaForCausalLM(cfg).eval()
-    runner = gr.hf.DecodeRunner(model, max_batch=2, max_cache_len=8, buckets=[1, 2])
-    with pytest.raises(CaptureError, match=r"'mamba'.*MambaCache.*StaticCache"):
+def _recording_past_cache(monkeypatch):
+    """Make DecodeRunner build caches whose linear-attention layers record their past (conv states reassigned)."""
+    make = gr.hf.make_static_cache
+
+    def make_recording(*args, **kwargs):
+        cache = make(*args, **kwargs)
+        cache.activate_past_recording()
+        return cache
+
+    monkeypatch.setattr(gr.hf, "make_static_cache", make_recording)
+
+
+def test_linear_cache_recording_past_is_refused_at_capture(monkeypatch):
+    _recording_past_cache(monkeypatch)
+    runner = gr.hf.DecodeRunner(build_model("mamba"), max_batch=2, max_cache_len=8, buckets=[1, 2])
+    with pytest.raises(CaptureError, match=r"'mamba'.*records its past"):
         runner.capture()
-    with pytest.raises(CaptureError, match="mamba"):  # generate() captures first: same error, no tokens
+    with pytest.raises(CaptureError, match="records its past"):  # generate() captures first: same error, no tokens
         runner.generate(prompts(1, seed=0), max_new_tokens=2)
+
+
+def test_negative_control_recording_past_without_the_check(monkeypatch):
+    # Without the check, a cache that reassigns its conv states decodes silently wrong tokens.
+    _recording_past_cache(monkeypatch)
+    monkeypatch.setattr(gr.hf.DecodeRunner, "_check_linear_layer", lambda self, layer: None)
+    model = build_model("mamba")
+    runner = gr.hf.DecodeRunner(model, max_batch=2, max_cache_len=MAX_CACHE_LEN, buckets=[1, 2])
+    ids = prompts(2, seed=2)
+    assert not torch.equal(runner.generate(ids, max_new_tokens=NEW_TOKENS), reference(model, ids))
+
+
+def test_linear_cache_with_too_few_rows_is_refused_at_capture(monkeypatch):
+    # The cache allocates its states lazily at the first forward; one of a single row cannot hold bucket 2.
+    prefill = gr.hf.prefill
+    monkeypatch.setattr(gr.hf, "prefill", lambda model, cache, ids: prefill(model, cache, ids[:1]))
+    runner = gr.hf.DecodeRunner(build_model("mamba"), max_batch=2, max_cache_len=8, buckets=[1, 2])
+    with pytest.raises(CaptureError, match=r"'mamba'.*conv/recurrent states with 2 rows"):
+        runner.capture()
+
+
+def _fill_rows_after_prefill(monkeypatch, runner, rows):
+    """After each eager prefill, overwrite ``rows(batch)`` of every cache tensor of ``runner`` with large noise."""
+    prefill = gr.hf.prefill
+
+    def prefill_then_fill(model, cache, input_ids):
+        logits = prefill(model, cache, input_ids)
+        noise = torch.Generator().manual_seed(0)
+        for name, t in gr.hf.cache_tensors(runner.cache).items():
+            if t.is_floating_point() and t.dim() > 1:
+                block = t[rows(input_ids.shape[0])]
+                block.copy_(torch.randn(block.shape, generator=noise, dtype=t.dtype) * 10)
+        return logits
+
+    monkeypatch.setattr(gr.hf, "prefill", prefill_then_fill)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mamba"])
+def test_padding_rows_never_affect_real_rows(monkeypatch, arch):
+    # Batch 3 replays bucket 4: noise in row 3 of every K/V (Mamba: conv/recurrent state) tensor
+    # must leave the 3 real rows' tokens unchanged.
+    model = build_model(arch)
+    runner = gr.hf.DecodeRunner(model, max_batch=MAX_BATCH, max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS)
+    _fill_rows_after_prefill(monkeypatch, runner, lambda batch: slice(batch, None))
+    ids = prompts(3, seed=3)
+    assert torch.equal(runner.generate(ids, max_new_tokens=NEW_TOKENS), reference(model, ids))
+
+
+@pytest.mark.parametrize("arch", ["llama", "mamba"])
+def test_negative_control_noise_in_a_real_row(monkeypatch, arch):
+    # The same noise in a real row (row 2) changes the tokens: the test above would see a leak.
+    model = build_model(arch)
+    runner = gr.hf.DecodeRunner(model, max_batch=MAX_BATCH, max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS)
+    _fill_rows_after_prefill(monkeypatch, runner, lambda batch: slice(batch - 1, batch))
+    ids = prompts(3, seed=3)
+    assert not torch.equal(runner.generate(ids, max_new_tokens=NEW_TOKENS), reference(model, ids))
 
 
 def test_sliding_window_cache_is_refused_at_capture():
@@ -122,13 +199,7 @@ def test_input_validation():
     ids = prompts(2, seed=0)
     with pytest.raises(ValueError, match="attention_mask"):
         runner.generate(ids, max_new_tokens=2, attention_mask=torch.tensor([[0, 1, 1, 1, 1], [1] * 5]))
-    assert torch.equal(runner.generate(ids, 2, attention_mask=torch.ones_like(ids)), reference_n(model, ids, 2))
-
-
-def reference_n(model, ids, n):
-    with torch.inference_mode():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                              cache_implementation="static")
+    assert torch.equal(runner.generate(ids, 2, attention_mask=torch.ones_like(ids)), reference(model, ids, 2))
 
 
 def test_import_graphrunner_does_not_import_transformers():
