@@ -73,6 +73,15 @@ __all__ = [
 #: has tested against ``model.generate(..., cache_implementation="static")``. The Mamba types keep
 #: conv/recurrent states in the StaticCache's linear-attention layers; their default cache holds the same
 #: layers, so plain ``model.generate(...)`` gives the same tokens too (tested).
+#: The transformers major version whose cache layout DecodeRunner was verified against.
+VERIFIED_TRANSFORMERS_MAJOR = 5
+
+
+def _transformers_version() -> str:
+    """The installed transformers' version string."""
+    return str(getattr(transformers, "__version__", "0"))
+
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "phi3", "mixtral", "mamba", "mamba2")
 
 #: Per-layer dicts ``{state_idx: tensor}`` of a transformers linear-attention (Mamba) cache layer.
@@ -323,6 +332,13 @@ class DecodeRunner:
         return self._decode(input_ids=input_ids, position_ids=position_ids)
 
     def _check_architecture(self) -> None:
+        version = _transformers_version()
+        head = version.split(".")[0]
+        if not head.isdigit() or int(head) < VERIFIED_TRANSFORMERS_MAJOR:
+            raise CaptureError(f"gr.hf.DecodeRunner is verified on transformers {VERIFIED_TRANSFORMERS_MAJOR}.x, found "
+                               f"{version}: older versions keep cache state in other objects "
+                               f"(e.g. MambaCache), which the graphs would not reset. Upgrade with "
+                               f"pip install 'graphrunner[hf]', or decode with model.generate()")
         mt = self.model_type
         if mt not in SUPPORTED_MODEL_TYPES:
             raise CaptureError(f"gr.hf.DecodeRunner has not verified architecture {mt!r} (config.model_type): "

@@ -225,3 +225,17 @@ def test_unverified_architecture_is_refused_at_capture():
     runner = gr.hf.DecodeRunner(model, max_batch=1, max_cache_len=8, buckets=[1])
     with pytest.raises(CaptureError, match=r"not verified architecture 'gpt2'.*Supported: llama"):
         runner.capture()
+
+
+def test_older_transformers_is_refused_at_capture(monkeypatch):
+    """A transformers major older than the verified one fails at capture, before any graph exists."""
+    model = build_model("llama")
+    runner = gr.hf.DecodeRunner(model, max_batch=1, max_cache_len=8, buckets=[1])
+    monkeypatch.setattr(gr.hf, "_transformers_version", lambda: "4.57.1")
+    with pytest.raises(CaptureError, match=r"verified on transformers 5\.x, found 4\.57\.1"):
+        runner.capture()
+    assert not runner.runner.captured
+    # control: the installed version (the one the equality tests run on) is accepted
+    monkeypatch.undo()
+    runner.capture()
+    assert runner.runner.captured
