@@ -12,7 +12,8 @@ Two workloads, random weights from a seed:
 
 For each workload and batch size, eager and replay are timed interleaved in one process
 (alternating runs, many reps, medians) and replay is checked bit-exact against eager first.
-``--baseline PATH`` also captures with another ``tape.py`` (e.g. an older version) and times it
+``--baseline PATH`` also captures with another tape (an older ``tape.py`` or a ``tape/`` package
+directory) and times it
 in the same interleaving. Prints a table and writes JSON (--out): ``rows`` holds the ``llama``
 rows, ``rows_inline`` the ``inline`` ones.
 """
@@ -23,6 +24,7 @@ import argparse
 import importlib.util
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -33,11 +35,18 @@ from graphrunner import tape as _tape
 
 
 def load_tape(path: str | None):
-    """The tape module to benchmark: graphrunner.tape, or a copy loaded from ``path``."""
+    """The tape to benchmark: graphrunner.tape, or a copy loaded from ``path``: a
+    single-module ``tape.py`` (older versions) or a ``tape/`` package directory."""
     if not path:
         return _tape
-    spec = importlib.util.spec_from_file_location(f"_tape_{abs(hash(path))}", path)
+    name = f"_tape_{abs(hash(path))}"
+    if os.path.isdir(path):  # a package: its relative imports resolve inside the copy
+        spec = importlib.util.spec_from_file_location(name, os.path.join(path, "__init__.py"),
+                                                      submodule_search_locations=[path])
+    else:
+        spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
 
@@ -178,8 +187,9 @@ def main(argv=None):
     ap.add_argument("--inner", type=int, default=20)
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
     ap.add_argument("--tape", default=os.environ.get("GRAPHRUNNER_TAPE_IMPL"),
-                    help="benchmark this tape.py instead of graphrunner.tape (default: $GRAPHRUNNER_TAPE_IMPL)")
-    ap.add_argument("--baseline", default=None, help="also time replay with this tape.py, interleaved")
+                    help="benchmark this tape.py / tape package directory instead of graphrunner.tape "
+                         "(default: $GRAPHRUNNER_TAPE_IMPL)")
+    ap.add_argument("--baseline", default=None, help="also time replay with this tape.py / tape package directory, interleaved")
     ap.add_argument("--quick", action="store_true", help="smoke run: batches 1,8, 3 reps of 5")
     a = ap.parse_args(argv)
     if a.quick:

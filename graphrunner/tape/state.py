@@ -1,0 +1,42 @@
+"""Process-wide state of the tape: which captures are in progress.
+
+Owns the per-thread registry of active captures (``_ACTIVE``: thread id ->
+capture, at most one per thread, changed only under ``_ACTIVE_LOCK``),
+:func:`is_tape_capturing`, the accepted ``capture_error_mode`` values, and
+``_storage`` (a tensor's untyped storage, or None), the key every other tape
+module uses to tell tensors' memory apart.  Imports nothing from the package.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+_CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+
+# The captures in progress: thread id -> capture (at most one per thread).
+# Like CUDA, captures in different threads may overlap when neither uses
+# capture_error_mode="global"; a global-mode capture is the only one while it
+# lasts.  Changed only under _ACTIVE_LOCK.
+_ACTIVE: "dict[int, _Capture]" = {}
+_ACTIVE_LOCK = threading.Lock()
+
+
+def _capture_here() -> "_Capture | None":
+    """The capture in progress in the calling thread, if any."""
+    return _ACTIVE.get(threading.get_ident())
+
+
+def is_tape_capturing() -> bool:
+    """True while any :class:`TapeGraph` capture is active in this process
+    (in any thread; with ``capture_error_mode="thread_local"`` or
+    ``"relaxed"`` several threads may be capturing at once)."""
+    return bool(_ACTIVE)
+
+
+def _storage(t: torch.Tensor):
+    try:
+        return t.untyped_storage()
+    except Exception:  # tensors without storage (sparse, nested, ...)
+        return None
