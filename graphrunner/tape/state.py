@@ -4,7 +4,8 @@ Owns the per-thread registry of active captures (``_ACTIVE``: thread id ->
 capture, at most one per thread, changed only under ``_ACTIVE_LOCK``),
 :func:`is_tape_capturing`, the accepted ``capture_error_mode`` values, and
 ``_storage`` (a tensor's untyped storage, or None), the key every other tape
-module uses to tell tensors' memory apart.  Imports nothing from the package.
+module uses to tell tensors' memory apart, and :func:`alias_of` (a new tensor
+object on the same memory, so holding memory need not hold a user's object).  Imports nothing from the package.
 """
 
 from __future__ import annotations
@@ -40,3 +41,13 @@ def _storage(t: torch.Tensor):
         return t.untyped_storage()
     except Exception:  # tensors without storage (sparse, nested, ...)
         return None
+
+
+def alias_of(t: torch.Tensor) -> torch.Tensor:
+    """A new tensor object viewing ``t``'s memory with ``t``'s dtype, shape,
+    strides and offset (and inference-ness): it keeps the storage alive, not
+    the object ``t``, so a weak reference to ``t`` still tells whether its
+    owner dropped it.  ``t`` must not require grad."""
+    with torch.inference_mode(t.is_inference()), torch.no_grad():
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            t.untyped_storage(), t.storage_offset(), t.size(), t.stride())

@@ -19,6 +19,8 @@ import weakref
 
 import torch
 
+from .state import alias_of
+
 # Survivor storages a poisoning graph filled with poison and that it has not
 # replayed since: id(storage) -> weakref(graph); the graph holds the entry
 # (see TapeGraph._poisoned).  Another tape capture that reads one gets its real
@@ -115,6 +117,20 @@ class _Poisoned:
             self.raw.copy_(self.real)
 
 
+def survivor_graph(t: torch.Tensor):
+    """The live tape graph whose capture ``t``'s memory survived (the graph
+    that refreshes it at each replay and holds it), or None."""
+    try:
+        st = t.untyped_storage()
+    except Exception:
+        return None
+    ent = _SURVIVORS.get(id(st))
+    if ent is None or ent[0]() is not st:
+        return None
+    g = ent[1]()
+    return g if g is not None and g._fn is not None else None
+
+
 def find_survivors(cap, graph, const_storages: set) -> tuple[dict, list, list]:
     """Drop the capture's own references to its internal tensors and see which
     storages are still alive (keyed by storage, so a kept view keeps -- and
@@ -151,7 +167,10 @@ def find_survivors(cap, graph, const_storages: set) -> tuple[dict, list, list]:
             dtype, device, size, stride, off = cap.alloc_meta[alloc]
             with torch.inference_mode(cap.inference):
                 t = torch.empty(0, dtype=dtype, device=device).set_(st, off, size, stride)
-        survivors[alloc] = t
+        # The graph holds an alias, not the user's object: a CUDA graph keeps
+        # the memory, never the tensor, and the pool arena tells "dropped by
+        # the user" by weak references to the user's objects.
+        survivors[alloc] = alias_of(t) if not t.requires_grad else t
         if not t.is_inference():
             # remember one user-visible tensor per storage to detect outside writes
             for n, w in int_w.items():
