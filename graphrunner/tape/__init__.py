@@ -22,6 +22,10 @@ one runs on the other:
   during capture raises :class:`~graphrunner.errors.CaptureError`.  An empty
   capture warns (:data:`EMPTY_GRAPH_MESSAGE`).
 * Collectives (``c10d`` ops) are re-issued and waited on.
+* Graphs captured into one pool (``pool=``) share its memory as on CUDA: a
+  later capture reuses memory freed after an earlier one (including
+  outputs the user dropped), so out-of-order replays corrupt as on a GPU;
+  concurrent replays in one pool raise (:mod:`~graphrunner.tape.arena`).
 * Optionally (``TapeGraph(poison_captured_values=True)``, or the environment
   variable ``GRAPHRUNNER_TAPE_POISON=1``), survivors are filled with a poison
   value at capture end (NaN, the integer dtype's max, ``True``), because on a
@@ -57,10 +61,14 @@ Modules (each owns one job; see its docstring):
   aten ops, for replay;
 * :mod:`~graphrunner.tape.codegen`: hoisting, CSE, dead-code elimination
   and the generated replay function;
-* :mod:`~graphrunner.tape.state`: the captures in progress, per thread.
+* :mod:`~graphrunner.tape.arena`: :class:`TapePool` and the per-pool arena
+  (memory reuse between captures as on CUDA, the pool size estimate);
+* :mod:`~graphrunner.tape.state`: the captures in progress, per thread, and
+  the tensors the tape itself holds.
 """
 
-from .graph import EMPTY_GRAPH_MESSAGE, TapeGraph, TapePool, _capturing, graph_pool_handle, tape_graph
+from .arena import TapePool, graph_pool_handle
+from .graph import EMPTY_GRAPH_MESSAGE, TapeGraph, _capturing, tape_graph
 from .recording import _Capture, _Recorder
 from .state import is_tape_capturing
 from .survivors import POISON_ENV_VAR, EscapedTensorWarning, _resolve_poison, poison_default, poison_value

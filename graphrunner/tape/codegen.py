@@ -99,10 +99,12 @@ def hoist(cap) -> tuple[set, dict]:
     return const_storages, consts
 
 
-def generate(cap, consts: dict, survivors: dict) -> tuple[_Program, int]:
+def generate(cap, consts: dict, survivors: dict, spills: dict | None = None) -> tuple[_Program, int]:
     """Steps 3-5: aliases and CSE, views of internal storages as
     ``as_strided``, dead-code elimination, then the straight-line replay
-    code (each survivor refreshed in place by ``copy_``).  Returns the built
+    code (each survivor refreshed in place by ``copy_``; each temporary in
+    ``spills`` also written into its tensor there, the pool memory a CUDA
+    capture would have given it).  Returns the built
     program (``prog.fn``, ``prog.source``, ``prog.env``) and the number of
     ops it replays."""
     ops = cap.ops
@@ -268,6 +270,8 @@ def generate(cap, consts: dict, survivors: dict) -> tuple[_Program, int]:
                 if ref.name in newset:
                     lines.append(f"{ref.name} = {bind_src}{path}")
         for n in op.new:
+            if spills and n in spills:
+                lines.append(f"{prog.const(spills[n], 'p')}.copy_({n})")
             if n in static_names:
                 s = static_names[n]
                 lines.append(f"{s}.copy_({n})")

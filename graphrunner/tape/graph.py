@@ -5,8 +5,9 @@ re-seed guard, the unsafe-op guard and the recorder), ``capture_end``
 (undoing writes to externals, restoring generators, then hoisting, survivors
 and code generation through :mod:`~graphrunner.tape.codegen` and
 :mod:`~graphrunner.tape.survivors`), ``replay`` (the generated function with
-autograd and torch-function handling off), ``reset`` -- plus the
-:class:`TapePool` handle and :data:`EMPTY_GRAPH_MESSAGE`.
+autograd and torch-function handling off, one replay at a time per pool),
+``reset`` -- and :data:`EMPTY_GRAPH_MESSAGE`.  Memory placement in a pool is
+:mod:`~graphrunner.tape.arena`'s job.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ import torch
 from graphrunner.errors import CaptureError
 
 from .bindings import _NO_TORCH_FUNCTION
+from .arena import TapePool, graph_pool_handle, place
 from .codegen import generate, hoist
 from .recording import _Capture, _Recorder
 from .rng import _reseed_guard
-from .state import _ACTIVE, _ACTIVE_LOCK, _CAPTURE_ERROR_MODES
-from .survivors import (EscapedTensorWarning, _Poisoned, _resolve_poison, find_survivors, forget_poisoned,
-                        poison_survivors, unpoison)
+from .state import _ACTIVE, _ACTIVE_LOCK, _CAPTURE_ERROR_MODES, alias_of
+from .survivors import (_SURVIVORS, EscapedTensorWarning, _Poisoned, _resolve_poison, find_survivors,
+                        forget_poisoned, poison_survivors, unpoison)
 from .unsafe import _Guard
 
 logger = logging.getLogger("graphrunner")
@@ -40,25 +42,6 @@ EMPTY_GRAPH_MESSAGE = (
     "nothing. This usually means the work ran outside the capture (before capture_begin(), in another "
     "thread) or was not tensor work; check that the captured code really runs inside the capture."
 )
-
-
-class TapePool:
-    """Opaque memory-pool handle, for API parity with ``torch.cuda.graph_pool_handle()``.
-
-    Graphs given the same pool share this handle; a tape graph allocates from
-    the ordinary CPU allocator, so the pool carries no memory.
-    """
-
-    __slots__ = ("__weakref__",)
-
-    def __repr__(self) -> str:
-        return f"<TapePool at {id(self):#x}>"
-
-
-def graph_pool_handle() -> TapePool:
-    """Return a new :class:`TapePool`, to pass as ``pool=`` to several captures
-    (mirrors ``torch.cuda.graph_pool_handle``)."""
-    return TapePool()
 
 
 class TapeGraph:
@@ -79,6 +62,11 @@ class TapeGraph:
         generator during capture raises :class:`CaptureError`.
       * ``reset()`` drops the recording (and aborts a capture in progress).
       * ``num_ops`` is the number of aten ops recorded (0 when empty).
+      * Pools (``pool=``): graphs captured into one pool share its memory as
+        CUDA graphs do (:mod:`graphrunner.tape.arena`): replayed out of
+        capture order they corrupt each other as on CUDA; replaying two of
+        them at once (two threads) raises :class:`CaptureError` naming both.
+        ``pool_bytes`` estimates the pool memory the capture added.
 
     ``poison_captured_values`` (default: ``$GRAPHRUNNER_TAPE_POISON``, see
     :func:`poison_default`) emulates what a CUDA capture leaves in the
@@ -111,6 +99,9 @@ class TapeGraph:
         self._surv_storages: list[tuple] = []  # (storage, dtype, computed once) of each survivor, for poisoning
         self._poisoned: dict[int, _Poisoned] = {}  # storage key -> survivor poisoned since capture end
         self.source: str | None = None  # generated replay source, for debugging
+        self._pool_bytes = 0
+        self._pool_index = 0
+        self._self_ref = weakref.ref(self)
 
     # -- capture ------------------------------------------------------------
     def capture_begin(self, pool: TapePool | None = None, capture_error_mode: str = "global") -> None:
@@ -245,7 +236,8 @@ class TapeGraph:
         self._abort()
 
     def pool(self) -> TapePool:
-        """Return this graph's pool handle (opaque; for API parity)."""
+        """Return this graph's pool handle: pass it as ``pool=`` to capture
+        another graph into the same memory (see :class:`TapePool`)."""
         if self._pool is None:
             self._pool = TapePool()
         return self._pool
@@ -264,6 +256,27 @@ class TapeGraph:
             if self._cap is not None:
                 raise CaptureError("cannot replay a TapeGraph while it is capturing; call capture_end() first")
             raise CaptureError("cannot replay an empty TapeGraph: capture something first")
+        pool = self._pool
+        if not pool._replay_lock.acquire(False):
+            self._concurrent(pool)
+        pool._replaying = self._self_ref
+        try:
+            self._run(fn)
+        finally:
+            pool._replaying = None
+            pool._replay_lock.release()
+
+    def _concurrent(self, pool) -> None:
+        w = pool._replaying
+        other = w() if w is not None else None
+        raise CaptureError(
+            f"concurrent replay in one memory pool: {self!r} was replayed while {other!r} is replaying in "
+            "another thread. Graphs captured into one pool reuse each other's memory, so on CUDA concurrent "
+            "replays corrupt each other. Replay them one after the other, or capture them into separate "
+            "pools (a graph_pool_handle() each, or pool=None)."
+        )
+
+    def _run(self, fn) -> None:
         if self._versioned:
             self._check_versions()
         if self._poisoned:
@@ -298,15 +311,28 @@ class TapeGraph:
                     "each replay) was written by code outside the graph since the last replay; the replay "
                     "overwrites it. Allocate persistent buffers before capture.",
                     EscapedTensorWarning,
-                    stacklevel=3,
+                    stacklevel=4,
                 )
                 break
 
     # -- capture end: survivors, hoisting, code generation ---------------------
     def _finalize(self, cap: _Capture) -> None:
         const_storages, consts = hoist(cap)
-        survivors, versioned, self._surv_storages = find_survivors(cap, self, const_storages)
-        prog, n_ops = generate(cap, consts, survivors)
+        survivors, versioned, targets = find_survivors(cap, self, const_storages)
+        spills, self._surv_storages, self._pool_bytes = place(self._pool, self, cap, survivors, targets)
+        self._pool_index = self._pool._captures
+        cap.user_tensors = {}
+        # moving a survivor onto reused pool memory (set_) bumps its version
+        versioned = [(w, w()._version) for w, _ in versioned if w() is not None]
+        # Other graphs' memory read here is held through an alias, not the
+        # user's object (a CUDA graph holds addresses, not tensors).
+        for n, t in consts.items():
+            if type(t) is torch.Tensor and not t.requires_grad and t.layout == torch.strided:
+                st = t.untyped_storage()
+                ent = _SURVIVORS.get(id(st))
+                if ent is not None and ent[0]() is st:
+                    consts[n] = alias_of(t)
+        prog, n_ops = generate(cap, consts, survivors, spills)
         self._fn = prog.fn
         self.source = prog.source
         self._env = prog.env
@@ -319,6 +345,20 @@ class TapeGraph:
             "tape capture: %d ops recorded, %d replayed, %d survivors, %d externals",
             len(cap.ops), n_ops, len(survivors), sum(1 for k in cap.kind.values() if k == "ext"),
         )
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes this graph's capture added to its pool's arena (0 before a
+        capture): the estimate of the graph memory it needs on CUDA beyond
+        what earlier captures into the same pool left free.  The pool's
+        total is ``graph.pool().bytes_held``."""
+        return self._pool_bytes if self._fn is not None else 0
+
+    def __repr__(self) -> str:
+        if self._fn is None:
+            return f"<TapeGraph at {id(self):#x}: empty>"
+        return (f"<TapeGraph at {id(self):#x}: capture #{self._pool_index} of pool {id(self._pool):#x}, "
+                f"{self._num_ops} ops>")
 
     @property
     def num_replayed_ops(self) -> int:

@@ -74,6 +74,8 @@ class _Capture:
         self.storages: dict[int, Any] = {}         # storage key -> storage (strong, during capture)
         self.internal_storages: dict[int, str] = {}  # storage key -> name of the allocating tensor
         self.alloc_meta: dict[str, tuple] = {}     # allocating name -> (dtype, device, size, stride, offset)
+        self.alloc_bytes: dict[str, int] = {}      # allocating name -> bytes of its storage
+        self.user_tensors: dict[str, torch.Tensor] = {}  # at capture end: internal tensors the user still holds
         self.written: set[int] = set()             # storage keys written by recorded ops
         self.ext_storages: set[int] = set()        # storage keys of externals
         self.snapshots: dict[int, tuple] = {}      # external storage key -> (storage, byte copy)
@@ -163,6 +165,7 @@ class _Capture:
         if k is not None and k not in self.internal_storages and k not in self.ext_storages:
             self.internal_storages[k] = n
             self.alloc_meta[n] = (t.dtype, t.device, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+            self.alloc_bytes[n] = self.storages[k].nbytes()
         return n, True
 
     # -- templates --------------------------------------------------------

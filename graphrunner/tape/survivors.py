@@ -19,7 +19,7 @@ import weakref
 
 import torch
 
-from .state import alias_of
+from .state import alias_of, ours
 
 # Survivor storages a poisoning graph filled with poison and that it has not
 # replayed since: id(storage) -> weakref(graph); the graph holds the entry
@@ -102,9 +102,10 @@ class _Poisoned:
 
     def __init__(self, st, dtype: torch.dtype, value, once: bool):
         with torch.inference_mode():
-            self.raw = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
+            self.raw = ours(torch.empty(0, dtype=torch.uint8, device=st.device).set_(st))
             self.real = self.raw.clone()
-            self.typed = torch.empty(0, dtype=dtype, device=st.device).set_(st, 0, (st.nbytes() // dtype.itemsize,))
+            self.typed = ours(torch.empty(0, dtype=dtype, device=st.device).set_(
+                st, 0, (st.nbytes() // dtype.itemsize,)))
         self.value = value
         self.once = once  # computed once at capture (a hoisted constant): never refreshed by replay
 
@@ -150,6 +151,8 @@ def find_survivors(cap, graph, const_storages: set) -> tuple[dict, list, list]:
     cap.strong.clear()
     cap.storages.clear()
     cap.names.clear()
+    # the user's tensors still alive (held until the arena has placed them)
+    cap.user_tensors = {n: u for n, w in int_w.items() if (u := w()) is not None}
     survivors: dict[str, torch.Tensor] = {}  # allocating name -> static tensor
     versioned = []
     targets = []
