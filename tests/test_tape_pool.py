@@ -196,3 +196,26 @@ def test_concurrent_replay_negative_control_without_the_check_passes_silently(mo
     g0.pool()._replay_lock = _NoLock()
     _replay_while_held(g0, g1)  # no error: the overlap goes unnoticed
     assert c.sum().item() == SIZE * 156
+
+
+def test_memory_a_capture_still_reads_is_not_reused_before_that_read():
+    """g1 reads g0's output b, allocates temporaries, reads b again, and the
+    user drops b by the end of g1's capture: CUDA frees b only then, so none
+    of g1's own tensors may be placed on b's memory before its last read."""
+    a = torch.arange(SIZE, dtype=torch.float32)
+    g0, g1 = TapeGraph(), TapeGraph()
+    with torch.no_grad():
+        g0.capture_begin()
+        b = a * 2
+        g0.capture_end()
+        g1.capture_begin(g0.pool())
+        x = b + 1
+        y = x * 3
+        z = b * 5 + y
+        del b, x, y
+        g1.capture_end()
+    a.copy_(torch.randn(SIZE, generator=torch.Generator().manual_seed(0)))
+    g0.replay()
+    g1.replay()
+    b_ref = a * 2
+    assert torch.equal(z, b_ref * 5 + (b_ref + 1) * 3)

@@ -146,6 +146,19 @@ def place(pool: TapePool, graph, cap, survivors: dict, targets: list) -> tuple[d
     with pool._lock:
         before = pool.bytes_held
         pool._collect()
+        # Free memory that this capture still reads (an earlier graph's output
+        # it takes as input) is reusable only after that read, as CUDA frees
+        # a tensor when the capture drops it, not before.
+        deferred: dict[int, list] = {}
+        keep = []
+        for ent in pool._free:
+            st = ent[2].live_storage()
+            j = last.get(id(st), -1) if st is not None else -1
+            if j >= 0:
+                deferred.setdefault(j, []).append(ent[2])
+            else:
+                keep.append(ent)
+        pool._free = keep
         live: dict[int, _Block] = {}
         moved: dict[int, object] = {}
         for i, op in enumerate(cap.ops):
@@ -177,6 +190,11 @@ def place(pool: TapePool, graph, cap, survivors: dict, targets: list) -> tuple[d
                 if b is not None and last.get(k) == i and k not in alive:
                     pool._release(b)  # a temporary after its last use
                     del live[k]
+            for b in deferred.pop(i, ()):
+                pool._release(b)
+        for bs in deferred.values():
+            for b in bs:
+                pool._release(b)
         for k, b in live.items():
             if k in alive:
                 b.shared = True

@@ -319,11 +319,6 @@ class TapeGraph:
     def _finalize(self, cap: _Capture) -> None:
         const_storages, consts = hoist(cap)
         survivors, versioned, targets = find_survivors(cap, self, const_storages)
-        spills, self._surv_storages, self._pool_bytes = place(self._pool, self, cap, survivors, targets)
-        self._pool_index = self._pool._captures
-        cap.user_tensors = {}
-        # moving a survivor onto reused pool memory (set_) bumps its version
-        versioned = [(w, w()._version) for w, _ in versioned if w() is not None]
         # Other graphs' memory read here is held through an alias, not the
         # user's object (a CUDA graph holds addresses, not tensors).
         for n, t in consts.items():
@@ -332,6 +327,11 @@ class TapeGraph:
                 ent = _SURVIVORS.get(id(st))
                 if ent is not None and ent[0]() is st:
                     consts[n] = alias_of(t)
+        spills, self._surv_storages, self._pool_bytes = place(self._pool, self, cap, survivors, targets)
+        self._pool_index = self._pool._captures
+        cap.user_tensors = {}
+        # moving a survivor onto reused pool memory (set_) bumps its version
+        versioned = [(w, w()._version) for w, _ in versioned if w() is not None]
         prog, n_ops = generate(cap, consts, survivors, spills)
         self._fn = prog.fn
         self.source = prog.source
