@@ -36,6 +36,7 @@ import torch
 from graphrunner._pytree import describe, flatten, structure, unflatten
 from graphrunner.devices import get_device
 from graphrunner.errors import CaptureError
+from graphrunner.tape.state import alias_of
 
 __all__ = ["BreakableGraph", "BreakableCUDAGraph", "breakable_graph", "no_graph", "force_no_graph",
            "is_in_breakable_graph"]
@@ -91,6 +92,17 @@ def _overlaps(t: torch.Tensor) -> bool:
     return torch._debug_has_internal_overlap(t) != 0  # 1: overlaps, 2: too hard to tell
 
 
+def _hold(v, owns: Callable[[torch.Tensor], bool]):
+    """``v`` with every plain tensor whose memory the device's graphs own (a
+    segment's output) replaced by an alias, recursing into tuples; anything
+    else (lists, dicts, objects, external tensors) is returned as is."""
+    if type(v) is torch.Tensor:
+        return alias_of(v) if not v.requires_grad and owns(v) else v
+    if type(v) is tuple:
+        return tuple(_hold(x, owns) for x in v)
+    return v
+
+
 class _EagerStep:
     """One eager break, replayed by calling the function again on the same
     (static) arguments and copying its fresh result into the tensors the
@@ -99,11 +111,21 @@ class _EagerStep:
     A result tensor whose elements share memory (``mask.expand(b, h, q, k)``)
     cannot be written by ``copy_``; it is replaced at capture by a contiguous
     copy with the same values (``self.result``, what the capture returns and
-    later segments read), and replay copies each fresh result into that."""
+    later segments read), and replay copies each fresh result into that.
+
+    ``owns`` (the device's ``owns_memory``, if it has one) marks arguments
+    that are graph memory: those are held through an alias on their memory,
+    so the caller's tensor object is not pinned."""
 
     __slots__ = ("fn", "args", "kwargs", "leaves", "spec", "name", "single", "result")
 
-    def __init__(self, fn, args, kwargs, result) -> None:
+    def __init__(self, fn, args, kwargs, result, owns: Callable[[torch.Tensor], bool] | None = None) -> None:
+        if owns is not None:
+            # Graph memory (a segment's output) is held through an alias, not
+            # the caller's tensor object: once the caller drops it, the pool
+            # sees it freed, as a CUDA pool would (the graph keeps the memory).
+            args = tuple(_hold(a, owns) for a in args)
+            kwargs = {k: _hold(v, owns) for k, v in kwargs.items()}
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.name = _fn_name(fn)
         try:
@@ -264,7 +286,7 @@ class _Capture:
                            fn=_fn_name(fn)) if trace is not None else contextlib.nullcontext())
         with span:
             result = (stub or fn)(*args, **kwargs)
-        step = _EagerStep(fn, args, kwargs, result)
+        step = _EagerStep(fn, args, kwargs, result, getattr(self.graph.device, "owns_memory", None))
         self.graph._steps.append(step)
         self.graph.num_breaks += 1
         self.open_segment()
@@ -341,11 +363,15 @@ def no_graph(fn: Callable | None = None, *, enable: bool = True,
     segment, calls the capture's ``barrier_fn``, runs the body (or
     ``capture_stub``, called with the same arguments, if given) once, records
     an eager step and starts a new segment. At replay the real body runs
-    again on the same argument objects and its fresh result is copied into the
+    again on the same arguments and its fresh result is copied into the
     tensors returned at capture (later segments read those); a changed shape,
     dtype, structure or Python value raises :class:`CaptureError` naming the
     function. Arguments must therefore be static tensors (graph inputs,
     segment outputs, weights) or values that are fixed for the shape key.
+    A tensor argument whose memory a segment owns (its output), given
+    directly or in a tuple, is held through that memory when the device
+    tells (``device.owns_memory``, the tape), not as the caller's object;
+    everything else is kept as given until ``reset()``.
     ``enable=False`` returns ``fn`` unchanged (captured like any other code).
     A ``capture_stub`` that is not callable, or cannot take ``fn``'s required
     parameters, raises ``TypeError`` here, at decoration time.

@@ -129,6 +129,15 @@ class TapeDevice(Device):
             self._pool = graph_pool_handle()
         return self._pool
 
+    def owns_memory(self, tensor: torch.Tensor) -> bool:
+        """True if ``tensor``'s memory belongs to a captured tape graph (it
+        survived a capture and the graph refreshes it at each replay): the
+        graph keeps that memory, so holders such as an eager break need not
+        keep the tensor object itself (optional device method)."""
+        from graphrunner.tape.survivors import survivor_graph
+
+        return survivor_graph(tensor) is not None
+
     def capture_stream(self) -> None:
         """Tapes have no streams: always ``None``."""
         return None

@@ -1,0 +1,88 @@
+"""TapeGraph: a CUDA graph you can run on a CPU.
+
+A :class:`TapeGraph` records every aten op that runs during capture (through a
+``TorchDispatchMode``) and replays the recorded ops against the same tensors.
+It mirrors ``torch.cuda.CUDAGraph`` closely enough that capture code written for
+one runs on the other:
+
+* Tensors not produced inside the capture are *external* (static inputs,
+  weights, KV cache); replay reads and writes them in place.  Writes to
+  externals made while capturing are undone at capture end, because a CUDA
+  capture launches nothing.
+* Python control flow, Python scalars and shapes are frozen at capture.
+* Tensors produced inside the capture that are still referenced after it
+  (*survivors*: returned, stored on an object, ...) keep their identity and are
+  refreshed in place at every replay; everything else is a temporary.
+* Host-synchronising and data-dependent-shape operations raise
+  :class:`~graphrunner.errors.CaptureUnsafeOpError` during capture.
+* RNG as on CUDA: a capture consumes nothing from any generator (the default
+  CPU generator and every generator the capture drew from get their state
+  back at capture end); each replay draws what the eager step would draw from
+  the generator's current state.  Re-seeding (``torch.manual_seed``, ...)
+  during capture raises :class:`~graphrunner.errors.CaptureError`.  An empty
+  capture warns (:data:`EMPTY_GRAPH_MESSAGE`).
+* Collectives (``c10d`` ops) are re-issued and waited on.
+* Graphs captured into one pool (``pool=``) share its memory as on CUDA: a
+  later capture reuses memory freed after an earlier one (including
+  outputs the user dropped), so out-of-order replays corrupt as on a GPU;
+  concurrent replays in one pool raise (:mod:`~graphrunner.tape.arena`).
+* Optionally (``TapeGraph(poison_captured_values=True)``, or the environment
+  variable ``GRAPHRUNNER_TAPE_POISON=1``), survivors are filled with a poison
+  value at capture end (NaN, the integer dtype's max, ``True``), because on a
+  CUDA graph they hold uninitialised pool memory until the first replay: code
+  that reads them between capture and replay (an eager break, a check of the
+  capture-time output) then fails on CPU as it would on the GPU.
+* Replay runs straight-line Python generated once at ``capture_end``; it never
+  goes through a dispatch mode.  To make it cheap: views of externals and
+  constant factories are hoisted (computed once); each op calls the public
+  binding (``torch.mul``, ``Tensor.view``, ...) verified at capture to match
+  the aten op bit for bit, with Python scalars as shared 0-dim tensors; views
+  with their input's exact metadata are dropped; a pure op repeating an
+  earlier one on unchanged inputs reuses its result (CSE); dead ops are
+  dropped.  Torch-function handling is disabled during replay, so no mode or
+  tensor subclass intercepts the bindings (the recorded aten ops never saw one
+  either).
+
+Limits (as on a CUDA graph, the graph holds tensors, not names): ``resize_``,
+``set_``, or re-assigning a module attribute / cache tensor after capture
+silently invalidates the graph; re-capture after such a change.
+
+Modules (each owns one job; see its docstring):
+
+* :mod:`~graphrunner.tape.graph`: :class:`TapeGraph`, :func:`tape_graph`,
+  :class:`TapePool`: the life cycle of a graph;
+* :mod:`~graphrunner.tape.recording`: the capture in progress and the
+  dispatch-mode recorder;
+* :mod:`~graphrunner.tape.unsafe`: the capture-unsafe op catalogue;
+* :mod:`~graphrunner.tape.rng`: generators with CUDA's semantics;
+* :mod:`~graphrunner.tape.survivors`: survivors, escaped-tensor warnings
+  and poison;
+* :mod:`~graphrunner.tape.bindings`: public bindings verified against the
+  aten ops, for replay;
+* :mod:`~graphrunner.tape.codegen`: hoisting, CSE, dead-code elimination
+  and the generated replay function;
+* :mod:`~graphrunner.tape.arena`: :class:`TapePool` and the per-pool arena
+  (memory reuse between captures as on CUDA, the pool size estimate);
+* :mod:`~graphrunner.tape.state`: the captures in progress, per thread, and
+  the tensors the tape itself holds.
+"""
+
+from .arena import TapePool, graph_pool_handle
+from .graph import EMPTY_GRAPH_MESSAGE, TapeGraph, _capturing, tape_graph
+from .recording import _Capture, _Recorder
+from .state import is_tape_capturing
+from .survivors import POISON_ENV_VAR, EscapedTensorWarning, _resolve_poison, poison_default, poison_value
+from .unsafe import _EXPLICIT_UNSAFE, _FRIENDLY, _UNSAFE_FUNCTIONS, _check_safe
+
+__all__ = [
+    "TapeGraph",
+    "POISON_ENV_VAR",
+    "poison_default",
+    "poison_value",
+    "TapePool",
+    "tape_graph",
+    "graph_pool_handle",
+    "is_tape_capturing",
+    "EscapedTensorWarning",
+    "EMPTY_GRAPH_MESSAGE",
+]

@@ -1,0 +1,287 @@
+"""Fast replay calls: public bindings verified against the recorded aten op.
+
+Owns the choice, made once per recorded op at capture, of what the generated
+replay calls: the public C binding (``torch.mul``, ``Tensor.view``, ...) or a
+cheaper rewrite (``slice`` -> ``torch.narrow``, ``linear`` -> ``matmul`` with
+the weight transposed once), with Python scalars as shared 0-dim tensors,
+kept only when its result is bit-identical to the aten op's on the capture's
+data (:class:`_Verifier`).  Anything else replays through the aten op.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .state import _storage
+
+# Calling an OpOverload from Python (``aten.mul.Tensor._op(x, y)``) costs about
+# 1.5x the public binding (``torch.mul(x, y)``), and a Python scalar argument
+# costs more than a 0-dim tensor (the binding wraps it in a fresh float64
+# tensor at every call, which the kernel then casts).  At capture we therefore
+# try, per recorded op, a few candidates, in order:
+#   * a rewrite for ops without a binding of their own name or with a cheaper
+#     equivalent (slice -> torch.narrow; linear(x, w) -> torch.matmul(x, w.t())
+#     with w.t() taken once, for an external weight);
+#   * the public C binding of the same name (torch.X, torch._C._nn.X, or the
+#     Tensor method; in-place ops: the Tensor method), with Python scalars
+#     replaced by one shared 0-dim tensor per value (in the result's dtype,
+#     then float64 / int64), then with the scalars as they were;
+# and keep the first one whose result is identical to the aten op's on the
+# capture-time data: same bits, dtype, shape, strides, storage offset and
+# aliasing (and, for ops that write, the same bytes written, checked on a
+# copy of the written storages).  Anything else replays through the aten op.
+
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
+_VF = torch._C._VariableFunctions
+_NN = torch._C._nn
+_TB = torch._C.TensorBase
+_BUILTIN_TYPES = ("builtin_function_or_method", "method_descriptor")
+_BINDINGS: dict[Any, tuple] = {}
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Ops writing a storage larger than this (a KV cache, ...) replay through the
+# aten op: verifying a binding needs a copy of every storage it writes, which
+# would cost more capture time (and memory) than the ~1 us per call it saves.
+_MAX_TWIN_BYTES = 1 << 20
+
+
+def _bindings(func) -> tuple:
+    """Public C bindings named like aten op ``func`` (in-place ops: Tensor methods only)."""
+    got = _BINDINGS.get(func)
+    if got is None:
+        name = func._schema.name.split("::", 1)[-1]
+        got = []
+        if func.namespace == "aten":
+            for src in (_TB,) if name.endswith("_") else (_VF, _NN, _TB):
+                c = getattr(src, name, None)
+                if c is not None and type(c).__name__ in _BUILTIN_TYPES and c not in got:
+                    got.append(c)
+        got = _BINDINGS[func] = tuple(got)
+    return got
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaNs with the same payload equal, -0.0 != 0.0)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    if a.dtype != torch.bool:
+        it = _INT_OF_SIZE.get(a.element_size())
+        if it is None:
+            return False
+        a, b = a.view(it), b.view(it)
+    return torch.equal(a, b)
+
+
+def _flat_tensors(v, acc: list) -> list:
+    if isinstance(v, torch.Tensor):
+        acc.append(v)
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            _flat_tensors(x, acc)
+    elif isinstance(v, dict):
+        for x in v.values():
+            _flat_tensors(x, acc)
+    return acc
+
+
+def _alias_index(t: torch.Tensor, inputs: list) -> tuple:
+    """Indices of the inputs whose storage ``t`` shares."""
+    st = _storage(t)
+    if st is None or st.nbytes() == 0:
+        return ()
+    p = st.data_ptr()
+    out = []
+    for i, x in enumerate(inputs):
+        xs = _storage(x)
+        if xs is not None and xs.nbytes() and xs.data_ptr() == p:
+            out.append(i)
+    return tuple(out)
+
+
+def _same_result(ref, got, ref_in: list, got_in: list) -> bool:
+    """``got`` (binding result on ``got_in``) is indistinguishable from ``ref``
+    (aten result on ``ref_in``): structure, metadata, bits and aliasing."""
+    if isinstance(ref, torch.Tensor):
+        if type(got) is not type(ref):
+            return False
+        if (got.dtype != ref.dtype or got.device != ref.device or got.layout != ref.layout
+                or ref.layout != torch.strided or got.shape != ref.shape or got.stride() != ref.stride()
+                or got.storage_offset() != ref.storage_offset() or got.is_inference() != ref.is_inference()
+                or got.requires_grad != ref.requires_grad):
+            return False
+        if _alias_index(ref, ref_in) != _alias_index(got, got_in):
+            return False
+        return _bits_equal(ref, got)
+    if isinstance(ref, (list, tuple)):
+        return (isinstance(got, (list, tuple)) and len(got) == len(ref)
+                and all(_same_result(r, g, ref_in, got_in) for r, g in zip(ref, got)))
+    return type(got) is type(ref) and got == ref
+
+
+def _tupled(v):
+    """Lists of literals become tuples (a constant in the generated code, not a
+    list built at each call); bindings take either for int[] / float[]."""
+    if isinstance(v, list) and all(isinstance(x, (int, float, bool)) for x in v):
+        return tuple(v)
+    return v
+
+
+def _slice_as_narrow(args, kwargs, out):
+    """aten.slice.Tensor (no public binding) as torch.narrow with the same result."""
+    x, dim = args[0], (args[1] if len(args) > 1 else kwargs.get("dim", 0))
+    step = args[4] if len(args) > 4 else kwargs.get("step", 1)
+    if step != 1 or not isinstance(out, torch.Tensor) or kwargs:
+        return []
+    dim %= x.dim()
+    start = (out.storage_offset() - x.storage_offset()) // x.stride(dim) if out.numel() and x.stride(dim) else 0
+    return [(_VF.narrow, [x, dim, start, out.size(dim)], {})]
+
+
+def _linear_as_matmul(args, kwargs, out):
+    """aten.linear(x, w) without bias as torch.matmul(x, w.t()), with w.t() taken
+    once at capture (linear re-derives it at every call).  Only for an external
+    weight (checked by the caller): the view then stays valid at replay."""
+    x, w = args[0], args[1]
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    if bias is not None or w.dim() != 2:
+        return []
+    return [(_VF.matmul, [x, w.t()], {})]
+
+
+# Ops without a public binding of their own name: functions returning
+# [(binding, args, kwargs)] to try first (verified like the others).
+_REWRITES: dict[Any, Callable] = {torch.ops.aten.slice.Tensor: _slice_as_narrow,
+                                  torch.ops.aten.linear.default: _linear_as_matmul}
+# rewrites that take a view of an argument at capture: only when that argument is external
+_REWRITE_NEEDS_EXTERNAL = {torch.ops.aten.linear.default: 1}
+
+
+class _Verifier:
+    """Prepared before an aten op runs (copies of the storages it writes), then
+    asked after it ran for the fastest binding computing the same thing."""
+
+    def __init__(self, cap: "_Capture", func, args, kwargs, written: list, fresh: dict):
+        self.ok = False
+        self.twin_st: dict[int, tuple] = {}  # storage key -> (storage, its bytes before the op)
+        self.work: dict[int, torch.Tensor] = {}
+        if func.namespace != "aten" or not (_bindings(func) or func in _REWRITES):
+            return
+        for t in written:
+            st = _storage(t)
+            if st is None or st.nbytes() > _MAX_TWIN_BYTES:
+                return
+            k = id(st)
+            if k not in self.twin_st:
+                b = fresh.get(k)  # the capture's snapshot, taken just now (never modified)
+                if b is None:
+                    with torch.inference_mode():
+                        b = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st).clone()
+                self.twin_st[k] = (st, b)
+        self.ok = True
+
+    def _twin(self, v):
+        """``v`` with every tensor on a written storage replaced by the same view of its copy."""
+        if isinstance(v, torch.Tensor):
+            st = _storage(v)
+            work = self.work.get(id(st)) if st is not None else None
+            if work is None:
+                return v
+            with torch.inference_mode(v.is_inference()), torch.no_grad():
+                return torch.empty(0, dtype=v.dtype, device=v.device).set_(
+                    work.untyped_storage(), v.storage_offset(), v.size(), v.stride())
+        if isinstance(v, (list, tuple)):
+            return type(v)(self._twin(x) for x in v)
+        if isinstance(v, dict):
+            return {k: self._twin(x) for k, x in v.items()}
+        return v
+
+    def _same_writes(self) -> bool:
+        """Every written storage holds the same bytes as its copy written by the binding."""
+        with torch.inference_mode():
+            for k, (st, _) in self.twin_st.items():
+                real = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
+                if not torch.equal(real, self.work[k]):
+                    return False
+        return True
+
+    def pick(self, cap: "_Capture", func, args, kwargs, out):
+        """Return (binding, args, kwargs) verified equal to ``func`` on this data, or None."""
+        if not self.ok:
+            return None
+        schema_args = func._schema.arguments
+        variants = []
+        # Python scalars passed for Tensor / Scalar parameters -> shared 0-dim
+        # tensors.  Tried first in the op's result dtype (float32 for half /
+        # bfloat16 results, whose kernels compute in float32): a float64 0-dim
+        # tensor (what a wrapped scalar is) costs a cast (_to_copy) per call.
+        slots = []
+        for i, a in enumerate(schema_args):
+            if str(a.type) not in ("Tensor", "Scalar"):
+                continue
+            key = i if i < len(args) else a.name
+            v = args[i] if i < len(args) else kwargs.get(a.name)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                slots.append((key, v))
+        res = out if isinstance(out, torch.Tensor) else None
+        dtypes = []
+        if slots and res is not None:
+            dt = res.dtype
+            if dt in (torch.float16, torch.bfloat16):
+                dt = torch.float32
+            if dt.is_floating_point or (not dt.is_complex and dt != torch.bool
+                                         and all(isinstance(v, int) for _, v in slots)):
+                dtypes.append(dt)
+        if slots:
+            dtypes += [None]  # None: float64 / int64, like a wrapped scalar
+        for dt in dict.fromkeys(dtypes):
+            sargs, skw = list(args), dict(kwargs)
+            for key, v in slots:
+                t = cap.scalar_tensor(v, dt)
+                if isinstance(key, int):
+                    sargs[key] = t
+                else:
+                    skw[key] = t
+            variants.append(([_tupled(v) for v in sargs], {k: _tupled(v) for k, v in skw.items()}))
+        variants.append(([_tupled(v) for v in args], {k: _tupled(v) for k, v in kwargs.items()}))
+        tries = [(fn, va, vk) for fn in _bindings(func) for va, vk in variants]
+        rewrite = _REWRITES.get(func)
+        ext_arg = _REWRITE_NEEDS_EXTERNAL.get(func)
+        if ext_arg is not None:
+            a = args[ext_arg] if ext_arg < len(args) else None
+            n = cap.names.get(id(a)) if isinstance(a, torch.Tensor) else None
+            if n is None or cap.kind.get(n) != "ext":
+                rewrite = None
+        if rewrite is not None:
+            try:
+                tries[:0] = rewrite(args, kwargs, out)
+            except Exception:
+                pass
+        ref_in = _flat_tensors((args, kwargs), [])
+        scalar_ids = {id(t) for t in cap.scalars.values()}
+        for fn, va, vk in tries:
+            try:
+                # a fresh copy of the written storages, as they were before the op
+                with torch.inference_mode():
+                    self.work = {k: b.clone() for k, (_, b) in self.twin_st.items()}
+                ca, ck = self._twin(va), self._twin(vk)
+                with torch._C.DisableTorchFunction():
+                    got = fn(*ca, **ck)
+                # Inputs in the same order as ref_in: our 0-dim scalars (Python
+                # numbers in the aten call) left out, and aliased by no output.
+                got_all = _flat_tensors((ca, ck), [])
+                got_in = [t for t in got_all if id(t) not in scalar_ids]
+                if len(got_in) != len(got_all) and any(
+                        _alias_index(o, [t for t in got_all if id(t) in scalar_ids])
+                        for o in _flat_tensors(got, [])):
+                    continue
+                if not _same_result(out, got, ref_in, got_in):
+                    continue
+                if not self._same_writes():
+                    continue
+            except Exception:
+                continue
+            return fn, tuple(va), vk
+        return None

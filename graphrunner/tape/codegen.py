@@ -1,0 +1,322 @@
+"""Code generation for replay: the recording turned into straight-line Python.
+
+Owns what happens to the recorded ops at capture end, apart from deciding
+the survivors (:mod:`graphrunner.tape.survivors`): hoisting views of
+externals and constant factories (:func:`hoist`, computed once), merging
+aliases and common subexpressions, rewriting views of internal storages as
+one ``as_strided``, dead-code elimination, and the generated ``_replay``
+function with its bound values as closure cells (:func:`generate`,
+:class:`_Program`).  The generated code never runs under a dispatch mode.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .bindings import _VF
+from .recording import _Op, _Ref
+
+
+def _literal(v) -> str | None:
+    """Source text for a constant that round-trips exactly, else None."""
+    if v is None or isinstance(v, (bool, str)):
+        return repr(v)
+    if isinstance(v, int):
+        return repr(v)
+    if isinstance(v, float):
+        if v != v or v in (float("inf"), float("-inf")):
+            return None
+        return repr(v)
+    if isinstance(v, (tuple, list)):
+        parts = [_literal(x) for x in v]
+        if any(p is None for p in parts):
+            return None
+        if isinstance(v, tuple):
+            return "(" + "".join(p + ", " for p in parts) + ")"
+        return "[" + ", ".join(parts) + "]"
+    return None
+
+
+class _Program:
+    """The generated replay function and what it binds."""
+
+    def __init__(self):
+        self.env: dict[str, Any] = {}
+        self.lines: list[str] = []
+        self._consts: dict[int, str] = {}
+
+    def const(self, v, prefix="c") -> str:
+        key = id(v)
+        n = self._consts.get(key)
+        if n is None:
+            n = f"{prefix}{len(self.env)}"
+            self.env[n] = v
+            self._consts[key] = n
+        return n
+
+    def build(self) -> Callable[[], None]:
+        names = list(self.env)
+        body = "\n".join("        " + ln for ln in self.lines) or "        pass"
+        # Bound values become closure cells of _replay (LOAD_DEREF: no per-call setup).
+        src = f"def _make({', '.join(names)}):\n    def _replay():\n{body}\n    return _replay\n"
+        self.source = src
+        code = compile(src, "<tape replay>", "exec")
+        ns: dict[str, Any] = {}
+        exec(code, ns)
+        return ns["_make"](**self.env)
+
+
+def hoist(cap) -> tuple[set, dict]:
+    """Step 1 (TAPE-NOTES item 2): a pure op whose inputs are all externals /
+    constants and whose outputs really share storage with an input is a view
+    of an external: keep the capture-time tensor.  A pure factory (no tensor
+    input) is constant if nothing ever writes its storage.  Marks those ops
+    ``fast = "hoisted"`` and their outputs ``"const"`` in ``cap.kind``.
+
+    Returns ``(const_storages, consts)``: storage keys of the constants, and
+    name -> tensor of every external and constant (taken before
+    :func:`~graphrunner.tape.survivors.find_survivors` clears the capture's
+    references)."""
+    ops = cap.ops
+    kind = cap.kind
+    for op in ops:
+        if not op.pure or not op.new:
+            continue
+        if any(kind[n] != "ext" and kind[n] != "const" for n in op.in_names):
+            continue
+        if op.in_names:
+            ok = all(k is not None and k in op.in_skeys for k in op.out_skeys)
+        else:
+            ok = all(k is not None and k not in cap.written for k in op.out_skeys)
+        if ok:
+            op.fast = "hoisted"
+            for n in op.new:
+                kind[n] = "const"
+    const_storages = {cap.skey[n] for n, k in kind.items() if k == "const"}
+    consts = {n: cap.strong[n] for n, k in kind.items() if k in ("ext", "const")}
+    return const_storages, consts
+
+
+def generate(cap, consts: dict, survivors: dict, spills: dict | None = None) -> tuple[_Program, int]:
+    """Steps 3-5: aliases and CSE, views of internal storages as
+    ``as_strided``, dead-code elimination, then the straight-line replay
+    code (each survivor refreshed in place by ``copy_``; each temporary in
+    ``spills`` also written into its tensor there, the pool memory a CUDA
+    capture would have given it).  Returns the built
+    program (``prog.fn``, ``prog.source``, ``prog.env``) and the number of
+    ops it replays."""
+    ops = cap.ops
+    # 3. Aliases and common subexpressions.  canon maps a value's name to
+    #    the name of an equal value computed earlier.
+    canon: dict[str, str] = {}
+
+    def cn(n: str) -> str:
+        while n in canon:
+            n = canon[n]
+        return n
+
+    def unify(later: str, earlier: str) -> None:
+        a, b = cn(later), cn(earlier)
+        if a != b:
+            canon[a] = b
+
+    surv_storages = {k for k, alloc in cap.internal_storages.items() if alloc in survivors}
+    if not cap.meta_mutated:  # an in-place metadata change (unsqueeze_, ...) breaks "same metadata"
+        # Externals / hoisted views that are the same view of the same
+        # storage (e.g. `positions[:, None]` taken in every layer) are
+        # interchangeable: one name, so that CSE sees equal inputs.
+        by_meta: dict[tuple, str] = {}
+        for n, t in consts.items():
+            if type(t) is torch.Tensor and t.layout == torch.strided and cap.skey.get(n) is not None:
+                mk = (cap.skey[n], t.dtype, t.device, tuple(t.shape), t.stride(), t.storage_offset(),
+                      t.is_inference())
+                unify(n, by_meta.setdefault(mk, n))
+        # Hoisted ops repeating an earlier hoisted op (the same constant
+        # factory, e.g. `torch.arange(L)` in every layer, or the same view)
+        # give equal constants: never written, so one will do.
+        seen_h: dict[tuple, _Op] = {}
+        for op in ops:
+            if op.fast != "hoisted":
+                continue
+            try:
+                first = seen_h.setdefault((op.func, _key(op.args, cn), _key(op.kwargs, cn)), op)
+            except TypeError:
+                continue
+            if first is not op and len(first.new) == len(op.new):
+                for a, b in zip(op.new, first.new):
+                    unify(a, b)
+        for op in ops:
+            if op.fast is None and op.alias is not None:
+                out_n, in_n = op.alias
+                op.fast = "alias"
+                unify(out_n, in_n)
+    # CSE: a pure op repeating an earlier one (same op, same inputs not
+    # written in between, same literal arguments) reuses its result, unless
+    # a result is written later (then the two differ) or survives.
+    seen: dict[tuple, _Op] = {}
+    for op in ops:
+        if op.fast is not None or not op.pure or not op.new or torch.Tag.nondeterministic_bitwise in op.func.tags:
+            continue
+        refs = [r.name for _, r in _ref_paths(op.outs)]
+        if refs != op.new or any(
+            k is None or k in surv_storages or (k in cap.internal_storages and k in cap.written)
+            for k in op.out_skeys
+        ):
+            continue
+        try:
+            key = (op.func, _key(op.args, cn), _key(op.kwargs, cn), op.in_vers)
+            first = seen.setdefault(key, op)
+        except TypeError:  # an unhashable argument
+            continue
+        if first is not op:
+            op.fast = "cse"
+            for a, b in zip(op.new, first.new):
+                unify(a, b)
+
+    # Views of internal storages -> as_strided on the allocating tensor (its
+    # layout is the same at every replay, shapes being frozen).  Not after
+    # set_ / resize_, which can swap a storage.
+    if not cap.meta_mutated:
+        for op in ops:
+            if op.fast is None and op.view is not None:
+                base, size, stride, offset = op.view
+                op.call = _VF.as_strided
+                op.cargs = ((_Ref(base), size, stride, offset), {})
+                op.in_names = [base]
+
+    # 4. Dead-code elimination: keep ops with effects, ops producing
+    #    survivors, and ops whose outputs feed kept ops.
+    keep = [False] * len(ops)
+    needed: set[str] = set()
+    for i in range(len(ops) - 1, -1, -1):
+        op = ops[i]
+        if op.fast is not None:
+            continue
+        live = (not op.pure) or any(n in needed or n in survivors for n in op.new)
+        if live and op.pure and not op.new:
+            live = False  # returns its input unchanged (e.g. .to() no-op)
+        if live:
+            keep[i] = True
+            needed.update(cn(n) for n in op.in_names)
+
+    # 5. Generate straight-line code.
+    prog = _Program()
+    ref_expr: dict[str, str] = {}
+    for n, t in consts.items():
+        ref_expr[n] = prog.const(t, "k")
+    static_names = {}
+    for n, t in survivors.items():
+        static_names[n] = prog.const(t, "s")
+    last_use: dict[str, int] = {}
+    for i, op in enumerate(ops):
+        if keep[i]:
+            for n in op.in_names:
+                last_use[cn(n)] = i
+
+    def expr(v) -> str:
+        if isinstance(v, _Ref):
+            return ref_expr[cn(v.name)]
+        lit = _literal(v)
+        if lit is not None:
+            return lit
+        if isinstance(v, (list, tuple)):
+            if v and all(isinstance(x, _Ref) and cn(x.name) in consts for x in v):
+                # only constants: build the list once (ops do not modify their list arguments)
+                return prog.const(type(v)(consts[cn(x.name)] for x in v))
+            inner = ", ".join(expr(x) for x in v)
+            return f"[{inner}]" if isinstance(v, list) else f"({inner},)"
+        return prog.const(v)
+
+    n_ops = 0
+    for i, op in enumerate(ops):
+        if not keep[i]:
+            continue
+        n_ops += 1
+        if op.call is not None:
+            f = prog.const(op.call, "f")
+            cargs, ckwargs = op.cargs
+        else:
+            f = prog.const(op.func._op, "f")
+            cargs, ckwargs = op.args, op.kwargs
+        call = f"{f}(" + ", ".join(
+            [expr(a) for a in cargs] + [f"{k}={expr(v)}" for k, v in ckwargs.items()]
+        ) + ")"
+        lines = prog.lines
+        newset = set(op.new)
+        paths = list(_ref_paths(op.outs))
+        if op.collective:
+            lines.append(f"_o = {call}")
+            for path in _work_paths(op.outs):
+                lines.append(f"_o{path}.wait()")
+            bind_src = "_o"
+        elif not newset:
+            lines.append(call)
+            bind_src = None
+        elif isinstance(op.outs, _Ref):
+            lines.append(f"{op.outs.name} = {call}")
+            bind_src = None
+        elif isinstance(op.outs, (list, tuple)) and all(isinstance(x, _Ref) for x in op.outs):
+            # a flat tuple of tensors: unpack in one statement
+            lhs = [x.name if x.name in newset else "_" for x in op.outs]
+            lines.append(", ".join(lhs) + (", = " if len(lhs) == 1 else " = ") + call)
+            bind_src = None
+        else:
+            lines.append(f"_o = {call}")
+            bind_src = "_o"
+        if bind_src is not None:
+            for path, ref in paths:
+                if ref.name in newset:
+                    lines.append(f"{ref.name} = {bind_src}{path}")
+        for n in op.new:
+            if spills and n in spills:
+                lines.append(f"{prog.const(spills[n], 'p')}.copy_({n})")
+            if n in static_names:
+                s = static_names[n]
+                lines.append(f"{s}.copy_({n})")
+                ref_expr[n] = s
+                lines.append(f"del {n}")
+            else:
+                ref_expr[n] = n
+        dead = [cn(n) for n in set(op.in_names) if last_use.get(cn(n)) == i and ref_expr.get(cn(n)) == cn(n)]
+        dead += [n for n in op.new if ref_expr[n] == n and n not in last_use]
+        if dead:
+            lines.append("del " + ", ".join(sorted(set(dead))))
+        if bind_src == "_o":
+            lines.append("del _o")
+    prog.fn = prog.build()
+    return prog, n_ops
+
+
+def _key(v, cn):
+    """Hashable form of an argument template (names through ``cn``); floats by
+    repr so that 0.0 / -0.0 and NaNs stay distinct.  TypeError if unhashable."""
+    if isinstance(v, _Ref):
+        return ("R", cn(v.name))
+    if isinstance(v, float):
+        return ("F", repr(v))
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__,) + tuple(_key(x, cn) for x in v)
+    if isinstance(v, dict):
+        return ("D",) + tuple((k, _key(x, cn)) for k, x in v.items())
+    hash(v)
+    return (type(v).__name__, v)
+
+
+def _ref_paths(v, path=""):
+    if isinstance(v, _Ref):
+        yield path, v
+    elif isinstance(v, (list, tuple)):
+        for i, x in enumerate(v):
+            yield from _ref_paths(x, f"{path}[{i}]")
+
+
+def _work_paths(v, path=""):
+    # outputs of c10d ops that are not tensors are Work objects (recorded as None)
+    if isinstance(v, (list, tuple)):
+        for i, x in enumerate(v):
+            if x is None:
+                yield f"{path}[{i}]"
+            elif isinstance(x, (list, tuple)):
+                yield from _work_paths(x, f"{path}[{i}]")

@@ -1,0 +1,396 @@
+"""The public face of the tape: :class:`TapeGraph` and :func:`tape_graph`.
+
+Owns the graph object's life cycle -- ``capture_begin`` (entering the
+re-seed guard, the unsafe-op guard and the recorder), ``capture_end``
+(undoing writes to externals, restoring generators, then hoisting, survivors
+and code generation through :mod:`~graphrunner.tape.codegen` and
+:mod:`~graphrunner.tape.survivors`), ``replay`` (the generated function with
+autograd and torch-function handling off, one replay at a time per pool),
+``reset`` -- and :data:`EMPTY_GRAPH_MESSAGE`.  Memory placement in a pool is
+:mod:`~graphrunner.tape.arena`'s job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+
+from graphrunner.errors import CaptureError
+
+from .bindings import _NO_TORCH_FUNCTION
+from .arena import TapePool, graph_pool_handle, place
+from .codegen import generate, hoist
+from .recording import _Capture, _Recorder
+from .rng import _reseed_guard
+from .state import _ACTIVE, _ACTIVE_LOCK, _CAPTURE_ERROR_MODES, alias_of
+from .survivors import (_SURVIVORS, EscapedTensorWarning, _Poisoned, _resolve_poison, find_survivors,
+                        forget_poisoned, poison_survivors, unpoison)
+from .unsafe import _Guard
+
+logger = logging.getLogger("graphrunner")
+
+#: The warning ``capture_end()`` gives when no aten op ran during the capture
+#: (CUDA's is "The CUDA Graph is empty. This usually means that the graph was
+#: attempted to be captured on wrong device or stream.").
+EMPTY_GRAPH_MESSAGE = (
+    "The tape graph is empty: no aten op ran between capture_begin() and capture_end(), so replay() does "
+    "nothing. This usually means the work ran outside the capture (before capture_begin(), in another "
+    "thread) or was not tensor work; check that the captured code really runs inside the capture."
+)
+
+
+class TapeGraph:
+    """CPU emulation of ``torch.cuda.CUDAGraph``: record aten ops once, replay them.
+
+    Contract:
+      * ``capture_begin()`` ... ``capture_end()`` (or ``with tape_graph(g):``)
+        records every aten op run in between, on any device.  Only one tape
+        capture may be active at a time (:class:`CaptureError` otherwise).
+      * ``replay()`` re-runs the recorded ops: externals (tensors not created
+        in the capture) are read/written in place; tensors created in the
+        capture and still referenced afterwards are refreshed in place; the
+        results are bit-identical to running the captured code eagerly on the
+        current contents of the externals.
+      * RNG: the capture consumes nothing from any generator; each replay
+        draws (and advances the generator) exactly as running the captured
+        code eagerly would, from the generator's current state.  Re-seeding a
+        generator during capture raises :class:`CaptureError`.
+      * ``reset()`` drops the recording (and aborts a capture in progress).
+      * ``num_ops`` is the number of aten ops recorded (0 when empty).
+      * Pools (``pool=``): graphs captured into one pool share its memory as
+        CUDA graphs do (:mod:`graphrunner.tape.arena`): replayed out of
+        capture order they corrupt each other as on CUDA; replaying two of
+        them at once (two threads) raises :class:`CaptureError` naming both.
+        ``pool_bytes`` estimates the pool memory the capture added.
+
+    ``poison_captured_values`` (default: ``$GRAPHRUNNER_TAPE_POISON``, see
+    :func:`poison_default`) emulates what a CUDA capture leaves in the
+    survivors: it launches nothing, so until the first replay they hold
+    whatever the pool memory held.  When true, ``capture_end()`` fills every
+    survivor's storage with :func:`poison_value` of its dtype (NaN, the
+    integer maximum, ``True``); code that reads a survivor before the first
+    replay (an eager break of a breakable capture reading a segment's
+    output, a test checking the capture-time output) sees the poison.
+    Replay is unaffected: it refreshes every survivor, so replays stay
+    bit-identical to eager.  (A survivor the tape computes once at capture
+    instead of at each replay, a constant such as ``torch.arange(n)``, gets
+    its value back at the first replay, as a CUDA graph would compute it.)
+    Until that first replay the graph keeps a copy of each poisoned
+    survivor's real bytes: another tape capture that reads the survivor
+    computes on them (a CUDA capture never computes, so it cannot fail on
+    the garbage), and the survivor is poisoned again when that capture ends.
+    """
+
+    def __init__(self, poison_captured_values: bool | None = None):
+        self.poison_captured_values: bool = _resolve_poison(poison_captured_values, "TapeGraph")
+        self._pool: TapePool | None = None
+        self._cap: _Capture | None = None
+        self._modes: tuple | None = None
+        self._fn: Callable[[], None] | None = None
+        self._num_ops = 0
+        self._inference = False
+        self._statics: list[torch.Tensor] = []
+        self._versioned: list[tuple[weakref.ref, int]] = []
+        self._surv_storages: list[tuple] = []  # (storage, dtype, computed once) of each survivor, for poisoning
+        self._poisoned: dict[int, _Poisoned] = {}  # storage key -> survivor poisoned since capture end
+        self.source: str | None = None  # generated replay source, for debugging
+        self._pool_bytes = 0
+        self._pool_index = 0
+        self._self_ref = weakref.ref(self)
+
+    # -- capture ------------------------------------------------------------
+    def capture_begin(self, pool: TapePool | None = None, capture_error_mode: str = "global") -> None:
+        """Start recording in the calling thread.
+
+        Raises CaptureError if this graph already holds a capture (call
+        ``reset()`` first), if this thread is already capturing (captures do
+        not nest), or if another thread is capturing and either capture uses
+        ``capture_error_mode="global"``. As with CUDA, captures in different
+        threads may overlap when both use ``"thread_local"`` or ``"relaxed"``;
+        only the calling thread's tensor work is recorded."""
+        if capture_error_mode not in _CAPTURE_ERROR_MODES:
+            raise ValueError(f"capture_error_mode must be one of {_CAPTURE_ERROR_MODES}, got {capture_error_mode!r}")
+        if pool is not None and not isinstance(pool, TapePool):
+            raise TypeError(f"pool must be a TapePool from graph_pool_handle() or None, got {type(pool).__name__}")
+        if self._cap is not None:
+            raise CaptureError("this TapeGraph is already capturing; call capture_end() (or reset()) first")
+        if self._fn is not None:
+            raise CaptureError("this TapeGraph already holds a capture; call reset() before capturing again")
+        cap = _Capture(self, capture_error_mode)
+        with _ACTIVE_LOCK:
+            if cap.thread in _ACTIVE:
+                raise CaptureError(
+                    "another TapeGraph capture is active in this thread; tape captures cannot nest. End it "
+                    "(capture_end) first."
+                )
+            other = next(iter(_ACTIVE.values()), None)
+            if other is not None and "global" in (capture_error_mode, other.mode):
+                raise CaptureError(
+                    f"concurrent capture in another thread: thread {other.thread_name!r} is capturing a "
+                    f"TapeGraph (capture_error_mode={other.mode!r}), and a capture_error_mode='global' capture "
+                    f"cannot overlap another one (this one asked for {capture_error_mode!r}). Capture one "
+                    "after the other, or use capture_error_mode='thread_local' (or 'relaxed') for both."
+                )
+            _ACTIVE[cap.thread] = cap
+        try:
+            self._pool = pool if pool is not None else (self._pool or TapePool())
+            modes = (_reseed_guard(), _Guard(cap), _Recorder(cap))
+            self._cap = cap
+            entered = []
+            try:
+                for m in modes:
+                    m.__enter__()
+                    entered.append(m)
+            except BaseException:
+                for m in reversed(entered):
+                    m.__exit__(None, None, None)
+                self._cap = None
+                raise
+            self._modes = modes
+        except BaseException:
+            with _ACTIVE_LOCK:
+                if _ACTIVE.get(cap.thread) is cap:
+                    del _ACTIVE[cap.thread]
+            raise
+
+    def _stop(self) -> _Capture:
+        """Leave the modes, restore externals; return the capture state."""
+        cap, modes = self._cap, self._modes
+        self._cap = self._modes = None
+        with _ACTIVE_LOCK:
+            if _ACTIVE.get(cap.thread) is cap:
+                del _ACTIVE[cap.thread]
+        try:
+            if modes is not None:
+                for m in reversed(modes):
+                    m.__exit__(None, None, None)
+        finally:
+            cap.restore()
+            reseeded = cap.restore_generators()
+            if reseeded is not None and cap.failed is None:
+                cap.failed = reseeded
+            for ent in cap.lifted:  # other graphs' survivors: garbage again until those graphs replay
+                ent.poison()
+            cap.lifted.clear()
+        return cap
+
+    def capture_end(self) -> None:
+        """Finish recording and generate the replay function.
+
+        Writes made to externals during capture are undone here, and every
+        generator the capture drew from gets back its state from before the
+        capture (a capture consumes no random numbers).  If an op failed
+        during capture, or a generator was re-seeded, the graph is left empty
+        and CaptureError is raised (chaining the original error).  A capture
+        that recorded no op warns with :data:`EMPTY_GRAPH_MESSAGE` (a
+        ``UserWarning``, like CUDA's "The CUDA Graph is empty") and replays as
+        a no-op."""
+        self._end(warn_empty=True)
+
+    def _end(self, warn_empty: bool) -> None:
+        if self._cap is None:
+            raise CaptureError("capture_end() called on a TapeGraph that is not capturing")
+        cap = self._stop()
+        if cap.failed is not None:
+            self._clear()
+            raise CaptureError(f"tape capture failed earlier: {cap.failed}") from cap.failed
+        try:
+            self._finalize(cap)
+        except BaseException:
+            self._clear()
+            raise
+        if not cap.ops and warn_empty:
+            warnings.warn(EMPTY_GRAPH_MESSAGE, UserWarning, stacklevel=3)
+        targets, self._surv_storages = self._surv_storages, []
+        if self.poison_captured_values:
+            self._poison(targets)
+
+    def _poison(self, targets: list) -> None:
+        poison_survivors(self, targets)
+
+    def _unpoison(self) -> None:
+        unpoison(self)
+
+    def _abort(self) -> None:
+        if self._cap is not None:
+            self._stop()
+        self._clear()
+
+    def _clear(self) -> None:
+        self._fn = None
+        self._num_ops = 0
+        self._statics = []
+        self._versioned = []
+        self._surv_storages = []
+        forget_poisoned(self)
+        self.source = None
+
+    def reset(self) -> None:
+        """Drop the recording (aborting a capture in progress, undoing its writes
+        to externals); the graph can capture again."""
+        self._abort()
+
+    def pool(self) -> TapePool:
+        """Return this graph's pool handle: pass it as ``pool=`` to capture
+        another graph into the same memory (see :class:`TapePool`)."""
+        if self._pool is None:
+            self._pool = TapePool()
+        return self._pool
+
+    @property
+    def num_ops(self) -> int:
+        """Number of aten ops recorded by the last capture (0 when empty)."""
+        return self._num_ops
+
+    # -- replay ---------------------------------------------------------------
+    def replay(self) -> None:
+        """Re-run the captured ops with autograd off (under inference_mode when
+        the capture was).  Raises CaptureError on an empty or capturing graph."""
+        fn = self._fn
+        if fn is None:
+            if self._cap is not None:
+                raise CaptureError("cannot replay a TapeGraph while it is capturing; call capture_end() first")
+            raise CaptureError("cannot replay an empty TapeGraph: capture something first")
+        pool = self._pool
+        if not pool._replay_lock.acquire(False):
+            self._concurrent(pool)
+        pool._replaying = self._self_ref
+        try:
+            self._run(fn)
+        finally:
+            pool._replaying = None
+            pool._replay_lock.release()
+
+    def _concurrent(self, pool) -> None:
+        w = pool._replaying
+        other = w() if w is not None else None
+        raise CaptureError(
+            f"concurrent replay in one memory pool: {self!r} was replayed while {other!r} is replaying in "
+            "another thread. Graphs captured into one pool reuse each other's memory, so on CUDA concurrent "
+            "replays corrupt each other. Replay them one after the other, or capture them into separate "
+            "pools (a graph_pool_handle() each, or pool=None)."
+        )
+
+    def _run(self, fn) -> None:
+        if self._versioned:
+            self._check_versions()
+        if self._poisoned:
+            self._unpoison()
+        # The generated code calls public bindings (torch.mul, Tensor.view, ...):
+        # with torch-function handling disabled they go straight to the
+        # dispatcher, as the recorded aten ops did (no mode or tensor-subclass
+        # __torch_function__ can intercept them).
+        with _NO_TORCH_FUNCTION():
+            if self._inference:
+                guard = torch._C._InferenceMode(True)
+                try:
+                    fn()
+                finally:
+                    del guard
+            else:
+                prev = torch.is_grad_enabled()
+                torch._C._set_grad_enabled(False)
+                try:
+                    fn()
+                finally:
+                    torch._C._set_grad_enabled(prev)
+        if self._versioned:
+            self._versioned = [(w, (w()._version if w() is not None else v)) for w, v in self._versioned]
+
+    def _check_versions(self) -> None:
+        for w, v in self._versioned:
+            t = w()
+            if t is not None and t._version != v:
+                warnings.warn(
+                    "a tensor created inside this TapeGraph's capture (a survivor, refreshed in place at "
+                    "each replay) was written by code outside the graph since the last replay; the replay "
+                    "overwrites it. Allocate persistent buffers before capture.",
+                    EscapedTensorWarning,
+                    stacklevel=4,
+                )
+                break
+
+    # -- capture end: survivors, hoisting, code generation ---------------------
+    def _finalize(self, cap: _Capture) -> None:
+        const_storages, consts = hoist(cap)
+        survivors, versioned, targets = find_survivors(cap, self, const_storages)
+        # Other graphs' memory read here is held through an alias, not the
+        # user's object (a CUDA graph holds addresses, not tensors).
+        for n, t in consts.items():
+            if type(t) is torch.Tensor and not t.requires_grad and t.layout == torch.strided:
+                st = t.untyped_storage()
+                ent = _SURVIVORS.get(id(st))
+                if ent is not None and ent[0]() is st:
+                    consts[n] = alias_of(t)
+        spills, self._surv_storages, self._pool_bytes = place(self._pool, self, cap, survivors, targets)
+        self._pool_index = self._pool._captures
+        cap.user_tensors = {}
+        # moving a survivor onto reused pool memory (set_) bumps its version
+        versioned = [(w, w()._version) for w, _ in versioned if w() is not None]
+        prog, n_ops = generate(cap, consts, survivors, spills)
+        self._fn = prog.fn
+        self.source = prog.source
+        self._env = prog.env
+        self._num_ops = len(cap.ops)
+        self._num_replayed = n_ops
+        self._inference = cap.inference
+        self._statics = list(survivors.values())
+        self._versioned = versioned
+        logger.debug(
+            "tape capture: %d ops recorded, %d replayed, %d survivors, %d externals",
+            len(cap.ops), n_ops, len(survivors), sum(1 for k in cap.kind.values() if k == "ext"),
+        )
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes this graph's capture added to its pool's arena (0 before a
+        capture): the estimate of the graph memory it needs on CUDA beyond
+        what earlier captures into the same pool left free.  The pool's
+        total is ``graph.pool().bytes_held``."""
+        return self._pool_bytes if self._fn is not None else 0
+
+    def __repr__(self) -> str:
+        if self._fn is None:
+            return f"<TapeGraph at {id(self):#x}: empty>"
+        return (f"<TapeGraph at {id(self):#x}: capture #{self._pool_index} of pool {id(self._pool):#x}, "
+                f"{self._num_ops} ops>")
+
+    @property
+    def num_replayed_ops(self) -> int:
+        """Ops the generated replay function runs (after hoisting and dead-code elimination)."""
+        return getattr(self, "_num_replayed", 0) if self._fn is not None else 0
+
+
+def tape_graph(
+    graph: TapeGraph, pool: TapePool | None = None, stream: Any = None, capture_error_mode: str = "global"
+) -> "contextlib.AbstractContextManager[TapeGraph]":
+    """Capture the body into ``graph`` (mirrors ``torch.cuda.graph``).
+
+    ``stream`` is accepted for API parity and ignored.  If the body raises, the
+    capture is aborted (no mode stays active, writes to externals and
+    generator states are restored, the graph is left empty) and the exception
+    propagates unchanged; the next capture works normally.  An empty body
+    warns as :meth:`TapeGraph.capture_end` does.
+    """
+    return _capturing(graph, pool, capture_error_mode, warn_empty=True)
+
+
+@contextlib.contextmanager
+def _capturing(graph: TapeGraph, pool: TapePool | None, capture_error_mode: str,
+               warn_empty: bool) -> Iterator[TapeGraph]:
+    """:func:`tape_graph`; ``warn_empty=False`` for callers that drop empty
+    captures themselves (a device capturing breakable-graph segments)."""
+    if not isinstance(graph, TapeGraph):
+        raise TypeError(f"tape_graph() needs a TapeGraph, got {type(graph).__name__}")
+    graph.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
+    try:
+        yield graph
+    except BaseException:
+        graph._abort()
+        raise
+    graph._end(warn_empty=warn_empty)

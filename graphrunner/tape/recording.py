@@ -1,0 +1,360 @@
+"""Recording: what happens while a tape capture is in progress.
+
+Owns :class:`_Capture`, the mutable state of one capture (names of the
+tensors seen, externals vs internals, storages, snapshots of externals the
+capture writes -- undone at capture end, since a CUDA capture launches
+nothing --, saved generator states, the recorded :class:`_Op` list), and
+:class:`_Recorder`, the ``TorchDispatchMode`` that checks each aten op
+against the unsafe-op catalogue, runs it once and records it with argument
+templates (:class:`_Ref` placeholders for tensors).  What the recording is
+turned into at capture end is :mod:`graphrunner.tape.codegen`'s job.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from graphrunner.errors import CaptureError
+
+from .bindings import _Verifier
+from .rng import _op_generator
+from .state import _storage
+from .survivors import _POISONED, _SURVIVORS, EscapedTensorWarning, _Poisoned
+from .unsafe import _check_safe, _user_frame
+
+
+class _Ref:
+    """Placeholder for a tensor inside a recorded argument template."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class _Op:
+    """One recorded aten op: callable, argument templates, output names."""
+
+    __slots__ = ("func", "args", "kwargs", "outs", "new", "in_names", "writes", "pure", "collective", "seeded",
+                 "out_skeys", "in_skeys", "fast", "call", "cargs", "in_vers", "alias", "view")
+
+    def __init__(self):
+        # fast: None (replayed), "hoisted" (computed once at capture), "alias"
+        # (a view with its input's exact metadata: replaced by its input) or
+        # "cse" (recomputes an earlier op's value: replaced by that value).
+        self.fast = None
+        # call/cargs: a verified public binding (torch.mul, Tensor.view, ...) and
+        # its argument templates, used at replay instead of func._op (None: aten).
+        self.call = None
+        self.cargs = None
+        self.alias = None  # for "alias": (output name, input name)
+        self.view = None   # a view of an internal storage: (base name, size, stride, offset)
+
+
+class _Capture:
+    """Mutable state of one capture in progress (dropped at capture end)."""
+
+    def __init__(self, graph: "TapeGraph", mode: str = "global"):
+        self.graph = graph
+        self.mode = mode                           # capture_error_mode
+        self.thread = threading.get_ident()        # the capturing thread
+        self.thread_name = threading.current_thread().name
+        self.names: dict[int, str] = {}            # id(tensor) -> name
+        self.strong: dict[str, torch.Tensor] = {}  # name -> tensor (keeps ids unique during capture)
+        self.kind: dict[str, str] = {}             # name -> "ext" | "int"
+        self.skey: dict[str, int] = {}             # name -> storage key
+        self.storages: dict[int, Any] = {}         # storage key -> storage (strong, during capture)
+        self.internal_storages: dict[int, str] = {}  # storage key -> name of the allocating tensor
+        self.alloc_meta: dict[str, tuple] = {}     # allocating name -> (dtype, device, size, stride, offset)
+        self.alloc_bytes: dict[str, int] = {}      # allocating name -> bytes of its storage
+        self.user_tensors: dict[str, torch.Tensor] = {}  # at capture end: internal tensors the user still holds
+        self.written: set[int] = set()             # storage keys written by recorded ops
+        self.ext_storages: set[int] = set()        # storage keys of externals
+        self.snapshots: dict[int, tuple] = {}      # external storage key -> (storage, byte copy)
+        self.ops: list[_Op] = []
+        self.n = 0
+        self.failed: BaseException | None = None
+        self.inference = torch.is_inference_mode_enabled()
+        self.warned: set[int] = set()
+        self.wcount: dict[int, int] = {}           # storage key -> writes so far (for CSE)
+        self.scalars: dict[tuple, torch.Tensor] = {}  # Python scalar -> shared 0-dim tensor
+        self.meta_mutated = False                  # an inplace_view op (t_, unsqueeze_, ...) ran
+        self.lifted: list[_Poisoned] = []          # other graphs' poisoned survivors lifted for this capture
+        self.generators: dict[int, tuple] = {}     # id(generator) -> (generator, state, initial seed) at first use
+        self.track_generator(torch.default_generator)
+
+    def scalar_tensor(self, v, dtype=None) -> torch.Tensor:
+        """One shared 0-dim tensor per Python scalar and dtype (default float64 /
+        int64, the dtype of the wrapped number a binding makes).  Only ever read."""
+        if dtype is None:
+            dtype = torch.float64 if isinstance(v, float) else torch.int64
+        key = (type(v), repr(v), dtype)  # repr tells -0.0 from 0.0
+        t = self.scalars.get(key)
+        if t is None:
+            with torch.inference_mode(False):
+                t = torch.tensor(v, dtype=dtype)
+            self.scalars[key] = t
+        return t
+
+    # -- naming -----------------------------------------------------------
+    def _skey(self, t):
+        st = _storage(t)
+        if st is None:
+            return None
+        k = id(st)
+        self.storages.setdefault(k, st)
+        return k
+
+    def name_in(self, t: torch.Tensor) -> str:
+        n = self.names.get(id(t))
+        if n is not None:
+            return n
+        k = self._skey(t)
+        if k is not None and k in self.internal_storages:
+            raise CaptureError(
+                "a tensor aliasing memory created inside the capture appeared without being produced by a "
+                f"recorded op (at {_user_frame()}); create views with tensor ops, not with storage APIs"
+            )
+        n = f"e{self.n}"
+        self.n += 1
+        self.names[id(t)] = n
+        self.strong[n] = t
+        self.kind[n] = "ext"
+        self.skey[n] = k
+        if k is not None:
+            if _POISONED and k not in self.ext_storages:
+                self.lift_poison(k)
+            self.ext_storages.add(k)
+        return n
+
+    def lift_poison(self, k: int) -> None:
+        """An external storage poisoned by another graph's capture end: give it
+        its real values until this capture ends (then it is poisoned again).
+        A CUDA capture never computes on it; the tape does, and poison could
+        make an op raise (an out-of-range index) where the GPU would not."""
+        w = _POISONED.get(k)
+        g = w() if w is not None else None
+        if g is None:
+            _POISONED.pop(k, None)
+            return
+        ent = g._poisoned.get(k)
+        if ent is None or _storage(ent.raw) is not self.storages.get(k):
+            return
+        ent.lift()
+        self.lifted.append(ent)
+
+    def name_out(self, t: torch.Tensor) -> tuple[str, bool]:
+        n = self.names.get(id(t))
+        if n is not None:
+            return n, False
+        n = f"v{self.n}"
+        self.n += 1
+        self.names[id(t)] = n
+        self.strong[n] = t
+        self.kind[n] = "int"
+        k = self._skey(t)
+        self.skey[n] = k
+        if k is not None and k not in self.internal_storages and k not in self.ext_storages:
+            self.internal_storages[k] = n
+            self.alloc_meta[n] = (t.dtype, t.device, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+            self.alloc_bytes[n] = self.storages[k].nbytes()
+        return n, True
+
+    # -- templates --------------------------------------------------------
+    def template_in(self, v, names: list):
+        if isinstance(v, torch.Tensor):
+            n = self.name_in(v)
+            names.append(n)
+            return _Ref(n)
+        if isinstance(v, (list, tuple)):
+            return type(v)(self.template_in(x, names) for x in v)
+        return v
+
+    def template_out(self, v, new: list, allnames: list):
+        if isinstance(v, torch.Tensor):
+            n, is_new = self.name_out(v)
+            allnames.append(n)
+            if is_new:
+                new.append(n)
+            return _Ref(n)
+        if isinstance(v, (list, tuple)):
+            return type(v)(self.template_out(x, new, allnames) for x in v)
+        return None
+
+    # -- writes to externals ----------------------------------------------
+    def note_write(self, t: torch.Tensor, func) -> None:
+        k = self._skey(t)
+        if k is None:
+            return
+        self.written.add(k)
+        if k in self.internal_storages or k in self.snapshots:
+            return
+        st = self.storages[k]
+        # Snapshot the whole storage on first write: a CUDA capture launches
+        # nothing, so the external must look untouched after capture_end.
+        with torch.inference_mode():
+            b = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
+            self.snapshots[k] = (st, b.clone())
+        ent = _SURVIVORS.get(k)
+        if ent is not None and ent[0]() is st:
+            g = ent[1]()
+            if g is not None and g is not self.graph and k not in self.warned:
+                self.warned.add(k)
+                warnings.warn(
+                    f"op {func} in this tape capture writes a tensor that was created inside another graph's "
+                    f"capture and survived it (at {_user_frame()}). That graph refreshes the tensor at each of "
+                    "its replays, overwriting what is written here; allocate persistent buffers (caches, "
+                    "counters) before capture.",
+                    EscapedTensorWarning,
+                    stacklevel=2,
+                )
+
+    # -- generators ---------------------------------------------------------
+    def track_generator(self, g: "torch.Generator | None") -> None:
+        """Save ``g``'s state before the capture first draws from it."""
+        if g is not None and id(g) not in self.generators:
+            self.generators[id(g)] = (g, g.get_state(), g.initial_seed())
+
+    def restore_generators(self) -> "CaptureError | None":
+        """Put every tracked generator back in its state before the capture
+        (the capture consumed nothing); return an error for one re-seeded
+        during the capture (``Generator.manual_seed`` called directly)."""
+        err = None
+        for g, state, seed in self.generators.values():
+            if err is None and g.initial_seed() != seed:
+                err = CaptureError(
+                    f"a torch.Generator (on {g.device}) was re-seeded during a tape capture (its initial_seed "
+                    f"changed from {seed} to {g.initial_seed()}): a device graph cannot re-seed a generator "
+                    "(CUDA raises on manual_seed during capture), and the tape restores every generator's "
+                    "state at capture end. Seed before capture_begin() (or between replays)."
+                )
+            g.set_state(state)
+        self.generators.clear()
+        return err
+
+    def restore(self) -> None:
+        with torch.inference_mode():
+            for st, snap in self.snapshots.values():
+                torch.empty(0, dtype=torch.uint8, device=st.device).set_(st).copy_(snap)
+        self.snapshots.clear()
+
+
+class _Recorder(TorchDispatchMode):
+    """Records every aten op of a capture (and runs it, once)."""
+
+    def __init__(self, cap: _Capture):
+        super().__init__()
+        self.cap = cap
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        cap = self.cap
+        kwargs = kwargs or {}
+        collective = func.namespace == "c10d"
+        try:
+            if not collective:
+                _check_safe(func, args, kwargs)
+            schema = func._schema
+            if torch.is_grad_enabled():
+                for a in list(args) + list(kwargs.values()):
+                    ts = a if isinstance(a, (list, tuple)) else (a,)
+                    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in ts):
+                        raise CaptureError(
+                            f"autograd is recording during tape capture: {func} received a tensor that "
+                            f"requires grad while grad mode is enabled (at {_user_frame()}). Graphs are for "
+                            "inference: capture under torch.no_grad() or torch.inference_mode()."
+                        )
+            tags = func.tags
+            seeded = torch.Tag.nondeterministic_seeded in tags
+            if torch.Tag.inplace_view in tags or func._schema.name in ("aten::set_", "aten::resize_", "aten::resize_as_"):
+                cap.meta_mutated = True
+            # which arguments does the op write?
+            written = []
+            mutable = collective or schema.is_mutable
+            if mutable:
+                for i, a in enumerate(schema.arguments):
+                    if not collective and not (a.alias_info is not None and a.alias_info.is_write):
+                        continue
+                    v = args[i] if i < len(args) else kwargs.get(a.name)
+                    for t in v if isinstance(v, (list, tuple)) else (v,):
+                        if isinstance(t, torch.Tensor):
+                            written.append(t)
+            in_names: list[str] = []
+            targs = cap.template_in(tuple(args), in_names)
+            tkwargs = {k: cap.template_in(v, in_names) for k, v in kwargs.items()}
+            in_vers = tuple(cap.wcount.get(cap.skey[n], 0) for n in in_names)
+            had_snapshot = set(cap.snapshots)
+            for t in written:
+                cap.note_write(t, func)
+            # storages first written by this op: their snapshot is their state before it
+            fresh = {k: cap.snapshots[k][1] for k in cap.snapshots.keys() - had_snapshot}
+            # RNG ops would draw twice; collectives are re-issued as recorded.
+            verifier = None
+            if not collective and not seeded:
+                verifier = _Verifier(cap, func, args, kwargs, written, fresh)
+            if seeded:
+                cap.track_generator(_op_generator(args, kwargs))
+        except BaseException as e:
+            cap.failed = e
+            raise
+        out = func(*args, **kwargs)
+        try:
+            op = _Op()
+            op.func, op.args, op.kwargs = func, targs, tkwargs
+            op.in_names = in_names
+            op.in_vers = in_vers
+            op.new, allout = [], []
+            op.outs = cap.template_out(out, op.new, allout)
+            op.writes = [cap.names[id(t)] for t in written]
+            op.collective = collective
+            op.seeded = seeded
+            op.pure = not mutable and not collective and not seeded
+            op.in_skeys = {cap.skey[n] for n in in_names}
+            op.out_skeys = [cap.skey[n] for n in op.new]
+            for t in written:
+                k = cap.skey.get(cap.names[id(t)])
+                cap.wcount[k] = cap.wcount.get(k, 0) + 1
+            # A pure op returning a tensor with exactly its single tensor
+            # input's storage and metadata (view to the same shape, full slice,
+            # alias, detach, ...) can be replaced by that input at replay.
+            if (op.pure and len(set(in_names)) == 1 and isinstance(op.outs, _Ref) and op.new
+                    and isinstance(out, torch.Tensor)):
+                src = cap.strong[in_names[0]]
+                if (_storage(out) is not None and _storage(src) is not None
+                        and _storage(out).data_ptr() == _storage(src).data_ptr()
+                        and out.dtype == src.dtype and out.shape == src.shape and out.stride() == src.stride()
+                        and out.storage_offset() == src.storage_offset()):
+                    op.alias = (op.new[0], in_names[0])
+            # Any other view of an internal storage is replayable as one
+            # as_strided call on the tensor that allocated that storage: it is
+            # cheaper than view / narrow / transpose, and the intermediate
+            # views of a chain (view -> transpose -> reshape) become dead code.
+            if (op.alias is None and op.pure and len(set(in_names)) == 1 and isinstance(op.outs, _Ref)
+                    and op.new and isinstance(out, torch.Tensor) and out.layout == torch.strided
+                    and not (out.is_conj() or out.is_neg() or out.is_quantized)):
+                k = cap.skey.get(op.new[0])
+                base = cap.internal_storages.get(k)
+                if base is not None and base != op.new[0] and k in op.in_skeys:
+                    b = cap.strong.get(base)
+                    if b is not None and b.dtype == out.dtype and not (b.is_conj() or b.is_neg()):
+                        op.view = (base, tuple(out.size()), tuple(out.stride()), out.storage_offset())
+            if verifier is not None and op.alias is None:
+                got = verifier.pick(cap, func, args, kwargs, out)
+                if got is not None:
+                    fn, cargs, ckwargs = got
+                    op.call = fn
+                    scratch: list = []  # 0-dim scalar tensors become externals (constants)
+                    op.cargs = (cap.template_in(cargs, scratch), {k: cap.template_in(v, scratch)
+                                                                  for k, v in ckwargs.items()})
+            cap.ops.append(op)
+        except BaseException as e:
+            cap.failed = e
+            raise
+        return out

@@ -1,0 +1,71 @@
+"""Process-wide state of the tape: which captures are in progress.
+
+Owns the per-thread registry of active captures (``_ACTIVE``: thread id ->
+capture, at most one per thread, changed only under ``_ACTIVE_LOCK``),
+:func:`is_tape_capturing`, the accepted ``capture_error_mode`` values, and
+``_storage`` (a tensor's untyped storage, or None), the key every other tape
+module uses to tell tensors' memory apart, and :func:`alias_of` (a new tensor
+object on the same memory, so holding memory need not hold a user's object)
+with ``_OURS``, the registry of such tensors the tape holds.  Imports nothing from the package.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+_CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+
+# The captures in progress: thread id -> capture (at most one per thread).
+# Like CUDA, captures in different threads may overlap when neither uses
+# capture_error_mode="global"; a global-mode capture is the only one while it
+# lasts.  Changed only under _ACTIVE_LOCK.
+_ACTIVE: "dict[int, _Capture]" = {}
+_ACTIVE_LOCK = threading.Lock()
+
+
+def _capture_here() -> "_Capture | None":
+    """The capture in progress in the calling thread, if any."""
+    return _ACTIVE.get(threading.get_ident())
+
+
+def is_tape_capturing() -> bool:
+    """True while any :class:`TapeGraph` capture is active in this process
+    (in any thread; with ``capture_error_mode="thread_local"`` or
+    ``"relaxed"`` several threads may be capturing at once)."""
+    return bool(_ACTIVE)
+
+
+def _storage(t: torch.Tensor):
+    try:
+        return t.untyped_storage()
+    except Exception:  # tensors without storage (sparse, nested, ...)
+        return None
+
+
+# Tensors the tape itself holds on some storage: id(storage) -> WeakSet of them.
+# They do not count as references to the memory (a CUDA graph holds
+# addresses, not tensors): see graphrunner.tape.arena.
+_OURS: "dict[int, weakref.WeakSet]" = {}
+
+
+def ours(t: torch.Tensor) -> torch.Tensor:
+    """Register ``t`` as a tensor the tape (not its user) holds; returns ``t``."""
+    k = id(t.untyped_storage())
+    s = _OURS.get(k)
+    if s is None:
+        s = _OURS[k] = weakref.WeakSet()
+    s.add(t)
+    return t
+
+
+def alias_of(t: torch.Tensor) -> torch.Tensor:
+    """A new tensor object viewing ``t``'s memory with ``t``'s dtype, shape,
+    strides and offset (and inference-ness), registered with :func:`ours`: it
+    keeps the storage alive, not the object ``t``, so whether the user still
+    refers to the memory can be told.  ``t`` must not require grad."""
+    with torch.inference_mode(t.is_inference()), torch.no_grad():
+        return ours(torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            t.untyped_storage(), t.storage_offset(), t.size(), t.stride()))
