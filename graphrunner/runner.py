@@ -23,15 +23,16 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from graphrunner.backends.base import GraphBackend
 from graphrunner.backends.outputs import flatten as _flatten_out
 from graphrunner.backends.outputs import unflatten as _unflatten_out
-from graphrunner.buckets import _check_ratio, bucket_table, default_buckets, validate_buckets
+from graphrunner.buckets import default_buckets
 from graphrunner.errors import CaptureError, GraphRunnerError, RankTimeoutError
+from graphrunner.keys import CANNOT, LEGACY_DIM, OVER_MAX, PADDING, KeySpace, agree, all_max_vector
 from graphrunner.progress import CaptureProgress
 from graphrunner.report import BucketReport, CaptureReport
 
@@ -46,18 +47,23 @@ _FALLBACKS = ("eager", "error")
 
 @dataclass(frozen=True)
 class BatchInput:
-    """Declares one batch-major input of the step.
+    """Declares one input of the step, padded on its leading (named) dims.
 
-    A tensor passed for this input has shape ``(batch, *trailing)`` and
-    exactly ``dtype`` (no implicit casts). The runner keeps one static buffer
-    of shape ``(largest_bucket, *trailing)``; rows beyond the real batch
-    (padding rows) are set to ``pad`` before a replay, so pick a value the
-    step handles harmlessly (token id 0, position 0, zeros).
+    A tensor passed for this input has shape ``(*sizes, *trailing)`` and
+    exactly ``dtype`` (no implicit casts), where ``sizes`` has one entry per
+    name in ``dims``: ``dims=("reqs", "draft")`` is a ``[reqs, draft, *trailing]``
+    tensor, ``dims=("tokens",)`` a flattened ragged token axis. ``dims=None``
+    (the default) is the runner's only dim (with ``buckets=[...]`` that is
+    the batch, dim 0, as before dims existed). The runner keeps one static
+    buffer of shape ``(*largest key, *trailing)``; cells beyond the real sizes
+    (padding) are set to ``pad`` before a replay, so pick a value the step
+    handles harmlessly (token id 0, position 0, zeros).
     """
 
     trailing: Tuple[int, ...] = ()
     dtype: torch.dtype = torch.float32
     pad: Any = 0
+    dims: Optional[Tuple[str, ...]] = None
 
     def __post_init__(self) -> None:
         trailing = self.trailing
@@ -78,6 +84,27 @@ class BatchInput:
         if (not self.dtype.is_floating_point and not self.dtype.is_complex and isinstance(self.pad, float)
                 and not float(self.pad).is_integer()):
             raise ValueError(f"BatchInput.pad {self.pad!r} is not representable in {self.dtype}")
+        if self.dims is not None:
+            object.__setattr__(self, "dims", _check_dims(self.dims, "BatchInput.dims"))
+
+
+def _check_dims(dims: Any, what: str, allow_empty: bool = False) -> Tuple[str, ...]:
+    """``dims`` as a tuple of distinct dim names, or a clear error."""
+    if isinstance(dims, str):
+        raise TypeError(f"{what} must be a tuple of dim names such as ('reqs', 'draft'), got the string {dims!r} "
+                        f"(write ({dims!r},) for one dim)")
+    try:
+        t = tuple(dims)
+    except TypeError:
+        raise TypeError(f"{what} must be a tuple of dim names such as ('reqs', 'draft'), got {dims!r}") from None
+    if not t and not allow_empty:
+        raise ValueError(f"{what} is empty; name at least one dim")
+    for d in t:
+        if not isinstance(d, str) or not d.isidentifier():
+            raise ValueError(f"{what} = {dims!r}: {d!r} is not a dim name (an identifier such as 'reqs')")
+    if len(set(t)) != len(t):
+        raise ValueError(f"{what} = {dims!r} names a dim twice")
+    return t
 
 
 @dataclass
@@ -252,6 +279,8 @@ class GraphRunner:
         progress: bool = True,
         agree_bucket: bool = True,
         inference_mode: bool = True,
+        outputs: Any = None,
+        keys: Optional[Sequence[Any]] = None,
     ) -> None:
         if not callable(step):
             raise TypeError(f"step must be callable as step(**inputs), got {type(step).__name__}")
@@ -263,10 +292,19 @@ class GraphRunner:
             if not isinstance(spec, BatchInput):
                 raise TypeError(f"inputs[{name!r}] must be a gr.BatchInput(trailing=..., dtype=..., pad=...), "
                                 f"got {type(spec).__name__}")
-        self.buckets: List[int] = validate_buckets(buckets)
         if fallback not in _FALLBACKS:
             raise ValueError(f"fallback must be one of {_FALLBACKS}, got {fallback!r}")
-        self.max_padding_ratio = _check_ratio(max_padding_ratio)
+        self._space = KeySpace(buckets, keys, max_padding_ratio)
+        space = self._space
+        #: ``buckets`` as given: a list (one dim, int keys) or ``{dim: [sizes...]}`` (tuple keys).
+        self.buckets: Any = space.buckets[LEGACY_DIM] if space.legacy else {d: list(v) for d, v in space.buckets.items()}
+        #: The runner's dim names, in key order (``("batch",)`` with ``buckets=[...]``).
+        self.dims: Tuple[str, ...] = space.dims
+        #: Every key captured, smallest first (ints with ``buckets=[...]``, else tuples).
+        self.keys: List[Any] = [space.external(k) for k in space.keys]
+        self.max_padding_ratio = space.max_padding_ratio
+        self._in_dims = _resolve_input_dims(inputs, space)
+        self._out_dims = _resolve_output_dims(outputs, self._in_dims[next(iter(inputs))], space)
         if post_warmup_hook is not None and not callable(post_warmup_hook):
             raise TypeError(f"post_warmup_hook must be callable as hook(bucket) or None, got {type(post_warmup_hook).__name__}")
 
@@ -294,28 +332,33 @@ class GraphRunner:
             logger.warning("GraphRunner(agree_bucket=False) on a %d-rank group: ranks may replay different "
                            "buckets (unsafe; for tests only)", self.world_size)
 
-        self.max_batch = self.buckets[-1]
-        self._table = bucket_table(self.buckets, self.max_padding_ratio)
+        #: The largest bucket of the first dim (the batch with ``buckets=[...]``).
+        self.max_batch = space.maxes[0]
+        maxes = space.maxes
         tdev = getattr(self.device, "torch_device", torch.device("cpu"))
         self.torch_device = torch.device(tdev)
         with torch.inference_mode(False):  # normal tensors: writable outside inference mode
             self._buffers: Dict[str, torch.Tensor] = {
-                name: torch.full((self.max_batch, *spec.trailing), spec.pad, dtype=spec.dtype, device=self.torch_device)
+                name: torch.full((*(maxes[d] for d in self._in_dims[name]), *spec.trailing), spec.pad,
+                                 dtype=spec.dtype, device=self.torch_device)
                 for name, spec in self.inputs.items()
             }
         self._names = tuple(self.inputs)
         self._n_inputs = len(self._names)
-        self._checks = tuple((s.dtype, s.trailing, len(s.trailing) + 1) for s in self.inputs.values())
+        self._checks = tuple((s.dtype, s.trailing, len(s.trailing) + len(self._in_dims[n]), len(self._in_dims[n]),
+                              self._in_dims[n]) for n, s in self.inputs.items())
+        self._dim_idx = tuple(self._in_dims[n] for n in self._names)
         self._pads = tuple((self._buffers[n], s.pad) for n, s in self.inputs.items())
         # [start, end) byte address of every static buffer: an input that starts
         # inside one aliases the runner's own memory (checked before any write).
         self._ranges = tuple((buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size())
                              for buf, _ in self._pads)
         self._span = (min(lo for lo, _ in self._ranges), max(hi for _, hi in self._ranges))
-        self._filled = 0  # rows >= _filled of every buffer hold their pad value
-        self._in_views: List[Optional[List[torch.Tensor]]] = [None] * (self.max_batch + 1)
-        self._pad_views: Dict[Tuple[int, int], List[Tuple[torch.Tensor, Any]]] = {}  # (n, bucket) -> rows [n, bucket)
-        self.stats = RunnerStats(replays={b: 0 for b in self.buckets})
+        self._zero: Tuple[int, ...] = (0,) * len(self.dims)
+        self._filled = self._zero  # outside [:_filled[0], :_filled[1], ...] every buffer holds its pad value
+        self._in_views: Dict[Tuple[int, ...], List[torch.Tensor]] = {}  # sizes -> the inputs' real regions
+        self._pad_views: Dict[Tuple[Any, ...], List[Tuple[torch.Tensor, Any]]] = {}  # (sizes, key) -> padding regions
+        self.stats = RunnerStats(replays={k: 0 for k in self.keys})
         self.report: Optional[CaptureReport] = None
         self._captured = False
         self._capturing = False
@@ -334,15 +377,32 @@ class GraphRunner:
 
     @property
     def static_inputs(self) -> Dict[str, torch.Tensor]:
-        """The full static input buffers ``{name: (max_batch, *trailing)}``, for inspection; do not write them."""
+        """The full static input buffers ``{name: (*largest key on its dims, *trailing)}``
+        (``(max_batch, *trailing)`` with ``buckets=[...]``), for inspection; do not write them."""
         return dict(self._buffers)
 
-    def bucket_for(self, batch: int) -> Optional[int]:
-        """The bucket a local batch of ``batch`` rows replays, or ``None`` if it falls back
-        (ignores multi-rank agreement and whether the bucket was captured)."""
-        if 1 <= batch <= self.max_batch:
-            return self._table[batch]
-        return None
+    def bucket_for(self, batch: Any) -> Any:
+        """The key a local call of ``batch`` replays, or ``None`` if it falls back
+        (ignores multi-rank agreement and whether the key was captured).
+
+        ``batch`` is the batch size (an int) with ``buckets=[...]``, else a
+        tuple of sizes in :attr:`dims` order or a dict ``{dim: size}``.
+        """
+        sizes = self._sizes_of(batch)
+        if sizes is None or min(sizes) < 1:
+            return None
+        key, _ = self._space.choose(sizes)
+        return None if key is None else self._space.external(key)
+
+    key_for = bucket_for
+
+    def _sizes_of(self, batch: Any) -> Optional[Tuple[int, ...]]:
+        if isinstance(batch, Mapping):
+            unknown = [d for d in batch if d not in self.dims]
+            if unknown or len(batch) != len(self.dims):
+                raise ValueError(f"key_for: give one size per dim {self.dims}, got {dict(batch)!r}")
+            return tuple(int(batch[d]) for d in self.dims)
+        return self._space.internal(batch, what="key_for sizes")
 
     def __repr__(self) -> str:
         return (f"GraphRunner(backend={getattr(self.backend, 'name', type(self.backend).__name__)!r}, "
@@ -353,57 +413,94 @@ class GraphRunner:
         return torch.inference_mode() if self.inference_mode else contextlib.nullcontext()
 
     def _reset_replay_state(self) -> None:
-        self._replayable: Dict[int, bool] = {}
-        self._out_n: List[Any] = [None] * (self.max_batch + 1)
+        self._replayable: Dict[Tuple[int, ...], bool] = {}
+        self._out_n: Dict[Tuple[int, ...], Any] = {}
         self._out_spec: Optional[tuple] = None
+        self._leaf_idx: Optional[List[Tuple[int, ...]]] = None
+        self._out_trailing: Optional[List[Tuple[int, ...]]] = None
         self._cache_outputs = isinstance(self.backend, GraphBackend)
         self._replay = self.backend.replay
 
     # -------------------------------------------------------------- capture
-    def _bucket_views(self, b: int) -> Dict[str, torch.Tensor]:
-        return {name: buf[:b] for name, buf in self._buffers.items()}
+    def _key_views(self, key: Tuple[int, ...]) -> Dict[str, torch.Tensor]:
+        return {name: buf[_region(key, self._in_dims[name])] for name, buf in self._buffers.items()}
 
-    def _check_output(self, out: Any, b: int) -> None:
+    def _check_output(self, out: Any, key: Tuple[int, ...]) -> None:
         try:
-            _, leaves = _flatten_out(out, "step output")
+            spec, leaves = _flatten_out(out, "step output")
         except TypeError as exc:
             raise _StepOutputError(
-                f"step returned something that is not a pytree of tensors for bucket {b}: {exc}"
+                f"step returned something that is not a pytree of tensors for {self._key_text(key)}: {exc}"
             ) from None
-        for i, t in enumerate(leaves):
-            if t.dim() >= 1 and t.shape[0] != b:
+        idx = self._leaf_dims(spec, len(leaves))
+        trailing = []
+        for i, (t, dims) in enumerate(zip(leaves, idx)):
+            want = tuple(key[d] for d in dims)
+            if t.dim() == 0:
+                trailing.append(())
+                continue
+            if tuple(t.shape[:len(want)]) != want:
+                if self._space.legacy:
+                    raise _StepOutputError(
+                        f"step output tensor {i} has shape {list(t.shape)} for bucket {key[0]}: every output tensor "
+                        f"must be batch-major (dim 0 == the {key[0]} input rows) or 0-dim, so the runner can slice "
+                        "it to the real batch. Return per-row results, or compute batch-independent values outside "
+                        "step.")
+                names = tuple(self.dims[d] for d in dims)
                 raise _StepOutputError(
-                    f"step output tensor {i} has shape {list(t.shape)} for bucket {b}: every output tensor must be "
-                    f"batch-major (dim 0 == the {b} input rows) or 0-dim, so the runner can slice it to the real "
-                    "batch. Return per-row results, or compute batch-independent values outside step."
-                )
+                    f"step output tensor {i} has shape {list(t.shape)} for {self._key_text(key)}: its leading dims "
+                    f"{names} (from outputs=) must be {list(want)}, so the runner can slice it to the real sizes. "
+                    "Declare each output's leading dims with outputs= (a dims tuple, or {key: dims} for a dict).")
+            trailing.append(tuple(t.shape[len(want):]))
+        if self._out_trailing is None:
+            self._out_trailing = trailing
+        else:
+            for i, (a, b) in enumerate(zip(self._out_trailing, trailing)):
+                if a != b:
+                    raise _StepOutputError(
+                        f"step output tensor {i} has trailing shape {list(b)} after its leading dims for "
+                        f"{self._key_text(key)}, but {list(a)} for the first key captured: only the dims declared "
+                        "in outputs= may change between keys. Declare that dim in outputs=")
 
-    def _make_forward(self, b: int, views: Dict[str, torch.Tensor]) -> Callable[[], Any]:
+    def _leaf_dims(self, spec: tuple, n_leaves: int) -> List[Tuple[int, ...]]:
+        """The runner-dim indices of the leading dims of every tensor leaf of an output with ``spec``."""
+        default, per_key = self._out_dims
+        if per_key and spec[0] == "dict":
+            idx: List[Tuple[int, ...]] = []
+            for k, child in zip(spec[2], spec[3]):
+                idx.extend([per_key.get(k, default)] * _count_leaves(child))
+            return idx
+        return [default] * n_leaves
+
+    def _key_text(self, key: Tuple[int, ...]) -> str:
+        return f"bucket {key[0]}" if self._space.legacy else f"key {key} ({self._space.describe(key)})"
+
+    def _make_forward(self, key: Tuple[int, ...], views: Dict[str, torch.Tensor]) -> Callable[[], Any]:
         step = self.step
 
         def forward() -> Any:
             out = step(**views)
             if self._capturing:
-                self._check_output(out, b)
+                self._check_output(out, key)
             return out
 
-        forward.__qualname__ = f"GraphRunner.step[bucket={b}]"
+        forward.__qualname__ = f"GraphRunner.step[{'bucket' if self._space.legacy else 'key'}={self._space.external(key)}]"
         return forward
 
     def capture(self) -> CaptureReport:
-        """Capture every bucket, largest first, and return a :class:`CaptureReport`.
+        """Capture every key, largest first, and return a :class:`CaptureReport`.
 
         Runs inside one ``backend.capture_session()`` (garbage collected and
         frozen for its duration), under ``torch.inference_mode()`` unless
-        disabled; all buckets share the backend's pool and one output
+        disabled; all keys share the backend's pool and one output
         buffer. With a multi-rank group every rank must call ``capture()``
         (the protocol barriers). Draws a progress bar on rank 0 unless
         ``progress=False``. On any error the backend is cleaned up, the
         runner stays uncaptured, and the error propagates (a step output
-        that is not a pytree of batch-major tensors as ``TypeError``, other
-        failures as :class:`~graphrunner.errors.CaptureError` naming the
-        bucket). Raises ``CaptureError`` if already captured (call
-        :meth:`cleanup` first).
+        that is not a pytree of tensors with the declared leading dims as
+        ``TypeError``, other failures as
+        :class:`~graphrunner.errors.CaptureError` naming the key). Raises
+        ``CaptureError`` if already captured (call :meth:`cleanup` first).
         """
         if self._captured:
             raise CaptureError("GraphRunner.capture() was already called; call runner.cleanup() before capturing again")
@@ -414,23 +511,27 @@ class GraphRunner:
             self._leave()
 
     def _capture(self) -> CaptureReport:
-        order = list(reversed(self.buckets))
+        space = self._space
+        order = space.capture_order()
         bar = CaptureProgress(len(order), enabled=self.progress and self.rank == 0)
         reports: List[BucketReport] = []
         t0 = time.perf_counter()
         ok = False
         self._capturing = True
+        lead = max([len(self._out_dims[0])] + [len(v) for v in self._out_dims[1].values()])
+        extra = {"lead_dims": lead} if lead > 1 else {}
         try:
             with self._grad_ctx(), self.backend.capture_session():
-                for i, b in enumerate(order):
-                    bar.start(i, b)
-                    views = self._bucket_views(b)
-                    hook = (functools.partial(self.post_warmup_hook, b) if self.post_warmup_hook is not None else None)
-                    self.backend.capture_one(b, self._make_forward(b, views), capture_inputs=views,
-                                             post_warmup_hook=hook)
-                    info = dict(self.backend.info(b))
+                for i, key in enumerate(order):
+                    ext = space.external(key)
+                    bar.start(i, ext)
+                    views = self._key_views(key)
+                    hook = (functools.partial(self.post_warmup_hook, ext) if self.post_warmup_hook is not None else None)
+                    self.backend.capture_one(ext, self._make_forward(key, views), capture_inputs=views,
+                                             post_warmup_hook=hook, **extra)
+                    info = dict(self.backend.info(ext))
                     reports.append(BucketReport(
-                        bucket=b,
+                        bucket=ext,
                         capture_seconds=float(info.get("capture_seconds", 0.0)),
                         graph_capture_seconds=float(info.get("graph_capture_seconds", 0.0)),
                         num_segments=int(info.get("num_segments", 0)),
@@ -438,6 +539,7 @@ class GraphRunner:
                         bytes_held=int(info.get("bytes_held", 0)),
                         info=info,
                     ))
+                self._replayable = self._agree_replayable()
             ok = True
         except CaptureError as exc:
             cause = exc.__cause__
@@ -451,7 +553,6 @@ class GraphRunner:
         finally:
             self._capturing = False
             bar.close(ok)
-        self._replayable = {b: bool(self.backend.can_run(b)) for b in self.buckets}
         self._captured = True
         out_bytes = max((int(r.info.get("output_buffer_bytes", 0)) for r in reports), default=0)
         self.report = CaptureReport(
@@ -464,9 +565,20 @@ class GraphRunner:
             static_input_bytes=sum(t.numel() * t.element_size() for t in self._buffers.values()),
             output_buffer_bytes=out_bytes,
         )
-        logger.info("GraphRunner captured %d buckets (%s) in %.3fs on rank %d", len(order),
+        logger.info("GraphRunner captured %d keys (%s) in %.3fs on rank %d", len(order),
                     self.report.backend, self.report.total_seconds, self.rank)
         return self.report
+
+    def _agree_replayable(self) -> Dict[Tuple[int, ...], bool]:
+        """Which keys every rank can replay. With agreement on, one collective
+        at the end of capture (a max over "cannot replay" bits, one per key),
+        so that per call the agreed sizes alone decide replay or fallback."""
+        keys = self._space.keys
+        local = [bool(self.backend.can_run(self._space.external(k))) for k in keys]
+        if self._agree:
+            cannot = all_max_vector(self.group, [0 if ok else 1 for ok in local], "runner_replayable", "capture")
+            local = [ok and not bad for ok, bad in zip(local, cannot)]
+        return dict(zip(keys, local))
 
     def _abort_capture(self) -> None:
         try:
@@ -542,30 +654,33 @@ class GraphRunner:
     def _run(self, inputs: Mapping[str, torch.Tensor], copy_outputs: Optional[bool]) -> Any:
         self._calls += 1
         # -- validate (fast path: one pass; any mismatch goes to the slow diagnosis)
-        n = -1
+        sizes = [-1] * len(self.dims)
         try:
             if len(inputs) != self._n_inputs:
                 raise KeyError
             tensors = [inputs[name] for name in self._names]
             lo_all, hi_all = self._span
-            for name, t, (dtype, trailing, ndim), own in zip(self._names, tensors, self._checks, self._ranges):
+            for name, t, (dtype, trailing, ndim, lead, didx), own in zip(self._names, tensors, self._checks,
+                                                                         self._ranges):
                 shape = t.shape
-                if t.dtype != dtype or len(shape) != ndim or shape[1:] != trailing or not isinstance(t, _Tensor):
+                if t.dtype != dtype or len(shape) != ndim or shape[lead:] != trailing or not isinstance(t, _Tensor):
                     raise KeyError
-                if shape[0] != n:
-                    if n >= 0:
-                        raise KeyError
-                    n = shape[0]
+                for j, d in enumerate(didx):
+                    v = shape[j]
+                    if sizes[d] != v:
+                        if sizes[d] >= 0:
+                            raise KeyError
+                        sizes[d] = v
                 ptr = t.data_ptr()  # must hold data (not meta) and not point into a static buffer
                 if ptr == 0:
                     if t.is_meta:
                         raise KeyError
                 elif lo_all <= ptr < hi_all and (ptr != own[0] or not t.is_contiguous()):
                     # Between the static buffers' addresses and not exactly its own
-                    # rows [0, n) (a harmless no-op copy): the slow path decides.
+                    # leading region (a harmless no-op copy): the slow path decides.
                     if self._alias_error(name, t) is not None:
                         raise KeyError
-            if n <= 0:
+            if min(sizes) <= 0:
                 raise KeyError
         except (KeyError, TypeError, AttributeError):
             err = self._input_error(inputs)
@@ -574,23 +689,24 @@ class GraphRunner:
             raise err from None
         if copy_outputs is None:
             copy_outputs = self.copy_outputs
+        sz = tuple(sizes)
         # -- choose
         if self._agree:
-            return self._run_agreed(tensors, n, copy_outputs)
-        b = self._table[n] if n <= self.max_batch else None
-        if b is None or not self._replayable[b]:
-            reason = "over_max_bucket" if n > self.max_batch else ("padding_ratio" if b is None else "cannot_replay")
-            return self._fallback(tensors, n, n, reason, copy_outputs)
-        return self._replay_bucket(tensors, n, b, copy_outputs)
+            return self._run_agreed(tensors, sz, copy_outputs)
+        key, reason = self._space.choose(sz)
+        if key is None or not self._replayable[key]:
+            return self._fallback(tensors, sz, sz, reason or CANNOT, copy_outputs)
+        return self._replay_key(tensors, sz, key, copy_outputs)
 
-    def _stage(self, tensors: List[torch.Tensor], n: int) -> None:
-        """Copy the (validated) inputs into rows ``[0, n)`` of the static
-        buffers. If a copy fails, every buffer is reset to its pad value
-        (no half-written rows stay behind) and :class:`GraphRunnerError`
+    def _stage(self, tensors: List[torch.Tensor], sizes: Tuple[int, ...]) -> None:
+        """Copy the (validated) inputs into the leading region ``sizes`` of the
+        static buffers. If a copy fails, every buffer is reset to its pad value
+        (no half-written cells stay behind) and :class:`GraphRunnerError`
         names the input."""
-        views = self._in_views[n]
+        views = self._in_views.get(sizes)
         if views is None:
-            views = self._in_views[n] = [buf[:n] for buf, _ in self._pads]
+            views = self._in_views[sizes] = [buf[_region(sizes, didx)] for (buf, _), didx in
+                                             zip(self._pads, self._dim_idx)]
         i = 0
         try:
             for i, (v, t) in enumerate(zip(views, tensors)):
@@ -598,159 +714,182 @@ class GraphRunner:
                 # autograd history onto the static buffer at every call.
                 v.copy_(t.detach() if t.requires_grad else t)
         except Exception as exc:
-            self._restore_pads(max(self._filled, n))
+            self._restore_pads(tuple(map(max, self._filled, sizes)))
             t = tensors[i]
             raise GraphRunnerError(
                 f"GraphRunner: copying input {self._names[i]!r} ({type(t).__name__} of shape {list(t.shape)}, "
                 f"{t.dtype}, on {t.device}) into its static buffer failed: {type(exc).__name__}: {exc}. Nothing "
                 "was replayed and the static buffers were reset to their pad values; the runner is still usable"
             ) from exc
-
-    def _restore_pads(self, rows: int) -> None:
-        """Set rows ``[0, rows)`` of every static buffer to its pad value."""
-        for buf, pad in self._pads:
-            buf[:rows].fill_(pad)
-        self._filled = 0
-
-    def _replay_bucket(self, tensors: Optional[List[torch.Tensor]], n: int, b: int, copy_outputs: bool) -> Any:
-        """Copy (unless ``tensors`` is None: already staged), pad rows ``[n, b)``, replay ``b``, slice."""
-        if tensors is not None:
-            self._stage(tensors, n)
         filled = self._filled
-        if filled > n:  # rows [n, filled) may hold an earlier call's data: pad rows [n, b)
-            pv = self._pad_views.get((n, b))
-            if pv is None:
-                pv = self._pad_views[(n, b)] = [(buf[n:b], pad) for buf, pad in self._pads]
-            for view, pad in pv:
-                view.fill_(pad)
-            self._filled = filled if filled > b else n
-        else:
-            self._filled = n
+        self._filled = sizes if filled == self._zero else tuple(map(max, filled, sizes))
+
+    def _restore_pads(self, extent: Tuple[int, ...]) -> None:
+        """Set the leading region ``extent`` (all that may hold data) of every static buffer to its pad value."""
+        for (buf, pad), didx in zip(self._pads, self._dim_idx):
+            buf[_region(extent, didx)].fill_(pad)
+        self._filled = self._zero
+
+    def _refill(self, sizes: Tuple[int, ...], key: Tuple[int, ...]) -> None:
+        """Cells inside ``key`` but outside ``sizes`` may hold an earlier call's
+        data (``_filled`` exceeds ``sizes`` in some dim): set them to the pad value."""
+        pv = self._pad_views.get((sizes, key))
+        if pv is None:
+            pv = self._pad_views[(sizes, key)] = [
+                (buf[r], pad) for (buf, pad), didx in zip(self._pads, self._dim_idx)
+                for r in _padding_regions(sizes, key, didx)]
+        for view, pad in pv:
+            view.fill_(pad)
+        filled = self._filled
+        # Outside ``key`` earlier data may remain: keep the bounding box.
+        self._filled = sizes if all(f <= k for f, k in zip(filled, key)) else tuple(map(max, filled, sizes))
+
+    def _replay_key(self, tensors: Optional[List[torch.Tensor]], sizes: Tuple[int, ...], key: Tuple[int, ...],
+                    copy_outputs: bool) -> Any:
+        """Copy (unless ``tensors`` is None: already staged), pad ``key`` outside ``sizes``, replay ``key``, slice."""
+        if tensors is not None:
+            self._stage(tensors, sizes)
+        if self._filled != sizes:
+            self._refill(sizes, key)
+        ext = self._space.external(key)
         try:
-            result = self._replay(b)
+            result = self._replay(ext)
         except Exception as exc:  # a failed collective on a multi-rank runner: RankTimeoutError
-            err = RankTimeoutError.from_step(exc, self.group, "replay", b)
+            err = RankTimeoutError.from_step(exc, self.group, "replay", ext)
             if err is None:
                 raise
             raise err from exc
         stats = self.stats
-        stats.replays[b] += 1
-        stats.padding_rows += b - n
-        stats.real_rows += n
-        stats.last_bucket = b
+        stats.replays[ext] += 1
+        real = math.prod(sizes)
+        stats.padding_rows += math.prod(key) - real
+        stats.real_rows += real
+        stats.last_bucket = ext
         if self._cache_outputs:
-            out = self._out_n[n]
+            out = self._out_n.get(sizes)
             if out is None:
-                out = self._cache_output(n, result)
+                out = self._cache_output(sizes, result)
             if self._out_spec is not None:
                 out = _unflatten_out(self._out_spec, out)
         else:
-            out = _slice_rows(result, n)
+            out = self._slice_out(result, sizes)
         if copy_outputs:
             return _clone(out)
         return out
 
-    def _cache_output(self, n: int, result: Any) -> Any:
-        """Cache the ``n``-row views of the shared output buffer. Every bucket's
-        outputs are leading-rows views of the backend's one buffer, so the
-        ``n``-row view is the same tensor whichever bucket replayed."""
+    def _cache_output(self, sizes: Tuple[int, ...], result: Any) -> Any:
+        """Cache the ``sizes`` views of the shared output buffer. Every key's
+        outputs are leading-corner views of the backend's one buffer, so the
+        ``sizes`` view is the same tensor whichever key replayed."""
         spec, leaves = _flatten_out(result)
-        sliced = [t[:n] if t.dim() >= 1 else t for t in leaves]
+        sliced = _slice_leaves(leaves, self._leaf_dims(spec, len(leaves)), sizes)
         if spec == ("T",):
             self._out_spec = None
             out: Any = sliced[0]
         else:
             self._out_spec = spec
             out = sliced
-        self._out_n[n] = out
+        self._out_n[sizes] = out
         return out
 
-    def _run_agreed(self, tensors: List[torch.Tensor], n: int, copy_outputs: bool) -> Any:
-        group, key = self.group, self._calls
+    def _slice_out(self, out: Any, sizes: Tuple[int, ...]) -> Any:
+        """``out`` with every tensor leaf sliced to ``sizes`` on its declared leading dims."""
+        spec, leaves = _flatten_out(out)
+        sliced = _slice_leaves(leaves, self._leaf_dims(spec, len(leaves)), sizes)
+        return sliced[0] if spec == ("T",) else _unflatten_out(spec, sliced)
+
+    def _run_agreed(self, tensors: List[torch.Tensor], sizes: Tuple[int, ...], copy_outputs: bool) -> Any:
+        call = self._calls
         # Copy before agreeing, so that a copy that fails is reported to every
         # rank by the agreement itself (as invalid inputs) instead of leaving
         # this rank out of the step's collectives.
-        if n <= self.max_batch:
+        if all(n <= m for n, m in zip(sizes, self._space.maxes)):
             try:
-                self._stage(tensors, n)
+                self._stage(tensors, sizes)
             except GraphRunnerError:
                 self._agree_invalid()
                 raise
-            if self._filled < n:
-                self._filled = n  # rows [0, n) now hold this call's data, whatever the agreement decides
-        big_n = group.all_max(n, phase="runner_batch", key=key)
-        b = self._table[big_n] if big_n <= self.max_batch else None
-        code = 1 if (b is not None and self._replayable[b]) else 0
-        agreed = group.all_min(code, phase="runner_eligible", key=key)
-        if agreed < 0:
+        agreed, invalid = agree(self.group, sizes, False, call)
+        if invalid:
             raise GraphRunnerError(
-                f"rank {self.rank}: another rank passed invalid inputs at call {key}, so every rank skipped this "
+                f"rank {self.rank}: another rank passed invalid inputs at call {call}, so every rank skipped this "
                 "step (see that rank's error); the runner is still usable"
             )
-        if agreed == 1:
-            return self._replay_bucket(None, n, b, copy_outputs)
-        if big_n > self.max_batch:
-            reason = "over_max_bucket"
-        elif b is None:
-            reason = "padding_ratio"
-        else:
-            reason = "cannot_replay"
-        return self._fallback(tensors, n, big_n, reason, copy_outputs)
+        key, reason = self._space.choose(agreed)
+        if key is not None and self._replayable[key]:
+            return self._replay_key(None, sizes, key, copy_outputs)
+        return self._fallback(tensors, sizes, agreed, reason or CANNOT, copy_outputs)
 
     def _agree_invalid(self) -> None:
-        """This rank's inputs were invalid: still take part in the call's two
-        collectives (so peers do not hang) and tell them to skip the step."""
-        key = self._calls
-        self.group.all_max(0, phase="runner_batch", key=key)
-        self.group.all_min(-1, phase="runner_eligible", key=key)
+        """This rank's inputs were invalid: still take part in the call's one
+        collective (so peers do not hang) and tell them to skip the step."""
+        agree(self.group, self._zero, True, self._calls)
 
-    def _fallback(self, tensors: List[torch.Tensor], n: int, rows: int, reason: str, copy_outputs: bool) -> Any:
+    def _fallback(self, tensors: List[torch.Tensor], sizes: Tuple[int, ...], rows: Tuple[int, ...], reason: str,
+                  copy_outputs: bool) -> Any:
+        space = self._space
         if self.fallback == "error":
-            where = f"the agreed batch {rows} (max over ranks; this rank has {n})" if rows != n else f"batch {n}"
-            if reason == "over_max_bucket":
-                why = f"{where} exceeds the largest bucket {self.max_batch}"
-            elif reason == "padding_ratio":
-                b = self.buckets[next(i for i, x in enumerate(self.buckets) if x >= rows)]
-                why = (f"{where} would pad bucket {b} with {b - rows} rows, more than max_padding_ratio="
-                       f"{self.max_padding_ratio}")
-            else:
-                why = f"bucket for {where} cannot be replayed on every rank"
-            raise ValueError(f"GraphRunner(fallback='error'): {why}; add a bucket, raise max_padding_ratio, "
-                             "or use fallback='eager'")
+            raise ValueError(f"GraphRunner(fallback='error'): {self._no_key_why(sizes, rows, reason)}; "
+                             + ("add a bucket" if space.legacy else "add a bucket or key")
+                             + ", raise max_padding_ratio, or use fallback='eager'")
         kwargs: Dict[str, torch.Tensor] = {}
         dev = self.torch_device
-        for (name, spec), t in zip(self.inputs.items(), tensors):
-            if rows != n:
-                p = torch.full((rows, *spec.trailing), spec.pad, dtype=spec.dtype, device=dev)
-                p[:n].copy_(t)
+        for (name, spec), t, didx in zip(self.inputs.items(), tensors, self._dim_idx):
+            if rows != sizes:
+                p = torch.full((*(rows[d] for d in didx), *spec.trailing), spec.pad, dtype=spec.dtype, device=dev)
+                p[_region(sizes, didx)].copy_(t)
                 t = p
             elif t.device != dev:
                 t = t.to(dev)
             kwargs[name] = t
+        ext_rows = space.external(rows)
         try:
             with self._grad_ctx():
                 out = self.step(**kwargs)
         except Exception as exc:  # a failed collective on a multi-rank runner: RankTimeoutError
-            err = RankTimeoutError.from_step(exc, self.group, "fallback", rows)
+            err = RankTimeoutError.from_step(exc, self.group, "fallback", ext_rows)
             if err is None:
                 raise
             raise err from exc
-        if rows != n:
-            out = _slice_rows(out, n)
+        if rows != sizes:
+            out = self._slice_out(out, sizes)
         stats = self.stats
         stats.fallbacks += 1
         stats.fallback_reasons[reason] = stats.fallback_reasons.get(reason, 0) + 1
-        stats.padding_rows += rows - n
-        stats.real_rows += n
+        real = math.prod(sizes)
+        stats.padding_rows += math.prod(rows) - real
+        stats.real_rows += real
         stats.last_bucket = None
-        logger.debug("GraphRunner: eager fallback (%s) for batch %d (rows %d)", reason, n, rows)
+        logger.debug("GraphRunner: eager fallback (%s) for %s (padded to %s)", reason, space.describe(sizes),
+                     space.describe(rows))
         return _clone(out) if copy_outputs else out
+
+    def _no_key_why(self, sizes: Tuple[int, ...], rows: Tuple[int, ...], reason: str) -> str:
+        """Why no key serves a call (for ``fallback='error'``)."""
+        space = self._space
+        if space.legacy:
+            n, r = sizes[0], rows[0]
+            where = f"the agreed batch {r} (max over ranks; this rank has {n})" if r != n else f"batch {n}"
+            if reason == OVER_MAX:
+                return f"{where} exceeds the largest bucket {self.max_batch}"
+            if reason == PADDING:
+                b = next(x for x in self.buckets if x >= r)
+                return (f"{where} would pad bucket {b} with {b - r} rows, more than max_padding_ratio="
+                        f"{self.max_padding_ratio}")
+            return f"bucket for {where} cannot be replayed on every rank"
+        where = (f"the agreed sizes ({space.describe(rows)}; max over ranks; this rank has {space.describe(sizes)})"
+                 if rows != sizes else f"sizes ({space.describe(sizes)})")
+        if reason == OVER_MAX:
+            return f"no captured key covers {where} (keys: {self.keys})"
+        if reason == PADDING:
+            return f"every captured key covering {where} pads some dim by more than max_padding_ratio={self.max_padding_ratio}"
+        return f"the key for {where} cannot be replayed on every rank"
 
     def _alias_error(self, name: str, t: torch.Tensor) -> Optional[Exception]:
         """The error for an input whose memory starts inside one of the
-        runner's static buffers (other than exactly its own rows ``[0, n)``),
-        else ``None``. Copying from such a tensor would read rows that this
-        same call overwrites."""
+        runner's static buffers (other than exactly its own leading region,
+        contiguous), else ``None``. Copying from such a tensor would read
+        cells that this same call overwrites."""
         ptr = t.data_ptr()
         for (lo, hi), other in zip(self._ranges, self._names):
             if lo <= ptr < hi and not (other == name and ptr == lo and t.is_contiguous()):
@@ -773,18 +912,20 @@ class GraphRunner:
             if extra:
                 parts.append(f"unexpected input(s) {extra}")
             return ValueError(f"GraphRunner: {' and '.join(parts)}; the step takes exactly {list(self._names)}")
-        n = None
-        first = None
+        legacy = self._space.legacy
+        seen: Dict[int, Tuple[int, str]] = {}
         for name, spec in self.inputs.items():
             t = inputs[name]
+            didx = self._in_dims[name]
             if not isinstance(t, torch.Tensor):
                 return TypeError(f"GraphRunner: input {name!r} must be a torch.Tensor, got {type(t).__name__}")
             if t.dtype != spec.dtype:
                 return ValueError(f"GraphRunner: input {name!r} has dtype {t.dtype}, expected {spec.dtype}; "
                                   f"convert it with .to({spec.dtype})")
-            if t.dim() != len(spec.trailing) + 1 or tuple(t.shape[1:]) != spec.trailing:
+            if t.dim() != len(spec.trailing) + len(didx) or tuple(t.shape[len(didx):]) != spec.trailing:
+                lead = "batch" if legacy else ", ".join(self.dims[d] for d in didx)
                 return ValueError(f"GraphRunner: input {name!r} has shape {list(t.shape)}, expected "
-                                  f"[batch, {', '.join(map(str, spec.trailing))}]".replace(", ]", "]")
+                                  f"[{lead}, {', '.join(map(str, spec.trailing))}]".replace(", ]", "]")
                                   + f" (trailing shape {spec.trailing})")
             if t.is_meta:
                 return ValueError(f"GraphRunner: input {name!r} is on the meta device (shape only, no data); "
@@ -792,21 +933,101 @@ class GraphRunner:
             err = self._alias_error(name, t)
             if err is not None:
                 return err
-            if n is None:
-                n, first = t.shape[0], name
-            elif t.shape[0] != n:
-                return ValueError(f"GraphRunner: input {name!r} has batch {t.shape[0]} but input {first!r} has "
-                                  f"batch {n}; all inputs share dim 0")
-        if n == 0:
-            return ValueError("GraphRunner: batch 0 (every input has 0 rows); call the runner only with >= 1 row")
+            for j, d in enumerate(didx):
+                v = t.shape[j]
+                if d not in seen:
+                    seen[d] = (v, name)
+                elif seen[d][0] != v:
+                    if legacy:
+                        return ValueError(f"GraphRunner: input {name!r} has batch {v} but input {seen[d][1]!r} has "
+                                          f"batch {seen[d][0]}; all inputs share dim 0")
+                    return ValueError(f"GraphRunner: input {name!r} has {self.dims[d]}={v} (dim {j}) but input "
+                                      f"{seen[d][1]!r} has {self.dims[d]}={seen[d][0]}; inputs sharing a dim name "
+                                      "must agree on its size")
+        zero = [self.dims[d] for d, (v, _) in sorted(seen.items()) if v == 0]
+        if zero:
+            if legacy:
+                return ValueError("GraphRunner: batch 0 (every input has 0 rows); call the runner only with >= 1 row")
+            return ValueError(f"GraphRunner: size 0 in dim(s) {zero}; call the runner only with sizes >= 1")
         return ValueError("GraphRunner: invalid inputs")  # pragma: no cover - the fast check found a mismatch
 
 
-def _slice_rows(out: Any, n: int) -> Any:
-    if isinstance(out, torch.Tensor):
-        return out[:n] if out.dim() >= 1 else out
-    spec, leaves = _flatten_out(out)
-    return _unflatten_out(spec, [t[:n] if t.dim() >= 1 else t for t in leaves])
+def _region(sizes: Sequence[int], didx: Tuple[int, ...]) -> Any:
+    """The index of the leading region ``sizes`` (runner-dim order) of a tensor whose leading dims are ``didx``."""
+    if len(didx) == 1:
+        return slice(0, sizes[didx[0]])
+    return tuple(slice(0, sizes[d]) for d in didx)
+
+
+def _padding_regions(sizes: Sequence[int], key: Sequence[int], didx: Tuple[int, ...]) -> List[Any]:
+    """Indices that together cover ``key`` minus ``sizes`` on a tensor with leading dims ``didx``:
+    one region per dim (``[:n0, ..., n_j:k_j, :k_{j+1}, ...]``), empty ones left out."""
+    out = []
+    for j, d in enumerate(didx):
+        if sizes[d] >= key[d]:
+            continue
+        idx = [slice(0, sizes[e]) for e in didx[:j]] + [slice(sizes[d], key[d])] + [slice(0, key[e]) for e in didx[j + 1:]]
+        out.append(idx[0] if len(idx) == 1 else tuple(idx))
+    return out
+
+
+def _slice_leaves(leaves: List[torch.Tensor], idx: List[Tuple[int, ...]], sizes: Sequence[int]) -> List[torch.Tensor]:
+    out = []
+    for t, didx in zip(leaves, idx):
+        if t.dim() == 0 or not didx:
+            out.append(t)
+        else:
+            out.append(t[_region(sizes, didx)])
+    return out
+
+
+def _count_leaves(spec: tuple) -> int:
+    tag = spec[0]
+    if tag == "T":
+        return 1
+    if tag in ("N", "S"):
+        return 0
+    return sum(_count_leaves(c) for c in spec[-1])
+
+
+def _resolve_input_dims(inputs: Mapping[str, "BatchInput"], space: KeySpace) -> Dict[str, Tuple[int, ...]]:
+    """``{input name: indices of its leading dims in space.dims}``; every dim used by some input."""
+    out: Dict[str, Tuple[int, ...]] = {}
+    for name, spec in inputs.items():
+        dims = spec.dims
+        if dims is None:
+            if len(space.dims) != 1:
+                raise ValueError(f"inputs[{name!r}] must declare its leading dims, e.g. gr.BatchInput(..., dims="
+                                 f"{space.dims!r}): the runner has several dims {space.dims}")
+            dims = space.dims
+        unknown = [d for d in dims if d not in space.dims]
+        if unknown:
+            raise ValueError(f"inputs[{name!r}].dims = {dims!r} names {unknown}, which buckets does not list "
+                             f"(dims: {space.dims}); add them to buckets={{dim: [...]}} or fix the name")
+        out[name] = tuple(space.dims.index(d) for d in dims)
+    unused = [d for i, d in enumerate(space.dims) if not any(i in v for v in out.values())]
+    if unused:
+        raise ValueError(f"buckets names dim(s) {unused} that no input declares in dims=: a call's size in them "
+                         "would be unknown; declare them on an input or drop them from buckets")
+    return out
+
+
+def _resolve_output_dims(outputs: Any, default: Tuple[int, ...], space: KeySpace
+                         ) -> Tuple[Tuple[int, ...], Dict[Any, Tuple[int, ...]]]:
+    """``(default leading dims, {dict output key: leading dims})`` as runner-dim indices."""
+
+    def idx(dims: Any, what: str) -> Tuple[int, ...]:
+        t = _check_dims(dims, what, allow_empty=True)
+        unknown = [d for d in t if d not in space.dims]
+        if unknown:
+            raise ValueError(f"{what} = {dims!r} names {unknown}, which buckets does not list (dims: {space.dims})")
+        return tuple(space.dims.index(d) for d in t)
+
+    if outputs is None:
+        return default, {}
+    if isinstance(outputs, Mapping):
+        return default, {k: idx(v, f"outputs[{k!r}]") for k, v in outputs.items()}
+    return idx(outputs, "outputs"), {}
 
 
 def _clone(out: Any) -> Any:
