@@ -17,10 +17,13 @@ import itertools
 import math
 from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
+import torch
+
 from graphrunner.buckets import _check_ratio, validate_buckets
 from graphrunner.errors import GraphRunnerError
 
-__all__ = ["KeySpace", "LEGACY_DIM", "agree", "all_max_vector", "AgreementError"]
+__all__ = ["KeySpace", "LEGACY_DIM", "agree", "all_max_vector", "AgreementError", "check_dims", "region",
+           "padding_regions", "slice_leaves", "count_leaves", "resolve_input_dims", "resolve_output_dims"]
 
 #: The name of the one dim of a runner built with ``buckets=[...]``.
 LEGACY_DIM = "batch"
@@ -163,6 +166,106 @@ class KeySpace:
 
 def _order(key: Sizes) -> Tuple[int, Sizes]:
     return (math.prod(key), key)
+
+
+# ------------------------------------------------------ named dims of inputs and outputs
+def check_dims(dims: Any, what: str, allow_empty: bool = False) -> Tuple[str, ...]:
+    """``dims`` as a tuple of distinct dim names, or a clear error."""
+    if isinstance(dims, str):
+        raise TypeError(f"{what} must be a tuple of dim names such as ('reqs', 'draft'), got the string {dims!r} "
+                        f"(write ({dims!r},) for one dim)")
+    try:
+        t = tuple(dims)
+    except TypeError:
+        raise TypeError(f"{what} must be a tuple of dim names such as ('reqs', 'draft'), got {dims!r}") from None
+    if not t and not allow_empty:
+        raise ValueError(f"{what} is empty; name at least one dim")
+    for d in t:
+        if not isinstance(d, str) or not d.isidentifier():
+            raise ValueError(f"{what} = {dims!r}: {d!r} is not a dim name (an identifier such as 'reqs')")
+    if len(set(t)) != len(t):
+        raise ValueError(f"{what} = {dims!r} names a dim twice")
+    return t
+
+
+def region(sizes: Sequence[int], didx: Tuple[int, ...]) -> Any:
+    """The index of the leading region ``sizes`` (runner-dim order) of a tensor whose leading dims are ``didx``."""
+    if len(didx) == 1:
+        return slice(0, sizes[didx[0]])
+    return tuple(slice(0, sizes[d]) for d in didx)
+
+
+def padding_regions(sizes: Sequence[int], key: Sequence[int], didx: Tuple[int, ...]) -> List[Any]:
+    """Indices that together cover ``key`` minus ``sizes`` on a tensor with leading dims ``didx``:
+    one region per dim (``[:n0, ..., n_j:k_j, :k_{j+1}, ...]``), empty ones left out."""
+    out = []
+    for j, d in enumerate(didx):
+        if sizes[d] >= key[d]:
+            continue
+        idx = [slice(0, sizes[e]) for e in didx[:j]] + [slice(sizes[d], key[d])] + [slice(0, key[e]) for e in didx[j + 1:]]
+        out.append(idx[0] if len(idx) == 1 else tuple(idx))
+    return out
+
+
+def slice_leaves(leaves: List[torch.Tensor], idx: List[Tuple[int, ...]], sizes: Sequence[int]) -> List[torch.Tensor]:
+    """Every tensor leaf sliced to ``sizes`` on its leading dims ``idx[i]`` (0-dim leaves and ``()`` dims whole)."""
+    out = []
+    for t, didx in zip(leaves, idx):
+        if t.dim() == 0 or not didx:
+            out.append(t)
+        else:
+            out.append(t[region(sizes, didx)])
+    return out
+
+
+def count_leaves(spec: tuple) -> int:
+    """The number of tensor leaves of a pytree spec (:mod:`graphrunner._pytree`)."""
+    tag = spec[0]
+    if tag == "T":
+        return 1
+    if tag in ("N", "S"):
+        return 0
+    return sum(count_leaves(c) for c in spec[-1])
+
+
+def resolve_input_dims(inputs: Mapping[str, Any], space: KeySpace) -> Dict[str, Tuple[int, ...]]:
+    """``{input name: indices of its leading dims in space.dims}``; every dim used by some input."""
+    out: Dict[str, Tuple[int, ...]] = {}
+    for name, spec in inputs.items():
+        dims = spec.dims
+        if dims is None:
+            if len(space.dims) != 1:
+                raise ValueError(f"inputs[{name!r}] must declare its leading dims, e.g. gr.BatchInput(..., dims="
+                                 f"{space.dims!r}): the runner has several dims {space.dims}")
+            dims = space.dims
+        unknown = [d for d in dims if d not in space.dims]
+        if unknown:
+            raise ValueError(f"inputs[{name!r}].dims = {dims!r} names {unknown}, which buckets does not list "
+                             f"(dims: {space.dims}); add them to buckets={{dim: [...]}} or fix the name")
+        out[name] = tuple(space.dims.index(d) for d in dims)
+    unused = [d for i, d in enumerate(space.dims) if not any(i in v for v in out.values())]
+    if unused:
+        raise ValueError(f"buckets names dim(s) {unused} that no input declares in dims=: a call's size in them "
+                         "would be unknown; declare them on an input or drop them from buckets")
+    return out
+
+
+def resolve_output_dims(outputs: Any, default: Tuple[int, ...], space: KeySpace
+                         ) -> Tuple[Tuple[int, ...], Dict[Any, Tuple[int, ...]]]:
+    """``(default leading dims, {dict output key: leading dims})`` as runner-dim indices."""
+
+    def idx(dims: Any, what: str) -> Tuple[int, ...]:
+        t = check_dims(dims, what, allow_empty=True)
+        unknown = [d for d in t if d not in space.dims]
+        if unknown:
+            raise ValueError(f"{what} = {dims!r} names {unknown}, which buckets does not list (dims: {space.dims})")
+        return tuple(space.dims.index(d) for d in t)
+
+    if outputs is None:
+        return default, {}
+    if isinstance(outputs, Mapping):
+        return default, {k: idx(v, f"outputs[{k!r}]") for k, v in outputs.items()}
+    return idx(outputs, "outputs"), {}
 
 
 # ------------------------------------------------------------------ agreement

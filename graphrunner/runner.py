@@ -31,8 +31,12 @@ from graphrunner.backends.base import GraphBackend
 from graphrunner.backends.outputs import flatten as _flatten_out
 from graphrunner.backends.outputs import unflatten as _unflatten_out
 from graphrunner.buckets import default_buckets
+from graphrunner import fingerprint
+from graphrunner._pytree import describe
 from graphrunner.errors import CaptureError, GraphRunnerError, RankTimeoutError
-from graphrunner.keys import CANNOT, LEGACY_DIM, OVER_MAX, PADDING, KeySpace, agree, all_max_vector
+from graphrunner.keys import (CANNOT, LEGACY_DIM, OVER_MAX, PADDING, KeySpace, agree, all_max_vector, check_dims,
+                              count_leaves, padding_regions, region, resolve_input_dims, resolve_output_dims,
+                              slice_leaves)
 from graphrunner.progress import CaptureProgress
 from graphrunner.report import BucketReport, CaptureReport
 
@@ -85,26 +89,7 @@ class BatchInput:
                 and not float(self.pad).is_integer()):
             raise ValueError(f"BatchInput.pad {self.pad!r} is not representable in {self.dtype}")
         if self.dims is not None:
-            object.__setattr__(self, "dims", _check_dims(self.dims, "BatchInput.dims"))
-
-
-def _check_dims(dims: Any, what: str, allow_empty: bool = False) -> Tuple[str, ...]:
-    """``dims`` as a tuple of distinct dim names, or a clear error."""
-    if isinstance(dims, str):
-        raise TypeError(f"{what} must be a tuple of dim names such as ('reqs', 'draft'), got the string {dims!r} "
-                        f"(write ({dims!r},) for one dim)")
-    try:
-        t = tuple(dims)
-    except TypeError:
-        raise TypeError(f"{what} must be a tuple of dim names such as ('reqs', 'draft'), got {dims!r}") from None
-    if not t and not allow_empty:
-        raise ValueError(f"{what} is empty; name at least one dim")
-    for d in t:
-        if not isinstance(d, str) or not d.isidentifier():
-            raise ValueError(f"{what} = {dims!r}: {d!r} is not a dim name (an identifier such as 'reqs')")
-    if len(set(t)) != len(t):
-        raise ValueError(f"{what} = {dims!r} names a dim twice")
-    return t
+            object.__setattr__(self, "dims", check_dims(self.dims, "BatchInput.dims"))
 
 
 @dataclass
@@ -261,6 +246,10 @@ class GraphRunner:
     group calls at all.
     """
 
+    #: Exchange the capture fingerprint across ranks (False is UNSAFE, for the tests'
+    #: negative controls only: mismatched ranks then replay mismatched graphs silently).
+    _check_fingerprint = True
+
     def __init__(
         self,
         step: Callable[..., Any],
@@ -303,8 +292,8 @@ class GraphRunner:
         #: Every key captured, smallest first (ints with ``buckets=[...]``, else tuples).
         self.keys: List[Any] = [space.external(k) for k in space.keys]
         self.max_padding_ratio = space.max_padding_ratio
-        self._in_dims = _resolve_input_dims(inputs, space)
-        self._out_dims = _resolve_output_dims(outputs, self._in_dims[next(iter(inputs))], space)
+        self._in_dims = resolve_input_dims(inputs, space)
+        self._out_dims = resolve_output_dims(outputs, self._in_dims[next(iter(inputs))], space)
         if post_warmup_hook is not None and not callable(post_warmup_hook):
             raise TypeError(f"post_warmup_hook must be callable as hook(bucket) or None, got {type(post_warmup_hook).__name__}")
 
@@ -416,14 +405,14 @@ class GraphRunner:
         self._replayable: Dict[Tuple[int, ...], bool] = {}
         self._out_n: Dict[Tuple[int, ...], Any] = {}
         self._out_spec: Optional[tuple] = None
-        self._leaf_idx: Optional[List[Tuple[int, ...]]] = None
+        self._last_output: Optional[str] = None  # the last captured forward's output, described
         self._out_trailing: Optional[List[Tuple[int, ...]]] = None
         self._cache_outputs = isinstance(self.backend, GraphBackend)
         self._replay = self.backend.replay
 
     # -------------------------------------------------------------- capture
     def _key_views(self, key: Tuple[int, ...]) -> Dict[str, torch.Tensor]:
-        return {name: buf[_region(key, self._in_dims[name])] for name, buf in self._buffers.items()}
+        return {name: buf[region(key, self._in_dims[name])] for name, buf in self._buffers.items()}
 
     def _check_output(self, out: Any, key: Tuple[int, ...]) -> None:
         try:
@@ -433,6 +422,7 @@ class GraphRunner:
                 f"step returned something that is not a pytree of tensors for {self._key_text(key)}: {exc}"
             ) from None
         idx = self._leaf_dims(spec, len(leaves))
+        self._last_output = describe(spec, leaves)
         trailing = []
         for i, (t, dims) in enumerate(zip(leaves, idx)):
             want = tuple(key[d] for d in dims)
@@ -468,7 +458,7 @@ class GraphRunner:
         if per_key and spec[0] == "dict":
             idx: List[Tuple[int, ...]] = []
             for k, child in zip(spec[2], spec[3]):
-                idx.extend([per_key.get(k, default)] * _count_leaves(child))
+                idx.extend([per_key.get(k, default)] * count_leaves(child))
             return idx
         return [default] * n_leaves
 
@@ -522,6 +512,9 @@ class GraphRunner:
         extra = {"lead_dims": lead} if lead > 1 else {}
         try:
             with self._grad_ctx(), self.backend.capture_session():
+                check_fp = self._check_fingerprint and self.world_size > 1
+                if check_fp:  # the first collective of the capture: before any barrier can mis-pair
+                    fingerprint.check(self.group, self._config_fields(), "configurations", key="config")
                 for i, key in enumerate(order):
                     ext = space.external(key)
                     bar.start(i, ext)
@@ -530,6 +523,11 @@ class GraphRunner:
                     self.backend.capture_one(ext, self._make_forward(key, views), capture_inputs=views,
                                              post_warmup_hook=hook, **extra)
                     info = dict(self.backend.info(ext))
+                    if check_fp:
+                        fingerprint.check(self.group, {
+                            "output": self._last_output, "num_segments": info.get("num_segments"),
+                            "num_breaks": info.get("num_breaks"), "tape_ops": info.get("num_ops")},
+                            f"captures of key {ext!r}", key=ext)
                     reports.append(BucketReport(
                         bucket=ext,
                         capture_seconds=float(info.get("capture_seconds", 0.0)),
@@ -568,6 +566,19 @@ class GraphRunner:
         logger.info("GraphRunner captured %d keys (%s) in %.3fs on rank %d", len(order),
                     self.report.backend, self.report.total_seconds, self.rank)
         return self.report
+
+    def _config_fields(self) -> Dict[str, Any]:
+        """What every rank must configure alike (the capture fingerprint, :mod:`graphrunner.fingerprint`)."""
+        fp = self._space.fingerprint()
+        fp["inputs"] = {n: {"dims": [self.dims[d] for d in self._in_dims[n]], "trailing": list(s.trailing),
+                            "dtype": str(s.dtype), "pad": s.pad} for n, s in self.inputs.items()}
+        default, per_key = self._out_dims
+        fp["outputs"] = {"default": [self.dims[d] for d in default],
+                         "per_key": {str(k): [self.dims[d] for d in v] for k, v in per_key.items()}}
+        fp["backend"] = f"{type(self.backend).__module__}.{type(self.backend).__qualname__}"
+        fp["warmups"] = getattr(self.backend, "warmups", None)
+        fp["fallback"] = self.fallback
+        return fp
 
     def _agree_replayable(self) -> Dict[Tuple[int, ...], bool]:
         """Which keys every rank can replay. With agreement on, one collective
@@ -705,7 +716,7 @@ class GraphRunner:
         names the input."""
         views = self._in_views.get(sizes)
         if views is None:
-            views = self._in_views[sizes] = [buf[_region(sizes, didx)] for (buf, _), didx in
+            views = self._in_views[sizes] = [buf[region(sizes, didx)] for (buf, _), didx in
                                              zip(self._pads, self._dim_idx)]
         i = 0
         try:
@@ -727,7 +738,7 @@ class GraphRunner:
     def _restore_pads(self, extent: Tuple[int, ...]) -> None:
         """Set the leading region ``extent`` (all that may hold data) of every static buffer to its pad value."""
         for (buf, pad), didx in zip(self._pads, self._dim_idx):
-            buf[_region(extent, didx)].fill_(pad)
+            buf[region(extent, didx)].fill_(pad)
         self._filled = self._zero
 
     def _refill(self, sizes: Tuple[int, ...], key: Tuple[int, ...]) -> None:
@@ -737,7 +748,7 @@ class GraphRunner:
         if pv is None:
             pv = self._pad_views[(sizes, key)] = [
                 (buf[r], pad) for (buf, pad), didx in zip(self._pads, self._dim_idx)
-                for r in _padding_regions(sizes, key, didx)]
+                for r in padding_regions(sizes, key, didx)]
         for view, pad in pv:
             view.fill_(pad)
         filled = self._filled
@@ -782,7 +793,7 @@ class GraphRunner:
         outputs are leading-corner views of the backend's one buffer, so the
         ``sizes`` view is the same tensor whichever key replayed."""
         spec, leaves = _flatten_out(result)
-        sliced = _slice_leaves(leaves, self._leaf_dims(spec, len(leaves)), sizes)
+        sliced = slice_leaves(leaves, self._leaf_dims(spec, len(leaves)), sizes)
         if spec == ("T",):
             self._out_spec = None
             out: Any = sliced[0]
@@ -795,7 +806,7 @@ class GraphRunner:
     def _slice_out(self, out: Any, sizes: Tuple[int, ...]) -> Any:
         """``out`` with every tensor leaf sliced to ``sizes`` on its declared leading dims."""
         spec, leaves = _flatten_out(out)
-        sliced = _slice_leaves(leaves, self._leaf_dims(spec, len(leaves)), sizes)
+        sliced = slice_leaves(leaves, self._leaf_dims(spec, len(leaves)), sizes)
         return sliced[0] if spec == ("T",) else _unflatten_out(spec, sliced)
 
     def _run_agreed(self, tensors: List[torch.Tensor], sizes: Tuple[int, ...], copy_outputs: bool) -> Any:
@@ -837,7 +848,7 @@ class GraphRunner:
         for (name, spec), t, didx in zip(self.inputs.items(), tensors, self._dim_idx):
             if rows != sizes:
                 p = torch.full((*(rows[d] for d in didx), *spec.trailing), spec.pad, dtype=spec.dtype, device=dev)
-                p[_region(sizes, didx)].copy_(t)
+                p[region(sizes, didx)].copy_(t)
                 t = p
             elif t.device != dev:
                 t = t.to(dev)
@@ -950,84 +961,6 @@ class GraphRunner:
                 return ValueError("GraphRunner: batch 0 (every input has 0 rows); call the runner only with >= 1 row")
             return ValueError(f"GraphRunner: size 0 in dim(s) {zero}; call the runner only with sizes >= 1")
         return ValueError("GraphRunner: invalid inputs")  # pragma: no cover - the fast check found a mismatch
-
-
-def _region(sizes: Sequence[int], didx: Tuple[int, ...]) -> Any:
-    """The index of the leading region ``sizes`` (runner-dim order) of a tensor whose leading dims are ``didx``."""
-    if len(didx) == 1:
-        return slice(0, sizes[didx[0]])
-    return tuple(slice(0, sizes[d]) for d in didx)
-
-
-def _padding_regions(sizes: Sequence[int], key: Sequence[int], didx: Tuple[int, ...]) -> List[Any]:
-    """Indices that together cover ``key`` minus ``sizes`` on a tensor with leading dims ``didx``:
-    one region per dim (``[:n0, ..., n_j:k_j, :k_{j+1}, ...]``), empty ones left out."""
-    out = []
-    for j, d in enumerate(didx):
-        if sizes[d] >= key[d]:
-            continue
-        idx = [slice(0, sizes[e]) for e in didx[:j]] + [slice(sizes[d], key[d])] + [slice(0, key[e]) for e in didx[j + 1:]]
-        out.append(idx[0] if len(idx) == 1 else tuple(idx))
-    return out
-
-
-def _slice_leaves(leaves: List[torch.Tensor], idx: List[Tuple[int, ...]], sizes: Sequence[int]) -> List[torch.Tensor]:
-    out = []
-    for t, didx in zip(leaves, idx):
-        if t.dim() == 0 or not didx:
-            out.append(t)
-        else:
-            out.append(t[_region(sizes, didx)])
-    return out
-
-
-def _count_leaves(spec: tuple) -> int:
-    tag = spec[0]
-    if tag == "T":
-        return 1
-    if tag in ("N", "S"):
-        return 0
-    return sum(_count_leaves(c) for c in spec[-1])
-
-
-def _resolve_input_dims(inputs: Mapping[str, "BatchInput"], space: KeySpace) -> Dict[str, Tuple[int, ...]]:
-    """``{input name: indices of its leading dims in space.dims}``; every dim used by some input."""
-    out: Dict[str, Tuple[int, ...]] = {}
-    for name, spec in inputs.items():
-        dims = spec.dims
-        if dims is None:
-            if len(space.dims) != 1:
-                raise ValueError(f"inputs[{name!r}] must declare its leading dims, e.g. gr.BatchInput(..., dims="
-                                 f"{space.dims!r}): the runner has several dims {space.dims}")
-            dims = space.dims
-        unknown = [d for d in dims if d not in space.dims]
-        if unknown:
-            raise ValueError(f"inputs[{name!r}].dims = {dims!r} names {unknown}, which buckets does not list "
-                             f"(dims: {space.dims}); add them to buckets={{dim: [...]}} or fix the name")
-        out[name] = tuple(space.dims.index(d) for d in dims)
-    unused = [d for i, d in enumerate(space.dims) if not any(i in v for v in out.values())]
-    if unused:
-        raise ValueError(f"buckets names dim(s) {unused} that no input declares in dims=: a call's size in them "
-                         "would be unknown; declare them on an input or drop them from buckets")
-    return out
-
-
-def _resolve_output_dims(outputs: Any, default: Tuple[int, ...], space: KeySpace
-                         ) -> Tuple[Tuple[int, ...], Dict[Any, Tuple[int, ...]]]:
-    """``(default leading dims, {dict output key: leading dims})`` as runner-dim indices."""
-
-    def idx(dims: Any, what: str) -> Tuple[int, ...]:
-        t = _check_dims(dims, what, allow_empty=True)
-        unknown = [d for d in t if d not in space.dims]
-        if unknown:
-            raise ValueError(f"{what} = {dims!r} names {unknown}, which buckets does not list (dims: {space.dims})")
-        return tuple(space.dims.index(d) for d in t)
-
-    if outputs is None:
-        return default, {}
-    if isinstance(outputs, Mapping):
-        return default, {k: idx(v, f"outputs[{k!r}]") for k, v in outputs.items()}
-    return idx(outputs, "outputs"), {}
 
 
 def _clone(out: Any) -> Any:

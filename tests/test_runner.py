@@ -482,7 +482,9 @@ class RecordingGroup:
             return list(v)
         if phase == "runner_agree":
             return [max(v[0], self.peer_batch), max(v[1], self.peer_invalid)]
-        return [max(x, 1 if i in self.peer_cannot else 0) for i, x in enumerate(v)]
+        if phase == "runner_replayable":
+            return [max(x, 1 if i in self.peer_cannot else 0) for i, x in enumerate(v)]
+        return list(v)  # the capture fingerprint: the peer configured the same runner
 
 
 class ScalarOnlyGroup:

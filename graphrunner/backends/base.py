@@ -433,7 +433,7 @@ class GraphBackend:
         ``key``, ``backend``, ``rank``, ``capture_seconds`` (whole
         ``capture_one``: warmups + capture), ``warmup_seconds``,
         ``graph_capture_seconds`` (construction + capture only),
-        ``num_segments``, ``num_breaks``, ``output_bytes`` (this key's
+        ``num_segments``, ``num_breaks``, ``num_ops`` (tape graphs only: aten ops recorded), ``output_bytes`` (this key's
         views), ``output_buffer_bytes`` (the whole shared buffer, the same
         for every key: do not sum it over keys), ``capture_input_bytes``
         (distinct storages reachable from ``capture_inputs``) and
