@@ -11,7 +11,9 @@ bucket), picks the smallest bucket that holds a batch, pads, replays through a
 backend (:mod:`graphrunner.backends`), slices the outputs back to the real
 batch and falls back to eager PyTorch when no bucket fits. With a multi-rank
 ``group`` every call makes all ranks replay the same bucket (or all fall back
-together). See ``docs/runner.md``.
+together). Keys with several named dims, the key choice, padding regions and
+the agreement vector live in :mod:`graphrunner.keys`; the cross-rank capture
+check in :mod:`graphrunner.fingerprint`. See ``docs/runner.md``.
 """
 
 from __future__ import annotations
@@ -185,7 +187,11 @@ class GraphRunner:
             ``step`` and of every call.
         buckets: strictly increasing positive batch sizes, e.g.
             ``[1, 2, 4, 8]`` or :func:`default_buckets(max_batch)
-            <graphrunner.buckets.default_buckets>`.
+            <graphrunner.buckets.default_buckets>` (one dim, the batch; int
+            keys), or ``{dim: [sizes...]}`` for keys with several named dims
+            (tuple keys in the dict's order), e.g. ``{"reqs": [1, 2, 4, 8],
+            "draft": [1, 2, 4]}``; each input then declares
+            ``BatchInput(dims=...)``. See :mod:`graphrunner.keys`.
         backend: ``"full"``, ``"breakable"`` (default), ``"eager"``, or a
             backend instance (then ``device``, ``group``, ``warmups`` and
             ``trace`` come from it).
@@ -214,6 +220,14 @@ class GraphRunner:
             mismatch (hang or garbage).
         inference_mode: run capture and eager fallbacks under
             ``torch.inference_mode()`` (default ``True``).
+        outputs: the leading dims of the outputs, sliced on every one of
+            them: a dims tuple for every tensor of the output, or ``{key:
+            dims}`` for a dict output (``()`` returns that output whole).
+            Unlisted keys and ``None`` take the first input's dims.
+        keys: ``None`` (capture every combination of buckets) or a list of
+            keys to capture; it must include the key that covers all others.
+            A call takes the smallest captured key covering its sizes, else
+            it falls back.
 
     Every configuration error (buckets, backend name, fallback, padding
     ratio, inputs) raises ``ValueError``/``TypeError`` here, before any
@@ -227,23 +241,29 @@ class GraphRunner:
     returned (fresh tensors), sliced to the batch.
 
     **Per call** (:meth:`__call__` / :meth:`run`): validate names, dtypes,
-    trailing shapes and a common batch ``n >= 1`` (``ValueError``/
+    trailing shapes and common sizes ``>= 1`` in every dim (``ValueError``/
     ``TypeError`` naming the input; the runner stays usable); pick the
-    smallest bucket ``b >= n``; copy the inputs into rows ``[0, n)`` of the
-    static buffers and set rows ``[n, b)`` to each input's pad value; replay
-    ``b``; return the outputs sliced to ``n`` rows. No device sync.
+    smallest captured key covering the sizes (with ``buckets=[...]``: the
+    smallest bucket ``b >= n``); copy the inputs into the leading region of
+    the static buffers and set the rest of the key's region to each input's
+    pad value (where an earlier call left data); replay the key; return the
+    outputs sliced to the sizes on their declared dims. No device sync.
 
     **Multi-rank agreement** (group with ``size > 1`` and
-    ``agree_bucket=True``): each call makes exactly two scalar collectives
-    on ``group`` and no other group traffic: ``N = group.all_max(n)``, then
-    ``ok = group.all_min(e)`` where ``e`` is 1 if this rank can replay the
-    bucket chosen for ``N``, 0 if not, and -1 if this rank's inputs were
-    invalid. All ranks then replay the same bucket (``ok == 1``), all fall
-    back eagerly with their inputs padded to ``N`` rows so that collectives
-    inside ``step`` see equal shapes (``ok == 0``), or all raise
-    (``ok == -1``: the invalid rank its own error, the others
-    :class:`~graphrunner.errors.GraphRunnerError`). Size-1 groups make no
-    group calls at all.
+    ``agree_bucket=True``): each call makes exactly one collective on
+    ``group`` and no other group traffic: ``group.all_max_vector([*sizes,
+    invalid])`` (:func:`graphrunner.keys.agree`). The key is chosen from the
+    agreed sizes; all ranks then replay it, or all fall back eagerly with
+    their inputs padded to the agreed sizes so that collectives inside
+    ``step`` see equal shapes (no key, padding ratio, or a key some rank
+    cannot replay: exchanged once at capture), or all raise (``invalid``:
+    the invalid rank its own error, the others
+    :class:`~graphrunner.errors.GraphRunnerError`). An agreed size below
+    this rank's own raises :class:`~graphrunner.keys.AgreementError`.
+    :meth:`capture` first compares the ranks' configuration and then each
+    captured key (:mod:`graphrunner.fingerprint`), raising
+    :class:`~graphrunner.errors.CaptureError` on every rank on any
+    difference. Size-1 groups make no group calls at all.
     """
 
     #: Exchange the capture fingerprint across ranks (False is UNSAFE, for the tests'
