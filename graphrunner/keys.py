@@ -158,6 +158,27 @@ class KeySpace:
             return f"batch {sizes[0]}"
         return ", ".join(f"{d}={n}" for d, n in zip(self.dims, sizes))
 
+    def why(self, sizes: Sizes, rows: Sizes, reason: str) -> str:
+        """Why no key serves a call of local ``sizes`` agreed to ``rows`` (for ``fallback='error'``)."""
+        space = self
+        if space.legacy:
+            n, r = sizes[0], rows[0]
+            where = f"the agreed batch {r} (max over ranks; this rank has {n})" if r != n else f"batch {n}"
+            if reason == OVER_MAX:
+                return f"{where} exceeds the largest bucket {self.maxes[0]}"
+            if reason == PADDING:
+                b = next(x for x in self.buckets[LEGACY_DIM] if x >= r)
+                return (f"{where} would pad bucket {b} with {b - r} rows, more than max_padding_ratio="
+                        f"{self.max_padding_ratio}")
+            return f"bucket for {where} cannot be replayed on every rank"
+        where = (f"the agreed sizes ({space.describe(rows)}; max over ranks; this rank has {space.describe(sizes)})"
+                 if rows != sizes else f"sizes ({space.describe(sizes)})")
+        if reason == OVER_MAX:
+            return f"no captured key covers {where} (keys: {[self.external(k) for k in self.keys]})"
+        if reason == PADDING:
+            return f"every captured key covering {where} pads some dim by more than max_padding_ratio={self.max_padding_ratio}"
+        return f"the key for {where} cannot be replayed on every rank"
+
     def fingerprint(self) -> Dict[str, Any]:
         """The configuration ranks must share: dims, bucket lists, keys, padding ratio."""
         return {"dims": list(self.dims), "buckets": {d: list(b) for d, b in self.buckets.items()},

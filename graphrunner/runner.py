@@ -36,7 +36,8 @@ from graphrunner.buckets import default_buckets
 from graphrunner import fingerprint
 from graphrunner._pytree import describe
 from graphrunner.errors import CaptureError, GraphRunnerError, RankTimeoutError
-from graphrunner.keys import (CANNOT, LEGACY_DIM, OVER_MAX, PADDING, KeySpace, agree, all_max_vector, check_dims,
+from graphrunner.inputs import BatchInput, alias_error, diagnose
+from graphrunner.keys import (CANNOT, LEGACY_DIM, KeySpace, agree, all_max_vector,
                               count_leaves, padding_regions, region, resolve_input_dims, resolve_output_dims,
                               slice_leaves)
 from graphrunner.progress import CaptureProgress
@@ -49,49 +50,6 @@ logger = logging.getLogger("graphrunner")
 _Tensor = torch.Tensor
 _BACKENDS = ("full", "breakable", "eager")
 _FALLBACKS = ("eager", "error")
-
-
-@dataclass(frozen=True)
-class BatchInput:
-    """Declares one input of the step, padded on its leading (named) dims.
-
-    A tensor passed for this input has shape ``(*sizes, *trailing)`` and
-    exactly ``dtype`` (no implicit casts), where ``sizes`` has one entry per
-    name in ``dims``: ``dims=("reqs", "draft")`` is a ``[reqs, draft, *trailing]``
-    tensor, ``dims=("tokens",)`` a flattened ragged token axis. ``dims=None``
-    (the default) is the runner's only dim (with ``buckets=[...]`` that is
-    the batch, dim 0, as before dims existed). The runner keeps one static
-    buffer of shape ``(*largest key, *trailing)``; cells beyond the real sizes
-    (padding) are set to ``pad`` before a replay, so pick a value the step
-    handles harmlessly (token id 0, position 0, zeros).
-    """
-
-    trailing: Tuple[int, ...] = ()
-    dtype: torch.dtype = torch.float32
-    pad: Any = 0
-    dims: Optional[Tuple[str, ...]] = None
-
-    def __post_init__(self) -> None:
-        trailing = self.trailing
-        if isinstance(trailing, int) and not isinstance(trailing, bool):
-            trailing = (trailing,)
-        try:
-            trailing = tuple(trailing)
-        except TypeError:
-            raise TypeError(f"BatchInput.trailing must be a tuple of ints, got {self.trailing!r}") from None
-        for d in trailing:
-            if isinstance(d, bool) or not isinstance(d, int) or d < 0:
-                raise ValueError(f"BatchInput.trailing must hold ints >= 0, got {self.trailing!r}")
-        object.__setattr__(self, "trailing", trailing)
-        if not isinstance(self.dtype, torch.dtype):
-            raise TypeError(f"BatchInput.dtype must be a torch.dtype such as torch.long, got {self.dtype!r}")
-        if isinstance(self.pad, torch.Tensor) or not isinstance(self.pad, (bool, int, float)):
-            raise TypeError(f"BatchInput.pad must be a Python number, got {type(self.pad).__name__} ({self.pad!r})")
-        if (not self.dtype.is_floating_point and not self.dtype.is_complex and isinstance(self.pad, float)
-                and not float(self.pad).is_integer()):
-            raise ValueError(f"BatchInput.pad {self.pad!r} is not representable in {self.dtype}")
-        if self.dims is not None:
-            object.__setattr__(self, "dims", check_dims(self.dims, "BatchInput.dims"))
 
 
 @dataclass
@@ -860,7 +818,7 @@ class GraphRunner:
                   copy_outputs: bool) -> Any:
         space = self._space
         if self.fallback == "error":
-            raise ValueError(f"GraphRunner(fallback='error'): {self._no_key_why(sizes, rows, reason)}; "
+            raise ValueError(f"GraphRunner(fallback='error'): {space.why(sizes, rows, reason)}; "
                              + ("add a bucket" if space.legacy else "add a bucket or key")
                              + ", raise max_padding_ratio, or use fallback='eager'")
         kwargs: Dict[str, torch.Tensor] = {}
@@ -895,92 +853,13 @@ class GraphRunner:
                      space.describe(rows))
         return _clone(out) if copy_outputs else out
 
-    def _no_key_why(self, sizes: Tuple[int, ...], rows: Tuple[int, ...], reason: str) -> str:
-        """Why no key serves a call (for ``fallback='error'``)."""
-        space = self._space
-        if space.legacy:
-            n, r = sizes[0], rows[0]
-            where = f"the agreed batch {r} (max over ranks; this rank has {n})" if r != n else f"batch {n}"
-            if reason == OVER_MAX:
-                return f"{where} exceeds the largest bucket {self.max_batch}"
-            if reason == PADDING:
-                b = next(x for x in self.buckets if x >= r)
-                return (f"{where} would pad bucket {b} with {b - r} rows, more than max_padding_ratio="
-                        f"{self.max_padding_ratio}")
-            return f"bucket for {where} cannot be replayed on every rank"
-        where = (f"the agreed sizes ({space.describe(rows)}; max over ranks; this rank has {space.describe(sizes)})"
-                 if rows != sizes else f"sizes ({space.describe(sizes)})")
-        if reason == OVER_MAX:
-            return f"no captured key covers {where} (keys: {self.keys})"
-        if reason == PADDING:
-            return f"every captured key covering {where} pads some dim by more than max_padding_ratio={self.max_padding_ratio}"
-        return f"the key for {where} cannot be replayed on every rank"
-
     def _alias_error(self, name: str, t: torch.Tensor) -> Optional[Exception]:
-        """The error for an input whose memory starts inside one of the
-        runner's static buffers (other than exactly its own leading region,
-        contiguous), else ``None``. Copying from such a tensor would read
-        cells that this same call overwrites."""
-        ptr = t.data_ptr()
-        for (lo, hi), other in zip(self._ranges, self._names):
-            if lo <= ptr < hi and not (other == name and ptr == lo and t.is_contiguous()):
-                return ValueError(
-                    f"GraphRunner: input {name!r} aliases the runner's static buffer of input {other!r} (a view of "
-                    f"runner.static_inputs[{other!r}] or of its memory): the call would overwrite what it reads. "
-                    "Pass a separate tensor (e.g. .clone())")
-        return None
+        """The error for an input that starts inside a static buffer, else ``None`` (:func:`alias_error`)."""
+        return alias_error(self._ranges, self._names, name, t)
 
     def _input_error(self, inputs: Any) -> Exception:
         """Diagnose invalid call inputs (slow path) and return the error to raise."""
-        if not isinstance(inputs, Mapping):
-            return TypeError(f"GraphRunner inputs must be passed as keywords {list(self._names)}, got {type(inputs).__name__}")
-        missing = [k for k in self._names if k not in inputs]
-        extra = [k for k in inputs if k not in self.inputs]
-        if missing or extra:
-            parts = []
-            if missing:
-                parts.append(f"missing input(s) {missing}")
-            if extra:
-                parts.append(f"unexpected input(s) {extra}")
-            return ValueError(f"GraphRunner: {' and '.join(parts)}; the step takes exactly {list(self._names)}")
-        legacy = self._space.legacy
-        seen: Dict[int, Tuple[int, str]] = {}
-        for name, spec in self.inputs.items():
-            t = inputs[name]
-            didx = self._in_dims[name]
-            if not isinstance(t, torch.Tensor):
-                return TypeError(f"GraphRunner: input {name!r} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dtype != spec.dtype:
-                return ValueError(f"GraphRunner: input {name!r} has dtype {t.dtype}, expected {spec.dtype}; "
-                                  f"convert it with .to({spec.dtype})")
-            if t.dim() != len(spec.trailing) + len(didx) or tuple(t.shape[len(didx):]) != spec.trailing:
-                lead = "batch" if legacy else ", ".join(self.dims[d] for d in didx)
-                return ValueError(f"GraphRunner: input {name!r} has shape {list(t.shape)}, expected "
-                                  f"[{lead}, {', '.join(map(str, spec.trailing))}]".replace(", ]", "]")
-                                  + f" (trailing shape {spec.trailing})")
-            if t.is_meta:
-                return ValueError(f"GraphRunner: input {name!r} is on the meta device (shape only, no data); "
-                                  "pass a tensor that holds its values")
-            err = self._alias_error(name, t)
-            if err is not None:
-                return err
-            for j, d in enumerate(didx):
-                v = t.shape[j]
-                if d not in seen:
-                    seen[d] = (v, name)
-                elif seen[d][0] != v:
-                    if legacy:
-                        return ValueError(f"GraphRunner: input {name!r} has batch {v} but input {seen[d][1]!r} has "
-                                          f"batch {seen[d][0]}; all inputs share dim 0")
-                    return ValueError(f"GraphRunner: input {name!r} has {self.dims[d]}={v} (dim {j}) but input "
-                                      f"{seen[d][1]!r} has {self.dims[d]}={seen[d][0]}; inputs sharing a dim name "
-                                      "must agree on its size")
-        zero = [self.dims[d] for d, (v, _) in sorted(seen.items()) if v == 0]
-        if zero:
-            if legacy:
-                return ValueError("GraphRunner: batch 0 (every input has 0 rows); call the runner only with >= 1 row")
-            return ValueError(f"GraphRunner: size 0 in dim(s) {zero}; call the runner only with sizes >= 1")
-        return ValueError("GraphRunner: invalid inputs")  # pragma: no cover - the fast check found a mismatch
+        return diagnose(inputs, self.inputs, self._in_dims, self.dims, self._space.legacy, self._alias_error)
 
 
 def _clone(out: Any) -> Any:
