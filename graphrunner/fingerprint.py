@@ -32,7 +32,7 @@ _MAX_TEXT = 4000  # bytes of a field's text gathered for the message
 
 def canonical(value: Any) -> str:
     """A stable text of ``value`` (JSON with sorted keys; ``repr`` for anything JSON cannot hold)."""
-    return json.dumps(value, sort_keys=True, default=repr, separators=(",", ":"))
+    return json.dumps(value, sort_keys=True, default=repr, separators=(",", ":"), ensure_ascii=False)
 
 
 def _hash(text: str) -> int:

@@ -56,13 +56,15 @@ _FALLBACKS = ("eager", "error")
 class RunnerStats:
     """Counters of a :class:`GraphRunner` (``runner.stats``).
 
-    ``replays`` maps each bucket to the number of calls that replayed it;
+    ``replays`` maps each bucket (each key: a tuple with several named
+    dims) to the number of calls that replayed it;
     ``fallbacks`` counts calls that ran eagerly, ``fallback_reasons`` splits
     them by reason (``"over_max_bucket"``, ``"padding_ratio"``,
     ``"cannot_replay"``: this or, with agreement, another rank cannot replay
     the agreed bucket); ``padding_rows`` counts the padding rows computed
     (replays, and multi-rank eager fallbacks padded to the agreed batch) and
-    ``real_rows`` the caller's rows. ``last_bucket`` is the bucket the most
+    ``real_rows`` the caller's rows (with several dims: cells, the product
+    of the sizes). ``last_bucket`` is the bucket (key) the most
     recent call replayed, ``None`` when it fell back. Calls that raised
     (invalid inputs, ``fallback="error"``) are not counted.
     """
