@@ -12,7 +12,14 @@ Prints the per-call medians and their ratio (target <= 1.25x) and writes JSON
 (``--out``, default ``bench/results/runner_overhead.json``). Not a test: it
 never fails on a timing.
 
-    python bench/runner_overhead.py [--backend full|breakable] [--hidden 256] [--reps 7]
+With ``--agree-ranks N`` (N >= 2) it also runs N gloo processes, each serving
+its own random batch sizes through a multi-rank runner, and times the per-call
+cost of the agreement side by side, interleaved: ``one`` (today's one
+``all_max_vector`` per call) against ``two`` (the same runner with the old
+protocol's two scalar collectives per call, ``all_max`` then ``all_min``,
+through a shim group), plus the bare collectives alone.
+
+    python bench/runner_overhead.py [--backend full|breakable] [--hidden 256] [--reps 7] [--agree-ranks 2]
 """
 
 from __future__ import annotations
@@ -65,8 +72,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (default 1: per-call timings on a shared CPU stay stable)")
+    ap.add_argument("--agree-ranks", type=int, default=0,
+                    help="also time the multi-rank agreement (one vs two collectives per call) on N gloo ranks")
     ap.add_argument("--out", default=os.path.join("bench", "results", "runner_overhead.json"))
     args = ap.parse_args(argv)
+    if args.agree_ranks == 1 or args.agree_ranks < 0:
+        ap.error("--agree-ranks must be 0 (off) or >= 2")
 
     torch.set_num_threads(max(1, args.threads))
     vocab, buckets = 1000, [1, 2, 4, 8, 16, 32]
@@ -163,8 +174,120 @@ def main(argv=None) -> dict:
     print(f"  GraphRunner  : {med['runner'] * 1e6:9.1f} us/call  (+{result['overhead_us']:.1f} us)")
     print(f"  ratio        : {ratio:9.3f}x  (target <= 1.25x; medians)  "
           f"{best['runner'] / best['minimal']:.3f}x (best rounds)")
+    if args.agree_ranks:
+        agreement = run_agreement(args)
+        result["agreement"] = agreement
+        us = agreement["per_call_us"]
+        print(f"agreement on {args.agree_ranks} gloo ranks ({args.calls} calls x {args.reps} interleaved rounds, rank 0)")
+        print(f"  runner, two collectives/call (old) : {us['runner_two']:9.1f} us/call")
+        print(f"  runner, one collective/call (now)  : {us['runner_one']:9.1f} us/call  "
+              f"ratio now/old {agreement['ratio_runner_one_over_two']:.3f}x")
+        print(f"  bare all_max + all_min             : {us['bare_two']:9.1f} us/call")
+        print(f"  bare all_max_vector                : {us['bare_one']:9.1f} us/call  "
+              f"ratio {agreement['ratio_bare_one_over_two']:.3f}x")
     write_json(args.out, result, announce=True)
     return result
+
+
+class _TwoCollectives:
+    """The old per-call agreement on a real group: ``all_max`` of the batch,
+    then ``all_min`` of the flag (two collectives), behind ``all_max_vector``."""
+
+    def __init__(self, inner):
+        self.inner, self.rank, self.size = inner, inner.rank, inner.size
+
+    def barrier(self, **kw):
+        return self.inner.barrier(**kw)
+
+    def all_max(self, v, **kw):
+        return self.inner.all_max(v, **kw)
+
+    def all_min(self, v, **kw):
+        return self.inner.all_min(v, **kw)
+
+    def all_max_vector(self, v, **kw):
+        sizes = [self.inner.all_max(x, **kw) for x in v[:-1]]
+        return sizes + [-self.inner.all_min(-v[-1], **kw)]
+
+
+def _agreement_rank(rank, world, init, args, queue):
+    import torch.distributed as dist
+
+    from graphrunner.group import TorchDistGroup
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        group = TorchDistGroup(timeout=60)
+        buckets = [1, 2, 4, 8, 16, 32]
+        inputs = {"x": BatchInput(trailing=(args.hidden,), dtype=torch.float32, pad=0.0)}
+        runner = GraphRunner(lambda x: x * 2.0, inputs, buckets, backend=args.backend, device="tape",
+                             group=group, progress=False)
+        runner.capture()
+        rng = random.Random(args.seed * 100 + rank)
+        batches = [torch.randn(rng.randint(1, buckets[-1]), args.hidden) for _ in range(args.calls)]
+        two = _TwoCollectives(group)
+
+        def runner_with(g):
+            def run():
+                runner.group = g
+                for b in batches:
+                    runner(x=b)
+            return run
+
+        def bare_two():
+            for b in batches:
+                group.all_max(b.shape[0], phase="bench", key=0)
+                group.all_min(1, phase="bench", key=0)
+
+        def bare_one():
+            for b in batches:
+                group.all_max_vector([b.shape[0], 0], phase="bench", key=0)
+
+        variants = {"runner_one": runner_with(group), "runner_two": runner_with(two),
+                    "bare_one": bare_one, "bare_two": bare_two}
+        for fn in variants.values():  # warm up
+            fn()
+        times = {k: [] for k in variants}
+        for rep in range(args.reps):
+            names = list(variants) if rep % 2 == 0 else list(reversed(variants))
+            for name in names:
+                group.barrier(phase="bench", key=rep)
+                t0 = time.perf_counter()
+                variants[name]()
+                times[name].append((time.perf_counter() - t0) / args.calls)
+        runner.group = group
+        queue.put((rank, times))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_agreement(args) -> dict:
+    """Time the agreement on ``args.agree_ranks`` gloo processes; rank 0's medians."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = "file://" + os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_agreement_rank, args=(r, args.agree_ranks, init, args, queue))
+                 for r in range(args.agree_ranks)]
+        for p in procs:
+            p.start()
+        got = dict(queue.get(timeout=600) for _ in procs)
+        for p in procs:
+            p.join(timeout=60)
+    times = got[0]
+    med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+    return {
+        "ranks": args.agree_ranks,
+        "per_call_us": med,
+        "per_call_us_all_rounds": {k: [x * 1e6 for x in v] for k, v in times.items()},
+        "ratio_runner_one_over_two": med["runner_one"] / med["runner_two"],
+        "ratio_bare_one_over_two": med["bare_one"] / med["bare_two"],
+    }
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import functools
 import inspect
 import logging
 from contextvars import ContextVar
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -207,6 +207,13 @@ class BreakableGraph:
     def num_segments(self) -> int:
         """Number of device-graph segments captured (empty segments are dropped)."""
         return len(self._graphs)
+
+    @property
+    def num_ops(self) -> Optional[int]:
+        """Aten ops recorded over all segments when every segment is a tape
+        graph (:attr:`TapeGraph.num_ops`), else ``None`` (CUDA graphs do not count them)."""
+        counts = [getattr(g, "num_ops", None) for g in self._graphs]
+        return None if any(c is None for c in counts) else sum(counts)
 
     @property
     def captured(self) -> bool:

@@ -1,7 +1,10 @@
 """Rank groups: the barrier and integer agreement the capture protocol needs.
 
 A *group* is any object with ``rank``, ``size``, ``barrier(phase=, key=)``,
-``all_max(value, phase=, key=)`` and ``all_min(value, phase=, key=)``. Callers
+``all_max(value, phase=, key=)`` and ``all_min(value, phase=, key=)``, and
+optionally ``all_max_vector(values, phase=, key=)`` (an element-wise max of a
+list of ints in ONE collective: the runner's per-call agreement; without it the
+runner issues one ``all_max`` per element). Callers
 in graphrunner always pass ``phase=`` and ``key=`` as keywords (they only name
 the step in error messages); a test fake must accept them (``**kwargs``).
 
@@ -22,7 +25,7 @@ import datetime
 import logging
 import operator
 import time
-from typing import Any, Hashable, Optional
+from typing import Any, Hashable, List, Optional
 
 import torch
 
@@ -43,6 +46,16 @@ def _check_int(value: Any, what: str) -> int:
         except TypeError:
             pass
     raise TypeError(f"{what} expects a Python int, got {type(value).__name__} ({value!r})")
+
+
+def _check_ints(values: Any, what: str) -> List[int]:
+    """``values`` as a non-empty list of ints; TypeError/ValueError otherwise."""
+    if isinstance(values, (str, bytes, torch.Tensor)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{what} expects a list of Python ints, got {type(values).__name__} ({values!r:.60})")
+    out = [_check_int(v, what) for v in values]
+    if not out:
+        raise ValueError(f"{what} expects at least one value")
+    return out
 
 
 def _bound_timeout(process_group: Any, seconds: float) -> None:
@@ -79,6 +92,10 @@ class LocalGroup:
         """Return ``value`` (the minimum over a single rank)."""
         return _check_int(value, "all_min")
 
+    def all_max_vector(self, values, phase: str = "", key: Optional[Hashable] = None) -> List[int]:
+        """Return ``values`` as a list of ints (the element-wise maximum over a single rank)."""
+        return _check_ints(values, "all_max_vector")
+
     def __repr__(self) -> str:
         return "LocalGroup(rank=0, size=1)"
 
@@ -103,7 +120,7 @@ class TorchDistGroup:
 
     Every method is a collective: all ranks of the group must call the same
     methods in the same order. Each is issued as an asynchronous
-    ``all_reduce`` of a one-element tensor and waited on with ``timeout``;
+    ``all_reduce`` of a one-element tensor (``all_max_vector``: one tensor of its values) and waited on with ``timeout``;
     a timeout *or any other failure of the collective* (gloo reports a dead
     peer as a ``RuntimeError`` such as "Connection closed by peer") is
     re-raised as ``RankTimeoutError`` naming this rank, the phase and the
@@ -147,8 +164,11 @@ class TorchDistGroup:
         return f"TorchDistGroup(rank={self.rank}, size={self.size}, backend={self.backend_name!r}, timeout={self.timeout})"
 
     def _reduce(self, value: int, op: Any, what: str, phase: str, key: Optional[Hashable]) -> int:
+        return self._reduce_list([value], op, what, phase, key)[0]
+
+    def _reduce_list(self, values: List[int], op: Any, what: str, phase: str, key: Optional[Hashable]) -> List[int]:
         dist = self._dist
-        t = torch.tensor([value], dtype=torch.int64, device=self._device)
+        t = torch.tensor(values, dtype=torch.int64, device=self._device)
         where = f"{what} in phase {phase or '<unnamed>'!r} for shape key {key!r}"
         try:
             deadline = time.monotonic() + self.timeout
@@ -171,7 +191,7 @@ class TorchDistGroup:
             )
             logger.error(msg)
             raise RankTimeoutError(msg) from exc
-        return int(t.item())
+        return [int(v) for v in t.tolist()]
 
     def barrier(self, phase: str = "", key: Optional[Hashable] = None) -> None:
         """Block until every rank of the group reached this barrier.
@@ -194,3 +214,12 @@ class TorchDistGroup:
         Raises ``RankTimeoutError`` like :meth:`barrier`.
         """
         return self._reduce(_check_int(value, "all_min"), self._dist.ReduceOp.MIN, "all_min", phase, key)
+
+    def all_max_vector(self, values, phase: str = "", key: Optional[Hashable] = None) -> List[int]:
+        """Return the element-wise maximum of the int list ``values`` over all
+        ranks, in ONE collective (every rank passes a list of the same length).
+
+        Raises ``RankTimeoutError`` like :meth:`barrier`.
+        """
+        return self._reduce_list(_check_ints(values, "all_max_vector"), self._dist.ReduceOp.MAX,
+                                 "all_max_vector", phase, key)

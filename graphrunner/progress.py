@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 import time
 from typing import Any, Optional, TextIO
+from graphrunner.report import key_text
 
 __all__ = ["CaptureProgress", "StatusLine"]
 
@@ -89,7 +90,7 @@ class CaptureProgress:
             else:
                 self._bar = tqdm(total=total, desc=desc, unit="bucket", file=self.stream, leave=True)
 
-    def start(self, i: int, bucket: int) -> None:
+    def start(self, i: int, bucket: Any) -> None:
         """Show that bucket ``bucket`` (the ``i``-th, 0-based) is being captured."""
         if not self.enabled:
             return
@@ -97,9 +98,9 @@ class CaptureProgress:
         if self._bar is not None:
             if i:
                 self._bar.update(1)
-            self._bar.set_postfix_str(f"bucket {bucket}")
+            self._bar.set_postfix_str(f"bucket {key_text(bucket)}")
             return
-        self._line.write(f"{self.desc}: bucket {bucket:>5} ({i + 1}/{self.total}) {elapsed:7.2f}s")
+        self._line.write(f"{self.desc}: bucket {key_text(bucket):>5} ({i + 1}/{self.total}) {elapsed:7.2f}s")
 
     def close(self, ok: bool = True) -> None:
         """Finish the bar with the total elapsed time (``ok=False``: failed)."""

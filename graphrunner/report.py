@@ -40,7 +40,7 @@ class BucketReport:
     ``info`` is the backend's full ``info(key)`` dict.
     """
 
-    bucket: int
+    bucket: Any
     capture_seconds: float
     graph_capture_seconds: float
     num_segments: int
@@ -51,7 +51,7 @@ class BucketReport:
     def to_dict(self) -> Dict[str, Any]:
         """A JSON-ready dict (``info`` included, values made JSON-safe)."""
         return {
-            "bucket": self.bucket,
+            "bucket": list(self.bucket) if isinstance(self.bucket, tuple) else self.bucket,
             "capture_seconds": self.capture_seconds,
             "graph_capture_seconds": self.graph_capture_seconds,
             "num_segments": self.num_segments,
@@ -133,7 +133,7 @@ class CaptureReport:
         cols = f"{'bucket':>7} {'capture_s':>10} {'graph_s':>9} {'segments':>9} {'breaks':>7} {'bytes_held':>12}"
         lines = [head, cols, "-" * len(cols)]
         for b in self.buckets:
-            lines.append(f"{b.bucket:>7} {b.capture_seconds:>10.4f} {b.graph_capture_seconds:>9.4f} "
+            lines.append(f"{key_text(b.bucket):>7} {b.capture_seconds:>10.4f} {b.graph_capture_seconds:>9.4f} "
                          f"{b.num_segments:>9} {b.num_breaks:>7} {format_bytes(b.bytes_held):>12}")
         lines.append("-" * len(cols))
         lines.append(f"{'total':>7} {sum(b.capture_seconds for b in self.buckets):>10.4f} "
@@ -148,3 +148,8 @@ class CaptureReport:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def key_text(key: Any) -> str:
+    """A shape key for a table cell: ``8`` for an int, ``8x4`` for a tuple."""
+    return "x".join(map(str, key)) if isinstance(key, tuple) else str(key)

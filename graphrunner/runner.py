@@ -11,7 +11,9 @@ bucket), picks the smallest bucket that holds a batch, pads, replays through a
 backend (:mod:`graphrunner.backends`), slices the outputs back to the real
 batch and falls back to eager PyTorch when no bucket fits. With a multi-rank
 ``group`` every call makes all ranks replay the same bucket (or all fall back
-together). See ``docs/runner.md``.
+together). Keys with several named dims, the key choice, padding regions and
+the agreement vector live in :mod:`graphrunner.keys`; the cross-rank capture
+check in :mod:`graphrunner.fingerprint`. See ``docs/runner.md``.
 """
 
 from __future__ import annotations
@@ -23,15 +25,21 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from graphrunner.backends.base import GraphBackend
 from graphrunner.backends.outputs import flatten as _flatten_out
 from graphrunner.backends.outputs import unflatten as _unflatten_out
-from graphrunner.buckets import _check_ratio, bucket_table, default_buckets, validate_buckets
+from graphrunner.buckets import default_buckets
+from graphrunner import fingerprint
+from graphrunner._pytree import describe
 from graphrunner.errors import CaptureError, GraphRunnerError, RankTimeoutError
+from graphrunner.inputs import BatchInput, alias_error, diagnose
+from graphrunner.keys import (CANNOT, LEGACY_DIM, KeySpace, agree, all_max_vector,
+                              count_leaves, padding_regions, region, resolve_input_dims, resolve_output_dims,
+                              slice_leaves)
 from graphrunner.progress import CaptureProgress
 from graphrunner.report import BucketReport, CaptureReport
 
@@ -44,53 +52,19 @@ _BACKENDS = ("full", "breakable", "eager")
 _FALLBACKS = ("eager", "error")
 
 
-@dataclass(frozen=True)
-class BatchInput:
-    """Declares one batch-major input of the step.
-
-    A tensor passed for this input has shape ``(batch, *trailing)`` and
-    exactly ``dtype`` (no implicit casts). The runner keeps one static buffer
-    of shape ``(largest_bucket, *trailing)``; rows beyond the real batch
-    (padding rows) are set to ``pad`` before a replay, so pick a value the
-    step handles harmlessly (token id 0, position 0, zeros).
-    """
-
-    trailing: Tuple[int, ...] = ()
-    dtype: torch.dtype = torch.float32
-    pad: Any = 0
-
-    def __post_init__(self) -> None:
-        trailing = self.trailing
-        if isinstance(trailing, int) and not isinstance(trailing, bool):
-            trailing = (trailing,)
-        try:
-            trailing = tuple(trailing)
-        except TypeError:
-            raise TypeError(f"BatchInput.trailing must be a tuple of ints, got {self.trailing!r}") from None
-        for d in trailing:
-            if isinstance(d, bool) or not isinstance(d, int) or d < 0:
-                raise ValueError(f"BatchInput.trailing must hold ints >= 0, got {self.trailing!r}")
-        object.__setattr__(self, "trailing", trailing)
-        if not isinstance(self.dtype, torch.dtype):
-            raise TypeError(f"BatchInput.dtype must be a torch.dtype such as torch.long, got {self.dtype!r}")
-        if isinstance(self.pad, torch.Tensor) or not isinstance(self.pad, (bool, int, float)):
-            raise TypeError(f"BatchInput.pad must be a Python number, got {type(self.pad).__name__} ({self.pad!r})")
-        if (not self.dtype.is_floating_point and not self.dtype.is_complex and isinstance(self.pad, float)
-                and not float(self.pad).is_integer()):
-            raise ValueError(f"BatchInput.pad {self.pad!r} is not representable in {self.dtype}")
-
-
 @dataclass
 class RunnerStats:
     """Counters of a :class:`GraphRunner` (``runner.stats``).
 
-    ``replays`` maps each bucket to the number of calls that replayed it;
+    ``replays`` maps each bucket (each key: a tuple with several named
+    dims) to the number of calls that replayed it;
     ``fallbacks`` counts calls that ran eagerly, ``fallback_reasons`` splits
     them by reason (``"over_max_bucket"``, ``"padding_ratio"``,
     ``"cannot_replay"``: this or, with agreement, another rank cannot replay
     the agreed bucket); ``padding_rows`` counts the padding rows computed
     (replays, and multi-rank eager fallbacks padded to the agreed batch) and
-    ``real_rows`` the caller's rows. ``last_bucket`` is the bucket the most
+    ``real_rows`` the caller's rows (with several dims: cells, the product
+    of the sizes). ``last_bucket`` is the bucket (key) the most
     recent call replayed, ``None`` when it fell back. Calls that raised
     (invalid inputs, ``fallback="error"``) are not counted.
     """
@@ -173,7 +147,11 @@ class GraphRunner:
             ``step`` and of every call.
         buckets: strictly increasing positive batch sizes, e.g.
             ``[1, 2, 4, 8]`` or :func:`default_buckets(max_batch)
-            <graphrunner.buckets.default_buckets>`.
+            <graphrunner.buckets.default_buckets>` (one dim, the batch; int
+            keys), or ``{dim: [sizes...]}`` for keys with several named dims
+            (tuple keys in the dict's order), e.g. ``{"reqs": [1, 2, 4, 8],
+            "draft": [1, 2, 4]}``; each input then declares
+            ``BatchInput(dims=...)``. See :mod:`graphrunner.keys`.
         backend: ``"full"``, ``"breakable"`` (default), ``"eager"``, or a
             backend instance (then ``device``, ``group``, ``warmups`` and
             ``trace`` come from it).
@@ -202,6 +180,14 @@ class GraphRunner:
             mismatch (hang or garbage).
         inference_mode: run capture and eager fallbacks under
             ``torch.inference_mode()`` (default ``True``).
+        outputs: the leading dims of the outputs, sliced on every one of
+            them: a dims tuple for every tensor of the output, or ``{key:
+            dims}`` for a dict output (``()`` returns that output whole).
+            Unlisted keys and ``None`` take the first input's dims.
+        keys: ``None`` (capture every combination of buckets) or a list of
+            keys to capture; it must include the key that covers all others.
+            A call takes the smallest captured key covering its sizes, else
+            it falls back.
 
     Every configuration error (buckets, backend name, fallback, padding
     ratio, inputs) raises ``ValueError``/``TypeError`` here, before any
@@ -215,24 +201,34 @@ class GraphRunner:
     returned (fresh tensors), sliced to the batch.
 
     **Per call** (:meth:`__call__` / :meth:`run`): validate names, dtypes,
-    trailing shapes and a common batch ``n >= 1`` (``ValueError``/
+    trailing shapes and common sizes ``>= 1`` in every dim (``ValueError``/
     ``TypeError`` naming the input; the runner stays usable); pick the
-    smallest bucket ``b >= n``; copy the inputs into rows ``[0, n)`` of the
-    static buffers and set rows ``[n, b)`` to each input's pad value; replay
-    ``b``; return the outputs sliced to ``n`` rows. No device sync.
+    smallest captured key covering the sizes (with ``buckets=[...]``: the
+    smallest bucket ``b >= n``); copy the inputs into the leading region of
+    the static buffers and set the rest of the key's region to each input's
+    pad value (where an earlier call left data); replay the key; return the
+    outputs sliced to the sizes on their declared dims. No device sync.
 
     **Multi-rank agreement** (group with ``size > 1`` and
-    ``agree_bucket=True``): each call makes exactly two scalar collectives
-    on ``group`` and no other group traffic: ``N = group.all_max(n)``, then
-    ``ok = group.all_min(e)`` where ``e`` is 1 if this rank can replay the
-    bucket chosen for ``N``, 0 if not, and -1 if this rank's inputs were
-    invalid. All ranks then replay the same bucket (``ok == 1``), all fall
-    back eagerly with their inputs padded to ``N`` rows so that collectives
-    inside ``step`` see equal shapes (``ok == 0``), or all raise
-    (``ok == -1``: the invalid rank its own error, the others
-    :class:`~graphrunner.errors.GraphRunnerError`). Size-1 groups make no
-    group calls at all.
+    ``agree_bucket=True``): each call makes exactly one collective on
+    ``group`` and no other group traffic: ``group.all_max_vector([*sizes,
+    invalid])`` (:func:`graphrunner.keys.agree`). The key is chosen from the
+    agreed sizes; all ranks then replay it, or all fall back eagerly with
+    their inputs padded to the agreed sizes so that collectives inside
+    ``step`` see equal shapes (no key, padding ratio, or a key some rank
+    cannot replay: exchanged once at capture), or all raise (``invalid``:
+    the invalid rank its own error, the others
+    :class:`~graphrunner.errors.GraphRunnerError`). An agreed size below
+    this rank's own raises :class:`~graphrunner.keys.AgreementError`.
+    :meth:`capture` first compares the ranks' configuration and then each
+    captured key (:mod:`graphrunner.fingerprint`), raising
+    :class:`~graphrunner.errors.CaptureError` on every rank on any
+    difference. Size-1 groups make no group calls at all.
     """
+
+    #: Exchange the capture fingerprint across ranks (False is UNSAFE, for the tests'
+    #: negative controls only: mismatched ranks then replay mismatched graphs silently).
+    _check_fingerprint = True
 
     def __init__(
         self,
@@ -252,6 +248,8 @@ class GraphRunner:
         progress: bool = True,
         agree_bucket: bool = True,
         inference_mode: bool = True,
+        outputs: Any = None,
+        keys: Optional[Sequence[Any]] = None,
     ) -> None:
         if not callable(step):
             raise TypeError(f"step must be callable as step(**inputs), got {type(step).__name__}")
@@ -263,10 +261,19 @@ class GraphRunner:
             if not isinstance(spec, BatchInput):
                 raise TypeError(f"inputs[{name!r}] must be a gr.BatchInput(trailing=..., dtype=..., pad=...), "
                                 f"got {type(spec).__name__}")
-        self.buckets: List[int] = validate_buckets(buckets)
         if fallback not in _FALLBACKS:
             raise ValueError(f"fallback must be one of {_FALLBACKS}, got {fallback!r}")
-        self.max_padding_ratio = _check_ratio(max_padding_ratio)
+        self._space = KeySpace(buckets, keys, max_padding_ratio)
+        space = self._space
+        #: ``buckets`` as given: a list (one dim, int keys) or ``{dim: [sizes...]}`` (tuple keys).
+        self.buckets: Any = space.buckets[LEGACY_DIM] if space.legacy else {d: list(v) for d, v in space.buckets.items()}
+        #: The runner's dim names, in key order (``("batch",)`` with ``buckets=[...]``).
+        self.dims: Tuple[str, ...] = space.dims
+        #: Every key captured, smallest first (ints with ``buckets=[...]``, else tuples).
+        self.keys: List[Any] = [space.external(k) for k in space.keys]
+        self.max_padding_ratio = space.max_padding_ratio
+        self._in_dims = resolve_input_dims(inputs, space)
+        self._out_dims = resolve_output_dims(outputs, self._in_dims[next(iter(inputs))], space)
         if post_warmup_hook is not None and not callable(post_warmup_hook):
             raise TypeError(f"post_warmup_hook must be callable as hook(bucket) or None, got {type(post_warmup_hook).__name__}")
 
@@ -294,28 +301,33 @@ class GraphRunner:
             logger.warning("GraphRunner(agree_bucket=False) on a %d-rank group: ranks may replay different "
                            "buckets (unsafe; for tests only)", self.world_size)
 
-        self.max_batch = self.buckets[-1]
-        self._table = bucket_table(self.buckets, self.max_padding_ratio)
+        #: The largest bucket of the first dim (the batch with ``buckets=[...]``).
+        self.max_batch = space.maxes[0]
+        maxes = space.maxes
         tdev = getattr(self.device, "torch_device", torch.device("cpu"))
         self.torch_device = torch.device(tdev)
         with torch.inference_mode(False):  # normal tensors: writable outside inference mode
             self._buffers: Dict[str, torch.Tensor] = {
-                name: torch.full((self.max_batch, *spec.trailing), spec.pad, dtype=spec.dtype, device=self.torch_device)
+                name: torch.full((*(maxes[d] for d in self._in_dims[name]), *spec.trailing), spec.pad,
+                                 dtype=spec.dtype, device=self.torch_device)
                 for name, spec in self.inputs.items()
             }
         self._names = tuple(self.inputs)
         self._n_inputs = len(self._names)
-        self._checks = tuple((s.dtype, s.trailing, len(s.trailing) + 1) for s in self.inputs.values())
+        self._checks = tuple((s.dtype, s.trailing, len(s.trailing) + len(self._in_dims[n]), len(self._in_dims[n]),
+                              self._in_dims[n]) for n, s in self.inputs.items())
+        self._dim_idx = tuple(self._in_dims[n] for n in self._names)
         self._pads = tuple((self._buffers[n], s.pad) for n, s in self.inputs.items())
         # [start, end) byte address of every static buffer: an input that starts
         # inside one aliases the runner's own memory (checked before any write).
         self._ranges = tuple((buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size())
                              for buf, _ in self._pads)
         self._span = (min(lo for lo, _ in self._ranges), max(hi for _, hi in self._ranges))
-        self._filled = 0  # rows >= _filled of every buffer hold their pad value
-        self._in_views: List[Optional[List[torch.Tensor]]] = [None] * (self.max_batch + 1)
-        self._pad_views: Dict[Tuple[int, int], List[Tuple[torch.Tensor, Any]]] = {}  # (n, bucket) -> rows [n, bucket)
-        self.stats = RunnerStats(replays={b: 0 for b in self.buckets})
+        self._zero: Tuple[int, ...] = (0,) * len(self.dims)
+        self._filled = self._zero  # outside [:_filled[0], :_filled[1], ...] every buffer holds its pad value
+        self._in_views: Dict[Tuple[int, ...], List[torch.Tensor]] = {}  # sizes -> the inputs' real regions
+        self._pad_views: Dict[Tuple[Any, ...], List[Tuple[torch.Tensor, Any]]] = {}  # (sizes, key) -> padding regions
+        self.stats = RunnerStats(replays={k: 0 for k in self.keys})
         self.report: Optional[CaptureReport] = None
         self._captured = False
         self._capturing = False
@@ -334,15 +346,32 @@ class GraphRunner:
 
     @property
     def static_inputs(self) -> Dict[str, torch.Tensor]:
-        """The full static input buffers ``{name: (max_batch, *trailing)}``, for inspection; do not write them."""
+        """The full static input buffers ``{name: (*largest key on its dims, *trailing)}``
+        (``(max_batch, *trailing)`` with ``buckets=[...]``), for inspection; do not write them."""
         return dict(self._buffers)
 
-    def bucket_for(self, batch: int) -> Optional[int]:
-        """The bucket a local batch of ``batch`` rows replays, or ``None`` if it falls back
-        (ignores multi-rank agreement and whether the bucket was captured)."""
-        if 1 <= batch <= self.max_batch:
-            return self._table[batch]
-        return None
+    def bucket_for(self, batch: Any) -> Any:
+        """The key a local call of ``batch`` replays, or ``None`` if it falls back
+        (ignores multi-rank agreement and whether the key was captured).
+
+        ``batch`` is the batch size (an int) with ``buckets=[...]``, else a
+        tuple of sizes in :attr:`dims` order or a dict ``{dim: size}``.
+        """
+        sizes = self._sizes_of(batch)
+        if sizes is None or min(sizes) < 1:
+            return None
+        key, _ = self._space.choose(sizes)
+        return None if key is None else self._space.external(key)
+
+    key_for = bucket_for
+
+    def _sizes_of(self, batch: Any) -> Optional[Tuple[int, ...]]:
+        if isinstance(batch, Mapping):
+            unknown = [d for d in batch if d not in self.dims]
+            if unknown or len(batch) != len(self.dims):
+                raise ValueError(f"key_for: give one size per dim {self.dims}, got {dict(batch)!r}")
+            return tuple(int(batch[d]) for d in self.dims)
+        return self._space.internal(batch, what="key_for sizes")
 
     def __repr__(self) -> str:
         return (f"GraphRunner(backend={getattr(self.backend, 'name', type(self.backend).__name__)!r}, "
@@ -353,57 +382,95 @@ class GraphRunner:
         return torch.inference_mode() if self.inference_mode else contextlib.nullcontext()
 
     def _reset_replay_state(self) -> None:
-        self._replayable: Dict[int, bool] = {}
-        self._out_n: List[Any] = [None] * (self.max_batch + 1)
+        self._replayable: Dict[Tuple[int, ...], bool] = {}
+        self._out_n: Dict[Tuple[int, ...], Any] = {}
         self._out_spec: Optional[tuple] = None
+        self._last_output: Optional[str] = None  # the last captured forward's output, described
+        self._out_trailing: Optional[List[Tuple[int, ...]]] = None
         self._cache_outputs = isinstance(self.backend, GraphBackend)
         self._replay = self.backend.replay
 
     # -------------------------------------------------------------- capture
-    def _bucket_views(self, b: int) -> Dict[str, torch.Tensor]:
-        return {name: buf[:b] for name, buf in self._buffers.items()}
+    def _key_views(self, key: Tuple[int, ...]) -> Dict[str, torch.Tensor]:
+        return {name: buf[region(key, self._in_dims[name])] for name, buf in self._buffers.items()}
 
-    def _check_output(self, out: Any, b: int) -> None:
+    def _check_output(self, out: Any, key: Tuple[int, ...]) -> None:
         try:
-            _, leaves = _flatten_out(out, "step output")
+            spec, leaves = _flatten_out(out, "step output")
         except TypeError as exc:
             raise _StepOutputError(
-                f"step returned something that is not a pytree of tensors for bucket {b}: {exc}"
+                f"step returned something that is not a pytree of tensors for {self._key_text(key)}: {exc}"
             ) from None
-        for i, t in enumerate(leaves):
-            if t.dim() >= 1 and t.shape[0] != b:
+        idx = self._leaf_dims(spec, len(leaves))
+        self._last_output = describe(spec, leaves)
+        trailing = []
+        for i, (t, dims) in enumerate(zip(leaves, idx)):
+            want = tuple(key[d] for d in dims)
+            if t.dim() == 0:
+                trailing.append(())
+                continue
+            if tuple(t.shape[:len(want)]) != want:
+                if self._space.legacy:
+                    raise _StepOutputError(
+                        f"step output tensor {i} has shape {list(t.shape)} for bucket {key[0]}: every output tensor "
+                        f"must be batch-major (dim 0 == the {key[0]} input rows) or 0-dim, so the runner can slice "
+                        "it to the real batch. Return per-row results, or compute batch-independent values outside "
+                        "step.")
+                names = tuple(self.dims[d] for d in dims)
                 raise _StepOutputError(
-                    f"step output tensor {i} has shape {list(t.shape)} for bucket {b}: every output tensor must be "
-                    f"batch-major (dim 0 == the {b} input rows) or 0-dim, so the runner can slice it to the real "
-                    "batch. Return per-row results, or compute batch-independent values outside step."
-                )
+                    f"step output tensor {i} has shape {list(t.shape)} for {self._key_text(key)}: its leading dims "
+                    f"{names} (from outputs=) must be {list(want)}, so the runner can slice it to the real sizes. "
+                    "Declare each output's leading dims with outputs= (a dims tuple, or {key: dims} for a dict).")
+            trailing.append(tuple(t.shape[len(want):]))
+        if self._out_trailing is None:
+            self._out_trailing = trailing
+        else:
+            for i, (a, b) in enumerate(zip(self._out_trailing, trailing)):
+                if a != b:
+                    raise _StepOutputError(
+                        f"step output tensor {i} has trailing shape {list(b)} after its leading dims for "
+                        f"{self._key_text(key)}, but {list(a)} for the first key captured: only the dims declared "
+                        "in outputs= may change between keys. Declare that dim in outputs=")
 
-    def _make_forward(self, b: int, views: Dict[str, torch.Tensor]) -> Callable[[], Any]:
+    def _leaf_dims(self, spec: tuple, n_leaves: int) -> List[Tuple[int, ...]]:
+        """The runner-dim indices of the leading dims of every tensor leaf of an output with ``spec``."""
+        default, per_key = self._out_dims
+        if per_key and spec[0] == "dict":
+            idx: List[Tuple[int, ...]] = []
+            for k, child in zip(spec[2], spec[3]):
+                idx.extend([per_key.get(k, default)] * count_leaves(child))
+            return idx
+        return [default] * n_leaves
+
+    def _key_text(self, key: Tuple[int, ...]) -> str:
+        return f"bucket {key[0]}" if self._space.legacy else f"key {key} ({self._space.describe(key)})"
+
+    def _make_forward(self, key: Tuple[int, ...], views: Dict[str, torch.Tensor]) -> Callable[[], Any]:
         step = self.step
 
         def forward() -> Any:
             out = step(**views)
             if self._capturing:
-                self._check_output(out, b)
+                self._check_output(out, key)
             return out
 
-        forward.__qualname__ = f"GraphRunner.step[bucket={b}]"
+        forward.__qualname__ = f"GraphRunner.step[{'bucket' if self._space.legacy else 'key'}={self._space.external(key)}]"
         return forward
 
     def capture(self) -> CaptureReport:
-        """Capture every bucket, largest first, and return a :class:`CaptureReport`.
+        """Capture every key, largest first, and return a :class:`CaptureReport`.
 
         Runs inside one ``backend.capture_session()`` (garbage collected and
         frozen for its duration), under ``torch.inference_mode()`` unless
-        disabled; all buckets share the backend's pool and one output
+        disabled; all keys share the backend's pool and one output
         buffer. With a multi-rank group every rank must call ``capture()``
         (the protocol barriers). Draws a progress bar on rank 0 unless
         ``progress=False``. On any error the backend is cleaned up, the
         runner stays uncaptured, and the error propagates (a step output
-        that is not a pytree of batch-major tensors as ``TypeError``, other
-        failures as :class:`~graphrunner.errors.CaptureError` naming the
-        bucket). Raises ``CaptureError`` if already captured (call
-        :meth:`cleanup` first).
+        that is not a pytree of tensors with the declared leading dims as
+        ``TypeError``, other failures as
+        :class:`~graphrunner.errors.CaptureError` naming the key). Raises
+        ``CaptureError`` if already captured (call :meth:`cleanup` first).
         """
         if self._captured:
             raise CaptureError("GraphRunner.capture() was already called; call runner.cleanup() before capturing again")
@@ -414,23 +481,35 @@ class GraphRunner:
             self._leave()
 
     def _capture(self) -> CaptureReport:
-        order = list(reversed(self.buckets))
+        space = self._space
+        order = space.capture_order()
         bar = CaptureProgress(len(order), enabled=self.progress and self.rank == 0)
         reports: List[BucketReport] = []
         t0 = time.perf_counter()
         ok = False
         self._capturing = True
+        lead = max([len(self._out_dims[0])] + [len(v) for v in self._out_dims[1].values()])
+        extra = {"lead_dims": lead} if lead > 1 else {}
         try:
             with self._grad_ctx(), self.backend.capture_session():
-                for i, b in enumerate(order):
-                    bar.start(i, b)
-                    views = self._bucket_views(b)
-                    hook = (functools.partial(self.post_warmup_hook, b) if self.post_warmup_hook is not None else None)
-                    self.backend.capture_one(b, self._make_forward(b, views), capture_inputs=views,
-                                             post_warmup_hook=hook)
-                    info = dict(self.backend.info(b))
+                check_fp = self._check_fingerprint and self.world_size > 1
+                if check_fp:  # the first collective of the capture: before any barrier can mis-pair
+                    fingerprint.check(self.group, self._config_fields(), "configurations", key="config")
+                for i, key in enumerate(order):
+                    ext = space.external(key)
+                    bar.start(i, ext)
+                    views = self._key_views(key)
+                    hook = (functools.partial(self.post_warmup_hook, ext) if self.post_warmup_hook is not None else None)
+                    self.backend.capture_one(ext, self._make_forward(key, views), capture_inputs=views,
+                                             post_warmup_hook=hook, **extra)
+                    info = dict(self.backend.info(ext))
+                    if check_fp:
+                        fingerprint.check(self.group, {
+                            "output": self._last_output, "num_segments": info.get("num_segments"),
+                            "num_breaks": info.get("num_breaks"), "tape_ops": info.get("num_ops")},
+                            f"captures of key {ext!r}", key=ext)
                     reports.append(BucketReport(
-                        bucket=b,
+                        bucket=ext,
                         capture_seconds=float(info.get("capture_seconds", 0.0)),
                         graph_capture_seconds=float(info.get("graph_capture_seconds", 0.0)),
                         num_segments=int(info.get("num_segments", 0)),
@@ -438,6 +517,7 @@ class GraphRunner:
                         bytes_held=int(info.get("bytes_held", 0)),
                         info=info,
                     ))
+                self._replayable = self._agree_replayable()
             ok = True
         except CaptureError as exc:
             cause = exc.__cause__
@@ -451,7 +531,6 @@ class GraphRunner:
         finally:
             self._capturing = False
             bar.close(ok)
-        self._replayable = {b: bool(self.backend.can_run(b)) for b in self.buckets}
         self._captured = True
         out_bytes = max((int(r.info.get("output_buffer_bytes", 0)) for r in reports), default=0)
         self.report = CaptureReport(
@@ -464,9 +543,33 @@ class GraphRunner:
             static_input_bytes=sum(t.numel() * t.element_size() for t in self._buffers.values()),
             output_buffer_bytes=out_bytes,
         )
-        logger.info("GraphRunner captured %d buckets (%s) in %.3fs on rank %d", len(order),
+        logger.info("GraphRunner captured %d keys (%s) in %.3fs on rank %d", len(order),
                     self.report.backend, self.report.total_seconds, self.rank)
         return self.report
+
+    def _config_fields(self) -> Dict[str, Any]:
+        """What every rank must configure alike (the capture fingerprint, :mod:`graphrunner.fingerprint`)."""
+        fp = self._space.fingerprint()
+        fp["inputs"] = {n: {"dims": [self.dims[d] for d in self._in_dims[n]], "trailing": list(s.trailing),
+                            "dtype": str(s.dtype), "pad": s.pad} for n, s in self.inputs.items()}
+        default, per_key = self._out_dims
+        fp["outputs"] = {"default": [self.dims[d] for d in default],
+                         "per_key": {str(k): [self.dims[d] for d in v] for k, v in per_key.items()}}
+        fp["backend"] = f"{type(self.backend).__module__}.{type(self.backend).__qualname__}"
+        fp["warmups"] = getattr(self.backend, "warmups", None)
+        fp["fallback"] = self.fallback
+        return fp
+
+    def _agree_replayable(self) -> Dict[Tuple[int, ...], bool]:
+        """Which keys every rank can replay. With agreement on, one collective
+        at the end of capture (a max over "cannot replay" bits, one per key),
+        so that per call the agreed sizes alone decide replay or fallback."""
+        keys = self._space.keys
+        local = [bool(self.backend.can_run(self._space.external(k))) for k in keys]
+        if self._agree:
+            cannot = all_max_vector(self.group, [0 if ok else 1 for ok in local], "runner_replayable", "capture")
+            local = [ok and not bad for ok, bad in zip(local, cannot)]
+        return dict(zip(keys, local))
 
     def _abort_capture(self) -> None:
         try:
@@ -542,30 +645,33 @@ class GraphRunner:
     def _run(self, inputs: Mapping[str, torch.Tensor], copy_outputs: Optional[bool]) -> Any:
         self._calls += 1
         # -- validate (fast path: one pass; any mismatch goes to the slow diagnosis)
-        n = -1
+        sizes = [-1] * len(self.dims)
         try:
             if len(inputs) != self._n_inputs:
                 raise KeyError
             tensors = [inputs[name] for name in self._names]
             lo_all, hi_all = self._span
-            for name, t, (dtype, trailing, ndim), own in zip(self._names, tensors, self._checks, self._ranges):
+            for name, t, (dtype, trailing, ndim, lead, didx), own in zip(self._names, tensors, self._checks,
+                                                                         self._ranges):
                 shape = t.shape
-                if t.dtype != dtype or len(shape) != ndim or shape[1:] != trailing or not isinstance(t, _Tensor):
+                if t.dtype != dtype or len(shape) != ndim or shape[lead:] != trailing or not isinstance(t, _Tensor):
                     raise KeyError
-                if shape[0] != n:
-                    if n >= 0:
-                        raise KeyError
-                    n = shape[0]
+                for j, d in enumerate(didx):
+                    v = shape[j]
+                    if sizes[d] != v:
+                        if sizes[d] >= 0:
+                            raise KeyError
+                        sizes[d] = v
                 ptr = t.data_ptr()  # must hold data (not meta) and not point into a static buffer
                 if ptr == 0:
                     if t.is_meta:
                         raise KeyError
                 elif lo_all <= ptr < hi_all and (ptr != own[0] or not t.is_contiguous()):
                     # Between the static buffers' addresses and not exactly its own
-                    # rows [0, n) (a harmless no-op copy): the slow path decides.
+                    # leading region (a harmless no-op copy): the slow path decides.
                     if self._alias_error(name, t) is not None:
                         raise KeyError
-            if n <= 0:
+            if min(sizes) <= 0:
                 raise KeyError
         except (KeyError, TypeError, AttributeError):
             err = self._input_error(inputs)
@@ -574,23 +680,24 @@ class GraphRunner:
             raise err from None
         if copy_outputs is None:
             copy_outputs = self.copy_outputs
+        sz = tuple(sizes)
         # -- choose
         if self._agree:
-            return self._run_agreed(tensors, n, copy_outputs)
-        b = self._table[n] if n <= self.max_batch else None
-        if b is None or not self._replayable[b]:
-            reason = "over_max_bucket" if n > self.max_batch else ("padding_ratio" if b is None else "cannot_replay")
-            return self._fallback(tensors, n, n, reason, copy_outputs)
-        return self._replay_bucket(tensors, n, b, copy_outputs)
+            return self._run_agreed(tensors, sz, copy_outputs)
+        key, reason = self._space.choose(sz)
+        if key is None or not self._replayable[key]:
+            return self._fallback(tensors, sz, sz, reason or CANNOT, copy_outputs)
+        return self._replay_key(tensors, sz, key, copy_outputs)
 
-    def _stage(self, tensors: List[torch.Tensor], n: int) -> None:
-        """Copy the (validated) inputs into rows ``[0, n)`` of the static
-        buffers. If a copy fails, every buffer is reset to its pad value
-        (no half-written rows stay behind) and :class:`GraphRunnerError`
+    def _stage(self, tensors: List[torch.Tensor], sizes: Tuple[int, ...]) -> None:
+        """Copy the (validated) inputs into the leading region ``sizes`` of the
+        static buffers. If a copy fails, every buffer is reset to its pad value
+        (no half-written cells stay behind) and :class:`GraphRunnerError`
         names the input."""
-        views = self._in_views[n]
+        views = self._in_views.get(sizes)
         if views is None:
-            views = self._in_views[n] = [buf[:n] for buf, _ in self._pads]
+            views = self._in_views[sizes] = [buf[region(sizes, didx)] for (buf, _), didx in
+                                             zip(self._pads, self._dim_idx)]
         i = 0
         try:
             for i, (v, t) in enumerate(zip(views, tensors)):
@@ -598,215 +705,163 @@ class GraphRunner:
                 # autograd history onto the static buffer at every call.
                 v.copy_(t.detach() if t.requires_grad else t)
         except Exception as exc:
-            self._restore_pads(max(self._filled, n))
+            self._restore_pads(tuple(map(max, self._filled, sizes)))
             t = tensors[i]
             raise GraphRunnerError(
                 f"GraphRunner: copying input {self._names[i]!r} ({type(t).__name__} of shape {list(t.shape)}, "
                 f"{t.dtype}, on {t.device}) into its static buffer failed: {type(exc).__name__}: {exc}. Nothing "
                 "was replayed and the static buffers were reset to their pad values; the runner is still usable"
             ) from exc
-
-    def _restore_pads(self, rows: int) -> None:
-        """Set rows ``[0, rows)`` of every static buffer to its pad value."""
-        for buf, pad in self._pads:
-            buf[:rows].fill_(pad)
-        self._filled = 0
-
-    def _replay_bucket(self, tensors: Optional[List[torch.Tensor]], n: int, b: int, copy_outputs: bool) -> Any:
-        """Copy (unless ``tensors`` is None: already staged), pad rows ``[n, b)``, replay ``b``, slice."""
-        if tensors is not None:
-            self._stage(tensors, n)
         filled = self._filled
-        if filled > n:  # rows [n, filled) may hold an earlier call's data: pad rows [n, b)
-            pv = self._pad_views.get((n, b))
-            if pv is None:
-                pv = self._pad_views[(n, b)] = [(buf[n:b], pad) for buf, pad in self._pads]
-            for view, pad in pv:
-                view.fill_(pad)
-            self._filled = filled if filled > b else n
-        else:
-            self._filled = n
+        self._filled = sizes if filled == self._zero else tuple(map(max, filled, sizes))
+
+    def _restore_pads(self, extent: Tuple[int, ...]) -> None:
+        """Set the leading region ``extent`` (all that may hold data) of every static buffer to its pad value."""
+        for (buf, pad), didx in zip(self._pads, self._dim_idx):
+            buf[region(extent, didx)].fill_(pad)
+        self._filled = self._zero
+
+    def _refill(self, sizes: Tuple[int, ...], key: Tuple[int, ...]) -> None:
+        """Cells inside ``key`` but outside ``sizes`` may hold an earlier call's
+        data (``_filled`` exceeds ``sizes`` in some dim): set them to the pad value."""
+        pv = self._pad_views.get((sizes, key))
+        if pv is None:
+            pv = self._pad_views[(sizes, key)] = [
+                (buf[r], pad) for (buf, pad), didx in zip(self._pads, self._dim_idx)
+                for r in padding_regions(sizes, key, didx)]
+        for view, pad in pv:
+            view.fill_(pad)
+        filled = self._filled
+        # Outside ``key`` earlier data may remain: keep the bounding box.
+        self._filled = sizes if all(f <= k for f, k in zip(filled, key)) else tuple(map(max, filled, sizes))
+
+    def _replay_key(self, tensors: Optional[List[torch.Tensor]], sizes: Tuple[int, ...], key: Tuple[int, ...],
+                    copy_outputs: bool) -> Any:
+        """Copy (unless ``tensors`` is None: already staged), pad ``key`` outside ``sizes``, replay ``key``, slice."""
+        if tensors is not None:
+            self._stage(tensors, sizes)
+        if self._filled != sizes:
+            self._refill(sizes, key)
+        ext = self._space.external(key)
         try:
-            result = self._replay(b)
+            result = self._replay(ext)
         except Exception as exc:  # a failed collective on a multi-rank runner: RankTimeoutError
-            err = RankTimeoutError.from_step(exc, self.group, "replay", b)
+            err = RankTimeoutError.from_step(exc, self.group, "replay", ext)
             if err is None:
                 raise
             raise err from exc
         stats = self.stats
-        stats.replays[b] += 1
-        stats.padding_rows += b - n
-        stats.real_rows += n
-        stats.last_bucket = b
+        stats.replays[ext] += 1
+        real = math.prod(sizes)
+        stats.padding_rows += math.prod(key) - real
+        stats.real_rows += real
+        stats.last_bucket = ext
         if self._cache_outputs:
-            out = self._out_n[n]
+            out = self._out_n.get(sizes)
             if out is None:
-                out = self._cache_output(n, result)
+                out = self._cache_output(sizes, result)
             if self._out_spec is not None:
                 out = _unflatten_out(self._out_spec, out)
         else:
-            out = _slice_rows(result, n)
+            out = self._slice_out(result, sizes)
         if copy_outputs:
             return _clone(out)
         return out
 
-    def _cache_output(self, n: int, result: Any) -> Any:
-        """Cache the ``n``-row views of the shared output buffer. Every bucket's
-        outputs are leading-rows views of the backend's one buffer, so the
-        ``n``-row view is the same tensor whichever bucket replayed."""
+    def _cache_output(self, sizes: Tuple[int, ...], result: Any) -> Any:
+        """Cache the ``sizes`` views of the shared output buffer. Every key's
+        outputs are leading-corner views of the backend's one buffer, so the
+        ``sizes`` view is the same tensor whichever key replayed."""
         spec, leaves = _flatten_out(result)
-        sliced = [t[:n] if t.dim() >= 1 else t for t in leaves]
+        sliced = slice_leaves(leaves, self._leaf_dims(spec, len(leaves)), sizes)
         if spec == ("T",):
             self._out_spec = None
             out: Any = sliced[0]
         else:
             self._out_spec = spec
             out = sliced
-        self._out_n[n] = out
+        self._out_n[sizes] = out
         return out
 
-    def _run_agreed(self, tensors: List[torch.Tensor], n: int, copy_outputs: bool) -> Any:
-        group, key = self.group, self._calls
+    def _slice_out(self, out: Any, sizes: Tuple[int, ...]) -> Any:
+        """``out`` with every tensor leaf sliced to ``sizes`` on its declared leading dims."""
+        spec, leaves = _flatten_out(out)
+        sliced = slice_leaves(leaves, self._leaf_dims(spec, len(leaves)), sizes)
+        return sliced[0] if spec == ("T",) else _unflatten_out(spec, sliced)
+
+    def _run_agreed(self, tensors: List[torch.Tensor], sizes: Tuple[int, ...], copy_outputs: bool) -> Any:
+        call = self._calls
         # Copy before agreeing, so that a copy that fails is reported to every
         # rank by the agreement itself (as invalid inputs) instead of leaving
         # this rank out of the step's collectives.
-        if n <= self.max_batch:
+        if all(n <= m for n, m in zip(sizes, self._space.maxes)):
             try:
-                self._stage(tensors, n)
+                self._stage(tensors, sizes)
             except GraphRunnerError:
                 self._agree_invalid()
                 raise
-            if self._filled < n:
-                self._filled = n  # rows [0, n) now hold this call's data, whatever the agreement decides
-        big_n = group.all_max(n, phase="runner_batch", key=key)
-        b = self._table[big_n] if big_n <= self.max_batch else None
-        code = 1 if (b is not None and self._replayable[b]) else 0
-        agreed = group.all_min(code, phase="runner_eligible", key=key)
-        if agreed < 0:
+        agreed, invalid = agree(self.group, sizes, False, call)
+        if invalid:
             raise GraphRunnerError(
-                f"rank {self.rank}: another rank passed invalid inputs at call {key}, so every rank skipped this "
+                f"rank {self.rank}: another rank passed invalid inputs at call {call}, so every rank skipped this "
                 "step (see that rank's error); the runner is still usable"
             )
-        if agreed == 1:
-            return self._replay_bucket(None, n, b, copy_outputs)
-        if big_n > self.max_batch:
-            reason = "over_max_bucket"
-        elif b is None:
-            reason = "padding_ratio"
-        else:
-            reason = "cannot_replay"
-        return self._fallback(tensors, n, big_n, reason, copy_outputs)
+        key, reason = self._space.choose(agreed)
+        if key is not None and self._replayable[key]:
+            return self._replay_key(None, sizes, key, copy_outputs)
+        return self._fallback(tensors, sizes, agreed, reason or CANNOT, copy_outputs)
 
     def _agree_invalid(self) -> None:
-        """This rank's inputs were invalid: still take part in the call's two
-        collectives (so peers do not hang) and tell them to skip the step."""
-        key = self._calls
-        self.group.all_max(0, phase="runner_batch", key=key)
-        self.group.all_min(-1, phase="runner_eligible", key=key)
+        """This rank's inputs were invalid: still take part in the call's one
+        collective (so peers do not hang) and tell them to skip the step."""
+        agree(self.group, self._zero, True, self._calls)
 
-    def _fallback(self, tensors: List[torch.Tensor], n: int, rows: int, reason: str, copy_outputs: bool) -> Any:
+    def _fallback(self, tensors: List[torch.Tensor], sizes: Tuple[int, ...], rows: Tuple[int, ...], reason: str,
+                  copy_outputs: bool) -> Any:
+        space = self._space
         if self.fallback == "error":
-            where = f"the agreed batch {rows} (max over ranks; this rank has {n})" if rows != n else f"batch {n}"
-            if reason == "over_max_bucket":
-                why = f"{where} exceeds the largest bucket {self.max_batch}"
-            elif reason == "padding_ratio":
-                b = self.buckets[next(i for i, x in enumerate(self.buckets) if x >= rows)]
-                why = (f"{where} would pad bucket {b} with {b - rows} rows, more than max_padding_ratio="
-                       f"{self.max_padding_ratio}")
-            else:
-                why = f"bucket for {where} cannot be replayed on every rank"
-            raise ValueError(f"GraphRunner(fallback='error'): {why}; add a bucket, raise max_padding_ratio, "
-                             "or use fallback='eager'")
+            raise ValueError(f"GraphRunner(fallback='error'): {space.why(sizes, rows, reason)}; "
+                             + ("add a bucket" if space.legacy else "add a bucket or key")
+                             + ", raise max_padding_ratio, or use fallback='eager'")
         kwargs: Dict[str, torch.Tensor] = {}
         dev = self.torch_device
-        for (name, spec), t in zip(self.inputs.items(), tensors):
-            if rows != n:
-                p = torch.full((rows, *spec.trailing), spec.pad, dtype=spec.dtype, device=dev)
-                p[:n].copy_(t)
+        for (name, spec), t, didx in zip(self.inputs.items(), tensors, self._dim_idx):
+            if rows != sizes:
+                p = torch.full((*(rows[d] for d in didx), *spec.trailing), spec.pad, dtype=spec.dtype, device=dev)
+                p[region(sizes, didx)].copy_(t)
                 t = p
             elif t.device != dev:
                 t = t.to(dev)
             kwargs[name] = t
+        ext_rows = space.external(rows)
         try:
             with self._grad_ctx():
                 out = self.step(**kwargs)
         except Exception as exc:  # a failed collective on a multi-rank runner: RankTimeoutError
-            err = RankTimeoutError.from_step(exc, self.group, "fallback", rows)
+            err = RankTimeoutError.from_step(exc, self.group, "fallback", ext_rows)
             if err is None:
                 raise
             raise err from exc
-        if rows != n:
-            out = _slice_rows(out, n)
+        if rows != sizes:
+            out = self._slice_out(out, sizes)
         stats = self.stats
         stats.fallbacks += 1
         stats.fallback_reasons[reason] = stats.fallback_reasons.get(reason, 0) + 1
-        stats.padding_rows += rows - n
-        stats.real_rows += n
+        real = math.prod(sizes)
+        stats.padding_rows += math.prod(rows) - real
+        stats.real_rows += real
         stats.last_bucket = None
-        logger.debug("GraphRunner: eager fallback (%s) for batch %d (rows %d)", reason, n, rows)
+        logger.debug("GraphRunner: eager fallback (%s) for %s (padded to %s)", reason, space.describe(sizes),
+                     space.describe(rows))
         return _clone(out) if copy_outputs else out
 
     def _alias_error(self, name: str, t: torch.Tensor) -> Optional[Exception]:
-        """The error for an input whose memory starts inside one of the
-        runner's static buffers (other than exactly its own rows ``[0, n)``),
-        else ``None``. Copying from such a tensor would read rows that this
-        same call overwrites."""
-        ptr = t.data_ptr()
-        for (lo, hi), other in zip(self._ranges, self._names):
-            if lo <= ptr < hi and not (other == name and ptr == lo and t.is_contiguous()):
-                return ValueError(
-                    f"GraphRunner: input {name!r} aliases the runner's static buffer of input {other!r} (a view of "
-                    f"runner.static_inputs[{other!r}] or of its memory): the call would overwrite what it reads. "
-                    "Pass a separate tensor (e.g. .clone())")
-        return None
+        """The error for an input that starts inside a static buffer, else ``None`` (:func:`alias_error`)."""
+        return alias_error(self._ranges, self._names, name, t)
 
     def _input_error(self, inputs: Any) -> Exception:
         """Diagnose invalid call inputs (slow path) and return the error to raise."""
-        if not isinstance(inputs, Mapping):
-            return TypeError(f"GraphRunner inputs must be passed as keywords {list(self._names)}, got {type(inputs).__name__}")
-        missing = [k for k in self._names if k not in inputs]
-        extra = [k for k in inputs if k not in self.inputs]
-        if missing or extra:
-            parts = []
-            if missing:
-                parts.append(f"missing input(s) {missing}")
-            if extra:
-                parts.append(f"unexpected input(s) {extra}")
-            return ValueError(f"GraphRunner: {' and '.join(parts)}; the step takes exactly {list(self._names)}")
-        n = None
-        first = None
-        for name, spec in self.inputs.items():
-            t = inputs[name]
-            if not isinstance(t, torch.Tensor):
-                return TypeError(f"GraphRunner: input {name!r} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dtype != spec.dtype:
-                return ValueError(f"GraphRunner: input {name!r} has dtype {t.dtype}, expected {spec.dtype}; "
-                                  f"convert it with .to({spec.dtype})")
-            if t.dim() != len(spec.trailing) + 1 or tuple(t.shape[1:]) != spec.trailing:
-                return ValueError(f"GraphRunner: input {name!r} has shape {list(t.shape)}, expected "
-                                  f"[batch, {', '.join(map(str, spec.trailing))}]".replace(", ]", "]")
-                                  + f" (trailing shape {spec.trailing})")
-            if t.is_meta:
-                return ValueError(f"GraphRunner: input {name!r} is on the meta device (shape only, no data); "
-                                  "pass a tensor that holds its values")
-            err = self._alias_error(name, t)
-            if err is not None:
-                return err
-            if n is None:
-                n, first = t.shape[0], name
-            elif t.shape[0] != n:
-                return ValueError(f"GraphRunner: input {name!r} has batch {t.shape[0]} but input {first!r} has "
-                                  f"batch {n}; all inputs share dim 0")
-        if n == 0:
-            return ValueError("GraphRunner: batch 0 (every input has 0 rows); call the runner only with >= 1 row")
-        return ValueError("GraphRunner: invalid inputs")  # pragma: no cover - the fast check found a mismatch
-
-
-def _slice_rows(out: Any, n: int) -> Any:
-    if isinstance(out, torch.Tensor):
-        return out[:n] if out.dim() >= 1 else out
-    spec, leaves = _flatten_out(out)
-    return _unflatten_out(spec, [t[:n] if t.dim() >= 1 else t for t in leaves])
+        return diagnose(inputs, self.inputs, self._in_dims, self.dims, self._space.legacy, self._alias_error)
 
 
 def _clone(out: Any) -> Any:

@@ -461,24 +461,49 @@ def test_progress_plain_fallback_without_tqdm():
 
 
 class RecordingGroup:
-    """A fake group: records every call; peers are simulated by `peer_batch`
-    (max over the other ranks) and `peer_eligible` (min over the other ranks)."""
+    """A fake group: records every call; peers are simulated by the values
+    they contribute to the element-wise max of the one per-call agreement
+    (`peer_batch`, `peer_invalid`) and of the capture-time replayability
+    exchange (`peer_cannot`: the indices, in `runner.keys` order, of keys a
+    peer cannot replay)."""
 
-    def __init__(self, size=2, peer_batch=0, peer_eligible=1):
+    def __init__(self, size=2, peer_batch=0, peer_invalid=0, peer_cannot=()):
         self.rank, self.size = 0, size
         self.calls = []
-        self.peer_batch, self.peer_eligible = peer_batch, peer_eligible
+        self.peer_batch, self.peer_invalid, self.peer_cannot = peer_batch, peer_invalid, set(peer_cannot)
 
     def barrier(self, **kw):
         self.calls.append(("barrier", kw.get("phase")))
 
+    def all_max_vector(self, v, **kw):
+        phase = kw.get("phase")
+        self.calls.append(("all_max_vector", phase, list(v)))
+        if self.size == 1:
+            return list(v)
+        if phase == "runner_agree":
+            return [max(v[0], self.peer_batch), max(v[1], self.peer_invalid)]
+        if phase == "runner_replayable":
+            return [max(x, 1 if i in self.peer_cannot else 0) for i, x in enumerate(v)]
+        return list(v)  # the capture fingerprint: the peer configured the same runner
+
+
+class ScalarOnlyGroup:
+    """A group with only the scalar collectives (an older third-party group)."""
+
+    rank, size = 0, 2
+
+    def __init__(self, peer_batch):
+        self.calls, self.peer_batch = [], peer_batch
+
+    def barrier(self, **kw):
+        pass
+
     def all_max(self, v, **kw):
         self.calls.append(("all_max", kw.get("phase"), v))
-        return max(v, self.peer_batch) if self.size > 1 else v
+        return max(v, self.peer_batch) if kw.get("phase") == "runner_agree" and v > 1 else v
 
-    def all_min(self, v, **kw):
-        self.calls.append(("all_min", kw.get("phase"), v))
-        return min(v, self.peer_eligible) if self.size > 1 else v
+    def all_min(self, v, **kw):  # pragma: no cover - the runner only takes maxima
+        raise AssertionError("the runner agrees with maxima only")
 
 
 def _group_runner(group, **kw):
@@ -499,49 +524,81 @@ def test_size1_group_makes_no_group_calls_on_the_replay_path():
     assert g.calls == []
 
 
-def test_multirank_agreement_makes_exactly_two_collectives_per_call():
+def test_multirank_agreement_makes_exactly_one_collective_per_call():
     g = RecordingGroup(size=2, peer_batch=7)
     r = _group_runner(g)
     r.capture()
+    # Capture ends with one exchange of which keys each rank can replay (keys [2, 4, 8]).
+    assert g.calls[-1] == ("all_max_vector", "runner_replayable", [0, 0, 0])
     g.calls.clear()
     batch = make_batch(2)
     out = r(**batch)
     # The peer has 7 rows: both replay bucket 8, this rank's outputs are sliced to its 2 rows.
-    assert g.calls == [("all_max", "runner_batch", 2), ("all_min", "runner_eligible", 1)]
+    assert g.calls == [("all_max_vector", "runner_agree", [2, 0])]
     assert r.stats.last_bucket == 8 and r.stats.padding_rows == 6
     assert_same(out, eager(batch))
 
-    # A peer that cannot replay: everyone falls back, padded to the agreed 7 rows.
-    g.calls.clear()
-    g.peer_eligible = 0
-    seen = []
-    orig = r.step
-    r.step = lambda **kw: (seen.append(kw["hidden"].shape[0]), orig(**kw))[1]
-    out = r(**batch)
-    r.step = orig
-    assert seen == [7] and r.stats.last_bucket is None
-    assert r.stats.fallback_reasons == {"cannot_replay": 1}
-    assert len(g.calls) == 2
-    assert_same(out, eager(batch))
-
     # A peer with more rows than the largest bucket: everyone falls back.
-    g.peer_eligible, g.peer_batch = 1, 11
+    g.peer_batch = 11
     out = r(**batch)
     assert r.stats.last_bucket is None and r.stats.fallback_reasons["over_max_bucket"] == 1
     assert_same(out, eager(batch))
 
     # A peer with invalid inputs: this rank raises too, without replaying.
-    g.peer_batch, g.peer_eligible = 0, -1
+    g.peer_batch, g.peer_invalid = 0, 1
     calls = r.stats.calls
     with pytest.raises(GraphRunnerError, match="another rank passed invalid inputs"):
         r(**batch)
     assert r.stats.calls == calls
-    # Invalid inputs here: still takes part in both collectives, then raises its own error.
+    # Invalid inputs here: still takes part in the one collective, then raises its own error.
     g.calls.clear()
-    g.peer_eligible = 1
+    g.peer_invalid = 0
     with pytest.raises(ValueError, match="missing"):
         r(input_ids=batch["input_ids"], hidden=batch["hidden"])
-    assert g.calls == [("all_max", "runner_batch", 0), ("all_min", "runner_eligible", -1)]
+    assert g.calls == [("all_max_vector", "runner_agree", [0, 1])]
+
+
+def test_multirank_peer_that_cannot_replay_a_key_makes_every_rank_fall_back_for_it():
+    g = RecordingGroup(size=2, peer_batch=7, peer_cannot={2})  # the peer cannot replay bucket 8
+    r = _group_runner(g)
+    r.capture()
+    g.calls.clear()
+    batch = make_batch(2)
+    seen = []
+    orig = r.step
+    r.step = lambda **kw: (seen.append(kw["hidden"].shape[0]), orig(**kw))[1]
+    out = r(**batch)
+    r.step = orig
+    # everyone falls back, padded to the agreed 7 rows, with one collective
+    assert seen == [7] and r.stats.last_bucket is None
+    assert r.stats.fallback_reasons == {"cannot_replay": 1}
+    assert len(g.calls) == 1
+    assert_same(out, eager(batch))
+    g.peer_batch = 3  # bucket 4 is replayable on both
+    assert_same(r(**batch), eager(batch)) and r.stats.last_bucket == 4
+
+
+def test_group_without_all_max_vector_gets_one_all_max_per_element():
+    g = ScalarOnlyGroup(peer_batch=7)
+    r = _group_runner(g)
+    r.capture()
+    g.calls.clear()
+    batch = make_batch(2)
+    assert_same(r(**batch), eager(batch))
+    assert g.calls == [("all_max", "runner_agree", 2), ("all_max", "runner_agree", 0)]
+    assert r.stats.last_bucket == 8
+
+
+def test_agreement_below_own_size_raises():
+    class Shrinking(RecordingGroup):
+        def all_max_vector(self, v, **kw):
+            out = super().all_max_vector(v, **kw)
+            return [1, out[1]] if kw.get("phase") == "runner_agree" else out
+
+    r = _group_runner(Shrinking(size=2))
+    r.capture()
+    with pytest.raises(GraphRunnerError, match="below this rank's own"):
+        r(**make_batch(3))
 
 
 def test_agree_bucket_false_makes_no_group_calls():

@@ -173,6 +173,7 @@ class GraphBackend:
         forward_fn: Callable[[], Any],
         capture_inputs: Any = None,
         post_warmup_hook: Optional[Callable[[], Any]] = None,
+        lead_dims: int = 1,
     ) -> None:
         """Warm up and capture ``forward_fn`` for ``key``: THE capture protocol.
 
@@ -190,6 +191,10 @@ class GraphBackend:
         kept alive until :meth:`cleanup`, because a graph holds addresses,
         not Python references. Must be called inside
         :meth:`capture_session`; a key may be captured once (until cleanup).
+        ``lead_dims``: how many leading dims of an output tensor may be
+        smaller than the shared output buffer's (1: rows only; a runner with
+        several named dims passes more); the key's output is the leading
+        corner ``buffer[:a, :b, ...]`` of the buffer.
 
         Errors: ``RankTimeoutError`` from the group passes through unchanged;
         any other exception cleans up this key's capture state and is
@@ -243,7 +248,7 @@ class GraphBackend:
                 step = "output binding"
                 if not self._out.allocated:
                     self._out.allocate(out, key)
-                binding["spec"], binding["views"] = self._out.views(out, key)
+                binding["spec"], binding["views"] = self._out.views(out, key, lead_dims)
             del out
 
             def captured() -> None:
@@ -252,9 +257,9 @@ class GraphBackend:
                 if "views" not in binding:
                     if not self._out.allocated:
                         self._out.allocate(result, key)
-                    binding["spec"], binding["views"] = self._out.views(result, key)
+                    binding["spec"], binding["views"] = self._out.views(result, key, lead_dims)
                 else:
-                    self._out.views(result, key)  # same structure as at warmup, or a clear error
+                    self._out.views(result, key, lead_dims)  # same structure as at warmup, or a clear error
                 OutputBuffer.copy_into(binding["views"], result)
 
             step = "graph construction"
@@ -428,7 +433,7 @@ class GraphBackend:
         ``key``, ``backend``, ``rank``, ``capture_seconds`` (whole
         ``capture_one``: warmups + capture), ``warmup_seconds``,
         ``graph_capture_seconds`` (construction + capture only),
-        ``num_segments``, ``num_breaks``, ``output_bytes`` (this key's
+        ``num_segments``, ``num_breaks``, ``num_ops`` (tape graphs only: aten ops recorded), ``output_bytes`` (this key's
         views), ``output_buffer_bytes`` (the whole shared buffer, the same
         for every key: do not sum it over keys), ``capture_input_bytes``
         (distinct storages reachable from ``capture_inputs``) and

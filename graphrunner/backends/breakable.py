@@ -60,4 +60,8 @@ class BreakableGraphBackend(GraphBackend):
             body()
 
     def _graph_stats(self, graph: Any) -> Dict[str, int]:
-        return {"num_segments": int(graph.num_segments), "num_breaks": int(graph.num_breaks)}
+        d = {"num_segments": int(graph.num_segments), "num_breaks": int(graph.num_breaks)}
+        ops = getattr(graph, "num_ops", None)
+        if isinstance(ops, int):
+            d["num_ops"] = ops
+        return d

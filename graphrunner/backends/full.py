@@ -31,4 +31,8 @@ class FullGraphBackend(GraphBackend):
             fn()
 
     def _graph_stats(self, graph: Any) -> Dict[str, int]:
-        return {"num_segments": 1, "num_breaks": 0}
+        d = {"num_segments": 1, "num_breaks": 0}
+        ops = getattr(graph, "num_ops", None)  # tape graphs count their recorded aten ops
+        if isinstance(ops, int):
+            d["num_ops"] = ops
+        return d

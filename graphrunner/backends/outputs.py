@@ -63,12 +63,15 @@ class OutputBuffer:
         self.leaves = []
         self.first_key = None
 
-    def views(self, out: Any, key: Any) -> Tuple[tuple, List[torch.Tensor]]:
+    def views(self, out: Any, key: Any, lead: int = 1) -> Tuple[tuple, List[torch.Tensor]]:
         """Validate ``out`` against the buffer and return ``(spec, views)``.
 
-        Raises ``CaptureError`` naming both structures if the pytree
-        structure differs, or naming the leaf if a dtype, device, ndim or
-        trailing dim differs or it has more rows than the buffer.
+        The first ``lead`` dims of a tensor leaf (rows, and with several
+        named dims the next ones) may be smaller than the buffer's; its view
+        is the buffer's leading corner. Raises ``CaptureError`` naming both
+        structures if the pytree structure differs, or naming the leaf if a
+        dtype, device, ndim or later dim differs or a leading dim is larger
+        than the buffer's.
         """
         spec, leaves = flatten(out)
         if spec != self.spec:
@@ -79,22 +82,31 @@ class OutputBuffer:
             )
         views = []
         for i, (t, b) in enumerate(zip(leaves, self.leaves)):
-            if t.dtype != b.dtype or t.device != b.device or t.dim() != b.dim() or tuple(t.shape[1:]) != tuple(b.shape[1:]):
+            k = min(lead, t.dim())
+            if t.dtype != b.dtype or t.device != b.device or t.dim() != b.dim() or tuple(t.shape[k:]) != tuple(b.shape[k:]):
+                which = "only dim 0 (rows) may differ" if lead == 1 else f"only the leading {lead} dims may differ"
                 raise CaptureError(
                     f"forward for shape key {key!r}: output tensor {i} is {list(t.shape)} {t.dtype} on {t.device}, "
                     f"but the shared output buffer (allocated at shape key {self.first_key!r}) holds "
-                    f"{list(b.shape)} {b.dtype} on {b.device}; only dim 0 (rows) may differ between keys"
+                    f"{list(b.shape)} {b.dtype} on {b.device}; {which} between keys"
                 )
             if t.dim() == 0:
                 views.append(b)
                 continue
-            if t.shape[0] > b.shape[0]:
-                raise CaptureError(
-                    f"forward for shape key {key!r}: output tensor {i} has {t.shape[0]} rows, more than the "
-                    f"{b.shape[0]} rows of the shared output buffer allocated at shape key {self.first_key!r}; "
-                    "capture the largest key first"
-                )
-            views.append(b if t.shape[0] == b.shape[0] else b[: t.shape[0]])
+            for d in range(k):
+                if t.shape[d] > b.shape[d]:
+                    what = f"{t.shape[0]} rows, more than the {b.shape[0]} rows" if d == 0 else \
+                        f"{t.shape[d]} in dim {d}, more than the {b.shape[d]}"
+                    raise CaptureError(
+                        f"forward for shape key {key!r}: output tensor {i} has {what} of the shared output buffer "
+                        f"allocated at shape key {self.first_key!r}; capture the largest key first"
+                    )
+            if tuple(t.shape[:k]) == tuple(b.shape[:k]):
+                views.append(b)
+            elif k == 1:
+                views.append(b[: t.shape[0]])
+            else:
+                views.append(b[tuple(slice(0, n) for n in t.shape[:k])])
         return spec, views
 
     @staticmethod

@@ -1,0 +1,101 @@
+"""The capture fingerprint: ranks check they configured and captured the same thing.
+
+Ranks that disagree on their configuration capture different graphs and
+then replay mismatched keys, silently (the same number of buckets with
+different values) or with barriers paired with the wrong calls (a different
+number of buckets). :func:`check` compares a dict of named fields across the
+ranks of a group with one collective (an element-wise max over a hash of
+every field and its negation, so both the max and the min arrive) and, only
+when some field differs, one more that gathers every rank's text of the
+differing fields, so that every rank raises the same
+:class:`~graphrunner.errors.CaptureError` naming the field, the ranks and
+their values. The runner checks its configuration at the start of
+:meth:`~graphrunner.GraphRunner.capture` and what it captured after each
+key; nothing is checked per replay.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Dict, List, Mapping
+
+from graphrunner.errors import CaptureError
+from graphrunner.keys import all_max_vector
+
+__all__ = ["check", "canonical"]
+
+_MASK = (1 << 62) - 1
+_CHUNK = 7  # bytes packed into one int64 (non-negative)
+_MAX_TEXT = 4000  # bytes of a field's text gathered for the message
+
+
+def canonical(value: Any) -> str:
+    """A stable text of ``value`` (JSON with sorted keys; ``repr`` for anything JSON cannot hold)."""
+    return json.dumps(value, sort_keys=True, default=repr, separators=(",", ":"), ensure_ascii=False)
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & _MASK
+
+
+def check(group: Any, fields: Mapping[str, Any], what: str, key: Any = None) -> None:
+    """Raise :class:`CaptureError` on every rank if any of ``fields`` differs between the ranks.
+
+    Every rank must call it with the same field names in the same order
+    (the values may differ: that is what it finds). ``what`` names the check
+    in the message (``"configuration"``, ``"capture of key 8"``). With a
+    one-rank group it returns at once. Cost: one collective, plus one more
+    when a field differs.
+    """
+    size = int(getattr(group, "size", 1))
+    if size <= 1:
+        return
+    names = list(fields)
+    texts = [canonical(fields[n]) for n in names]
+    hashes = [_hash(t) for t in texts]
+    out = all_max_vector(group, hashes + [-h for h in hashes], "fingerprint", key)
+    hi, lo = out[:len(names)], [-v for v in out[len(names):]]
+    bad = [i for i in range(len(names)) if hi[i] != lo[i]]
+    if not bad:
+        return
+    values = _gather_texts(group, [texts[i] for i in bad], key)
+    rank = int(getattr(group, "rank", 0))
+    parts = []
+    for j, i in enumerate(bad):
+        by_value: Dict[str, List[int]] = {}
+        for r in range(size):
+            by_value.setdefault(values[r][j], []).append(r)
+        groups = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {v}"
+                           for v, rs in by_value.items())
+        parts.append(f"{names[i]!r} differs ({groups})")
+    raise CaptureError(
+        f"rank {rank} of {size}: the ranks' {what} differ: " + "; and ".join(parts) + ". Every rank must build "
+        "the runner with the same buckets, keys, inputs, outputs, backend and warmups (and its step must capture "
+        "the same graph), or ranks replay mismatched graphs; nothing was replayed")
+
+
+def _gather_texts(group: Any, texts: List[str], key: Any) -> List[List[str]]:
+    """Every rank's ``texts`` (the same number on every rank), through one element-wise max
+    in which each rank fills only its own slot."""
+    size, rank = int(group.size), int(group.rank)
+    enc = [t.encode()[:_MAX_TEXT] for t in texts]
+    width = (_MAX_TEXT + _CHUNK - 1) // _CHUNK + 1  # ints per text: length, then the packed bytes
+    slot = width * len(texts)
+    vec = [0] * (slot * size)
+    for j, b in enumerate(enc):
+        base = rank * slot + j * width
+        vec[base] = len(b)
+        for c in range(0, len(b), _CHUNK):
+            vec[base + 1 + c // _CHUNK] = int.from_bytes(b[c:c + _CHUNK], "little")
+    out = all_max_vector(group, vec, "fingerprint_values", key)
+    result = []
+    for r in range(size):
+        mine = []
+        for j in range(len(texts)):
+            base = r * slot + j * width
+            n = out[base]
+            raw = b"".join(out[base + 1 + c].to_bytes(_CHUNK, "little") for c in range((n + _CHUNK - 1) // _CHUNK))
+            mine.append(raw[:n].decode(errors="replace"))
+        result.append(mine)
+    return result

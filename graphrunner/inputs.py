@@ -1,0 +1,130 @@
+"""Declared inputs of a GraphRunner: :class:`BatchInput` and the slow-path
+diagnosis of call inputs that failed the runner's fast check."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from graphrunner.keys import check_dims
+
+__all__ = ["BatchInput", "alias_error", "diagnose"]
+
+
+@dataclass(frozen=True)
+class BatchInput:
+    """Declares one input of the step, padded on its leading (named) dims.
+
+    A tensor passed for this input has shape ``(*sizes, *trailing)`` and
+    exactly ``dtype`` (no implicit casts), where ``sizes`` has one entry per
+    name in ``dims``: ``dims=("reqs", "draft")`` is a ``[reqs, draft, *trailing]``
+    tensor, ``dims=("tokens",)`` a flattened ragged token axis. ``dims=None``
+    (the default) is the runner's only dim (with ``buckets=[...]`` that is
+    the batch, dim 0, as before dims existed). The runner keeps one static
+    buffer of shape ``(*largest key, *trailing)``; cells beyond the real sizes
+    (padding) are set to ``pad`` before a replay, so pick a value the step
+    handles harmlessly (token id 0, position 0, zeros).
+    """
+
+    trailing: Tuple[int, ...] = ()
+    dtype: torch.dtype = torch.float32
+    pad: Any = 0
+    dims: Optional[Tuple[str, ...]] = None
+
+    def __post_init__(self) -> None:
+        trailing = self.trailing
+        if isinstance(trailing, int) and not isinstance(trailing, bool):
+            trailing = (trailing,)
+        try:
+            trailing = tuple(trailing)
+        except TypeError:
+            raise TypeError(f"BatchInput.trailing must be a tuple of ints, got {self.trailing!r}") from None
+        for d in trailing:
+            if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+                raise ValueError(f"BatchInput.trailing must hold ints >= 0, got {self.trailing!r}")
+        object.__setattr__(self, "trailing", trailing)
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"BatchInput.dtype must be a torch.dtype such as torch.long, got {self.dtype!r}")
+        if isinstance(self.pad, torch.Tensor) or not isinstance(self.pad, (bool, int, float)):
+            raise TypeError(f"BatchInput.pad must be a Python number, got {type(self.pad).__name__} ({self.pad!r})")
+        if (not self.dtype.is_floating_point and not self.dtype.is_complex and isinstance(self.pad, float)
+                and not float(self.pad).is_integer()):
+            raise ValueError(f"BatchInput.pad {self.pad!r} is not representable in {self.dtype}")
+        if self.dims is not None:
+            object.__setattr__(self, "dims", check_dims(self.dims, "BatchInput.dims"))
+
+
+def alias_error(ranges: Sequence[Tuple[int, int]], names: Sequence[str], name: str, t: torch.Tensor) -> Optional[Exception]:
+    """The error for input ``name`` whose memory starts inside one of the
+    runner's static buffers (``ranges``: ``[start, end)`` addresses, one per ``names``) (other than exactly its own leading region,
+    contiguous), else ``None``. Copying from such a tensor would read
+    cells that this same call overwrites."""
+    ptr = t.data_ptr()
+    for (lo, hi), other in zip(ranges, names):
+        if lo <= ptr < hi and not (other == name and ptr == lo and t.is_contiguous()):
+            return ValueError(
+                f"GraphRunner: input {name!r} aliases the runner's static buffer of input {other!r} (a view of "
+                f"runner.static_inputs[{other!r}] or of its memory): the call would overwrite what it reads. "
+                "Pass a separate tensor (e.g. .clone())")
+    return None
+
+
+def diagnose(inputs: Any, specs: Mapping[str, BatchInput], in_dims: Mapping[str, Tuple[int, ...]],
+             dims: Sequence[str], legacy: bool, alias: Callable[[str, torch.Tensor], Optional[Exception]]) -> Exception:
+    """The error to raise for call ``inputs`` that failed the runner's fast check (slow path).
+
+    ``specs`` are the declared inputs, ``in_dims[name]`` the indices in
+    ``dims`` of each input's leading dims, ``legacy`` true for a runner built
+    with ``buckets=[...]`` (messages speak of the batch), ``alias`` the
+    runner's aliasing check. Names the input and what was expected.
+    """
+    if not isinstance(inputs, Mapping):
+        return TypeError(f"GraphRunner inputs must be passed as keywords {list(specs)}, got {type(inputs).__name__}")
+    missing = [k for k in list(specs) if k not in inputs]
+    extra = [k for k in inputs if k not in specs]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing input(s) {missing}")
+        if extra:
+            parts.append(f"unexpected input(s) {extra}")
+        return ValueError(f"GraphRunner: {' and '.join(parts)}; the step takes exactly {list(specs)}")
+    seen: Dict[int, Tuple[int, str]] = {}
+    for name, spec in specs.items():
+        t = inputs[name]
+        didx = in_dims[name]
+        if not isinstance(t, torch.Tensor):
+            return TypeError(f"GraphRunner: input {name!r} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != spec.dtype:
+            return ValueError(f"GraphRunner: input {name!r} has dtype {t.dtype}, expected {spec.dtype}; "
+                              f"convert it with .to({spec.dtype})")
+        if t.dim() != len(spec.trailing) + len(didx) or tuple(t.shape[len(didx):]) != spec.trailing:
+            lead = "batch" if legacy else ", ".join(dims[d] for d in didx)
+            return ValueError(f"GraphRunner: input {name!r} has shape {list(t.shape)}, expected "
+                              f"[{lead}, {', '.join(map(str, spec.trailing))}]".replace(", ]", "]")
+                              + f" (trailing shape {spec.trailing})")
+        if t.is_meta:
+            return ValueError(f"GraphRunner: input {name!r} is on the meta device (shape only, no data); "
+                              "pass a tensor that holds its values")
+        err = alias(name, t)
+        if err is not None:
+            return err
+        for j, d in enumerate(didx):
+            v = t.shape[j]
+            if d not in seen:
+                seen[d] = (v, name)
+            elif seen[d][0] != v:
+                if legacy:
+                    return ValueError(f"GraphRunner: input {name!r} has batch {v} but input {seen[d][1]!r} has "
+                                      f"batch {seen[d][0]}; all inputs share dim 0")
+                return ValueError(f"GraphRunner: input {name!r} has {dims[d]}={v} (dim {j}) but input "
+                                  f"{seen[d][1]!r} has {dims[d]}={seen[d][0]}; inputs sharing a dim name "
+                                  "must agree on its size")
+    zero = [dims[d] for d, (v, _) in sorted(seen.items()) if v == 0]
+    if zero:
+        if legacy:
+            return ValueError("GraphRunner: batch 0 (every input has 0 rows); call the runner only with >= 1 row")
+        return ValueError(f"GraphRunner: size 0 in dim(s) {zero}; call the runner only with sizes >= 1")
+    return ValueError("GraphRunner: invalid inputs")  # pragma: no cover - the fast check found a mismatch

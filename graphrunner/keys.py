@@ -1,0 +1,325 @@
+"""Shape keys of a GraphRunner: named dims, their buckets, the key of a call,
+the padding plan and the one agreement vector across ranks.
+
+A runner has one or more *named dims* (``"reqs"``, ``"draft"``, ``"tokens"``),
+each with a strictly increasing bucket list. A call's *sizes* are its real
+extent in every dim; its *key* is a tuple with one bucket per dim. With
+``buckets=[...]`` (a list) there is one dim, named ``"batch"``, and keys are
+plain ints, exactly as before dims existed.
+
+This module knows nothing about graphs: the runner asks :class:`KeySpace`
+which key a call replays and :func:`agree` what every rank agreed on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from graphrunner.buckets import _check_ratio, validate_buckets
+from graphrunner.errors import GraphRunnerError
+
+__all__ = ["KeySpace", "LEGACY_DIM", "agree", "all_max_vector", "AgreementError", "check_dims", "region",
+           "padding_regions", "slice_leaves", "count_leaves", "resolve_input_dims", "resolve_output_dims"]
+
+#: The name of the one dim of a runner built with ``buckets=[...]``.
+LEGACY_DIM = "batch"
+
+Sizes = Tuple[int, ...]
+
+#: Why a call falls back (``RunnerStats.fallback_reasons``).
+OVER_MAX, PADDING, CANNOT = "over_max_bucket", "padding_ratio", "cannot_replay"
+
+
+class AgreementError(GraphRunnerError):
+    """The group returned an agreement that cannot be right (an agreed size
+    below this rank's own size in some dim): a broken group implementation."""
+
+
+class KeySpace:
+    """The dims, buckets and captured keys of one runner, and the key choice.
+
+    Args:
+        buckets: a list of ints (one dim, ``"batch"``; keys are ints) or a
+            dict ``{dim: [sizes...]}`` (keys are tuples in the dict's order).
+        keys: ``None`` (capture every combination of buckets) or a list of
+            key tuples (ints with one dim), each a bucket in every dim:
+            only those are captured.
+        max_padding_ratio: ``None`` or a float in ``[0, 1)``, applied per
+            dim: a key whose padding in some dim exceeds that share of the
+            dim's bucket is not used for the call.
+
+    :meth:`choose` maps a call's sizes to ``(key, None)`` or
+    ``(None, reason)``: the smallest captured key (by padded volume, then
+    lexicographically) that covers the sizes in every dim within the padding
+    ratio. Raises ``ValueError``/``TypeError`` naming the entry for invalid
+    buckets or keys.
+    """
+
+    def __init__(self, buckets: Any, keys: Optional[Sequence[Any]] = None,
+                 max_padding_ratio: Optional[float] = None) -> None:
+        if isinstance(buckets, Mapping):
+            if not buckets:
+                raise ValueError("buckets is an empty dict; pass {dim: [sizes...]}, e.g. {'reqs': [1, 2, 4]}")
+            self.legacy = False
+            self.buckets: Dict[str, List[int]] = {}
+            for dim, bl in buckets.items():
+                if not isinstance(dim, str) or not dim.isidentifier():
+                    raise ValueError(f"buckets: dim name {dim!r} must be an identifier such as 'reqs'")
+                try:
+                    self.buckets[dim] = validate_buckets(bl)
+                except (TypeError, ValueError) as exc:
+                    raise type(exc)(f"buckets[{dim!r}]: {exc}") from None
+        else:
+            self.legacy = True
+            self.buckets = {LEGACY_DIM: validate_buckets(buckets)}
+        self.dims: Tuple[str, ...] = tuple(self.buckets)
+        self.max_padding_ratio = _check_ratio(max_padding_ratio)
+        self.explicit = keys is not None
+        if keys is None:
+            grid = itertools.product(*self.buckets.values())
+            self.keys: List[Sizes] = sorted(grid, key=_order)
+        else:
+            self.keys = self._validate_keys(keys)
+        #: The largest key (it covers every other key): the static buffers' leading shape.
+        self.maxes: Sizes = self.keys[-1]
+        self._memo: Dict[Sizes, Tuple[Optional[Sizes], Optional[str]]] = {}
+
+    def _validate_keys(self, keys: Any) -> List[Sizes]:
+        if isinstance(keys, (str, bytes)) or not hasattr(keys, "__iter__"):
+            raise TypeError(f"keys must be a list of key tuples such as [(1, 1), (4, 2)], got {type(keys).__name__}")
+        out: List[Sizes] = []
+        for i, k in enumerate(keys):
+            t = self.internal(k, what=f"keys[{i}]")
+            for d, v in zip(self.dims, t):
+                if v not in self.buckets[d]:
+                    raise ValueError(f"keys[{i}] = {k!r}: {v} is not a bucket of dim {d!r} "
+                                     f"{self.buckets[d]}; every key holds one bucket per dim")
+            if t in out:
+                raise ValueError(f"keys[{i}] = {k!r} is listed twice; list each key once")
+            out.append(t)
+        if not out:
+            raise ValueError("keys is empty; list at least one key, or pass keys=None to capture every combination")
+        top = tuple(max(k[i] for k in out) for i in range(len(self.dims)))
+        if top not in out:
+            raise ValueError(f"keys must include the key {self.external(top)!r} that covers every other listed key "
+                             "in every dim: the static buffers and the shared output buffer are allocated at it")
+        return sorted(out, key=_order)
+
+    # --------------------------------------------------------- conversion
+    def internal(self, key: Any, what: str = "key") -> Sizes:
+        """``key`` (an int for a one-dim runner, else a tuple) as a tuple; raises for a wrong arity."""
+        if isinstance(key, bool):
+            raise TypeError(f"{what} {key!r} must be an int or a tuple of ints")
+        if isinstance(key, int):
+            key = (key,)
+        try:
+            t = tuple(key)
+        except TypeError:
+            raise TypeError(f"{what} {key!r} must be a tuple with one int per dim {self.dims}") from None
+        if len(t) != len(self.dims) or any(isinstance(v, bool) or not isinstance(v, int) for v in t):
+            raise ValueError(f"{what} {key!r} must hold one int per dim {self.dims}")
+        return t
+
+    def external(self, key: Sizes) -> Hashable:
+        """The key as users, backends, stats and traces see it: an int with ``buckets=[...]``, else the tuple."""
+        return key[0] if self.legacy else key
+
+    def capture_order(self) -> List[Sizes]:
+        """The keys to capture, largest (by volume, then lexicographically) first."""
+        return list(reversed(self.keys))
+
+    # -------------------------------------------------------------- choice
+    def choose(self, sizes: Sizes) -> Tuple[Optional[Sizes], Optional[str]]:
+        """``(key, None)`` for the key that serves ``sizes``, or ``(None, reason)``
+        with ``reason`` ``"over_max_bucket"`` (no captured key covers it) or
+        ``"padding_ratio"`` (every covering key pads some dim too much)."""
+        hit = self._memo.get(sizes)
+        if hit is None:
+            hit = self._memo[sizes] = self._choose(sizes)
+        return hit
+
+    def _choose(self, sizes: Sizes) -> Tuple[Optional[Sizes], Optional[str]]:
+        ratio = self.max_padding_ratio
+        covered = False
+        for k in self.keys:  # sorted smallest first
+            if all(b >= n for b, n in zip(k, sizes)):
+                covered = True
+                if ratio is None or all((b - n) / b <= ratio + 1e-12 for b, n in zip(k, sizes)):
+                    return k, None
+        return None, (PADDING if covered else OVER_MAX)
+
+    def describe(self, sizes: Sizes) -> str:
+        """``sizes`` for an error message: ``batch 3`` or ``reqs=3, draft=2``."""
+        if self.legacy:
+            return f"batch {sizes[0]}"
+        return ", ".join(f"{d}={n}" for d, n in zip(self.dims, sizes))
+
+    def why(self, sizes: Sizes, rows: Sizes, reason: str) -> str:
+        """Why no key serves a call of local ``sizes`` agreed to ``rows`` (for ``fallback='error'``)."""
+        space = self
+        if space.legacy:
+            n, r = sizes[0], rows[0]
+            where = f"the agreed batch {r} (max over ranks; this rank has {n})" if r != n else f"batch {n}"
+            if reason == OVER_MAX:
+                return f"{where} exceeds the largest bucket {self.maxes[0]}"
+            if reason == PADDING:
+                b = next(x for x in self.buckets[LEGACY_DIM] if x >= r)
+                return (f"{where} would pad bucket {b} with {b - r} rows, more than max_padding_ratio="
+                        f"{self.max_padding_ratio}")
+            return f"bucket for {where} cannot be replayed on every rank"
+        where = (f"the agreed sizes ({space.describe(rows)}; max over ranks; this rank has {space.describe(sizes)})"
+                 if rows != sizes else f"sizes ({space.describe(sizes)})")
+        if reason == OVER_MAX:
+            return f"no captured key covers {where} (keys: {[self.external(k) for k in self.keys]})"
+        if reason == PADDING:
+            return f"every captured key covering {where} pads some dim by more than max_padding_ratio={self.max_padding_ratio}"
+        return f"the key for {where} cannot be replayed on every rank"
+
+    def fingerprint(self) -> Dict[str, Any]:
+        """The configuration ranks must share: dims, bucket lists, keys, padding ratio."""
+        return {"dims": list(self.dims), "buckets": {d: list(b) for d, b in self.buckets.items()},
+                "keys": [list(k) for k in self.keys], "max_padding_ratio": self.max_padding_ratio}
+
+
+def _order(key: Sizes) -> Tuple[int, Sizes]:
+    return (math.prod(key), key)
+
+
+# ------------------------------------------------------ named dims of inputs and outputs
+def check_dims(dims: Any, what: str, allow_empty: bool = False) -> Tuple[str, ...]:
+    """``dims`` as a tuple of distinct dim names, or a clear error."""
+    if isinstance(dims, str):
+        raise TypeError(f"{what} must be a tuple of dim names such as ('reqs', 'draft'), got the string {dims!r} "
+                        f"(write ({dims!r},) for one dim)")
+    try:
+        t = tuple(dims)
+    except TypeError:
+        raise TypeError(f"{what} must be a tuple of dim names such as ('reqs', 'draft'), got {dims!r}") from None
+    if not t and not allow_empty:
+        raise ValueError(f"{what} is empty; name at least one dim")
+    for d in t:
+        if not isinstance(d, str) or not d.isidentifier():
+            raise ValueError(f"{what} = {dims!r}: {d!r} is not a dim name (an identifier such as 'reqs')")
+    if len(set(t)) != len(t):
+        raise ValueError(f"{what} = {dims!r} names a dim twice")
+    return t
+
+
+def region(sizes: Sequence[int], didx: Tuple[int, ...]) -> Any:
+    """The index of the leading region ``sizes`` (runner-dim order) of a tensor whose leading dims are ``didx``."""
+    if len(didx) == 1:
+        return slice(0, sizes[didx[0]])
+    return tuple(slice(0, sizes[d]) for d in didx)
+
+
+def padding_regions(sizes: Sequence[int], key: Sequence[int], didx: Tuple[int, ...]) -> List[Any]:
+    """Indices that together cover ``key`` minus ``sizes`` on a tensor with leading dims ``didx``:
+    one region per dim (``[:n0, ..., n_j:k_j, :k_{j+1}, ...]``), empty ones left out."""
+    out = []
+    for j, d in enumerate(didx):
+        if sizes[d] >= key[d]:
+            continue
+        idx = [slice(0, sizes[e]) for e in didx[:j]] + [slice(sizes[d], key[d])] + [slice(0, key[e]) for e in didx[j + 1:]]
+        out.append(idx[0] if len(idx) == 1 else tuple(idx))
+    return out
+
+
+def slice_leaves(leaves: List[torch.Tensor], idx: List[Tuple[int, ...]], sizes: Sequence[int]) -> List[torch.Tensor]:
+    """Every tensor leaf sliced to ``sizes`` on its leading dims ``idx[i]`` (0-dim leaves and ``()`` dims whole)."""
+    out = []
+    for t, didx in zip(leaves, idx):
+        if t.dim() == 0 or not didx:
+            out.append(t)
+        else:
+            out.append(t[region(sizes, didx)])
+    return out
+
+
+def count_leaves(spec: tuple) -> int:
+    """The number of tensor leaves of a pytree spec (:mod:`graphrunner._pytree`)."""
+    tag = spec[0]
+    if tag == "T":
+        return 1
+    if tag in ("N", "S"):
+        return 0
+    return sum(count_leaves(c) for c in spec[-1])
+
+
+def resolve_input_dims(inputs: Mapping[str, Any], space: KeySpace) -> Dict[str, Tuple[int, ...]]:
+    """``{input name: indices of its leading dims in space.dims}``; every dim used by some input."""
+    out: Dict[str, Tuple[int, ...]] = {}
+    for name, spec in inputs.items():
+        dims = spec.dims
+        if dims is None:
+            if len(space.dims) != 1:
+                raise ValueError(f"inputs[{name!r}] must declare its leading dims, e.g. gr.BatchInput(..., dims="
+                                 f"{space.dims!r}): the runner has several dims {space.dims}")
+            dims = space.dims
+        unknown = [d for d in dims if d not in space.dims]
+        if unknown:
+            raise ValueError(f"inputs[{name!r}].dims = {dims!r} names {unknown}, which buckets does not list "
+                             f"(dims: {space.dims}); add them to buckets={{dim: [...]}} or fix the name")
+        out[name] = tuple(space.dims.index(d) for d in dims)
+    unused = [d for i, d in enumerate(space.dims) if not any(i in v for v in out.values())]
+    if unused:
+        raise ValueError(f"buckets names dim(s) {unused} that no input declares in dims=: a call's size in them "
+                         "would be unknown; declare them on an input or drop them from buckets")
+    return out
+
+
+def resolve_output_dims(outputs: Any, default: Tuple[int, ...], space: KeySpace
+                         ) -> Tuple[Tuple[int, ...], Dict[Any, Tuple[int, ...]]]:
+    """``(default leading dims, {dict output key: leading dims})`` as runner-dim indices."""
+
+    def idx(dims: Any, what: str) -> Tuple[int, ...]:
+        t = check_dims(dims, what, allow_empty=True)
+        unknown = [d for d in t if d not in space.dims]
+        if unknown:
+            raise ValueError(f"{what} = {dims!r} names {unknown}, which buckets does not list (dims: {space.dims})")
+        return tuple(space.dims.index(d) for d in t)
+
+    if outputs is None:
+        return default, {}
+    if isinstance(outputs, Mapping):
+        return default, {k: idx(v, f"outputs[{k!r}]") for k, v in outputs.items()}
+    return idx(outputs, "outputs"), {}
+
+
+# ------------------------------------------------------------------ agreement
+def agree(group: Any, sizes: Sizes, invalid: bool, call: int) -> Tuple[Sizes, bool]:
+    """The one collective of a multi-rank call: the element-wise max of
+    ``[*sizes, invalid]`` over the ranks (``group.all_max_vector``).
+
+    Returns ``(agreed_sizes, any_invalid)``. A rank with invalid inputs
+    passes ``invalid=True`` (its sizes are ignored: pass zeros). Raises
+    :class:`AgreementError` if an agreed size is below this rank's own (the
+    group broke the max). A group without ``all_max_vector`` is served by
+    one ``all_max`` per element (see :func:`all_max_vector`).
+    """
+    vec = [int(n) for n in sizes] + [1 if invalid else 0]
+    out = [int(v) for v in all_max_vector(group, vec, "runner_agree", call)]
+    if len(out) != len(vec):
+        raise AgreementError(f"the group's all_max_vector returned {len(out)} values for {len(vec)} "
+                             f"({out!r}); it must return one per element")
+    agreed, bad = tuple(out[:-1]), out[-1] > 0
+    if not invalid:
+        low = [i for i, (a, n) in enumerate(zip(agreed, sizes)) if a < n]
+        if low:
+            raise AgreementError(
+                f"rank {getattr(group, 'rank', '?')}: the agreement of call {call} returned sizes {list(agreed)} "
+                f"below this rank's own {list(sizes)} in position(s) {low}: the group's all_max_vector is not an "
+                "element-wise max over the ranks; nothing was replayed")
+    return agreed, bad
+
+
+def all_max_vector(group: Any, values: List[int], phase: str, key: Any) -> List[int]:
+    """``group.all_max_vector(values)``; for a group without it, one ``all_max`` per element
+    (correct, but one collective per element: add ``all_max_vector`` to such a group)."""
+    fn = getattr(group, "all_max_vector", None)
+    if fn is not None:
+        return list(fn(values, phase=phase, key=key))
+    return [group.all_max(v, phase=phase, key=key) for v in values]
