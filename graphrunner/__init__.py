@@ -11,6 +11,7 @@ from graphrunner.trace import Event, EventKind, NullTrace, Trace, check_capture_
 from graphrunner.backends import BreakableGraphBackend, EagerBackend, FullGraphBackend, GraphBackend
 from graphrunner.runner import BatchInput, GraphRunner, RunnerStats, default_buckets
 from graphrunner.report import BucketReport, CaptureReport
+from graphrunner.arena import OutputArena
 
 #: The public API: every name above (``help(graphrunner)`` lists these).
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "BreakableGraphBackend", "EagerBackend", "FullGraphBackend", "GraphBackend",
     # the runner and its report
     "BatchInput", "GraphRunner", "RunnerStats", "default_buckets", "BucketReport", "CaptureReport",
+    "OutputArena",
 ]
 
 

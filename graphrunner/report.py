@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from graphrunner.trace import jsonable
 
@@ -81,6 +81,9 @@ class CaptureReport:
     total_seconds: float
     static_input_bytes: int
     output_buffer_bytes: int
+    #: With ``GraphRunner(output_arena=...)``: the arena's ``name``, ``owners``,
+    #: ``bytes_held``, ``bytes_if_separate`` and one-line ``summary`` at capture end.
+    output_arena: Optional[Dict[str, Any]] = None
 
     @property
     def total_bytes_held(self) -> int:
@@ -110,6 +113,7 @@ class CaptureReport:
             "static_input_bytes": self.static_input_bytes,
             "output_buffer_bytes": self.output_buffer_bytes,
             "total_bytes_held": self.total_bytes_held,
+            "output_arena": self.output_arena,
             "buckets": [b.to_dict() for b in self.buckets],
         }
 
@@ -144,6 +148,8 @@ class CaptureReport:
                      f"shared output buffer {format_bytes(self.output_buffer_bytes)} = "
                      f"{format_bytes(self.total_bytes_held)} (each row's bytes_held is views into these "
                      "shared buffers, so rows overlap and are not summed)")
+        if self.output_arena is not None:
+            lines.append(f"{self.output_arena['summary']}; this runner's output buffer is part of it")
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -108,14 +108,19 @@ class _StepOutputError(TypeError):
     """The step returned something the runner cannot slice (raised during capture)."""
 
 
-def _make_backend(backend: Any, device: Any, group: Any, warmups: int, trace: Any) -> Any:
+def _make_backend(backend: Any, device: Any, group: Any, warmups: int, trace: Any, output_arena: Any = None) -> Any:
     if isinstance(backend, str):
         from graphrunner.backends import BreakableGraphBackend, EagerBackend, FullGraphBackend
 
         classes = {"full": FullGraphBackend, "breakable": BreakableGraphBackend, "eager": EagerBackend}
         if backend not in classes:
             raise ValueError(f"unknown backend {backend!r}: expected one of {_BACKENDS} or a backend instance")
-        return classes[backend](device=device, group=group, warmups=warmups, trace=trace)
+        if backend == "eager":  # no graphs, no output buffer: the arena has nothing to hold
+            return classes[backend](device=device, group=group, warmups=warmups, trace=trace)
+        return classes[backend](device=device, group=group, warmups=warmups, trace=trace, output_arena=output_arena)
+    if output_arena is not None and output_arena is not getattr(backend, "output_arena", None):
+        raise ValueError("output_arena= was given together with a backend instance that does not use it; "
+                         "pass output_arena= to the backend instead")
     missing = [m for m in ("capture_session", "capture_one", "replay", "can_run", "cleanup", "info")
                if not callable(getattr(backend, m, None))]
     if missing:
@@ -172,7 +177,8 @@ class GraphRunner:
             default, ``Trace(max_replay_events=...)``), so it stays bounded
             on a long-running server; ``trace.replays_recorded`` counts them all.
         copy_outputs: return clones instead of views (see below); can be
-            overridden per call with :meth:`run`.
+            overridden per call with :meth:`run`. ``None`` (default) means
+            ``False``, or ``True`` with an ``output_arena``.
         progress: draw a capture progress bar on rank 0 (stderr).
         agree_bucket: with a multi-rank group, agree the bucket across ranks
             on every call (default). ``False`` is UNSAFE, for tests only:
@@ -188,6 +194,11 @@ class GraphRunner:
             keys to capture; it must include the key that covers all others.
             A call takes the smallest captured key covering its sizes, else
             it falls back.
+        output_arena: a :class:`graphrunner.OutputArena` shared with other
+            runners of the same model (decode, verify, prefill): their
+            output buffers are one memory, the max over runners instead of
+            the sum. A replay of any of them overwrites the others' output
+            views, so outputs are copies by default (``copy_outputs``).
 
     Every configuration error (buckets, backend name, fallback, padding
     ratio, inputs) raises ``ValueError``/``TypeError`` here, before any
@@ -244,12 +255,13 @@ class GraphRunner:
         fallback: str = "eager",
         trace: Any = None,
         *,
-        copy_outputs: bool = False,
+        copy_outputs: Optional[bool] = None,
         progress: bool = True,
         agree_bucket: bool = True,
         inference_mode: bool = True,
         outputs: Any = None,
         keys: Optional[Sequence[Any]] = None,
+        output_arena: Any = None,
     ) -> None:
         if not callable(step):
             raise TypeError(f"step must be callable as step(**inputs), got {type(step).__name__}")
@@ -280,12 +292,16 @@ class GraphRunner:
         self.step = step
         self.inputs: Dict[str, BatchInput] = dict(inputs)
         self.fallback = fallback
-        self.copy_outputs = bool(copy_outputs)
+        if output_arena is not None and not callable(getattr(output_arena, "carve", None)):
+            raise TypeError(f"output_arena must be a gr.OutputArena or None, got {type(output_arena).__name__}")
+        # views into a shared arena are overwritten by any runner on it: copies unless asked otherwise
+        self.copy_outputs = (output_arena is not None) if copy_outputs is None else bool(copy_outputs)
+        self.output_arena = output_arena
         self.progress = bool(progress)
         self.agree_bucket = bool(agree_bucket)
         self.inference_mode = bool(inference_mode)
         self.post_warmup_hook = post_warmup_hook
-        self.backend = _make_backend(backend, device, group, warmups, trace)
+        self.backend = _make_backend(backend, device, group, warmups, trace, output_arena)
         self.device = self.backend.device
         from graphrunner.group import LocalGroup
 
@@ -542,10 +558,18 @@ class GraphRunner:
             total_seconds=time.perf_counter() - t0,
             static_input_bytes=sum(t.numel() * t.element_size() for t in self._buffers.values()),
             output_buffer_bytes=out_bytes,
+            output_arena=self._arena_facts(),
         )
         logger.info("GraphRunner captured %d keys (%s) in %.3fs on rank %d", len(order),
                     self.report.backend, self.report.total_seconds, self.rank)
         return self.report
+
+    def _arena_facts(self) -> Optional[Dict[str, Any]]:
+        arena = self.output_arena
+        if arena is None:
+            return None
+        return {"name": arena.name, "owners": arena.owners, "bytes_held": arena.bytes_held,
+                "bytes_if_separate": arena.bytes_if_separate, "summary": arena.summary()}
 
     def _config_fields(self) -> Dict[str, Any]:
         """What every rank must configure alike (the capture fingerprint, :mod:`graphrunner.fingerprint`)."""

@@ -106,7 +106,8 @@ class GraphBackend:
     #: Name recorded in trace events and used in messages.
     name = "base"
 
-    def __init__(self, device: Any = None, group: Any = None, warmups: int = 2, trace: Optional[Trace] = None):
+    def __init__(self, device: Any = None, group: Any = None, warmups: int = 2, trace: Optional[Trace] = None,
+                 *, output_arena: Any = None):
         if isinstance(warmups, bool) or not isinstance(warmups, int):
             raise TypeError(f"warmups must be an int >= 0, got {type(warmups).__name__} ({warmups!r})")
         if warmups < 0:
@@ -120,7 +121,8 @@ class GraphBackend:
             # in a multi-rank group it must be this process's rank.
             self.trace.rank = self.rank
         self._entries: Dict[Hashable, _Entry] = {}
-        self._out = OutputBuffer()
+        self.output_arena = output_arena
+        self._out = OutputBuffer(output_arena)
         self._in_session = False
         self._capturing: Optional[Any] = None
 

@@ -32,8 +32,9 @@ class BreakableGraphBackend(GraphBackend):
 
     name = "breakable"
 
-    def __init__(self, device: Any = None, group: Any = None, warmups: int = 2, trace: Optional[Trace] = None, debug_eager: bool = False):
-        super().__init__(device=device, group=group, warmups=warmups, trace=trace)
+    def __init__(self, device: Any = None, group: Any = None, warmups: int = 2, trace: Optional[Trace] = None, debug_eager: bool = False,
+                 *, output_arena: Any = None):
+        super().__init__(device=device, group=group, warmups=warmups, trace=trace, output_arena=output_arena)
         self.debug_eager = bool(debug_eager)
         if self.debug_eager:
             self.name = "breakable_debug_eager"

@@ -33,12 +33,15 @@ class OutputBuffer:
     ``allocate(out, key)`` makes it from a (warmup) output; ``views(out, key)``
     validates another output against it and returns the leading-rows views;
     ``copy_into(views, out)`` copies an output into views (inside the graph).
+    With an ``arena`` (:class:`graphrunner.arena.OutputArena`) the leaves are
+    carved from the arena's shared block instead of allocated on their own.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, arena: Any = None) -> None:
         self.spec: Optional[tuple] = None
         self.leaves: List[torch.Tensor] = []
         self.first_key: Any = None
+        self.arena = arena
 
     @property
     def allocated(self) -> bool:
@@ -54,11 +57,16 @@ class OutputBuffer:
         """Allocate an uninitialised buffer shaped like ``out`` (contiguous)."""
         spec, leaves = flatten(out)
         self.spec = spec
-        self.leaves = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in leaves]
+        if self.arena is not None:
+            self.leaves = self.arena.carve(self, [(t.shape, t.dtype, t.device) for t in leaves])
+        else:
+            self.leaves = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in leaves]
         self.first_key = key
 
     def release(self) -> None:
         """Drop the buffer (next ``allocate`` starts over)."""
+        if self.arena is not None:
+            self.arena.release(self)
         self.spec = None
         self.leaves = []
         self.first_key = None
