@@ -70,10 +70,11 @@ def test_survivor_raises_within_the_group_timeout(backend, rows, phase):
     # waits inside gloo until the stalled peer wakes or dies, so only the
     # woken rank's exit time is asserted here.
     assert [r.exitcode for r in res] == [0, 0], format_results(res)
-    assert res[1].exit_seconds is not None and res[1].exit_seconds < 5.0, format_results(res)
+    # a shutdown hang would reach the 90 s run timeout; 15 s leaves room for a loaded 2-core machine
+    assert res[1].exit_seconds is not None and res[1].exit_seconds < 15.0, format_results(res)
     kind, secs, msg = res[0].value
     assert kind == "RankTimeoutError", res[0].value
-    assert secs < TIMEOUT + 2.0, secs  # the group's timeout plus a margin, not the process group's 30 s
+    assert secs < TIMEOUT + 5.0, secs  # the group's timeout plus a margin, not the process group's 30 s
     assert "rank 0 of 2" in msg and f"phase '{phase}'" in msg and f"shape key {rows}" in msg, msg
     assert res[1].value[0] == "RankTimeoutError"  # the stalled rank fails too when it wakes, not silently
 
