@@ -1,4 +1,5 @@
-"""The ``graphrunner`` command line: ``graphrunner demo``, ``graphrunner bench`` and ``graphrunner --version``.
+"""The ``graphrunner`` command line: ``graphrunner demo``, ``graphrunner loadtest``, ``graphrunner bench`` and
+``graphrunner --version``.
 
 A bad command line is one line on stderr, ``graphrunner: error: ...``, and exit code 2.
 """
@@ -14,6 +15,7 @@ import torch
 
 import graphrunner
 from graphrunner.bench import add_bench_subparser, parse_buckets
+from graphrunner.loadtest import add_loadtest_subparser
 from graphrunner.threads import add_threads_argument, positive_int, torch_threads
 
 
@@ -30,7 +32,7 @@ class _ArgumentParser(argparse.ArgumentParser):
 def _check_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     # --device cuda (demo and bench) on a machine without CUDA is a user error, found before any work.
     if getattr(args, "device", None) == "cuda" and not torch.cuda.is_available():
-        other = "tape (or auto)" if args.command == "demo" else "cpu"
+        other = "tape (or auto)" if args.command in ("demo", "loadtest") else "cpu"
         parser.error("argument --device: cuda was requested but torch.cuda.is_available() is False on this "
                      f"machine; use --device {other}")
     trace_out = getattr(args, "trace_out", "")
@@ -92,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="no progress output on stderr (redrawn in place on a terminal, plain lines otherwise)")
     add_threads_argument(demo)
     demo.set_defaults(func=_demo)
+    add_loadtest_subparser(sub)
     add_bench_subparser(sub)
     return parser
 
@@ -109,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         _check_device(parser, args)
+        check = getattr(args, "check", None)
+        if check is not None:  # a subcommand's own post-parse usage checks (exit 2 via parser.error)
+            check(parser, args)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
         return int(exc.code or 0)
     try:
