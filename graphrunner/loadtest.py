@@ -51,6 +51,9 @@ __all__ = [
     "FAULTS",
     "LEVEL_KEYS",
     "Engine",
+    "build_decoder",
+    "decode_runner",
+    "run_requests",
     "EngineRun",
     "LevelResult",
     "LoadtestConfig",
@@ -141,9 +144,10 @@ class Engine:
         model: the decoder; its KV cache needs ``max_running + 1`` rows at least and
             ``max_seq_len >= max(prompt + output) - 1``.
         decode: ``decode(input_ids=[n], positions=[n], slot_ids=[n]) -> logits [n, vocab]``,
-            e.g. a ``GraphRunner`` whose step is ``model.decode_step``.
-        max_running: the most requests decoded together (admission stops there).
-        pad_slot: the KV-cache row that padding rows use; no request is ever given it.
+            e.g. :func:`decode_runner` (a ``GraphRunner`` whose padding rows use the padding slot).
+        max_running: the most requests decoded together (admission stops there). Requests get
+            the cache rows (slots) ``0 .. max_running - 1``, lowest free first; the rows from
+            ``max_running`` on are never given to a request (the padding slot lives there).
         after_decode: optional ``hook(step, logits)`` called after each decode step, before the
             tokens are read (the planted ``mismatch`` fault uses it).
         on_progress: optional ``fn(completed, total)`` called after each decode step.
@@ -153,18 +157,17 @@ class Engine:
     scheduling decisions, step for step.
     """
 
-    def __init__(self, model: Any, decode: Callable[..., torch.Tensor], max_running: int, pad_slot: int,
+    def __init__(self, model: Any, decode: Callable[..., torch.Tensor], max_running: int,
                  after_decode: Optional[Callable[[int, torch.Tensor], None]] = None,
                  on_progress: Optional[Callable[[int, int], None]] = None) -> None:
         rows = model.config.max_batch_size
-        if max_running < 1 or not 0 <= pad_slot < rows or (pad_slot < max_running) or max_running >= rows:
-            raise ValueError(f"Engine: need 1 <= max_running < cache rows ({rows}) and a pad_slot in "
-                             f"[max_running, rows) that no request uses; got max_running={max_running}, "
-                             f"pad_slot={pad_slot}")
+        if max_running < 1 or max_running >= rows:
+            raise ValueError(f"Engine: max_running must be in [1, {rows - 1}]: the KV cache has {rows} rows and "
+                             "one beyond the requests' slots is the padding slot; build the model with "
+                             "LlamaConfig(max_batch_size=max_running + 1) or more")
         self.model = model
         self.decode = decode
         self.max_running = max_running
-        self.pad_slot = pad_slot
         self.after_decode = after_decode
         self.on_progress = on_progress
         self.device = next(model.parameters()).device
@@ -285,7 +288,7 @@ class LevelResult:
     """One concurrency level. The first twelve fields are the JSON entry (:data:`LEVEL_KEYS`);
     ``eager_p50_step_ms``/``eager_p99_step_ms`` are the eager engine's step times (for
     ``graphrunner bench``), ``errors`` what failed (per rank), ``mismatched`` the ids of the
-    requests whose tokens differed. Rates and step times are rank 0's (``None`` when not run)."""
+    requests whose tokens differed, ``tokens`` rank 0's graph-engine tokens per request id. Rates and step times are rank 0's (``None`` when not run)."""
 
     concurrency: int
     requests: int
@@ -303,6 +306,7 @@ class LevelResult:
     eager_p99_step_ms: Optional[float] = None
     errors: List[str] = field(default_factory=list)
     mismatched: List[int] = field(default_factory=list)
+    tokens: Dict[int, List[int]] = field(default_factory=dict, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -422,6 +426,47 @@ class _Progress:
             self.status.stream.flush()
 
 
+def run_requests(cfg: LoadtestConfig, vocab_size: int) -> List[Request]:
+    """The requests every level of a run serves (:func:`make_requests` from ``cfg.seed + 1``)."""
+    return make_requests(cfg.requests, vocab_size, cfg.prompt_len, cfg.output_len, cfg.seed + 1)
+
+
+def build_decoder(cfg: LoadtestConfig, rank: int = 0, world: int = 1, device: Any = "cpu") -> Any:
+    """The demo decoder of a run: ``cfg.layers`` layers of the demo size, masked attention for
+    the full backend (varlen otherwise), ``max(cfg.concurrency) + 1`` KV-cache rows (the last is
+    the padding slot), positions for the longest prompt plus output, weights from ``cfg.seed``;
+    with ``world > 1`` this rank's tensor-parallel shard."""
+    from graphrunner.models import LlamaConfig, build_model
+    from graphrunner.models.tp import shard_tensor_parallel
+
+    config = LlamaConfig.demo(num_layers=cfg.layers, attention="masked" if cfg.backend == "full" else "varlen",
+                              max_batch_size=max(cfg.concurrency) + 1,
+                              max_seq_len=cfg.prompt_len[1] + cfg.output_len[1])
+    model = build_model(config, seed=cfg.seed, device=device)
+    if world > 1:
+        shard_tensor_parallel(model, rank, world)
+    return model
+
+
+def decode_runner(model: Any, backend: Any, max_running: int, pad_slot: Optional[int] = None, **runner_kwargs: Any) -> Any:
+    """A :class:`~graphrunner.GraphRunner` over ``model.decode_step(input_ids, positions, slot_ids)``
+    with buckets ``1, 2, 4, ..., max_running`` (powers of two, then ``max_running``). Padding
+    rows are token 0 at position 0 in cache row ``pad_slot`` (default: ``max_running``, the
+    row no request is given), so they never touch a real request's cache row.
+    ``runner_kwargs`` go to ``GraphRunner`` (``device=``, ``group=``, ...)."""
+    from graphrunner.runner import BatchInput, GraphRunner
+
+    pad_slot = max_running if pad_slot is None else pad_slot
+    inputs = {"input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0),
+              "positions": BatchInput(trailing=(), dtype=torch.long, pad=0),
+              "slot_ids": BatchInput(trailing=(), dtype=torch.long, pad=pad_slot)}
+
+    def step(input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+        return model.decode_step(input_ids, positions, slot_ids)
+
+    return GraphRunner(step, inputs, _buckets(max_running), backend=backend, **runner_kwargs)
+
+
 def serve_levels(rank: int, world: int, cfg: LoadtestConfig) -> Dict[str, Any]:
     """One spawned rank's whole run (torch.distributed initialised): :func:`serve_rank`, and
     on a fault raise :class:`~graphrunner.launch.PartialResult` carrying its result, so the
@@ -442,39 +487,22 @@ def serve_rank(rank: int, world: int, cfg: LoadtestConfig) -> Dict[str, Any]:
     the level it hit (or in ``error`` before the first level)."""
     from graphrunner.devices import get_device
     from graphrunner.group import LocalGroup, TorchDistGroup
-    from graphrunner.models import LlamaConfig, build_model
-    from graphrunner.models.tp import shard_tensor_parallel
-    from graphrunner.runner import BatchInput, GraphRunner
 
     levels: List[Dict[str, Any]] = []
     progress = _Progress(cfg.progress and rank == 0)
     try:
         dev = get_device(cfg.device)
         max_c = max(cfg.concurrency)
-        config = LlamaConfig.demo(num_layers=cfg.layers, attention="masked" if cfg.backend == "full" else "varlen",
-                                  max_batch_size=max_c + 1, max_seq_len=cfg.prompt_len[1] + cfg.output_len[1])
-        model = build_model(config, seed=cfg.seed, device=dev.torch_device)
-        group: Any = LocalGroup()
-        if world > 1:
-            shard_tensor_parallel(model, rank, world)
-            group = TorchDistGroup(timeout=cfg.timeout)
+        model = build_decoder(cfg, rank, world, dev.torch_device)
+        group: Any = LocalGroup() if world == 1 else TorchDistGroup(timeout=cfg.timeout)
         stall = None
         if cfg.inject_fault == "stall" and rank == world - 1:
             group = stall = _StallOnce(group, after=FAULT_STEP + 1, seconds=2 * cfg.timeout + 1)
-        pad_slot = max_c  # the dedicated padding row of the KV cache: no request is given it
-        inputs = {"input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0),
-                  "positions": BatchInput(trailing=(), dtype=torch.long, pad=0),
-                  "slot_ids": BatchInput(trailing=(), dtype=torch.long, pad=pad_slot)}
-
-        def step(input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
-            return model.decode_step(input_ids, positions, slot_ids)
-
-        runners = {kind: GraphRunner(step, inputs, _buckets(max_c), backend=backend, device=dev, group=group,
-                                     progress=False)
+        runners = {kind: decode_runner(model, backend, max_c, device=dev, group=group, progress=False)
                    for kind, backend in (("graph", cfg.backend), ("eager", "eager"))}
         for r in runners.values():
             r.capture()
-        requests = make_requests(cfg.requests, config.vocab_size, cfg.prompt_len, cfg.output_len, cfg.seed + 1)
+        requests = run_requests(cfg, model.config.vocab_size)
     except Exception as exc:  # noqa: BLE001 - reported as this rank's fault
         progress.close()
         return {"levels": levels, "error": f"rank {rank}: {type(exc).__name__}: {exc}"}
@@ -497,7 +525,7 @@ def serve_rank(rank: int, world: int, cfg: LoadtestConfig) -> Dict[str, Any]:
                 progress.label = f"C{c} {kind}"
                 runner.stats.reset()
                 model.reset_cache()
-                engine = Engine(model, runner, c, pad_slot, after_decode=hook, on_progress=progress.update)
+                engine = Engine(model, runner, c, after_decode=hook, on_progress=progress.update)
                 try:
                     engine.serve(requests)
                 finally:
@@ -539,6 +567,7 @@ def _combine(cfg: LoadtestConfig, per_rank: List[Optional[Dict[str, Any]]], rank
             lv.mismatches = len(bad)
             g0, e0 = done[0]["graph"], done[0]["eager"]
             lv.generated_tokens = sum(len(ref[rid]) for rid in complete)
+            lv.tokens = dict(ref)
             lv.tokens_per_s = g0["generated_tokens"] / g0["seconds"] if g0["seconds"] > 0 else None
             lv.eager_tokens_per_s = e0["generated_tokens"] / e0["seconds"] if e0["seconds"] > 0 else None
             lv.replays, lv.fallbacks = g0["replays"], g0["fallbacks"]
