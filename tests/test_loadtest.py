@@ -235,3 +235,22 @@ def test_cli_passes_writes_json_and_exits_1_on_a_planted_mismatch(capsys, tmp_pa
     code, stdout, err = _cli(capsys, *small, "--inject-fault", "mismatch")
     assert code == 1, stdout + err
     assert "C2: 6/6 requests, 0 faults, 1 mismatches" in stdout and "FAIL" in stdout
+
+
+# --------------------------------------------------------------------------- graphrunner bench
+def test_bench_sweep_script_reports_graph_and_eager_per_level(tmp_path, capsys):
+    from graphrunner import bench as grbench
+
+    merged = grbench.run_suite(out=tmp_path / "bench.json", plot=None, quick=True, only=["loadtest_sweep"],
+                               echo=lambda s: None)
+    assert merged["errors"] == {}
+    sweep = merged["results"]["loadtest_sweep"]
+    assert sweep["failures"] == [] and [lv["concurrency"] for lv in sweep["levels"]] == [2, 8]
+    for lv in sweep["levels"]:
+        assert lv["speedup"] == pytest.approx(lv["tokens_per_s"] / lv["eager_tokens_per_s"])
+        assert lv["p99_step_ms"] > 0 and lv["eager_p99_step_ms"] > 0
+    rows = grbench.loadtest_table(merged["summary"]["loadtest_sweep"]["levels"])
+    assert rows[0].split() == ["C", "graph", "tok/s", "eager", "tok/s", "ratio", "graph", "p99", "ms", "eager",
+                               "p99", "ms"]
+    assert [r.split()[0] for r in rows[1:]] == ["2", "8"]
+    assert grbench.loadtest_table([{"concurrency": 4}])[1].split() == ["4", "-", "-", "-", "-", "-"]
