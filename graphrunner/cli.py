@@ -103,8 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``graphrunner`` console script; returns the exit code.
 
     A bad command line (unknown option, bad value, buckets not strictly
-    increasing, ``--device cuda`` without CUDA, a ``--trace-out`` that
-    cannot be written) returns 2 after one line on stderr,
+    increasing, ``--device cuda`` without CUDA, a ``--trace-out`` or
+    loadtest ``--json`` that cannot be written, a loadtest ``--ranks`` that
+    does not divide the decoder, ``--inject-fault stall`` on one rank)
+    returns 2 after one line on stderr,
     ``graphrunner: error: ...``; no traceback. A closed stdout pipe
     (``graphrunner demo | head``) returns 1 quietly.
     """
