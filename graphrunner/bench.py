@@ -15,7 +15,10 @@ Outputs (defaults, in the repository wherever the command runs):
 ``bench/results/bench.json`` (the merged results; each script also writes its
 own ``bench/results/<name>.json`` next to it) and
 ``bench/results/latency_vs_batch.png`` (per-call latency of the demo decoder
-step against batch size; skipped with a message when matplotlib is missing).
+step against batch size) and ``bench/results/loadtest_sweep.png`` (tokens/s and p99
+decode-step time against concurrency, graph and eager engines side by side); plots are
+skipped with a message when matplotlib is missing, and the summary prints the sweep as a
+table either way.
 See ``docs/benchmarks.md`` for what each script measures and how to read the
 JSON. Benchmarks print ratios measured side by side in one run; they never
 fail on a timing. The exit status is 1 when a script raised, else 0.
@@ -53,6 +56,8 @@ __all__ = [
     "load_script",
     "run_suite",
     "plot_latency",
+    "plot_loadtest",
+    "loadtest_table",
     "summarize",
     "decode_inputs",
     "decode_runner",
@@ -64,7 +69,8 @@ __all__ = [
 
 #: The scripts of the suite, in the order they run (``bench/<name>.py``).
 #: ``capture_vs_compile`` runs last: torch.compile leaves compiled state behind.
-SUITE = ("tape_vs_eager", "runner_overhead", "latency_vs_batch", "capture_vs_compile", "hf_capture_vs_compile")
+SUITE = ("tape_vs_eager", "runner_overhead", "latency_vs_batch", "loadtest_sweep", "capture_vs_compile",
+         "hf_capture_vs_compile")
 
 #: Default merged JSON path and plot file name: ``results/bench.json`` inside the
 #: benchmark directory (``<repo>/bench/results/bench.json``, wherever the command runs),
@@ -401,6 +407,14 @@ def _run_suite(bdir: Path, out: Optional[str | os.PathLike], plot: Any, quick: b
                 merged["plot"] = str(written)
         if merged["plot_note"]:
             echo(f"[bench] {merged['plot_note']}")
+    sweep = merged["results"].get("loadtest_sweep")
+    if plot is not None and sweep is not None:
+        try:
+            drawn = plot_loadtest(sweep, Path(plot).with_name("loadtest_sweep.png"))
+        except Exception:  # noqa: BLE001 - a plot failure must not lose the numbers
+            echo("[bench] loadtest plot failed:\n" + traceback.format_exc())
+        else:
+            merged["plots"] = {"loadtest_sweep": str(drawn) if drawn is not None else None}
     merged["summary"] = summarize(merged["results"])
     write_json(out, merged)
     return merged
@@ -442,6 +456,8 @@ def summarize(results: Dict[str, Any]) -> Dict[str, Any]:
     - ``runner_overhead``: ``ratio_runner_over_minimal``, ``target_ratio``.
     - ``tape_vs_eager``: ``speedup`` per batch (its ``rows``: the demo decoder's
       TapeGraph replay vs eager) and ``speedup_inline`` (its ``rows_inline``).
+    - ``loadtest_sweep``: ``levels`` (per concurrency: graph and eager tokens/s, their
+      ratio, graph and eager p99 step ms) and ``failures`` (levels that were not clean).
     """
     s: Dict[str, Any] = {}
     cvc = results.get("capture_vs_compile")
@@ -469,7 +485,66 @@ def summarize(results: Dict[str, Any]) -> Dict[str, Any]:
             if isinstance(rows, list) and rows:
                 t[key] = {str(r.get("batch")): r.get("speedup") for r in rows if isinstance(r, dict)}
         s["tape_vs_eager"] = t
+    sweep = results.get("loadtest_sweep")
+    if isinstance(sweep, dict):
+        s["loadtest_sweep"] = {
+            "levels": [{k: lv.get(k) for k in ("concurrency", "tokens_per_s", "eager_tokens_per_s", "speedup",
+                                                "p99_step_ms", "eager_p99_step_ms")}
+                       for lv in sweep.get("levels") or [] if isinstance(lv, dict)],
+            "failures": sweep.get("failures")}
     return s
+
+
+def loadtest_table(levels: Sequence[Dict[str, Any]]) -> List[str]:
+    """The loadtest sweep as text rows: concurrency, graph and eager tokens/s, their ratio,
+    graph and eager p99 decode-step ms (``-`` where not measured)."""
+    def cell(v: Any, fmt: str) -> str:
+        return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+    rows = [f"{'C':>6} {'graph tok/s':>12} {'eager tok/s':>12} {'ratio':>6} {'graph p99 ms':>13} {'eager p99 ms':>13}"]
+    for lv in levels:
+        rows.append(f"{lv.get('concurrency')!s:>6} {cell(lv.get('tokens_per_s'), ',.0f'):>12} "
+                    f"{cell(lv.get('eager_tokens_per_s'), ',.0f'):>12} {cell(lv.get('speedup'), '.2f'):>6} "
+                    f"{cell(lv.get('p99_step_ms'), '.2f'):>13} {cell(lv.get('eager_p99_step_ms'), '.2f'):>13}")
+    return rows
+
+
+def plot_loadtest(sweep: Dict[str, Any], path: str | os.PathLike) -> Optional[Path]:
+    """Draw a ``loadtest_sweep`` result: tokens/s (left) and p99 decode-step ms (right) against
+    concurrency, graph and eager engines side by side; save a PNG. Returns the path, or
+    ``None`` when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    levels = [lv for lv in sweep.get("levels") or [] if isinstance(lv, dict)]
+    cs = [lv["concurrency"] for lv in levels]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), dpi=110)
+    for ax, (g, e, label) in zip(axes, (("tokens_per_s", "eager_tokens_per_s", "generated tokens/s"),
+                                        ("p99_step_ms", "eager_p99_step_ms", "p99 decode step (ms)"))):
+        for key, name, style in ((g, "graph", dict(color="tab:orange", marker="^")),
+                                 (e, "eager", dict(color="black", marker="o"))):
+            pts = [(c, lv.get(key)) for c, lv in zip(cs, levels) if lv.get(key) is not None]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, **style)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(cs)
+        ax.set_xticklabels([str(c) for c in cs])
+        ax.set_xlabel("concurrency (max running requests)")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    cfg = sweep.get("config") or {}
+    fig.suptitle(f"loadtest sweep: {cfg.get('ranks', '?')} rank(s), backend {cfg.get('backend', '?')}, "
+                 f"{cfg.get('requests', '?')} requests per level", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def plot_latency(latency: Dict[str, Any], path: str | os.PathLike) -> Optional[Path]:
@@ -545,6 +620,13 @@ def _print_summary(merged: Dict[str, Any], out: Path) -> None:
         if tve and tve.get(key):
             print(f"  TapeGraph replay vs eager ({label}): " +
                   ", ".join(f"b{b}: {x:.2f}x" for b, x in tve[key].items() if x is not None))
+    sweep = s.get("loadtest_sweep")
+    if sweep and sweep.get("levels"):
+        print("  loadtest sweep (graph vs eager engine, same requests and batches):")
+        for row in loadtest_table(sweep["levels"]):
+            print("    " + row)
+        for f in sweep.get("failures") or []:
+            print(f"    NOT CLEAN: {f}")
     for name, reason in merged.get("skipped", {}).items():
         print(f"  skipped {name}: {reason}")
     for name in merged.get("errors", {}):

@@ -1,4 +1,5 @@
-"""The ``graphrunner`` command line: ``graphrunner demo``, ``graphrunner bench`` and ``graphrunner --version``.
+"""The ``graphrunner`` command line: ``graphrunner demo``, ``graphrunner loadtest``, ``graphrunner bench`` and
+``graphrunner --version``.
 
 A bad command line is one line on stderr, ``graphrunner: error: ...``, and exit code 2.
 """
@@ -14,6 +15,7 @@ import torch
 
 import graphrunner
 from graphrunner.bench import add_bench_subparser, parse_buckets
+from graphrunner.loadtest import add_loadtest_subparser
 from graphrunner.threads import add_threads_argument, positive_int, torch_threads
 
 
@@ -30,7 +32,7 @@ class _ArgumentParser(argparse.ArgumentParser):
 def _check_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     # --device cuda (demo and bench) on a machine without CUDA is a user error, found before any work.
     if getattr(args, "device", None) == "cuda" and not torch.cuda.is_available():
-        other = "tape (or auto)" if args.command == "demo" else "cpu"
+        other = "tape (or auto)" if args.command in ("demo", "loadtest") else "cpu"
         parser.error("argument --device: cuda was requested but torch.cuda.is_available() is False on this "
                      f"machine; use --device {other}")
     trace_out = getattr(args, "trace_out", "")
@@ -92,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="no progress output on stderr (redrawn in place on a terminal, plain lines otherwise)")
     add_threads_argument(demo)
     demo.set_defaults(func=_demo)
+    add_loadtest_subparser(sub)
     add_bench_subparser(sub)
     return parser
 
@@ -100,8 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``graphrunner`` console script; returns the exit code.
 
     A bad command line (unknown option, bad value, buckets not strictly
-    increasing, ``--device cuda`` without CUDA, a ``--trace-out`` that
-    cannot be written) returns 2 after one line on stderr,
+    increasing, ``--device cuda`` without CUDA, a ``--trace-out`` or
+    loadtest ``--json`` that cannot be written, a loadtest ``--ranks`` that
+    does not divide the decoder, ``--inject-fault stall`` on one rank)
+    returns 2 after one line on stderr,
     ``graphrunner: error: ...``; no traceback. A closed stdout pipe
     (``graphrunner demo | head``) returns 1 quietly.
     """
@@ -109,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         _check_device(parser, args)
+        check = getattr(args, "check", None)
+        if check is not None:  # a subcommand's own post-parse usage checks (exit 2 via parser.error)
+            check(parser, args)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
         return int(exc.code or 0)
     try:

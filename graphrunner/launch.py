@@ -1,0 +1,161 @@
+"""Run one function on N local processes joined by a gloo process group, with deadlines.
+
+For commands that need real ranks on one machine (``graphrunner loadtest --ranks N``)::
+
+    outcomes = spawn_ranks(fn, world_size=2, args=(config,), timeout=600, grace=10)
+
+Each rank is a fresh ``spawn`` process that sets one torch thread per rank (unless told
+otherwise), joins ``torch.distributed`` (gloo, through a FileStore in a fresh temporary
+directory: no TCP port to collide on), calls ``fn(rank, world_size, *args)`` and sends what it
+returned (or the exception it raised, with a partial result: :class:`PartialResult`) back through a queue. A rank that succeeded destroys the
+process group; one that raised leaves it (a collective may still be pending) and exits with
+``sys.exit(1)``; never ``os._exit``. Nothing hangs the caller: the whole run is bounded by
+``timeout``, and once any rank has failed the others get ``grace`` seconds more to report and
+exit; every process still alive then is killed and reported as timed out.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import queue as queue_mod
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence
+
+__all__ = ["PartialResult", "RankOutcome", "spawn_ranks"]
+
+
+class PartialResult(Exception):
+    """Raise ``PartialResult(value)`` from a rank's function to report a failure together with
+    what the rank got done: the outcome is a failed one (``ok`` False, the process group is
+    not destroyed) whose ``value`` is ``value`` and ``error`` the message."""
+
+    def __init__(self, value: Any, message: str = "the rank failed") -> None:
+        super().__init__(message)
+        self.value = value
+
+
+@dataclass
+class RankOutcome:
+    """What one spawned rank did.
+
+    ``ok``: ``fn`` returned ``value``. Otherwise ``error`` is ``"<ExcType>: <message>"`` (or
+    why it never reported: it died, or was killed at the deadline: ``timed_out``) and
+    ``traceback`` the formatted traceback when it raised. ``exitcode`` is the process's exit
+    code (``None`` if it had to be killed).
+    """
+
+    rank: int
+    ok: bool = False
+    value: Any = None
+    error: Optional[str] = None
+    traceback: Optional[str] = None
+    exitcode: Optional[int] = None
+    timed_out: bool = False
+
+
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, store_file: str, init_timeout: float,
+           threads: int, args: tuple, q: Any) -> None:
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    ok = False
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=init_timeout))
+        value = fn(rank, world_size, *args)
+        pickle.dumps(value)  # an unpicklable result is this rank's error, reported below
+        q.put(("ok", rank, value))
+        ok = True
+    except BaseException as exc:  # noqa: BLE001 - report everything, SystemExit included
+        partial = exc.value if isinstance(exc, PartialResult) else None
+        try:
+            pickle.dumps(partial)
+        except Exception:  # noqa: BLE001
+            partial = None
+        q.put(("err", rank, (f"{type(exc).__name__}: {exc}", traceback.format_exc(), partial)))
+    finally:
+        q.close()
+        q.join_thread()  # the report is flushed before the process leaves
+    if ok:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - the result is already reported
+            pass
+    else:
+        sys.exit(1)
+
+
+def spawn_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout: float = 600.0,
+                grace: float = 10.0, init_timeout: float = 60.0, threads: int = 1) -> List[RankOutcome]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; one :class:`RankOutcome` per rank.
+
+    ``fn`` must be a top-level importable function and ``args`` picklable; torch.distributed
+    (gloo) is initialised before ``fn`` runs (``init_timeout`` bounds the rendezvous).
+    ``timeout`` bounds the whole run; after the first failed rank the rest have ``grace``
+    seconds. Never raises for a failing rank: read the outcomes. Raises ``ValueError`` for
+    ``world_size < 1`` or a non-positive ``timeout``.
+    """
+    if world_size < 1:
+        raise ValueError(f"spawn_ranks: world_size must be >= 1, got {world_size}")
+    if not timeout > 0 or grace < 0:
+        raise ValueError(f"spawn_ranks: timeout must be > 0 and grace >= 0, got {timeout}, {grace}")
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    store_dir = tempfile.mkdtemp(prefix="graphrunner-launch-")
+    store_file = os.path.join(store_dir, "store")  # must not exist yet: FileStore creates it
+    outcomes = [RankOutcome(rank=r) for r in range(world_size)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, store_file, init_timeout, threads, tuple(args), q),
+                         daemon=True) for r in range(world_size)]
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        pending = set(range(world_size))
+        dead_since: dict = {}
+        while pending and time.monotonic() < deadline:
+            try:
+                status, rank, payload = q.get(timeout=0.2)
+            except queue_mod.Empty:
+                now = time.monotonic()
+                for r in list(pending):  # died without a report (killed, segfault): give it a second
+                    if procs[r].exitcode is not None and now - dead_since.setdefault(r, now) > 1.0:
+                        pending.discard(r)
+                        outcomes[r].error = f"rank {r} exited with code {procs[r].exitcode} without reporting"
+                        deadline = min(deadline, now + grace)
+                continue
+            pending.discard(rank)
+            if status == "ok":
+                outcomes[rank].ok, outcomes[rank].value = True, payload
+            else:
+                outcomes[rank].error, outcomes[rank].traceback, outcomes[rank].value = payload
+                deadline = min(deadline, time.monotonic() + grace)
+        deadline = min(deadline, time.monotonic() + grace)  # every rank reported (or ran out of time): exit now
+        for r, p in enumerate(procs):
+            p.join(timeout=max(deadline - time.monotonic(), 0.0))
+            if p.is_alive():
+                outcomes[r].timed_out = True
+                p.kill()
+                p.join(5)
+                if r in pending:
+                    outcomes[r].error = f"rank {r} still running at the deadline: killed"
+            else:
+                outcomes[r].exitcode = p.exitcode
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        q.close()
+        shutil.rmtree(store_dir, ignore_errors=True)
+    return outcomes

@@ -1,0 +1,745 @@
+"""``graphrunner loadtest``: a sustained serving sweep through GraphRunner, checked against an eager engine.
+
+For each concurrency level ``C`` the same seeded stream of requests (per-request prompt and
+output lengths) is served twice by a small continuous-batching engine over the demo decoder:
+
+1. through graphs: a :class:`~graphrunner.GraphRunner` with the chosen backend, one decode graph
+   per batch bucket;
+2. through an eager engine with the same scheduling decisions: a ``GraphRunner`` with the eager
+   backend (same static buffers, same padding to the same bucket, no graph), so the two engines
+   compute on identical batches and every generated token must be equal, bit for bit.
+
+The engine (:class:`Engine`) admits requests up to ``max_running = C`` (lowest free KV-cache
+slot first), prefills each admitted request eagerly (one request at a time), then runs one
+batched greedy decode step over every running request per iteration; a request leaves when it
+has generated its output length, and its slot is reused. The KV cache has one extra row, the
+padding slot: padding rows of a bucket (and the capture warmups) write there only, so they
+never touch a real request's cache row.
+
+With ``ranks > 1`` the ranks are real gloo processes (:func:`graphrunner.launch.spawn_ranks`);
+each holds a tensor-parallel shard of the decoder (:func:`graphrunner.models.tp.shard_tensor_parallel`:
+MLP and attention output, an ``all_reduce`` inside the captured step), serves the same
+requests, and the runners' ``group=`` makes the ranks agree on the bucket at every step.
+Generated tokens are compared graph vs eager on every rank, and across ranks.
+
+A level is clean when every request completed on every rank through both engines, with no
+fault (an exception on any rank, a rank timeout, NaN/inf logits) and no mismatch.
+
+Extension point (verify tiers): the engine builds one batch plan per iteration
+(:meth:`Engine._decode_plan`) and runs it with one runner call. A speculative-decoding verify
+step is a second plan kind (``reqs x (1 + draft)`` rows with ragged draft lengths) served by a
+second runner keyed by ``(reqs, draft)`` once GraphRunner has multi-dimensional keys; it slots
+in next to :meth:`Engine._decode_step` without changing admission, slots or the comparison.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
+
+import torch
+
+__all__ = [
+    "DEFAULT_CONCURRENCY",
+    "DEFAULT_REQUESTS",
+    "FAULTS",
+    "LEVEL_KEYS",
+    "Engine",
+    "build_decoder",
+    "decode_runner",
+    "run_requests",
+    "EngineRun",
+    "LevelResult",
+    "LoadtestConfig",
+    "LoadtestResult",
+    "NonFiniteLogitsError",
+    "Request",
+    "make_requests",
+    "report",
+    "run_loadtest",
+    "serve_levels",
+    "serve_rank",
+    "add_loadtest_subparser",
+]
+
+#: Default concurrency levels and requests per level (finishes in well under 2 minutes on 2 CPU cores).
+DEFAULT_CONCURRENCY = (4, 16, 64)
+DEFAULT_REQUESTS = 200
+#: Planted, test-only faults (``--inject-fault``).
+FAULTS = ("mismatch", "stall")
+#: The decode step (0-based, of the first level's graph run) at which a planted fault fires.
+FAULT_STEP = 2
+#: The keys of each entry of the JSON file's ``levels``, in order.
+LEVEL_KEYS = ("concurrency", "requests", "completed", "faults", "mismatches", "generated_tokens", "tokens_per_s",
+              "eager_tokens_per_s", "replays", "fallbacks", "p50_step_ms", "p99_step_ms")
+
+
+class NonFiniteLogitsError(RuntimeError):
+    """A step produced NaN or inf logits (a fault of the loadtest)."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request: ``prompt`` token ids and the number of tokens to generate (``output_len >= 1``)."""
+
+    rid: int
+    prompt: Tuple[int, ...]
+    output_len: int
+
+
+def make_requests(count: int, vocab_size: int, prompt_len: Tuple[int, int] = (4, 32),
+                  output_len: Tuple[int, int] = (2, 32), seed: int = 0) -> List[Request]:
+    """``count`` requests with prompt and output lengths drawn uniformly from the inclusive
+    ``(min, max)`` ranges and prompt tokens uniformly from ``[0, vocab_size)``, all from a
+    private generator seeded with ``seed``: the same arguments give the same requests on every
+    rank and every run. Raises ``ValueError`` for a count < 1 or a range with min < 1 or min > max."""
+    if count < 1:
+        raise ValueError(f"make_requests: count must be >= 1, got {count}")
+    for name, (lo, hi) in (("prompt_len", prompt_len), ("output_len", output_len)):
+        if lo < 1 or lo > hi:
+            raise ValueError(f"make_requests: {name} must be (min, max) with 1 <= min <= max, got {(lo, hi)}")
+    gen = torch.Generator().manual_seed(int(seed))
+    p_lens = torch.randint(prompt_len[0], prompt_len[1] + 1, (count,), generator=gen).tolist()
+    o_lens = torch.randint(output_len[0], output_len[1] + 1, (count,), generator=gen).tolist()
+    return [Request(i, tuple(torch.randint(0, vocab_size, (p,), generator=gen).tolist()), o)
+            for i, (p, o) in enumerate(zip(p_lens, o_lens))]
+
+
+@dataclass
+class EngineRun:
+    """What one :meth:`Engine.serve` did (filled in as it goes, so a run cut short by an error
+    still tells how far it got): ``tokens`` (request id -> generated tokens, for completed
+    requests), ``schedule`` (the batch size of every decode step), ``step_s`` (wall seconds of
+    every decode step), ``seconds`` (the whole run: prefills and decode steps)."""
+
+    tokens: Dict[int, List[int]] = field(default_factory=dict)
+    schedule: List[int] = field(default_factory=list)
+    step_s: List[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens generated by the completed requests."""
+        return sum(len(t) for t in self.tokens.values())
+
+
+@dataclass
+class _Running:
+    req: Request
+    slot: int
+    pos: int  # position of the next input token
+    out: List[int]
+
+
+class Engine:
+    """A greedy continuous-batching engine over a :class:`~graphrunner.models.LlamaForCausalLM`.
+
+    Args:
+        model: the decoder; its KV cache needs ``max_running + 1`` rows at least and
+            ``max_seq_len >= max(prompt + output) - 1``.
+        decode: ``decode(input_ids=[n], positions=[n], slot_ids=[n]) -> logits [n, vocab]``,
+            e.g. :func:`decode_runner` (a ``GraphRunner`` whose padding rows use the padding slot).
+        max_running: the most requests decoded together (admission stops there). Requests get
+            the cache rows (slots) ``0 .. max_running - 1``, lowest free first; the rows from
+            ``max_running`` on are never given to a request (the padding slot lives there).
+        after_decode: optional ``hook(step, logits)`` called after each decode step, before the
+            tokens are read (the planted ``mismatch`` fault uses it).
+        on_progress: optional ``fn(completed, total)`` called after each decode step.
+
+    The schedule depends on the requests' lengths only (never on the generated tokens), so
+    two engines serving the same requests with the same ``max_running`` make the same
+    scheduling decisions, step for step.
+    """
+
+    def __init__(self, model: Any, decode: Callable[..., torch.Tensor], max_running: int,
+                 after_decode: Optional[Callable[[int, torch.Tensor], None]] = None,
+                 on_progress: Optional[Callable[[int, int], None]] = None) -> None:
+        rows = model.config.max_batch_size
+        if max_running < 1 or max_running >= rows:
+            raise ValueError(f"Engine: max_running must be in [1, {rows - 1}]: the KV cache has {rows} rows and "
+                             "one beyond the requests' slots is the padding slot; build the model with "
+                             "LlamaConfig(max_batch_size=max_running + 1) or more")
+        self.model = model
+        self.decode = decode
+        self.max_running = max_running
+        self.after_decode = after_decode
+        self.on_progress = on_progress
+        self.device = next(model.parameters()).device
+        self.last = EngineRun()
+
+    def serve(self, requests: Sequence[Request]) -> EngineRun:
+        """Serve every request to completion; return the :class:`EngineRun` (also ``self.last``).
+
+        Raises :class:`NonFiniteLogitsError` on NaN/inf logits, and whatever ``decode`` raises
+        (e.g. :class:`~graphrunner.errors.RankTimeoutError`)."""
+        run = self.last = EngineRun()
+        t_start = time.perf_counter()
+        pending = list(reversed(requests))
+        free = list(range(self.max_running))  # a heap: the lowest free slot first
+        running: List[_Running] = []
+        step = 0
+        with torch.inference_mode():
+            while pending or running:
+                while pending and len(running) < self.max_running:
+                    r = self._admit(pending.pop(), heapq.heappop(free))
+                    if len(r.out) >= r.req.output_len:
+                        self._finish(r, run, free)
+                    else:
+                        running.append(r)
+                if not running:
+                    continue
+                t0 = time.perf_counter()
+                tokens = self._decode_step(step, running)
+                run.step_s.append(time.perf_counter() - t0)
+                run.schedule.append(len(running))
+                step += 1
+                still = []
+                for r, tok in zip(running, tokens):
+                    r.out.append(tok)
+                    r.pos += 1
+                    if len(r.out) >= r.req.output_len:
+                        self._finish(r, run, free)
+                    else:
+                        still.append(r)
+                running = still
+                if self.on_progress is not None:
+                    self.on_progress(len(run.tokens), len(requests))
+                run.seconds = time.perf_counter() - t_start
+        run.seconds = time.perf_counter() - t_start
+        return run
+
+    def _admit(self, req: Request, slot: int) -> _Running:
+        """Prefill ``req`` into cache row ``slot`` (eager) and take its first token."""
+        ids = torch.tensor([req.prompt], dtype=torch.long, device=self.device)
+        slots = torch.tensor([slot], dtype=torch.long, device=self.device)
+        logits = self.model.prefill(ids, slot_ids=slots)[:, -1]
+        return _Running(req, slot, len(req.prompt), self._tokens(logits, "prefill"))
+
+    def _decode_plan(self, running: Sequence[_Running]) -> Dict[str, torch.Tensor]:
+        """The inputs of one decode step: each running request's last token, position and slot."""
+        dev = self.device
+        return {"input_ids": torch.tensor([r.out[-1] for r in running], dtype=torch.long, device=dev),
+                "positions": torch.tensor([r.pos for r in running], dtype=torch.long, device=dev),
+                "slot_ids": torch.tensor([r.slot for r in running], dtype=torch.long, device=dev)}
+
+    def _decode_step(self, step: int, running: Sequence[_Running]) -> List[int]:
+        logits = self.decode(**self._decode_plan(running))
+        if self.after_decode is not None:
+            self.after_decode(step, logits)
+        return self._tokens(logits, f"decode step {step}")
+
+    def _tokens(self, logits: torch.Tensor, where: str) -> List[int]:
+        if not bool(torch.isfinite(logits).all()):
+            raise NonFiniteLogitsError(f"{where} produced NaN/inf logits")
+        return logits.argmax(-1).tolist()
+
+    def _finish(self, r: _Running, run: EngineRun, free: List[int]) -> None:
+        run.tokens[r.req.rid] = r.out
+        heapq.heappush(free, r.slot)
+
+
+# --------------------------------------------------------------------------- configuration and results
+@dataclass(frozen=True)
+class LoadtestConfig:
+    """Everything a loadtest run needs (picklable: it is sent to every rank).
+
+    ``concurrency``: the levels; ``requests``: served per level; ``backend``: ``"full"``
+    (masked attention, one graph per bucket) or ``"breakable"`` (attention as an eager break);
+    ``timeout``: the rank group's timeout in seconds (``TorchDistGroup(timeout=)``: bucket
+    agreement and the collectives inside the step); ``inject_fault``: ``None`` or one of
+    :data:`FAULTS` (test-only); ``prompt_len``/``output_len``: inclusive ranges.
+    """
+
+    ranks: int = 1
+    requests: int = DEFAULT_REQUESTS
+    concurrency: Tuple[int, ...] = DEFAULT_CONCURRENCY
+    backend: str = "breakable"
+    device: str = "auto"
+    layers: int = 2
+    seed: int = 0
+    prompt_len: Tuple[int, int] = (4, 32)
+    output_len: Tuple[int, int] = (2, 32)
+    timeout: float = 30.0
+    inject_fault: Optional[str] = None
+    threads: int = 1
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("full", "breakable"):
+            raise ValueError(f"backend must be 'full' or 'breakable', got {self.backend!r}")
+        if self.inject_fault not in (None,) + FAULTS:
+            raise ValueError(f"inject_fault must be None or one of {FAULTS}, got {self.inject_fault!r}")
+        if self.inject_fault == "stall" and self.ranks < 2:
+            raise ValueError("inject_fault='stall' stalls one rank while the others wait: it needs ranks >= 2")
+        if self.ranks < 1 or self.requests < 1 or not self.concurrency or min(self.concurrency) < 1:
+            raise ValueError("ranks, requests and every concurrency level must be >= 1")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
+
+
+@dataclass
+class LevelResult:
+    """One concurrency level. The first twelve fields are the JSON entry (:data:`LEVEL_KEYS`);
+    ``eager_p50_step_ms``/``eager_p99_step_ms`` are the eager engine's step times (for
+    ``graphrunner bench``), ``errors`` what failed (per rank), ``mismatched`` the ids of the
+    requests whose tokens differed, ``tokens`` rank 0's graph-engine tokens per request id. Rates and step times are rank 0's (``None`` when not run)."""
+
+    concurrency: int
+    requests: int
+    completed: int = 0
+    faults: int = 0
+    mismatches: int = 0
+    generated_tokens: int = 0
+    tokens_per_s: Optional[float] = None
+    eager_tokens_per_s: Optional[float] = None
+    replays: int = 0
+    fallbacks: int = 0
+    p50_step_ms: Optional[float] = None
+    p99_step_ms: Optional[float] = None
+    eager_p50_step_ms: Optional[float] = None
+    eager_p99_step_ms: Optional[float] = None
+    errors: List[str] = field(default_factory=list)
+    mismatched: List[int] = field(default_factory=list)
+    tokens: Dict[int, List[int]] = field(default_factory=dict, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        """Every request completed, no fault, no mismatch."""
+        return self.completed == self.requests and self.faults == 0 and self.mismatches == 0
+
+    def to_json(self) -> Dict[str, Any]:
+        """The level's entry of the JSON file: exactly :data:`LEVEL_KEYS`."""
+        d = asdict(self)
+        return {k: d[k] for k in LEVEL_KEYS}
+
+    def line(self) -> str:
+        """``C16: 400/400 requests, 0 faults, 0 mismatches, 1,234 tok/s (eager 987 tok/s, 1.25x)``."""
+        head = (f"C{self.concurrency}: {self.completed}/{self.requests} requests, {self.faults} faults, "
+                f"{self.mismatches} mismatches")
+        if self.tokens_per_s is None or self.eager_tokens_per_s is None:
+            return head + ", not measured"
+        return (head + f", {self.tokens_per_s:,.0f} tok/s (eager {self.eager_tokens_per_s:,.0f} tok/s, "
+                f"{self.tokens_per_s / self.eager_tokens_per_s:.2f}x)")
+
+
+@dataclass
+class LoadtestResult:
+    """A whole run: ``levels`` (one :class:`LevelResult` each), ``errors`` not tied to a level
+    (capture, a rank that died), ``seconds`` (wall time)."""
+
+    config: LoadtestConfig
+    levels: List[LevelResult]
+    errors: List[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """True when every level is clean and nothing else failed."""
+        return not self.errors and all(lv.ok for lv in self.levels)
+
+    def to_json(self) -> Dict[str, Any]:
+        """``{"ranks", "backend", "levels": [...]}``: the file ``--json`` writes."""
+        return {"ranks": self.config.ranks, "backend": self.config.backend,
+                "levels": [lv.to_json() for lv in self.levels]}
+
+
+# --------------------------------------------------------------------------- one rank
+class _StallOnce:
+    """A rank group that, once armed, sleeps ``seconds`` after its ``after``-th ``all_min``:
+    inside that runner call, after the bucket agreement and before the replay (a GraphRunner
+    call makes ``all_max`` then ``all_min``), so the peers wait in the step's collectives."""
+
+    def __init__(self, inner: Any, after: int, seconds: float) -> None:
+        self.inner, self.after, self.seconds = inner, after, seconds
+        self.rank, self.size = inner.rank, inner.size
+        self.timeout = getattr(inner, "timeout", None)
+        self.armed = False
+        self._count = 0
+
+    def barrier(self, **kw: Any) -> None:
+        self.inner.barrier(**kw)
+
+    def all_max(self, value: int, **kw: Any) -> int:
+        return self.inner.all_max(value, **kw)
+
+    def all_min(self, value: int, **kw: Any) -> int:
+        out = self.inner.all_min(value, **kw)
+        if self.armed:
+            self._count += 1
+            if self._count == self.after:
+                time.sleep(self.seconds)
+        return out
+
+
+def _buckets(max_running: int) -> List[int]:
+    out, b = [], 1
+    while b < max_running:
+        out.append(b)
+        b *= 2
+    return out + [max_running]
+
+
+def _percentile(samples: List[float], q: float) -> Optional[float]:
+    if not samples:
+        return None
+    s = sorted(samples)
+    return s[max(0, math.ceil(q * len(s)) - 1)] * 1e3
+
+
+def _summary(run: EngineRun, stats: Any) -> Dict[str, Any]:
+    return {"tokens": run.tokens, "schedule": run.schedule, "seconds": run.seconds,
+            "generated_tokens": run.generated_tokens,
+            "p50_step_ms": _percentile(run.step_s, 0.50), "p99_step_ms": _percentile(run.step_s, 0.99),
+            "replays": sum(stats.replays.values()), "fallbacks": stats.fallbacks}
+
+
+class _Progress:
+    """Rank 0's progress line on a terminal (nothing when stderr is not a TTY)."""
+
+    def __init__(self, enabled: bool) -> None:
+        from graphrunner.progress import StatusLine
+
+        self.status = StatusLine() if enabled else None
+        if self.status is not None and not self.status.tty:
+            self.status = None
+        self.label = ""
+        self._last = 0.0
+
+    def update(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if self.status is not None and (now - self._last > 0.2 or done == total):
+            self._last = now
+            width = 24
+            fill = width * done // max(total, 1)
+            self.status.write(f"loadtest {self.label} [{'#' * fill}{'.' * (width - fill)}] {done}/{total} requests")
+
+    def close(self) -> None:
+        if self.status is not None:
+            self.status.write("")
+            self.status.stream.write("\r")
+            self.status.stream.flush()
+
+
+def run_requests(cfg: LoadtestConfig, vocab_size: int) -> List[Request]:
+    """The requests every level of a run serves (:func:`make_requests` from ``cfg.seed + 1``)."""
+    return make_requests(cfg.requests, vocab_size, cfg.prompt_len, cfg.output_len, cfg.seed + 1)
+
+
+def build_decoder(cfg: LoadtestConfig, rank: int = 0, world: int = 1, device: Any = "cpu") -> Any:
+    """The demo decoder of a run: ``cfg.layers`` layers of the demo size, masked attention for
+    the full backend (varlen otherwise), ``max(cfg.concurrency) + 1`` KV-cache rows (the last is
+    the padding slot), positions for the longest prompt plus output, weights from ``cfg.seed``;
+    with ``world > 1`` this rank's tensor-parallel shard."""
+    from graphrunner.models import LlamaConfig, build_model
+    from graphrunner.models.tp import shard_tensor_parallel
+
+    config = LlamaConfig.demo(num_layers=cfg.layers, attention="masked" if cfg.backend == "full" else "varlen",
+                              max_batch_size=max(cfg.concurrency) + 1,
+                              max_seq_len=cfg.prompt_len[1] + cfg.output_len[1])
+    model = build_model(config, seed=cfg.seed, device=device)
+    if world > 1:
+        shard_tensor_parallel(model, rank, world)
+    return model
+
+
+def decode_runner(model: Any, backend: Any, max_running: int, pad_slot: Optional[int] = None, **runner_kwargs: Any) -> Any:
+    """A :class:`~graphrunner.GraphRunner` over ``model.decode_step(input_ids, positions, slot_ids)``
+    with buckets ``1, 2, 4, ..., max_running`` (powers of two, then ``max_running``). Padding
+    rows are token 0 at position 0 in cache row ``pad_slot`` (default: ``max_running``, the
+    row no request is given), so they never touch a real request's cache row.
+    ``runner_kwargs`` go to ``GraphRunner`` (``device=``, ``group=``, ...)."""
+    from graphrunner.runner import BatchInput, GraphRunner
+
+    pad_slot = max_running if pad_slot is None else pad_slot
+    inputs = {"input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0),
+              "positions": BatchInput(trailing=(), dtype=torch.long, pad=0),
+              "slot_ids": BatchInput(trailing=(), dtype=torch.long, pad=pad_slot)}
+
+    def step(input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+        return model.decode_step(input_ids, positions, slot_ids)
+
+    return GraphRunner(step, inputs, _buckets(max_running), backend=backend, **runner_kwargs)
+
+
+def serve_levels(rank: int, world: int, cfg: LoadtestConfig) -> Dict[str, Any]:
+    """One spawned rank's whole run (torch.distributed initialised): :func:`serve_rank`, and
+    on a fault raise :class:`~graphrunner.launch.PartialResult` carrying its result, so the
+    launcher reports the rank as failed and leaves its (maybe unusable) process group alone."""
+    from graphrunner.launch import PartialResult
+
+    res = serve_rank(rank, world, cfg)
+    failed = res["error"] or next((lv["error"] for lv in res["levels"] if lv.get("error")), None)
+    if failed:
+        raise PartialResult(res, failed)
+    return res
+
+
+def serve_rank(rank: int, world: int, cfg: LoadtestConfig) -> Dict[str, Any]:
+    """One rank's whole run: build (and shard) the decoder, capture both runners, serve every
+    level through graphs then eager. Returns ``{"levels": [...], "error": str|None}``; an
+    exception stops the run (after it the process group may be unusable) and is reported in
+    the level it hit (or in ``error`` before the first level)."""
+    from graphrunner.devices import get_device
+    from graphrunner.group import LocalGroup, TorchDistGroup
+
+    levels: List[Dict[str, Any]] = []
+    progress = _Progress(cfg.progress and rank == 0)
+    try:
+        dev = get_device(cfg.device)
+        max_c = max(cfg.concurrency)
+        model = build_decoder(cfg, rank, world, dev.torch_device)
+        group: Any = LocalGroup() if world == 1 else TorchDistGroup(timeout=cfg.timeout)
+        stall = None
+        if cfg.inject_fault == "stall" and rank == world - 1:
+            group = stall = _StallOnce(group, after=FAULT_STEP + 1, seconds=2 * cfg.timeout + 1)
+        runners = {kind: decode_runner(model, backend, max_c, device=dev, group=group, progress=False)
+                   for kind, backend in (("graph", cfg.backend), ("eager", "eager"))}
+        for r in runners.values():
+            r.capture()
+        requests = run_requests(cfg, model.config.vocab_size)
+    except Exception as exc:  # noqa: BLE001 - reported as this rank's fault
+        progress.close()
+        return {"levels": levels, "error": f"rank {rank}: {type(exc).__name__}: {exc}"}
+
+    def perturb(step_i: int, logits: torch.Tensor) -> None:
+        # planted fault: flip one replayed output row (argmax becomes argmin)
+        if step_i == FAULT_STEP and runners["graph"].stats.last_bucket is not None:
+            logits[0].neg_()
+
+    try:
+        for i, c in enumerate(cfg.concurrency):
+            level: Dict[str, Any] = {"concurrency": c, "error": None}
+            levels.append(level)
+            for kind in ("graph", "eager"):
+                runner = runners[kind]
+                first_graph = i == 0 and kind == "graph"
+                hook = perturb if (first_graph and cfg.inject_fault == "mismatch" and rank == 0) else None
+                if stall is not None:
+                    stall.armed = first_graph
+                progress.label = f"C{c} {kind}"
+                runner.stats.reset()
+                model.reset_cache()
+                engine = Engine(model, runner, c, after_decode=hook, on_progress=progress.update)
+                try:
+                    engine.serve(requests)
+                finally:
+                    level[kind] = _summary(engine.last, runner.stats)
+    except Exception as exc:  # noqa: BLE001 - a fault: stop here, the group may be unusable
+        levels[-1]["error"] = f"rank {rank}: {type(exc).__name__}: {exc}"
+    finally:
+        progress.close()
+    return {"levels": levels, "error": None}
+
+
+# --------------------------------------------------------------------------- combining the ranks
+def _combine(cfg: LoadtestConfig, per_rank: List[Optional[Dict[str, Any]]], rank_errors: List[str]) -> LoadtestResult:
+    """Build the levels from every rank's :func:`serve_levels` result (``None``: the rank
+    never reported; ``rank_errors`` says why)."""
+    errors = [r["error"] for r in per_rank if r is not None and r.get("error")]  # before the first level
+    levels: List[LevelResult] = []
+    for i, c in enumerate(cfg.concurrency):
+        lv = LevelResult(concurrency=c, requests=cfg.requests)
+        ranks = [r["levels"][i] if r is not None and i < len(r["levels"]) else None for r in per_rank]
+        lv.errors = [x["error"] for x in ranks if x is not None and x.get("error")]
+        lv.faults = len(lv.errors)
+        done = [x for x in ranks if x is not None and "graph" in x and "eager" in x]
+        if len(done) == len(ranks):
+            complete = None
+            for x in done:
+                ids = set(x["graph"]["tokens"]) & set(x["eager"]["tokens"])
+                complete = ids if complete is None else complete & ids
+            lv.completed = len(complete or ())
+            ref = done[0]["graph"]["tokens"]
+            bad = set()
+            for x in done:
+                g, e = x["graph"]["tokens"], x["eager"]["tokens"]
+                bad |= {rid for rid in complete if g[rid] != e[rid] or g[rid] != ref[rid]}
+                if x["graph"]["schedule"] != x["eager"]["schedule"] or x["graph"]["schedule"] != done[0]["graph"]["schedule"]:
+                    lv.errors.append(f"C{c}: the engines' schedules differ (engine bug)")
+                    lv.faults += 1
+            lv.mismatched = sorted(bad)
+            lv.mismatches = len(bad)
+            g0, e0 = done[0]["graph"], done[0]["eager"]
+            lv.generated_tokens = sum(len(ref[rid]) for rid in complete)
+            lv.tokens = dict(ref)
+            lv.tokens_per_s = g0["generated_tokens"] / g0["seconds"] if g0["seconds"] > 0 else None
+            lv.eager_tokens_per_s = e0["generated_tokens"] / e0["seconds"] if e0["seconds"] > 0 else None
+            lv.replays, lv.fallbacks = g0["replays"], g0["fallbacks"]
+            lv.p50_step_ms, lv.p99_step_ms = g0["p50_step_ms"], g0["p99_step_ms"]
+            lv.eager_p50_step_ms, lv.eager_p99_step_ms = e0["p50_step_ms"], e0["p99_step_ms"]
+        levels.append(lv)
+    # A rank that never reported (died, killed at the deadline) faulted in the first level
+    # that did not finish cleanly (the first level if none is known).
+    if rank_errors:
+        first = next((lv for lv in levels if lv.completed < lv.requests or lv.faults), levels[0])
+        first.faults += len(rank_errors)
+        first.errors += rank_errors
+    return LoadtestResult(cfg, levels, errors=errors)
+
+
+def run_loadtest(cfg: LoadtestConfig, launch_timeout: float = 3600.0) -> LoadtestResult:
+    """Run the sweep described by ``cfg`` and return its :class:`LoadtestResult`.
+
+    ``cfg.ranks == 1`` runs in this process (with ``cfg.threads`` torch threads);
+    otherwise ``cfg.ranks`` spawned gloo processes (one torch thread each unless
+    ``cfg.threads`` says more), bounded by ``launch_timeout`` seconds in all; once a rank has
+    failed, the others get ``3 * cfg.timeout + 10`` seconds to report before they are killed.
+    """
+    from graphrunner.threads import torch_threads
+
+    t0 = time.perf_counter()
+    if cfg.ranks == 1:
+        with torch_threads(cfg.threads):
+            per_rank: List[Optional[Dict[str, Any]]] = [serve_rank(0, 1, cfg)]
+        rank_errors: List[str] = []
+    else:
+        from graphrunner.launch import spawn_ranks
+
+        outcomes = spawn_ranks(serve_levels, cfg.ranks, args=(cfg,), timeout=launch_timeout,
+                               grace=3 * cfg.timeout + 10, threads=cfg.threads)
+        per_rank = [o.value for o in outcomes]  # a failed rank's partial result, or None
+        rank_errors = [f"rank {o.rank}: {o.error}" for o in outcomes if o.value is None]
+    result = _combine(cfg, per_rank, rank_errors)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def report(result: LoadtestResult, out: Optional[TextIO] = None) -> None:
+    """Print one line per level, then every error and the first mismatched requests."""
+    out = sys.stdout if out is None else out
+    cfg = result.config
+    print(f"graphrunner loadtest: {cfg.ranks} rank(s), backend={cfg.backend}, {cfg.requests} requests per level, "
+          f"prompt {cfg.prompt_len[0]}-{cfg.prompt_len[1]} / output {cfg.output_len[0]}-{cfg.output_len[1]} tokens, "
+          f"{cfg.layers} layers" + (f", injected fault: {cfg.inject_fault}" if cfg.inject_fault else ""), file=out)
+    for lv in result.levels:
+        print(lv.line(), file=out)
+    for lv in result.levels:
+        for e in lv.errors:
+            print(f"  C{lv.concurrency} fault: {e}", file=out)
+        if lv.mismatched:
+            shown = ", ".join(map(str, lv.mismatched[:10])) + (" ..." if len(lv.mismatched) > 10 else "")
+            print(f"  C{lv.concurrency} mismatch: generated tokens differ (graph vs eager, or across ranks) for "
+                  f"request(s) {shown}", file=out)
+        if lv.completed < lv.requests and not lv.errors:
+            print(f"  C{lv.concurrency}: {lv.requests - lv.completed} request(s) lost", file=out)
+    for e in result.errors:
+        print(f"  fault: {e}", file=out)
+    print(f"{'PASS' if result.ok else 'FAIL'} in {result.seconds:.1f}s", file=out)
+
+
+# --------------------------------------------------------------------------- command line
+def _range(text: str) -> Tuple[int, int]:
+    import argparse
+
+    parts = text.split(",")
+    try:
+        lo, hi = (int(p) for p in parts) if len(parts) == 2 else (int(parts[0]),) * 2
+    except ValueError:
+        lo = hi = 0
+    if lo < 1 or lo > hi:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX with 1 <= MIN <= MAX (or one N >= 1), got {text!r}")
+    return lo, hi
+
+
+def _seconds(text: str) -> float:
+    import argparse
+
+    try:
+        v = float(text)
+    except ValueError:
+        v = 0.0
+    if not v > 0 or not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return v
+
+
+def _run_from_args(args: Any) -> int:
+    import json
+
+    cfg = LoadtestConfig(ranks=args.ranks, requests=args.requests, concurrency=tuple(args.concurrency),
+                         backend=args.backend, device=args.device, layers=args.layers, seed=args.seed,
+                         prompt_len=args.prompt_len, output_len=args.output_len, timeout=args.timeout,
+                         inject_fault=args.inject_fault, threads=args.threads, progress=not args.no_progress)
+    result = run_loadtest(cfg)
+    report(result)
+    if args.json:
+        from graphrunner.bench import write_json
+
+        write_json(args.json, result.to_json())
+        print(f"wrote {args.json}")
+    return 0 if result.ok else 1
+
+
+def check_args(parser: Any, args: Any) -> None:
+    """Usage errors found after parsing (one line, exit 2 through ``parser.error``)."""
+    if args.inject_fault == "stall" and args.ranks < 2:
+        parser.error("argument --inject-fault: stall stalls one rank while the others wait; it needs --ranks 2 or more")
+    from graphrunner.models import LlamaConfig
+
+    cfg = LlamaConfig.demo()
+    for what, n in (("intermediate_size", cfg.intermediate_size), ("num_heads * head_dim", cfg.hidden_size)):
+        if n % args.ranks:
+            parser.error(f"argument --ranks: the decoder's {what} ({n}) is split over the ranks and must be "
+                         f"divisible by --ranks {args.ranks}; use a power of two up to {cfg.hidden_size}")
+    if args.json:
+        import tempfile
+
+        folder = os.path.dirname(os.path.abspath(args.json))
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as exc:
+            parser.error(f"argument --json: cannot write under {folder!r} ({exc.strerror or exc}); pass another path")
+
+
+def add_loadtest_subparser(subparsers: Any) -> Any:
+    """Register ``graphrunner loadtest`` on ``subparsers``; sets ``func`` (returns the exit code)
+    and ``check`` (post-parse usage checks). Returns the new subparser."""
+    from graphrunner.bench import parse_int_list
+    from graphrunner.threads import add_threads_argument, positive_int
+
+    p = subparsers.add_parser(
+        "loadtest", help="serve seeded requests with continuous batching through graphs and eager, on N ranks; "
+                         "compare every token",
+        description="For each concurrency level, serve the same seeded requests (per-request prompt and output "
+                    "lengths) with a continuous-batching engine over the demo decoder, once through GraphRunner "
+                    "(decode graphs per batch bucket, a padding slot in the KV cache) and once through an eager "
+                    "engine with the same scheduling decisions, and compare every generated token. --ranks N runs "
+                    "N gloo processes with a tensor-parallel decoder (an all_reduce inside the captured step). "
+                    "Prints one line per level; exits 1 on a lost request, a fault (an exception on any rank, a "
+                    "timeout, NaN/inf logits) or a mismatch, 2 (one line on stderr) for a bad command line.")
+    p.add_argument("--ranks", type=positive_int, default=1, help="ranks: 1 in process, N > 1 spawned gloo "
+                                                                  "processes (default: 1)")
+    p.add_argument("--requests", type=positive_int, default=DEFAULT_REQUESTS,
+                   help=f"requests served per level (default: {DEFAULT_REQUESTS})")
+    p.add_argument("--concurrency", type=parse_int_list, default=list(DEFAULT_CONCURRENCY),
+                   help="comma-separated levels: the most requests running together "
+                        f"(default: {','.join(map(str, DEFAULT_CONCURRENCY))})")
+    p.add_argument("--backend", default="breakable", choices=["full", "breakable"],
+                   help="breakable: attention is an eager break (default); full: one graph per bucket (masked "
+                        "attention)")
+    p.add_argument("--device", default="auto", choices=["auto", "tape", "cuda"],
+                   help="graph kind: cuda when available, else tape (default: auto)")
+    p.add_argument("--json", default="", help="write the results as JSON to this path")
+    p.add_argument("--layers", type=positive_int, default=2, help="decoder layers (default: 2)")
+    p.add_argument("--prompt-len", type=_range, default=(4, 32), help="prompt length range MIN,MAX (default: 4,32)")
+    p.add_argument("--output-len", type=_range, default=(2, 32),
+                   help="generated tokens per request, range MIN,MAX (default: 2,32)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the requests (default: 0)")
+    p.add_argument("--timeout", type=_seconds, default=30.0,
+                   help="the rank group's timeout in seconds: a rank stuck longer makes the others raise "
+                        "RankTimeoutError (default: 30)")
+    p.add_argument("--inject-fault", default=None, choices=list(FAULTS),
+                   help="test-only: 'mismatch' perturbs one replayed output (must exit 1 with a mismatch); 'stall' "
+                        "stalls the last rank inside a step (must exit 1 with RankTimeoutError)")
+    p.add_argument("--no-progress", action="store_true", help="no progress line (drawn on a terminal only)")
+    add_threads_argument(p)
+    p.set_defaults(func=_run_from_args, check=check_args)
+    return p

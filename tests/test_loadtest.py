@@ -1,0 +1,256 @@
+"""``graphrunner loadtest``: the continuous-batching engine, the sweep on 1 and 2 real ranks, the
+planted faults, and the command line.
+
+The independent reference is the decoder's uncached ``forward_full``: for each request, the
+prompt plus the generated tokens are run through it in one causal forward (teacher forcing), and
+every generated token must be the argmax of its position's logits (up to a float tie).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from graphrunner import loadtest as lt
+from graphrunner.models import LlamaConfig, build_model
+
+TIE = 1e-3  # logits closer than this to the maximum count as a tie (float rounding of another batch shape)
+
+
+def _bad_tokens(model, requests, tokens):
+    """Ids of the requests whose generated tokens are not the greedy argmax of ``forward_full``."""
+    bad = []
+    with torch.inference_mode():
+        for req in requests:
+            out = tokens[req.rid]
+            assert len(out) == req.output_len
+            seq = torch.tensor([list(req.prompt) + out[:-1]])
+            logits = model.forward_full(seq)[0]
+            p = len(req.prompt)
+            for k, tok in enumerate(out):
+                row = logits[p - 1 + k]
+                if row[tok] < row.max() - TIE:
+                    bad.append(req.rid)
+                    break
+    return bad
+
+
+def _tiny(backend="breakable", rows=9, seed=3):
+    cfg = LlamaConfig.tiny(max_batch_size=rows, attention="masked" if backend == "full" else "varlen")
+    return build_model(cfg, seed=seed)
+
+
+def _requests(n=14, seed=5):
+    return lt.make_requests(n, 128, prompt_len=(2, 10), output_len=(1, 12), seed=seed)
+
+
+# --------------------------------------------------------------------------- requests and the engine
+def test_make_requests_is_seeded_and_in_range():
+    a, b = lt.make_requests(50, 100, (3, 7), (2, 5), seed=1), lt.make_requests(50, 100, (3, 7), (2, 5), seed=1)
+    assert a == b and a != lt.make_requests(50, 100, (3, 7), (2, 5), seed=2)
+    assert {len(r.prompt) for r in a} <= set(range(3, 8)) and len({len(r.prompt) for r in a}) > 1
+    assert {r.output_len for r in a} <= set(range(2, 6)) and len({r.output_len for r in a}) > 1
+    assert all(0 <= t < 100 for r in a for t in r.prompt)
+    with pytest.raises(ValueError, match="output_len"):
+        lt.make_requests(3, 100, (1, 2), (0, 2))
+
+
+@pytest.mark.parametrize("backend", ["breakable", "full"])
+def test_graph_engine_tokens_match_the_uncached_reference(backend):
+    # buckets 1, 2, 4, 8 and the padding slot 8; at most 6 running: a full batch pads 2 rows
+    model, reqs = _tiny(backend), _requests()
+    runner = lt.decode_runner(model, backend, 8, device="tape", progress=False)
+    runner.capture()
+    engine = lt.Engine(model, runner, 6)
+    run = engine.serve(reqs)
+    assert sorted(run.tokens) == [r.rid for r in reqs]
+    assert run.generated_tokens == sum(r.output_len for r in reqs)
+    assert max(run.schedule) == 6 and len(run.schedule) == len(run.step_s)
+    assert sum(runner.stats.replays.values()) == len(run.schedule) and runner.stats.fallbacks == 0
+    assert runner.stats.padding_rows >= 2 * run.schedule.count(6)  # batch 6 replays bucket 8
+    assert _bad_tokens(model, reqs, run.tokens) == []
+
+
+def test_padding_rows_in_a_real_slot_corrupt_requests():
+    # Negative control of the padding slot: padding rows sent to cache row 0 (a request's slot)
+    # overwrite that request's position 0, and the uncached reference catches it.
+    model, reqs = _tiny(), _requests()
+    runner = lt.decode_runner(model, "breakable", 8, pad_slot=0, device="tape", progress=False)
+    runner.capture()
+    run = lt.Engine(model, runner, 6).serve(reqs)
+    assert runner.stats.padding_rows > 0
+    assert _bad_tokens(model, reqs, run.tokens) != []
+
+
+def test_schedule_depends_on_lengths_only_and_respects_max_running():
+    model, reqs = _tiny(), _requests()
+    seen = []
+
+    def decode(input_ids, positions, slot_ids):
+        seen.append(slot_ids.tolist())
+        return model.decode_step(input_ids, positions, slot_ids)
+
+    def noise(input_ids, positions, slot_ids):  # other logits, so other tokens
+        return torch.randn(input_ids.shape[0], 128)
+
+    a = lt.Engine(model, decode, 4).serve(reqs)
+    b = lt.Engine(model, noise, 4).serve(reqs)
+    assert a.schedule == b.schedule and a.tokens != b.tokens
+    assert max(a.schedule) == 4
+    for slots in seen:  # distinct slots, never the padding rows >= max_running
+        assert len(set(slots)) == len(slots) and all(0 <= s < 4 for s in slots)
+    # one-token requests finish at prefill and never enter a decode step
+    assert sum(a.schedule) == sum(r.output_len - 1 for r in reqs)
+    with pytest.raises(ValueError, match="padding slot"):
+        lt.Engine(model, decode, 9)  # 9 cache rows: no row left for the padding slot
+
+
+def test_nonfinite_logits_are_a_fault():
+    model, reqs = _tiny(), _requests(4)
+
+    def nan_decode(input_ids, positions, slot_ids):
+        return torch.full((input_ids.shape[0], 128), float("nan"))
+
+    with pytest.raises(lt.NonFiniteLogitsError, match="decode step 0"):
+        lt.Engine(model, nan_decode, 4).serve(reqs)
+    # negative control: without the check, argmax of NaN logits is a valid-looking token
+    assert 0 <= int(torch.full((128,), float("nan")).argmax()) < 128
+
+
+# --------------------------------------------------------------------------- the sweep
+def _cfg(**kw):
+    base = dict(requests=10, concurrency=(3, 6), layers=1, prompt_len=(2, 8), output_len=(1, 8), seed=2,
+                progress=False, timeout=20.0)
+    base.update(kw)
+    return lt.LoadtestConfig(**base)
+
+
+def _reference_check(cfg, result):
+    model = lt.build_decoder(cfg)  # unsharded, same seed
+    reqs = lt.run_requests(cfg, model.config.vocab_size)
+    for lv in result.levels:
+        assert sorted(lv.tokens) == list(range(cfg.requests))
+        assert _bad_tokens(model, reqs, lv.tokens) == [], lv.concurrency
+    return reqs
+
+
+@pytest.mark.parametrize("backend", ["breakable", "full"])
+def test_loadtest_one_rank(backend):
+    cfg = _cfg(backend=backend)
+    res = lt.run_loadtest(cfg)
+    assert res.ok, [lv.errors for lv in res.levels]
+    reqs = _reference_check(cfg, res)
+    for lv in res.levels:
+        assert (lv.completed, lv.faults, lv.mismatches, lv.fallbacks) == (10, 0, 0, 0)
+        assert lv.generated_tokens == sum(r.output_len for r in reqs)
+        assert lv.replays > 0
+        assert lv.tokens_per_s > 0 and lv.eager_tokens_per_s > 0 and lv.p50_step_ms <= lv.p99_step_ms
+    doc = res.to_json()
+    assert set(doc) == {"ranks", "backend", "levels"} and doc["ranks"] == 1 and doc["backend"] == backend
+    assert [tuple(d) for d in doc["levels"]] == [lt.LEVEL_KEYS] * 2
+    assert "C3: 10/10 requests, 0 faults, 0 mismatches, " in res.levels[0].line()
+
+
+def test_mismatch_fault_is_caught():
+    cfg = _cfg(inject_fault="mismatch", concurrency=(3,))
+    res = lt.run_loadtest(cfg)
+    assert not res.ok
+    lv = res.levels[0]
+    assert lv.mismatches == 1 and len(lv.mismatched) == 1
+    # negative control: only the comparison sees it; nothing else failed, and the request's
+    # graph tokens are really wrong against the uncached reference
+    assert lv.faults == 0 and lv.completed == cfg.requests
+    model = lt.build_decoder(cfg)
+    reqs = lt.run_requests(cfg, model.config.vocab_size)
+    assert _bad_tokens(model, reqs, lv.tokens) == lv.mismatched
+
+
+@pytest.mark.multirank
+def test_loadtest_two_ranks_tensor_parallel():
+    cfg = _cfg(ranks=2, requests=8)
+    res = lt.run_loadtest(cfg, launch_timeout=240)
+    assert res.ok, [lv.errors for lv in res.levels] + res.errors
+    for lv in res.levels:
+        assert (lv.completed, lv.faults, lv.mismatches, lv.fallbacks) == (8, 0, 0, 0) and lv.replays > 0
+    _reference_check(cfg, res)  # the sharded ranks generate the unsharded model's tokens
+
+
+@pytest.mark.multirank
+def test_stall_fault_raises_rank_timeout_and_never_passes():
+    cfg = _cfg(ranks=2, requests=6, concurrency=(3, 6), inject_fault="stall", timeout=2.0)
+    res = lt.run_loadtest(cfg, launch_timeout=240)
+    assert not res.ok
+    first = res.levels[0]
+    assert first.faults >= 1 and first.completed < cfg.requests
+    assert any("rank 0" in e and "RankTimeoutError" in e and "within 2s" in e for e in first.errors), first.errors
+    assert not any("killed" in e for lv in res.levels for e in lv.errors + res.errors)  # no rank had to be killed
+    assert res.levels[1].completed == 0  # the run stopped: the group is unusable after a timeout
+
+
+# --------------------------------------------------------------------------- the command line
+def _cli(capsys, *args):
+    from graphrunner.cli import main
+
+    code = main(["loadtest", *args])
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--ranks", "0"], "--ranks"),
+    (["--concurrency", "4,x"], "--concurrency"),
+    (["--inject-fault", "stall"], "needs --ranks 2"),
+    (["--inject-fault", "crash"], "--inject-fault"),
+    (["--ranks", "3"], "divisible by --ranks 3"),
+    (["--prompt-len", "5,2"], "--prompt-len"),
+    (["--timeout", "0"], "--timeout"),
+    (["--backend", "eager"], "--backend"),
+    (["--json", "/proc/nope/out.json"], "--json"),
+])
+def test_cli_usage_errors_are_one_line_exit_2(capsys, args, words):
+    code, out, err = _cli(capsys, *args)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("graphrunner: error: ") and words in lines[0], err
+    assert out == ""
+
+
+def test_cli_passes_writes_json_and_exits_1_on_a_planted_mismatch(capsys, tmp_path):
+    out = tmp_path / "lt.json"
+    small = ["--requests", "6", "--concurrency", "2,4", "--layers", "1", "--prompt-len", "2,6",
+             "--output-len", "1,6", "--no-progress"]
+    code, stdout, err = _cli(capsys, *small, "--json", str(out))
+    assert code == 0, stdout + err
+    lines = [x for x in stdout.splitlines() if x.startswith("C")]
+    assert [x.split(":")[0] for x in lines] == ["C2", "C4"]
+    assert all(" 6/6 requests, 0 faults, 0 mismatches, " in x and "x)" in x for x in lines), stdout
+    doc = json.loads(out.read_text())
+    assert doc["ranks"] == 1 and doc["backend"] == "breakable"
+    assert [lv["concurrency"] for lv in doc["levels"]] == [2, 4]
+    assert all(list(lv) == list(lt.LEVEL_KEYS) and lv["completed"] == 6 for lv in doc["levels"])
+    assert all(math.isfinite(lv["tokens_per_s"]) for lv in doc["levels"])
+    code, stdout, err = _cli(capsys, *small, "--inject-fault", "mismatch")
+    assert code == 1, stdout + err
+    assert "C2: 6/6 requests, 0 faults, 1 mismatches" in stdout and "FAIL" in stdout
+
+
+# --------------------------------------------------------------------------- graphrunner bench
+def test_bench_sweep_script_reports_graph_and_eager_per_level(tmp_path, capsys):
+    from graphrunner import bench as grbench
+
+    merged = grbench.run_suite(out=tmp_path / "bench.json", plot=None, quick=True, only=["loadtest_sweep"],
+                               echo=lambda s: None)
+    assert merged["errors"] == {}
+    sweep = merged["results"]["loadtest_sweep"]
+    assert sweep["failures"] == [] and [lv["concurrency"] for lv in sweep["levels"]] == [2, 8]
+    for lv in sweep["levels"]:
+        assert lv["speedup"] == pytest.approx(lv["tokens_per_s"] / lv["eager_tokens_per_s"])
+        assert lv["p99_step_ms"] > 0 and lv["eager_p99_step_ms"] > 0
+    rows = grbench.loadtest_table(merged["summary"]["loadtest_sweep"]["levels"])
+    assert rows[0].split() == ["C", "graph", "tok/s", "eager", "tok/s", "ratio", "graph", "p99", "ms", "eager",
+                               "p99", "ms"]
+    assert [r.split()[0] for r in rows[1:]] == ["2", "8"]
+    assert grbench.loadtest_table([{"concurrency": 4}])[1].split() == ["4", "-", "-", "-", "-", "-"]
