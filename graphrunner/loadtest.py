@@ -351,9 +351,10 @@ class LoadtestResult:
 
 # --------------------------------------------------------------------------- one rank
 class _StallOnce:
-    """A rank group that, once armed, sleeps ``seconds`` after its ``after``-th ``all_min``:
-    inside that runner call, after the bucket agreement and before the replay (a GraphRunner
-    call makes ``all_max`` then ``all_min``), so the peers wait in the step's collectives."""
+    """A rank group that, once armed, sleeps ``seconds`` after its ``after``-th ``all_max_vector``:
+    inside that runner call, after the key agreement and before the replay (a GraphRunner
+    call makes exactly one ``all_max_vector``), so the peers wait in the step's collectives.
+    Every other call is passed through unchanged (the same collectives as the peers' groups)."""
 
     def __init__(self, inner: Any, after: int, seconds: float) -> None:
         self.inner, self.after, self.seconds = inner, after, seconds
@@ -369,7 +370,10 @@ class _StallOnce:
         return self.inner.all_max(value, **kw)
 
     def all_min(self, value: int, **kw: Any) -> int:
-        out = self.inner.all_min(value, **kw)
+        return self.inner.all_min(value, **kw)
+
+    def all_max_vector(self, values: Any, **kw: Any) -> Any:
+        out = self.inner.all_max_vector(values, **kw)
         if self.armed:
             self._count += 1
             if self._count == self.after:
