@@ -16,6 +16,8 @@ Decode-step contract (what a static-input runner relies on):
   ``positions[i]`` is the position of row ``i``'s new token; row ``i`` writes its key/value at
   ``(cache row slot_ids[i] or i, positions[i])`` and attends to cache positions
   ``0..positions[i]`` inclusive of that row.
+* ``verify_step(input_ids[B, T], positions[B, T], slot_ids=None) -> logits[B, T, vocab]``:
+  several new tokens per row (a speculative verify step); the caller masks padded cells.
 * Everything but the attention core is plain tensor code with shapes fixed by ``B``: no host
   reads, no data-dependent shapes, so it captures into a graph. The KV cache tensors are
   allocated once and only ever written in place (``index_put_``), so a captured graph can hold
