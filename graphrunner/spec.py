@@ -206,7 +206,7 @@ def _accept(logits: torch.Tensor, drafts: List[int]) -> List[int]:
 
 
 def run_spec(requests: int = 6, max_new: int = 16, k: int = 4, reqs_buckets: Sequence[int] = (1, 2, 4, 8),
-             draft_buckets: Sequence[int] = (2, 4, 6), backend: str = "breakable", device: str = "tape",
+             draft_buckets: Sequence[int] = (2, 4, 6), backend: str = "breakable",
              seed: int = 0, layers: int = 2, rank: int = 0, world: int = 1, agree: bool = True,
              group_timeout: float = 30.0, plant_mismatch: bool = False, progress: bool = True,
              out: Optional[TextIO] = None) -> SpecResult:
@@ -215,7 +215,8 @@ def run_spec(requests: int = 6, max_new: int = 16, k: int = 4, reqs_buckets: Seq
     ``draft_buckets`` bucket the cells per request (last token + drafts, ``2..k+1``):
     a step whose cells, agreed over the ranks, exceed the largest takes the eager fallback.
     ``world > 1`` needs an initialised ``torch.distributed`` (gloo) of that size, this
-    process being ``rank`` (:func:`run_spec_ranks` starts one). ``agree=False`` disables
+    process being ``rank`` (:func:`run_spec_ranks` starts one). Graphs are tape graphs on
+    CPU (the model and the gloo collectives live on the CPU). ``agree=False`` disables
     the runner's agreement (UNSAFE, test only). ``plant_mismatch`` (test only) perturbs the
     graph model's KV cache after the first step, so the eager check must fail.
     """
@@ -246,7 +247,7 @@ def run_spec(requests: int = 6, max_new: int = 16, k: int = 4, reqs_buckets: Seq
                 "lens": BatchInput(dtype=torch.long, pad=0, dims=("reqs",)),
                 "slots": BatchInput(dtype=torch.long, pad=scratch_slot, dims=("reqs",))},
         buckets={"reqs": list(reqs_buckets), "draft": list(draft_buckets)}, outputs=dims,
-        backend=backend, device=device, group=group, agree_bucket=agree, progress=progress and rank == 0)
+        backend=backend, device="tape", group=group, agree_bucket=agree, progress=progress and rank == 0)
     talk = rank == 0
     if talk:
         print(f"graphrunner verify: {requests} requests x {max_new} new tokens, 1..{k} drafts per request and "
