@@ -75,7 +75,7 @@ def _verify(args: argparse.Namespace) -> int:
     if args.ranks == 1:
         with torch_threads(args.threads):
             return 0 if run_spec(**kwargs).ok else 1
-    results = run_spec_ranks(args.ranks, timeout=args.timeout, **kwargs)
+    results = run_spec_ranks(args.ranks, timeout=args.timeout, threads=args.threads, **kwargs)
     failed = [r for r in results if isinstance(r, RankFailure) or not r.ok]
     for r in results:
         if isinstance(r, RankFailure):

@@ -367,10 +367,10 @@ class RankFailure:
     timed_out: bool = False
 
 
-def _rank_entry(rank: int, world: int, store: str, kwargs: Dict[str, Any], q: Any) -> None:
+def _rank_entry(rank: int, world: int, store: str, threads: int, kwargs: Dict[str, Any], q: Any) -> None:
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     ok = False
     try:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -400,16 +400,17 @@ def _died(code: int) -> str:
     return f"exited with code {code} without reporting"
 
 
-def run_spec_ranks(ranks: int, timeout: float = 300.0, grace: float = 10.0, **kwargs: Any) -> List[Any]:
-    """Run :func:`run_spec` on ``ranks`` spawned gloo processes; a :class:`SpecResult` or
-    :class:`RankFailure` per rank. The whole run is bounded by ``timeout`` seconds, and once
+def run_spec_ranks(ranks: int, timeout: float = 300.0, grace: float = 10.0, threads: int = 1,
+                   **kwargs: Any) -> List[Any]:
+    """Run :func:`run_spec` on ``ranks`` spawned gloo processes (``threads`` torch threads
+    each); a :class:`SpecResult` or :class:`RankFailure` per rank. The whole run is bounded by ``timeout`` seconds, and once
     a rank failed the others get ``grace`` seconds to report; stragglers are killed."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     folder = tempfile.mkdtemp(prefix="graphrunner-verify-")
-    procs = [ctx.Process(target=_rank_entry, args=(r, ranks, os.path.join(folder, "store"), kwargs, q), daemon=True)
+    procs = [ctx.Process(target=_rank_entry, args=(r, ranks, os.path.join(folder, "store"), threads, kwargs, q), daemon=True)
              for r in range(ranks)]
     results: List[Any] = [None] * ranks
     try:

@@ -148,3 +148,13 @@ def test_cli_verify_usage_errors(argv, message, capsys):
     assert main(["verify", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("graphrunner: error:") and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_without_the_mask_the_run_departs_from_plain_greedy(monkeypatch):
+    """End-to-end negative control of the mask: graph and eager agree with each other (both
+    unmasked), so only the plain-greedy comparison can catch the padding leak, and it does."""
+    real = spec.verify_step_fn
+    monkeypatch.setattr(spec, "verify_step_fn", lambda model, mask=True: real(model, mask=False))
+    res = spec.run_spec(out=io.StringIO(), **SMALL)
+    assert res.logit_mismatches == 0 and res.token_mismatches == 0
+    assert res.greedy_mismatches > 0 and not res.ok
