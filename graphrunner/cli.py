@@ -1,4 +1,4 @@
-"""The ``graphrunner`` command line: ``graphrunner demo``, ``graphrunner loadtest``, ``graphrunner bench`` and
+"""The ``graphrunner`` command line: ``graphrunner demo``, ``verify``, ``loadtest``, ``bench`` and
 ``graphrunner --version``.
 
 A bad command line is one line on stderr, ``graphrunner: error: ...``, and exit code 2.
@@ -58,6 +58,36 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from graphrunner.spec import MLP_WIDTH, RankFailure, run_spec, run_spec_ranks
+
+    problem = None
+    if max(args.reqs_buckets) < args.requests:
+        problem = (f"argument --reqs-buckets: the largest ({max(args.reqs_buckets)}) must hold all "
+                   f"{args.requests} requests; add a bucket or pass fewer --requests")
+    elif MLP_WIDTH % args.ranks:
+        problem = f"argument --ranks: {args.ranks} does not divide the MLP width {MLP_WIDTH}; use 1, 2, 3, 4, 6 or 8"
+    if problem:
+        print(f"graphrunner: error: {problem} (see 'graphrunner verify --help')", file=sys.stderr)
+        return 2
+    kwargs = dict(requests=args.requests, max_new=args.max_new, k=args.k, reqs_buckets=args.reqs_buckets,
+                  draft_buckets=args.draft_buckets, backend=args.backend, seed=args.seed, layers=args.layers,
+                  agree=not args.unsafe_no_agreement, group_timeout=args.group_timeout,
+                  plant_mismatch=args.plant_mismatch, progress=not args.no_progress)
+    if args.ranks == 1:
+        with torch_threads(args.threads):
+            return 0 if run_spec(**kwargs).ok else 1
+    results = run_spec_ranks(args.ranks, timeout=args.timeout, threads=args.threads, **kwargs)
+    failed = [r for r in results if isinstance(r, RankFailure) or not r.ok]
+    for r in results:
+        if isinstance(r, RankFailure):
+            print(f"graphrunner verify: rank {r.rank} failed: {r.error}", file=sys.stderr)
+        else:
+            print(f"rank {r.rank}: {r.mismatches} mismatches, replays {r.replays}, fallbacks {r.fallbacks}")
+    print(f"verify on {args.ranks} ranks: " + ("OK" if not failed else f"FAILED ({len(failed)} rank(s))"))
+    return 1 if failed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of the ``graphrunner`` command."""
     parser = _ArgumentParser(
@@ -95,6 +125,40 @@ def build_parser() -> argparse.ArgumentParser:
     add_threads_argument(demo)
     demo.set_defaults(func=_demo)
     add_loadtest_subparser(sub)
+    verify = sub.add_parser(
+        "verify", help="speculative decoding: capture the verify step per (reqs, draft) tier, check against eager",
+        description="Serve the demo decoder (random weights) with a draft-and-verify loop: each step every request "
+                    "proposes 1..K draft tokens (seeded), the verify step over [reqs, draft] cells (padding masked) "
+                    "is captured per (reqs, draft) tier and replayed, and accepted tokens (greedy) are checked "
+                    "against an independent eager model token for token and against plain greedy decoding. With "
+                    "--ranks N, N gloo processes split the MLP tensor-parallel (an all_reduce inside the captured "
+                    "step); each rank pads to its own local tier and the runner's agreement makes them replay the "
+                    "same key. Prints requests, steps, tokens, replays per tier, fallbacks and mismatches; exits 1 "
+                    "on any mismatch or failed rank, 2 for a bad command line.")
+    verify.add_argument("--backend", default="breakable", choices=["full", "breakable"],
+                        help="breakable: attention is an eager break (default); full: one graph per tier")
+    verify.add_argument("--requests", type=positive_int, default=6, help="requests served (default: 6)")
+    verify.add_argument("--max-new", type=positive_int, default=16, help="new tokens per request (default: 16)")
+    verify.add_argument("--k", type=positive_int, default=4, help="most draft tokens per request and step (default: 4)")
+    verify.add_argument("--reqs-buckets", type=parse_buckets, default=[1, 2, 4, 8],
+                        help="requests tiers, strictly increasing; the largest must hold --requests (default: 1,2,4,8)")
+    verify.add_argument("--draft-buckets", type=parse_buckets, default=[2, 4, 6],
+                        help="cells per request (last token + drafts) tiers; more cells than the largest means "
+                             "eager fallback (default: 2,4,6)")
+    verify.add_argument("--ranks", type=positive_int, default=1,
+                        help="gloo processes, tensor-parallel MLP (default: 1); must divide the MLP width 192")
+    verify.add_argument("--layers", type=positive_int, default=2, help="decoder layers (default: 2)")
+    verify.add_argument("--seed", type=int, default=0, help="seed of weights, prompts and drafts (default: 0)")
+    verify.add_argument("--group-timeout", type=float, default=30.0,
+                        help="seconds a collective may take before it fails (default: 30)")
+    verify.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds the whole multi-rank run may take before the ranks are killed (default: 600)")
+    verify.add_argument("--no-progress", action="store_true", help="no progress line (shown only on a terminal)")
+    # test-only: break the run on purpose (the tests' negative controls)
+    verify.add_argument("--unsafe-no-agreement", action="store_true", help=argparse.SUPPRESS)
+    verify.add_argument("--plant-mismatch", action="store_true", help=argparse.SUPPRESS)
+    add_threads_argument(verify)
+    verify.set_defaults(func=_verify)
     add_bench_subparser(sub)
     return parser
 

@@ -16,6 +16,8 @@ Decode-step contract (what a static-input runner relies on):
   ``positions[i]`` is the position of row ``i``'s new token; row ``i`` writes its key/value at
   ``(cache row slot_ids[i] or i, positions[i])`` and attends to cache positions
   ``0..positions[i]`` inclusive of that row.
+* ``verify_step(input_ids[B, T], positions[B, T], slot_ids=None) -> logits[B, T, vocab]``:
+  several new tokens per row (a speculative verify step); the caller masks padded cells.
 * Everything but the attention core is plain tensor code with shapes fixed by ``B``: no host
   reads, no data-dependent shapes, so it captures into a graph. The KV cache tensors are
   allocated once and only ever written in place (``index_put_``), so a captured graph can hold
@@ -517,6 +519,34 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(h[:, 0])
 
     forward = decode_step
+
+    def verify_step(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                    slot_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Several new tokens per row at given positions (a speculative verify step); logits ``[B, T, vocab]``.
+
+        Args:
+            input_ids: long ``[B, T]``, the tokens of each row (e.g. the last accepted token then
+                the drafts).
+            positions: long ``[B, T]``, the position of each token; row ``b`` writes its
+                key/value at ``(cache row slot_ids[b] or b, positions[b, t])`` and query ``(b, t)``
+                attends to that row's positions ``0..positions[b, t]``.
+            slot_ids: optional long ``[B]`` cache rows, as in :meth:`decode_step`.
+
+        ``logits[b, t]`` predicts the token after ``input_ids[b, t]``. The caller owns padding:
+        a padded cell writes the cache at its position like any other, so give padded cells a
+        position no real query reads (``graphrunner.spec`` masks them to a scratch position).
+        Only shapes are checked (capture-safe).
+
+        Raises:
+            TypeError / ValueError: wrong dtype, rank, mismatched shapes or ``B`` too large.
+        """
+        self._check_ids("input_ids", input_ids, 2)
+        self._check_ids("positions", positions, 2)
+        if positions.shape != input_ids.shape:
+            raise ValueError(f"positions shape {tuple(positions.shape)} must equal input_ids "
+                             f"shape {tuple(input_ids.shape)}")
+        self._check_slots(slot_ids, input_ids.shape[0])
+        return self.lm_head(self._run_layers(input_ids, positions, slot_ids, positions))
 
     def prefill(self, input_ids: torch.Tensor, slot_ids: torch.Tensor | None = None,
                 start_pos: int = 0) -> torch.Tensor:
