@@ -134,14 +134,16 @@ class _StepOutputError(TypeError):
     """The step returned something the runner cannot slice (raised during capture)."""
 
 
-def _make_backend(backend: Any, device: Any, group: Any, warmups: int, trace: Any) -> Any:
+def _make_backend(backend: Any, device: Any, group: Any, warmups: int, trace: Any,
+                  drift_check: Optional[bool] = None) -> Any:
     if isinstance(backend, str):
         from graphrunner.backends import BreakableGraphBackend, EagerBackend, FullGraphBackend
 
         classes = {"full": FullGraphBackend, "breakable": BreakableGraphBackend, "eager": EagerBackend}
         if backend not in classes:
             raise ValueError(f"unknown backend {backend!r}: expected one of {_BACKENDS} or a backend instance")
-        return classes[backend](device=device, group=group, warmups=warmups, trace=trace)
+        return classes[backend](device=device, group=group, warmups=warmups, trace=trace,
+                                drift_check=True if drift_check is None else drift_check)
     missing = [m for m in ("capture_session", "capture_one", "replay", "can_run", "cleanup", "info")
                if not callable(getattr(backend, m, None))]
     if missing:
@@ -156,6 +158,8 @@ def _make_backend(backend: Any, device: Any, group: Any, warmups: int, trace: An
                          "group the backend captures with: pass the same object, or configure it on the backend only")
     if trace is not None:
         raise ValueError("trace= was given together with a backend instance; configure the trace on the backend")
+    if drift_check is not None and drift_check != getattr(backend, "drift_check", drift_check):
+        raise ValueError("drift_check= differs from the backend instance's drift_check; configure it on the backend")
     return backend
 
 
@@ -202,6 +206,11 @@ class GraphRunner:
             mismatch (hang or garbage).
         inference_mode: run capture and eager fallbacks under
             ``torch.inference_mode()`` (default ``True``).
+        drift_check: compare the op stream of the last warmup with the
+            capture's and raise :class:`~graphrunner.errors.CaptureError` on
+            a difference (Python state a graph would freeze; see
+            :mod:`graphrunner.drift`). ``None`` (default): on, or the
+            backend instance's setting; ``False`` turns it off.
 
     Every configuration error (buckets, backend name, fallback, padding
     ratio, inputs) raises ``ValueError``/``TypeError`` here, before any
@@ -252,6 +261,7 @@ class GraphRunner:
         progress: bool = True,
         agree_bucket: bool = True,
         inference_mode: bool = True,
+        drift_check: Optional[bool] = None,
     ) -> None:
         if not callable(step):
             raise TypeError(f"step must be callable as step(**inputs), got {type(step).__name__}")
@@ -278,7 +288,7 @@ class GraphRunner:
         self.agree_bucket = bool(agree_bucket)
         self.inference_mode = bool(inference_mode)
         self.post_warmup_hook = post_warmup_hook
-        self.backend = _make_backend(backend, device, group, warmups, trace)
+        self.backend = _make_backend(backend, device, group, warmups, trace, drift_check)
         self.device = self.backend.device
         from graphrunner.group import LocalGroup
 
