@@ -26,8 +26,6 @@ holds as constants.
 from __future__ import annotations
 
 import contextlib
-import linecache
-import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Iterator, List, Optional, Tuple
@@ -36,14 +34,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from graphrunner._frames import is_internal as _is_internal
+from graphrunner._frames import where as _where_of
 from graphrunner.errors import CaptureError
 
 __all__ = ["OpRecord", "OpRecorder", "RecordingDevice", "find_drift", "drift_error"]
-
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-#: graphrunner code that is the user's model, not the runtime: its lines are reported.
-_USER_DIRS_IN_PKG = (os.path.join(_PKG_DIR, "models") + os.sep,)
 
 #: Torch functions recorded as one op, their internals not recorded: the tape
 #: runs ``F.one_hot(t, num_classes)`` at capture as zeros + scatter (as CUDA
@@ -59,22 +54,6 @@ _FRESH_MAX_NUMEL = 64
 #: into a graph, and a capture may add some (factory calls under a tape
 #: capture's modes dispatch an extra ``detach``), so they are not recorded.
 _IGNORED_OPS = frozenset(("aten::detach", "aten::detach_", "aten::alias"))
-
-_internal_cache: dict = {}
-
-
-def _is_internal(code) -> bool:
-    """True for frames of torch, the graphrunner runtime (not its demo
-    models) and frozen modules: never the line a user should edit."""
-    hit = _internal_cache.get(code)
-    if hit is None:
-        fn = code.co_filename
-        path = os.path.abspath(fn)
-        hit = (fn.startswith("<frozen") or path.startswith(_TORCH_DIR)
-               or (path.startswith(_PKG_DIR) and not path.startswith(_USER_DIRS_IN_PKG)))
-        _internal_cache[code] = hit
-    return hit
-
 
 def _no_graph_wrapper_code():
     from graphrunner.breakable import force_no_graph  # a no_graph wrapper: all share one code object
@@ -304,11 +283,7 @@ class RecordingDevice:
 
 
 def _where(rec: Optional[OpRecord]) -> str:
-    if rec is None or rec.where is None:
-        return "<unknown location>"
-    fn, line, func = rec.where
-    src = linecache.getline(fn, line).strip()
-    return f"{fn}:{line} in {func}" + (f": `{src}`" if src else "")
+    return _where_of(rec.where if rec is not None else None)
 
 
 def _arg_diff(a: OpRecord, b: OpRecord) -> Tuple[str, Any, Any]:
