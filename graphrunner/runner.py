@@ -494,6 +494,16 @@ class GraphRunner:
         self.report = None
         self._reset_replay_state()
 
+    def compare(self, **inputs: torch.Tensor) -> Any:
+        """Run the graph and an eager reference on ``inputs`` and localise any
+        difference; returns a :class:`graphrunner.compare.CompareReport`
+        (``.equal``; ``str()`` names the first differing op, its line and the
+        segment or eager break). State the step writes (a KV cache) is put
+        back. See :func:`graphrunner.compare.compare_runner`."""
+        from graphrunner.compare import compare_runner
+
+        return compare_runner(self, inputs)
+
     # ------------------------------------------------------- thread ownership
     def _enter(self, what: str) -> None:
         """Take the runner for one call or capture, or raise at once if
