@@ -232,3 +232,25 @@ def test_opt_cache_length_read_inside_transformers_says_make_it_an_input(target)
     # and the cache length it reads grows between calls: a drift at a library line, same advice
     drift = [f for f in report.findings if f.kind == "drift"]
     assert drift and drift[0].in_library and drift[0].fix.startswith("make it an input")
+
+
+@pytest.mark.parametrize("backend, attention", [("breakable", "varlen"), ("full", "masked")])
+def test_demo_decoder_has_no_findings(backend, attention):
+    # no false alarm on a real decoder: its varlen attention reads lengths on the host inside an eager break
+    from graphrunner.models import LlamaConfig, build_model
+
+    def make():
+        config = LlamaConfig.demo(num_layers=2, attention=attention, max_batch_size=8)
+        model = build_model(config, seed=0, device=torch.device("cpu"))
+        return gr.GraphRunner(lambda input_ids, positions: model.decode_step(input_ids, positions),
+                              inputs={"input_ids": gr.BatchInput(dtype=torch.long), "positions": gr.BatchInput(
+                                  dtype=torch.long)}, buckets=[1, 4], backend=backend, progress=False)
+
+    report = check_factory(make)
+    assert report.ok, report.table()
+    if backend == "breakable":  # negative control: the same decoder on a full graph has unsafe ops
+        def make_full():
+            runner = make()
+            return gr.GraphRunner(runner.step, runner.inputs, buckets=[1, 4], backend="full", progress=False)
+
+        assert any(f.kind == "unsafe-op" for f in check_factory(make_full).findings)
