@@ -210,9 +210,9 @@ class _Guard(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        what = _UNSAFE_FUNCTIONS.get(getattr(func, "__qualname__", None))
-        if what is not None:
-            err = _unsafe(what, getattr(func, "__qualname__", str(func)))
+        reason = unsafe_function_reason(func, args, kwargs)
+        if reason is not None:
+            err = _unsafe(*reason)
             self.cap.failed = err
             raise err
         if func is _ONE_HOT:
