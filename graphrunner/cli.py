@@ -1,4 +1,4 @@
-"""The ``graphrunner`` command line: ``graphrunner demo``, ``verify``, ``loadtest``, ``bench`` and
+"""The ``graphrunner`` command line: ``graphrunner demo``, ``verify``, ``loadtest``, ``check``, ``bench`` and
 ``graphrunner --version``.
 
 A bad command line is one line on stderr, ``graphrunner: error: ...``, and exit code 2.
@@ -88,6 +88,18 @@ def _verify(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    from graphrunner.check import CheckUsageError, check_factory, load_factory
+
+    try:
+        report = check_factory(load_factory(args.target), args.target)
+    except CheckUsageError as exc:  # a target that cannot be checked: a usage error, one line
+        print(f"graphrunner: error: {exc} (see 'graphrunner check --help')", file=sys.stderr)
+        return 2
+    print(report.to_json() if args.json else report.table())
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of the ``graphrunner`` command."""
     parser = _ArgumentParser(
@@ -160,6 +172,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_threads_argument(verify)
     verify.set_defaults(func=_verify)
     add_bench_subparser(sub)
+    check = sub.add_parser(
+        "check", help="lint a GraphRunner for capture safety on a CPU: every unsafe op, drift and capture error",
+        description="Call FACTORY (a zero-argument callable returning an uncaptured GraphRunner) and lint its "
+                    "step on the CPU in one pass: every capture-unsafe op (host reads such as .item(), "
+                    "data-dependent shapes), every drift (Python state that changes between calls and that a "
+                    "graph would freeze) and any other error of a tape capture, each with its source file:line "
+                    "and a fix (@no_graph the enclosing function, or make the value an input when the line is "
+                    "inside a library). FACTORY is called twice. Exits 1 on any finding, 0 on none, 2 (one "
+                    "line on stderr) when the target cannot be loaded or checked.")
+    check.add_argument("target", metavar="FILE_OR_MODULE:FACTORY",
+                       help="a .py file or an importable module, then ':' and the factory's name "
+                            "(e.g. model.py:make_runner or mypkg.serve:make_runner)")
+    check.add_argument("--json", action="store_true", help="print the findings as JSON instead of a table")
+    check.set_defaults(func=_check)
     return parser
 
 

@@ -108,16 +108,19 @@ class _StepOutputError(TypeError):
     """The step returned something the runner cannot slice (raised during capture)."""
 
 
-def _make_backend(backend: Any, device: Any, group: Any, warmups: int, trace: Any, output_arena: Any = None) -> Any:
+def _make_backend(backend: Any, device: Any, group: Any, warmups: int, trace: Any,
+                  drift_check: Optional[bool] = None, output_arena: Any = None) -> Any:
     if isinstance(backend, str):
         from graphrunner.backends import BreakableGraphBackend, EagerBackend, FullGraphBackend
 
         classes = {"full": FullGraphBackend, "breakable": BreakableGraphBackend, "eager": EagerBackend}
         if backend not in classes:
             raise ValueError(f"unknown backend {backend!r}: expected one of {_BACKENDS} or a backend instance")
+        drift = True if drift_check is None else drift_check
         if backend == "eager":  # no graphs, no output buffer: the arena has nothing to hold
-            return classes[backend](device=device, group=group, warmups=warmups, trace=trace)
-        return classes[backend](device=device, group=group, warmups=warmups, trace=trace, output_arena=output_arena)
+            return classes[backend](device=device, group=group, warmups=warmups, trace=trace, drift_check=drift)
+        return classes[backend](device=device, group=group, warmups=warmups, trace=trace, drift_check=drift,
+                                output_arena=output_arena)
     if output_arena is not None and output_arena is not getattr(backend, "output_arena", None):
         raise ValueError("output_arena= was given together with a backend instance that does not use it; "
                          "pass output_arena= to the backend instead")
@@ -135,6 +138,8 @@ def _make_backend(backend: Any, device: Any, group: Any, warmups: int, trace: An
                          "group the backend captures with: pass the same object, or configure it on the backend only")
     if trace is not None:
         raise ValueError("trace= was given together with a backend instance; configure the trace on the backend")
+    if drift_check is not None and drift_check != getattr(backend, "drift_check", drift_check):
+        raise ValueError("drift_check= differs from the backend instance's drift_check; configure it on the backend")
     return backend
 
 
@@ -199,6 +204,11 @@ class GraphRunner:
             output buffers are one memory, the max over runners instead of
             the sum. A replay of any of them overwrites the others' output
             views, so outputs are copies by default (``copy_outputs``).
+        drift_check: compare the op stream of the last warmup with the
+            capture's and raise :class:`~graphrunner.errors.CaptureError` on
+            a difference (Python state a graph would freeze; see
+            :mod:`graphrunner.drift`). ``None`` (default): on, or the
+            backend instance's setting; ``False`` turns it off.
 
     Every configuration error (buckets, backend name, fallback, padding
     ratio, inputs) raises ``ValueError``/``TypeError`` here, before any
@@ -262,6 +272,7 @@ class GraphRunner:
         outputs: Any = None,
         keys: Optional[Sequence[Any]] = None,
         output_arena: Any = None,
+        drift_check: Optional[bool] = None,
     ) -> None:
         if not callable(step):
             raise TypeError(f"step must be callable as step(**inputs), got {type(step).__name__}")
@@ -301,7 +312,7 @@ class GraphRunner:
         self.agree_bucket = bool(agree_bucket)
         self.inference_mode = bool(inference_mode)
         self.post_warmup_hook = post_warmup_hook
-        self.backend = _make_backend(backend, device, group, warmups, trace, output_arena)
+        self.backend = _make_backend(backend, device, group, warmups, trace, drift_check, output_arena)
         self.device = self.backend.device
         from graphrunner.group import LocalGroup
 
@@ -610,6 +621,16 @@ class GraphRunner:
         self._cleaned_up = True
         self.report = None
         self._reset_replay_state()
+
+    def compare(self, **inputs: torch.Tensor) -> Any:
+        """Run the graph and an eager reference on ``inputs`` and localise any
+        difference; returns a :class:`graphrunner.compare.CompareReport`
+        (``.equal``; ``str()`` names the first differing op, its line and the
+        segment or eager break). State the step writes (a KV cache) is put
+        back. See :func:`graphrunner.compare.compare_runner`."""
+        from graphrunner.compare import compare_runner
+
+        return compare_runner(self, inputs)
 
     # ------------------------------------------------------- thread ownership
     def _enter(self, what: str) -> None:

@@ -10,6 +10,7 @@
     group.barrier()                                  # no rank starts capturing early
     graph = <make a graph>                           # only after both
     capture  copy_into(output_view(key), forward_fn())   exactly once; no hook
+    drift check: last warmup's op stream == the capture's   (drift_check=True)
 
 Subclasses supply only :meth:`GraphBackend._make_graph` and
 :meth:`GraphBackend._capture_into` (and the two counters of
@@ -83,6 +84,12 @@ class GraphBackend:
             default 2 lets lazy initialisation and autotuning settle).
         trace: a :class:`~graphrunner.trace.Trace` to record protocol events
             into, or ``None`` to record nothing.
+        drift_check: record the op stream (ops, shapes, dtypes, non-tensor
+            arguments, source lines) of the last warmup and of the capture
+            and raise :class:`CaptureError` naming the first op that differs
+            (:mod:`graphrunner.drift`): the step reads Python state that a
+            graph would freeze. Default ``True``; ``False`` skips the
+            recording (and its capture-time cost).
 
     Use::
 
@@ -106,15 +113,23 @@ class GraphBackend:
     #: Name recorded in trace events and used in messages.
     name = "base"
 
+    #: What the drift check compares: ``"all"`` ops of the step, ``"segments"``
+    #: (ops outside ``@no_graph`` bodies, which run eagerly at replay), or
+    #: ``None`` (nothing: the backend freezes no Python state).
+    _drift_scope: Optional[str] = "all"
+
     def __init__(self, device: Any = None, group: Any = None, warmups: int = 2, trace: Optional[Trace] = None,
-                 *, output_arena: Any = None):
+                 drift_check: bool = True, *, output_arena: Any = None):
         if isinstance(warmups, bool) or not isinstance(warmups, int):
             raise TypeError(f"warmups must be an int >= 0, got {type(warmups).__name__} ({warmups!r})")
         if warmups < 0:
             raise ValueError(f"warmups must be >= 0, got {warmups}; use 0 to capture without warmup forwards")
+        if not isinstance(drift_check, bool):
+            raise TypeError(f"drift_check must be True or False, got {type(drift_check).__name__} ({drift_check!r})")
         self.device = self._resolve_device(device)
         self.group = group if group is not None else LocalGroup()
         self.warmups = warmups
+        self.drift_check = drift_check
         self.trace: Trace = as_trace(trace)
         if self.trace and int(getattr(self.group, "size", 1)) > 1 and self.trace.rank != self.rank:
             # One trace per process; every event carries the trace's rank, so
@@ -125,6 +140,7 @@ class GraphBackend:
         self._out = OutputBuffer(output_arena)
         self._in_session = False
         self._capturing: Optional[Any] = None
+        self._capture_recorder: Optional[Any] = None  # the drift check's, during a capture
 
     @staticmethod
     def _resolve_device(device: Any) -> Any:
@@ -187,6 +203,10 @@ class GraphBackend:
         3. construct the graph (:meth:`_make_graph`) and capture
            ``forward_fn()`` exactly once (its output copied into the shared
            output buffer inside the graph). The hook does not run.
+        4. with ``drift_check`` (and ``warmups >= 1``): compare the op
+           streams of the last warmup forward and of the captured forward;
+           a difference raises :class:`CaptureError` (see
+           :mod:`graphrunner.drift`).
 
         ``forward_fn`` takes no arguments and reads static input tensors;
         ``capture_inputs`` (any object, typically those static tensors) is
@@ -223,6 +243,8 @@ class GraphBackend:
         graph = None
         t0 = time.perf_counter()
         self._capturing = key
+        drift = self._drift_recorders()
+        self._capture_recorder = drift[1] if drift else None
         try:
             out = None
             for i in range(self.warmups):
@@ -231,7 +253,8 @@ class GraphBackend:
                 step = f"warmup {i + 1}/{self.warmups} barrier"
                 self._warmup_barrier(key, i)
                 step = f"warmup {i + 1}/{self.warmups} forward"
-                out = self._warmup_forward(key, forward_fn, i)
+                with drift[0] if drift and i == self.warmups - 1 else contextlib.nullcontext():
+                    out = self._warmup_forward(key, forward_fn, i)
                 if post_warmup_hook is not None:
                     step = f"post-warmup hook {i + 1}/{self.warmups}"
                     self._post_warmup_hook(key, post_warmup_hook, i)
@@ -255,7 +278,8 @@ class GraphBackend:
 
             def captured() -> None:
                 """The function the graph holds: forward, then copy into the buffer."""
-                result = forward_fn()
+                with self._drift_capture(drift[1]) if drift else contextlib.nullcontext():
+                    result = forward_fn()
                 if "views" not in binding:
                     if not self._out.allocated:
                         self._out.allocate(result, key)
@@ -271,9 +295,13 @@ class GraphBackend:
             self._capture_forward(key, graph, captured)
             if "views" not in binding:
                 raise CaptureError(f"the capture of shape key {key!r} never called the forward")
+            if drift:
+                step = "drift check"
+                self._check_drift(key, *drift)
             t_end = time.perf_counter()
         except BaseException as exc:
             self._capturing = None
+            self._capture_recorder = None
             self._abort(key, graph)
             rte = _find_rank_timeout(exc)
             if rte is not None:
@@ -290,6 +318,7 @@ class GraphBackend:
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         self._capturing = None
+        self._capture_recorder = None
         self._entries[key] = _Entry(
             key=key,
             graph=graph,
@@ -361,6 +390,34 @@ class GraphBackend:
         """Step 3b: capture ``fn`` into ``graph`` once (``capture_forward`` span)."""
         with self.trace.span(EventKind.CAPTURE_FORWARD, key=key, backend=self.name):
             self._capture_into(graph, key, fn)
+
+    def _drift_recorders(self) -> Optional[tuple]:
+        """The (last warmup, capture) op recorders of the drift check, or
+        ``None`` when it is off, the backend freezes nothing, or there is no
+        warmup to compare with."""
+        if not self.drift_check or self._drift_scope is None or self.warmups < 1:
+            return None
+        from graphrunner.drift import OpRecorder
+
+        skip = self._drift_scope == "segments"
+        return (OpRecorder(f"warmup {self.warmups}", skip_eager_breaks=skip),
+                OpRecorder("capture", skip_eager_breaks=skip))
+
+    def _drift_capture(self, recorder: Any) -> Any:
+        """The context around the captured ``forward_fn()`` that records its
+        ops: the recorder itself, entered innermost (inside the device's
+        capture, so a tape's own ops are not seen). A backend that installs
+        the recorder's modes elsewhere returns ``recorder.recording()``."""
+        return recorder
+
+    def _check_drift(self, key: Any, warmup: Any, capture: Any) -> None:
+        """Step 4: raise :class:`CaptureError` if the last warmup and the
+        capture ran different op streams."""
+        from graphrunner.drift import drift_error
+
+        err = drift_error(key, warmup, capture, self.warmups)
+        if err is not None:
+            raise err
 
     def _abort(self, key: Any, graph: Any) -> None:
         """Clean up after a failed capture: reset the graph, and drop the

@@ -27,23 +27,37 @@ class BreakableGraphBackend(GraphBackend):
     eager break (eager code often holds collectives). Replay calls no
     barrier. Segment and eager-break events are recorded by the
     ``BreakableGraph`` into this backend's trace. ``info(key)`` reports the
-    graph's ``num_segments`` and ``num_breaks``.
+    graph's ``num_segments`` and ``num_breaks``. The drift check
+    (``drift_check=True``) compares only the ops outside ``@no_graph``
+    bodies: those bodies run again at every replay, so Python state they
+    read is not frozen (their Python return values are checked at replay).
     """
 
     name = "breakable"
 
-    def __init__(self, device: Any = None, group: Any = None, warmups: int = 2, trace: Optional[Trace] = None, debug_eager: bool = False,
-                 *, output_arena: Any = None):
-        super().__init__(device=device, group=group, warmups=warmups, trace=trace, output_arena=output_arena)
+    #: Ops inside ``@no_graph`` bodies run eagerly at every replay: the drift
+    #: check compares only the ops the segments hold.
+    _drift_scope = "segments"
+
+    def __init__(self, device: Any = None, group: Any = None, warmups: int = 2, trace: Optional[Trace] = None,
+                 debug_eager: bool = False, drift_check: bool = True, *, output_arena: Any = None):
+        super().__init__(device=device, group=group, warmups=warmups, trace=trace, drift_check=drift_check,
+                         output_arena=output_arena)
         self.debug_eager = bool(debug_eager)
         if self.debug_eager:
             self.name = "breakable_debug_eager"
+            self._drift_scope = None  # the whole step is one eager break: nothing is frozen
 
     def _make_graph(self, key: Any) -> Any:
         from graphrunner.breakable import BreakableGraph
 
+        device = self.device
+        if self._capture_recorder is not None:
+            from graphrunner.drift import RecordingDevice
+
+            device = RecordingDevice(device, self._capture_recorder)  # records inside each segment
         return BreakableGraph(
-            device=self.device,
+            device=device,
             trace=self.trace if self.trace else None,
             key=key,
             backend=self.name,
@@ -57,8 +71,17 @@ class BreakableGraphBackend(GraphBackend):
         from graphrunner.breakable import breakable_graph, no_graph
 
         body = no_graph(fn) if self.debug_eager else fn
-        with breakable_graph(graph, stream=self.device.capture_stream(), barrier_fn=functools.partial(self._break_barrier, key)):
-            body()
+        try:
+            with breakable_graph(graph, stream=self.device.capture_stream(),
+                                 barrier_fn=functools.partial(self._break_barrier, key)):
+                body()
+        finally:
+            graph.device = self.device  # drop a drift RecordingDevice: replay and pool() need the real one
+
+    def _drift_capture(self, recorder: Any) -> Any:
+        # The recorder's modes are installed inside each segment (_make_graph):
+        # around the whole step they would break the segments' mode nesting.
+        return recorder.recording()
 
     def _graph_stats(self, graph: Any) -> Dict[str, int]:
         d = {"num_segments": int(graph.num_segments), "num_breaks": int(graph.num_breaks)}

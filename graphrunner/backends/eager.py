@@ -54,11 +54,15 @@ class EagerBackend(GraphBackend):
     the output), so a protocol problem shows up here too; only the graph is
     missing. Replay runs under the grad / inference mode of the capture.
     ``info(key)`` reports ``num_segments == 0`` and ``num_breaks == 1`` (the
-    whole forward is one eager step). ``device`` defaults to ``"auto"`` and
+    whole forward is one eager step). ``drift_check`` has no effect: Python
+    state is read afresh at every replay. ``device`` defaults to ``"auto"`` and
     is used for synchronization only.
     """
 
     name = "eager"
+
+    #: The forward runs again at every replay: nothing is frozen, no drift check.
+    _drift_scope = None
 
     def _make_graph(self, key: Any) -> Any:
         return _EagerGraph()

@@ -12,17 +12,15 @@ CUDA), and :func:`_user_frame`, the user's source line named in capture errors.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from graphrunner._frames import user_frame as _user_frame_of
+from graphrunner._frames import where as _where
 from graphrunner.errors import CaptureUnsafeOpError
 
-# frames inside this package or torch are skipped when naming the user's line
-_TAPE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 _INDEX_OPS = {"index", "_unsafe_index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put"}
@@ -88,18 +86,9 @@ _UNSAFE_FUNCTIONS = {
 
 
 def _user_frame() -> str:
-    """Describe the innermost stack frame outside torch and this module."""
-    f = sys._getframe(1)
-    while f is not None:
-        fn = os.path.abspath(f.f_code.co_filename)
-        if not fn.startswith(_TAPE_DIR) and not fn.startswith(_TORCH_DIR) and not fn.startswith("<frozen"):
-            import linecache
-
-            src = linecache.getline(f.f_code.co_filename, f.f_lineno).strip()
-            where = f"{f.f_code.co_filename}:{f.f_lineno} in {f.f_code.co_name}"
-            return f"{where}: `{src}`" if src else where
-        f = f.f_back
-    return "<unknown location>"
+    """Describe the innermost stack frame outside torch and the graphrunner
+    runtime (:mod:`graphrunner._frames`: the one rule for "the user's line")."""
+    return _where(_user_frame_of(sys._getframe(1)))
 
 
 def _unsafe(what: str, op: str) -> CaptureUnsafeOpError:
@@ -120,8 +109,12 @@ def _returns_only_tensors(schema) -> bool:
     return True
 
 
-def _check_safe(func, args, kwargs) -> None:
-    """Raise CaptureUnsafeOpError if ``func`` cannot be held by a device graph."""
+def unsafe_reason(func, args, kwargs) -> "tuple[str, str] | None":
+    """Why the aten op ``func`` called with ``args``/``kwargs`` cannot be held
+    by a device graph, as ``(what, op)`` (a friendly description and the op's
+    name), or ``None`` when it can. The predicate behind :func:`_check_safe`,
+    exported for tools that report every unsafe op instead of raising at the
+    first (``graphrunner check``)."""
     name = func._schema.name.split("::", 1)[-1]
     tags = func.tags
     # index.Tensor is tagged dynamic_output_shape, but only a bool/uint8 mask
@@ -131,15 +124,14 @@ def _check_safe(func, args, kwargs) -> None:
     if name not in _INDEX_OPS and name != "repeat_interleave" and (
         torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags
     ):
-        raise _unsafe(_FRIENDLY.get(name, f"{name} (output shape or value read on the host)"), str(func))
+        return _FRIENDLY.get(name, f"{name} (output shape or value read on the host)"), str(func)
     if not _returns_only_tensors(func._schema) and name not in _METADATA_OPS:
-        raise _unsafe(_FRIENDLY.get(name, f"{name} (returns a host value computed from tensor data)"), str(func))
+        return _FRIENDLY.get(name, f"{name} (returns a host value computed from tensor data)"), str(func)
     if name in _EXPLICIT_UNSAFE or f"{name}.{func._overloadname}" in _EXPLICIT_UNSAFE:
-        what = _EXPLICIT_UNSAFE.get(name) or _EXPLICIT_UNSAFE[f"{name}.{func._overloadname}"]
-        raise _unsafe(what, str(func))
+        return _EXPLICIT_UNSAFE.get(name) or _EXPLICIT_UNSAFE[f"{name}.{func._overloadname}"], str(func)
     if name == "repeat_interleave" and func._overloadname in ("Tensor", "self_Tensor"):
         if kwargs.get("output_size") is None:  # with output_size the shape is static
-            raise _unsafe(_FRIENDLY[name], str(func))
+            return _FRIENDLY[name], str(func)
     if name in _INDEX_OPS:
         idx = args[1] if len(args) > 1 else kwargs.get("indices")
         for t in idx or ():
@@ -149,7 +141,30 @@ def _check_safe(func, args, kwargs) -> None:
                     if "put" in name
                     else "boolean-mask indexing x[mask] (output shape depends on data)"
                 )
-                raise _unsafe(what, str(func))
+                return what, str(func)
+    return None
+
+
+def _check_safe(func, args, kwargs) -> None:
+    """Raise CaptureUnsafeOpError if ``func`` cannot be held by a device graph."""
+    reason = unsafe_reason(func, args, kwargs)
+    if reason is not None:
+        raise _unsafe(*reason)
+
+
+def unsafe_function_reason(func, args, kwargs) -> "tuple[str, str] | None":
+    """Why the torch function ``func`` (seen by a ``TorchFunctionMode``) reads
+    a tensor on the host where a device graph cannot, as ``(what, name)``, or
+    ``None``: the host-reading idioms that never reach the dispatcher
+    (``tolist``, ``print``, ``.cpu()``, ``.item()``, ...) and ``F.one_hot``
+    without ``num_classes``. The predicate behind :class:`_Guard`."""
+    qualname = getattr(func, "__qualname__", None)
+    what = _UNSAFE_FUNCTIONS.get(qualname)
+    if what is not None:
+        return what, qualname or str(func)
+    if func is _ONE_HOT and _one_hot_reads_host(args, kwargs):
+        return _FRIENDLY["one_hot"], "one_hot"
+    return None
 
 
 _ONE_HOT = torch.nn.functional.one_hot
@@ -167,12 +182,22 @@ def _one_hot_static(args, kwargs) -> "torch.Tensor | None":
     n = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
     if type(t) is not torch.Tensor or t.dtype != torch.int64 or len(args) + len(kwargs) > 2:
         return None
-    if isinstance(n, int) and not isinstance(n, bool) and n == -1:
+    if _one_hot_reads_host(args, kwargs):
         raise _unsafe(_FRIENDLY["one_hot"], "one_hot")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         return None
     out = torch.zeros(*t.shape, n, dtype=t.dtype, device=t.device)
     return out.scatter_(-1, t.unsqueeze(-1), 1)
+
+
+def _one_hot_reads_host(args, kwargs) -> bool:
+    """True for an ``F.one_hot`` call on an int64 tensor without
+    ``num_classes`` (or with -1): the class count is read on the host."""
+    t = args[0] if args else kwargs.get("input")
+    n = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+    if type(t) is not torch.Tensor or t.dtype != torch.int64 or len(args) + len(kwargs) > 2:
+        return False
+    return isinstance(n, int) and not isinstance(n, bool) and n == -1
 
 
 class _Guard(TorchFunctionMode):
@@ -185,9 +210,9 @@ class _Guard(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        what = _UNSAFE_FUNCTIONS.get(getattr(func, "__qualname__", None))
-        if what is not None:
-            err = _unsafe(what, getattr(func, "__qualname__", str(func)))
+        reason = unsafe_function_reason(func, args, kwargs)
+        if reason is not None:
+            err = _unsafe(*reason)
             self.cap.failed = err
             raise err
         if func is _ONE_HOT:

@@ -1,0 +1,256 @@
+"""`graphrunner check FILE_OR_MODULE:FACTORY`: every capture-safety finding in one pass, located, with a fix.
+
+Targets are written to tmp_path from the sources below; expected lines come
+from marker comments in those sources, not from a run. Negative controls: a
+plain tape capture of the same runner reports only the first unsafe op; a
+counter drift replays wrong silently when the capture-time drift check is
+off, while the lint still names its line.
+"""
+
+import json
+import textwrap
+
+import pytest
+import torch
+
+import graphrunner as gr
+from graphrunner.check import CheckUsageError, check_factory, load_factory
+from graphrunner.cli import main
+from graphrunner.errors import CaptureError, CaptureUnsafeOpError
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+THREE = textwrap.dedent('''
+    import torch
+    import graphrunner as gr
+
+    W = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+
+
+    def helper(x):
+        return x.sum().item()  # unsafe-1
+
+
+    def step(x):
+        h = x @ W
+        s = helper(h)
+        m = h[h > 0]  # unsafe-2
+        n = int(h.max())  # unsafe-3
+        return h * 2
+
+
+    def make():
+        return gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(8,))}, buckets=[1, 2], progress=False)
+''')
+
+CLEAN = textwrap.dedent('''
+    import torch
+    import graphrunner as gr
+
+    W = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+
+
+    @gr.no_graph
+    def host_side(h):
+        return h * float(h.abs().max().item())  # inside an eager break: fine on the breakable backend
+
+
+    def step(x):
+        return host_side(torch.relu(x @ W)) + 1
+
+
+    def make(backend="breakable"):
+        return gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(8,))}, buckets=[1, 2], backend=backend,
+                              progress=False)
+
+
+    def make_full():
+        return make("full")
+
+
+    def not_a_runner():
+        return 42
+''')
+
+COUNTER = textwrap.dedent('''
+    import torch
+    import graphrunner as gr
+
+
+    class Counter:
+        def __init__(self):
+            self.calls = 0
+
+        def step(self, x):
+            self.calls += 1
+            return x * self.calls  # drift
+
+
+    def make(drift_check=None):
+        return gr.GraphRunner(Counter().step, {"x": gr.BatchInput(trailing=(4,))}, buckets=[2], backend="full",
+                              progress=False, drift_check=drift_check)
+''')
+
+
+def _line(source: str, marker: str) -> int:
+    return next(i for i, text in enumerate(source.splitlines(), 1) if f"# {marker}" in text)
+
+
+@pytest.fixture
+def target(tmp_path):
+    def write(source: str, name: str) -> str:
+        path = tmp_path / f"{name}.py"
+        path.write_text(source)
+        return str(path)
+
+    return write
+
+
+def test_three_unsafe_ops_are_three_findings_at_their_lines(target, capsys):
+    path = target(THREE, "three")
+    report = check_factory(load_factory(f"{path}:make"))
+    unsafe = [f for f in report.findings if f.kind == "unsafe-op"]
+    assert [(f.file, f.line) for f in unsafe] == [(path, _line(THREE, f"unsafe-{i}")) for i in (1, 2, 3)]
+    assert [f.function for f in unsafe] == ["helper", "step", "step"]
+    assert "Tensor.item()" in unsafe[0].what and "boolean-mask" in unsafe[1].what and "int(t)" in unsafe[2].what
+    assert unsafe[0].fix.startswith("@no_graph the enclosing function helper")
+    assert "step function itself" in unsafe[1].fix and not unsafe[1].in_library
+    assert len(report.findings) == 3  # the tape capture's error is the first of these: not repeated
+
+    assert main(["check", f"{path}:make"]) == 1
+    out = capsys.readouterr().out
+    assert out.count("unsafe-op") == 3 and "3 findings" in out
+    assert main(["check", f"{path}:make", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] is False and [f["line"] for f in data["findings"]] == [f.line for f in unsafe]
+
+
+def test_negative_control_plain_capture_reports_only_the_first(target):
+    path = target(THREE, "three")
+    runner = load_factory(f"{path}:make")()
+    with pytest.raises(CaptureError) as info:
+        runner.capture()
+    assert isinstance(info.value.__cause__, CaptureUnsafeOpError)
+    msg = str(info.value)
+    assert f":{_line(THREE, 'unsafe-1')} in helper" in msg
+    assert f":{_line(THREE, 'unsafe-2')}" not in msg and f":{_line(THREE, 'unsafe-3')}" not in msg
+
+
+def test_clean_factory_exits_0(target, capsys):
+    path = target(CLEAN, "clean")
+    assert main(["check", f"{path}:make"]) == 0
+    assert "no findings" in capsys.readouterr().out
+    # the same step captures and replays as eager PyTorch
+    runner = load_factory(f"{path}:make")()
+    runner.capture()
+    x = torch.randn(2, 8)
+    mod = runner.step.__globals__
+    assert torch.equal(runner(x=x), mod["step"](x))
+
+
+def test_unsafe_op_in_no_graph_body_is_a_finding_on_the_full_backend(target):
+    # a full graph does not break at @no_graph: the .item() inside is captured
+    path = target(CLEAN, "clean")
+    report = check_factory(load_factory(f"{path}:make_full"))
+    assert [(f.kind, f.function) for f in report.findings] == [("unsafe-op", "host_side")]
+    assert "backend='breakable'" in report.findings[0].fix
+
+
+def test_python_counter_drift_is_located(target):
+    path = target(COUNTER, "counter")
+    report = check_factory(load_factory(f"{path}:make"))
+    assert [(f.kind, f.line, f.function) for f in report.findings] == [("drift", _line(COUNTER, "drift"), "step")]
+    assert "was 2 at warmup 2 and 3 at capture" in report.findings[0].what
+    # the lint reports it even with the capture-time check off ...
+    report = check_factory(load_factory(f"{path}:make"), "off")
+    assert [f.kind for f in report.findings] == ["drift"]
+    # ... where a capture replays the frozen multiplier silently (negative control)
+    runner = load_factory(f"{path}:make")(drift_check=False)
+    runner.capture()
+    x = torch.ones(2, 4)
+    assert torch.equal(runner(x=x), x * 3)  # eager would multiply by 4 now: the graph froze 3
+    assert runner.step.__self__.calls == 3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["check", "no_colon"], "expected FILE_OR_MODULE:FACTORY"),
+    (["check", "/nonexistent/model.py:make"], "does not exist"),
+    (["check", "graphrunner_no_such_module:make"], "cannot import module"),
+])
+def test_usage_errors_are_one_line_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("graphrunner: error: ") and message in err and err.count("\n") == 1
+
+
+def test_factory_errors_are_usage_errors(target, capsys):
+    path = target(CLEAN, "clean")
+    assert main(["check", f"{path}:missing"]) == 2
+    assert "has no attribute 'missing'" in capsys.readouterr().err
+    assert main(["check", f"{path}:not_a_runner"]) == 2
+    assert "returned int" in capsys.readouterr().err
+    with pytest.raises(CheckUsageError, match="captured GraphRunner"):
+        runner = load_factory(f"{path}:make")()
+        runner.capture()
+        check_factory(lambda: runner)
+
+
+OPT = textwrap.dedent('''
+    import torch
+    import transformers
+    import graphrunner as gr
+    from graphrunner import hf
+
+
+    def make():
+        cfg = transformers.OPTConfig(vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                                     num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=64)
+        torch.manual_seed(0)
+        model = transformers.OPTForCausalLM(cfg).eval()
+        cache = hf.make_static_cache(model, 2, 16)
+        return gr.GraphRunner(hf.make_decode_step(model, cache), hf.decode_inputs(), buckets=[2],
+                              backend="full", progress=False)
+''')
+
+
+@pytest.mark.hf
+def test_opt_cache_length_read_inside_transformers_says_make_it_an_input(target):
+    pytest.importorskip("transformers")
+    path = target(OPT, "opt_target")
+    report = check_factory(load_factory(f"{path}:make"))
+    unsafe = [f for f in report.findings if f.kind == "unsafe-op"]
+    assert len(unsafe) == 1
+    f = unsafe[0]
+    assert f.in_library and f.file.endswith("transformers/models/opt/modeling_opt.py")
+    assert f.fix.startswith("make it an input") and "transformers" in f.fix and "@no_graph the" not in f.fix
+    # independent reference: the tape capture stops at the same library line
+    runner = load_factory(f"{path}:make")()
+    with pytest.raises(CaptureError) as info:
+        runner.capture()
+    assert isinstance(info.value.__cause__, CaptureUnsafeOpError)
+    assert f"modeling_opt.py:{f.line} in forward" in str(info.value)
+    # and the cache length it reads grows between calls: a drift at a library line, same advice
+    drift = [f for f in report.findings if f.kind == "drift"]
+    assert drift and drift[0].in_library and drift[0].fix.startswith("make it an input")
+
+
+@pytest.mark.parametrize("backend, attention", [("breakable", "varlen"), ("full", "masked")])
+def test_demo_decoder_has_no_findings(backend, attention):
+    # no false alarm on a real decoder: its varlen attention reads lengths on the host inside an eager break
+    from graphrunner.models import LlamaConfig, build_model
+
+    def make():
+        config = LlamaConfig.demo(num_layers=2, attention=attention, max_batch_size=8)
+        model = build_model(config, seed=0, device=torch.device("cpu"))
+        return gr.GraphRunner(lambda input_ids, positions: model.decode_step(input_ids, positions),
+                              inputs={"input_ids": gr.BatchInput(dtype=torch.long), "positions": gr.BatchInput(
+                                  dtype=torch.long)}, buckets=[1, 4], backend=backend, progress=False)
+
+    report = check_factory(make)
+    assert report.ok, report.table()
+    if backend == "breakable":  # negative control: the same decoder on a full graph has unsafe ops
+        def make_full():
+            runner = make()
+            return gr.GraphRunner(runner.step, runner.inputs, buckets=[1, 4], backend="full", progress=False)
+
+        assert any(f.kind == "unsafe-op" for f in check_factory(make_full).findings)
