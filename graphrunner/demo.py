@@ -130,7 +130,7 @@ def _latency_table(runner: GraphRunner, model, dev, buckets: List[int], config: 
 def run_demo(backend: str = "breakable", device: str = "auto", steps: int = 200,
              buckets: Sequence[int] = (1, 2, 4, 8, 16, 32), max_batch: int = 40, seed: int = 0,
              layers: int = 4, trace_out: Optional[str] = "graphrunner-demo-trace",
-             progress: bool = True, out: Optional[TextIO] = None) -> DemoResult:
+             progress: bool = True, out: Optional[TextIO] = None, drift_check: bool = True) -> DemoResult:
     """Run the demo and return its :class:`DemoResult` (see the module docstring).
 
     ``max_batch`` is the largest batch size drawn; batches above
@@ -138,7 +138,8 @@ def run_demo(backend: str = "breakable", device: str = "auto", steps: int = 200,
     ``<prefix>.jsonl`` and ``<prefix>.chrome.json`` are written (``None``
     writes nothing). The steps run with the caller's torch thread count
     (``graphrunner demo --threads N`` sets it; ``threads`` in the result and
-    the header line say what was used).
+    the header line say what was used). ``drift_check`` is passed to
+    :class:`GraphRunner` (``False`` only to show what a frozen value does).
     """
     out = sys.stdout if out is None else out  # looked up per call, so redirected stdout is honoured
     if backend not in ("full", "breakable", "eager"):
@@ -163,7 +164,7 @@ def run_demo(backend: str = "breakable", device: str = "auto", steps: int = 200,
         lambda input_ids, positions: model.decode_step(input_ids, positions),
         inputs={"input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0),
                 "positions": BatchInput(trailing=(), dtype=torch.long, pad=0)},
-        buckets=list(buckets), backend=backend, device=dev, trace=trace, progress=progress)
+        buckets=list(buckets), backend=backend, device=dev, trace=trace, progress=progress, drift_check=drift_check)
     report = runner.capture()
     # The warmup forwards wrote K/V of the capture inputs into the cache; start
     # serving from a clean cache, zeroed in place (graphs hold its address).

@@ -12,6 +12,7 @@ import torch
 
 import graphrunner.demo as demo
 from graphrunner.cli import main
+from graphrunner.errors import CaptureError
 
 
 @pytest.mark.parametrize("backend", ["breakable", "full", "eager"])
@@ -50,14 +51,21 @@ def test_demo_reports_a_graph_that_differs_from_eager(monkeypatch, tmp_path):
         return model
 
     monkeypatch.setattr(demo, "build_model", build_drifting_model)
+    kw = dict(backend="breakable", device="tape", steps=4, buckets=(1, 2), max_batch=2, layers=1, trace_out=None,
+              progress=False)
+    # The drift check refuses the capture, naming the line ...
+    with pytest.raises(CaptureError, match=r"argument 2 of aten.add was 2.0 at warmup 2 and 3.0 at capture.*"
+                                           r"test_demo.py:\d+ in drifting"):
+        demo.run_demo(out=io.StringIO(), **kw)
+    # ... and without it the graph replays the frozen value: the demo's eager comparison fails.
     out = io.StringIO()
-    result = demo.run_demo(backend="breakable", device="tape", steps=4, buckets=(1, 2), max_batch=2,
-                           layers=1, trace_out=None, progress=False, out=out)
+    result = demo.run_demo(out=out, drift_check=False, **kw)
     assert not result.ok and result.graph_mismatches == 4
     assert "demo: FAILED" in out.getvalue()
-    # the command line turns the failure into exit code 1 (each main() builds a fresh drifting model)
-    assert main(["demo", "--device", "tape", "--steps", "4", "--buckets", "1,2", "--max-batch", "2",
-                 "--layers", "1", "--no-progress", "--trace-out", ""]) == 1
+    # the command line stops at the capture too (each main() builds a fresh drifting model)
+    with pytest.raises(CaptureError, match="drift between warmup 2 and the capture"):
+        main(["demo", "--device", "tape", "--steps", "4", "--buckets", "1,2", "--max-batch", "2",
+              "--layers", "1", "--no-progress", "--trace-out", ""])
 
 
 def test_demo_reports_a_protocol_violation(monkeypatch):

@@ -55,6 +55,10 @@ def _fault_worker(rank, world, where):
     def hook(bucket):
         state["capturing"] = True  # the next forward is a warmup or the capture itself of this bucket
 
+    # The first Python dispatch mode of a process imports torch._dynamo (seconds on a busy machine); the
+    # drift check records the last warmup under one. Pay that once here: it is not failure latency.
+    import torch._dynamo  # noqa: F401
+
     group = gr.TorchDistGroup(timeout=TIMEOUT)
     r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(4,))}, buckets=[1, 2, 4], backend="breakable",
                        device="tape", group=group, post_warmup_hook=hook, progress=False)

@@ -110,6 +110,10 @@ HANG_TIMEOUT = 2.0
 
 
 def _fault_worker(rank, world_size, faulty_rank, mode, timeout):
+    # The first Python dispatch mode of a process imports torch._dynamo (seconds on a busy machine); the
+    # drift check records warmup 2 under one. Pay that once here, or it blurs the injected hang.
+    import torch._dynamo  # noqa: F401
+
     group = TorchDistGroup(timeout=timeout)
     backend = FullGraphBackend(device=TapeDevice(), group=group)
     calls = {"n": 0}
