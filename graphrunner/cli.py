@@ -15,6 +15,7 @@ import torch
 
 import graphrunner
 from graphrunner.bench import add_bench_subparser, parse_buckets
+from graphrunner.errors import GraphRunnerError
 from graphrunner.loadtest import add_loadtest_subparser
 from graphrunner.threads import add_threads_argument, positive_int, torch_threads
 
@@ -197,7 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     loadtest ``--json`` that cannot be written, a loadtest ``--ranks`` that
     does not divide the decoder, ``--inject-fault stall`` on one rank)
     returns 2 after one line on stderr,
-    ``graphrunner: error: ...``; no traceback. A closed stdout pipe
+    ``graphrunner: error: ...``; no traceback. A run that fails with a
+    graphrunner error (a :class:`~graphrunner.errors.CaptureError` such as a
+    drift, a rank timeout) returns 1 after ``graphrunner <command>: <error
+    type>: <message>`` on stderr. A closed stdout pipe
     (``graphrunner demo | head``) returns 1 quietly.
     """
     parser = build_parser()
@@ -211,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     try:
         return int(args.func(args) or 0)
+    except GraphRunnerError as exc:  # the run failed for a reason the message states; no traceback
+        print(f"graphrunner {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     except BrokenPipeError:  # e.g. `graphrunner demo | head`: the reader left; not an error of ours
         # Point stdout at devnull so the interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
