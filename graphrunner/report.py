@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from graphrunner.trace import jsonable
 
@@ -71,6 +71,9 @@ class CaptureReport:
     backend's one shared output buffer; ``total_bytes_held`` is their sum,
     the memory the runner itself keeps outside the graphs' pool.
     ``total_seconds`` is the wall time of the whole ``capture()``.
+    ``externals_written`` (debug mode only, else ``None``) lists the
+    tensors outside the runner's inputs that the graphs write, e.g. the KV
+    cache: ``[{"path", "shape", "dtype"}]``.
     """
 
     backend: str
@@ -81,6 +84,7 @@ class CaptureReport:
     total_seconds: float
     static_input_bytes: int
     output_buffer_bytes: int
+    externals_written: Optional[List[Dict[str, Any]]] = None
 
     @property
     def total_bytes_held(self) -> int:
@@ -111,6 +115,7 @@ class CaptureReport:
             "output_buffer_bytes": self.output_buffer_bytes,
             "total_bytes_held": self.total_bytes_held,
             "buckets": [b.to_dict() for b in self.buckets],
+            "externals_written": self.externals_written,
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -144,6 +149,9 @@ class CaptureReport:
                      f"shared output buffer {format_bytes(self.output_buffer_bytes)} = "
                      f"{format_bytes(self.total_bytes_held)} (each row's bytes_held is views into these "
                      "shared buffers, so rows overlap and are not summed)")
+        if self.externals_written is not None:
+            written = ", ".join(f"{e['path']} {e['shape']} {e['dtype']}" for e in self.externals_written)
+            lines.append(f"externals the graphs write (debug): {written or 'none'}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
