@@ -248,11 +248,11 @@ def _resolver(get_root: Callable[[], Any], steps: Tuple[Step, ...]) -> Callable[
     return resolve
 
 
-def named_tensors(step: Callable[..., Any]) -> Dict[int, Tuple[str, Callable[[], Any]]]:
-    """``{id(tensor): (path, resolve)}`` for the tensors reachable from ``step``: parameters and
+def named_tensors(step: Callable[..., Any]) -> Dict[int, Tuple[str, Callable[[], Any], torch.Tensor]]:
+    """``{id(tensor): (path, resolve, tensor)}`` for the tensors reachable from ``step``: parameters and
     buffers of the modules it reaches (``named_parameters``/``named_buffers``), plain tensor
     attributes, list/dict items. ``resolve()`` re-reads the path (to see a re-bound attribute)."""
-    found: Dict[int, Tuple[str, Callable[[], Any]]] = {}
+    found: Dict[int, Tuple[str, Callable[[], Any], torch.Tensor]] = {}
     for root, get in _roots(step):
         try:
             obj = get()
@@ -262,7 +262,7 @@ def named_tensors(step: Callable[..., Any]) -> Dict[int, Tuple[str, Callable[[],
         _walk(obj, (), hits, set(), 0)
         for steps, t in hits:
             if id(t) not in found:
-                found[id(t)] = (_path_text(root, steps), _resolver(get, steps))
+                found[id(t)] = (_path_text(root, steps), _resolver(get, steps), t)
     return found
 
 
@@ -283,15 +283,40 @@ class External:
         return {"path": self.path, "shape": list(self.shape), "dtype": str(self.tensor.dtype).replace("torch.", "")}
 
 
-def externals_of(rec: ExternalRecorder, names: Dict[int, Tuple[str, Callable[[], Any]]]) -> List[External]:
-    """The :class:`External` list of one recorded forward, named from :func:`named_tensors`."""
-    out = []
-    for i, t in enumerate(rec.externals.values()):
-        path, res = names.get(id(t), (None, None))
-        if path is None:
-            path = f"an unnamed tensor #{i} {list(t.shape)} {str(t.dtype).replace('torch.', '')}"
+def externals_of(rec: ExternalRecorder,
+                 names: Dict[int, Tuple[str, Callable[[], Any], torch.Tensor]]) -> List[External]:
+    """The :class:`External` list of one recorded forward, named from :func:`named_tensors`.
+
+    A tensor not named itself but sharing the storage of a named one is "a view [shape] of
+    <path>"; the named tensor with the most elements on an external's storage (its base, e.g.
+    the whole cache) is checked as well, so re-binding the base is caught too."""
+    by_storage: Dict[Optional[int], Tuple[str, Callable[[], Any], torch.Tensor]] = {}
+    for path, res, t in names.values():  # per storage the named tensor with the most elements: the base
+        sp = _storage_ptr(t)
+        if sp not in by_storage or t.numel() > by_storage[sp][2].numel():
+            by_storage[sp] = (path, res, t)
+    out: List[External] = []
+    seen = set()
+
+    def add(path: str, t: torch.Tensor, res: Optional[Callable[[], Any]]) -> None:
+        if id(t) in seen:
+            return
+        seen.add(id(t))
         out.append(External(path, t, t.data_ptr(), tuple(t.shape), tuple(t.stride()), res,
                             _storage_ptr(t) in rec.written))
+
+    for i, t in enumerate(rec.externals.values()):
+        path, res, _ = names.get(id(t), (None, None, None))
+        base = by_storage.get(_storage_ptr(t))
+        desc = f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}"
+        if path is not None:
+            add(path, t, res)
+        elif base is None:
+            add(f"an unnamed tensor #{i} {desc}", t, None)
+        else:
+            add(f"a view {desc} of {base[0]}", t, None)
+        if base is not None and base[2] is not t:
+            add(base[0], base[2], base[1])
     return out
 
 

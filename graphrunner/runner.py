@@ -526,7 +526,6 @@ class GraphRunner:
         lead = max([len(self._out_dims[0])] + [len(v) for v in self._out_dims[1].values()])
         extra = {"lead_dims": lead} if lead > 1 else {}
         per_key: Dict[Any, List[contracts.External]] = {}
-        names = contracts.named_tensors(self.step) if self.debug else {}
         storages = [b.untyped_storage().data_ptr() for b in self._buffers.values()]
         try:
             with self._grad_ctx(), self.backend.capture_session():
@@ -551,7 +550,8 @@ class GraphRunner:
                         info["leak_check_sizes"] = list(leak.sizes)
                         info["leak_check_seconds"] = leak.seconds
                     if rec is not None and rec.recorder is not None:
-                        per_key[ext] = contracts.externals_of(rec.recorder, names)
+                        # named after the key's capture: what the warmups created lazily exists now
+                        per_key[ext] = contracts.externals_of(rec.recorder, contracts.named_tensors(self.step))
                         info["externals_read"] = len(per_key[ext])
                         info["externals_written"] = [e.describe() for e in per_key[ext] if e.written]
                     if check_fp:

@@ -177,3 +177,33 @@ def test_debug_off_records_nothing():
     r = _runner(m)
     rep = r.capture()
     assert rep.externals_written is None and r._guard is None and r._replay == r.backend.replay
+
+
+def test_hf_decode_runner_in_debug_mode_names_weights_and_cache(monkeypatch):
+    pytest.importorskip("transformers")
+    from test_hf import BUCKETS, MAX_BATCH, MAX_CACHE_LEN, NEW_TOKENS, build_model, prompts, reference
+
+    def build(debug):
+        monkeypatch.setenv("GRAPHRUNNER_DEBUG", "1" if debug else "0")
+        model = build_model("llama")
+        runner = gr.hf.DecodeRunner(model, max_batch=MAX_BATCH, max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS,
+                                    backend="full", device="auto")
+        return model, runner, runner.capture()
+
+    model, runner, rep = build(True)
+    assert runner.runner.debug
+    written = [e["path"] for e in rep.externals_written]
+    assert "self.cache.layers[0].keys" in written and "self.cache.layers[1].values" in written
+    assert not any("weight" in p for p in written)
+    ids = prompts(3, seed=3)
+    assert torch.equal(runner.generate(ids, max_new_tokens=NEW_TOKENS), reference(model, ids))  # no false alarm
+    layer = model.model.layers[0].mlp.down_proj
+    layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight))
+    with pytest.raises(gr.ContractError, match=r"self\.model\.model\.layers\.0\.mlp\.down_proj\.weight"):
+        runner.generate(ids, max_new_tokens=NEW_TOKENS)
+
+    model, runner, rep = build(False)                  # negative control: debug off
+    assert rep.externals_written is None
+    layer = model.model.layers[0].mlp.down_proj
+    layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight) * 10)
+    assert not torch.equal(runner.generate(ids, max_new_tokens=NEW_TOKENS), reference(model, ids))  # silently stale
