@@ -1,4 +1,4 @@
-"""The padding-leak check on 2 gloo ranks: a leak found on one rank only (a rank-dependent step) makes
+"""The padding-leak check and debug bounds on 2 gloo ranks: a leak found on one rank only (a rank-dependent step) makes
 EVERY rank raise PaddingLeakError at capture, within the group timeout (its verdict is agreed by one
 collective per checked key), instead of one rank raising while its peer waits at the next barrier.
 Negative control: with the check off both ranks capture, and the leaky rank's sum silently includes
@@ -55,3 +55,33 @@ def test_a_leak_on_one_rank_raises_on_every_rank_and_control():
     assert_all_ok(res)
     assert res[0].value == {"raised": None, "diff": 0.0}
     assert res[1].value["raised"] is None and res[1].value["diff"] > 0.1   # silently includes padding
+
+
+def _debug_worker(rank, world):
+    import torch
+
+    import graphrunner as gr
+
+    table = torch.arange(10.0)[:, None].expand(10, 2).contiguous()
+    group = gr.TorchDistGroup(timeout=TIMEOUT)
+    runner = gr.GraphRunner(lambda ids: table[ids] * 2, {"ids": gr.BatchInput(dtype=torch.long, bounds=(0, 9))},
+                            [2, 4], backend="full", device="tape", group=group, warmups=1, progress=False, debug=True)
+    runner.capture()
+    ids = torch.tensor([1, 12, 2]) if rank == 1 else torch.tensor([1, 2, 3])
+    t0 = time.monotonic()
+    try:
+        runner(ids=ids)
+        raised = None
+    except (ValueError, gr.GraphRunnerError) as exc:
+        raised = f"{type(exc).__name__}: {exc}"
+    ok = runner(ids=torch.tensor([4, 5]))          # both ranks still usable, in step
+    return {"raised": raised, "seconds": time.monotonic() - t0, "ok": ok[:, 0].tolist()}
+
+
+def test_debug_bounds_on_one_rank_raise_on_every_rank():
+    res = run_ranks(_debug_worker, world_size=2, timeout=90)
+    assert_all_ok(res)
+    v0, v1 = res[0].value, res[1].value
+    assert v1["raised"].startswith("ValueError") and "row 1 holds 12" in v1["raised"]
+    assert v0["raised"].startswith("GraphRunnerError") and "another rank passed invalid inputs" in v0["raised"]
+    assert v0["ok"] == v1["ok"] == [8.0, 10.0] and v0["seconds"] < TIMEOUT
