@@ -200,6 +200,8 @@ def main(argv=None) -> dict:
             "per_call_us_on": med["debug"] * 1e6,
             "ratio_on_over_off": med["debug"] / med["runner"],
             "externals_checked_per_replay": max(int(b.info.get("externals_read", 0)) for b in debug_report.buckets),
+            "capture_seconds_off": report.total_seconds,
+            "capture_seconds_on": debug_report.total_seconds,  # + recording the externals in the last warmups
         },
         "leak_check": {
             "capture_seconds_with": report.total_seconds,
@@ -217,6 +219,7 @@ def main(argv=None) -> dict:
     dm, lc = result["debug_mode"], result["leak_check"]
     print(f"  debug off    : {dm['per_call_us_off']:9.1f} us/call   debug on: {dm['per_call_us_on']:.1f} us/call  "
           f"({dm['ratio_on_over_off']:.2f}x; {dm['externals_checked_per_replay']} externals checked per replay)")
+    print(f"  capture      : debug off {dm['capture_seconds_off']:.3f}s, on {dm['capture_seconds_on']:.3f}s")
     print(f"capture with leak check {lc['capture_seconds_with']:.3f}s (its {lc['keys_checked']} extra forwards "
           f"{lc['leak_check_seconds']:.3f}s), without {lc['capture_seconds_without']:.3f}s")
     if args.agree_ranks:
