@@ -7,6 +7,14 @@ sequence of random batch sizes, interleaved in one process:
   replay, slicing, stats).
 - ``minimal``: bisect the bucket, copy each input into the static buffer,
   ``backend.replay(bucket)``, slice the output. No validation, no padding.
+- ``debug``: the same step in a second runner with ``debug=True`` (bounds
+  of both index inputs checked, externals checked before each replay); the
+  ``runner`` variant declares the same bounds with debug off, so the pair
+  shows what debug mode costs per call and that off costs nothing.
+
+It also reports the capture-time cost of the padding-leak check: the
+seconds its extra forwards took (``leak_check_seconds``) against the whole
+capture, and a capture of the same runner with ``leak_check=False``.
 
 Prints the per-call medians and their ratio (target <= 1.25x) and writes JSON
 (``--out``, default ``bench/results/runner_overhead.json``). Not a test: it
@@ -83,12 +91,25 @@ def main(argv=None) -> dict:
     vocab, buckets = 1000, [1, 2, 4, 8, 16, 32]
     step = build_step(args.hidden, vocab, args.layers, args.seed)
     inputs = {
-        "input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0),
-        "positions": BatchInput(trailing=(), dtype=torch.long, pad=0),
+        "input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, vocab - 1)),
+        "positions": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, 4095)),
         "hidden_in": BatchInput(trailing=(args.hidden,), dtype=torch.float32, pad=0.0),
     }
-    runner = GraphRunner(step, inputs, buckets, backend=args.backend, device=args.device, progress=False)
+    # Capture once without the leak check first (the first capture of a process also pays lazy
+    # initialisation), then the runner with it: the two totals compare like with like.
+    plain = GraphRunner(step, inputs, buckets, backend=args.backend, device=args.device, progress=False,
+                        debug=False, leak_check=False)
+    plain.capture()
+    plain.cleanup()
+    plain_s = plain.capture().total_seconds
+    plain.cleanup()
+    runner = GraphRunner(step, inputs, buckets, backend=args.backend, device=args.device, progress=False,
+                         debug=False)
     report = runner.capture()
+    leak_s = sum(float(b.info.get("leak_check_seconds", 0.0)) for b in report.buckets)
+    debug_runner = GraphRunner(step, inputs, buckets, backend=args.backend, device=args.device, progress=False,
+                               debug=True)
+    debug_report = debug_runner.capture()
     tdev = runner.torch_device
 
     rng = random.Random(args.seed)
@@ -124,17 +145,24 @@ def main(argv=None) -> dict:
             minimal(batch)
         runner.device.synchronize()
 
+    def run_debug():
+        for batch in batches:
+            debug_runner(**batch)
+        runner.device.synchronize()
+
     # Same results (sanity) and warm both paths.
     for batch in batches[:20]:
         a = runner(**batch).clone()
         bmin = minimal(batch)
         assert torch.equal(a, bmin), "runner and minimal loop disagree"
+        assert torch.equal(a, debug_runner(**batch)), "debug runner disagrees"
     run_runner()
     run_minimal()
+    run_debug()
 
-    times = {"runner": [], "minimal": []}
+    times = {"runner": [], "minimal": [], "debug": []}
     for rep in range(args.reps):
-        order = [("runner", run_runner), ("minimal", run_minimal)]
+        order = [("runner", run_runner), ("minimal", run_minimal), ("debug", run_debug)]
         if rep % 2:
             order.reverse()
         for name, fn in order:
@@ -167,6 +195,20 @@ def main(argv=None) -> dict:
         "threads": args.threads,
         "environment": environment(),
         "target_ratio": 1.25,
+        "debug_mode": {
+            "per_call_us_off": med["runner"] * 1e6,
+            "per_call_us_on": med["debug"] * 1e6,
+            "ratio_on_over_off": med["debug"] / med["runner"],
+            "externals_checked_per_replay": max(int(b.info.get("externals_read", 0)) for b in debug_report.buckets),
+            "capture_seconds_off": report.total_seconds,
+            "capture_seconds_on": debug_report.total_seconds,  # + recording the externals in the last warmups
+        },
+        "leak_check": {
+            "capture_seconds_with": report.total_seconds,
+            "capture_seconds_without": plain_s,
+            "leak_check_seconds": leak_s,
+            "keys_checked": sum(1 for b in report.buckets if b.info.get("leak_check_sizes")),
+        },
     }
     print(f"runner overhead ({report.backend} backend on {report.device}, hidden {args.hidden}, "
           f"{args.calls} calls x {args.reps} interleaved rounds)")
@@ -174,6 +216,12 @@ def main(argv=None) -> dict:
     print(f"  GraphRunner  : {med['runner'] * 1e6:9.1f} us/call  (+{result['overhead_us']:.1f} us)")
     print(f"  ratio        : {ratio:9.3f}x  (target <= 1.25x; medians)  "
           f"{best['runner'] / best['minimal']:.3f}x (best rounds)")
+    dm, lc = result["debug_mode"], result["leak_check"]
+    print(f"  debug off    : {dm['per_call_us_off']:9.1f} us/call   debug on: {dm['per_call_us_on']:.1f} us/call  "
+          f"({dm['ratio_on_over_off']:.2f}x; {dm['externals_checked_per_replay']} externals checked per replay)")
+    print(f"  capture      : debug off {dm['capture_seconds_off']:.3f}s, on {dm['capture_seconds_on']:.3f}s")
+    print(f"capture with leak check {lc['capture_seconds_with']:.3f}s (its {lc['keys_checked']} extra forwards "
+          f"{lc['leak_check_seconds']:.3f}s), without {lc['capture_seconds_without']:.3f}s")
     if args.agree_ranks:
         agreement = run_agreement(args)
         result["agreement"] = agreement

@@ -1,6 +1,7 @@
 """graphrunner: capture PyTorch inference steps into device graphs and replay them."""
 
-from graphrunner.errors import CaptureError, CaptureUnsafeOpError, GraphRunnerError, RankTimeoutError
+from graphrunner.errors import (CaptureError, CaptureUnsafeOpError, ContractError, GraphRunnerError, PaddingLeakError,
+                                RankTimeoutError)
 
 __version__ = "0.1.0"
 from graphrunner.devices import CudaDevice, Device, TapeDevice, get_device
@@ -17,7 +18,7 @@ from graphrunner.arena import OutputArena
 __all__ = [
     "__version__",
     # errors
-    "CaptureError", "CaptureUnsafeOpError", "GraphRunnerError", "RankTimeoutError",
+    "CaptureError", "CaptureUnsafeOpError", "ContractError", "GraphRunnerError", "PaddingLeakError", "RankTimeoutError",
     # devices
     "CudaDevice", "Device", "TapeDevice", "get_device",
     # breakable graphs

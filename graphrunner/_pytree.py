@@ -11,7 +11,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-__all__ = ["flatten", "unflatten", "describe", "structure"]
+__all__ = ["flatten", "unflatten", "describe", "structure", "leaf_paths"]
 
 # A spec is a nested tuple:
 #   ("T",)                                   tensor leaf
@@ -147,3 +147,29 @@ def structure(spec: tuple) -> tuple:
     if tag in ("T", "N"):
         return spec
     return spec[:-1] + (tuple(structure(child) for child in spec[-1]),)
+
+
+def leaf_paths(spec: tuple, root: str = "output") -> List[str]:
+    """The path of every tensor leaf of ``spec``, in leaf order, e.g.
+    ``["output['hidden']", "output['total']"]`` (the spelling of :func:`flatten`'s errors)."""
+    out: List[str] = []
+    _paths(spec, root, out)
+    return out
+
+
+def _paths(spec: tuple, path: str, out: List[str]) -> None:
+    tag = spec[0]
+    if tag == "T":
+        out.append(path)
+    elif tag == "tuple":
+        for i, s in enumerate(spec[2]):
+            _paths(s, f"{path}[{i}]", out)
+    elif tag == "list":
+        for i, s in enumerate(spec[1]):
+            _paths(s, f"{path}[{i}]", out)
+    elif tag == "dict":
+        for k, s in zip(spec[2], spec[3]):
+            _paths(s, f"{path}[{k!r}]", out)
+    elif tag == "dc":
+        for n, s in zip(spec[2], spec[3]):
+            _paths(s, f"{path}.{n}", out)

@@ -30,6 +30,20 @@ class CaptureError(GraphRunnerError):
     is chained as ``__cause__``."""
 
 
+class PaddingLeakError(CaptureError):
+    """The padding-leak check at capture (:mod:`graphrunner.leaks`) found a
+    real output cell that changes when only padding cells change: replays of
+    that key would return results that include the padding. The message
+    names the output path (e.g. ``output['total']``) and the key."""
+
+
+class ContractError(GraphRunnerError):
+    """A debug-mode contract failed before a replay (:mod:`graphrunner.contracts`):
+    an external tensor the graph reads (a weight, buffer, KV cache) was
+    re-bound or changed storage, shape or strides since capture. The message
+    names the tensor, with its module path where known."""
+
+
 class RankTimeoutError(GraphRunnerError):
     """A barrier, agreement or collective across ranks did not complete
     within the group's timeout: a peer rank died, raised, or is stuck. The

@@ -26,12 +26,21 @@ class BatchInput:
     buffer of shape ``(*largest key, *trailing)``; cells beyond the real sizes
     (padding) are set to ``pad`` before a replay, so pick a value the step
     handles harmlessly (token id 0, position 0, zeros).
+
+    ``bounds=(lo, hi)`` (inclusive; either may be ``None``): the valid
+    values, e.g. ``(0, vocab - 1)`` for token ids or ``(0, num_slots - 1)``
+    for cache slots. ``pad`` must lie inside. In debug mode
+    (``GraphRunner(debug=True)`` or ``GRAPHRUNNER_DEBUG=1``) every call
+    checks every real cell before anything is replayed and raises a
+    ``ValueError`` naming the input, the row and the value; otherwise
+    bounds are not checked (no per-call cost).
     """
 
     trailing: Tuple[int, ...] = ()
     dtype: torch.dtype = torch.float32
     pad: Any = 0
     dims: Optional[Tuple[str, ...]] = None
+    bounds: Optional[Tuple[Any, Any]] = None
 
     def __post_init__(self) -> None:
         trailing = self.trailing
@@ -54,6 +63,9 @@ class BatchInput:
             raise ValueError(f"BatchInput.pad {self.pad!r} is not representable in {self.dtype}")
         if self.dims is not None:
             object.__setattr__(self, "dims", check_dims(self.dims, "BatchInput.dims"))
+        from graphrunner.contracts import check_bounds_spec
+
+        object.__setattr__(self, "bounds", check_bounds_spec(self.bounds, self.pad, self.dtype))
 
 
 def alias_error(ranges: Sequence[Tuple[int, int]], names: Sequence[str], name: str, t: torch.Tensor) -> Optional[Exception]:

@@ -71,6 +71,9 @@ class CaptureReport:
     backend's one shared output buffer; ``total_bytes_held`` is their sum,
     the memory the runner itself keeps outside the graphs' pool.
     ``total_seconds`` is the wall time of the whole ``capture()``.
+    ``externals_written`` (debug mode only, else ``None``) lists the
+    tensors outside the runner's inputs that the graphs write, e.g. the KV
+    cache: ``[{"path", "shape", "dtype"}]``.
     """
 
     backend: str
@@ -84,6 +87,7 @@ class CaptureReport:
     #: With ``GraphRunner(output_arena=...)``: the arena's ``name``, ``owners``,
     #: ``bytes_held``, ``bytes_if_separate`` and one-line ``summary`` at capture end.
     output_arena: Optional[Dict[str, Any]] = None
+    externals_written: Optional[List[Dict[str, Any]]] = None
 
     @property
     def total_bytes_held(self) -> int:
@@ -115,6 +119,7 @@ class CaptureReport:
             "total_bytes_held": self.total_bytes_held,
             "output_arena": self.output_arena,
             "buckets": [b.to_dict() for b in self.buckets],
+            "externals_written": self.externals_written,
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -150,6 +155,9 @@ class CaptureReport:
                      "shared buffers, so rows overlap and are not summed)")
         if self.output_arena is not None:
             lines.append(f"{self.output_arena['summary']}; this runner's output buffer is part of it")
+        if self.externals_written is not None:
+            written = ", ".join(f"{e['path']} {e['shape']} {e['dtype']}" for e in self.externals_written)
+            lines.append(f"externals the graphs write (debug): {written or 'none'}")
         return "\n".join(lines)
 
     def __str__(self) -> str:

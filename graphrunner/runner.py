@@ -35,11 +35,13 @@ from graphrunner.backends.outputs import unflatten as _unflatten_out
 from graphrunner.buckets import default_buckets
 from graphrunner import fingerprint
 from graphrunner._pytree import describe
-from graphrunner.errors import CaptureError, GraphRunnerError, RankTimeoutError
+from graphrunner.errors import CaptureError, GraphRunnerError, PaddingLeakError, RankTimeoutError
 from graphrunner.inputs import BatchInput, alias_error, diagnose
 from graphrunner.keys import (CANNOT, LEGACY_DIM, KeySpace, agree, all_max_vector,
                               count_leaves, padding_regions, region, resolve_input_dims, resolve_output_dims,
                               slice_leaves)
+from graphrunner import contracts
+from graphrunner.leaks import LeakCheck, check_sizes, exempt_prefixes
 from graphrunner.progress import CaptureProgress
 from graphrunner.report import BucketReport, CaptureReport
 
@@ -209,6 +211,25 @@ class GraphRunner:
             a difference (Python state a graph would freeze; see
             :mod:`graphrunner.drift`). ``None`` (default): on, or the
             backend instance's setting; ``False`` turns it off.
+        leak_check: run the padding-leak check at capture (default ``True``;
+            :mod:`graphrunner.leaks`): for every key a smaller call can
+            replay, one extra eager forward after the last warmup with the
+            padding cells of the floating-point inputs changed; a real
+            output cell that changes raises
+            :class:`~graphrunner.errors.PaddingLeakError`. The user's
+            ``post_warmup_hook`` also runs before and after that forward.
+        leak_check_exempt: outputs the leak check does not compare, meant
+            to read the whole padded batch: dict output keys (``("total",)``)
+            or output paths as the error spells them (``"output[1]"``).
+        debug: debug mode (:mod:`graphrunner.contracts`); ``None`` (default)
+            reads ``GRAPHRUNNER_DEBUG=1``. Every call then checks each
+            input's ``BatchInput(bounds=...)`` (``ValueError`` naming input,
+            row and value) and, before each replay, that every external
+            tensor the graph reads (weights, buffers, KV cache; recorded in
+            the last warmup of each key) keeps its storage, shape and
+            strides (:class:`~graphrunner.errors.ContractError` naming its
+            module path); the capture report lists the externals the graphs
+            write. Off, none of it runs.
 
     Every configuration error (buckets, backend name, fallback, padding
     ratio, inputs) raises ``ValueError``/``TypeError`` here, before any
@@ -273,6 +294,9 @@ class GraphRunner:
         keys: Optional[Sequence[Any]] = None,
         output_arena: Any = None,
         drift_check: Optional[bool] = None,
+        leak_check: bool = True,
+        leak_check_exempt: Sequence[str] = (),
+        debug: Optional[bool] = None,
     ) -> None:
         if not callable(step):
             raise TypeError(f"step must be callable as step(**inputs), got {type(step).__name__}")
@@ -297,6 +321,12 @@ class GraphRunner:
         self.max_padding_ratio = space.max_padding_ratio
         self._in_dims = resolve_input_dims(inputs, space)
         self._out_dims = resolve_output_dims(outputs, self._in_dims[next(iter(inputs))], space)
+        self.leak_check = bool(leak_check)
+        self._leak_exempt = exempt_prefixes(leak_check_exempt)
+        #: Debug mode (``debug=`` or ``GRAPHRUNNER_DEBUG=1``): per-call contracts, see :mod:`graphrunner.contracts`.
+        self.debug = contracts.debug_enabled(debug)
+        self._bounded = tuple((i, n, s.bounds, len(self._in_dims[n])) for i, (n, s) in enumerate(inputs.items())
+                              if s.bounds is not None)
         if post_warmup_hook is not None and not callable(post_warmup_hook):
             raise TypeError(f"post_warmup_hook must be callable as hook(bucket) or None, got {type(post_warmup_hook).__name__}")
 
@@ -416,6 +446,7 @@ class GraphRunner:
         self._out_trailing: Optional[List[Tuple[int, ...]]] = None
         self._cache_outputs = isinstance(self.backend, GraphBackend)
         self._replay = self.backend.replay
+        self._guard: Optional[contracts.ExternalGuard] = None  # debug mode: checks externals before each replay
 
     # -------------------------------------------------------------- capture
     def _key_views(self, key: Tuple[int, ...]) -> Dict[str, torch.Tensor]:
@@ -472,13 +503,17 @@ class GraphRunner:
     def _key_text(self, key: Tuple[int, ...]) -> str:
         return f"bucket {key[0]}" if self._space.legacy else f"key {key} ({self._space.describe(key)})"
 
-    def _make_forward(self, key: Tuple[int, ...], views: Dict[str, torch.Tensor]) -> Callable[[], Any]:
+    def _make_forward(self, key: Tuple[int, ...], views: Dict[str, torch.Tensor],
+                      keep: Optional[List[Any]] = None,
+                      record: Optional[contracts.KeyRecording] = None) -> Callable[[], Any]:
         step = self.step
 
         def forward() -> Any:
-            out = step(**views)
+            out = step(**views) if record is None else record.call(lambda: step(**views))
             if self._capturing:
                 self._check_output(out, key)
+                if keep is not None:  # the leak check's reference: the last warmup's output
+                    keep[0] = out
             return out
 
         forward.__qualname__ = f"GraphRunner.step[{'bucket' if self._space.legacy else 'key'}={self._space.external(key)}]"
@@ -517,6 +552,8 @@ class GraphRunner:
         self._capturing = True
         lead = max([len(self._out_dims[0])] + [len(v) for v in self._out_dims[1].values()])
         extra = {"lead_dims": lead} if lead > 1 else {}
+        per_key: Dict[Any, List[contracts.External]] = {}
+        storages = [b.untyped_storage().data_ptr() for b in self._buffers.values()]
         try:
             with self._grad_ctx(), self.backend.capture_session():
                 check_fp = self._check_fingerprint and self.world_size > 1
@@ -527,9 +564,23 @@ class GraphRunner:
                     bar.start(i, ext)
                     views = self._key_views(key)
                     hook = (functools.partial(self.post_warmup_hook, ext) if self.post_warmup_hook is not None else None)
-                    self.backend.capture_one(ext, self._make_forward(key, views), capture_inputs=views,
-                                             post_warmup_hook=hook, **extra)
+                    keep: List[Any] = [None]
+                    leak = self._leak_check_for(key, views, keep, hook)
+                    rec = (contracts.KeyRecording(getattr(self.backend, "warmups", 0), storages)
+                           if self.debug else None)
+                    self.backend.capture_one(ext, self._make_forward(key, views, keep if leak else None, rec),
+                                             capture_inputs=views,
+                                             post_warmup_hook=leak.hook if leak is not None else hook, **extra)
+                    keep[0] = None
                     info = dict(self.backend.info(ext))
+                    if leak is not None:
+                        info["leak_check_sizes"] = list(leak.sizes)
+                        info["leak_check_seconds"] = leak.seconds
+                    if rec is not None and rec.recorder is not None:
+                        # named after the key's capture: what the warmups created lazily exists now
+                        per_key[ext] = contracts.externals_of(rec.recorder, contracts.named_tensors(self.step))
+                        info["externals_read"] = len(per_key[ext])
+                        info["externals_written"] = [e.describe() for e in per_key[ext] if e.written]
                     if check_fp:
                         fingerprint.check(self.group, {
                             "output": self._last_output, "num_segments": info.get("num_segments"),
@@ -551,6 +602,8 @@ class GraphRunner:
             self._abort_capture()
             if isinstance(cause, _StepOutputError):
                 raise TypeError(str(cause)) from None
+            if isinstance(cause, PaddingLeakError):
+                raise PaddingLeakError(str(cause)) from None
             raise
         except BaseException:
             self._abort_capture()
@@ -559,6 +612,10 @@ class GraphRunner:
             self._capturing = False
             bar.close(ok)
         self._captured = True
+        if self.debug:
+            self._guard = contracts.ExternalGuard(per_key, lambda k: self._key_text(self._space.internal(k)))
+            if not self._agree:  # with agreement every key is checked before the agreement (_debug_checks)
+                self._replay = self._guard.wrap(self.backend.replay)
         out_bytes = max((int(r.info.get("output_buffer_bytes", 0)) for r in reports), default=0)
         self.report = CaptureReport(
             backend=str(getattr(self.backend, "name", type(self.backend).__name__)),
@@ -570,6 +627,7 @@ class GraphRunner:
             static_input_bytes=sum(t.numel() * t.element_size() for t in self._buffers.values()),
             output_buffer_bytes=out_bytes,
             output_arena=self._arena_facts(),
+            externals_written=self._guard.written() if self.debug else None,
         )
         logger.info("GraphRunner captured %d keys (%s) in %.3fs on rank %d", len(order),
                     self.report.backend, self.report.total_seconds, self.rank)
@@ -582,6 +640,22 @@ class GraphRunner:
         return {"name": arena.name, "owners": arena.owners, "bytes_held": arena.bytes_held,
                 "bytes_if_separate": arena.bytes_if_separate, "summary": arena.summary()}
 
+    def _leak_check_for(self, key: Tuple[int, ...], views: Dict[str, torch.Tensor], keep: List[Any],
+                        user_hook: Optional[Callable[[], Any]]) -> Optional[LeakCheck]:
+        """The padding-leak check of ``key`` (:mod:`graphrunner.leaks`), or ``None`` when it is
+        off, the backend does no warmups, no smaller call replays ``key`` or no input is floating-point."""
+        warmups = getattr(self.backend, "warmups", 1)
+        if not self.leak_check or not warmups:
+            return None
+        sizes = check_sizes(self._space, key)
+        floats = [(n, views[n], self._in_dims[n]) for n, s in self.inputs.items() if s.dtype.is_floating_point]
+        if sizes is None or not floats:
+            return None
+        step = self.step
+        return LeakCheck(key, self._key_text(key), sizes, floats, lambda: step(**views), lambda: keep[0],
+                         self._leaf_dims, self._leak_exempt, user_hook, warmups,
+                         group=self.group if self.world_size > 1 else None, phase_key=self._space.external(key))
+
     def _config_fields(self) -> Dict[str, Any]:
         """What every rank must configure alike (the capture fingerprint, :mod:`graphrunner.fingerprint`)."""
         fp = self._space.fingerprint()
@@ -593,6 +667,7 @@ class GraphRunner:
         fp["backend"] = f"{type(self.backend).__module__}.{type(self.backend).__qualname__}"
         fp["warmups"] = getattr(self.backend, "warmups", None)
         fp["fallback"] = self.fallback
+        fp["leak_check"] = self.leak_check  # its verdict is agreed by one collective per checked key
         return fp
 
     def _agree_replayable(self) -> Dict[Tuple[int, ...], bool]:
@@ -723,6 +798,8 @@ class GraphRunner:
             if self._agree:
                 self._agree_invalid()
             raise err from None
+        if self.debug:
+            self._debug_checks(tensors)
         if copy_outputs is None:
             copy_outputs = self.copy_outputs
         sz = tuple(sizes)
@@ -733,6 +810,24 @@ class GraphRunner:
         if key is None or not self._replayable[key]:
             return self._fallback(tensors, sz, sz, reason or CANNOT, copy_outputs)
         return self._replay_key(tensors, sz, key, copy_outputs)
+
+    def _debug_checks(self, tensors: List[torch.Tensor]) -> None:
+        """Debug mode, before anything is written: the ``ValueError`` for the first input outside
+        its ``bounds``; with agreement also every key's externals (the key is not known yet, and a
+        rank must not raise after its peers agreed to replay). Either failure takes part in the
+        call's one collective as invalid, so peers raise too instead of hanging."""
+        try:
+            for i, name, bounds, lead in self._bounded:
+                err = contracts.bounds_error(name, tensors[i], bounds, lead)
+                if err is not None:
+                    raise err
+            if self._agree and self._guard is not None:
+                for k in self._guard.per_key:
+                    self._guard.check(k)
+        except (ValueError, GraphRunnerError):
+            if self._agree:
+                self._agree_invalid()
+            raise
 
     def _stage(self, tensors: List[torch.Tensor], sizes: Tuple[int, ...]) -> None:
         """Copy the (validated) inputs into the leading region ``sizes`` of the

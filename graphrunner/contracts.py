@@ -1,0 +1,402 @@
+"""Contracts checked in debug mode: input bounds, and externals that keep their storage.
+
+Debug mode is ``GraphRunner(..., debug=True)`` or the environment variable
+``GRAPHRUNNER_DEBUG=1`` (:func:`debug_enabled`). When it is off nothing here
+runs: the runner's call path is unchanged but for one attribute test.
+
+- **Bounds.** ``gr.BatchInput(..., bounds=(lo, hi))``: every call checks
+  ``lo <= value <= hi`` on every real cell of the input before anything is
+  copied or replayed (:func:`bounds_error`), so an out-of-range index (a
+  slot beyond the KV cache, a ragged index past its end) is a
+  ``ValueError`` naming the input, the row and the value instead of an
+  illegal memory access far from its cause.
+- **Externals.** Tensors the step reads that are not runner inputs
+  (weights, buffers, the KV cache) are recorded during the last capture
+  warmup of each key (:class:`ExternalRecorder`, a ``TorchDispatchMode``)
+  with ``(data_ptr, shape, stride)``, and named by their path from the step
+  (:func:`named_tensors`: ``self.model.layers.0.weight`` for a bound
+  method, a closure variable or global name for a plain function). Before
+  each replay :class:`ExternalGuard` checks that every one still resolves
+  to the same storage, shape and strides: a re-bound
+  ``layer.weight = nn.Parameter(...)`` or a re-allocated or resized cache
+  raises :class:`~graphrunner.errors.ContractError` naming the tensor.
+  The externals the graph writes (the KV cache) are listed in the capture
+  report.
+
+A similar recorder records op streams for the drift check (branch
+``drift``, ``graphrunner/drift.py``); the two are meant to share one
+recorder later.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from graphrunner.errors import ContractError
+
+__all__ = ["debug_enabled", "check_bounds_spec", "bounds_error", "ExternalRecorder", "named_tensors",
+           "External", "ExternalGuard", "KeyRecording", "externals_of"]
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+def debug_enabled(debug: Optional[bool]) -> bool:
+    """``debug`` if given, else whether ``GRAPHRUNNER_DEBUG`` is ``1``/``true``/``yes``/``on``."""
+    if debug is not None:
+        if not isinstance(debug, bool):
+            raise TypeError(f"debug must be True, False or None (read GRAPHRUNNER_DEBUG), got {debug!r}")
+        return debug
+    return os.environ.get("GRAPHRUNNER_DEBUG", "").strip().lower() in _TRUE
+
+
+# ----------------------------------------------------------------- bounds
+def check_bounds_spec(bounds: Any, pad: Any, dtype: torch.dtype) -> Optional[Tuple[Any, Any]]:
+    """Validate ``BatchInput(bounds=(lo, hi))``: two numbers or ``None`` (unbounded), ``lo <= hi``,
+    and ``pad`` inside them (padding cells are fed to the graph too)."""
+    if bounds is None:
+        return None
+    try:
+        lo, hi = bounds
+    except (TypeError, ValueError):
+        raise TypeError(f"BatchInput.bounds must be a pair (lo, hi) of numbers or None, got {bounds!r}") from None
+    for v in (lo, hi):
+        if v is not None and (isinstance(v, (bool, torch.Tensor)) or not isinstance(v, (int, float))):
+            raise TypeError(f"BatchInput.bounds must be a pair (lo, hi) of numbers or None, got {bounds!r}")
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"BatchInput.bounds = {bounds!r}: lo > hi")
+    if (lo is not None and pad < lo) or (hi is not None and pad > hi):
+        raise ValueError(f"BatchInput.pad {pad!r} is outside bounds {bounds!r}: padding cells are fed to the "
+                         "graph as well, so the pad value must be a valid value (e.g. index 0)")
+    return (lo, hi)
+
+
+def bounds_error(name: str, t: torch.Tensor, bounds: Tuple[Any, Any], lead: int) -> Optional[ValueError]:
+    """``None`` if every cell of ``t`` lies in ``[lo, hi]`` (inclusive; ``None`` is unbounded),
+    else the ``ValueError`` naming input ``name``, the first offending row (an index tuple with
+    several leading dims ``lead``), its cell and value. Synchronises the device (debug mode only)."""
+    lo, hi = bounds
+    bad = None
+    if lo is not None:
+        bad = t < lo
+    if hi is not None:
+        above = t > hi
+        bad = above if bad is None else bad | above
+    if bad is None or not bool(bad.any()):
+        return None
+    idx = [int(i) for i in bad.nonzero()[0]]
+    value = t[tuple(idx)].item()
+    row: Any = idx[0] if lead == 1 else tuple(idx[:lead])
+    cell = f" (cell {tuple(idx)})" if len(idx) > lead else ""
+    n_bad = int(bad.sum())
+    want = f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
+    return ValueError(
+        f"GraphRunner (debug): input {name!r} row {row}{cell} holds {value!r}, outside its bounds {want} "
+        f"(BatchInput(bounds=...); {n_bad} cell(s) out of bounds). Nothing was copied or replayed: an "
+        "out-of-range index would read or write outside its table inside the graph. Fix the value, or "
+        "widen the bounds if it is valid")
+
+
+# -------------------------------------------------------------- externals
+def _storage_ptr(t: torch.Tensor) -> Optional[int]:
+    try:
+        p = t.untyped_storage().data_ptr()
+    except Exception:  # noqa: BLE001 - tensors without a storage (meta, sparse, wrappers)
+        return None
+    return p or None
+
+
+class ExternalRecorder(TorchDispatchMode):
+    """Records the tensors a forward reads and writes that it did not make.
+
+    ``input_storages``: storage addresses of the runner's static inputs
+    (not externals). A tensor argument of an aten op whose storage was not
+    produced by an earlier op of this forward, and is not an input, is an
+    external (``externals``: one entry per distinct tensor object, in
+    first-read order); an external whose storage an op writes (a mutable
+    schema argument, e.g. ``index_copy_`` into a view of the cache) is
+    listed in ``written`` (storage addresses).
+    """
+
+    def __init__(self, input_storages: Sequence[int]) -> None:
+        super().__init__()
+        self.inputs = set(input_storages)
+        self.produced: set = set()
+        self.ext_storage: set = set()
+        self.externals: Dict[int, torch.Tensor] = {}
+        self.written: set = set()
+        self.made: set = set()  # ids of tensors the forward's ops returned (views of externals included)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                s = _storage_ptr(t)
+                if s is not None and s not in self.inputs and s not in self.produced and id(t) not in self.made:
+                    self.ext_storage.add(s)
+                    self.externals.setdefault(id(t), t)
+        for i, a in enumerate(func._schema.arguments):
+            if a.alias_info is None or not a.alias_info.is_write:
+                continue
+            v = args[i] if i < len(args) else kwargs.get(a.name)
+            for t in (v if isinstance(v, (list, tuple)) else (v,)):
+                if isinstance(t, torch.Tensor):
+                    s = _storage_ptr(t)
+                    if s in self.ext_storage:
+                        self.written.add(s)
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                # ids of live externals cannot be reused by tensors made here
+                self.made.add(id(t))
+                s = _storage_ptr(t)
+                if s is not None and s not in self.ext_storage and s not in self.inputs:
+                    self.produced.add(s)
+        return out
+
+
+Step = Tuple[str, Any]  # ("attr", name) or ("item", key)
+
+
+def _roots(step: Callable[..., Any]) -> Iterator[Tuple[str, Callable[[], Any]]]:
+    """``(name, get_value)`` of what the step can reach: ``self`` of a bound method, closure
+    variables and referenced globals (of the function and of functions it closes over, one level)."""
+    import functools
+    import inspect
+
+    fn = step
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if inspect.ismethod(fn):
+        obj = fn.__self__
+        yield "self", (lambda: obj)
+        fn = fn.__func__
+    funcs = [fn]
+    seen = set()
+    while funcs:
+        f = funcs.pop(0)
+        if id(f) in seen or not hasattr(f, "__code__"):
+            continue
+        seen.add(id(f))
+        code = f.__code__
+        for name, cell in zip(code.co_freevars, f.__closure__ or ()):
+            try:
+                v = cell.cell_contents
+            except ValueError:
+                continue
+            if inspect.isfunction(v) and len(seen) < 4:
+                funcs.append(v)
+            yield name, (lambda c=cell: c.cell_contents)
+        g = getattr(f, "__globals__", {})
+        for name in code.co_names:
+            if name in g and isinstance(g[name], (torch.Tensor, torch.nn.Module, list, tuple, dict)):
+                yield name, (lambda g=g, n=name: g.get(n))
+
+
+def _walk(obj: Any, steps: Tuple[Step, ...], out: List[Tuple[Tuple[Step, ...], torch.Tensor]], seen: set,
+          depth: int) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.append((steps, obj))
+        return
+    if id(obj) in seen or depth > 6 or len(seen) > 20000:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.nn.Module):
+        for n, p in obj.named_parameters(remove_duplicate=False):
+            out.append((steps + tuple(("attr", x) for x in n.split(".")), p))
+        for n, b in obj.named_buffers(remove_duplicate=False):
+            out.append((steps + tuple(("attr", x) for x in n.split(".")), b))
+        for mn, m in obj.named_modules(remove_duplicate=False):
+            pre = steps + tuple(("attr", x) for x in mn.split(".") if mn)
+            for k, v in vars(m).items():
+                if not k.startswith("_") and isinstance(v, (torch.Tensor, list, tuple, dict)) or (
+                        not k.startswith("_") and hasattr(v, "__dict__") and not callable(v)
+                        and not isinstance(v, torch.nn.Module) and type(v).__module__ != "builtins"):
+                    _walk(v, pre + (("attr", k),), out, seen, depth + 1)
+        return
+    if isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj[:4096]):
+            _walk(v, steps + (("item", i),), out, seen, depth + 1)
+        return
+    if isinstance(obj, dict):
+        for k, v in list(obj.items())[:4096]:
+            if isinstance(k, (str, int)):
+                _walk(v, steps + (("item", k),), out, seen, depth + 1)
+        return
+    d = getattr(obj, "__dict__", None)
+    if d is not None and not callable(obj) and not isinstance(obj, type):
+        for k, v in list(d.items()):
+            if not k.startswith("__"):
+                _walk(v, steps + (("attr", k),), out, seen, depth + 1)
+
+
+def _path_text(root: str, steps: Tuple[Step, ...]) -> str:
+    return root + "".join(f".{k}" if kind == "attr" else f"[{k!r}]" for kind, k in steps)
+
+
+def _resolver(get_root: Callable[[], Any], steps: Tuple[Step, ...]) -> Callable[[], Any]:
+    def resolve() -> Any:
+        v = get_root()
+        for kind, k in steps:
+            v = getattr(v, k) if kind == "attr" else v[k]
+        return v
+    return resolve
+
+
+def named_tensors(step: Callable[..., Any]) -> Dict[int, Tuple[str, Callable[[], Any], torch.Tensor]]:
+    """``{id(tensor): (path, resolve, tensor)}`` for the tensors reachable from ``step``: parameters and
+    buffers of the modules it reaches (``named_parameters``/``named_buffers``), plain tensor
+    attributes, list/dict items. ``resolve()`` re-reads the path (to see a re-bound attribute)."""
+    found: Dict[int, Tuple[str, Callable[[], Any], torch.Tensor]] = {}
+    for root, get in _roots(step):
+        try:
+            obj = get()
+        except Exception:  # noqa: BLE001
+            continue
+        hits: List[Tuple[Tuple[Step, ...], torch.Tensor]] = []
+        _walk(obj, (), hits, set(), 0)
+        for steps, t in hits:
+            if id(t) not in found:
+                found[id(t)] = (_path_text(root, steps), _resolver(get, steps), t)
+    return found
+
+
+@dataclass
+class External:
+    """One tensor a captured graph reads that is not a runner input."""
+
+    path: str                               #: module/closure path, or ``"an unnamed tensor"``
+    tensor: torch.Tensor                     #: the object the graph read (kept alive in debug mode)
+    ptr: int
+    shape: Tuple[int, ...]
+    stride: Tuple[int, ...]
+    resolve: Optional[Callable[[], Any]]     #: re-reads ``path``; ``None`` when unnamed
+    written: bool = False
+
+    def describe(self) -> Dict[str, Any]:
+        """JSON-ready ``{"path", "shape", "dtype"}``."""
+        return {"path": self.path, "shape": list(self.shape), "dtype": str(self.tensor.dtype).replace("torch.", "")}
+
+
+def externals_of(rec: ExternalRecorder,
+                 names: Dict[int, Tuple[str, Callable[[], Any], torch.Tensor]]) -> List[External]:
+    """The :class:`External` list of one recorded forward, named from :func:`named_tensors`.
+
+    A tensor not named itself but sharing the storage of a named one is "a view [shape] of
+    <path>"; the named tensor with the most elements on an external's storage (its base, e.g.
+    the whole cache) is checked as well, so re-binding the base is caught too."""
+    by_storage: Dict[Optional[int], Tuple[str, Callable[[], Any], torch.Tensor]] = {}
+    for path, res, t in names.values():  # per storage the named tensor with the most elements: the base
+        sp = _storage_ptr(t)
+        if sp not in by_storage or t.numel() > by_storage[sp][2].numel():
+            by_storage[sp] = (path, res, t)
+    out: List[External] = []
+    seen = set()
+
+    def add(path: str, t: torch.Tensor, res: Optional[Callable[[], Any]]) -> None:
+        if id(t) in seen:
+            return
+        seen.add(id(t))
+        out.append(External(path, t, t.data_ptr(), tuple(t.shape), tuple(t.stride()), res,
+                            _storage_ptr(t) in rec.written))
+
+    for i, t in enumerate(rec.externals.values()):
+        path, res, _ = names.get(id(t), (None, None, None))
+        base = by_storage.get(_storage_ptr(t))
+        desc = f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}"
+        if path is not None:
+            add(path, t, res)
+        elif base is None:
+            add(f"an unnamed tensor #{i} {desc}", t, None)
+        else:
+            add(f"a view {desc} of {base[0]}", t, None)
+        if base is not None and base[2] is not t:
+            add(base[0], base[2], base[1])
+    return out
+
+
+class KeyRecording:
+    """Counts the forwards of one key's capture and records the externals of the last warmup.
+
+    ``warmups``: the backend's warmup count (0: nothing is recorded).
+    :meth:`call` runs ``fn()``, under an :class:`ExternalRecorder` when it is
+    the last warmup; ``recorder`` is that recorder afterwards (else ``None``).
+    """
+
+    def __init__(self, warmups: int, input_storages: Sequence[int]) -> None:
+        self.warmups = int(warmups)
+        self.inputs = list(input_storages)
+        self.calls = 0
+        self.recorder: Optional[ExternalRecorder] = None
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """``fn()``, recorded when it is the last warmup of the key."""
+        self.calls += 1
+        if self.calls != self.warmups:
+            return fn()
+        rec = ExternalRecorder(self.inputs)
+        with rec:
+            out = fn()
+        self.recorder = rec
+        return out
+
+
+class ExternalGuard:
+    """Checks, before each replay, that every external of the key is unchanged (debug mode).
+
+    ``per_key``: ``{key: [External, ...]}``; ``key_text(key)`` names a key in
+    messages. :meth:`wrap` returns ``replay`` preceded by :meth:`check`.
+    """
+
+    def __init__(self, per_key: Dict[Any, List[External]], key_text: Callable[[Any], str]) -> None:
+        self.per_key = per_key
+        self.key_text = key_text
+
+    def check(self, key: Any) -> None:
+        """Raise :class:`ContractError` for the first external of ``key`` that moved, was
+        re-bound, or changed shape or strides since capture."""
+        for e in self.per_key.get(key, ()):
+            cur = e.tensor
+            if e.resolve is not None:
+                try:
+                    cur = e.resolve()
+                except Exception as exc:  # noqa: BLE001 - the path no longer resolves
+                    raise ContractError(self._msg(e, key, f"no longer resolves ({type(exc).__name__}: {exc})")) from None
+            if not isinstance(cur, torch.Tensor):
+                raise ContractError(self._msg(e, key, f"was re-bound to a {type(cur).__name__}"))
+            if cur.data_ptr() != e.ptr or tuple(cur.shape) != e.shape or tuple(cur.stride()) != e.stride:
+                how = "was re-bound to another tensor" if cur is not e.tensor else "changed in place"
+                raise ContractError(self._msg(e, key, f"{how}: now {list(cur.shape)} stride {list(cur.stride())} "
+                                                      f"at 0x{cur.data_ptr():x}"))
+
+    def _msg(self, e: External, key: Any, change: str) -> str:
+        return (f"GraphRunner (debug): before replaying {self.key_text(key)}: the graph reads {e.path} "
+                f"({list(e.shape)} stride {list(e.stride)} at 0x{e.ptr:x} at capture), which {change}. The graph "
+                "still reads the memory it was captured with, so this replay would silently use stale (or freed) "
+                "data. Update captured tensors in place (`with torch.no_grad(): param.copy_(new)`, "
+                "`cache.zero_()`), allocate caches at their final size before capture, or call "
+                "runner.cleanup() and runner.capture() again")
+
+    def wrap(self, replay: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``replay`` with :meth:`check` before it."""
+        check = self.check
+
+        def guarded(key: Any) -> Any:
+            check(key)
+            return replay(key)
+        return guarded
+
+    def written(self) -> List[Dict[str, Any]]:
+        """The externals any key's graph writes, once each: ``[{"path", "shape", "dtype"}]``."""
+        seen, out = set(), []
+        for exts in self.per_key.values():
+            for e in exts:
+                if e.written and e.path not in seen:
+                    seen.add(e.path)
+                    out.append(e.describe())
+        return out

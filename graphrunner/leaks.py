@@ -1,0 +1,230 @@
+"""Padding-leak check at capture: padding cells must not change real results.
+
+A graph computes every cell of its key, padding included, so a step whose
+real outputs depend on the padding (a reduction over the batch such as
+``h.sum()``, a mean, a norm across rows) replays with a silently wrong
+result. For every key that a smaller call can replay, :class:`LeakCheck`
+runs one extra eager forward after the capture protocol's last warmup (as
+the runner's ``post_warmup_hook``: the capture order stays in
+:mod:`graphrunner.backends.base`) with the padding cells of every
+floating-point input set to other values, and compares the real cells of
+every output, 0-dim outputs whole, with the last warmup's. Any difference
+raises :class:`~graphrunner.errors.PaddingLeakError` naming the output path
+and the key.
+
+- Real sizes: per dim, the smallest size that still replays the key (on a
+  full grid the dim's previous bucket + 1; ``max_padding_ratio`` and
+  ``keys=`` are taken into account), see :func:`check_sizes`. A key no smaller call
+  maps to (the smallest bucket) is not checked.
+- Integer, bool and complex inputs keep their pad value: it must stay a
+  safe index. A step whose only inputs are indices cannot be checked.
+- Opt out per output with ``GraphRunner(leak_check_exempt=("total",))``
+  (an output meant to read the whole padded batch; its slicing by
+  ``outputs=`` is unchanged), per runner with ``leak_check=False``.
+
+This module knows nothing about graphs; the runner builds one check per key.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from graphrunner._pytree import flatten, leaf_paths
+from graphrunner.errors import PaddingLeakError
+from graphrunner.keys import all_max_vector, padding_regions, region
+
+__all__ = ["exempt_prefixes", "check_sizes", "LeakCheck"]
+
+Sizes = Tuple[int, ...]
+
+
+def exempt_prefixes(exempt: Any) -> Tuple[str, ...]:
+    """``GraphRunner(leak_check_exempt=...)`` as leaf-path prefixes.
+
+    Each entry is a dict output key (``"total"`` -> ``output['total']``) or a
+    leaf path as messages spell it (``"output[1]"``, ``"output['aux'].loss"``).
+    Raises ``TypeError`` for anything but a string or a sequence of them.
+    """
+    if isinstance(exempt, str):
+        exempt = (exempt,)
+    try:
+        items = tuple(exempt)
+    except TypeError:
+        raise TypeError(f"leak_check_exempt must be a tuple of output names such as ('total',), got {exempt!r}") from None
+    out = []
+    for e in items:
+        if not isinstance(e, str) or not e:
+            raise TypeError(f"leak_check_exempt entries must be dict output keys or output paths (strings), got {e!r}")
+        out.append(e if e == "output" or e.startswith("output[") or e.startswith("output.") else f"output[{e!r}]")
+    return tuple(out)
+
+
+def _exempt(path: str, prefixes: Tuple[str, ...]) -> bool:
+    return any(path == p or path.startswith(p + "[") or path.startswith(p + ".") for p in prefixes)
+
+
+def check_sizes(space: Any, key: Sizes) -> Optional[Sizes]:
+    """The real sizes the leak check of ``key`` uses, or ``None`` when no smaller call replays ``key``.
+
+    Dim by dim, in key order: the smallest size that still replays ``key``
+    (the runner's own key choice, :meth:`KeySpace.choose`, so
+    ``max_padding_ratio`` and ``keys=`` count), among 1, every bucket of
+    that dim below the key's plus 1, and ``ceil(bucket * (1 -
+    max_padding_ratio))``. On a full grid of keys that is the
+    dim's previous bucket + 1 in every dim.
+    """
+    key = tuple(key)
+    sizes = list(key)
+    ratio = space.max_padding_ratio
+    for j, d in enumerate(space.dims):
+        cands = {1} | {b + 1 for b in space.buckets[d] if b < key[j]}
+        if ratio is not None:
+            cands.add(math.ceil(key[j] * (1 - ratio) - 1e-9))
+        for n in sorted(cands):
+            if n >= key[j]:
+                break
+            trial = tuple(sizes[:j] + [n] + sizes[j + 1:])
+            if space.choose(trial)[0] == key:
+                sizes[j] = n
+                break
+    return None if tuple(sizes) == key else tuple(sizes)
+
+
+def _real(t: torch.Tensor, didx: Tuple[int, ...], sizes: Sizes) -> torch.Tensor:
+    return t if t.dim() == 0 or not didx else t[region(sizes, didx)]
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> Optional[float]:
+    """``None`` if equal (NaN equals NaN), else the max abs difference (inf for a shape change)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return math.inf
+    if a.dtype.is_floating_point or a.dtype.is_complex:
+        same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+        if bool(same.all()):
+            return None
+        d = (a.to(torch.complex128 if a.dtype.is_complex else torch.float64)
+             - b.to(torch.complex128 if b.dtype.is_complex else torch.float64)).abs()
+        return float(torch.nan_to_num(d, nan=math.inf).max())
+    if torch.equal(a, b):
+        return None
+    return float((a.to(torch.float64) - b.to(torch.float64)).abs().max())
+
+
+class LeakCheck:
+    """The padding-leak check of one key, run as the runner's post-warmup hook.
+
+    Args:
+        key: the key (runner-dim tuple); ``ext`` how messages name it (``key_text``).
+        sizes: the real sizes (:func:`check_sizes`).
+        floats: ``[(input name, static buffer, leading-dim indices)]`` of the
+            floating-point inputs (their padding cells are changed).
+        step_call: runs the step once on the key's static input views (eager).
+        last_output: returns the last warmup's output (the reference).
+        leaf_dims: ``leaf_dims(spec, n) ->`` leading-dim indices of each output leaf.
+        exempt: leaf-path prefixes not compared (:func:`exempt_prefixes`).
+        user_hook: the user's ``post_warmup_hook`` bound to this key, or ``None``.
+        warmups: the backend's warmup count: the check runs after the last one.
+        group: the rank group; with several ranks the verdict is agreed (one
+            ``all_max`` of one flag), so every rank raises or none does.
+
+    :meth:`hook` is the hook to hand to ``capture_one``: after every warmup
+    it calls ``user_hook``; after the last it also checks: reference = the
+    last warmup's real cells, ``user_hook()`` (reset state the warmup wrote),
+    padding cells of ``floats`` set to seeded random values, one forward,
+    padding restored, ``user_hook()`` again, compare. Raises
+    :class:`PaddingLeakError` naming every output path that changed.
+    """
+
+    def __init__(self, key: Sizes, key_text: str, sizes: Sizes,
+                 floats: Sequence[Tuple[str, torch.Tensor, Tuple[int, ...]]], step_call: Callable[[], Any],
+                 last_output: Callable[[], Any], leaf_dims: Callable[[tuple, int], List[Tuple[int, ...]]],
+                 exempt: Tuple[str, ...], user_hook: Optional[Callable[[], Any]], warmups: int,
+                 group: Any = None, phase_key: Any = None) -> None:
+        self.key, self.key_text, self.sizes = key, key_text, sizes
+        self.floats = list(floats)
+        self.step_call, self.last_output, self.leaf_dims = step_call, last_output, leaf_dims
+        self.exempt, self.user_hook = exempt, user_hook
+        self.warmups = max(1, int(warmups))
+        self.group, self.phase_key = group, phase_key
+        self._calls = 0
+        #: Seconds the check itself took (the extra forward and the comparison).
+        self.seconds = 0.0
+
+    def hook(self) -> None:
+        """The post-warmup hook: the user's hook, and the check after the last warmup."""
+        self._calls += 1
+        if self._calls != self.warmups:
+            if self.user_hook is not None:
+                self.user_hook()
+            return
+        self.check()
+
+    def check(self) -> None:
+        """Run the check once (see the class docstring)."""
+        import time
+
+        t0 = time.perf_counter()
+        key, sizes = self.key, self.sizes
+        out = self.last_output()
+        spec, leaves = flatten(out, "step output")
+        dims = self.leaf_dims(spec, len(leaves))
+        paths = leaf_paths(spec)
+        skip = [_exempt(p, self.exempt) for p in paths]
+        ref = [None if s else _real(t, d, sizes).clone() for t, d, s in zip(leaves, dims, skip)]
+        del out, leaves
+        if self.user_hook is not None:
+            self.user_hook()
+        g = torch.Generator().manual_seed(0x6C65616B)
+        saved = []
+        try:
+            for _, buf, didx in self.floats:
+                for r in padding_regions(sizes, key, didx):
+                    v = buf[r]
+                    saved.append((v, v.clone()))
+                    noise = torch.randn(v.shape, generator=g, dtype=torch.float32) * 3.0 + 1.0
+                    v.copy_(noise.to(device=v.device, dtype=v.dtype))
+            new = self.step_call()
+        finally:
+            for v, old in saved:
+                v.copy_(old)
+        nspec, nleaves = flatten(new, "step output")
+        found = []
+        for p, r, t, d in zip(paths, ref, nleaves, self.leaf_dims(nspec, len(nleaves))):
+            if r is None:
+                continue
+            diff = _diff(r, _real(t, d, sizes))
+            if diff is not None:
+                found.append((p, diff))
+        del new, nleaves
+        if self.user_hook is not None:
+            self.user_hook()
+        leaked = bool(found)
+        if int(getattr(self.group, "size", 1)) > 1:
+            leaked = bool(all_max_vector(self.group, [1 if found else 0], "leak_check", self.phase_key)[0])
+        self.seconds = time.perf_counter() - t0
+        if leaked:
+            raise PaddingLeakError(self._message(found))
+
+    def _message(self, found: List[Tuple[str, float]]) -> str:
+        if not found:
+            return (f"padding-leak check of {self.key_text}: another rank found padding leaking into a real "
+                    "output (see its error); every rank stops the capture")
+        names = [n for n, _, _ in self.floats]
+        what = "; ".join(f"{p} changed (max abs diff {d:.4g})" for p, d in found)
+        first = found[0][0]
+        m = re.fullmatch(r"output\[('[^']*')\]", first)
+        optout = f"leak_check_exempt=({m.group(1) if m else repr(first)},)"
+        real = ", ".join(map(str, self.sizes))
+        return (f"padding leaks into real results at {self.key_text}: {what} when only the padding cells of the "
+                f"floating-point input(s) {names} were changed (real sizes ({real}), the smallest call that "
+                "replays this key). The graph computes the padding cells too, so at replay these outputs would "
+                "include them. Make the step row-independent (e.g. reduce over the real rows only, with the "
+                "count or a mask as an input); if the output is meant to cover the whole padded batch, declare "
+                f"{optout}. At capture the real cells of index inputs hold their pad value too: if the "
+                "step writes state at an index (a cache slot) that the real rows then read, real and padding rows "
+                "meet at the pad index only at capture; if your real indices never equal the pad, "
+                "GraphRunner(leak_check=False) turns the check off")

@@ -1,0 +1,187 @@
+"""The padding-leak check at capture (graphrunner.leaks), with negative controls."""
+
+import pytest
+import torch
+
+import graphrunner as gr
+from graphrunner.keys import KeySpace
+from graphrunner.leaks import check_sizes
+
+H = 4
+
+
+def _bias():
+    return torch.randn(H, generator=torch.Generator().manual_seed(1))
+
+
+def _sum_step():
+    b = _bias()
+
+    def step(h):
+        y = torch.tanh(h + b)          # padding rows (h = 0) give tanh(b) != 0
+        return {"rows": y, "total": y.sum()}
+    return step
+
+
+def _runner(step, **kw):
+    return gr.GraphRunner(step, inputs={"h": gr.BatchInput(trailing=(H,), pad=0.0)}, buckets=[1, 2, 4, 8],
+                          device="tape", progress=False, **kw)
+
+
+def test_sum_over_batch_is_caught_naming_output_and_key():
+    r = _runner(_sum_step())
+    with pytest.raises(gr.CaptureError) as ei:
+        r.capture()
+    msg = str(ei.value)
+    assert isinstance(ei.value, gr.PaddingLeakError)
+    assert "output['total']" in msg and "bucket 8" in msg and "output['rows']" not in msg
+    assert "leak_check_exempt=('total',)" in msg and "leak_check=False" in msg
+    assert not r.captured
+
+
+def test_negative_control_check_off_returns_padding_in_the_sum():
+    step = _sum_step()
+    r = _runner(step, leak_check=False)
+    r.capture()
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(2))
+    out = r(h=x)
+    eager = step(x)
+    torch.testing.assert_close(out["rows"], eager["rows"])           # real rows are right ...
+    assert abs(float(out["total"]) - float(eager["total"])) > 0.1     # ... the 0-dim sum silently is not
+    padded = torch.cat([x, torch.zeros(1, H)])                         # it is the sum over bucket 4
+    torch.testing.assert_close(out["total"], step(padded)["total"])
+
+
+def test_exempt_output_is_not_compared_and_keeps_its_slicing():
+    step = _sum_step()
+    r = _runner(step, leak_check_exempt=("total",))
+    r.capture()
+    x = torch.randn(3, H)
+    out = r(h=x)
+    torch.testing.assert_close(out["rows"], step(x)["rows"])
+    torch.testing.assert_close(out["total"], step(torch.cat([x, torch.zeros(1, H)]))["total"])
+
+
+def test_exempting_one_output_still_checks_the_others():
+    b = _bias()
+
+    def step(h):
+        y = torch.tanh(h + b)
+        return {"total": y.sum(), "mean_rows": y - y.mean(0)}   # mean_rows leaks too
+
+    with pytest.raises(gr.PaddingLeakError, match=r"output\['mean_rows'\]"):
+        _runner(step, leak_check_exempt=("total",)).capture()
+    _runner(step, leak_check_exempt=("total", "output['mean_rows']")).capture()   # paths work too
+    with pytest.raises(TypeError, match="leak_check_exempt"):
+        _runner(step, leak_check_exempt=(1,))
+
+
+def test_row_independent_step_passes_and_matches_eager():
+    w = torch.randn(H, H)
+
+    def step(h):
+        y = torch.tanh(h @ w)
+        return y, (y * 2).amax(-1)
+    r = _runner(step)
+    rep = r.capture()
+    checked = {b.bucket: b.info.get("leak_check_sizes") for b in rep.buckets}
+    assert checked == {8: [5], 4: [3], 2: None, 1: None}   # bucket 2: previous bucket 1 + 1 = 2, no padding
+    x = torch.randn(3, H)
+    a, m = r(h=x)
+    torch.testing.assert_close(a, torch.tanh(x @ w))
+    torch.testing.assert_close(m, (torch.tanh(x @ w) * 2).amax(-1))
+
+
+def test_integer_inputs_keep_their_pad_value():
+    emb = torch.randn(10, H)
+    seen = []
+
+    def step(ids, h):
+        seen.append(ids.clone())
+        return emb[ids] + h      # an index changed in padding would be out of range at pad != 0
+
+    r = gr.GraphRunner(step, inputs={"ids": gr.BatchInput(dtype=torch.long, pad=0),
+                                     "h": gr.BatchInput(trailing=(H,), pad=0.0)},
+                       buckets=[2, 4], device="tape", progress=False)
+    r.capture()
+    assert all(int(t.max()) == 0 for t in seen)
+
+
+def test_stateful_step_hook_resets_state_before_the_extra_forward():
+    """The user's hook runs before and after the extra forward, so state the step updates in place
+    (reset by the hook) is not mistaken for a leak; the same step without the hook is."""
+    counter = torch.zeros(())
+
+    def step(h):
+        counter.add_(1)                 # state the step writes, reset by the hook
+        return h * 2 + counter
+
+    hooks = []
+    r = _runner(step, post_warmup_hook=lambda bucket: (hooks.append(bucket), counter.zero_()))
+    r.capture()                         # no false alarm: the hook runs before the extra forward
+    assert hooks == [8, 8, 8, 4, 4, 4, 2, 2, 1, 1]
+    counter.zero_()
+    with pytest.raises(gr.PaddingLeakError):
+        _runner(step).capture()         # without the reset the counter differs: reported (the message says why)
+
+
+def test_multi_dim_leak_in_one_dim_is_caught_and_control():
+    def verify(ids, hidden):
+        h = torch.tanh(hidden + 0.5 + ids[..., None].float())
+        return {"logits": h, "state": h.sum(1)}          # a sum over the draft dim: padding drafts leak
+
+    def build(**kw):
+        return gr.GraphRunner(
+            verify,
+            inputs={"ids": gr.BatchInput(dtype=torch.long, pad=0, dims=("reqs", "draft")),
+                    "hidden": gr.BatchInput(trailing=(H,), pad=0.0, dims=("reqs", "draft"))},
+            buckets={"reqs": [1, 2, 4], "draft": [1, 2, 4]},
+            outputs={"logits": ("reqs", "draft"), "state": ("reqs",)}, device="tape", progress=False, **kw)
+
+    with pytest.raises(gr.PaddingLeakError) as ei:
+        build().capture()
+    assert "output['state']" in str(ei.value) and "key (4, 4)" in str(ei.value)
+    assert "output['logits']" not in str(ei.value)
+
+    r = build(leak_check=False)
+    r.capture()
+    ids, hid = torch.zeros(3, 3, dtype=torch.long), torch.randn(3, 3, H)
+    out = r(ids=ids, hidden=hid)
+    ref = verify(ids, hid)
+    torch.testing.assert_close(out["logits"], ref["logits"])
+    assert (out["state"] - ref["state"]).abs().max() > 0.1              # silently wrong
+
+
+def test_multi_dim_row_independent_passes():
+    def verify(ids, hidden, ctx):
+        h = torch.tanh(hidden + ctx[:, None, :] + ids[..., None].float())
+        return {"logits": h * 3, "state": h[:, 0]}
+
+    r = gr.GraphRunner(
+        verify,
+        inputs={"ids": gr.BatchInput(dtype=torch.long, pad=0, dims=("reqs", "draft")),
+                "hidden": gr.BatchInput(trailing=(H,), pad=0.0, dims=("reqs", "draft")),
+                "ctx": gr.BatchInput(trailing=(H,), pad=0.0, dims=("reqs",))},
+        buckets={"reqs": [1, 2, 4], "draft": [1, 2, 4]},
+        outputs={"logits": ("reqs", "draft"), "state": ("reqs",)}, device="tape", progress=False)
+    rep = r.capture()
+    assert rep.bucket((4, 4)).info["leak_check_sizes"] == [3, 3]
+    ids, hid, ctx = torch.zeros(3, 2, dtype=torch.long), torch.randn(3, 2, H), torch.randn(3, H)
+    out = r(ids=ids, hidden=hid, ctx=ctx)
+    ref = verify(ids, hid, ctx)
+    torch.testing.assert_close(out["logits"], ref["logits"])
+    torch.testing.assert_close(out["state"], ref["state"])
+
+
+def test_check_sizes_follow_the_key_choice():
+    grid = KeySpace({"reqs": [1, 2, 4, 8], "draft": [1, 2, 4]})
+    assert check_sizes(grid, (8, 4)) == (5, 3)
+    assert check_sizes(grid, (1, 1)) is None and check_sizes(grid, (2, 1)) is None
+    listed = KeySpace({"reqs": [1, 2, 4, 8], "draft": [1, 2, 4]}, [(8, 4), (4, 4), (8, 1), (2, 2), (1, 1)])
+    for k in listed.keys:
+        s = check_sizes(listed, k)
+        if s is not None:
+            assert listed.choose(s)[0] == k and s != k   # a smaller call that really replays k
+    assert check_sizes(listed, (2, 2)) == (1, 2)         # (1, 2) is not captured: it replays (2, 2)
+    ratio = KeySpace([1, 2, 4, 8], None, 0.25)
+    assert check_sizes(ratio, (8,)) == (6,)              # 5 would pad more than 25%: it falls back
