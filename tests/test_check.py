@@ -10,6 +10,8 @@ off, while the lint still names its line.
 import json
 import textwrap
 
+import re
+
 import pytest
 import torch
 
@@ -160,7 +162,8 @@ def test_python_counter_drift_is_located(target):
     path = target(COUNTER, "counter")
     report = check_factory(load_factory(f"{path}:make"))
     assert [(f.kind, f.line, f.function) for f in report.findings] == [("drift", _line(COUNTER, "drift"), "step")]
-    assert "was 2 at warmup 2 and 3 at capture" in report.findings[0].what
+    # 3, or 4 when the padding-leak check's extra forward ran between the last warmup and the capture
+    assert re.search(r"was 2 at warmup 2 and [34] at capture", report.findings[0].what), report.findings[0].what
     # the lint reports it even with the capture-time check off ...
     report = check_factory(load_factory(f"{path}:make"), "off")
     assert [f.kind for f in report.findings] == ["drift"]
@@ -168,8 +171,10 @@ def test_python_counter_drift_is_located(target):
     runner = load_factory(f"{path}:make")(drift_check=False)
     runner.capture()
     x = torch.ones(2, 4)
-    assert torch.equal(runner(x=x), x * 3)  # eager would multiply by 4 now: the graph froze 3
-    assert runner.step.__self__.calls == 3
+    frozen = runner.step.__self__.calls  # the capture's call (after the warmups and the leak check's forward)
+    assert frozen >= 3
+    assert torch.equal(runner(x=x), x * frozen)  # eager would multiply by frozen + 1 now: the graph froze it
+    assert runner.step.__self__.calls == frozen
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -24,6 +24,9 @@ X = {"x": gr.BatchInput(trailing=(3,), dtype=torch.float32)}
 
 
 def _runner(step, backend="full", **kw):
+    # the padding-leak check's extra forwards between the last warmup and the capture would shift
+    # the counters these tests name; it has its own tests (test_leaks.py)
+    kw.setdefault("leak_check", False)
     return gr.GraphRunner(step, inputs=kw.pop("inputs", X), buckets=[2], backend=backend, progress=False, **kw)
 
 
