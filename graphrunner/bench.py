@@ -509,6 +509,18 @@ def loadtest_table(levels: Sequence[Dict[str, Any]]) -> List[str]:
     return rows
 
 
+def _save_figure(fig: Any, path: str | os.PathLike) -> Path:
+    """Lay out ``fig``, write it to ``path`` (parent folders made), close it; the path written."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def plot_loadtest(sweep: Dict[str, Any], path: str | os.PathLike) -> Optional[Path]:
     """Draw a ``loadtest_sweep`` result: tokens/s (left) and p99 decode-step ms (right) against
     concurrency, graph and eager engines side by side; save a PNG. Returns the path, or
@@ -539,12 +551,7 @@ def plot_loadtest(sweep: Dict[str, Any], path: str | os.PathLike) -> Optional[Pa
     cfg = sweep.get("config") or {}
     fig.suptitle(f"loadtest sweep: {cfg.get('ranks', '?')} rank(s), backend {cfg.get('backend', '?')}, "
                  f"{cfg.get('requests', '?')} requests per level", fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save_figure(fig, path)
 
 
 def plot_latency(latency: Dict[str, Any], path: str | os.PathLike) -> Optional[Path]:
@@ -587,12 +594,7 @@ def plot_latency(latency: Dict[str, Any], path: str | os.PathLike) -> Optional[P
     ax.set_title(f"{title}\n{sub}", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save_figure(fig, path)
 
 
 # --------------------------------------------------------------------------- command line

@@ -60,7 +60,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from graphrunner.spec import MLP_WIDTH, RankFailure, run_spec, run_spec_ranks
+    from graphrunner.spec import MLP_WIDTH, run_spec, run_spec_ranks
 
     problem = None
     if max(args.reqs_buckets) < args.requests:
@@ -79,11 +79,12 @@ def _verify(args: argparse.Namespace) -> int:
         with torch_threads(args.threads):
             return 0 if run_spec(**kwargs).ok else 1
     results = run_spec_ranks(args.ranks, timeout=args.timeout, threads=args.threads, **kwargs)
-    failed = [r for r in results if isinstance(r, RankFailure) or not r.ok]
-    for r in results:
-        if isinstance(r, RankFailure):
-            print(f"graphrunner verify: rank {r.rank} failed: {r.error}", file=sys.stderr)
+    failed = [o for o in results if not o.ok or not o.value.ok]
+    for o in results:
+        if not o.ok:
+            print(f"graphrunner verify: rank {o.rank} failed: {o.error}", file=sys.stderr)
         else:
+            r = o.value
             print(f"rank {r.rank}: {r.mismatches} mismatches, replays {r.replays}, fallbacks {r.fallbacks}")
     print(f"verify on {args.ranks} ranks: " + ("OK" if not failed else f"FAILED ({len(failed)} rank(s))"))
     return 1 if failed else 0

@@ -1,6 +1,7 @@
 """Run one function on N local processes joined by a gloo process group, with deadlines.
 
-For commands that need real ranks on one machine (``graphrunner loadtest --ranks N``)::
+For commands that need real ranks on one machine (``graphrunner loadtest --ranks N``,
+``graphrunner verify --ranks N``)::
 
     outcomes = spawn_ranks(fn, world_size=2, args=(config,), timeout=600, grace=10)
 
@@ -21,6 +22,7 @@ import os
 import pickle
 import queue as queue_mod
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -58,6 +60,18 @@ class RankOutcome:
     traceback: Optional[str] = None
     exitcode: Optional[int] = None
     timed_out: bool = False
+
+
+def _died(code: int) -> str:
+    """Why a rank that never reported is gone, from its exit code (negative: the signal)."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return (f"killed by {name} without reporting (gloo aborts a process on a collective whose sizes differ "
+                "between ranks: see the other ranks' errors)")
+    return f"exited with code {code} without reporting"
 
 
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, store_file: str, init_timeout: float,
@@ -131,7 +145,7 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (
                 for r in list(pending):  # died without a report (killed, segfault): give it a second
                     if procs[r].exitcode is not None and now - dead_since.setdefault(r, now) > 1.0:
                         pending.discard(r)
-                        outcomes[r].error = f"rank {r} exited with code {procs[r].exitcode} without reporting"
+                        outcomes[r].error = f"rank {r} {_died(procs[r].exitcode)}"
                         deadline = min(deadline, now + grace)
                 continue
             pending.discard(rank)

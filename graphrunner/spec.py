@@ -34,27 +34,22 @@ only) turns the agreement off: ranks replay different keys and the run ends in a
 
 from __future__ import annotations
 
-import datetime
 import os
-import queue as queue_mod
 import random
-import shutil
 import sys
-import tempfile
-import time
-import signal
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from graphrunner.inputs import BatchInput
+from graphrunner.launch import RankOutcome, spawn_ranks
 from graphrunner.models import LlamaConfig, build_model
+from graphrunner.models.tp import shard_tensor_parallel
 from graphrunner.progress import StatusLine
 
-__all__ = ["SpecResult", "verify_step_fn", "shard_mlp", "run_spec", "run_spec_ranks", "RankFailure"]
+__all__ = ["SpecResult", "verify_step_fn", "run_spec", "run_spec_ranks"]
 
 #: A plain-greedy token is a near-tie when its top-2 logit margin is below this (not a mismatch).
 NEAR_TIE = 1e-3
@@ -122,40 +117,6 @@ def verify_step_fn(model: nn.Module, mask: bool = True):
         return model.verify_step(tokens, positions, slots)
 
     return step
-
-
-class _TensorParallelMLP(nn.Module):
-    """SwiGLU over this rank's slice of the intermediate features; ``all_reduce`` (sum) of the output."""
-
-    def __init__(self, mlp: nn.Module, rank: int, world: int) -> None:
-        super().__init__()
-        n = mlp.gate_proj.out_features
-        if n % world:
-            raise ValueError(f"intermediate_size {n} must be divisible by the number of ranks {world}")
-        rows = slice(rank * n // world, (rank + 1) * n // world)
-        self.gate = nn.Parameter(mlp.gate_proj.weight[rows].clone(), requires_grad=False)
-        self.up = nn.Parameter(mlp.up_proj.weight[rows].clone(), requires_grad=False)
-        self.down = nn.Parameter(mlp.down_proj.weight[:, rows].clone(), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's partial MLP output, summed over the ranks (inside a capture: recorded, re-issued)."""
-        import torch.distributed as dist
-
-        y = F.linear(F.silu(F.linear(x, self.gate)) * F.linear(x, self.up), self.down)
-        dist.all_reduce(y)
-        return y
-
-
-def shard_mlp(model: nn.Module, rank: int, world: int) -> nn.Module:
-    """Split every layer's MLP of ``model`` tensor-parallel over ``world`` ranks, in place; return ``model``.
-
-    Every rank must build ``model`` from the same seed. ``world == 1`` leaves it unchanged.
-    """
-    if world > 1:
-        with torch.inference_mode(False), torch.no_grad():
-            for layer in model.model.layers:
-                layer.mlp = _TensorParallelMLP(layer.mlp, rank, world)
-    return model
 
 
 def _budget_padding(rank: int, step: int) -> Tuple[int, int]:
@@ -235,7 +196,9 @@ def run_spec(requests: int = 6, max_new: int = 16, k: int = 4, reqs_buckets: Seq
     vocab = config.vocab_size
     rng = random.Random(seed)  # the same draws on every rank: same prompts and drafts
     prompts = [[rng.randrange(1, vocab) for _ in range(rng.randint(2, 6))] for _ in range(requests)]
-    models = [shard_mlp(build_model(config, seed=seed), rank, world) for _ in range(2)]
+    models = [build_model(config, seed=seed) for _ in range(2)]
+    if world > 1:  # the MLP only: its width (MLP_WIDTH) is what --ranks must divide
+        models = [shard_tensor_parallel(m, rank, world, attention=False) for m in models]
     graph_model, eager_model = models
     scratch_slot = requests
     group = gr.TorchDistGroup(timeout=group_timeout) if world > 1 else None
@@ -358,89 +321,19 @@ def summary(res: SpecResult) -> str:
     ])
 
 
-@dataclass
-class RankFailure:
-    """A rank that did not return a :class:`SpecResult`: ``error`` says why (``timed_out``: killed)."""
-
-    rank: int
-    error: str
-    timed_out: bool = False
-
-
-def _rank_entry(rank: int, world: int, store: str, threads: int, kwargs: Dict[str, Any], q: Any) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(threads)
-    ok = False
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))
-        out = None if rank == 0 else open(os.devnull, "w")
-        q.put(("ok", rank, run_spec(rank=rank, world=world, out=out, **kwargs)))
-        ok = True
-    except BaseException as exc:  # noqa: BLE001 - every failure is reported to the parent
-        q.put(("err", rank, f"{type(exc).__name__}: {exc}"))
-    finally:
-        q.close()
-        q.join_thread()
-    if ok:
-        dist.destroy_process_group()
-    else:
-        sys.exit(1)  # a collective may still be pending: leave the group as it is
-
-
-def _died(code: int) -> str:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return (f"killed by {name} without reporting (gloo aborts a process on a collective whose sizes differ "
-                "between ranks: see the other ranks' errors)")
-    return f"exited with code {code} without reporting"
+def _spec_rank(rank: int, world: int, kwargs: Dict[str, Any]) -> SpecResult:
+    """One spawned rank of :func:`run_spec_ranks`: :func:`run_spec` (only rank 0 prints)."""
+    if rank == 0:
+        return run_spec(rank=rank, world=world, **kwargs)
+    with open(os.devnull, "w") as out:
+        return run_spec(rank=rank, world=world, out=out, **kwargs)
 
 
 def run_spec_ranks(ranks: int, timeout: float = 300.0, grace: float = 10.0, threads: int = 1,
-                   **kwargs: Any) -> List[Any]:
+                   **kwargs: Any) -> List[RankOutcome]:
     """Run :func:`run_spec` on ``ranks`` spawned gloo processes (``threads`` torch threads
-    each); a :class:`SpecResult` or :class:`RankFailure` per rank. The whole run is bounded by ``timeout`` seconds, and once
-    a rank failed the others get ``grace`` seconds to report; stragglers are killed."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    folder = tempfile.mkdtemp(prefix="graphrunner-verify-")
-    procs = [ctx.Process(target=_rank_entry, args=(r, ranks, os.path.join(folder, "store"), threads, kwargs, q), daemon=True)
-             for r in range(ranks)]
-    results: List[Any] = [None] * ranks
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        while any(r is None for r in results) and time.monotonic() < deadline:
-            try:
-                status, rank, payload = q.get(timeout=0.2)
-            except queue_mod.Empty:
-                for r, p in enumerate(procs):
-                    if results[r] is None and p.exitcode is not None and p.exitcode != 0:
-                        results[r] = RankFailure(r, _died(p.exitcode))
-                        deadline = min(deadline, time.monotonic() + grace)
-                continue
-            results[rank] = payload if status == "ok" else RankFailure(rank, payload)
-            if status != "ok":
-                deadline = min(deadline, time.monotonic() + grace)
-        for r, p in enumerate(procs):
-            p.join(max(deadline - time.monotonic(), 0.0) + 1.0)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-                if results[r] is None:
-                    results[r] = RankFailure(r, f"still running after the deadline ({timeout:g}s): killed", True)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        q.close()
-        shutil.rmtree(folder, ignore_errors=True)
-    return results
+    each) through :func:`graphrunner.launch.spawn_ranks`; one
+    :class:`~graphrunner.launch.RankOutcome` per rank (``value``: its :class:`SpecResult`
+    when ``ok``, else ``error`` says why). The whole run is bounded by ``timeout`` seconds,
+    and once a rank failed the others get ``grace`` seconds to report; stragglers are killed."""
+    return spawn_ranks(_spec_rank, ranks, args=(kwargs,), timeout=timeout, grace=grace, threads=threads)

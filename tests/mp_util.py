@@ -44,7 +44,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import torch.multiprocessing as mp
 
-__all__ = ["RankResult", "free_port", "run_ranks", "assert_all_ok", "format_results"]
+__all__ = ["CountingGroup", "RankResult", "free_port", "run_ranks", "assert_all_ok", "format_results"]
 
 
 @dataclass
@@ -258,3 +258,28 @@ def assert_all_ok(results: Sequence[RankResult]) -> None:
     and exited with code 0."""
     if not all(r.ok and r.exitcode == 0 and not r.timed_out for r in results):
         raise AssertionError("not every rank succeeded:\n" + format_results(results))
+
+
+class CountingGroup:
+    """A rank's group (e.g. ``graphrunner.TorchDistGroup``) that counts its calls per method in
+    ``counts`` (``barrier``, ``all_max``, ``all_min``, ``all_max_vector``) and delegates them."""
+
+    def __init__(self, inner):
+        self.inner, self.rank, self.size = inner, inner.rank, inner.size
+        self.counts = {"barrier": 0, "all_max": 0, "all_min": 0, "all_max_vector": 0}
+
+    def barrier(self, **kw):
+        self.counts["barrier"] += 1
+        return self.inner.barrier(**kw)
+
+    def all_max(self, v, **kw):
+        self.counts["all_max"] += 1
+        return self.inner.all_max(v, **kw)
+
+    def all_min(self, v, **kw):
+        self.counts["all_min"] += 1
+        return self.inner.all_min(v, **kw)
+
+    def all_max_vector(self, v, **kw):
+        self.counts["all_max_vector"] += 1
+        return self.inner.all_max_vector(v, **kw)

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from mp_util import assert_all_ok, format_results, run_ranks  # noqa: E402
+from mp_util import CountingGroup, assert_all_ok, format_results, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 
@@ -25,30 +25,6 @@ WORLD = 3
 D, H = 8, 12  # H is split into WORLD shards
 BUCKETS = [1, 2, 4, 8]
 STEPS = 30
-
-
-class CountingGroup:
-    """Delegates to a real group and counts calls per method (and per phase)."""
-
-    def __init__(self, inner):
-        self.inner, self.rank, self.size = inner, inner.rank, inner.size
-        self.counts = {"barrier": 0, "all_max": 0, "all_min": 0, "all_max_vector": 0}
-
-    def barrier(self, **kw):
-        self.counts["barrier"] += 1
-        return self.inner.barrier(**kw)
-
-    def all_max(self, v, **kw):
-        self.counts["all_max"] += 1
-        return self.inner.all_max(v, **kw)
-
-    def all_min(self, v, **kw):
-        self.counts["all_min"] += 1
-        return self.inner.all_min(v, **kw)
-
-    def all_max_vector(self, v, **kw):
-        self.counts["all_max_vector"] += 1
-        return self.inner.all_max_vector(v, **kw)
 
 
 def _worker(rank, world, steps):

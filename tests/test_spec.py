@@ -158,3 +158,34 @@ def test_without_the_mask_the_run_departs_from_plain_greedy(monkeypatch):
     res = spec.run_spec(out=io.StringIO(), **SMALL)
     assert res.logit_mismatches == 0 and res.token_mismatches == 0
     assert res.greedy_mismatches > 0 and not res.ok
+
+
+def test_mlp_only_shards_sum_to_the_whole_mlp_and_leave_o_proj():
+    """``shard_tensor_parallel(attention=False)``, as verify uses it: o_proj stays whole (with the
+    default it is replaced: the control), and the two ranks' hand-computed partial MLPs sum to the
+    unsplit MLP (so verify's all_reduce of them equals the one-rank model)."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from graphrunner.models.tp import shard_tensor_parallel
+
+    config = LlamaConfig.tiny(num_layers=1, intermediate_size=spec.MLP_WIDTH)
+    full = build_model(config, seed=3)
+    shards = [shard_tensor_parallel(build_model(config, seed=3), r, 2, attention=False) for r in range(2)]
+    both = shard_tensor_parallel(build_model(config, seed=3), 0, 2)
+    assert type(shards[0].model.layers[0].self_attn.o_proj) is nn.Linear
+    assert type(both.model.layers[0].self_attn.o_proj) is not nn.Linear
+    x = torch.randn(3, config.hidden_size)
+    with torch.no_grad():
+        parts = [F.linear(F.silu(F.linear(x, m.gate)) * F.linear(x, m.up), m.down)
+                 for m in (s.model.layers[0].mlp for s in shards)]
+        want = full.model.layers[0].mlp(x)
+    assert torch.allclose(parts[0] + parts[1], want, atol=1e-5)
+    assert not torch.allclose(parts[0], want, atol=1e-3)  # one shard alone is not the MLP
+
+
+def test_a_rank_killed_by_a_signal_is_named():
+    from graphrunner.launch import _died
+
+    assert _died(-6).startswith("killed by SIGABRT without reporting (gloo aborts")
+    assert _died(3) == "exited with code 3 without reporting"

@@ -92,17 +92,26 @@ def _with_temps(t, val):
     return x + y
 
 
-@pytest.mark.parametrize("share_mem", MODES)
-def test_two_successive_in_order_replay_is_exact_in_every_mode(share_mem):
-    a = torch.ones(SIZE)
+def _capture_first_begin_second(share_mem, a, hold=False):
+    """Capture g0 (five temporaries-making steps on a clone of ``a``, then ``_hold`` if ``hold``)
+    and begin g1's capture sharing g0's pool as ``share_mem`` says; return g0, g1, g0's output."""
     g0, g1 = TapeGraph(), TapeGraph()
     g0_args = (graph_pool_handle(),) if share_mem == "via graph_pool_handle()" else ()
     g0.capture_begin(*g0_args)
     b = a.clone()
     for _ in range(5):
         b = _with_temps(b, 1)
+    if hold:
+        _hold(b)
     g0.capture_end()
     g1.capture_begin(*((g0.pool(),) if share_mem == "via pool()" else g0_args))
+    return g0, g1, b
+
+
+@pytest.mark.parametrize("share_mem", MODES)
+def test_two_successive_in_order_replay_is_exact_in_every_mode(share_mem):
+    a = torch.ones(SIZE)
+    g0, g1, b = _capture_first_begin_second(share_mem, a)
     for _ in range(5):
         b = _with_temps(b, 1)
     g1.capture_end()
@@ -135,15 +144,7 @@ def _hold(x: torch.Tensor) -> None:
 
 def _two_concurrent(share_mem):
     a = torch.ones(SIZE)
-    g0, g1 = TapeGraph(), TapeGraph()
-    g0_args = (graph_pool_handle(),) if share_mem == "via graph_pool_handle()" else ()
-    g0.capture_begin(*g0_args)
-    b = a.clone()
-    for _ in range(5):
-        b = _with_temps(b, 1)
-    _hold(b)
-    g0.capture_end()
-    g1.capture_begin(*((g0.pool(),) if share_mem == "via pool()" else g0_args))
+    g0, g1, b = _capture_first_begin_second(share_mem, a, hold=True)
     c = a.clone()
     for _ in range(5):
         c = _with_temps(c, 2)

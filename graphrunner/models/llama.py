@@ -477,6 +477,13 @@ class LlamaForCausalLM(nn.Module):
         if t.dim() != dims:
             raise ValueError(f"{name} must have {dims} dim(s), got shape {tuple(t.shape)}")
 
+    def _check_ids_and_positions(self, input_ids: torch.Tensor, positions: torch.Tensor, dims: int) -> None:
+        self._check_ids("input_ids", input_ids, dims)
+        self._check_ids("positions", positions, dims)
+        if positions.shape != input_ids.shape:
+            raise ValueError(f"positions shape {tuple(positions.shape)} must equal input_ids "
+                             f"shape {tuple(input_ids.shape)}")
+
     def _check_slots(self, slot_ids: torch.Tensor | None, batch: int) -> None:
         if slot_ids is None:
             if batch > self.config.max_batch_size:
@@ -508,11 +515,7 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             TypeError / ValueError: wrong dtype, rank, mismatched shapes or ``B`` too large.
         """
-        self._check_ids("input_ids", input_ids, 1)
-        self._check_ids("positions", positions, 1)
-        if positions.shape != input_ids.shape:
-            raise ValueError(f"positions shape {tuple(positions.shape)} must equal input_ids "
-                             f"shape {tuple(input_ids.shape)}")
+        self._check_ids_and_positions(input_ids, positions, 1)
         b = input_ids.shape[0]
         self._check_slots(slot_ids, b)
         h = self._run_layers(input_ids[:, None], positions[:, None], slot_ids, positions)
@@ -540,11 +543,7 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             TypeError / ValueError: wrong dtype, rank, mismatched shapes or ``B`` too large.
         """
-        self._check_ids("input_ids", input_ids, 2)
-        self._check_ids("positions", positions, 2)
-        if positions.shape != input_ids.shape:
-            raise ValueError(f"positions shape {tuple(positions.shape)} must equal input_ids "
-                             f"shape {tuple(input_ids.shape)}")
+        self._check_ids_and_positions(input_ids, positions, 2)
         self._check_slots(slot_ids, input_ids.shape[0])
         return self.lm_head(self._run_layers(input_ids, positions, slot_ids, positions))
 

@@ -81,8 +81,11 @@ class _ShardedMLP(nn.Module):
 
 
 def shard_tensor_parallel(model: nn.Module, rank: int, world_size: int,
-                          process_group: Optional[Any] = None) -> nn.Module:
+                          process_group: Optional[Any] = None, attention: bool = True) -> nn.Module:
     """Replace, in place, each layer's MLP and ``o_proj`` of ``model`` by this rank's shard; return ``model``.
+
+    ``attention=False`` splits only the MLP (``o_proj`` stays whole, one ``all_reduce`` per
+    layer, and only ``intermediate_size`` must be divisible by ``world_size``).
 
     Every rank must call it on a model built from the same seed (same weights) and then run
     the same steps: each sharded layer makes one ``all_reduce`` per forward, so ranks must
@@ -101,6 +104,7 @@ def shard_tensor_parallel(model: nn.Module, rank: int, world_size: int,
     with torch.inference_mode(False), torch.no_grad():
         for layer in model.model.layers:
             layer.mlp = _ShardedMLP(layer.mlp, rank, world_size, process_group)
-            attn = layer.self_attn
-            attn.o_proj = RowParallelLinear(attn.o_proj, rank, world_size, process_group)
+            if attention:
+                attn = layer.self_attn
+                attn.o_proj = RowParallelLinear(attn.o_proj, rank, world_size, process_group)
     return model
