@@ -1,24 +1,32 @@
 """Benchmark: TapeGraph replay vs eager for a decoder decode step on CPU.
 
-Two workloads, random weights from a seed:
+Four workloads, random weights from a seed:
 
 * ``llama`` (the headline rows): the demo :class:`~graphrunner.models.LlamaForCausalLM`
   (``LlamaConfig.demo(attention="masked")``: 4 layers, hidden 256, GQA, RoPE, SwiGLU, a static
   KV cache written with ``index_put_``), its whole ``decode_step`` captured, which is what users
   run. Eager is that same ``nn.Module`` call.
+* ``gpt2``: a GPT-2-style step written as one function (4 layers, hidden 256, LayerNorm, learned
+  positions, biased linears, GELU, tied LM head, static KV cache, masked attention).
+* ``hf_llama``: a transformers ``LlamaForCausalLM`` (tiny config, random weights) decoding
+  through a ``StaticCache`` (skipped without transformers).
 * ``inline``: a 4-layer decoder written as one flat function (hidden 256, RMSNorm, attention
   over a static KV cache written with ``index_copy_``, SwiGLU MLP). It has almost no Python
   overhead of its own, so it shows the floor of what replay can save.
 
-For each workload and batch size, eager and replay are timed interleaved in one process
-(alternating runs, many reps, medians) and replay is checked bit-exact against eager first.
+For each workload and batch size, eager and replay (and, if asked, inductor and TorchScript)
+are timed interleaved in one process (one run of each in turn, many reps, medians) and replay
+is checked bit-exact against eager first. ``--clock cpu`` (the default with one torch thread)
+times with the thread's CPU time, so other processes on a shared machine do not inflate them.
 ``--baseline PATH`` also captures with another tape (an older ``tape.py`` or a ``tape/`` package
-directory) and times it
-in the same interleaving. The *kernel floor* (``floor_us``) is the isolated time of each op the
-replay runs, summed (each statement of the generated replay timed alone on the capture's
-values); a second table prints tape/floor, eager/tape and, with ``--inductor``, inductor/tape
-(``torch.compile`` steady state) side by side. Prints the tables and writes JSON (--out):
-``rows`` holds the ``llama`` rows, ``rows_inline`` the ``inline`` ones.
+directory) and times it in the same interleaving, floors included. Two *kernel floors* per
+graph: ``floor_us``, the isolated time of each op the replay runs (each statement of the
+generated replay timed alone on the capture's values, warm caches), summed, and
+``floor_seq_us``, each statement timed while the replay's statements run in order (the
+replay's cache state). A second table prints tape/floor, tape/floor_seq, eager/tape and, with
+``--inductor`` / ``--torchscript``, inductor/tape and TorchScript/tape side by side. Prints the
+tables and writes JSON (--out): ``rows`` holds the ``llama`` rows, ``rows_gpt2``,
+``rows_hf_llama`` and ``rows_inline`` the others.
 """
 
 from __future__ import annotations
@@ -332,16 +340,17 @@ def bench_batch(model, batch, reps, inner, tapes, floor=True, inductor=False, to
         if floor:
             # replay timed right around the floors, so that tape/floor compares
             # measurements made under the same machine load
-            g = graphs["new"]
-            near = [_timed(_REPLAY, {"g": g}, inner)]
-            fl, per = kernel_floor(g)
-            near.append(_timed(_REPLAY, {"g": g}, inner))
-            seq = kernel_floor_in_sequence(g)
-            near.append(_timed(_REPLAY, {"g": g}, inner))
-            row["replay_near_floor_us"] = statistics.median(near) * 1e6
-            row["floor_us"] = fl * 1e6
-            row["floor_seq_us"] = seq * 1e6
-            row["floor_top"] = [(round(t * 1e6, 2), ln[:80]) for t, ln in per[:5]]
+            for name, g in graphs.items():
+                sfx = "" if name == "new" else f"_{name}"
+                near = [_timed(_REPLAY, {"g": g}, inner)]
+                fl, per = kernel_floor(g)
+                near.append(_timed(_REPLAY, {"g": g}, inner))
+                seq = kernel_floor_in_sequence(g)
+                near.append(_timed(_REPLAY, {"g": g}, inner))
+                row[f"replay_near_floor_us{sfx}"] = statistics.median(near) * 1e6
+                row[f"floor_us{sfx}"] = fl * 1e6
+                row[f"floor_seq_us{sfx}"] = seq * 1e6
+                row[f"floor_top{sfx}"] = [(round(t * 1e6, 2), ln[:80]) for t, ln in per[:5]]
     e = statistics.median(times["eager"])
     row["eager_us"] = e * 1e6
     for name in graphs:
@@ -352,11 +361,16 @@ def bench_batch(model, batch, reps, inner, tapes, floor=True, inductor=False, to
     for kind in ("inductor", "torchscript"):
         if kind in times:
             row[f"{kind}_us"] = statistics.median(times[kind]) * 1e6
-            row[f"{kind}_over_tape"] = row[f"{kind}_us"] / row["replay_us"]
-    if row.get("floor_us"):
-        row["tape_over_floor"] = row["replay_near_floor_us"] / row["floor_us"]
-    if row.get("floor_seq_us"):
-        row["tape_over_floor_seq"] = row["replay_near_floor_us"] / row["floor_seq_us"]
+            for name in graphs:
+                sfx = "" if name == "new" else f"_{name}"
+                row[f"{kind}_over_tape{sfx}"] = row[f"{kind}_us"] / row[f"replay_us{sfx}"]
+    # the floor ratios: floor and replay timed by the same clock, next to each other
+    for name in graphs:
+        sfx = "" if name == "new" else f"_{name}"
+        if row.get(f"floor_us{sfx}"):
+            row[f"tape_over_floor{sfx}"] = row[f"replay_near_floor_us{sfx}"] / row[f"floor_us{sfx}"]
+        if row.get(f"floor_seq_us{sfx}"):
+            row[f"tape_over_floor_seq{sfx}"] = row[f"replay_near_floor_us{sfx}"] / row[f"floor_seq_us{sfx}"]
     return row
 
 
@@ -373,14 +387,16 @@ def print_table(rows, baseline: bool):
         print(line)
     if any("floor_us" in r or "inductor_us" in r or "torchscript_us" in r for r in rows):
         print()
-        print(f"{'model':>8} {'batch':>5} {'floor us':>9} {'tape/floor':>10} {'tape/seqfl':>10} {'eager/tape':>10} "
+        print(f"{'model':>14} {'batch':>5} {'floor us':>9} {'tape/floor':>10} {'tape/seqfl':>10} {'eager/tape':>10} "
               f"{'inductor/tape':>13} {'script/tape':>11}")
         fmt = lambda v: f"{v:.2f}" if v else "-"  # noqa: E731
         for r in rows:
-            print(f"{r['model']:>8} {r['batch']:>5} {r.get('floor_us', float('nan')):>9.1f} "
-                  f"{fmt(r.get('tape_over_floor')):>10} {fmt(r.get('tape_over_floor_seq')):>10} "
-                  f"{r['speedup']:>10.2f} {fmt(r.get('inductor_over_tape')):>13} "
-                  f"{fmt(r.get('torchscript_over_tape')):>11}")
+            for sfx in ("", "_base") if baseline else ("",):
+                print(f"{r['model'] + ('(base)' if sfx else ''):>14} {r['batch']:>5} "
+                      f"{r.get('floor_us' + sfx, float('nan')):>9.1f} "
+                      f"{fmt(r.get('tape_over_floor' + sfx)):>10} {fmt(r.get('tape_over_floor_seq' + sfx)):>10} "
+                      f"{r['speedup' + sfx]:>10.2f} {fmt(r.get('inductor_over_tape' + sfx)):>13} "
+                      f"{fmt(r.get('torchscript_over_tape' + sfx)):>11}")
 
 
 def main(argv=None):
@@ -420,6 +436,9 @@ def main(argv=None):
     for m in models:
         if m not in BUILDERS:
             ap.error(f"unknown model {m!r} (choose from {', '.join(BUILDERS)})")
+    if "hf_llama" in models and importlib.util.find_spec("transformers") is None:
+        print("hf_llama skipped: transformers is not installed (pip install -e '.[hf]')")
+        models.remove("hf_llama")
     rows = [bench_batch(m, int(b), a.reps, a.inner, tapes, floor=not a.no_floor, inductor=a.inductor,
                         torchscript=a.torchscript)
             for m in models for b in a.batches.split(",")]
