@@ -187,7 +187,14 @@ def build_hf_llama(batch=1, seed=0):
     with torch.inference_mode():
         fwd(ids, pos)  # a lazily allocating cache gets its tensors here, outside any capture
 
+    # transformers 5 advances a write counter at every call: rewind it to the
+    # position first, so that the step can run any number of times
+    counters = [c for layer in getattr(cache, "layers", ())
+                if isinstance(c := getattr(layer, "cumulative_length", None), torch.Tensor)]
+
     def step():
+        for c in counters:
+            c.copy_(pos[0, 0])
         return fwd(ids, pos)
 
     def set_inputs(p, seed):
@@ -439,9 +446,13 @@ def main(argv=None):
     if "hf_llama" in models and importlib.util.find_spec("transformers") is None:
         print("hf_llama skipped: transformers is not installed (pip install -e '.[hf]')")
         models.remove("hf_llama")
-    rows = [bench_batch(m, int(b), a.reps, a.inner, tapes, floor=not a.no_floor, inductor=a.inductor,
-                        torchscript=a.torchscript)
-            for m in models for b in a.batches.split(",")]
+    rows = []
+    for m in models:
+        for b in a.batches.split(","):
+            rows.append(bench_batch(m, int(b), a.reps, a.inner, tapes, floor=not a.no_floor,
+                                    inductor=a.inductor, torchscript=a.torchscript))
+            print("row:", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()
+                           if "top" not in k}, flush=True)
     print_table(rows, bool(a.baseline))
     result = dict(torch=torch.__version__, threads=torch.get_num_threads(), environment=environment(),
                   clock="cpu" if cpu else "wall",
