@@ -99,3 +99,32 @@ def test_no_grad_capture_with_parameters():
         g.replay()
         assert torch.equal(out, torch.relu(lin(x)) * 3)
     assert not out.requires_grad
+
+
+def test_composite_linear_with_bias_keeps_its_functional_kernel():
+    """F.linear(x, w, b) is one addmm; its out= variant is matmul then add,
+    whose bits can differ: such composites never replay with out=."""
+    lin = torch.nn.Linear(256, 1024)
+    x = torch.randn(32, 1, 256)
+    with torch.inference_mode():
+        g = TapeGraph()
+        with tape_graph(g):
+            out = lin(x) * 2
+        fns = {k for k, v in g._env.items() if v is torch._C._nn.linear}
+        assert fns and not any(f"{k}(" in ln and "out=" in ln for k in fns for ln in g.source.splitlines())
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            x.copy_(torch.randn(x.shape, generator=gen))
+            g.replay()
+            assert torch.equal(out, lin(x) * 2)
+
+
+def test_out_only_for_bindings_sharing_the_functional_kernel():
+    from graphrunner.tape.bindings import _out_same_kernel
+
+    aten = torch.ops.aten
+    assert _out_same_kernel(aten.mul.Tensor, torch.mul)
+    assert _out_same_kernel(aten.linear.default, torch.matmul)  # the linear -> matmul rewrite
+    assert not _out_same_kernel(aten.linear.default, torch._C._nn.linear)  # a composite
+    assert not _out_same_kernel(aten.softmax.int, torch.softmax)
+    assert not _out_same_kernel(aten.add.Tensor, torch.mul)  # not the op's own binding

@@ -285,7 +285,7 @@ class _Verifier:
                     continue
             except Exception:
                 continue
-            self.out_ok = self._out_ok(fn, ca, ck, out)
+            self.out_ok = _out_same_kernel(func, fn) and self._out_ok(fn, ca, ck, out)
             return fn, tuple(va), vk
         return None
 
@@ -319,3 +319,23 @@ def _is_function(fn) -> bool:
     """``fn`` is a function of torch._C._VariableFunctions or torch._C._nn (these take ``out=``)."""
     name = getattr(fn, "__name__", None)
     return name is not None and (fn is getattr(_VF, name, None) or fn is getattr(_NN, name, None))
+
+
+# Composite bindings whose out= variant runs the very kernels of the functional
+# one (matmul and matmul_out share at::native::_matmul_impl).
+_OUT_SAME_PATH = {"matmul"}
+
+
+def _out_same_kernel(func, fn) -> bool:
+    """``fn(..., out=)`` computes with the kernel ``fn(...)`` uses, so that a
+    result equal on the capture's data is equal on any data: ``fn`` is the
+    binding of ``func`` itself and ``func`` has a kernel of its own (not a
+    CompositeImplicitAutograd decomposition, whose out= path may differ:
+    ``linear(x, w, b, out=)`` is matmul then add, ``linear(x, w, b)`` one
+    addmm), or ``fn`` is in ``_OUT_SAME_PATH``."""
+    name = getattr(fn, "__name__", None)
+    if name in _OUT_SAME_PATH:
+        return True
+    if name != func._schema.name.split("::", 1)[-1]:
+        return False
+    return not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
