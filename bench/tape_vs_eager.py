@@ -1,24 +1,32 @@
 """Benchmark: TapeGraph replay vs eager for a decoder decode step on CPU.
 
-Two workloads, random weights from a seed:
+Four workloads, random weights from a seed:
 
 * ``llama`` (the headline rows): the demo :class:`~graphrunner.models.LlamaForCausalLM`
   (``LlamaConfig.demo(attention="masked")``: 4 layers, hidden 256, GQA, RoPE, SwiGLU, a static
   KV cache written with ``index_put_``), its whole ``decode_step`` captured, which is what users
   run. Eager is that same ``nn.Module`` call.
+* ``gpt2``: a GPT-2-style step written as one function (4 layers, hidden 256, LayerNorm, learned
+  positions, biased linears, GELU, tied LM head, static KV cache, masked attention).
+* ``hf_llama``: a transformers ``LlamaForCausalLM`` (tiny config, random weights) decoding
+  through a ``StaticCache`` (skipped without transformers).
 * ``inline``: a 4-layer decoder written as one flat function (hidden 256, RMSNorm, attention
   over a static KV cache written with ``index_copy_``, SwiGLU MLP). It has almost no Python
   overhead of its own, so it shows the floor of what replay can save.
 
-For each workload and batch size, eager and replay are timed interleaved in one process
-(alternating runs, many reps, medians) and replay is checked bit-exact against eager first.
+For each workload and batch size, eager and replay (and, if asked, inductor and TorchScript)
+are timed interleaved in one process (one run of each in turn, many reps, medians) and replay
+is checked bit-exact against eager first. ``--clock cpu`` (the default with one torch thread)
+times with the thread's CPU time, so other processes on a shared machine do not inflate them.
 ``--baseline PATH`` also captures with another tape (an older ``tape.py`` or a ``tape/`` package
-directory) and times it
-in the same interleaving. The *kernel floor* (``floor_us``) is the isolated time of each op the
-replay runs, summed (each statement of the generated replay timed alone on the capture's
-values); a second table prints tape/floor, eager/tape and, with ``--inductor``, inductor/tape
-(``torch.compile`` steady state) side by side. Prints the tables and writes JSON (--out):
-``rows`` holds the ``llama`` rows, ``rows_inline`` the ``inline`` ones.
+directory) and times it in the same interleaving, floors included. Two *kernel floors* per
+graph: ``floor_us``, the isolated time of each op the replay runs (each statement of the
+generated replay timed alone on the capture's values, warm caches), summed, and
+``floor_seq_us``, each statement timed while the replay's statements run in order (the
+replay's cache state). A second table prints tape/floor, tape/floor_seq, eager/tape and, with
+``--inductor`` / ``--torchscript``, inductor/tape and TorchScript/tape side by side. Prints the
+tables and writes JSON (--out): ``rows`` holds the ``llama`` rows, ``rows_gpt2``,
+``rows_hf_llama`` and ``rows_inline`` the others.
 """
 
 from __future__ import annotations
@@ -116,31 +124,119 @@ def build_llama(batch=1, seed=0):
     return step, set_inputs, model.kv_cache_tensors()
 
 
-BUILDERS = {"llama": build_llama, "inline": build_inline}
+def build_gpt2(batch=1, seed=0, hidden=256, heads=4, layers=4, vocab=1024, max_len=256):
+    """A GPT-2-style decode step written as one function (LayerNorm, learned positions,
+    fused QKV with bias, GELU MLP, tied LM head, a static KV cache written with
+    ``index_copy_``, masked attention over all positions): returns (step, set_inputs, caches)."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g) * 0.02  # noqa: E731
+    wte, wpe = r(vocab, hidden), r(max_len, hidden)
+    W = [dict(ln1=(torch.ones(hidden), torch.zeros(hidden)), ln2=(torch.ones(hidden), torch.zeros(hidden)),
+              qkv=(r(3 * hidden, hidden), r(3 * hidden)), o=(r(hidden, hidden), r(hidden)),
+              fc=(r(4 * hidden, hidden), r(4 * hidden)), proj=(r(hidden, 4 * hidden), r(hidden)))
+         for _ in range(layers)]
+    lnf = (torch.ones(hidden), torch.zeros(hidden))
+    hd = hidden // heads
+    kc = [torch.zeros(batch, heads, max_len, hd) for _ in range(layers)]
+    vc = [torch.zeros(batch, heads, max_len, hd) for _ in range(layers)]
+    ids = torch.zeros(batch, 1, dtype=torch.long)
+    pos = torch.tensor([0])
+    mask = torch.zeros(1, 1, 1, max_len)
+    F = torch.nn.functional
+
+    def step():
+        h = F.embedding(ids, wte) + F.embedding(pos, wpe)
+        for i, w in enumerate(W):
+            a = F.layer_norm(h, (hidden,), *w["ln1"])
+            q, k, v = F.linear(a, *w["qkv"]).split(hidden, dim=-1)
+            q = q.view(batch, 1, heads, hd).transpose(1, 2)
+            kc[i].index_copy_(2, pos, k.view(batch, 1, heads, hd).transpose(1, 2))
+            vc[i].index_copy_(2, pos, v.view(batch, 1, heads, hd).transpose(1, 2))
+            s = (q @ kc[i].transpose(-1, -2)) * (hd ** -0.5) + mask
+            o = (s.softmax(-1) @ vc[i]).transpose(1, 2).reshape(batch, 1, hidden)
+            h = h + F.linear(o, *w["o"])
+            m = F.layer_norm(h, (hidden,), *w["ln2"])
+            h = h + F.linear(F.gelu(F.linear(m, *w["fc"]), approximate="tanh"), *w["proj"])
+        return F.linear(F.layer_norm(h, (hidden,), *lnf), wte)
+
+    def set_inputs(p, seed):
+        ids.copy_(torch.randint(0, vocab, ids.shape, generator=torch.Generator().manual_seed(seed)))
+        pos.fill_(p)
+        mask.fill_(float("-inf"))
+        mask[..., : p + 1] = 0.0
+
+    return step, set_inputs, kc + vc
+
+
+def build_hf_llama(batch=1, seed=0):
+    """A transformers ``LlamaForCausalLM`` (tiny config, random weights: 4 layers, hidden 256,
+    GQA) decoding one token per row through a ``StaticCache`` of 256 positions, its step
+    from :func:`graphrunner.hf.make_decode_step`: returns (step, set_inputs, caches)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from graphrunner.hf import cache_tensors, make_decode_step, make_static_cache
+
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).eval()
+    cache = make_static_cache(model, batch, 256)
+    fwd = make_decode_step(model, cache)
+    ids = torch.zeros(batch, 1, dtype=torch.long)
+    pos = torch.zeros(batch, 1, dtype=torch.long)
+    with torch.inference_mode():
+        fwd(ids, pos)  # a lazily allocating cache gets its tensors here, outside any capture
+
+    # transformers 5 advances a write counter at every call: rewind it to the
+    # position first, so that the step can run any number of times
+    counters = [c for layer in getattr(cache, "layers", ())
+                if isinstance(c := getattr(layer, "cumulative_length", None), torch.Tensor)]
+
+    def step():
+        for c in counters:
+            c.copy_(pos[0, 0])
+        return fwd(ids, pos)
+
+    def set_inputs(p, seed):
+        ids.copy_(torch.randint(0, cfg.vocab_size, ids.shape, generator=torch.Generator().manual_seed(seed)))
+        pos.fill_(p)
+
+    return step, set_inputs, list(cache_tensors(cache).values())
+
+
+BUILDERS = {"llama": build_llama, "gpt2": build_gpt2, "hf_llama": build_hf_llama, "inline": build_inline}
+
+
+_CLOCK = time.perf_counter  # --clock: wall (perf_counter) or cpu (this thread's CPU time)
 
 
 def _timed(code, ns, n) -> float:
     """Seconds per ``exec(code, ns)``, the median of 5 runs of ``n``."""
     runs = []
     for _ in range(5):
-        t = time.perf_counter()
+        t = _CLOCK()
         for _ in range(n):
             exec(code, ns)
-        runs.append((time.perf_counter() - t) / n)
+        runs.append((_CLOCK() - t) / n)
     return statistics.median(runs)
 
 
 _REPLAY = compile("g.replay()", "<bench>", "exec")
 
 
+def _statements(g) -> list:
+    """The statements of ``g``'s generated replay, in order."""
+    body = g.source.split("def _replay():\n", 1)[1].rsplit("\n    return _replay", 1)[0]
+    return [ln.strip() for ln in body.splitlines() if ln.strip() and ln.strip() != "pass"]
+
+
 def kernel_floor(g, n=20) -> tuple[float, list]:
     """The kernel floor of a captured graph: the isolated time of each op its
     replay runs (each statement of the generated replay timed alone on the
-    capture's values, minus the cost of executing an empty statement),
-    summed.  Returns (seconds, [(seconds, statement)] slowest first)."""
-    body = g.source.split("def _replay():\n", 1)[1].rsplit("\n    return _replay", 1)[0]
-    lines = [ln.strip() for ln in body.splitlines()]
-    lines = [ln for ln in lines if ln and ln != "pass" and not ln.startswith("del ")]
+    capture's values, ``n`` times back to back, minus the cost of executing an
+    empty statement), summed.  Warm: each op finds its inputs, weights and
+    code in cache.  Returns (seconds, [(seconds, statement)] slowest first)."""
+    lines = [ln for ln in _statements(g) if not ln.startswith("del ")]
     ns = dict(g._env)
     codes = [compile(ln, "<floor>", "exec") for ln in lines]
     per = []
@@ -154,29 +250,59 @@ def kernel_floor(g, n=20) -> tuple[float, list]:
     return sum(t for t, _ in per), sorted(per, reverse=True)
 
 
-def time_inductor(step, reps, inner) -> "float | None":
-    """Median seconds per call of ``torch.compile(step)`` (inductor) in steady
-    state, or None if it cannot compile here."""
+def kernel_floor_in_sequence(g, passes=15) -> float:
+    """The floor with the replay's cache state: each statement of the generated
+    replay timed alone (wall clock, ``perf_counter_ns``) while the statements
+    run in replay order, median over ``passes`` passes, minus the timer's own
+    cost, summed (``del`` statements run untimed).  Unlike
+    :func:`kernel_floor`, each op finds weights and activations where the
+    previous ops left them (L3 or memory for a model bigger than L2)."""
+    lines = _statements(g)
+    ns = dict(g._env)
+    codes = [(compile(ln, "<floor>", "exec"), ln.startswith("del ")) for ln in lines]
+    clock = time.perf_counter_ns
+    per = [[] for _ in codes]
+    mode = torch.inference_mode() if g._inference else torch.no_grad()
+    with mode, torch._C.DisableTorchFunction():
+        empty = compile("pass", "<floor>", "exec")
+        base = []
+        for _ in range(2000):
+            t = clock()
+            exec(empty, ns)
+            base.append(clock() - t)
+        base = statistics.median(base)
+        for _ in range(passes):
+            for j, (c, is_del) in enumerate(codes):
+                if is_del:
+                    exec(c, ns)
+                    continue
+                t = clock()
+                exec(c, ns)
+                per[j].append(clock() - t)
+    return sum(max(0.0, statistics.median(p) - base) for p in per if p) / 1e9
+
+
+def _compiled(kind: str, step):
+    """``step`` compiled by ``kind`` ("inductor": torch.compile steady state;
+    "torchscript": torch.jit.trace), warmed up; None (printed) if it fails here."""
     try:
-        fn = torch.compile(step, backend="inductor", dynamic=False)
+        if kind == "inductor":
+            fn = torch.compile(step, backend="inductor", dynamic=False)
+        else:
+            fn = torch.jit.trace(step, (), check_trace=False)
         for _ in range(3):
             fn()
+        return fn
     except Exception as exc:  # noqa: BLE001 - a bench reports, it does not fail
-        print(f"inductor unavailable: {type(exc).__name__}: {exc}"[:200])
+        print(f"{kind} unavailable: {type(exc).__name__}: {exc}"[:200])
         return None
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        ts.append((time.perf_counter() - t) / inner)
-    return statistics.median(ts)
 
 
-def bench_batch(model, batch, reps, inner, tapes, floor=True, inductor=False):
-    """Time eager and a replay per tape module in ``tapes`` (name -> module),
-    interleaved; then the kernel floor of the new tape's graph and, if asked,
-    inductor's steady state."""
+def bench_batch(model, batch, reps, inner, tapes, floor=True, inductor=False, torchscript=False):
+    """Time eager, a replay per tape module in ``tapes`` (name -> module) and,
+    if asked, inductor's and TorchScript's steady state, interleaved (one run
+    of each in turn, ``reps`` times, medians); then the kernel floor of the new
+    tape's graph (isolated and in sequence), with replay timed right around it."""
     step, set_inputs, caches = BUILDERS[model](batch=batch)
     row = dict(model=model, batch=batch)
     with torch.inference_mode():
@@ -202,31 +328,36 @@ def bench_batch(model, batch, reps, inner, tapes, floor=True, inductor=False):
             sfx = "" if name == "new" else f"_{name}"
             row.update({f"bit_exact{sfx}": exact, f"num_ops{sfx}": g.num_ops,
                         f"replayed_ops{sfx}": g.num_replayed_ops, f"capture_ms{sfx}": cap_ms})
-        times = {"eager": []}
-        times.update({name: [] for name in graphs})
+        runners = {"eager": step}
+        runners.update({name: g.replay for name, g in graphs.items()})
+        for kind, asked in (("inductor", inductor), ("torchscript", torchscript)):
+            if asked:
+                fn = _compiled(kind, step)
+                if fn is not None:
+                    runners[kind] = fn
+                else:
+                    row[f"{kind}_us"] = None
+        times = {name: [] for name in runners}
         for _ in range(reps):
-            t = time.perf_counter()
-            for _ in range(inner):
-                step()
-            times["eager"].append((time.perf_counter() - t) / inner)
-            for name, g in graphs.items():
-                t = time.perf_counter()
+            for name, fn in runners.items():
+                t = _CLOCK()
                 for _ in range(inner):
-                    g.replay()
-                times[name].append((time.perf_counter() - t) / inner)
+                    fn()
+                times[name].append((_CLOCK() - t) / inner)
         if floor:
-            # replay timed right around the floor, so that tape/floor compares
-            # two measurements made under the same machine load
-            g = graphs["new"]
-            near = [_timed(_REPLAY, {"g": g}, inner)]
-            fl, per = kernel_floor(g)
-            near.append(_timed(_REPLAY, {"g": g}, inner))
-            row["replay_near_floor_us"] = statistics.mean(near) * 1e6
-            row["floor_us"] = fl * 1e6
-            row["floor_top"] = [(round(t * 1e6, 2), ln[:80]) for t, ln in per[:5]]
-        if inductor:
-            ind = time_inductor(step, reps, inner)
-            row["inductor_us"] = ind * 1e6 if ind is not None else None
+            # replay timed right around the floors, so that tape/floor compares
+            # measurements made under the same machine load
+            for name, g in graphs.items():
+                sfx = "" if name == "new" else f"_{name}"
+                near = [_timed(_REPLAY, {"g": g}, inner)]
+                fl, per = kernel_floor(g)
+                near.append(_timed(_REPLAY, {"g": g}, inner))
+                seq = kernel_floor_in_sequence(g)
+                near.append(_timed(_REPLAY, {"g": g}, inner))
+                row[f"replay_near_floor_us{sfx}"] = statistics.median(near) * 1e6
+                row[f"floor_us{sfx}"] = fl * 1e6
+                row[f"floor_seq_us{sfx}"] = seq * 1e6
+                row[f"floor_top{sfx}"] = [(round(t * 1e6, 2), ln[:80]) for t, ln in per[:5]]
     e = statistics.median(times["eager"])
     row["eager_us"] = e * 1e6
     for name in graphs:
@@ -234,38 +365,52 @@ def bench_batch(model, batch, reps, inner, tapes, floor=True, inductor=False):
         sfx = "" if name == "new" else f"_{name}"
         row[f"replay_us{sfx}"] = r * 1e6
         row[f"speedup{sfx}"] = e / r
-    if row.get("floor_us"):
-        row["tape_over_floor"] = row["replay_near_floor_us"] / row["floor_us"]
-    if row.get("inductor_us"):
-        row["inductor_over_tape"] = row["inductor_us"] / row["replay_us"]
+    for kind in ("inductor", "torchscript"):
+        if kind in times:
+            row[f"{kind}_us"] = statistics.median(times[kind]) * 1e6
+            for name in graphs:
+                sfx = "" if name == "new" else f"_{name}"
+                row[f"{kind}_over_tape{sfx}"] = row[f"{kind}_us"] / row[f"replay_us{sfx}"]
+    # the floor ratios: floor and replay timed by the same clock, next to each other
+    for name in graphs:
+        sfx = "" if name == "new" else f"_{name}"
+        if row.get(f"floor_us{sfx}"):
+            row[f"tape_over_floor{sfx}"] = row[f"replay_near_floor_us{sfx}"] / row[f"floor_us{sfx}"]
+        if row.get(f"floor_seq_us{sfx}"):
+            row[f"tape_over_floor_seq{sfx}"] = row[f"replay_near_floor_us{sfx}"] / row[f"floor_seq_us{sfx}"]
     return row
 
 
 def print_table(rows, baseline: bool):
-    head = f"{'model':>6} {'batch':>5} {'eager us':>9} {'replay us':>9} {'speedup':>8} {'exact':>6} {'ops':>4} {'replayed':>8} {'capture ms':>10}"
+    head = f"{'model':>8} {'batch':>5} {'eager us':>9} {'replay us':>9} {'speedup':>8} {'exact':>6} {'ops':>4} {'replayed':>8} {'capture ms':>10}"
     if baseline:
         head += f" {'base us':>8} {'base spd':>8} {'base ops':>8}"
     print(head)
     for r in rows:
-        line = (f"{r['model']:>6} {r['batch']:>5} {r['eager_us']:>9.1f} {r['replay_us']:>9.1f} {r['speedup']:>7.2f}x "
+        line = (f"{r['model']:>8} {r['batch']:>5} {r['eager_us']:>9.1f} {r['replay_us']:>9.1f} {r['speedup']:>7.2f}x "
                 f"{str(r['bit_exact']):>6} {r['num_ops']:>4} {r['replayed_ops']:>8} {r['capture_ms']:>10.1f}")
         if baseline:
             line += f" {r['replay_us_base']:>8.1f} {r['speedup_base']:>7.2f}x {r['replayed_ops_base']:>8}"
         print(line)
-    if any("floor_us" in r for r in rows):
+    if any("floor_us" in r or "inductor_us" in r or "torchscript_us" in r for r in rows):
         print()
-        print(f"{'model':>6} {'batch':>5} {'floor us':>9} {'tape/floor':>10} {'eager/tape':>10} {'inductor/tape':>13}")
+        print(f"{'model':>14} {'batch':>5} {'floor us':>9} {'tape/floor':>10} {'tape/seqfl':>10} {'eager/tape':>10} "
+              f"{'inductor/tape':>13} {'script/tape':>11}")
+        fmt = lambda v: f"{v:.2f}" if v else "-"  # noqa: E731
         for r in rows:
-            ind = r.get("inductor_over_tape")
-            print(f"{r['model']:>6} {r['batch']:>5} {r.get('floor_us', float('nan')):>9.1f} "
-                  f"{r.get('tape_over_floor', float('nan')):>10.2f} {r['speedup']:>10.2f} "
-                  f"{(f'{ind:.2f}' if ind else '-'):>13}")
+            for sfx in ("", "_base") if baseline else ("",):
+                print(f"{r['model'] + ('(base)' if sfx else ''):>14} {r['batch']:>5} "
+                      f"{r.get('floor_us' + sfx, float('nan')):>9.1f} "
+                      f"{fmt(r.get('tape_over_floor' + sfx)):>10} {fmt(r.get('tape_over_floor_seq' + sfx)):>10} "
+                      f"{r['speedup' + sfx]:>10.2f} {fmt(r.get('inductor_over_tape' + sfx)):>13} "
+                      f"{fmt(r.get('torchscript_over_tape' + sfx)):>11}")
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join("bench", "results", "tape_vs_eager.json"))
-    ap.add_argument("--models", default="llama,inline", help="comma list of: llama, inline")
+    ap.add_argument("--models", default="llama,gpt2,hf_llama,inline",
+                    help="comma list of: llama, gpt2, hf_llama, inline (hf_llama needs transformers)")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--inner", type=int, default=20)
@@ -278,11 +423,19 @@ def main(argv=None):
     ap.add_argument("--no-floor", action="store_true", help="skip the kernel floor (each replayed op timed alone)")
     ap.add_argument("--inductor", action="store_true",
                     help="also time torch.compile (inductor) steady state (compiles once per model and batch)")
+    ap.add_argument("--torchscript", action="store_true", help="also time torch.jit.trace of the step")
+    ap.add_argument("--clock", choices=("auto", "wall", "cpu"), default="auto",
+                    help="cpu: this thread's CPU time (not inflated by other processes on a shared machine; "
+                         "only meaningful with one thread); wall: perf_counter; auto: cpu when torch uses "
+                         "one thread, else wall")
     a = ap.parse_args(argv)
     if a.quick:
         a.batches, a.reps, a.inner = "1,8", 3, 5
     if a.threads:
         torch.set_num_threads(a.threads)
+    global _CLOCK
+    cpu = a.clock == "cpu" or (a.clock == "auto" and torch.get_num_threads() == 1)
+    _CLOCK = time.thread_time if cpu else time.perf_counter
     tapes = {"new": load_tape(a.tape)}
     if a.baseline:
         tapes["base"] = load_tape(a.baseline)
@@ -290,12 +443,23 @@ def main(argv=None):
     for m in models:
         if m not in BUILDERS:
             ap.error(f"unknown model {m!r} (choose from {', '.join(BUILDERS)})")
-    rows = [bench_batch(m, int(b), a.reps, a.inner, tapes, floor=not a.no_floor, inductor=a.inductor)
-            for m in models for b in a.batches.split(",")]
+    if "hf_llama" in models and importlib.util.find_spec("transformers") is None:
+        print("hf_llama skipped: transformers is not installed (pip install -e '.[hf]')")
+        models.remove("hf_llama")
+    rows = []
+    for m in models:
+        for b in a.batches.split(","):
+            rows.append(bench_batch(m, int(b), a.reps, a.inner, tapes, floor=not a.no_floor,
+                                    inductor=a.inductor, torchscript=a.torchscript))
+            print("row:", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()
+                           if "top" not in k}, flush=True)
     print_table(rows, bool(a.baseline))
     result = dict(torch=torch.__version__, threads=torch.get_num_threads(), environment=environment(),
+                  clock="cpu" if cpu else "wall",
                   rows=[r for r in rows if r["model"] == "llama"],
-                  rows_inline=[r for r in rows if r["model"] == "inline"])
+                  rows_inline=[r for r in rows if r["model"] == "inline"],
+                  rows_gpt2=[r for r in rows if r["model"] == "gpt2"],
+                  rows_hf_llama=[r for r in rows if r["model"] == "hf_llama"])
     write_json(a.out, result, announce=True)
     return result
 

@@ -190,8 +190,9 @@ def test_view_chains_collapse_and_writes_through_views():
         return v * 3, y + 0, w.sum(-1)
 
     g = _check(fn, [x], lambda: x.copy_(torch.randn(2, 3, 8)))
-    assert _calls(g, torch.as_strided) >= 2
+    # each chain is one as_strided call, or a constant view of a preplanned buffer
     assert _calls(g, torch._C.TensorBase.view) == 0
+    assert _calls(g, torch._C.TensorBase.transpose) == 0
 
 
 def test_survivor_view_refreshed():

@@ -220,3 +220,23 @@ def test_memory_a_capture_still_reads_is_not_reused_before_that_read():
     g1.replay()
     b_ref = a * 2
     assert torch.equal(z, b_ref * 5 + (b_ref + 1) * 3)
+
+
+def _misregistered() -> list:
+    from graphrunner.tape.state import _OURS
+    return [k for k, s in list(_OURS.items()) for t in list(s) if id(t.untyped_storage()) != k]
+
+
+def test_moved_survivors_stay_registered_under_their_new_memory():
+    """A survivor moved onto reused pool memory is the tape's own tensor on
+    that memory from then on; left registered under its old storage's id (which
+    a later storage may get), it would make that storage's user look absent
+    and its memory look free while the user still holds it."""
+    graphs, tensors = _three_successive("via pool()")
+    assert not _misregistered()
+
+
+def test_moved_survivors_negative_control_stale_registration(monkeypatch):
+    monkeypatch.setattr(arena, "_reregister", lambda st, moved: None)
+    graphs, tensors = _three_successive("via pool()")
+    assert _misregistered()

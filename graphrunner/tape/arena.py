@@ -51,8 +51,10 @@ def _rounded(nbytes: int) -> int:
 def user_refs(st) -> int:
     """Tensors outside the tape that refer to storage ``st``."""
     s = _OURS.get(id(st))
+    # only tensors really on ``st`` (an id can outlive its storage and be reused)
+    mine = sum(1 for t in s if t.untyped_storage() is st) if s is not None else 0
     # one count is the storage's Python object (the one we hold to ask)
-    return _USE_COUNT(st._cdata) - 1 - (len(s) if s is not None else 0)
+    return _USE_COUNT(st._cdata) - 1 - mine
 
 
 class _Block:
@@ -225,4 +227,19 @@ def _move(cap, survivors: dict, k: int, st, old) -> bool:
     for t in holders:
         with torch.inference_mode(t.is_inference()), torch.no_grad():
             t.set_(old, t.storage_offset(), t.size(), t.stride())
+    _reregister(st, holders)
     return True
+
+
+def _reregister(st, moved: list) -> None:
+    """The tape's own tensors among ``moved`` (now on another storage) are
+    registered under that storage, no longer under ``st``'s id (which a later
+    storage may get: its user would then look absent)."""
+    was = _OURS.get(id(st))
+    if not was:
+        return
+    mine = {id(t) for t in was}
+    _OURS[id(st)] = weakref.WeakSet([t for t in was if not any(t is m for m in moved)])
+    for t in moved:
+        if id(t) in mine:
+            ours(t)

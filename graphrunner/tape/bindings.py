@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from .state import _storage
+from .survivors import poison_value
 
 # Calling an OpOverload from Python (``aten.mul.Tensor._op(x, y)``) costs about
 # 1.5x the public binding (``torch.mul(x, y)``), and a Python scalar argument
@@ -165,6 +166,7 @@ class _Verifier:
 
     def __init__(self, cap: "_Capture", func, args, kwargs, written: list, fresh: dict):
         self.ok = False
+        self.out_ok = False  # the picked binding also takes a preplanned out= buffer (see _out_ok)
         self.twin_st: dict[int, tuple] = {}  # storage key -> (storage, its bytes before the op)
         self.work: dict[int, torch.Tensor] = {}
         if func.namespace != "aten" or not (_bindings(func) or func in _REWRITES):
@@ -283,5 +285,57 @@ class _Verifier:
                     continue
             except Exception:
                 continue
+            self.out_ok = _out_same_kernel(func, fn) and self._out_ok(fn, ca, ck, out)
             return fn, tuple(va), vk
         return None
+
+    def _out_ok(self, fn, ca, ck, out) -> bool:
+        """``fn(*ca, **ck, out=buf)`` writes ``out``'s bits into a preplanned
+        ``buf`` of ``out``'s metadata (prefilled with poison, so that a kernel
+        reading its output is caught), keeping ``buf`` where it is.  Only for
+        functions of the torch / torch._C._nn namespaces, ops writing nothing,
+        and a plain strided tensor result that owns its storage from offset 0."""
+        if (self.twin_st or "out" in ck or not isinstance(out, torch.Tensor) or type(out) is not torch.Tensor
+                or out.layout != torch.strided or out.requires_grad or out.storage_offset() != 0
+                or out.is_conj() or out.is_neg() or out.is_quantized
+                or not _is_function(fn)):
+            return False
+        try:
+            with torch.inference_mode(out.is_inference()):
+                buf = torch.empty_strided(out.size(), out.stride(), dtype=out.dtype, device=out.device)
+                v = poison_value(out.dtype)
+                if v is not None and buf.numel():
+                    buf.fill_(v)
+            ptr, size, stride = buf.data_ptr(), buf.size(), buf.stride()
+            with torch._C.DisableTorchFunction():
+                got = fn(*ca, **ck, out=buf)
+        except Exception:
+            return False
+        return (got is buf and buf.data_ptr() == ptr and buf.size() == size and buf.stride() == stride
+                and _bits_equal(buf, out))
+
+
+def _is_function(fn) -> bool:
+    """``fn`` is a function of torch._C._VariableFunctions or torch._C._nn (these take ``out=``)."""
+    name = getattr(fn, "__name__", None)
+    return name is not None and (fn is getattr(_VF, name, None) or fn is getattr(_NN, name, None))
+
+
+# Composite bindings whose out= variant runs the very kernels of the functional
+# one (matmul and matmul_out share at::native::_matmul_impl).
+_OUT_SAME_PATH = {"matmul"}
+
+
+def _out_same_kernel(func, fn) -> bool:
+    """``fn(..., out=)`` computes with the kernel ``fn(...)`` uses, so that a
+    result equal on the capture's data is equal on any data: ``fn`` is the
+    binding of ``func`` itself and ``func`` has a kernel of its own (not a
+    CompositeImplicitAutograd decomposition, whose out= path may differ:
+    ``linear(x, w, b, out=)`` is matmul then add, ``linear(x, w, b)`` one
+    addmm), or ``fn`` is in ``_OUT_SAME_PATH``."""
+    name = getattr(fn, "__name__", None)
+    if name in _OUT_SAME_PATH:
+        return True
+    if name != func._schema.name.split("::", 1)[-1]:
+        return False
+    return not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")

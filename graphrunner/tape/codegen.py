@@ -201,6 +201,9 @@ def generate(cap, consts: dict, survivors: dict, spills: dict | None = None) -> 
             keep[i] = True
             needed.update(cn(n) for n in op.in_names)
 
+    # 4b. Memory plan: results written into preplanned buffers (out=).
+    planned = plan_buffers(cap, ops, keep, cn, survivors, surv_storages, spills or {})
+
     # 5. Generate straight-line code.
     prog = _Program()
     ref_expr: dict[str, str] = {}
@@ -234,6 +237,23 @@ def generate(cap, consts: dict, survivors: dict, spills: dict | None = None) -> 
         if not keep[i]:
             continue
         n_ops += 1
+        if op.view is not None and op.view[0] in planned.views:
+            # a view of a preplanned buffer: the same tensor at every replay
+            ref_expr[op.new[0]] = prog.const(planned.views[op.view[0]][op.new[0]], "b")
+            continue
+        buf = planned.out.get(i)
+        if buf is not None:
+            n = op.outs.name
+            b = static_names[n] if n in static_names else prog.const(buf, "b")
+            f = prog.const(op.call, "f")
+            cargs, ckwargs = op.cargs
+            prog.lines.append(f"{f}(" + ", ".join(
+                [expr(a) for a in cargs] + [f"{k}={expr(v)}" for k, v in ckwargs.items()] + [f"out={b}"]) + ")")
+            ref_expr[n] = b
+            dead = [cn(m) for m in set(op.in_names) if last_use.get(cn(m)) == i and ref_expr.get(cn(m)) == cn(m)]
+            if dead:
+                prog.lines.append("del " + ", ".join(sorted(set(dead))))
+            continue
         if op.call is not None:
             f = prog.const(op.call, "f")
             cargs, ckwargs = op.cargs
@@ -287,6 +307,92 @@ def generate(cap, consts: dict, survivors: dict, spills: dict | None = None) -> 
             lines.append("del _o")
     prog.fn = prog.build()
     return prog, n_ops
+
+
+class _Plan:
+    """Where results go: ``out`` maps an op index to the buffer it writes
+    (``out=``), ``views`` a planned name to {view name: view of its buffer}."""
+
+    def __init__(self):
+        self.out: dict[int, torch.Tensor] = {}
+        self.views: dict[str, dict[str, torch.Tensor]] = {}
+
+
+def plan_buffers(cap, ops, keep, cn, survivors: dict, surv_storages: set, spills: dict) -> _Plan:
+    """Give each replayed op whose binding was verified with ``out=``
+    (``op.out_ok``) a buffer allocated once, so that replay does no allocator
+    traffic, and turn views of those buffers (``op.view``) into constants.
+
+    A survivor's op writes into the survivor itself (no refresh copy).  A
+    temporary gets a buffer of its exact metadata, reused (same dtype, shape,
+    strides) once every tensor on the previous holder's storage is dead: the
+    buffer is freed after the last op reading any name on that storage, and
+    an op's own output is taken before its inputs are freed, so a buffer
+    never aliases a live value or an input of the op writing it.  Temporaries
+    that another graph's memory spills to, and every op after an in-place
+    metadata change (``set_``, ``resize_``), are left to the allocator."""
+    plan = _Plan()
+    if cap.meta_mutated:
+        return plan
+    last: dict[int, int] = {}  # storage key -> index of the last kept op using it
+    for i, op in enumerate(ops):
+        if keep[i]:
+            for n in list(op.in_names) + list(op.writes):
+                k = cap.skey.get(cn(n))
+                if k is not None:
+                    last[k] = i
+    free: dict[tuple, list] = {}
+    held: dict[int, tuple] = {}  # storage key -> (free-list key, buffer) of a planned temporary
+    release_at: dict[int, list] = {}
+    for i, op in enumerate(ops):
+        if not keep[i]:
+            continue
+        if op.view is not None and op.view[0] in plan.views:
+            base, size, stride, offset = op.view
+            k = cap.skey.get(base)
+            with torch.inference_mode(cap.inference):
+                plan.views[base][op.new[0]] = held[k][1].as_strided(size, stride, offset)
+        elif op.out_ok and op.call is not None and not op.collective and isinstance(op.outs, _Ref):
+            n = op.outs.name
+            k = cap.skey.get(n)
+            meta = cap.alloc_meta.get(n)
+            if (n in op.new and k is not None and cap.internal_storages.get(k) == n and meta is not None
+                    and meta[4] == 0 and n not in spills and cap.alloc_bytes[n] == _extent(meta)):
+                if n in survivors:
+                    t = survivors[n]
+                    if (t.dtype, t.device, tuple(t.shape), t.stride(), t.storage_offset()) == meta:
+                        plan.out[i] = t
+                elif k not in surv_storages:
+                    fk = meta + (cap.inference,)
+                    lst = free.get(fk)
+                    if lst:
+                        buf = lst.pop()
+                    else:
+                        dtype, device, size, stride, _ = meta
+                        with torch.inference_mode(cap.inference):
+                            buf = torch.empty_strided(size, stride, dtype=dtype, device=device)
+                    plan.out[i] = buf
+                    plan.views[n] = {}
+                    held[k] = (fk, buf)
+                    release_at.setdefault(_release_after(i, last.get(k, i)), []).append(k)
+        for k in release_at.pop(i, ()):
+            fk, buf = held[k]
+            free.setdefault(fk, []).append(buf)
+    return plan
+
+
+def _release_after(i: int, last_use: int) -> int:
+    """Index of the op after which a buffer taken by op ``i`` is free again:
+    the last op reading its storage (never before ``i`` itself)."""
+    return max(i, last_use)
+
+
+def _extent(meta) -> int:
+    """Bytes spanned by a tensor of metadata ``(dtype, device, size, stride, offset)``."""
+    dtype, _, size, stride, off = meta
+    if any(s == 0 for s in size):
+        return 0
+    return (off + 1 + sum((s - 1) * st for s, st in zip(size, stride))) * dtype.itemsize
 
 
 def _key(v, cn):

@@ -44,7 +44,8 @@ class _Op:
     """One recorded aten op: callable, argument templates, output names."""
 
     __slots__ = ("func", "args", "kwargs", "outs", "new", "in_names", "writes", "pure", "collective", "seeded",
-                 "out_skeys", "in_skeys", "fast", "call", "cargs", "in_vers", "alias", "view")
+                 "out_skeys", "in_skeys", "fast", "call", "cargs", "in_vers", "alias", "view",
+                 "out_ok")
 
     def __init__(self):
         # fast: None (replayed), "hoisted" (computed once at capture), "alias"
@@ -57,6 +58,7 @@ class _Op:
         self.cargs = None
         self.alias = None  # for "alias": (output name, input name)
         self.view = None   # a view of an internal storage: (base name, size, stride, offset)
+        self.out_ok = False  # ``call`` verified to write its result into a preplanned buffer (out=)
 
 
 class _Capture:
@@ -350,6 +352,7 @@ class _Recorder(TorchDispatchMode):
                 if got is not None:
                     fn, cargs, ckwargs = got
                     op.call = fn
+                    op.out_ok = verifier.out_ok
                     scratch: list = []  # 0-dim scalar tensors become externals (constants)
                     op.cargs = (cap.template_in(cargs, scratch), {k: cap.template_in(v, scratch)
                                                                   for k, v in ckwargs.items()})
