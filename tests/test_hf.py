@@ -125,10 +125,17 @@ def test_linear_cache_recording_past_is_refused_at_capture(monkeypatch):
 
 
 def test_negative_control_recording_past_without_the_check(monkeypatch):
-    # Without the check, a cache that reassigns its conv states decodes silently wrong tokens.
+    # Without the layer check, the capture's drift check still refuses it (the conv state grows
+    # between the last warmup and the capture: a second guard) ...
     _recording_past_cache(monkeypatch)
     monkeypatch.setattr(gr.hf.DecodeRunner, "_check_linear_layer", lambda self, layer: None)
     model = build_model("mamba")
+    runner = gr.hf.DecodeRunner(model, max_batch=2, max_cache_len=MAX_CACHE_LEN, buckets=[1, 2])
+    with pytest.raises(CaptureError, match=r"drift between warmup 2 and the capture.*update_conv_state"):
+        runner.capture()
+    # ... and with both checks off, a cache that reassigns its conv states decodes silently wrong tokens.
+    real = gr.hf.GraphRunner
+    monkeypatch.setattr(gr.hf, "GraphRunner", lambda *a, **kw: real(*a, drift_check=False, **kw))
     runner = gr.hf.DecodeRunner(model, max_batch=2, max_cache_len=MAX_CACHE_LEN, buckets=[1, 2])
     ids = prompts(2, seed=2)
     assert not torch.equal(runner.generate(ids, max_new_tokens=NEW_TOKENS), reference(model, ids))
