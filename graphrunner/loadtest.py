@@ -25,11 +25,18 @@ Generated tokens are compared graph vs eager on every rank, and across ranks.
 A level is clean when every request completed on every rank through both engines, with no
 fault (an exception on any rank, a rank timeout, NaN/inf logits) and no mismatch.
 
-Extension point (verify tiers): the engine builds one batch plan per iteration
-(:meth:`Engine._decode_plan`) and runs it with one runner call. A speculative-decoding verify
-step is a second plan kind (``reqs x (1 + draft)`` rows with ragged draft lengths) served by a
-second runner keyed by ``(reqs, draft)`` once GraphRunner has multi-dimensional keys; it slots
-in next to :meth:`Engine._decode_step` without changing admission, slots or the comparison.
+Verify tiers (``spec=K``, ``--spec K``, off by default). Every engine step, each running
+request proposes ``1..K`` draft tokens (:class:`Drafter`: seeded per request and output
+length, some equal to the model's greedy token so some are accepted), and the step is one
+speculative verify step (:func:`graphrunner.spec.verify_step_fn` over the decoder's
+``verify_step``) served by a runner keyed by ``(reqs, draft)`` (:func:`verify_runner`) instead
+of the decode runner; greedy acceptance (:func:`graphrunner.spec.accept`) keeps the drafts the
+model agrees with plus the bonus token. The eager engine makes the same draft and acceptance
+decisions. Padding: padded request rows use the padding slot; padded cells (beyond a request's
+drafts, or of a padded row) write only the scratch position ``max_seq_len - 1``, which
+:func:`build_decoder` keeps above every real position (the engine checks it), so they never
+touch a real request. The schedule then depends on the accepted tokens too: identical tokens
+give identical schedules.
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ __all__ = [
     "Engine",
     "build_decoder",
     "decode_runner",
+    "verify_runner",
+    "Drafter",
     "run_requests",
     "EngineRun",
     "LevelResult",
@@ -75,9 +84,12 @@ DEFAULT_REQUESTS = 200
 FAULTS = ("mismatch", "stall")
 #: The decode step (0-based, of the first level's graph run) at which a planted fault fires.
 FAULT_STEP = 2
-#: The keys of each entry of the JSON file's ``levels``, in order.
+#: The keys of each entry of the JSON file's ``levels``, in order. ``tier_replays`` maps each
+#: replayed key of the graph engine (a batch bucket ``"B"``, or a verify tier ``"RxD"``) to its replays.
 LEVEL_KEYS = ("concurrency", "requests", "completed", "faults", "mismatches", "generated_tokens", "tokens_per_s",
-              "eager_tokens_per_s", "replays", "fallbacks", "p50_step_ms", "p99_step_ms")
+              "eager_tokens_per_s", "replays", "fallbacks", "p50_step_ms", "p99_step_ms", "tier_replays")
+#: Probability that a draft token is the model's greedy token (otherwise a random one).
+DRAFT_HIT = 0.6
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -129,6 +141,31 @@ class EngineRun:
         return sum(len(t) for t in self.tokens.values())
 
 
+class Drafter:
+    """Draft proposals for ``--spec K``: ``drafter(rid, done) -> 1..k`` draft tokens for request
+    ``rid`` that has generated ``done`` tokens. Each draft is, with probability
+    :data:`DRAFT_HIT`, the token of ``greedy[rid]`` at that place (the model's greedy output,
+    e.g. from an eager decode run, so drafts get accepted), otherwise a random token in
+    ``[0, vocab_size)``. The draws come from a generator seeded with ``(seed, rid, done)``:
+    two engines in the same state propose the same drafts, whatever their schedules."""
+
+    def __init__(self, greedy: Dict[int, List[int]], k: int, vocab_size: int, seed: int = 0) -> None:
+        if k < 1:
+            raise ValueError(f"Drafter: k must be >= 1, got {k}")
+        self.greedy, self.k, self.vocab_size, self.seed = greedy, k, vocab_size, int(seed)
+
+    def __call__(self, rid: int, done: int) -> List[int]:
+        import random
+
+        rng = random.Random((self.seed * 1_000_003 + rid) * 10_007 + done)
+        ref = self.greedy.get(rid, [])
+        out = []
+        for j in range(rng.randint(1, self.k)):
+            i = done + j
+            out.append(ref[i] if i < len(ref) and rng.random() < DRAFT_HIT else rng.randrange(self.vocab_size))
+        return out
+
+
 @dataclass
 class _Running:
     req: Request
@@ -148,25 +185,37 @@ class Engine:
         max_running: the most requests decoded together (admission stops there). Requests get
             the cache rows (slots) ``0 .. max_running - 1``, lowest free first; the rows from
             ``max_running`` on are never given to a request (the padding slot lives there).
-        after_decode: optional ``hook(step, logits)`` called after each decode step, before the
-            tokens are read (the planted ``mismatch`` fault uses it).
+        after_decode: optional ``hook(step, logits)`` called after each decode (or verify) step,
+            before the tokens are read (the planted ``mismatch`` fault uses it).
         on_progress: optional ``fn(completed, total)`` called after each decode step.
+        verify: optional ``verify(tokens=[R, D], positions=[R, D], lens=[R], slots=[R]) ->
+            logits [R, D, vocab]``, e.g. :func:`verify_runner`; with it (and ``drafter``) every
+            step is a verify step: cell 0 of a row is the request's last token, then its drafts
+            (``lens`` = 1 + drafts; the cells beyond are padding, 0 at position 0).
+        drafter: ``drafter(rid, done) -> drafts`` (:class:`Drafter`), needed with ``verify``.
 
-    The schedule depends on the requests' lengths only (never on the generated tokens), so
-    two engines serving the same requests with the same ``max_running`` make the same
-    scheduling decisions, step for step.
+    Without ``verify`` the schedule depends on the requests' lengths only (never on the
+    generated tokens), so two engines serving the same requests with the same ``max_running``
+    make the same scheduling decisions, step for step. With ``verify`` it also depends on the
+    accepted tokens: engines that generate the same tokens make the same decisions.
     """
 
-    def __init__(self, model: Any, decode: Callable[..., torch.Tensor], max_running: int,
+    def __init__(self, model: Any, decode: Optional[Callable[..., torch.Tensor]], max_running: int,
                  after_decode: Optional[Callable[[int, torch.Tensor], None]] = None,
-                 on_progress: Optional[Callable[[int, int], None]] = None) -> None:
+                 on_progress: Optional[Callable[[int, int], None]] = None,
+                 verify: Optional[Callable[..., torch.Tensor]] = None,
+                 drafter: Optional[Callable[[int, int], List[int]]] = None) -> None:
         rows = model.config.max_batch_size
         if max_running < 1 or max_running >= rows:
             raise ValueError(f"Engine: max_running must be in [1, {rows - 1}]: the KV cache has {rows} rows and "
                              "one beyond the requests' slots is the padding slot; build the model with "
                              "LlamaConfig(max_batch_size=max_running + 1) or more")
+        if (verify is None) != (drafter is None) or (verify is None and decode is None):
+            raise ValueError("Engine: pass decode, or verify together with drafter")
         self.model = model
         self.decode = decode
+        self.verify = verify
+        self.drafter = drafter
         self.max_running = max_running
         self.after_decode = after_decode
         self.on_progress = on_progress
@@ -179,6 +228,8 @@ class Engine:
         Raises :class:`NonFiniteLogitsError` on NaN/inf logits, and whatever ``decode`` raises
         (e.g. :class:`~graphrunner.errors.RankTimeoutError`)."""
         run = self.last = EngineRun()
+        if self.verify is not None:
+            self._check_scratch(requests)
         t_start = time.perf_counter()
         pending = list(reversed(requests))
         free = list(range(self.max_running))  # a heap: the lowest free slot first
@@ -195,14 +246,17 @@ class Engine:
                 if not running:
                     continue
                 t0 = time.perf_counter()
-                tokens = self._decode_step(step, running)
+                if self.verify is not None:
+                    tokens = self._verify_step(step, running)
+                else:
+                    tokens = [[t] for t in self._decode_step(step, running)]
                 run.step_s.append(time.perf_counter() - t0)
                 run.schedule.append(len(running))
                 step += 1
                 still = []
-                for r, tok in zip(running, tokens):
-                    r.out.append(tok)
-                    r.pos += 1
+                for r, toks in zip(running, tokens):
+                    r.out.extend(toks[:r.req.output_len - len(r.out)])
+                    r.pos += len(toks)
                     if len(r.out) >= r.req.output_len:
                         self._finish(r, run, free)
                     else:
@@ -234,6 +288,45 @@ class Engine:
             self.after_decode(step, logits)
         return self._tokens(logits, f"decode step {step}")
 
+    def _check_scratch(self, requests: Sequence[Request]) -> None:
+        """Verify steps write padded cells at the scratch position ``max_seq_len - 1``: it must
+        lie above every position a real cell uses (last token + ``k`` drafts)."""
+        k = getattr(self.drafter, "k", None)
+        if k is None:
+            return
+        scratch = self.model.config.max_seq_len - 1
+        top = max(len(r.prompt) + r.output_len - 2 + k for r in requests)
+        if top >= scratch:
+            raise ValueError(f"Engine: a verify cell may use position {top}, but position {scratch} "
+                             f"(max_seq_len - 1) is the padding cells' scratch position; build the model "
+                             f"with max_seq_len >= {top + 2} (longest prompt + output + k)")
+
+    def _verify_plan(self, running: Sequence[_Running], drafts: List[List[int]]) -> Dict[str, torch.Tensor]:
+        """The inputs of one verify step: ``[R, 1 + max drafts]`` cells (last token, then the
+        drafts, at consecutive positions; 0 at position 0 beyond), ``lens`` and ``slots``."""
+        width = 1 + max(len(d) for d in drafts)
+        tokens = [[r.out[-1]] + d + [0] * (width - 1 - len(d)) for r, d in zip(running, drafts)]
+        positions = [list(range(r.pos, r.pos + 1 + len(d))) + [0] * (width - 1 - len(d))
+                     for r, d in zip(running, drafts)]
+        dev = self.device
+        return {"tokens": torch.tensor(tokens, dtype=torch.long, device=dev),
+                "positions": torch.tensor(positions, dtype=torch.long, device=dev),
+                "lens": torch.tensor([1 + len(d) for d in drafts], dtype=torch.long, device=dev),
+                "slots": torch.tensor([r.slot for r in running], dtype=torch.long, device=dev)}
+
+    def _verify_step(self, step: int, running: Sequence[_Running]) -> List[List[int]]:
+        from graphrunner.spec import accept
+
+        assert self.verify is not None and self.drafter is not None
+        drafts = [self.drafter(r.req.rid, len(r.out)) for r in running]
+        logits = self.verify(**self._verify_plan(running, drafts))
+        if self.after_decode is not None:
+            self.after_decode(step, logits)
+        for i, d in enumerate(drafts):
+            if not bool(torch.isfinite(logits[i, :1 + len(d)]).all()):
+                raise NonFiniteLogitsError(f"verify step {step} produced NaN/inf logits")
+        return [accept(logits[i], d) for i, d in enumerate(drafts)]
+
     def _tokens(self, logits: torch.Tensor, where: str) -> List[int]:
         if not bool(torch.isfinite(logits).all()):
             raise NonFiniteLogitsError(f"{where} produced NaN/inf logits")
@@ -253,7 +346,9 @@ class LoadtestConfig:
     (masked attention, one graph per bucket) or ``"breakable"`` (attention as an eager break);
     ``timeout``: the rank group's timeout in seconds (``TorchDistGroup(timeout=)``: bucket
     agreement and the collectives inside the step); ``inject_fault``: ``None`` or one of
-    :data:`FAULTS` (test-only); ``prompt_len``/``output_len``: inclusive ranges.
+    :data:`FAULTS` (test-only); ``prompt_len``/``output_len``: inclusive ranges; ``spec``: 0
+    (decode steps, default) or ``K >= 1``: verify steps with ``1..K`` drafts per request
+    (module docstring).
     """
 
     ranks: int = 1
@@ -269,8 +364,11 @@ class LoadtestConfig:
     inject_fault: Optional[str] = None
     threads: int = 1
     progress: bool = True
+    spec: int = 0
 
     def __post_init__(self) -> None:
+        if self.spec < 0:
+            raise ValueError(f"spec must be 0 (off) or K >= 1 drafts per request, got {self.spec}")
         if self.backend not in ("full", "breakable"):
             raise ValueError(f"backend must be 'full' or 'breakable', got {self.backend!r}")
         if self.inject_fault not in (None,) + FAULTS:
@@ -285,7 +383,7 @@ class LoadtestConfig:
 
 @dataclass
 class LevelResult:
-    """One concurrency level. The first twelve fields are the JSON entry (:data:`LEVEL_KEYS`);
+    """One concurrency level. The first thirteen fields are the JSON entry (:data:`LEVEL_KEYS`);
     ``eager_p50_step_ms``/``eager_p99_step_ms`` are the eager engine's step times (for
     ``graphrunner bench``), ``errors`` what failed (per rank), ``mismatched`` the ids of the
     requests whose tokens differed, ``tokens`` rank 0's graph-engine tokens per request id. Rates and step times are rank 0's (``None`` when not run)."""
@@ -302,6 +400,7 @@ class LevelResult:
     fallbacks: int = 0
     p50_step_ms: Optional[float] = None
     p99_step_ms: Optional[float] = None
+    tier_replays: Dict[str, int] = field(default_factory=dict)
     eager_p50_step_ms: Optional[float] = None
     eager_p99_step_ms: Optional[float] = None
     errors: List[str] = field(default_factory=list)
@@ -344,8 +443,8 @@ class LoadtestResult:
         return not self.errors and all(lv.ok for lv in self.levels)
 
     def to_json(self) -> Dict[str, Any]:
-        """``{"ranks", "backend", "levels": [...]}``: the file ``--json`` writes."""
-        return {"ranks": self.config.ranks, "backend": self.config.backend,
+        """``{"ranks", "backend", "spec", "levels": [...]}``: the file ``--json`` writes."""
+        return {"ranks": self.config.ranks, "backend": self.config.backend, "spec": self.config.spec,
                 "levels": [lv.to_json() for lv in self.levels]}
 
 
@@ -400,7 +499,12 @@ def _summary(run: EngineRun, stats: Any) -> Dict[str, Any]:
     return {"tokens": run.tokens, "schedule": run.schedule, "seconds": run.seconds,
             "generated_tokens": run.generated_tokens,
             "p50_step_ms": _percentile(run.step_s, 0.50), "p99_step_ms": _percentile(run.step_s, 0.99),
-            "replays": sum(stats.replays.values()), "fallbacks": stats.fallbacks}
+            "replays": sum(stats.replays.values()), "fallbacks": stats.fallbacks,
+            "tier_replays": {_tier(k): n for k, n in stats.replays.items() if n}}
+
+
+def _tier(key: Any) -> str:
+    return "x".join(map(str, key)) if isinstance(key, tuple) else str(key)
 
 
 class _Progress:
@@ -438,14 +542,15 @@ def run_requests(cfg: LoadtestConfig, vocab_size: int) -> List[Request]:
 def build_decoder(cfg: LoadtestConfig, rank: int = 0, world: int = 1, device: Any = "cpu") -> Any:
     """The demo decoder of a run: ``cfg.layers`` layers of the demo size, masked attention for
     the full backend (varlen otherwise), ``max(cfg.concurrency) + 1`` KV-cache rows (the last is
-    the padding slot), positions for the longest prompt plus output, weights from ``cfg.seed``;
-    with ``world > 1`` this rank's tensor-parallel shard."""
+    the padding slot), positions for the longest prompt plus output (plus ``cfg.spec``: the
+    drafts, and the verify step's scratch position ``max_seq_len - 1`` above them all),
+    weights from ``cfg.seed``; with ``world > 1`` this rank's tensor-parallel shard."""
     from graphrunner.models import LlamaConfig, build_model
     from graphrunner.models.tp import shard_tensor_parallel
 
     config = LlamaConfig.demo(num_layers=cfg.layers, attention="masked" if cfg.backend == "full" else "varlen",
                               max_batch_size=max(cfg.concurrency) + 1,
-                              max_seq_len=cfg.prompt_len[1] + cfg.output_len[1])
+                              max_seq_len=cfg.prompt_len[1] + cfg.output_len[1] + cfg.spec)
     model = build_model(config, seed=cfg.seed, device=device)
     if world > 1:
         shard_tensor_parallel(model, rank, world)
@@ -469,6 +574,34 @@ def decode_runner(model: Any, backend: Any, max_running: int, pad_slot: Optional
         return model.decode_step(input_ids, positions, slot_ids)
 
     return GraphRunner(step, inputs, _buckets(max_running), backend=backend, **runner_kwargs)
+
+
+def _draft_buckets(k: int) -> List[int]:
+    return [b for b in _buckets(k + 1) if b >= 2]
+
+
+def verify_runner(model: Any, backend: Any, max_running: int, k: int, pad_slot: Optional[int] = None,
+                  mask: bool = True, **runner_kwargs: Any) -> Any:
+    """A :class:`~graphrunner.GraphRunner` over :func:`graphrunner.spec.verify_step_fn` of
+    ``model`` (``step(tokens, positions, lens, slots) -> logits [reqs, draft, vocab]``), keyed
+    by ``(reqs, draft)``: ``reqs`` buckets as :func:`decode_runner`, ``draft`` (cells per
+    request: last token + ``1..k`` drafts) buckets ``2, 4, ..., k + 1``. Padded request rows
+    use cache row ``pad_slot`` (default ``max_running``, the padding slot) with ``lens`` 0;
+    every padded cell writes only the scratch position ``max_seq_len - 1``. ``mask=False``
+    drops that masking (negative control only: padded cells overwrite position 0 of real
+    requests). ``runner_kwargs`` go to ``GraphRunner``."""
+    from graphrunner.runner import BatchInput, GraphRunner
+    from graphrunner.spec import verify_step_fn
+
+    pad_slot = max_running if pad_slot is None else pad_slot
+    dims = ("reqs", "draft")
+    inputs = {"tokens": BatchInput(dtype=torch.long, pad=0, dims=dims),
+              "positions": BatchInput(dtype=torch.long, pad=0, dims=dims),
+              "lens": BatchInput(dtype=torch.long, pad=0, dims=("reqs",)),
+              "slots": BatchInput(dtype=torch.long, pad=pad_slot, dims=("reqs",))}
+    return GraphRunner(verify_step_fn(model, mask=mask), inputs,
+                       {"reqs": _buckets(max_running), "draft": _draft_buckets(k)}, outputs=dims,
+                       backend=backend, **runner_kwargs)
 
 
 def serve_levels(rank: int, world: int, cfg: LoadtestConfig) -> Dict[str, Any]:
@@ -502,11 +635,25 @@ def serve_rank(rank: int, world: int, cfg: LoadtestConfig) -> Dict[str, Any]:
         stall = None
         if cfg.inject_fault == "stall" and rank == world - 1:
             group = stall = _StallOnce(group, after=FAULT_STEP + 1, seconds=2 * cfg.timeout + 1)
-        runners = {kind: decode_runner(model, backend, max_c, device=dev, group=group, progress=False)
-                   for kind, backend in (("graph", cfg.backend), ("eager", "eager"))}
+        if cfg.spec:
+            runners = {kind: verify_runner(model, backend, max_c, cfg.spec, device=dev, group=group, progress=False)
+                       for kind, backend in (("graph", cfg.backend), ("eager", "eager"))}
+        else:
+            runners = {kind: decode_runner(model, backend, max_c, device=dev, group=group, progress=False)
+                       for kind, backend in (("graph", cfg.backend), ("eager", "eager"))}
         for r in runners.values():
             r.capture()
         requests = run_requests(cfg, model.config.vocab_size)
+        drafter = None
+        if cfg.spec:
+            # the drafts' greedy tokens: one eager decode run (every rank runs it: the TP collectives)
+            greedy = decode_runner(model, "eager", max_c, device=dev, group=group, progress=False)
+            greedy.capture()
+            model.reset_cache()
+            progress.label = "drafts (eager decode)"
+            with torch.inference_mode():
+                oracle = Engine(model, greedy, max_c, on_progress=progress.update).serve(requests).tokens
+            drafter = Drafter(oracle, cfg.spec, model.config.vocab_size, cfg.seed + 2)
     except Exception as exc:  # noqa: BLE001 - reported as this rank's fault
         progress.close()
         return {"levels": levels, "error": f"rank {rank}: {type(exc).__name__}: {exc}"}
@@ -529,7 +676,11 @@ def serve_rank(rank: int, world: int, cfg: LoadtestConfig) -> Dict[str, Any]:
                 progress.label = f"C{c} {kind}"
                 runner.stats.reset()
                 model.reset_cache()
-                engine = Engine(model, runner, c, after_decode=hook, on_progress=progress.update)
+                if drafter is not None:
+                    engine = Engine(model, None, c, after_decode=hook, on_progress=progress.update,
+                                    verify=runner, drafter=drafter)
+                else:
+                    engine = Engine(model, runner, c, after_decode=hook, on_progress=progress.update)
                 try:
                     engine.serve(requests)
                 finally:
@@ -564,7 +715,11 @@ def _combine(cfg: LoadtestConfig, per_rank: List[Optional[Dict[str, Any]]], rank
             for x in done:
                 g, e = x["graph"]["tokens"], x["eager"]["tokens"]
                 bad |= {rid for rid in complete if g[rid] != e[rid] or g[rid] != ref[rid]}
-                if x["graph"]["schedule"] != x["eager"]["schedule"] or x["graph"]["schedule"] != done[0]["graph"]["schedule"]:
+            for x in done:
+                # verify steps: the schedule follows the accepted tokens, so a token mismatch
+                # may change it; with equal tokens a different schedule is an engine bug
+                if (not cfg.spec or not bad) and (x["graph"]["schedule"] != x["eager"]["schedule"]
+                                                  or x["graph"]["schedule"] != done[0]["graph"]["schedule"]):
                     lv.errors.append(f"C{c}: the engines' schedules differ (engine bug)")
                     lv.faults += 1
             lv.mismatched = sorted(bad)
@@ -574,7 +729,7 @@ def _combine(cfg: LoadtestConfig, per_rank: List[Optional[Dict[str, Any]]], rank
             lv.tokens = dict(ref)
             lv.tokens_per_s = g0["generated_tokens"] / g0["seconds"] if g0["seconds"] > 0 else None
             lv.eager_tokens_per_s = e0["generated_tokens"] / e0["seconds"] if e0["seconds"] > 0 else None
-            lv.replays, lv.fallbacks = g0["replays"], g0["fallbacks"]
+            lv.replays, lv.fallbacks, lv.tier_replays = g0["replays"], g0["fallbacks"], dict(g0["tier_replays"])
             lv.p50_step_ms, lv.p99_step_ms = g0["p50_step_ms"], g0["p99_step_ms"]
             lv.eager_p50_step_ms, lv.eager_p99_step_ms = e0["p50_step_ms"], e0["p99_step_ms"]
         levels.append(lv)
@@ -620,7 +775,8 @@ def report(result: LoadtestResult, out: Optional[TextIO] = None) -> None:
     cfg = result.config
     print(f"graphrunner loadtest: {cfg.ranks} rank(s), backend={cfg.backend}, {cfg.requests} requests per level, "
           f"prompt {cfg.prompt_len[0]}-{cfg.prompt_len[1]} / output {cfg.output_len[0]}-{cfg.output_len[1]} tokens, "
-          f"{cfg.layers} layers" + (f", injected fault: {cfg.inject_fault}" if cfg.inject_fault else ""), file=out)
+          f"{cfg.layers} layers" + (f", verify steps with 1-{cfg.spec} drafts per request" if cfg.spec else "")
+          + (f", injected fault: {cfg.inject_fault}" if cfg.inject_fault else ""), file=out)
     for lv in result.levels:
         print(lv.line(), file=out)
     for lv in result.levels:
@@ -669,7 +825,8 @@ def _run_from_args(args: Any) -> int:
     cfg = LoadtestConfig(ranks=args.ranks, requests=args.requests, concurrency=tuple(args.concurrency),
                          backend=args.backend, device=args.device, layers=args.layers, seed=args.seed,
                          prompt_len=args.prompt_len, output_len=args.output_len, timeout=args.timeout,
-                         inject_fault=args.inject_fault, threads=args.threads, progress=not args.no_progress)
+                         inject_fault=args.inject_fault, threads=args.threads, progress=not args.no_progress,
+                         spec=args.spec)
     result = run_loadtest(cfg)
     report(result)
     if args.json:
@@ -682,6 +839,8 @@ def _run_from_args(args: Any) -> int:
 
 def check_args(parser: Any, args: Any) -> None:
     """Usage errors found after parsing (one line, exit 2 through ``parser.error``)."""
+    if args.spec < 0:
+        parser.error(f"argument --spec: expected 0 (off) or K >= 1 drafts per request, got {args.spec}")
     if args.inject_fault == "stall" and args.ranks < 2:
         parser.error("argument --inject-fault: stall stalls one rank while the others wait; it needs --ranks 2 or more")
     from graphrunner.models import LlamaConfig
@@ -715,7 +874,9 @@ def add_loadtest_subparser(subparsers: Any) -> Any:
         description="For each concurrency level, serve the same seeded requests (per-request prompt and output "
                     "lengths) with a continuous-batching engine over the demo decoder, once through GraphRunner "
                     "(decode graphs per batch bucket, a padding slot in the KV cache) and once through an eager "
-                    "engine with the same scheduling decisions, and compare every generated token. --ranks N runs "
+                    "engine with the same scheduling decisions, and compare every generated token. --spec K makes every "
+                    "step a speculative verify step (1..K seeded drafts per request, verify graphs per (reqs, "
+                    "draft) tier, greedy acceptance) instead of a decode step. --ranks N runs "
                     "N gloo processes with a tensor-parallel decoder (an all_reduce inside the captured step). "
                     "Prints one line per level; exits 1 on a lost request, a fault (an exception on any rank, a "
                     "timeout, NaN/inf logits) or a mismatch, 2 (one line on stderr) for a bad command line.")
@@ -743,6 +904,10 @@ def add_loadtest_subparser(subparsers: Any) -> Any:
     p.add_argument("--inject-fault", default=None, choices=list(FAULTS),
                    help="test-only: 'mismatch' perturbs one replayed output (must exit 1 with a mismatch); 'stall' "
                         "stalls the last rank inside a step (must exit 1 with RankTimeoutError)")
+    p.add_argument("--spec", type=int, default=0, metavar="K",
+                   help="verify steps instead of decode steps: every running request proposes 1..K seeded draft "
+                        "tokens per step, served by verify graphs per (reqs, draft) tier and greedy acceptance "
+                        "(default: 0, off)")
     p.add_argument("--no-progress", action="store_true", help="no progress line (drawn on a terminal only)")
     add_threads_argument(p)
     p.set_defaults(func=_run_from_args, check=check_args)

@@ -49,7 +49,7 @@ from graphrunner.models import LlamaConfig, build_model
 from graphrunner.models.tp import shard_tensor_parallel
 from graphrunner.progress import StatusLine
 
-__all__ = ["SpecResult", "verify_step_fn", "run_spec", "run_spec_ranks"]
+__all__ = ["SpecResult", "verify_step_fn", "accept", "run_spec", "run_spec_ranks"]
 
 #: A plain-greedy token is a near-tie when its top-2 logit margin is below this (not a mismatch).
 NEAR_TIE = 1e-3
@@ -157,13 +157,17 @@ def _greedy(model: nn.Module, prompts: List[List[int]], max_new: int) -> Tuple[L
     return toks, margins
 
 
-def _accept(logits: torch.Tensor, drafts: List[int]) -> List[int]:
-    """Greedy acceptance: the longest prefix of ``drafts`` equal to the argmax, then the bonus token."""
+def accept(logits: torch.Tensor, drafts: List[int]) -> List[int]:
+    """Greedy acceptance of one request's verify logits ``[cells, vocab]`` (cell 0: the last
+    accepted token, then one cell per draft; extra padded cells are ignored): the longest
+    prefix of ``drafts`` equal to the argmax of the cell before each, then the bonus token
+    (the argmax after the last accepted draft). Returns ``1 .. len(drafts) + 1`` tokens."""
     best = logits.argmax(-1).tolist()
     n = 0
     while n < len(drafts) and drafts[n] == best[n]:
         n += 1
     return drafts[:n] + [best[n]]
+
 
 
 def run_spec(requests: int = 6, max_new: int = 16, k: int = 4, reqs_buckets: Sequence[int] = (1, 2, 4, 8),
@@ -272,8 +276,8 @@ def run_spec(requests: int = 6, max_new: int = 16, k: int = 4, reqs_buckets: Seq
         if not torch.equal(got, ref):
             res.logit_mismatches += 1
         for r, (i, d) in enumerate(zip(active, drafts)):
-            mine = _accept(got[r], d)
-            if mine != _accept(ref[r], d):
+            mine = accept(got[r], d)
+            if mine != accept(ref[r], d):
                 res.token_mismatches += 1
             gen[i].extend(mine)
             res.drafted += len(d)

@@ -120,6 +120,65 @@ def test_nonfinite_logits_are_a_fault():
     assert 0 <= int(torch.full((128,), float("nan")).argmax()) < 128
 
 
+# --------------------------------------------------------------------------- verify steps (--spec)
+def _spec_engine(model, reqs, verify, k=3, max_running=6):
+    """Serve ``reqs`` with verify steps; also return every draft proposed: (rid, done, drafts)."""
+    with torch.inference_mode():
+        greedy = lt.Engine(model, model.decode_step, max_running).serve(reqs)
+    model.reset_cache()
+    drafter = lt.Drafter(greedy.tokens, k, 128, seed=7)
+    proposed = []
+
+    def record(rid, done):
+        d = drafter(rid, done)
+        proposed.append((rid, done, d))
+        return d
+
+    record.k = k
+    run = lt.Engine(model, None, max_running, verify=verify, drafter=record).serve(reqs)
+    return greedy, run, proposed
+
+
+def test_verify_engine_tokens_match_eager_and_the_uncached_reference():
+    # reqs buckets 1, 2, 4, 8 (padding slot 8), draft buckets 2, 4 (cells: last token + 1..3 drafts)
+    model, reqs = _tiny(), _requests()
+    runner = lt.verify_runner(model, "breakable", 8, 3, device="tape", progress=False)
+    runner.capture()
+    greedy, run, proposed = _spec_engine(model, reqs, runner)
+    assert sorted(run.tokens) == [r.rid for r in reqs] and _bad_tokens(model, reqs, run.tokens) == []
+    assert sum(runner.stats.replays.values()) == len(run.schedule) and runner.stats.fallbacks == 0
+    assert {len(d) for *_, d in proposed} == {1, 2, 3}  # ragged draft lengths: padded cells in real rows
+    assert runner.stats.padding_rows > 0
+    # drafts were accepted (fewer steps than plain decoding) and rejected (not every draft kept)
+    accepted = sum(next((j for j, t in enumerate(d) if t != run.tokens[rid][done + j]), len(d))
+                   for rid, done, d in proposed if done + len(d) <= len(run.tokens[rid]))
+    drafted = sum(len(d) for rid, done, d in proposed if done + len(d) <= len(run.tokens[rid]))
+    assert 0 < accepted < drafted and len(run.schedule) < len(greedy.schedule)
+    # the eager engine with the same decisions generates the same tokens, step for step
+    eager = lt.verify_runner(model, "eager", 8, 3, device="tape", progress=False)
+    eager.capture()
+    model.reset_cache()
+    _, again, _ = _spec_engine(model, reqs, eager)
+    assert again.tokens == run.tokens and again.schedule == run.schedule
+
+
+def test_verify_padding_cells_unmasked_corrupt_requests():
+    # Negative control of the scratch position: padded cells left at position 0 overwrite the
+    # K/V of the requests' first token, and the uncached reference catches it.
+    model, reqs = _tiny(), _requests()
+    runner = lt.verify_runner(model, "breakable", 8, 3, mask=False, device="tape", progress=False)
+    runner.capture()
+    _, run, _ = _spec_engine(model, reqs, runner)
+    assert _bad_tokens(model, reqs, run.tokens) != []
+
+
+def test_verify_engine_refuses_a_scratch_position_a_real_cell_uses():
+    model = build_model(LlamaConfig.tiny(max_batch_size=9, max_seq_len=23), seed=3)  # scratch 22
+    reqs = _requests()  # prompt + output up to 22: cells up to 20 + 3 drafts
+    with pytest.raises(ValueError, match="scratch position"):
+        _spec_engine(model, reqs, lt.verify_runner(model, "eager", 8, 3, device="tape", progress=False))
+
+
 # --------------------------------------------------------------------------- the sweep
 def _cfg(**kw):
     base = dict(requests=10, concurrency=(3, 6), layers=1, prompt_len=(2, 8), output_len=(1, 8), seed=2,
@@ -149,7 +208,8 @@ def test_loadtest_one_rank(backend):
         assert lv.replays > 0
         assert lv.tokens_per_s > 0 and lv.eager_tokens_per_s > 0 and lv.p50_step_ms <= lv.p99_step_ms
     doc = res.to_json()
-    assert set(doc) == {"ranks", "backend", "levels"} and doc["ranks"] == 1 and doc["backend"] == backend
+    assert set(doc) == {"ranks", "backend", "spec", "levels"} and doc["ranks"] == 1 and doc["backend"] == backend
+    assert doc["spec"] == 0 and all(sum(d["tier_replays"].values()) == d["replays"] for d in doc["levels"])
     assert [tuple(d) for d in doc["levels"]] == [lt.LEVEL_KEYS] * 2
     assert "C3: 10/10 requests, 0 faults, 0 mismatches, " in res.levels[0].line()
 
@@ -166,6 +226,42 @@ def test_mismatch_fault_is_caught():
     model = lt.build_decoder(cfg)
     reqs = lt.run_requests(cfg, model.config.vocab_size)
     assert _bad_tokens(model, reqs, lv.tokens) == lv.mismatched
+
+
+def test_loadtest_spec_one_rank():
+    cfg = _cfg(spec=3)
+    res = lt.run_loadtest(cfg)
+    assert res.ok, [lv.errors for lv in res.levels]
+    reqs = _reference_check(cfg, res)  # equal to eager (the comparison) and to the uncached reference
+    for lv in res.levels:
+        assert (lv.completed, lv.faults, lv.mismatches, lv.fallbacks) == (10, 0, 0, 0)
+        assert lv.generated_tokens == sum(r.output_len for r in reqs)
+        assert lv.replays > 0 and sum(lv.tier_replays.values()) == lv.replays
+        assert all(len(t.split("x")) == 2 for t in lv.tier_replays)  # "RxD" tiers
+    doc = res.to_json()
+    assert doc["spec"] == 3 and [tuple(d) for d in doc["levels"]] == [lt.LEVEL_KEYS] * 2
+
+
+def test_mismatch_fault_is_caught_with_spec():
+    cfg = _cfg(inject_fault="mismatch", concurrency=(3,), spec=3)
+    res = lt.run_loadtest(cfg)
+    assert not res.ok
+    lv = res.levels[0]
+    assert lv.mismatches >= 1 and lv.faults == 0 and lv.completed == cfg.requests
+    # negative control: the graph tokens of the reported requests are really wrong
+    model = lt.build_decoder(cfg)
+    reqs = lt.run_requests(cfg, model.config.vocab_size)
+    assert _bad_tokens(model, reqs, lv.tokens) == lv.mismatched
+
+
+@pytest.mark.multirank
+def test_loadtest_two_ranks_spec():
+    cfg = _cfg(ranks=2, requests=6, concurrency=(4,), spec=2)
+    res = lt.run_loadtest(cfg, launch_timeout=240)
+    assert res.ok, [lv.errors for lv in res.levels] + res.errors
+    lv = res.levels[0]
+    assert (lv.completed, lv.faults, lv.mismatches, lv.fallbacks) == (6, 0, 0, 0) and lv.tier_replays
+    _reference_check(cfg, res)
 
 
 @pytest.mark.multirank
@@ -208,6 +304,7 @@ def _cli(capsys, *args):
     (["--prompt-len", "5,2"], "--prompt-len"),
     (["--timeout", "0"], "--timeout"),
     (["--backend", "eager"], "--backend"),
+    (["--spec", "-1"], "--spec"),
     (["--json", "/proc/nope/out.json"], "--json"),
 ])
 def test_cli_usage_errors_are_one_line_exit_2(capsys, args, words):
