@@ -17,7 +17,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from mp_util import CountingGroup, assert_all_ok, format_results, run_ranks  # noqa: E402
+from mp_util import CountingGroup, assert_all_ok, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 
