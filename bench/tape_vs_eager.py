@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import re
 import statistics
 import sys
 import time
@@ -250,13 +251,14 @@ def kernel_floor(g, n=20) -> tuple[float, list]:
     return sum(t for t, _ in per), sorted(per, reverse=True)
 
 
-def kernel_floor_in_sequence(g, passes=15) -> float:
+def kernel_floor_in_sequence(g, passes=15) -> tuple[float, list]:
     """The floor with the replay's cache state: each statement of the generated
     replay timed alone (wall clock, ``perf_counter_ns``) while the statements
     run in replay order, median over ``passes`` passes, minus the timer's own
     cost, summed (``del`` statements run untimed).  Unlike
     :func:`kernel_floor`, each op finds weights and activations where the
-    previous ops left them (L3 or memory for a model bigger than L2)."""
+    previous ops left them (L3 or memory for a model bigger than L2).
+    Returns (seconds, [(seconds, statement)] in replay order)."""
     lines = _statements(g)
     ns = dict(g._env)
     codes = [(compile(ln, "<floor>", "exec"), ln.startswith("del ")) for ln in lines]
@@ -279,7 +281,42 @@ def kernel_floor_in_sequence(g, passes=15) -> float:
                 t = clock()
                 exec(c, ns)
                 per[j].append(clock() - t)
-    return sum(max(0.0, statistics.median(p) - base) for p in per if p) / 1e9
+    timed = [(max(0.0, statistics.median(p) - base) / 1e9, ln) for p, ln in zip(per, lines) if p]
+    return sum(t for t, _ in timed), timed
+
+
+_CALLEE = re.compile(r"^(?:[\w, ]+ = )?(\w+)(?:\.(\w+))?\(")
+
+
+def callee(g, statement: str) -> str:
+    """What a statement of ``g``'s generated replay calls: the binding's name
+    (``mm``, ``mul``, a Tensor method such as ``copy_``) or, for a call
+    through the aten op, the op's name (``aten.index_put_.default``)."""
+    m = _CALLEE.match(statement)
+    if m is None:
+        return "?"
+    head, method = m.groups()
+    if method is not None:
+        return method
+    labels = getattr(g, "_labels", {})
+    if head in labels:
+        return labels[head]
+    fn = g._env.get(head)
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def profile_by_callee(g, timed) -> list:
+    """Where replay time goes: the in-sequence statement times of ``g``
+    (:func:`kernel_floor_in_sequence`) grouped by callee, as
+    ``[callee, statements, us, share]`` rows, largest first."""
+    total = sum(t for t, _ in timed) or 1.0
+    acc: dict[str, list] = {}
+    for t, ln in timed:
+        row = acc.setdefault(callee(g, ln), [0, 0.0])
+        row[0] += 1
+        row[1] += t
+    return sorted(([name, n, round(t * 1e6, 1), round(t / total, 4)] for name, (n, t) in acc.items()),
+                  key=lambda r: -r[2])
 
 
 def _compiled(kind: str, step):
@@ -352,12 +389,13 @@ def bench_batch(model, batch, reps, inner, tapes, floor=True, inductor=False, to
                 near = [_timed(_REPLAY, {"g": g}, inner)]
                 fl, per = kernel_floor(g)
                 near.append(_timed(_REPLAY, {"g": g}, inner))
-                seq = kernel_floor_in_sequence(g)
+                seq, timed = kernel_floor_in_sequence(g)
                 near.append(_timed(_REPLAY, {"g": g}, inner))
                 row[f"replay_near_floor_us{sfx}"] = statistics.median(near) * 1e6
                 row[f"floor_us{sfx}"] = fl * 1e6
                 row[f"floor_seq_us{sfx}"] = seq * 1e6
                 row[f"floor_top{sfx}"] = [(round(t * 1e6, 2), ln[:80]) for t, ln in per[:5]]
+                row[f"profile{sfx}"] = profile_by_callee(g, timed)
     e = statistics.median(times["eager"])
     row["eager_us"] = e * 1e6
     for name in graphs:
@@ -374,6 +412,13 @@ def bench_batch(model, batch, reps, inner, tapes, floor=True, inductor=False, to
     # the floor ratios: floor and replay timed by the same clock, next to each other
     for name in graphs:
         sfx = "" if name == "new" else f"_{name}"
+        if row.get(f"floor_us{sfx}"):
+            # the floor reached by the other runtimes, rescaled to the clock
+            # state around the floor (replay_near_floor / replay)
+            scale = row[f"replay_near_floor_us{sfx}"] / row[f"replay_us{sfx}"]
+            for kind in ("eager", "inductor", "torchscript"):
+                if row.get(f"{kind}_us"):
+                    row[f"{kind}_over_floor{sfx}"] = row[f"{kind}_us"] * scale / row[f"floor_us{sfx}"]
         if row.get(f"floor_us{sfx}"):
             row[f"tape_over_floor{sfx}"] = row[f"replay_near_floor_us{sfx}"] / row[f"floor_us{sfx}"]
         if row.get(f"floor_seq_us{sfx}"):
@@ -395,7 +440,7 @@ def print_table(rows, baseline: bool):
     if any("floor_us" in r or "inductor_us" in r or "torchscript_us" in r for r in rows):
         print()
         print(f"{'model':>14} {'batch':>5} {'floor us':>9} {'tape/floor':>10} {'tape/seqfl':>10} {'eager/tape':>10} "
-              f"{'inductor/tape':>13} {'script/tape':>11}")
+              f"{'inductor/tape':>13} {'script/tape':>11} {'ind/floor':>9} {'eager/floor':>11}")
         fmt = lambda v: f"{v:.2f}" if v else "-"  # noqa: E731
         for r in rows:
             for sfx in ("", "_base") if baseline else ("",):
@@ -403,7 +448,24 @@ def print_table(rows, baseline: bool):
                       f"{r.get('floor_us' + sfx, float('nan')):>9.1f} "
                       f"{fmt(r.get('tape_over_floor' + sfx)):>10} {fmt(r.get('tape_over_floor_seq' + sfx)):>10} "
                       f"{r['speedup' + sfx]:>10.2f} {fmt(r.get('inductor_over_tape' + sfx)):>13} "
-                      f"{fmt(r.get('torchscript_over_tape' + sfx)):>11}")
+                      f"{fmt(r.get('torchscript_over_tape' + sfx)):>11} {fmt(r.get('inductor_over_floor' + sfx)):>9} "
+                      f"{fmt(r.get('eager_over_floor' + sfx)):>11}")
+
+
+def print_profiles(rows, top: int = 10):
+    """Where each row's replay time goes (the new tape's in-sequence statement times by callee)."""
+    for r in rows:
+        prof = r.get("profile")
+        if not prof:
+            continue
+        print(f"\n{r['model']} batch {r['batch']}: replay by callee (in sequence, {r['floor_seq_us']:.0f} us)")
+        print(f"{'callee':>28} {'stmts':>5} {'us':>9} {'share':>6}")
+        for name, n, us, share in prof[:top]:
+            print(f"{name[:28]:>28} {n:>5} {us:>9.1f} {share:>6.1%}")
+        rest = prof[top:]
+        if rest:
+            print(f"{'(other)':>28} {sum(x[1] for x in rest):>5} {sum(x[2] for x in rest):>9.1f} "
+                  f"{sum(x[3] for x in rest):>6.1%}")
 
 
 def main(argv=None):
@@ -421,6 +483,8 @@ def main(argv=None):
     ap.add_argument("--baseline", default=None, help="also time replay with this tape.py / tape package directory, interleaved")
     ap.add_argument("--quick", action="store_true", help="smoke run: batches 1,8, 3 reps of 5")
     ap.add_argument("--no-floor", action="store_true", help="skip the kernel floor (each replayed op timed alone)")
+    ap.add_argument("--profile", action="store_true",
+                    help="print where each replay's time goes, by callee (always in the JSON rows' 'profile')")
     ap.add_argument("--inductor", action="store_true",
                     help="also time torch.compile (inductor) steady state (compiles once per model and batch)")
     ap.add_argument("--torchscript", action="store_true", help="also time torch.jit.trace of the step")
@@ -454,6 +518,8 @@ def main(argv=None):
             print("row:", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()
                            if "top" not in k}, flush=True)
     print_table(rows, bool(a.baseline))
+    if a.profile:
+        print_profiles(rows)
     result = dict(torch=torch.__version__, threads=torch.get_num_threads(), environment=environment(),
                   clock="cpu" if cpu else "wall",
                   rows=[r for r in rows if r["model"] == "llama"],

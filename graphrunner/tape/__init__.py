@@ -37,7 +37,9 @@ one runs on the other:
   constant factories are hoisted (computed once); each op calls the public
   binding (``torch.mul``, ``Tensor.view``, ...) verified at capture to match
   the aten op bit for bit, with Python scalars as shared 0-dim tensors; views
-  with their input's exact metadata are dropped; a pure op repeating an
+  with their input's exact metadata are dropped; a ``matmul`` into a
+  preplanned buffer calls the ``mm`` / ``bmm`` kernel it reaches directly,
+  on the same views; a pure op repeating an
   earlier one on unchanged inputs reuses its result (CSE); dead ops are
   dropped.  Torch-function handling is disabled during replay, so no mode or
   tensor subclass intercepts the bindings (the recorded aten ops never saw one
@@ -61,6 +63,8 @@ Modules (each owns one job; see its docstring):
   aten ops, for replay;
 * :mod:`~graphrunner.tape.codegen`: hoisting, CSE, dead-code elimination
   and the generated replay function;
+* :mod:`~graphrunner.tape.collapse`: composite calls (``matmul``) replayed
+  as the one kernel they reach (``mm`` / ``bmm`` with ``out=``);
 * :mod:`~graphrunner.tape.arena`: :class:`TapePool` and the per-pool arena
   (memory reuse between captures as on CUDA, the pool size estimate);
 * :mod:`~graphrunner.tape.state`: the captures in progress, per thread, and

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from .bindings import _VF
+from .collapse import COLLAPSIBLE, collapse
 from .recording import _Op, _Ref
 
 
@@ -45,6 +46,7 @@ class _Program:
     def __init__(self):
         self.env: dict[str, Any] = {}
         self.lines: list[str] = []
+        self.labels: dict[str, str] = {}  # env name -> aten op name, for callees without a __name__
         self._consts: dict[int, str] = {}
 
     def const(self, v, prefix="c") -> str:
@@ -245,10 +247,19 @@ def generate(cap, consts: dict, survivors: dict, spills: dict | None = None) -> 
         if buf is not None:
             n = op.outs.name
             b = static_names[n] if n in static_names else prog.const(buf, "b")
-            f = prog.const(op.call, "f")
             cargs, ckwargs = op.cargs
-            prog.lines.append(f"{f}(" + ", ".join(
-                [expr(a) for a in cargs] + [f"{k}={expr(v)}" for k, v in ckwargs.items()] + [f"out={b}"]) + ")")
+            args = [expr(a) for a in cargs]
+            direct = None
+            if op.call in COLLAPSIBLE and not ckwargs and all(a in prog.env for a in args):
+                direct = collapse(op.call, [prog.env[a] for a in args], prog.env[b])
+            if direct is not None:  # the one kernel the composite reaches, on its views
+                kfn, kargs, kout = direct
+                prog.lines.append(f"{prog.const(kfn, 'f')}(" + ", ".join(
+                    [prog.const(t, "m") for t in kargs] + [f"out={prog.const(kout, 'm')}"]) + ")")
+            else:
+                f = prog.const(op.call, "f")
+                prog.lines.append(f"{f}(" + ", ".join(
+                    args + [f"{k}={expr(v)}" for k, v in ckwargs.items()] + [f"out={b}"]) + ")")
             ref_expr[n] = b
             dead = [cn(m) for m in set(op.in_names) if last_use.get(cn(m)) == i and ref_expr.get(cn(m)) == cn(m)]
             if dead:
@@ -259,6 +270,7 @@ def generate(cap, consts: dict, survivors: dict, spills: dict | None = None) -> 
             cargs, ckwargs = op.cargs
         else:
             f = prog.const(op.func._op, "f")
+            prog.labels[f] = str(op.func)
             cargs, ckwargs = op.args, op.kwargs
         call = f"{f}(" + ", ".join(
             [expr(a) for a in cargs] + [f"{k}={expr(v)}" for k, v in ckwargs.items()]

@@ -336,6 +336,7 @@ class TapeGraph:
         self._fn = prog.fn
         self.source = prog.source
         self._env = prog.env
+        self._labels = prog.labels
         self._num_ops = len(cap.ops)
         self._num_replayed = n_ops
         self._inference = cap.inference
