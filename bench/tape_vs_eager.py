@@ -15,7 +15,9 @@ Four workloads, random weights from a seed:
   overhead of its own, so it shows the floor of what replay can save.
 
 For each workload and batch size, eager and replay (and, if asked, inductor and TorchScript)
-are timed interleaved in one process (one run of each in turn, many reps, medians) and replay
+are timed interleaved in one process (one run of each in turn, many reps, medians), replay with
+both engines (the default, a TorchScript trace of the generated code where it can, and the
+generated Python: ``replay_us_python``), and replay
 is checked bit-exact against eager first. ``--clock cpu`` (the default with one torch thread)
 times with the thread's CPU time, so other processes on a shared machine do not inflate them.
 ``--baseline PATH`` also captures with another tape (an older ``tape.py`` or a ``tape/`` package
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import os
 import re
 import statistics
@@ -180,7 +183,7 @@ def build_hf_llama(batch=1, seed=0):
     cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).eval()
+    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)  # plain tensors: torch.jit.trace can run it
     cache = make_static_cache(model, batch, 256)
     fwd = make_decode_step(model, cache)
     ids = torch.zeros(batch, 1, dtype=torch.long)
@@ -335,6 +338,19 @@ def _compiled(kind: str, step):
         return None
 
 
+def _max_diff_vs_eager(fn, step, set_inputs, caches) -> float:
+    """Max abs difference between ``fn()`` and eager ``step()`` on new inputs
+    (cache state restored between): 0.0 is bit-exact; a compiled step that
+    froze an input or a cache write shows up here rather than as a fast time."""
+    set_inputs(6, 2)
+    snap = [c.clone() for c in caches]
+    got = fn().clone()
+    for c, s in zip(caches, snap):
+        c.copy_(s)
+    ref = step()
+    return float((got.double() - ref.double()).abs().max())
+
+
 def bench_batch(model, batch, reps, inner, tapes, floor=True, inductor=False, torchscript=False):
     """Time eager, a replay per tape module in ``tapes`` (name -> module) and,
     if asked, inductor's and TorchScript's steady state, interleaved (one run
@@ -348,7 +364,8 @@ def bench_batch(model, batch, reps, inner, tapes, floor=True, inductor=False, to
             step()  # warm up
         graphs = {}
         for name, mod in tapes.items():
-            g = mod.TapeGraph()
+            # "python": the new tape with its TorchScript replay engine off
+            g = mod.TapeGraph(jit_replay=False) if name == "python" else mod.TapeGraph()
             t0 = time.perf_counter()
             with mod.tape_graph(g):
                 out = step()
@@ -363,6 +380,7 @@ def bench_batch(model, batch, reps, inner, tapes, floor=True, inductor=False, to
             exact = bool(torch.equal(got, step()))
             graphs[name] = g
             sfx = "" if name == "new" else f"_{name}"
+            row[f"engine{sfx}"] = getattr(g, "replay_engine", "python")
             row.update({f"bit_exact{sfx}": exact, f"num_ops{sfx}": g.num_ops,
                         f"replayed_ops{sfx}": g.num_replayed_ops, f"capture_ms{sfx}": cap_ms})
         runners = {"eager": step}
@@ -372,6 +390,7 @@ def bench_batch(model, batch, reps, inner, tapes, floor=True, inductor=False, to
                 fn = _compiled(kind, step)
                 if fn is not None:
                     runners[kind] = fn
+                    row[f"{kind}_max_diff"] = _max_diff_vs_eager(fn, step, set_inputs, caches)
                 else:
                     row[f"{kind}_us"] = None
         times = {name: [] for name in runners}
@@ -385,6 +404,8 @@ def bench_batch(model, batch, reps, inner, tapes, floor=True, inductor=False, to
             # replay timed right around the floors, so that tape/floor compares
             # measurements made under the same machine load
             for name, g in graphs.items():
+                if name == "python":
+                    continue  # the same program as "new": the same floors
                 sfx = "" if name == "new" else f"_{name}"
                 near = [_timed(_REPLAY, {"g": g}, inner)]
                 fl, per = kernel_floor(g)
@@ -427,29 +448,40 @@ def bench_batch(model, batch, reps, inner, tapes, floor=True, inductor=False, to
 
 
 def print_table(rows, baseline: bool):
-    head = f"{'model':>8} {'batch':>5} {'eager us':>9} {'replay us':>9} {'speedup':>8} {'exact':>6} {'ops':>4} {'replayed':>8} {'capture ms':>10}"
+    head = (f"{'model':>8} {'batch':>5} {'eager us':>9} {'replay us':>9} {'speedup':>8} {'exact':>6} {'ops':>4} "
+            f"{'replayed':>8} {'capture ms':>10} {'engine':>6} {'py us':>8} {'py/replay':>9}")
     if baseline:
         head += f" {'base us':>8} {'base spd':>8} {'base ops':>8}"
     print(head)
     for r in rows:
         line = (f"{r['model']:>8} {r['batch']:>5} {r['eager_us']:>9.1f} {r['replay_us']:>9.1f} {r['speedup']:>7.2f}x "
-                f"{str(r['bit_exact']):>6} {r['num_ops']:>4} {r['replayed_ops']:>8} {r['capture_ms']:>10.1f}")
+                f"{str(r['bit_exact']):>6} {r['num_ops']:>4} {r['replayed_ops']:>8} {r['capture_ms']:>10.1f} "
+                f"{r.get('engine', '-'):>6} {r.get('replay_us_python', float('nan')):>8.1f} "
+                f"{r.get('replay_us_python', float('nan')) / r['replay_us']:>8.2f}x")
         if baseline:
             line += f" {r['replay_us_base']:>8.1f} {r['speedup_base']:>7.2f}x {r['replayed_ops_base']:>8}"
         print(line)
     if any("floor_us" in r or "inductor_us" in r or "torchscript_us" in r for r in rows):
         print()
         print(f"{'model':>14} {'batch':>5} {'floor us':>9} {'tape/floor':>10} {'tape/seqfl':>10} {'eager/tape':>10} "
-              f"{'inductor/tape':>13} {'script/tape':>11} {'ind/floor':>9} {'eager/floor':>11}")
+              f"{'inductor/tape':>13} {'script/tape':>11} {'ind/floor':>9} {'eager/floor':>11} {'ind diff':>8} "
+              f"{'script diff':>11}")
         fmt = lambda v: f"{v:.2f}" if v else "-"  # noqa: E731
         for r in rows:
-            for sfx in ("", "_base") if baseline else ("",):
-                print(f"{r['model'] + ('(base)' if sfx else ''):>14} {r['batch']:>5} "
+            for sfx in ("", "_python") + (("_base",) if baseline else ()):
+                if f"speedup{sfx}" not in r:
+                    continue
+                print(f"{r['model'] + (f'({sfx[1:]})' if sfx else ''):>14} {r['batch']:>5} "
                       f"{r.get('floor_us' + sfx, float('nan')):>9.1f} "
                       f"{fmt(r.get('tape_over_floor' + sfx)):>10} {fmt(r.get('tape_over_floor_seq' + sfx)):>10} "
                       f"{r['speedup' + sfx]:>10.2f} {fmt(r.get('inductor_over_tape' + sfx)):>13} "
                       f"{fmt(r.get('torchscript_over_tape' + sfx)):>11} {fmt(r.get('inductor_over_floor' + sfx)):>9} "
-                      f"{fmt(r.get('eager_over_floor' + sfx)):>11}")
+                      f"{fmt(r.get('eager_over_floor' + sfx)):>11} {_sci(r.get('inductor_max_diff')):>8} "
+                      f"{_sci(r.get('torchscript_max_diff')):>11}")
+
+
+def _sci(v) -> str:
+    return "-" if v is None else ("0" if v == 0 else f"{v:.1e}")
 
 
 def print_profiles(rows, top: int = 10):
@@ -501,6 +533,8 @@ def main(argv=None):
     cpu = a.clock == "cpu" or (a.clock == "auto" and torch.get_num_threads() == 1)
     _CLOCK = time.thread_time if cpu else time.perf_counter
     tapes = {"new": load_tape(a.tape)}
+    if "jit_replay" in inspect.signature(tapes["new"].TapeGraph).parameters:
+        tapes["python"] = tapes["new"]  # the same tape replaying in Python, side by side
     if a.baseline:
         tapes["base"] = load_tape(a.baseline)
     models = [m.strip() for m in a.models.split(",") if m.strip()]

@@ -96,17 +96,27 @@ class TapeDevice(Device):
     is unchanged. ``None`` (the default) reads ``$GRAPHRUNNER_TAPE_POISON``
     (``1`` enables it) when the device is made; see
     :class:`~graphrunner.tape.TapeGraph`.
+
+    ``jit_replay``: the graphs replay through a TorchScript trace of their
+    generated code where it allows (bit-identical, less per-op overhead;
+    :mod:`graphrunner.tape.jit`). ``None`` (the default) reads
+    ``$GRAPHRUNNER_TAPE_JIT`` (``0`` turns it off) when the device is made.
     """
 
     kind = "tape"
 
     def __init__(self, torch_device: str | torch.device = "cpu",
-                 poison_captured_values: bool | None = None) -> None:
+                 poison_captured_values: bool | None = None, jit_replay: bool | None = None) -> None:
         from graphrunner.tape import _resolve_poison
+        from graphrunner.tape.jit import jit_default
 
         self.torch_device = torch.device(torch_device)
         #: Whether the graphs this device makes poison their survivors at capture end.
         self.poison_captured_values: bool = _resolve_poison(poison_captured_values, "TapeDevice")
+        if jit_replay is not None and not isinstance(jit_replay, bool):
+            raise TypeError(f"jit_replay must be True, False or None, got {type(jit_replay).__name__}")
+        #: Whether the graphs this device makes replay through a TorchScript trace where they can.
+        self.jit_replay: bool = jit_default() if jit_replay is None else jit_replay
         self._pool = None
 
     def synchronize(self) -> None:
@@ -119,7 +129,7 @@ class TapeDevice(Device):
         its survivors at capture end when ``poison_captured_values``)."""
         from graphrunner.tape import TapeGraph
 
-        return TapeGraph(poison_captured_values=self.poison_captured_values)
+        return TapeGraph(poison_captured_values=self.poison_captured_values, jit_replay=self.jit_replay)
 
     def graph_pool(self):
         """Return this device's shared tape pool handle (made on first use)."""
@@ -154,6 +164,7 @@ class TapeDevice(Device):
 
     def __repr__(self) -> str:
         extra = ", poison_captured_values=True" if self.poison_captured_values else ""
+        extra += "" if self.jit_replay else ", jit_replay=False"
         return f"TapeDevice({str(self.torch_device)!r}{extra})"
 
 

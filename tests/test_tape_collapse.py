@@ -55,6 +55,21 @@ def test_matmuls_become_mm_and_bmm_bit_exact():
     assert _replays_match(g, out, _decoder_like, [x, w1, w2, k, v], (0, 3, 4))
 
 
+def _gpt2_like(x, w1, b1, w2, b2):
+    """Biased linears (functional ``linear``: one ``addmm``) on [B, 1, K] and [B, K] inputs."""
+    h = torch.nn.functional.linear(x * 2, w1, b1)
+    h = torch.nn.functional.gelu(h, approximate="tanh")
+    return torch.nn.functional.linear(h.view(2, 32) * 0.5, w2, b2)
+
+
+def test_biased_linear_becomes_addmm_into_a_planned_buffer_bit_exact():
+    x, w1, b1 = torch.randn(2, 1, 16), torch.randn(32, 16), torch.randn(32)
+    w2, b2 = torch.randn(8, 32), torch.randn(8)
+    g, out = _capture(_gpt2_like, x, w1, b1, w2, b2)
+    assert _VF.addmm in g._env.values() and torch._C._nn.linear not in g._env.values()
+    assert _replays_match(g, out, _gpt2_like, [x, w1, b1, w2, b2], (0, 2))
+
+
 def _broadcast_batch(x, w):
     return torch.matmul(x * 2, w)  # [3, 1, 4, 8] @ [2, 8, 5]: matmul expands and copies both
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from .bindings import _VF
-from .collapse import COLLAPSIBLE, collapse
+from .collapse import COLLAPSIBLE, COLLAPSIBLE_FUNCTIONAL, collapse, collapse_functional, view_like
 from .recording import _Op, _Ref
 
 
@@ -204,7 +204,7 @@ def generate(cap, consts: dict, survivors: dict, spills: dict | None = None) -> 
             needed.update(cn(n) for n in op.in_names)
 
     # 4b. Memory plan: results written into preplanned buffers (out=).
-    planned = plan_buffers(cap, ops, keep, cn, survivors, surv_storages, spills or {})
+    planned = plan_buffers(cap, ops, keep, cn, survivors, surv_storages, spills or {}, consts)
 
     # 5. Generate straight-line code.
     prog = _Program()
@@ -247,19 +247,17 @@ def generate(cap, consts: dict, survivors: dict, spills: dict | None = None) -> 
         if buf is not None:
             n = op.outs.name
             b = static_names[n] if n in static_names else prog.const(buf, "b")
-            cargs, ckwargs = op.cargs
-            args = [expr(a) for a in cargs]
-            direct = None
-            if op.call in COLLAPSIBLE and not ckwargs and all(a in prog.env for a in args):
-                direct = collapse(op.call, [prog.env[a] for a in args], prog.env[b])
+            direct = planned.direct.get(i)
             if direct is not None:  # the one kernel the composite reaches, on its views
                 kfn, kargs, kout = direct
                 prog.lines.append(f"{prog.const(kfn, 'f')}(" + ", ".join(
                     [prog.const(t, "m") for t in kargs] + [f"out={prog.const(kout, 'm')}"]) + ")")
             else:
+                assert op.out_ok, "a functional composite is planned only as its kernel"
                 f = prog.const(op.call, "f")
+                cargs, ckwargs = op.cargs
                 prog.lines.append(f"{f}(" + ", ".join(
-                    args + [f"{k}={expr(v)}" for k, v in ckwargs.items()] + [f"out={b}"]) + ")")
+                    [expr(a) for a in cargs] + [f"{k}={expr(v)}" for k, v in ckwargs.items()] + [f"out={b}"]) + ")")
             ref_expr[n] = b
             dead = [cn(m) for m in set(op.in_names) if last_use.get(cn(m)) == i and ref_expr.get(cn(m)) == cn(m)]
             if dead:
@@ -323,14 +321,18 @@ def generate(cap, consts: dict, survivors: dict, spills: dict | None = None) -> 
 
 class _Plan:
     """Where results go: ``out`` maps an op index to the buffer it writes
-    (``out=``), ``views`` a planned name to {view name: view of its buffer}."""
+    (``out=``), ``views`` a planned name to {view name: view of its buffer},
+    ``direct`` an op index to the ``(kernel binding, args, out view)`` its
+    composite call collapses to (:mod:`~graphrunner.tape.collapse`)."""
 
     def __init__(self):
         self.out: dict[int, torch.Tensor] = {}
         self.views: dict[str, dict[str, torch.Tensor]] = {}
+        self.direct: dict[int, tuple] = {}
 
 
-def plan_buffers(cap, ops, keep, cn, survivors: dict, surv_storages: set, spills: dict) -> _Plan:
+def plan_buffers(cap, ops, keep, cn, survivors: dict, surv_storages: set, spills: dict,
+                 consts: dict | None = None) -> _Plan:
     """Give each replayed op whose binding was verified with ``out=``
     (``op.out_ok``) a buffer allocated once, so that replay does no allocator
     traffic, and turn views of those buffers (``op.view``) into constants.
@@ -342,10 +344,24 @@ def plan_buffers(cap, ops, keep, cn, survivors: dict, surv_storages: set, spills
     an op's own output is taken before its inputs are freed, so a buffer
     never aliases a live value or an input of the op writing it.  Temporaries
     that another graph's memory spills to, and every op after an in-place
-    metadata change (``set_``, ``resize_``), are left to the allocator."""
+    metadata change (``set_``, ``resize_``), are left to the allocator.
+
+    A composite call whose arguments are all fixed tensors (``consts``, the
+    externals and constants by name, or earlier buffers and their views)
+    collapses to its kernel (``plan.direct``); a functional composite
+    (``linear`` with a bias, which has no same-kernel ``out=`` form) gets a
+    buffer only then."""
     plan = _Plan()
     if cap.meta_mutated:
         return plan
+    fixed: dict[str, torch.Tensor] = {cn(n): t for n, t in (consts or {}).items()}
+
+    def fixed_args(op):
+        cargs, ckwargs = op.cargs
+        if ckwargs:
+            return None
+        got = [fixed.get(cn(a.name)) if isinstance(a, _Ref) else a for a in cargs]
+        return got if all(isinstance(t, torch.Tensor) for t in got) else None
     last: dict[int, int] = {}  # storage key -> index of the last kept op using it
     for i, op in enumerate(ops):
         if keep[i]:
@@ -363,11 +379,19 @@ def plan_buffers(cap, ops, keep, cn, survivors: dict, surv_storages: set, spills
             base, size, stride, offset = op.view
             k = cap.skey.get(base)
             with torch.inference_mode(cap.inference):
-                plan.views[base][op.new[0]] = held[k][1].as_strided(size, stride, offset)
-        elif op.out_ok and op.call is not None and not op.collective and isinstance(op.outs, _Ref):
+                v = plan.views[base][op.new[0]] = held[k][1].as_strided(size, stride, offset)
+            fixed[op.new[0]] = v
+        elif ((op.out_ok or op.call in COLLAPSIBLE_FUNCTIONAL) and op.call is not None and not op.collective
+              and isinstance(op.outs, _Ref)):
             n = op.outs.name
             k = cap.skey.get(n)
             meta = cap.alloc_meta.get(n)
+            functional = None
+            if not op.out_ok:  # planned only as its kernel
+                targs = fixed_args(op)
+                functional = targs and collapse_functional(op.call, targs, cap.inference)
+                if not functional:
+                    meta = None
             if (n in op.new and k is not None and cap.internal_storages.get(k) == n and meta is not None
                     and meta[4] == 0 and n not in spills and cap.alloc_bytes[n] == _extent(meta)):
                 if n in survivors:
@@ -387,6 +411,15 @@ def plan_buffers(cap, ops, keep, cn, survivors: dict, surv_storages: set, spills
                     plan.views[n] = {}
                     held[k] = (fk, buf)
                     release_at.setdefault(_release_after(i, last.get(k, i)), []).append(k)
+                buf = plan.out.get(i)
+                if buf is not None:
+                    fixed[n] = buf
+                    if functional:
+                        plan.direct[i] = (functional[0], functional[1], view_like(buf, functional[2]))
+                    elif op.call in COLLAPSIBLE and (targs := fixed_args(op)) is not None:
+                        direct = collapse(op.call, targs, buf)
+                        if direct is not None:
+                            plan.direct[i] = direct
         for k in release_at.pop(i, ()):
             fk, buf = held[k]
             free.setdefault(fk, []).append(buf)

@@ -1,25 +1,25 @@
 """Composite calls collapsed to the one kernel they reach, for replay.
 
 Owns one rewrite of the generated replay: a call of a composite binding
-(``torch.matmul``, which ``linear`` replays through) that writes a
-preplanned ``out=`` buffer, with arguments fixed for the graph's life
-(externals, constants, preplanned buffers), becomes a direct call of the
-single kernel the composite runs (``torch.mm`` / ``torch.bmm`` /
-``torch.mv`` with ``out=``), on the very views the composite would build.
-``torch.matmul(x, w, out=o)`` on a ``[B, 1, K]`` input spends about a
-microsecond, a 4-d attention matmul about three, building those views at
-every call; a decode step has dozens.
+(``torch.matmul``, which bias-free ``linear`` replays through, or
+``linear`` with a bias) whose result goes to a preplanned buffer and whose
+arguments are fixed for the graph's life (externals, constants, preplanned
+buffers) becomes a direct call of the single kernel the composite runs
+(``torch.mm`` / ``torch.bmm`` / ``torch.addmm`` with ``out=``), on the very
+views the composite would build.  ``torch.matmul(x, w, out=o)`` computes
+into a fresh tensor and copies it into ``o``; ``linear(x, w, b)`` allocates
+its result; both build views at every call.  A decode step has dozens.
 
 The rewrite is found by running the composite once at capture end under a
-dispatch mode that logs what it reaches (:func:`collapse`), on a scratch
-output of the buffer's metadata.  It is kept only when the log is nothing
-but view ops plus exactly one kernel of :data:`_KERNELS`, whose inputs are
-views of the call's own arguments (no copy made on the way, e.g. a
-``contiguous()`` of an unfoldable input) and whose ``out=`` is a view of the
-output.  The composite's choice of path depends only on metadata (dims,
-sizes, strides, dtype), which a graph freezes, so the kernel then sees the
-same tensors, data included, at every replay: bit-identical to the
-composite for any data, not only the capture's.
+dispatch mode that logs what it reaches, and kept only when the log is
+nothing but view ops around exactly one kernel of :data:`_KERNELS` (no copy
+of an input on the way, e.g. for a broadcast batch) and the result is the
+whole kernel result in its memory order (:func:`collapse` for the ``out=``
+form, :func:`collapse_functional` for the functional one).  The
+composite's choice of path depends only on metadata (dims, sizes, strides,
+dtype), which a graph freezes, and the kernels are structured (functional
+and ``out=`` forms share one implementation), so the direct call computes
+the same bits as the composite for any data, not only the capture's.
 """
 
 from __future__ import annotations
@@ -32,17 +32,17 @@ from .state import _storage
 
 _aten = torch.ops.aten
 # The kernels a collapsed call may reach, and the binding that calls each
-# with out= (structured kernels: the functional and out= forms share one
-# implementation).
-_KERNELS = {_aten.mm.default: _VF.mm, _aten.bmm.default: _VF.bmm}
-# The composite bindings tried.
+# with out=.
+_KERNELS = {_aten.mm.default: _VF.mm, _aten.bmm.default: _VF.bmm, _aten.addmm.default: _VF.addmm}
+# Composite bindings collapsed in their out= form, and in their functional form.
 COLLAPSIBLE = frozenset({_VF.matmul})
+COLLAPSIBLE_FUNCTIONAL = frozenset({torch._C._nn.linear})
+# ``_unsafe_view`` returns a view without declaring it (no alias annotation).
+_VIEWS = frozenset({_aten._unsafe_view.default})
 # Off only in the negative-control test: ignore what else the composite ran
 # besides the kernel and the final copy (a clone of an input on the way: the
 # replay would then read the copy made at capture end).
 ONLY_VIEWS = True
-# ``_unsafe_view`` returns a view without declaring it (no alias annotation).
-_VIEWS = frozenset({_aten._unsafe_view.default})
 
 
 class _Log(TorchDispatchMode):
@@ -78,6 +78,35 @@ def _whole(t: torch.Tensor, base: torch.Tensor) -> bool:
             and _storage_ptr(t) == _storage_ptr(base) and t.storage_offset() == base.storage_offset())
 
 
+def _run_logged(call, args: list, inference: bool, out=None):
+    """``(result, non-view calls)`` of ``call(*args[, out=out])`` run under
+    :class:`_Log`, or None if it failed."""
+    try:
+        with torch.inference_mode(inference):
+            log = _Log()
+            with torch._C.DisableTorchFunction(), log:
+                res = call(*args) if out is None else call(*args, out=out)
+    except Exception:  # noqa: BLE001 - any failure just means "replay the composite"
+        return None
+    work = [c for c in log.calls if not (c[0].is_view or c[0] in _VIEWS)]
+    if not ONLY_VIEWS:
+        work = [c for c in work if c[0] in _KERNELS or c[0] is _aten.copy_.default][-2:]
+    return res, work
+
+
+def _plain(ts) -> bool:
+    return all(type(t) is torch.Tensor and t.layout == torch.strided for t in ts)
+
+
+def _kernel(call) -> tuple | None:
+    """``(binding, args, result)`` of a logged kernel call of :data:`_KERNELS`
+    taking tensors only, else None."""
+    func, kargs, kkw, res = call
+    if func not in _KERNELS or kkw or not all(isinstance(a, torch.Tensor) for a in kargs):
+        return None
+    return _KERNELS[func], tuple(kargs), res
+
+
 def collapse(call, args: list, out: torch.Tensor):
     """The direct kernel call that ``call(*args, out=out)`` amounts to:
     ``(binding, args, out_view)`` such that ``binding(*args, out=out_view)``
@@ -91,27 +120,40 @@ def collapse(call, args: list, out: torch.Tensor):
     output, which ``out_view`` (``out`` seen with the kernel result's shape)
     then replaces.  ``args`` and ``out`` must stay the same tensors for the
     graph's life; nothing is written to them."""
-    if call not in COLLAPSIBLE or not all(
-            type(a) is torch.Tensor and a.layout == torch.strided for a in [*args, out]):
-        return None
-    try:
-        with torch.inference_mode(out.is_inference()):
-            scratch = torch.empty_strided(out.size(), out.stride(), dtype=out.dtype, device=out.device)
-            log = _Log()
-            with torch._C.DisableTorchFunction(), log:
-                call(*args, out=scratch)
-    except Exception:  # noqa: BLE001 - any failure just means "replay the composite"
-        return None
-    work = [c for c in log.calls if not (c[0].is_view or c[0] in _VIEWS)]
-    if not ONLY_VIEWS:
-        work = [c for c in work if c[0] in _KERNELS or c[0] is _aten.copy_.default][-2:]
-    if len(work) != 2 or work[0][0] not in _KERNELS or work[1][0] is not _aten.copy_.default:
-        return None
-    (func, kargs, kkw, res), (_, (dst, src, *rest), ckw, _) = work
-    if kkw or rest or ckw or not all(isinstance(a, torch.Tensor) for a in kargs):
-        return None
-    if not (out.is_contiguous() and _whole(dst, scratch) and _whole(src, res)):
+    if call not in COLLAPSIBLE or not _plain([*args, out]) or not out.is_contiguous():
         return None
     with torch.inference_mode(out.is_inference()):
-        out_view = out.as_strided(res.size(), res.stride(), out.storage_offset())
-    return _KERNELS[func], tuple(kargs), out_view
+        scratch = torch.empty_strided(out.size(), out.stride(), dtype=out.dtype, device=out.device)
+    got = _run_logged(call, args, out.is_inference(), scratch)
+    if got is None or len(got[1]) != 2 or got[1][1][0] is not _aten.copy_.default:
+        return None
+    kernel, (_, (dst, src, *rest), ckw, _) = _kernel(got[1][0]), got[1][1]
+    if kernel is None or rest or ckw or not (_whole(dst, scratch) and _whole(src, kernel[2])):
+        return None
+    return kernel[0], kernel[1], view_like(out, kernel[2])
+
+
+def collapse_functional(call, args: list, inference: bool):
+    """The direct kernel call that ``res = call(*args)`` amounts to:
+    ``(binding, args, result)`` such that ``binding(*args, out=b)``, with
+    ``b`` of the metadata of ``result`` (:func:`view_like` of a buffer of
+    ``res``'s metadata), computes what the composite returns; or None.
+
+    Accepted composite runs: views, one kernel of :data:`_KERNELS` on views
+    of ``args``, then views of its result ending in the whole result, in
+    memory order (contiguous both).  Nothing is written to ``args``."""
+    if call not in COLLAPSIBLE_FUNCTIONAL or not _plain(args):
+        return None
+    got = _run_logged(call, args, inference)
+    if got is None or len(got[1]) != 1:
+        return None
+    kernel, res = _kernel(got[1][0]), got[0]
+    if kernel is None or type(res) is not torch.Tensor or not _whole(res, kernel[2]):
+        return None
+    return kernel
+
+
+def view_like(buf: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+    """``buf`` (contiguous) seen with the size and strides of ``res`` (contiguous, as many elements)."""
+    with torch.inference_mode(buf.is_inference()):
+        return buf.as_strided(res.size(), res.stride(), buf.storage_offset())

@@ -25,6 +25,7 @@ from graphrunner.errors import CaptureError
 from .bindings import _NO_TORCH_FUNCTION
 from .arena import TapePool, graph_pool_handle, place
 from .codegen import generate, hoist
+from .jit import JitReplay, eligible, jit_default
 from .recording import _Capture, _Recorder
 from .rng import _reseed_guard
 from .state import _ACTIVE, _ACTIVE_LOCK, _CAPTURE_ERROR_MODES, alias_of
@@ -68,6 +69,11 @@ class TapeGraph:
         them at once (two threads) raises :class:`CaptureError` naming both.
         ``pool_bytes`` estimates the pool memory the capture added.
 
+    ``jit_replay`` (default: ``$GRAPHRUNNER_TAPE_JIT``, on unless ``0``):
+    replay through a TorchScript trace of the generated code, made at the
+    first replay, where the program allows (:mod:`graphrunner.tape.jit`);
+    the results are the same bits.  ``replay_engine`` says which engine runs.
+
     ``poison_captured_values`` (default: ``$GRAPHRUNNER_TAPE_POISON``, see
     :func:`poison_default`) emulates what a CUDA capture leaves in the
     survivors: it launches nothing, so until the first replay they hold
@@ -86,8 +92,13 @@ class TapeGraph:
     the garbage), and the survivor is poisoned again when that capture ends.
     """
 
-    def __init__(self, poison_captured_values: bool | None = None):
+    def __init__(self, poison_captured_values: bool | None = None, jit_replay: bool | None = None):
         self.poison_captured_values: bool = _resolve_poison(poison_captured_values, "TapeGraph")
+        if jit_replay is not None and not isinstance(jit_replay, bool):
+            raise TypeError(f"jit_replay must be True, False or None, got {type(jit_replay).__name__}")
+        #: Replay through a TorchScript trace when the program allows (:mod:`~graphrunner.tape.jit`).
+        self.jit_replay: bool = jit_default() if jit_replay is None else jit_replay
+        self._jit: JitReplay | None = None
         self._pool: TapePool | None = None
         self._cap: _Capture | None = None
         self._modes: tuple | None = None
@@ -223,6 +234,7 @@ class TapeGraph:
 
     def _clear(self) -> None:
         self._fn = None
+        self._jit = None
         self._num_ops = 0
         self._statics = []
         self._versioned = []
@@ -334,6 +346,15 @@ class TapeGraph:
         versioned = [(w, w()._version) for w, _ in versioned if w() is not None]
         prog, n_ops = generate(cap, consts, survivors, spills)
         self._fn = prog.fn
+        self._jit = None
+        if self.jit_replay:
+            why = eligible(prog.env, any(op.collective for op in cap.ops))
+            if why is None:
+                written = [t for n, t in consts.items() if cap.kind.get(n) == "ext" and type(t) is torch.Tensor
+                           and cap.skey.get(n) in cap.written]
+                self._jit = self._fn = JitReplay(prog.fn, prog.lines, prog.env, written)
+            else:
+                logger.debug("tape replay in Python: %s", why)
         self.source = prog.source
         self._env = prog.env
         self._labels = prog.labels
@@ -346,6 +367,15 @@ class TapeGraph:
             "tape capture: %d ops recorded, %d replayed, %d survivors, %d externals",
             len(cap.ops), n_ops, len(survivors), sum(1 for k in cap.kind.values() if k == "ext"),
         )
+
+    @property
+    def replay_engine(self) -> str | None:
+        """What replays this graph: ``"jit"`` (a TorchScript trace of the
+        generated code), ``"jit-pending"`` (traced at the first replay),
+        ``"python"`` (the generated code itself), None before a capture."""
+        if self._fn is None:
+            return None
+        return self._jit.engine if self._jit is not None else "python"
 
     @property
     def pool_bytes(self) -> int:

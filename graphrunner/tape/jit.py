@@ -1,0 +1,192 @@
+"""Replay through a TorchScript trace of the generated code.
+
+Owns the second replay engine.  The generated replay
+(:mod:`~graphrunner.tape.codegen`) is straight-line Python: each op costs a
+Python call and the binding's argument parsing on top of its kernel.  The
+TorchScript interpreter runs the same aten calls without either, so a
+decode step replays 5-25% faster through it (``bench/tape_vs_eager.py``).
+
+:class:`JitReplay` wraps the generated program.  Its first call traces
+(``torch.jit.trace``) a copy of the replay that takes every tensor it binds
+as a parameter, the tensors inside list constants included, so the trace
+holds no tensor constant and no value of the capture is frozen into it.
+Tracing executes the replay once for real, so that first call *is* a
+replay.  Later calls run the trace without TorchScript's optimisation passes
+(``torch.jit.optimized_execution(False)``): the recorded aten calls, in
+order, on the same tensors, so the results are bit-identical to the Python
+replay's.
+
+A graph replays in Python instead when its program is not eligible
+(:func:`eligible`: collectives, or a bound value other than tensors,
+literals and C builtins such as torch's functions: a generator, a Python
+function), when tracing fails (the
+external tensors the replay writes are restored from a copy taken before,
+then the Python replay runs, so no write happens twice), or when the trace
+came out with a tensor constant.  A replay made while a
+``TorchDispatchMode`` is active (``runner.compare`` records the ops it
+runs) runs the Python replay, and is never the one traced.  ``TapeGraph(jit_replay=False)`` or the
+environment variable ``GRAPHRUNNER_TAPE_JIT=0`` turns the engine off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import warnings
+from typing import Any, Callable
+
+import torch
+
+logger = logging.getLogger("graphrunner.tape")
+
+#: Set to ``0`` to replay every TapeGraph in Python (the default is the trace).
+JIT_ENV_VAR = "GRAPHRUNNER_TAPE_JIT"
+
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_LITERAL_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def jit_default() -> bool:
+    """Whether TapeGraphs replay through a trace unless told: ``GRAPHRUNNER_TAPE_JIT`` is not ``0``."""
+    return os.environ.get(JIT_ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _torch_callable(v) -> bool:
+    """A builtin of a C extension (torch's functions, Tensor methods, an aten op's ``_op``): never Python code."""
+    return type(v).__name__ in ("builtin_function_or_method", "method_descriptor")
+
+
+def _plain_tensor(v) -> bool:
+    return type(v) in _TENSOR_TYPES
+
+
+def eligible(env: dict, collective: bool) -> str | None:
+    """None if a program binding ``env`` can be traced, else why not.  A
+    generator (an RNG op drawing from a given one) is not a value a trace
+    takes, so such programs replay in Python; RNG ops on the default
+    generator draw from it at each replay either way."""
+    if collective:
+        return "it issues collectives"
+    for name, v in env.items():
+        if _plain_tensor(v) or isinstance(v, _LITERAL_TYPES):
+            continue
+        if isinstance(v, (list, tuple)) and all(_plain_tensor(x) or isinstance(x, _LITERAL_TYPES) for x in v):
+            continue
+        if callable(v) and _torch_callable(v):
+            continue
+        return f"it binds {name} = {type(v).__name__}"
+    return None
+
+
+class JitReplay:
+    """The replay of one program through a TorchScript trace (see the module
+    docstring).  Call it where the Python replay ``fn`` would be called
+    (under the replay's grad / inference mode); ``engine`` says which ran
+    last: ``"jit"``, ``"jit-pending"`` (not traced yet) or ``"python"``."""
+
+    def __init__(self, fn: Callable[[], None], lines: list[str], env: dict, written: list[torch.Tensor]):
+        self._python = fn
+        self._written = written
+        self._trace: Any = None
+        self.engine = "jit-pending"
+        self.why_python: str | None = None
+        params: list[str] = []
+        args: list[torch.Tensor] = []
+        glob: dict[str, Any] = {}
+        inline: dict[str, str] = {}
+        for name, v in env.items():
+            if _plain_tensor(v):
+                params.append(name)
+                args.append(v)
+            elif isinstance(v, (list, tuple)) and any(_plain_tensor(x) for x in v):
+                parts = []
+                for j, x in enumerate(v):
+                    if _plain_tensor(x):
+                        params.append(f"{name}_{j}")
+                        args.append(x)
+                        parts.append(f"{name}_{j}")
+                    else:
+                        parts.append(f"_lit_{name}_{j}")
+                        glob[f"_lit_{name}_{j}"] = x
+                inline[name] = ("[" + ", ".join(parts) + "]") if isinstance(v, list) else (
+                    "(" + "".join(p + ", " for p in parts) + ")")
+            else:
+                glob[name] = v
+        body = list(lines) or ["pass"]
+        if inline:
+            pat = re.compile(r"\b(" + "|".join(map(re.escape, inline)) + r")\b")
+            body = [pat.sub(lambda m: inline[m.group(1)], ln) for ln in body]
+        # The trace needs an output: the first tensor parameter (every op that
+        # writes a parameter is kept, since parameters may alias each other).
+        ret = params[0] if params else "None"
+        src = (f"def _replay_traced({', '.join(params)}):\n" + "\n".join("    " + ln for ln in body)
+               + f"\n    return {ret}\n")
+        self.source = src
+        glob["__name__"] = __name__
+        exec(compile(src, "<tape replay (traced)>", "exec"), glob)
+        self._fn = glob["_replay_traced"]
+        self._fn.__module__ = __name__
+        self._args = tuple(args)
+
+    def __call__(self) -> None:
+        if torch._C._len_torch_dispatch_stack():
+            # a dispatch mode is watching (runner.compare, a user's mode): it
+            # sees the generated code's calls one by one; nothing is traced
+            # under it
+            self._python()
+            return
+        if self._trace is not None:
+            with torch.jit.optimized_execution(False):
+                self._trace(*self._args)
+            return
+        if self.engine == "python":
+            self._python()
+            return
+        self._first()
+
+    def _first(self) -> None:
+        """Trace (running the replay once), or fall back to the Python replay
+        with the written externals restored."""
+        saved = _snapshot(self._written)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", torch.jit.TracerWarning)
+                warnings.simplefilter("ignore", DeprecationWarning)  # torch 2.13 deprecates torch.jit.trace
+                trace = torch.jit.trace(self._fn, self._args, check_trace=False)
+        except Exception as exc:  # noqa: BLE001 - the Python replay is always there
+            _restore(saved)
+            self._fallback(f"tracing failed: {type(exc).__name__}: {str(exc)[:200]}")
+            self._python()
+            return
+        del saved
+        consts = [n for n in trace.graph.nodes()
+                  if n.kind() == "prim::Constant" and n.output().type().kind() == "TensorType"]
+        if consts:  # this replay ran for real; later ones must not read a frozen value
+            self._fallback(f"the trace holds {len(consts)} tensor constant(s)")
+            return
+        self._trace = trace
+        self.engine = "jit"
+
+    def _fallback(self, why: str) -> None:
+        self.engine = "python"
+        self.why_python = why
+        logger.debug("tape replay in Python: %s", why)
+
+
+def _snapshot(tensors: list[torch.Tensor]) -> list:
+    out, seen = [], set()
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.data_ptr() in seen or st.nbytes() == 0:
+            continue
+        seen.add(st.data_ptr())
+        with torch.inference_mode():
+            out.append((st, torch.empty(0, dtype=torch.uint8, device=st.device).set_(st).clone()))
+    return out
+
+
+def _restore(saved: list) -> None:
+    with torch.inference_mode():
+        for st, copy in saved:
+            torch.empty(0, dtype=torch.uint8, device=st.device).set_(st).copy_(copy)
