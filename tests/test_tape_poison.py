@@ -115,13 +115,18 @@ def test_externals_are_never_poisoned():
 # switches
 
 
-def test_device_flag_reaches_every_graph_it_makes():
+def test_device_flag_reaches_every_graph_it_makes(monkeypatch):
+    monkeypatch.delenv("GRAPHRUNNER_TAPE_JIT", raising=False)  # the repr names a jit_replay=False device
     on, off = TapeDevice(poison_captured_values=True), TapeDevice()
     assert on.poison_captured_values and on.new_graph().poison_captured_values
     assert not off.poison_captured_values and not off.new_graph().poison_captured_values
     assert repr(on) == "TapeDevice('cpu', poison_captured_values=True)" and repr(off) == "TapeDevice('cpu')"
     with pytest.raises(TypeError, match="poison_captured_values"):
         TapeDevice(poison_captured_values=1)
+    assert TapeDevice(jit_replay=False).new_graph().jit_replay is False
+    assert repr(TapeDevice(jit_replay=False)) == "TapeDevice('cpu', jit_replay=False)"
+    with pytest.raises(TypeError, match="jit_replay"):
+        TapeDevice(jit_replay=1)
     with pytest.raises(TypeError, match="poison_captured_values"):
         TapeGraph(poison_captured_values="yes")
 
