@@ -109,7 +109,10 @@ def _recording_past_cache(monkeypatch):
 
     def make_recording(*args, **kwargs):
         cache = make(*args, **kwargs)
-        cache.activate_past_recording()
+        try:  # transformers >= 5.25 also records recurrent states; its default (None) breaks Mamba's min()
+            cache.activate_past_recording(recurrent_states_to_keep=0)
+        except TypeError:  # transformers 5.24: conv states only
+            cache.activate_past_recording()
         return cache
 
     monkeypatch.setattr(gr.hf, "make_static_cache", make_recording)
