@@ -46,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from graphrunner._frames import is_internal, where
 from graphrunner._pytree import flatten
 from graphrunner.errors import CaptureError
+from graphrunner.tape.state import storage_bytes
 
 __all__ = ["CompareReport", "compare_runner"]
 
@@ -244,13 +245,13 @@ class _State:
                     continue
                 st = t.untyped_storage()
                 with _disable_current_modes(), torch.inference_mode():
-                    raw = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
+                    raw = storage_bytes(st)
                     self.snapshots[k] = (st, raw.clone(), f"{tuple(t.shape)} {t.dtype}")
 
     def restore(self) -> None:
         with _disable_current_modes(), torch.inference_mode():
             for st, snap, _ in self.snapshots.values():
-                torch.empty(0, dtype=torch.uint8, device=st.device).set_(st).copy_(snap)
+                storage_bytes(st).copy_(snap)
         for g, s in self.gens:
             g.set_state(s)
 

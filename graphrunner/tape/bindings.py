@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from .state import _storage
+from .state import _storage, storage_bytes
 from .survivors import poison_value
 
 # Calling an OpOverload from Python (``aten.mul.Tensor._op(x, y)``) costs about
@@ -180,7 +180,7 @@ class _Verifier:
                 b = fresh.get(k)  # the capture's snapshot, taken just now (never modified)
                 if b is None:
                     with torch.inference_mode():
-                        b = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st).clone()
+                        b = storage_bytes(st).clone()
                 self.twin_st[k] = (st, b)
         self.ok = True
 
@@ -204,7 +204,7 @@ class _Verifier:
         """Every written storage holds the same bytes as its copy written by the binding."""
         with torch.inference_mode():
             for k, (st, _) in self.twin_st.items():
-                real = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
+                real = storage_bytes(st)
                 if not torch.equal(real, self.work[k]):
                     return False
         return True

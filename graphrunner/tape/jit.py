@@ -38,6 +38,8 @@ from typing import Any, Callable
 
 import torch
 
+from .state import storage_bytes
+
 logger = logging.getLogger("graphrunner.tape")
 
 #: Set to ``0`` to replay every TapeGraph in Python (the default is the trace).
@@ -182,11 +184,11 @@ def _snapshot(tensors: list[torch.Tensor]) -> list:
             continue
         seen.add(st.data_ptr())
         with torch.inference_mode():
-            out.append((st, torch.empty(0, dtype=torch.uint8, device=st.device).set_(st).clone()))
+            out.append((st, storage_bytes(st).clone()))
     return out
 
 
 def _restore(saved: list) -> None:
     with torch.inference_mode():
         for st, copy in saved:
-            torch.empty(0, dtype=torch.uint8, device=st.device).set_(st).copy_(copy)
+            storage_bytes(st).copy_(copy)

@@ -23,7 +23,7 @@ from graphrunner.errors import CaptureError
 
 from .bindings import _Verifier
 from .rng import _op_generator
-from .state import _storage
+from .state import _storage, storage_bytes
 from .survivors import _POISONED, _SURVIVORS, EscapedTensorWarning, _Poisoned
 from .unsafe import _check_safe, _user_frame
 
@@ -203,7 +203,7 @@ class _Capture:
         # Snapshot the whole storage on first write: a CUDA capture launches
         # nothing, so the external must look untouched after capture_end.
         with torch.inference_mode():
-            b = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
+            b = storage_bytes(st)
             self.snapshots[k] = (st, b.clone())
         ent = _SURVIVORS.get(k)
         if ent is not None and ent[0]() is st:
@@ -245,7 +245,7 @@ class _Capture:
     def restore(self) -> None:
         with torch.inference_mode():
             for st, snap in self.snapshots.values():
-                torch.empty(0, dtype=torch.uint8, device=st.device).set_(st).copy_(snap)
+                storage_bytes(st).copy_(snap)
         self.snapshots.clear()
 
 

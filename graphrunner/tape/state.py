@@ -45,6 +45,13 @@ def _storage(t: torch.Tensor):
         return None
 
 
+def storage_bytes(st) -> torch.Tensor:
+    """A uint8 tensor over every byte of untyped storage ``st`` (a view, not
+    a copy: ``.clone()`` it to snapshot, ``.copy_(snap)`` into it to restore).
+    Call it under ``torch.inference_mode()`` as the tape's snapshots do."""
+    return torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
+
+
 # Tensors the tape itself holds on some storage: id(storage) -> WeakSet of them.
 # They do not count as references to the memory (a CUDA graph holds
 # addresses, not tensors): see graphrunner.tape.arena.
