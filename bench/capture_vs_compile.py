@@ -1,7 +1,7 @@
 """Capture time of every bucket of the demo decoder vs torch.compile compiling the same step.
 
 Both sides take the same step, ``model.decode_step(input_ids[B], positions[B])`` of the demo
-Llama decoder (``graphrunner.models``) with ``LlamaConfig(attention="masked")``: the masked
+Llama decoder (``graphrunner_tools.models``) with ``LlamaConfig(attention="masked")``: the masked
 attention core has no host reads, so the full-graph backend captures each step whole and
 dynamo traces it without graph breaks (the default ``"varlen"`` core reads ``max(positions)``
 on the host; dynamo would trace through the ``@no_graph`` break and graph-break or
@@ -41,8 +41,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from graphrunner.bench import decode_runner, environment, parse_buckets, sync_device, write_json
-from graphrunner.models import LlamaConfig, build_model
+from graphrunner_tools.bench import decode_runner, environment, parse_buckets, sync_device, write_json
+from graphrunner_tools.models import LlamaConfig, build_model
 
 # Target: capturing every bucket is at least this many times faster than compiling the same sizes.
 TARGET_RATIO = 50.0

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 
-from graphrunner.bench import environment, write_json
+from graphrunner_tools.bench import environment, write_json
 
 _COMPETITOR = """
 import torch
@@ -39,7 +39,7 @@ while True:
 
 
 def _demo_seconds(threads: int, steps: int, env: dict) -> float:
-    argv = [sys.executable, "-m", "graphrunner.cli", "demo", "--steps", str(steps), "--threads", str(threads),
+    argv = [sys.executable, "-m", "graphrunner_tools.cli", "demo", "--steps", str(steps), "--threads", str(threads),
             "--trace-out", "", "--no-progress"]
     t0 = time.perf_counter()
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1800)

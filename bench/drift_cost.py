@@ -24,10 +24,10 @@ import time
 
 import torch
 
-from graphrunner.bench import environment, write_json
-from graphrunner.models import LlamaConfig, build_model
 from graphrunner.runner import BatchInput, GraphRunner
-from graphrunner.threads import torch_threads
+from graphrunner_tools.bench import environment, write_json
+from graphrunner_tools.models import LlamaConfig, build_model
+from graphrunner_tools.threads import torch_threads
 
 BUCKETS = [1, 2, 4, 8]
 
@@ -43,7 +43,7 @@ def demo_workload(backend: str, layers: int, device: str):
                            inputs={"input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0),
                                    "positions": BatchInput(trailing=(), dtype=torch.long, pad=0)},
                            buckets=BUCKETS, backend=backend, device=device, progress=False,
-                           drift_check=drift_check)
+                           checks=None if drift_check else ("padding", "fingerprint"))
 
     return make
 
@@ -73,7 +73,8 @@ def hf_llama_workload(device: str):
             return views[rows]
 
         return GraphRunner(ghf.make_decode_step(model, pick), inputs=ghf.decode_inputs(), buckets=BUCKETS,
-                           backend="full", device=device, progress=False, drift_check=drift_check)
+                           backend="full", device=device, progress=False,
+                           checks=None if drift_check else ("padding", "fingerprint"))
 
     return make
 

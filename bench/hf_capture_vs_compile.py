@@ -26,7 +26,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from graphrunner.bench import environment, parse_buckets, write_json
+from graphrunner_tools.bench import environment, parse_buckets, write_json
 
 
 def _model():

@@ -1,7 +1,7 @@
 """Per-call latency of the demo decoder's decode step against batch size, eager vs graphs.
 
 Methods (each a different way to run ``model.decode_step(input_ids[B], positions[B])`` of
-the demo Llama decoder, ``graphrunner.models``, random weights):
+the demo Llama decoder, ``graphrunner_tools.models``, random weights):
 
 - ``eager``:          plain eager PyTorch, default config (``attention="varlen"``, an eager
                       ``@no_graph`` attention core that trims keys to the longest request).
@@ -35,8 +35,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from graphrunner.bench import decode_runner, environment, parse_int_list, sync_device, write_json
-from graphrunner.models import LlamaConfig, build_model
+from graphrunner_tools.bench import decode_runner, environment, parse_int_list, sync_device, write_json
+from graphrunner_tools.models import LlamaConfig, build_model
 
 # method -> (device kind, attention config, backend or None for eager, eager reference method)
 METHODS: Dict[str, tuple] = {

@@ -1,6 +1,6 @@
 """Tokens/s and p99 decode-step time against concurrency, graph engine vs eager engine.
 
-Runs ``graphrunner loadtest`` (:func:`graphrunner.loadtest.run_loadtest`) ``--rounds`` times
+Runs ``graphrunner loadtest`` (:func:`graphrunner_tools.loadtest.run_loadtest`) ``--rounds`` times
 over the concurrency levels and reports, per level, the medians over rounds of: generated
 tokens per second and the p50/p99 decode-step time of the graph engine and of the eager engine
 (same requests, same scheduling decisions, same padded batches; every token compared). Prints a
@@ -19,8 +19,8 @@ import statistics
 import sys
 from typing import Any, Dict, List, Optional
 
-from graphrunner.bench import environment, loadtest_table, parse_int_list, write_json
-from graphrunner.loadtest import LoadtestConfig, run_loadtest
+from graphrunner_tools.bench import environment, loadtest_table, parse_int_list, write_json
+from graphrunner_tools.loadtest import LoadtestConfig, run_loadtest
 
 #: Per-level fields reported (medians over rounds), graph then eager.
 FIELDS = ("tokens_per_s", "eager_tokens_per_s", "p50_step_ms", "eager_p50_step_ms", "p99_step_ms",

@@ -14,7 +14,7 @@ sequence of random batch sizes, interleaved in one process:
 
 It also reports the capture-time cost of the padding-leak check: the
 seconds its extra forwards took (``leak_check_seconds``) against the whole
-capture, and a capture of the same runner with ``leak_check=False``.
+capture, and a capture of the same runner without it (``checks=("drift", "fingerprint")``).
 
 Prints the per-call medians and their ratio (target <= 1.25x) and writes JSON
 (``--out``, default ``bench/results/runner_overhead.json``). Not a test: it
@@ -42,11 +42,10 @@ import time
 
 import torch
 
-from graphrunner.bench import environment, write_json
-
 import graphrunner
 from graphrunner.breakable import no_graph
 from graphrunner.runner import BatchInput, GraphRunner
+from graphrunner_tools.bench import environment, write_json
 
 
 def build_step(hidden: int, vocab: int, layers: int, seed: int):
@@ -98,7 +97,7 @@ def main(argv=None) -> dict:
     # Capture once without the leak check first (the first capture of a process also pays lazy
     # initialisation), then the runner with it: the two totals compare like with like.
     plain = GraphRunner(step, inputs, buckets, backend=args.backend, device=args.device, progress=False,
-                        debug=False, leak_check=False)
+                        debug=False, checks=("drift", "fingerprint"))
     plain.capture()
     plain.cleanup()
     plain_s = plain.capture().total_seconds

@@ -30,7 +30,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from graphrunner.bench import environment, write_json
+from graphrunner_tools.bench import environment, write_json
 
 D, H = 16, 48
 BUCKETS = [1, 2, 4, 8]

@@ -2,7 +2,7 @@
 
 Four workloads, random weights from a seed:
 
-* ``llama`` (the headline rows): the demo :class:`~graphrunner.models.LlamaForCausalLM`
+* ``llama`` (the headline rows): the demo :class:`~graphrunner_tools.models.LlamaForCausalLM`
   (``LlamaConfig.demo(attention="masked")``: 4 layers, hidden 256, GQA, RoPE, SwiGLU, a static
   KV cache written with ``index_put_``), its whole ``decode_step`` captured, which is what users
   run. Eager is that same ``nn.Module`` call.
@@ -44,9 +44,8 @@ import time
 
 import torch
 
-from graphrunner.bench import environment, write_json
-
 from graphrunner import tape as _tape
+from graphrunner_tools.bench import environment, write_json
 
 
 def load_tape(path: str | None):
@@ -111,7 +110,7 @@ def build_inline(hidden=256, heads=4, layers=4, ffn=688, max_len=128, batch=1, s
 
 def build_llama(batch=1, seed=0):
     """The demo Llama decode step over static inputs: returns (step, set_inputs, caches)."""
-    from graphrunner.models import LlamaConfig, build_model
+    from graphrunner_tools.models import LlamaConfig, build_model
 
     model = build_model(LlamaConfig.demo(attention="masked"), seed=seed)
     ids = torch.zeros(batch, dtype=torch.long)

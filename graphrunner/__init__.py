@@ -13,6 +13,7 @@ from graphrunner.backends import BreakableGraphBackend, EagerBackend, FullGraphB
 from graphrunner.runner import BatchInput, GraphRunner, RunnerStats, default_buckets
 from graphrunner.report import BucketReport, CaptureReport
 from graphrunner.arena import OutputArena
+from graphrunner.checks import PaddingCheck
 
 #: The public API: every name above (``help(graphrunner)`` lists these).
 __all__ = [
@@ -34,6 +35,8 @@ __all__ = [
     # the runner and its report
     "BatchInput", "GraphRunner", "RunnerStats", "default_buckets", "BucketReport", "CaptureReport",
     "OutputArena",
+    # checks
+    "PaddingCheck",
 ]
 
 

@@ -2,11 +2,11 @@
 
 One rule, used by every message that names "your line" (capture-unsafe ops,
 drift, ``graphrunner check``, ``runner.compare``): a frame is *internal* when
-its file is inside torch, inside the graphrunner runtime (its demo models
-under ``graphrunner/models`` are user code) or a frozen module; the user's
-line is the innermost frame that is not internal. A frame is a *library*
-frame when its file is installed (``site-packages`` / ``dist-packages``) or
-in the standard library: code the user cannot decorate with ``@no_graph``.
+its file is inside torch, inside the graphrunner package or a frozen module
+(all other code is the user's); the user's line is the innermost frame that is
+not internal. A frame is a *library* frame when its file is installed
+(``site-packages`` / ``dist-packages``) or in the standard library: code the
+user cannot decorate with ``@no_graph``.
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ __all__ = ["is_internal", "is_library", "library_name", "user_frame", "where"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-#: graphrunner code that is the user's model, not the runtime: its lines are reported.
-_USER_DIRS_IN_PKG = (os.path.join(_PKG_DIR, "models") + os.sep,)
 _STDLIB_DIRS = tuple(sorted({os.path.abspath(p) + os.sep for p in (sysconfig.get_paths().get("stdlib"),
                                                                   sysconfig.get_paths().get("platstdlib")) if p}))
 
@@ -32,15 +30,13 @@ _internal_cache: dict = {}
 
 
 def is_internal(code) -> bool:
-    """True for the code object of torch, of the graphrunner runtime (not
-    its demo models) and of frozen modules: never the line a user should
-    edit. Cached per code object."""
+    """True for the code object of torch, of the graphrunner package and of
+    frozen modules: never the line a user should edit. Cached per code object."""
     hit = _internal_cache.get(code)
     if hit is None:
         fn = code.co_filename
         path = os.path.abspath(fn)
-        hit = (fn.startswith("<frozen") or path.startswith(_TORCH_DIR)
-               or (path.startswith(_PKG_DIR) and not path.startswith(_USER_DIRS_IN_PKG)))
+        hit = fn.startswith("<frozen") or path.startswith(_TORCH_DIR) or path.startswith(_PKG_DIR)
         _internal_cache[code] = hit
     return hit
 

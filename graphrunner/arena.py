@@ -124,5 +124,11 @@ class OutputArena:
                      "largest outputs first to hold only the largest")
         return line
 
+    def facts(self) -> Dict[str, Any]:
+        """What a capture report says of the arena: ``name``, ``owners``, ``bytes_held``,
+        ``bytes_if_separate`` and the :meth:`summary` line."""
+        return {"name": self.name, "owners": self.owners, "bytes_held": self.bytes_held,
+                "bytes_if_separate": self.bytes_if_separate, "summary": self.summary()}
+
     def __repr__(self) -> str:
         return f"OutputArena(name={self.name!r}, owners={self.owners}, bytes_held={self.bytes_held})"

@@ -30,15 +30,21 @@ class CaptureError(GraphRunnerError):
     is chained as ``__cause__``."""
 
 
+class RanksDisagreeError(CaptureError):
+    """The ranks found, together, that they configured or captured different things (the
+    capture fingerprint, :mod:`graphrunner.checks.fingerprint`). Every rank raises the same
+    error, unchanged by the backend (like :class:`RankTimeoutError`); nothing was replayed."""
+
+
 class PaddingLeakError(CaptureError):
-    """The padding-leak check at capture (:mod:`graphrunner.leaks`) found a
+    """The padding-leak check at capture (:mod:`graphrunner.checks.padding`) found a
     real output cell that changes when only padding cells change: replays of
     that key would return results that include the padding. The message
     names the output path (e.g. ``output['total']``) and the key."""
 
 
 class ContractError(GraphRunnerError):
-    """A debug-mode contract failed before a replay (:mod:`graphrunner.contracts`):
+    """A debug-mode contract failed before a replay (:mod:`graphrunner.checks.contracts`):
     an external tensor the graph reads (a weight, buffer, KV cache) was
     re-bound or changed storage, shape or strides since capture. The message
     names the tensor, with its module path where known."""

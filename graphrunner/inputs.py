@@ -63,9 +63,21 @@ class BatchInput:
             raise ValueError(f"BatchInput.pad {self.pad!r} is not representable in {self.dtype}")
         if self.dims is not None:
             object.__setattr__(self, "dims", check_dims(self.dims, "BatchInput.dims"))
-        from graphrunner.contracts import check_bounds_spec
+        from graphrunner.checks.contracts import check_bounds_spec
 
         object.__setattr__(self, "bounds", check_bounds_spec(self.bounds, self.pad, self.dtype))
+
+
+def check_inputs(inputs: Any) -> None:
+    """Raise ``ValueError``/``TypeError`` unless ``inputs`` is a non-empty ``{identifier: BatchInput}``."""
+    if not isinstance(inputs, Mapping) or not inputs:
+        raise ValueError("inputs must be a non-empty dict {name: gr.BatchInput(...)} naming every input of step")
+    for name, spec in inputs.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"input name {name!r} must be a Python identifier (it is passed as a keyword)")
+        if not isinstance(spec, BatchInput):
+            raise TypeError(f"inputs[{name!r}] must be a gr.BatchInput(trailing=..., dtype=..., pad=...), "
+                            f"got {type(spec).__name__}")
 
 
 def alias_error(ranges: Sequence[Tuple[int, int]], names: Sequence[str], name: str, t: torch.Tensor) -> Optional[Exception]:

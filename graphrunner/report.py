@@ -7,6 +7,7 @@ give the same data for tooling.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -47,6 +48,15 @@ class BucketReport:
     num_breaks: int
     bytes_held: int
     info: Dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_info(cls, bucket: Any, info: Dict[str, Any]) -> "BucketReport":
+        """The report of ``bucket`` from the backend's ``info(bucket)`` dict."""
+        info = dict(info)
+        return cls(bucket=bucket, capture_seconds=float(info.get("capture_seconds", 0.0)),
+                   graph_capture_seconds=float(info.get("graph_capture_seconds", 0.0)),
+                   num_segments=int(info.get("num_segments", 0)), num_breaks=int(info.get("num_breaks", 0)),
+                   bytes_held=int(info.get("bytes_held", 0)), info=info)
 
     def to_dict(self) -> Dict[str, Any]:
         """A JSON-ready dict (``info`` included, values made JSON-safe)."""
@@ -167,3 +177,68 @@ class CaptureReport:
 def key_text(key: Any) -> str:
     """A shape key for a table cell: ``8`` for an int, ``8x4`` for a tuple."""
     return "x".join(map(str, key)) if isinstance(key, tuple) else str(key)
+
+
+@dataclass
+class RunnerStats:
+    """Counters of a :class:`GraphRunner` (``runner.stats``).
+
+    ``replays`` maps each bucket (each key: a tuple with several named
+    dims) to the number of calls that replayed it;
+    ``fallbacks`` counts calls that ran eagerly, ``fallback_reasons`` splits
+    them by reason (``"over_max_bucket"``, ``"padding_ratio"``,
+    ``"cannot_replay"``: this or, with agreement, another rank cannot replay
+    the agreed bucket); ``padding_rows`` counts the padding rows computed
+    (replays, and multi-rank eager fallbacks padded to the agreed batch) and
+    ``real_rows`` the caller's rows (with several dims: cells, the product
+    of the sizes). ``last_bucket`` is the bucket (key) the most
+    recent call replayed, ``None`` when it fell back. Calls that raised
+    (invalid inputs, ``fallback="error"``) are not counted.
+    """
+
+    replays: Dict[int, int] = field(default_factory=dict)
+    fallbacks: int = 0
+    fallback_reasons: Dict[str, int] = field(default_factory=dict)
+    padding_rows: int = 0
+    real_rows: int = 0
+    last_bucket: Optional[int] = None
+
+    def count(self, bucket: Any, sizes: Any, rows: Any, reason: Optional[str] = None) -> None:
+        """Count one call of real ``sizes`` computed at ``rows`` (a key, or the padded fallback):
+        a replay of ``bucket``, or with ``bucket=None`` a fallback for ``reason``."""
+        real = math.prod(sizes)
+        self.padding_rows += math.prod(rows) - real
+        self.real_rows += real
+        self.last_bucket = bucket
+        if bucket is None:
+            self.fallbacks += 1
+            self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + 1
+        else:
+            self.replays[bucket] += 1
+
+    @property
+    def calls(self) -> int:
+        """Successful calls: replays plus fallbacks."""
+        return sum(self.replays.values()) + self.fallbacks
+
+    def reset(self) -> None:
+        """Zero every counter (buckets stay listed in ``replays``)."""
+        for b in self.replays:
+            self.replays[b] = 0
+        self.fallbacks = 0
+        self.fallback_reasons.clear()
+        self.padding_rows = 0
+        self.real_rows = 0
+        self.last_bucket = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        """A JSON-ready copy of the counters."""
+        return {
+            "calls": self.calls,
+            "replays": {str(k): v for k, v in self.replays.items()},
+            "fallbacks": self.fallbacks,
+            "fallback_reasons": dict(self.fallback_reasons),
+            "padding_rows": self.padding_rows,
+            "real_rows": self.real_rows,
+            "last_bucket": self.last_bucket,
+        }

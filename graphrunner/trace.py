@@ -45,7 +45,8 @@ class EventKind:
     """The event kinds (plain ``str`` constants) every layer records.
 
     Backend layer: ``SESSION_BEGIN``, ``SESSION_END``, ``WARMUP_FORWARD``,
-    ``HOOK``, ``GRAPH_CONSTRUCT``, ``CAPTURE_FORWARD``, ``REPLAY``. Device
+    ``HOOK``, ``CHECK`` (a capture hook's work after the warmups, e.g. the
+    padding check's extra forward; ``data["check"]`` names it), ``GRAPH_CONSTRUCT``, ``CAPTURE_FORWARD``, ``REPLAY``. Device
     layer: ``SYNCHRONIZE``. Group layer: ``BARRIER`` (also used for the
     barrier before each eager break during a breakable capture; those carry
     ``data["phase"] == "capture_break"``). Breakable-graph layer:
@@ -56,6 +57,7 @@ class EventKind:
     SESSION_END = "session_end"
     WARMUP_FORWARD = "warmup_forward"
     HOOK = "hook"
+    CHECK = "check"
     SYNCHRONIZE = "synchronize"
     BARRIER = "barrier"
     GRAPH_CONSTRUCT = "graph_construct"
@@ -70,6 +72,7 @@ class EventKind:
         SESSION_END,
         WARMUP_FORWARD,
         HOOK,
+        CHECK,
         SYNCHRONIZE,
         BARRIER,
         GRAPH_CONSTRUCT,
@@ -406,6 +409,7 @@ def as_trace(trace: Optional[Trace]) -> Trace:
 _PROTOCOL_KINDS = {
     EventKind.WARMUP_FORWARD,
     EventKind.HOOK,
+    EventKind.CHECK,
     EventKind.SYNCHRONIZE,
     EventKind.BARRIER,
     EventKind.GRAPH_CONSTRUCT,
@@ -449,7 +453,7 @@ def _episodes(events: Sequence[Event]) -> List[List[Event]]:
     cur: List[Event] = []
     closed = False
     for e in events:
-        if closed and e.kind in (EventKind.WARMUP_FORWARD, EventKind.HOOK, EventKind.SYNCHRONIZE, EventKind.BARRIER, EventKind.GRAPH_CONSTRUCT):
+        if closed and e.kind in (EventKind.WARMUP_FORWARD, EventKind.HOOK, EventKind.CHECK, EventKind.SYNCHRONIZE, EventKind.BARRIER, EventKind.GRAPH_CONSTRUCT):
             episodes.append(cur)
             cur, closed = [], False
         cur.append(e)
@@ -465,6 +469,7 @@ def _check_episode(rank: int, key: Any, ev: List[Event], warmups: Optional[int],
     where = f"rank {rank} key {key!r}{tag}"
     warm = [e for e in ev if e.kind == EventKind.WARMUP_FORWARD]
     hooks = [e for e in ev if e.kind == EventKind.HOOK]
+    checks = [e for e in ev if e.kind == EventKind.CHECK]
     syncs = [e for e in ev if e.kind == EventKind.SYNCHRONIZE]
     bars = [e for e in ev if e.kind == EventKind.BARRIER]
     cons = [e for e in ev if e.kind == EventKind.GRAPH_CONSTRUCT]
@@ -510,15 +515,20 @@ def _check_episode(rank: int, key: Any, ev: List[Event], warmups: Optional[int],
         if len(hs) > 1:
             v.append(f"{where}: {len(hs)} hooks after warmup forward {i}")
 
+    # Checks (capture hooks' after_warmups): after the last warmup forward.
+    for k in checks:
+        if warm and k.t_begin_ns < max(w.end for w in warm):
+            v.append(f"{where}: check {k.data.get('check')!r} ran before the last warmup forward ended")
+
     # Construction: exactly once, after a synchronize and then a barrier
-    # that both follow the last warmup forward and its hook.
+    # that both follow the last warmup forward, its hook and the checks.
     if len(cons) != 1:
         v.append(f"{where}: {len(cons)} graph constructions, expected 1")
     if len(caps) != 1:
         v.append(f"{where}: {len(caps)} capture forwards, expected exactly 1")
     if cons:
         c = cons[0]
-        last = max([e.end for e in warm + hooks if e.t_begin_ns <= c.t_begin_ns] or [-1])
+        last = max([e.end for e in warm + hooks + checks if e.t_begin_ns <= c.t_begin_ns] or [-1])
         final_syncs = [s for s in syncs if s.t_begin_ns >= last and s.end <= c.t_begin_ns]
         if not final_syncs:
             v.append(f"{where}: no synchronize between the last warmup/hook and graph construction")
@@ -529,7 +539,7 @@ def _check_episode(rank: int, key: Any, ev: List[Event], warmups: Optional[int],
             first_sync_end = min(s.end for s in final_syncs)
             if not any(b.t_begin_ns >= first_sync_end for b in fb):
                 v.append(f"{where}: final barrier began before the final synchronize ended (expected synchronize, then barrier)")
-        for w in warm + hooks:
+        for w in warm + hooks + checks:
             if w.t_begin_ns > c.t_begin_ns:
                 v.append(f"{where}: {w.kind} ran after graph construction began")
         for cap in caps:
@@ -554,7 +564,9 @@ def check_capture_order(trace: Trace, warmups: Optional[int] = None) -> List[str
       ``barrier``;
     - ``hook`` events run only after a warmup forward (at most one each) and
       never after graph construction;
-    - after the last warmup forward and its hook: a ``synchronize``, then a
+    - ``check`` events (capture hooks' work after the warmups) only after the
+      last warmup forward;
+    - after the last warmup forward, its hook and the checks: a ``synchronize``, then a
       ``barrier``, and only then ``graph_construct`` (exactly one);
     - exactly one ``capture_forward``, after the construction.
 
@@ -602,7 +614,7 @@ def check_capture_order(trace: Trace, warmups: Optional[int] = None) -> List[str
             tag = f" (capture #{n + 1})" if len(eps) > 1 else ""
             violations.extend(_check_episode(rank, key, ep, warmups, tag))
             cons = [e for e in ep if e.kind == EventKind.GRAPH_CONSTRUCT]
-            act = [e.end for e in ep if e.kind in (EventKind.WARMUP_FORWARD, EventKind.HOOK) and (not cons or e.t_begin_ns <= cons[0].t_begin_ns)]
+            act = [e.end for e in ep if e.kind in (EventKind.WARMUP_FORWARD, EventKind.HOOK, EventKind.CHECK) and (not cons or e.t_begin_ns <= cons[0].t_begin_ns)]
             last_activity.setdefault(key, {}).setdefault(rank, []).append(max(act) if act else None)
             construct.setdefault(key, {}).setdefault(rank, []).append(cons[0].t_begin_ns if cons else None)
 

@@ -107,10 +107,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>
 
 # 3-5. the checks
 run_step pytest-cuda 150 "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider
-run_step demo-breakable 45 "$PYTHON" -m graphrunner.cli demo --device cuda --backend breakable
-run_step demo-full 45 "$PYTHON" -m graphrunner.cli demo --device cuda --backend full
+run_step demo-breakable 45 "$PYTHON" -m graphrunner_tools.cli demo --device cuda --backend breakable
+run_step demo-full 45 "$PYTHON" -m graphrunner_tools.cli demo --device cuda --backend full
 # Last, so it gets what is left of the budget; bench.json is rewritten after every script.
-run_step bench 300 "$PYTHON" -m graphrunner.bench --out "$OUT_DIR/bench/bench.json" \
+run_step bench 300 "$PYTHON" -m graphrunner_tools.bench --out "$OUT_DIR/bench/bench.json" \
   --plot "$OUT_DIR/bench/latency_vs_batch.png"
 
 # Headline numbers of the bench into the summary: its own summary block, or, when it was cut

@@ -18,7 +18,7 @@ def pytest_collection_modifyitems(config, items):
 def one_torch_thread():
     """One torch intra-op thread for a module of tiny models (faster than two
     spinning threads on a busy 2-core machine); the caller's count is restored."""
-    from graphrunner.threads import torch_threads
+    from graphrunner_tools.threads import torch_threads
 
     with torch_threads(1):
         yield

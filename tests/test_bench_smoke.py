@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-import graphrunner
-from graphrunner import bench as grbench
+import graphrunner_tools
+from graphrunner_tools import bench as grbench
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH_DIR = REPO / "bench"
@@ -37,7 +37,7 @@ def test_quick_suite_writes_json_and_png(tmp_path):
     png = tmp_path / "res" / "latency.png"
     # cwd is tmp_path: the driver must find bench/ from the package, not from the cwd.
     proc = subprocess.run(
-        [sys.executable, "-m", "graphrunner.bench", "--quick", "--out", str(out), "--plot", str(png)],
+        [sys.executable, "-m", "graphrunner_tools.bench", "--quick", "--out", str(out), "--plot", str(png)],
         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -160,15 +160,27 @@ def test_unknown_names_and_missing_bench_dir_are_clear_errors(tmp_path, monkeypa
         grbench.run_suite(out=tmp_path / "b.json", only=["nope"], bench_dir=BENCH_DIR)
     with pytest.raises(grbench.BenchDirNotFoundError, match="does not exist"):
         grbench.find_bench_dir(tmp_path / "missing")
-    # A non-editable install: the package lives in site-packages with no bench/ next to it.
-    fake_pkg = tmp_path / "site-packages" / "graphrunner"
+    # A non-editable install: the tools package lives in site-packages with no bench/ next to it.
+    fake_pkg = tmp_path / "site-packages" / "graphrunner_tools"
     fake_pkg.mkdir(parents=True)
     monkeypatch.delenv("GRAPHRUNNER_BENCH_DIR", raising=False)
-    monkeypatch.setattr(graphrunner, "__file__", str(fake_pkg / "__init__.py"))
-    with pytest.raises(grbench.BenchDirNotFoundError, match=r"pip install -e \.|--bench-dir"):
+    monkeypatch.setattr(graphrunner_tools, "__file__", str(fake_pkg / "__init__.py"))
+    looked_for = str(tmp_path / "site-packages" / "bench")
+    with pytest.raises(grbench.BenchDirNotFoundError, match=r"pip install -e \.") as err:
         grbench.find_bench_dir()
+    assert looked_for in str(err.value) and "--bench-dir" in str(err.value)
     assert grbench.main(["--out", str(tmp_path / "b.json")]) == 2
-    assert "bench/" in capsys.readouterr().err
+    msg = capsys.readouterr().err
+    assert msg.startswith("graphrunner: error: ") and looked_for in msg and "Traceback" not in msg
+    # A bench/ folder there that is not graphrunner's (none of the suite's scripts) is not taken either.
+    (tmp_path / "site-packages" / "bench").mkdir()
+    with pytest.raises(grbench.BenchDirNotFoundError, match="none of the suite's scripts"):
+        grbench.find_bench_dir()
+    # The CLI: the same one line, exit 2.
+    from graphrunner_tools.cli import main as cli_main
+    assert cli_main(["bench", "--out", str(tmp_path / "b.json")]) == 2
+    msg = capsys.readouterr().err
+    assert msg.startswith("graphrunner: error: ") and "--bench-dir" in msg and "Traceback" not in msg
     # The environment variable points the driver at a checkout.
     monkeypatch.setenv("GRAPHRUNNER_BENCH_DIR", str(BENCH_DIR))
     assert grbench.find_bench_dir() == BENCH_DIR.resolve()

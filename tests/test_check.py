@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import graphrunner as gr
-from graphrunner.check import CheckUsageError, check_factory, load_factory
-from graphrunner.cli import main
+from graphrunner.checks.lint import CheckUsageError, check_factory, load_factory
+from graphrunner_tools.cli import main
 from graphrunner.errors import CaptureError, CaptureUnsafeOpError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -90,7 +90,8 @@ COUNTER = textwrap.dedent('''
 
     def make(drift_check=None):
         return gr.GraphRunner(Counter().step, {"x": gr.BatchInput(trailing=(4,))}, buckets=[2], backend="full",
-                              progress=False, drift_check=drift_check)
+                              progress=False,
+                              checks=None if drift_check is None else ("padding", "fingerprint"))
 ''')
 
 
@@ -242,7 +243,7 @@ def test_opt_cache_length_read_inside_transformers_says_make_it_an_input(target)
 @pytest.mark.parametrize("backend, attention", [("breakable", "varlen"), ("full", "masked")])
 def test_demo_decoder_has_no_findings(backend, attention):
     # no false alarm on a real decoder: its varlen attention reads lengths on the host inside an eager break
-    from graphrunner.models import LlamaConfig, build_model
+    from graphrunner_tools.models import LlamaConfig, build_model
 
     def make():
         config = LlamaConfig.demo(num_layers=2, attention=attention, max_batch_size=8)
@@ -259,3 +260,32 @@ def test_demo_decoder_has_no_findings(backend, attention):
             return gr.GraphRunner(runner.step, runner.inputs, buckets=[1, 4], backend="full", progress=False)
 
         assert any(f.kind == "unsafe-op" for f in check_factory(make_full).findings)
+
+
+def test_factory_is_called_once_and_a_padding_leak_is_a_finding(target):
+    """check builds the runner once (a factory that loads a model is not paid twice) and collects what
+    the capture hooks find: here the padding check, in collect mode, and still every unsafe op."""
+    path = target(THREE, "three_once")
+    calls = []
+    make = load_factory(f"{path}:make")
+
+    def counting():
+        calls.append(1)
+        return make()
+
+    report = check_factory(counting)
+    assert len(calls) == 1
+    assert [f.kind for f in report.findings] == ["unsafe-op"] * 3
+
+    def leaky():
+        calls.append(1)
+        return gr.GraphRunner(lambda x: x - x.mean(0, keepdim=True), {"x": gr.BatchInput(trailing=(4,))},
+                              buckets=[2, 4], device="tape", progress=False)
+
+    calls.clear()
+    report = check_factory(leaky)
+    assert len(calls) == 1
+    assert [(f.kind, f.bucket) for f in report.findings] == [("padding-leak", 4), ("padding-leak", 2)]
+    # independent reference: the plain capture raises the same leak for the largest key
+    with pytest.raises(gr.PaddingLeakError, match="bucket 4"):
+        leaky().capture()

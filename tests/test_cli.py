@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import graphrunner
-from graphrunner.bench import parse_buckets
-from graphrunner.cli import main
 from graphrunner.progress import CaptureProgress, StatusLine
+from graphrunner_tools.bench import parse_buckets
+from graphrunner_tools.cli import main
 
 
 def test_version_prints_the_package_version(capsys):
@@ -22,7 +22,7 @@ def test_version_prints_the_package_version(capsys):
 
 
 def test_version_from_the_module_entry_point():
-    proc = subprocess.run([sys.executable, "-m", "graphrunner.cli", "--version"],
+    proc = subprocess.run([sys.executable, "-m", "graphrunner_tools.cli", "--version"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == f"graphrunner {graphrunner.__version__}"
 
@@ -89,7 +89,7 @@ def test_device_cuda_without_cuda_is_one_line_and_exit_2(capsys, argv):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available: --device cuda is not an error")
 def test_device_cuda_without_cuda_from_the_console(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "graphrunner.cli", "demo", "--device", "cuda"],
+    proc = subprocess.run([sys.executable, "-m", "graphrunner_tools.cli", "demo", "--device", "cuda"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("graphrunner: error: "), proc.stderr
@@ -103,7 +103,7 @@ TINY_DEMO = ["demo", "--device", "tape", "--steps", "3", "--layers", "1", "--buc
 
 
 def test_progress_to_a_redirected_stderr_has_no_carriage_returns(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "graphrunner.cli", *TINY_DEMO], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-m", "graphrunner_tools.cli", *TINY_DEMO], cwd=tmp_path,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "\r" not in proc.stderr and "\r" not in proc.stdout
@@ -150,7 +150,7 @@ def test_unwritable_trace_out_is_one_line_before_any_work(tmp_path, capsys):
 
 def test_closed_stdout_pipe_is_a_quiet_exit(tmp_path):
     """`graphrunner demo | head -1`: the reader leaves early; no BrokenPipeError traceback."""
-    proc = subprocess.Popen([sys.executable, "-m", "graphrunner.cli", *TINY_DEMO, "--no-progress"], cwd=tmp_path,
+    proc = subprocess.Popen([sys.executable, "-m", "graphrunner_tools.cli", *TINY_DEMO, "--no-progress"], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.readline()
     proc.stdout.close()  # like head after its first line

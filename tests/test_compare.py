@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import graphrunner as gr
-import graphrunner.compare as compare_mod
+import graphrunner.checks.compare as compare_mod
 from graphrunner.errors import CaptureError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -153,5 +153,31 @@ def test_compare_errors():
     r.capture()
     with pytest.raises(ValueError, match="falls back"):
         r.compare(x=torch.randn(3, 8))
-    with pytest.raises(ValueError, match="expected exactly the inputs"):
+    with pytest.raises(ValueError, match=r"missing input\(s\) \[.x.\]"):  # the same error as a call
         r.compare(y=torch.randn(2, 8))
+
+
+def test_compare_on_a_named_dims_runner_localises_the_stale_value():
+    """compare stages through the runner's own stager, so it works for every key space (it raised
+    ``key_for sizes (1,) must hold one int per dim`` on named dims before)."""
+    w = torch.randn(4, 4)
+    box = {"scale": 2.0}
+
+    def step(tokens):  # (reqs, draft, 4) -> same; the Python float is frozen at capture
+        return (tokens @ w) * box["scale"]  # stale scale
+
+    r = gr.GraphRunner(step, {"tokens": gr.BatchInput(trailing=(4,), dims=("reqs", "draft"))},
+                       buckets={"reqs": [2, 4], "draft": [1, 3]}, device="tape", progress=False)
+    r.capture()
+    x = torch.randn(3, 2, 4)
+    rep = r.compare(tokens=x)
+    assert rep.equal and rep.bucket == (4, 3) and rep.batch == (3, 2)
+    box["scale"] = 3.0  # eager now differs from the graph, which holds 2.0
+    rep = r.compare(tokens=x)
+    want = (x @ w) * 3.0
+    got = r(tokens=x)
+    assert not torch.equal(got, want)                                   # the silent wrong result compare explains
+    assert rep.max_abs_diff == pytest.approx(float((got - want).abs().max()), rel=1e-6)
+    assert rep.op is not None and rep.where[1] == _line(step, "stale scale")
+    # the runner's static buffers and its padding are as before: the next call still equals the graph's math
+    assert torch.equal(r(tokens=x), (x @ w) * 2.0)

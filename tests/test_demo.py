@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-import graphrunner.demo as demo
-from graphrunner.cli import main
 from graphrunner.errors import CaptureError
+import graphrunner_tools.demo as demo
+from graphrunner_tools.cli import main
 
 
 @pytest.mark.parametrize("backend", ["breakable", "full", "eager"])
@@ -124,12 +124,12 @@ def test_demo_rejects_bad_arguments():
 
 def test_cli_demo_exit_code_and_help(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "graphrunner.cli", "demo", "--device", "tape", "--steps", "6", "--buckets", "1,2",
+        [sys.executable, "-m", "graphrunner_tools.cli", "demo", "--device", "tape", "--steps", "6", "--buckets", "1,2",
          "--max-batch", "3", "--layers", "1", "--no-progress", "--trace-out", str(tmp_path / "t")],
         capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "demo: OK" in proc.stdout
-    helptext = subprocess.run([sys.executable, "-m", "graphrunner.cli", "demo", "--help"],
+    helptext = subprocess.run([sys.executable, "-m", "graphrunner_tools.cli", "demo", "--help"],
                               capture_output=True, text=True, timeout=120).stdout
     for flag in ("--backend", "--device", "--steps", "--trace-out"):
         assert flag in helptext

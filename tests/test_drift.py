@@ -1,4 +1,4 @@
-"""The drift check at capture (graphrunner.drift, step 4 of the capture protocol).
+"""The drift check at capture (graphrunner.checks.drift, step 4 of the capture protocol).
 
 A step that reads Python state which changes between calls is refused at
 capture with a CaptureError naming the op, the line and both values; each
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import graphrunner as gr
-from graphrunner import drift
+from graphrunner.checks import drift, ops
 from graphrunner.backends import BreakableGraphBackend, EagerBackend, FullGraphBackend
 from graphrunner.errors import CaptureError
 
@@ -26,7 +26,7 @@ X = {"x": gr.BatchInput(trailing=(3,), dtype=torch.float32)}
 def _runner(step, backend="full", **kw):
     # the padding-leak check's extra forwards between the last warmup and the capture would shift
     # the counters these tests name; it has its own tests (test_leaks.py)
-    kw.setdefault("leak_check", False)
+    kw.setdefault("checks", ("drift", "fingerprint"))
     return gr.GraphRunner(step, inputs=kw.pop("inputs", X), buckets=[2], backend=backend, progress=False, **kw)
 
 
@@ -64,7 +64,7 @@ def test_python_counter_is_caught_with_its_line(backend):
 @pytest.mark.parametrize("backend", ["full", "breakable"])
 def test_counter_negative_control_graph_silently_freezes_the_value(backend):
     step = Counter()
-    runner = _runner(step, backend, drift_check=False)
+    runner = _runner(step, backend, checks=("fingerprint",))
     runner.capture()  # no error without the check
     x = torch.arange(6.0).reshape(2, 3)
     for _ in range(3):
@@ -122,9 +122,9 @@ def test_backend_level_opt_out_and_validation():
     with pytest.raises(TypeError, match="drift_check must be True or False"):
         FullGraphBackend(device="tape", drift_check=1)
     instance = FullGraphBackend(device="tape", drift_check=False)
-    with pytest.raises(ValueError, match="drift_check= differs"):
-        _runner(Counter(), backend=instance, drift_check=True)
-    assert _runner(Counter(), backend=instance).backend.drift_check is False
+    with pytest.raises(ValueError, match="checks= asks for the drift check"):
+        _runner(Counter(), backend=instance, checks=("drift",))
+    assert _runner(Counter(), backend=instance, checks=None).backend.drift_check is False  # the default set follows it
 
 
 def test_eager_backend_freezes_nothing_and_checks_nothing():
@@ -197,7 +197,7 @@ def test_one_hot_is_one_op_on_both_sides(monkeypatch):
     assert torch.equal(runner(t=t), torch.nn.functional.one_hot(t, 5).float())
     # Negative control: recorded op by op, the tape's capture (zeros + scatter) differs from the eager
     # aten.one_hot of the warmup: a false alarm the atomic recording prevents.
-    monkeypatch.setattr(drift, "_ATOMIC_FUNCTIONS", ())
+    monkeypatch.setattr(ops, "ATOMIC_FUNCTIONS", ())
     with pytest.raises(CaptureError, match="drift"):
         _runner(step, inputs=spec).capture()
 
@@ -214,19 +214,19 @@ def test_factory_detach_under_a_tape_capture_is_ignored(monkeypatch):
 
 
 def test_find_drift_on_hand_built_streams():
-    a, b = drift.OpRecorder("warmup 2"), drift.OpRecorder("capture")
-    with a:
+    a, b = drift.OpStream("warmup 2"), drift.OpStream("capture")
+    with a.recorder():
         torch.ones(2).mul(2.0)
-    with b:
+    with b.recorder():
         torch.ones(2).mul(2.0)
     assert drift.find_drift(a, b) is None
     assert [r.op for r in a.ops] == ["aten.ones.default", "aten.mul.Tensor"]
-    with b:
+    with b.recorder():
         torch.ones(2)
     assert re.search(r"capture ran 3 ops and warmup 2 2; the first extra op is aten.ones", drift.find_drift(a, b))
-    nan_a, nan_b = drift.OpRecorder("w"), drift.OpRecorder("c")
+    nan_a, nan_b = drift.OpStream("w"), drift.OpStream("c")
     for r in (nan_a, nan_b):
-        with r:
+        with r.recorder():
             torch.ones(2).add(float("nan"))
     assert drift.find_drift(nan_a, nan_b) is None  # NaN == NaN for the check
 
@@ -236,7 +236,7 @@ def test_find_drift_on_hand_built_streams():
 
 @pytest.mark.parametrize("backend", ["full", "breakable"])
 def test_no_false_alarm_on_the_demo_decoder(backend):
-    from graphrunner.demo import run_demo
+    from graphrunner_tools.demo import run_demo
 
     import io
 
@@ -379,7 +379,7 @@ def test_gemma2_negative_control_graph_differs_from_eager_without_the_check():
         cache = ghf.make_static_cache(model, B, CACHE_LEN)
         ghf.prefill(model, cache, torch.randint(3, V, (B, 6), generator=torch.Generator().manual_seed(1)))
         runner = gr.GraphRunner(ghf.make_decode_step(model, cache), inputs=ghf.decode_inputs(), buckets=[B],
-                                backend="full", progress=False, drift_check=False)
+                                backend="full", progress=False, checks=("padding", "fingerprint"))
         runner.capture()  # no error: the cache length of the capture is frozen silently
         # ... then serving a new 2-token prompt; the eager reference is a fresh cache with that prompt.
         twin = ghf.make_static_cache(model, B, CACHE_LEN)

@@ -1,4 +1,4 @@
-"""graphrunner.fingerprint.check in one process: ranks are threads joined by
+"""graphrunner.checks.fingerprint.check in one process: ranks are threads joined by
 a tiny in-memory group, so the message, the collective count and the text
 packing are checked exactly (the gloo version is test_fingerprint_multirank)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 
 from graphrunner.errors import CaptureError
-from graphrunner.fingerprint import check
+from graphrunner.checks.fingerprint import check
 
 
 class ThreadGroup:

@@ -138,7 +138,7 @@ def test_negative_control_recording_past_without_the_check(monkeypatch):
         runner.capture()
     # ... and with both checks off, a cache that reassigns its conv states decodes silently wrong tokens.
     real = gr.hf.GraphRunner
-    monkeypatch.setattr(gr.hf, "GraphRunner", lambda *a, **kw: real(*a, drift_check=False, **kw))
+    monkeypatch.setattr(gr.hf, "GraphRunner", lambda *a, **kw: real(*a, checks=("padding", "fingerprint"), **kw))
     runner = gr.hf.DecodeRunner(model, max_batch=2, max_cache_len=MAX_CACHE_LEN, buckets=[1, 2])
     ids = prompts(2, seed=2)
     assert not torch.equal(runner.generate(ids, max_new_tokens=NEW_TOKENS), reference(model, ids))

@@ -77,7 +77,7 @@ def assert_bit_exact(out, ref, where):
 def verify_runner(backend, **kw):
     kw.setdefault("buckets", VERIFY_BUCKETS)
     kw.setdefault("outputs", VERIFY_OUTPUTS)
-    kw.setdefault("leak_check_exempt", ("pooled",))  # pooled reads the padded draft cells on purpose
+    kw.setdefault("checks", ["drift", gr.PaddingCheck(exempt=("pooled",)), "fingerprint"])  # pooled reads the padded draft cells on purpose
     return gr.GraphRunner(verify_step, VERIFY_INPUTS, backend=backend, device="tape", warmups=1,
                           progress=False, **kw)
 
@@ -136,7 +136,7 @@ def test_wrong_output_dims_fail_at_capture_naming_the_output():
     r = verify_runner("full", outputs={"pooled": ("reqs",), "count": ()})  # logits defaults to ("reqs", "draft")
     r.capture()
     # draft undeclared (the leak check would report logits' padded draft cells first: off to reach the dims error)
-    bad = verify_runner("full", outputs={"logits": ("reqs",), "pooled": ("reqs",), "count": ()}, leak_check=False)
+    bad = verify_runner("full", outputs={"logits": ("reqs",), "pooled": ("reqs",), "count": ()}, checks=("drift", "fingerprint"))
     with pytest.raises(TypeError, match="only the dims declared in outputs= may change"):
         bad.capture()
     worse = verify_runner("full", outputs={"pooled": ("reqs", "draft"), "count": ()})
@@ -169,7 +169,7 @@ def test_negative_control_without_the_refill_stale_cells_leak():
     one reads the larger call's draft cells as padding (pooled sums them)."""
     r = verify_runner("full")
     r.capture()
-    r._refill = lambda sizes, key: None
+    r._inputs.pad_to = lambda sizes, key: None
     r(**verify_inputs(4, 3, seed=1))
     inp = verify_inputs(3, 2, seed=2)               # key (4, 3): cells [3:4, :] and [:3, 2:3] are padding
     out = r(**inp)
@@ -252,7 +252,7 @@ CUBE_BUCKETS = {"p": [1, 2], "q": [1, 3], "s": [2, 4]}
 def test_three_dims_bit_exact_for_every_size_combination(backend):
     r = gr.GraphRunner(cube_step, CUBE_INPUTS, CUBE_BUCKETS, backend=backend, device="tape", warmups=1,
                        outputs={"z": ("p", "s")}, progress=False,  # "y" takes the default: a's dims
-                       leak_check_exempt=("z",))  # z sums over the padded q cells on purpose
+                       checks=["drift", gr.PaddingCheck(exempt=("z",)), "fingerprint"])  # z sums over the padded q cells on purpose
     assert len(r.capture().buckets) == 8
     combos = list(itertools.product(range(1, 3), range(1, 4), range(1, 5)))
     order = combos[::-1] + random.Random(1).sample(combos, len(combos))

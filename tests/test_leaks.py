@@ -1,11 +1,11 @@
-"""The padding-leak check at capture (graphrunner.leaks), with negative controls."""
+"""The padding-leak check at capture (graphrunner.checks.padding), with negative controls."""
 
 import pytest
 import torch
 
 import graphrunner as gr
 from graphrunner.keys import KeySpace
-from graphrunner.leaks import check_sizes
+from graphrunner.checks.padding import check_sizes
 
 H = 4
 
@@ -35,13 +35,13 @@ def test_sum_over_batch_is_caught_naming_output_and_key():
     msg = str(ei.value)
     assert isinstance(ei.value, gr.PaddingLeakError)
     assert "output['total']" in msg and "bucket 8" in msg and "output['rows']" not in msg
-    assert "leak_check_exempt=('total',)" in msg and "leak_check=False" in msg
+    assert "gr.PaddingCheck(exempt=('total',))" in msg and 'leaving "padding" out of GraphRunner(checks=...)' in msg
     assert not r.captured
 
 
 def test_negative_control_check_off_returns_padding_in_the_sum():
     step = _sum_step()
-    r = _runner(step, leak_check=False)
+    r = _runner(step, checks=("drift", "fingerprint"))
     r.capture()
     x = torch.randn(3, H, generator=torch.Generator().manual_seed(2))
     out = r(h=x)
@@ -54,7 +54,7 @@ def test_negative_control_check_off_returns_padding_in_the_sum():
 
 def test_exempt_output_is_not_compared_and_keeps_its_slicing():
     step = _sum_step()
-    r = _runner(step, leak_check_exempt=("total",))
+    r = _runner(step, checks=["drift", gr.PaddingCheck(exempt=("total",)), "fingerprint"])
     r.capture()
     x = torch.randn(3, H)
     out = r(h=x)
@@ -70,10 +70,10 @@ def test_exempting_one_output_still_checks_the_others():
         return {"total": y.sum(), "mean_rows": y - y.mean(0)}   # mean_rows leaks too
 
     with pytest.raises(gr.PaddingLeakError, match=r"output\['mean_rows'\]"):
-        _runner(step, leak_check_exempt=("total",)).capture()
-    _runner(step, leak_check_exempt=("total", "output['mean_rows']")).capture()   # paths work too
-    with pytest.raises(TypeError, match="leak_check_exempt"):
-        _runner(step, leak_check_exempt=(1,))
+        _runner(step, checks=["drift", gr.PaddingCheck(exempt=("total",)), "fingerprint"]).capture()
+    _runner(step, checks=["drift", gr.PaddingCheck(exempt=("total", "output['mean_rows']")), "fingerprint"]).capture()   # paths work too
+    with pytest.raises(TypeError, match=r"PaddingCheck\(exempt=...\) entries"):
+        _runner(step, checks=["drift", gr.PaddingCheck(exempt=(1,)), "fingerprint"])
 
 
 def test_row_independent_step_passes_and_matches_eager():
@@ -122,7 +122,7 @@ def test_stateful_step_hook_resets_state_before_the_extra_forward(caplog):
     r.capture()                         # no false alarm: the hook runs before the extra forward
     assert hooks == [8, 8, 8, 4, 4, 4, 2, 2, 1, 1]
     counter.zero_()
-    with caplog.at_level("WARNING", logger="graphrunner.leaks"):
+    with caplog.at_level("WARNING", logger="graphrunner.checks.padding"):
         r = _runner(step)
         r.capture()                     # no false alarm: the control forward shows it is state, not padding
     assert "changed between two identical calls" in caplog.text and "output" in caplog.text
@@ -162,7 +162,7 @@ def test_multi_dim_leak_in_one_dim_is_caught_and_control():
     assert "output['state']" in str(ei.value) and "key (4, 4)" in str(ei.value)
     assert "output['logits']" not in str(ei.value)
 
-    r = build(leak_check=False)
+    r = build(checks=("drift", "fingerprint"))
     r.capture()
     ids, hid = torch.zeros(3, 3, dtype=torch.long), torch.randn(3, 3, H)
     out = r(ids=ids, hidden=hid)

@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
-from graphrunner import loadtest as lt
-from graphrunner.models import LlamaConfig, build_model
+from graphrunner_tools import loadtest as lt
+from graphrunner_tools.models import LlamaConfig, build_model
 
 TIE = 1e-3  # logits closer than this to the maximum count as a tie (float rounding of another batch shape)
 
@@ -288,7 +288,7 @@ def test_stall_fault_raises_rank_timeout_and_never_passes():
 
 # --------------------------------------------------------------------------- the command line
 def _cli(capsys, *args):
-    from graphrunner.cli import main
+    from graphrunner_tools.cli import main
 
     code = main(["loadtest", *args])
     cap = capsys.readouterr()
@@ -336,7 +336,7 @@ def test_cli_passes_writes_json_and_exits_1_on_a_planted_mismatch(capsys, tmp_pa
 
 # --------------------------------------------------------------------------- graphrunner bench
 def test_bench_sweep_script_reports_graph_and_eager_per_level(tmp_path, capsys):
-    from graphrunner import bench as grbench
+    from graphrunner_tools import bench as grbench
 
     merged = grbench.run_suite(out=tmp_path / "bench.json", plot=None, quick=True, only=["loadtest_sweep"],
                                echo=lambda s: None)

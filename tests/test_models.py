@@ -1,4 +1,4 @@
-"""Tests for the demo Llama decoder (graphrunner.models).
+"""Tests for the demo Llama decoder (graphrunner_tools.models).
 
 Values are checked against hand formulas and against an uncached full-sequence causal forward;
 invariant tests carry a negative control that shows the check fails when the invariant breaks.
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphrunner.models import (
+from graphrunner_tools.models import (
     LlamaConfig,
     RMSNorm,
     RotaryEmbedding,
@@ -22,7 +22,7 @@ from graphrunner.models import (
     rope_cos_sin,
     rotate_half,
 )
-from graphrunner.models import llama as llama_mod
+from graphrunner_tools.models import llama as llama_mod
 
 ATOL = 2e-5
 RTOL = 1e-5

@@ -181,7 +181,7 @@ def test_pad_values_are_used_for_padding_rows():
         return (x.sum(0, keepdim=True).expand(x.shape[0], 2) + i.sum().float()).contiguous()
 
     r = GraphRunner(total, inputs, [4], backend="full", device="tape", warmups=1, progress=False,
-                    leak_check=False)  # deliberately leaky: it shows which pad values the graph sees
+                    checks=("drift", "fingerprint"))  # deliberately leaky: it shows which pad values the graph sees
     r.capture()
     x = torch.ones(4, 2)
     r(x=x, i=torch.ones(4, dtype=torch.int32))
@@ -605,7 +605,8 @@ def test_agreement_below_own_size_raises():
 
 def test_agree_bucket_false_makes_no_group_calls():
     g = RecordingGroup(size=2, peer_batch=7)
-    r = _group_runner(g, agree_bucket=False)
+    r = _group_runner(g)
+    r.agree_bucket = False
     r.capture()
     g.calls.clear()
     r(**make_batch(2))

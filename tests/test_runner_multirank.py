@@ -5,7 +5,7 @@ inside the captured step (so the collective is part of the graph). Every rank
 draws its own random local batch size per step. With agreement on, every rank
 replays the same bucket (or falls back together, padded to the agreed batch)
 and equals an eager single-process reference. Negative control: with
-``agree_bucket=False`` (unsafe, testing only) and a step without collectives,
+``runner.agree_bucket = False`` (unsafe, testing only) and a step without collectives,
 the ranks are observed choosing different buckets.
 """
 
@@ -105,8 +105,8 @@ def _worker(rank, world, steps):
     # buckets cannot hang), same kind of random local batches.
     group = CountingGroup(TorchDistGroup(timeout=30))
     backend = FullGraphBackend(device="tape", group=group, warmups=1)
-    runner = GraphRunner(lambda x: x * 2.0, inputs, BUCKETS, backend=backend, group=group, progress=False,
-                         agree_bucket=False)
+    runner = GraphRunner(lambda x: x * 2.0, inputs, BUCKETS, backend=backend, group=group, progress=False)
+    runner.agree_bucket = False
     runner.capture()
     before = dict(group.counts)
     rng = random.Random(1000 * rank + 17)

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import graphrunner as gr
+from graphrunner.ownership import CallOwner
+from graphrunner.staging import StaticInputs
 from graphrunner.errors import CaptureError, GraphRunnerError
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -97,7 +99,7 @@ def test_failed_copy_negative_control_stale_rows_without_restore(monkeypatch):
     """With the restore turned off, the failed call's rows stay behind as the
     next call's padding rows (what a KV-cache write of a padding row would
     then read)."""
-    monkeypatch.setattr(gr.GraphRunner, "_restore_pads", lambda self, rows: None)
+    monkeypatch.setattr(StaticInputs, "restore_pads", lambda self, extent=None: None)
     r = _runner()
     assert torch.equal(_stale_rows_after_failed_copy(r), torch.full((D,), 9.0))
 
@@ -158,8 +160,8 @@ def test_second_thread_gets_a_clear_error_and_first_call_stays_right():
 
 
 def test_threads_negative_control_wrong_result_without_the_check(monkeypatch):
-    monkeypatch.setattr(gr.GraphRunner, "_enter", lambda self, what: None)
-    monkeypatch.setattr(gr.GraphRunner, "_leave", lambda self: None)
+    monkeypatch.setattr(CallOwner, "enter", lambda self, what: None)
+    monkeypatch.setattr(CallOwner, "leave", lambda self: None)
     r, state = _blocking_runner()
     box, ref, mine = _overlapping_calls(r, state)
     assert mine is None  # the second call went through ...

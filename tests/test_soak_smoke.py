@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from graphrunner.bench import load_script
+from graphrunner_tools.bench import load_script
 
 pytestmark = pytest.mark.multirank
 

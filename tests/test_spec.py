@@ -17,9 +17,9 @@ import sys
 import pytest
 import torch
 
-import graphrunner.spec as spec
-from graphrunner.cli import main
-from graphrunner.models import LlamaConfig, build_model
+import graphrunner_tools.spec as spec
+from graphrunner_tools.cli import main
+from graphrunner_tools.models import LlamaConfig, build_model
 
 sys.path.insert(0, os.path.dirname(__file__))
 from mp_util import assert_all_ok, format_results, run_ranks  # noqa: E402
@@ -167,7 +167,7 @@ def test_mlp_only_shards_sum_to_the_whole_mlp_and_leave_o_proj():
     import torch.nn.functional as F
     from torch import nn
 
-    from graphrunner.models.tp import shard_tensor_parallel
+    from graphrunner_tools.models.tp import shard_tensor_parallel
 
     config = LlamaConfig.tiny(num_layers=1, intermediate_size=spec.MLP_WIDTH)
     full = build_model(config, seed=3)
@@ -185,7 +185,7 @@ def test_mlp_only_shards_sum_to_the_whole_mlp_and_leave_o_proj():
 
 
 def test_a_rank_killed_by_a_signal_is_named():
-    from graphrunner.launch import _died
+    from graphrunner_tools.launch import _died
 
     assert _died(-6).startswith("killed by SIGABRT without reporting (gloo aborts")
     assert _died(3) == "exited with code 3 without reporting"

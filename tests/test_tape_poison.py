@@ -19,10 +19,10 @@ import pytest
 import torch
 
 import graphrunner as gr
-import graphrunner.demo as demo
 from graphrunner.devices import TapeDevice, get_device
-from graphrunner.models import llama
 from graphrunner.tape import POISON_ENV_VAR, TapeGraph, poison_default, poison_value, tape_graph
+import graphrunner_tools.demo as demo
+from graphrunner_tools.models import llama
 
 
 @pytest.fixture(autouse=True)

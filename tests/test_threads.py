@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import graphrunner as gr
-import graphrunner.demo as demo
-from graphrunner import bench as grbench
-from graphrunner.cli import main
-from graphrunner.threads import DEFAULT_CLI_THREADS, torch_threads
+import graphrunner_tools.demo as demo
+from graphrunner_tools import bench as grbench
+from graphrunner_tools.cli import main
+from graphrunner_tools.threads import DEFAULT_CLI_THREADS, torch_threads
 
 TINY_DEMO = ["demo", "--device", "tape", "--steps", "2", "--layers", "1", "--buckets", "1,2",
              "--max-batch", "2", "--trace-out", "", "--no-progress"]

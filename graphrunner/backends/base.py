@@ -10,7 +10,12 @@
     group.barrier()                                  # no rank starts capturing early
     graph = <make a graph>                           # only after both
     capture  copy_into(output_view(key), forward_fn())   exactly once; no hook
-    drift check: last warmup's op stream == the capture's   (drift_check=True)
+
+Checks attach to this order as capture hooks (:mod:`graphrunner.backends.hooks`)
+at fixed points: ``begin``, the ops of each warmup forward, ``after_warmups``
+(before the final synchronize), the ops of the captured forward,
+``after_capture``, ``end``, and ``before_replay`` in debug mode. The drift
+check (``drift_check=True``) is one of them (:mod:`graphrunner.checks.drift`).
 
 Subclasses supply only :meth:`GraphBackend._make_graph` and
 :meth:`GraphBackend._capture_into` (and the two counters of
@@ -28,12 +33,13 @@ import gc
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional
+from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Sequence
 
 import torch
 
+from graphrunner.backends.hooks import Capture, CaptureHook
 from graphrunner.backends.outputs import OutputBuffer, tensor_bytes, unflatten
-from graphrunner.errors import CaptureError, RankTimeoutError
+from graphrunner.errors import CaptureError, RanksDisagreeError, RankTimeoutError
 from graphrunner.group import LocalGroup
 from graphrunner.trace import EventKind, Trace, as_trace
 
@@ -57,6 +63,14 @@ class _Entry:
     graph_capture_seconds: float = 0.0
     capture_input_bytes: int = 0
     extra: Dict[str, Any] = field(default_factory=dict)
+    replay_hooks: tuple = ()
+
+
+def _recorder(consumers: Sequence[Any], forward_fn: Callable[[], Any]) -> Any:
+    """The one op recorder feeding ``consumers`` (the frames above ``forward_fn`` are not the user's)."""
+    from graphrunner.checks.ops import OpRecorder
+
+    return OpRecorder(consumers, stop=getattr(forward_fn, "__code__", None))
 
 
 def _find_rank_timeout(exc: BaseException) -> Optional[RankTimeoutError]:
@@ -87,9 +101,11 @@ class GraphBackend:
         drift_check: record the op stream (ops, shapes, dtypes, non-tensor
             arguments, source lines) of the last warmup and of the capture
             and raise :class:`CaptureError` naming the first op that differs
-            (:mod:`graphrunner.drift`): the step reads Python state that a
-            graph would freeze. Default ``True``; ``False`` skips the
+            (:mod:`graphrunner.checks.drift`): the step reads Python state
+            that a graph would freeze. Default ``True``; ``False`` skips the
             recording (and its capture-time cost).
+        hooks: more capture hooks (:class:`~graphrunner.backends.hooks.CaptureHook`)
+            run for every key, after the drift check's.
 
     Use::
 
@@ -119,7 +135,7 @@ class GraphBackend:
     _drift_scope: Optional[str] = "all"
 
     def __init__(self, device: Any = None, group: Any = None, warmups: int = 2, trace: Optional[Trace] = None,
-                 drift_check: bool = True, *, output_arena: Any = None):
+                 drift_check: bool = True, *, output_arena: Any = None, hooks: Any = ()):
         if isinstance(warmups, bool) or not isinstance(warmups, int):
             raise TypeError(f"warmups must be an int >= 0, got {type(warmups).__name__} ({warmups!r})")
         if warmups < 0:
@@ -140,7 +156,17 @@ class GraphBackend:
         self._out = OutputBuffer(output_arena)
         self._in_session = False
         self._capturing: Optional[Any] = None
-        self._capture_recorder: Optional[Any] = None  # the drift check's, during a capture
+        self._capture_recorder: Optional[Any] = None  # the hooks' op recorder, during a capture
+        #: The capture hooks run for every key (the drift check first, when on).
+        self.hooks: List[CaptureHook] = []
+        if drift_check and self._drift_scope is not None:
+            from graphrunner.checks.drift import DriftCheck
+
+            self.hooks.append(DriftCheck())
+        for h in hooks:
+            if not isinstance(h, CaptureHook):
+                raise TypeError(f"hooks must be CaptureHook instances, got {type(h).__name__}")
+            self.hooks.append(h)
 
     @staticmethod
     def _resolve_device(device: Any) -> Any:
@@ -192,21 +218,26 @@ class GraphBackend:
         capture_inputs: Any = None,
         post_warmup_hook: Optional[Callable[[], Any]] = None,
         lead_dims: int = 1,
+        hooks: Sequence[CaptureHook] = (),
+        findings: Optional[list] = None,
     ) -> None:
         """Warm up and capture ``forward_fn`` for ``key``: THE capture protocol.
 
-        Steps, in this order and nowhere else:
+        Steps, in this order and nowhere else (``H.x``: every hook's ``x``,
+        :mod:`graphrunner.backends.hooks`):
 
+        0. ``H.begin``.
         1. ``warmups`` times: device synchronize, group barrier,
-           ``forward_fn()``, then ``post_warmup_hook()`` if given.
-        2. device synchronize, then group barrier.
-        3. construct the graph (:meth:`_make_graph`) and capture
+           ``forward_fn()`` (its ops fed to ``H.warmup_consumers``), then
+           ``post_warmup_hook()`` if given.
+        2. ``H.after_warmups`` (a check's extra eager forwards and collectives).
+        3. device synchronize, then group barrier.
+        4. construct the graph (:meth:`_make_graph`) and capture
            ``forward_fn()`` exactly once (its output copied into the shared
-           output buffer inside the graph). The hook does not run.
-        4. with ``drift_check`` (and ``warmups >= 1``): compare the op
-           streams of the last warmup forward and of the captured forward;
-           a difference raises :class:`CaptureError` (see
-           :mod:`graphrunner.drift`).
+           output buffer inside the graph; its ops fed to
+           ``H.capture_consumers``). The post-warmup hook does not run.
+        5. ``H.after_capture`` (the drift check compares the last warmup's op
+           stream with the capture's), then ``H.end`` (also after an error).
 
         ``forward_fn`` takes no arguments and reads static input tensors;
         ``capture_inputs`` (any object, typically those static tensors) is
@@ -216,7 +247,10 @@ class GraphBackend:
         ``lead_dims``: how many leading dims of an output tensor may be
         smaller than the shared output buffer's (1: rows only; a runner with
         several named dims passes more); the key's output is the leading
-        corner ``buffer[:a, :b, ...]`` of the buffer.
+        corner ``buffer[:a, :b, ...]`` of the buffer. ``hooks``: capture
+        hooks for this key only, run after :attr:`hooks`. ``findings``: a
+        list puts the hooks in collect mode (``graphrunner check``): what
+        they find is appended to it instead of raised.
 
         Errors: ``RankTimeoutError`` from the group passes through unchanged;
         any other exception cleans up this key's capture state and is
@@ -239,13 +273,17 @@ class GraphBackend:
         if post_warmup_hook is not None and not callable(post_warmup_hook):
             raise TypeError(f"post_warmup_hook must be callable or None, got {type(post_warmup_hook).__name__}")
 
+        all_hooks = [*self.hooks, *hooks]
+        cap = Capture(key=key, backend=self, forward_fn=forward_fn, post_warmup_hook=post_warmup_hook,
+                      freezes=self._drift_scope, findings=findings)
         step = "start"
         graph = None
         t0 = time.perf_counter()
         self._capturing = key
-        drift = self._drift_recorders()
-        self._capture_recorder = drift[1] if drift else None
         try:
+            for h in all_hooks:
+                step = f"{h.name} check (begin)"
+                h.begin(cap)
             out = None
             for i in range(self.warmups):
                 step = f"warmup {i + 1}/{self.warmups} synchronize"
@@ -253,11 +291,18 @@ class GraphBackend:
                 step = f"warmup {i + 1}/{self.warmups} barrier"
                 self._warmup_barrier(key, i)
                 step = f"warmup {i + 1}/{self.warmups} forward"
-                with drift[0] if drift and i == self.warmups - 1 else contextlib.nullcontext():
+                out = None  # the previous warmup's output is not kept alive across the next forward
+                consumers = [c for h in all_hooks for c in h.warmup_consumers(cap, i)]
+                with _recorder(consumers, forward_fn) if consumers else contextlib.nullcontext():
                     out = self._warmup_forward(key, forward_fn, i)
                 if post_warmup_hook is not None:
                     step = f"post-warmup hook {i + 1}/{self.warmups}"
                     self._post_warmup_hook(key, post_warmup_hook, i)
+            cap.last_output = out
+            for h in all_hooks:
+                step = f"{h.name} check"
+                self._after_warmups(key, h, cap)
+            cap.last_output = None  # not held through the capture
             t_warm = time.perf_counter()
 
             step = "final synchronize"
@@ -276,9 +321,13 @@ class GraphBackend:
                 binding["spec"], binding["views"] = self._out.views(out, key, lead_dims)
             del out
 
+            consumers = [c for h in all_hooks for c in h.capture_consumers(cap)]
+            rec = _recorder(consumers, forward_fn) if consumers else None
+            self._capture_recorder = rec
+
             def captured() -> None:
                 """The function the graph holds: forward, then copy into the buffer."""
-                with self._drift_capture(drift[1]) if drift else contextlib.nullcontext():
+                with self._recording_capture(rec) if rec is not None else contextlib.nullcontext():
                     result = forward_fn()
                 if "views" not in binding:
                     if not self._out.allocated:
@@ -295,21 +344,38 @@ class GraphBackend:
             self._capture_forward(key, graph, captured)
             if "views" not in binding:
                 raise CaptureError(f"the capture of shape key {key!r} never called the forward")
-            if drift:
-                step = "drift check"
-                self._check_drift(key, *drift)
             t_end = time.perf_counter()
+            self._capture_recorder = None
+            self._entries[key] = _Entry(
+                key=key,
+                graph=graph,
+                forward_fn=forward_fn,
+                capture_inputs=capture_inputs,
+                spec=binding["spec"],
+                views=binding["views"],
+                capture_seconds=t_end - t0,
+                warmup_seconds=t_warm - t0,
+                graph_capture_seconds=t_end - t_cap,
+                capture_input_bytes=tensor_bytes(capture_inputs),
+                extra=cap.info,
+                replay_hooks=tuple(h for h in all_hooks if h.replay_check),
+            )
+            cap.outputs = (binding["spec"], binding["views"])
+            for h in all_hooks:
+                step = f"{h.name} check"
+                h.after_capture(cap)
         except BaseException as exc:
             self._capturing = None
             self._capture_recorder = None
+            self._end_hooks(all_hooks, cap)
             self._abort(key, graph)
             rte = _find_rank_timeout(exc)
             if rte is not None:
                 if rte is exc:
                     raise
                 raise rte from None
-            if not isinstance(exc, Exception):
-                raise
+            if not isinstance(exc, Exception) or isinstance(exc, RanksDisagreeError):
+                raise  # every rank raises this same error: unchanged
             collective = RankTimeoutError.from_step(exc, self.group, step, key)
             if collective is not None:
                 raise collective from exc
@@ -318,20 +384,18 @@ class GraphBackend:
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         self._capturing = None
-        self._capture_recorder = None
-        self._entries[key] = _Entry(
-            key=key,
-            graph=graph,
-            forward_fn=forward_fn,
-            capture_inputs=capture_inputs,
-            spec=binding["spec"],
-            views=binding["views"],
-            capture_seconds=t_end - t0,
-            warmup_seconds=t_warm - t0,
-            graph_capture_seconds=t_end - t_cap,
-            capture_input_bytes=tensor_bytes(capture_inputs),
-        )
+        self._end_hooks(all_hooks, cap)
         logger.debug("%s: captured key %r on rank %d in %.3fs", self.name, key, self.rank, t_end - t0)
+
+    def _end_hooks(self, hooks: Sequence[CaptureHook], cap: Capture) -> None:
+        """Every hook's ``end`` (they drop references); the first error is logged, not raised:
+        the capture's own outcome is what the caller needs."""
+        cap.last_output = None
+        for h in hooks:
+            try:
+                h.end(cap)
+            except Exception:  # noqa: BLE001
+                logger.exception("%s: the %s check's end() failed for key %r", self.name, h.name, cap.key)
 
     # Each step of the protocol is one small method. Override one only to
     # test what breaks without it; never reorder them (the order lives in
@@ -391,33 +455,19 @@ class GraphBackend:
         with self.trace.span(EventKind.CAPTURE_FORWARD, key=key, backend=self.name):
             self._capture_into(graph, key, fn)
 
-    def _drift_recorders(self) -> Optional[tuple]:
-        """The (last warmup, capture) op recorders of the drift check, or
-        ``None`` when it is off, the backend freezes nothing, or there is no
-        warmup to compare with."""
-        if not self.drift_check or self._drift_scope is None or self.warmups < 1:
-            return None
-        from graphrunner.drift import OpRecorder
+    def _after_warmups(self, key: Any, hook: CaptureHook, cap: Capture) -> None:
+        """Step 2: ``hook.after_warmups(cap)`` (a ``check`` span, when the hook has that step)."""
+        if type(hook).after_warmups is CaptureHook.after_warmups:
+            return
+        with self.trace.span(EventKind.CHECK, key=key, backend=self.name, check=hook.name):
+            hook.after_warmups(cap)
 
-        skip = self._drift_scope == "segments"
-        return (OpRecorder(f"warmup {self.warmups}", skip_eager_breaks=skip),
-                OpRecorder("capture", skip_eager_breaks=skip))
-
-    def _drift_capture(self, recorder: Any) -> Any:
-        """The context around the captured ``forward_fn()`` that records its
-        ops: the recorder itself, entered innermost (inside the device's
-        capture, so a tape's own ops are not seen). A backend that installs
-        the recorder's modes elsewhere returns ``recorder.recording()``."""
+    def _recording_capture(self, recorder: Any) -> Any:
+        """The context around the captured ``forward_fn()`` that feeds its ops
+        to the hooks: the recorder itself, entered innermost (inside the
+        device's capture, so a tape's own ops are not seen). A backend that
+        installs the recorder's modes elsewhere returns ``recorder.recording()``."""
         return recorder
-
-    def _check_drift(self, key: Any, warmup: Any, capture: Any) -> None:
-        """Step 4: raise :class:`CaptureError` if the last warmup and the
-        capture ran different op streams."""
-        from graphrunner.drift import drift_error
-
-        err = drift_error(key, warmup, capture, self.warmups)
-        if err is not None:
-            raise err
 
     def _abort(self, key: Any, graph: Any) -> None:
         """Clean up after a failed capture: reset the graph, and drop the
@@ -470,6 +520,8 @@ class GraphBackend:
                 f"replay of shape key {key!r}, which this {type(self).__name__} never captured "
                 f"(captured: {list(self._entries)}); check can_run(key) first, or capture it"
             )
+        for h in entry.replay_hooks:  # debug-mode checks only; empty otherwise
+            h.before_replay(key)
         if self.trace:
             with self.trace.span(EventKind.REPLAY, key=key, backend=self.name):
                 entry.graph.replay()
@@ -511,6 +563,7 @@ class GraphBackend:
             "graph_capture_seconds": entry.graph_capture_seconds,
         }
         d.update(self._graph_stats(entry.graph))
+        d.update(entry.extra)
         d.update(
             output_bytes=out_bytes,
             output_buffer_bytes=self._out.nbytes,

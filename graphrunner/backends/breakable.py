@@ -40,9 +40,10 @@ class BreakableGraphBackend(GraphBackend):
     _drift_scope = "segments"
 
     def __init__(self, device: Any = None, group: Any = None, warmups: int = 2, trace: Optional[Trace] = None,
-                 debug_eager: bool = False, drift_check: bool = True, *, output_arena: Any = None):
+                 debug_eager: bool = False, drift_check: bool = True, *, output_arena: Any = None,
+                 hooks: Any = ()):
         super().__init__(device=device, group=group, warmups=warmups, trace=trace, drift_check=drift_check,
-                         output_arena=output_arena)
+                         output_arena=output_arena, hooks=hooks)
         self.debug_eager = bool(debug_eager)
         if self.debug_eager:
             self.name = "breakable_debug_eager"
@@ -53,7 +54,7 @@ class BreakableGraphBackend(GraphBackend):
 
         device = self.device
         if self._capture_recorder is not None:
-            from graphrunner.drift import RecordingDevice
+            from graphrunner.checks.ops import RecordingDevice
 
             device = RecordingDevice(device, self._capture_recorder)  # records inside each segment
         return BreakableGraph(
@@ -76,9 +77,9 @@ class BreakableGraphBackend(GraphBackend):
                                  barrier_fn=functools.partial(self._break_barrier, key)):
                 body()
         finally:
-            graph.device = self.device  # drop a drift RecordingDevice: replay and pool() need the real one
+            graph.device = self.device  # drop the hooks' RecordingDevice: replay and pool() need the real one
 
-    def _drift_capture(self, recorder: Any) -> Any:
+    def _recording_capture(self, recorder: Any) -> Any:
         # The recorder's modes are installed inside each segment (_make_graph):
         # around the whole step they would break the segments' mode nesting.
         return recorder.recording()

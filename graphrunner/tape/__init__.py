@@ -33,10 +33,12 @@ one runs on the other:
   that reads them between capture and replay (an eager break, a check of the
   capture-time output) then fails on CPU as it would on the GPU.
 * Replay runs straight-line Python generated once at ``capture_end``, or a
-  TorchScript trace of it made at the first replay (the same aten calls in
-  the same order, bit-identical, without Python's per-op cost:
-  :mod:`~graphrunner.tape.jit`; ``TapeGraph(jit_replay=False)`` or
-  ``GRAPHRUNNER_TAPE_JIT=0`` keeps the Python); it never goes through a
+  TorchScript trace of it, also made at ``capture_end`` so that the first
+  replay costs what a steady one does (the same aten calls in the same
+  order, bit-identical, without Python's per-op cost; making the trace runs
+  the replay once and leaves nothing behind: :mod:`~graphrunner.tape.jit`;
+  ``TapeGraph(jit_replay=False)`` or ``GRAPHRUNNER_TAPE_JIT=0`` keeps the
+  Python); it never goes through a
   dispatch mode of its own.  To make it cheap: views of externals and
   constant factories are hoisted (computed once); each op calls the public
   binding (``torch.mul``, ``Tensor.view``, ...) verified at capture to match
@@ -71,7 +73,7 @@ Modules (each owns one job; see its docstring):
   ``linear``) replayed as the one kernel they reach (``mm`` / ``bmm`` /
   ``addmm`` with ``out=``);
 * :mod:`~graphrunner.tape.jit`: the TorchScript replay engine (the
-  generated code traced at the first replay);
+  generated code traced at capture end);
 * :mod:`~graphrunner.tape.arena`: :class:`TapePool` and the per-pool arena
   (memory reuse between captures as on CUDA, the pool size estimate);
 * :mod:`~graphrunner.tape.state`: the captures in progress, per thread, and

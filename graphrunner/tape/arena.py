@@ -71,6 +71,13 @@ class _Block:
         return self.storage() if self.storage is not None else None
 
 
+#: ``TapePool._replaying`` while a graph's ``capture_end`` holds the pool's
+#: replay lock to trace its replay (:mod:`graphrunner.tape.jit`): that takes
+#: milliseconds and leaves the memory as it found it, so a replay of another
+#: graph of the pool waits for it instead of raising.
+TRACING = object()
+
+
 class TapePool:
     """Memory-pool handle (mirrors ``torch.cuda.graph_pool_handle()``).
 
@@ -85,7 +92,7 @@ class TapePool:
     def __init__(self) -> None:
         self._lock = threading.Lock()         # arena bookkeeping (captures in several threads)
         self._replay_lock = threading.Lock()  # one replay at a time among the pool's graphs
-        self._replaying = None                # weakref to the graph replaying now
+        self._replaying = None                # weakref to the graph replaying now, or TRACING
         self._free: list[tuple] = []          # sorted (size, seq, block)
         self._used: list[_Block] = []         # blocks holding survivors
         #: Estimated bytes of graph memory this pool holds (sum of its blocks).

@@ -4,7 +4,9 @@ Owns the graph object's life cycle -- ``capture_begin`` (entering the
 re-seed guard, the unsafe-op guard and the recorder), ``capture_end``
 (undoing writes to externals, restoring generators, then hoisting, survivors
 and code generation through :mod:`~graphrunner.tape.codegen` and
-:mod:`~graphrunner.tape.survivors`), ``replay`` (the generated function with
+:mod:`~graphrunner.tape.survivors`, and the TorchScript trace of the replay,
+:mod:`~graphrunner.tape.jit`, made there without a trace of its own run),
+``replay`` (the generated function with
 autograd and torch-function handling off, one replay at a time per pool),
 ``reset`` -- and :data:`EMPTY_GRAPH_MESSAGE`.  Memory placement in a pool is
 :mod:`~graphrunner.tape.arena`'s job.
@@ -19,11 +21,12 @@ import weakref
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from graphrunner.errors import CaptureError
 
 from .bindings import _NO_TORCH_FUNCTION
-from .arena import TapePool, graph_pool_handle, place
+from .arena import TRACING, TapePool, graph_pool_handle, place
 from .codegen import generate, hoist
 from .jit import JitReplay, eligible, jit_default
 from .recording import _Capture, _Recorder
@@ -70,9 +73,14 @@ class TapeGraph:
         ``pool_bytes`` estimates the pool memory the capture added.
 
     ``jit_replay`` (default: ``$GRAPHRUNNER_TAPE_JIT``, on unless ``0``):
-    replay through a TorchScript trace of the generated code, made at the
-    first replay, where the program allows (:mod:`graphrunner.tape.jit`);
-    the results are the same bits.  ``replay_engine`` says which engine runs.
+    replay through a TorchScript trace of the generated code, where the
+    program allows (:mod:`graphrunner.tape.jit`); the results are the same
+    bits.  The trace is made at ``capture_end()``, so the first replay costs
+    what a steady one does; making it runs the replay, and that run leaves
+    nothing behind (externals, survivors and generators get back what they
+    held: the capture still launches nothing, as on CUDA, and poisoned
+    survivors stay poisoned).  ``replay_engine`` says which engine runs:
+    ``"jit"`` right after a capture that could be traced.
 
     ``poison_captured_values`` (default: ``$GRAPHRUNNER_TAPE_POISON``, see
     :func:`poison_default`) emulates what a CUDA capture leaves in the
@@ -169,8 +177,11 @@ class TapeGraph:
                     del _ACTIVE[cap.thread]
             raise
 
-    def _stop(self) -> _Capture:
-        """Leave the modes, restore externals; return the capture state."""
+    def _stop(self, repoison: bool = True) -> _Capture:
+        """Leave the modes, restore externals; return the capture state.
+        ``repoison=False`` leaves other graphs' poisoned survivors that the
+        capture read with their real values (the caller calls
+        :meth:`_repoison` once it is done computing on them)."""
         cap, modes = self._cap, self._modes
         self._cap = self._modes = None
         with _ACTIVE_LOCK:
@@ -180,15 +191,23 @@ class TapeGraph:
             if modes is not None:
                 for m in reversed(modes):
                     m.__exit__(None, None, None)
+        except BaseException:
+            repoison = True
+            raise
         finally:
             cap.restore()
             reseeded = cap.restore_generators()
             if reseeded is not None and cap.failed is None:
                 cap.failed = reseeded
-            for ent in cap.lifted:  # other graphs' survivors: garbage again until those graphs replay
-                ent.poison()
-            cap.lifted.clear()
+            if repoison:
+                self._repoison(cap)
         return cap
+
+    @staticmethod
+    def _repoison(cap: _Capture) -> None:
+        for ent in cap.lifted:  # other graphs' survivors: garbage again until those graphs replay
+            ent.poison()
+        cap.lifted.clear()
 
     def capture_end(self) -> None:
         """Finish recording and generate the replay function.
@@ -206,15 +225,20 @@ class TapeGraph:
     def _end(self, warn_empty: bool) -> None:
         if self._cap is None:
             raise CaptureError("capture_end() called on a TapeGraph that is not capturing")
-        cap = self._stop()
-        if cap.failed is not None:
-            self._clear()
-            raise CaptureError(f"tape capture failed earlier: {cap.failed}") from cap.failed
+        # Other graphs' poisoned survivors read by the capture keep their real
+        # values until the trace has run (it computes on them, as the capture did).
+        cap = self._stop(repoison=False)
         try:
-            self._finalize(cap)
-        except BaseException:
-            self._clear()
-            raise
+            if cap.failed is not None:
+                self._clear()
+                raise CaptureError(f"tape capture failed earlier: {cap.failed}") from cap.failed
+            try:
+                self._finalize(cap)
+            except BaseException:
+                self._clear()
+                raise
+        finally:
+            self._repoison(cap)
         if not cap.ops and warn_empty:
             warnings.warn(EMPTY_GRAPH_MESSAGE, UserWarning, stacklevel=3)
         targets, self._surv_storages = self._surv_storages, []
@@ -279,7 +303,13 @@ class TapeGraph:
             pool._replay_lock.release()
 
     def _concurrent(self, pool) -> None:
+        """The pool's replay lock is taken: by the capture end of another of
+        its graphs tracing its replay (wait: it is short and leaves nothing
+        behind), else by a replay in another thread (raise)."""
         w = pool._replaying
+        if w is TRACING:
+            pool._replay_lock.acquire()
+            return
         other = w() if w is not None else None
         raise CaptureError(
             f"concurrent replay in one memory pool: {self!r} was replayed while {other!r} is replaying in "
@@ -347,10 +377,11 @@ class TapeGraph:
         prog, n_ops = generate(cap, consts, survivors, spills)
         self._fn = prog.fn
         self._jit = None
-        if self.jit_replay:
+        if self.jit_replay and prog.lines:  # (an empty replay has nothing to trace)
             why = eligible(prog.env, any(op.collective for op in cap.ops))
             if why is None:
-                written = [t for n, t in consts.items() if cap.kind.get(n) == "ext" and type(t) is torch.Tensor
+                # (an nn.Parameter too: a trace at capture end must give back what it writes)
+                written = [t for n, t in consts.items() if cap.kind.get(n) == "ext" and isinstance(t, torch.Tensor)
                            and cap.skey.get(n) in cap.written]
                 self._jit = self._fn = JitReplay(prog.fn, prog.lines, prog.env, written)
             else:
@@ -363,16 +394,54 @@ class TapeGraph:
         self._inference = cap.inference
         self._statics = list(survivors.values())
         self._versioned = versioned
+        if self._jit is not None:
+            self._prepare_jit(list(survivors.values()) + list(spills.values()), cap.drawn_from)
         logger.debug(
             "tape capture: %d ops recorded, %d replayed, %d survivors, %d externals",
             len(cap.ops), n_ops, len(survivors), sum(1 for k in cap.kind.values() if k == "ext"),
         )
 
+    def _prepare_jit(self, keep: list, generators: list) -> None:
+        """Trace the replay now, at capture end (:meth:`JitReplay.prepare
+        <graphrunner.tape.jit.JitReplay.prepare>`): under the replay's grad /
+        inference mode with torch-function handling off, as :meth:`_run`
+        runs it, holding the pool's replay lock (the trace writes pool memory
+        and then puts it back, which a replay of another graph of the pool in
+        another thread must not see: such a replay waits), and with the
+        dispatch modes active here disabled.  Those modes (a check's op recorder around the capture, a
+        user's mode) watch the user's step; the trace is the tape's own work,
+        which leaves nothing behind, as a CUDA ``capture_end`` launches
+        nothing a mode could see: a recorder must not count its ops as the
+        step's (deferring to the first replay instead would bring back the
+        first-replay spike for every graph captured under a check).  A replay
+        under a mode still runs the Python replay, so that the mode sees its
+        ops.  When the pool is replaying in another thread the trace is left
+        to the first replay (``replay_engine == "jit-pending"``)."""
+        pool = self._pool
+        if not pool._replay_lock.acquire(False):
+            logger.debug("tape replay traced at the first replay: the pool is replaying at capture end")
+            return
+        # Left set after the release: a replay that finds the lock taken before
+        # the next holder sets its own mark waits rather than raising.
+        pool._replaying = TRACING
+        try:
+            with _disable_current_modes(), _NO_TORCH_FUNCTION(), (
+                    torch.inference_mode() if self._inference else torch.no_grad()):
+                self._jit.prepare(keep, generators)
+        finally:
+            pool._replay_lock.release()
+        if self._jit.engine == "python":
+            logger.debug("tape replay in Python: %s", self._jit.why_python)
+        if self._versioned:  # the trace wrote the survivors (their bytes are back)
+            self._versioned = [(w, (w()._version if w() is not None else v)) for w, v in self._versioned]
+
     @property
     def replay_engine(self) -> str | None:
         """What replays this graph: ``"jit"`` (a TorchScript trace of the
-        generated code), ``"jit-pending"`` (traced at the first replay),
-        ``"python"`` (the generated code itself), None before a capture."""
+        generated code, made at capture end), ``"jit-pending"`` (to be traced
+        at the first replay: the graph's pool was replaying in another thread
+        at capture end), ``"python"`` (the generated code itself), None before
+        a capture."""
         if self._fn is None:
             return None
         return self._jit.engine if self._jit is not None else "python"

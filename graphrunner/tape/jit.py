@@ -6,26 +6,41 @@ Python call and the binding's argument parsing on top of its kernel.  The
 TorchScript interpreter runs the same aten calls without either, so a
 decode step replays 5-25% faster through it (``bench/tape_vs_eager.py``).
 
-:class:`JitReplay` wraps the generated program.  Its first call traces
+:class:`JitReplay` wraps the generated program.  It traces
 (``torch.jit.trace``) a copy of the replay that takes every tensor it binds
 as a parameter, the tensors inside list constants included, so the trace
 holds no tensor constant and no value of the capture is frozen into it.
-Tracing executes the replay once for real, so that first call *is* a
-replay.  Later calls run the trace without TorchScript's optimisation passes
+Calls run the trace without TorchScript's optimisation passes
 (``torch.jit.optimized_execution(False)``): the recorded aten calls, in
 order, on the same tensors, so the results are bit-identical to the Python
 replay's.
 
+The trace is made at capture end (:meth:`JitReplay.prepare`, called by
+``TapeGraph.capture_end``), so that the first replay costs what a steady
+one does: tracing takes milliseconds, and the trace's first call builds
+TorchScript's execution plan.  Tracing executes the replay once, and
+``prepare`` runs the trace once more to build that plan; both leave no
+trace, as a CUDA capture launches nothing: the bytes of every storage the
+replay writes (the external tensors it writes, the graph's survivors, pool
+memory it spills to) are copied first and put back after (the same
+rollback a failed trace uses), and the generators the replay draws from
+get their states back.  ``prepare`` runs with the caller's dispatch modes
+disabled.  Only when the graph cannot be traced at capture end (its pool is
+replaying in another thread) is the trace made at the first replay
+(``engine == "jit-pending"`` until then): that replay traces, and tracing
+*is* the replay.
+
 A graph replays in Python instead when its program is not eligible
 (:func:`eligible`: collectives, or a bound value other than tensors,
 literals and C builtins such as torch's functions: a generator, a Python
-function), when tracing fails (the
-external tensors the replay writes are restored from a copy taken before,
-then the Python replay runs, so no write happens twice), or when the trace
-came out with a tensor constant.  A replay made while a
-``TorchDispatchMode`` is active (``runner.compare`` records the ops it
-runs) runs the Python replay, and is never the one traced.  ``TapeGraph(jit_replay=False)`` or the
-environment variable ``GRAPHRUNNER_TAPE_JIT=0`` turns the engine off.
+function), when tracing fails (the external tensors the replay writes are
+restored from the copy taken before; at the first replay the Python replay
+then runs, so no write happens twice), or when the trace came out with a
+tensor constant.  A replay made while a ``TorchDispatchMode`` is active
+(``runner.compare`` records the ops it runs) runs the Python replay, so
+that the mode sees every op, and is never the one traced.
+``TapeGraph(jit_replay=False)`` or the environment variable
+``GRAPHRUNNER_TAPE_JIT=0`` turns the engine off.
 """
 
 from __future__ import annotations
@@ -85,7 +100,8 @@ class JitReplay:
     """The replay of one program through a TorchScript trace (see the module
     docstring).  Call it where the Python replay ``fn`` would be called
     (under the replay's grad / inference mode); ``engine`` says which ran
-    last: ``"jit"``, ``"jit-pending"`` (not traced yet) or ``"python"``."""
+    last: ``"jit"``, ``"jit-pending"`` (not traced yet: :meth:`prepare` did
+    not run at capture end, so the first replay traces) or ``"python"``."""
 
     def __init__(self, fn: Callable[[], None], lines: list[str], env: dict, written: list[torch.Tensor]):
         self._python = fn
@@ -147,33 +163,75 @@ class JitReplay:
             return
         self._first()
 
+    def prepare(self, keep: list[torch.Tensor], generators: list) -> None:
+        """Trace now, at capture end, and run the trace once more so that its
+        first call at replay finds TorchScript's execution plan built; leave
+        no trace of either run: the storages of the written externals and of
+        ``keep`` (the graph's survivors, the pool memory it spills to) get
+        their bytes back, and ``generators`` their states.  Falls back to the
+        Python replay (``engine == "python"``) when tracing fails or the trace
+        holds a tensor constant.  Call it where a replay would run (the
+        replay's grad / inference mode, torch-function handling off, the
+        pool's replay lock held) with no dispatch mode active."""
+        saved = _snapshot(list(self._written) + list(keep))
+        states = [(g, g.get_state()) for g in generators]
+        try:
+            trace = self._make_trace()
+            why = _tensor_constants(trace)
+            if why is None:
+                with torch.jit.optimized_execution(False):
+                    trace(*self._args)  # builds the execution plan the first replay would
+        except Exception as exc:  # noqa: BLE001 - the Python replay is always there
+            why = f"tracing failed: {type(exc).__name__}: {str(exc)[:200]}"
+        finally:
+            _restore(saved)
+            for g, state in states:
+                g.set_state(state)
+        del saved
+        if why is not None:
+            self._fallback(why)
+            return
+        self._trace = trace
+        self.engine = "jit"
+
     def _first(self) -> None:
-        """Trace (running the replay once), or fall back to the Python replay
-        with the written externals restored."""
+        """Trace at the first replay (only when :meth:`prepare` could not run
+        at capture end): tracing runs the replay once, so it *is* this replay;
+        or fall back to the Python replay with the written externals
+        restored."""
         saved = _snapshot(self._written)
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", torch.jit.TracerWarning)
-                warnings.simplefilter("ignore", DeprecationWarning)  # torch 2.13 deprecates torch.jit.trace
-                trace = torch.jit.trace(self._fn, self._args, check_trace=False)
+            trace = self._make_trace()
         except Exception as exc:  # noqa: BLE001 - the Python replay is always there
             _restore(saved)
             self._fallback(f"tracing failed: {type(exc).__name__}: {str(exc)[:200]}")
             self._python()
             return
         del saved
-        consts = [n for n in trace.graph.nodes()
-                  if n.kind() == "prim::Constant" and n.output().type().kind() == "TensorType"]
-        if consts:  # this replay ran for real; later ones must not read a frozen value
-            self._fallback(f"the trace holds {len(consts)} tensor constant(s)")
+        why = _tensor_constants(trace)
+        if why is not None:  # this replay ran for real; later ones must not read a frozen value
+            self._fallback(why)
             return
         self._trace = trace
         self.engine = "jit"
+
+    def _make_trace(self):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)  # torch 2.13 deprecates torch.jit.trace
+            return torch.jit.trace(self._fn, self._args, check_trace=False)
 
     def _fallback(self, why: str) -> None:
         self.engine = "python"
         self.why_python = why
         logger.debug("tape replay in Python: %s", why)
+
+
+def _tensor_constants(trace) -> str | None:
+    """Why a trace cannot be used (it froze a tensor into a constant), or None."""
+    consts = [n for n in trace.graph.nodes()
+              if n.kind() == "prim::Constant" and n.output().type().kind() == "TensorType"]
+    return f"the trace holds {len(consts)} tensor constant(s)" if consts else None
 
 
 def _snapshot(tensors: list[torch.Tensor]) -> list:

@@ -91,6 +91,7 @@ class _Capture:
         self.meta_mutated = False                  # an inplace_view op (t_, unsqueeze_, ...) ran
         self.lifted: list[_Poisoned] = []          # other graphs' poisoned survivors lifted for this capture
         self.generators: dict[int, tuple] = {}     # id(generator) -> (generator, state, initial seed) at first use
+        self.drawn_from: list = []                 # at capture end: the generators tracked (restored)
         self.track_generator(torch.default_generator)
 
     def scalar_tensor(self, v, dtype=None) -> torch.Tensor:
@@ -239,6 +240,7 @@ class _Capture:
                     "state at capture end. Seed before capture_begin() (or between replays)."
                 )
             g.set_state(state)
+        self.drawn_from = [g for g, _, _ in self.generators.values()]
         self.generators.clear()
         return err
 

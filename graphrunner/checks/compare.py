@@ -1,9 +1,11 @@
 """Localise a divergence: run a captured runner's graph and an eager reference on the same inputs, op by op.
 
-``runner.compare(**inputs)`` (:func:`compare_runner`) pads ``inputs`` to
-their bucket exactly as a call does, then:
+``runner.compare(**inputs)`` (:func:`compare_runner`) stages ``inputs`` in
+the runner's static buffers and pads them to their key with the runner's
+own stager, exactly as a call does (any key space: named dims too), then:
 
-1. replays the bucket's graph, recording the ops a dispatch mode sees (on
+1. replays the key's graph, recording (through the one op recorder,
+   :mod:`graphrunner.checks.ops`) the ops a dispatch mode sees (on
    the tape every op of every segment, on CUDA only the eager breaks:
    segment kernels are invisible to the host), as a call would;
 2. puts back everything the replay wrote -- tensors that are not created by
@@ -36,16 +38,17 @@ the serving path. On a multi-rank runner every rank must call it together
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 
-from graphrunner._frames import is_internal, where
+from graphrunner._frames import where
 from graphrunner._pytree import flatten
+from graphrunner.checks.ops import OpConsumer, OpRecorder, storage_key, tensors_in
 from graphrunner.errors import CaptureError
+from graphrunner.keys import region
 from graphrunner.tape.state import storage_bytes
 
 __all__ = ["CompareReport", "compare_runner"]
@@ -129,124 +132,77 @@ class CompareReport:
         return f"{text}. Likely cause: {hint}. See docs/debugging.md"
 
 
-class _Recorder(TorchDispatchMode):
-    """Records ops (values, lines, context) and the storages they write."""
+class _Recorder(OpConsumer):
+    """An op consumer that records ops (values, lines, context) and the storages they write."""
 
     def __init__(self, state: "_State", locate: bool):
-        super().__init__()
         self.state, self.locate = state, locate
         self.ops: List[_OpValue] = []
-        self.on = False
         self._segment = 1
         self._in_break = False
 
-    def _context(self, frame) -> str:
-        f, wrapper = frame, self.state.no_graph
-        while f is not None:
-            if f.f_code is wrapper:
-                fn = f.f_locals.get("fn")
-                self._in_break = True
-                return f"eager break {getattr(fn, '__qualname__', fn)}"
-            f = f.f_back
+    def _context(self, ev: Any) -> str:
+        if ev.in_eager_break:
+            self._in_break = True
+            fn = ev.break_fn
+            return f"eager break {getattr(fn, '__qualname__', fn)}"
         if self._in_break:
             self._in_break = False
             self._segment += 1
         return f"graph segment {self._segment}"
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        state = self.state
-        if self.on:
-            state.note_seen(args, kwargs)
-            state.note_writes(func, args, kwargs)
-        out = func(*args, **kwargs)
-        if not self.on:
-            return out
-        state.note_created(out)
-        if func._schema.name in _SKIP:
-            return out
-        outs = tuple(t for t in _tensors(out))
+    def before(self, ev: Any) -> None:
+        self.state.note_seen(ev.args, ev.kwargs)
+        self.state.note_writes(ev.written)
+
+    def after(self, ev: Any) -> None:
+        self.state.note_created(ev.out)
+        if ev.name in _SKIP:
+            return
+        outs = tuple(tensors_in(ev.out))
         if not outs:
-            return out
+            return
         with _disable_current_modes():
             vals = tuple(t.detach().clone() for t in outs)
-        frame = sys._getframe(1)
-        loc = _user_line(frame) if self.locate else None
-        ctx = self._context(frame) if self.locate else ""
-        self.ops.append(_OpValue(str(func.overloadpacket), vals, loc, ctx))
-        return out
-
-
-def _user_line(frame) -> Optional[Tuple[str, int, str]]:
-    """The user's frame of an op of the step (not beyond :func:`compare_runner`)."""
-    f = frame
-    stop = compare_runner.__code__
-    while f is not None and f.f_code is not stop:
-        if not is_internal(f.f_code):
-            return f.f_code.co_filename, f.f_lineno, f.f_code.co_name
-        f = f.f_back
-    return None
-
-
-def _tensors(v):
-    if isinstance(v, torch.Tensor):
-        yield v
-    elif isinstance(v, (list, tuple)):
-        for x in v:
-            yield from _tensors(x)
-
-
-def _key(t: torch.Tensor) -> Optional[int]:
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return None
+        loc = ev.where if self.locate else None
+        ctx = self._context(ev) if self.locate else ""
+        self.ops.append(_OpValue(str(ev.func.overloadpacket), vals, loc, ctx))
 
 
 class _State:
     """What the two runs wrote, and how to put it back."""
 
     def __init__(self, inputs: List[torch.Tensor]):
-        from graphrunner.drift import _no_graph_wrapper_code
-
-        self.no_graph = _no_graph_wrapper_code()
         self.created: set = set()                       # storages made by the step
         self.seen: set = set()                          # storages an op read or wrote before
-        self.inputs = {_key(t) for t in inputs}
+        self.inputs = {storage_key(t) for t in inputs}
         self.snapshots: Dict[int, Tuple[Any, torch.Tensor, str]] = {}
         self.gens = [(torch.default_generator, torch.default_generator.get_state())]
 
     def note_seen(self, args, kwargs) -> None:
         for v in list(args) + list(kwargs.values()):
-            for t in _tensors(v):
-                k = _key(t)
+            for t in tensors_in(v):
+                k = storage_key(t)
                 if k is not None and k not in self.created:
                     self.seen.add(k)
 
     def note_created(self, out: Any) -> None:
         """Storages an op returned that no op had seen: made by the step (its
         writes to them are its own business, not state to put back)."""
-        for t in _tensors(out):
-            k = _key(t)
+        for t in tensors_in(out):
+            k = storage_key(t)
             if k is not None and k not in self.seen:
                 self.created.add(k)
 
-    def note_writes(self, func, args, kwargs) -> None:
-        schema = func._schema
-        if not schema.is_mutable:
-            return
-        for i, a in enumerate(schema.arguments):
-            if a.alias_info is None or not a.alias_info.is_write:
+    def note_writes(self, written: List[torch.Tensor]) -> None:
+        for t in written:
+            k = storage_key(t)
+            if k is None or k in self.created or k in self.inputs or k in self.snapshots:
                 continue
-            v = args[i] if i < len(args) else kwargs.get(a.name)
-            for t in _tensors(v if isinstance(v, (list, tuple)) else (v,)):
-                k = _key(t)
-                if k is None or k in self.created or k in self.inputs or k in self.snapshots:
-                    continue
-                st = t.untyped_storage()
-                with _disable_current_modes(), torch.inference_mode():
-                    raw = storage_bytes(st)
-                    self.snapshots[k] = (st, raw.clone(), f"{tuple(t.shape)} {t.dtype}")
+            st = t.untyped_storage()
+            with _disable_current_modes(), torch.inference_mode():
+                raw = storage_bytes(st)
+                self.snapshots[k] = (st, raw.clone(), f"{tuple(t.shape)} {t.dtype}")
 
     def restore(self) -> None:
         with _disable_current_modes(), torch.inference_mode():
@@ -301,66 +257,64 @@ def _paths(out: Any) -> List[str]:
 def compare_runner(runner: Any, inputs: Mapping[str, torch.Tensor], atol: float = 0.0) -> CompareReport:
     """Compare ``runner``'s graph with eager PyTorch on ``inputs``; see the module docstring.
 
-    ``inputs`` are as for a call (every declared name, ``(n, *trailing)``).
-    Raises :class:`CaptureError` before ``runner.capture()``, and
-    ``ValueError`` when the batch falls back (no bucket replays it: there is
-    no graph to compare). Outputs are compared on their real rows; ``atol``
-    is the largest difference still called equal (default 0: the tape
-    replays bit for bit).
+    ``inputs`` are as for a call (every declared name, with the runner's
+    dims: any key space). They are validated and staged by the runner's own
+    stager (:class:`~graphrunner.staging.StaticInputs`) exactly as a call
+    would stage them. Raises :class:`CaptureError` before
+    ``runner.capture()``, the call's ``ValueError``/``TypeError`` for
+    invalid inputs, and ``ValueError`` when the sizes fall back (no key
+    replays them: there is no graph to compare). Outputs are compared on
+    their real cells; ``atol`` is the largest difference still called equal
+    (default 0: the tape replays bit for bit).
     """
     if not runner.captured:
         raise CaptureError("runner.compare() needs a captured runner: call runner.capture() first")
-    names = list(runner.inputs)
-    missing = [k for k in names if k not in inputs]
-    if missing or len(inputs) != len(names):
-        raise ValueError(f"runner.compare(): expected exactly the inputs {names}, got {list(inputs)}")
-    n = int(inputs[names[0]].shape[0])
-    b = runner.bucket_for(n)
-    if b is None or not runner.backend.can_run(b):
-        raise ValueError(f"runner.compare(): batch {n} falls back to eager (no captured bucket replays it): "
-                         "there is no graph to compare; pass a batch that fits a bucket")
-    static = {k: v[:b] for k, v in runner.static_inputs.items()}
-    saved_static = {k: v.clone() for k, v in runner.static_inputs.items()}
-    padded = {}
-    for name, spec in runner.inputs.items():
-        t = torch.full((b, *spec.trailing), spec.pad, dtype=spec.dtype, device=runner.torch_device)
-        t[:n].copy_(inputs[name])
-        padded[name] = t
+    staging, space = runner._inputs, runner._space
+    tensors, sizes = staging.validate(inputs)
+    key = space.choose(sizes)[0] if staging.fits(sizes) else None
+    ext = None if key is None else space.external(key)
+    if key is None or not runner.backend.can_run(ext):
+        raise ValueError(f"runner.compare(): {space.describe(sizes)} falls back to eager (no captured key "
+                         "replays it): there is no graph to compare; pass sizes that fit a key")
+    saved_static = {k: v.clone() for k, v in staging.buffers.items()}
+    saved_filled = staging.filled
+    staging.stage(tensors, sizes)
+    staging.pad_to(sizes, key)
+    static = staging.key_views(key)
+    padded = {k: v.clone() for k, v in static.items()}   # the eager reference's own copy of the padded inputs
     state = _State(list(padded.values()) + list(static.values()))
-    ctx = torch.inference_mode() if runner.inference_mode else torch.no_grad()
+    stop = compare_runner.__code__
     try:
         # The graph first: it sees the Python state a call would see now (an
         # eager break reading a value the segment code set at capture).
-        for name, t in padded.items():
-            static[name].copy_(t)
         graph_rec = _Recorder(state, locate=False)
-        with ctx, graph_rec:
-            graph_rec.on = True
-            result = runner.backend.replay(b)
-            graph_rec.on = False
+        with torch.inference_mode(), OpRecorder([graph_rec], stop=stop):
+            result = runner.backend.replay(ext)
         _, graph_leaves = flatten(result)
         graph_out = [t.detach().clone() for t in graph_leaves]
         state.restore()
         eager_rec = _Recorder(state, locate=True)
-        with ctx, eager_rec:
-            eager_rec.on = True
+        with torch.inference_mode(), OpRecorder([eager_rec], stop=stop):
             out = runner.step(**padded)
             _, leaves = flatten(out)
             eager_out = [torch.empty_like(t).copy_(t) for t in leaves]  # the graph copies into its buffer too
-            eager_rec.on = False
     finally:
         state.restore()
-        for k, v in runner.static_inputs.items():
+        for k, v in staging.buffers.items():
             v.copy_(saved_static[k])
+        staging.filled = saved_filled
     paths = _paths(out)
+    spec, _ = flatten(out)
+    dims = runner._layout.leaf_dims(spec, len(paths))
     worst, at = 0.0, None
-    for path, e, g in zip(paths, eager_out, graph_out):
-        if e.dim() >= 1:
-            e, g = e[:n], g[:n]
-        d = _max_diff(e, g)
-        if d > worst:
-            worst, at = d, path
-    report = CompareReport(equal=worst <= atol, bucket=b, batch=n, max_abs_diff=worst, output=at,
+    for path, e, g, d in zip(paths, eager_out, graph_out, dims):
+        if e.dim() >= 1 and d:
+            e, g = e[region(sizes, d)], g[region(sizes, d)]
+        diff = _max_diff(e, g)
+        if diff > worst:
+            worst, at = diff, path
+    report = CompareReport(equal=worst <= atol, bucket=ext, batch=sizes[0] if space.legacy else sizes,
+                           max_abs_diff=worst, output=at,
                            restored=[desc for _, _, desc in state.snapshots.values()])
     if report.equal:
         return report

@@ -12,7 +12,7 @@ runs: the runner's call path is unchanged but for one attribute test.
   illegal memory access far from its cause.
 - **Externals.** Tensors the step reads that are not runner inputs
   (weights, buffers, the KV cache) are recorded during the last capture
-  warmup of each key (:class:`ExternalRecorder`, a ``TorchDispatchMode``)
+  warmup of each key (:class:`ExternalRecorder`, an op consumer)
   with ``(data_ptr, shape, stride)``, and named by their path from the step
   (:func:`named_tensors`: ``self.model.layers.0.weight`` for a bound
   method, a closure variable or global name for a plain function). Before
@@ -23,9 +23,9 @@ runs: the runner's call path is unchanged but for one attribute test.
   The externals the graph writes (the KV cache) are listed in the capture
   report.
 
-A similar recorder records op streams for the drift check (branch
-``drift``, ``graphrunner/drift.py``); the two are meant to share one
-recorder later.
+The externals are recorded by the one op recorder
+(:mod:`graphrunner.checks.ops`) that the drift check also feeds from; the
+check attaches to capture as the hook :class:`ExternalsCheck`.
 """
 
 from __future__ import annotations
@@ -35,13 +35,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from graphrunner.backends.hooks import Capture, CaptureHook
+from graphrunner.checks.ops import OpConsumer, storage_key
 from graphrunner.errors import ContractError
 
 __all__ = ["debug_enabled", "check_bounds_spec", "bounds_error", "ExternalRecorder", "named_tensors",
-           "External", "ExternalGuard", "KeyRecording", "externals_of"]
+           "External", "ExternalGuard", "ExternalsCheck", "externals_of"]
 
 _TRUE = ("1", "true", "yes", "on")
 
@@ -103,28 +104,19 @@ def bounds_error(name: str, t: torch.Tensor, bounds: Tuple[Any, Any], lead: int)
 
 
 # -------------------------------------------------------------- externals
-def _storage_ptr(t: torch.Tensor) -> Optional[int]:
-    try:
-        p = t.untyped_storage().data_ptr()
-    except Exception:  # noqa: BLE001 - tensors without a storage (meta, sparse, wrappers)
-        return None
-    return p or None
+class ExternalRecorder(OpConsumer):
+    """Records the tensors a forward reads and writes that it did not make (an op consumer).
 
-
-class ExternalRecorder(TorchDispatchMode):
-    """Records the tensors a forward reads and writes that it did not make.
-
-    ``input_storages``: storage addresses of the runner's static inputs
-    (not externals). A tensor argument of an aten op whose storage was not
+    ``input_storages``: storage keys of the runner's static inputs (not
+    externals). A tensor argument of an aten op whose storage was not
     produced by an earlier op of this forward, and is not an input, is an
     external (``externals``: one entry per distinct tensor object, in
     first-read order); an external whose storage an op writes (a mutable
     schema argument, e.g. ``index_copy_`` into a view of the cache) is
-    listed in ``written`` (storage addresses).
+    listed in ``written`` (storage keys).
     """
 
     def __init__(self, input_storages: Sequence[int]) -> None:
-        super().__init__()
         self.inputs = set(input_storages)
         self.produced: set = set()
         self.ext_storage: set = set()
@@ -132,32 +124,26 @@ class ExternalRecorder(TorchDispatchMode):
         self.written: set = set()
         self.made: set = set()  # ids of tensors the forward's ops returned (views of externals included)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        for t in tree_leaves((args, kwargs)):
+    def before(self, ev: Any) -> None:
+        for t in tree_leaves((ev.args, ev.kwargs)):
             if isinstance(t, torch.Tensor):
-                s = _storage_ptr(t)
+                s = storage_key(t)
                 if s is not None and s not in self.inputs and s not in self.produced and id(t) not in self.made:
                     self.ext_storage.add(s)
                     self.externals.setdefault(id(t), t)
-        for i, a in enumerate(func._schema.arguments):
-            if a.alias_info is None or not a.alias_info.is_write:
-                continue
-            v = args[i] if i < len(args) else kwargs.get(a.name)
-            for t in (v if isinstance(v, (list, tuple)) else (v,)):
-                if isinstance(t, torch.Tensor):
-                    s = _storage_ptr(t)
-                    if s in self.ext_storage:
-                        self.written.add(s)
-        out = func(*args, **kwargs)
-        for t in tree_leaves(out):
+        for t in ev.written:
+            s = storage_key(t)
+            if s in self.ext_storage:
+                self.written.add(s)
+
+    def after(self, ev: Any) -> None:
+        for t in tree_leaves(ev.out):
             if isinstance(t, torch.Tensor):
                 # ids of live externals cannot be reused by tensors made here
                 self.made.add(id(t))
-                s = _storage_ptr(t)
+                s = storage_key(t)
                 if s is not None and s not in self.ext_storage and s not in self.inputs:
                     self.produced.add(s)
-        return out
 
 
 Step = Tuple[str, Any]  # ("attr", name) or ("item", key)
@@ -292,7 +278,7 @@ def externals_of(rec: ExternalRecorder,
     the whole cache) is checked as well, so re-binding the base is caught too."""
     by_storage: Dict[Optional[int], Tuple[str, Callable[[], Any], torch.Tensor]] = {}
     for path, res, t in names.values():  # per storage the named tensor with the most elements: the base
-        sp = _storage_ptr(t)
+        sp = storage_key(t)
         if sp not in by_storage or t.numel() > by_storage[sp][2].numel():
             by_storage[sp] = (path, res, t)
     out: List[External] = []
@@ -303,11 +289,11 @@ def externals_of(rec: ExternalRecorder,
             return
         seen.add(id(t))
         out.append(External(path, t, t.data_ptr(), tuple(t.shape), tuple(t.stride()), res,
-                            _storage_ptr(t) in rec.written))
+                            storage_key(t) in rec.written))
 
     for i, t in enumerate(rec.externals.values()):
         path, res, _ = names.get(id(t), (None, None, None))
-        base = by_storage.get(_storage_ptr(t))
+        base = by_storage.get(storage_key(t))
         desc = f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}"
         if path is not None:
             add(path, t, res)
@@ -320,30 +306,50 @@ def externals_of(rec: ExternalRecorder,
     return out
 
 
-class KeyRecording:
-    """Counts the forwards of one key's capture and records the externals of the last warmup.
+class ExternalsCheck(CaptureHook):
+    """Debug mode's externals contract as a capture hook, for one runner.
 
-    ``warmups``: the backend's warmup count (0: nothing is recorded).
-    :meth:`call` runs ``fn()``, under an :class:`ExternalRecorder` when it is
-    the last warmup; ``recorder`` is that recorder afterwards (else ``None``).
+    Records the externals of the last warmup forward of each key
+    (:class:`ExternalRecorder`), names them after the capture
+    (:func:`externals_of` over :func:`named_tensors` of ``step``: what the
+    warmups created lazily exists by then) and adds ``externals_read`` and
+    ``externals_written`` to the key's report. Before each replay
+    (``replay_check``) it checks that every external of the key still
+    resolves to the same storage, shape and strides (:meth:`ExternalGuard.check`).
+    ``input_storages``: the runner's static input storages (not externals);
+    ``key_text(key)`` names a key in messages.
     """
 
-    def __init__(self, warmups: int, input_storages: Sequence[int]) -> None:
-        self.warmups = int(warmups)
-        self.inputs = list(input_storages)
-        self.calls = 0
-        self.recorder: Optional[ExternalRecorder] = None
+    name = "externals"
+    replay_check = True
 
-    def call(self, fn: Callable[[], Any]) -> Any:
-        """``fn()``, recorded when it is the last warmup of the key."""
-        self.calls += 1
-        if self.calls != self.warmups:
-            return fn()
-        rec = ExternalRecorder(self.inputs)
-        with rec:
-            out = fn()
-        self.recorder = rec
-        return out
+    def __init__(self, step: Callable[..., Any], input_storages: Sequence[int],
+                 key_text: Callable[[Any], str]) -> None:
+        self.step = step
+        self.inputs = list(input_storages)
+        self.guard = ExternalGuard({}, key_text)
+        self._rec: Dict[Any, ExternalRecorder] = {}
+
+    def warmup_consumers(self, cap: Capture, i: int) -> Sequence[Any]:
+        if i != cap.warmups - 1:
+            return ()
+        rec = self._rec[cap.key] = ExternalRecorder(self.inputs)
+        return (rec,)
+
+    def after_capture(self, cap: Capture) -> None:
+        rec = self._rec.get(cap.key)
+        if rec is None:
+            return
+        exts = externals_of(rec, named_tensors(self.step))
+        self.guard.per_key[cap.key] = exts
+        cap.info["externals_read"] = len(exts)
+        cap.info["externals_written"] = [e.describe() for e in exts if e.written]
+
+    def end(self, cap: Capture) -> None:
+        self._rec.pop(cap.key, None)
+
+    def before_replay(self, key: Any) -> None:
+        self.guard.check(key)
 
 
 class ExternalGuard:
@@ -383,7 +389,7 @@ class ExternalGuard:
                 "runner.cleanup() and runner.capture() again")
 
     def wrap(self, replay: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        """``replay`` with :meth:`check` before it."""
+        """``replay`` with :meth:`check` before it (kept for callers outside a backend)."""
         check = self.check
 
         def guarded(key: Any) -> Any:

@@ -1,6 +1,6 @@
 """``graphrunner verify``: a speculative-decoding verify step, captured per (reqs, draft) tier.
 
-The demo decoder (:mod:`graphrunner.models`, random weights) serves ``requests`` prompts
+The demo decoder (:mod:`graphrunner_tools.models`, random weights) serves ``requests`` prompts
 with a draft-and-verify loop. Each step every unfinished request proposes a ragged number
 of draft tokens (``1..k``, seeded). The verify step runs the decoder over a
 ``[reqs, draft]`` grid of cells (per request: its last accepted token, then its drafts)
@@ -44,10 +44,10 @@ import torch
 from torch import nn
 
 from graphrunner.inputs import BatchInput
-from graphrunner.launch import RankOutcome, spawn_ranks
-from graphrunner.models import LlamaConfig, build_model
-from graphrunner.models.tp import shard_tensor_parallel
 from graphrunner.progress import StatusLine
+from graphrunner_tools.launch import RankOutcome, spawn_ranks
+from graphrunner_tools.models import LlamaConfig, build_model
+from graphrunner_tools.models.tp import shard_tensor_parallel
 
 __all__ = ["SpecResult", "verify_step_fn", "accept", "run_spec", "run_spec_ranks"]
 
@@ -214,7 +214,8 @@ def run_spec(requests: int = 6, max_new: int = 16, k: int = 4, reqs_buckets: Seq
                 "lens": BatchInput(dtype=torch.long, pad=0, dims=("reqs",)),
                 "slots": BatchInput(dtype=torch.long, pad=scratch_slot, dims=("reqs",))},
         buckets={"reqs": list(reqs_buckets), "draft": list(draft_buckets)}, outputs=dims,
-        backend=backend, device="tape", group=group, agree_bucket=agree, progress=progress and rank == 0)
+        backend=backend, device="tape", group=group, progress=progress and rank == 0)
+    runner.agree_bucket = agree  # False: UNSAFE, test only
     talk = rank == 0
     if talk:
         print(f"graphrunner verify: {requests} requests x {max_new} new tokens, 1..{k} drafts per request and "
@@ -336,8 +337,8 @@ def _spec_rank(rank: int, world: int, kwargs: Dict[str, Any]) -> SpecResult:
 def run_spec_ranks(ranks: int, timeout: float = 300.0, grace: float = 10.0, threads: int = 1,
                    **kwargs: Any) -> List[RankOutcome]:
     """Run :func:`run_spec` on ``ranks`` spawned gloo processes (``threads`` torch threads
-    each) through :func:`graphrunner.launch.spawn_ranks`; one
-    :class:`~graphrunner.launch.RankOutcome` per rank (``value``: its :class:`SpecResult`
+    each) through :func:`graphrunner_tools.launch.spawn_ranks`; one
+    :class:`~graphrunner_tools.launch.RankOutcome` per rank (``value``: its :class:`SpecResult`
     when ``ok``, else ``error`` says why). The whole run is bounded by ``timeout`` seconds,
     and once a rank failed the others get ``grace`` seconds to report; stragglers are killed."""
     return spawn_ranks(_spec_rank, ranks, args=(kwargs,), timeout=timeout, grace=grace, threads=threads)

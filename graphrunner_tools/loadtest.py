@@ -16,8 +16,8 @@ has generated its output length, and its slot is reused. The KV cache has one ex
 padding slot: padding rows of a bucket (and the capture warmups) write there only, so they
 never touch a real request's cache row.
 
-With ``ranks > 1`` the ranks are real gloo processes (:func:`graphrunner.launch.spawn_ranks`);
-each holds a tensor-parallel shard of the decoder (:func:`graphrunner.models.tp.shard_tensor_parallel`:
+With ``ranks > 1`` the ranks are real gloo processes (:func:`graphrunner_tools.launch.spawn_ranks`);
+each holds a tensor-parallel shard of the decoder (:func:`graphrunner_tools.models.tp.shard_tensor_parallel`:
 MLP and attention output, an ``all_reduce`` inside the captured step), serves the same
 requests, and the runners' ``group=`` makes the ranks agree on the bucket at every step.
 Generated tokens are compared graph vs eager on every rank, and across ranks.
@@ -28,9 +28,9 @@ fault (an exception on any rank, a rank timeout, NaN/inf logits) and no mismatch
 Verify tiers (``spec=K``, ``--spec K``, off by default). Every engine step, each running
 request proposes ``1..K`` draft tokens (:class:`Drafter`: seeded per request and output
 length, some equal to the model's greedy token so some are accepted), and the step is one
-speculative verify step (:func:`graphrunner.spec.verify_step_fn` over the decoder's
+speculative verify step (:func:`graphrunner_tools.spec.verify_step_fn` over the decoder's
 ``verify_step``) served by a runner keyed by ``(reqs, draft)`` (:func:`verify_runner`) instead
-of the decode runner; greedy acceptance (:func:`graphrunner.spec.accept`) keeps the drafts the
+of the decode runner; greedy acceptance (:func:`graphrunner_tools.spec.accept`) keeps the drafts the
 model agrees with plus the bonus token. The eager engine makes the same draft and acceptance
 decisions. Padding: padded request rows use the padding slot; padded cells (beyond a request's
 drafts, or of a padded row) write only the scratch position ``max_seq_len - 1``, which
@@ -175,7 +175,7 @@ class _Running:
 
 
 class Engine:
-    """A greedy continuous-batching engine over a :class:`~graphrunner.models.LlamaForCausalLM`.
+    """A greedy continuous-batching engine over a :class:`~graphrunner_tools.models.LlamaForCausalLM`.
 
     Args:
         model: the decoder; its KV cache needs ``max_running + 1`` rows at least and
@@ -315,7 +315,7 @@ class Engine:
                 "slots": torch.tensor([r.slot for r in running], dtype=torch.long, device=dev)}
 
     def _verify_step(self, step: int, running: Sequence[_Running]) -> List[List[int]]:
-        from graphrunner.spec import accept
+        from graphrunner_tools.spec import accept
 
         assert self.verify is not None and self.drafter is not None
         drafts = [self.drafter(r.req.rid, len(r.out)) for r in running]
@@ -545,8 +545,8 @@ def build_decoder(cfg: LoadtestConfig, rank: int = 0, world: int = 1, device: An
     the padding slot), positions for the longest prompt plus output (plus ``cfg.spec``: the
     drafts, and the verify step's scratch position ``max_seq_len - 1`` above them all),
     weights from ``cfg.seed``; with ``world > 1`` this rank's tensor-parallel shard."""
-    from graphrunner.models import LlamaConfig, build_model
-    from graphrunner.models.tp import shard_tensor_parallel
+    from graphrunner_tools.models import LlamaConfig, build_model
+    from graphrunner_tools.models.tp import shard_tensor_parallel
 
     config = LlamaConfig.demo(num_layers=cfg.layers, attention="masked" if cfg.backend == "full" else "varlen",
                               max_batch_size=max(cfg.concurrency) + 1,
@@ -582,7 +582,7 @@ def _draft_buckets(k: int) -> List[int]:
 
 def verify_runner(model: Any, backend: Any, max_running: int, k: int, pad_slot: Optional[int] = None,
                   mask: bool = True, **runner_kwargs: Any) -> Any:
-    """A :class:`~graphrunner.GraphRunner` over :func:`graphrunner.spec.verify_step_fn` of
+    """A :class:`~graphrunner.GraphRunner` over :func:`graphrunner_tools.spec.verify_step_fn` of
     ``model`` (``step(tokens, positions, lens, slots) -> logits [reqs, draft, vocab]``), keyed
     by ``(reqs, draft)``: ``reqs`` buckets as :func:`decode_runner`, ``draft`` (cells per
     request: last token + ``1..k`` drafts) buckets ``2, 4, ..., k + 1``. Padded request rows
@@ -591,7 +591,7 @@ def verify_runner(model: Any, backend: Any, max_running: int, k: int, pad_slot: 
     drops that masking (negative control only: padded cells overwrite position 0 of real
     requests). ``runner_kwargs`` go to ``GraphRunner``."""
     from graphrunner.runner import BatchInput, GraphRunner
-    from graphrunner.spec import verify_step_fn
+    from graphrunner_tools.spec import verify_step_fn
 
     pad_slot = max_running if pad_slot is None else pad_slot
     dims = ("reqs", "draft")
@@ -606,9 +606,9 @@ def verify_runner(model: Any, backend: Any, max_running: int, k: int, pad_slot: 
 
 def serve_levels(rank: int, world: int, cfg: LoadtestConfig) -> Dict[str, Any]:
     """One spawned rank's whole run (torch.distributed initialised): :func:`serve_rank`, and
-    on a fault raise :class:`~graphrunner.launch.PartialResult` carrying its result, so the
+    on a fault raise :class:`~graphrunner_tools.launch.PartialResult` carrying its result, so the
     launcher reports the rank as failed and leaves its (maybe unusable) process group alone."""
-    from graphrunner.launch import PartialResult
+    from graphrunner_tools.launch import PartialResult
 
     res = serve_rank(rank, world, cfg)
     failed = res["error"] or next((lv["error"] for lv in res["levels"] if lv.get("error")), None)
@@ -750,7 +750,7 @@ def run_loadtest(cfg: LoadtestConfig, launch_timeout: float = 3600.0) -> Loadtes
     ``cfg.threads`` says more), bounded by ``launch_timeout`` seconds in all; once a rank has
     failed, the others get ``3 * cfg.timeout + 10`` seconds to report before they are killed.
     """
-    from graphrunner.threads import torch_threads
+    from graphrunner_tools.threads import torch_threads
 
     t0 = time.perf_counter()
     if cfg.ranks == 1:
@@ -758,7 +758,7 @@ def run_loadtest(cfg: LoadtestConfig, launch_timeout: float = 3600.0) -> Loadtes
             per_rank: List[Optional[Dict[str, Any]]] = [serve_rank(0, 1, cfg)]
         rank_errors: List[str] = []
     else:
-        from graphrunner.launch import spawn_ranks
+        from graphrunner_tools.launch import spawn_ranks
 
         outcomes = spawn_ranks(serve_levels, cfg.ranks, args=(cfg,), timeout=launch_timeout,
                                grace=3 * cfg.timeout + 10, threads=cfg.threads)
@@ -830,7 +830,7 @@ def _run_from_args(args: Any) -> int:
     result = run_loadtest(cfg)
     report(result)
     if args.json:
-        from graphrunner.bench import write_json
+        from graphrunner_tools.bench import write_json
 
         write_json(args.json, result.to_json())
         print(f"wrote {args.json}")
@@ -843,7 +843,7 @@ def check_args(parser: Any, args: Any) -> None:
         parser.error(f"argument --spec: expected 0 (off) or K >= 1 drafts per request, got {args.spec}")
     if args.inject_fault == "stall" and args.ranks < 2:
         parser.error("argument --inject-fault: stall stalls one rank while the others wait; it needs --ranks 2 or more")
-    from graphrunner.models import LlamaConfig
+    from graphrunner_tools.models import LlamaConfig
 
     cfg = LlamaConfig.demo()
     for what, n in (("intermediate_size", cfg.intermediate_size), ("num_heads * head_dim", cfg.hidden_size)):
@@ -865,8 +865,8 @@ def check_args(parser: Any, args: Any) -> None:
 def add_loadtest_subparser(subparsers: Any) -> Any:
     """Register ``graphrunner loadtest`` on ``subparsers``; sets ``func`` (returns the exit code)
     and ``check`` (post-parse usage checks). Returns the new subparser."""
-    from graphrunner.bench import parse_int_list
-    from graphrunner.threads import add_threads_argument, positive_int
+    from graphrunner_tools.bench import parse_int_list
+    from graphrunner_tools.threads import add_threads_argument, positive_int
 
     p = subparsers.add_parser(
         "loadtest", help="serve seeded requests with continuous batching through graphs and eager, on N ranks; "

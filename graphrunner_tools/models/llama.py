@@ -537,7 +537,7 @@ class LlamaForCausalLM(nn.Module):
 
         ``logits[b, t]`` predicts the token after ``input_ids[b, t]``. The caller owns padding:
         a padded cell writes the cache at its position like any other, so give padded cells a
-        position no real query reads (``graphrunner.spec`` masks them to a scratch position).
+        position no real query reads (``graphrunner_tools.spec`` masks them to a scratch position).
         Only shapes are checked (capture-safe).
 
         Raises:

@@ -1,6 +1,6 @@
 """``graphrunner demo``: capture the demo decoder through GraphRunner and serve decode steps.
 
-The demo builds the Llama-style decoder of :mod:`graphrunner.models` with
+The demo builds the Llama-style decoder of :mod:`graphrunner_tools.models` with
 random weights, captures its decode step once per bucket (attention is an
 eager break for the breakable backend; the full backend uses the masked,
 capturable attention), then serves a stream of decode steps with random
@@ -31,10 +31,10 @@ from typing import Dict, List, Optional, Sequence, TextIO
 import torch
 
 from graphrunner.devices import get_device
-from graphrunner.models import LlamaConfig, build_model
 from graphrunner.progress import StatusLine
 from graphrunner.runner import BatchInput, GraphRunner
 from graphrunner.trace import Trace, check_capture_order
+from graphrunner_tools.models import LlamaConfig, build_model
 
 #: Tolerance of the unpadded-batch check (float32 GEMM rounding differences only).
 UNPADDED_ATOL = 1e-4
@@ -164,7 +164,8 @@ def run_demo(backend: str = "breakable", device: str = "auto", steps: int = 200,
         lambda input_ids, positions: model.decode_step(input_ids, positions),
         inputs={"input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0),
                 "positions": BatchInput(trailing=(), dtype=torch.long, pad=0)},
-        buckets=list(buckets), backend=backend, device=dev, trace=trace, progress=progress, drift_check=drift_check)
+        buckets=list(buckets), backend=backend, device=dev, trace=trace, progress=progress,
+        checks=None if drift_check else ("padding", "fingerprint"))
     report = runner.capture()
     # The warmup forwards wrote K/V of the capture inputs into the cache; start
     # serving from a clean cache, zeroed in place (graphs hold its address).

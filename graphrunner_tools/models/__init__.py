@@ -3,10 +3,10 @@
 ``build_model(config, seed=0, device="cpu", dtype=torch.float32)`` returns a
 :class:`LlamaForCausalLM` whose ``decode_step(input_ids[B], positions[B], slot_ids=None)``
 is written for graph capture (attention is an eager ``no_graph`` break). See
-:mod:`graphrunner.models.llama` for the full contract.
+:mod:`graphrunner_tools.models.llama` for the full contract.
 """
 
-from graphrunner.models.llama import (
+from graphrunner_tools.models.llama import (
     LlamaConfig,
     LlamaForCausalLM,
     RMSNorm,

@@ -1,6 +1,6 @@
 """Tensor-parallel split of the demo decoder: MLP and attention output, one ``all_reduce`` each.
 
-:func:`shard_tensor_parallel` turns a :class:`~graphrunner.models.llama.LlamaForCausalLM`
+:func:`shard_tensor_parallel` turns a :class:`~graphrunner_tools.models.llama.LlamaForCausalLM`
 that every rank built from the same seed into this rank's shard, in place:
 
 * ``mlp.gate_proj`` / ``mlp.up_proj`` keep this rank's slice of the intermediate features

@@ -14,10 +14,10 @@ import tempfile
 import torch
 
 import graphrunner
-from graphrunner.bench import add_bench_subparser, parse_buckets
 from graphrunner.errors import GraphRunnerError
-from graphrunner.loadtest import add_loadtest_subparser
-from graphrunner.threads import add_threads_argument, positive_int, torch_threads
+from graphrunner_tools.bench import add_bench_subparser, parse_buckets
+from graphrunner_tools.loadtest import add_loadtest_subparser
+from graphrunner_tools.threads import add_threads_argument, positive_int, torch_threads
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -50,7 +50,7 @@ def _check_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from graphrunner.demo import run_demo
+    from graphrunner_tools.demo import run_demo
 
     with torch_threads(args.threads):
         result = run_demo(backend=args.backend, device=args.device, steps=args.steps, buckets=args.buckets,
@@ -60,7 +60,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from graphrunner.spec import MLP_WIDTH, run_spec, run_spec_ranks
+    from graphrunner_tools.spec import MLP_WIDTH, run_spec, run_spec_ranks
 
     problem = None
     if max(args.reqs_buckets) < args.requests:
@@ -91,7 +91,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from graphrunner.check import CheckUsageError, check_factory, load_factory
+    from graphrunner.checks.lint import CheckUsageError, check_factory, load_factory
 
     try:
         report = check_factory(load_factory(args.target), args.target)

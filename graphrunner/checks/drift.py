@@ -5,8 +5,9 @@ scalar argument, a shape, a slice bound, a branch taken). A step that reads
 Python state which changes between calls (a counter, a cache length kept in
 a Python int) therefore replays the capture-time value forever, silently.
 Two consecutive eager calls of such a step already disagree, so the capture
-protocol records the op stream of its last warmup and of the capture with
-:class:`OpRecorder` and compares them with :func:`find_drift`: the first op
+hook :class:`DriftCheck` records the op stream of the last warmup and of the
+capture (:class:`OpStream`, fed by the one op recorder of
+:mod:`graphrunner.checks.ops`) and compares them with :func:`find_drift`: the first op
 whose name, tensor shapes and dtypes, or non-tensor arguments differ is
 reported as a :class:`~graphrunner.errors.CaptureError` naming the op, the
 user's ``file:line`` and both values.
@@ -25,25 +26,20 @@ holds as constants.
 
 from __future__ import annotations
 
-import contextlib
-import sys
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 
-from graphrunner._frames import is_internal as _is_internal
+from graphrunner._frames import is_library, library_name
 from graphrunner._frames import where as _where_of
+from graphrunner.backends.hooks import Capture, CaptureHook, Finding
+from graphrunner.checks import ops as _ops
+from graphrunner.checks.ops import OpConsumer, OpRecorder
 from graphrunner.errors import CaptureError
 
-__all__ = ["OpRecord", "OpRecorder", "RecordingDevice", "find_drift", "drift_error"]
-
-#: Torch functions recorded as one op, their internals not recorded: the tape
-#: runs ``F.one_hot(t, num_classes)`` at capture as zeros + scatter (as CUDA
-#: does) while an eager CPU call is one ``aten.one_hot``.
-_ATOMIC_FUNCTIONS = ((torch.nn.functional.one_hot, "F.one_hot"),)
+__all__ = ["OpRecord", "OpStream", "DriftCheck", "find_drift", "drift_error", "drift_finding"]
 
 #: Ops whose tensor input is built from Python data (``torch.tensor(n)``): a
 #: graph holds its values as constants, so small ones are compared too.
@@ -54,12 +50,6 @@ _FRESH_MAX_NUMEL = 64
 #: into a graph, and a capture may add some (factory calls under a tape
 #: capture's modes dispatch an extra ``detach``), so they are not recorded.
 _IGNORED_OPS = frozenset(("aten::detach", "aten::detach_", "aten::alias"))
-
-def _no_graph_wrapper_code():
-    from graphrunner.breakable import force_no_graph  # a no_graph wrapper: all share one code object
-
-    return force_no_graph.__code__
-
 
 class _Tensor:
     """A tensor argument as the drift check compares it: shape, dtype, and
@@ -135,151 +125,100 @@ class OpRecord:
         return ".".join(parts[:2]) if len(parts) > 2 else self.op
 
 
-class _DispatchRecorder(TorchDispatchMode):
-    def __init__(self, owner: "OpRecorder"):
-        super().__init__()
-        self.owner = owner
+class OpStream(OpConsumer):
+    """An op consumer that keeps the comparable op stream of one run (:attr:`ops`).
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        owner = self.owner
-        if owner.on and not owner._atomic_depth and func._schema.name not in _IGNORED_OPS:
-            where = owner._locate(sys._getframe(1))
-            if where is not False:
-                fresh = func._schema.name in _FRESH_OPS
-                desc = tuple((str(i + 1), _describe(a, fresh)) for i, a in enumerate(args))
-                desc += tuple((k, _describe(v)) for k, v in kwargs.items())
-                owner.ops.append(OpRecord(str(func), desc, where))
-        return func(*args, **kwargs)
-
-
-class _FunctionRecorder(TorchFunctionMode):
-    def __init__(self, owner: "OpRecorder"):
-        super().__init__()
-        self.owner = owner
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = None
-        for f, n in _ATOMIC_FUNCTIONS:
-            if func is f:
-                name = n
-        if name is None:
-            return func(*args, **kwargs)
-        owner = self.owner
-        if owner.on and not owner._atomic_depth:
-            where = owner._locate(sys._getframe(1))
-            if where is not False:
-                desc = tuple((str(i + 1), _describe(a)) for i, a in enumerate(args))
-                desc += tuple((k, _describe(v)) for k, v in kwargs.items())
-                owner.ops.append(OpRecord(name, desc, where))
-        owner._atomic_depth += 1
-        try:
-            return func(*args, **kwargs)
-        finally:
-            owner._atomic_depth -= 1
-
-
-class OpRecorder:
-    """Context manager that records the op stream of the code it wraps.
-
-    Every aten op that reaches the dispatcher inside the block is appended to
-    :attr:`ops` as an :class:`OpRecord` (and then runs unchanged). Enter it
-    innermost, directly around the step, so that ops a graph implementation
-    runs for itself (a tape's verification) are not seen. With
-    ``skip_eager_breaks=True``, ops run inside a ``@no_graph`` body are not
-    recorded (they run eagerly at every replay of a breakable graph).
-    ``label`` names the run in messages (``"warmup 2"``, ``"capture"``).
-    Recording costs a Python call and a stack walk per op.
-
-    The two halves can be used apart: :meth:`modes` installs the recording
-    modes without recording, :meth:`recording` records while modes
-    installed elsewhere are active (a breakable capture installs them inside
-    each graph segment: :class:`RecordingDevice`).
+    Every aten op it sees is appended as an :class:`OpRecord`, except
+    aliasing ops without Python arguments, ops inside an atomic torch
+    function (``F.one_hot``, recorded once as a function record) and, with
+    ``skip_eager_breaks=True``, ops inside a ``@no_graph`` body (they run
+    eagerly at every replay of a breakable graph). ``label`` names the run in
+    messages (``"warmup 2"``, ``"capture"``). Fed by the one op recorder
+    (:class:`graphrunner.checks.ops.OpRecorder`); use :meth:`recorder` for a
+    stand-alone recording.
     """
+
+    functions = True
 
     def __init__(self, label: str, skip_eager_breaks: bool = False):
         self.label = label
         self.skip_eager_breaks = bool(skip_eager_breaks)
         self.ops: List[OpRecord] = []
-        #: True while ops are recorded (inside :meth:`recording` or the ``with`` block).
-        self.on = False
-        self._atomic_depth = 0
-        self._modes: list = []
-        self._no_graph = _no_graph_wrapper_code() if skip_eager_breaks else None
 
-    def _locate(self, frame) -> "Tuple[str, int, str] | None | bool":
-        """The user frame of the op being recorded; ``False`` to skip the op
-        (it runs inside a ``@no_graph`` body and eager breaks are skipped)."""
-        user = None
-        f = frame
-        skip = self._no_graph
-        while f is not None:
-            code = f.f_code
-            if code is skip:
-                return False
-            if user is None and not _is_internal(code):
-                user = (code.co_filename, f.f_lineno, code.co_name)
-                if skip is None:
-                    break
-            f = f.f_back
-        return user
+    def _where(self, ev: Any) -> "Tuple[str, int, str] | None | bool":
+        if self.skip_eager_breaks and ev.in_eager_break:
+            return False
+        return ev.where
 
-    @contextlib.contextmanager
-    def modes(self) -> Iterator[None]:
-        """Install the recording torch-function and dispatch modes (on top of
-        any active ones) for the block; ops are recorded only while
-        :attr:`on`."""
-        with _FunctionRecorder(self), _DispatchRecorder(self):
-            yield
+    def before(self, ev: Any) -> None:
+        if ev.atomic or ev.name in _IGNORED_OPS:
+            return
+        where = self._where(ev)
+        if where is False:
+            return
+        fresh = ev.name in _FRESH_OPS
+        desc = tuple((str(i + 1), _describe(a, fresh)) for i, a in enumerate(ev.args))
+        desc += tuple((k, _describe(v)) for k, v in ev.kwargs.items())
+        self.ops.append(OpRecord(ev.op, desc, where))
 
-    @contextlib.contextmanager
-    def recording(self) -> Iterator["OpRecorder"]:
-        """Record (set :attr:`on`) for the block, through modes installed by
-        :meth:`modes`."""
-        was, self.on = self.on, True
-        try:
-            yield self
-        finally:
-            self.on = was
+    def function(self, ev: Any) -> None:
+        name = next((n for f, n in _ops.ATOMIC_FUNCTIONS if ev.func is f), None)
+        if name is None:
+            return None
+        where = self._where(ev)
+        if where is not False:
+            desc = tuple((str(i + 1), _describe(a)) for i, a in enumerate(ev.args))
+            desc += tuple((k, _describe(v)) for k, v in ev.kwargs.items())
+            self.ops.append(OpRecord(name, desc, where))
+        return None
 
-    def __enter__(self) -> "OpRecorder":
-        self._stack = contextlib.ExitStack()
-        try:
-            self._stack.enter_context(self.modes())
-            self._stack.enter_context(self.recording())
-        except BaseException:
-            self._stack.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stack.__exit__(*exc)
+    def recorder(self) -> OpRecorder:
+        """A stand-alone :class:`~graphrunner.checks.ops.OpRecorder` feeding only this stream
+        (``with stream.recorder(): step()``)."""
+        return OpRecorder([self])
 
 
-class RecordingDevice:
-    """A device that installs ``recorder``'s modes inside every graph
-    capture it runs, innermost (above the capture's own modes, such as a
-    tape's recorder), and delegates everything else to ``device``.
+class DriftCheck(CaptureHook):
+    """The drift check as a capture hook (installed by a backend with ``drift_check=True``).
 
-    A breakable capture opens and closes one capture per graph segment
-    around its eager breaks; a mode pushed once around the whole step would
-    sit between a segment's modes and break their nesting. Given to a
-    :class:`~graphrunner.breakable.BreakableGraph`, this records the ops of
-    the segments only; the eager-break bodies between them run with no
-    recording mode installed."""
+    Records the op stream of the last warmup forward and of the captured
+    forward (ops outside ``@no_graph`` bodies on a breakable backend; nothing
+    on an eager backend, which freezes nothing; nothing with ``warmups=0``)
+    and, after the capture, raises the :func:`drift_error` of the first
+    difference (in collect mode, records it as a ``"drift"`` finding).
+    """
 
-    def __init__(self, device: Any, recorder: OpRecorder):
-        self._device, self._recorder = device, recorder
+    name = "drift"
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._device, name)
+    def __init__(self) -> None:
+        self._streams: dict = {}
 
-    @contextlib.contextmanager
-    def capture(self, graph: Any, *args: Any, **kwargs: Any) -> Iterator[None]:
-        """``device.capture(graph, ...)`` with the recorder's modes inside it."""
-        with self._device.capture(graph, *args, **kwargs), self._recorder.modes():
-            yield
+    def begin(self, cap: Capture) -> None:
+        if cap.freezes is None or cap.warmups < 1:
+            return
+        skip = cap.freezes == "segments"
+        self._streams[cap.key] = (OpStream(f"warmup {cap.warmups}", skip), OpStream("capture", skip))
+
+    def warmup_consumers(self, cap: Capture, i: int) -> Sequence[Any]:
+        s = self._streams.get(cap.key)
+        return (s[0],) if s is not None and i == cap.warmups - 1 else ()
+
+    def capture_consumers(self, cap: Capture) -> Sequence[Any]:
+        s = self._streams.get(cap.key)
+        return (s[1],) if s is not None else ()
+
+    def after_capture(self, cap: Capture) -> None:
+        s = self._streams.get(cap.key)
+        if s is None:
+            return
+        found = _first_difference(*s)
+        if found is None:
+            return
+        err = drift_error(cap.key, s[0], s[1], cap.warmups)
+        cap.fail(err, drift_finding(found[0], found[1], cap.backend.name))
+
+    def end(self, cap: Capture) -> None:
+        self._streams.pop(cap.key, None)
 
 
 def _where(rec: Optional[OpRecord]) -> str:
@@ -297,7 +236,7 @@ def _arg_diff(a: OpRecord, b: OpRecord) -> Tuple[str, Any, Any]:
     return "the arguments", a.args, b.args
 
 
-def _first_difference(warmup: OpRecorder, capture: OpRecorder) -> Optional[Tuple[str, OpRecord]]:
+def _first_difference(warmup: OpStream, capture: OpStream) -> Optional[Tuple[str, OpRecord]]:
     wa, ca = warmup.ops, capture.ops
     for i, (a, b) in enumerate(zip(wa, ca)):
         if a.op != b.op:
@@ -315,7 +254,7 @@ def _first_difference(warmup: OpRecorder, capture: OpRecorder) -> Optional[Tuple
     return None
 
 
-def find_drift(warmup: OpRecorder, capture: OpRecorder) -> Optional[str]:
+def find_drift(warmup: OpStream, capture: OpStream) -> Optional[str]:
     """Compare two recorded op streams; ``None`` when they agree, else one
     sentence naming the first op that differs, its source line and both
     values (the body of the :func:`drift_error` message)."""
@@ -323,7 +262,7 @@ def find_drift(warmup: OpRecorder, capture: OpRecorder) -> Optional[str]:
     return None if found is None else found[0]
 
 
-def drift_error(key: Any, warmup: OpRecorder, capture: OpRecorder, warmups: int) -> Optional[CaptureError]:
+def drift_error(key: Any, warmup: OpStream, capture: OpStream, warmups: int) -> Optional[CaptureError]:
     """The :class:`CaptureError` for a drift between ``warmup`` and
     ``capture`` of shape key ``key``, or ``None`` when their op streams agree.
     The message names the op, the line and both values, and what to do."""
@@ -342,5 +281,25 @@ def drift_error(key: Any, warmup: OpRecorder, capture: OpRecorder, warmups: int)
         "from a tensor), and the graph would replay the capture-time value at every call. Make the value "
         f"a tensor input (or a tensor the step updates in place), or @no_graph the enclosing function{fn} "
         "and use the breakable backend so it runs eagerly at every replay." + hint +
-        " If the difference is harmless, pass drift_check=False."
+        " If the difference is harmless, leave \"drift\" out of GraphRunner(checks=...) (drift_check=False on a "
+        "backend)."
     )
+
+
+def drift_finding(text: str, rec: Optional[OpRecord], backend: str, key: Any = None) -> Finding:
+    """The ``"drift"`` :class:`~graphrunner.backends.hooks.Finding` for a difference ``text`` at
+    op ``rec`` (collect mode, ``graphrunner check``), with the fix for its line."""
+    loc = rec.where if rec is not None else None
+    breakable = "" if backend == "breakable" else " and use backend='breakable'"
+    if loc is not None and is_library(loc[0]):
+        fix = (f"make it an input: the value is Python state inside {library_name(loc[0])}, which @no_graph "
+               "cannot wrap; keep it in a tensor (an input, or a buffer the step updates in place) instead of a "
+               "Python number, or use a cache/model configuration that does")
+    elif loc is not None:
+        fix = (f"make the value a tensor input (or a tensor the step updates in place), or @no_graph the "
+               f"enclosing function {loc[2]}{breakable} so it runs eagerly at every replay")
+    else:
+        fix = "make the value a tensor input"
+    return Finding("drift", f"{text}: the step reads Python state that changes between calls, which the graph "
+                   "freezes", *(loc or (None, None, None)), fix=fix, bucket=key,
+                   in_library=bool(loc and is_library(loc[0])))

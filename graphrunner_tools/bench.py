@@ -2,14 +2,15 @@
 
 The benchmark scripts live in the repository's ``bench/`` directory (it is not a
 package and is not installed). This driver finds that directory next to the
-package source tree (``<repo>/graphrunner/../bench``; override with
-``--bench-dir`` or ``$GRAPHRUNNER_BENCH_DIR``), imports each script with
+package source tree (``<repo>/graphrunner_tools/../bench``; override with
+``--bench-dir`` or ``$GRAPHRUNNER_BENCH_DIR``; from an installed wheel there is
+none, and the command says so and exits 2), imports each script with
 :mod:`importlib` and calls its ``main(argv)`` in this one process, then merges
 the results::
 
     graphrunner bench                      # full suite (a few minutes on 2 CPU cores)
     graphrunner bench --quick              # smoke run (seconds; torch.compile skipped)
-    python -m graphrunner.bench --only latency_vs_batch --out /tmp/b.json
+    python -m graphrunner_tools.bench --only latency_vs_batch --out /tmp/b.json
 
 Outputs (defaults, in the repository wherever the command runs):
 ``bench/results/bench.json`` (the merged results; each script also writes its
@@ -43,7 +44,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from graphrunner.threads import add_threads_argument, thread_facts, torch_threads
+from graphrunner_tools.threads import add_threads_argument, thread_facts, torch_threads
 
 __all__ = [
     "SUITE",
@@ -186,29 +187,35 @@ def find_bench_dir(bench_dir: Optional[str | os.PathLike] = None) -> Path:
     """Return the directory holding the benchmark scripts.
 
     Order: ``bench_dir`` if given, else ``$GRAPHRUNNER_BENCH_DIR``, else
-    ``bench/`` next to the ``graphrunner`` package source tree (an editable
-    install or a checkout on ``sys.path``). Raises
-    :class:`BenchDirNotFoundError` naming the places looked at when none is a
-    directory (a non-editable install has no ``bench/``).
+    ``bench/`` of the source checkout this package was imported from
+    (``<repo>/graphrunner_tools/../bench``: an editable install, or a checkout
+    on ``sys.path``), used when it holds at least one script of :data:`SUITE`.
+    Raises :class:`BenchDirNotFoundError` naming the place looked at and what
+    to do when none is found: ``bench/`` is part of the source repository, not
+    of an installed wheel.
     """
     if bench_dir is None:
         bench_dir = os.environ.get("GRAPHRUNNER_BENCH_DIR") or None
     if bench_dir is not None:
         path = Path(bench_dir).expanduser().resolve()
         if not path.is_dir():
-            raise BenchDirNotFoundError(f"benchmark directory {str(path)!r} does not exist or is not a directory")
+            raise BenchDirNotFoundError(
+                f"benchmark directory {str(path)!r} does not exist or is not a directory; pass --bench-dir "
+                "(or set GRAPHRUNNER_BENCH_DIR) to the bench/ directory of a graphrunner checkout")
         return path
-    import graphrunner
+    import graphrunner_tools
 
-    pkg = Path(graphrunner.__file__).resolve().parent
+    pkg = Path(graphrunner_tools.__file__).resolve().parent
     path = pkg.parent / "bench"
-    if not path.is_dir():
-        raise BenchDirNotFoundError(
-            f"the benchmark scripts (bench/) were not found next to the graphrunner package at {str(pkg)!r}: "
-            f"looked for {str(path)!r}. bench/ is part of the source repository, not of an installed wheel; "
-            "run from a clone installed with `pip install -e .`, or pass --bench-dir PATH "
-            "(or set GRAPHRUNNER_BENCH_DIR) to a checkout's bench/ directory")
-    return path
+    if path.is_dir() and any((path / f"{name}.py").is_file() for name in SUITE):
+        return path
+    found = ("it is not there" if not path.is_dir()
+             else f"it holds none of the suite's scripts ({', '.join(f'{n}.py' for n in SUITE)})")
+    raise BenchDirNotFoundError(
+        f"the benchmark scripts were not found: looked for {str(path)!r}, the bench/ directory next to the "
+        f"graphrunner_tools package at {str(pkg)!r}, and {found}. bench/ is part of the source repository, "
+        "not of an installed wheel: run from a clone installed with `pip install -e .`, or pass --bench-dir PATH "
+        "(or set GRAPHRUNNER_BENCH_DIR) to a checkout's bench/ directory")
 
 
 def load_script(path: str | os.PathLike, name: Optional[str] = None) -> Any:
@@ -656,7 +663,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", default="", help=f"comma-separated subset of {','.join(SUITE)}")
     p.add_argument("--skip", default="", help="comma-separated benchmarks not to run")
     p.add_argument("--bench-dir", default=None,
-                   help="directory holding the bench scripts (default: bench/ next to the package source)")
+                   help="directory holding the bench scripts (default: bench/ of the source checkout "
+                        "next to the graphrunner_tools package; an installed wheel has none)")
     p.add_argument("--compile-buckets", default=None, type=_compile_buckets,
                    help="capture_vs_compile: bucket sizes torch.compile compiles, strictly increasing, "
                         "e.g. 1,2,4,8, or 'all' or 'none' (default there: 1,2,4,8; with --quick: skipped)")
@@ -690,8 +698,8 @@ def _run_from_args(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``python -m graphrunner.bench`` (same options as ``graphrunner bench``)."""
-    p = argparse.ArgumentParser(prog="python -m graphrunner.bench", description=_DESCRIPTION)
+    """The argument parser of ``python -m graphrunner_tools.bench`` (same options as ``graphrunner bench``)."""
+    p = argparse.ArgumentParser(prog="python -m graphrunner_tools.bench", description=_DESCRIPTION)
     _add_arguments(p)
     p.set_defaults(func=_run_from_args)
     return p
@@ -712,7 +720,7 @@ def add_bench_subparser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``python -m graphrunner.bench``; returns the exit code."""
+    """Entry point of ``python -m graphrunner_tools.bench``; returns the exit code."""
     args = build_parser().parse_args(None if argv is None else list(argv))
     return args.func(args)
 

@@ -8,10 +8,11 @@ ranks of a group with one collective (an element-wise max over a hash of
 every field and its negation, so both the max and the min arrive) and, only
 when some field differs, one more that gathers every rank's text of the
 differing fields, so that every rank raises the same
-:class:`~graphrunner.errors.CaptureError` naming the field, the ranks and
+:class:`~graphrunner.errors.RanksDisagreeError` naming the field, the ranks and
 their values. The runner checks its configuration at the start of
 :meth:`~graphrunner.GraphRunner.capture` and what it captured after each
-key; nothing is checked per replay.
+key (the capture hook :class:`FingerprintCheck`); nothing is checked per
+replay.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ import hashlib
 import json
 from typing import Any, Dict, List, Mapping
 
-from graphrunner.errors import CaptureError
+from graphrunner.backends.hooks import Capture, CaptureHook
+from graphrunner.errors import RanksDisagreeError
 from graphrunner.keys import all_max_vector
 
-__all__ = ["check", "canonical"]
+__all__ = ["check", "canonical", "FingerprintCheck"]
 
 _MASK = (1 << 62) - 1
 _CHUNK = 7  # bytes packed into one int64 (non-negative)
@@ -40,7 +42,7 @@ def _hash(text: str) -> int:
 
 
 def check(group: Any, fields: Mapping[str, Any], what: str, key: Any = None) -> None:
-    """Raise :class:`CaptureError` on every rank if any of ``fields`` differs between the ranks.
+    """Raise :class:`RanksDisagreeError` (a ``CaptureError``) on every rank if any of ``fields`` differs between the ranks.
 
     Every rank must call it with the same field names in the same order
     (the values may differ: that is what it finds). ``what`` names the check
@@ -69,7 +71,7 @@ def check(group: Any, fields: Mapping[str, Any], what: str, key: Any = None) -> 
         groups = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {v}"
                            for v, rs in by_value.items())
         parts.append(f"{names[i]!r} differs ({groups})")
-    raise CaptureError(
+    raise RanksDisagreeError(
         f"rank {rank} of {size}: the ranks' {what} differ: " + "; and ".join(parts) + ". Every rank must build "
         "the runner with the same buckets, keys, inputs, outputs, backend and warmups (and its step must capture "
         "the same graph), or ranks replay mismatched graphs; nothing was replayed")
@@ -99,3 +101,23 @@ def _gather_texts(group: Any, texts: List[str], key: Any) -> List[List[str]]:
             mine.append(raw[:n].decode(errors="replace"))
         result.append(mine)
     return result
+
+
+class FingerprintCheck(CaptureHook):
+    """After each key's capture, :func:`check` that every rank captured the same thing: the
+    output structure and shapes, the number of segments and breaks, and the tape's op count.
+    One collective per key (plus one when something differs); nothing with one rank."""
+
+    name = "fingerprint"
+
+    def after_capture(self, cap: Capture) -> None:
+        group = cap.group
+        if int(getattr(group, "size", 1)) <= 1:
+            return
+        from graphrunner._pytree import describe
+
+        info = cap.backend.info(cap.key)
+        spec, views = cap.outputs
+        check(group, {"output": describe(spec, views), "num_segments": info.get("num_segments"),
+                      "num_breaks": info.get("num_breaks"), "tape_ops": info.get("num_ops")},
+              f"captures of key {cap.key!r}", key=cap.key)

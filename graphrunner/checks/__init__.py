@@ -1,0 +1,81 @@
+"""The checks that make a graph replay like eager or refuse loudly, as capture hooks.
+
+Every check attaches to the capture protocol through the hook points of
+:mod:`graphrunner.backends.hooks` and sees ops through the one op recorder
+(:mod:`graphrunner.checks.ops`). See ``docs/protocol.md`` for where each
+runs and which collectives it makes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from graphrunner.checks.padding import PaddingCheck
+
+__all__ = ["DEFAULT_CHECKS", "CheckSet", "PaddingCheck", "resolve_checks"]
+
+#: The checks a runner runs unless ``checks=`` says otherwise.
+DEFAULT_CHECKS = ("drift", "padding", "fingerprint")
+
+_NAMES = ("drift", "padding", "fingerprint")
+
+
+@dataclass(frozen=True)
+class CheckSet:
+    """The checks of one runner, resolved from ``GraphRunner(checks=...)``.
+
+    ``drift``: the backend's drift check (:mod:`graphrunner.checks.drift`);
+    ``padding``: the padding-leak check's configuration
+    (:class:`~graphrunner.checks.padding.PaddingCheck`) or ``None``;
+    ``fingerprint``: the cross-rank capture fingerprint
+    (:mod:`graphrunner.checks.fingerprint`; UNSAFE to leave out with several
+    ranks: mismatched ranks then replay mismatched graphs silently). Debug
+    mode adds the externals contract (:mod:`graphrunner.checks.contracts`).
+    """
+
+    drift: bool
+    padding: Optional[PaddingCheck]
+    fingerprint: bool
+
+    def names(self) -> list:
+        """The checks' names, in :data:`DEFAULT_CHECKS` order."""
+        return [n for n, on in (("drift", self.drift), ("padding", self.padding is not None),
+                                ("fingerprint", self.fingerprint)) if on]
+
+
+def resolve_checks(checks: Any) -> CheckSet:
+    """``GraphRunner(checks=...)`` as a :class:`CheckSet`.
+
+    ``None`` means :data:`DEFAULT_CHECKS`; otherwise a sequence of names
+    (``"drift"``, ``"padding"``, ``"fingerprint"``) and
+    :class:`~graphrunner.checks.padding.PaddingCheck` instances (a
+    configured ``"padding"``), e.g. ``checks=["drift",
+    gr.PaddingCheck(exempt=("total",)), "fingerprint"]``; ``()`` runs none.
+    Raises ``TypeError``/``ValueError`` naming the entry for anything else.
+    """
+    if checks is None:
+        checks = DEFAULT_CHECKS
+    if isinstance(checks, (str, PaddingCheck)):
+        raise TypeError(f"checks must be a sequence such as {list(DEFAULT_CHECKS)}, got {checks!r}; "
+                        f"wrap a single check in a list")
+    try:
+        items = list(checks)
+    except TypeError:
+        raise TypeError(f"checks must be a sequence of check names {list(_NAMES)} or gr.PaddingCheck(...), "
+                        f"got {type(checks).__name__}") from None
+    drift = fingerprint = False
+    padding: Optional[PaddingCheck] = None
+    for c in items:
+        if isinstance(c, PaddingCheck):
+            c, padding = "padding", c
+        elif c == "padding":
+            padding = padding or PaddingCheck()
+        if c == "drift":
+            drift = True
+        elif c == "fingerprint":
+            fingerprint = True
+        elif c != "padding":
+            raise ValueError(f"unknown check {c!r} in checks=: expected names from {list(_NAMES)} or "
+                             "gr.PaddingCheck(exempt=...)")
+    return CheckSet(drift=drift, padding=padding, fingerprint=fingerprint)

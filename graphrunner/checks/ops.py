@@ -1,0 +1,370 @@
+"""The one op recorder every check consumes.
+
+A check that needs to see what a step does (the drift check, the externals
+of debug mode, ``runner.compare``, the ``graphrunner check`` lint) does not
+install its own ``TorchDispatchMode``: it is an :class:`OpConsumer` handed
+to one :class:`OpRecorder`, which installs one dispatch mode (and, when a
+consumer asks for it, one torch-function mode) and turns every aten op into
+an :class:`OpEvent` with the facts every check needs, computed once:
+
+- ``op`` / ``name``: the overload (``aten.mul.Tensor``) and schema name;
+- ``written``: the tensors the op writes (mutable schema arguments, ``out=``):
+  :func:`written_tensors`;
+- ``where``: the user's ``(file, line, function)`` (:mod:`graphrunner._frames`);
+- ``in_eager_break``: whether the op runs inside a ``@no_graph`` body (which
+  runs eagerly at every replay of a breakable graph), and ``break_fn``, that
+  body's function;
+- storage identity by :func:`storage_key` (the storage's data pointer): one
+  definition for every check.
+
+Consumers see each op before it runs (:meth:`OpConsumer.before`) and after
+(:meth:`OpConsumer.after`, with ``event.out`` set); function events
+(``.item()``, ``.tolist()``, ``F.one_hot``) reach :meth:`OpConsumer.function`.
+Ops run inside an *atomic* torch function (:data:`ATOMIC_FUNCTIONS`: the tape
+runs ``F.one_hot`` as zeros + scatter, eager as one ``aten.one_hot``) carry
+``atomic=True``, so a check that compares op streams can skip them.
+
+The tape's own recording (:mod:`graphrunner.tape.recording`) keeps its own
+mode (it is the graph, not a check) and shares :func:`written_tensors`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from graphrunner._frames import is_internal
+
+__all__ = ["OpEvent", "FunctionEvent", "OpConsumer", "OpRecorder", "RecordingDevice", "storage_key",
+           "written_tensors", "tensors_in", "no_graph_code", "ATOMIC_FUNCTIONS"]
+
+Where = Tuple[str, int, str]
+
+#: Torch functions seen as one op (their aten ops carry ``atomic=True``): the
+#: tape runs ``F.one_hot(t, num_classes)`` at capture as zeros + scatter (as
+#: CUDA does) while an eager CPU call is one ``aten.one_hot``.
+ATOMIC_FUNCTIONS = ((torch.nn.functional.one_hot, "F.one_hot"),)
+
+
+def storage_key(t: torch.Tensor) -> Optional[int]:
+    """The identity of ``t``'s storage (its data pointer), ``None`` for a tensor without
+    one (meta, sparse, wrapper subclasses) or an empty storage. Every check compares storages
+    with this one function."""
+    try:
+        p = t.untyped_storage().data_ptr()
+    except Exception:  # noqa: BLE001 - tensors without a storage
+        return None
+    return p or None
+
+
+def tensors_in(v: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``v`` (a tensor, or nested lists/tuples of them)."""
+    if isinstance(v, torch.Tensor):
+        yield v
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            yield from tensors_in(x)
+
+
+def written_tensors(func: Any, args: Sequence[Any], kwargs: dict) -> List[torch.Tensor]:
+    """The tensors the aten op ``func`` writes: every argument its schema marks as written
+    (``Tensor(a!)``: in-place ``self``, ``out=``), lists of tensors included."""
+    schema = func._schema
+    if not schema.is_mutable:
+        return []
+    out: List[torch.Tensor] = []
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        v = args[i] if i < len(args) else kwargs.get(a.name)
+        out.extend(tensors_in(v))
+    return out
+
+
+def no_graph_code() -> Any:
+    """The code object of every ``@no_graph`` wrapper (they share one): a frame running it is
+    an eager break."""
+    from graphrunner.breakable import force_no_graph
+
+    return force_no_graph.__code__
+
+
+class _Frames:
+    """One walk of the stack above an op: the user's frame and the enclosing ``@no_graph`` frame."""
+
+    __slots__ = ("frame", "_where", "_break", "_walked_where", "_walked_break", "stop")
+
+    def __init__(self, frame: Any, stop: Any = None):
+        self.frame, self.stop = frame, stop
+        self._walked_where = self._walked_break = False
+        self._where: Optional[Where] = None
+        self._break: Any = None
+
+    def where(self) -> Optional[Where]:
+        if not self._walked_where:
+            self._walked_where = True
+            f, stop = self.frame, self.stop
+            while f is not None:
+                if not is_internal(f.f_code):
+                    self._where = (f.f_code.co_filename, f.f_lineno, f.f_code.co_name)
+                    break
+                if f.f_code is stop:
+                    break
+                f = f.f_back
+        return self._where
+
+    def eager_break(self) -> Any:
+        if not self._walked_break:
+            self._walked_break = True
+            f, code = self.frame, no_graph_code()
+            while f is not None:
+                if f.f_code is code:
+                    self._break = f
+                    break
+                f = f.f_back
+        return self._break
+
+    def user_stack(self) -> List[Tuple[Any, int]]:
+        """The non-internal frames up to ``stop`` (included), innermost first, as ``(frame, lineno)``."""
+        out, f = [], self.frame
+        while f is not None:
+            if not is_internal(f.f_code):
+                out.append((f, f.f_lineno))
+            if f.f_code is self.stop:
+                break
+            f = f.f_back
+        return out
+
+
+class OpEvent:
+    """One aten op as the checks see it (computed lazily, once, for all consumers).
+
+    ``func``, ``args``, ``kwargs``: the op and its arguments; ``out``: its
+    result (``None`` before it ran); ``atomic``: it runs inside an atomic
+    torch function. Properties: ``name`` (schema name, ``aten::mul``),
+    ``op`` (``aten.mul.Tensor``), ``written`` (:func:`written_tensors`),
+    ``where`` (the user's frame), ``in_eager_break`` and ``break_fn`` (the
+    ``@no_graph`` function it runs in), :meth:`user_stack`.
+    """
+
+    __slots__ = ("func", "args", "kwargs", "out", "atomic", "_frames", "_written")
+
+    def __init__(self, func: Any, args: tuple, kwargs: dict, frames: _Frames, atomic: bool):
+        self.func, self.args, self.kwargs, self.atomic = func, args, kwargs, atomic
+        self.out: Any = None
+        self._frames = frames
+        self._written: Optional[List[torch.Tensor]] = None
+
+    @property
+    def name(self) -> str:
+        """Schema name, e.g. ``aten::mul``."""
+        return self.func._schema.name
+
+    @property
+    def op(self) -> str:
+        """The overload, e.g. ``aten.mul.Tensor``."""
+        return str(self.func)
+
+    @property
+    def written(self) -> List[torch.Tensor]:
+        """The tensors this op writes."""
+        if self._written is None:
+            self._written = written_tensors(self.func, self.args, self.kwargs)
+        return self._written
+
+    @property
+    def where(self) -> Optional[Where]:
+        """``(file, line, function)`` of the user's frame, or ``None``."""
+        return self._frames.where()
+
+    @property
+    def in_eager_break(self) -> bool:
+        """True when the op runs inside a ``@no_graph`` body."""
+        return self._frames.eager_break() is not None
+
+    @property
+    def break_fn(self) -> Any:
+        """The ``@no_graph`` function the op runs in, or ``None``."""
+        f = self._frames.eager_break()
+        return None if f is None else f.f_locals.get("fn")
+
+    def user_stack(self) -> List[Tuple[Any, int]]:
+        """The user's frames above the op, innermost first."""
+        return self._frames.user_stack()
+
+
+class FunctionEvent:
+    """One torch-function call (``Tensor.item``, ``F.one_hot``, ...): ``func``, ``args``,
+    ``kwargs``, ``where``/``in_eager_break``/``user_stack`` as for :class:`OpEvent`."""
+
+    __slots__ = ("func", "args", "kwargs", "_frames")
+
+    def __init__(self, func: Any, args: tuple, kwargs: dict, frames: _Frames):
+        self.func, self.args, self.kwargs, self._frames = func, args, kwargs, frames
+
+    where = OpEvent.where
+    in_eager_break = OpEvent.in_eager_break
+    user_stack = OpEvent.user_stack
+
+
+class OpConsumer:
+    """What a check implements to see ops. All three methods are optional no-ops.
+
+    ``functions = True`` asks the recorder for torch-function events too. A
+    consumer may return a true value from :meth:`function` to say the call is
+    a reported host read: the ops it dispatches then reach :meth:`before` with
+    ``atomic=True``.
+    """
+
+    functions = False
+
+    def before(self, ev: OpEvent) -> None:
+        """The op is about to run."""
+
+    def after(self, ev: OpEvent) -> None:
+        """The op ran; ``ev.out`` holds its result."""
+
+    def function(self, ev: FunctionEvent) -> Any:
+        """A torch function is about to run (only with ``functions = True``)."""
+
+
+class _Dispatch(TorchDispatchMode):
+    def __init__(self, rec: "OpRecorder"):
+        super().__init__()
+        self.rec = rec
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        rec = self.rec
+        if not rec.on:
+            return func(*args, **kwargs)
+        ev = OpEvent(func, args, kwargs, _Frames(sys._getframe(1), rec.stop), rec._atomic > 0)
+        muted = rec._muted
+        for c in rec._before:
+            if not muted or c.__self__ not in muted:
+                c(ev)
+        out = func(*args, **kwargs)
+        if rec._after:
+            ev.out = out
+            for c in rec._after:
+                if not muted or c.__self__ not in muted:
+                    c(ev)
+        return out
+
+
+class _Function(TorchFunctionMode):
+    def __init__(self, rec: "OpRecorder"):
+        super().__init__()
+        self.rec = rec
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        rec = self.rec
+        if not rec.on:
+            return func(*args, **kwargs)
+        atomic = any(func is f for f, _ in ATOMIC_FUNCTIONS)
+        mute = []
+        if rec._functions:
+            ev = FunctionEvent(func, args, kwargs, _Frames(sys._getframe(1), rec.stop))
+            for c in rec._functions:
+                if c.__self__ not in rec._muted and c(ev):
+                    mute.append(c.__self__)
+        if not atomic and not mute:
+            return func(*args, **kwargs)
+        rec._atomic += atomic
+        for c in mute:
+            rec._muted[c] = rec._muted.get(c, 0) + 1
+        try:
+            return func(*args, **kwargs)
+        finally:
+            rec._atomic -= atomic
+            for c in mute:
+                rec._muted[c] -= 1
+                if not rec._muted[c]:
+                    del rec._muted[c]
+
+
+class OpRecorder:
+    """Installs one dispatch mode (and a torch-function mode) that feeds ``consumers``.
+
+    Use as a context manager around the code to record (enter it innermost,
+    directly around the step, so ops a graph runs for itself are not seen),
+    or in two halves: :meth:`modes` installs the modes without recording,
+    :meth:`recording` records while modes installed elsewhere are active (a
+    breakable capture installs them inside each graph segment:
+    :class:`RecordingDevice`). ``stop``: the code object of the step's entry
+    (the forward a backend calls): the user-frame walk ends at its frame,
+    since the frames that call it are not the user's. Recording costs
+    a Python call per op, plus a stack walk for consumers that ask ``where``.
+    """
+
+    def __init__(self, consumers: Sequence[OpConsumer], stop: Any = None):
+        self.consumers = list(consumers)
+        self.stop = stop
+        #: True while ops are recorded.
+        self.on = False
+        self._atomic = 0
+        self._muted: dict = {}  # consumer -> depth of reported host reads it asked to be muted in
+        base = OpConsumer
+        self._before = [c.before for c in self.consumers if type(c).before is not base.before]
+        self._after = [c.after for c in self.consumers if type(c).after is not base.after]
+        self._functions = [c.function for c in self.consumers if c.functions]
+
+    @contextlib.contextmanager
+    def modes(self) -> Iterator[None]:
+        """Install the recording modes (on top of any active ones) for the block; ops are
+        recorded only while :attr:`on`."""
+        with _Function(self), _Dispatch(self):
+            yield
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator["OpRecorder"]:
+        """Record (set :attr:`on`) for the block, through modes installed by :meth:`modes`."""
+        was, self.on = self.on, True
+        try:
+            yield self
+        finally:
+            self.on = was
+
+    def __enter__(self) -> "OpRecorder":
+        self._stack = contextlib.ExitStack()
+        try:
+            self._stack.enter_context(self.modes())
+            self._stack.enter_context(self.recording())
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.__exit__(*exc)
+
+
+class RecordingDevice:
+    """A device that installs ``recorder``'s modes inside every graph capture it runs,
+    innermost (above the capture's own modes, such as a tape's recorder), and delegates
+    everything else to ``device``.
+
+    A breakable capture opens and closes one capture per graph segment around
+    its eager breaks; a mode pushed once around the whole step would sit
+    between a segment's modes and break their nesting. Given to a
+    :class:`~graphrunner.breakable.BreakableGraph`, this records the ops of
+    the segments only; the eager-break bodies between them run with no
+    recording mode installed."""
+
+    def __init__(self, device: Any, recorder: OpRecorder):
+        self._device, self._recorder = device, recorder
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._device, name)
+
+    @contextlib.contextmanager
+    def capture(self, graph: Any, *args: Any, **kwargs: Any) -> Iterator[None]:
+        """``device.capture(graph, ...)`` with the recorder's modes inside it."""
+        with self._device.capture(graph, *args, **kwargs), self._recorder.modes():
+            yield

@@ -1,0 +1,129 @@
+"""The output layout: which leading dims of each output the runner slices, and the slicing.
+
+:class:`OutputLayout` checks at capture that the step returns a pytree of
+tensors whose declared leading dims have the key's sizes (and the same
+trailing shapes for every key), and serves each call its outputs sliced to
+the call's sizes: cached views of the backend's one output buffer after a
+replay (the ``sizes`` view is the same tensor whichever key replayed), or a
+slice of an eager fallback's fresh outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from graphrunner.backends.outputs import flatten, unflatten
+from graphrunner.keys import count_leaves, slice_leaves
+
+__all__ = ["OutputLayout", "StepOutputError", "clone_outputs"]
+
+Sizes = Tuple[int, ...]
+
+
+class StepOutputError(TypeError):
+    """The step returned something the runner cannot slice (raised during capture)."""
+
+
+class OutputLayout:
+    """The leading dims of every output leaf, from ``outputs=`` (resolved by
+    :func:`graphrunner.keys.resolve_output_dims`): ``out_dims = (default, {dict key: dims})``
+    as indices into ``dims``; ``legacy``: one batch dim; ``key_text(key)`` names a key."""
+
+    def __init__(self, out_dims: Tuple[Tuple[int, ...], Dict[Any, Tuple[int, ...]]], dims: Tuple[str, ...],
+                 legacy: bool, key_text: Any) -> None:
+        self.default, self.per_key = out_dims
+        self.dims, self.legacy, self.key_text = dims, legacy, key_text
+        #: How many leading dims of an output may be smaller than the shared buffer's.
+        self.lead = max([len(self.default)] + [len(v) for v in self.per_key.values()])
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what the captures taught (trailing shapes, cached views)."""
+        self._trailing: Optional[List[Tuple[int, ...]]] = None
+        self._views: Dict[Sizes, Any] = {}
+        self._spec: Optional[tuple] = None
+
+    def fingerprint(self) -> Dict[str, Any]:
+        """The layout as the cross-rank configuration check compares it."""
+        return {"default": [self.dims[d] for d in self.default],
+                "per_key": {str(k): [self.dims[d] for d in v] for k, v in self.per_key.items()}}
+
+    def leaf_dims(self, spec: tuple, n_leaves: int) -> List[Tuple[int, ...]]:
+        """The runner-dim indices of the leading dims of every tensor leaf of an output with ``spec``."""
+        if self.per_key and spec[0] == "dict":
+            idx: List[Tuple[int, ...]] = []
+            for k, child in zip(spec[2], spec[3]):
+                idx.extend([self.per_key.get(k, self.default)] * count_leaves(child))
+            return idx
+        return [self.default] * n_leaves
+
+    def check(self, out: Any, key: Sizes) -> None:
+        """Raise :class:`StepOutputError` unless ``out`` (the step's output for ``key``) is a
+        pytree of tensors with the key's sizes on their declared leading dims, and the trailing
+        shapes of the first key captured."""
+        try:
+            spec, leaves = flatten(out, "step output")
+        except TypeError as exc:
+            raise StepOutputError(
+                f"step returned something that is not a pytree of tensors for {self.key_text(key)}: {exc}"
+            ) from None
+        trailing = []
+        for i, (t, dims) in enumerate(zip(leaves, self.leaf_dims(spec, len(leaves)))):
+            want = tuple(key[d] for d in dims)
+            if t.dim() == 0:
+                trailing.append(())
+                continue
+            if tuple(t.shape[:len(want)]) != want:
+                if self.legacy:
+                    raise StepOutputError(
+                        f"step output tensor {i} has shape {list(t.shape)} for bucket {key[0]}: every output tensor "
+                        f"must be batch-major (dim 0 == the {key[0]} input rows) or 0-dim, so the runner can slice "
+                        "it to the real batch. Return per-row results, or compute batch-independent values outside "
+                        "step.")
+                names = tuple(self.dims[d] for d in dims)
+                raise StepOutputError(
+                    f"step output tensor {i} has shape {list(t.shape)} for {self.key_text(key)}: its leading dims "
+                    f"{names} (from outputs=) must be {list(want)}, so the runner can slice it to the real sizes. "
+                    "Declare each output's leading dims with outputs= (a dims tuple, or {key: dims} for a dict).")
+            trailing.append(tuple(t.shape[len(want):]))
+        if self._trailing is None:
+            self._trailing = trailing
+            return
+        for i, (a, b) in enumerate(zip(self._trailing, trailing)):
+            if a != b:
+                raise StepOutputError(
+                    f"step output tensor {i} has trailing shape {list(b)} after its leading dims for "
+                    f"{self.key_text(key)}, but {list(a)} for the first key captured: only the dims declared "
+                    "in outputs= may change between keys. Declare that dim in outputs=")
+
+    def replayed(self, result: Any, sizes: Sizes) -> Any:
+        """The outputs of a call of ``sizes`` from a replay's ``result`` (views of the shared
+        output buffer, cached per ``sizes``)."""
+        out = self._views.get(sizes)
+        if out is None:
+            spec, leaves = flatten(result)
+            sliced = slice_leaves(leaves, self.leaf_dims(spec, len(leaves)), sizes)
+            if spec == ("T",):
+                self._spec, out = None, sliced[0]
+            else:
+                self._spec, out = spec, sliced
+            self._views[sizes] = out
+        return out if self._spec is None else unflatten(self._spec, out)
+
+    def slice(self, out: Any, sizes: Sizes) -> Any:
+        """``out`` with every tensor leaf sliced to ``sizes`` on its declared leading dims."""
+        spec, leaves = flatten(out)
+        sliced = slice_leaves(leaves, self.leaf_dims(spec, len(leaves)), sizes)
+        return sliced[0] if spec == ("T",) else unflatten(spec, sliced)
+
+
+def clone_outputs(out: Any) -> Any:
+    """A copy of ``out`` with every tensor leaf cloned (``copy_outputs=True``)."""
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if out is None:
+        return None
+    spec, leaves = flatten(out)
+    return unflatten(spec, [t.clone() for t in leaves])
