@@ -34,6 +34,7 @@ import time
 import torch
 
 import graphrunner as gr
+from graphrunner.tape import tape_graph
 from graphrunner_tools.bench import environment
 
 
@@ -61,7 +62,7 @@ def measure(step, x, jit: bool, steady: int) -> dict:
     with torch.inference_mode():
         g = gr.TapeGraph(jit_replay=jit)
         t0 = time.perf_counter()
-        with gr.tape_graph(g):
+        with tape_graph(g):
             out = step()
         t1 = time.perf_counter()
         engine_after_capture = g.replay_engine

@@ -17,7 +17,7 @@ import torch
 from graphrunner.backends.outputs import flatten, unflatten
 from graphrunner.keys import count_leaves, slice_leaves
 
-__all__ = ["OutputLayout", "StepOutputError", "clone_outputs"]
+__all__ = ["OutputLayout", "StepOutputError", "FreshOutputs", "clone_outputs"]
 
 Sizes = Tuple[int, ...]
 
@@ -100,7 +100,12 @@ class OutputLayout:
 
     def replayed(self, result: Any, sizes: Sizes) -> Any:
         """The outputs of a call of ``sizes`` from a replay's ``result`` (views of the shared
-        output buffer, cached per ``sizes``)."""
+        output buffer, cached per ``sizes``; every key's outputs are leading-corner views of one
+        buffer, so the ``sizes`` view is the same whichever key replayed). ``result`` may be a
+        :class:`FreshOutputs` box holding the output of a backend that is not a
+        :class:`~graphrunner.backends.base.GraphBackend` (fresh outputs each replay: sliced, not cached)."""
+        if type(result) is FreshOutputs:
+            return self.slice(result.value, sizes)
         out = self._views.get(sizes)
         if out is None:
             spec, leaves = flatten(result)
@@ -117,6 +122,15 @@ class OutputLayout:
         spec, leaves = flatten(out)
         sliced = slice_leaves(leaves, self.leaf_dims(spec, len(leaves)), sizes)
         return sliced[0] if spec == ("T",) else unflatten(spec, sliced)
+
+
+class FreshOutputs:
+    """A box for the latest output of a backend whose replays return fresh tensors."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: Any = None
 
 
 def clone_outputs(out: Any) -> Any:

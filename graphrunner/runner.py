@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import logging
 import math
 import time
@@ -36,7 +37,7 @@ from graphrunner.errors import CaptureError, GraphRunnerError, PaddingLeakError,
 from graphrunner.inputs import BatchInput, check_inputs
 from graphrunner.keys import CANNOT, LEGACY_DIM, KeySpace, resolve_input_dims, resolve_output_dims
 from graphrunner.ownership import CallOwner
-from graphrunner.layout import OutputLayout, StepOutputError, clone_outputs
+from graphrunner.layout import FreshOutputs, OutputLayout, StepOutputError, clone_outputs
 from graphrunner.progress import CaptureProgress
 from graphrunner.report import BucketReport, CaptureReport, RunnerStats
 from graphrunner.staging import StaticInputs
@@ -162,6 +163,7 @@ class GraphRunner:
         self._captured = self._capturing = self._cleaned_up = False
         self._calls = 0
         self._owner = CallOwner()  # one call (or capture) at a time: the static buffers hold one batch
+        self._lock = self._owner.lock
         self._reset_replay_state()
 
     # ----------------------------------------------------------- properties
@@ -200,7 +202,7 @@ class GraphRunner:
     def _reset_replay_state(self) -> None:
         self._replayable: Dict[Tuple[int, ...], bool] = {}
         self._layout.reset()
-        self._cache_outputs = isinstance(self.backend, GraphBackend)
+        self._routes: Dict[Tuple[int, ...], tuple] = {}
         self._agreement: Any = LocalAgreement()
         self._externals: Optional[contracts.ExternalsCheck] = None
 
@@ -361,45 +363,69 @@ class GraphRunner:
         :class:`CaptureError` before :meth:`capture`, and
         :class:`GraphRunnerError` during another call of this runner.
         """
-        if not self._captured:
-            if self._cleaned_up:
-                raise CaptureError("GraphRunner called after cleanup(): its graphs were released; call "
-                                   "runner.capture() again before serving")
-            raise CaptureError("GraphRunner called before capture(): call runner.capture() once first")
-        self._owner.enter("run()")
+        if not self._lock.acquire(blocking=False):
+            self._owner.refuse("run()")
+        self._owner.thread = threading.get_ident()
         try:
-            return self._run(inputs, self.copy_outputs if copy_outputs is None else copy_outputs)
+            if not self._captured:
+                raise CaptureError("GraphRunner called after cleanup(): its graphs were released; call runner."
+                                   "capture() again before serving" if self._cleaned_up else
+                                   "GraphRunner called before capture(): call runner.capture() once first")
+            self._calls += 1
+            staging = self._inputs
+            try:
+                tensors, sizes = staging.validate(inputs)
+                if self.debug:
+                    self._debug_checks(tensors)
+                staging.stage(tensors, sizes)  # before agreeing: a failed copy is reported to every rank
+            except (ValueError, TypeError, GraphRunnerError):
+                self._agreement.invalid(staging.zero, self._calls)
+                raise
+            if copy_outputs is None:
+                copy_outputs = self.copy_outputs
+            rows = self._agreement.agree(sizes, self._calls)
+            key, ext, replay, outputs, volume, reason = self._routes.get(rows) or self._route(rows)
+            if key is None:
+                return self._fallback(tensors, sizes, rows, reason, copy_outputs)
+            if staging.filled != sizes:
+                staging.pad_to(sizes, key)
+            try:
+                replay()
+            except Exception as exc:  # a failed collective on a multi-rank runner: RankTimeoutError
+                err = RankTimeoutError.from_step(exc, self.group, "replay", ext)
+                if err is None:
+                    raise
+                raise err from exc
+            stats = self.stats
+            real = sizes[0] if len(sizes) == 1 else math.prod(sizes)
+            stats.replays[ext] += 1
+            stats.real_rows += real
+            stats.padding_rows += volume - real
+            stats.last_bucket = ext
+            out = self._layout.replayed(outputs, sizes)
+            return clone_outputs(out) if copy_outputs else out
         finally:
-            self._owner.leave()
+            self._owner.thread = None
+            self._lock.release()
 
-    def _run(self, inputs: Mapping[str, torch.Tensor], copy_outputs: bool) -> Any:
-        self._calls += 1
-        staging = self._inputs
-        try:
-            tensors, sizes = staging.validate(inputs)
-            if self.debug:
-                self._debug_checks(tensors)
-            if staging.fits(sizes):  # staged before agreeing: a failed copy is reported to every rank
-                staging.stage(tensors, sizes)
-        except (ValueError, TypeError, GraphRunnerError):
-            self._agreement.invalid(staging.zero, self._calls)
-            raise
-        rows = self._agreement.agree(sizes, self._calls)
+    def _route(self, rows: Tuple[int, ...]) -> tuple:
+        """What a call of agreed sizes ``rows`` does, cached: ``(key, external key, replay(),
+        outputs, key volume, None)`` to replay, or ``(None, ..., reason)`` to fall back."""
         key, reason = self._space.choose(rows)
         if key is None or not self._replayable[key]:
-            return self._fallback(tensors, sizes, rows, reason or CANNOT, copy_outputs)
-        staging.pad_to(sizes, key)
-        ext = self._space.external(key)
-        try:
-            result = self.backend.replay(ext)
-        except Exception as exc:  # a failed collective on a multi-rank runner: RankTimeoutError
-            err = RankTimeoutError.from_step(exc, self.group, "replay", ext)
-            if err is None:
-                raise
-            raise err from exc
-        self.stats.count(ext, sizes, key)
-        out = self._layout.replayed(result, sizes) if self._cache_outputs else self._layout.slice(result, sizes)
-        return clone_outputs(out) if copy_outputs else out
+            route: tuple = (None, None, None, None, 0, reason or CANNOT)
+        else:
+            ext = self._space.external(key)
+            if isinstance(self.backend, GraphBackend):
+                replay, outputs = self.backend.replayer(ext)
+            else:  # any object with replay(key): its outputs are sliced at every call
+                outputs = FreshOutputs()
+
+                def replay(b=self.backend, k=ext, box=outputs) -> None:
+                    box.value = b.replay(k)
+            route = (key, ext, replay, outputs, math.prod(key), None)
+        self._routes[rows] = route
+        return route
 
     def _debug_checks(self, tensors: List[torch.Tensor]) -> None:
         """Debug mode, before anything is written: each input's bounds; with agreement also every

@@ -14,6 +14,7 @@ the checks and the runner all stage through this one object.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -23,6 +24,8 @@ from graphrunner.inputs import BatchInput, alias_error, diagnose
 from graphrunner.keys import padding_regions, region
 
 __all__ = ["StaticInputs"]
+
+_set_grad_enabled = torch._C._set_grad_enabled
 
 Sizes = Tuple[int, ...]
 _Tensor = torch.Tensor
@@ -59,7 +62,12 @@ class StaticInputs:
         self._ranges = tuple((b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b, _ in self._pads)
         self._span = (min(lo for lo, _ in self._ranges), max(hi for _, hi in self._ranges))
         self._own = tuple(lo for lo, _ in self._ranges)
+        # every input is (rows, *trailing) of one dim: the fast validation (shapes cached per row count)
+        self._rows_only = len(dims) == 1 and all(self.in_dims[n] == (0,) for n in self.names)
+        self._fast = tuple(zip((s.dtype for s in self.specs.values()), self._own, self.names))
+        self._shapes: Dict[int, tuple] = {}
         self.zero: Sizes = (0,) * len(dims)
+        self._one_dim = len(dims) == 1
         self.filled: Sizes = self.zero  # outside [:filled[0], :filled[1], ...] every buffer holds its pad value
         self._views: Dict[Sizes, List[torch.Tensor]] = {}
         self._pad_views: Dict[Tuple[Sizes, Sizes], List[Tuple[torch.Tensor, Any]]] = {}
@@ -83,10 +91,18 @@ class StaticInputs:
         """True when ``sizes`` fit the buffers (every size at most the dim's largest)."""
         return all(n <= m for n, m in zip(sizes, self.maxes))
 
+
     # ----------------------------------------------------------- per call
     def validate(self, inputs: Mapping[str, Any]) -> Tuple[List[torch.Tensor], Sizes]:
         """``(tensors in declaration order, sizes per dim)`` of valid call ``inputs``; raises the
         ``ValueError``/``TypeError`` naming the input otherwise (nothing is written)."""
+        if self._rows_only:
+            try:
+                fast = self._validate_rows(inputs)
+            except (KeyError, TypeError, AttributeError, IndexError):
+                raise self.error(inputs) from None
+            if fast is not None:
+                return fast
         sizes = [-1] * len(self.dims)
         try:
             if len(inputs) != self._n:
@@ -119,6 +135,32 @@ class StaticInputs:
             raise self.error(inputs) from None
         return tensors, tuple(sizes)
 
+    def _validate_rows(self, inputs: Mapping[str, Any]) -> Optional[Tuple[List[torch.Tensor], Sizes]]:
+        """:meth:`validate` when every input is ``(rows, *trailing)``: one shape comparison per
+        input against the shapes expected for the first input's row count (cached per count).
+        ``None`` for a row count outside ``1..largest`` (the generic path decides)."""
+        if len(inputs) != self._n:
+            raise KeyError
+        tensors = list(map(inputs.__getitem__, self.names))
+        n = tensors[0].shape[0]
+        want = self._shapes.get(n)
+        if want is None:
+            if not 0 < n <= self.maxes[0]:
+                return None  # over the largest bucket, or zero rows: the generic path
+            want = self._shapes[n] = tuple(torch.Size((n, *s.trailing)) for s in self.specs.values())
+        lo_all, hi_all = self._span
+        for t, (dtype, own, name), shape in zip(tensors, self._fast, want):
+            if t.dtype is not dtype or t.shape != shape:
+                raise KeyError
+            ptr = t.data_ptr()  # must hold data (not meta) and not point into a static buffer
+            if ptr == 0:
+                if t.is_meta:
+                    raise KeyError
+            elif lo_all <= ptr < hi_all and (ptr != own or not t.is_contiguous()):
+                if self._alias_error(name, t) is not None:
+                    raise KeyError
+        return tensors, (n,)
+
     def error(self, inputs: Any) -> Exception:
         """The error for invalid call ``inputs`` (slow path): names the input and what was expected."""
         return diagnose(inputs, self.specs, self.in_dims, self.dims, self.legacy, self._alias_error)
@@ -126,20 +168,32 @@ class StaticInputs:
     def _alias_error(self, name: str, t: torch.Tensor) -> Optional[Exception]:
         return alias_error(self._ranges, self.names, name, t)
 
-    def stage(self, tensors: List[torch.Tensor], sizes: Sizes) -> None:
-        """Copy the (validated) inputs into the leading region ``sizes`` of the buffers. If a copy
-        fails, every buffer is reset to its pad value (no half-written cells stay behind) and
-        :class:`GraphRunnerError` names the input."""
+    def stage(self, tensors: List[torch.Tensor], sizes: Sizes) -> bool:
+        """Copy the (validated) inputs into the leading region ``sizes`` of the buffers; ``False``
+        (nothing written) when ``sizes`` do not fit them. If a copy fails, every buffer is reset
+        to its pad value (no half-written cells stay behind) and :class:`GraphRunnerError` names
+        the input."""
         views = self._views.get(sizes)
         if views is None:
+            if not self.fits(sizes):
+                return False
             views = self._views[sizes] = [buf[region(sizes, didx)] for (buf, _), didx in
                                           zip(self._pads, self.dim_idx)]
         i = 0
+        # Grad off for the copies: a copy from a tensor that requires grad would chain an
+        # autograd history onto the static buffer at every call.
+        grad = torch.is_grad_enabled()
+        if grad:
+            _set_grad_enabled(False)
         try:
-            for i, (v, t) in enumerate(zip(views, tensors)):
-                # detach: a copy from a tensor that requires grad would chain an
-                # autograd history onto the static buffer at every call.
-                v.copy_(t.detach() if t.requires_grad else t)
+            if self._n > 1:
+                try:  # one dispatch for every input; a failure is redone one by one to name the input
+                    torch._foreach_copy_(views, tensors)
+                except Exception:  # noqa: BLE001
+                    for i, (v, t) in enumerate(zip(views, tensors)):
+                        v.copy_(t)
+            else:
+                views[0].copy_(tensors[0])
         except Exception as exc:
             self.restore_pads(tuple(map(max, self.filled, sizes)))
             t = tensors[i]
@@ -148,20 +202,35 @@ class StaticInputs:
                 f"{t.dtype}, on {t.device}) into its static buffer failed: {type(exc).__name__}: {exc}. Nothing "
                 "was replayed and the static buffers were reset to their pad values; the runner is still usable"
             ) from exc
+        finally:
+            if grad:
+                _set_grad_enabled(True)
         filled = self.filled
-        self.filled = sizes if filled == self.zero else tuple(map(max, filled, sizes))
+        if filled != sizes:
+            if self._one_dim:
+                if sizes[0] > filled[0]:
+                    self.filled = sizes
+            else:
+                self.filled = sizes if filled == self.zero else tuple(map(max, filled, sizes))
+        return True
 
     def pad_to(self, sizes: Sizes, key: Sizes) -> None:
         """Make the cells inside ``key`` but outside ``sizes`` hold the pad value: a no-op unless
-        an earlier call left data there (``filled`` exceeds ``sizes`` in some dim)."""
+        an earlier call left data there (``filled`` exceeds ``sizes`` in some dim). Cells whose
+        pad is zero are cleared by one ``torch._foreach_zero_`` over all inputs (one dispatch
+        instead of one ``fill_`` per input)."""
         if self.filled == sizes:
             return
         pv = self._pad_views.get((sizes, key))
         if pv is None:
-            pv = self._pad_views[(sizes, key)] = [
-                (buf[r], pad) for (buf, pad), didx in zip(self._pads, self.dim_idx)
-                for r in padding_regions(sizes, key, didx)]
-        for view, pad in pv:
+            views = [(buf[r], pad) for (buf, pad), didx in zip(self._pads, self.dim_idx)
+                     for r in padding_regions(sizes, key, didx)]
+            zeros = [v for v, pad in views if _is_zero(pad)]
+            pv = self._pad_views[(sizes, key)] = (zeros, [(v, pad) for v, pad in views if not _is_zero(pad)])
+        zeros, others = pv
+        if zeros:
+            torch._foreach_zero_(zeros)
+        for view, pad in others:
             view.fill_(pad)
         filled = self.filled
         # Outside ``key`` earlier data may remain: keep the bounding box.
@@ -189,3 +258,8 @@ class StaticInputs:
                 t = t.to(dev)
             kwargs[name] = t
         return kwargs
+
+
+def _is_zero(pad: Any) -> bool:
+    """True for a pad value that ``zero_()`` writes bit for bit (``0``, ``False``, ``+0.0``)."""
+    return pad == 0 and math.copysign(1.0, float(pad)) > 0

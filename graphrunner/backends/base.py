@@ -514,20 +514,38 @@ class GraphBackend:
         (clone to keep them). No device synchronize, no group call. Raises
         ``CaptureError`` for a key that was never captured.
         """
-        entry = self._entries.get(key) if self._hashable(key) else None
-        if entry is None:
+        entry = self._entry(key)
+        self._replay_entry(entry)
+        return unflatten(entry.spec, entry.views)
+
+    def replayer(self, key: Hashable) -> "tuple[Callable[[], None], Any]":
+        """``(replay, outputs)`` of a captured key, for a caller that replays it many times:
+        ``replay()`` does what :meth:`replay` does (debug hooks, trace span, the graph) without
+        rebuilding the output pytree, and ``outputs`` is that pytree (the same views at every
+        replay). Valid until :meth:`cleanup`."""
+        entry = self._entry(key)
+        graph = entry.graph
+        if entry.replay_hooks or self.trace:
+            return (lambda: self._replay_entry(entry)), unflatten(entry.spec, entry.views)
+        return graph.replay, unflatten(entry.spec, entry.views)
+
+    def _entry(self, key: Hashable) -> _Entry:
+        try:
+            return self._entries[key]
+        except (KeyError, TypeError):
             raise CaptureError(
                 f"replay of shape key {key!r}, which this {type(self).__name__} never captured "
                 f"(captured: {list(self._entries)}); check can_run(key) first, or capture it"
-            )
+            ) from None
+
+    def _replay_entry(self, entry: _Entry) -> None:
         for h in entry.replay_hooks:  # debug-mode checks only; empty otherwise
-            h.before_replay(key)
+            h.before_replay(entry.key)
         if self.trace:
-            with self.trace.span(EventKind.REPLAY, key=key, backend=self.name):
+            with self.trace.span(EventKind.REPLAY, key=entry.key, backend=self.name):
                 entry.graph.replay()
         else:
             entry.graph.replay()
-        return unflatten(entry.spec, entry.views)
 
     @staticmethod
     def _hashable(key: Any) -> bool:
