@@ -16,6 +16,11 @@ It also reports the capture-time cost of the padding-leak check: the
 seconds its extra forwards took (``leak_check_seconds``) against the whole
 capture, and a capture of the same runner without it (``checks=("drift", "fingerprint")``).
 
+It also times the issue-20 target: a tiny step with 2 inputs, the runner against
+the minimal loop (target <= 1.10x, JSON ``tiny_two_inputs``), and the first call
+of each bucket after capture against a steady call (target <= 3x: the tape's
+replay engine is built at capture, not at the first replay).
+
 Prints the per-call medians and their ratio (target <= 1.25x) and writes JSON
 (``--out``, default ``bench/results/runner_overhead.json``). Not a test: it
 never fails on a timing.
@@ -66,6 +71,66 @@ def build_step(hidden: int, vocab: int, layers: int, seed: int):
         return h
 
     return step
+
+
+def tiny_overhead(args) -> dict:
+    """The issue-20 target: a tiny step with 2 inputs (``x * w + y``, 16 floats a row), the runner
+    against the minimal hand loop on the same graphs, interleaved rounds, under ``no_grad`` as an
+    engine serves; and the first replay of each bucket against a steady replay of it."""
+    w = torch.randn(16, generator=torch.Generator().manual_seed(args.seed))
+
+    def step(x, y):
+        return x * w + y
+
+    buckets = [1, 2, 4, 8, 16, 32]
+    inputs = {"x": BatchInput(trailing=(16,)), "y": BatchInput(trailing=(16,))}
+    runner = GraphRunner(step, inputs, buckets, backend=args.backend, device=args.device, progress=False)
+    runner.capture()
+    # first replay of each bucket (the runner's first call of it) against the median of 20 steady calls
+    first, steady = [], []
+    for b in buckets:
+        x, y = torch.randn(b, 16), torch.randn(b, 16)
+        t0 = time.perf_counter()
+        runner(x=x, y=y)
+        first.append(time.perf_counter() - t0)
+        ts = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            runner(x=x, y=y)
+            ts.append(time.perf_counter() - t0)
+        steady.append(statistics.median(ts))
+    bufs, backend = runner.static_inputs, runner.backend
+
+    def minimal(batch):
+        n = batch["x"].shape[0]
+        b = buckets[bisect.bisect_left(buckets, n)]
+        bufs["x"][:n].copy_(batch["x"])
+        bufs["y"][:n].copy_(batch["y"])
+        return backend.replay(b)[:n]
+
+    rng = random.Random(args.seed + 1)
+    batches = []
+    for _ in range(args.calls):
+        n = rng.randint(1, buckets[-1])
+        batches.append({"x": torch.randn(n, 16), "y": torch.randn(n, 16)})
+    times = {"runner": [], "minimal": []}
+    with torch.no_grad():
+        for batch in batches[:20]:
+            assert torch.equal(runner(**batch), minimal(batch)), "runner and minimal loop disagree"
+        variants = {"runner": lambda: [runner(**b) for b in batches], "minimal": lambda: [minimal(b) for b in batches]}
+        for fn in variants.values():
+            fn()
+        for rep in range(max(args.reps, 9)):
+            for name in (list(variants) if rep % 2 == 0 else list(reversed(variants))):
+                t0 = time.perf_counter()
+                variants[name]()
+                times[name].append((time.perf_counter() - t0) / len(batches))
+    med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+    ratios = [f / s for f, s in zip(first, steady)]
+    return {"per_call_us": med, "ratio_runner_over_minimal": med["runner"] / med["minimal"], "target_ratio": 1.10,
+            "per_call_us_all_rounds": {k: [x * 1e6 for x in v] for k, v in times.items()},
+            "first_replay_us": [f * 1e6 for f in first], "steady_replay_us": [s * 1e6 for s in steady],
+            "first_over_steady": ratios, "first_over_steady_max": max(ratios), "first_target": 3.0}
 
 
 def main(argv=None) -> dict:
@@ -221,6 +286,15 @@ def main(argv=None) -> dict:
     print(f"  capture      : debug off {dm['capture_seconds_off']:.3f}s, on {dm['capture_seconds_on']:.3f}s")
     print(f"capture with leak check {lc['capture_seconds_with']:.3f}s (its {lc['keys_checked']} extra forwards "
           f"{lc['leak_check_seconds']:.3f}s), without {lc['capture_seconds_without']:.3f}s")
+    tiny = result["tiny_two_inputs"] = tiny_overhead(args)
+    us = tiny["per_call_us"]
+    print(f"tiny 2-input step (x * w + y), under no_grad, {args.calls} calls x {max(args.reps, 9)} interleaved rounds")
+    print(f"  minimal loop : {us['minimal']:9.1f} us/call")
+    print(f"  GraphRunner  : {us['runner']:9.1f} us/call  ratio {tiny['ratio_runner_over_minimal']:.3f}x "
+          f"(target <= 1.10x)")
+    print(f"  first replay of a bucket / a steady one: max {tiny['first_over_steady_max']:.2f}x over "
+          f"{len(tiny['first_over_steady'])} buckets (target <= 3x; "
+          + ", ".join(f"{f:.0f}/{s:.0f} us" for f, s in zip(tiny["first_replay_us"], tiny["steady_replay_us"])) + ")")
     if args.agree_ranks:
         agreement = run_agreement(args)
         result["agreement"] = agreement
@@ -277,7 +351,7 @@ def _agreement_rank(rank, world, init, args, queue):
 
         def runner_with(g):
             def run():
-                runner.group = g
+                runner._agreement.group = g  # the runner's one agreement object (graphrunner.agreement)
                 for b in batches:
                     runner(x=b)
             return run

@@ -87,6 +87,16 @@ class StaticInputs:
         """``{name: the key's region of its buffer}``: what the step reads for ``key``."""
         return {name: buf[region(key, self.in_dims[name])] for name, buf in self.buffers.items()}
 
+    def prepare(self, sizes: Sizes) -> None:
+        """Build what a call of ``sizes`` uses (its buffer views, its expected shapes) ahead of
+        the call, so that the first call of a key costs what later ones do."""
+        if not self.fits(sizes) or min(sizes) < 1:
+            return
+        if sizes not in self._views:
+            self._views[sizes] = [buf[region(sizes, didx)] for (buf, _), didx in zip(self._pads, self.dim_idx)]
+        if self._rows_only and sizes[0] not in self._shapes:
+            self._shapes[sizes[0]] = tuple(torch.Size((sizes[0], *s.trailing)) for s in self.specs.values())
+
     def fits(self, sizes: Sizes) -> bool:
         """True when ``sizes`` fit the buffers (every size at most the dim's largest)."""
         return all(n <= m for n, m in zip(sizes, self.maxes))
@@ -147,7 +157,8 @@ class StaticInputs:
         if want is None:
             if not 0 < n <= self.maxes[0]:
                 return None  # over the largest bucket, or zero rows: the generic path
-            want = self._shapes[n] = tuple(torch.Size((n, *s.trailing)) for s in self.specs.values())
+            self.prepare((n,))
+            want = self._shapes[n]
         lo_all, hi_all = self._span
         for t, (dtype, own, name), shape in zip(tensors, self._fast, want):
             if t.dtype is not dtype or t.shape != shape:
