@@ -12,12 +12,15 @@ peers raise :class:`~graphrunner.errors.GraphRunnerError` instead of hanging.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, List, Sequence, Tuple
 
 from graphrunner.errors import GraphRunnerError
 from graphrunner.keys import agree, all_max_vector
 
 __all__ = ["LocalAgreement", "RankAgreement", "make_agreement"]
+
+logger = logging.getLogger("graphrunner")
 
 Sizes = Tuple[int, ...]
 
@@ -74,5 +77,9 @@ def make_agreement(group: Any, enabled: bool) -> Any:
     """:class:`RankAgreement` over ``group`` when it has more than one rank and ``enabled``,
     else :class:`LocalAgreement`."""
     if enabled and int(getattr(group, "size", 1)) > 1:
+        if "nccl" in str(getattr(group, "backend_name", "")):
+            logger.warning("GraphRunner: bucket agreement over an NCCL group waits for the GPU on every call "
+                           "(its result is read on the host); pass TorchDistGroup(torch.distributed.new_group("
+                           "backend='gloo')) as group= for a host-only agreement")
         return RankAgreement(group)
     return LocalAgreement()

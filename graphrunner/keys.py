@@ -124,6 +124,15 @@ class KeySpace:
             raise ValueError(f"{what} {key!r} must hold one int per dim {self.dims}")
         return t
 
+    def sizes_of(self, batch: Any, what: str = "sizes") -> Sizes:
+        """``batch`` as sizes: an int (one dim), a tuple in :attr:`dims` order, or ``{dim: size}``;
+        ``ValueError`` naming ``what`` otherwise."""
+        if isinstance(batch, Mapping):
+            if len(batch) != len(self.dims) or any(d not in self.dims for d in batch):
+                raise ValueError(f"{what}: give one size per dim {self.dims}, got {dict(batch)!r}")
+            batch = tuple(int(batch[d]) for d in self.dims)
+        return self.internal(batch, what=f"{what} sizes")
+
     def external(self, key: Sizes) -> Hashable:
         """The key as users, backends, stats and traces see it: an int with ``buckets=[...]``, else the tuple."""
         return key[0] if self.legacy else key

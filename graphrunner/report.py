@@ -116,6 +116,18 @@ class CaptureReport:
                 return b
         raise KeyError(f"bucket {size} is not in this report (buckets: {[b.bucket for b in self.buckets]})")
 
+    @classmethod
+    def of(cls, backend: Any, rank: int, world_size: int, buckets: List["BucketReport"], total_seconds: float,
+           static_input_bytes: int, output_arena: Any = None,
+           externals_written: Optional[List[Dict[str, Any]]] = None) -> "CaptureReport":
+        """The report of a runner's capture with ``backend`` (its name, device and output buffer)."""
+        return cls(backend=str(getattr(backend, "name", type(backend).__name__)),
+                   device=str(getattr(backend.device, "kind", backend.device)), rank=rank, world_size=world_size,
+                   buckets=buckets, total_seconds=total_seconds, static_input_bytes=static_input_bytes,
+                   output_buffer_bytes=max((int(r.info.get("output_buffer_bytes", 0)) for r in buckets), default=0),
+                   output_arena=None if output_arena is None else output_arena.facts(),
+                   externals_written=externals_written)
+
     def to_dict(self) -> Dict[str, Any]:
         """A JSON-ready dict with every field and one entry per bucket."""
         return {

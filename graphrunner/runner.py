@@ -28,16 +28,15 @@ import torch
 
 from graphrunner.agreement import LocalAgreement, make_agreement
 from graphrunner.backends import make_backend
-from graphrunner.backends.base import GraphBackend
 from graphrunner.buckets import default_buckets
 from graphrunner.checks import resolve_checks
 from graphrunner.checks import contracts, fingerprint
-from graphrunner.checks.padding import LeakCheck, check_sizes
 from graphrunner.errors import CaptureError, GraphRunnerError, PaddingLeakError, RankTimeoutError
 from graphrunner.inputs import BatchInput, check_inputs
-from graphrunner.keys import CANNOT, LEGACY_DIM, KeySpace, resolve_input_dims, resolve_output_dims
+from graphrunner.keys import LEGACY_DIM, KeySpace, resolve_input_dims, resolve_output_dims
 from graphrunner.ownership import CallOwner
-from graphrunner.layout import FreshOutputs, OutputLayout, StepOutputError, clone_outputs
+from graphrunner.dispatch import Routes
+from graphrunner.layout import OutputLayout, StepOutputError, clone_outputs
 from graphrunner.progress import CaptureProgress
 from graphrunner.report import BucketReport, CaptureReport, RunnerStats
 from graphrunner.staging import StaticInputs
@@ -47,6 +46,31 @@ __all__ = ["GraphRunner", "BatchInput", "RunnerStats", "default_buckets"]
 logger = logging.getLogger("graphrunner")
 
 _FALLBACKS = ("eager", "error")
+
+
+def _check_config(step: Any, inputs: Any, fallback: Any, post_warmup_hook: Any, output_arena: Any) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the first bad argument of a :class:`GraphRunner`."""
+    if not callable(step):
+        raise TypeError(f"step must be callable as step(**inputs), got {type(step).__name__}")
+    check_inputs(inputs)
+    if fallback not in _FALLBACKS:
+        raise ValueError(f"fallback must be one of {_FALLBACKS}, got {fallback!r}")
+    if post_warmup_hook is not None and not callable(post_warmup_hook):
+        raise TypeError(f"post_warmup_hook must be callable as hook(bucket) or None, got {type(post_warmup_hook).__name__}")
+    if output_arena is not None and not callable(getattr(output_arena, "carve", None)):
+        raise TypeError(f"output_arena must be a gr.OutputArena or None, got {type(output_arena).__name__}")
+
+
+def _user_error(exc: BaseException) -> BaseException:
+    """The error ``capture()`` raises for ``exc``: a step output the runner cannot slice as
+    ``TypeError`` and a padding leak as :class:`PaddingLeakError` (unwrapped from the backend's
+    ``CaptureError``), anything else unchanged."""
+    cause = exc.__cause__ if isinstance(exc, CaptureError) else None
+    if isinstance(cause, StepOutputError):
+        return TypeError(str(cause))
+    if isinstance(cause, PaddingLeakError):
+        return PaddingLeakError(str(cause))
+    return exc
 
 
 class GraphRunner:
@@ -110,15 +134,7 @@ class GraphRunner:
                  fallback: str = "eager", trace: Any = None, *, keys: Optional[Sequence[Any]] = None,
                  outputs: Any = None, checks: Any = None, debug: Optional[bool] = None,
                  copy_outputs: Optional[bool] = None, output_arena: Any = None, progress: bool = True) -> None:
-        if not callable(step):
-            raise TypeError(f"step must be callable as step(**inputs), got {type(step).__name__}")
-        check_inputs(inputs)
-        if fallback not in _FALLBACKS:
-            raise ValueError(f"fallback must be one of {_FALLBACKS}, got {fallback!r}")
-        if post_warmup_hook is not None and not callable(post_warmup_hook):
-            raise TypeError(f"post_warmup_hook must be callable as hook(bucket) or None, got {type(post_warmup_hook).__name__}")
-        if output_arena is not None and not callable(getattr(output_arena, "carve", None)):
-            raise TypeError(f"output_arena must be a gr.OutputArena or None, got {type(output_arena).__name__}")
+        _check_config(step, inputs, fallback, post_warmup_hook, output_arena)
         self._space = space = KeySpace(buckets, keys, max_padding_ratio)
         #: ``buckets`` as given: a list (one dim, int keys) or ``{dim: [sizes...]}`` (tuple keys).
         self.buckets: Any = space.buckets[LEGACY_DIM] if space.legacy else {d: list(v) for d, v in space.buckets.items()}
@@ -147,17 +163,11 @@ class GraphRunner:
         self.group = getattr(self.backend, "group", None) or LocalGroup()
         self.rank = int(getattr(self.group, "rank", 0))
         self.world_size = int(getattr(self.group, "size", 1))
-        if self.world_size > 1 and "nccl" in str(getattr(self.group, "backend_name", "")):
-            logger.warning("GraphRunner: bucket agreement over an NCCL group waits for the GPU on every call "
-                           "(its result is read on the host); pass TorchDistGroup(torch.distributed.new_group("
-                           "backend='gloo')) as group= for a host-only agreement")
         self.torch_device = torch.device(getattr(self.device, "torch_device", torch.device("cpu")))
         self._in_dims = resolve_input_dims(inputs, space)
         self._inputs = StaticInputs(inputs, self._in_dims, space.dims, space.maxes, space.legacy, self.torch_device)
         self._layout = OutputLayout(resolve_output_dims(outputs, self._in_dims[next(iter(inputs))], space),
                                     space.dims, space.legacy, self._key_text)
-        self._bounded = tuple((i, n, s.bounds, len(self._in_dims[n])) for i, (n, s) in enumerate(inputs.items())
-                              if s.bounds is not None)
         self.stats = RunnerStats(replays={k: 0 for k in self.keys})
         self.report: Optional[CaptureReport] = None
         self._captured = self._capturing = self._cleaned_up = False
@@ -181,11 +191,7 @@ class GraphRunner:
         """The key a local call of ``batch`` replays, or ``None`` if it falls back (ignores
         agreement and whether the key was captured). ``batch``: an int with ``buckets=[...]``,
         else a tuple of sizes in :attr:`dims` order or ``{dim: size}``."""
-        if isinstance(batch, Mapping):
-            if len(batch) != len(self.dims) or any(d not in self.dims for d in batch):
-                raise ValueError(f"key_for: give one size per dim {self.dims}, got {dict(batch)!r}")
-            batch = tuple(int(batch[d]) for d in self.dims)
-        sizes = self._space.internal(batch, what="key_for sizes")
+        sizes = self._space.sizes_of(batch, what="key_for")
         key = self._space.choose(sizes)[0] if min(sizes) >= 1 else None
         return None if key is None else self._space.external(key)
 
@@ -200,9 +206,8 @@ class GraphRunner:
         return f"bucket {key[0]}" if self._space.legacy else f"key {key} ({self._space.describe(key)})"
 
     def _reset_replay_state(self) -> None:
-        self._replayable: Dict[Tuple[int, ...], bool] = {}
         self._layout.reset()
-        self._routes: Dict[Tuple[int, ...], tuple] = {}
+        self._routes = Routes(self._space, self.backend)
         self._agreement: Any = LocalAgreement()
         self._externals: Optional[contracts.ExternalsCheck] = None
 
@@ -234,21 +239,6 @@ class GraphRunner:
         forward.__qualname__ = f"GraphRunner.step[{'bucket' if self._space.legacy else 'key'}={self._space.external(key)}]"
         return forward
 
-    def _key_hooks(self, key: Tuple[int, ...], views: Dict[str, torch.Tensor]) -> List[Any]:
-        """The capture hooks of ``key`` (the backend adds its drift check itself)."""
-        hooks: List[Any] = []
-        pad, multi = self.checks.padding, self.world_size > 1
-        sizes = check_sizes(self._space, key) if pad is not None else None
-        floats = [(n, views[n], self._in_dims[n]) for n, s in self.inputs.items() if s.dtype.is_floating_point]
-        if sizes is not None and floats:
-            hooks.append(LeakCheck(key, self._key_text(key), sizes, floats, self._layout.leaf_dims, pad.exempt,
-                                   group=self.group if multi else None, phase_key=self._space.external(key)))
-        if self.checks.fingerprint and multi:
-            hooks.append(fingerprint.FingerprintCheck())
-        if self._externals is not None:
-            hooks.append(self._externals)
-        return hooks
-
     def _capture(self, collect: Any) -> CaptureReport:
         """Capture every key; ``collect`` (``graphrunner check``) puts the hooks in collect mode
         and turns a key's capture error into findings instead of stopping."""
@@ -274,7 +264,9 @@ class GraphRunner:
                     hook = functools.partial(self.post_warmup_hook, ext) if self.post_warmup_hook else None
                     try:
                         self.backend.capture_one(ext, self._make_forward(key, views), capture_inputs=views,
-                                                 post_warmup_hook=hook, hooks=self._key_hooks(key, views),
+                                                 post_warmup_hook=hook, hooks=self.checks.key_hooks(
+                                                     space, key, self._key_text(key), self._inputs.float_views(views),
+                                                     self._layout.leaf_dims, self.group, self._externals),
                                                  findings=None if collect is None else collect.findings, **extra)
                     except Exception as exc:
                         if collect is None:
@@ -283,35 +275,22 @@ class GraphRunner:
                         continue
                     reports.append(BucketReport.from_info(ext, self.backend.info(ext)))
                 local = [bool(self.backend.can_run(space.external(k))) for k in space.keys]
-                self._replayable = dict(zip(space.keys, self._agreement.replayable(local)))
-                for k in space.keys:  # the first call of a key costs what later ones do
-                    self._inputs.prepare(k)
-                    route = self._route(k)
-                    if route[0] is not None:
-                        self._layout.replayed(route[3], k)
+                self._routes.replayable = dict(zip(space.keys, self._agreement.replayable(local)))
+                self._routes.prepare(self._inputs, self._layout)
             ok = True
-        except CaptureError as exc:
+        except BaseException as exc:
             self._abort_capture()
-            cause = exc.__cause__
-            if isinstance(cause, StepOutputError):
-                raise TypeError(str(cause)) from None
-            if isinstance(cause, PaddingLeakError):
-                raise PaddingLeakError(str(cause)) from None
-            raise
-        except BaseException:
-            self._abort_capture()
-            raise
+            err = _user_error(exc)
+            if err is exc:
+                raise
+            raise err from None
         finally:
             self._capturing = False
             bar.close(ok)
         self._captured = True
-        self.report = CaptureReport(
-            backend=str(getattr(self.backend, "name", type(self.backend).__name__)),
-            device=str(getattr(self.device, "kind", self.device)), rank=self.rank, world_size=self.world_size,
-            buckets=reports, total_seconds=time.perf_counter() - t0, static_input_bytes=self._inputs.nbytes,
-            output_buffer_bytes=max((int(r.info.get("output_buffer_bytes", 0)) for r in reports), default=0),
-            output_arena=None if self.output_arena is None else self.output_arena.facts(),
-            externals_written=self._externals.guard.written() if self._externals is not None else None)
+        self.report = CaptureReport.of(self.backend, self.rank, self.world_size, reports, time.perf_counter() - t0,
+                                       self._inputs.nbytes, self.output_arena,
+                                       None if self._externals is None else self._externals.guard.written())
         logger.info("GraphRunner captured %d keys (%s) in %.3fs on rank %d", len(order),
                     self.report.backend, self.report.total_seconds, self.rank)
         return self.report
@@ -319,9 +298,7 @@ class GraphRunner:
     def _config_fields(self) -> Dict[str, Any]:
         """What every rank must configure alike (the capture fingerprint, :mod:`graphrunner.checks.fingerprint`)."""
         fp = self._space.fingerprint()
-        fp["inputs"] = {n: {"dims": [self.dims[d] for d in self._in_dims[n]], "trailing": list(s.trailing),
-                            "dtype": str(s.dtype), "pad": s.pad} for n, s in self.inputs.items()}
-        fp["outputs"] = self._layout.fingerprint()
+        fp["inputs"], fp["outputs"] = self._inputs.fingerprint(), self._layout.fingerprint()
         fp["backend"] = f"{type(self.backend).__module__}.{type(self.backend).__qualname__}"
         fp["warmups"] = getattr(self.backend, "warmups", None)
         fp["fallback"] = self.fallback
@@ -389,7 +366,7 @@ class GraphRunner:
             if copy_outputs is None:
                 copy_outputs = self.copy_outputs
             rows = self._agreement.agree(sizes, self._calls)
-            key, ext, replay, outputs, volume, reason = self._routes.get(rows) or self._route(rows)
+            key, ext, replay, outputs, volume, reason = self._routes.get(rows) or self._routes.route(rows)
             if key is None:
                 return self._fallback(tensors, sizes, rows, reason, copy_outputs)
             if staging.filled != sizes:
@@ -413,32 +390,10 @@ class GraphRunner:
             self._owner.thread = None
             self._lock.release()
 
-    def _route(self, rows: Tuple[int, ...]) -> tuple:
-        """What a call of agreed sizes ``rows`` does, cached: ``(key, external key, replay(),
-        outputs, key volume, None)`` to replay, or ``(None, ..., reason)`` to fall back."""
-        key, reason = self._space.choose(rows)
-        if key is None or not self._replayable[key]:
-            route: tuple = (None, None, None, None, 0, reason or CANNOT)
-        else:
-            ext = self._space.external(key)
-            if isinstance(self.backend, GraphBackend):
-                replay, outputs = self.backend.replayer(ext)
-            else:  # any object with replay(key): its outputs are sliced at every call
-                outputs = FreshOutputs()
-
-                def replay(b=self.backend, k=ext, box=outputs) -> None:
-                    box.value = b.replay(k)
-            route = (key, ext, replay, outputs, math.prod(key), None)
-        self._routes[rows] = route
-        return route
-
     def _debug_checks(self, tensors: List[torch.Tensor]) -> None:
         """Debug mode, before anything is written: each input's bounds; with agreement also every
         key's externals (a rank must not raise after its peers agreed to replay)."""
-        for i, name, bounds, lead in self._bounded:
-            err = contracts.bounds_error(name, tensors[i], bounds, lead)
-            if err is not None:
-                raise err
+        contracts.check_bounds(self._inputs.bounded, tensors)
         if self._agreement.shared and self._externals is not None:
             for k in self._externals.guard.per_key:
                 self._externals.before_replay(k)

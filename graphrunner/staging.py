@@ -52,6 +52,9 @@ class StaticInputs:
                                  dtype=spec.dtype, device=device)
                 for name, spec in self.specs.items()}
         self.names = tuple(self.specs)
+        #: ``(position, name, (lo, hi), leading dims)`` of every input with ``BatchInput(bounds=...)``.
+        self.bounded = tuple((i, n, s.bounds, len(self.in_dims[n])) for i, (n, s) in enumerate(self.specs.items())
+                             if s.bounds is not None)
         self._n = len(self.names)
         self._checks = tuple((s.dtype, s.trailing, len(s.trailing) + len(self.in_dims[n]), len(self.in_dims[n]),
                               self.in_dims[n]) for n, s in self.specs.items())
@@ -82,6 +85,16 @@ class StaticInputs:
     def nbytes(self) -> int:
         """Bytes held by the buffers."""
         return sum(t.numel() * t.element_size() for t in self.buffers.values())
+
+    def float_views(self, views: Dict[str, torch.Tensor]) -> List[Tuple[str, torch.Tensor, Tuple[int, ...]]]:
+        """``(name, its view in views, leading-dim indices)`` of the floating-point inputs: what the
+        padding check changes."""
+        return [(n, views[n], self.in_dims[n]) for n, s in self.specs.items() if s.dtype.is_floating_point]
+
+    def fingerprint(self) -> Dict[str, Any]:
+        """The inputs as the cross-rank configuration check compares them."""
+        return {n: {"dims": [self.dims[d] for d in self.in_dims[n]], "trailing": list(s.trailing),
+                    "dtype": str(s.dtype), "pad": s.pad} for n, s in self.specs.items()}
 
     def key_views(self, key: Sizes) -> Dict[str, torch.Tensor]:
         """``{name: the key's region of its buffer}``: what the step reads for ``key``."""

@@ -41,7 +41,7 @@ from graphrunner.backends.hooks import Capture, CaptureHook
 from graphrunner.checks.ops import OpConsumer, storage_key
 from graphrunner.errors import ContractError
 
-__all__ = ["debug_enabled", "check_bounds_spec", "bounds_error", "ExternalRecorder", "named_tensors",
+__all__ = ["debug_enabled", "check_bounds_spec", "bounds_error", "check_bounds", "ExternalRecorder", "named_tensors",
            "External", "ExternalGuard", "ExternalsCheck", "externals_of"]
 
 _TRUE = ("1", "true", "yes", "on")
@@ -101,6 +101,15 @@ def bounds_error(name: str, t: torch.Tensor, bounds: Tuple[Any, Any], lead: int)
         f"(BatchInput(bounds=...); {n_bad} cell(s) out of bounds). Nothing was copied or replayed: an "
         "out-of-range index would read or write outside its table inside the graph. Fix the value, or "
         "widen the bounds if it is valid")
+
+
+def check_bounds(bounded: Sequence[Tuple[int, str, Tuple[Any, Any], int]], tensors: Sequence[torch.Tensor]) -> None:
+    """Raise the :func:`bounds_error` of the first bounded input out of its bounds; ``bounded``:
+    ``(position in tensors, name, bounds, leading dims)`` of every input with bounds."""
+    for i, name, bounds, lead in bounded:
+        err = bounds_error(name, tensors[i], bounds, lead)
+        if err is not None:
+            raise err
 
 
 # -------------------------------------------------------------- externals
