@@ -1,7 +1,8 @@
 """Capture-time cost of the drift check (issue 9 item 1): capture with it on and off, side by side.
 
-For each workload, ``GraphRunner.capture()`` runs with ``drift_check=True``
-and ``drift_check=False`` in interleaved rounds in one process (fresh model
+For each workload, ``GraphRunner.capture()`` runs with the drift check on
+(the default ``checks=``) and off (``checks=("padding", "fingerprint")``) in
+interleaved rounds in one process (fresh model
 state per round, same seed), and the median wall time of the whole capture
 (all buckets: warmups + graph capture + the check) is compared. Workloads:
 the demo decoder on the ``full`` and ``breakable`` backends and, with

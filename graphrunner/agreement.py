@@ -82,4 +82,7 @@ def make_agreement(group: Any, enabled: bool) -> Any:
                            "(its result is read on the host); pass TorchDistGroup(torch.distributed.new_group("
                            "backend='gloo')) as group= for a host-only agreement")
         return RankAgreement(group)
+    if int(getattr(group, "size", 1)) > 1:
+        logger.warning("GraphRunner.agree_bucket = False on a %d-rank group: ranks may replay different buckets "
+                       "(unsafe; for tests only)", int(group.size))
     return LocalAgreement()

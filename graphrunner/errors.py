@@ -10,7 +10,11 @@ from typing import Any, Optional
 
 
 class GraphRunnerError(RuntimeError):
-    """Base class of graphrunner's own errors."""
+    """Base class of graphrunner's own errors (a ``RuntimeError``): ``except
+    GraphRunnerError`` catches every error the library raises itself about
+    capture, replay, checks and ranks. Usage errors (bad arguments, a step
+    whose output cannot be laid out) are ``ValueError``/``TypeError`` (or
+    subclasses) instead. Every message names what went wrong and what to do."""
 
 
 class CaptureUnsafeOpError(GraphRunnerError):

@@ -144,14 +144,8 @@ class StaticInputs:
                             raise KeyError
                         sizes[d] = v
                 ptr = t.data_ptr()  # must hold data (not meta) and not point into a static buffer
-                if ptr == 0:
-                    if t.is_meta:
-                        raise KeyError
-                elif lo_all <= ptr < hi_all and (ptr != own or not t.is_contiguous()):
-                    # Between the buffers' addresses and not exactly its own leading
-                    # region (a harmless no-op copy): the slow path decides.
-                    if self._alias_error(name, t) is not None:
-                        raise KeyError
+                if not ptr or lo_all <= ptr < hi_all:
+                    self._check_memory(name, t, own)
             if min(sizes) <= 0:
                 raise KeyError
         except (KeyError, TypeError, AttributeError):
@@ -177,13 +171,20 @@ class StaticInputs:
             if t.dtype is not dtype or t.shape != shape:
                 raise KeyError
             ptr = t.data_ptr()  # must hold data (not meta) and not point into a static buffer
-            if ptr == 0:
-                if t.is_meta:
-                    raise KeyError
-            elif lo_all <= ptr < hi_all and (ptr != own or not t.is_contiguous()):
-                if self._alias_error(name, t) is not None:
-                    raise KeyError
+            if not ptr or lo_all <= ptr < hi_all:
+                self._check_memory(name, t, own)
         return tensors, (n,)
+
+    def _check_memory(self, name: str, t: torch.Tensor, own: int) -> None:
+        """Raise ``KeyError`` (the slow path names the error) for input ``name`` without data (meta)
+        or starting inside a static buffer other than exactly its own leading region (contiguous:
+        a harmless no-op copy)."""
+        ptr = t.data_ptr()
+        if ptr == 0:
+            if t.is_meta:
+                raise KeyError
+        elif (ptr != own or not t.is_contiguous()) and self._alias_error(name, t) is not None:
+            raise KeyError
 
     def error(self, inputs: Any) -> Exception:
         """The error for invalid call ``inputs`` (slow path): names the input and what was expected."""

@@ -175,14 +175,17 @@ def build_parser() -> argparse.ArgumentParser:
     verify.set_defaults(func=_verify)
     add_bench_subparser(sub)
     check = sub.add_parser(
-        "check", help="lint a GraphRunner for capture safety on a CPU: every unsafe op, drift and capture error",
-        description="Call FACTORY (a zero-argument callable returning an uncaptured GraphRunner) and lint its "
-                    "step on the CPU in one pass: every capture-unsafe op (host reads such as .item(), "
-                    "data-dependent shapes), every drift (Python state that changes between calls and that a "
-                    "graph would freeze) and any other error of a tape capture, each with its source file:line "
-                    "and a fix (@no_graph the enclosing function, or make the value an input when the line is "
-                    "inside a library). FACTORY is called twice. Exits 1 on any finding, 0 on none, 2 (one "
-                    "line on stderr) when the target cannot be loaded or checked.")
+        "check", help="lint a GraphRunner for capture safety on a CPU: every unsafe op, drift, padding leak and "
+                      "capture error",
+        description="Call FACTORY (a zero-argument callable returning an uncaptured GraphRunner) once and capture "
+                    "its runner on its device (the tape on a CPU) with every check collecting findings instead "
+                    "of raising, in one pass: every capture-unsafe op (host reads such as .item(), "
+                    "data-dependent shapes; one extra warmup is linted), every drift (Python state that changes "
+                    "between calls and that a graph would freeze), padding leaking into real outputs, a step "
+                    "that raises, and any other capture error, each with its source file:line and a fix "
+                    "(@no_graph the enclosing function, or make the value an input when the line is inside a "
+                    "library). Exits 1 on any finding, 0 on none, 2 (one line on stderr) when the target cannot "
+                    "be loaded or checked.")
     check.add_argument("target", metavar="FILE_OR_MODULE:FACTORY",
                        help="a .py file or an importable module, then ':' and the factory's name "
                             "(e.g. model.py:make_runner or mypkg.serve:make_runner)")

@@ -9,6 +9,7 @@ import graphrunner as gr
 from graphrunner.breakable import BreakableGraph, breakable_graph, force_no_graph, is_in_breakable_graph, no_graph
 from graphrunner.devices import CudaDevice, TapeDevice, get_device
 from graphrunner.errors import CaptureError
+from graphrunner.tape import is_tape_capturing
 
 
 class BreakMLP(torch.nn.Module):
@@ -222,8 +223,6 @@ def test_nested_breakable_graph_raises_and_outer_stays_usable():
 
 
 def test_exception_mid_capture_cleans_up_and_next_capture_works():
-    from graphrunner.tape import is_tape_capturing
-
     @no_graph
     def boom(t):
         raise RuntimeError("kaboom in the break")
@@ -357,17 +356,22 @@ def test_get_device_choices():
 
 
 def test_public_names_are_exported():
-    for name in ("BreakableGraph", "BreakableCUDAGraph", "breakable_graph", "no_graph", "force_no_graph",
+    for name in ("BreakableGraph", "breakable_graph", "no_graph", "force_no_graph",
                  "is_in_breakable_graph", "get_device", "CudaDevice", "TapeDevice"):
-        assert hasattr(gr, name), name
+        assert name in gr.__all__ and hasattr(gr, name), name
+    # Meta's alias stays in its module, not in the top-level API
+    import graphrunner.breakable as breakable_mod
+    assert "BreakableCUDAGraph" not in gr.__all__ and breakable_mod.BreakableCUDAGraph is BreakableGraph
 
 
 def test_meta_names_breakable_cuda_graph_and_cuda_graph_keyword():
     """Meta's spelling: BreakableCUDAGraph(...) and breakable_graph(cuda_graph=...)."""
-    assert gr.BreakableCUDAGraph is BreakableGraph
+    from graphrunner.breakable import BreakableCUDAGraph
+
+    assert BreakableCUDAGraph is BreakableGraph
     m = BreakMLP()
     static_x = torch.randn(5, 16)
-    graph = gr.BreakableCUDAGraph(device=TapeDevice())
+    graph = BreakableCUDAGraph(device=TapeDevice())
     with torch.inference_mode(), gr.breakable_graph(cuda_graph=graph):
         out = m(static_x)
     assert graph.num_breaks == 3
@@ -408,7 +412,7 @@ def test_bad_barrier_fn_raises_on_entry_before_any_capture(bad):
         with torch.inference_mode(), breakable_graph(g, barrier_fn=bad):
             calls.append("body")
             brk(torch.zeros(2))
-    assert calls == [] and not g.captured and not gr.is_tape_capturing()
+    assert calls == [] and not g.captured and not is_tape_capturing()
 
 
 @pytest.mark.parametrize("stub", [lambda: None, lambda t, u: None, lambda *, t: None])

@@ -14,6 +14,7 @@ from graphrunner.backends import FullGraphBackend
 from graphrunner.breakable import BreakableGraph, breakable_graph, no_graph
 from graphrunner.devices import TapeDevice, get_device
 from graphrunner.errors import CaptureError
+from graphrunner.tape import graph_pool_handle
 
 
 @dataclasses.dataclass
@@ -95,7 +96,7 @@ class PoolRecordingDevice(TapeDevice):
 
 def test_breakable_graph_pool_is_used_for_every_segment():
     dev = PoolRecordingDevice()
-    mine = gr.graph_pool_handle()
+    mine = graph_pool_handle()
 
     @no_graph
     def brk(t):

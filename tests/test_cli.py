@@ -34,6 +34,78 @@ def test_all_lists_the_public_api():
     assert all(hasattr(graphrunner, n) for n in graphrunner.__all__)
 
 
+#: The public API (issue 20, item 6): about 30 names; everything else stays in its submodule.
+PUBLIC_API = {
+    "__version__",
+    "CaptureError", "CaptureUnsafeOpError", "ContractError", "GraphRunnerError", "PaddingLeakError", "RankTimeoutError",
+    "CudaDevice", "TapeDevice", "get_device",
+    "BreakableGraph", "breakable_graph", "no_graph", "force_no_graph", "is_in_breakable_graph",
+    "TapeGraph", "LocalGroup", "TorchDistGroup", "Trace", "check_capture_order",
+    "GraphBackend", "FullGraphBackend", "BreakableGraphBackend", "EagerBackend",
+    "GraphRunner", "BatchInput", "default_buckets", "CaptureReport", "OutputArena", "PaddingCheck",
+    "check_factory", "CompareReport",
+}
+
+#: Names that left the top level -> the module that keeps them.
+MOVED = {
+    "Device": "graphrunner.devices", "BreakableCUDAGraph": "graphrunner.breakable",
+    "EscapedTensorWarning": "graphrunner.tape", "TapePool": "graphrunner.tape",
+    "graph_pool_handle": "graphrunner.tape", "is_tape_capturing": "graphrunner.tape", "tape_graph": "graphrunner.tape",
+    "Event": "graphrunner.trace", "EventKind": "graphrunner.trace", "NullTrace": "graphrunner.trace",
+    "BucketReport": "graphrunner.report", "RunnerStats": "graphrunner.report",
+}
+
+
+def test_all_is_the_small_public_api():
+    assert len(graphrunner.__all__) == len(set(graphrunner.__all__)), "duplicates in __all__"
+    assert set(graphrunner.__all__) == PUBLIC_API
+    assert not set(graphrunner.__all__) & set(MOVED)
+
+
+def _undocumented(module) -> list:
+    """The names of ``module.__all__`` (but ``__version__``) without a docstring of one sentence or more."""
+    return [n for n in module.__all__ if n != "__version__" and len((getattr(module, n).__doc__ or "").strip()) < 40]
+
+
+def test_every_public_name_states_its_contract_in_a_docstring():
+    assert isinstance(graphrunner.__version__, str) and graphrunner.__version__
+    assert _undocumented(graphrunner) == []
+    # negative control: a name without a docstring is reported
+    import types
+
+    fake = types.ModuleType("fake")
+    fake.__all__ = ["documented", "bare"]
+
+    def documented():
+        """Return nothing; this sentence is the contract of the function."""
+
+    fake.documented, fake.bare = documented, lambda: None
+    assert _undocumented(fake) == ["bare"]
+
+
+@pytest.mark.parametrize("name", sorted(MOVED))
+def test_moved_names_still_resolve_with_a_warning_naming_their_module(name):
+    import importlib
+
+    home = importlib.import_module(MOVED[name])
+    with pytest.warns(DeprecationWarning, match=rf"graphrunner\.{name} is deprecated.*{MOVED[name]}\.{name}"):
+        obj = getattr(graphrunner, name)
+    assert obj is getattr(home, name)
+    assert name not in dir(graphrunner)  # not part of the namespace: only the deprecation path finds it
+
+
+def test_from_import_of_a_moved_name_warns_and_public_names_do_not():
+    import warnings
+
+    with pytest.warns(DeprecationWarning, match=r"graphrunner\.tape\.tape_graph"):
+        from graphrunner import tape_graph  # noqa: F401
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # negative control: public names are silent
+        from graphrunner import GraphRunner, TapeGraph, check_factory  # noqa: F401
+    with pytest.raises(AttributeError, match="no attribute 'NotAName'"):
+        graphrunner.NotAName
+
+
 def test_pyproject_ships_py_typed_and_an_spdx_license():
     tomllib = __import__("pytest").importorskip("tomllib")
     from pathlib import Path

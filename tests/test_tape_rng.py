@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import graphrunner as gr
 from graphrunner import tape as tape_mod
+from graphrunner.tape import tape_graph
 from graphrunner.errors import CaptureError
 
 SEED = 1234
@@ -41,7 +42,7 @@ def _eager(step, n):
 def _graphed(step, n, interleave=None, ctx=torch.inference_mode):
     torch.manual_seed(SEED)
     g = gr.TapeGraph()
-    with ctx(), gr.tape_graph(g):
+    with ctx(), tape_graph(g):
         out = step()
     outs = []
     for _ in range(n):
@@ -87,7 +88,7 @@ def test_replays_interleaved_with_eager_draws():
 def _draw_after_capture():
     torch.manual_seed(SEED)
     g = gr.TapeGraph()
-    with torch.no_grad(), gr.tape_graph(g):
+    with torch.no_grad(), tape_graph(g):
         OPS["dropout"]()
         torch.randn(10)
     return torch.rand(6)
@@ -114,7 +115,7 @@ def test_explicit_generator_is_restored_and_replays_draw_from_it():
     before = gen.get_state()
     default_before = torch.get_rng_state()
     g = gr.TapeGraph()
-    with torch.no_grad(), gr.tape_graph(g):
+    with torch.no_grad(), tape_graph(g):
         out = torch.randn(5, generator=gen) * 2
     assert torch.equal(gen.get_state(), before)
     assert torch.equal(torch.get_rng_state(), default_before)
@@ -129,7 +130,7 @@ def test_failed_capture_restores_the_generator():
     torch.manual_seed(SEED)
     before = torch.get_rng_state()
     with pytest.raises(ZeroDivisionError):
-        with torch.no_grad(), gr.tape_graph(gr.TapeGraph()):
+        with torch.no_grad(), tape_graph(gr.TapeGraph()):
             torch.randn(100)
             1 / 0
     assert torch.equal(torch.get_rng_state(), before)
@@ -150,13 +151,13 @@ def test_reseeding_during_capture_raises(name):
     before = torch.get_rng_state()
     g = gr.TapeGraph()
     with pytest.raises(CaptureError, match=r"during a tape capture.*Seed before capture_begin"):
-        with gr.tape_graph(g):
+        with tape_graph(g):
             torch.ones(3) + 1
             RESEEDS[name]()
     # the functions are themselves again, the generator untouched, the graph empty and reusable
     assert (torch.manual_seed, torch.random.manual_seed, torch.seed, torch.set_rng_state) == originals
     assert torch.equal(torch.get_rng_state(), before)
-    with gr.tape_graph(g):
+    with tape_graph(g):
         out = torch.ones(3) + 1
     g.replay()
     assert torch.equal(out, torch.full((3,), 2.0))
@@ -191,7 +192,7 @@ def test_reseeding_check_negative_control():
 def test_empty_capture_warns_like_cuda():
     g = gr.TapeGraph()
     with pytest.warns(UserWarning, match="The tape graph is empty"):
-        with gr.tape_graph(g):
+        with tape_graph(g):
             pass
     assert g.num_ops == 0
     g.replay()  # a no-op, as on an empty CUDA graph
@@ -201,7 +202,7 @@ def test_non_empty_capture_and_device_segments_do_not_warn():
     dev = gr.TapeDevice()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with gr.tape_graph(gr.TapeGraph()):
+        with tape_graph(gr.TapeGraph()):
             torch.ones(2) + 1
         g = dev.new_graph()
         with dev.capture(g):  # a device drops empty segments itself (is_empty)

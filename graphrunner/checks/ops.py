@@ -17,6 +17,10 @@ an :class:`OpEvent` with the facts every check needs, computed once:
 - storage identity by :func:`storage_key` (the storage's data pointer): one
   definition for every check.
 
+The helpers that say which arguments an op writes and what identifies a
+storage live in :mod:`graphrunner._aten`, shared with the tape's own
+recording (:mod:`graphrunner.tape.recording`), which keeps its own mode.
+
 Consumers see each op before it runs (:meth:`OpConsumer.before`) and after
 (:meth:`OpConsumer.after`, with ``event.out`` set); function events
 (``.item()``, ``.tolist()``, ``F.one_hot``) reach :meth:`OpConsumer.function`.
@@ -24,8 +28,6 @@ Ops run inside an *atomic* torch function (:data:`ATOMIC_FUNCTIONS`: the tape
 runs ``F.one_hot`` as zeros + scatter, eager as one ``aten.one_hot``) carry
 ``atomic=True``, so a check that compares op streams can skip them.
 
-The tape's own recording (:mod:`graphrunner.tape.recording`) keeps its own
-mode (it is the graph, not a check) and shares :func:`written_tensors`.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphrunner._aten import storage_key, tensors_in, written_tensors
 from graphrunner._frames import is_internal
 
 __all__ = ["OpEvent", "FunctionEvent", "OpConsumer", "OpRecorder", "RecordingDevice", "storage_key",
@@ -49,41 +52,6 @@ Where = Tuple[str, int, str]
 #: tape runs ``F.one_hot(t, num_classes)`` at capture as zeros + scatter (as
 #: CUDA does) while an eager CPU call is one ``aten.one_hot``.
 ATOMIC_FUNCTIONS = ((torch.nn.functional.one_hot, "F.one_hot"),)
-
-
-def storage_key(t: torch.Tensor) -> Optional[int]:
-    """The identity of ``t``'s storage (its data pointer), ``None`` for a tensor without
-    one (meta, sparse, wrapper subclasses) or an empty storage. Every check compares storages
-    with this one function."""
-    try:
-        p = t.untyped_storage().data_ptr()
-    except Exception:  # noqa: BLE001 - tensors without a storage
-        return None
-    return p or None
-
-
-def tensors_in(v: Any) -> Iterator[torch.Tensor]:
-    """The tensors in ``v`` (a tensor, or nested lists/tuples of them)."""
-    if isinstance(v, torch.Tensor):
-        yield v
-    elif isinstance(v, (list, tuple)):
-        for x in v:
-            yield from tensors_in(x)
-
-
-def written_tensors(func: Any, args: Sequence[Any], kwargs: dict) -> List[torch.Tensor]:
-    """The tensors the aten op ``func`` writes: every argument its schema marks as written
-    (``Tensor(a!)``: in-place ``self``, ``out=``), lists of tensors included."""
-    schema = func._schema
-    if not schema.is_mutable:
-        return []
-    out: List[torch.Tensor] = []
-    for i, a in enumerate(schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        v = args[i] if i < len(args) else kwargs.get(a.name)
-        out.extend(tensors_in(v))
-    return out
 
 
 def no_graph_code() -> Any:

@@ -272,4 +272,4 @@ class LeakCheck(CaptureHook):
                 f"{optout}. At capture the real cells of index inputs hold their pad value too: if the "
                 "step writes state at an index (a cache slot) that the real rows then read, real and padding rows "
                 "meet at the pad index only at capture; if your real indices never equal the pad, "
-                "leaving \"padding\" out of GraphRunner(checks=...) turns the check off")
+                "leaving \"padding\" out of GraphRunner(checks=...) turns the check off.")

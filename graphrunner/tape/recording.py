@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphrunner._aten import written_tensors
 from graphrunner.errors import CaptureError
 
 from .bindings import _Verifier
@@ -280,16 +281,8 @@ class _Recorder(TorchDispatchMode):
             if torch.Tag.inplace_view in tags or func._schema.name in ("aten::set_", "aten::resize_", "aten::resize_as_"):
                 cap.meta_mutated = True
             # which arguments does the op write?
-            written = []
             mutable = collective or schema.is_mutable
-            if mutable:
-                for i, a in enumerate(schema.arguments):
-                    if not collective and not (a.alias_info is not None and a.alias_info.is_write):
-                        continue
-                    v = args[i] if i < len(args) else kwargs.get(a.name)
-                    for t in v if isinstance(v, (list, tuple)) else (v,):
-                        if isinstance(t, torch.Tensor):
-                            written.append(t)
+            written = written_tensors(func, args, kwargs, every_argument=collective)
             in_names: list[str] = []
             targs = cap.template_in(tuple(args), in_names)
             tkwargs = {k: cap.template_in(v, in_names) for k, v in kwargs.items()}

@@ -1,0 +1,50 @@
+"""What an aten op writes, and what identifies a storage: the facts every op recorder shares.
+
+Used by the checks' one op recorder (:mod:`graphrunner.checks.ops`) and by the
+tape's own recording (:mod:`graphrunner.tape.recording`), so that "which
+arguments does this op write" and "is this the same storage" have one answer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, List, Optional, Sequence
+
+import torch
+
+__all__ = ["storage_key", "tensors_in", "written_tensors"]
+
+
+def storage_key(t: torch.Tensor) -> Optional[int]:
+    """The identity of ``t``'s storage (its data pointer), ``None`` for a tensor without
+    one (meta, sparse, wrapper subclasses) or an empty storage. Every check compares storages
+    with this one function."""
+    try:
+        p = t.untyped_storage().data_ptr()
+    except Exception:  # noqa: BLE001 - tensors without a storage
+        return None
+    return p or None
+
+
+def tensors_in(v: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``v`` (a tensor, or nested lists/tuples of them)."""
+    if isinstance(v, torch.Tensor):
+        yield v
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            yield from tensors_in(x)
+
+
+def written_tensors(func: Any, args: Sequence[Any], kwargs: dict, every_argument: bool = False) -> List[torch.Tensor]:
+    """The tensors the aten op ``func`` writes: every argument its schema marks as written
+    (``Tensor(a!)``: in-place ``self``, ``out=``), lists of tensors included; with
+    ``every_argument`` (a collective, which writes its buffers in place) every tensor argument."""
+    schema = func._schema
+    if not every_argument and not schema.is_mutable:
+        return []
+    out: List[torch.Tensor] = []
+    for i, a in enumerate(schema.arguments):
+        if not every_argument and (a.alias_info is None or not a.alias_info.is_write):
+            continue
+        v = args[i] if i < len(args) else kwargs.get(a.name)
+        out.extend(tensors_in(v))
+    return out
