@@ -207,3 +207,46 @@ def test_hf_decode_runner_in_debug_mode_names_weights_and_cache(monkeypatch):
     layer = model.model.layers[0].mlp.down_proj
     layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight) * 10)
     assert not torch.equal(runner.generate(ids, max_new_tokens=NEW_TOKENS), reference(model, ids))  # silently stale
+
+
+def _bounds_error_without_nan(name, t, bounds, lead):
+    """bounds_error as it was before issue 21: only ``t < lo`` / ``t > hi`` (False for NaN)."""
+    lo, hi = bounds
+    bad = (t < lo) if lo is not None else torch.zeros_like(t, dtype=torch.bool)
+    if hi is not None:
+        bad = bad | (t > hi)
+    if not bool(bad.any()):
+        return None
+    return ValueError(f"GraphRunner (debug): input {name!r} out of bounds")  # (not reached for NaN)
+
+
+def test_nan_in_a_bounded_float_input_is_out_of_bounds_and_negative_control(monkeypatch):
+    from graphrunner.checks import contracts
+
+    def step(x):
+        return x * 2 + 1
+
+    def build():
+        r = gr.GraphRunner(step, inputs={"x": gr.BatchInput(trailing=(H,), pad=0.0, bounds=(-10.0, 10.0))},
+                           buckets=[4], device="tape", progress=False, debug=True)
+        r.capture()
+        return r
+
+    x = torch.randn(3, H)
+    x[1, 2] = float("nan")
+    # the function itself: NaN lies in no range
+    err = contracts.bounds_error("x", x, (-10.0, 10.0), 1)
+    assert err is not None and "input 'x' row 1 (cell (1, 2)) holds nan" in str(err)
+    assert contracts.bounds_error("x", x, (None, None), 1) is None          # no bounds declared: not checked
+    assert contracts.bounds_error("x", torch.randn(3, H), (-10.0, 10.0), 1) is None
+    r = build()
+    replays = dict(r.stats.replays)
+    with pytest.raises(ValueError, match=r"input 'x' row 1 \(cell \(1, 2\)\) holds nan, outside its bounds"):
+        r(x=x)
+    assert r.stats.replays == replays                                      # nothing ran
+    ok = torch.randn(3, H)
+    torch.testing.assert_close(r(x=ok), step(ok))                          # still usable
+    # negative control: the old comparisons (t < lo, t > hi) let the NaN through into the graph
+    monkeypatch.setattr(contracts, "bounds_error", _bounds_error_without_nan)
+    out = build()(x=x)
+    assert out[1, 2].isnan()

@@ -80,7 +80,9 @@ def check_bounds_spec(bounds: Any, pad: Any, dtype: torch.dtype) -> Optional[Tup
 def bounds_error(name: str, t: torch.Tensor, bounds: Tuple[Any, Any], lead: int) -> Optional[ValueError]:
     """``None`` if every cell of ``t`` lies in ``[lo, hi]`` (inclusive; ``None`` is unbounded),
     else the ``ValueError`` naming input ``name``, the first offending row (an index tuple with
-    several leading dims ``lead``), its cell and value. Synchronises the device (debug mode only)."""
+    several leading dims ``lead``), its cell and value. A NaN cell of a floating input lies in no
+    range (``nan < lo`` and ``nan > hi`` are both False): it is out of bounds whenever bounds are
+    declared. Synchronises the device (debug mode only)."""
     lo, hi = bounds
     bad = None
     if lo is not None:
@@ -88,6 +90,8 @@ def bounds_error(name: str, t: torch.Tensor, bounds: Tuple[Any, Any], lead: int)
     if hi is not None:
         above = t > hi
         bad = above if bad is None else bad | above
+    if bad is not None and (t.is_floating_point() or t.is_complex()):
+        bad = bad | t.isnan()
     if bad is None or not bool(bad.any()):
         return None
     idx = [int(i) for i in bad.nonzero()[0]]

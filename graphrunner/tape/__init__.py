@@ -45,7 +45,9 @@ one runs on the other:
   the aten op bit for bit, with Python scalars as shared 0-dim tensors; views
   with their input's exact metadata are dropped; a ``matmul`` into a
   preplanned buffer calls the ``mm`` / ``bmm`` kernel it reaches directly,
-  on the same views; a pure op repeating an
+  on the same views (every such rewrite kept only when proven to leave the
+  same bits as the call it replaces, on the capture's data and on random
+  data: :mod:`~graphrunner.tape.proof`); a pure op repeating an
   earlier one on unchanged inputs reuses its result (CSE); dead ops are
   dropped.  Torch-function handling is disabled during replay, so no mode or
   tensor subclass intercepts the bindings (the recorded aten ops never saw one
@@ -64,7 +66,8 @@ Modules (each owns one job; see its docstring):
 * :mod:`~graphrunner.tape.unsafe`: the capture-unsafe op catalogue;
 * :mod:`~graphrunner.tape.rng`: generators with CUDA's semantics;
 * :mod:`~graphrunner.tape.survivors`: survivors, escaped-tensor warnings
-  and poison;
+  (a survivor written from outside its graph; one kept on an attribute and
+  not returned, named) and poison;
 * :mod:`~graphrunner.tape.bindings`: public bindings verified against the
   aten ops, for replay;
 * :mod:`~graphrunner.tape.codegen`: hoisting, CSE, dead-code elimination
@@ -72,6 +75,9 @@ Modules (each owns one job; see its docstring):
 * :mod:`~graphrunner.tape.collapse`: composite calls (``matmul``, biased
   ``linear``) replayed as the one kernel they reach (``mm`` / ``bmm`` /
   ``addmm`` with ``out=``);
+* :mod:`~graphrunner.tape.proof`: the one gate of every rewrite (the
+  same bits as the replaced call on the capture's data and on random
+  data, or the rewrite is dropped);
 * :mod:`~graphrunner.tape.jit`: the TorchScript replay engine (the
   generated code traced at capture end);
 * :mod:`~graphrunner.tape.arena`: :class:`TapePool` and the per-pool arena
@@ -84,7 +90,8 @@ from .arena import TapePool, graph_pool_handle
 from .graph import EMPTY_GRAPH_MESSAGE, TapeGraph, _capturing, tape_graph
 from .recording import _Capture, _Recorder
 from .state import is_tape_capturing
-from .survivors import POISON_ENV_VAR, EscapedTensorWarning, _resolve_poison, poison_default, poison_value
+from .survivors import (POISON_ENV_VAR, EscapedTensorWarning, StashedTensorWarning, _resolve_poison, poison_default,
+                        poison_value)
 from .unsafe import _EXPLICIT_UNSAFE, _FRIENDLY, _UNSAFE_FUNCTIONS, _check_safe
 
 __all__ = [
@@ -97,5 +104,6 @@ __all__ = [
     "graph_pool_handle",
     "is_tape_capturing",
     "EscapedTensorWarning",
+    "StashedTensorWarning",
     "EMPTY_GRAPH_MESSAGE",
 ]

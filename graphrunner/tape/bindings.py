@@ -5,7 +5,10 @@ replay calls: the public C binding (``torch.mul``, ``Tensor.view``, ...) or a
 cheaper rewrite (``slice`` -> ``torch.narrow``, ``linear`` -> ``matmul`` with
 the weight transposed once), with Python scalars as shared 0-dim tensors,
 kept only when its result is bit-identical to the aten op's on the capture's
-data (:class:`_Verifier`).  Anything else replays through the aten op.
+data (:class:`_Verifier`).  Anything else replays through the aten op.  A
+rewrite that computes values with another call (``linear`` as ``matmul``, a
+composite's ``out=`` form) must also be proven equal on random data
+(:func:`graphrunner.tape.proof.proven`, the gate of every rewrite).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from .proof import bits_equal, eager_context, proven
 from .state import _storage, storage_bytes
 from .survivors import poison_value
 
@@ -40,7 +44,6 @@ _NN = torch._C._nn
 _TB = torch._C.TensorBase
 _BUILTIN_TYPES = ("builtin_function_or_method", "method_descriptor")
 _BINDINGS: dict[Any, tuple] = {}
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # Ops writing a storage larger than this (a KV cache, ...) replay through the
 # aten op: verifying a binding needs a copy of every storage it writes, which
 # would cost more capture time (and memory) than the ~1 us per call it saves.
@@ -62,18 +65,7 @@ def _bindings(func) -> tuple:
     return got
 
 
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (NaNs with the same payload equal, -0.0 != 0.0)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.is_complex():
-        a, b = torch.view_as_real(a), torch.view_as_real(b)
-    if a.dtype != torch.bool:
-        it = _INT_OF_SIZE.get(a.element_size())
-        if it is None:
-            return False
-        a, b = a.view(it), b.view(it)
-    return torch.equal(a, b)
+_bits_equal = bits_equal
 
 
 def _flat_tensors(v, acc: list) -> list:
@@ -256,14 +248,18 @@ class _Verifier:
             n = cap.names.get(id(a)) if isinstance(a, torch.Tensor) else None
             if n is None or cap.kind.get(n) != "ext":
                 rewrite = None
+        n_rewrites = 0
         if rewrite is not None:
             try:
-                tries[:0] = rewrite(args, kwargs, out)
+                with eager_context(cap.tls):  # views taken here as eager takes them (requires_grad kept)
+                    rw = rewrite(args, kwargs, out)
+                tries[:0] = rw
+                n_rewrites = len(rw)
             except Exception:
                 pass
         ref_in = _flat_tensors((args, kwargs), [])
         scalar_ids = {id(t) for t in cap.scalars.values()}
-        for fn, va, vk in tries:
+        for i_try, (fn, va, vk) in enumerate(tries):
             try:
                 # a fresh copy of the written storages, as they were before the op
                 with torch.inference_mode():
@@ -283,11 +279,42 @@ class _Verifier:
                     continue
                 if not self._same_writes():
                     continue
+                if (i_try < n_rewrites and isinstance(out, torch.Tensor) and not _alias_index(out, ref_in)
+                        and not self._proven_rewrite(cap, func, args, kwargs, fn, ca, ck, ref_in)):
+                    continue
             except Exception:
                 continue
             self.out_ok = _out_same_kernel(func, fn) and self._out_ok(fn, ca, ck, out)
+            self.out_ok = self.out_ok and (not _needs_proof(func, fn) or self._proven_out(fn, ca, ck, out, cap))
             return fn, tuple(va), vk
         return None
+
+    def _proven_rewrite(self, cap, func, args, kwargs, fn, ca, ck, ref_in) -> bool:
+        """A rewrite computing values (not a view), equal to the aten op on
+        the capture's data (just compared), proven equal on random data too."""
+        def recorded(tw):
+            return func(*tw(args), **tw(kwargs))
+
+        def rewritten(tw):
+            return fn(*tw(ca), **tw(ck))
+
+        return proven(recorded, rewritten, ref_in, capture=False, inference=cap.inference, tls=cap.tls)
+
+    def _proven_out(self, fn, ca, ck, out, cap) -> bool:
+        """``fn(..., out=buf)`` of a composite ``fn``, equal to ``fn(...)`` on the
+        capture's data (just compared), proven equal on random data too."""
+        with torch.inference_mode(out.is_inference()):
+            buf = torch.empty_strided(out.size(), out.stride(), dtype=out.dtype, device=out.device)
+
+        def functional(tw):
+            return tw(buf).copy_(fn(*tw(ca), **tw(ck)))
+
+        def into_buffer(tw):
+            fn(*tw(ca), **tw(ck), out=tw(buf))
+            return tw(buf)
+
+        return proven(functional, into_buffer, _flat_tensors((ca, ck), []), [buf], capture=False,
+                      inference=cap.inference, tls=cap.tls)
 
     def _out_ok(self, fn, ca, ck, out) -> bool:
         """``fn(*ca, **ck, out=buf)`` writes ``out``'s bits into a preplanned
@@ -324,6 +351,16 @@ def _is_function(fn) -> bool:
 # Composite bindings whose out= variant runs the very kernels of the functional
 # one (matmul and matmul_out share at::native::_matmul_impl).
 _OUT_SAME_PATH = {"matmul"}
+
+
+def _needs_proof(func, fn) -> bool:
+    """Replacing ``fn(...)`` by ``fn(..., out=)`` is a rewrite to prove
+    (:mod:`~graphrunner.tape.proof`) unless ``fn`` is the binding of
+    ``func`` itself and ``func`` has a kernel of its own (functional and
+    ``out=`` forms of a structured kernel share one implementation)."""
+    if getattr(fn, "__name__", None) != func._schema.name.split("::", 1)[-1]:
+        return True
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
 
 
 def _out_same_kernel(func, fn) -> bool:

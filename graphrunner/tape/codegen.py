@@ -362,6 +362,13 @@ def plan_buffers(cap, ops, keep, cn, survivors: dict, surv_storages: set, spills
             return None
         got = [fixed.get(cn(a.name)) if isinstance(a, _Ref) else a for a in cargs]
         return got if all(isinstance(t, torch.Tensor) for t in got) else None
+
+    def seen(op, targs) -> dict:
+        """{id(arg): value it held at capture, or None} for the temporaries
+        among ``targs`` (their buffers hold nothing yet), for the proof."""
+        kept = op.seen or {}
+        return {id(t): kept.get(a.name) for a, t in zip(op.cargs[0], targs)
+                if isinstance(a, _Ref) and cap.kind.get(a.name) == "int"}
     last: dict[int, int] = {}  # storage key -> index of the last kept op using it
     for i, op in enumerate(ops):
         if keep[i]:
@@ -389,7 +396,7 @@ def plan_buffers(cap, ops, keep, cn, survivors: dict, surv_storages: set, spills
             functional = None
             if not op.out_ok:  # planned only as its kernel
                 targs = fixed_args(op)
-                functional = targs and collapse_functional(op.call, targs, cap.inference)
+                functional = targs and collapse_functional(op.call, targs, cap.inference, seen(op, targs), cap.tls)
                 if not functional:
                     meta = None
             if (n in op.new and k is not None and cap.internal_storages.get(k) == n and meta is not None
@@ -417,7 +424,7 @@ def plan_buffers(cap, ops, keep, cn, survivors: dict, surv_storages: set, spills
                     if functional:
                         plan.direct[i] = (functional[0], functional[1], view_like(buf, functional[2]))
                     elif op.call in COLLAPSIBLE and (targs := fixed_args(op)) is not None:
-                        direct = collapse(op.call, targs, buf)
+                        direct = collapse(op.call, targs, buf, seen(op, targs), cap.tls)
                         if direct is not None:
                             plan.direct[i] = direct
         for k in release_at.pop(i, ()):

@@ -11,15 +11,20 @@ into a fresh tensor and copies it into ``o``; ``linear(x, w, b)`` allocates
 its result; both build views at every call.  A decode step has dozens.
 
 The rewrite is found by running the composite once at capture end under a
-dispatch mode that logs what it reaches, and kept only when the log is
+dispatch mode that logs what it reaches, and considered only when the log is
 nothing but view ops around exactly one kernel of :data:`_KERNELS` (no copy
 of an input on the way, e.g. for a broadcast batch) and the result is the
 whole kernel result in its memory order (:func:`collapse` for the ``out=``
-form, :func:`collapse_functional` for the functional one).  The
-composite's choice of path depends only on metadata (dims, sizes, strides,
-dtype), which a graph freezes, and the kernels are structured (functional
-and ``out=`` forms share one implementation), so the direct call computes
-the same bits as the composite for any data, not only the capture's.
+form, :func:`collapse_functional` for the functional one).
+
+The log is a derivation, not a proof: under a dispatch mode an inference
+``matmul`` runs its Python decomposition, whose choice of path is not
+always eager's C++ one (a ``[B, 1, C]`` input with strides ``(C, 1, 1)``
+folds to ``mm`` there and runs ``bmm`` in eager: other bits).  So every
+candidate is then proven (:func:`graphrunner.tape.proof.proven`): the
+direct call must leave the same bits as the composite, run as replay runs
+it, on the capture's data and on fresh random data, or the graph keeps the
+composite.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .bindings import _VF
+from .proof import proven
 from .state import _storage
 
 _aten = torch.ops.aten
@@ -107,7 +113,7 @@ def _kernel(call) -> tuple | None:
     return _KERNELS[func], tuple(kargs), res
 
 
-def collapse(call, args: list, out: torch.Tensor):
+def collapse(call, args: list, out: torch.Tensor, seen: dict | None = None, tls: tuple | None = None):
     """The direct kernel call that ``call(*args, out=out)`` amounts to:
     ``(binding, args, out_view)`` such that ``binding(*args, out=out_view)``
     computes what the composite computes, with the same kernel on the same
@@ -118,8 +124,10 @@ def collapse(call, args: list, out: torch.Tensor):
     of :data:`_KERNELS` on views of ``args``, views of its result, then one
     ``copy_`` of the whole result, in memory order, into the whole (contiguous)
     output, which ``out_view`` (``out`` seen with the kernel result's shape)
-    then replaces.  ``args`` and ``out`` must stay the same tensors for the
-    graph's life; nothing is written to them."""
+    then replaces.  Then proven equal to the composite (``seen``: the values
+    temporaries among ``args`` held at capture, see
+    :func:`~graphrunner.tape.proof.proven`).  ``args`` and ``out`` must stay
+    the same tensors for the graph's life; nothing is written to them."""
     if call not in COLLAPSIBLE or not _plain([*args, out]) or not out.is_contiguous():
         return None
     with torch.inference_mode(out.is_inference()):
@@ -130,10 +138,23 @@ def collapse(call, args: list, out: torch.Tensor):
     kernel, (_, (dst, src, *rest), ckw, _) = _kernel(got[1][0]), got[1][1]
     if kernel is None or rest or ckw or not (_whole(dst, scratch) and _whole(src, kernel[2])):
         return None
-    return kernel[0], kernel[1], view_like(out, kernel[2])
+    kfn, kargs, kout = kernel[0], kernel[1], view_like(out, kernel[2])
+
+    def composite(tw):
+        call(*tw(args), out=tw(out))
+        return tw(out)
+
+    def direct(tw):
+        kfn(*tw(kargs), out=tw(kout))
+        return tw(out)
+
+    if not proven(composite, direct, args, [out], seen, inference=out.is_inference(), tls=tls):
+        return None
+    return kfn, kargs, kout
 
 
-def collapse_functional(call, args: list, inference: bool):
+def collapse_functional(call, args: list, inference: bool, seen: dict | None = None,
+                        tls: tuple | None = None):
     """The direct kernel call that ``res = call(*args)`` amounts to:
     ``(binding, args, result)`` such that ``binding(*args, out=b)``, with
     ``b`` of the metadata of ``result`` (:func:`view_like` of a buffer of
@@ -141,7 +162,9 @@ def collapse_functional(call, args: list, inference: bool):
 
     Accepted composite runs: views, one kernel of :data:`_KERNELS` on views
     of ``args``, then views of its result ending in the whole result, in
-    memory order (contiguous both).  Nothing is written to ``args``."""
+    memory order (contiguous both); then proven equal to the composite
+    (writing into a buffer of the result's metadata, as the plan will).
+    Nothing is written to ``args``."""
     if call not in COLLAPSIBLE_FUNCTIONAL or not _plain(args):
         return None
     got = _run_logged(call, args, inference)
@@ -149,6 +172,20 @@ def collapse_functional(call, args: list, inference: bool):
         return None
     kernel, res = _kernel(got[1][0]), got[0]
     if kernel is None or type(res) is not torch.Tensor or not _whole(res, kernel[2]):
+        return None
+    kfn, kargs, kres = kernel
+    with torch.inference_mode(inference):
+        buf = torch.empty_strided(res.size(), res.stride(), dtype=res.dtype, device=res.device)
+    kout = view_like(buf, kres)
+
+    def composite(tw):
+        return tw(buf).copy_(call(*tw(args)))
+
+    def direct(tw):
+        kfn(*tw(kargs), out=tw(kout))
+        return tw(buf)
+
+    if not proven(composite, direct, args, [buf], seen, inference=inference, tls=tls):
         return None
     return kernel
 

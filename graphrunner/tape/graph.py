@@ -29,11 +29,12 @@ from .bindings import _NO_TORCH_FUNCTION
 from .arena import TRACING, TapePool, graph_pool_handle, place
 from .codegen import generate, hoist
 from .jit import JitReplay, eligible, jit_default
+from .proof import stats as proof_stats
 from .recording import _Capture, _Recorder
 from .rng import _reseed_guard
 from .state import _ACTIVE, _ACTIVE_LOCK, _CAPTURE_ERROR_MODES, alias_of
 from .survivors import (_SURVIVORS, EscapedTensorWarning, _Poisoned, _resolve_poison, find_survivors,
-                        forget_poisoned, poison_survivors, unpoison)
+                        forget_poisoned, poison_survivors, unpoison, warn_stashed)
 from .unsafe import _Guard
 
 logger = logging.getLogger("graphrunner")
@@ -118,6 +119,9 @@ class TapeGraph:
         self._surv_storages: list[tuple] = []  # (storage, dtype, computed once) of each survivor, for poisoning
         self._poisoned: dict[int, _Poisoned] = {}  # storage key -> survivor poisoned since capture end
         self.source: str | None = None  # generated replay source, for debugging
+        #: ``(proofs, refused, seconds)`` of the last capture's rewrite proofs (:mod:`~graphrunner.tape.proof`):
+        #: rewrites proven bit-equal to the call they replace, or dropped, and the capture time spent on it.
+        self.rewrite_proofs: tuple = (0, 0, 0.0)
         self._pool_bytes = 0
         self._pool_index = 0
         self._self_ref = weakref.ref(self)
@@ -265,6 +269,7 @@ class TapeGraph:
         self._surv_storages = []
         forget_poisoned(self)
         self.source = None
+        self.rewrite_proofs = (0, 0, 0.0)
 
     def reset(self) -> None:
         """Drop the recording (aborting a capture in progress, undoing its writes
@@ -361,6 +366,7 @@ class TapeGraph:
     def _finalize(self, cap: _Capture) -> None:
         const_storages, consts = hoist(cap)
         survivors, versioned, targets = find_survivors(cap, self, const_storages)
+        warn_stashed(cap, const_storages)
         # Other graphs' memory read here is held through an alias, not the
         # user's object (a CUDA graph holds addresses, not tensors).
         for n, t in consts.items():
@@ -391,14 +397,17 @@ class TapeGraph:
         self._labels = prog.labels
         self._num_ops = len(cap.ops)
         self._num_replayed = n_ops
+        self.rewrite_proofs = tuple(a - b for a, b in zip(proof_stats.snapshot(), cap.proofs_before))
         self._inference = cap.inference
         self._statics = list(survivors.values())
         self._versioned = versioned
         if self._jit is not None:
             self._prepare_jit(list(survivors.values()) + list(spills.values()), cap.drawn_from)
         logger.debug(
-            "tape capture: %d ops recorded, %d replayed, %d survivors, %d externals",
+            "tape capture: %d ops recorded, %d replayed, %d survivors, %d externals; %d rewrites proven "
+            "(%d dropped) in %.1f ms",
             len(cap.ops), n_ops, len(survivors), sum(1 for k in cap.kind.values() if k == "ext"),
+            self.rewrite_proofs[0] - self.rewrite_proofs[1], self.rewrite_proofs[1], self.rewrite_proofs[2] * 1e3,
         )
 
     def _prepare_jit(self, keep: list, generators: list) -> None:

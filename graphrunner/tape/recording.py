@@ -17,12 +17,14 @@ import warnings
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from graphrunner._aten import written_tensors
 from graphrunner.errors import CaptureError
 
 from .bindings import _Verifier
+from .collapse import COLLAPSIBLE, COLLAPSIBLE_FUNCTIONAL
+from .proof import eager_tls, stats as proof_stats
 from .rng import _op_generator
 from .state import _storage, storage_bytes
 from .survivors import _POISONED, _SURVIVORS, EscapedTensorWarning, _Poisoned
@@ -46,7 +48,7 @@ class _Op:
 
     __slots__ = ("func", "args", "kwargs", "outs", "new", "in_names", "writes", "pure", "collective", "seeded",
                  "out_skeys", "in_skeys", "fast", "call", "cargs", "in_vers", "alias", "view",
-                 "out_ok")
+                 "out_ok", "seen")
 
     def __init__(self):
         # fast: None (replayed), "hoisted" (computed once at capture), "alias"
@@ -60,6 +62,9 @@ class _Op:
         self.alias = None  # for "alias": (output name, input name)
         self.view = None   # a view of an internal storage: (base name, size, stride, offset)
         self.out_ok = False  # ``call`` verified to write its result into a preplanned buffer (out=)
+        # for a call a rewrite may replace at capture end (a composite collapsed to its kernel):
+        # {input name: the value that temporary held here}, for the rewrite's proof
+        self.seen = None
 
 
 class _Capture:
@@ -86,6 +91,8 @@ class _Capture:
         self.n = 0
         self.failed: BaseException | None = None
         self.inference = torch.is_inference_mode_enabled()
+        self.tls = eager_tls()                     # dispatch-key state eager runs in (for rewrites' proofs)
+        self.proofs_before = proof_stats.snapshot()  # this thread's proof counters at capture begin
         self.warned: set[int] = set()
         self.wcount: dict[int, int] = {}           # storage key -> writes so far (for CSE)
         self.scalars: dict[tuple, torch.Tensor] = {}  # Python scalar -> shared 0-dim tensor
@@ -252,6 +259,24 @@ class _Capture:
         self.snapshots.clear()
 
 
+# Temporaries read by a call a rewrite may replace are kept (copied) up to this
+# size each, for the rewrite's proof on the capture's data; larger ones are
+# stood in for by random data there (graphrunner.tape.proof).
+_KEEP_SEEN_BYTES = 1 << 20
+
+
+def _kept_values(cap: _Capture, templates, values) -> dict:
+    """{name: copy} of the temporaries (recorded outputs) among ``values``, as they are now."""
+    kept = {}
+    for a, v in zip(templates, values):
+        if (isinstance(a, _Ref) and cap.kind.get(a.name) == "int" and type(v) is torch.Tensor
+                and v.layout == torch.strided and v.numel() * v.element_size() <= _KEEP_SEEN_BYTES):
+            with _disable_current_modes(), torch._C.DisableTorchFunction(), \
+                    torch.inference_mode(v.is_inference()), torch.no_grad():
+                kept[a.name] = v.clone()
+    return kept
+
+
 class _Recorder(TorchDispatchMode):
     """Records every aten op of a capture (and runs it, once)."""
 
@@ -351,6 +376,8 @@ class _Recorder(TorchDispatchMode):
                     scratch: list = []  # 0-dim scalar tensors become externals (constants)
                     op.cargs = (cap.template_in(cargs, scratch), {k: cap.template_in(v, scratch)
                                                                   for k, v in ckwargs.items()})
+                    if fn in COLLAPSIBLE or fn in COLLAPSIBLE_FUNCTIONAL:
+                        op.seen = _kept_values(cap, op.cargs[0], cargs)
             cap.ops.append(op)
         except BaseException as e:
             cap.failed = e

@@ -4,7 +4,9 @@ Owns the rules for tensors created inside a capture and still referenced
 after it (*survivors*, TAPE-NOTES item 7): :func:`find_survivors` decides per
 storage, at capture end, which internal tensors stay alive (and so are
 refreshed in place by every replay); ``_SURVIVORS`` remembers them so that a
-write from outside the graph warns (:class:`EscapedTensorWarning`, item 8).
+write from outside the graph warns (:class:`EscapedTensorWarning`, item 8);
+one kept on an object's attribute and not returned warns at capture end,
+named (:class:`StashedTensorWarning`, :func:`warn_stashed`).
 Also owns poisoning (``poison_captured_values``): filling survivors at
 capture end with :func:`poison_value` as a CUDA graph leaves them holding
 uninitialised pool memory, the ``$GRAPHRUNNER_TAPE_POISON`` default
@@ -14,7 +16,12 @@ capture may need to read with their real values.
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import os
+import re
+import sys
+import warnings
 import weakref
 
 import torch
@@ -91,6 +98,23 @@ class EscapedTensorWarning(UserWarning):
     replays, so state written from outside is lost (on CUDA the memory belongs
     to the graph's private pool, wrong in a different way).  Allocate the
     buffer before capture instead.
+    """
+
+
+class StashedTensorWarning(EscapedTensorWarning):
+    """A tensor created inside a tape capture is still referenced after it
+    from an object's attribute (``self.last = h`` in the step, a module
+    global, a container on an attribute) and is not among the capture's
+    outputs.
+
+    Python code does not run at replay, so the attribute is never re-bound:
+    it keeps the one tensor this graph refreshes in place at its own
+    replays, while eager calls, other graphs (other shape buckets) and
+    checks leave it alone or re-bind it, and a recurrent state kept that
+    way reads a stale value (on a CUDA graph the tensor also lives in the
+    graph's private pool).  Return the tensor as an output, or keep the
+    state in a tensor allocated before capture and update it in place
+    (``self.last.copy_(h)``).
     """
 
 
@@ -221,3 +245,206 @@ def forget_poisoned(graph) -> None:
     for k in graph._poisoned:
         _POISONED.pop(k, None)
     graph._poisoned = {}
+
+
+# How deep the frames' locals are searched for the capture's outputs
+# (containers: list, tuple, dict, set; dataclass instances), and how many
+# objects at most.
+_OUTPUT_DEPTH = 4
+_OUTPUT_ITEMS = 10_000
+
+
+def _held_by_frames(skip_prefix: str) -> set:
+    """ids of the tensors reachable from the locals of the calling frames
+    (outside modules named ``skip_prefix*``) through containers: what the
+    capture's callers hold when it ends, its outputs among them."""
+    found: set = set()
+    budget = [_OUTPUT_ITEMS]
+    seen: set = set()
+
+    def walk(v, depth: int) -> None:
+        if budget[0] <= 0 or id(v) in seen:
+            return
+        budget[0] -= 1
+        if isinstance(v, torch.Tensor):
+            found.add(id(v))
+            return
+        if depth <= 0:
+            return
+        seen.add(id(v))
+        if isinstance(v, dict):
+            for x in list(v.values()):
+                walk(x, depth - 1)
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            for x in list(v):
+                walk(x, depth - 1)
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+            for x in list(vars(v).values()) if hasattr(v, "__dict__") else ():
+                walk(x, depth - 1)
+
+    f = sys._getframe(1)
+    while f is not None:
+        if not str(f.f_globals.get("__name__", "")).startswith(skip_prefix):
+            for v in list(f.f_locals.values()):
+                walk(v, _OUTPUT_DEPTH)
+        f = f.f_back
+    return found
+
+
+def _ours_type(o) -> bool:
+    m = getattr(type(o), "__module__", "") or ""
+    return m == "graphrunner" or m.startswith("graphrunner.")
+
+
+def _is_attribute_dict(d: dict, o) -> bool:
+    """``d`` is ``o``'s attribute dict: its ``__dict__``, or an ``nn.Module``'s
+    ``_buffers`` / ``_parameters`` (attributes too, for ``getattr``)."""
+    try:
+        if object.__getattribute__(o, "__dict__") is d:
+            return True
+    except AttributeError:
+        return False
+    return isinstance(o, torch.nn.Module) and (o.__dict__.get("_buffers") is d or o.__dict__.get("_parameters") is d)
+
+
+def _label(o) -> str:
+    if isinstance(o, type(sys)):
+        return o.__name__
+    return type(o).__name__
+
+
+# How many objects up from a tensor the owner of an attribute is looked for
+# (tensor -> list -> __dict__ -> module is three), one heap walk each.
+_OWNER_HOPS = 4
+_OWNER_FRONTIER = 256
+
+
+def stashed_attributes(tensors: list) -> dict:
+    """``{id(tensor): ["Owner.attr", ...]}``: where each of ``tensors`` is kept
+    as an attribute of an object (``obj.attr``, ``obj.attr[i]['k']`` through
+    lists, tuples and dicts; a module's global: ``module.NAME``), found by
+    walking ``gc.get_referrers`` up from the tensors; objects of
+    graphrunner's own modules do not count (the library's bookkeeping).
+    :data:`_OWNER_HOPS` heap walks at most: call it only for the few
+    tensors that need it.  Objects frozen with ``gc.freeze()`` (a
+    capture session freezes the heap) are invisible to ``gc.get_referrers``:
+    they are unfrozen for the walk and frozen again after it (with the
+    objects made since, as the session's own freeze would have)."""
+    frozen = gc.get_freeze_count() > 0
+    if frozen:
+        gc.unfreeze()
+    try:
+        return _stashed_attributes(tensors)
+    finally:
+        if frozen:
+            gc.freeze()
+
+
+def _stashed_attributes(tensors: list) -> dict:
+    names: dict = {}
+    # the frontier: objects one more hop up, id -> object and id -> how each
+    # target is reached below it: [(id(target), pending dict key or _NO_KEY, path)]
+    objs = {id(t): t for t in tensors}
+    entries = {id(t): [(id(t), _NO_KEY, "")] for t in tensors}
+    for _ in range(_OWNER_HOPS):
+        if not objs:
+            break
+        objs, entries = _hop(objs, entries, names)
+    return names
+
+
+def _hop(objs: dict, entries: dict, names: dict) -> tuple:
+    """One heap walk: the referrers of the objects in ``objs``.  An object
+    referring to one by attribute names its target(s); a dict, list or
+    tuple is the next hop's frontier.  (A function, so that no local of a
+    previous hop refers to the objects of the next.)"""
+    nxt_objs: dict = {}
+    nxt_entries: dict = {}
+    own = (objs, entries, nxt_objs, nxt_entries, names)
+    refs = gc.get_referrers(*objs.values())
+    for r in refs:
+        if any(r is o for o in own) or type(r).__name__ == "frame" or _ours_type(r):
+            continue
+        if isinstance(r, (dict, list, tuple)):
+            items = r.items() if isinstance(r, dict) else enumerate(r)
+            for k, v in list(items):
+                if objs.get(id(v), _NO_KEY) is not v:
+                    continue
+                for tid, key, path in entries[id(v)]:
+                    below = _below(key, path)
+                    entry = (tid, k, below) if isinstance(r, dict) else (tid, _NO_KEY, f"[{k}]{below}")
+                    lst = nxt_entries.setdefault(id(r), [])
+                    if entry not in lst:
+                        lst.append(entry)
+                    nxt_objs[id(r)] = r
+            continue
+        # an object: the owner of an attribute dict below, or attributes of its own
+        for o_id, o in objs.items():
+            if isinstance(o, dict) and _is_attribute_dict(o, r):
+                for tid, key, path in entries[o_id]:
+                    if key is not _NO_KEY:
+                        _add(names, tid, f"{_label(r)}.{key}{path}")
+        try:
+            d = object.__getattribute__(r, "__dict__")
+        except AttributeError:
+            continue
+        if isinstance(d, dict):
+            for k, v in list(d.items()):
+                if objs.get(id(v), _NO_KEY) is v and not (isinstance(v, dict) and _is_attribute_dict(v, r)):
+                    for tid, key, path in entries[id(v)]:
+                        _add(names, tid, f"{_label(r)}.{k}{_below(key, path)}")
+    del refs
+    keep = list(nxt_objs)[:_OWNER_FRONTIER]
+    return {k: nxt_objs[k] for k in keep}, {k: nxt_entries[k] for k in keep}
+
+
+_NO_KEY = object()
+
+
+def _below(key, path: str) -> str:
+    """The access path below an object reached through dict key ``key`` (or none)."""
+    return path if key is _NO_KEY else f"[{key!r}]{path}"
+
+
+def _add(names: dict, tid: int, name: str) -> None:
+    # an nn.Module's registered buffer or parameter is an attribute too
+    name = re.sub(r"\._(?:buffers|parameters)\['([A-Za-z_][A-Za-z0-9_]*)'\]", r".\1", name)
+    lst = names.setdefault(tid, [])
+    if name not in lst:
+        lst.append(name)
+
+
+def warn_stashed(cap, const_storages: set) -> None:
+    """Warn (:class:`StashedTensorWarning`) for each tensor created inside
+    the capture, still alive at its end (``cap.user_tensors``), that the
+    calling frames do not hold (not an output) and that an object keeps as
+    an attribute; constants (computed once, never refreshed) excepted.
+    Cheap when nothing escapes: the heap is walked only for tensors the
+    frames do not hold."""
+    cands = [t for n, t in cap.user_tensors.items() if cap.skey.get(n) not in const_storages]
+    if not cands:
+        return
+    held = _held_by_frames("graphrunner.tape")
+    cands = [t for t in cands if id(t) not in held]
+    if not cands:
+        return
+    named = stashed_attributes(cands)
+    level, f = 1, sys._getframe()  # point at the user's code: the first frame outside graphrunner, contextlib
+    while f is not None and str(f.f_globals.get("__name__", "")).startswith(("graphrunner.", "contextlib")):
+        f, level = f.f_back, level + 1
+    for t in cands:
+        where = named.get(id(t))
+        if not where:
+            continue
+        shown = ", ".join(where[:3]) + (", ..." if len(where) > 3 else "")
+        warnings.warn(
+            f"a tensor created inside this TapeGraph's capture ({tuple(t.shape)} {t.dtype}) is kept in {shown} "
+            "after it and is not among the capture's outputs. Python code does not run at replay, so the "
+            "attribute is never re-bound: it stays the tensor this graph refreshes in place at its own replays, "
+            "while eager calls and other graphs (other shape buckets) do not update it, and state kept that way "
+            "goes stale (on a CUDA graph the tensor also lives in the graph's private pool). Return it as an "
+            "output, or keep the state in a tensor allocated before capture and update it in place "
+            "(e.g. self.last.copy_(h)).",
+            StashedTensorWarning,
+            stacklevel=level,
+        )

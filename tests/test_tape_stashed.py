@@ -1,0 +1,106 @@
+"""A tensor created inside a capture and kept on an object, not returned (issue 21 item 5b).
+
+``self.last = h`` in a step: Python does not run at replay, so the attribute
+is never re-bound; a runner with several buckets (and its eager checks)
+leaves it holding another call's tensor.  The capture warns
+(:class:`StashedTensorWarning`, an :class:`EscapedTensorWarning`), naming the
+attribute.  The negative control turns the warning off and shows the stale
+attribute passing silently.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+import graphrunner as gr
+import graphrunner.tape.graph as tape_graph_mod
+from graphrunner.tape import EscapedTensorWarning, StashedTensorWarning, TapeGraph, tape_graph
+
+H = 4
+STASH: dict = {}
+
+
+class Step(torch.nn.Module):
+    def __init__(self, keep="attr"):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(H, H, generator=torch.Generator().manual_seed(0)),
+                                    requires_grad=False)
+        self.keep = keep
+
+    def forward(self, x):
+        h = x @ self.w
+        if self.keep == "attr":
+            self.last = h
+        elif self.keep == "list":
+            self.history = [h]
+        elif self.keep == "global":
+            STASH["h"] = h
+        elif self.keep == "buffer":
+            self.register_buffer("state", h, persistent=False)
+        elif self.keep == "returned":
+            self.last = h
+            return h
+        return h.sum(-1)
+
+
+def _capture(step, x):
+    with torch.inference_mode():
+        g = TapeGraph()
+        with tape_graph(g):
+            out = step(x)
+    return g, out
+
+
+@pytest.mark.parametrize("keep,name", [("attr", r"Step\.last"), ("list", r"Step\.history\[0\]"),
+                                       ("buffer", r"Step\.state"), ("global", r"test_tape_stashed\.STASH\['h'\]")])
+def test_a_tensor_kept_on_self_and_not_returned_warns_naming_the_attribute(keep, name):
+    s = Step(keep)
+    with pytest.warns(StashedTensorWarning, match=name + r" after it and is not among the capture's outputs"):
+        _capture(s, torch.randn(2, H))
+    assert issubclass(StashedTensorWarning, EscapedTensorWarning)
+
+
+def test_no_warning_for_outputs_and_for_steps_that_keep_nothing():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EscapedTensorWarning)
+        g, out = _capture(Step("returned"), torch.randn(2, H))   # kept on self, but an output too
+        g, out = _capture(Step("none"), torch.randn(2, H))
+        g.replay()
+
+
+def _runner(step):
+    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(H,))}, [2, 4], backend="full", device="tape",
+                       progress=False)
+    return r
+
+
+def _stale_after_calls(r, s) -> bool:
+    """After calls of 3 and 4 rows (bucket 4), is ``s.last`` other than what eager would have left there?"""
+    stale = False
+    for n in (3, 4):
+        x = torch.randn(n, H)
+        r(x=x)
+        want = x @ s.w
+        stale |= s.last.shape != want.shape or not torch.equal(s.last, want)
+    return stale
+
+
+def test_runner_capture_warns_naming_self_last_and_the_attribute_goes_stale():
+    s = Step("attr")
+    r = _runner(s)
+    with pytest.warns(StashedTensorWarning, match=r"Step\.last") as rec:
+        r.capture()
+    assert len([w for w in rec if issubclass(w.category, StashedTensorWarning)]) >= 1
+    assert _stale_after_calls(r, s)  # what the warning is about
+
+
+def test_negative_control_without_the_warning_the_stale_attribute_passes_silently(monkeypatch):
+    monkeypatch.setattr(tape_graph_mod, "warn_stashed", lambda cap, const_storages: None)
+    s = Step("attr")
+    r = _runner(s)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        r.capture()
+    assert not [w for w in rec if issubclass(w.category, EscapedTensorWarning)]
+    assert _stale_after_calls(r, s)
