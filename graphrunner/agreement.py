@@ -4,25 +4,43 @@ A runner asks its agreement, once per call, which sizes every rank runs
 (:meth:`agree`), and once per capture which keys every rank can replay
 (:meth:`replayable`). :class:`LocalAgreement` (one rank, or agreement off)
 answers from this rank alone and makes no group call; :class:`RankAgreement`
-makes exactly one collective per call: the element-wise max of
-``[*sizes, invalid]`` over the ranks (:func:`graphrunner.keys.agree`). A
-rank whose inputs are invalid still takes part (:meth:`invalid`), so its
-peers raise :class:`~graphrunner.errors.GraphRunnerError` instead of hanging.
+makes exactly one collective per call: the element-wise max over the ranks
+of ``[size0 - tag * 2**32, size1, ..., tag * 2 + invalid]``
+(:func:`graphrunner.keys.agree`), where ``tag`` packs the call number and
+the configuration digest. The tag, negated in the first element, gives
+every rank both the highest and the lowest call number of the ranks in that
+one collective, so ranks whose calls are no longer paired (a call on some
+rank raised or was interrupted before it reached the agreement, or calls of
+two runners crossed on one group) all raise
+:class:`~graphrunner.keys.AgreementError` for the same call, and nothing is
+replayed; the runner then refuses every later call on every rank. The
+configuration digest (0 unless one is given, :func:`config_digest`) catches
+calls of different runners paired at equal call numbers. A rank whose inputs
+are invalid still takes part (:meth:`invalid`), so its peers raise
+:class:`~graphrunner.errors.GraphRunnerError` instead of hanging.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 from graphrunner.errors import GraphRunnerError
-from graphrunner.keys import agree, all_max_vector
+from graphrunner.keys import AgreementError, agree, all_max_vector
 
-__all__ = ["LocalAgreement", "RankAgreement", "make_agreement"]
+__all__ = ["LocalAgreement", "RankAgreement", "make_agreement", "config_digest"]
 
 logger = logging.getLogger("graphrunner")
 
 Sizes = Tuple[int, ...]
+
+
+def config_digest(fields: Mapping[str, Any]) -> int:
+    """A 62-bit digest of a runner's configuration fields (what the capture fingerprint
+    compares, ``GraphRunner._config_fields()``), computed once, for :class:`RankAgreement`."""
+    from graphrunner.checks.fingerprint import _hash, canonical
+
+    return _hash(canonical(dict(fields)))
 
 
 class LocalAgreement:
@@ -44,18 +62,35 @@ class LocalAgreement:
 
 
 class RankAgreement:
-    """Every rank of ``group`` runs the same sizes (one ``all_max_vector`` per call)."""
+    """Every rank of ``group`` runs the same sizes, for the same call (one ``all_max_vector`` per call).
+
+    ``digest``: the runner's configuration digest (:func:`config_digest`; 0: none). After the
+    ranks' calls were found unpaired (:class:`~graphrunner.keys.AgreementError` on every rank),
+    :attr:`broken` holds that error's message and every later :meth:`agree`/:meth:`invalid`
+    raises ``AgreementError`` at once, without a collective (every rank saw the same mismatch,
+    so no rank waits for another)."""
 
     shared = True
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, digest: int = 0) -> None:
         self.group = group
         self.rank = int(getattr(group, "rank", 0))
+        self.digest = int(digest)
+        #: The message of the mismatch that made this agreement refuse every call, or ``None``.
+        self.broken: Optional[str] = None
 
     def agree(self, sizes: Sizes, call: int) -> Sizes:
         """The element-wise max of every rank's sizes; raises :class:`GraphRunnerError` when
-        another rank passed invalid inputs (every rank then skips the step)."""
-        agreed, bad = agree(self.group, sizes, False, call)
+        another rank passed invalid inputs (every rank then skips the step), and
+        :class:`~graphrunner.keys.AgreementError` on every rank when the ranks' calls are not paired."""
+        if self.broken is not None:
+            self._refuse(call)
+        try:
+            agreed, bad = agree(self.group, sizes, False, call, self.digest)
+        except AgreementError as exc:
+            if exc.unpaired:
+                self.broken = str(exc)
+            raise
         if bad:
             raise GraphRunnerError(
                 f"rank {self.rank}: another rank passed invalid inputs at call {call}, so every rank skipped this "
@@ -63,8 +98,21 @@ class RankAgreement:
         return agreed
 
     def invalid(self, zero: Sizes, call: int) -> None:
-        """Take part in the call's one collective as invalid, so the peers skip the step too."""
-        agree(self.group, zero, True, call)
+        """Take part in the call's one collective as invalid, so the peers skip the step too
+        (raises :class:`~graphrunner.keys.AgreementError` instead when the calls are not paired)."""
+        if self.broken is not None:
+            self._refuse(call)
+        try:
+            agree(self.group, zero, True, call, self.digest)
+        except AgreementError as exc:
+            if exc.unpaired:
+                self.broken = str(exc)
+            raise
+
+    def _refuse(self, call: int) -> None:
+        raise AgreementError(
+            f"rank {self.rank}: call {call} refused without a collective: an earlier call found the ranks' calls of "
+            f"this runner unpaired, on every rank. That error: {self.broken}", calls=None)
 
     def replayable(self, local: Sequence[bool]) -> List[bool]:
         """Which keys every rank can replay: one collective at the end of capture (a max over
@@ -73,15 +121,15 @@ class RankAgreement:
         return [bool(ok) and not bad for ok, bad in zip(local, cannot)]
 
 
-def make_agreement(group: Any, enabled: bool) -> Any:
-    """:class:`RankAgreement` over ``group`` when it has more than one rank and ``enabled``,
-    else :class:`LocalAgreement`."""
+def make_agreement(group: Any, enabled: bool, digest: int = 0) -> Any:
+    """:class:`RankAgreement` over ``group`` (with configuration ``digest``) when it has more
+    than one rank and ``enabled``, else :class:`LocalAgreement`."""
     if enabled and int(getattr(group, "size", 1)) > 1:
         if "nccl" in str(getattr(group, "backend_name", "")):
             logger.warning("GraphRunner: bucket agreement over an NCCL group waits for the GPU on every call "
                            "(its result is read on the host); pass TorchDistGroup(torch.distributed.new_group("
                            "backend='gloo')) as group= for a host-only agreement")
-        return RankAgreement(group)
+        return RankAgreement(group, digest)
     if int(getattr(group, "size", 1)) > 1:
         logger.warning("GraphRunner.agree_bucket = False on a %d-rank group: ranks may replay different buckets "
                        "(unsafe; for tests only)", int(group.size))

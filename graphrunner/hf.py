@@ -247,11 +247,16 @@ def make_decode_step(model, cache) -> Callable[..., torch.Tensor]:
     return step
 
 
-def decode_inputs() -> Dict[str, Any]:
-    """Return the GraphRunner input spec of the decode step: ``input_ids`` and ``position_ids``, both ``[B, 1]`` long."""
+def decode_inputs(vocab_size: Optional[int] = None, max_cache_len: Optional[int] = None) -> Dict[str, Any]:
+    """Return the GraphRunner input spec of the decode step: ``input_ids`` and ``position_ids``, both ``[B, 1]`` long.
+
+    ``vocab_size`` and ``max_cache_len``, when given, become the inputs' ``bounds`` (the padding
+    check at capture draws real token ids and positions from them)."""
     return {
-        "input_ids": BatchInput(trailing=(1,), dtype=torch.long, pad=0),
-        "position_ids": BatchInput(trailing=(1,), dtype=torch.long, pad=0),
+        "input_ids": BatchInput(trailing=(1,), dtype=torch.long, pad=0,
+                                bounds=None if vocab_size is None else (0, int(vocab_size) - 1)),
+        "position_ids": BatchInput(trailing=(1,), dtype=torch.long, pad=0,
+                                   bounds=None if max_cache_len is None else (0, int(max_cache_len) - 1)),
     }
 
 
@@ -318,7 +323,9 @@ class DecodeRunner:
         self.cache = None
         self._views: Dict[int, Any] = {}
         self._report = None
-        self.runner = GraphRunner(self._step, inputs=decode_inputs(), buckets=buckets, backend=backend,
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        vocab = getattr(emb, "num_embeddings", None)  # the padding check draws real token ids below it
+        self.runner = GraphRunner(self._step, inputs=decode_inputs(vocab, max_cache_len), buckets=buckets, backend=backend,
                                   device=self.device, progress=False, fallback="error")
         self.buckets: List[int] = list(self.runner.buckets)
 

@@ -29,11 +29,20 @@ class BatchInput:
 
     ``bounds=(lo, hi)`` (inclusive; either may be ``None``): the valid
     values, e.g. ``(0, vocab - 1)`` for token ids or ``(0, num_slots - 1)``
-    for cache slots. ``pad`` must lie inside. In debug mode
+    for cache slots: the range of the *real* values. ``pad`` may lie inside
+    (a real value too) or outside (a scratch value no real row uses, such as
+    a dedicated padding slot of a KV cache; the step must accept it). In debug mode
     (``GraphRunner(debug=True)`` or ``GRAPHRUNNER_DEBUG=1``) every call
     checks every real cell before anything is replayed and raises a
     ``ValueError`` naming the input, the row and the value; otherwise
-    bounds are not checked (no per-call cost).
+    bounds are not checked (no per-call cost). The padding check at capture
+    draws the input's real cells from inside the bounds.
+
+    ``state=True``: the step may write into this input (scratch it updates in
+    place). A graph writes the runner's static buffer, never the caller's
+    tensor, so the runner re-pads the input's padding cells after every call
+    and its eager fallback writes a copy, never the caller's tensor. Without
+    it, a step that writes into an input is refused at capture.
     """
 
     trailing: Tuple[int, ...] = ()
@@ -41,6 +50,7 @@ class BatchInput:
     pad: Any = 0
     dims: Optional[Tuple[str, ...]] = None
     bounds: Optional[Tuple[Any, Any]] = None
+    state: bool = False
 
     def __post_init__(self) -> None:
         trailing = self.trailing
@@ -66,6 +76,8 @@ class BatchInput:
         from graphrunner.checks.contracts import check_bounds_spec
 
         object.__setattr__(self, "bounds", check_bounds_spec(self.bounds, self.pad, self.dtype))
+        if not isinstance(self.state, bool):
+            raise TypeError(f"BatchInput.state must be True or False, got {self.state!r}")
 
 
 def check_inputs(inputs: Any) -> None:
@@ -104,51 +116,67 @@ def diagnose(inputs: Any, specs: Mapping[str, BatchInput], in_dims: Mapping[str,
     with ``buckets=[...]`` (messages speak of the batch), ``alias`` the
     runner's aliasing check. Names the input and what was expected.
     """
-    if not isinstance(inputs, Mapping):
-        return TypeError(f"GraphRunner inputs must be passed as keywords {list(specs)}, got {type(inputs).__name__}")
-    missing = [k for k in list(specs) if k not in inputs]
-    extra = [k for k in inputs if k not in specs]
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"missing input(s) {missing}")
-        if extra:
-            parts.append(f"unexpected input(s) {extra}")
-        return ValueError(f"GraphRunner: {' and '.join(parts)}; the step takes exactly {list(specs)}")
-    seen: Dict[int, Tuple[int, str]] = {}
-    for name, spec in specs.items():
-        t = inputs[name]
-        didx = in_dims[name]
-        if not isinstance(t, torch.Tensor):
-            return TypeError(f"GraphRunner: input {name!r} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != spec.dtype:
-            return ValueError(f"GraphRunner: input {name!r} has dtype {t.dtype}, expected {spec.dtype}; "
-                              f"convert it with .to({spec.dtype})")
-        if t.dim() != len(spec.trailing) + len(didx) or tuple(t.shape[len(didx):]) != spec.trailing:
-            lead = "batch" if legacy else ", ".join(dims[d] for d in didx)
-            return ValueError(f"GraphRunner: input {name!r} has shape {list(t.shape)}, expected "
-                              f"[{lead}, {', '.join(map(str, spec.trailing))}]".replace(", ]", "]")
-                              + f" (trailing shape {spec.trailing})")
-        if t.is_meta:
-            return ValueError(f"GraphRunner: input {name!r} is on the meta device (shape only, no data); "
-                              "pass a tensor that holds its values")
-        err = alias(name, t)
-        if err is not None:
-            return err
-        for j, d in enumerate(didx):
-            v = t.shape[j]
-            if d not in seen:
-                seen[d] = (v, name)
-            elif seen[d][0] != v:
-                if legacy:
-                    return ValueError(f"GraphRunner: input {name!r} has batch {v} but input {seen[d][1]!r} has "
-                                      f"batch {seen[d][0]}; all inputs share dim 0")
-                return ValueError(f"GraphRunner: input {name!r} has {dims[d]}={v} (dim {j}) but input "
-                                  f"{seen[d][1]!r} has {dims[d]}={seen[d][0]}; inputs sharing a dim name "
-                                  "must agree on its size")
-    zero = [dims[d] for d, (v, _) in sorted(seen.items()) if v == 0]
-    if zero:
-        if legacy:
-            return ValueError("GraphRunner: batch 0 (every input has 0 rows); call the runner only with >= 1 row")
-        return ValueError(f"GraphRunner: size 0 in dim(s) {zero}; call the runner only with sizes >= 1")
-    return ValueError("GraphRunner: invalid inputs")  # pragma: no cover - the fast check found a mismatch
+    name: Any = None
+    try:
+        if not isinstance(inputs, Mapping):
+            return TypeError(f"GraphRunner inputs must be passed as keywords {list(specs)}, "
+                             f"got {type(inputs).__name__}")
+        missing = [k for k in list(specs) if k not in inputs]
+        extra = [k for k in inputs if k not in specs]
+        if missing or extra:
+            parts = []
+            if missing:
+                parts.append(f"missing input(s) {missing}")
+            if extra:
+                parts.append(f"unexpected input(s) {extra}")
+            return ValueError(f"GraphRunner: {' and '.join(parts)}; the step takes exactly {list(specs)}")
+        seen: Dict[int, Tuple[int, str]] = {}
+        for name, spec in specs.items():
+            t = inputs[name]
+            didx = in_dims[name]
+            if not isinstance(t, torch.Tensor):
+                return TypeError(f"GraphRunner: input {name!r} must be a torch.Tensor, got {type(t).__name__}")
+            if t.layout != torch.strided:  # sparse, sparse CSR/CSC/BSR, nested (jagged), mkldnn: no plain storage
+                kind = "a sparse tensor" if "sparse" in str(t.layout) else "not a dense tensor"
+                return ValueError(f"GraphRunner: input {name!r} is {kind} (layout {t.layout}); pass a dense (strided) "
+                                  f"tensor, e.g. {name}.to_dense()")
+            if t.dtype != spec.dtype:
+                return ValueError(f"GraphRunner: input {name!r} has dtype {t.dtype}, expected {spec.dtype}; "
+                                  f"convert it with .to({spec.dtype})")
+            if t.dim() != len(spec.trailing) + len(didx) or tuple(t.shape[len(didx):]) != spec.trailing:
+                lead = "batch" if legacy else ", ".join(dims[d] for d in didx)
+                return ValueError(f"GraphRunner: input {name!r} has shape {list(t.shape)}, expected "
+                                  f"[{lead}, {', '.join(map(str, spec.trailing))}]".replace(", ]", "]")
+                                  + f" (trailing shape {spec.trailing})")
+            if t.is_meta:
+                return ValueError(f"GraphRunner: input {name!r} is on the meta device (shape only, no data); "
+                                  "pass a tensor that holds its values")
+            try:
+                t.data_ptr()
+            except Exception as exc:  # noqa: BLE001 - a tensor without storage (a wrapper subclass, a fake tensor)
+                return ValueError(f"GraphRunner: input {name!r} ({type(t).__name__}) has no storage to copy from "
+                                  f"({type(exc).__name__}: {exc}); pass a dense tensor that holds its values")
+            err = alias(name, t)
+            if err is not None:
+                return err
+            for j, d in enumerate(didx):
+                v = t.shape[j]
+                if d not in seen:
+                    seen[d] = (v, name)
+                elif seen[d][0] != v:
+                    if legacy:
+                        return ValueError(f"GraphRunner: input {name!r} has batch {v} but input {seen[d][1]!r} has "
+                                          f"batch {seen[d][0]}; all inputs share dim 0")
+                    return ValueError(f"GraphRunner: input {name!r} has {dims[d]}={v} (dim {j}) but input "
+                                      f"{seen[d][1]!r} has {dims[d]}={seen[d][0]}; inputs sharing a dim name "
+                                      "must agree on its size")
+        zero = [dims[d] for d, (v, _) in sorted(seen.items()) if v == 0]
+        if zero:
+            if legacy:
+                return ValueError("GraphRunner: batch 0 (every input has 0 rows); call the runner only with >= 1 row")
+            return ValueError(f"GraphRunner: size 0 in dim(s) {zero}; call the runner only with sizes >= 1")
+        return ValueError("GraphRunner: invalid inputs")  # pragma: no cover - the fast check found a mismatch
+    except Exception as exc:  # noqa: BLE001 - the diagnosis itself must never raise: it is the error to report
+        what = "the call's inputs" if name is None else f"input {name!r}"
+        return ValueError(f"GraphRunner: inspecting {what} raised {type(exc).__name__}: {exc}; pass every declared "
+                          f"input {list(specs)} as a dense torch.Tensor")

@@ -22,8 +22,9 @@ import torch
 from graphrunner.buckets import _check_ratio, validate_buckets
 from graphrunner.errors import GraphRunnerError
 
-__all__ = ["KeySpace", "LEGACY_DIM", "agree", "all_max_vector", "AgreementError", "check_dims", "region",
-           "padding_regions", "slice_leaves", "count_leaves", "resolve_input_dims", "resolve_output_dims"]
+__all__ = ["KeySpace", "LEGACY_DIM", "agree", "agreement_vector", "all_max_vector", "AgreementError",
+           "check_dims", "region", "padding_regions", "slice_leaves", "count_leaves", "resolve_input_dims",
+           "resolve_output_dims"]
 
 #: The name of the one dim of a runner built with ``buckets=[...]``.
 LEGACY_DIM = "batch"
@@ -35,8 +36,27 @@ OVER_MAX, PADDING, CANNOT = "over_max_bucket", "padding_ratio", "cannot_replay"
 
 
 class AgreementError(GraphRunnerError):
-    """The group returned an agreement that cannot be right (an agreed size
-    below this rank's own size in some dim): a broken group implementation."""
+    """The per-call agreement across ranks failed: the ranks' calls are not paired (their
+    call numbers or configuration digests differ: every rank raises it for the same call,
+    and :attr:`calls`/:attr:`digests` are set), or the group returned an agreement that
+    cannot be right (an agreed size below this rank's own in some dim: a broken group
+    implementation). Nothing was replayed."""
+
+    def __init__(self, message: str, calls: Optional[Tuple[int, int, int]] = None,
+                 digests: Optional[Tuple[int, int, int]] = None) -> None:
+        super().__init__(message)
+        #: ``(this rank's call number, lowest, highest over the ranks)`` when the call numbers differ.
+        self.calls = calls
+        #: ``(this rank's configuration digest, lowest, highest)`` when the digests differ.
+        self.digests = digests
+
+    @property
+    def unpaired(self) -> bool:
+        """True when the ranks' calls were found unpaired (every rank raised it for this call)."""
+        return self.calls is not None or self.digests is not None
+
+    def __reduce__(self):  # picklable with its fields (errors travel between processes in tests and tools)
+        return (type(self), (str(self), self.calls, self.digests))
 
 
 class KeySpace:
@@ -299,30 +319,106 @@ def resolve_output_dims(outputs: Any, default: Tuple[int, ...], space: KeySpace
 
 
 # ------------------------------------------------------------------ agreement
-def agree(group: Any, sizes: Sizes, invalid: bool, call: int) -> Tuple[Sizes, bool]:
+#: The agreement vector packs a *tag* (the call number modulo ``2**_CALL_BITS``, then the
+#: configuration digest modulo ``2**_DIGEST_BITS``) into the first size and the "invalid"
+#: element, so that it has one element per dim plus one, as before the tag: on gloo a longer
+#: vector costs measurably more per call. Sizes in the first dim must stay below ``2**_SIZE_BITS``.
+_SIZE_BITS, _CALL_BITS, _DIGEST_BITS = 32, 16, 14
+_CALL_MOD, _DIGEST_MOD = 1 << _CALL_BITS, 1 << _DIGEST_BITS
+
+#: What a rank must do after its calls were found unpaired (the end of every such message).
+_RESYNC = ("every rank must call the runner the same number of times. Nothing was replayed on any rank, and this "
+           "runner now refuses every call on every rank (without a collective): re-synchronise the ranks' steps and "
+           "build a new GraphRunner on every rank (or let the processes exit)")
+
+
+def _tag(call: int, digest: int) -> int:
+    return (call % _CALL_MOD) * _DIGEST_MOD + digest % _DIGEST_MOD
+
+
+def agreement_vector(sizes: Sizes, invalid: bool, call: int, digest: int = 0) -> List[int]:
+    """The int vector one rank contributes to a call's agreement, one element per dim plus one:
+    ``[n0 - tag * 2**32, n1, ..., n_last, tag * 2 + invalid]`` with ``tag`` the call number
+    (modulo ``2**16``) and the configuration digest (modulo ``2**14``). The element-wise max
+    over the ranks gives the agreed sizes and "some rank is invalid" when every rank has the
+    same tag, and always the highest tag (last element) and the lowest (first element: the
+    tag is negated there): a max and a min in the same collective."""
+    t = _tag(call, digest)
+    return [sizes[0] - (t << _SIZE_BITS), *sizes[1:], (t << 1) | (1 if invalid else 0)]
+
+
+def _near(own: int, low_bits: int) -> int:
+    """The call number nearest ``own`` whose residue modulo ``2**_CALL_BITS`` is ``low_bits``."""
+    d = (low_bits - own) % _CALL_MOD
+    return own + (d - _CALL_MOD if d >= _CALL_MOD // 2 else d)
+
+
+def agree(group: Any, sizes: Sizes, invalid: bool, call: int, digest: int = 0) -> Tuple[Sizes, bool]:
     """The one collective of a multi-rank call: the element-wise max of
-    ``[*sizes, invalid]`` over the ranks (``group.all_max_vector``).
+    :func:`agreement_vector` over the ranks (``group.all_max_vector``), which carries the
+    sizes, an "invalid" flag, and the call number and configuration digest as both max and min.
 
     Returns ``(agreed_sizes, any_invalid)``. A rank with invalid inputs
-    passes ``invalid=True`` (its sizes are ignored: pass zeros). Raises
-    :class:`AgreementError` if an agreed size is below this rank's own (the
-    group broke the max). A group without ``all_max_vector`` is served by
-    one ``all_max`` per element (see :func:`all_max_vector`).
+    passes ``invalid=True`` (its sizes are ignored: pass zeros). ``call`` is
+    the runner's call number (every rank's must be equal: the ranks' calls are
+    paired in order) and ``digest`` the runner's configuration digest (0 when
+    there is none). Raises :class:`AgreementError` on every rank alike when
+    the call numbers or the digests differ between the ranks (naming this
+    rank's call number and the lowest and highest), and on this rank if an
+    agreed size is below its own (the group broke the max). A size of
+    ``2**32`` or more in the first dim takes part as invalid and then raises
+    ``ValueError``. A group without ``all_max_vector`` is served by one
+    ``all_max`` per element (see :func:`all_max_vector`).
     """
-    vec = [int(n) for n in sizes] + [1 if invalid else 0]
-    out = [int(v) for v in all_max_vector(group, vec, "runner_agree", call)]
-    if len(out) != len(vec):
-        raise AgreementError(f"the group's all_max_vector returned {len(out)} values for {len(vec)} "
-                             f"({out!r}); it must return one per element")
-    agreed, bad = tuple(out[:-1]), out[-1] > 0
-    if not invalid:
-        low = [i for i, (a, n) in enumerate(zip(agreed, sizes)) if a < n]
-        if low:
-            raise AgreementError(
-                f"rank {getattr(group, 'rank', '?')}: the agreement of call {call} returned sizes {list(agreed)} "
-                f"below this rank's own {list(sizes)} in position(s) {low}: the group's all_max_vector is not an "
-                "element-wise max over the ranks; nothing was replayed")
+    n = len(sizes)
+    huge = not invalid and sizes[0] >> _SIZE_BITS
+    out = all_max_vector(group, agreement_vector(sizes if not huge else (0,) * n, invalid or bool(huge), call, digest),
+                         "runner_agree", call)
+    if len(out) != n + 1:
+        raise AgreementError(f"the group's all_max_vector returned {len(out)} values for {n + 1} "
+                             f"({list(out)!r}); it must return one per element")
+    first, last = int(out[0]), int(out[n])
+    hi, lo = last >> 1, -(first >> _SIZE_BITS)
+    if hi != lo:
+        _unpaired(group, call, digest, hi, lo)
+    if huge:
+        raise ValueError(f"GraphRunner: size {sizes[0]} in the first dim is too large to agree across ranks "
+                         f"(at most {(1 << _SIZE_BITS) - 1}); every rank skipped this call")
+    agreed = (first + (lo << _SIZE_BITS), *map(int, out[1:n]))
+    bad = bool(last & 1)
+    if not invalid and any(a < s for a, s in zip(agreed, sizes)):
+        low = [i for i, (a, s) in enumerate(zip(agreed, sizes)) if a < s]
+        raise AgreementError(
+            f"rank {getattr(group, 'rank', '?')}: the agreement of call {call} returned sizes {list(agreed)} "
+            f"below this rank's own {list(sizes)} in position(s) {low}: the group's all_max_vector is not an "
+            "element-wise max over the ranks; nothing was replayed")
     return agreed, bad
+
+
+def _unpaired(group: Any, call: int, digest: int, hi: int, lo: int) -> None:
+    """Raise the :class:`AgreementError` for a call whose peers' tags (call number, digest)
+    ranged from ``lo`` to ``hi``, not all equal to this rank's."""
+    rank, size = getattr(group, "rank", "?"), getattr(group, "size", "?")
+    own_d, lo_d, hi_d = digest % _DIGEST_MOD, lo % _DIGEST_MOD, hi % _DIGEST_MOD
+    calls = sorted({call, _near(call, lo // _DIGEST_MOD), _near(call, hi // _DIGEST_MOD)})
+    first, last = calls[0], calls[-1]
+    if first == last:  # the same call numbers: the ranks ran runners of different configurations
+        raise AgreementError(
+            f"rank {rank} (call {call} of a runner whose configuration digest is {own_d:#x}) met a call of a runner "
+            f"with another configuration on another rank (digests {min(lo_d, hi_d):#x} to {max(lo_d, hi_d):#x} "
+            f"over the {size} ranks): the ranks called different runners over one group, so their calls are not "
+            "paired; " + _RESYNC, digests=(own_d, min(lo_d, hi_d), max(lo_d, hi_d)))
+    if call == last:
+        other = f"another rank is at call {first}"
+    elif call == first:
+        other = f"another rank is at call {last}"
+    else:
+        other = f"other ranks are at calls {first} and {last}"
+    raise AgreementError(
+        f"rank {rank} is at call {call} but {other} (lowest {first}, highest {last} over the {size} ranks): a rank "
+        "skipped or added a call (one of its calls raised or was interrupted before it reached the agreement, or "
+        "the ranks crossed calls of different runners on one group), so the ranks' calls are not paired; " + _RESYNC,
+        calls=(call, first, last))
 
 
 def all_max_vector(group: Any, values: List[int], phase: str, key: Any) -> List[int]:

@@ -31,6 +31,7 @@ from graphrunner.backends import make_backend
 from graphrunner.buckets import default_buckets
 from graphrunner.checks import resolve_checks
 from graphrunner.checks import contracts, fingerprint
+from graphrunner.checks.verify import shadow_reference, shadow_verify, verify_every_setting
 from graphrunner.errors import CaptureError, GraphRunnerError, PaddingLeakError, RankTimeoutError
 from graphrunner.inputs import BatchInput, check_inputs
 from graphrunner.keys import LEGACY_DIM, KeySpace, resolve_input_dims, resolve_output_dims
@@ -108,7 +109,12 @@ class GraphRunner:
             configures the padding check; ``()`` runs none.
         debug: debug mode (``None`` reads ``GRAPHRUNNER_DEBUG=1``): every call
             checks ``BatchInput(bounds=...)`` and, before each replay, that the
-            tensors the graph reads keep their storage (:mod:`graphrunner.checks.contracts`).
+            tensors the graph reads keep their storage (:mod:`graphrunner.checks.contracts`);
+            it verifies every call (``verify_every=1``) unless told otherwise.
+        verify_every: shadow verification: every N-th replayed call also runs
+            eagerly on the same padded inputs and must agree (``ContractError``
+            otherwise; :mod:`graphrunner.checks.verify`). ``None`` reads
+            ``GRAPHRUNNER_VERIFY_EVERY``; 0 is off (the default outside debug mode).
         copy_outputs: return clones instead of views of the static output buffer
             (default ``False``, ``True`` with an ``output_arena``); per call: :meth:`run`.
         output_arena: a :class:`~graphrunner.OutputArena` shared with other runners
@@ -133,6 +139,7 @@ class GraphRunner:
                  post_warmup_hook: Optional[Callable[[Any], Any]] = None, max_padding_ratio: Optional[float] = None,
                  fallback: str = "eager", trace: Any = None, *, keys: Optional[Sequence[Any]] = None,
                  outputs: Any = None, checks: Any = None, debug: Optional[bool] = None,
+                 verify_every: Optional[int] = None,
                  copy_outputs: Optional[bool] = None, output_arena: Any = None, progress: bool = True) -> None:
         _check_config(step, inputs, fallback, post_warmup_hook, output_arena)
         self._space = space = KeySpace(buckets, keys, max_padding_ratio)
@@ -149,6 +156,8 @@ class GraphRunner:
         self.checks = resolve_checks(checks)
         #: Debug mode (``debug=`` or ``GRAPHRUNNER_DEBUG=1``): see :mod:`graphrunner.checks.contracts`.
         self.debug = contracts.debug_enabled(debug)
+        #: Shadow verification of every N-th replayed call (0: off; :mod:`graphrunner.checks.verify`).
+        self.verify_every = verify_every_setting(verify_every, self.debug)
         self.step, self.inputs, self.fallback = step, dict(inputs), fallback
         self.post_warmup_hook, self.progress, self.output_arena = post_warmup_hook, bool(progress), output_arena
         # views into a shared arena are overwritten by any runner on it: copies unless asked otherwise
@@ -170,8 +179,7 @@ class GraphRunner:
                                     space.dims, space.legacy, self._key_text)
         self.stats = RunnerStats(replays={k: 0 for k in self.keys})
         self.report: Optional[CaptureReport] = None
-        self._captured = self._capturing = self._cleaned_up = False
-        self._calls = 0
+        self._calls, self._captured, self._capturing, self._cleaned_up = 0, False, False, False
         self._owner = CallOwner()  # one call (or capture) at a time: the static buffers hold one batch
         self._lock = self._owner.lock
         self._reset_replay_state()
@@ -198,9 +206,8 @@ class GraphRunner:
     key_for = bucket_for
 
     def __repr__(self) -> str:
-        return (f"GraphRunner(backend={getattr(self.backend, 'name', type(self.backend).__name__)!r}, "
-                f"buckets={self.buckets}, inputs={list(self.inputs)}, rank={self.rank}/{self.world_size}, "
-                f"captured={self._captured})")
+        return (f"GraphRunner(backend={getattr(self.backend, 'name', type(self.backend).__name__)!r}, buckets="
+                f"{self.buckets}, inputs={list(self.inputs)}, rank={self.rank}/{self.world_size}, captured={self._captured})")
 
     def _key_text(self, key: Tuple[int, ...]) -> str:
         return f"bucket {key[0]}" if self._space.legacy else f"key {key} ({self._space.describe(key)})"
@@ -265,8 +272,9 @@ class GraphRunner:
                     try:
                         self.backend.capture_one(ext, self._make_forward(key, views), capture_inputs=views,
                                                  post_warmup_hook=hook, hooks=self.checks.key_hooks(
-                                                     space, key, self._key_text(key), self._inputs.float_views(views),
-                                                     self._layout.leaf_dims, self.group, self._externals),
+                                                     space, key, self._key_text(key), self._inputs.key_inputs(views), self.step,
+                                                     self._layout.leaf_dims, self.group, self._externals,
+                                                     contracts.InputWritesCheck(self._inputs.storage_names())),
                                                  findings=None if collect is None else collect.findings, **extra)
                     except Exception as exc:
                         if collect is None:
@@ -335,16 +343,11 @@ class GraphRunner:
     def run(self, inputs: Mapping[str, torch.Tensor], copy_outputs: Optional[bool] = None) -> Any:
         """Serve one batch: validate, agree, copy + pad, replay (or fall back), slice.
 
-        ``inputs`` maps every declared name to a tensor of the declared dtype
-        and trailing shape (any device). Returns what ``step`` returns, each
-        tensor sliced to the call's sizes: views of static memory that the
-        next call overwrites unless ``copy_outputs`` (default: the runner's).
-        Invalid inputs raise ``ValueError``/``TypeError`` before anything is
-        written (a copy that still fails resets the buffers and raises
-        :class:`GraphRunnerError`); the runner stays usable. Raises
-        :class:`CaptureError` before :meth:`capture`, and
-        :class:`GraphRunnerError` during another call of this runner.
-        """
+        ``inputs``: every declared name, a tensor of the declared dtype and trailing shape
+        (any device). Returns what ``step`` returns, sliced to the call's sizes: views the next
+        call overwrites unless ``copy_outputs`` (default: the runner's). Invalid inputs raise
+        ``ValueError``/``TypeError`` before anything is written; the runner stays usable. Raises
+        :class:`CaptureError` before :meth:`capture`, :class:`GraphRunnerError` during another call."""
         if not self._lock.acquire(blocking=False):
             self._owner.refuse("run()")
         self._owner.thread = threading.get_ident()
@@ -358,7 +361,10 @@ class GraphRunner:
             try:
                 tensors, sizes = staging.validate(inputs)
                 if self.debug:
-                    self._debug_checks(tensors)
+                    # before anything is written; with agreement every key's externals (a rank must
+                    # not raise after its peers agreed to replay)
+                    contracts.check_call(self._inputs.bounded, tensors,
+                                         self._externals if self._agreement.shared else None)
                 staging.stage(tensors, sizes)  # before agreeing: a failed copy is reported to every rank
             except (ValueError, TypeError, GraphRunnerError):
                 self._agreement.invalid(staging.zero, self._calls)
@@ -371,6 +377,7 @@ class GraphRunner:
                 return self._fallback(tensors, sizes, rows, reason, copy_outputs)
             if staging.filled != sizes:
                 staging.pad_to(sizes, key)
+            ref = shadow_reference(self, sizes, key) if self.verify_every and not self._calls % self.verify_every else None
             try:
                 replay()
             except Exception as exc:  # a failed collective on a multi-rank runner: RankTimeoutError
@@ -378,6 +385,8 @@ class GraphRunner:
                 if err is None:
                     raise
                 raise err from exc
+            if staging.stateful:
+                staging.written_by_step(key)
             stats = self.stats
             real = sizes[0] if len(sizes) == 1 else math.prod(sizes)
             stats.replays[ext] += 1
@@ -385,18 +394,12 @@ class GraphRunner:
             stats.padding_rows += volume - real
             stats.last_bucket = ext
             out = self._layout.replayed(outputs, sizes)
+            if ref is not None:
+                shadow_verify(self, ref, tensors, sizes, key, out)
             return clone_outputs(out) if copy_outputs else out
         finally:
             self._owner.thread = None
             self._lock.release()
-
-    def _debug_checks(self, tensors: List[torch.Tensor]) -> None:
-        """Debug mode, before anything is written: each input's bounds; with agreement also every
-        key's externals (a rank must not raise after its peers agreed to replay)."""
-        contracts.check_bounds(self._inputs.bounded, tensors)
-        if self._agreement.shared and self._externals is not None:
-            for k in self._externals.guard.per_key:
-                self._externals.before_replay(k)
 
     def _fallback(self, tensors: List[torch.Tensor], sizes: Tuple[int, ...], rows: Tuple[int, ...], reason: str,
                   copy_outputs: bool) -> Any:

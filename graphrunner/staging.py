@@ -52,6 +52,9 @@ class StaticInputs:
                                  dtype=spec.dtype, device=device)
                 for name, spec in self.specs.items()}
         self.names = tuple(self.specs)
+        #: Some input is ``BatchInput(state=True)``: the step writes it, so its padding is re-padded
+        #: after every call (:meth:`written_by_step`).
+        self.stateful = any(s.state for s in self.specs.values())
         #: ``(position, name, (lo, hi), leading dims)`` of every input with ``BatchInput(bounds=...)``.
         self.bounded = tuple((i, n, s.bounds, len(self.in_dims[n])) for i, (n, s) in enumerate(self.specs.items())
                              if s.bounds is not None)
@@ -86,10 +89,10 @@ class StaticInputs:
         """Bytes held by the buffers."""
         return sum(t.numel() * t.element_size() for t in self.buffers.values())
 
-    def float_views(self, views: Dict[str, torch.Tensor]) -> List[Tuple[str, torch.Tensor, Tuple[int, ...]]]:
-        """``(name, its view in views, leading-dim indices)`` of the floating-point inputs: what the
-        padding check changes."""
-        return [(n, views[n], self.in_dims[n]) for n, s in self.specs.items() if s.dtype.is_floating_point]
+    def key_inputs(self, views: Dict[str, torch.Tensor]) -> List[Tuple[str, torch.Tensor, Tuple[int, ...], BatchInput]]:
+        """``(name, its view in views, leading-dim indices, BatchInput)`` of every input: what the
+        padding check fills."""
+        return [(n, views[n], self.in_dims[n], s) for n, s in self.specs.items()]
 
     def fingerprint(self) -> Dict[str, Any]:
         """The inputs as the cross-rank configuration check compares them."""
@@ -122,7 +125,8 @@ class StaticInputs:
         if self._rows_only:
             try:
                 fast = self._validate_rows(inputs)
-            except (KeyError, TypeError, AttributeError, IndexError):
+            except Exception:  # noqa: BLE001 - any failure to inspect an input (a sparse tensor's
+                # data_ptr() raises RuntimeError) is invalid input: the runner tells its peers, never skips
                 raise self.error(inputs) from None
             if fast is not None:
                 return fast
@@ -148,7 +152,7 @@ class StaticInputs:
                     self._check_memory(name, t, own)
             if min(sizes) <= 0:
                 raise KeyError
-        except (KeyError, TypeError, AttributeError):
+        except Exception:  # noqa: BLE001 - as above: invalid input, named by the slow path
             raise self.error(inputs) from None
         return tensors, tuple(sizes)
 
@@ -261,6 +265,16 @@ class StaticInputs:
         # Outside ``key`` earlier data may remain: keep the bounding box.
         self.filled = sizes if all(f <= k for f, k in zip(filled, key)) else tuple(map(max, filled, sizes))
 
+    def written_by_step(self, key: Sizes) -> None:
+        """A call of ``key`` ran a step that writes its state inputs: every cell of ``key`` may
+        now hold data, so the next call re-pads what it does not fill."""
+        self.filled = tuple(map(max, self.filled, key))
+
+    def storage_names(self) -> Dict[int, Tuple[str, bool]]:
+        """``{storage key of a buffer: (input name, declared state)}``: how a check tells which
+        input an op writes."""
+        return {b.untyped_storage().data_ptr(): (n, self.specs[n].state) for n, b in self.buffers.items()}
+
     def restore_pads(self, extent: Optional[Sizes] = None) -> None:
         """Set the leading region ``extent`` (default: all that may hold data) of every buffer to
         its pad value."""
@@ -281,6 +295,8 @@ class StaticInputs:
                 t = p
             elif t.device != dev:
                 t = t.to(dev)
+            elif spec.state:
+                t = t.clone()  # the step writes it: never the caller's tensor
             kwargs[name] = t
         return kwargs
 

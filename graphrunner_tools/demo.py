@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, TextIO
+from typing import Any, Dict, List, Optional, Sequence, TextIO
 
 import torch
 
@@ -130,7 +130,8 @@ def _latency_table(runner: GraphRunner, model, dev, buckets: List[int], config: 
 def run_demo(backend: str = "breakable", device: str = "auto", steps: int = 200,
              buckets: Sequence[int] = (1, 2, 4, 8, 16, 32), max_batch: int = 40, seed: int = 0,
              layers: int = 4, trace_out: Optional[str] = "graphrunner-demo-trace",
-             progress: bool = True, out: Optional[TextIO] = None, drift_check: bool = True) -> DemoResult:
+             progress: bool = True, out: Optional[TextIO] = None, drift_check: bool = True,
+             checks: Any = None) -> DemoResult:
     """Run the demo and return its :class:`DemoResult` (see the module docstring).
 
     ``max_batch`` is the largest batch size drawn; batches above
@@ -162,10 +163,10 @@ def run_demo(backend: str = "breakable", device: str = "auto", steps: int = 200,
     trace = Trace()
     runner = GraphRunner(
         lambda input_ids, positions: model.decode_step(input_ids, positions),
-        inputs={"input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0),
-                "positions": BatchInput(trailing=(), dtype=torch.long, pad=0)},
+        inputs={"input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, config.vocab_size - 1)),
+                "positions": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, config.max_seq_len - 1))},
         buckets=list(buckets), backend=backend, device=dev, trace=trace, progress=progress,
-        checks=None if drift_check else ("padding", "fingerprint"))
+        checks=checks if checks is not None else None if drift_check else ("padding", "fingerprint"))
     report = runner.capture()
     # The warmup forwards wrote K/V of the capture inputs into the cache; start
     # serving from a clean cache, zeroed in place (graphs hold its address).

@@ -566,9 +566,11 @@ def decode_runner(model: Any, backend: Any, max_running: int, pad_slot: Optional
     from graphrunner.runner import BatchInput, GraphRunner
 
     pad_slot = max_running if pad_slot is None else pad_slot
-    inputs = {"input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0),
-              "positions": BatchInput(trailing=(), dtype=torch.long, pad=0),
-              "slot_ids": BatchInput(trailing=(), dtype=torch.long, pad=pad_slot)}
+    cfg = model.config
+    # bounds: the real values (the padding check draws real cells from them); the pad slot lies outside
+    inputs = {"input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, cfg.vocab_size - 1)),
+              "positions": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, cfg.max_seq_len - 1)),
+              "slot_ids": BatchInput(trailing=(), dtype=torch.long, pad=pad_slot, bounds=(0, max_running - 1))}
 
     def step(input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
         return model.decode_step(input_ids, positions, slot_ids)

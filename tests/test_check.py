@@ -289,3 +289,19 @@ def test_factory_is_called_once_and_a_padding_leak_is_a_finding(target):
     # independent reference: the plain capture raises the same leak for the largest key
     with pytest.raises(gr.PaddingLeakError, match="bucket 4"):
         leaky().capture()
+
+
+def test_step_writing_its_input_is_a_finding():
+    def accumulate(state, delta):
+        state.add_(delta)
+        return state * 2
+
+    def make():
+        return gr.GraphRunner(accumulate, {"state": gr.BatchInput(trailing=(4,)), "delta": gr.BatchInput(trailing=(4,))},
+                              buckets=[2, 4], device="tape", progress=False)
+
+    report = check_factory(make)
+    kinds = [f.kind for f in report.findings]
+    assert "input-write" in kinds and "writes into its input 'state'" in report.findings[kinds.index("input-write")].what
+    with pytest.raises(gr.CaptureError, match="writes into its input 'state'"):  # the plain capture refuses it too
+        make().capture()

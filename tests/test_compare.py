@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import graphrunner as gr
-import graphrunner.checks.compare as compare_mod
+from graphrunner.checks.ops import WriteGuard
 from graphrunner.errors import CaptureError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -138,7 +138,7 @@ def test_state_the_step_writes_is_restored():
 
 
 def test_negative_control_without_restore_compare_advances_the_cache(monkeypatch):
-    monkeypatch.setattr(compare_mod._State, "restore", lambda self: None)
+    monkeypatch.setattr(WriteGuard, "restore", lambda self: None)
     m = Cached().eval()
     r = _runner(m)
     cache = m.cache.clone()

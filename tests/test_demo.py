@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+import graphrunner as gr
 from graphrunner.errors import CaptureError
 import graphrunner_tools.demo as demo
 from graphrunner_tools.cli import main
@@ -108,9 +109,14 @@ def test_demo_reports_padding_that_leaks_into_real_rows(monkeypatch):
 
     monkeypatch.setattr(demo, "build_model", build_leaky_model)
     out = io.StringIO()
+    # the padding check catches it at capture ...
+    with pytest.raises(gr.PaddingLeakError, match="bucket 4"):
+        demo.run_demo(backend="breakable", device="tape", steps=4, buckets=(4,), max_batch=3,
+                      layers=1, trace_out=None, progress=False, out=io.StringIO())
+    # ... and with it off, the demo's own comparison with eager on the real batch does
     # bucket 4 only, batches of 1..3: every call is padded
     result = demo.run_demo(backend="breakable", device="tape", steps=4, buckets=(4,), max_batch=3,
-                           layers=1, trace_out=None, progress=False, out=out)
+                           layers=1, trace_out=None, progress=False, out=out, checks=("drift", "fingerprint"))
     assert result.padding_mismatches == 4 and not result.ok
     assert result.fallbacks == 0 and result.violations == []
     assert "demo: FAILED" in out.getvalue()

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import graphrunner as gr
+from graphrunner.tape import is_tape_capturing
 from graphrunner.keys import KeySpace
 from graphrunner.checks.padding import check_sizes
 
@@ -92,43 +93,66 @@ def test_row_independent_step_passes_and_matches_eager():
     torch.testing.assert_close(m, (torch.tanh(x @ w) * 2).amax(-1))
 
 
-def test_integer_inputs_keep_their_pad_value():
+def test_integer_inputs_vary_within_bounds_and_keep_their_pad_without(caplog):
+    """Integer inputs with bounds get random real cells inside them (one real cell at the pad, which
+    is a valid real value here), padding cells their pad value, as at replay; without bounds they keep
+    the pad value and one warning says what to declare."""
     emb = torch.randn(10, H)
     seen = []
 
     def step(ids, h):
-        seen.append(ids.clone())
-        return emb[ids] + h      # an index changed in padding would be out of range at pad != 0
+        if not is_tape_capturing():  # the eager forwards (a capture may hold poison: GRAPHRUNNER_TAPE_POISON=1)
+            seen.append(ids.clone())
+        return emb[ids] + h
 
-    r = gr.GraphRunner(step, inputs={"ids": gr.BatchInput(dtype=torch.long, pad=0),
-                                     "h": gr.BatchInput(trailing=(H,), pad=0.0)},
-                       buckets=[2, 4], device="tape", progress=False)
-    r.capture()
+    def build(bounds):
+        return gr.GraphRunner(step, inputs={"ids": gr.BatchInput(dtype=torch.long, pad=0, bounds=bounds),
+                                            "h": gr.BatchInput(trailing=(H,), pad=0.0)},
+                              buckets=[2, 4], device="tape", progress=False,
+                              checks=("padding", "fingerprint"))  # the step branches on the capture on purpose
+
+    build((0, 9)).capture()
+    varied = [t for t in seen if int(t.max()) > 0]
+    assert varied and all(0 <= int(t.min()) and int(t.max()) <= 9 for t in seen)
+    assert all(int(t[0]) == 0 for t in varied)        # the pad is a real value: one real cell holds it
+    assert any(t.shape[0] == 4 and int(t[3]) == 0 and int(t[:3].max()) > 0 for t in varied)  # padding = pad
+    seen.clear()
+    with caplog.at_level("WARNING", logger="graphrunner.checks.padding"):
+        build(None).capture()
     assert all(int(t.max()) == 0 for t in seen)
+    assert "integer input 'ids' has no BatchInput(bounds=(lo, hi))" in caplog.text
+    assert caplog.text.count("has no BatchInput(bounds") == 1  # one warning per runner
 
 
-def test_stateful_step_hook_resets_state_before_the_extra_forward(caplog):
-    """The user's hook runs before and after the extra forward, so state the step updates in place
-    (reset by the hook) is not mistaken for a leak; without the hook the check sees the output change
-    between two identical calls too (its control forward), and warns that it cannot check it."""
+def test_state_the_step_writes_is_put_back_around_the_checks_forwards(caplog, monkeypatch):
+    """The check's forwards run with the step's writes outside itself put back (a WriteGuard), so a
+    tensor the step updates in place is no false alarm, with or without a reset hook; the user's hook
+    runs after each warmup only. Negative control: without the restore the check sees the output move
+    between two identical calls and can only warn that it cannot check it."""
+    from graphrunner.checks.ops import WriteGuard
+
     counter = torch.zeros(())
 
     def step(h):
-        counter.add_(1)                 # state the step writes, reset by the hook
+        counter.add_(1)                 # state the step writes
         return h * 2 + counter
 
     hooks = []
     r = _runner(step, post_warmup_hook=lambda bucket: (hooks.append(bucket), counter.zero_()))
-    r.capture()                         # no false alarm: the hook runs before the extra forward
-    assert hooks == [8, 8, 8, 4, 4, 4, 2, 2, 1, 1]
+    r.capture()
+    assert hooks == [8, 8, 4, 4, 2, 2, 1, 1]
     counter.zero_()
     with caplog.at_level("WARNING", logger="graphrunner.checks.padding"):
         r = _runner(step)
-        r.capture()                     # no false alarm: the control forward shows it is state, not padding
-    assert "changed between two identical calls" in caplog.text and "output" in caplog.text
+        r.capture()
+    assert "changed between two identical calls" not in caplog.text
     h = torch.randn(3, *r.inputs["h"].trailing)
     got = r(h=h)
     assert torch.equal(got, h * 2 + counter)  # the graph adds the live counter (updated in the graph)
+    monkeypatch.setattr(WriteGuard, "restore", lambda self: None)
+    with caplog.at_level("WARNING", logger="graphrunner.checks.padding"):
+        _runner(step).capture()
+    assert "changed between two identical calls" in caplog.text
 
 
 def test_stateful_and_leaking_outputs_are_told_apart():

@@ -77,6 +77,8 @@ def test_graph_engine_tokens_match_the_uncached_reference(backend):
 def test_padding_rows_in_a_real_slot_corrupt_requests():
     # Negative control of the padding slot: padding rows sent to cache row 0 (a request's slot)
     # overwrite that request's position 0, and the uncached reference catches it.
+    # The padding check cannot see this one at capture: the padding rows write at (slot 0, position 0)
+    # exactly what the warmups left there (docs/troubleshooting.md, the check's limits).
     model, reqs = _tiny(), _requests()
     runner = lt.decode_runner(model, "breakable", 8, pad_slot=0, device="tape", progress=False)
     runner.capture()

@@ -14,6 +14,7 @@ import graphrunner.runner as runner_mod
 from graphrunner.breakable import no_graph
 from graphrunner.buckets import default_buckets
 from graphrunner.errors import CaptureError, GraphRunnerError
+from graphrunner.keys import agreement_vector
 from graphrunner.runner import BatchInput, GraphRunner
 
 D, V, VOCAB = 16, 12, 50
@@ -424,14 +425,16 @@ def test_capture_is_gc_frozen_and_hooks_see_the_bucket():
     r = GraphRunner(f, {"x": BatchInput(trailing=(2,))}, [1, 4], backend="breakable", device="tape", warmups=2,
                     post_warmup_hook=hooks.append, progress=False)
     before = gc.get_freeze_count()
-    r.capture()
-    # 2 warmups + 1 capture per bucket, + the padding-leak check's extra forward for bucket 4; all frozen
-    assert len(frozen) == 7 and all(frozen)
+    rep = r.capture()
+    # 2 warmups + 1 capture per bucket, + the padding check's forwards for bucket 4 (padded, random padding,
+    # 3 real rows, unpadded eager); all frozen
+    assert rep.buckets[0].info["leak_check_forwards"] == 4
+    assert len(frozen) == 10 and all(frozen)
     assert gc.get_freeze_count() == before  # unfrozen again after capture
     frozen.clear()
     r(x=torch.ones(3, 2))
     assert frozen == []  # replay does not call the step
-    assert hooks == [4, 4, 4, 1, 1]  # after each warmup (and the leak check's forward), largest bucket first
+    assert hooks == [4, 4, 1, 1]  # after each warmup, largest bucket first
 
 
 def test_progress_bar_on_stderr_and_disable(capsys):
@@ -462,6 +465,17 @@ def test_progress_plain_fallback_without_tqdm():
 # --------------------------------------------------------------------------- group traffic (in-process fakes)
 
 
+def peer_vector(v, batch, invalid=0, lag=0, digest=None):
+    """The agreement vector of a one-dim peer with ``batch`` rows, given this rank's vector ``v``
+    (only its first element is read): at this rank's call minus ``lag``, with this rank's
+    configuration digest unless ``digest`` is given."""
+    from graphrunner.keys import _DIGEST_MOD, _SIZE_BITS
+
+    tag = -(v[0] >> _SIZE_BITS)
+    call, own_digest = divmod(tag, _DIGEST_MOD)
+    return agreement_vector((batch,), bool(invalid), call - lag, own_digest if digest is None else digest)
+
+
 class RecordingGroup:
     """A fake group: records every call; peers are simulated by the values
     they contribute to the element-wise max of the one per-call agreement
@@ -482,8 +496,8 @@ class RecordingGroup:
         self.calls.append(("all_max_vector", phase, list(v)))
         if self.size == 1:
             return list(v)
-        if phase == "runner_agree":
-            return [max(v[0], self.peer_batch), max(v[1], self.peer_invalid)]
+        if phase == "runner_agree":  # the peer, at the same call, contributes its batch and invalid flag
+            return [max(a, b) for a, b in zip(v, peer_vector(v, self.peer_batch, self.peer_invalid))]
         if phase == "runner_replayable":
             return [max(x, 1 if i in self.peer_cannot else 0) for i, x in enumerate(v)]
         return list(v)  # the capture fingerprint: the peer configured the same runner
@@ -495,14 +509,20 @@ class ScalarOnlyGroup:
     rank, size = 0, 2
 
     def __init__(self, peer_batch):
-        self.calls, self.peer_batch = [], peer_batch
+        self.calls, self.peer_batch, self._peer = [], peer_batch, None
 
     def barrier(self, **kw):
         pass
 
     def all_max(self, v, **kw):
         self.calls.append(("all_max", kw.get("phase"), v))
-        return max(v, self.peer_batch) if kw.get("phase") == "runner_agree" and v > 1 else v
+        if kw.get("phase") != "runner_agree":
+            return v
+        if self._peer is None:  # the first element of the vector: the peer's whole vector follows from it
+            self._peer = peer_vector([v], self.peer_batch)
+            return max(v, self._peer[0])
+        out, self._peer = max(v, self._peer[1]), None
+        return out
 
     def all_min(self, v, **kw):  # pragma: no cover - the runner only takes maxima
         raise AssertionError("the runner agrees with maxima only")
@@ -536,7 +556,7 @@ def test_multirank_agreement_makes_exactly_one_collective_per_call():
     batch = make_batch(2)
     out = r(**batch)
     # The peer has 7 rows: both replay bucket 8, this rank's outputs are sliced to its 2 rows.
-    assert g.calls == [("all_max_vector", "runner_agree", [2, 0])]
+    assert g.calls == [("all_max_vector", "runner_agree", agreement_vector((2,), False, 1))]  # batch 2, call 1
     assert r.stats.last_bucket == 8 and r.stats.padding_rows == 6
     assert_same(out, eager(batch))
 
@@ -557,7 +577,7 @@ def test_multirank_agreement_makes_exactly_one_collective_per_call():
     g.peer_invalid = 0
     with pytest.raises(ValueError, match="missing"):
         r(input_ids=batch["input_ids"], hidden=batch["hidden"])
-    assert g.calls == [("all_max_vector", "runner_agree", [0, 1])]
+    assert g.calls == [("all_max_vector", "runner_agree", agreement_vector((0,), True, 4))]  # call 4, invalid
 
 
 def test_multirank_peer_that_cannot_replay_a_key_makes_every_rank_fall_back_for_it():
@@ -587,7 +607,7 @@ def test_group_without_all_max_vector_gets_one_all_max_per_element():
     g.calls.clear()
     batch = make_batch(2)
     assert_same(r(**batch), eager(batch))
-    assert g.calls == [("all_max", "runner_agree", 2), ("all_max", "runner_agree", 0)]
+    assert g.calls == [("all_max", "runner_agree", v) for v in agreement_vector((2,), False, 1)]
     assert r.stats.last_bucket == 8
 
 
@@ -595,7 +615,7 @@ def test_agreement_below_own_size_raises():
     class Shrinking(RecordingGroup):
         def all_max_vector(self, v, **kw):
             out = super().all_max_vector(v, **kw)
-            return [1, out[1]] if kw.get("phase") == "runner_agree" else out
+            return [out[0] - 2, *out[1:]] if kw.get("phase") == "runner_agree" else out  # 3 rows agreed as 1
 
     r = _group_runner(Shrinking(size=2))
     r.capture()
@@ -657,3 +677,200 @@ def test_cuda_graphs_replay_equals_eager(backend):
             ref = cuda_step(**batch)
         for k in ref:
             assert torch.equal(out[k], ref[k]), (n, k)
+
+
+# --------------------------------------------------------------------------- paired calls across ranks (issue 21)
+
+
+class PeerAtCall(RecordingGroup):
+    """A fake 2-rank group whose peer is ``lag`` calls behind this rank and runs a runner of
+    configuration digest ``peer_digest`` (``None``: the same as this rank's)."""
+
+    def __init__(self, lag=0, peer_digest=None, **kw):
+        super().__init__(size=2, **kw)
+        self.lag, self.peer_digest = lag, peer_digest
+
+    def all_max_vector(self, v, **kw):
+        if kw.get("phase") != "runner_agree":
+            return super().all_max_vector(v, **kw)
+        self.calls.append(("all_max_vector", "runner_agree", list(v)))
+        peer = peer_vector(v, self.peer_batch, self.peer_invalid, self.lag, self.peer_digest)
+        return [max(a, b) for a, b in zip(v, peer)]
+
+
+def test_agreement_vector_packs_the_call_number_as_max_and_min_without_growing():
+    from graphrunner.keys import agree
+
+    # One element per dim plus one, as before the call number: [n0 - tag * 2**32, n1, ..., tag * 2 + invalid].
+    tag = 7 * 2 ** 14 + 5
+    assert agreement_vector((3, 2), False, 7, digest=5) == [3 - tag * 2 ** 32, 2, tag * 2]
+    assert agreement_vector((0,), True, 7, digest=5) == [-tag * 2 ** 32, tag * 2 + 1]
+
+    class Peers:  # ranks at the same call with other sizes and flags: the max decodes to the agreed sizes
+        rank, size = 0, 3
+
+        def __init__(self, *peers):
+            self.peers = peers
+
+        def all_max_vector(self, v, **kw):
+            return [max(col) for col in zip(v, *self.peers)]
+
+    g = Peers(agreement_vector((5, 1), False, 9), agreement_vector((0, 0), True, 9))
+    assert agree(g, (3, 4), False, 9) == ((5, 4), True)
+    assert agree(Peers(agreement_vector((2, 6), False, 9)), (3, 4), False, 9) == ((3, 6), False)
+    # Call numbers are compared modulo 2**16: a rank past the wrap is still one call ahead.
+    from graphrunner.keys import AgreementError
+
+    with pytest.raises(AgreementError, match="rank 0 is at call 65535 but another rank is at call 65536") as ei:
+        agree(Peers(agreement_vector((1, 1), False, 65536)), (3, 4), False, 65535)
+    assert ei.value.calls == (65535, 65535, 65536)
+    g = RecordingGroup(size=2)
+    r = _group_runner(g)
+    r.capture()
+    g.calls.clear()
+    for i, n in enumerate((2, 3, 5), start=1):
+        batch = make_batch(n)
+        assert_same(r(**batch), eager(batch))
+        assert g.calls[-1] == ("all_max_vector", "runner_agree", agreement_vector((n,), False, i))
+        assert len(g.calls[-1][2]) == 2  # one dim: two elements, exactly as before
+    assert len(g.calls) == 3  # still exactly one collective per call
+
+
+def test_unpaired_call_numbers_raise_agreement_error_and_the_runner_refuses_later_calls():
+    from graphrunner.keys import AgreementError
+
+    g = PeerAtCall(lag=0)
+    r = _group_runner(g)
+    r.capture()
+    batch = make_batch(3)
+    assert_same(r(**batch), eager(batch))  # call 1 on both ranks
+    g.lag = 1  # the peer lost a call: this rank's call 2 meets the peer's call 1
+    seen = []
+    orig = r.step
+    r.step = lambda **kw: (seen.append(1), orig(**kw))[1]
+    replays = dict(r.stats.replays)
+    with pytest.raises(AgreementError, match=r"rank 0 is at call 2 but another rank is at call 1 \(lowest 1, "
+                       r"highest 2 over the 2 ranks\): a rank skipped or added a call") as ei:
+        r(**batch)
+    assert ei.value.calls == (2, 1, 2) and ei.value.unpaired
+    assert "every rank must call the runner the same number of times" in str(ei.value)
+    assert r.stats.replays == replays and seen == []  # nothing replayed, no eager fallback
+    # From now on the runner refuses every call on this rank, without a collective (every
+    # rank saw the same mismatch, so no rank waits for another).
+    g.calls.clear()
+    g.lag = 0
+    with pytest.raises(AgreementError, match="refused without a collective.*call 2 but another rank is at call 1"):
+        r(**batch)
+    with pytest.raises(AgreementError, match="refused"):  # invalid inputs too: the desync comes first
+        r(input_ids=batch["input_ids"], hidden=batch["hidden"])
+    assert g.calls == [] and seen == []
+    # A new runner re-pairs the ranks (after the caller re-synchronised its steps).
+    r.step = orig
+    g2 = PeerAtCall(lag=0)
+    r2 = _group_runner(g2)
+    r2.capture()
+    assert_same(r2(**batch), eager(batch))
+
+
+def test_the_lowest_and_highest_call_numbers_are_named_on_a_rank_in_between():
+    from graphrunner.keys import AgreementError, agree
+
+    class ThreeRanks:
+        rank, size = 1, 3
+
+        def all_max_vector(self, v, **kw):  # peers at calls 6 and 8, this rank at 7
+            peers = agreement_vector((2,), False, 6), agreement_vector((2,), False, 8)
+            return [max(col) for col in zip(v, *peers)]
+
+    with pytest.raises(AgreementError, match=r"rank 1 is at call 7 but other ranks are at calls 6 and 8 "
+                                             r"\(lowest 6, highest 8 over the 3 ranks\)") as ei:
+        agree(ThreeRanks(), (2,), False, 7)
+    assert ei.value.calls == (7, 6, 8)
+
+
+def test_invalid_inputs_on_an_unpaired_call_raise_agreement_error_on_that_rank_too():
+    from graphrunner.keys import AgreementError
+
+    g = PeerAtCall(lag=0)
+    r = _group_runner(g)
+    r.capture()
+    batch = make_batch(2)
+    g.lag = -1  # the peer is one call ahead
+    with pytest.raises(AgreementError, match="rank 0 is at call 1 but another rank is at call 2") as ei:
+        r(input_ids=batch["input_ids"], hidden=batch["hidden"])  # missing 'positions'
+    assert isinstance(ei.value.__context__, ValueError) and "missing" in str(ei.value.__context__)
+    assert g.calls[-1] == ("all_max_vector", "runner_agree", agreement_vector((0,), True, 1))  # it took part
+
+
+def test_configuration_digests_that_differ_raise_agreement_error():
+    from graphrunner.agreement import RankAgreement, config_digest
+    from graphrunner.keys import AgreementError
+
+    r = _group_runner(RecordingGroup(size=2))
+    d1 = config_digest(r._config_fields())
+    assert d1 == config_digest(r._config_fields()) and 0 < d1 < 2 ** 62
+    other = GraphRunner(step, INPUTS, [2, 4], backend="breakable", device="tape", progress=False)
+    d2 = config_digest(other._config_fields())
+    m1, m2 = d1 % 2 ** 14, d2 % 2 ** 14  # the vector carries the digest modulo 2**14
+    assert m1 != m2
+    same = RankAgreement(PeerAtCall(peer_digest=d1), digest=d1)
+    assert same.agree((3,), 1) == (3,)
+    crossed = RankAgreement(PeerAtCall(peer_digest=d2), digest=d1)  # the peer called another runner
+    with pytest.raises(AgreementError, match="met a call of a runner with another configuration") as ei:
+        crossed.agree((3,), 1)
+    assert ei.value.digests == (m1, min(m1, m2), max(m1, m2)) and ei.value.calls is None
+    with pytest.raises(AgreementError, match="refused"):
+        crossed.agree((3,), 2)
+
+
+@pytest.mark.parametrize("make", [lambda t: t.to_sparse(), lambda t: t.to_sparse_csr()], ids=["coo", "csr"])
+def test_sparse_input_is_invalid_input_named_and_agreed_as_invalid(make):
+    g = RecordingGroup(size=2)
+    r = _group_runner(g)
+    r.capture()
+    g.calls.clear()
+    batch = make_batch(3)
+    bad = dict(batch, hidden=make(batch["hidden"]))
+    layout = bad["hidden"].layout
+    with pytest.raises(ValueError, match=rf"input 'hidden' is a sparse tensor \(layout {layout}\); pass a dense "
+                                         r"\(strided\) tensor, e.g. hidden.to_dense\(\)"):
+        r(**bad)
+    # It took part in the call's one collective as invalid (never a skipped collective).
+    assert g.calls == [("all_max_vector", "runner_agree", agreement_vector((0,), True, 1))]
+    assert_same(r(**batch), eager(batch))  # the runner is still usable: call 2, paired
+    assert g.calls[-1] == ("all_max_vector", "runner_agree", agreement_vector((3,), False, 2))
+
+
+def test_storage_less_inputs_on_the_generic_validation_path_are_named():
+    specs = {"x": BatchInput(trailing=(4,), dims=("a", "b"))}
+    r = GraphRunner(lambda x: x * 2.0, specs, {"a": [1, 2], "b": [2, 4]}, device="tape", progress=False)
+    r.capture()
+    x = torch.randn(2, 3, 4)
+    with pytest.raises(ValueError, match=r"input 'x' is a sparse tensor \(layout torch.sparse_coo\)"):
+        r(x=x.to_sparse())
+    with pytest.raises(ValueError, match="input 'x' is on the meta device"):
+        r(x=torch.empty(2, 3, 4, device="meta"))
+
+    class Exploding(dict):  # an inputs mapping that fails while it is read: invalid input, not a raw error
+        def __getitem__(self, k):
+            raise RuntimeError("lazy input could not be materialised")
+
+    with pytest.raises(ValueError, match="inspecting input 'x' raised RuntimeError: lazy input could not"):
+        r.run(Exploding(x=x))
+    assert torch.equal(r(x=x), x * 2.0)
+
+
+def test_a_first_dim_size_too_large_to_pack_takes_part_as_invalid():
+    from graphrunner.keys import agree
+
+    class Peer:
+        rank, size, sent = 0, 2, []
+
+        def all_max_vector(self, v, **kw):
+            self.sent.append(list(v))
+            return [max(a, b) for a, b in zip(v, agreement_vector((1,), False, 3))]
+
+    with pytest.raises(ValueError, match="size 4294967296 in the first dim is too large to agree"):
+        agree(Peer(), (2 ** 32,), False, 3)
+    assert Peer.sent == [agreement_vector((0,), True, 3)]  # the peers see an invalid rank, nothing hangs
+    assert agree(Peer(), (2 ** 32 - 1,), False, 3) == ((2 ** 32 - 1,), False)

@@ -38,21 +38,23 @@ class CheckSet:
     padding: Optional[PaddingCheck]
     fingerprint: bool
 
-    def key_hooks(self, space: Any, key: tuple, key_text: str, floats: list, leaf_dims: Any, group: Any,
-                  externals: Any = None) -> list:
+    def key_hooks(self, space: Any, key: tuple, key_text: str, inputs: list, step: Any, leaf_dims: Any,
+                  group: Any, externals: Any = None, input_writes: Any = None) -> list:
         """The capture hooks of a runner's ``key`` (the backend runs its drift check itself):
-        the padding check when a smaller call replays ``key`` and some input (``floats``:
-        ``(name, key view, leading-dim indices)``) is floating-point; the fingerprint with
-        several ranks in ``group``; the debug-mode ``externals`` hook when given."""
+        ``input_writes`` (:class:`~graphrunner.checks.contracts.InputWritesCheck`, always given by
+        the runner) first; the padding check when a smaller call replays ``key`` (``inputs``: ``(name, key view,
+        leading-dim indices, BatchInput)`` of every input); the fingerprint with several ranks in
+        ``group``; the debug-mode ``externals`` hook when given."""
         from graphrunner.checks.fingerprint import FingerprintCheck
-        from graphrunner.checks.padding import LeakCheck, check_sizes
+        from graphrunner.checks.padding import LeakCheck, check_sizes, second_sizes
 
-        hooks: list = []
+        hooks: list = [] if input_writes is None else [input_writes]
         multi = int(getattr(group, "size", 1)) > 1
         sizes = check_sizes(space, key) if self.padding is not None else None
-        if sizes is not None and floats:
-            hooks.append(LeakCheck(key, key_text, sizes, floats, leaf_dims, self.padding.exempt,
-                                   group=group if multi else None, phase_key=space.external(key)))
+        if sizes is not None:
+            hooks.append(LeakCheck(key, key_text, sizes, second_sizes(space, key, sizes), inputs, step, leaf_dims,
+                                   self.padding.exempt, group=group if multi else None,
+                                   phase_key=space.external(key), warned=self.padding.warned))
         if self.fingerprint and multi:
             hooks.append(FingerprintCheck())
         if externals is not None:

@@ -39,17 +39,16 @@ the serving path. On a multi-rank runner every rank must call it together
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from graphrunner._frames import where
 from graphrunner._pytree import flatten
-from graphrunner.checks.ops import OpConsumer, OpRecorder, storage_key, tensors_in
+from graphrunner.checks.ops import OpConsumer, OpRecorder, WriteGuard, tensors_in
 from graphrunner.errors import CaptureError
 from graphrunner.keys import region
-from graphrunner.tape.state import storage_bytes
 
 __all__ = ["CompareReport", "compare_runner"]
 
@@ -135,7 +134,7 @@ class CompareReport:
 class _Recorder(OpConsumer):
     """An op consumer that records ops (values, lines, context) and the storages they write."""
 
-    def __init__(self, state: "_State", locate: bool):
+    def __init__(self, state: WriteGuard, locate: bool):
         self.state, self.locate = state, locate
         self.ops: List[_OpValue] = []
         self._segment = 1
@@ -152,11 +151,10 @@ class _Recorder(OpConsumer):
         return f"graph segment {self._segment}"
 
     def before(self, ev: Any) -> None:
-        self.state.note_seen(ev.args, ev.kwargs)
-        self.state.note_writes(ev.written)
+        self.state.before(ev)
 
     def after(self, ev: Any) -> None:
-        self.state.note_created(ev.out)
+        self.state.after(ev)
         if ev.name in _SKIP:
             return
         outs = tuple(tensors_in(ev.out))
@@ -167,49 +165,6 @@ class _Recorder(OpConsumer):
         loc = ev.where if self.locate else None
         ctx = self._context(ev) if self.locate else ""
         self.ops.append(_OpValue(str(ev.func.overloadpacket), vals, loc, ctx))
-
-
-class _State:
-    """What the two runs wrote, and how to put it back."""
-
-    def __init__(self, inputs: List[torch.Tensor]):
-        self.created: set = set()                       # storages made by the step
-        self.seen: set = set()                          # storages an op read or wrote before
-        self.inputs = {storage_key(t) for t in inputs}
-        self.snapshots: Dict[int, Tuple[Any, torch.Tensor, str]] = {}
-        self.gens = [(torch.default_generator, torch.default_generator.get_state())]
-
-    def note_seen(self, args, kwargs) -> None:
-        for v in list(args) + list(kwargs.values()):
-            for t in tensors_in(v):
-                k = storage_key(t)
-                if k is not None and k not in self.created:
-                    self.seen.add(k)
-
-    def note_created(self, out: Any) -> None:
-        """Storages an op returned that no op had seen: made by the step (its
-        writes to them are its own business, not state to put back)."""
-        for t in tensors_in(out):
-            k = storage_key(t)
-            if k is not None and k not in self.seen:
-                self.created.add(k)
-
-    def note_writes(self, written: List[torch.Tensor]) -> None:
-        for t in written:
-            k = storage_key(t)
-            if k is None or k in self.created or k in self.inputs or k in self.snapshots:
-                continue
-            st = t.untyped_storage()
-            with _disable_current_modes(), torch.inference_mode():
-                raw = storage_bytes(st)
-                self.snapshots[k] = (st, raw.clone(), f"{tuple(t.shape)} {t.dtype}")
-
-    def restore(self) -> None:
-        with _disable_current_modes(), torch.inference_mode():
-            for st, snap, _ in self.snapshots.values():
-                storage_bytes(st).copy_(snap)
-        for g, s in self.gens:
-            g.set_state(s)
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -282,7 +237,7 @@ def compare_runner(runner: Any, inputs: Mapping[str, torch.Tensor], atol: float 
     staging.pad_to(sizes, key)
     static = staging.key_views(key)
     padded = {k: v.clone() for k, v in static.items()}   # the eager reference's own copy of the padded inputs
-    state = _State(list(padded.values()) + list(static.values()))
+    state = WriteGuard(list(padded.values()) + list(static.values()))
     stop = compare_runner.__code__
     try:
         # The graph first: it sees the Python state a call would see now (an

@@ -37,12 +37,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch.utils._pytree import tree_leaves
 
-from graphrunner.backends.hooks import Capture, CaptureHook
+from graphrunner.backends.hooks import Capture, CaptureHook, Finding
 from graphrunner.checks.ops import OpConsumer, storage_key
-from graphrunner.errors import ContractError
+from graphrunner.errors import CaptureError, ContractError
 
-__all__ = ["debug_enabled", "check_bounds_spec", "bounds_error", "check_bounds", "ExternalRecorder", "named_tensors",
-           "External", "ExternalGuard", "ExternalsCheck", "externals_of"]
+__all__ = ["debug_enabled", "check_bounds_spec", "bounds_error", "check_bounds", "check_call", "ExternalRecorder", "named_tensors",
+           "External", "ExternalGuard", "ExternalsCheck", "InputWritesCheck", "externals_of"]
 
 _TRUE = ("1", "true", "yes", "on")
 
@@ -58,8 +58,13 @@ def debug_enabled(debug: Optional[bool]) -> bool:
 
 # ----------------------------------------------------------------- bounds
 def check_bounds_spec(bounds: Any, pad: Any, dtype: torch.dtype) -> Optional[Tuple[Any, Any]]:
-    """Validate ``BatchInput(bounds=(lo, hi))``: two numbers or ``None`` (unbounded), ``lo <= hi``,
-    and ``pad`` inside them (padding cells are fed to the graph too)."""
+    """Validate ``BatchInput(bounds=(lo, hi))``: two numbers or ``None`` (unbounded) with ``lo <= hi``.
+
+    ``bounds`` is the range of the *real* values. ``pad`` may lie inside it
+    (a real value too, e.g. token id 0: the padding check then puts a real
+    cell at the pad, where padding and real rows meet) or outside it (a
+    scratch value no real row uses, e.g. a dedicated cache slot: the step
+    must still accept it, since padding cells are fed to the graph)."""
     if bounds is None:
         return None
     try:
@@ -71,9 +76,6 @@ def check_bounds_spec(bounds: Any, pad: Any, dtype: torch.dtype) -> Optional[Tup
             raise TypeError(f"BatchInput.bounds must be a pair (lo, hi) of numbers or None, got {bounds!r}")
     if lo is not None and hi is not None and lo > hi:
         raise ValueError(f"BatchInput.bounds = {bounds!r}: lo > hi")
-    if (lo is not None and pad < lo) or (hi is not None and pad > hi):
-        raise ValueError(f"BatchInput.pad {pad!r} is outside bounds {bounds!r}: padding cells are fed to the "
-                         "graph as well, so the pad value must be a valid value (e.g. index 0)")
     return (lo, hi)
 
 
@@ -114,6 +116,17 @@ def check_bounds(bounded: Sequence[Tuple[int, str, Tuple[Any, Any], int]], tenso
         err = bounds_error(name, tensors[i], bounds, lead)
         if err is not None:
             raise err
+
+
+def check_call(bounded: Sequence[Tuple[int, str, Tuple[Any, Any], int]], tensors: Sequence[torch.Tensor],
+               externals: Optional["ExternalsCheck"] = None) -> None:
+    """Debug mode's per-call checks, before anything is written: :func:`check_bounds`, then, when
+    ``externals`` is given (a multi-rank runner, which must not raise after its peers agreed),
+    every key's externals."""
+    check_bounds(bounded, tensors)
+    if externals is not None:
+        for k in externals.guard.per_key:
+            externals.before_replay(k)
 
 
 # -------------------------------------------------------------- externals
@@ -317,6 +330,65 @@ def externals_of(rec: ExternalRecorder,
         if base is not None and base[2] is not t:
             add(base[0], base[2], base[1])
     return out
+
+
+class _InputWrites(OpConsumer):
+    """Records the first op of a forward that writes each static input buffer."""
+
+    def __init__(self, storages: Dict[int, Tuple[str, bool]]) -> None:
+        self.storages = storages
+        self.found: Dict[str, Any] = {}
+
+    def before(self, ev: Any) -> None:
+        for t in ev.written:
+            hit = self.storages.get(storage_key(t))
+            if hit is not None and not hit[1] and hit[0] not in self.found:
+                self.found[hit[0]] = (ev.op, ev.where)
+
+
+class InputWritesCheck(CaptureHook):
+    """Refuses, at capture, a step that writes into one of its inputs (in place, ``out=``) unless
+    the input is declared ``BatchInput(state=True)``.
+
+    A graph writes the runner's static buffer, never the caller's tensor: a
+    step doing ``state.add_(delta)`` replays 1, 1, 1 where eager gives 1, 2,
+    3, and an index input advanced in place (``pos.add_(1)``) shifts the
+    padding every call. The last warmup forward's ops are watched (the one op
+    recorder); the error names the input, the op and the source line.
+    ``storages``: :meth:`graphrunner.staging.StaticInputs.storage_names`.
+    """
+
+    name = "input-writes"
+
+    def __init__(self, storages: Dict[int, Tuple[str, bool]]) -> None:
+        self.storages = storages
+        self._rec: Dict[Any, _InputWrites] = {}
+
+    def warmup_consumers(self, cap: Capture, i: int) -> Sequence[Any]:
+        if i != cap.warmups - 1:
+            return ()
+        rec = self._rec[cap.key] = _InputWrites(self.storages)
+        return (rec,)
+
+    def after_warmups(self, cap: Capture) -> None:
+        rec = self._rec.pop(cap.key, None)
+        if rec is None or not rec.found:
+            return
+        from graphrunner._frames import where as where_text
+
+        name, (op, loc) = next(iter(rec.found.items()))
+        msg = (f"the step writes into its input {name!r} ({op} at {where_text(loc)}) at the capture of shape key "
+               f"{cap.key!r}: a graph writes the runner's static buffer, never your tensor, so every call would "
+               "start again from the tensor you pass (eager would have updated it) and the padding cells would "
+               "drift. Return the new value as an output instead, or declare "
+               f"BatchInput(state=True) for {name!r} if the write is scratch the step does not need to see again "
+               "(the runner then re-pads it after every call and never writes your tensor)")
+        cap.fail(CaptureError(msg), Finding("input-write", msg, *(loc or (None, None, None)),
+                                            fix=f"return the new value of {name!r} as an output, or declare "
+                                                "BatchInput(state=True)"))
+
+    def end(self, cap: Capture) -> None:
+        self._rec.pop(cap.key, None)
 
 
 class ExternalsCheck(CaptureHook):

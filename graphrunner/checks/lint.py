@@ -53,7 +53,7 @@ from graphrunner.errors import CaptureError, CaptureUnsafeOpError, GraphRunnerEr
 __all__ = ["Finding", "CheckReport", "CheckUsageError", "UnsafeOpLint", "load_factory", "check_factory"]
 
 #: Finding kinds, in the order the table lists them.
-KINDS = ("unsafe-op", "drift", "padding-leak", "step-error", "capture-error")
+KINDS = ("unsafe-op", "drift", "padding-leak", "input-write", "step-error", "capture-error")
 
 
 class CheckUsageError(ValueError):

@@ -38,12 +38,13 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from graphrunner._aten import storage_key, tensors_in, written_tensors
 from graphrunner._frames import is_internal
+from graphrunner.tape.state import storage_bytes
 
-__all__ = ["OpEvent", "FunctionEvent", "OpConsumer", "OpRecorder", "RecordingDevice", "storage_key",
+__all__ = ["OpEvent", "FunctionEvent", "OpConsumer", "OpRecorder", "RecordingDevice", "WriteGuard", "storage_key",
            "written_tensors", "tensors_in", "no_graph_code", "ATOMIC_FUNCTIONS"]
 
 Where = Tuple[str, int, str]
@@ -336,3 +337,54 @@ class RecordingDevice:
         """``device.capture(graph, ...)`` with the recorder's modes inside it."""
         with self._device.capture(graph, *args, **kwargs), self._recorder.modes():
             yield
+
+
+class WriteGuard(OpConsumer):
+    """An op consumer that puts back what the recorded code wrote outside itself.
+
+    Storages an op writes (in place, ``out=``) that the recorded code did
+    not create and that are not in ``inputs`` (tensors whose writes are the
+    caller's business: static inputs) are snapshotted before their first
+    write; :meth:`restore` copies the snapshots back and resets the default
+    generator to its state at construction. Used by ``runner.compare`` and
+    by the padding check around their extra forwards, so the KV cache, a
+    counter tensor or the generator are as before. ``snapshots`` maps a
+    storage key to ``(storage, bytes, description)``.
+    """
+
+    def __init__(self, inputs: Sequence[torch.Tensor] = ()):
+        self.created: set = set()                       # storages made by the recorded code
+        self.seen: set = set()                          # storages an op read or wrote before
+        self.inputs = {storage_key(t) for t in inputs}
+        self.snapshots: dict = {}
+        self.gens = [(torch.default_generator, torch.default_generator.get_state())]
+
+    def before(self, ev: OpEvent) -> None:
+        for v in list(ev.args) + list(ev.kwargs.values()):
+            for t in tensors_in(v):
+                k = storage_key(t)
+                if k is not None and k not in self.created:
+                    self.seen.add(k)
+        for t in ev.written:
+            k = storage_key(t)
+            if k is None or k in self.created or k in self.inputs or k in self.snapshots:
+                continue
+            st = t.untyped_storage()
+            with _disable_current_modes(), torch.inference_mode():
+                self.snapshots[k] = (st, storage_bytes(st).clone(), f"{tuple(t.shape)} {t.dtype}")
+
+    def after(self, ev: OpEvent) -> None:
+        # storages an op returned that no op had seen: made by the recorded code (its writes
+        # to them are its own business, not state to put back)
+        for t in tensors_in(ev.out):
+            k = storage_key(t)
+            if k is not None and k not in self.seen:
+                self.created.add(k)
+
+    def restore(self) -> None:
+        """Copy every snapshot back and reset the generators (the guard can be used again)."""
+        with _disable_current_modes(), torch.inference_mode():
+            for st, snap, _ in self.snapshots.values():
+                storage_bytes(st).copy_(snap)
+        for g, s in self.gens:
+            g.set_state(s)

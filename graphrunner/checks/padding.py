@@ -32,16 +32,16 @@ from __future__ import annotations
 import logging
 import math
 import re
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from graphrunner._pytree import flatten, leaf_paths
 from graphrunner.backends.hooks import Capture, CaptureHook, Finding
 from graphrunner.errors import PaddingLeakError
-from graphrunner.keys import all_max_vector, padding_regions, region
+from graphrunner.keys import all_max_vector, region
 
-__all__ = ["PaddingCheck", "exempt_prefixes", "check_sizes", "LeakCheck"]
+__all__ = ["PaddingCheck", "exempt_prefixes", "check_sizes", "second_sizes", "LeakCheck"]
 
 Sizes = Tuple[int, ...]
 
@@ -60,6 +60,8 @@ class PaddingCheck:
 
     def __init__(self, exempt: Any = ()) -> None:
         self.exempt = exempt_prefixes(exempt)
+        #: Integer inputs already warned about (no bounds): one warning per runner.
+        self.warned: set = set()
 
     def __repr__(self) -> str:
         return f"PaddingCheck(exempt={self.exempt!r})"
@@ -117,18 +119,62 @@ def check_sizes(space: Any, key: Sizes) -> Optional[Sizes]:
     return None if tuple(sizes) == key else tuple(sizes)
 
 
+def second_sizes(space: Any, key: Sizes, sizes: Sizes) -> Optional[Sizes]:
+    """Real sizes between ``sizes`` (:func:`check_sizes`) and ``key`` that still pad and still
+    replay ``key`` (``key - 1`` in every dim that pads), or ``None`` when there are none: the
+    padding check's second real size, so that the padded count varies."""
+    s2 = tuple(max(s, k - 1) for s, k in zip(sizes, key))
+    if s2 == tuple(sizes) or s2 == tuple(key) or space.choose(s2)[0] != tuple(key):
+        return None
+    return s2
+
+
+def _distinct_ints(lo: int, hi: int, shape: Tuple[int, ...], pad: Any, g: torch.Generator,
+                   at: int = 0) -> torch.Tensor:
+    """Random integers in ``[lo, hi]`` of ``shape``, all different where the range allows (real
+    requests use different cache slots; two real rows at one slot would be a collision the runner
+    never makes), cell ``at`` (flat, modulo the size) at ``pad`` when it lies in the range (where
+    padding rows meet a real one; each input at its own cell, so that a padding row, which holds
+    every input's pad at once, differs from that real row in the other inputs)."""
+    n = math.prod(shape)
+    span = hi - lo + 1
+    inside = lo <= pad <= hi
+    if span - inside >= n > 0:
+        perm = torch.randperm(span, generator=g)[: n + inside] + lo
+        if inside:
+            perm = perm[perm != pad][:n]
+        t = perm.reshape(shape)
+    else:
+        t = torch.randint(lo, hi + 1, shape, generator=g, dtype=torch.int64)
+    if inside and n:
+        flat = t.reshape(-1)
+        j = at % n
+        flat[flat == pad] = flat[j].clone()  # at most one cell holds the pad ...
+        flat[j] = pad                          # ... this one: a real cell at the pad index
+    return t
+
+
 def _real(t: torch.Tensor, didx: Tuple[int, ...], sizes: Sizes) -> torch.Tensor:
     return t if t.dim() == 0 or not didx else t[region(sizes, didx)]
 
 
-def _diff(a: torch.Tensor, b: torch.Tensor) -> Optional[float]:
-    """``None`` if equal (NaN equals NaN), else the max abs difference (inf for a shape change)."""
+def _diff(a: torch.Tensor, b: torch.Tensor, tolerant: bool = False) -> Optional[float]:
+    """``None`` if equal (NaN equals NaN; with ``tolerant``, floating-point values within
+    ``max|b| * min(0.05, 1024 * eps)``: what kernels chosen for another shape may change), else
+    the max abs difference (inf for a shape change)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return math.inf
     if a.dtype.is_floating_point or a.dtype.is_complex:
         same = (a == b) | (torch.isnan(a) & torch.isnan(b))
         if bool(same.all()):
             return None
+        if tolerant:
+            scale = float(torch.nan_to_num(b.abs().to(torch.float64), nan=0.0, posinf=0.0).max()) if b.numel() else 0.0
+            eps = torch.finfo(a.real.dtype if a.dtype.is_complex else a.dtype).eps
+            d = (a.to(torch.complex128 if a.dtype.is_complex else torch.float64)
+                 - b.to(torch.complex128 if b.dtype.is_complex else torch.float64)).abs()
+            worst = float(torch.nan_to_num(d, nan=math.inf).max())
+            return None if worst <= scale * min(0.05, 1024 * eps) + 1e-30 else worst
         d = (a.to(torch.complex128 if a.dtype.is_complex else torch.float64)
              - b.to(torch.complex128 if b.dtype.is_complex else torch.float64)).abs()
         return float(torch.nan_to_num(d, nan=math.inf).max())
@@ -141,40 +187,64 @@ logger = logging.getLogger("graphrunner.checks.padding")
 
 
 class LeakCheck(CaptureHook):
-    """The padding-leak check of one key, as a capture hook (``after_warmups``).
+    """The padded-vs-eager equivalence check of one key, as a capture hook (``after_warmups``).
 
     Args:
         key: the key (runner-dim tuple); ``key_text`` how messages name it.
-        sizes: the real sizes (:func:`check_sizes`).
-        floats: ``[(input name, static buffer, leading-dim indices)]`` of the
-            floating-point inputs (their padding cells are changed).
+        sizes: the smallest real sizes that replay ``key`` (:func:`check_sizes`);
+            ``sizes2``: larger real sizes that still pad (or ``None``), so the
+            padded count varies.
+        inputs: ``[(name, the key's view of its static buffer, leading-dim
+            indices, BatchInput)]`` of every input.
+        step: the step (``step(**inputs)``), for the eager run on the unpadded batch.
         leaf_dims: ``leaf_dims(spec, n) ->`` leading-dim indices of each output leaf.
         exempt: leaf-path prefixes not compared (:func:`exempt_prefixes`).
         group: the rank group; with several ranks the verdict is agreed (one
             ``all_max`` of one flag), so every rank raises or none does.
         phase_key: the key as the agreement's collective names it.
+        warned: names of integer inputs already warned about (one warning per runner).
 
-    After the last warmup and its post-warmup hook: reference = the last
-    warmup's real cells (``cap.last_output``), padding cells of ``floats``
-    set to seeded random values, one forward (:meth:`Capture.eager`),
-    padding restored, the post-warmup hook again (reset state the forward
-    wrote), compare. Raises :class:`PaddingLeakError` naming every output
-    path that changed (in collect mode: a ``"padding-leak"`` finding).
+    After the last warmup: real cells get seeded random data (floats:
+    normal; integers: uniform within ``BatchInput(bounds=)``, one real cell
+    set to the pad value when the pad is a valid real value, so a padding row
+    that writes state at the pad index meets a real row; integers without
+    bounds keep their pad value, with one warning), padding cells the pad
+    value, as at replay. Then eager forwards, each followed by a restore of
+    what it wrote outside itself (:class:`~graphrunner.checks.ops.WriteGuard`):
+
+    - **A**: real sizes ``sizes``, padding = pad values (what the graph computes);
+    - **B**: as A with the padding of floating-point inputs random: real cells must not move;
+    - **C**: real sizes ``sizes2`` (more real cells, the first ones as in A):
+      A's real cells must not move (the padded count varied);
+    - **D**: ``step`` eagerly on the unpadded real batch (no padding at all):
+      A's real cells must equal it within a float tolerance (a dependence on
+      the padded size, ``x / x.shape[0]``, or a pad value reaching real rows).
+
+    A and B, A and C must be bit-identical. When an integer input has no
+    bounds its real cells keep the pad, so real rows meet padding rows by
+    construction: only B is compared then (and a warning says what to declare). A difference raises
+    :class:`PaddingLeakError` naming the output path, the key and the inputs
+    (in collect mode: a ``"padding-leak"`` finding). An output that changes
+    between two identical runs (state the step updates in Python) is named in
+    a warning instead. The static buffers are put back afterwards.
     """
 
     name = "padding"
 
-    def __init__(self, key: Sizes, key_text: str, sizes: Sizes,
-                 floats: Sequence[Tuple[str, torch.Tensor, Tuple[int, ...]]],
-                 leaf_dims: Callable[[tuple, int], List[Tuple[int, ...]]],
-                 exempt: Tuple[str, ...], group: Any = None, phase_key: Any = None) -> None:
-        self.key, self.key_text, self.sizes = key, key_text, sizes
-        self.floats = list(floats)
-        self.leaf_dims = leaf_dims
-        self.exempt = exempt
+    def __init__(self, key: Sizes, key_text: str, sizes: Sizes, sizes2: Optional[Sizes],
+                 inputs: Sequence[Tuple[str, torch.Tensor, Tuple[int, ...], Any]], step: Callable[..., Any],
+                 leaf_dims: Callable[[tuple, int], List[Tuple[int, ...]]], exempt: Tuple[str, ...],
+                 group: Any = None, phase_key: Any = None, warned: Optional[set] = None) -> None:
+        self.key, self.key_text, self.sizes, self.sizes2 = key, key_text, sizes, sizes2
+        self.inputs = list(inputs)
+        self.floats = [(n, v, d) for n, v, d, spec in self.inputs if spec.dtype.is_floating_point]
+        self.step, self.leaf_dims, self.exempt = step, leaf_dims, exempt
         self.group, self.phase_key = group, phase_key
-        #: Seconds the check itself took (the extra forward and the comparison).
+        self.warned = warned if warned is not None else set()
+        #: Seconds the check itself took (its forwards and the comparisons).
         self.seconds = 0.0
+        #: Eager forwards it ran.
+        self.forwards = 0
 
     def after_warmups(self, cap: Capture) -> None:
         if cap.warmups < 1:
@@ -182,94 +252,176 @@ class LeakCheck(CaptureHook):
         import time
 
         t0 = time.perf_counter()
-        found = self._check(cap)
+        saved = [(v, v.clone()) for _, v, _, _ in self.inputs]
+        try:
+            found = self._check(cap)
+        finally:
+            for v, old in saved:
+                v.copy_(old)
         leaked = bool(found)
         if int(getattr(self.group, "size", 1)) > 1:
             leaked = bool(all_max_vector(self.group, [1 if found else 0], "leak_check", self.phase_key)[0])
         self.seconds = time.perf_counter() - t0
         cap.info["leak_check_sizes"] = list(self.sizes)
         cap.info["leak_check_seconds"] = self.seconds
+        cap.info["leak_check_forwards"] = self.forwards
         if leaked:
-            first = found[0][0] if found else None
+            first = found[0][1] if found else None
             cap.fail(PaddingLeakError(self._message(found)),
                      Finding("padding-leak", self._message(found), None, None, None,
                              fix=f"make the step row-independent, or exempt {first} if it is meant to cover the "
                                  "whole padded batch" if first else "see the other rank's finding"))
 
-    def _check(self, cap: Capture) -> List[Tuple[str, float]]:
-        key, sizes = self.key, self.sizes
-        user_hook = cap.post_warmup_hook
-        spec, leaves = flatten(cap.last_output, "step output")
-        dims = self.leaf_dims(spec, len(leaves))
-        paths = leaf_paths(spec)
-        skip = [_exempt(p, self.exempt) for p in paths]
-        ref = [None if s else _real(t, d, sizes).clone() for t, d, s in zip(leaves, dims, skip)]
-        del leaves
-        cap.last_output = None
+    # ------------------------------------------------------------ the runs
+    def _real_data(self) -> Dict[str, torch.Tensor]:
+        """Seeded random real cells of every input at the largest real sizes used (``sizes2``)."""
         g = torch.Generator().manual_seed(0x6C65616B)
-        saved = []
+        self._blind = False
+        top = self.sizes2 or self.sizes
+        data = {}
+        forced = 0  # integer inputs whose pad is a real value: each meets the padding at its own cell
+        for name, view, didx, spec in self.inputs:
+            shape = (*(top[d] for d in didx), *spec.trailing)
+            dt = spec.dtype
+            if dt.is_floating_point or dt.is_complex:
+                t = torch.randn(shape, generator=g, dtype=torch.float32).to(dt)
+            elif dt == torch.bool:
+                t = torch.randint(0, 2, shape, generator=g).bool()
+            else:
+                lo, hi = spec.bounds if spec.bounds is not None else (None, None)
+                if lo is None or hi is None:
+                    self._blind = True
+                    if name not in self.warned:
+                        self.warned.add(name)
+                        logger.warning(
+                            "padding check: integer input %r has no BatchInput(bounds=(lo, hi)), so its real cells "
+                            "keep the pad value %r and only the padding of floating-point inputs is measured (not "
+                            "leaks through integer inputs, nor a dependence on the padded count); declare the range "
+                            "of its real values, e.g. bounds=(0, vocab_size - 1) for token ids or (0, num_slots - 1) "
+                            "for cache slots (the pad may lie outside: a scratch index)", name, spec.pad)
+                    t = torch.full(shape, spec.pad, dtype=dt)
+                else:
+                    t = _distinct_ints(int(lo), int(hi), shape, spec.pad, g, forced).to(dt)
+                    forced += lo <= spec.pad <= hi
+            data[name] = t.to(view.device)
+        return data
+
+    def _fill(self, data: Dict[str, torch.Tensor], sizes: Sizes, random_float_padding: bool = False) -> None:
+        """Real cells ``sizes`` of every key view from ``data``, the rest the pad value (floats
+        random with ``random_float_padding``)."""
+        g = torch.Generator().manual_seed(0x70616464)
+        for name, view, didx, spec in self.inputs:
+            view.fill_(spec.pad)
+            if random_float_padding and spec.dtype.is_floating_point:
+                noise = torch.randn(view.shape, generator=g, dtype=torch.float32) * 3.0 + 1.0
+                view.copy_(noise.to(device=view.device, dtype=view.dtype))
+            r = region(sizes, didx)
+            view[r].copy_(data[name][r])
+
+    def _run(self, cap: Capture, fn: Callable[[], Any]) -> List[Optional[torch.Tensor]]:
+        """``fn()`` eagerly, what it wrote outside itself put back; the compared leaves, cloned."""
+        from graphrunner.checks.ops import OpRecorder, WriteGuard
+
+        guard = WriteGuard([v for _, v, _, _ in self.inputs])
+        self.forwards += 1
         try:
-            for _, buf, didx in self.floats:
-                for r in padding_regions(sizes, key, didx):
-                    v = buf[r]
-                    saved.append((v, v.clone()))
-                    noise = torch.randn(v.shape, generator=g, dtype=torch.float32) * 3.0 + 1.0
-                    v.copy_(noise.to(device=v.device, dtype=v.dtype))
-            new = cap.eager(cap.forward_fn)
+            with OpRecorder([guard]):
+                out = cap.eager(fn)
+            spec, leaves = flatten(out, "step output")
+            return [None if s else t.detach().clone() for t, s in zip(leaves, self._skip(spec, len(leaves)))]
         finally:
-            for v, old in saved:
-                v.copy_(old)
-        found = self._changed(paths, ref, new, sizes)
-        del new
-        if user_hook is not None:
-            user_hook()
+            guard.restore()
+
+    def _skip(self, spec: tuple, n: int) -> List[bool]:
+        self._spec = spec
+        return [_exempt(p, self.exempt) for p in leaf_paths(spec)]
+
+    def _check(self, cap: Capture) -> List[Tuple[str, str, float]]:
+        """``[(which comparison, output path, max abs diff)]`` of the outputs that moved."""
+        data, sizes = self._real_data(), self.sizes
+        self._fill(data, sizes)
+        a = self._run(cap, cap.forward_fn)
+        spec = self._spec
+        paths, dims = leaf_paths(spec), self.leaf_dims(spec, len(a))
+        found = []
+
+        def compare(kind: str, other: List[Optional[torch.Tensor]], tolerant: bool = False) -> None:
+            for p, x, y, d in zip(paths, a, other, dims):
+                if x is None or y is None:
+                    continue
+                diff = _diff(_real(x, d, sizes), _real(y, d, sizes) if not tolerant else y, tolerant)
+                if diff is not None:
+                    found.append((kind, p, diff))
+
+        if self.floats:
+            self._fill(data, sizes, random_float_padding=True)
+            compare("padding", self._run(cap, cap.forward_fn))
+        if self._blind:
+            # an integer input without bounds keeps the pad in its real cells too: real rows then
+            # meet padding rows by construction, so only the floating-point padding is measured
+            return self._control(cap, data, a, found, paths, dims)
+        if self.sizes2 is not None:
+            self._fill(data, self.sizes2)
+            compare("count", self._run(cap, cap.forward_fn))
+        unpadded = {name: data[name][region(sizes, didx)].clone() for name, _, didx, _ in self.inputs}
+        try:
+            ref = self._run(cap, lambda: self.step(**unpadded))
+        except Exception as exc:  # noqa: BLE001 - a step that only runs at its keys' sizes
+            logger.info("padding check of %s: the step did not run on the unpadded batch (%s: %s); compared "
+                        "padded runs only", self.key_text, type(exc).__name__, exc)
+        else:
+            if len(ref) == len(a):
+                compare("eager", [None if r is None else r for r in ref], tolerant=True)
+        return self._control(cap, data, a, found, paths, dims)
+
+    def _control(self, cap: Capture, data: Dict[str, torch.Tensor], a: List[Optional[torch.Tensor]],
+                 found: List[Tuple[str, str, float]], paths: List[str], dims: List[Tuple[int, ...]]) -> list:
+        """``found`` without the outputs that also move between two identical runs (warned about)."""
         if found:
-            # Control: the same forward with the padding untouched. An output that changes
-            # then too depends on state the step updates (a counter, an accumulating cache),
-            # not on padding: it cannot be checked this way; say so instead of a false alarm.
-            control = cap.eager(cap.forward_fn)
-            unstable = {p for p, _ in self._changed(paths, ref, control, sizes)}
-            del control
-            if user_hook is not None:
-                user_hook()
+            # Control: A again. An output that moves between identical runs depends on state the
+            # step keeps in Python (a counter): not a padding leak, and not checkable this way.
+            self._fill(data, self.sizes)
+            again = self._run(cap, cap.forward_fn)
+            unstable = {p for p, x, y, d in zip(paths, a, again, dims)
+                        if x is not None and y is not None and _diff(x, y) is not None}
             if unstable:
                 logger.warning(
-                    "padding-leak check of %s: %s changed between two identical calls (the step's output depends "
-                    "on state it updates), so padding leaks into it cannot be checked; reset that state in "
-                    "post_warmup_hook(bucket) to have it checked, or exempt it with gr.PaddingCheck(exempt=...)",
-                    self.key_text, ", ".join(sorted(unstable)))
-            found = [(p, d) for p, d in found if p not in unstable]
+                    "padding check of %s: %s changed between two identical calls (the step's output depends "
+                    "on state it keeps in Python), so padding leaks into it cannot be checked; exempt it with "
+                    "gr.PaddingCheck(exempt=...)", self.key_text, ", ".join(sorted(unstable)))
+            found = [f for f in found if f[1] not in unstable]
         return found
 
-    def _changed(self, paths: List[str], ref: List[Optional[torch.Tensor]], new: Any,
-                 sizes: Sizes) -> List[Tuple[str, float]]:
-        """``[(path, max abs diff)]`` of the compared outputs whose real cells in ``new`` differ from ``ref``."""
-        nspec, nleaves = flatten(new, "step output")
-        found = []
-        for p, r, t, d in zip(paths, ref, nleaves, self.leaf_dims(nspec, len(nleaves))):
-            if r is None:
-                continue
-            diff = _diff(r, _real(t, d, sizes))
-            if diff is not None:
-                found.append((p, diff))
-        return found
-
-    def _message(self, found: List[Tuple[str, float]]) -> str:
+    def _message(self, found: List[Tuple[str, str, float]]) -> str:
         if not found:
-            return (f"padding-leak check of {self.key_text}: another rank found padding leaking into a real "
+            return (f"padding check of {self.key_text}: another rank found padding leaking into a real "
                     "output (see its error); every rank stops the capture")
-        names = [n for n, _, _ in self.floats]
-        what = "; ".join(f"{p} changed (max abs diff {d:.4g})" for p, d in found)
-        first = found[0][0]
+        real = ", ".join(map(str, self.sizes))
+        what = {
+            "padding": "when only the padding cells of the floating-point input(s) "
+                       f"{[n for n, _, _ in self.floats]} were changed",
+            "count": f"when the cells after the real ones held real data instead of padding (real sizes "
+                     f"({', '.join(map(str, self.sizes2 or ()))}) against ({real}))",
+            "eager": f"against eager PyTorch on the same real batch without padding (real sizes ({real})): the step "
+                     "depends on the padded size (x.shape[0], arange, a mean or norm over the batch) or a pad value "
+                     "reaches real rows" + self._pad_hint(),
+        }
+        parts = "; ".join(f"{p} changed (max abs diff {d:.4g}) {what[k]}" for k, p, d in found)
+        first = found[0][1]
         m = re.fullmatch(r"output\[('[^']*')\]", first)
         optout = f"checks=[..., gr.PaddingCheck(exempt=({m.group(1) if m else repr(first)},))]"
-        real = ", ".join(map(str, self.sizes))
-        return (f"padding leaks into real results at {self.key_text}: {what} when only the padding cells of the "
-                f"floating-point input(s) {names} were changed (real sizes ({real}), the smallest call that "
-                "replays this key). The graph computes the padding cells too, so at replay these outputs would "
-                "include them. Make the step row-independent (e.g. reduce over the real rows only, with the "
-                "count or a mask as an input); if the output is meant to cover the whole padded batch, declare "
-                f"{optout}. At capture the real cells of index inputs hold their pad value too: if the "
-                "step writes state at an index (a cache slot) that the real rows then read, real and padding rows "
-                "meet at the pad index only at capture; if your real indices never equal the pad, "
-                "leaving \"padding\" out of GraphRunner(checks=...) turns the check off.")
+        return (f"padding leaks into real results at {self.key_text}: {parts}. The graph computes the padding "
+                "cells too, so at replay these outputs would include them. Make the step row-independent (e.g. "
+                "reduce over the real rows only, with the count or a mask as an input; use the real count, not "
+                f"the padded shape); if the output is meant to cover the whole padded batch, declare {optout}; "
+                'leaving "padding" out of GraphRunner(checks=...) turns the check off.')
+
+    def _pad_hint(self) -> str:
+        shared = [f"{n} (pad {spec.pad!r})" for n, _, _, spec in self.inputs
+                  if not (spec.dtype.is_floating_point or spec.dtype.is_complex) and spec.bounds is not None
+                  and None not in spec.bounds and spec.bounds[0] <= spec.pad <= spec.bounds[1]]
+        if not shared:
+            return ""
+        return (f" (integer input(s) {', '.join(shared)}: the pad is also a real value, so padding rows write or "
+                "read what a real row uses; pad with a scratch index outside the real range, e.g. a dedicated "
+                "cache slot, and declare bounds= as the real range)")
