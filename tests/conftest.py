@@ -1,17 +1,21 @@
-"""Shared pytest configuration: CUDA-marked tests skip on machines without a GPU;
-the ``one_torch_thread`` fixture."""
+"""Shared pytest configuration: CUDA-marked tests skip on machines without a GPU,
+``hf``-marked tests skip without transformers (the ``hf`` extra, which the
+README's quick start does not install); the ``one_torch_thread`` fixture."""
 
 import pytest
 import torch
 
+from extras_util import missing, skip_reason
+
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    no_gpu = not torch.cuda.is_available()
+    no_hf = missing("transformers")
     for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+        if no_gpu and "cuda" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        elif no_hf and item.get_closest_marker("hf") is not None:
+            item.add_marker(pytest.mark.skip(reason=skip_reason("transformers")))
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import pytest
 
 import graphrunner_tools
 from graphrunner_tools import bench as grbench
+from extras_util import missing, require
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH_DIR = REPO / "bench"
@@ -32,7 +33,8 @@ def _env() -> dict:
 
 
 def test_quick_suite_writes_json_and_png(tmp_path):
-    pytest.importorskip("matplotlib")
+    """Without matplotlib (the ``bench`` extra) the same run writes the JSON and says why there is no plot."""
+    no_plot = missing("matplotlib")
     out = tmp_path / "res" / "bench.json"
     png = tmp_path / "res" / "latency.png"
     # cwd is tmp_path: the driver must find bench/ from the package, not from the cwd.
@@ -80,8 +82,13 @@ def test_quick_suite_writes_json_and_png(tmp_path):
     assert cvc["compile"] is None and cvc["ratio"] is None and "--quick" in cvc["compile_skipped"]
     assert data["summary"]["capture_vs_compile"]["compile_skipped"] == cvc["compile_skipped"]
 
-    assert data["plot"] == str(png)
-    assert png.read_bytes()[:8] == PNG_MAGIC
+    if no_plot:
+        assert data["plot"] is None and not png.exists()
+        assert data["plot_note"] == "matplotlib is not installed: no plot (pip install -e '.[bench]')"
+        assert data["plot_note"] in proc.stdout
+    else:
+        assert data["plot"] == str(png)
+        assert png.read_bytes()[:8] == PNG_MAGIC
     assert "summary" in proc.stdout
 
 
@@ -198,7 +205,7 @@ def test_plot_skipped_with_message_without_matplotlib(tmp_path, monkeypatch):
 
 
 def test_plot_draws_png(tmp_path):
-    pytest.importorskip("matplotlib")
+    require("matplotlib")
     lat = {"batches": [1, 2, 4], "methods": {"eager": {"latency_us": [10.0, 12.0, 15.0]},
                                              "tape_full": {"latency_us": [8.0, None, 11.0]},
                                              "other": {"latency_us": [9.0, 9.5, 9.9]}}}

@@ -19,6 +19,7 @@ import graphrunner as gr
 from graphrunner.checks.lint import CheckUsageError, check_factory, load_factory
 from graphrunner_tools.cli import main
 from graphrunner.errors import CaptureError, CaptureUnsafeOpError
+from extras_util import require
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -221,7 +222,7 @@ OPT = textwrap.dedent('''
 
 @pytest.mark.hf
 def test_opt_cache_length_read_inside_transformers_says_make_it_an_input(target):
-    pytest.importorskip("transformers")
+    require("transformers")
     path = target(OPT, "opt_target")
     report = check_factory(load_factory(f"{path}:make"))
     unsafe = [f for f in report.findings if f.kind == "unsafe-op"]

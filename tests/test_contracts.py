@@ -5,6 +5,7 @@ import torch
 
 import graphrunner as gr
 from graphrunner.checks.contracts import debug_enabled
+from extras_util import require
 
 H, SLOTS = 4, 8
 
@@ -179,8 +180,9 @@ def test_debug_off_records_nothing():
     assert rep.externals_written is None and r._externals is None
 
 
+@pytest.mark.hf
 def test_hf_decode_runner_in_debug_mode_names_weights_and_cache(monkeypatch):
-    pytest.importorskip("transformers")
+    require("transformers")
     from test_hf import BUCKETS, MAX_BATCH, MAX_CACHE_LEN, NEW_TOKENS, build_model, prompts, reference
 
     def build(debug):

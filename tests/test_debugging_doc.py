@@ -5,13 +5,14 @@ original one)."""
 
 import pytest
 
+from extras_util import require
 from tests.test_docs_examples import ROOT, python_blocks, run_block
 
 pytestmark = pytest.mark.hf
 
 
 def test_check_compare_fix_walkthrough(tmp_path):
-    pytest.importorskip("transformers")
+    require("transformers")
     blocks = python_blocks((ROOT / "docs" / "debugging.md").read_text(), "docs/debugging.md")
     module, steps = blocks[0], blocks[1:]
     assert not module.fragment and "def make(" in module.code

@@ -1,16 +1,25 @@
 """Every python block in README.md and docs/*.md runs as pasted, each in a
-fresh Python process, unless the line just above it is ``<!-- fragment -->``."""
+fresh Python process, unless the line just above it is ``<!-- fragment -->``.
+
+A block whose imports need an optional extra that is not installed
+(``import transformers``, ``from graphrunner import hf``, ``gr.hf``: the ``hf``
+extra; ``matplotlib``: the ``bench`` extra) is skipped with the extra to
+install, so the README's test command is green after the quick start's
+``.[test]`` install; with the extra installed the block runs."""
 
 from __future__ import annotations
 
+import ast
 import os
 import pathlib
 import re
 import subprocess
 import sys
-from typing import List, NamedTuple
+from typing import List, NamedTuple, Optional
 
 import pytest
+
+from extras_util import missing, skip_reason
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FRAGMENT = "<!-- fragment -->"
@@ -43,12 +52,54 @@ def run_block(code: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+#: what a block may import -> the optional module it needs (a key of extras_util.EXTRAS)
+OPTIONAL = {"transformers": "transformers", "matplotlib": "matplotlib", "graphrunner.hf": "transformers"}
+
+
+def needed_modules(code: str) -> List[str]:
+    """The optional modules that the imports of ``code`` need, sorted: a module
+    of :data:`OPTIONAL` or a submodule of one, imported (``import``, ``from ...
+    import``) or reached as an attribute of an imported name (``gr.hf`` after
+    ``import graphrunner as gr``). Code that does not parse needs nothing (its
+    run reports the error)."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return []
+    names, aliases = set(), {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                names.add(a.name)
+                bound = a.asname or a.name.split(".")[0]  # `import x.y` binds x
+                aliases[bound] = a.name if a.asname else bound
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+            for a in node.names:
+                names.add(f"{node.module}.{a.name}")
+                aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            names.add(f"{aliases[node.value.id]}.{node.attr}")
+    return sorted({need for name in names for mod, need in OPTIONAL.items()
+                   if name == mod or name.startswith(mod + ".")})
+
+
+def missing_extra(code: str) -> Optional[str]:
+    """The skip reason of a block that needs an optional module which is not
+    installed (``needs transformers: pip install -e '.[hf]'``), else ``None``."""
+    return next((skip_reason(m) for m in needed_modules(code) if missing(m)), None)
+
+
 ALL_BLOCKS = [b for doc in DOCS for b in python_blocks((ROOT / doc).read_text(), doc)]
 RUNNABLE = [b for b in ALL_BLOCKS if not b.fragment]
 
 
 @pytest.mark.parametrize("block", RUNNABLE, ids=[f"{b.doc}:{b.line}" for b in RUNNABLE])
 def test_python_block_runs_as_pasted(block, tmp_path):
+    reason = missing_extra(block.code)
+    if reason:
+        pytest.skip(reason)
     proc = run_block(block.code, tmp_path)
     assert proc.returncode == 0, (f"{block.doc}:{block.line} fails when pasted (mark it {FRAGMENT} on the line "
                                   f"above if it is not meant to run):\n{proc.stderr[-3000:]}")
@@ -77,3 +128,43 @@ def test_readme_quick_start_commands():
     assert "python -m pip install torch==2.13.0 -e '.[test]' && graphrunner demo" in text
     ci = (ROOT / ".ci" / "run").read_text()
     assert "python -m pytest\n" in ci and "python -m pytest\n" in text
+
+
+def test_needed_modules_reads_the_imports():
+    """The extractor of the skip-if-missing rule, with negative controls: a name
+    in a string or a comment, a lookalike module, or plain graphrunner need nothing."""
+    assert needed_modules("import transformers\n") == ["transformers"]
+    assert needed_modules("import matplotlib.pyplot as plt\n") == ["matplotlib"]
+    assert needed_modules("from matplotlib import pyplot\n") == ["matplotlib"]
+    assert needed_modules("from graphrunner import hf\n") == ["transformers"]
+    assert needed_modules("from graphrunner.hf import DecodeRunner\n") == ["transformers"]
+    assert needed_modules("import graphrunner.hf as ghf\n") == ["transformers"]
+    assert needed_modules("def f():\n    import transformers\n") == ["transformers"]
+    assert needed_modules("import graphrunner as gr\nr = gr.hf.DecodeRunner\n") == ["transformers"]
+    assert needed_modules("import graphrunner\ngraphrunner.hf.DecodeRunner\n") == ["transformers"]
+    assert needed_modules("import transformers, matplotlib\n") == ["matplotlib", "transformers"]
+    for code in ("import torch\nimport graphrunner as gr\ngr.GraphRunner\n",
+                 "print('import transformers')  # import matplotlib\n",
+                 "import transformers_stub\nimport graphrunner.tape\n",
+                 "hf = object()\nhf.x\n",
+                 "this is not python (\n"):
+        assert needed_modules(code) == [], code
+
+
+def test_blocks_needing_a_missing_extra_skip_and_run_when_it_is_there(monkeypatch, tmp_path):
+    """The docs that use transformers are found; hidden, each block skips naming the
+    extra; installed, none is skipped (they run), and a block without extras never skips."""
+    hf_blocks = [b for b in RUNNABLE if "transformers" in needed_modules(b.code)]
+    assert {b.doc for b in hf_blocks} >= {"docs/debugging.md", "docs/porting.md"}, hf_blocks
+    plain = [b for b in RUNNABLE if not needed_modules(b.code)]
+    assert plain and any(b.doc == "README.md" for b in plain)
+    if not missing("transformers"):
+        assert all(missing_extra(b.code) is None for b in hf_blocks)  # with the extra, they run
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    for b in hf_blocks:
+        assert missing_extra(b.code) == "needs transformers: pip install -e '.[hf]'"
+        with pytest.raises(pytest.skip.Exception, match=r"pip install -e '\.\[hf\]'"):
+            test_python_block_runs_as_pasted(b, tmp_path)
+    assert all(missing_extra(b.code) is None for b in plain)
+    assert missing_extra("import matplotlib\n") == "needs matplotlib: pip install -e '.[bench]'"

@@ -19,6 +19,7 @@ import graphrunner as gr
 from graphrunner.checks import drift, ops
 from graphrunner.backends import BreakableGraphBackend, EagerBackend, FullGraphBackend
 from graphrunner.errors import CaptureError
+from extras_util import require
 
 X = {"x": gr.BatchInput(trailing=(3,), dtype=torch.float32)}
 
@@ -291,7 +292,7 @@ B, PROMPT, CACHE_LEN = 2, 4, 16
 
 
 def _hf_model(arch: str):
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     cfg_name, model_name, kw = HF_ARCHS[arch]
     cfg = getattr(transformers, cfg_name)(**kw)
     torch.manual_seed(0)
@@ -340,7 +341,7 @@ def test_no_false_alarm_on_transformers_architectures(arch):
 
 
 def _gemma2():
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     cfg = transformers.Gemma2Config(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                     max_position_embeddings=64, sliding_window=4)

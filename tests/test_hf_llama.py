@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from extras_util import require
 
-pytest.importorskip("transformers")
+require("transformers")
 
 import torch  # noqa: E402
 

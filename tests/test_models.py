@@ -12,6 +12,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from extras_util import require
+
 from graphrunner_tools.models import (
     LlamaConfig,
     RMSNorm,
@@ -446,7 +448,7 @@ def test_input_validation():
 def test_matches_hugging_face_llama_with_same_weights():
     """Optional: with ``transformers`` installed, HF ``LlamaForCausalLM`` loaded with our state
     dict gives the same logits (same layout, rotate_half rotary, GQA grouping, RMSNorm)."""
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     cfg = LlamaConfig.tiny()
     ours = build_model(cfg, seed=6)
     hf_cfg = transformers.LlamaConfig(

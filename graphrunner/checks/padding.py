@@ -220,7 +220,10 @@ class LeakCheck(CaptureHook):
       A's real cells must equal it within a float tolerance (a dependence on
       the padded size, ``x / x.shape[0]``, or a pad value reaching real rows).
 
-    A and B, A and C must be bit-identical. When an integer input has no
+    A and B, A and C must agree as A and D do: bit for bit on the tape for a
+    row-independent step, within the float tolerance where the kernel a library
+    picks depends on a row count (an MoE expert's share of the rows moves when
+    padding rows become real: last-bit changes, not a leak). When an integer input has no
     bounds its real cells keep the pad, so real rows meet padding rows by
     construction: only B is compared then (and a warning says what to declare). A difference raises
     :class:`PaddingLeakError` naming the output path, the key and the inputs
@@ -345,11 +348,13 @@ class LeakCheck(CaptureHook):
         paths, dims = leaf_paths(spec), self.leaf_dims(spec, len(a))
         found = []
 
-        def compare(kind: str, other: List[Optional[torch.Tensor]], tolerant: bool = False) -> None:
+        def compare(kind: str, other: List[Optional[torch.Tensor]], unpadded: bool = False) -> None:
+            # within a float tolerance: the kernels CPU and GPU libraries choose depend on row counts
+            # (an MoE expert's rows change when padding rows become real), which moves the last bits
             for p, x, y, d in zip(paths, a, other, dims):
                 if x is None or y is None:
                     continue
-                diff = _diff(_real(x, d, sizes), _real(y, d, sizes) if not tolerant else y, tolerant)
+                diff = _diff(_real(x, d, sizes), y if unpadded else _real(y, d, sizes), tolerant=True)
                 if diff is not None:
                     found.append((kind, p, diff))
 
@@ -371,7 +376,7 @@ class LeakCheck(CaptureHook):
                         "padded runs only", self.key_text, type(exc).__name__, exc)
         else:
             if len(ref) == len(a):
-                compare("eager", [None if r is None else r for r in ref], tolerant=True)
+                compare("eager", ref, unpadded=True)
         return self._control(cap, data, a, found, paths, dims)
 
     def _control(self, cap: Capture, data: Dict[str, torch.Tensor], a: List[Optional[torch.Tensor]],
