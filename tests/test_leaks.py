@@ -120,8 +120,8 @@ def test_integer_inputs_vary_within_bounds_and_keep_their_pad_without(caplog):
     with caplog.at_level("WARNING", logger="graphrunner.checks.padding"):
         build(None).capture()
     assert all(int(t.max()) == 0 for t in seen)
-    assert "integer input 'ids' has no BatchInput(bounds=(lo, hi))" in caplog.text
-    assert caplog.text.count("has no BatchInput(bounds") == 1  # one warning per runner
+    assert "integer input(s) 'ids' have no BatchInput(bounds=(lo, hi))" in caplog.text
+    assert caplog.text.count("have no BatchInput(bounds") == 1  # one warning per runner
 
 
 def test_state_the_step_writes_is_put_back_around_the_checks_forwards(caplog, monkeypatch):

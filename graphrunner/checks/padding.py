@@ -283,6 +283,7 @@ class LeakCheck(CaptureHook):
         top = self.sizes2 or self.sizes
         data = {}
         forced = 0  # integer inputs whose pad is a real value: each meets the padding at its own cell
+        unbounded: List[str] = []
         for name, view, didx, spec in self.inputs:
             shape = (*(top[d] for d in didx), *spec.trailing)
             dt = spec.dtype
@@ -294,19 +295,20 @@ class LeakCheck(CaptureHook):
                 lo, hi = spec.bounds if spec.bounds is not None else (None, None)
                 if lo is None or hi is None:
                     self._blind = True
-                    if name not in self.warned:
-                        self.warned.add(name)
-                        logger.warning(
-                            "padding check: integer input %r has no BatchInput(bounds=(lo, hi)), so its real cells "
-                            "keep the pad value %r and only the padding of floating-point inputs is measured (not "
-                            "leaks through integer inputs, nor a dependence on the padded count); declare the range "
-                            "of its real values, e.g. bounds=(0, vocab_size - 1) for token ids or (0, num_slots - 1) "
-                            "for cache slots (the pad may lie outside: a scratch index)", name, spec.pad)
+                    unbounded.append(name)
                     t = torch.full(shape, spec.pad, dtype=dt)
                 else:
                     t = _distinct_ints(int(lo), int(hi), shape, spec.pad, g, forced).to(dt)
                     forced += lo <= spec.pad <= hi
             data[name] = t.to(view.device)
+        if unbounded and not self.warned:  # one warning per runner
+            self.warned.update(unbounded)
+            logger.warning(
+                "padding check: integer input(s) %s have no BatchInput(bounds=(lo, hi)), so their real cells keep "
+                "the pad value and only the padding of floating-point inputs is measured (not leaks through "
+                "integer inputs, nor a dependence on the padded count); declare the range of their real values, "
+                "e.g. bounds=(0, vocab_size - 1) for token ids or (0, num_slots - 1) for cache slots (the pad may "
+                "lie outside: a scratch index)", ", ".join(repr(n) for n in unbounded))
         return data
 
     def _fill(self, data: Dict[str, torch.Tensor], sizes: Sizes, random_float_padding: bool = False) -> None:
