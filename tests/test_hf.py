@@ -266,7 +266,7 @@ def test_moe_decode_runner_captures_with_buckets_up_to_8_no_false_alarm(monkeypa
     # negative control: compared bit for bit, the row-count-dependent kernels read as a leak
     import graphrunner.checks.padding as padding
 
-    exact = padding._diff
-    monkeypatch.setattr(padding, "_diff", lambda a, b, tolerant=False: exact(a, b, False))
+    exact = padding.difference
+    monkeypatch.setattr(padding, "difference", lambda a, b, tolerant=False: exact(a, b, False))
     with pytest.raises(gr.CaptureError, match="padding leaks into real results at bucket 8"):
         gr.hf.DecodeRunner(build_model("mixtral"), max_batch=8, max_cache_len=MAX_CACHE_LEN).capture()

@@ -41,7 +41,7 @@ from graphrunner.backends.hooks import Capture, CaptureHook, Finding
 from graphrunner.errors import PaddingLeakError
 from graphrunner.keys import all_max_vector, region
 
-__all__ = ["PaddingCheck", "exempt_prefixes", "check_sizes", "second_sizes", "LeakCheck"]
+__all__ = ["PaddingCheck", "exempt_prefixes", "check_sizes", "second_sizes", "real_cells", "difference", "LeakCheck"]
 
 Sizes = Tuple[int, ...]
 
@@ -154,11 +154,12 @@ def _distinct_ints(lo: int, hi: int, shape: Tuple[int, ...], pad: Any, g: torch.
     return t
 
 
-def _real(t: torch.Tensor, didx: Tuple[int, ...], sizes: Sizes) -> torch.Tensor:
+def real_cells(t: torch.Tensor, didx: Tuple[int, ...], sizes: Sizes) -> torch.Tensor:
+    """The real cells ``sizes`` of output leaf ``t`` on its leading dims ``didx`` (a 0-dim leaf whole)."""
     return t if t.dim() == 0 or not didx else t[region(sizes, didx)]
 
 
-def _diff(a: torch.Tensor, b: torch.Tensor, tolerant: bool = False) -> Optional[float]:
+def difference(a: torch.Tensor, b: torch.Tensor, tolerant: bool = False) -> Optional[float]:
     """``None`` if equal (NaN equals NaN; with ``tolerant``, floating-point values within
     ``max|b| * min(0.05, 1024 * eps)``: what kernels chosen for another shape may change), else
     the max abs difference (inf for a shape change)."""
@@ -324,7 +325,8 @@ class LeakCheck(CaptureHook):
             view[r].copy_(data[name][r])
 
     def _run(self, cap: Capture, fn: Callable[[], Any]) -> List[Optional[torch.Tensor]]:
-        """``fn()`` eagerly, what it wrote outside itself put back; the compared leaves, cloned."""
+        """``fn()`` eagerly, what it wrote outside itself put back; its output leaves cloned
+        (``None`` for exempt ones). The output's structure is kept in ``self._spec``."""
         from graphrunner.checks.ops import OpRecorder, WriteGuard
 
         guard = WriteGuard([v for _, v, _, _ in self.inputs])
@@ -332,14 +334,11 @@ class LeakCheck(CaptureHook):
         try:
             with OpRecorder([guard]):
                 out = cap.eager(fn)
-            spec, leaves = flatten(out, "step output")
-            return [None if s else t.detach().clone() for t, s in zip(leaves, self._skip(spec, len(leaves)))]
+            self._spec, leaves = flatten(out, "step output")
+            skip = [_exempt(p, self.exempt) for p in leaf_paths(self._spec)]
+            return [None if s else t.detach().clone() for t, s in zip(leaves, skip)]
         finally:
             guard.restore()
-
-    def _skip(self, spec: tuple, n: int) -> List[bool]:
-        self._spec = spec
-        return [_exempt(p, self.exempt) for p in leaf_paths(spec)]
 
     def _check(self, cap: Capture) -> List[Tuple[str, str, float]]:
         """``[(which comparison, output path, max abs diff)]`` of the outputs that moved."""
@@ -356,7 +355,7 @@ class LeakCheck(CaptureHook):
             for p, x, y, d in zip(paths, a, other, dims):
                 if x is None or y is None:
                     continue
-                diff = _diff(_real(x, d, sizes), y if unpadded else _real(y, d, sizes), tolerant=True)
+                diff = difference(real_cells(x, d, sizes), y if unpadded else real_cells(y, d, sizes), tolerant=True)
                 if diff is not None:
                     found.append((kind, p, diff))
 
@@ -390,7 +389,7 @@ class LeakCheck(CaptureHook):
             self._fill(data, self.sizes)
             again = self._run(cap, cap.forward_fn)
             unstable = {p for p, x, y, d in zip(paths, a, again, dims)
-                        if x is not None and y is not None and _diff(x, y) is not None}
+                        if x is not None and y is not None and difference(x, y) is not None}
             if unstable:
                 logger.warning(
                     "padding check of %s: %s changed between two identical calls (the step's output depends "

@@ -60,7 +60,7 @@ def shadow_reference(runner: Any, sizes: Tuple[int, ...], key: Tuple[int, ...]) 
     the key's padded static inputs, run BEFORE the replay (so state the step updates, a counter or
     an accumulator, is seen as the replay will see it) and with everything it writes outside
     itself put back; the real cells of each output leaf."""
-    from graphrunner.checks.padding import _real
+    from graphrunner.checks.padding import real_cells
 
     views = runner._inputs.key_views(key)
     padded = {k: v.clone() for k, v in views.items()}
@@ -70,7 +70,7 @@ def shadow_reference(runner: Any, sizes: Tuple[int, ...], key: Tuple[int, ...]) 
             ref = runner.step(**padded)
         spec, leaves = flatten(ref)
         dims = runner._layout.leaf_dims(spec, len(leaves))
-        return [_real(t, d, sizes).clone() for t, d in zip(leaves, dims)]
+        return [real_cells(t, d, sizes).clone() for t, d in zip(leaves, dims)]
     finally:
         guard.restore()
 
@@ -80,12 +80,12 @@ def shadow_verify(runner: Any, ref_leaves: List[torch.Tensor], tensors: List[tor
     """Compare a replayed call's ``out`` (sliced to ``sizes``) with its :func:`shadow_reference`.
     Raises :class:`ContractError` naming the key, the output and (from :func:`compare_runner
     <graphrunner.checks.compare.compare_runner>`) the first differing op and line."""
-    from graphrunner.checks.padding import _diff
+    from graphrunner.checks.padding import difference
 
     _, got = flatten(out)
     worst: Optional[Tuple[int, float]] = None
     for i, (a, b) in enumerate(zip(got, ref_leaves)):
-        d = _diff(a.detach(), b, tolerant=True)
+        d = difference(a.detach(), b, tolerant=True)
         if d is not None and (worst is None or d > worst[1]):
             worst = (i, d)
     bad = worst is not None
