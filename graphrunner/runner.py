@@ -260,6 +260,7 @@ class GraphRunner:
             self._externals = contracts.ExternalsCheck(self.step, self._inputs.storages,
                                                        lambda k: self._key_text(space.internal(k)))
         extra = {"lead_dims": self._layout.lead} if self._layout.lead > 1 else {}
+        writes = contracts.InputWritesCheck(self._inputs.storage_names())  # one for every key, like the externals
         try:
             with torch.inference_mode(), self.backend.capture_session():
                 if self.checks.fingerprint and self.world_size > 1:  # the capture's first collective
@@ -273,8 +274,7 @@ class GraphRunner:
                         self.backend.capture_one(ext, self._make_forward(key, views), capture_inputs=views,
                                                  post_warmup_hook=hook, hooks=self.checks.key_hooks(
                                                      space, key, self._key_text(key), self._inputs.key_inputs(views), self.step,
-                                                     self._layout.leaf_dims, self.group, self._externals,
-                                                     contracts.InputWritesCheck(self._inputs.storage_names())),
+                                                     self._layout.leaf_dims, self.group, self._externals, writes),
                                                  findings=None if collect is None else collect.findings, **extra)
                     except Exception as exc:
                         if collect is None:

@@ -388,7 +388,7 @@ class GraphBackend:
         logger.debug("%s: captured key %r on rank %d in %.3fs", self.name, key, self.rank, t_end - t0)
 
     def _end_hooks(self, hooks: Sequence[CaptureHook], cap: Capture) -> None:
-        """Every hook's ``end`` (they drop references); the first error is logged, not raised:
+        """Every hook's ``end`` (they drop references); an error there is logged, not raised:
         the capture's own outcome is what the caller needs."""
         cap.last_output = None
         for h in hooks:

@@ -346,7 +346,27 @@ class _InputWrites(OpConsumer):
                 self.found[hit[0]] = (ev.op, ev.where)
 
 
-class InputWritesCheck(CaptureHook):
+class _LastWarmupRecording(CaptureHook):
+    """A hook that records the last warmup forward of each key with a fresh consumer from
+    :meth:`_consumer`, kept in ``self._rec[key]`` until the hook's own step reads it or ``end``."""
+
+    def __init__(self) -> None:
+        self._rec: Dict[Any, Any] = {}
+
+    def _consumer(self) -> OpConsumer:
+        raise NotImplementedError
+
+    def warmup_consumers(self, cap: Capture, i: int) -> Sequence[Any]:
+        if i != cap.warmups - 1:
+            return ()
+        rec = self._rec[cap.key] = self._consumer()
+        return (rec,)
+
+    def end(self, cap: Capture) -> None:
+        self._rec.pop(cap.key, None)
+
+
+class InputWritesCheck(_LastWarmupRecording):
     """Refuses, at capture, a step that writes into one of its inputs (in place, ``out=``) unless
     the input is declared ``BatchInput(state=True)``.
 
@@ -361,14 +381,11 @@ class InputWritesCheck(CaptureHook):
     name = "input-writes"
 
     def __init__(self, storages: Dict[int, Tuple[str, bool]]) -> None:
+        super().__init__()
         self.storages = storages
-        self._rec: Dict[Any, _InputWrites] = {}
 
-    def warmup_consumers(self, cap: Capture, i: int) -> Sequence[Any]:
-        if i != cap.warmups - 1:
-            return ()
-        rec = self._rec[cap.key] = _InputWrites(self.storages)
-        return (rec,)
+    def _consumer(self) -> OpConsumer:
+        return _InputWrites(self.storages)
 
     def after_warmups(self, cap: Capture) -> None:
         rec = self._rec.pop(cap.key, None)
@@ -387,11 +404,8 @@ class InputWritesCheck(CaptureHook):
                                             fix=f"return the new value of {name!r} as an output, or declare "
                                                 "BatchInput(state=True)"))
 
-    def end(self, cap: Capture) -> None:
-        self._rec.pop(cap.key, None)
 
-
-class ExternalsCheck(CaptureHook):
+class ExternalsCheck(_LastWarmupRecording):
     """Debug mode's externals contract as a capture hook, for one runner.
 
     Records the externals of the last warmup forward of each key
@@ -413,13 +427,10 @@ class ExternalsCheck(CaptureHook):
         self.step = step
         self.inputs = list(input_storages)
         self.guard = ExternalGuard({}, key_text)
-        self._rec: Dict[Any, ExternalRecorder] = {}
+        super().__init__()
 
-    def warmup_consumers(self, cap: Capture, i: int) -> Sequence[Any]:
-        if i != cap.warmups - 1:
-            return ()
-        rec = self._rec[cap.key] = ExternalRecorder(self.inputs)
-        return (rec,)
+    def _consumer(self) -> OpConsumer:
+        return ExternalRecorder(self.inputs)
 
     def after_capture(self, cap: Capture) -> None:
         rec = self._rec.get(cap.key)
@@ -430,9 +441,6 @@ class ExternalsCheck(CaptureHook):
         cap.info["externals_read"] = len(exts)
         cap.info["externals_written"] = [e.describe() for e in exts if e.written]
 
-    def end(self, cap: Capture) -> None:
-        self._rec.pop(cap.key, None)
-
     def before_replay(self, key: Any) -> None:
         self.guard.check(key)
 
@@ -441,7 +449,7 @@ class ExternalGuard:
     """Checks, before each replay, that every external of the key is unchanged (debug mode).
 
     ``per_key``: ``{key: [External, ...]}``; ``key_text(key)`` names a key in
-    messages. :meth:`wrap` returns ``replay`` preceded by :meth:`check`.
+    messages. :class:`ExternalsCheck` calls :meth:`check` before each replay.
     """
 
     def __init__(self, per_key: Dict[Any, List[External]], key_text: Callable[[Any], str]) -> None:
@@ -472,15 +480,6 @@ class ExternalGuard:
                 "data. Update captured tensors in place (`with torch.no_grad(): param.copy_(new)`, "
                 "`cache.zero_()`), allocate caches at their final size before capture, or call "
                 "runner.cleanup() and runner.capture() again")
-
-    def wrap(self, replay: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        """``replay`` with :meth:`check` before it (kept for callers outside a backend)."""
-        check = self.check
-
-        def guarded(key: Any) -> Any:
-            check(key)
-            return replay(key)
-        return guarded
 
     def written(self) -> List[Dict[str, Any]]:
         """The externals any key's graph writes, once each: ``[{"path", "shape", "dtype"}]``."""
