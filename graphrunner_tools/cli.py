@@ -91,10 +91,28 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from graphrunner.checks.lint import CheckUsageError, check_factory, load_factory
+    from graphrunner.checks.lint import CheckUsageError, check_factory, check_step, load_factory, load_target
 
     try:
-        report = check_factory(load_factory(args.target), args.target)
+        if args.inputs is None:
+            if args.buckets is not None or args.backend is not None:
+                raise CheckUsageError("--buckets and --backend configure a step checked with --inputs; a factory "
+                                      "configures its GraphRunner itself (drop them, or pass --inputs NAME)")
+            report = check_factory(load_factory(args.target), args.target)
+        else:
+            module, step = load_target(args.target)
+            if not callable(step):
+                raise CheckUsageError(f"{args.target} is {type(step).__name__}, not a callable step")
+            if ":" in args.inputs:
+                inputs, what = load_target(args.inputs)[1], args.inputs
+            else:
+                source = args.target.rpartition(":")[0]
+                if not hasattr(module, args.inputs):
+                    raise CheckUsageError(f"argument --inputs: {source!r} has no attribute {args.inputs!r}; name a "
+                                          "dict of example tensors defined next to the step, or FILE_OR_MODULE:NAME")
+                inputs, what = getattr(module, args.inputs), args.inputs
+            report = check_step(step, inputs, args.buckets, args.backend or "breakable", args.target,
+                                what=f"--inputs {what}")
     except CheckUsageError as exc:  # a target that cannot be checked: a usage error, one line
         print(f"graphrunner: error: {exc} (see 'graphrunner check --help')", file=sys.stderr)
         return 2
@@ -177,18 +195,31 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser(
         "check", help="lint a GraphRunner for capture safety on a CPU: every unsafe op, drift, padding leak and "
                       "capture error",
-        description="Call FACTORY (a zero-argument callable returning an uncaptured GraphRunner) once and capture "
-                    "its runner on its device (the tape on a CPU) with every check collecting findings instead "
-                    "of raising, in one pass: every capture-unsafe op (host reads such as .item(), "
-                    "data-dependent shapes; one extra warmup is linted), every drift (Python state that changes "
-                    "between calls and that a graph would freeze), padding leaking into real outputs, a step "
-                    "that raises, and any other capture error, each with its source file:line and a fix "
-                    "(@no_graph the enclosing function, or make the value an input when the line is inside a "
-                    "library). Exits 1 on any finding, 0 on none, 2 (one line on stderr) when the target cannot "
-                    "be loaded or checked.")
+        description="Call FACTORY (a zero-argument callable returning an uncaptured GraphRunner) once, or build "
+                    "a runner from STEP and example inputs (--inputs NAME), and capture it on its device (the "
+                    "tape on a CPU) with every check collecting findings instead of raising, in one pass: every "
+                    "capture-unsafe op (host reads such as .item(), data-dependent shapes; one extra warmup is "
+                    "linted), every @no_graph function that returns a Python value (frozen into the graph after "
+                    "the break), every drift (Python state that changes between calls and that a graph would "
+                    "freeze), padding leaking into real outputs, a step that raises, and any other capture "
+                    "error, each with its source file:line and a fix (@no_graph the enclosing function and "
+                    "return tensors from it, or make the value an input when the line is inside a library). "
+                    "Exits 1 on any finding, 0 on none, 2 (one line on stderr) when the target cannot be "
+                    "checked: not found, a directory, a step without --inputs, a factory that raises, calls "
+                    "sys.exit or returns no runner.")
     check.add_argument("target", metavar="FILE_OR_MODULE:FACTORY",
                        help="a .py file or an importable module, then ':' and the factory's name "
-                            "(e.g. model.py:make_runner or mypkg.serve:make_runner)")
+                            "(e.g. model.py:make_runner or mypkg.serve:make_runner), or a step's name with "
+                            "--inputs")
+    check.add_argument("--inputs", metavar="NAME", default=None,
+                       help="the target is a step (it takes the inputs as arguments): NAME is a dict {argument: "
+                            "example tensor with the batch on dim 0} (or a zero-argument function returning one) "
+                            "in the target's module, or FILE_OR_MODULE:NAME; integer inputs are bounded by the "
+                            "examples' min and max")
+    check.add_argument("--buckets", type=parse_buckets, default=None,
+                       help="with --inputs: batch buckets, strictly increasing (default: the examples' batch size)")
+    check.add_argument("--backend", choices=["breakable", "full"], default=None,
+                       help="with --inputs: the backend to check against (default: breakable)")
     check.add_argument("--json", action="store_true", help="print the findings as JSON instead of a table")
     check.set_defaults(func=_check)
     return parser

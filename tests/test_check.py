@@ -306,3 +306,244 @@ def test_step_writing_its_input_is_a_finding():
     assert "input-write" in kinds and "writes into its input 'state'" in report.findings[kinds.index("input-write")].what
     with pytest.raises(gr.CaptureError, match="writes into its input 'state'"):  # the plain capture refuses it too
         make().capture()
+
+
+# ------------------------------------------------------------ @no_graph functions that return Python values
+TRAP = textwrap.dedent('''
+    import torch
+    import graphrunner as gr
+
+
+    def inline(x, lens):
+        n = lens.max().item()  # item-in-step
+        return x * n
+
+
+    @gr.no_graph
+    def longest_of(lens):
+        return lens.max().item()  # frozen
+
+
+    def literal(x, lens):  # the .item() advice followed without returning a tensor
+        return x * longest_of(lens)
+
+
+    @gr.no_graph
+    def longest(lens):
+        return lens.max()
+
+
+    def fixed(x, lens):  # the advice followed: the break returns a tensor
+        return x * longest(lens)
+
+
+    @gr.no_graph
+    def scaled(x, lens):
+        return x * longest_of(lens)  # nested: a plain call, its number used inside the outer break
+
+
+    def consumer_inside(x, lens):
+        return scaled(x, lens)
+
+
+    @gr.no_graph
+    def shape_and_scale(lens):
+        return lens.max(), [int(v) for v in lens.tolist()]  # frozen-list
+
+
+    def mixed(x, lens):
+        scale, _ = shape_and_scale(lens)
+        return x * scale
+
+
+    INPUTS = {"x": gr.BatchInput(trailing=(4,)), "lens": gr.BatchInput(dtype=torch.long, bounds=(0, 16))}
+
+
+    def make(step, backend="breakable"):
+        return gr.GraphRunner(step, INPUTS, buckets=[2], backend=backend, progress=False)
+
+
+    def make_inline():
+        return make(inline)
+
+
+    def make_literal():
+        return make(literal)
+
+
+    def make_fixed():
+        return make(fixed)
+
+
+    def make_consumer_inside():
+        return make(consumer_inside)
+
+
+    def make_mixed():
+        return make(mixed)
+
+
+    def make_literal_full():
+        return make(literal, "full")
+
+
+    EXAMPLE = {"x": torch.randn(2, 4, generator=torch.Generator().manual_seed(1)), "lens": torch.tensor([3, 9])}
+''')
+
+
+def test_item_advice_leads_to_a_break_that_returns_a_tensor(target):
+    path = target(TRAP, "trap")
+    (f,) = check_factory(load_factory(f"{path}:make_inline")).findings
+    assert (f.kind, f.line) == ("unsafe-op", _line(TRAP, "item-in-step"))
+    assert "returns tensors" in f.fix and "lens.max(), not lens.max().item()" in f.fix
+    assert "keep the code that uses the number inside the break" in f.fix
+
+
+def test_no_graph_returning_a_number_is_a_frozen_return_finding(target, capsys):
+    path = target(TRAP, "trap")
+    report = check_factory(load_factory(f"{path}:make_literal"))
+    assert [(f.kind, f.file, f.line, f.function) for f in report.findings] == [
+        ("frozen-return", path, _line(TRAP, "frozen"), "longest_of")]
+    f = report.findings[0]
+    assert "returned 0 at capture" in f.what and "frozen" in f.what
+    assert f.fix.startswith("return a tensor") and "keep the consumer inside the break" in f.fix
+    assert main(["check", f"{path}:make_literal"]) == 1
+    assert "frozen-return" in capsys.readouterr().out
+    # independent reference: the same runner, captured for real, raises on the first call whose maximum differs
+    runner = load_factory(f"{path}:make_literal")()
+    runner.capture()
+    x, lens = torch.ones(2, 4), torch.tensor([3, 9])
+    with pytest.raises(CaptureError, match=r"longest_of returned 9 at replay where it returned 0 at capture"):
+        runner(x=x, lens=lens)
+
+
+def test_frozen_return_negative_controls_tensor_return_and_consumer_inside(target):
+    path = target(TRAP, "trap")
+    x, lens = torch.randn(2, 4), torch.tensor([3, 9])
+    for name, eager in (("make_fixed", x * 9), ("make_consumer_inside", x * 9)):
+        report = check_factory(load_factory(f"{path}:{name}"))
+        assert report.ok, report.table()
+        runner = load_factory(f"{path}:{name}")()
+        runner.capture()
+        assert torch.equal(runner(x=x, lens=lens), eager)  # and it replays as eager PyTorch
+        assert torch.equal(runner(x=x, lens=torch.tensor([2, 1])), x * 2)
+
+
+def test_frozen_list_and_full_backend(target):
+    path = target(TRAP, "trap")
+    (f,) = check_factory(load_factory(f"{path}:make_mixed")).findings
+    assert (f.kind, f.line, f.function) == ("frozen-return", _line(TRAP, "frozen-list"), "shape_and_scale")
+    assert "[0, 0]" in f.what or "0, 0" in f.what
+    # a full graph does not break: the .item() inside is captured, an unsafe op (the capture stops there)
+    (f,) = check_factory(load_factory(f"{path}:make_literal_full")).findings
+    assert (f.kind, f.line) == ("unsafe-op", _line(TRAP, "frozen")) and "backend='breakable'" in f.fix
+
+
+# ------------------------------------------------------------ what check accepts
+def test_a_step_without_inputs_says_what_check_expects(target, capsys):
+    path = target(TRAP, "trap")
+    assert main(["check", f"{path}:literal"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("graphrunner: error: ")
+    assert "takes 2 required arguments (x, lens): that is a step, not a factory; pass --inputs NAME" in err
+    with pytest.raises(CheckUsageError, match="that is a step"):
+        check_factory(load_factory(f"{path}:literal"))
+
+
+def test_a_step_with_example_inputs_is_checked(target, capsys):
+    path = target(TRAP, "trap")
+    assert main(["check", f"{path}:literal", "--inputs", "EXAMPLE"]) == 1
+    assert "frozen-return" in capsys.readouterr().out
+    assert main(["check", f"{path}:fixed", "--inputs", f"{path}:EXAMPLE", "--buckets", "1,2,4"]) == 0
+    out = capsys.readouterr().out
+    assert "buckets [1, 2, 4]" in out and "no findings" in out
+    # the runner it checks is the step's: captured, it replays the examples as eager PyTorch
+    from graphrunner.checks.lint import runner_from_examples
+
+    module = load_factory(f"{path}:fixed").__globals__
+    runner = runner_from_examples(module["fixed"], module["EXAMPLE"])
+    assert runner.buckets == [2] and runner.inputs["lens"].bounds == (3, 9) and runner.inputs["x"].trailing == (4,)
+    runner.capture()
+    ex = module["EXAMPLE"]
+    assert torch.equal(runner(**ex), ex["x"] * 9)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["{path}:make_fixed", "--inputs", "EXAMPLE"], "the step takes no arguments"),
+    (["{path}:literal", "--inputs", "NOPE"], "argument --inputs: "),
+    (["{path}:make_fixed", "--buckets", "1,2"], "--buckets and --backend configure a step"),
+    (["{path}:INPUTS"], "is dict, not callable"),
+])
+def test_step_mode_usage_errors(target, capsys, argv, message):
+    path = target(TRAP + "\nBAD = {'x': torch.zeros(2, 4)}\n", "trap")
+    assert main(["check"] + [a.format(path=path) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_example_names_must_match_the_step(target, capsys):
+    path = target(TRAP + "\nBAD = {'x': torch.zeros(2, 4)}\n", "trap")
+    assert main(["check", f"{path}:literal", "--inputs", "BAD"]) == 2
+    err = capsys.readouterr().err
+    assert "missing ['lens']" in err and err.count("\n") == 1
+
+
+EXITS = textwrap.dedent('''
+    import sys
+    import torch
+    import graphrunner as gr
+
+
+    def exits():
+        raise SystemExit(0)
+
+
+    def quits():
+        sys.exit(3)
+
+
+    def step_exits(x):
+        sys.exit(0)
+
+
+    def make_step_exits():
+        return gr.GraphRunner(step_exits, {"x": gr.BatchInput(trailing=(4,))}, buckets=[1], progress=False)
+
+
+    def raises():
+        raise RuntimeError("model weights not found")
+''')
+
+
+@pytest.mark.parametrize("name, message", [
+    ("exits", "exits() called sys.exit(0) instead of returning a runner"),
+    ("quits", "quits() called sys.exit(3)"),
+    ("make_step_exits", "called sys.exit(0) during its capture"),
+    ("raises", "raises() raised RuntimeError: model weights not found"),
+])
+def test_a_target_that_exits_or_raises_is_exit_2_not_a_pass(target, capsys, name, message):
+    path = target(EXITS, "exits")
+    assert main(["check", f"{path}:{name}"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and message in captured.err, captured.err
+
+
+def test_a_module_that_exits_on_load_is_exit_2(target, capsys):
+    path = target("import sys\nsys.exit(0)\n", "script")
+    assert main(["check", f"{path}:make"]) == 2
+    err = capsys.readouterr().err
+    assert "called sys.exit(0)" in err and "if __name__ == '__main__'" in err and err.count("\n") == 1
+
+
+def test_a_directory_is_named_as_a_directory(tmp_path, monkeypatch, capsys):
+    (tmp_path / "pkgdir").mkdir()
+    (tmp_path / "pkgdir" / "model.py").write_text(CLEAN)
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", "pkgdir:make"]) == 2
+    err = capsys.readouterr().err
+    assert "'pkgdir' is a directory, not a Python file" in err and "does not exist" not in err
+    assert main(["check", f"{tmp_path / 'pkgdir'}:make"]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    # negative control: the file inside it is checked
+    assert main(["check", "pkgdir/model.py:make"]) == 0
+    assert "no findings" in capsys.readouterr().out

@@ -2,8 +2,11 @@
 
 ``graphrunner check FILE_OR_MODULE:FACTORY`` (and :func:`check_factory`)
 calls ``FACTORY()`` once, a zero-argument callable returning an *uncaptured*
-:class:`~graphrunner.runner.GraphRunner`, and captures it for real on its
-device (the tape on a CPU) with every check in **collect mode**: a check
+:class:`~graphrunner.runner.GraphRunner`; ``graphrunner check
+FILE_OR_MODULE:STEP --inputs NAME`` (and :func:`check_step`) builds that
+runner from a step and a dict of example tensors instead. The runner is
+captured for real on its device (the tape on a CPU) with every check in
+**collect mode**: a check
 that finds something records a :class:`~graphrunner.backends.hooks.Finding`
 instead of raising, and a key whose capture fails becomes a finding while
 the other keys are still captured. The findings come from the capture
@@ -21,14 +24,24 @@ error messages:
   drift check's comparison, even when the runner turned the drift check off.
   Ops inside ``@no_graph`` bodies are skipped on the breakable backend (they
   run eagerly at replay); an eager backend freezes nothing and is not linted.
+- :class:`UnsafeOpLint` also watches the ``@no_graph`` calls of the captured
+  forward: one that returns a Python value (``lens.max().item()``, a list
+  of ints) is a ``"frozen-return"`` finding, since the graph after it keeps
+  the value the capture saw (a replay that gets another value raises).
 - the runner's own checks (drift, padding, fingerprint) report in collect mode.
 - a capture error of a key (the tape's first unsafe op, a step that
   raises) is a finding unless a hook already reported it for that key.
 
 Each finding names the user's ``file:line`` and a fix: ``@no_graph`` the
-nearest enclosing function (or module ``forward``) of the user's code, or,
-when the line is inside a library (``site-packages``: transformers, ...),
-*make the value an input*, since library code cannot be decorated.
+nearest enclosing function (or module ``forward``) of the user's code, which
+must then return tensors (or keep the code that uses a host value inside
+it), or, when the line is inside a library (``site-packages``:
+transformers, ...), *make the value an input*, since library code cannot be
+decorated.
+
+A target that cannot be checked (not found, a directory, a step without
+example inputs, a factory that raises, calls ``sys.exit`` or returns no
+runner) raises :class:`CheckUsageError`: one line, exit code 2 in the CLI.
 """
 
 from __future__ import annotations
@@ -41,7 +54,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -50,16 +63,20 @@ from graphrunner.backends.hooks import Capture, CaptureHook, Finding
 from graphrunner.checks.ops import OpConsumer
 from graphrunner.errors import CaptureError, CaptureUnsafeOpError, GraphRunnerError
 
-__all__ = ["Finding", "CheckReport", "CheckUsageError", "UnsafeOpLint", "load_factory", "check_factory"]
+__all__ = ["Finding", "CheckReport", "CheckUsageError", "UnsafeOpLint", "load_factory", "load_target",
+           "check_factory", "check_step", "check_runner",
+           "runner_from_examples"]
 
 #: Finding kinds, in the order the table lists them.
-KINDS = ("unsafe-op", "drift", "padding-leak", "input-write", "step-error", "capture-error")
+KINDS = ("unsafe-op", "frozen-return", "drift", "padding-leak", "input-write", "step-error", "capture-error")
 
 
 class CheckUsageError(ValueError):
-    """``graphrunner check`` cannot run: the target cannot be loaded, is not
-    a zero-argument factory, or did not return an uncaptured GraphRunner.
-    The CLI prints it as one line and exits 2."""
+    """``graphrunner check`` cannot run: the target cannot be loaded, is a
+    directory, is a step given without example inputs, raised or called
+    ``sys.exit`` (on loading, in the factory or in the step), or did not
+    return an uncaptured GraphRunner. The CLI prints it as one line and
+    exits 2."""
 
 
 @dataclass
@@ -116,67 +133,221 @@ def _short(path: str) -> str:
 
 
 # ------------------------------------------------------------------ loading
-def load_factory(target: str) -> Callable[[], Any]:
-    """Resolve ``FILE_OR_MODULE:FACTORY`` to the callable it names.
+_FORM = "FILE_OR_MODULE:FACTORY (e.g. model.py:make_runner), or FILE_OR_MODULE:STEP with --inputs NAME"
+_EXPECTS = ("a zero-argument factory returning an uncaptured graphrunner.GraphRunner, or a step with example "
+            "inputs (graphrunner check FILE:STEP --inputs NAME, NAME a dict {argument: example tensor})")
 
-    ``FILE`` is a path to a ``.py`` file (loaded as a fresh module, its
-    folder first on ``sys.path`` while it loads); otherwise the part before
-    the last ``:`` is an importable module name. ``FACTORY`` may be dotted
-    (``module:Class.make``). Raises :class:`CheckUsageError` naming what is
-    wrong."""
-    if not isinstance(target, str) or ":" not in target:
-        raise CheckUsageError(f"expected FILE_OR_MODULE:FACTORY (e.g. model.py:make_runner), got {target!r}")
-    source, _, attr = target.rpartition(":")
-    if not source or not attr:
-        raise CheckUsageError(f"expected FILE_OR_MODULE:FACTORY (e.g. model.py:make_runner), got {target!r}")
-    if source.endswith(".py") or os.sep in source or os.path.exists(source):
+
+def _exit_text(exc: SystemExit) -> str:
+    return f"called sys.exit({exc.code!r})" if exc.code is not None else "called sys.exit()"
+
+
+def _load_module(source: str, target: str) -> Any:
+    """The module ``source`` names: a ``.py`` file (loaded fresh) or an importable module."""
+    looks_like_file = source.endswith(".py") or os.sep in source or (os.altsep or os.sep) in source
+    if os.path.isdir(source) and not source.endswith(".py"):
+        importable = not looks_like_file and all(p.isidentifier() for p in source.split("."))
+        if importable:  # a package directory named as a module (graphrunner check mypkg:make in its parent)
+            try:
+                importable = importlib.util.find_spec(source) is not None
+            except Exception:
+                importable = False
+        if not importable:
+            raise CheckUsageError(
+                f"{source!r} is a directory, not a Python file: name a .py file inside it "
+                f"({os.path.join(source, 'model.py')}:FACTORY) or an importable module (package.module:FACTORY)")
+        looks_like_file = False
+    elif looks_like_file or os.path.exists(source):
         path = os.path.abspath(source)
+        if not os.path.exists(path):
+            raise CheckUsageError(f"file {source!r} does not exist (in {os.getcwd()}); check the path")
         if not os.path.isfile(path):
-            raise CheckUsageError(f"file {source!r} does not exist")
+            raise CheckUsageError(f"{source!r} is not a regular file; name a .py file")
         name = f"_graphrunner_check_{abs(hash(path))}"
         spec = importlib.util.spec_from_file_location(name, path)
         if spec is None or spec.loader is None:
-            raise CheckUsageError(f"cannot load {source!r} as a Python file")
+            raise CheckUsageError(f"cannot load {source!r} as a Python file; name a .py file")
         module = importlib.util.module_from_spec(spec)
         sys.path.insert(0, os.path.dirname(path))
         sys.modules[name] = module
         try:
             spec.loader.exec_module(module)
+        except SystemExit as exc:
+            sys.modules.pop(name, None)
+            raise CheckUsageError(f"loading {source!r} {_exit_text(exc)}; guard the module's script code with "
+                                  "if __name__ == '__main__':") from None
         except Exception as exc:
             sys.modules.pop(name, None)
             raise CheckUsageError(f"loading {source!r} raised {type(exc).__name__}: {exc}") from exc
         finally:
             with contextlib.suppress(ValueError):
                 sys.path.remove(os.path.dirname(path))
-    else:
-        try:
-            module = importlib.import_module(source)
-        except Exception as exc:
-            raise CheckUsageError(f"cannot import module {source!r}: {type(exc).__name__}: {exc}") from exc
+        return module
+    try:
+        return importlib.import_module(source)
+    except SystemExit as exc:
+        raise CheckUsageError(f"importing module {source!r} {_exit_text(exc)}; guard the module's script code "
+                              "with if __name__ == '__main__':") from None
+    except Exception as exc:
+        raise CheckUsageError(f"cannot import module {source!r}: {type(exc).__name__}: {exc}") from exc
+
+
+def _split(target: Any) -> Tuple[str, str]:
+    if not isinstance(target, str) or ":" not in target:
+        raise CheckUsageError(f"expected {_FORM}, got {target!r}")
+    source, _, attr = target.rpartition(":")
+    if not source or not attr:
+        raise CheckUsageError(f"expected {_FORM}, got {target!r}")
+    return source, attr
+
+
+def _attribute(module: Any, source: str, attr: str) -> Any:
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise CheckUsageError(f"{source!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
-    if not callable(obj):
-        raise CheckUsageError(f"{target} is {type(obj).__name__}, not a callable factory")
     return obj
+
+
+def load_target(target: str) -> Tuple[Any, Any]:
+    """Resolve ``FILE_OR_MODULE:NAME`` to ``(module, object)``.
+
+    ``FILE`` is a path to a ``.py`` file (loaded as a fresh module, its
+    folder first on ``sys.path`` while it loads); otherwise the part before
+    the last ``:`` is an importable module name (a directory is refused,
+    unless it is an importable package named as a module). ``NAME`` may be
+    dotted (``module:Class.make``). Raises :class:`CheckUsageError` naming
+    what is wrong: a missing file, a directory, a module that raises or
+    calls ``sys.exit`` while loading, a missing attribute."""
+    source, attr = _split(target)
+    module = _load_module(source, target)
+    return module, _attribute(module, source, attr)
+
+
+def load_factory(target: str) -> Callable[..., Any]:
+    """Resolve ``FILE_OR_MODULE:FACTORY`` to the callable it names (see :func:`load_target`);
+    :class:`CheckUsageError` when it is not callable."""
+    obj = load_target(target)[1]
+    from graphrunner.runner import GraphRunner
+
+    if isinstance(obj, GraphRunner):
+        raise CheckUsageError(f"{target} is a GraphRunner object; check needs {_EXPECTS}: point at a function "
+                              "that builds and returns the runner uncaptured")
+    if not callable(obj):
+        raise CheckUsageError(f"{target} is {type(obj).__name__}, not callable; check needs {_EXPECTS}")
+    return obj
+
+
+def required_parameters(fn: Callable[..., Any]) -> Optional[List[str]]:
+    """The names of ``fn``'s parameters without a default (``*args``/``**kwargs`` excluded), or
+    ``None`` when its signature cannot be read."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return [p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
 def _make_runner(factory: Callable[[], Any], target: str) -> Any:
     from graphrunner.runner import GraphRunner
 
+    required = required_parameters(factory)
+    if required:
+        raise CheckUsageError(
+            f"{target} takes {len(required)} required argument{'s' if len(required) != 1 else ''} "
+            f"({', '.join(required)}): that is a step, not a factory; pass --inputs NAME (a dict "
+            f"{{{', '.join(f'{r!r}: tensor' for r in required)}}} of example tensors, or a zero-argument function "
+            "returning one), or point at a zero-argument function that returns an uncaptured GraphRunner")
     try:
         runner = factory()
+    except SystemExit as exc:
+        raise CheckUsageError(f"{target}() {_exit_text(exc)} instead of returning a runner; check needs "
+                              f"{_EXPECTS}") from None
     except Exception as exc:
         raise CheckUsageError(f"{target}() raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(runner, GraphRunner):
         raise CheckUsageError(f"{target}() returned {type(runner).__name__}; the factory must return an "
-                              "uncaptured graphrunner.GraphRunner")
+                              f"uncaptured graphrunner.GraphRunner (check needs {_EXPECTS})")
     if runner.captured:
         raise CheckUsageError(f"{target}() returned a captured GraphRunner; return it before runner.capture()")
     runner.progress = False
     return runner
+
+
+def _example_inputs(inputs: Any, what: str) -> Dict[str, Any]:
+    if callable(inputs) and not isinstance(inputs, Mapping):
+        try:
+            inputs = inputs()
+        except SystemExit as exc:
+            raise CheckUsageError(f"{what}() {_exit_text(exc)} instead of returning example inputs") from None
+        except Exception as exc:
+            raise CheckUsageError(f"{what}() raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(inputs, Mapping) or not inputs:
+        raise CheckUsageError(f"{what} is {type(inputs).__name__}; expected a non-empty dict {{argument name: "
+                              "example tensor (batch on dim 0) or gr.BatchInput}, or a zero-argument function "
+                              "returning one")
+    from graphrunner.inputs import BatchInput
+
+    for k, v in inputs.items():
+        if not isinstance(v, (torch.Tensor, BatchInput)) or (isinstance(v, torch.Tensor) and v.dim() == 0):
+            got = "a 0-dim tensor" if isinstance(v, torch.Tensor) else type(v).__name__
+            raise CheckUsageError(f"{what}[{k!r}] is {got}; expected an example tensor with the batch on dim 0 "
+                                  "(or a gr.BatchInput)")
+    return dict(inputs)
+
+
+def runner_from_examples(step: Callable[..., Any], inputs: Any, buckets: Optional[Sequence[int]] = None,
+                         backend: str = "breakable", what: str = "inputs") -> Any:
+    """An uncaptured :class:`~graphrunner.GraphRunner` of ``step`` declared from example inputs.
+
+    ``inputs``: ``{argument: example tensor}`` (the batch on dim 0; each
+    becomes ``BatchInput(trailing=shape[1:], dtype=...)``, integer ones
+    bounded by the example's min and max) or ``{argument: BatchInput}``, or a
+    zero-argument function returning such a dict. ``buckets``: default the
+    examples' batch size. Raises :class:`CheckUsageError` when the names do
+    not match ``step``'s arguments."""
+    from graphrunner.inputs import BatchInput
+    from graphrunner.runner import GraphRunner
+
+    import inspect
+
+    examples = _example_inputs(inputs, what)
+    required = required_parameters(step)
+    if required is not None:
+        missing = [r for r in required if r not in examples]
+        params = inspect.signature(step).parameters
+        if not params:
+            raise CheckUsageError("the step takes no arguments: a zero-argument function is checked as a factory "
+                                  "(returning an uncaptured GraphRunner); drop --inputs, or name the step")
+        extra = ([] if any(p.kind == p.VAR_KEYWORD for p in params.values())
+                 else [k for k in examples if k not in params])
+        if missing or extra:
+            raise CheckUsageError(
+                f"{what} names {sorted(examples)} but the step takes ({', '.join(params)})"
+                + (f": missing {missing}" if missing else "") + (f": unknown {extra}" if extra else "")
+                + "; give one example per argument, keyed by the argument's name")
+    decl, sizes = {}, set()
+    for k, v in examples.items():
+        if isinstance(v, BatchInput):
+            decl[k] = v
+            continue
+        sizes.add(int(v.shape[0]))
+        bounds = None
+        if not v.dtype.is_floating_point and not v.dtype.is_complex and v.dtype != torch.bool and v.numel():
+            bounds = (int(v.min()), int(v.max()))
+        decl[k] = BatchInput(trailing=tuple(v.shape[1:]), dtype=v.dtype, bounds=bounds)
+    if buckets is None:
+        if len(sizes) != 1:
+            raise CheckUsageError(f"{what} has examples of batch sizes {sorted(sizes) or 'unknown'}; give "
+                                  "tensors of one batch size on dim 0, or pass --buckets")
+        buckets = [sizes.pop()]
+    try:
+        return GraphRunner(step, decl, buckets=list(buckets), backend=backend, progress=False)
+    except (TypeError, ValueError) as exc:
+        raise CheckUsageError(f"cannot build a GraphRunner from the step and {what}: {exc}") from exc
 
 
 # ------------------------------------------------------------------ fixes
@@ -210,15 +381,23 @@ def _no_graph_fix(frame: Any, step_code: Any, breakable: str) -> str:
     code = frame.f_code
     loc = f"{_short(code.co_filename)}:{code.co_firstlineno}"
     if code is step_code:
-        return ("move this line into a small function decorated with @no_graph (it is in the step function "
-                f"itself), or make the value a tensor input{breakable}")
+        return ("move this line, and the code that uses its value, into a small function decorated with "
+                f"@no_graph that returns tensors (it is in the step function itself){breakable}; {_RETURNS}; "
+                "or make the value a tensor input")
     if code.co_name == "<module>":
-        return f"move this code into a function decorated with @no_graph{breakable}"
+        return f"move this code into a function decorated with @no_graph that returns tensors{breakable}"
     self_obj = frame.f_locals.get("self")
     if isinstance(self_obj, torch.nn.Module) and code.co_name == "forward":
         return (f"@no_graph the forward of module {type(self_obj).__name__} ({loc}) so it runs eagerly at "
-                f"every replay{breakable}, or make the value a tensor input")
-    return f"@no_graph the enclosing function {_qualname(frame)} ({loc}){breakable}, or make the value a tensor input"
+                f"every replay{breakable}; {_RETURNS}; or make the value a tensor input")
+    return (f"@no_graph the enclosing function {_qualname(frame)} ({loc}){breakable}; {_RETURNS}; or make the "
+            "value a tensor input")
+
+
+#: The part of a "@no_graph it" fix that keeps it from the frozen-return trap.
+_RETURNS = ("it must return tensors, not the Python value it reads (a number a break returns is frozen into the "
+            "graph after it: return lens.max(), not lens.max().item(), or keep the code that uses the number "
+            "inside the break)")
 
 
 # ------------------------------------------------------------------ the lint hook
@@ -251,13 +430,102 @@ class _UnsafeOps(OpConsumer):
         return reason is not None or ev.func is _ONE_HOT
 
 
+class _BreakReturns:
+    """Watches the ``@no_graph`` calls of one captured forward (a ``sys.setprofile`` function,
+    active from :meth:`UnsafeOpLint.capture_consumers` to the key's ``end``): an outermost call
+    that returns a Python value (``lens.max().item()``, a list of ints) is a ``"frozen-return"``
+    finding at the ``return`` line of the function. Calls nested inside a break are plain
+    calls, consumed by the break itself: not findings."""
+
+    def __init__(self, lint: "UnsafeOpLint", cap: Capture) -> None:
+        from graphrunner.checks.ops import no_graph_code
+
+        self.lint, self.cap = lint, cap
+        self.wrapper = no_graph_code()
+        self.codes: Dict[Any, Tuple[str, int]] = {}  # the wrapped functions' code -> last return line
+        self.active = False
+
+    def start(self) -> None:
+        if sys.getprofile() is None:  # not under another profiler (a profiler's run is not linted for this)
+            sys.setprofile(self)
+            self.active = True
+
+    def stop(self) -> None:
+        if self.active and sys.getprofile() is self:
+            sys.setprofile(None)
+        self.active = False
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        code = frame.f_code
+        if event == "return":
+            if code is self.wrapper:
+                self._returned(frame, arg)
+            elif code in self.codes:
+                self.codes[code] = (code.co_filename, frame.f_lineno)
+        elif event == "call" and code is self.wrapper:
+            fn = frame.f_locals.get("fn")
+            fcode = getattr(fn, "__code__", None)
+            if fcode is not None and fcode not in self.codes:
+                self.codes[fcode] = (fcode.co_filename, fcode.co_firstlineno)
+
+    def _returned(self, frame: Any, value: Any) -> None:
+        f = frame.f_back
+        while f is not None:  # nested inside another break: a plain call, its value used eagerly
+            if f.f_code is self.wrapper:
+                return
+            f = f.f_back
+        from graphrunner._pytree import describe, flatten
+
+        try:
+            spec, leaves = flatten(value, "result", scalars=True)
+        except TypeError:
+            return  # any other object: the capture itself refuses it (a capture-error finding)
+        values: List[Any] = []
+        _scalars(spec, values)
+        if not values:
+            return
+        fn = frame.f_locals.get("fn")
+        name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+        fcode = getattr(fn, "__code__", None)
+        file, line = self.codes.get(fcode, (None, None)) if fcode is not None else (None, None)
+        shown = ", ".join(repr(v) for v in values[:3]) + (", ..." if len(values) > 3 else "")
+        segments = self.cap.freezes == "segments"
+        what = (f"@no_graph function {name} returned {describe(spec, leaves)} at capture: the Python "
+                f"value{'s' if len(values) != 1 else ''} {shown} "
+                + ("is frozen into the graph segments after the break (a replay where it returns another "
+                   "value raises CaptureError)" if segments else
+                   "is frozen into the graph (a full graph does not break at @no_graph: a replay reuses it "
+                   "silently)"))
+        fix = ("return a tensor (e.g. lens.max(), not lens.max().item()), or keep the consumer inside the break "
+               "(the code that uses the value moves into the @no_graph function)"
+               + ("" if segments else "; and use backend='breakable' (a full graph does not break)"))
+        self.lint.add(self.cap.findings, Finding("frozen-return", what, file, line, name, fix=fix,
+                                                 bucket=self.cap.key,
+                                                 in_library=bool(file and is_library(file))))
+
+
+def _scalars(spec: tuple, out: List[Any]) -> None:
+    """Append the Python scalars of a pytree ``spec`` (``("S", value)`` entries) to ``out``."""
+    tag = spec[0]
+    if tag == "S":
+        out.append(spec[1])
+    elif tag in ("tuple", "dict", "dc"):
+        for child in spec[-1]:
+            _scalars(child, out)
+    elif tag == "list":
+        for child in spec[1]:
+            _scalars(child, out)
+
+
 class UnsafeOpLint(CaptureHook):
     """The lint pass as a capture hook (:func:`check_factory` adds it and one warmup).
 
     On the last warmup forward: :class:`_UnsafeOps` records every
     capture-unsafe op as an ``"unsafe-op"`` finding; on the last two warmup
     forwards: op streams compared as the drift check compares the last
-    warmup with the capture (a ``"drift"`` finding). ``step_code`` is the
+    warmup with the capture (a ``"drift"`` finding); in the captured forward:
+    :class:`_BreakReturns` records every ``@no_graph`` call that returns a
+    Python value (a ``"frozen-return"`` finding). ``step_code`` is the
     step's code object (the fix names "the step function itself"),
     ``backend`` the backend's name (the fix adds "use backend='breakable'"
     where a full graph cannot break).
@@ -271,6 +539,7 @@ class UnsafeOpLint(CaptureHook):
         #: ``{key: kinds reported for it}`` (also those not added again as repeats of an earlier key's).
         self.reported: Dict[Any, set] = {}
         self._streams: Dict[Any, Tuple[Any, Any]] = {}
+        self._breaks: Optional[_BreakReturns] = None
 
     def warmup_consumers(self, cap: Capture, i: int) -> Sequence[Any]:
         if cap.freezes is None or cap.warmups < 2 or i < cap.warmups - 2:
@@ -293,8 +562,25 @@ class UnsafeOpLint(CaptureHook):
         if found is not None:
             self.add(cap.findings, drift_finding(found[0], found[1], self.backend, cap.key))
 
+    def capture_consumers(self, cap: Capture) -> Sequence[Any]:
+        # Not an op consumer: the @no_graph calls of the captured forward are watched from here
+        # (the last step before the capture) until end().
+        if cap.freezes is not None:
+            self._breaks = _BreakReturns(self, cap)
+            self._breaks.start()
+        return ()
+
+    def after_capture(self, cap: Capture) -> None:
+        self._stop_watching()
+
     def end(self, cap: Capture) -> None:
+        self._stop_watching()
         self._streams.pop(cap.key, None)
+
+    def _stop_watching(self) -> None:
+        breaks, self._breaks = self._breaks, None
+        if breaks is not None:
+            breaks.stop()
 
     def report(self, cap: Capture, what: str, stack: List[Tuple[Any, int]]) -> None:
         """Record an ``"unsafe-op"`` finding at the innermost frame of ``stack``."""
@@ -356,9 +642,9 @@ class _Collector:
 
 
 def _dedupe_key(f: Finding) -> tuple:
-    """Findings with equal keys are one: a drift or step error once per line, an unsafe op once
+    """Findings with equal keys are one: a drift, step error or frozen return once per line, an unsafe op once
     per line and text, anything else once per text (a padding leak names its key)."""
-    return (f.kind, (f.file, f.line), None if f.kind in ("drift", "step-error") else f.what)
+    return (f.kind, (f.file, f.line), None if f.kind in ("drift", "step-error", "frozen-return") else f.what)
 
 
 def _traceback_stack(exc: BaseException) -> List[Tuple[Any, int]]:
@@ -376,11 +662,27 @@ def check_factory(factory: Callable[[], Any], target: str = "") -> CheckReport:
 
     ``factory`` is called once. Its runner is captured in collect mode
     (see the module docstring) and cleaned up afterwards. Raises
-    :class:`CheckUsageError` when the call raises or does not return an
-    uncaptured GraphRunner.
+    :class:`CheckUsageError` when ``factory`` needs arguments (a step: use
+    :func:`check_step`), raises, calls ``sys.exit``, or does not return an
+    uncaptured GraphRunner, and when the step calls ``sys.exit`` during the
+    capture.
     """
     target = target or getattr(factory, "__qualname__", repr(factory))
-    runner = _make_runner(factory, target)
+    return check_runner(_make_runner(factory, target), target)
+
+
+def check_step(step: Callable[..., Any], inputs: Any, buckets: Optional[Sequence[int]] = None,
+               backend: str = "breakable", target: str = "", what: str = "inputs") -> CheckReport:
+    """Lint ``step`` with example ``inputs`` (see :func:`runner_from_examples`; ``what`` names
+    them in errors): the runner a :func:`check_factory` would get, declared from the examples;
+    a :class:`CheckReport`."""
+    target = target or getattr(step, "__qualname__", repr(step))
+    return check_runner(runner_from_examples(step, inputs, buckets, backend, what), target)
+
+
+def check_runner(runner: Any, target: str) -> CheckReport:
+    """Lint an uncaptured ``runner`` (see :func:`check_factory`); it is cleaned up afterwards."""
+    runner.progress = False
     backend = runner.backend
     name = str(getattr(backend, "name", type(backend).__name__))
     buckets = list(runner.buckets)
@@ -394,8 +696,12 @@ def check_factory(factory: Callable[[], Any], target: str = "") -> CheckReport:
         backend.warmups = int(backend.warmups) + 1  # the lint compares the last two warmups
     try:
         runner._capture(collector)
+    except SystemExit as exc:
+        raise CheckUsageError(f"the step of {target} {_exit_text(exc)} during its capture; a step must return "
+                              "its outputs (check needs a runner whose step runs)") from None
     finally:
         if lint is not None:
+            lint._stop_watching()
             hooks.remove(lint)
             backend.warmups -= 1
         with contextlib.suppress(Exception):
