@@ -49,6 +49,21 @@ def _check_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
                          f"({exc.strerror or exc}); pass another prefix, or '' to write none")
 
 
+def _check_loadtest(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    # A level above --requests never runs more requests at once than there are, but sizes the
+    # engine (KV-cache rows, buckets) for it: --concurrency 100000 with --requests 1 grew past 9 GB.
+    requests, levels = getattr(args, "requests", None), getattr(args, "concurrency", None)
+    if requests is None or not levels:
+        return
+    over = [c for c in levels if c > requests]
+    if over:
+        fit = sorted({min(c, requests) for c in levels})
+        parser.exit(2, f"graphrunner: error: argument --concurrency: level{'s' if len(over) > 1 else ''} "
+                       f"{','.join(map(str, over))} exceed{'' if len(over) > 1 else 's'} --requests {requests} (a "
+                       f"level is the most requests running together); pass --concurrency "
+                       f"{','.join(map(str, fit))}, or more --requests (see 'graphrunner loadtest --help')\n")
+
+
 def _demo(args: argparse.Namespace) -> int:
     from graphrunner_tools.demo import run_demo
 
@@ -229,10 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``graphrunner`` console script; returns the exit code.
 
     A bad command line (unknown option, bad value, buckets not strictly
-    increasing, ``--device cuda`` without CUDA, a ``--trace-out`` or
-    loadtest ``--json`` that cannot be written, a loadtest ``--ranks`` that
-    does not divide the decoder, ``--inject-fault stall`` on one rank)
-    returns 2 after one line on stderr,
+    increasing, ``--threads`` above 4 per usable core, ``--device cuda``
+    without CUDA, a ``--trace-out`` or loadtest ``--json`` that cannot be
+    written, a loadtest ``--ranks`` that does not divide the decoder, a
+    loadtest ``--concurrency`` level above ``--requests``, ``--inject-fault
+    stall`` on one rank) returns 2 after one line on stderr,
     ``graphrunner: error: ...``; no traceback. A run that fails with a
     graphrunner error (a :class:`~graphrunner.errors.CaptureError` such as a
     drift, a rank timeout) returns 1 after ``graphrunner <command>: <error
@@ -246,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         check = getattr(args, "check", None)
         if check is not None:  # a subcommand's own post-parse usage checks (exit 2 via parser.error)
             check(parser, args)
+        if args.command == "loadtest":
+            _check_loadtest(parser, args)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
         return int(exc.code or 0)
     try:

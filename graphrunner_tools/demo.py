@@ -62,11 +62,14 @@ class DemoResult:
     latency: Dict[str, Dict[str, float]] = field(default_factory=dict)
     trace_files: List[str] = field(default_factory=list)
     threads: int = 0  #: torch intra-op threads the steps ran with
+    #: Why the trace files could not be written (``None`` when they were, or none was asked for).
+    trace_error: Optional[str] = None
 
     @property
     def ok(self) -> bool:
-        """True when every call matched eager and the capture protocol held."""
-        return self.graph_mismatches == 0 and self.padding_mismatches == 0 and not self.violations
+        """True when every call matched eager, the capture protocol held and the trace was written."""
+        return (self.graph_mismatches == 0 and self.padding_mismatches == 0 and not self.violations
+                and self.trace_error is None)
 
 
 def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -125,6 +128,30 @@ def _latency_table(runner: GraphRunner, model, dev, buckets: List[int], config: 
             line += f" {e / c:>7.2f}x"
         print(line, file=out)
     return latency
+
+
+def _write_trace(trace: Trace, prefix: str, files: List[str]) -> Optional[str]:
+    """Write ``<prefix>.jsonl`` and ``<prefix>.chrome.json``, appending each written path to
+    ``files``; return ``None``, or one line saying why a file could not be written (its folder
+    removed or replaced by a file during the run, a full disk, no permission)."""
+    path = f"{prefix}.jsonl"
+    try:
+        parent = os.path.dirname(prefix)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        trace.to_jsonl(path)
+        files.append(path)
+        path = f"{prefix}.chrome.json"
+        trace.to_chrome(path)
+        files.append(path)
+    except OSError as exc:
+        folder = os.path.dirname(os.path.abspath(path))
+        why = exc.strerror or type(exc).__name__
+        if os.path.exists(folder) and not os.path.isdir(folder):
+            why = f"{folder!r} is a file now, not a folder"
+        return (f"cannot write the trace file {path!r} ({why}); the run itself finished: pass another "
+                "--trace-out prefix, or '' to write none")
+    return None
 
 
 def run_demo(backend: str = "breakable", device: str = "auto", steps: int = 200,
@@ -226,20 +253,19 @@ def run_demo(backend: str = "breakable", device: str = "auto", steps: int = 200,
               f"(warmups, hook, sync, barrier, construct, one capture; nothing synced in replay)", file=out)
 
     files: List[str] = []
+    trace_error = None
     if trace_out:
-        parent = os.path.dirname(trace_out)
-        if parent:
-            os.makedirs(parent, exist_ok=True)
-        files = [f"{trace_out}.jsonl", f"{trace_out}.chrome.json"]
-        trace.to_jsonl(files[0])
-        trace.to_chrome(files[1])
-        print(f"trace: {len(trace.events)} events -> {files[0]}, {files[1]} "
-              f"(open the .chrome.json in https://ui.perfetto.dev or chrome://tracing)", file=out)
+        trace_error = _write_trace(trace, trace_out, files)
+        if trace_error is None:
+            print(f"trace: {len(trace.events)} events -> {files[0]}, {files[1]} "
+                  f"(open the .chrome.json in https://ui.perfetto.dev or chrome://tracing)", file=out)
+        else:
+            print(f"graphrunner demo: error: {trace_error}", file=sys.stderr)
     runner.cleanup()
 
     result = DemoResult(steps=steps, graph_mismatches=graph_bad, padding_mismatches=pad_bad,
                         max_abs_diff_padded=max_padded, max_abs_diff_unpadded=max_unpadded,
                         fallbacks=stats.fallbacks, violations=violations, latency=latency, trace_files=files,
-                        threads=threads)
+                        threads=threads, trace_error=trace_error)
     print("demo: OK" if result.ok else "demo: FAILED (see above)", file=out)
     return result

@@ -229,3 +229,27 @@ def test_closed_stdout_pipe_is_a_quiet_exit(tmp_path):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=240) == 1
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+@pytest.mark.parametrize("argv, over, fit", [
+    (["--requests", "1", "--concurrency", "100000"], "level 100000 exceeds --requests 1", "--concurrency 1,"),
+    (["--requests", "10"], "levels 16,64 exceed --requests 10", "--concurrency 4,10,"),  # the default levels 4,16,64
+])
+def test_loadtest_concurrency_above_requests_is_one_line(capsys, argv, over, fit):
+    assert main(["loadtest"] + argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("graphrunner: error: argument --concurrency: ")
+    assert over in err and fit in err and "graphrunner loadtest --help" in err
+
+
+def test_loadtest_concurrency_up_to_requests_is_accepted(monkeypatch):
+    # negative control: levels up to --requests pass the usage checks and reach the run
+    import graphrunner_tools.cli as cli
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["loadtest", "--requests", "4", "--concurrency", "1,4"])
+    cli._check_loadtest(parser, args)  # no SystemExit
+    seen = []
+    monkeypatch.setattr(args, "func", lambda a: seen.append((a.requests, a.concurrency)) or 0)
+    monkeypatch.setattr(cli.argparse.ArgumentParser, "parse_args", lambda self, argv=None: args)
+    assert cli.main(["loadtest"]) == 0 and seen == [(4, [1, 4])]

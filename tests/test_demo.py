@@ -198,3 +198,31 @@ def test_demo_eager_latency_table_has_no_graph_columns():
     assert head.split() == ["bucket", "eager_ms", "runner_ms"]
     assert "speedup" not in text and "graph_ms" not in text and "x\n" not in text
     assert set(result.latency["1"]) == {"eager_ms", "runner_ms"}
+
+
+def test_trace_folder_replaced_by_a_file_mid_run_is_one_line(tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "out"
+    real = demo.check_capture_order
+
+    def replace_folder_then_check(trace):
+        # mid-run, after the CLI checked that out/ is writable: out/ becomes a file
+        for f in folder.iterdir():
+            f.unlink()
+        folder.rmdir()
+        folder.write_text("not a folder")
+        return real(trace)
+
+    monkeypatch.setattr(demo, "check_capture_order", replace_folder_then_check)
+    argv = ["demo", "--device", "tape", "--steps", "2", "--buckets", "1,2", "--max-batch", "2", "--layers", "1",
+            "--no-progress", "--trace-out", str(folder / "t")]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    assert f"cannot write the trace file {str(folder / 't.jsonl')!r} ({str(folder)!r} is a file now" in captured.err
+    assert "demo: FAILED" in captured.out and folder.read_text() == "not a folder"
+    # negative control: the same run with the folder left alone writes both files and exits 0
+    monkeypatch.setattr(demo, "check_capture_order", real)
+    folder.unlink()
+    assert main(argv) == 0
+    assert sorted(p.name for p in folder.iterdir()) == ["t.chrome.json", "t.jsonl"]
+    assert (folder / "t.jsonl").read_text().count("\n") > 10

@@ -138,3 +138,48 @@ def test_every_bench_script_records_threads_and_load_average():
         src = script.read_text()
         assert "--threads" in src, f"{script.name} takes no --threads"
         assert "environment()" in src, f"{script.name} does not record environment() in its JSON"
+
+
+# ------------------------------------------------------------ --threads has an upper bound
+@pytest.mark.parametrize("command", [["demo"], ["loadtest"], ["bench"], ["verify"]])
+def test_huge_thread_counts_are_one_line_usage_errors(command, capsys):
+    from graphrunner_tools.threads import max_threads, usable_cores
+
+    assert main(command + ["--threads", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("graphrunner: error: argument --threads: 100000 threads")
+    assert f"at most {max_threads()}" in err and max_threads() == 4 * usable_cores()
+    assert main(command + ["--threads", str(max_threads() + 1)]) == 2  # the bound is exact
+    capsys.readouterr()
+
+
+def test_the_largest_allowed_count_parses_and_runs(caller_threads):
+    from graphrunner_tools.cli import build_parser
+    from graphrunner_tools.threads import max_threads
+
+    # negative control of the bound: the largest count is accepted by every command ...
+    for command in (["demo"], ["loadtest"], ["bench"], ["verify"]):
+        assert build_parser().parse_args(command + ["--threads", str(max_threads())]).threads == max_threads()
+    # ... and torch runs with it (a small matmul equals the same matmul on one thread)
+    a = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    with torch_threads(1):
+        one = a @ a
+    with torch_threads(max_threads()):
+        assert torch.get_num_threads() == max_threads()
+        assert torch.allclose(a @ a, one, atol=1e-5)
+    assert torch.get_num_threads() == caller_threads
+    with pytest.raises(ValueError, match="per usable core"):
+        with torch_threads(max_threads() + 1):
+            pass
+    assert torch.get_num_threads() == caller_threads  # refused before anything changed
+
+
+def test_huge_thread_count_in_a_real_process_is_exit_2_not_a_crash():
+    import subprocess
+    import sys
+
+    for command in ("demo", "loadtest"):
+        proc = subprocess.run([sys.executable, "-m", "graphrunner_tools", command, "--threads", "100000"],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, (proc.returncode, proc.stderr)  # was 139 (segfault in the OpenMP runtime)
+        assert proc.stderr.count("\n") == 1 and "--threads" in proc.stderr and "Traceback" not in proc.stderr
