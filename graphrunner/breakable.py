@@ -263,8 +263,10 @@ class _Capture:
 
     def open_segment(self) -> None:
         g = self.graph.device.new_graph()
+        # pool=None unless the graph overrides it: the device's own shared pool, which the device
+        # renews when every graph it captured there released it (a CUDA pool cannot be reused then).
         ctx = self.graph.device.capture(g, stream=self.stream, capture_error_mode=self.mode,
-                                        pool=self.graph.pool())
+                                        pool=self.graph._pool)
         self.graph._record("segment_begin", segment=len(self.graph._graphs))
         ctx.__enter__()
         self.segment = (g, ctx)
@@ -349,8 +351,14 @@ def breakable_graph(graph: BreakableGraph | None = None, stream: Any = None, cap
         state.close_segment()
     except BaseException as exc:
         if state.segment is not None:
-            with contextlib.suppress(Exception):
+            try:
                 state.close_segment((type(exc), exc, exc.__traceback__))
+            except BaseException as end_exc:  # noqa: BLE001
+                if end_exc is not exc:
+                    # The device reports what ending the capture revealed (a collective in the
+                    # capture, a CUDA capture that cannot be ended: restart): that error, chained.
+                    graph.reset()
+                    raise end_exc
         graph.reset()
         raise
     finally:

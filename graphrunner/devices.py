@@ -17,6 +17,7 @@ tests can inject a recording device.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 import weakref
 from typing import Any, Iterator
@@ -148,6 +149,10 @@ class TapeDevice(Device):
 
         return survivor_graph(tensor) is not None
 
+    def memory_reserved(self) -> int:
+        """Estimated bytes of the shared tape pool (its arena; 0 before the first capture)."""
+        return int(self._pool.bytes_held) if self._pool is not None else 0
+
     def capture_stream(self) -> None:
         """Tapes have no streams: always ``None``."""
         return None
@@ -168,6 +173,34 @@ class TapeDevice(Device):
         return f"TapeDevice({str(self.torch_device)!r}{extra})"
 
 
+#: Set once a CUDA capture could not be ended (an invalidated capture): the caching allocator
+#: still believes that capture is underway, for the rest of the process (torch 2.13's
+#: ``CUDAGraph::capture_end`` throws before ``endAllocateToPool``). ``None`` while healthy.
+_ALLOCATOR_MID_CAPTURE: "str | None" = None
+
+_RESTART = ("The CUDA caching allocator is left mid-capture for the rest of this process (torch's "
+            "CUDAGraph::capture_end threw before it told the allocator that the capture ended): "
+            "torch.cuda.empty_cache() and any out-of-memory retry would fail an INTERNAL ASSERT, and no further "
+            "capture is safe. Restart the process, after fixing the cause above")
+
+
+def _collective_in(exc: BaseException) -> "str | None":
+    """The torch.distributed function an exception was raised in (walking its traceback and
+    its chain), or None: a collective that failed inside a CUDA graph capture."""
+    seen = set()
+    e: "BaseException | None" = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        tb = e.__traceback__
+        while tb is not None:
+            code = tb.tb_frame.f_code
+            if code.co_filename.replace("\\", "/").endswith("torch/distributed/distributed_c10d.py"):
+                return code.co_name
+            tb = tb.tb_next
+        e = e.__cause__ or e.__context__
+    return None
+
+
 class CudaDevice(Device):
     """Real CUDA graphs on one GPU.
 
@@ -175,6 +208,27 @@ class CudaDevice(Device):
     (``torch.cuda.graph_pool_handle()``) and are captured on one side stream,
     as serving engines do, so segments of a breakable graph and the graphs of
     all buckets reuse the same memory.
+
+    The pool stays capturable: a CUDA pool whose graphs were all released
+    (reset, or dropped: an empty breakable segment, a failed capture, a
+    ``BreakableGraph.reset()``) stays registered in the caching allocator and
+    cannot be captured into again (``INTERNAL ASSERT use_count > 0``), so before
+    each capture the device checks that a graph it captured into the pool still
+    holds it (``graph.pool()`` answers only while it does) and otherwise starts
+    a fresh pool handle.
+
+    A capture that fails is ended and reset; if CUDA cannot end it (the capture
+    was invalidated: a device synchronize, ``.item()``, a non-NCCL collective
+    inside the step) the allocator is left mid-capture for the rest of the
+    process, and the :class:`~graphrunner.errors.CaptureError` raised says that
+    the process must be restarted; every later capture in the process is
+    refused with that message. A collective that fails inside a capture is
+    reported as such (only NCCL collectives can be captured), never as a rank
+    timeout.
+
+    ``torch_device`` is ``cuda:<index>``; under the CUDA stand-in of
+    :mod:`graphrunner.testing.cuda_standin` it is the CPU, where the stand-in
+    keeps tensors.
     """
 
     kind = "cuda"
@@ -187,14 +241,21 @@ class CudaDevice(Device):
             )
         if index is None:
             index = torch.cuda.current_device()
-        self.torch_device = torch.device("cuda", index)
+        #: The GPU every ``torch.cuda`` call of this device names.
+        self.cuda_device = torch.device("cuda", index)
+        standin = getattr(torch.cuda, "_graphrunner_standin", None)
+        self.torch_device = standin.tensor_device if standin is not None else self.cuda_device
         self._pool = None
+        self._pool_graphs: "list[weakref.ref]" = []  # graphs captured into the current pool
         self._stream = None
         self._empty_graphs: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 
+    def __repr__(self) -> str:
+        return f"CudaDevice({str(self.cuda_device)!r})"
+
     def synchronize(self) -> None:
         """``torch.cuda.synchronize`` on this GPU."""
-        torch.cuda.synchronize(self.torch_device)
+        torch.cuda.synchronize(self.cuda_device)
 
     def new_graph(self) -> "torch.cuda.CUDAGraph":
         """Return a new, empty ``torch.cuda.CUDAGraph``."""
@@ -204,27 +265,80 @@ class CudaDevice(Device):
         """Return the pool handle shared by every graph of this device (made on first use)."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+            self._pool_graphs = []
         return self._pool
+
+    def release_pool(self) -> None:
+        """Forget the shared pool handle once its graphs are reset; the next
+        capture starts a fresh pool."""
+        self._pool = None
+        self._pool_graphs = []
+
+    def _live_pool(self) -> Any:
+        """The shared pool, made fresh when every graph captured into it has released it
+        (a released CUDA pool cannot be captured into until ``empty_cache`` frees it)."""
+        if self._pool is not None and self._pool_graphs:
+            holders = []
+            for ref in self._pool_graphs:
+                g = ref()
+                if g is None:
+                    continue
+                try:
+                    g.pool()  # raises once the graph was reset (it no longer holds the pool)
+                except Exception:  # noqa: BLE001
+                    continue
+                holders.append(ref)
+            self._pool_graphs = holders
+            if not holders:
+                self.release_pool()
+        return self.graph_pool()
 
     def capture_stream(self) -> "torch.cuda.Stream":
         """Return the side stream every capture of this device runs on (made on first use)."""
         if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.torch_device)
+            self._stream = torch.cuda.Stream(device=self.cuda_device)
         return self._stream
 
     @contextlib.contextmanager
     def _on_capture_stream(self, stream=None) -> Iterator["torch.cuda.Stream"]:
         stream = stream if stream is not None else self.capture_stream()
-        current = torch.cuda.current_stream(self.torch_device)
+        current = torch.cuda.current_stream(self.cuda_device)
         stream.wait_stream(current)
-        with torch.cuda.device(self.torch_device), torch.cuda.stream(stream):
-            yield stream
-        current.wait_stream(stream)
+        try:
+            with torch.cuda.device(self.cuda_device), torch.cuda.stream(stream):
+                yield stream
+        finally:
+            current.wait_stream(stream)  # also when the block raised: later work must not race it
 
     def warmup_context(self):
         """Run warmups on the capture stream, as ``torch.cuda`` recommends, so
         cuBLAS handles and workspaces for that stream exist before capture."""
         return self._on_capture_stream()
+
+    def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache()``: return cached blocks (and the memory of pools whose
+        graphs were all released) to the driver, as ``torch.cuda.graph`` does before a capture.
+        Raises :class:`~graphrunner.errors.CaptureError` once a failed capture left the
+        allocator mid-capture (it would fail an internal assert)."""
+        self._refuse_if_mid_capture()
+        torch.cuda.empty_cache()
+
+    def memory_reserved(self) -> int:
+        """Bytes the caching allocator holds on this GPU (``torch.cuda.memory_reserved``)."""
+        return int(torch.cuda.memory_reserved(self.cuda_device))
+
+    def mem_get_info(self) -> "tuple[int, int]":
+        """``(free, total)`` bytes of this GPU (``torch.cuda.mem_get_info``)."""
+        free, total = torch.cuda.mem_get_info(self.cuda_device)
+        return int(free), int(total)
+
+    @staticmethod
+    def _refuse_if_mid_capture() -> None:
+        if _ALLOCATOR_MID_CAPTURE is not None:
+            from graphrunner.errors import CaptureError
+
+            raise CaptureError(f"no CUDA capture is possible in this process any more: an earlier capture failed "
+                               f"({_ALLOCATOR_MID_CAPTURE}). {_RESTART}.")
 
     @contextlib.contextmanager
     def capture(self, graph, stream=None, capture_error_mode: str = "global", pool=None) -> Iterator[None]:
@@ -233,21 +347,52 @@ class CudaDevice(Device):
         Unlike ``torch.cuda.graph`` this neither synchronizes nor collects
         garbage on entry: the capture protocol synchronizes once before the
         first segment, and a breakable graph enters here once per segment. A
-        capture that recorded no work is marked so that :meth:`is_empty` can
-        drop it, instead of printing torch's "CUDA Graph is empty" warning.
+        capture that recorded no work is marked so that :meth:`is_empty` tells
+        (torch's "CUDA Graph is empty" warning becomes that mark: a breakable
+        segment between back-to-back breaks is dropped, an empty full graph is
+        an error of the backend).
+
+        On an exception inside the block the capture is ended and the graph
+        reset, and the exception propagates; a collective that failed inside
+        the capture, or a capture CUDA cannot end (invalidated), becomes a
+        :class:`~graphrunner.errors.CaptureError` that says so (the latter: the
+        process must be restarted), chaining the original.
         """
-        pool = pool if pool is not None else self.graph_pool()
+        from graphrunner.errors import CaptureError
+
+        self._refuse_if_mid_capture()
+        own_pool = pool is None
+        pool = self._live_pool() if own_pool else pool
         with self._on_capture_stream(stream):
             graph.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
             try:
                 yield
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    graph.capture_end()
+            except BaseException as exc:
+                end_error = None
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")  # "CUDA Graph is empty": the step failed first
+                        graph.capture_end()
+                except Exception as e:  # noqa: BLE001 - reported below, with the original
+                    end_error = e
                 with contextlib.suppress(Exception):
                     graph.reset()
-                if stream is None:
-                    self._stream = None  # a failed capture may leave the stream bound to the pool
+                collective = _collective_in(exc) if isinstance(exc, Exception) else None
+                what = (f"torch.distributed.{collective} failed inside a CUDA graph capture: only NCCL collectives "
+                        "can be captured (a gloo or MPI collective on CUDA tensors synchronizes the device, which "
+                        "stream capture forbids). Use an NCCL process group for collectives inside the step, or "
+                        "call them in a @no_graph function with the breakable backend"
+                        if collective is not None else None)
+                if end_error is not None:
+                    global _ALLOCATOR_MID_CAPTURE
+                    cause = what or f"{type(exc).__name__}: {str(exc).strip()[:600]}"
+                    _ALLOCATOR_MID_CAPTURE = cause
+                    raise CaptureError(
+                        f"{cause}. CUDA could not end the capture ({type(end_error).__name__}: "
+                        f"{str(end_error).strip().splitlines()[0] if str(end_error).strip() else ''}). {_RESTART}."
+                    ) from exc
+                if what is not None:
+                    raise CaptureError(f"{what}: {type(exc).__name__}: {str(exc).strip()[:300]}") from exc
                 raise
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -259,6 +404,8 @@ class CudaDevice(Device):
                 else:
                     warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
             self._empty_graphs[graph] = empty
+            if own_pool:
+                self._pool_graphs.append(weakref.ref(graph))
 
     def is_empty(self, graph) -> bool:
         """True if the capture of ``graph`` recorded no kernels."""
@@ -269,12 +416,19 @@ _KINDS = ("auto", "tape", "cuda")
 _DEVICE_METHODS = ("synchronize", "new_graph", "graph_pool", "capture_stream", "capture")
 
 
+#: Environment variable that says what ``get_device("auto")`` means: ``tape`` (the test suite
+#: sets it, so CPU tests stay on the tape on a GPU machine), ``cuda``, or ``auto`` / unset.
+DEVICE_ENV_VAR = "GRAPHRUNNER_DEVICE"
+
+
 def get_device(kind: "str | Device | None" = "auto") -> Device:
     """Return a device.
 
     ``"auto"`` (or ``None``) gives a :class:`CudaDevice` when CUDA is
-    available, else a :class:`TapeDevice` on CPU; ``"cuda"`` and ``"tape"``
-    force one (``"cuda"`` raises ``ValueError`` without a GPU). Any object that
+    available, else a :class:`TapeDevice` on CPU; ``$GRAPHRUNNER_DEVICE``
+    (``tape`` or ``cuda``) overrides what ``"auto"`` means (the test suite sets
+    ``tape``). ``"cuda"`` and ``"tape"`` force one (``"cuda"`` raises
+    ``ValueError`` without a GPU). Any object that
     has the device methods (``synchronize``, ``new_graph``, ``graph_pool``,
     ``capture_stream``, ``capture``) is returned unchanged, so a custom or
     recording device can be injected everywhere a device is taken; one that
@@ -292,6 +446,12 @@ def get_device(kind: "str | Device | None" = "auto") -> Device:
             "(or TapeDevice) to get the optional methods"
         )
     if kind == "auto":
+        env = os.environ.get(DEVICE_ENV_VAR, "auto").strip().lower() or "auto"
+        if env not in _KINDS:
+            raise ValueError(f"${DEVICE_ENV_VAR} is {os.environ.get(DEVICE_ENV_VAR)!r}: expected one of {_KINDS} "
+                             "(or unset); it says what device='auto' means")
+        if env != "auto":
+            return get_device(env)
         return CudaDevice() if torch.cuda.is_available() else TapeDevice("cpu")
     if kind == "cuda":
         return CudaDevice()

@@ -7,7 +7,8 @@ For commands that need real ranks on one machine (``graphrunner loadtest --ranks
 
 Each rank is a fresh ``spawn`` process that sets one torch thread per rank (unless told
 otherwise), joins ``torch.distributed`` (gloo, through a FileStore in a fresh temporary
-directory: no TCP port to collide on), calls ``fn(rank, world_size, *args)`` and sends what it
+directory: no TCP port to collide on), makes GPU ``rank % device_count()`` its current CUDA device
+when there is one (:func:`bind_gpu`), calls ``fn(rank, world_size, *args)`` and sends what it
 returned (or the exception it raised, with a partial result: :class:`PartialResult`) back through a queue. A rank that succeeded destroys the
 process group; one that raised leaves it (a collective may still be pending) and exits with
 ``sys.exit(1)``; never ``os._exit``. Nothing hangs the caller: the whole run is bounded by
@@ -30,7 +31,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
-__all__ = ["PartialResult", "RankOutcome", "spawn_ranks"]
+__all__ = ["PartialResult", "RankOutcome", "bind_gpu", "spawn_ranks"]
 
 
 class PartialResult(Exception):
@@ -74,6 +75,26 @@ def _died(code: int) -> str:
     return f"exited with code {code} without reporting"
 
 
+def bind_gpu(rank: int) -> "int | None":
+    """Make GPU ``rank % device_count()`` this process's current CUDA device (``torch.cuda.set_device``)
+    when CUDA is available, so that ranks on one machine do not all land on ``cuda:0``; return its
+    index, or ``None`` without CUDA. Under ``$GRAPHRUNNER_CUDA_STANDIN=1`` the CUDA stand-in of
+    :mod:`graphrunner.testing.cuda_standin` is installed first (a rank of a command run under it)."""
+    import torch
+
+    from graphrunner.testing.cuda_standin import install_from_env
+
+    install_from_env()
+    if not torch.cuda.is_available():
+        return None
+    count = torch.cuda.device_count()
+    if count < 1:
+        return None
+    index = rank % count
+    torch.cuda.set_device(index)
+    return index
+
+
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, store_file: str, init_timeout: float,
            threads: int, args: tuple, q: Any) -> None:
     os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -85,6 +106,7 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, store_file: str, 
     try:
         dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=init_timeout))
+        bind_gpu(rank)
         value = fn(rank, world_size, *args)
         pickle.dumps(value)  # an unpicklable result is this rank's error, reported below
         q.put(("ok", rank, value))

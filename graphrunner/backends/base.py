@@ -199,6 +199,9 @@ class GraphBackend:
             raise CaptureError(f"{type(self).__name__}.capture_session() is already active; sessions do not nest")
         caller_froze = gc.get_freeze_count() > 0  # e.g. an engine that froze its heap after fork
         gc.collect()
+        empty_cache = getattr(self.device, "empty_cache", None)
+        if empty_cache is not None:
+            empty_cache()  # as torch.cuda.graph does: cached blocks and released pools back to the driver
         gc.freeze()
         self._in_session = True
         self.trace.record(EventKind.SESSION_BEGIN, backend=self.name)
@@ -338,6 +341,7 @@ class GraphBackend:
                 OutputBuffer.copy_into(binding["views"], result)
 
             step = "graph construction"
+            pool_before = self._pool_bytes()
             graph = self._construct(key)
             step = "capture"
             t_cap = time.perf_counter()
@@ -346,6 +350,9 @@ class GraphBackend:
                 raise CaptureError(f"the capture of shape key {key!r} never called the forward")
             t_end = time.perf_counter()
             self._capture_recorder = None
+            pool_after = self._pool_bytes()
+            if pool_before is not None and pool_after is not None:
+                cap.info["graph_pool_bytes"] = max(0, pool_after - pool_before)
             self._entries[key] = _Entry(
                 key=key,
                 graph=graph,
@@ -396,6 +403,11 @@ class GraphBackend:
                 h.end(cap)
             except Exception:  # noqa: BLE001
                 logger.exception("%s: the %s check's end() failed for key %r", self.name, h.name, cap.key)
+
+    def _pool_bytes(self) -> Optional[int]:
+        """The device's reserved graph memory now (``device.memory_reserved()``), or None."""
+        measure = getattr(self.device, "memory_reserved", None)
+        return int(measure()) if measure is not None else None
 
     # Each step of the protocol is one small method. Override one only to
     # test what breaks without it; never reorder them (the order lives in
@@ -565,8 +577,12 @@ class GraphBackend:
         ``num_segments``, ``num_breaks``, ``num_ops`` (tape graphs only: aten ops recorded), ``output_bytes`` (this key's
         views), ``output_buffer_bytes`` (the whole shared buffer, the same
         for every key: do not sum it over keys), ``capture_input_bytes``
-        (distinct storages reachable from ``capture_inputs``) and
-        ``bytes_held`` = ``output_bytes + capture_input_bytes``.
+        (distinct storages reachable from ``capture_inputs``),
+        ``bytes_held`` = ``output_bytes + capture_input_bytes``, and, where the
+        device measures its memory (``device.memory_reserved()``),
+        ``graph_pool_bytes``: what the device's reserved memory grew by around
+        this key's graph construction and capture (the graph pool's share; not
+        part of ``bytes_held``).
         """
         entry = self._entries.get(key) if self._hashable(key) else None
         if entry is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict
 
 from graphrunner.backends.base import GraphBackend
+from graphrunner.errors import CaptureError
 
 __all__ = ["FullGraphBackend"]
 
@@ -19,6 +20,9 @@ class FullGraphBackend(GraphBackend):
     is a plain call here (use :class:`BreakableGraphBackend` to break).
     Constructor and API: see :class:`~graphrunner.backends.base.GraphBackend`.
     ``info(key)`` reports ``num_segments == 1`` and ``num_breaks == 0``.
+    A capture that recorded no work (``device.is_empty(graph)``; on CUDA
+    torch's "CUDA Graph is empty" warning, its only sign of work issued on
+    another stream or device) is a :class:`~graphrunner.errors.CaptureError`.
     """
 
     name = "full"
@@ -29,6 +33,13 @@ class FullGraphBackend(GraphBackend):
     def _capture_into(self, graph: Any, key: Any, fn: Callable[[], None]) -> None:
         with self.device.capture(graph):
             fn()
+        is_empty = getattr(self.device, "is_empty", None)
+        if is_empty is not None and is_empty(graph):
+            raise CaptureError(
+                f"the full graph of shape key {key!r} captured no work (torch: \"The CUDA Graph is empty. This "
+                "usually means that the graph was attempted to be captured on wrong device or stream.\"); its "
+                "replay would do nothing. Run the step's work on the current stream and device inside the "
+                "capture (no torch.cuda.stream(...) or device switch of its own), and make it return a tensor")
 
     def _graph_stats(self, graph: Any) -> Dict[str, int]:
         d = {"num_segments": 1, "num_breaks": 0}
