@@ -7,25 +7,100 @@ ways to hold a captured step.
 
 All share the protocol in :meth:`GraphBackend.capture_one`; see
 ``docs/protocol.md``.
+
+``GRAPHRUNNER_DISABLE=1`` in the environment turns graphs off in a deployed
+engine without a code change: :func:`make_backend` (what every
+:class:`~graphrunner.GraphRunner` calls) then returns an
+:class:`EnvDisabledBackend`, an :class:`EagerBackend` whose name, capture
+report, trace events and ``info(key)`` say that the environment disabled
+graphs, whatever backend was asked for.
 """
 
-from typing import Any, Optional
+import logging
+import os
+from typing import Any, Dict, Optional
 
 from graphrunner.backends.base import GraphBackend
 from graphrunner.backends.breakable import BreakableGraphBackend
 from graphrunner.backends.eager import EagerBackend
 from graphrunner.backends.full import FullGraphBackend
 
-__all__ = ["GraphBackend", "FullGraphBackend", "BreakableGraphBackend", "EagerBackend", "make_backend"]
+__all__ = ["GraphBackend", "FullGraphBackend", "BreakableGraphBackend", "EagerBackend", "EnvDisabledBackend",
+           "make_backend", "graphs_disabled", "DISABLE_ENV_VAR"]
+
+logger = logging.getLogger("graphrunner")
 
 _BACKENDS = ("full", "breakable", "eager")
+
+#: The environment variable that turns graphs off (``1``/``true``/``yes``/``on``).
+DISABLE_ENV_VAR = "GRAPHRUNNER_DISABLE"
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def graphs_disabled() -> bool:
+    """Whether ``GRAPHRUNNER_DISABLE`` turns graphs off: ``1``/``true``/``yes``/``on`` (any case)
+    yes; unset, empty, ``0``/``false``/``no``/``off`` no; anything else is a ``ValueError``."""
+    value = os.environ.get(DISABLE_ENV_VAR, "").strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise ValueError(f"{DISABLE_ENV_VAR}={os.environ[DISABLE_ENV_VAR]!r} is not understood: set it to 1 to serve "
+                     "every runner eagerly (no graphs), or 0 / unset it to capture graphs")
+
+
+class EnvDisabledBackend(EagerBackend):
+    """The backend of every runner made while ``GRAPHRUNNER_DISABLE=1``: an
+    :class:`EagerBackend` (the same capture protocol and output buffer, no
+    graph: every call runs the step eagerly) that says why. ``requested`` is
+    the backend that was asked for (a name, or the class name of an
+    instance); ``name`` (in the capture report and every trace event) and
+    ``info(key)`` (``graphs_disabled``, ``requested_backend``) name the
+    variable."""
+
+    def __init__(self, requested: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        #: The backend the runner asked for.
+        self.requested = requested
+        #: What disabled graphs: ``"GRAPHRUNNER_DISABLE=1"``.
+        self.disabled_by = f"{DISABLE_ENV_VAR}={os.environ.get(DISABLE_ENV_VAR, '1').strip()}"
+        self.name = f"eager (graphs disabled by {self.disabled_by}; {requested} requested)"
+
+    def _graph_stats(self, graph: Any) -> Dict[str, Any]:
+        stats: Dict[str, Any] = dict(super()._graph_stats(graph))
+        stats.update(graphs_disabled=self.disabled_by, requested_backend=self.requested)
+        return stats
 
 
 def make_backend(backend: Any, device: Any = "auto", group: Any = None, warmups: int = 2, trace: Any = None,
                  drift_check: Optional[bool] = None, output_arena: Any = None) -> Any:
     """The backend a :class:`~graphrunner.GraphRunner` captures with: a new one for a name
     (``"full"``, ``"breakable"``, ``"eager"``) configured with the other arguments, or the given
-    instance, which must not be contradicted by them (configure an instance on itself)."""
+    instance, which must not be contradicted by them (configure an instance on itself).
+
+    With ``GRAPHRUNNER_DISABLE=1`` the arguments are checked as usual, then an
+    :class:`EnvDisabledBackend` is returned instead (an instance's device,
+    group, warmups and trace carried over): capture makes no graphs and every
+    call runs eagerly through the same runner."""
+    disabled = graphs_disabled()
+    if not disabled or not isinstance(backend, str):
+        chosen = _make_backend(backend, device, group, warmups, trace, drift_check, output_arena)
+        if not disabled:
+            return chosen
+        # an instance: its configuration carries over
+        device, group, warmups, trace = chosen.device, chosen.group, chosen.warmups, chosen.trace
+        drift_check = bool(getattr(chosen, "drift_check", True))
+    elif backend not in _BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: expected one of {_BACKENDS} or a backend instance")
+    requested = backend if isinstance(backend, str) else type(backend).__name__
+    logger.warning("%s: serving eagerly through the runner, no graphs captured (backend %s requested)",
+                   f"{DISABLE_ENV_VAR}={os.environ.get(DISABLE_ENV_VAR, '').strip()}", requested)
+    return EnvDisabledBackend(requested, device=device, group=group, warmups=warmups, trace=trace,
+                              drift_check=True if drift_check is None else drift_check)
+
+
+def _make_backend(backend: Any, device: Any, group: Any, warmups: int, trace: Any, drift_check: Optional[bool],
+                  output_arena: Any) -> Any:
     if isinstance(backend, str):
         classes = {"full": FullGraphBackend, "breakable": BreakableGraphBackend, "eager": EagerBackend}
         if backend not in classes:

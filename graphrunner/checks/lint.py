@@ -684,6 +684,9 @@ def check_runner(runner: Any, target: str) -> CheckReport:
     """Lint an uncaptured ``runner`` (see :func:`check_factory`); it is cleaned up afterwards."""
     runner.progress = False
     backend = runner.backend
+    if getattr(backend, "disabled_by", None):
+        raise CheckUsageError(f"{backend.disabled_by} is set: every runner serves eagerly and captures no graph, "
+                              "so there is nothing to check; unset it for graphrunner check")
     name = str(getattr(backend, "name", type(backend).__name__))
     buckets = list(runner.buckets)
     lint = UnsafeOpLint(getattr(runner.step, "__code__", None), name)
