@@ -23,16 +23,28 @@ are invalid still takes part (:meth:`invalid`), so its peers raise
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from graphrunner.errors import GraphRunnerError
 from graphrunner.keys import AgreementError, agree, all_max_vector
 
-__all__ = ["LocalAgreement", "RankAgreement", "make_agreement", "config_digest"]
+__all__ = ["LocalAgreement", "RankAgreement", "make_agreement", "config_digest", "config_fields"]
 
 logger = logging.getLogger("graphrunner")
 
 Sizes = Tuple[int, ...]
+
+
+def config_fields(runner: Any) -> Dict[str, Any]:
+    """What every rank must configure alike for ``runner`` (a ``GraphRunner``): the capture
+    fingerprint's fields (:mod:`graphrunner.checks.fingerprint`) and :func:`config_digest`'s input."""
+    fp = runner._space.fingerprint()
+    fp["inputs"], fp["outputs"] = runner._inputs.fingerprint(), runner._layout.fingerprint()
+    fp["backend"] = f"{type(runner.backend).__module__}.{type(runner.backend).__qualname__}"
+    fp["warmups"] = getattr(runner.backend, "warmups", None)
+    fp["fallback"] = runner.fallback
+    fp["checks"] = runner.checks.names()  # the padding check's verdict is agreed by one collective per key
+    return fp
 
 
 def config_digest(fields: Mapping[str, Any]) -> int:

@@ -17,12 +17,18 @@ __all__ = ["default_buckets", "validate_buckets", "bucket_table"]
 def default_buckets(max_batch: int) -> List[int]:
     """Return the default bucket ladder up to ``max_batch`` (inclusive).
 
-    ``[1, 2, 4]`` and then every multiple of 8 up to ``max_batch``, with
-    ``max_batch`` itself appended when it is not on the ladder (the ladder
-    serving engines such as vLLM use). A call then pays at most 7 padding
-    rows above batch 8, and ``len(buckets)`` is about ``max_batch / 8``.
-    ``default_buckets(1) == [1]``; ``default_buckets(6) == [1, 2, 4, 6]``.
-    Raises ``ValueError`` for ``max_batch < 1``.
+    vLLM's current default capture sizes: ``[1, 2, 4]``, then every multiple
+    of 8 below 256, then every multiple of 16 from 256 up to ``max_batch``
+    (``VllmConfig._set_cudagraph_sizes`` in ``vllm/config/vllm.py``, vLLM's
+    main branch since ``compilation_config.max_cudagraph_capture_size``, late
+    2025). One difference: ``max_batch`` itself is appended when it is not on
+    the ladder (vLLM truncates to the ladder's last size instead), so a batch
+    of ``max_batch`` always replays. A call pays at most 7 padding rows below
+    256 and 15 above; ``default_buckets(512)`` has 51 buckets (an 8-step
+    ladder has 67). ``default_buckets(1) == [1]``;
+    ``default_buckets(6) == [1, 2, 4, 6]``; ``default_buckets(300) == [1, 2,
+    4, 8, ..., 248, 256, 272, 288, 300]``. Raises ``ValueError`` for
+    ``max_batch < 1``.
     """
     try:
         max_batch = operator.index(max_batch)
@@ -30,7 +36,8 @@ def default_buckets(max_batch: int) -> List[int]:
         raise TypeError(f"default_buckets(max_batch) expects an int, got {type(max_batch).__name__}") from None
     if max_batch < 1:
         raise ValueError(f"default_buckets(max_batch): max_batch must be >= 1, got {max_batch}")
-    ladder = [b for b in (1, 2, 4) if b <= max_batch] + list(range(8, max_batch + 1, 8))
+    ladder = [b for b in (1, 2, 4) if b <= max_batch] + list(range(8, min(max_batch + 1, 256), 8))
+    ladder += list(range(256, max_batch + 1, 16))
     if ladder[-1] != max_batch:
         ladder.append(max_batch)
     return ladder

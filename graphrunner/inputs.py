@@ -10,7 +10,9 @@ import torch
 
 from graphrunner.keys import check_dims
 
-__all__ = ["BatchInput", "alias_error", "diagnose"]
+__all__ = ["BatchInput", "alias_error", "diagnose", "check_config", "positional_error"]
+
+_FALLBACKS = ("eager", "error")
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,27 @@ def check_inputs(inputs: Any) -> None:
                             f"got {type(spec).__name__}")
 
 
+def check_config(step: Any, inputs: Any, fallback: Any, post_warmup_hook: Any, output_arena: Any) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the first bad argument of a ``GraphRunner``."""
+    if not callable(step):
+        raise TypeError(f"step must be callable as step(**inputs), got {type(step).__name__}")
+    check_inputs(inputs)
+    if fallback not in _FALLBACKS:
+        raise ValueError(f"fallback must be one of {_FALLBACKS}, got {fallback!r}")
+    if post_warmup_hook is not None and not callable(post_warmup_hook):
+        raise TypeError(f"post_warmup_hook must be callable as hook(bucket) or None, got {type(post_warmup_hook).__name__}")
+    if output_arena is not None and not callable(getattr(output_arena, "carve", None)):
+        raise TypeError(f"output_arena must be a gr.OutputArena or None, got {type(output_arena).__name__}")
+
+
+def positional_error(args: Sequence[Any], names: Sequence[str]) -> TypeError:
+    """The error for a call ``runner(x)`` with positional ``args``: the inputs go by keyword."""
+    got = ", ".join(f"{type(a).__name__} of shape {list(a.shape)}" if isinstance(a, torch.Tensor)
+                    else type(a).__name__ for a in args)
+    return TypeError(f"GraphRunner takes its inputs by keyword, got {len(args)} positional argument(s) ({got}); "
+                     f"call runner({', '.join(f'{n}=...' for n in names)}) with every declared input {list(names)}")
+
+
 def alias_error(ranges: Sequence[Tuple[int, int]], names: Sequence[str], name: str, t: torch.Tensor) -> Optional[Exception]:
     """The error for input ``name`` whose memory starts inside one of the
     runner's static buffers (``ranges``: ``[start, end)`` addresses, one per ``names``) (other than exactly its own leading region,
@@ -170,11 +193,6 @@ def diagnose(inputs: Any, specs: Mapping[str, BatchInput], in_dims: Mapping[str,
                     return ValueError(f"GraphRunner: input {name!r} has {dims[d]}={v} (dim {j}) but input "
                                       f"{seen[d][1]!r} has {dims[d]}={seen[d][0]}; inputs sharing a dim name "
                                       "must agree on its size")
-        zero = [dims[d] for d, (v, _) in sorted(seen.items()) if v == 0]
-        if zero:
-            if legacy:
-                return ValueError("GraphRunner: batch 0 (every input has 0 rows); call the runner only with >= 1 row")
-            return ValueError(f"GraphRunner: size 0 in dim(s) {zero}; call the runner only with sizes >= 1")
         return ValueError("GraphRunner: invalid inputs")  # pragma: no cover - the fast check found a mismatch
     except Exception as exc:  # noqa: BLE001 - the diagnosis itself must never raise: it is the error to report
         what = "the call's inputs" if name is None else f"input {name!r}"

@@ -10,14 +10,15 @@ slice of an eager fallback's fresh outputs.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from graphrunner.backends.outputs import flatten, unflatten
+from graphrunner.errors import CaptureError, PaddingLeakError
 from graphrunner.keys import count_leaves, slice_leaves
 
-__all__ = ["OutputLayout", "StepOutputError", "FreshOutputs", "clone_outputs"]
+__all__ = ["OutputLayout", "StepOutputError", "FreshOutputs", "clone_outputs", "user_error"]
 
 Sizes = Tuple[int, ...]
 
@@ -37,7 +38,33 @@ class OutputLayout:
         self.dims, self.legacy, self.key_text = dims, legacy, key_text
         #: How many leading dims of an output may be smaller than the shared buffer's.
         self.lead = max([len(self.default)] + [len(v) for v in self.per_key.values()])
+        #: True while the runner captures: the forwards of :meth:`forward` check their outputs.
+        self.capturing = False
         self.reset()
+
+    def forward(self, step: Callable[..., Any], key: Sizes, views: Dict[str, torch.Tensor],
+                name: str) -> Callable[[], Any]:
+        """``forward()``: ``step(**views)`` for ``key`` (the backend's forward_fn), its output
+        checked by :meth:`check` while :attr:`capturing` (an eager backend's replays are not)."""
+
+        def forward() -> Any:
+            out = step(**views)
+            if self.capturing:
+                self.check(out, key)
+            return out
+
+        forward.__qualname__ = name
+        return forward
+
+    def all_empty(self, result: Any, sizes: Sizes) -> bool:
+        """True when every leaf of the outputs ``result`` (a replay's static outputs) is empty once
+        sliced to ``sizes``: each spans a dim whose size is 0. Such a call (an idle rank) needs
+        no step at all; a 0-dim leaf, or one only on dims of nonzero size, needs the step run."""
+        if type(result) is FreshOutputs:
+            return False
+        spec, leaves = flatten(result)
+        dims = self.leaf_dims(spec, len(leaves))
+        return all(t.dim() > 0 and any(sizes[d] == 0 for d in ds) for t, ds in zip(leaves, dims))
 
     def reset(self) -> None:
         """Forget what the captures taught (trailing shapes, cached views)."""
@@ -141,3 +168,15 @@ def clone_outputs(out: Any) -> Any:
         return None
     spec, leaves = flatten(out)
     return unflatten(spec, [t.clone() for t in leaves])
+
+
+def user_error(exc: BaseException) -> BaseException:
+    """The error ``GraphRunner.capture()`` raises for ``exc``: a step output the runner cannot
+    slice as ``TypeError`` and a padding leak as :class:`PaddingLeakError` (unwrapped from the
+    backend's ``CaptureError``), anything else unchanged."""
+    cause = exc.__cause__ if isinstance(exc, CaptureError) else None
+    if isinstance(cause, StepOutputError):
+        return TypeError(str(cause))
+    if isinstance(cause, PaddingLeakError):
+        return PaddingLeakError(str(cause))
+    return exc

@@ -6,12 +6,11 @@
     print(runner.capture())          # largest bucket first; a CaptureReport table
     y = runner(x=torch.randn(3, 64))  # copy into static buffers, pad to 4, replay, slice to 3 rows
 
-The runner wires small parts, each in its own module: the key space
-(:mod:`graphrunner.keys`), the static-input stager (:mod:`graphrunner.staging`),
-the output layout (:mod:`graphrunner.layout`), the agreement across ranks
-(:mod:`graphrunner.agreement`), the backend that owns the capture protocol
-(:mod:`graphrunner.backends`) and the checks, attached to that protocol as
-capture hooks (:mod:`graphrunner.checks`). See ``docs/runner.md``.
+The runner wires small parts, each in its own module: keys (:mod:`graphrunner.keys`),
+static inputs (:mod:`graphrunner.staging`), outputs (:mod:`graphrunner.layout`), routes
+(:mod:`graphrunner.dispatch`), agreement across ranks (:mod:`graphrunner.agreement`), the
+backend owning the capture protocol (:mod:`graphrunner.backends`) and the checks, attached to
+it as capture hooks (:mod:`graphrunner.checks`). See ``docs/runner.md``.
 """
 
 from __future__ import annotations
@@ -26,18 +25,18 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from graphrunner.agreement import LocalAgreement, make_agreement
+from graphrunner.agreement import LocalAgreement, config_fields, make_agreement
 from graphrunner.backends import make_backend
 from graphrunner.buckets import default_buckets
-from graphrunner.checks import resolve_checks
-from graphrunner.checks import contracts, fingerprint
+from graphrunner.checks import contracts, fingerprint, resolve_checks
 from graphrunner.checks.verify import shadow_reference, shadow_verify, verify_every_setting
-from graphrunner.errors import CaptureError, GraphRunnerError, PaddingLeakError, RankTimeoutError
-from graphrunner.inputs import BatchInput, check_inputs
+from graphrunner.errors import CaptureError, GraphRunnerError, RankTimeoutError
+from graphrunner.group import LocalGroup
+from graphrunner.inputs import BatchInput, check_config, positional_error
 from graphrunner.keys import LEGACY_DIM, KeySpace, resolve_input_dims, resolve_output_dims
 from graphrunner.ownership import CallOwner
-from graphrunner.dispatch import Routes
-from graphrunner.layout import OutputLayout, StepOutputError, clone_outputs
+from graphrunner.dispatch import Routes, fall_back
+from graphrunner.layout import OutputLayout, clone_outputs, user_error
 from graphrunner.progress import CaptureProgress
 from graphrunner.report import BucketReport, CaptureReport, RunnerStats
 from graphrunner.staging import StaticInputs
@@ -45,34 +44,6 @@ from graphrunner.staging import StaticInputs
 __all__ = ["GraphRunner", "BatchInput", "RunnerStats", "default_buckets"]
 
 logger = logging.getLogger("graphrunner")
-
-_FALLBACKS = ("eager", "error")
-
-
-def _check_config(step: Any, inputs: Any, fallback: Any, post_warmup_hook: Any, output_arena: Any) -> None:
-    """Raise ``TypeError``/``ValueError`` naming the first bad argument of a :class:`GraphRunner`."""
-    if not callable(step):
-        raise TypeError(f"step must be callable as step(**inputs), got {type(step).__name__}")
-    check_inputs(inputs)
-    if fallback not in _FALLBACKS:
-        raise ValueError(f"fallback must be one of {_FALLBACKS}, got {fallback!r}")
-    if post_warmup_hook is not None and not callable(post_warmup_hook):
-        raise TypeError(f"post_warmup_hook must be callable as hook(bucket) or None, got {type(post_warmup_hook).__name__}")
-    if output_arena is not None and not callable(getattr(output_arena, "carve", None)):
-        raise TypeError(f"output_arena must be a gr.OutputArena or None, got {type(output_arena).__name__}")
-
-
-def _user_error(exc: BaseException) -> BaseException:
-    """The error ``capture()`` raises for ``exc``: a step output the runner cannot slice as
-    ``TypeError`` and a padding leak as :class:`PaddingLeakError` (unwrapped from the backend's
-    ``CaptureError``), anything else unchanged."""
-    cause = exc.__cause__ if isinstance(exc, CaptureError) else None
-    if isinstance(cause, StepOutputError):
-        return TypeError(str(cause))
-    if isinstance(cause, PaddingLeakError):
-        return PaddingLeakError(str(cause))
-    return exc
-
 
 class GraphRunner:
     """Capture ``step`` once per key (batch bucket) and serve calls by replay.
@@ -90,23 +61,20 @@ class GraphRunner:
         backend: ``"breakable"`` (default), ``"full"``, ``"eager"``, or a backend
             instance (then configure ``device``, ``group``, ``warmups`` and
             ``trace`` on it, not here).
-        device, group, warmups, trace: the named backend's device (the static
-            buffers live on its ``torch_device``), rank group (with more than
-            one rank every call agrees on the key), eager warmup forwards per
-            key, and :class:`~graphrunner.Trace`.
-        post_warmup_hook: ``hook(bucket)`` after each warmup forward of a key (e.g.
-            reset a KV cache the warmup wrote); the padding check calls it after
-            its own forward too.
+        device, group, warmups, trace: the named backend's device (static buffers live on
+            its ``torch_device``), rank group (with more than one rank every call agrees on
+            the key), eager warmup forwards per key, and :class:`~graphrunner.Trace`.
+        post_warmup_hook: ``hook(bucket)`` after each warmup forward of a key (e.g. reset a KV
+            cache the warmup wrote); the padding check calls it after its own forward too.
         max_padding_ratio: ``None`` or a float in ``[0, 1)``: a call whose padding
             would exceed this share of the key falls back.
         fallback: ``"eager"`` (run ``step`` eagerly when no key fits) or ``"error"``.
         keys: ``None`` (every combination of buckets) or the keys to capture.
         outputs: the leading dims of the outputs (a dims tuple, or ``{key: dims}``
             for a dict output); default: the first input's dims.
-        checks: the capture-time checks (:mod:`graphrunner.checks`); ``None``
-            means :data:`~graphrunner.checks.DEFAULT_CHECKS` = ``("drift",
-            "padding", "fingerprint")``; ``gr.PaddingCheck(exempt=...)``
-            configures the padding check; ``()`` runs none.
+        checks: the capture-time checks (:mod:`graphrunner.checks`); ``None`` means
+            :data:`~graphrunner.checks.DEFAULT_CHECKS` = ``("drift", "padding", "fingerprint")``;
+            ``gr.PaddingCheck(exempt=...)`` configures the padding check; ``()`` runs none.
         debug: debug mode (``None`` reads ``GRAPHRUNNER_DEBUG=1``): every call
             checks ``BatchInput(bounds=...)`` and, before each replay, that the
             tensors the graph reads keep their storage (:mod:`graphrunner.checks.contracts`);
@@ -121,14 +89,13 @@ class GraphRunner:
             of the same model (one output memory, the max over runners).
         progress: draw a capture progress bar on rank 0 (stderr).
 
-    Configuration errors raise ``ValueError``/``TypeError`` here, before any
-    capture. **Outputs are views** of the backend's one output buffer: the
-    next call overwrites them (clone, or ``copy_outputs=True``). **Multi-rank**:
-    each call makes exactly one collective (:mod:`graphrunner.agreement`) and
-    all ranks replay the same key, fall back together, or raise together;
-    :meth:`capture` compares the ranks' configurations and captures first.
-    ``runner.agree_bucket = False`` before :meth:`capture` turns agreement off
-    (UNSAFE, for tests only). The full contract: ``docs/runner.md``.
+    Configuration errors raise ``ValueError``/``TypeError`` here, before any capture. **Outputs
+    are views** of the backend's one output buffer: the next call overwrites them (clone, or
+    ``copy_outputs=True``). **Multi-rank**: each call makes exactly one collective
+    (:mod:`graphrunner.agreement`) and all ranks replay the same key, fall back together, or
+    raise together (an idle rank, 0 rows, joins them); :meth:`capture` compares the ranks'
+    configurations first. ``runner.agree_bucket = False`` before :meth:`capture` turns
+    agreement off (UNSAFE, tests only). The full contract: ``docs/runner.md``.
     """
 
     #: Agree the key across ranks on every call (set False before capture() only in tests: UNSAFE).
@@ -141,7 +108,7 @@ class GraphRunner:
                  outputs: Any = None, checks: Any = None, debug: Optional[bool] = None,
                  verify_every: Optional[int] = None,
                  copy_outputs: Optional[bool] = None, output_arena: Any = None, progress: bool = True) -> None:
-        _check_config(step, inputs, fallback, post_warmup_hook, output_arena)
+        check_config(step, inputs, fallback, post_warmup_hook, output_arena)
         self._space = space = KeySpace(buckets, keys, max_padding_ratio)
         #: ``buckets`` as given: a list (one dim, int keys) or ``{dim: [sizes...]}`` (tuple keys).
         self.buckets: Any = space.buckets[LEGACY_DIM] if space.legacy else {d: list(v) for d, v in space.buckets.items()}
@@ -167,8 +134,6 @@ class GraphRunner:
         if checks is None:  # the default set: the drift check is the backend's own setting
             self.checks = dataclasses.replace(self.checks, drift=bool(getattr(self.backend, "drift_check", True)))
         self.device = self.backend.device
-        from graphrunner.group import LocalGroup
-
         self.group = getattr(self.backend, "group", None) or LocalGroup()
         self.rank = int(getattr(self.group, "rank", 0))
         self.world_size = int(getattr(self.group, "size", 1))
@@ -179,7 +144,7 @@ class GraphRunner:
                                     space.dims, space.legacy, self._key_text)
         self.stats = RunnerStats(replays={k: 0 for k in self.keys})
         self.report: Optional[CaptureReport] = None
-        self._calls, self._captured, self._capturing, self._cleaned_up = 0, False, False, False
+        self._calls, self._captured, self._cleaned_up = 0, False, False
         self._owner = CallOwner()  # one call (or capture) at a time: the static buffers hold one batch
         self._lock = self._owner.lock
         self._reset_replay_state()
@@ -196,8 +161,8 @@ class GraphRunner:
         return dict(self._inputs.buffers)
 
     def bucket_for(self, batch: Any) -> Any:
-        """The key a local call of ``batch`` replays, or ``None`` if it falls back (ignores
-        agreement and whether the key was captured). ``batch``: an int with ``buckets=[...]``,
+        """The key a local call of ``batch`` replays, or ``None`` if it falls back or has a size 0
+        (ignores agreement and whether the key was captured). ``batch``: an int with ``buckets=[...]``,
         else a tuple of sizes in :attr:`dims` order or ``{dim: size}``."""
         sizes = self._space.sizes_of(batch, what="key_for")
         key = self._space.choose(sizes)[0] if min(sizes) >= 1 else None
@@ -234,18 +199,6 @@ class GraphRunner:
         finally:
             self._owner.leave()
 
-    def _make_forward(self, key: Tuple[int, ...], views: Dict[str, torch.Tensor]) -> Callable[[], Any]:
-        step, layout = self.step, self._layout
-
-        def forward() -> Any:
-            out = step(**views)
-            if self._capturing:
-                layout.check(out, key)
-            return out
-
-        forward.__qualname__ = f"GraphRunner.step[{'bucket' if self._space.legacy else 'key'}={self._space.external(key)}]"
-        return forward
-
     def _capture(self, collect: Any) -> CaptureReport:
         """Capture every key; ``collect`` (``graphrunner check``) puts the hooks in collect mode
         and turns a key's capture error into findings instead of stopping."""
@@ -254,7 +207,7 @@ class GraphRunner:
         bar = CaptureProgress(len(order), enabled=self.progress and self.rank == 0)
         reports: List[BucketReport] = []
         t0, ok = time.perf_counter(), False
-        self._capturing = True
+        self._layout.capturing = True
         self._agreement = make_agreement(self.group, self.agree_bucket)
         if self.debug:
             self._externals = contracts.ExternalsCheck(self.step, self._inputs.storages,
@@ -270,9 +223,9 @@ class GraphRunner:
                     bar.start(i, ext)
                     views = self._inputs.key_views(key)
                     hook = functools.partial(self.post_warmup_hook, ext) if self.post_warmup_hook else None
+                    forward = self._layout.forward(self.step, key, views, f"GraphRunner.step[{ext}]")
                     try:
-                        self.backend.capture_one(ext, self._make_forward(key, views), capture_inputs=views,
-                                                 post_warmup_hook=hook, hooks=self.checks.key_hooks(
+                        self.backend.capture_one(ext, forward, capture_inputs=views, post_warmup_hook=hook, hooks=self.checks.key_hooks(
                                                      space, key, self._key_text(key), self._inputs.key_inputs(views), self.step,
                                                      self._layout.leaf_dims, self.group, self._externals, writes),
                                                  findings=None if collect is None else collect.findings, **extra)
@@ -288,12 +241,12 @@ class GraphRunner:
             ok = True
         except BaseException as exc:
             self._abort_capture()
-            err = _user_error(exc)
+            err = user_error(exc)
             if err is exc:
                 raise
             raise err from None
         finally:
-            self._capturing = False
+            self._layout.capturing = False
             bar.close(ok)
         self._captured = True
         self.report = CaptureReport.of(self.backend, self.rank, self.world_size, reports, time.perf_counter() - t0,
@@ -304,14 +257,7 @@ class GraphRunner:
         return self.report
 
     def _config_fields(self) -> Dict[str, Any]:
-        """What every rank must configure alike (the capture fingerprint, :mod:`graphrunner.checks.fingerprint`)."""
-        fp = self._space.fingerprint()
-        fp["inputs"], fp["outputs"] = self._inputs.fingerprint(), self._layout.fingerprint()
-        fp["backend"] = f"{type(self.backend).__module__}.{type(self.backend).__qualname__}"
-        fp["warmups"] = getattr(self.backend, "warmups", None)
-        fp["fallback"] = self.fallback
-        fp["checks"] = self.checks.names()  # the padding check's verdict is agreed by one collective per key
-        return fp
+        return config_fields(self)
 
     def _abort_capture(self) -> None:
         try:
@@ -336,8 +282,11 @@ class GraphRunner:
         return compare_runner(self, inputs)
 
     # ----------------------------------------------------------------- call
-    def __call__(self, **inputs: torch.Tensor) -> Any:
-        """``runner(**inputs)``: same as :meth:`run` with the runner's ``copy_outputs``."""
+    def __call__(self, *args: Any, **inputs: torch.Tensor) -> Any:
+        """``runner(**inputs)``: same as :meth:`run` with the runner's ``copy_outputs``. Inputs go by
+        keyword only (``TypeError`` naming them for a positional call)."""
+        if args:
+            raise positional_error(args, list(self.inputs))
         return self.run(inputs)
 
     def run(self, inputs: Mapping[str, torch.Tensor], copy_outputs: Optional[bool] = None) -> Any:
@@ -345,7 +294,9 @@ class GraphRunner:
 
         ``inputs``: every declared name, a tensor of the declared dtype and trailing shape
         (any device). Returns what ``step`` returns, sliced to the call's sizes: views the next
-        call overwrites unless ``copy_outputs`` (default: the runner's). Invalid inputs raise
+        call overwrites unless ``copy_outputs`` (default: the runner's). A size of 0 (an idle rank)
+        is valid: the step runs only if a peer has rows there or some output would not be empty
+        (``docs/runner.md``, "Idle ranks"); the outputs have 0 rows. Invalid inputs raise
         ``ValueError``/``TypeError`` before anything is written; the runner stays usable. Raises
         :class:`CaptureError` before :meth:`capture`, :class:`GraphRunnerError` during another call."""
         if not self._lock.acquire(blocking=False):
@@ -360,21 +311,19 @@ class GraphRunner:
             staging = self._inputs
             try:
                 tensors, sizes = staging.validate(inputs)
-                if self.debug:
-                    # before anything is written; with agreement every key's externals (a rank must
-                    # not raise after its peers agreed to replay)
+                if self.debug:  # before any write; with agreement every key's externals (no raise after peers agreed)
                     contracts.check_call(self._inputs.bounded, tensors,
                                          self._externals if self._agreement.shared else None)
                 staging.stage(tensors, sizes)  # before agreeing: a failed copy is reported to every rank
             except (ValueError, TypeError, GraphRunnerError):
                 self._agreement.invalid(staging.zero, self._calls)
                 raise
-            if copy_outputs is None:
-                copy_outputs = self.copy_outputs
+            copy_outputs = self.copy_outputs if copy_outputs is None else copy_outputs
             rows = self._agreement.agree(sizes, self._calls)
-            key, ext, replay, outputs, volume, reason = self._routes.get(rows) or self._routes.route(rows)
+            route = self._routes.get(rows) or self._routes.route(rows)
+            key, ext, replay, outputs, volume, reason = route
             if key is None:
-                return self._fallback(tensors, sizes, rows, reason, copy_outputs)
+                return fall_back(self, tensors, sizes, rows, route, copy_outputs)
             if staging.filled != sizes:
                 staging.pad_to(sizes, key)
             ref = shadow_reference(self, sizes, key) if self.verify_every and not self._calls % self.verify_every else None
@@ -387,12 +336,10 @@ class GraphRunner:
                 raise err from exc
             if staging.stateful:
                 staging.written_by_step(key)
-            stats = self.stats
-            real = sizes[0] if len(sizes) == 1 else math.prod(sizes)
+            stats, real = self.stats, (sizes[0] if len(sizes) == 1 else math.prod(sizes))
             stats.replays[ext] += 1
-            stats.real_rows += real
-            stats.padding_rows += volume - real
-            stats.last_bucket = ext
+            stats.real_rows, stats.padding_rows, stats.last_bucket = (stats.real_rows + real,
+                                                                      stats.padding_rows + volume - real, ext)
             out = self._layout.replayed(outputs, sizes)
             if ref is not None:
                 shadow_verify(self, ref, tensors, sizes, key, out)
@@ -400,26 +347,3 @@ class GraphRunner:
         finally:
             self._owner.thread = None
             self._lock.release()
-
-    def _fallback(self, tensors: List[torch.Tensor], sizes: Tuple[int, ...], rows: Tuple[int, ...], reason: str,
-                  copy_outputs: bool) -> Any:
-        space = self._space
-        if self.fallback == "error":
-            raise ValueError(f"GraphRunner(fallback='error'): {space.why(sizes, rows, reason)}; "
-                             + ("add a bucket" if space.legacy else "add a bucket or key")
-                             + ", raise max_padding_ratio, or use fallback='eager'")
-        kwargs = self._inputs.padded(tensors, sizes, rows)
-        try:
-            with torch.inference_mode():
-                out = self.step(**kwargs)
-        except Exception as exc:  # a failed collective on a multi-rank runner: RankTimeoutError
-            err = RankTimeoutError.from_step(exc, self.group, "fallback", space.external(rows))
-            if err is None:
-                raise
-            raise err from exc
-        if rows != sizes:
-            out = self._layout.slice(out, sizes)
-        self.stats.count(None, sizes, rows, reason)
-        logger.debug("GraphRunner: eager fallback (%s) for %s (padded to %s)", reason, space.describe(sizes),
-                     space.describe(rows))
-        return clone_outputs(out) if copy_outputs else out

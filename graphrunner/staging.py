@@ -9,7 +9,10 @@ outside the call's sizes are reset to the pad value only where an earlier
 call left data (:meth:`StaticInputs.pad_to`: the ``filled`` extent tracks
 the bounding box of cells that may hold data). Eager fallbacks get copies
 padded to agreed sizes (:meth:`StaticInputs.padded`). ``runner.compare``,
-the checks and the runner all stage through this one object.
+the checks and the runner all stage through this one object. A size of 0
+is valid (an idle rank: nothing is copied, every cell of the key is padding).
+Buffers too large for the device are a ``ValueError`` naming the largest key
+and the bytes needed, before or instead of the allocator's own error.
 """
 
 from __future__ import annotations
@@ -45,12 +48,8 @@ class StaticInputs:
         self.specs: Dict[str, BatchInput] = dict(specs)
         self.in_dims = dict(in_dims)
         self.dims, self.maxes, self.legacy, self.device = dims, tuple(maxes), legacy, device
-        with torch.inference_mode(False):  # normal tensors: writable outside inference mode
-            #: ``{name: (*largest size of each of its dims, *trailing)}``.
-            self.buffers: Dict[str, torch.Tensor] = {
-                name: torch.full((*(maxes[d] for d in self.in_dims[name]), *spec.trailing), spec.pad,
-                                 dtype=spec.dtype, device=device)
-                for name, spec in self.specs.items()}
+        #: ``{name: (*largest size of each of its dims, *trailing)}``.
+        self.buffers: Dict[str, torch.Tensor] = self._allocate()
         self.names = tuple(self.specs)
         #: Some input is ``BatchInput(state=True)``: the step writes it, so its padding is re-padded
         #: after every call (:meth:`written_by_step`).
@@ -77,6 +76,33 @@ class StaticInputs:
         self.filled: Sizes = self.zero  # outside [:filled[0], :filled[1], ...] every buffer holds its pad value
         self._views: Dict[Sizes, List[torch.Tensor]] = {}
         self._pad_views: Dict[Tuple[Sizes, Sizes], List[Tuple[torch.Tensor, Any]]] = {}
+
+    def _allocate(self) -> Dict[str, torch.Tensor]:
+        """One buffer per input at the largest key, filled with its pad value; a ``ValueError``
+        naming the largest bucket and the bytes needed when they cannot be allocated."""
+        shapes = {n: (*(self.maxes[d] for d in self.in_dims[n]), *s.trailing) for n, s in self.specs.items()}
+        sizes = {n: math.prod(shape) * torch.empty((), dtype=self.specs[n].dtype).element_size()
+                 for n, shape in shapes.items()}
+        need, dev = sum(sizes.values()), torch.device(self.device)
+        total = _memory_of(dev)
+
+        def error(what: str) -> ValueError:
+            biggest = max(sizes, key=sizes.__getitem__)
+            where = (f"bucket {self.maxes[0]}" if self.legacy else
+                     f"key ({', '.join(f'{d}={n}' for d, n in zip(self.dims, self.maxes))})")
+            return ValueError(
+                f"buckets: the largest {where} needs {need:,} bytes of static input buffers on {dev} (input "
+                f"{biggest!r}: {list(shapes[biggest])} {self.specs[biggest].dtype}, {sizes[biggest]:,} bytes), and "
+                f"{what}. The largest bucket sets the leading size of every static input: use smaller buckets, "
+                "e.g. gr.default_buckets(max_batch) with the largest batch you serve")
+
+        if total is not None and need > total:
+            raise error(f"the device has {total:,} bytes in all")
+        try:
+            with torch.inference_mode(False):  # normal tensors: writable outside inference mode
+                return {n: torch.full(shapes[n], s.pad, dtype=s.dtype, device=dev) for n, s in self.specs.items()}
+        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            raise error(f"allocating them failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
 
     # ------------------------------------------------------------ facts
     @property
@@ -106,7 +132,7 @@ class StaticInputs:
     def prepare(self, sizes: Sizes) -> None:
         """Build what a call of ``sizes`` uses (its buffer views, its expected shapes) ahead of
         the call, so that the first call of a key costs what later ones do."""
-        if not self.fits(sizes) or min(sizes) < 1:
+        if not self.fits(sizes):
             return
         if sizes not in self._views:
             self._views[sizes] = [buf[region(sizes, didx)] for (buf, _), didx in zip(self._pads, self.dim_idx)]
@@ -150,8 +176,6 @@ class StaticInputs:
                 ptr = t.data_ptr()  # must hold data (not meta) and not point into a static buffer
                 if not ptr or lo_all <= ptr < hi_all:
                     self._check_memory(name, t, own)
-            if min(sizes) <= 0:
-                raise KeyError
         except Exception:  # noqa: BLE001 - as above: invalid input, named by the slow path
             raise self.error(inputs) from None
         return tensors, tuple(sizes)
@@ -166,8 +190,8 @@ class StaticInputs:
         n = tensors[0].shape[0]
         want = self._shapes.get(n)
         if want is None:
-            if not 0 < n <= self.maxes[0]:
-                return None  # over the largest bucket, or zero rows: the generic path
+            if not 0 <= n <= self.maxes[0]:
+                return None  # over the largest bucket: the generic path
             self.prepare((n,))
             want = self._shapes[n]
         lo_all, hi_all = self._span
@@ -299,6 +323,22 @@ class StaticInputs:
                 t = t.clone()  # the step writes it: never the caller's tensor
             kwargs[name] = t
         return kwargs
+
+
+def _memory_of(device: torch.device) -> Optional[int]:
+    """The total memory of ``device`` in bytes (CUDA: the GPU's; CPU and tape: the machine's RAM), or
+    ``None`` when unknown. A buffer larger than this cannot be allocated: the runner says so before
+    trying (an over-committed CPU allocation could succeed and then be killed while it is filled)."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[1])
+        if device.type == "cpu":
+            import os
+
+            return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, RuntimeError, AttributeError):
+        pass
+    return None
 
 
 def _is_zero(pad: Any) -> bool:

@@ -227,12 +227,28 @@ def test_invalid_multi_dim_inputs_name_the_dim():
     with pytest.raises(ValueError, match="has reqs=3"):
         r(**inp)
     inp = verify_inputs(2, 2, seed=0)
-    inp["ids"] = inp["ids"][:, :0]
-    inp["x"] = inp["x"][:, :0]
-    with pytest.raises(ValueError, match=r"size 0 in dim\(s\) \['draft'\]"):
-        r(**inp)
-    inp = verify_inputs(2, 2, seed=0)
     assert_bit_exact(r(**inp), verify_reference(inp, (2, 3)), "still usable")
+
+
+def test_a_zero_size_dim_runs_the_smallest_key_when_an_output_is_not_empty():
+    # draft=0 (SGLang picks its smallest bucket): logits [reqs, draft] are empty, but pooled [reqs]
+    # and the 0-dim count are not, so the step runs at the smallest key covering draft=1, every
+    # draft cell padding; the result equals eager on the inputs padded to that key.
+    r = verify_runner("full")
+    r.capture()
+    for reqs in (2, 3):
+        inp = verify_inputs(reqs, 2, seed=reqs)
+        inp["ids"], inp["x"] = inp["ids"][:, :0], inp["x"][:, :0]
+        before = dict(r.stats.replays)
+        out = r(**inp)
+        key = (2 if reqs == 2 else 4, 1)
+        assert out["logits"].shape == (reqs, 0, V) and out["pooled"].shape == (reqs, H)
+        assert_bit_exact(out, verify_reference(inp, key), f"reqs={reqs}, draft=0")
+        assert r.stats.replays[key] == before[key] + 1 and r.stats.last_bucket == key
+        # Negative control: the pooled rows differ from eager padded to a draft of 3 (the padding is seen)
+        assert not torch.equal(out["pooled"], verify_reference(inp, (key[0], 3))["pooled"])
+    inp = verify_inputs(2, 2, seed=0)
+    assert_bit_exact(r(**inp), verify_reference(inp, (2, 3)), "a full call after draft=0 calls")
 
 
 # ------------------------------------------------------- 3 dims, bit-exact

@@ -251,7 +251,6 @@ BAD = {
     "wrong ndim": (lambda b: {**b, "positions": b["positions"][:, None]}, ValueError, "positions"),
     "batch mismatch": (lambda b: {**b, "hidden": torch.randn(2, D)}, ValueError, "hidden"),
     "not a tensor": (lambda b: {**b, "positions": [1, 2, 3]}, TypeError, "positions"),
-    "batch 0": (lambda b: {k: v[:0] for k, v in b.items()}, ValueError, "batch 0"),
 }
 
 
@@ -383,6 +382,20 @@ def test_default_buckets():
     assert default_buckets(20) == [1, 2, 4, 8, 16, 20]
     with pytest.raises(ValueError):
         default_buckets(0)
+
+
+def test_default_buckets_follow_vllm_ladder_above_256():
+    # vLLM's ladder written out by hand: 1, 2, 4, multiples of 8 below 256, then multiples of 16.
+    eights = [8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128, 136, 144, 152, 160, 168, 176,
+              184, 192, 200, 208, 216, 224, 232, 240, 248]
+    sixteens = [256, 272, 288, 304, 320, 336, 352, 368, 384, 400, 416, 432, 448, 464, 480, 496, 512]
+    assert default_buckets(512) == [1, 2, 4] + eights + sixteens
+    assert len(default_buckets(512)) == 51
+    assert default_buckets(256) == [1, 2, 4] + eights + [256]
+    assert default_buckets(255) == [1, 2, 4] + eights + [255]  # off the ladder: max_batch appended
+    assert default_buckets(300) == [1, 2, 4] + eights + [256, 272, 288, 300]
+    # Negative control: the old 8-step ladder would put 264 between 256 and 272.
+    assert 264 not in default_buckets(512) and 264 in [1, 2, 4] + list(range(8, 513, 8))
 
 
 # --------------------------------------------------------------------------- capture report
