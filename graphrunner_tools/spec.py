@@ -43,6 +43,7 @@ from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
 import torch
 from torch import nn
 
+from graphrunner.breakable import no_graph
 from graphrunner.inputs import BatchInput
 from graphrunner.progress import StatusLine
 from graphrunner_tools.launch import RankOutcome, spawn_ranks
@@ -112,11 +113,24 @@ def verify_step_fn(model: nn.Module, mask: bool = True):
 
     def step(tokens: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor):
         if mask:
-            cells = torch.arange(tokens.shape[1], device=tokens.device)
-            positions = positions.masked_fill(cells[None, :] >= lens[:, None], scratch)
+            positions = mask_padding(positions, lens, scratch)
         return model.verify_step(tokens, positions, slots)
 
     return step
+
+
+@no_graph
+def mask_padding(positions: torch.Tensor, lens: torch.Tensor, scratch: int) -> torch.Tensor:
+    """``positions`` with every cell ``(b, t >= lens[b])`` moved to ``scratch``.
+
+    An eager break (``@no_graph``): the ``varlen`` attention break reads the masked positions
+    on the host, and a tensor computed inside a graph segment holds uninitialised memory at
+    capture time on a GPU (poison on the tape: ``GRAPHRUNNER_TAPE_POISON=1``) until the
+    first replay; computed eagerly it is real at capture and refreshed at every replay. In a
+    full graph (``masked`` attention, no host read) it is captured like any other code.
+    """
+    cells = torch.arange(positions.shape[1], device=positions.device)
+    return positions.masked_fill(cells[None, :] >= lens[:, None], scratch)
 
 
 def _budget_padding(rank: int, step: int) -> Tuple[int, int]:
