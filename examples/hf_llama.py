@@ -91,15 +91,16 @@ def run(steps: int = 20, batch: int = 1, backend: str = "breakable", device: Any
     """Generate ``steps`` tokens for ``batch`` random prompts with DecodeRunner and with ``model.generate``.
 
     ``restore_after_capture=False`` turns the runner's in-place cache reset
-    into a no-op (a negative control: the capture warmups' writes must then
-    show up as different tokens). Never raises on a mismatch.
+    into a no-op and its capture self-test off (a negative control: the
+    capture warmups' writes must then show up as different tokens; with the
+    self-test on, capture itself would refuse). Never raises on a mismatch.
     """
     if steps < 1 or batch < 1 or prompt_len < 1:
         raise ValueError(f"steps, batch and prompt_len must be >= 1, got {steps}, {batch}, {prompt_len}")
     dev = gr.get_device(device)
     model = build_model(seed, device=dev.torch_device, **config_overrides)
     runner = gr.hf.DecodeRunner(model, max_batch=batch, max_cache_len=prompt_len + steps, buckets=[batch],
-                                backend=backend, device=dev)
+                                backend=backend, device=dev, self_test=restore_after_capture)
     if not restore_after_capture:
         runner._reset_cache = lambda: None
     t0 = time.perf_counter()
@@ -116,7 +117,7 @@ def run(steps: int = 20, batch: int = 1, backend: str = "breakable", device: Any
     t3 = time.perf_counter()
     result = DecodeResult(steps=steps, batch=batch, backend=backend, got=got, want=want,
                           capture_ms=(t1 - t0) * 1e3, generate_ms=(t2 - t1) * 1e3, reference_ms=(t3 - t2) * 1e3,
-                          replays=runner.runner.stats.replays.get(batch, 0),
+                          replays=runner.stats.replays,
                           num_segments=report.bucket(batch).num_segments,
                           num_breaks=report.bucket(batch).num_breaks, report=report)
     runner.cleanup()

@@ -1,11 +1,12 @@
-"""gr.hf.DecodeRunner: graph-replayed greedy decoding equals model.generate(..., cache_implementation="static").
+"""gr.hf.DecodeRunner: graph-replayed decoding equals model.generate(..., cache_implementation="static").
 
-Tiny random-weight configs (2 layers, hidden 64, vocab 128, seeded; nothing is
-downloaded) of Llama, Qwen2, Mistral, Phi3, Mixtral, Mamba and Mamba2;
+Tiny random-weight models of every architecture family the issue names
+(``graphrunner_tools.models.hf_tiny``: 2 layers, hidden 64, vocab 128,
+seeded; nothing is downloaded), sliding windows and hybrids included;
 max_batch=4 with buckets [1, 2, 4], so batch 3 replays the padded bucket 4.
-Mamba's conv/recurrent states live in the StaticCache's linear-attention
-layers; its reference is plain ``model.generate`` (its default cache) and the
-static one. Skipped without ``transformers``.
+Acceptance is the capture checks plus the self-test, never a list: the
+refusal classes, the self-test's negative control, ragged prompts, seeded
+sampling and the stats are tested here too. Skipped without ``transformers``.
 """
 
 import pytest
@@ -16,7 +17,9 @@ transformers = require("transformers")
 import torch  # noqa: E402
 
 import graphrunner as gr  # noqa: E402
+import graphrunner.hf.decode as hf_decode  # noqa: E402
 from graphrunner.errors import CaptureError  # noqa: E402
+from graphrunner_tools.models.hf_tiny import build_tiny  # noqa: E402
 
 pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -27,33 +30,21 @@ PROMPT_LEN = 5
 NEW_TOKENS = 5
 MAX_CACHE_LEN = 16
 
-_ATTENTION = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-# initializer_range 0.5: at the default 0.1 a tiny random Mamba repeats one token, which would hide a wrong state.
-_MAMBA = dict(vocab_size=VOCAB, hidden_size=64, state_size=8, num_hidden_layers=2, initializer_range=0.5)
-
-#: model_type -> (config class, model class, config kwargs)
+#: model_type -> config overrides on top of the tiny config.
+# initializer_range 0.5: at the default a tiny random Mamba repeats one token, which would hide a wrong state.
 ARCHS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", _ATTENTION),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _ATTENTION),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {**_ATTENTION, "sliding_window": None}),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", {**_ATTENTION, "pad_token_id": 0}),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
-                {**_ATTENTION, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
-    "mamba": ("MambaConfig", "MambaForCausalLM", _MAMBA),
-    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM",
-               {**_MAMBA, "num_heads": 8, "head_dim": 16, "n_groups": 2, "expand": 2, "chunk_size": 16}),
+    "llama": {}, "qwen2": {}, "qwen3": {}, "qwen3_moe": {}, "mistral": {}, "phi3": {"pad_token_id": 0},
+    "mixtral": {}, "gemma": {}, "gemma2": {}, "gemma3_text": {}, "gpt2": {}, "falcon": {}, "deepseek_v3": {},
+    "olmo2": {}, "qwen3_next": {}, "gpt_oss": {}, "mamba": {"initializer_range": 0.5},
+    "mamba2": {"initializer_range": 0.5},
 }
 #: Architectures whose state is a conv/recurrent state (no K/V): model.generate's default cache is their own.
 STATE_SPACE = {"mamba", "mamba2"}
 
 
 def build_model(arch: str, seed: int = 0, **overrides):
-    """A tiny eval-mode ``*ForCausalLM`` of ``arch`` with random weights from ``seed``."""
-    cfg_name, model_name, kwargs = ARCHS[arch]
-    cfg = getattr(transformers, cfg_name)(**{**kwargs, **overrides})
-    torch.manual_seed(seed)
-    return getattr(transformers, model_name)(cfg).eval()
+    """A tiny eval-mode causal LM of ``arch`` with random weights from ``seed``."""
+    return build_tiny(arch, seed=seed, **{**ARCHS.get(arch, {}), **overrides})
 
 
 def prompts(batch: int, seed: int) -> torch.Tensor:
@@ -84,8 +75,8 @@ def test_generate_equals_model_generate(arch):
         if arch in STATE_SPACE:  # and its own default cache, as a user calls model.generate
             assert torch.equal(got, reference(model, ids, cache_implementation=None)), f"{arch} batch {batch}"
     # Every decode step was a replay (bucket 1, padded bucket 4 twice), none an eager fallback.
-    assert runner.runner.stats.replays.get(1, 0) == NEW_TOKENS - 1
-    assert runner.runner.stats.replays.get(4, 0) == 2 * (NEW_TOKENS - 1)
+    assert runner.stats.per_bucket == {1: NEW_TOKENS - 1, 4: 2 * (NEW_TOKENS - 1)}
+    assert runner.stats.eager_steps == 0 and runner.runner.stats.fallbacks == 0
     runner.cleanup()
 
 
@@ -93,11 +84,14 @@ def test_generate_equals_model_generate(arch):
 def test_negative_control_without_cache_reset(monkeypatch, arch):
     # The capture warmups really write K/V (Mamba: conv/recurrent states) and advance the StaticCache
     # write counter (Mamba: leave has_previous_state set, so the prefill would continue the stale
-    # state). With the in-place reset after capture (and before generate) turned into a no-op, the
-    # tokens must differ: the equality above is evidence, not luck.
+    # state). With the in-place reset turned into a no-op, the self-test at capture refuses the model,
+    # and without the self-test the tokens differ: the equality above is evidence, not luck.
     model = build_model(arch)
     monkeypatch.setattr(gr.hf.DecodeRunner, "_reset_cache", lambda self: None)
-    runner = gr.hf.DecodeRunner(model, max_batch=MAX_BATCH, max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS)
+    with pytest.raises(CaptureError, match="differs from the model's own eager decode"):
+        gr.hf.DecodeRunner(model, max_batch=MAX_BATCH, max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS).capture()
+    runner = gr.hf.DecodeRunner(model, max_batch=MAX_BATCH, max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS,
+                                self_test=False)
     runner.capture()
     ids = prompts(MAX_BATCH, seed=4)
     got = runner.generate(ids, max_new_tokens=NEW_TOKENS)
@@ -106,7 +100,7 @@ def test_negative_control_without_cache_reset(monkeypatch, arch):
 
 def _recording_past_cache(monkeypatch):
     """Make DecodeRunner build caches whose linear-attention layers record their past (conv states reassigned)."""
-    make = gr.hf.make_static_cache
+    make = hf_decode.make_static_cache
 
     def make_recording(*args, **kwargs):
         cache = make(*args, **kwargs)
@@ -116,7 +110,7 @@ def _recording_past_cache(monkeypatch):
             cache.activate_past_recording()
         return cache
 
-    monkeypatch.setattr(gr.hf, "make_static_cache", make_recording)
+    monkeypatch.setattr(hf_decode, "make_static_cache", make_recording)
 
 
 def test_linear_cache_recording_past_is_refused_at_capture(monkeypatch):
@@ -132,23 +126,23 @@ def test_negative_control_recording_past_without_the_check(monkeypatch):
     # Without the layer check, the capture's drift check still refuses it (the conv state grows
     # between the last warmup and the capture: a second guard) ...
     _recording_past_cache(monkeypatch)
-    monkeypatch.setattr(gr.hf.DecodeRunner, "_check_linear_layer", lambda self, layer: None)
+    monkeypatch.setattr(hf_decode, "layer_problem", lambda layer, batch: None)
     model = build_model("mamba")
     runner = gr.hf.DecodeRunner(model, max_batch=2, max_cache_len=MAX_CACHE_LEN, buckets=[1, 2])
     with pytest.raises(CaptureError, match=r"drift between warmup 2 and the capture.*update_conv_state"):
         runner.capture()
     # ... and with both checks off, a cache that reassigns its conv states decodes silently wrong tokens.
-    real = gr.hf.GraphRunner
-    monkeypatch.setattr(gr.hf, "GraphRunner", lambda *a, **kw: real(*a, checks=("padding", "fingerprint"), **kw))
-    runner = gr.hf.DecodeRunner(model, max_batch=2, max_cache_len=MAX_CACHE_LEN, buckets=[1, 2])
+    real = hf_decode.GraphRunner
+    monkeypatch.setattr(hf_decode, "GraphRunner", lambda *a, **kw: real(*a, checks=("padding", "fingerprint"), **kw))
+    runner = gr.hf.DecodeRunner(model, max_batch=2, max_cache_len=MAX_CACHE_LEN, buckets=[1, 2], self_test=False)
     ids = prompts(2, seed=2)
     assert not torch.equal(runner.generate(ids, max_new_tokens=NEW_TOKENS), reference(model, ids))
 
 
 def test_linear_cache_with_too_few_rows_is_refused_at_capture(monkeypatch):
     # The cache allocates its states lazily at the first forward; one of a single row cannot hold bucket 2.
-    prefill = gr.hf.prefill
-    monkeypatch.setattr(gr.hf, "prefill", lambda model, cache, ids: prefill(model, cache, ids[:1]))
+    prefill = hf_decode.prefill
+    monkeypatch.setattr(hf_decode, "prefill", lambda model, cache, ids, mask=None: prefill(model, cache, ids[:1]))
     runner = gr.hf.DecodeRunner(build_model("mamba"), max_batch=2, max_cache_len=8, buckets=[1, 2])
     with pytest.raises(CaptureError, match=r"'mamba'.*conv/recurrent states with 2 rows"):
         runner.capture()
@@ -156,10 +150,10 @@ def test_linear_cache_with_too_few_rows_is_refused_at_capture(monkeypatch):
 
 def _fill_rows_after_prefill(monkeypatch, runner, rows):
     """After each eager prefill, overwrite ``rows(batch)`` of every cache tensor of ``runner`` with large noise."""
-    prefill = gr.hf.prefill
+    prefill = gr.hf.DecodeRunner._prefill
 
-    def prefill_then_fill(model, cache, input_ids):
-        logits = prefill(model, cache, input_ids)
+    def prefill_then_fill(self, input_ids, attention_mask=None):
+        logits = prefill(self, input_ids, attention_mask)
         noise = torch.Generator().manual_seed(0)
         for name, t in gr.hf.cache_tensors(runner.cache).items():
             if t.is_floating_point() and t.dim() > 1:
@@ -167,7 +161,7 @@ def _fill_rows_after_prefill(monkeypatch, runner, rows):
                 block.copy_(torch.randn(block.shape, generator=noise, dtype=t.dtype) * 10)
         return logits
 
-    monkeypatch.setattr(gr.hf, "prefill", prefill_then_fill)
+    monkeypatch.setattr(gr.hf.DecodeRunner, "_prefill", prefill_then_fill)
 
 
 @pytest.mark.parametrize("arch", ["llama", "mamba"])
@@ -186,16 +180,10 @@ def test_negative_control_noise_in_a_real_row(monkeypatch, arch):
     # The same noise in a real row (row 2) changes the tokens: the test above would see a leak.
     model = build_model(arch)
     runner = gr.hf.DecodeRunner(model, max_batch=MAX_BATCH, max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS)
+    runner.capture()  # the self-test at capture would see the noise too: plant it afterwards
     _fill_rows_after_prefill(monkeypatch, runner, lambda batch: slice(batch - 1, batch))
     ids = prompts(3, seed=3)
     assert not torch.equal(runner.generate(ids, max_new_tokens=NEW_TOKENS), reference(model, ids))
-
-
-def test_sliding_window_cache_is_refused_at_capture():
-    model = build_model("mistral", sliding_window=8)
-    runner = gr.hf.DecodeRunner(model, max_batch=2, max_cache_len=8, buckets=[1, 2])
-    with pytest.raises(CaptureError, match=r"'mistral'.*sliding"):
-        runner.capture()
 
 
 def test_input_validation():
@@ -208,8 +196,16 @@ def test_input_validation():
     with pytest.raises(ValueError, match="max_batch"):
         runner.generate(prompts(3, seed=0), max_new_tokens=2)
     ids = prompts(2, seed=0)
-    with pytest.raises(ValueError, match="attention_mask"):
-        runner.generate(ids, max_new_tokens=2, attention_mask=torch.tensor([[0, 1, 1, 1, 1], [1] * 5]))
+    with pytest.raises(ValueError, match="left padding"):  # right padding
+        runner.generate(ids, max_new_tokens=2, attention_mask=torch.tensor([[1, 1, 1, 1, 0], [1] * 5]))
+    with pytest.raises(ValueError, match="only 0 and 1"):
+        runner.generate(ids, max_new_tokens=2, attention_mask=torch.tensor([[2, 1, 1, 1, 1], [1] * 5]))
+    with pytest.raises(ValueError, match="prompt's shape"):
+        runner.generate(ids, max_new_tokens=2, attention_mask=torch.ones((2, 4), dtype=torch.long))
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        runner.generate(ids, max_new_tokens=2, do_sample=True, temperature=0.0)
+    with pytest.raises(ValueError, match="top_p must be in"):
+        runner.generate(ids, max_new_tokens=2, do_sample=True, top_p=1.5)
     assert torch.equal(runner.generate(ids, 2, attention_mask=torch.ones_like(ids)), reference(model, ids, 2))
 
 
@@ -226,23 +222,18 @@ def test_every_public_name_has_a_docstring():
         obj = getattr(gr.hf, name)
         if callable(obj):
             assert obj.__doc__ and obj.__doc__.strip(), name
+    assert not hasattr(gr.hf, "__path__") or "SUPPORTED_MODEL_TYPES" not in gr.hf.__all__
+    with pytest.raises(AttributeError, match="self-test"):
+        gr.hf.SUPPORTED_MODEL_TYPES
     for name in ("capture", "generate", "cleanup"):
         assert getattr(gr.hf.DecodeRunner, name).__doc__, name
-
-
-def test_unverified_architecture_is_refused_at_capture():
-    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=32)
-    model = transformers.GPT2LMHeadModel(cfg).eval()
-    runner = gr.hf.DecodeRunner(model, max_batch=1, max_cache_len=8, buckets=[1])
-    with pytest.raises(CaptureError, match=r"not verified architecture 'gpt2'.*Supported: llama"):
-        runner.capture()
 
 
 def test_older_transformers_is_refused_at_capture(monkeypatch):
     """A transformers major older than the verified one fails at capture, before any graph exists."""
     model = build_model("llama")
     runner = gr.hf.DecodeRunner(model, max_batch=1, max_cache_len=8, buckets=[1])
-    monkeypatch.setattr(gr.hf, "_transformers_version", lambda: "4.57.1")
+    monkeypatch.setattr(hf_decode, "_transformers_version", lambda: "4.57.1")
     with pytest.raises(CaptureError, match=r"verified on transformers 5\.x, found 4\.57\.1"):
         runner.capture()
     assert not runner.runner.captured
@@ -270,3 +261,162 @@ def test_moe_decode_runner_captures_with_buckets_up_to_8_no_false_alarm(monkeypa
     monkeypatch.setattr(padding, "difference", lambda a, b, tolerant=False: exact(a, b, False))
     with pytest.raises(gr.CaptureError, match="padding leaks into real results at bucket 8"):
         gr.hf.DecodeRunner(build_model("mixtral"), max_batch=8, max_cache_len=MAX_CACHE_LEN).capture()
+
+
+# ---------------------------------------------------------------- acceptance by measurement
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gpt_oss"])
+def test_sliding_window_past_the_window_equals_model_generate(arch):
+    """A window of 4 with 5 prompt + 10 new tokens: transformers rolls its window cache; the runner keeps
+    full-length layers and masks the window inside the step. Every token equal, every decode step a replay."""
+    model = build_model(arch, sliding_window=4)
+    runner = gr.hf.DecodeRunner(model, max_batch=MAX_BATCH, max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS)
+    runner.capture()
+    assert runner.stats.masks == "step"
+    for batch in (1, 3):
+        ids = prompts(batch, seed=batch)
+        assert torch.equal(runner.generate(ids, max_new_tokens=10), reference(model, ids, n=10)), (arch, batch)
+    assert runner.stats.replays == 2 * 9 and runner.stats.eager_steps == 0
+
+
+def test_negative_control_sliding_window_needs_the_window_mask(monkeypatch):
+    """With the step's sliding mask made causal, the capture self-test refuses the model (window 2: the self-test's
+    few steps already pass it); without the self-test, tokens past the window differ from model.generate."""
+    from graphrunner.hf import masks
+
+    model = build_model("mistral", sliding_window=2)
+    real = masks.plan_masks
+    monkeypatch.setattr(hf_decode, "plan_masks", lambda cfg: masks.MaskPlan(
+        "explicit", layers={k: "causal" for k in real(cfg).layers}, keyed=real(cfg).keyed, window=2))
+    with pytest.raises(CaptureError, match=r"'mistral' differs from the model's own eager decode"):
+        gr.hf.DecodeRunner(model, max_batch=MAX_BATCH, max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS).capture()
+    runner = gr.hf.DecodeRunner(model, max_batch=MAX_BATCH, max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS,
+                                self_test=False)
+    ids = prompts(3, seed=3)
+    assert not torch.equal(runner.generate(ids, max_new_tokens=10), reference(model, ids, n=10))
+
+
+def _ragged(batch: int, seed: int):
+    """Left-padded prompts (row 0: 2 pad slots, row 2: 1); the pad slots hold random tokens, which the mask hides."""
+    ids = prompts(batch, seed)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    if batch > 2:
+        mask[2, :1] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen3_next"])
+def test_ragged_prompts_equal_model_generate(arch):
+    """Left-padded prompts of lengths 3, 5 and 4 (a padded bucket): the step masks each row's pad slots."""
+    overrides = {"sliding_window": 4} if arch == "gemma2" else {}
+    model = build_model(arch, **overrides)
+    runner = gr.hf.DecodeRunner(model, max_batch=MAX_BATCH, max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS)
+    ids, mask = _ragged(3, seed=7)
+    got = runner.generate(ids, max_new_tokens=8, attention_mask=mask)
+    with torch.inference_mode():
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                              cache_implementation="static", pad_token_id=0)
+    assert torch.equal(got, want), f"{arch}:\n{got}\n{want}"
+    # control: the same prompts without the mask (pad tokens read as real ones) decode other tokens
+    assert not torch.equal(runner.generate(ids, max_new_tokens=8), want)
+
+
+def test_ragged_prompts_need_step_built_masks():
+    model = build_model("mamba")
+    runner = gr.hf.DecodeRunner(model, max_batch=2, max_cache_len=MAX_CACHE_LEN, buckets=[1, 2])
+    runner.capture()
+    assert runner.stats.masks.startswith("model (its forward does not take 4D attention masks")
+    ids, mask = _ragged(2, seed=1)
+    with pytest.raises(ValueError, match=r"'mamba' builds its attention masks itself.*equal-length prompts"):
+        runner.generate(ids, max_new_tokens=2, attention_mask=mask)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_seeded_sampling_equals_model_generate(arch):
+    """Sampling outside the graph: with the generator at model.generate's seed, the same tokens."""
+    model = build_model(arch)
+    runner = gr.hf.DecodeRunner(model, max_batch=MAX_BATCH, max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS)
+    ids = prompts(3, seed=5)
+    kw = dict(do_sample=True, temperature=0.8, top_k=40, top_p=0.9)
+    got = runner.generate(ids, max_new_tokens=8, generator=torch.Generator().manual_seed(11), **kw)
+    torch.manual_seed(11)
+    with torch.inference_mode():
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                              cache_implementation="static", **kw)
+    assert torch.equal(got, want), f"{got}\n{want}"
+    other = runner.generate(ids, max_new_tokens=8, generator=torch.Generator().manual_seed(12), **kw)
+    assert not torch.equal(other, want)  # control: another seed draws other tokens
+
+
+def test_stats_count_what_generate_did():
+    model = build_model("llama")
+    runner = gr.hf.DecodeRunner(model, max_batch=MAX_BATCH, max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS)
+    assert runner.stats.self_test is None
+    runner.capture()
+    before = dict(runner.runner.stats.replays)  # the self-test's replays
+    runner.generate(prompts(1, seed=1), max_new_tokens=4)
+    runner.generate(prompts(3, seed=3), max_new_tokens=3)
+    st = runner.stats
+    assert st.generate_calls == 2 and st.tokens == 1 * 4 + 3 * 3
+    assert st.replays == 3 + 2 and st.per_bucket == {1: 3, 4: 2} and st.eager_steps == 0
+    after = runner.runner.stats.replays  # the runner's own count agrees
+    assert {b: after[b] - before.get(b, 0) for b in after if after[b] != before.get(b, 0)} == st.per_bucket
+    assert st.self_test.sizes == (1, 2, 4, 3) and st.self_test.worst < 1e-4
+
+
+def test_known_bad_architecture_is_refused_with_its_reason(monkeypatch):
+    model = build_model("gpt_neo", window_size=4)
+    with pytest.raises(CaptureError, match=r"'gpt_neo'.*window_size.*gr\.hf\.KNOWN_BAD"):
+        gr.hf.DecodeRunner(model, max_batch=1, max_cache_len=MAX_CACHE_LEN, buckets=[1]).capture()
+    # why it is listed: the step's mask ignores the local window; with a window as short as the self-test the
+    # self-test sees it, with the default window (256) it could not.
+    monkeypatch.setattr(hf_decode, "KNOWN_BAD", {})
+    with pytest.raises(CaptureError, match="differs from the model's own eager decode"):
+        gr.hf.DecodeRunner(model, max_batch=1, max_cache_len=MAX_CACHE_LEN, buckets=[1]).capture()
+
+
+class _NoCacheLlama(transformers.LlamaForCausalLM):
+    """A model that ignores the cache it is given (recomputes nothing: a decode step would see one token)."""
+
+    def forward(self, *args, past_key_values=None, cache=None, use_cache=None, **kwargs):
+        return super().forward(*args, use_cache=False, **kwargs)
+
+
+def test_model_that_ignores_the_cache_is_refused():
+    model = _NoCacheLlama(build_model("llama").config).eval()
+    with pytest.raises(CaptureError, match="keeps no state in it"):
+        gr.hf.DecodeRunner(model, max_batch=1, max_cache_len=8, buckets=[1]).capture()
+
+
+def _plant_state_bug(model):
+    """A state bug no capture check rejects: the final norm adds a tensor its previous call *replaced*
+    (re-bound, not updated in place), which a replay never re-binds."""
+    norm = model.model.norm
+    norm.carry = torch.zeros(())
+
+    def hook(mod, args, out):
+        bias = mod.carry
+        mod.carry = out.detach().float().mean().reshape(()).clone()
+        return out + bias
+
+    norm.register_forward_hook(hook)
+    return model
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_self_test_refuses_a_planted_state_bug():
+    with pytest.raises(CaptureError, match=r"'llama' differs from the model's own eager decode at batch 1"):
+        gr.hf.DecodeRunner(_plant_state_bug(build_model("llama")), max_batch=MAX_BATCH,
+                           max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS).capture()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_negative_control_without_the_self_test_the_planted_bug_replays_wrong_tokens():
+    runner = gr.hf.DecodeRunner(_plant_state_bug(build_model("llama")), max_batch=MAX_BATCH,
+                                max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS, self_test=False)
+    runner.capture()  # every capture check passes
+    ids = prompts(3, seed=3)
+    got = runner.generate(ids, max_new_tokens=8)
+    assert not torch.equal(got, reference(_plant_state_bug(build_model("llama")), ids, n=8))
