@@ -22,6 +22,20 @@ MLP and attention output, an ``all_reduce`` inside the captured step), serves th
 requests, and the runners' ``group=`` makes the ranks agree on the bucket at every step.
 Generated tokens are compared graph vs eager on every rank, and across ranks.
 
+Data parallel (``dp=D``, ``--dp D --tp T``: ``D * T`` gloo processes; DP attention as in the
+seed's TP8/DP8 decode). Rank ``r`` is tensor-parallel rank ``r % T`` of data-parallel group
+``r // T``. A seeded scheduler (:func:`dp_schedule`) splits the requests over the DP groups
+unevenly (group ``g`` draws weight ``2**g``) and gives each an arrival step, so at the same
+step the groups run different batch sizes, and some none. Attention output is split over the
+group's ``T`` ranks; the MLP spans all ``D * T`` ranks the way an MoE layer does
+(:class:`DataParallelMLP`: the step all-gathers every rank's rows, each rank computes its
+``1/(D*T)`` slice of the intermediate features for all of them, an ``all_reduce`` sums the
+slices and each rank keeps its own rows), so every rank must run every step: an idle rank calls
+the runner with 0 rows and joins its peers' padded step (``docs/runner.md``, "Idle ranks").
+The engines step in lockstep (one ``all_max`` per step says whether any rank has work left,
+as vLLM's DP coordinator does), and ``--concurrency`` is per DP rank. Tokens are compared graph
+vs eager on every rank and across the ``T`` ranks of a group.
+
 A level is clean when every request completed on every rank through both engines, with no
 fault (an exception on any rank, a rank timeout, NaN/inf logits) and no mismatch.
 
@@ -58,6 +72,8 @@ __all__ = [
     "FAULTS",
     "LEVEL_KEYS",
     "Engine",
+    "DataParallelMLP",
+    "dp_schedule",
     "build_decoder",
     "decode_runner",
     "verify_runner",
@@ -85,9 +101,11 @@ FAULTS = ("mismatch", "stall")
 #: The decode step (0-based, of the first level's graph run) at which a planted fault fires.
 FAULT_STEP = 2
 #: The keys of each entry of the JSON file's ``levels``, in order. ``tier_replays`` maps each
-#: replayed key of the graph engine (a batch bucket ``"B"``, or a verify tier ``"RxD"``) to its replays.
+#: replayed key of the graph engine (a batch bucket ``"B"``, or a verify tier ``"RxD"``) to its replays;
+#: ``idle_rank_steps`` counts, over every rank, the graph engine's steps run with 0 rows (data parallel).
 LEVEL_KEYS = ("concurrency", "requests", "completed", "faults", "mismatches", "generated_tokens", "tokens_per_s",
-              "eager_tokens_per_s", "replays", "fallbacks", "p50_step_ms", "p99_step_ms", "tier_replays")
+              "eager_tokens_per_s", "replays", "fallbacks", "p50_step_ms", "p99_step_ms", "tier_replays",
+              "idle_rank_steps")
 #: Probability that a draft token is the model's greedy token (otherwise a random one).
 DRAFT_HIT = 0.6
 
@@ -222,11 +240,17 @@ class Engine:
         self.device = next(model.parameters()).device
         self.last = EngineRun()
 
-    def serve(self, requests: Sequence[Request]) -> EngineRun:
+    def serve(self, requests: Sequence[Request], arrival: Optional[Sequence[int]] = None,
+              sync: Optional[Callable[[bool, int], bool]] = None) -> EngineRun:
         """Serve every request to completion; return the :class:`EngineRun` (also ``self.last``).
 
-        Raises :class:`NonFiniteLogitsError` on NaN/inf logits, and whatever ``decode`` raises
-        (e.g. :class:`~graphrunner.errors.RankTimeoutError`)."""
+        Data parallel: ``arrival[i]`` is the step from which ``requests[i]`` may be admitted, and
+        ``sync(has_work, step) -> any rank has work`` makes the engine step in lockstep with its
+        peers: a step with nothing running calls the runner with 0 rows (an idle rank), and the
+        run ends when no rank has work. Raises :class:`NonFiniteLogitsError` on NaN/inf logits,
+        and whatever ``decode`` raises (e.g. :class:`~graphrunner.errors.RankTimeoutError`)."""
+        if sync is not None:
+            return self._serve_lockstep(requests, arrival or [0] * len(requests), sync)
         run = self.last = EngineRun()
         if self.verify is not None:
             self._check_scratch(requests)
@@ -245,6 +269,47 @@ class Engine:
                         running.append(r)
                 if not running:
                     continue
+                t0 = time.perf_counter()
+                if self.verify is not None:
+                    tokens = self._verify_step(step, running)
+                else:
+                    tokens = [[t] for t in self._decode_step(step, running)]
+                run.step_s.append(time.perf_counter() - t0)
+                run.schedule.append(len(running))
+                step += 1
+                still = []
+                for r, toks in zip(running, tokens):
+                    r.out.extend(toks[:r.req.output_len - len(r.out)])
+                    r.pos += len(toks)
+                    if len(r.out) >= r.req.output_len:
+                        self._finish(r, run, free)
+                    else:
+                        still.append(r)
+                running = still
+                if self.on_progress is not None:
+                    self.on_progress(len(run.tokens), len(requests))
+                run.seconds = time.perf_counter() - t_start
+        run.seconds = time.perf_counter() - t_start
+        return run
+
+    def _serve_lockstep(self, requests: Sequence[Request], arrival: Sequence[int],
+                        sync: Callable[[bool, int], bool]) -> EngineRun:
+        run = self.last = EngineRun()
+        if self.verify is not None:
+            self._check_scratch(requests)
+        t_start = time.perf_counter()
+        pending = sorted(zip(arrival, range(len(requests))), reverse=True)  # pop(): the earliest first
+        free = list(range(self.max_running))
+        running: List[_Running] = []
+        step = 0
+        with torch.inference_mode():
+            while sync(bool(pending or running), step):
+                while pending and pending[-1][0] <= step and len(running) < self.max_running:
+                    r = self._admit(requests[pending.pop()[1]], heapq.heappop(free))
+                    if len(r.out) >= r.req.output_len:
+                        self._finish(r, run, free)
+                    else:
+                        running.append(r)
                 t0 = time.perf_counter()
                 if self.verify is not None:
                     tokens = self._verify_step(step, running)
@@ -304,6 +369,11 @@ class Engine:
     def _verify_plan(self, running: Sequence[_Running], drafts: List[List[int]]) -> Dict[str, torch.Tensor]:
         """The inputs of one verify step: ``[R, 1 + max drafts]`` cells (last token, then the
         drafts, at consecutive positions; 0 at position 0 beyond), ``lens`` and ``slots``."""
+        dev = self.device
+        if not running:  # an idle data-parallel rank: 0 requests and 0 cells
+            empty = torch.zeros((0, 0), dtype=torch.long, device=dev)
+            return {"tokens": empty, "positions": empty.clone(), "lens": torch.zeros(0, dtype=torch.long, device=dev),
+                    "slots": torch.zeros(0, dtype=torch.long, device=dev)}
         width = 1 + max(len(d) for d in drafts)
         tokens = [[r.out[-1]] + d + [0] * (width - 1 - len(d)) for r, d in zip(running, drafts)]
         positions = [list(range(r.pos, r.pos + 1 + len(d))) + [0] * (width - 1 - len(d))
@@ -348,7 +418,8 @@ class LoadtestConfig:
     agreement and the collectives inside the step); ``inject_fault``: ``None`` or one of
     :data:`FAULTS` (test-only); ``prompt_len``/``output_len``: inclusive ranges; ``spec``: 0
     (decode steps, default) or ``K >= 1``: verify steps with ``1..K`` drafts per request
-    (module docstring).
+    (module docstring); ``dp``: data-parallel groups (``ranks = dp * tp``, module docstring;
+    1: every rank serves the same requests, tensor parallel).
     """
 
     ranks: int = 1
@@ -365,8 +436,17 @@ class LoadtestConfig:
     threads: int = 1
     progress: bool = True
     spec: int = 0
+    dp: int = 1
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel ranks per data-parallel group."""
+        return self.ranks // self.dp
 
     def __post_init__(self) -> None:
+        if self.dp < 1 or self.ranks % self.dp:
+            raise ValueError(f"dp must be >= 1 and divide ranks (ranks = dp * tp), got dp={self.dp}, "
+                             f"ranks={self.ranks}")
         if self.spec < 0:
             raise ValueError(f"spec must be 0 (off) or K >= 1 drafts per request, got {self.spec}")
         if self.backend not in ("full", "breakable"):
@@ -383,7 +463,7 @@ class LoadtestConfig:
 
 @dataclass
 class LevelResult:
-    """One concurrency level. The first thirteen fields are the JSON entry (:data:`LEVEL_KEYS`);
+    """One concurrency level. The first fourteen fields are the JSON entry (:data:`LEVEL_KEYS`);
     ``eager_p50_step_ms``/``eager_p99_step_ms`` are the eager engine's step times (for
     ``graphrunner bench``), ``errors`` what failed (per rank), ``mismatched`` the ids of the
     requests whose tokens differed, ``tokens`` rank 0's graph-engine tokens per request id. Rates and step times are rank 0's (``None`` when not run)."""
@@ -401,6 +481,7 @@ class LevelResult:
     p50_step_ms: Optional[float] = None
     p99_step_ms: Optional[float] = None
     tier_replays: Dict[str, int] = field(default_factory=dict)
+    idle_rank_steps: int = 0
     eager_p50_step_ms: Optional[float] = None
     eager_p99_step_ms: Optional[float] = None
     errors: List[str] = field(default_factory=list)
@@ -421,6 +502,8 @@ class LevelResult:
         """``C16: 400/400 requests, 0 faults, 0 mismatches, 1,234 tok/s (eager 987 tok/s, 1.25x)``."""
         head = (f"C{self.concurrency}: {self.completed}/{self.requests} requests, {self.faults} faults, "
                 f"{self.mismatches} mismatches")
+        if self.idle_rank_steps:
+            head += f", {self.idle_rank_steps} idle-rank steps"
         if self.tokens_per_s is None or self.eager_tokens_per_s is None:
             return head + ", not measured"
         return (head + f", {self.tokens_per_s:,.0f} tok/s (eager {self.eager_tokens_per_s:,.0f} tok/s, "
@@ -443,9 +526,9 @@ class LoadtestResult:
         return not self.errors and all(lv.ok for lv in self.levels)
 
     def to_json(self) -> Dict[str, Any]:
-        """``{"ranks", "backend", "spec", "levels": [...]}``: the file ``--json`` writes."""
-        return {"ranks": self.config.ranks, "backend": self.config.backend, "spec": self.config.spec,
-                "levels": [lv.to_json() for lv in self.levels]}
+        """``{"ranks", "dp", "tp", "backend", "spec", "levels": [...]}``: the file ``--json`` writes."""
+        return {"ranks": self.config.ranks, "dp": self.config.dp, "tp": self.config.tp, "backend": self.config.backend,
+                "spec": self.config.spec, "levels": [lv.to_json() for lv in self.levels]}
 
 
 # --------------------------------------------------------------------------- one rank
@@ -539,12 +622,77 @@ def run_requests(cfg: LoadtestConfig, vocab_size: int) -> List[Request]:
     return make_requests(cfg.requests, vocab_size, cfg.prompt_len, cfg.output_len, cfg.seed + 1)
 
 
+class DataParallelMLP(torch.nn.Module):
+    """The MLP of DP attention, spanning all ``world`` ranks the way an MoE layer does.
+
+    Inside the runner's step (:attr:`gather` set by :func:`_gathering`) it all-gathers every
+    rank's rows (the ranks run the same agreed batch size: an idle rank's rows are all
+    padding), computes this rank's ``1/world`` slice of the intermediate features for all of
+    them, sums the slices over the ranks (``all_reduce``) and keeps its own rows: every token
+    gets the whole MLP. Outside the step (the engine's eager prefill, one request at a time on
+    each rank) it runs the whole MLP locally, with no collective."""
+
+    def __init__(self, full: torch.nn.Module, rank: int, world: int) -> None:
+        from graphrunner_tools.models.tp import _ShardedMLP
+
+        import warnings
+
+        # torch 2.9 deprecates the name in favour of all_gather_single (absent from older torch)
+        warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
+        super().__init__()
+        self.full, self.shard = full, _ShardedMLP(full, rank, world, None)
+        self.rank, self.world, self.gather = rank, world, False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.gather:
+            return self.full(x)
+        import torch.distributed as dist
+
+        n = x.shape[0]
+        everyone = x.new_empty((self.world * n, *x.shape[1:]))
+        dist.all_gather_into_tensor(everyone, x.contiguous())
+        return self.shard(everyone)[self.rank * n:(self.rank + 1) * n]
+
+
+class _gathering:
+    """``with _gathering(model):`` the model's :class:`DataParallelMLP` layers gather (the step)."""
+
+    def __init__(self, model: Any) -> None:
+        self.layers = getattr(model, "dp_layers", ())
+
+    def __enter__(self) -> None:
+        for m in self.layers:
+            m.gather = True
+
+    def __exit__(self, *exc: Any) -> None:
+        for m in self.layers:
+            m.gather = False
+
+
+def dp_schedule(requests: Sequence[Request], dp: int, seed: int) -> List[Tuple[List[Request], List[int]]]:
+    """``[(requests, arrival steps)]`` of each data-parallel group: a seeded, uneven split (group
+    ``g`` draws weight ``2**g``) and per request a seeded arrival step in ``[0, len(requests) // 4]``,
+    so at the same step the groups run different batch sizes, some none."""
+    import random
+
+    rng = random.Random(seed * 7919 + dp)
+    out: List[Tuple[List[Request], List[int]]] = [([], []) for _ in range(dp)]
+    spread = max(1, len(requests) // 4)
+    for req in requests:
+        g = rng.choices(range(dp), weights=[2 ** i for i in range(dp)])[0]
+        out[g][0].append(req)
+        out[g][1].append(rng.randrange(spread + 1))
+    return out
+
+
 def build_decoder(cfg: LoadtestConfig, rank: int = 0, world: int = 1, device: Any = "cpu") -> Any:
     """The demo decoder of a run: ``cfg.layers`` layers of the demo size, masked attention for
     the full backend (varlen otherwise), ``max(cfg.concurrency) + 1`` KV-cache rows (the last is
     the padding slot), positions for the longest prompt plus output (plus ``cfg.spec``: the
     drafts, and the verify step's scratch position ``max_seq_len - 1`` above them all),
-    weights from ``cfg.seed``; with ``world > 1`` this rank's tensor-parallel shard."""
+    weights from ``cfg.seed``; with ``world > 1`` this rank's tensor-parallel shard (with
+    ``cfg.dp > 1``: attention output split over the rank's DP group, the MLP a
+    :class:`DataParallelMLP` over all ranks; ``model.dp_layers`` lists those)."""
     from graphrunner_tools.models import LlamaConfig, build_model
     from graphrunner_tools.models.tp import shard_tensor_parallel
 
@@ -552,7 +700,19 @@ def build_decoder(cfg: LoadtestConfig, rank: int = 0, world: int = 1, device: An
                               max_batch_size=max(cfg.concurrency) + 1,
                               max_seq_len=cfg.prompt_len[1] + cfg.output_len[1] + cfg.spec)
     model = build_model(config, seed=cfg.seed, device=device)
-    if world > 1:
+    if world > 1 and cfg.dp > 1:
+        import torch.distributed as dist
+
+        tp = world // cfg.dp
+        groups = [dist.new_group(list(range(g * tp, (g + 1) * tp)), backend="gloo") for g in range(cfg.dp)]
+        full = [layer.mlp for layer in model.model.layers]
+        if tp > 1:
+            shard_tensor_parallel(model, rank % tp, tp, process_group=groups[rank // tp])
+        with torch.inference_mode(False), torch.no_grad():
+            for layer, mlp in zip(model.model.layers, full):
+                layer.mlp = DataParallelMLP(mlp, rank, world)
+        model.dp_layers = [layer.mlp for layer in model.model.layers]
+    elif world > 1:
         shard_tensor_parallel(model, rank, world)
     return model
 
@@ -573,7 +733,10 @@ def decode_runner(model: Any, backend: Any, max_running: int, pad_slot: Optional
               "slot_ids": BatchInput(trailing=(), dtype=torch.long, pad=pad_slot, bounds=(0, max_running - 1))}
 
     def step(input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
-        return model.decode_step(input_ids, positions, slot_ids)
+        if not getattr(model, "dp_layers", None):
+            return model.decode_step(input_ids, positions, slot_ids)
+        with _gathering(model):  # data parallel: the MLP spans every rank
+            return model.decode_step(input_ids, positions, slot_ids)
 
     return GraphRunner(step, inputs, _buckets(max_running), backend=backend, **runner_kwargs)
 
@@ -605,7 +768,14 @@ def verify_runner(model: Any, backend: Any, max_running: int, k: int, pad_slot: 
     # request), and padded cells share one scratch position, so no bounds describe them; the
     # loadtest compares every token with the eager engine instead.
     runner_kwargs.setdefault("checks", ("drift", "fingerprint"))
-    return GraphRunner(verify_step_fn(model, mask=mask), inputs,
+    fn = verify_step_fn(model, mask=mask)
+    if getattr(model, "dp_layers", None):
+        inner = fn
+
+        def fn(tokens: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> Any:
+            with _gathering(model):  # data parallel: the MLP spans every rank
+                return inner(tokens=tokens, positions=positions, lens=lens, slots=slots)
+    return GraphRunner(fn, inputs,
                        {"reqs": _buckets(max_running), "draft": _draft_buckets(k)}, outputs=dims,
                        backend=backend, **runner_kwargs)
 
@@ -650,6 +820,12 @@ def serve_rank(rank: int, world: int, cfg: LoadtestConfig) -> Dict[str, Any]:
         for r in runners.values():
             r.capture()
         requests = run_requests(cfg, model.config.vocab_size)
+        serve_kw: Dict[str, Any] = {}
+        if cfg.dp > 1:  # this rank's DP group's share, in lockstep with every rank
+            requests, arrival = dp_schedule(requests, cfg.dp, cfg.seed)[rank // cfg.tp]
+            steps = TorchDistGroup(timeout=cfg.timeout)
+            serve_kw = {"arrival": arrival,
+                        "sync": lambda more, step: bool(steps.all_max(int(more), phase="dp_step", key=step))}
         drafter = None
         if cfg.spec:
             # the drafts' greedy tokens: one eager decode run (every rank runs it: the TP collectives)
@@ -658,7 +834,7 @@ def serve_rank(rank: int, world: int, cfg: LoadtestConfig) -> Dict[str, Any]:
             model.reset_cache()
             progress.label = "drafts (eager decode)"
             with torch.inference_mode():
-                oracle = Engine(model, greedy, max_c, on_progress=progress.update).serve(requests).tokens
+                oracle = Engine(model, greedy, max_c, on_progress=progress.update).serve(requests, **serve_kw).tokens
             drafter = Drafter(oracle, cfg.spec, model.config.vocab_size, cfg.seed + 2)
     except Exception as exc:  # noqa: BLE001 - reported as this rank's fault
         progress.close()
@@ -666,7 +842,7 @@ def serve_rank(rank: int, world: int, cfg: LoadtestConfig) -> Dict[str, Any]:
 
     def perturb(step_i: int, logits: torch.Tensor) -> None:
         # planted fault: flip one replayed output row (argmax becomes argmin)
-        if step_i == FAULT_STEP and runners["graph"].stats.last_bucket is not None:
+        if step_i == FAULT_STEP and runners["graph"].stats.last_bucket is not None and logits.shape[0]:
             logits[0].neg_()
 
     try:
@@ -688,7 +864,7 @@ def serve_rank(rank: int, world: int, cfg: LoadtestConfig) -> Dict[str, Any]:
                 else:
                     engine = Engine(model, runner, c, after_decode=hook, on_progress=progress.update)
                 try:
-                    engine.serve(requests)
+                    engine.serve(requests, **serve_kw)
                 finally:
                     level[kind] = _summary(engine.last, runner.stats)
     except Exception as exc:  # noqa: BLE001 - a fault: stop here, the group may be unusable
@@ -701,9 +877,11 @@ def serve_rank(rank: int, world: int, cfg: LoadtestConfig) -> Dict[str, Any]:
 # --------------------------------------------------------------------------- combining the ranks
 def _combine(cfg: LoadtestConfig, per_rank: List[Optional[Dict[str, Any]]], rank_errors: List[str]) -> LoadtestResult:
     """Build the levels from every rank's :func:`serve_levels` result (``None``: the rank
-    never reported; ``rank_errors`` says why)."""
+    never reported; ``rank_errors`` says why). Tokens and schedules are compared within each
+    data-parallel group (all ranks when ``cfg.dp == 1``): graph vs eager, and across its ranks."""
     errors = [r["error"] for r in per_rank if r is not None and r.get("error")]  # before the first level
     levels: List[LevelResult] = []
+    tp = max(1, len(per_rank) // cfg.dp)
     for i, c in enumerate(cfg.concurrency):
         lv = LevelResult(concurrency=c, requests=cfg.requests)
         ranks = [r["levels"][i] if r is not None and i < len(r["levels"]) else None for r in per_rank]
@@ -711,30 +889,38 @@ def _combine(cfg: LoadtestConfig, per_rank: List[Optional[Dict[str, Any]]], rank
         lv.faults = len(lv.errors)
         done = [x for x in ranks if x is not None and "graph" in x and "eager" in x]
         if len(done) == len(ranks):
-            complete = None
-            for x in done:
-                ids = set(x["graph"]["tokens"]) & set(x["eager"]["tokens"])
-                complete = ids if complete is None else complete & ids
-            lv.completed = len(complete or ())
-            ref = done[0]["graph"]["tokens"]
-            bad = set()
-            for x in done:
-                g, e = x["graph"]["tokens"], x["eager"]["tokens"]
-                bad |= {rid for rid in complete if g[rid] != e[rid] or g[rid] != ref[rid]}
-            for x in done:
-                # verify steps: the schedule follows the accepted tokens, so a token mismatch
-                # may change it; with equal tokens a different schedule is an engine bug
-                if (not cfg.spec or not bad) and (x["graph"]["schedule"] != x["eager"]["schedule"]
-                                                  or x["graph"]["schedule"] != done[0]["graph"]["schedule"]):
-                    lv.errors.append(f"C{c}: the engines' schedules differ (engine bug)")
-                    lv.faults += 1
-            lv.mismatched = sorted(bad)
-            lv.mismatches = len(bad)
-            g0, e0 = done[0]["graph"], done[0]["eager"]
-            lv.generated_tokens = sum(len(ref[rid]) for rid in complete)
-            lv.tokens = dict(ref)
-            lv.tokens_per_s = g0["generated_tokens"] / g0["seconds"] if g0["seconds"] > 0 else None
-            lv.eager_tokens_per_s = e0["generated_tokens"] / e0["seconds"] if e0["seconds"] > 0 else None
+            g_tokens = e_tokens = 0
+            for g in range(cfg.dp):
+                group = done[g * tp:(g + 1) * tp]
+                complete = None
+                for x in group:
+                    ids = set(x["graph"]["tokens"]) & set(x["eager"]["tokens"])
+                    complete = ids if complete is None else complete & ids
+                complete = complete or set()
+                lv.completed += len(complete)
+                ref = group[0]["graph"]["tokens"]
+                bad = set()
+                for x in group:
+                    gt, et = x["graph"]["tokens"], x["eager"]["tokens"]
+                    bad |= {rid for rid in complete if gt[rid] != et[rid] or gt[rid] != ref[rid]}
+                for x in group:
+                    # verify steps: the schedule follows the accepted tokens, so a token mismatch
+                    # may change it; with equal tokens a different schedule is an engine bug
+                    if (not cfg.spec or not bad) and (x["graph"]["schedule"] != x["eager"]["schedule"]
+                                                      or x["graph"]["schedule"] != group[0]["graph"]["schedule"]):
+                        lv.errors.append(f"C{c}: the engines' schedules differ (engine bug)")
+                        lv.faults += 1
+                lv.mismatched += sorted(bad)
+                lv.generated_tokens += sum(len(ref[rid]) for rid in complete)
+                lv.tokens.update(ref)
+                g_tokens += group[0]["graph"]["generated_tokens"]
+                e_tokens += group[0]["eager"]["generated_tokens"]
+            lv.mismatched.sort()
+            lv.mismatches = len(lv.mismatched)
+            lv.idle_rank_steps = sum(x["graph"]["schedule"].count(0) for x in done)
+            g0, e0 = done[0]["graph"], done[0]["eager"]  # the ranks step in lockstep: rank 0's clock
+            lv.tokens_per_s = g_tokens / g0["seconds"] if g0["seconds"] > 0 else None
+            lv.eager_tokens_per_s = e_tokens / e0["seconds"] if e0["seconds"] > 0 else None
             lv.replays, lv.fallbacks, lv.tier_replays = g0["replays"], g0["fallbacks"], dict(g0["tier_replays"])
             lv.p50_step_ms, lv.p99_step_ms = g0["p50_step_ms"], g0["p99_step_ms"]
             lv.eager_p50_step_ms, lv.eager_p99_step_ms = e0["p50_step_ms"], e0["p99_step_ms"]
@@ -779,7 +965,8 @@ def report(result: LoadtestResult, out: Optional[TextIO] = None) -> None:
     """Print one line per level, then every error and the first mismatched requests."""
     out = sys.stdout if out is None else out
     cfg = result.config
-    print(f"graphrunner loadtest: {cfg.ranks} rank(s), backend={cfg.backend}, {cfg.requests} requests per level, "
+    ranks = f"{cfg.ranks} rank(s)" if cfg.dp == 1 else f"{cfg.ranks} ranks (DP {cfg.dp} x TP {cfg.tp})"
+    print(f"graphrunner loadtest: {ranks}, backend={cfg.backend}, {cfg.requests} requests per level, "
           f"prompt {cfg.prompt_len[0]}-{cfg.prompt_len[1]} / output {cfg.output_len[0]}-{cfg.output_len[1]} tokens, "
           f"{cfg.layers} layers" + (f", verify steps with 1-{cfg.spec} drafts per request" if cfg.spec else "")
           + (f", injected fault: {cfg.inject_fault}" if cfg.inject_fault else ""), file=out)
@@ -828,7 +1015,7 @@ def _seconds(text: str) -> float:
 def _run_from_args(args: Any) -> int:
     import json
 
-    cfg = LoadtestConfig(ranks=args.ranks, requests=args.requests, concurrency=tuple(args.concurrency),
+    cfg = LoadtestConfig(ranks=args.ranks, dp=args.dp or 1, requests=args.requests, concurrency=tuple(args.concurrency),
                          backend=args.backend, device=args.device, layers=args.layers, seed=args.seed,
                          prompt_len=args.prompt_len, output_len=args.output_len, timeout=args.timeout,
                          inject_fault=args.inject_fault, threads=args.threads, progress=not args.no_progress,
@@ -847,15 +1034,24 @@ def check_args(parser: Any, args: Any) -> None:
     """Usage errors found after parsing (one line, exit 2 through ``parser.error``)."""
     if args.spec < 0:
         parser.error(f"argument --spec: expected 0 (off) or K >= 1 drafts per request, got {args.spec}")
+    if args.dp is not None or args.tp is not None:
+        ranks = (args.dp or 1) * (args.tp or 1)
+        if args.ranks not in (1, ranks):
+            parser.error(f"argument --ranks: {args.ranks} is not --dp x --tp = {ranks}; pass --dp and --tp, or --ranks alone")
+        args.ranks, args.dp = ranks, args.dp or 1
+    else:
+        args.dp = 1
     if args.inject_fault == "stall" and args.ranks < 2:
         parser.error("argument --inject-fault: stall stalls one rank while the others wait; it needs --ranks 2 or more")
     from graphrunner_tools.models import LlamaConfig
 
     cfg = LlamaConfig.demo()
-    for what, n in (("intermediate_size", cfg.intermediate_size), ("num_heads * head_dim", cfg.hidden_size)):
-        if n % args.ranks:
-            parser.error(f"argument --ranks: the decoder's {what} ({n}) is split over the ranks and must be "
-                         f"divisible by --ranks {args.ranks}; use a power of two up to {cfg.hidden_size}")
+    tp = args.ranks // args.dp
+    for what, n, over in (("intermediate_size", cfg.intermediate_size, args.ranks),
+                          ("num_heads * head_dim", cfg.hidden_size, tp)):
+        if n % over:
+            parser.error(f"argument --ranks: the decoder's {what} ({n}) is split over {over} ranks and must be "
+                         f"divisible by it; use powers of two (--ranks, or --dp x --tp, up to {cfg.hidden_size})")
     if args.json:
         import tempfile
 
@@ -884,10 +1080,18 @@ def add_loadtest_subparser(subparsers: Any) -> Any:
                     "step a speculative verify step (1..K seeded drafts per request, verify graphs per (reqs, "
                     "draft) tier, greedy acceptance) instead of a decode step. --ranks N runs "
                     "N gloo processes with a tensor-parallel decoder (an all_reduce inside the captured step). "
+                    "--dp D --tp T runs D*T processes serving data-parallel: a seeded uneven scheduler splits the "
+                    "requests over D groups (ranks run different batch sizes at the same step, some 0 rows), "
+                    "attention split over a group's T ranks, the MLP spanning all ranks like an MoE layer. "
                     "Prints one line per level; exits 1 on a lost request, a fault (an exception on any rank, a "
                     "timeout, NaN/inf logits) or a mismatch, 2 (one line on stderr) for a bad command line.")
     p.add_argument("--ranks", type=positive_int, default=1, help="ranks: 1 in process, N > 1 spawned gloo "
                                                                   "processes (default: 1)")
+    p.add_argument("--dp", type=positive_int, default=None,
+                   help="data-parallel groups D (DP attention; needs --tp or defaults it to 1): D*T processes, each "
+                        "group serving its own share of the requests; --concurrency is per group (default: off)")
+    p.add_argument("--tp", type=positive_int, default=None,
+                   help="tensor-parallel ranks T per data-parallel group (with --dp; default: 1)")
     p.add_argument("--requests", type=positive_int, default=DEFAULT_REQUESTS,
                    help=f"requests served per level (default: {DEFAULT_REQUESTS})")
     p.add_argument("--concurrency", type=parse_int_list, default=list(DEFAULT_CONCURRENCY),

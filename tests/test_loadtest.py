@@ -210,7 +210,8 @@ def test_loadtest_one_rank(backend):
         assert lv.replays > 0
         assert lv.tokens_per_s > 0 and lv.eager_tokens_per_s > 0 and lv.p50_step_ms <= lv.p99_step_ms
     doc = res.to_json()
-    assert set(doc) == {"ranks", "backend", "spec", "levels"} and doc["ranks"] == 1 and doc["backend"] == backend
+    assert set(doc) == {"ranks", "dp", "tp", "backend", "spec", "levels"} and doc["ranks"] == 1
+    assert doc["backend"] == backend and (doc["dp"], doc["tp"]) == (1, 1)
     assert doc["spec"] == 0 and all(sum(d["tier_replays"].values()) == d["replays"] for d in doc["levels"])
     assert [tuple(d) for d in doc["levels"]] == [lt.LEVEL_KEYS] * 2
     assert "C3: 10/10 requests, 0 faults, 0 mismatches, " in res.levels[0].line()
@@ -276,6 +277,35 @@ def test_loadtest_two_ranks_tensor_parallel():
     _reference_check(cfg, res)  # the sharded ranks generate the unsharded model's tokens
 
 
+def test_dp_schedule_is_seeded_uneven_and_covers_every_request():
+    reqs = lt.make_requests(200, 100, (2, 6), (1, 6), seed=1)
+    split = lt.dp_schedule(reqs, 2, seed=0)
+    assert split == lt.dp_schedule(reqs, 2, seed=0) and split != lt.dp_schedule(reqs, 2, seed=1)
+    ids = sorted(r.rid for part, _ in split for r in part)
+    assert ids == list(range(200))  # every request in exactly one group
+    n0, n1 = (len(part) for part, _ in split)
+    assert n1 > 1.5 * n0  # weights 1:2: group 1 gets about two thirds
+    for part, arrival in split:
+        assert len(arrival) == len(part) and 0 <= min(arrival) and max(arrival) <= 50 and len(set(arrival)) > 10
+
+
+@pytest.mark.multirank
+def test_loadtest_data_parallel_with_idle_ranks():
+    # DP 2 x TP 2 on 4 gloo processes: the groups serve different requests, the MLP spans all 4
+    # ranks (all-gather + all-reduce inside the step), an idle rank joins with 0 rows.
+    cfg = _cfg(ranks=4, dp=2, requests=12, concurrency=(2, 4))
+    res = lt.run_loadtest(cfg, launch_timeout=300)
+    assert res.ok, [lv.errors for lv in res.levels] + res.errors
+    for lv in res.levels:
+        assert (lv.completed, lv.faults, lv.mismatches, lv.fallbacks) == (12, 0, 0, 0) and lv.replays > 0
+        assert lv.idle_rank_steps > 0, "the scheduler never left a rank idle: the case under test did not occur"
+        assert f"{lv.idle_rank_steps} idle-rank steps" in lv.line()
+    _reference_check(cfg, res)  # every request's tokens are the unsharded model's greedy tokens
+    doc = res.to_json()
+    assert (doc["ranks"], doc["dp"], doc["tp"]) == (4, 2, 2)
+    assert [tuple(d) for d in doc["levels"]] == [lt.LEVEL_KEYS] * 2
+
+
 @pytest.mark.multirank
 def test_stall_fault_raises_rank_timeout_and_never_passes():
     cfg = _cfg(ranks=2, requests=6, concurrency=(3, 6), inject_fault="stall", timeout=2.0)
@@ -302,7 +332,9 @@ def _cli(capsys, *args):
     (["--concurrency", "4,x"], "--concurrency"),
     (["--inject-fault", "stall"], "needs --ranks 2"),
     (["--inject-fault", "crash"], "--inject-fault"),
-    (["--ranks", "3"], "divisible by --ranks 3"),
+    (["--ranks", "3"], "split over 3 ranks"),
+    (["--dp", "3"], "split over 3 ranks"),
+    (["--dp", "2", "--tp", "2", "--ranks", "3"], "--dp x --tp = 4"),
     (["--prompt-len", "5,2"], "--prompt-len"),
     (["--timeout", "0"], "--timeout"),
     (["--backend", "eager"], "--backend"),
