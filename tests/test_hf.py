@@ -420,3 +420,18 @@ def test_negative_control_without_the_self_test_the_planted_bug_replays_wrong_to
     ids = prompts(3, seed=3)
     got = runner.generate(ids, max_new_tokens=8)
     assert not torch.equal(got, reference(_plant_state_bug(build_model("llama")), ids, n=8))
+
+
+def test_generation_config_processors_it_does_not_apply_are_refused():
+    """model.generate would force EOS at the last position (BART's default); DecodeRunner refuses rather than
+    decode other tokens silently. Control: with the field reset, the tokens equal model.generate's."""
+    model = build_model("llama")
+    model.generation_config.forced_eos_token_id = 5
+    runner = gr.hf.DecodeRunner(model, max_batch=2, max_cache_len=MAX_CACHE_LEN, buckets=[1, 2])
+    ids = prompts(2, seed=2)
+    with pytest.raises(ValueError, match=r"forced_eos_token_id=5.*does not apply"):
+        runner.generate(ids, max_new_tokens=4)
+    forced = reference(model, ids, n=4)
+    assert (forced[:, -1] == 5).all()  # what model.generate does with it
+    model.generation_config.forced_eos_token_id = None
+    assert torch.equal(runner.generate(ids, max_new_tokens=4), reference(model, ids, n=4))

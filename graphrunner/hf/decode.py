@@ -139,8 +139,7 @@ class DecodeRunner:
         if getattr(self.cache, "layers", None) is None:
             raise self._refuse("this transformers version's StaticCache has no per-layer objects (transformers "
                                ">= 4.56 needed for padded buckets); upgrade it")
-        if self.plan.explicit:
-            widen_sliding_layers(self.cache, self.max_cache_len)
+        widen_sliding_layers(self.cache, self.max_cache_len)
         dev = self.model.device
         try:
             prefill(self.model, self.cache, torch.zeros((self.max_batch, 1), dtype=torch.long, device=dev))

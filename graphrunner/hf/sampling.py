@@ -17,9 +17,26 @@ from typing import Any, List, Optional
 
 import torch
 
-#: generation-config fields whose processors this module does not apply
-_UNSUPPORTED = {"repetition_penalty": 1.0, "min_p": None, "typical_p": 1.0, "top_h": None,
-                "no_repeat_ngram_size": 0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
+#: generation-config fields (with their neutral values) whose logits processors ``model.generate`` applies
+#: and this module does not: greedy or sampled, a config that sets one is refused.
+UNSUPPORTED = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0,
+               "forced_bos_token_id": None, "forced_eos_token_id": None, "min_length": 0, "min_new_tokens": None,
+               "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None,
+               "exponential_decay_length_penalty": None, "renormalize_logits": False}
+#: the same, only applied when sampling
+UNSUPPORTED_SAMPLING = {"min_p": None, "typical_p": 1.0, "top_h": None, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
+
+
+def unsupported_fields(generation_config: Any, do_sample: bool = False) -> List[str]:
+    """``name=value`` of every field of ``generation_config`` that asks for a processor :class:`TokenChooser`
+    does not apply (empty: its tokens can equal ``model.generate``'s)."""
+    fields = {**UNSUPPORTED, **(UNSUPPORTED_SAMPLING if do_sample else {})}
+    found = []
+    for name, neutral in fields.items():
+        value = getattr(generation_config, name, neutral)
+        if value is not None and value != neutral and value != []:
+            found.append(f"{name}={value!r}")
+    return found
 
 
 class TokenChooser:
@@ -30,8 +47,8 @@ class TokenChooser:
     ``top_p``), as ``model.generate(**kwargs)`` merges them. Raises
     ``ValueError`` for a non-positive temperature, a negative top-k, a top-p
     outside (0, 1], and for a generation config that asks for a processor
-    this chooser does not apply (e.g. ``repetition_penalty``): decode such
-    models with ``model.generate``.
+    this chooser does not apply (:func:`unsupported_fields`, e.g.
+    ``repetition_penalty`` or ``forced_eos_token_id``), greedy or not.
     """
 
     def __init__(self, model: Any, do_sample: bool = False, temperature: Optional[float] = None,
@@ -45,6 +62,12 @@ class TokenChooser:
         self.do_sample = bool(do_sample)
         self.generator = generator
         self.warpers: List[Any] = []
+        found = unsupported_fields(gc, self.do_sample)
+        if found:
+            raise ValueError(f"the model's generation_config sets {', '.join(found)}, whose logits processors "
+                             f"DecodeRunner does not apply (it applies temperature, top_k and top_p), so its tokens "
+                             f"would differ from model.generate: reset them on model.generation_config, or decode "
+                             f"with model.generate()")
         if not self.do_sample:
             return
         if temperature is not None and not temperature > 0:
@@ -53,11 +76,6 @@ class TokenChooser:
             raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
         if top_p is not None and not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-        for name, neutral in _UNSUPPORTED.items():
-            value = getattr(gc, name, neutral)
-            if value is not None and value != neutral:
-                raise ValueError(f"the model's generation_config sets {name}={value!r}, which DecodeRunner does not "
-                                 f"apply (temperature, top_k and top_p only); decode with model.generate()")
         if temperature is not None and temperature != 1.0:
             self.warpers.append(TemperatureLogitsWarper(temperature))
         if top_k is not None and top_k != 0:
