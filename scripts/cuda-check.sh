@@ -1,24 +1,43 @@
 #!/usr/bin/env bash
-# cuda-check: everything graphrunner checks that needs a GPU, in one bounded run (< 8 min).
+# cuda-check: everything graphrunner checks that needs a GPU, in one bounded run (< 8 min on one GPU).
 #
-#   scripts/cuda-check.sh            # from anywhere; works from the repository root it lives in
+#   scripts/cuda-check.sh              # on a GPU machine, with whatever CUDA torch is installed
+#   scripts/cuda-check.sh --dry-run    # the same steps on the CUDA stand-in (graphrunner.testing.cuda_standin), CPU only
 #   OUT=/some/dir scripts/cuda-check.sh
 #
-# Steps (each with its own time limit, all under one overall deadline):
-#   1. install: `pip install --no-deps --no-build-isolation -e .` (offline) when torch, pytest
-#      and matplotlib are already importable, else `pip install -e '.[test,bench]'` (pulls torch in
-#      when missing; needs the network). The repository is on PYTHONPATH regardless, so a failed
-#      install is reported, not fatal
-#   2. check `torch.cuda.is_available()`; without CUDA: a clear message, summary, exit 2
-#   3. python -m pytest -m cuda
-#   4. graphrunner demo --device cuda --backend breakable, and --backend full
-#   5. graphrunner bench (writes bench.json and latency_vs_batch.png under $OUT/bench)
-# Writes $OUT/summary.txt (default ./cuda-check-out/summary.txt, relative to where it is run) and one log per step next to it.
-# Exit status: 0 when every step passed, 1 when a step failed or timed out, 2 without CUDA.
-#
-# Environment: OUT (output dir), PYTHON (interpreter, default python3 or python),
-# CUDA_CHECK_SKIP_INSTALL=1 (skip step 1), CUDA_CHECK_BUDGET_S (overall deadline, default 450).
+# Nothing is installed and nothing is downloaded: the repository is put on PYTHONPATH and every step
+# runs `python -m ...` with what is importable (torch, pytest; transformers optional).
+# Steps (each with its own time limit, all under one overall deadline of CUDA_CHECK_BUDGET_S, default 450 s):
+#   pytest-cuda        python -m pytest -m cuda (on the stand-in in --dry-run: the tests taking `cuda_device`)
+#   perf               full and breakable graph vs eager per call at batch 1/8/32: CUDA-event device time,
+#                      host time per call, bit-exactness
+#   memory             reserved memory per bucket, after cleanup and after empty_cache
+#   defects            the issue-23 scenarios, one process each (empty first segment, debug_eager, reset and
+#                      re-capture, retry after a failed capture, sync in capture -> "restart", gloo collective
+#                      in capture -> CaptureError, empty full graph -> error, one GPU per rank)
+#   demo               graphrunner demo --device cuda --backend breakable
+#   loadtest           graphrunner loadtest --device cuda (decode steps, breakable)
+#   loadtest-spec      graphrunner loadtest --device cuda --spec 3 --backend full (verify steps)
+#   verify             graphrunner verify (its graphs are tape graphs on the CPU: the command has no --device)
+#   loadtest-ranks2    graphrunner loadtest --device cuda --ranks 2: its tensor-parallel all_reduce is a gloo
+#                      collective inside the capture, so the expected outcome is the clear CaptureError
+#                      ("only NCCL collectives can be captured"), not a hang or a RankTimeoutError
+#   hf                 gr.hf.DecodeRunner on llama, qwen2, mistral (tiny random models) vs model.generate;
+#                      skipped without transformers
+# Writes $OUT/<step>.json (the Python checks), $OUT/<step>.log, $OUT/summary.txt (one line per step) and
+# $OUT/summary.json. Exit status: 0 when every step passed, 1 when one failed or timed out, 2 without CUDA
+# (and without --dry-run).
+# Environment: OUT (default ./cuda-check-out), PYTHON (default python3 or python), CUDA_CHECK_BUDGET_S.
 set -uo pipefail
+
+DRY_RUN=0
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) DRY_RUN=1 ;;
+    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    *) echo "cuda-check: unknown argument $arg (expected --dry-run)" >&2; exit 2 ;;
+  esac
+done
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT_DIR="${OUT:-$PWD/cuda-check-out}"
@@ -32,102 +51,103 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
+export OUT="$OUT_DIR"
 START=$SECONDS
 FAILED=0
 : >"$SUMMARY"
+echo "[" >"$OUT_DIR/summary.json.tmp"
 
 say() { echo "$*" | tee -a "$SUMMARY"; }
 remaining() { echo $(( BUDGET_S - (SECONDS - START) )); }
+record() {  # name status seconds detail
+  local d="${4//\\/\\\\}"; d="${d//\"/\\\"}"
+  echo "{\"step\": \"$1\", \"status\": \"$2\", \"seconds\": $3, \"detail\": \"$d\"}," >>"$OUT_DIR/summary.json.tmp"
+}
 
-# run_step NAME LIMIT_S CMD...: run with a time limit (capped by the overall deadline),
-# log to $OUT_DIR/NAME.log, record PASS/FAIL/TIMEOUT with the duration and the log's tail.
+# run_step NAME LIMIT_S [EXPECT_REGEX] -- CMD...: run with a time limit (capped by the overall deadline), log to
+# $OUT_DIR/NAME.log, one summary line: PASS/FAIL/TIMEOUT, the duration, and the step's own summary line (the
+# last line starting with PASS/FAIL, or the log's last line). With EXPECT_REGEX the step passes when the log
+# matches it (an expected failure), whatever the exit status.
 run_step() {
-  local name="$1" limit="$2"; shift 2
+  local name="$1" limit="$2" expect=""; shift 2
+  if [ "$1" != "--" ]; then expect="$1"; shift; fi
+  shift  # --
   local left; left=$(remaining)
   if [ "$left" -lt 10 ]; then
-    say "SKIP    $name (overall budget of ${BUDGET_S}s spent)"; FAILED=1; return 1
+    say "SKIP    $name (overall budget of ${BUDGET_S}s spent)"; record "$name" SKIP 0 "budget spent"; FAILED=1; return 1
   fi
   [ "$limit" -gt "$left" ] && limit=$left
-  local log="$OUT_DIR/$name.log" t0=$SECONDS rc
-  echo "--- $name (limit ${limit}s): $*"
+  local log="$OUT_DIR/$name.log" t0=$SECONDS rc status detail
+  echo "--- $name (limit ${limit}s): $*" >&2
   timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
   rc=$?
   local dt=$(( SECONDS - t0 ))
-  if [ "$rc" -eq 0 ]; then
-    say "PASS    $name (${dt}s)"
-  elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-    say "TIMEOUT $name after ${dt}s (limit ${limit}s), log: $log"; FAILED=1
+  detail="$(grep -E '^(PASS|FAIL) ' "$log" | tail -n 1)"
+  [ -z "$detail" ] && detail="$(grep -v '^\s*$' "$log" | tail -n 1 | cut -c1-300)"
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    status=TIMEOUT; FAILED=1
+  elif [ -n "$expect" ]; then
+    if grep -Eq "$expect" "$log"; then status=PASS; detail="expected outcome: $(grep -Eo "$expect" "$log" | head -n 1)"
+    elif [ "$rc" -eq 0 ]; then status=PASS; detail="ran to completion (exit 0)"
+    else status=FAIL; FAILED=1; fi
+  elif [ "$rc" -eq 0 ]; then
+    status=PASS
   else
-    say "FAIL    $name (exit $rc, ${dt}s), log: $log"; FAILED=1
+    status=FAIL; FAILED=1
   fi
-  if [ "$rc" -ne 0 ]; then
-    tail -n 15 "$log" | sed 's/^/        | /' | tee -a "$SUMMARY"
-  fi
-  return "$rc"
+  say "$(printf '%-7s %-16s %4ss  %s' "$status" "$name" "$dt" "$detail")"
+  record "$name" "$status" "$dt" "$detail"
+  if [ "$status" != PASS ]; then tail -n 12 "$log" | sed 's/^/        | /' | tee -a "$SUMMARY"; fi
+  return 0
 }
 
-say "graphrunner cuda-check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname), repo $REPO"
-say "python: $(command -v "$PYTHON") ($("$PYTHON" --version 2>&1))"
+MODE="GPU"
+if [ "$DRY_RUN" -eq 1 ]; then
+  MODE="dry run on the CUDA stand-in (CPU; timings are the CPU's)"
+  export GRAPHRUNNER_CUDA_STANDIN=1
+  CLI=("$PYTHON" -m graphrunner.testing.cuda_standin graphrunner_tools)
+else
+  CLI=("$PYTHON" -m graphrunner_tools)
+fi
+say "graphrunner cuda-check ($MODE) $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname), repo $REPO, out $OUT_DIR"
+say "python: $(command -v "$PYTHON") ($("$PYTHON" --version 2>&1)); $("$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1)"
 
-# 1. install. With torch, pytest and matplotlib already importable, install the package alone
-# offline (no build isolation: nothing is downloaded); otherwise the full install with its
-# extras, which needs the network. An install failure is reported, not fatal: the repository
-# is on PYTHONPATH and every step runs `python -m ...`.
-if [ "${CUDA_CHECK_SKIP_INSTALL:-0}" != "1" ]; then
-  if "$PYTHON" -c 'import torch' >/dev/null 2>&1; then
-    say "torch already installed: $("$PYTHON" -c 'import torch; print(torch.__version__)' 2>&1)"
-  else
-    say "torch is not installed: pip installs it as a dependency (the default PyPI wheel on Linux has CUDA)"
+if [ "$DRY_RUN" -eq 0 ]; then
+  CUDA_OK="$("$PYTHON" -c 'import torch; print(torch.cuda.is_available())' 2>&1 | tail -n 1)"
+  if [ "$CUDA_OK" != "True" ]; then
+    say "CUDA is NOT available to PyTorch here (torch.cuda.is_available() printed: $CUDA_OK)."
+    say "Run this on a machine with an NVIDIA GPU and a CUDA build of PyTorch, or use --dry-run (the CUDA stand-in)."
+    echo "summary: $SUMMARY"
+    exit 2
   fi
-  SAVED_FAILED=$FAILED
-  if "$PYTHON" -c 'import torch, pytest, matplotlib, setuptools' >/dev/null 2>&1; then
-    run_step install 120 "$PYTHON" -m pip install --quiet --no-deps --no-build-isolation -e . \
-      || say "WARN    package not installed; running from $REPO on PYTHONPATH instead"
-  else
-    run_step install 240 "$PYTHON" -m pip install --quiet -e '.[test,bench]' \
-      || say "WARN    install failed (no network?); running from $REPO on PYTHONPATH with what is installed"
-  fi
-  FAILED=$SAVED_FAILED
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/gpu: /' | tee -a "$SUMMARY"
 fi
-"$PYTHON" -c 'import pytest' >/dev/null 2>&1 || say "WARN    pytest is not importable: the cuda tests step will fail"
-"$PYTHON" -c 'import matplotlib' >/dev/null 2>&1 || say "WARN    matplotlib is not importable: the bench step skips its plot"
+"$PYTHON" -c 'import pytest' >/dev/null 2>&1 || say "WARN    pytest is not importable: the pytest-cuda step will fail"
 
-# 2. CUDA?
-CUDA_INFO="$("$PYTHON" -c 'import torch; print(torch.cuda.is_available()); print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")' 2>&1)"
-CUDA_OK="$(echo "$CUDA_INFO" | head -n 1)"
-say "torch: $(echo "$CUDA_INFO" | tail -n +2)"
-if [ "$CUDA_OK" != "True" ]; then
-  say "CUDA is NOT available to PyTorch here (torch.cuda.is_available() printed: $(echo "$CUDA_INFO" | head -n 3 | tr '\n' ' '))."
-  say "Nothing to check: run this on a machine with an NVIDIA GPU, its driver, and a CUDA build of PyTorch"
-  say "(e.g. pip install torch from https://download.pytorch.org/whl/cu124). The CPU test suite is 'python -m pytest'."
-  echo "summary: $SUMMARY"
-  exit 2
-fi
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/gpu: /' | tee -a "$SUMMARY"
+# The pytest step runs without the stand-in variable: the cuda tests install the stand-in themselves
+# (fixture cuda_device) where there is no GPU, and the variable would reach the processes they spawn.
+run_step pytest-cuda 120 -- env -u GRAPHRUNNER_CUDA_STANDIN "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider \
+  --junitxml "$OUT_DIR/pytest-cuda.xml"
+run_step perf 120 -- "$PYTHON" -m graphrunner.testing.cuda_check perf --out "$OUT_DIR"
+run_step memory 45 -- "$PYTHON" -m graphrunner.testing.cuda_check memory --out "$OUT_DIR"
+run_step defects 120 -- "$PYTHON" -m graphrunner.testing.cuda_check defects --out "$OUT_DIR"
+run_step demo 45 -- "${CLI[@]}" demo --device cuda --backend breakable --steps 40 \
+  --trace-out "$OUT_DIR/demo-trace"
+run_step loadtest 60 -- "${CLI[@]}" loadtest --device cuda --backend breakable --requests 16 --concurrency 4 \
+  --layers 1 --no-progress --json "$OUT_DIR/loadtest.json"
+run_step loadtest-spec 60 -- "${CLI[@]}" loadtest --device cuda --backend full --spec 3 --requests 8 \
+  --concurrency 4 --layers 1 --no-progress --json "$OUT_DIR/loadtest-spec.json"
+run_step verify 45 -- "${CLI[@]}" verify --requests 3 --max-new 6 --layers 1 --no-progress
+run_step loadtest-ranks2 60 "only NCCL collectives can be captured" -- "${CLI[@]}" loadtest --device cuda \
+  --ranks 2 --requests 4 --concurrency 2 --layers 1 --no-progress --json "$OUT_DIR/loadtest-ranks2.json"
+run_step hf 90 -- "$PYTHON" -m graphrunner.testing.cuda_check hf --out "$OUT_DIR"
 
-# 3-5. the checks
-run_step pytest-cuda 150 "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider
-run_step demo-breakable 45 "$PYTHON" -m graphrunner_tools.cli demo --device cuda --backend breakable
-run_step demo-full 45 "$PYTHON" -m graphrunner_tools.cli demo --device cuda --backend full
-# Last, so it gets what is left of the budget; bench.json is rewritten after every script.
-run_step bench 300 "$PYTHON" -m graphrunner_tools.bench --out "$OUT_DIR/bench/bench.json" \
-  --plot "$OUT_DIR/bench/latency_vs_batch.png"
-
-# Headline numbers of the bench into the summary: its own summary block, or, when it was cut
-# short, what bench.json holds (it is rewritten after every benchmark script).
-if [ -f "$OUT_DIR/bench.log" ] && grep -q '\[bench\] summary' "$OUT_DIR/bench.log"; then
-  sed -n '/\[bench\] summary/,$p' "$OUT_DIR/bench.log" >>"$SUMMARY"
-elif [ -f "$OUT_DIR/bench/bench.json" ]; then
-  "$PYTHON" - "$OUT_DIR/bench/bench.json" >>"$SUMMARY" 2>&1 <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-print("[bench] partial results: finished", sorted(d.get("results", {})), "errors", sorted(d.get("errors", {})))
-print(json.dumps(d.get("summary", {}), indent=1))
-PY
-fi
 grep -E "passed|failed|skipped|error" "$OUT_DIR/pytest-cuda.log" 2>/dev/null | tail -n 1 | sed 's/^/pytest -m cuda: /' \
   | tee -a "$SUMMARY"
-
-say "total $(( SECONDS - START ))s; result: $([ "$FAILED" -eq 0 ] && echo ALL PASSED || echo FAILURES)"
+TOTAL=$(( SECONDS - START ))
+RESULT="$([ "$FAILED" -eq 0 ] && echo "ALL PASSED" || echo FAILURES)"
+say "total ${TOTAL}s ($MODE); result: $RESULT"
+{ cat "$OUT_DIR/summary.json.tmp"; echo "{\"step\": \"total\", \"status\": \"$RESULT\", \"seconds\": $TOTAL, \"detail\": \"$MODE\"}"; echo "]"; } \
+  >"$OUT_DIR/summary.json" && rm -f "$OUT_DIR/summary.json.tmp"
 echo "summary: $SUMMARY"
 exit "$FAILED"
