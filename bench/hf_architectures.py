@@ -20,7 +20,7 @@ Each model gets ``--limit`` seconds (SIGALRM; ``timeout``). Prints one line per 
 counts, writes JSON (``--out``, default ``bench/results/hf_architectures.json``) and, with
 ``--table FILE``, the Markdown table of docs/architectures.md. Not a test; needs the ``hf`` extra.
 
-    python bench/hf_architectures.py [--only llama,qwen3] [--limit 120] [--table docs/architectures.md]
+    python bench/hf_architectures.py [--only llama,qwen3] [--limit 120] [--threads 1] [--table docs/architectures.md]
 """
 
 from __future__ import annotations
@@ -148,6 +148,7 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=120, help="seconds per architecture")
     ap.add_argument("--out", default="bench/results/hf_architectures.json")
     ap.add_argument("--table", default="", help="also write the Markdown table here")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default: 1)")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
@@ -156,7 +157,9 @@ def main(argv=None) -> int:
     transformers.logging.set_verbosity_error()
     from graphrunner_tools.models.hf_tiny import causal_lm_types
 
-    torch.set_num_threads(1)
+    from graphrunner_tools.bench import environment
+
+    torch.set_num_threads(max(1, args.threads))
     types = [t for t in args.only.split(",") if t] or causal_lm_types()
     signal.signal(signal.SIGALRM, _alarm)
     records = []
@@ -184,7 +187,8 @@ def main(argv=None) -> int:
                                              Counter(r.get("check") for r in records if r["status"] == "refused").most_common()))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"backend": args.backend, "counts": dict(counts), "records": records}, f, indent=1)
+        json.dump({"backend": args.backend, "threads": args.threads, "environment": environment(),
+                   "counts": dict(counts), "records": records}, f, indent=1)
     print(f"wrote {args.out}")
     if args.table:
         with open(args.table, "w") as f:

@@ -201,7 +201,7 @@ def test_hf_decode_runner_in_debug_mode_names_weights_and_cache(monkeypatch):
     assert torch.equal(runner.generate(ids, max_new_tokens=NEW_TOKENS), reference(model, ids))  # no false alarm
     layer = model.model.layers[0].mlp.down_proj
     layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight))
-    with pytest.raises(gr.ContractError, match=r"self\.model\.model\.layers\.0\.mlp\.down_proj\.weight"):
+    with pytest.raises(gr.ContractError, match=r"model\.model\.layers\.0\.mlp\.down_proj\.weight"):
         runner.generate(ids, max_new_tokens=NEW_TOKENS)
 
     model, runner, rep = build(False)                  # negative control: debug off

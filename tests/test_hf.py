@@ -35,7 +35,7 @@ MAX_CACHE_LEN = 16
 ARCHS = {
     "llama": {}, "qwen2": {}, "qwen3": {}, "qwen3_moe": {}, "mistral": {}, "phi3": {"pad_token_id": 0},
     "mixtral": {}, "gemma": {}, "gemma2": {}, "gemma3_text": {}, "gpt2": {}, "falcon": {}, "deepseek_v3": {},
-    "olmo2": {}, "qwen3_next": {}, "gpt_oss": {}, "mamba": {"initializer_range": 0.5},
+    "olmo2": {}, "qwen3_next": {}, "gpt_oss": {}, "lfm3": {}, "mamba": {"initializer_range": 0.5},
     "mamba2": {"initializer_range": 0.5},
 }
 #: Architectures whose state is a conv/recurrent state (no K/V): model.generate's default cache is their own.
@@ -435,3 +435,24 @@ def test_generation_config_processors_it_does_not_apply_are_refused():
     assert (forced[:, -1] == 5).all()  # what model.generate does with it
     model.generation_config.forced_eos_token_id = None
     assert torch.equal(runner.generate(ids, max_new_tokens=4), reference(model, ids, n=4))
+
+
+def test_an_op_a_graph_cannot_hold_is_refused_with_the_architecture():
+    """A host read inside the step (``.item()``) is a capture check's refusal, named with the architecture."""
+    model = build_model("llama")
+    model.model.norm.register_forward_hook(lambda mod, args, out: out * (1.0 + 0.0 * out.abs().max().item()))
+    with pytest.raises(CaptureError, match=r"cannot capture architecture 'llama'.*CaptureUnsafeOpError.*item"):
+        gr.hf.DecodeRunner(model, max_batch=1, max_cache_len=8, buckets=[1]).capture()
+
+
+class _StaticCacheRefusingLlama(transformers.LlamaForCausalLM):
+    """A model whose forward rejects a StaticCache (as MiniMax does: it keeps a cache of its own)."""
+
+    def forward(self, *args, **kwargs):
+        raise ValueError("this model uses a cache of its own")
+
+
+def test_a_forward_that_rejects_the_static_cache_is_refused():
+    model = _StaticCacheRefusingLlama(build_model("llama").config).eval()
+    with pytest.raises(CaptureError, match=r"forward over a StaticCache failed \(ValueError: this model uses"):
+        gr.hf.DecodeRunner(model, max_batch=1, max_cache_len=8, buckets=[1]).capture()

@@ -215,7 +215,9 @@ def layer_problem(layer: Any, batch: int) -> Optional[str]:
     if hasattr(layer, "cumulative_length_int"):
         return (f"cache layer {name} keeps a Python write counter (cumulative_length_int) that a graph would "
                 f"freeze")
-    states = [t for attr in _STATE_DICTS for t in (getattr(layer, attr, None) or {}).values()]
+    states = [t for attr in _STATE_DICTS for idx, t in (getattr(layer, attr, None) or {}).items()
+              if t is not None or getattr(layer, f"is_{attr}_initialized", {}).get(idx, True)]
+    # (a state a layer never initialises, e.g. the recurrent state of a conv-only layer, is None: nothing to hold)
     if states and any(not isinstance(t, torch.Tensor) or t.shape[0] != batch for t in states):
         return (f"cache layer {name} did not allocate its conv/recurrent states with {batch} rows after a "
                 f"forward; cannot build padded bucket views")

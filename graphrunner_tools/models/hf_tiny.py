@@ -24,6 +24,8 @@ TINY: Dict[str, Any] = {
     "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
     "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
     "state_size": 8, "expand": 2, "n_groups": 2, "chunk_size": 16, "conv_kernel": 4, "time_step_rank": 8,
+    "rotary_dim": 8, "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_layers": 2,
+    "decoder_layers": 2, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
 }
 
@@ -32,8 +34,8 @@ def tiny_config(model_type: str, **overrides: Any):
     """``AutoConfig.for_model(model_type)`` with every attribute of :data:`TINY` it has made tiny, then ``overrides``.
 
     ``layer_types``, when the default config has one, is cut to the tiny
-    layer count keeping its mix of types (the first full-attention layer
-    is kept among them)."""
+    layer count keeping its mix of types (one layer of each type first);
+    special token ids beyond the tiny vocabulary become 0 (pad), 1 (bos) or 2 (eos, decoder start)."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.for_model(model_type)
@@ -50,6 +52,13 @@ def tiny_config(model_type: str, **overrides: Any):
             text.num_key_value_heads = text.num_attention_heads
     if all(hasattr(text, a) for a in ("expand", "num_heads", "head_dim", "hidden_size")):  # Mamba2 heads
         text.num_heads = text.expand * text.hidden_size // text.head_dim
+    vocab = getattr(text, "vocab_size", None)
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
+        value = getattr(text, name, None)  # special ids of the full vocabulary: out of the tiny one
+        if isinstance(vocab, int) and isinstance(value, int) and value >= vocab:
+            setattr(text, name, {"pad_token_id": 0, "bos_token_id": 1}.get(name, 2))
+        elif isinstance(vocab, int) and isinstance(value, list) and any(v >= vocab for v in value):
+            setattr(text, name, [v for v in value if v < vocab] or None)
     types = getattr(text, "layer_types", None)
     if isinstance(types, (list, tuple)) and types:
         n = getattr(text, "num_hidden_layers", len(types))
