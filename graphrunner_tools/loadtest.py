@@ -58,7 +58,6 @@ from __future__ import annotations
 import heapq
 import math
 import os
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -262,33 +261,11 @@ class Engine:
         with torch.inference_mode():
             while pending or running:
                 while pending and len(running) < self.max_running:
-                    r = self._admit(pending.pop(), heapq.heappop(free))
-                    if len(r.out) >= r.req.output_len:
-                        self._finish(r, run, free)
-                    else:
-                        running.append(r)
+                    self._start(pending.pop(), run, free, running)
                 if not running:
                     continue
-                t0 = time.perf_counter()
-                if self.verify is not None:
-                    tokens = self._verify_step(step, running)
-                else:
-                    tokens = [[t] for t in self._decode_step(step, running)]
-                run.step_s.append(time.perf_counter() - t0)
-                run.schedule.append(len(running))
+                running = self._step(step, running, run, free, len(requests), t_start)
                 step += 1
-                still = []
-                for r, toks in zip(running, tokens):
-                    r.out.extend(toks[:r.req.output_len - len(r.out)])
-                    r.pos += len(toks)
-                    if len(r.out) >= r.req.output_len:
-                        self._finish(r, run, free)
-                    else:
-                        still.append(r)
-                running = still
-                if self.on_progress is not None:
-                    self.on_progress(len(run.tokens), len(requests))
-                run.seconds = time.perf_counter() - t_start
         run.seconds = time.perf_counter() - t_start
         return run
 
@@ -305,33 +282,43 @@ class Engine:
         with torch.inference_mode():
             while sync(bool(pending or running), step):
                 while pending and pending[-1][0] <= step and len(running) < self.max_running:
-                    r = self._admit(requests[pending.pop()[1]], heapq.heappop(free))
-                    if len(r.out) >= r.req.output_len:
-                        self._finish(r, run, free)
-                    else:
-                        running.append(r)
-                t0 = time.perf_counter()
-                if self.verify is not None:
-                    tokens = self._verify_step(step, running)
-                else:
-                    tokens = [[t] for t in self._decode_step(step, running)]
-                run.step_s.append(time.perf_counter() - t0)
-                run.schedule.append(len(running))
+                    self._start(requests[pending.pop()[1]], run, free, running)
+                running = self._step(step, running, run, free, len(requests), t_start)
                 step += 1
-                still = []
-                for r, toks in zip(running, tokens):
-                    r.out.extend(toks[:r.req.output_len - len(r.out)])
-                    r.pos += len(toks)
-                    if len(r.out) >= r.req.output_len:
-                        self._finish(r, run, free)
-                    else:
-                        still.append(r)
-                running = still
-                if self.on_progress is not None:
-                    self.on_progress(len(run.tokens), len(requests))
-                run.seconds = time.perf_counter() - t_start
         run.seconds = time.perf_counter() - t_start
         return run
+
+    def _start(self, req: Request, run: EngineRun, free: List[int], running: List[_Running]) -> None:
+        """Admit ``req`` into the lowest free slot; finished at once (output length 1) or appended to ``running``."""
+        r = self._admit(req, heapq.heappop(free))
+        if len(r.out) >= r.req.output_len:
+            self._finish(r, run, free)
+        else:
+            running.append(r)
+
+    def _step(self, step: int, running: List[_Running], run: EngineRun, free: List[int], total: int,
+              t_start: float) -> List[_Running]:
+        """One engine step over ``running`` (decode, or verify with ``--spec``): record its time, extend each
+        request's output, finish the complete ones; returns the requests still running."""
+        t0 = time.perf_counter()
+        if self.verify is not None:
+            tokens = self._verify_step(step, running)
+        else:
+            tokens = [[t] for t in self._decode_step(step, running)]
+        run.step_s.append(time.perf_counter() - t0)
+        run.schedule.append(len(running))
+        still = []
+        for r, toks in zip(running, tokens):
+            r.out.extend(toks[:r.req.output_len - len(r.out)])
+            r.pos += len(toks)
+            if len(r.out) >= r.req.output_len:
+                self._finish(r, run, free)
+            else:
+                still.append(r)
+        if self.on_progress is not None:
+            self.on_progress(len(run.tokens), total)
+        run.seconds = time.perf_counter() - t_start
+        return still
 
     def _admit(self, req: Request, slot: int) -> _Running:
         """Prefill ``req`` into cache row ``slot`` (eager) and take its first token."""
@@ -1013,8 +1000,6 @@ def _seconds(text: str) -> float:
 
 
 def _run_from_args(args: Any) -> int:
-    import json
-
     cfg = LoadtestConfig(ranks=args.ranks, dp=args.dp or 1, requests=args.requests, concurrency=tuple(args.concurrency),
                          backend=args.backend, device=args.device, layers=args.layers, seed=args.seed,
                          prompt_len=args.prompt_len, output_len=args.output_len, timeout=args.timeout,
