@@ -456,3 +456,17 @@ def test_a_forward_that_rejects_the_static_cache_is_refused():
     model = _StaticCacheRefusingLlama(build_model("llama").config).eval()
     with pytest.raises(CaptureError, match=r"forward over a StaticCache failed \(ValueError: this model uses"):
         gr.hf.DecodeRunner(model, max_batch=1, max_cache_len=8, buckets=[1]).capture()
+
+
+def test_a_bidirectional_lm_head_is_refused_by_the_self_test_and_accepted_as_a_decoder():
+    """BERT's LM head without ``is_decoder`` attends every cache slot (transformers warns); the step's causal
+    masks differ from that, and the self-test (not a list) refuses it. Configured as a decoder it is accepted
+    and equals model.generate."""
+    model = build_model("bert", is_decoder=False)
+    with pytest.raises(CaptureError, match=r"'bert' differs from the model's own eager decode"):
+        gr.hf.DecodeRunner(model, max_batch=2, max_cache_len=MAX_CACHE_LEN, buckets=[1, 2]).capture()
+    model = build_model("bert")  # is_decoder=True, as its causal-LM class asks
+    assert model.config.is_decoder
+    runner = gr.hf.DecodeRunner(model, max_batch=2, max_cache_len=MAX_CACHE_LEN, buckets=[1, 2])
+    ids = prompts(2, seed=2)
+    assert torch.equal(runner.generate(ids, max_new_tokens=NEW_TOKENS), reference(model, ids))

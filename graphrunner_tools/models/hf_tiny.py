@@ -73,11 +73,29 @@ def tiny_config(model_type: str, **overrides: Any):
     return cfg
 
 
+def _wants_is_decoder(model_type: str) -> bool:
+    """True when the causal-LM class of ``model_type`` asks for ``config.is_decoder`` (encoder families such as
+    BERT: without it their "causal LM" attends bidirectionally, and transformers warns)."""
+    import inspect
+
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    cls = getattr(transformers, str(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "")), None)
+    try:
+        return cls is not None and "config.is_decoder" in inspect.getsource(cls.__init__)
+    except (OSError, TypeError):
+        return False
+
+
 def build_tiny(model_type: str, seed: int = 0, **overrides: Any):
-    """An eval-mode tiny ``AutoModelForCausalLM`` of ``model_type`` with random weights from ``seed``."""
+    """An eval-mode tiny ``AutoModelForCausalLM`` of ``model_type`` with random weights from ``seed``
+    (``is_decoder=True`` where the causal-LM class asks for it, as its own warning says)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    if "is_decoder" not in overrides and _wants_is_decoder(model_type):
+        overrides = {**overrides, "is_decoder": True}
     cfg = tiny_config(model_type, **overrides)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(cfg).eval()
