@@ -56,6 +56,7 @@ def hf_llama_workload(device: str):
     except ImportError:
         return None
     from graphrunner import hf as ghf
+    from graphrunner.hf.cache import row_view_cache
 
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -70,7 +71,7 @@ def hf_llama_workload(device: str):
 
         def pick(rows):
             if rows not in views:
-                views[rows] = ghf._row_view_cache(cache, rows)
+                views[rows] = row_view_cache(cache, rows)
             return views[rows]
 
         return GraphRunner(ghf.make_decode_step(model, pick), inputs=ghf.decode_inputs(), buckets=BUCKETS,

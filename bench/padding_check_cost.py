@@ -95,6 +95,7 @@ def hf_llama_workload(backend: str, buckets: List[int], device: str, max_cache_l
     except ImportError:
         return None
     from graphrunner import hf as ghf
+    from graphrunner.hf.cache import row_view_cache
 
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -109,7 +110,7 @@ def hf_llama_workload(backend: str, buckets: List[int], device: str, max_cache_l
 
     def pick(n: int):
         if n not in views:
-            views[n] = ghf._row_view_cache(cache, n)
+            views[n] = row_view_cache(cache, n)
         return views[n]
 
     step = ghf.make_decode_step(model, pick)
