@@ -34,10 +34,15 @@ class BucketReport:
     graph capture), ``graph_capture_seconds`` only the graph construction and
     capture. ``num_segments`` / ``num_breaks`` are the backend's counts (a
     full graph is 1 / 0, eager 0 / 1, a breakable graph one segment per
-    graph-able stretch and one break per ``@no_graph`` call). ``bytes_held``
-    is the backend's ``info(key)["bytes_held"]`` (this bucket's output views
-    plus the distinct storages of its static inputs; the static inputs and
-    the output buffer are shared by all buckets, so do not sum it).
+    graph-able stretch and one break per ``@no_graph`` call).
+    ``graph_pool_bytes`` is what this key's graph construction and capture
+    added to the graph pool every key shares (exact on the tape; on CUDA the
+    growth of the caching allocator's reserved memory around the capture;
+    ``None`` where the device does not measure it): keys are captured largest
+    first and smaller ones reuse the memory larger ones left free, so the rows
+    do not overlap and sum to the pool. ``bytes_held`` is the backend's
+    ``info(key)["bytes_held"]`` (views into the static inputs and the shared
+    output buffer: rows overlap, do not sum it; kept for tooling, not printed).
     ``info`` is the backend's full ``info(key)`` dict.
     """
 
@@ -48,6 +53,7 @@ class BucketReport:
     num_breaks: int
     bytes_held: int
     info: Dict[str, Any] = field(default_factory=dict, repr=False)
+    graph_pool_bytes: Optional[int] = None
 
     @classmethod
     def from_info(cls, bucket: Any, info: Dict[str, Any]) -> "BucketReport":
@@ -56,7 +62,8 @@ class BucketReport:
         return cls(bucket=bucket, capture_seconds=float(info.get("capture_seconds", 0.0)),
                    graph_capture_seconds=float(info.get("graph_capture_seconds", 0.0)),
                    num_segments=int(info.get("num_segments", 0)), num_breaks=int(info.get("num_breaks", 0)),
-                   bytes_held=int(info.get("bytes_held", 0)), info=info)
+                   bytes_held=int(info.get("bytes_held", 0)), info=info,
+                   graph_pool_bytes=None if info.get("graph_pool_bytes") is None else int(info["graph_pool_bytes"]))
 
     def to_dict(self) -> Dict[str, Any]:
         """A JSON-ready dict (``info`` included, values made JSON-safe)."""
@@ -67,6 +74,7 @@ class BucketReport:
             "num_segments": self.num_segments,
             "num_breaks": self.num_breaks,
             "bytes_held": self.bytes_held,
+            "graph_pool_bytes": self.graph_pool_bytes,
             "info": {k: jsonable(v) for k, v in self.info.items()},
         }
 
@@ -76,11 +84,18 @@ class CaptureReport:
     """The result of :meth:`GraphRunner.capture`.
 
     ``buckets`` lists :class:`BucketReport` in capture order (largest
-    first). ``static_input_bytes`` is the runner's static input buffers
-    (allocated once at the largest bucket) and ``output_buffer_bytes`` the
-    backend's one shared output buffer; ``total_bytes_held`` is their sum,
-    the memory the runner itself keeps outside the graphs' pool.
-    ``total_seconds`` is the wall time of the whole ``capture()``.
+    first). Memory, in rows that do not overlap: :attr:`graph_pool_bytes`
+    (the graphs' shared pool, the sum of the keys' ``graph_pool_bytes``),
+    ``static_input_bytes`` (the runner's static input buffers, allocated
+    once at the largest key) and ``output_buffer_bytes`` (the backend's one
+    shared output buffer); :attr:`total_bytes` is their sum and
+    :attr:`total_bytes_held` the last two (what the runner holds outside the
+    pool). ``total_seconds`` is the wall time of the capture of every key;
+    ``one_time_seconds`` what the first capture in a process paid once
+    before its first key (``one_time_what`` says for what: PyTorch's
+    ``torch._dynamo`` import), 0 for later captures. ``memory_budget`` is the
+    runner's ``memory_budget`` and ``left_to_eager`` the keys it left out
+    (largest first; their calls run the step eagerly).
     ``externals_written`` (debug mode only, else ``None``) lists the
     tensors outside the runner's inputs that the graphs write, e.g. the KV
     cache: ``[{"path", "shape", "dtype"}]``.
@@ -98,11 +113,26 @@ class CaptureReport:
     #: ``bytes_held``, ``bytes_if_separate`` and one-line ``summary`` at capture end.
     output_arena: Optional[Dict[str, Any]] = None
     externals_written: Optional[List[Dict[str, Any]]] = None
+    one_time_seconds: float = 0.0
+    one_time_what: str = ""
+    memory_budget: Optional[int] = None
+    left_to_eager: List[Any] = field(default_factory=list)
+
+    @property
+    def graph_pool_bytes(self) -> Optional[int]:
+        """The graphs' pool: the sum of the keys' ``graph_pool_bytes`` (``None`` if not measured)."""
+        sizes = [b.graph_pool_bytes for b in self.buckets]
+        return None if any(s is None for s in sizes) else sum(sizes)
 
     @property
     def total_bytes_held(self) -> int:
-        """Static input buffers + the shared output buffer, in bytes."""
+        """Static input buffers + the shared output buffer, in bytes (outside the graph pool)."""
         return self.static_input_bytes + self.output_buffer_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Graph pool + static inputs + output buffer, in bytes (the pool counted 0 if not measured)."""
+        return (self.graph_pool_bytes or 0) + self.total_bytes_held
 
     @property
     def num_buckets(self) -> int:
@@ -136,9 +166,15 @@ class CaptureReport:
             "rank": self.rank,
             "world_size": self.world_size,
             "total_seconds": self.total_seconds,
+            "one_time_seconds": self.one_time_seconds,
+            "one_time_what": self.one_time_what,
+            "graph_pool_bytes": self.graph_pool_bytes,
             "static_input_bytes": self.static_input_bytes,
             "output_buffer_bytes": self.output_buffer_bytes,
             "total_bytes_held": self.total_bytes_held,
+            "total_bytes": self.total_bytes,
+            "memory_budget": self.memory_budget,
+            "left_to_eager": [jsonable(k) for k in self.left_to_eager],
             "output_arena": self.output_arena,
             "buckets": [b.to_dict() for b in self.buckets],
             "externals_written": self.externals_written,
@@ -149,41 +185,59 @@ class CaptureReport:
         return json.dumps(self.to_dict(), indent=indent)
 
     def table(self) -> str:
-        """A fixed-width text table: one row per bucket, a totals row, and the runner's memory.
+        """A fixed-width text table: one row per key, a totals row, memory, and a legend.
 
-        The header's ``wall`` is :attr:`total_seconds`. The totals row holds
-        true sums of the rows for ``capture_s``, ``graph_s``, ``segments`` and
-        ``breaks``; its ``bytes_held`` cell is ``-`` because the rows'
-        ``bytes_held`` are views into buffers shared by every bucket (they
-        overlap, a sum would count the shared buffers once per bucket). The
-        last line gives the memory held instead: static inputs + shared output
-        buffer = :attr:`total_bytes_held`.
+        The header gives the wall time of the capture and, on its own, the
+        one-time cost the first capture in a process paid before its first
+        key. The totals row holds true sums of the rows (``graph_pool`` is
+        ``-`` when the device does not measure it). The ``memory:`` line
+        splits what the runner holds into rows that do not overlap: graph
+        pool + static inputs + output buffer. With a ``memory_budget`` a
+        line names the keys left to eager. The last line is the legend.
         """
         head = (f"graphrunner capture: backend={self.backend} device={self.device} "
                 f"rank={self.rank}/{self.world_size} buckets={self.num_buckets} wall={self.total_seconds:.3f}s")
-        cols = f"{'bucket':>7} {'capture_s':>10} {'graph_s':>9} {'segments':>9} {'breaks':>7} {'bytes_held':>12}"
+        if self.one_time_seconds:
+            head += f" (+{self.one_time_seconds:.2f}s one-time before the first key: {self.one_time_what})"
+        cols = f"{'bucket':>7} {'capture_s':>10} {'graph_s':>9} {'segments':>9} {'breaks':>7} {'graph_pool':>11}"
         lines = [head, cols, "-" * len(cols)]
         for b in self.buckets:
             lines.append(f"{key_text(b.bucket):>7} {b.capture_seconds:>10.4f} {b.graph_capture_seconds:>9.4f} "
-                         f"{b.num_segments:>9} {b.num_breaks:>7} {format_bytes(b.bytes_held):>12}")
+                         f"{b.num_segments:>9} {b.num_breaks:>7} {_bytes_cell(b.graph_pool_bytes):>11}")
         lines.append("-" * len(cols))
         lines.append(f"{'total':>7} {sum(b.capture_seconds for b in self.buckets):>10.4f} "
                      f"{sum(b.graph_capture_seconds for b in self.buckets):>9.4f} "
                      f"{sum(b.num_segments for b in self.buckets):>9} {sum(b.num_breaks for b in self.buckets):>7} "
-                     f"{'-':>12}")
-        lines.append(f"held by the runner outside the graphs' pool: static inputs {format_bytes(self.static_input_bytes)} + "
-                     f"shared output buffer {format_bytes(self.output_buffer_bytes)} = "
-                     f"{format_bytes(self.total_bytes_held)} (each row's bytes_held is views into these "
-                     "shared buffers, so rows overlap and are not summed)")
+                     f"{_bytes_cell(self.graph_pool_bytes):>11}")
+        rest = (f"static inputs {format_bytes(self.static_input_bytes)} + output buffer "
+                f"{format_bytes(self.output_buffer_bytes)}")
+        if self.graph_pool_bytes is None:
+            lines.append(f"memory: {rest} = {format_bytes(self.total_bytes_held)} (graph pool not measured)")
+        else:
+            lines.append(f"memory: graph pool {format_bytes(self.graph_pool_bytes)} + {rest} = "
+                         f"{format_bytes(self.total_bytes)}")
+        if self.memory_budget is not None:
+            left = ", ".join(key_text(k) for k in self.left_to_eager) or "none"
+            lines.append(f"memory_budget {format_bytes(self.memory_budget)}: left to eager: {left}")
         if self.output_arena is not None:
             lines.append(f"{self.output_arena['summary']}; this runner's output buffer is part of it")
         if self.externals_written is not None:
             written = ", ".join(f"{e['path']} {e['shape']} {e['dtype']}" for e in self.externals_written)
             lines.append(f"externals the graphs write (debug): {written or 'none'}")
+        lines.append(LEGEND)
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.table()
+
+
+#: The last line of :meth:`CaptureReport.table`.
+LEGEND = ("legend: capture_s = warmups + checks + capture; graph_s = the capture alone; "
+          "graph_pool = pool memory the key added (smaller keys reuse larger keys' memory)")
+
+
+def _bytes_cell(n: Optional[int]) -> str:
+    return "-" if n is None else format_bytes(n)
 
 
 def key_text(key: Any) -> str:

@@ -27,6 +27,7 @@ import torch
 
 from graphrunner.agreement import LocalAgreement, config_fields, make_agreement
 from graphrunner.backends import make_backend
+from graphrunner.budget import MemoryBudget, one_time_imports
 from graphrunner.buckets import default_buckets
 from graphrunner.checks import contracts, fingerprint, resolve_checks
 from graphrunner.checks.verify import shadow_reference, shadow_verify, verify_every_setting
@@ -88,6 +89,7 @@ class GraphRunner:
         output_arena: a :class:`~graphrunner.OutputArena` shared with other runners
             of the same model (one output memory, the max over runners).
         progress: draw a capture progress bar on rank 0 (stderr).
+        memory_budget: bytes the graph pool may hold (one rank): keys left out go eager (:mod:`graphrunner.budget`).
 
     Configuration errors raise ``ValueError``/``TypeError`` here, before any capture. **Outputs
     are views** of the backend's one output buffer: the next call overwrites them (clone, or
@@ -100,13 +102,14 @@ class GraphRunner:
 
     #: Agree the key across ranks on every call (set False before capture() only in tests: UNSAFE).
     agree_bucket = True
+    _config_fields = config_fields  # the configuration ranks compare (graphrunner.agreement.config_fields)
 
     def __init__(self, step: Callable[..., Any], inputs: Mapping[str, BatchInput], buckets: Any,
                  backend: Any = "breakable", device: Any = "auto", group: Any = None, warmups: int = 2,
                  post_warmup_hook: Optional[Callable[[Any], Any]] = None, max_padding_ratio: Optional[float] = None,
                  fallback: str = "eager", trace: Any = None, *, keys: Optional[Sequence[Any]] = None,
                  outputs: Any = None, checks: Any = None, debug: Optional[bool] = None,
-                 verify_every: Optional[int] = None,
+                 verify_every: Optional[int] = None, memory_budget: Optional[int] = None,
                  copy_outputs: Optional[bool] = None, output_arena: Any = None, progress: bool = True) -> None:
         check_config(step, inputs, fallback, post_warmup_hook, output_arena)
         self._space = space = KeySpace(buckets, keys, max_padding_ratio)
@@ -135,8 +138,8 @@ class GraphRunner:
             self.checks = dataclasses.replace(self.checks, drift=bool(getattr(self.backend, "drift_check", True)))
         self.device = self.backend.device
         self.group = getattr(self.backend, "group", None) or LocalGroup()
-        self.rank = int(getattr(self.group, "rank", 0))
-        self.world_size = int(getattr(self.group, "size", 1))
+        self.rank, self.world_size = int(getattr(self.group, "rank", 0)), int(getattr(self.group, "size", 1))
+        self._budget = MemoryBudget(memory_budget, self.world_size)
         self.torch_device = torch.device(getattr(self.device, "torch_device", torch.device("cpu")))
         self._in_dims = resolve_input_dims(inputs, space)
         self._inputs = StaticInputs(inputs, self._in_dims, space.dims, space.maxes, space.legacy, self.torch_device)
@@ -195,7 +198,7 @@ class GraphRunner:
             raise CaptureError("GraphRunner.capture() was already called; call runner.cleanup() before capturing again")
         self._owner.enter("capture()")
         try:
-            return self._capture(None)
+            return self._budget.capture(self._capture, one_time_imports())
         finally:
             self._owner.leave()
 
@@ -203,7 +206,7 @@ class GraphRunner:
         """Capture every key; ``collect`` (``graphrunner check``) puts the hooks in collect mode
         and turns a key's capture error into findings instead of stopping."""
         space = self._space
-        order = space.capture_order()
+        order = self._budget.keep(space.capture_order(), space.external)
         bar = CaptureProgress(len(order), enabled=self.progress and self.rank == 0)
         reports: List[BucketReport] = []
         t0, ok = time.perf_counter(), False
@@ -234,7 +237,7 @@ class GraphRunner:
                             raise
                         collect.capture_error(ext, exc)
                         continue
-                    reports.append(BucketReport.from_info(ext, self.backend.info(ext)))
+                    self._budget.append(ext, reports, BucketReport.from_info(ext, self.backend.info(ext)))
                 local = [bool(self.backend.can_run(space.external(k))) for k in space.keys]
                 self._routes.replayable = dict(zip(space.keys, self._agreement.replayable(local)))
                 self._routes.prepare(self._inputs, self._layout)
@@ -255,9 +258,6 @@ class GraphRunner:
         logger.info("GraphRunner captured %d keys (%s) in %.3fs on rank %d", len(order),
                     self.report.backend, self.report.total_seconds, self.rank)
         return self.report
-
-    def _config_fields(self) -> Dict[str, Any]:
-        return config_fields(self)
 
     def _abort_capture(self) -> None:
         try:
