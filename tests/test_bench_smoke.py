@@ -32,6 +32,7 @@ def _env() -> dict:
     return env
 
 
+@pytest.mark.slow
 def test_quick_suite_writes_json_and_png(tmp_path):
     """Without matplotlib (the ``bench`` extra) the same run writes the JSON and says why there is no plot."""
     no_plot = missing("matplotlib")

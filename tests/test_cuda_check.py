@@ -53,6 +53,7 @@ def test_demo_on_a_cuda_device(cuda_standin, one_torch_thread, tmp_path):
     assert "device=cuda" in out.getvalue()
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_loadtest_two_ranks_on_cuda_is_a_clear_capture_error(tmp_path):
     """Defect 4 end to end: gloo all_reduce in the tensor-parallel step on CUDA: every rank

@@ -11,6 +11,7 @@ from tests.test_docs_examples import ROOT, python_blocks, run_block
 pytestmark = pytest.mark.hf
 
 
+@pytest.mark.slow
 def test_check_compare_fix_walkthrough(tmp_path):
     require("transformers")
     blocks = python_blocks((ROOT / "docs" / "debugging.md").read_text(), "docs/debugging.md")

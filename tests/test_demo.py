@@ -16,6 +16,7 @@ import graphrunner_tools.demo as demo
 from graphrunner_tools.cli import main
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["breakable", "full", "eager"])
 def test_demo_serves_steps_equal_to_eager(backend, tmp_path):
     out = io.StringIO()
@@ -34,6 +35,7 @@ def test_demo_serves_steps_equal_to_eager(backend, tmp_path):
     assert chrome["traceEvents"]
 
 
+@pytest.mark.slow
 def test_demo_reports_a_graph_that_differs_from_eager(monkeypatch, tmp_path, capsys):
     """Negative control: a step that reads a Python counter is frozen in the
     graph but live in eager, so the demo must see mismatches and fail."""
@@ -72,6 +74,7 @@ def test_demo_reports_a_graph_that_differs_from_eager(monkeypatch, tmp_path, cap
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_demo_reports_a_protocol_violation(monkeypatch):
     """Negative control: a backend that skips the final synchronize and barrier
     replays correct values, but the trace checker must catch it and fail the demo."""
@@ -128,6 +131,7 @@ def test_demo_rejects_bad_arguments():
     assert main(["demo", "--steps", "0", "--trace-out", ""]) == 2
 
 
+@pytest.mark.slow
 def test_cli_demo_exit_code_and_help(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "graphrunner_tools.cli", "demo", "--device", "tape", "--steps", "6", "--buckets", "1,2",
@@ -179,6 +183,7 @@ def _tiny_demo(backend: str):
     return result, out.getvalue()
 
 
+@pytest.mark.slow
 def test_demo_prints_a_legend_and_true_totals():
     _, text = _tiny_demo("breakable")
     legend = [line for line in text.splitlines() if line.startswith(("columns:", "legend:"))]
@@ -193,6 +198,7 @@ def test_demo_prints_a_legend_and_true_totals():
         assert int(total[col]) == sum(int(r[col]) for r in rows)
 
 
+@pytest.mark.slow
 def test_demo_eager_latency_table_has_no_graph_columns():
     result, text = _tiny_demo("eager")
     head = next(line for line in text.splitlines() if line.split()[:2] == ["bucket", "eager_ms"])

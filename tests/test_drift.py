@@ -235,6 +235,7 @@ def test_find_drift_on_hand_built_streams():
 # --------------------------------------------------------------------------- the demo decoder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["full", "breakable"])
 def test_no_false_alarm_on_the_demo_decoder(backend):
     from graphrunner_tools.demo import run_demo

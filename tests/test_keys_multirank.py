@@ -19,7 +19,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from mp_util import CountingGroup, assert_all_ok, run_ranks  # noqa: E402
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]  # slow: spawns rank processes (-m "not slow" skips it)
 
 WORLD, H, STEPS, BAD_STEP = 3, 4, 24, 7
 BUCKETS = {"reqs": [1, 2, 4], "draft": [1, 3]}

@@ -58,6 +58,7 @@ def test_make_requests_is_seeded_and_in_range():
         lt.make_requests(3, 100, (1, 2), (0, 2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["breakable", "full"])
 def test_graph_engine_tokens_match_the_uncached_reference(backend):
     # buckets 1, 2, 4, 8 and the padding slot 8; at most 6 running: a full batch pads 2 rows
@@ -74,6 +75,7 @@ def test_graph_engine_tokens_match_the_uncached_reference(backend):
     assert _bad_tokens(model, reqs, run.tokens) == []
 
 
+@pytest.mark.slow
 def test_padding_rows_in_a_real_slot_corrupt_requests():
     # Negative control of the padding slot: padding rows sent to cache row 0 (a request's slot)
     # overwrite that request's position 0, and the uncached reference catches it.
@@ -141,6 +143,7 @@ def _spec_engine(model, reqs, verify, k=3, max_running=6):
     return greedy, run, proposed
 
 
+@pytest.mark.slow
 def test_verify_engine_tokens_match_eager_and_the_uncached_reference():
     # reqs buckets 1, 2, 4, 8 (padding slot 8), draft buckets 2, 4 (cells: last token + 1..3 drafts)
     model, reqs = _tiny(), _requests()
@@ -164,6 +167,7 @@ def test_verify_engine_tokens_match_eager_and_the_uncached_reference():
     assert again.tokens == run.tokens and again.schedule == run.schedule
 
 
+@pytest.mark.slow
 def test_verify_padding_cells_unmasked_corrupt_requests():
     # Negative control of the scratch position: padded cells left at position 0 overwrite the
     # K/V of the requests' first token, and the uncached reference catches it.
@@ -198,6 +202,7 @@ def _reference_check(cfg, result):
     return reqs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["breakable", "full"])
 def test_loadtest_one_rank(backend):
     cfg = _cfg(backend=backend)
@@ -231,6 +236,7 @@ def test_mismatch_fault_is_caught():
     assert _bad_tokens(model, reqs, lv.tokens) == lv.mismatched
 
 
+@pytest.mark.slow
 def test_loadtest_spec_one_rank():
     cfg = _cfg(spec=3)
     res = lt.run_loadtest(cfg)
@@ -257,6 +263,7 @@ def test_mismatch_fault_is_caught_with_spec():
     assert _bad_tokens(model, reqs, lv.tokens) == lv.mismatched
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_loadtest_two_ranks_spec():
     cfg = _cfg(ranks=2, requests=6, concurrency=(4,), spec=2)
@@ -267,6 +274,7 @@ def test_loadtest_two_ranks_spec():
     _reference_check(cfg, res)
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_loadtest_two_ranks_tensor_parallel():
     cfg = _cfg(ranks=2, requests=8)
@@ -289,6 +297,7 @@ def test_dp_schedule_is_seeded_uneven_and_covers_every_request():
         assert len(arrival) == len(part) and 0 <= min(arrival) and max(arrival) <= 50 and len(set(arrival)) > 10
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_loadtest_data_parallel_with_idle_ranks():
     # DP 2 x TP 2 on 4 gloo processes: the groups serve different requests, the MLP spans all 4
@@ -306,6 +315,7 @@ def test_loadtest_data_parallel_with_idle_ranks():
     assert [tuple(d) for d in doc["levels"]] == [lt.LEVEL_KEYS] * 2
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_stall_fault_raises_rank_timeout_and_never_passes():
     cfg = _cfg(ranks=2, requests=6, concurrency=(3, 6), inject_fault="stall", timeout=2.0)

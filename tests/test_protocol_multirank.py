@@ -21,7 +21,7 @@ from graphrunner.group import TorchDistGroup
 from graphrunner.trace import EventKind, Trace, check_capture_order
 from mp_util import assert_all_ok, format_results, run_ranks
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]  # slow: spawns rank processes (-m "not slow" skips it)
 
 SLOW_RANK = 1
 HOOK_SLEEP = 1.5

@@ -145,6 +145,7 @@ def test_replay_really_replays_graphs(graph_runner):
         GATE = old
 
 
+@pytest.mark.slow
 def test_randomised_sweep_2000_calls(graph_runner):
     rng = random.Random(7)
     gen = torch.Generator().manual_seed(7)

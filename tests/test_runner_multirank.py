@@ -26,7 +26,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from mp_util import CountingGroup, assert_all_ok, run_ranks  # noqa: E402
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]  # slow: spawns rank processes (-m "not slow" skips it)
 
 WORLD = 3
 D, H = 8, 12  # H is split into WORLD shards

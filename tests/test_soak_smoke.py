@@ -12,7 +12,7 @@ import pytest
 
 from graphrunner_tools.bench import load_script
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]  # slow: spawns rank processes (-m "not slow" skips it)
 
 SOAK = pathlib.Path(__file__).resolve().parent.parent / "bench" / "soak.py"
 

@@ -29,6 +29,7 @@ SMALL_CLI = ["--requests", "3", "--max-new", "6", "--k", "3", "--reqs-buckets", 
              "--layers", "1", "--no-progress"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["breakable", "full"])
 def test_verify_loop_equals_eager_and_plain_greedy(backend):
     out = io.StringIO()
@@ -108,6 +109,7 @@ def _ranks_worker(rank, world, agree, timeout):
     return res
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_verify_on_three_ranks_agrees_every_step():
     results = run_ranks(_ranks_worker, world_size=3, args=(True, 30.0), timeout=240)
@@ -120,6 +122,7 @@ def test_verify_on_three_ranks_agrees_every_step():
     assert 0 < res[0].accepted < res[0].drafted
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_without_agreement_the_run_fails_clearly_not_hangs():
     """Negative control of the agreement: ranks replay their own tiers, the all_reduce inside the
@@ -132,6 +135,7 @@ def test_without_agreement_the_run_fails_clearly_not_hangs():
                for r in results), text
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_cli_verify_on_two_ranks(capsys):
     assert main(["verify", *SMALL_CLI, "--ranks", "2", "--timeout", "200"]) == 0

@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from mp_util import assert_all_ok, format_results, run_ranks  # noqa: E402
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]  # slow: spawns rank processes (-m "not slow" skips it)
 
 TIMEOUT = 2.0  # graphrunner's group timeout
 STALL = 5.0  # how long the stalled rank sleeps inside its eager break

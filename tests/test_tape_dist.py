@@ -5,7 +5,7 @@ import torch
 
 from mp_util import assert_all_ok, format_results, run_ranks
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]  # slow: spawns rank processes (-m "not slow" skips it)
 
 
 def _worker(rank, world):
