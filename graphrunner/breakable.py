@@ -293,7 +293,9 @@ class _Capture:
         trace = self.graph.trace
         span = (trace.span("eager_break", key=self.graph.key, backend=self.graph.backend,
                            fn=_fn_name(fn)) if trace is not None else contextlib.nullcontext())
-        with span:
+        # A device may watch the body (a check's op recorder: RecordingDevice.eager_break_context).
+        watch = getattr(self.graph.device, "eager_break_context", None)
+        with span, (watch() if watch is not None else contextlib.nullcontext()):
             result = (stub or fn)(*args, **kwargs)
         step = _EagerStep(fn, args, kwargs, result, getattr(self.graph.device, "owns_memory", None))
         self.graph._steps.append(step)

@@ -121,9 +121,44 @@ class TapeDevice(Device):
         self._pool = None
 
     def synchronize(self) -> None:
-        """Wait for queued work (CUDA tensors only; CPU work is synchronous)."""
+        """Wait for queued work (CUDA tensors; CPU work is synchronous) and for every tape
+        stream: side-stream writes deferred until a join land (:mod:`graphrunner.tape.streams`)."""
+        from graphrunner.tape import streams
+
+        streams.synchronize()
         if self.torch_device.type == "cuda":
             torch.cuda.synchronize(self.torch_device)
+
+    # -- streams (graphrunner.tape.streams: torch.cuda's API on the tape) ----
+    def new_stream(self, priority: int = 0, name: "str | None" = None):
+        """A new :class:`~graphrunner.tape.TapeStream` (``torch.cuda.Stream()``)."""
+        from graphrunner.tape.streams import TapeStream
+
+        return TapeStream(priority=priority, name=name)
+
+    def new_event(self, enable_timing: bool = False):
+        """A new :class:`~graphrunner.tape.TapeEvent` (``torch.cuda.Event()``)."""
+        from graphrunner.tape.streams import TapeEvent
+
+        return TapeEvent(enable_timing=enable_timing)
+
+    def current_stream(self):
+        """This thread's current tape stream (``torch.cuda.current_stream()``)."""
+        from graphrunner.tape.streams import current_stream
+
+        return current_stream()
+
+    def default_stream(self):
+        """The tape's default stream (``torch.cuda.default_stream()``)."""
+        from graphrunner.tape.streams import default_stream
+
+        return default_stream()
+
+    def stream(self, s):
+        """Context manager: ``s`` is this thread's current stream in the block (``torch.cuda.stream(s)``)."""
+        from graphrunner.tape.streams import stream
+
+        return stream(s)
 
     def new_graph(self):
         """Return a new, empty :class:`~graphrunner.tape.TapeGraph` (poisoning
@@ -161,11 +196,32 @@ class TapeDevice(Device):
         """Capture into ``graph`` as :func:`~graphrunner.tape.tape_graph` does
         (``pool``: default the device's), without its "graph is empty"
         warning: :meth:`is_empty` tells callers, which drop such captures (a
-        breakable graph's segment between back-to-back breaks)."""
+        breakable graph's segment between back-to-back breaks).
+
+        ``stream``: ``None`` captures on the current stream; a
+        :class:`~graphrunner.tape.TapeStream` is forked from the current
+        stream, made current for the capture and joined back after it (also
+        when the block raises), as :class:`CudaDevice` does with its capture
+        stream."""
         from graphrunner.tape import _capturing
 
-        return _capturing(graph, pool if pool is not None else self.graph_pool(), capture_error_mode,
-                          warn_empty=False)
+        pool = pool if pool is not None else self.graph_pool()
+        if stream is None:
+            return _capturing(graph, pool, capture_error_mode, warn_empty=False)
+        return self._capture_on(graph, stream, capture_error_mode, pool)
+
+    @contextlib.contextmanager
+    def _capture_on(self, graph, stream, capture_error_mode: str, pool) -> Iterator[None]:
+        from graphrunner.tape import _capturing
+        from graphrunner.tape import streams
+
+        current = streams.current_stream()
+        stream.wait_stream(current)
+        try:
+            with streams.stream(stream), _capturing(graph, pool, capture_error_mode, warn_empty=False):
+                yield
+        finally:
+            current.wait_stream(stream)  # also when the block raised: later work must not race it
 
     def __repr__(self) -> str:
         extra = ", poison_captured_values=True" if self.poison_captured_values else ""
@@ -314,6 +370,27 @@ class CudaDevice(Device):
         """Run warmups on the capture stream, as ``torch.cuda`` recommends, so
         cuBLAS handles and workspaces for that stream exist before capture."""
         return self._on_capture_stream()
+
+    # -- streams: the same names as TapeDevice's, over torch.cuda -------------
+    def new_stream(self, priority: int = 0, name: "str | None" = None) -> "torch.cuda.Stream":
+        """A new ``torch.cuda.Stream`` on this GPU (``name`` is accepted for parity with the tape)."""
+        return torch.cuda.Stream(device=self.cuda_device, priority=priority)
+
+    def new_event(self, enable_timing: bool = False) -> "torch.cuda.Event":
+        """A new ``torch.cuda.Event``."""
+        return torch.cuda.Event(enable_timing=enable_timing)
+
+    def current_stream(self) -> "torch.cuda.Stream":
+        """``torch.cuda.current_stream`` of this GPU."""
+        return torch.cuda.current_stream(self.cuda_device)
+
+    def default_stream(self) -> "torch.cuda.Stream":
+        """``torch.cuda.default_stream`` of this GPU."""
+        return torch.cuda.default_stream(self.cuda_device)
+
+    def stream(self, s):
+        """``torch.cuda.stream(s)``."""
+        return torch.cuda.stream(s)
 
     def empty_cache(self) -> None:
         """``torch.cuda.empty_cache()``: return cached blocks (and the memory of pools whose

@@ -18,7 +18,7 @@ __all__ = ["DEFAULT_CHECKS", "CheckSet", "PaddingCheck", "resolve_checks"]
 #: The checks a runner runs unless ``checks=`` says otherwise.
 DEFAULT_CHECKS = ("drift", "padding", "fingerprint")
 
-_NAMES = ("drift", "padding", "fingerprint")
+_NAMES = ("drift", "padding", "fingerprint", "streams")
 
 
 @dataclass(frozen=True)
@@ -30,13 +30,17 @@ class CheckSet:
     (:class:`~graphrunner.checks.padding.PaddingCheck`) or ``None``;
     ``fingerprint``: the cross-rank capture fingerprint
     (:mod:`graphrunner.checks.fingerprint`; UNSAFE to leave out with several
-    ranks: mismatched ranks then replay mismatched graphs silently). Debug
-    mode adds the externals contract (:mod:`graphrunner.checks.contracts`).
+    ranks: mismatched ranks then replay mismatched graphs silently);
+    ``streams``: stream ownership (:mod:`graphrunner.checks.streams`: side-stream
+    work joined before it is read; off unless named). Debug mode adds the
+    externals contract (:mod:`graphrunner.checks.contracts`) and the stream
+    check.
     """
 
     drift: bool
     padding: Optional[PaddingCheck]
     fingerprint: bool
+    streams: bool = False
 
     def key_hooks(self, space: Any, key: tuple, key_text: str, inputs: list, step: Any, leaf_dims: Any,
                   group: Any, externals: Any = None, input_writes: Any = None) -> list:
@@ -59,19 +63,24 @@ class CheckSet:
             hooks.append(FingerprintCheck())
         if externals is not None:
             hooks.append(externals)
+        if self.streams or externals is not None:  # named, or debug mode
+            from graphrunner.checks.streams import StreamCheck
+
+            names = {k: v[0] for k, v in getattr(input_writes, "storages", {}).items()}
+            hooks.append(StreamCheck(names=names, step=step))
         return hooks
 
     def names(self) -> list:
         """The checks' names, in :data:`DEFAULT_CHECKS` order."""
         return [n for n, on in (("drift", self.drift), ("padding", self.padding is not None),
-                                ("fingerprint", self.fingerprint)) if on]
+                                ("fingerprint", self.fingerprint), ("streams", self.streams)) if on]
 
 
 def resolve_checks(checks: Any) -> CheckSet:
     """``GraphRunner(checks=...)`` as a :class:`CheckSet`.
 
     ``None`` means :data:`DEFAULT_CHECKS`; otherwise a sequence of names
-    (``"drift"``, ``"padding"``, ``"fingerprint"``) and
+    (``"drift"``, ``"padding"``, ``"fingerprint"``, ``"streams"``) and
     :class:`~graphrunner.checks.padding.PaddingCheck` instances (a
     configured ``"padding"``), e.g. ``checks=["drift",
     gr.PaddingCheck(exempt=("total",)), "fingerprint"]``; ``()`` runs none.
@@ -87,7 +96,7 @@ def resolve_checks(checks: Any) -> CheckSet:
     except TypeError:
         raise TypeError(f"checks must be a sequence of check names {list(_NAMES)} or gr.PaddingCheck(...), "
                         f"got {type(checks).__name__}") from None
-    drift = fingerprint = False
+    drift = fingerprint = streams = False
     padding: Optional[PaddingCheck] = None
     for c in items:
         if isinstance(c, PaddingCheck):
@@ -98,7 +107,9 @@ def resolve_checks(checks: Any) -> CheckSet:
             drift = True
         elif c == "fingerprint":
             fingerprint = True
+        elif c == "streams":
+            streams = True
         elif c != "padding":
             raise ValueError(f"unknown check {c!r} in checks=: expected names from {list(_NAMES)} or "
                              "gr.PaddingCheck(exempt=...)")
-    return CheckSet(drift=drift, padding=padding, fingerprint=fingerprint)
+    return CheckSet(drift=drift, padding=padding, fingerprint=fingerprint, streams=streams)

@@ -15,7 +15,10 @@ an :class:`OpEvent` with the facts every check needs, computed once:
   runs eagerly at every replay of a breakable graph), and ``break_fn``, that
   body's function;
 - storage identity by :func:`storage_key` (the storage's data pointer): one
-  definition for every check.
+  definition for every check;
+- ``stream``: the stream the op was issued on (:func:`op_stream`: the
+  current ``torch.cuda`` stream for CUDA tensors and under the CUDA
+  stand-in, else the current tape stream, :mod:`graphrunner.tape.streams`).
 
 The helpers that say which arguments an op writes and what identifies a
 storage live in :mod:`graphrunner._aten`, shared with the tape's own
@@ -44,7 +47,7 @@ from graphrunner._aten import storage_key, tensors_in, written_tensors
 from graphrunner._frames import is_internal
 from graphrunner.tape.state import storage_bytes
 
-__all__ = ["OpEvent", "FunctionEvent", "OpConsumer", "OpRecorder", "RecordingDevice", "WriteGuard", "storage_key",
+__all__ = ["OpEvent", "FunctionEvent", "op_stream", "OpConsumer", "OpRecorder", "RecordingDevice", "WriteGuard", "storage_key",
            "written_tensors", "tensors_in", "no_graph_code", "ATOMIC_FUNCTIONS"]
 
 Where = Tuple[str, int, str]
@@ -121,13 +124,21 @@ class OpEvent:
     ``@no_graph`` function it runs in), :meth:`user_stack`.
     """
 
-    __slots__ = ("func", "args", "kwargs", "out", "atomic", "_frames", "_written")
+    __slots__ = ("func", "args", "kwargs", "out", "atomic", "_frames", "_written", "_stream")
 
     def __init__(self, func: Any, args: tuple, kwargs: dict, frames: _Frames, atomic: bool):
         self.func, self.args, self.kwargs, self.atomic = func, args, kwargs, atomic
         self.out: Any = None
         self._frames = frames
         self._written: Optional[List[torch.Tensor]] = None
+        self._stream: Any = None
+
+    @property
+    def stream(self) -> Any:
+        """The stream the op was issued on (:func:`op_stream`; read it before the op runs)."""
+        if self._stream is None:
+            self._stream = op_stream(self.args, self.kwargs)
+        return self._stream
 
     @property
     def name(self) -> str:
@@ -165,6 +176,22 @@ class OpEvent:
     def user_stack(self) -> List[Tuple[Any, int]]:
         """The user's frames above the op, innermost first."""
         return self._frames.user_stack()
+
+
+def op_stream(args: Sequence[Any], kwargs: dict) -> Any:
+    """The stream an op with these arguments is issued on now: ``torch.cuda.current_stream`` of the
+    first CUDA tensor's device (or of the current device under the CUDA stand-in, whose tensors stay
+    on the CPU), else the calling thread's current tape stream
+    (:func:`graphrunner.tape.streams.current_stream`)."""
+    for v in list(args) + list(kwargs.values()):
+        for t in tensors_in(v):
+            if t.is_cuda:
+                return torch.cuda.current_stream(t.device)
+    if getattr(torch.cuda, "_graphrunner_standin", None) is not None:
+        return torch.cuda.current_stream()
+    from graphrunner.tape.streams import current_stream
+
+    return current_stream()
 
 
 class FunctionEvent:
@@ -337,6 +364,17 @@ class RecordingDevice:
         """``device.capture(graph, ...)`` with the recorder's modes inside it."""
         with self._device.capture(graph, *args, **kwargs), self._recorder.modes():
             yield
+
+    def eager_break_context(self) -> Any:
+        """The context a breakable capture runs each eager-break body in: while the recorder
+        records, one more recorder feeds the body's ops to the consumers that ask for them
+        (``eager_breaks = True``: the stream check, which must see a side stream forked in a
+        break); the other consumers see the segments only, as before."""
+        rec = self._recorder
+        wanted = [c for c in rec.consumers if getattr(c, "eager_breaks", False)]
+        if not wanted or not rec.on:
+            return contextlib.nullcontext()
+        return OpRecorder(wanted, stop=rec.stop)
 
 
 class WriteGuard(OpConsumer):

@@ -83,19 +83,25 @@ Modules (each owns one job; see its docstring):
 * :mod:`~graphrunner.tape.arena`: :class:`TapePool` and the per-pool arena
   (memory reuse between captures as on CUDA, the pool size estimate);
 * :mod:`~graphrunner.tape.state`: the captures in progress, per thread, and
-  the tensors the tape itself holds.
+  the tensors the tape itself holds;
+* :mod:`~graphrunner.tape.streams`: streams and events (``torch.cuda``'s
+  API), their ordering rules as vector clocks, and the deferred writes of a
+  side stream until it is joined (the emulation of an unjoined stream).
 """
 
 from .arena import TapePool, graph_pool_handle
 from .graph import EMPTY_GRAPH_MESSAGE, TapeGraph, _capturing, tape_graph
 from .recording import _Capture, _Recorder
 from .state import is_tape_capturing
+from .streams import TapeEvent, TapeStream
 from .survivors import (POISON_ENV_VAR, EscapedTensorWarning, StashedTensorWarning, _resolve_poison, poison_default,
                         poison_value)
 from .unsafe import _EXPLICIT_UNSAFE, _FRIENDLY, _UNSAFE_FUNCTIONS, _check_safe
 
 __all__ = [
     "TapeGraph",
+    "TapeStream",
+    "TapeEvent",
     "POISON_ENV_VAR",
     "poison_default",
     "poison_value",

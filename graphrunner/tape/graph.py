@@ -31,6 +31,7 @@ from .codegen import generate, hoist
 from .jit import JitReplay, eligible, jit_default
 from .proof import stats as proof_stats
 from .recording import _Capture, _Recorder
+from .streams import unjoined_error
 from .rng import _reseed_guard
 from .state import _ACTIVE, _ACTIVE_LOCK, _CAPTURE_ERROR_MODES, alias_of
 from .survivors import (_SURVIVORS, EscapedTensorWarning, _Poisoned, _resolve_poison, find_survivors,
@@ -229,6 +230,9 @@ class TapeGraph:
     def _end(self, warn_empty: bool) -> None:
         if self._cap is None:
             raise CaptureError("capture_end() called on a TapeGraph that is not capturing")
+        # A stream forked from the capture stream must be joined back (cudaErrorStreamCaptureUnjoined).
+        c = self._cap
+        unjoined = unjoined_error(c.stream, c.stream_t0, c.stream_last) if c.failed is None else None
         # Other graphs' poisoned survivors read by the capture keep their real
         # values until the trace has run (it computes on them, as the capture did).
         cap = self._stop(repoison=False)
@@ -236,6 +240,9 @@ class TapeGraph:
             if cap.failed is not None:
                 self._clear()
                 raise CaptureError(f"tape capture failed earlier: {cap.failed}") from cap.failed
+            if unjoined is not None:
+                self._clear()
+                raise unjoined
             try:
                 self._finalize(cap)
             except BaseException:

@@ -27,6 +27,7 @@ from .collapse import COLLAPSIBLE, COLLAPSIBLE_FUNCTIONAL
 from .proof import eager_tls, stats as proof_stats
 from .rng import _op_generator
 from .state import _storage, storage_bytes
+from .streams import CLOCKS, current_stream
 from .survivors import _POISONED, _SURVIVORS, EscapedTensorWarning, _Poisoned
 from .unsafe import _check_safe, _user_frame
 
@@ -48,7 +49,7 @@ class _Op:
 
     __slots__ = ("func", "args", "kwargs", "outs", "new", "in_names", "writes", "pure", "collective", "seeded",
                  "out_skeys", "in_skeys", "fast", "call", "cargs", "in_vers", "alias", "view",
-                 "out_ok", "seen")
+                 "out_ok", "seen", "stream")
 
     def __init__(self):
         # fast: None (replayed), "hoisted" (computed once at capture), "alias"
@@ -65,6 +66,7 @@ class _Op:
         # for a call a rewrite may replace at capture end (a composite collapsed to its kernel):
         # {input name: the value that temporary held here}, for the rewrite's proof
         self.seen = None
+        self.stream = 0  # id of the stream the op was issued on (graphrunner.tape.streams)
 
 
 class _Capture:
@@ -101,6 +103,11 @@ class _Capture:
         self.generators: dict[int, tuple] = {}     # id(generator) -> (generator, state, initial seed) at first use
         self.drawn_from: list = []                 # at capture end: the generators tracked (restored)
         self.track_generator(torch.default_generator)
+        # streams: the capture stream, its time at capture begin and every stream's last op then
+        # (a stream forked from it during the capture must be joined back by capture end)
+        self.stream = current_stream()
+        self.stream_t0 = CLOCKS.now(self.stream.id)
+        self.stream_last = dict(CLOCKS.last_op)
 
     def scalar_tensor(self, v, dtype=None) -> torch.Tensor:
         """One shared 0-dim tensor per Python scalar and dtype (default float64 /
@@ -330,6 +337,7 @@ class _Recorder(TorchDispatchMode):
         try:
             op = _Op()
             op.func, op.args, op.kwargs = func, targs, tkwargs
+            op.stream = current_stream().id
             op.in_names = in_names
             op.in_vers = in_vers
             op.new, allout = [], []

@@ -49,7 +49,9 @@ the first replay), so replays compute real results.
 What it cannot show (see ``docs/troubleshooting.md``): anything about kernels (speed,
 occupancy, nondeterministic reductions, cuBLAS workspaces), real memory numbers (the pool
 sizes are the tape's estimates), asynchrony (work runs when issued, so a missing
-``wait_stream`` or event is recorded, not raced), work issued on a stream other than the
+``wait_stream`` or event is recorded, not raced: the debug-mode stream check,
+fed by the ``torch.cuda._gpu_trace`` hooks the stand-in fires as torch does,
+refuses it at capture), work issued on a stream other than the
 capture stream (the tape records it anyway; on a GPU it runs eagerly and the graph may be
 empty), NCCL itself, multi-process GPU sharing, and driver or toolkit versions.
 
@@ -281,13 +283,28 @@ class _StandinStream:
         return f"<torch.cuda.Stream (standin {kind}stream {self.stream_id}) device=cuda:{self.device_index}>"
 
 
+def _trace(registry: str, *args: Any) -> None:
+    """Fire ``torch.cuda._gpu_trace``'s callbacks as torch's C++ does for a real stream or event call
+    (event record / wait: ``(event, stream)`` handles; stream, event and device synchronize), so
+    the debug-mode stream bookkeeping (:mod:`graphrunner.checks.streams`) sees the stand-in's joins."""
+    from torch.cuda import _gpu_trace
+
+    callbacks = getattr(_gpu_trace, registry)
+    if callbacks.callback_list:
+        callbacks.fire_callbacks(*args)
+
+
 class _StandinEvent:
     """Base of the stand-in ``torch.cuda.Event``."""
 
     standin: "CudaStandin"
 
+    _ids = itertools.count(1)
+
     def _init(self, enable_timing: bool) -> None:
         self.enable_timing = enable_timing
+        #: The handle the GPU trace hooks report for this event (torch: the cudaEvent_t).
+        self.event_id = next(_StandinEvent._ids)
         self.t: Optional[float] = None
         self.recorded_in_capture = False
         self.stream: Optional[_StandinStream] = None
@@ -418,10 +435,14 @@ class CudaStandin:
                     raise TypeError(f"wait_stream expects a torch.cuda.Stream, got {type(stream).__name__}")
                 self.waited_on.append(stream)
                 standin.log.append(("wait_stream", f"{self.stream_id}<-{stream.stream_id}"))
+                # torch: self.wait_event(stream.record_event()): the GPU trace sees a record and a wait
+                ev = standin.Event()
+                ev.record(stream)
+                ev.wait(self)
 
             @_bound(R["Stream"].wait_event, method=True)
             def wait_event(self, event):
-                pass
+                event.wait(self)
 
             @_bound(R["Stream"].record_event, method=True)
             def record_event(self, event=None):
@@ -433,6 +454,7 @@ class CudaStandin:
             def synchronize(self):
                 if self.capturing is not None:
                     standin._forbid_sync("Stream.synchronize()", self.device_index)
+                _trace("StreamSynchronizationCallbacks", self.stream_id)
 
             @_bound(R["Stream"].query, method=True)
             def query(self):
@@ -461,15 +483,18 @@ class CudaStandin:
                 self.stream = st
                 self.recorded_in_capture = st.capturing is not None
                 self.t = time.perf_counter()
+                _trace("EventRecordCallbacks", self.event_id, st.stream_id)
 
             @_bound(R["Event"].wait, method=True)
             def wait(self, stream=None):
-                pass
+                st = stream if stream is not None else standin._current_stream(standin.current_device())
+                _trace("EventWaitCallbacks", self.event_id, st.stream_id)
 
             @_bound(R["Event"].synchronize, method=True)
             def synchronize(self):
                 if self.stream is not None and self.stream.capturing is not None:
                     standin._forbid_sync("Event.synchronize()", self.stream.device_index)
+                _trace("EventSynchronizationCallbacks", self.event_id)
 
             @_bound(R["Event"].query, method=True)
             def query(self):
@@ -721,6 +746,7 @@ class CudaStandin:
         @_bound(R["synchronize"])
         def synchronize(device=None):
             standin._forbid_sync("torch.cuda.synchronize()", _device_index(standin, device))
+            _trace("DeviceSynchronizationCallbacks")
 
         @_bound(R["empty_cache"])
         def empty_cache():
