@@ -21,6 +21,7 @@ from graphrunner.trace import Trace, check_capture_order
 from graphrunner.backends import BreakableGraphBackend, EagerBackend, FullGraphBackend, GraphBackend
 from graphrunner.runner import BatchInput, GraphRunner, default_buckets
 from graphrunner.report import CaptureReport
+from graphrunner.planning import plan_buckets
 from graphrunner.arena import OutputArena
 from graphrunner.checks import PaddingCheck
 from graphrunner.checks.compare import CompareReport
@@ -44,7 +45,7 @@ __all__ = [
     # backends
     "BreakableGraphBackend", "EagerBackend", "FullGraphBackend", "GraphBackend",
     # the runner and its reports
-    "BatchInput", "GraphRunner", "default_buckets", "CaptureReport", "OutputArena",
+    "BatchInput", "GraphRunner", "default_buckets", "plan_buckets", "CaptureReport", "OutputArena",
     # checks
     "PaddingCheck", "CompareReport", "check_factory",
 ]

@@ -1,4 +1,4 @@
-"""The ``graphrunner`` command line: ``graphrunner demo``, ``verify``, ``loadtest``, ``check``, ``bench`` and
+"""The ``graphrunner`` command line: ``graphrunner demo``, ``verify``, ``loadtest``, ``check``, ``bench``, ``plan`` and
 ``graphrunner --version``.
 
 A bad command line is one line on stderr, ``graphrunner: error: ...``, and exit code 2.
@@ -17,6 +17,7 @@ import graphrunner
 from graphrunner.errors import GraphRunnerError
 from graphrunner_tools.bench import add_bench_subparser, parse_buckets
 from graphrunner_tools.loadtest import add_loadtest_subparser
+from graphrunner_tools.plan import add_plan_subparser
 from graphrunner_tools.threads import add_threads_argument, positive_int, torch_threads
 
 
@@ -207,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_threads_argument(verify)
     verify.set_defaults(func=_verify)
     add_bench_subparser(sub)
+    add_plan_subparser(sub)
     check = sub.add_parser(
         "check", help="lint a GraphRunner for capture safety on a CPU: every unsafe op, drift, padding leak and "
                       "capture error",

@@ -42,7 +42,7 @@ PUBLIC_API = {
     "BreakableGraph", "breakable_graph", "no_graph", "force_no_graph", "is_in_breakable_graph",
     "TapeGraph", "LocalGroup", "TorchDistGroup", "Trace", "check_capture_order",
     "GraphBackend", "FullGraphBackend", "BreakableGraphBackend", "EagerBackend",
-    "GraphRunner", "BatchInput", "default_buckets", "CaptureReport", "OutputArena", "PaddingCheck",
+    "GraphRunner", "BatchInput", "default_buckets", "plan_buckets", "CaptureReport", "OutputArena", "PaddingCheck",
     "check_factory", "CompareReport",
 }
 

@@ -1,0 +1,191 @@
+"""``graphrunner plan``: buckets planned from observed batch sizes (:func:`graphrunner.plan_buckets`).
+
+Reads the batch size of every served call from a file and prints the bucket list
+with the fewest padded rows for a number of graphs, next to vLLM's ladder
+(:func:`graphrunner.default_buckets`) with the same number of graphs. Files:
+
+- text: one int per line (blank lines and ``#`` comments ignored);
+- JSON: a list of ints; ``{"schedule": [...]}``; a loadtest JSON whose levels
+  carry their per-step ``schedule`` (``{"levels": [{"concurrency": C,
+  "schedule": [...]}, ...]}``; ``--level C`` takes one level, else all); or
+  named dims ``{dim: [sizes...]}`` (``--max-graphs dim=K,...``).
+
+Exit codes: 0, or 2 with one line on stderr for a file that cannot be read or
+planned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Dict, List, Optional
+
+from graphrunner.buckets import default_buckets
+from graphrunner.planning import padding_of, plan_buckets
+
+__all__ = ["load_sizes", "compare_with_ladder", "graphs_to_match", "add_plan_subparser"]
+
+
+class PlanInputError(ValueError):
+    """A sizes file that cannot be read or planned (the CLI prints it as one line, exit 2)."""
+
+
+def load_sizes(path: str, level: Optional[int] = None) -> Any:
+    """The observed sizes in ``path`` (see the module docstring): a list of ints, or ``{dim: [...]}``.
+    Raises :class:`PlanInputError` naming the file (and line or field) for anything else."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except IsADirectoryError:
+        raise PlanInputError(f"{path!r} is a directory; pass a file of batch sizes") from None
+    except OSError as exc:
+        raise PlanInputError(f"cannot read {path!r} ({exc.strerror or exc})") from None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return _text_sizes(path, text, level)
+    if level is not None and not (isinstance(data, dict) and "levels" in data):
+        raise PlanInputError(f"--level {level}: {path!r} is not a loadtest JSON (no 'levels')")
+    if isinstance(data, list):
+        return data
+    if isinstance(data, dict) and "levels" in data:
+        return _loadtest_sizes(path, data, level)
+    if isinstance(data, dict) and "schedule" in data:
+        return data["schedule"]
+    if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
+        return data
+    raise PlanInputError(f"{path!r}: expected a JSON list of batch sizes, {{'schedule': [...]}}, a loadtest JSON "
+                         "with per-level schedules, or {dim: [sizes...]}")
+
+
+def _text_sizes(path: str, text: str, level: Optional[int]) -> List[int]:
+    if level is not None:
+        raise PlanInputError(f"--level {level}: {path!r} is a text file of sizes, not a loadtest JSON")
+    out = []
+    for no, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        try:
+            out.append(int(line))
+        except ValueError:
+            raise PlanInputError(f"{path}:{no}: {line!r} is not an int; the file holds one batch size per line "
+                                 "(or a JSON list)") from None
+    return out
+
+
+def _loadtest_sizes(path: str, data: Dict[str, Any], level: Optional[int]) -> List[int]:
+    levels = data["levels"]
+    if level is not None:
+        levels = [lv for lv in levels if lv.get("concurrency") == level]
+        if not levels:
+            have = [lv.get("concurrency") for lv in data["levels"]]
+            raise PlanInputError(f"--level {level}: {path!r} has no level of concurrency {level} (levels: {have})")
+    if not any("schedule" in lv for lv in levels):
+        raise PlanInputError(f"{path!r} is a loadtest JSON without per-step schedules (levels[].schedule); "
+                             "pass a file of sizes (one per line) or a JSON list instead")
+    return [n for lv in levels for n in lv.get("schedule", [])]
+
+
+def compare_with_ladder(sizes: List[int], max_graphs: Optional[int] = None) -> Dict[str, Any]:
+    """The plan for ``max_graphs`` (default: as many graphs as vLLM's ladder up to the largest size)
+    next to that ladder: ``{"planned": buckets, "ladder": buckets, "planned_padding": padding_of(...),
+    "ladder_padding": ..., "ratio": planned / ladder padded fraction, "graphs_to_match": k}``."""
+    top = max(sizes)
+    ladder = default_buckets(top)
+    k = len(ladder) if max_graphs is None else max_graphs
+    planned = plan_buckets(sizes, max_graphs=k)
+    pp, lp = padding_of(sizes, planned), padding_of(sizes, ladder)
+    return {"max_graphs": k, "planned": planned, "ladder": ladder, "planned_padding": pp, "ladder_padding": lp,
+            "ratio": pp["padded_fraction"] / lp["padded_fraction"] if lp["padded_fraction"] else None,
+            "graphs_to_match": graphs_to_match(sizes, lp["padded_rows"], len(ladder))}
+
+
+def graphs_to_match(sizes: List[int], padded_rows: int, most: int) -> int:
+    """The fewest planned graphs whose padding is at most ``padded_rows`` (binary search; at most ``most``)."""
+    lo, hi = 1, most
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if padding_of(sizes, plan_buckets(sizes, mid))["padded_rows"] <= padded_rows:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _max_graphs(text: str) -> Any:
+    """``--max-graphs``: ``8`` or ``reqs=4,draft=3``."""
+    if "=" not in text:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an int (or dim=K,... for named dims)") from None
+    out = {}
+    for part in text.split(","):
+        dim, _, k = part.partition("=")
+        try:
+            out[dim.strip()] = int(k)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r}: expected dim=K with an int K, e.g. reqs=4,draft=3") from None
+    return out
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        sizes = load_sizes(args.file, args.level)
+        if isinstance(sizes, dict):
+            if args.max_graphs is None or not isinstance(args.max_graphs, dict):
+                raise PlanInputError(f"{args.file!r} names dims {list(sizes)}: pass --max-graphs "
+                                     + ",".join(f"{d}=K" for d in sizes))
+            plan = plan_buckets(sizes, max_graphs=args.max_graphs)
+            result: Dict[str, Any] = {"file": args.file, "dims": {d: {"planned": plan[d], "padding": padding_of(
+                sizes[d], plan[d])} for d in sizes}}
+        else:
+            if isinstance(args.max_graphs, dict):
+                raise PlanInputError(f"--max-graphs names dims but {args.file!r} holds one list of sizes; pass an int")
+            plan_buckets(sizes, max_graphs=args.max_graphs or 1)  # validates the sizes, naming the bad entry
+            result = {"file": args.file, **compare_with_ladder([n for n in sizes if n], args.max_graphs)}
+    except (PlanInputError, ValueError, TypeError) as exc:
+        print(f"graphrunner: error: {exc} (see 'graphrunner plan --help')", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    if "dims" in result:
+        for d, r in result["dims"].items():
+            p = r["padding"]
+            print(f"{d}: {len(r['planned'])} buckets {','.join(map(str, r['planned']))}; padded rows "
+                  f"{p['padded_fraction']:.1%} ({p['padded_rows']} over {p['calls']} calls)")
+        return 0
+    pp, lp = result["planned_padding"], result["ladder_padding"]
+    print(f"graphrunner plan: {pp['calls']} calls from {args.file}, sizes "
+          f"{min(n for n in sizes if n)}..{max(sizes)}")
+    print(f"planned, {len(result['planned'])} graphs: {','.join(map(str, result['planned']))}")
+    ratio = f" ({result['ratio']:.2f}x)" if result["ratio"] is not None else ""
+    print(f"padded rows: planned {pp['padded_fraction']:.2%} vs vLLM's ladder {lp['padded_fraction']:.2%} "
+          f"({lp['graphs']} graphs){ratio}; the planner matches the ladder's padding with "
+          f"{result['graphs_to_match']} graphs")
+    print("use: GraphRunner(..., buckets=[" + ", ".join(map(str, result["planned"])) + "])")
+    return 0
+
+
+def add_plan_subparser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``graphrunner plan`` to ``subparsers``."""
+    p = subparsers.add_parser(
+        "plan", help="buckets planned from observed batch sizes (exact: fewest padded rows for K graphs)",
+        description="Read the batch size of every served call from FILE (one int per line; a JSON list; "
+                    "{'schedule': [...]}; a loadtest JSON with per-level schedules; or {dim: [sizes]} for named "
+                    "dims) and print the bucket list with the fewest padded rows for --max-graphs graphs (an exact "
+                    "dynamic program: gr.plan_buckets), its padded-row fraction next to vLLM's ladder "
+                    "(gr.default_buckets) with the same number of graphs, and how many planned graphs match the "
+                    "ladder's padding. Exits 2 (one line on stderr) for a file that cannot be read or planned.")
+    p.add_argument("file", metavar="FILE", help="the observed batch sizes (see above)")
+    p.add_argument("--max-graphs", type=_max_graphs, default=None,
+                   help="most graphs (default: as many as vLLM's ladder up to the largest size); dim=K,... for "
+                        "named dims")
+    p.add_argument("--level", type=int, default=None,
+                   help="a loadtest JSON: plan for the level of this concurrency only (default: every level)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=_run)
+    return p

@@ -1,0 +1,215 @@
+"""gr.plan_buckets (issue 25 item 3) against brute force over every subset, its edge cases and errors,
+padding_of against a direct count, and the planned buckets served by a GraphRunner."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+import graphrunner as gr
+from graphrunner.planning import padding_of, plan_buckets
+
+
+def brute_force(sizes, k):
+    """The least total padding over every set of at most ``k`` buckets drawn from 1..max(sizes)
+    that contains max(sizes) (not only observed sizes: an independent reference), and the
+    fewest buckets reaching it."""
+    top = max(sizes)
+    counts = Counter(s for s in sizes if s)
+    best = None
+    for r in range(0, k):
+        for extra in itertools.combinations(range(1, top), r):
+            bl = list(extra) + [top]
+            pad = sum(c * (next(b for b in bl if b >= n) - n) for n, c in counts.items())
+            if best is None or pad < best[0]:
+                best = (pad, len(bl))
+    return best
+
+
+def padding(sizes, buckets):
+    return sum(next(b for b in buckets if b >= n) - n for n in sizes if n)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_planner_equals_brute_force_on_small_cases(seed):
+    rng = random.Random(seed)
+    top = rng.randint(1, 11)
+    sizes = [rng.choice([rng.randint(1, top), rng.randint(1, 3)]) for _ in range(rng.randint(1, 25))]
+    for k in range(1, 6):
+        got = plan_buckets(sizes, max_graphs=k)
+        assert got == sorted(set(got)) and len(got) <= k and got[-1] == max(sizes)
+        assert set(got) <= set(sizes)  # observed sizes only
+        best_pad, fewest = brute_force(sizes, k)
+        assert padding(sizes, got) == best_pad
+        assert len(got) == fewest
+
+
+def test_brute_force_reference_is_not_trivially_satisfied():
+    # negative control: the vLLM-style ladder and a plausible heuristic (the k most frequent sizes
+    # plus the max) pad more than the planner on a skewed case, and the reference sees it
+    sizes = [1] * 5 + [3] * 4 + [5] * 4 + [6] * 4 + [9]
+    best_pad, _ = brute_force(sizes, 3)
+    assert plan_buckets(sizes, 3) == [3, 6, 9]  # 1 -> 3 five times, 5 -> 6 four times
+    assert padding(sizes, [3, 6, 9]) == best_pad == 14
+    assert padding(sizes, [1, 3, 9]) > best_pad
+    assert padding(sizes, gr.default_buckets(9)[-3:]) > best_pad
+
+
+def test_edge_cases():
+    assert plan_buckets([5], max_graphs=1) == [5]
+    assert plan_buckets([5, 5, 5], max_graphs=4) == [5]  # one distinct size: one bucket
+    assert plan_buckets([3, 1, 2, 2, 9], max_graphs=10) == [1, 2, 3, 9]  # enough graphs: no padding
+    assert plan_buckets([0, 4, 0, 2], max_graphs=1) == [4]  # idle steps (0) carry no rows
+    assert plan_buckets(torch.tensor([1, 8, 8]), 2) == [1, 8]
+    assert plan_buckets([7, 1, 1, 1, 1], 1) == [7]  # the largest observed size is always a bucket
+    got = plan_buckets([1, 1, 1, 3, 7, 8, 8], max_graphs=2)
+    assert got == [1, 8] and padding([1, 1, 1, 3, 7, 8, 8], got) == 5 + 1
+
+
+def test_named_dims_are_planned_per_dim():
+    reqs = [1, 1, 2, 3, 3, 3, 8]
+    draft = [2, 2, 2, 5, 6]
+    got = plan_buckets({"reqs": reqs, "draft": draft}, max_graphs={"reqs": 2, "draft": 2})
+    assert got == {"reqs": plan_buckets(reqs, 2), "draft": plan_buckets(draft, 2)}
+    assert got["draft"] == [2, 6] and padding(reqs, got["reqs"]) == brute_force(reqs, 2)[0]
+    # usable as GraphRunner(buckets=...) with named dims
+    r = gr.GraphRunner(lambda x: x * 2, {"x": gr.BatchInput(trailing=(), dims=("reqs", "draft"))}, got,
+                       device="tape", progress=False)
+    assert r.buckets == got
+
+
+@pytest.mark.parametrize("sizes,k,exc,match", [
+    ([], 2, ValueError, r"observed_sizes holds no batch size >= 1"),
+    ([0, 0], 2, ValueError, r"observed_sizes holds no batch size >= 1"),
+    ([1, -3], 2, ValueError, r"observed_sizes\[1\] is -3"),
+    ([1, 2.5], 2, TypeError, r"observed_sizes\[1\] is a float"),
+    ([1, True], 2, TypeError, r"observed_sizes\[1\] is a bool"),
+    ("1,2,3", 2, TypeError, r"observed_sizes must be a list of observed batch sizes"),
+    (7, 2, TypeError, r"observed_sizes must be a list"),
+    ([1, 2], 0, ValueError, r"max_graphs must be >= 1"),
+    ([1, 2], 2.0, TypeError, r"max_graphs must be an int >= 1"),
+    ([1, 2], {"reqs": 2}, TypeError, r"max_graphs is a dict but observed_sizes is a list"),
+    ({"reqs": [1, 2]}, 2, TypeError, r"give max_graphs per dim"),
+    ({"reqs": [1, 2]}, {"draft": 2}, ValueError, r"max_graphs names dims \['draft'\]"),
+    ({"reqs": [1, -1]}, {"reqs": 2}, ValueError, r"observed_sizes\['reqs'\]\[1\] is -1"),
+    ({"reqs": [1]}, {"reqs": 0}, ValueError, r"max_graphs\['reqs'\] must be >= 1"),
+    ({}, {}, ValueError, r"observed_sizes is an empty dict"),
+])
+def test_bad_input_is_an_error_naming_the_input(sizes, k, exc, match):
+    with pytest.raises(exc, match=match):
+        plan_buckets(sizes, max_graphs=k)
+
+
+def test_padding_of_counts_padded_rows_and_eager_calls():
+    sizes = [1, 2, 3, 5, 9, 9, 12]
+    got = padding_of(sizes, [2, 4, 9])
+    # 1->2 (1), 2->2 (0), 3->4 (1), 5->9 (4), 9->9 (0) x2; 12 is above 9: eager
+    assert got == {"graphs": 3, "calls": 7, "real_rows": 41, "padded_rows": 6,
+                   "padded_fraction": 6 / (2 + 2 + 4 + 9 + 9 + 9), "eager_calls": 1}
+    with pytest.raises(ValueError, match="buckets must be sorted"):
+        padding_of(sizes, [4, 2])
+
+
+def test_planner_beats_or_ties_vllms_ladder_at_equal_graph_counts():
+    rng = random.Random(7)
+    sizes = [max(1, min(256, int(rng.lognormvariate(3.0, 1.0)))) for _ in range(3000)]
+    ladder = gr.default_buckets(max(sizes))
+    planned = plan_buckets(sizes, max_graphs=len(ladder))
+    assert len(planned) <= len(ladder)
+    assert padding(sizes, planned) <= padding(sizes, ladder)
+    assert padding(sizes, planned) < padding(sizes, ladder)  # strictly, on this skewed traffic
+
+
+def test_planned_buckets_serve_calls_equal_to_eager():
+    sizes = [1, 1, 2, 5, 5, 6, 11]
+    buckets = plan_buckets(sizes, max_graphs=3)
+    assert buckets == [1, 6, 11] or padding(sizes, buckets) == brute_force(sizes, 3)[0]
+
+    def step(x):
+        return torch.tanh(x * 3 + 1)
+
+    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(4,))}, buckets, backend="full", device="tape",
+                       progress=False)
+    r.capture()
+    for n in sizes:
+        x = torch.randn(n, 4)
+        torch.testing.assert_close(r(x=x), step(x), rtol=0, atol=0)
+    assert r.stats.padding_rows == padding(sizes, buckets) * 1 and r.stats.fallbacks == 0
+    r.cleanup()
+
+
+def test_plan_buckets_is_public_with_a_contract():
+    assert gr.plan_buckets is plan_buckets and "plan_buckets" in gr.__all__
+    assert "exact dynamic program" in " ".join(plan_buckets.__doc__.split())
+
+
+# --------------------------------------------------------------------------- graphrunner plan
+def test_cli_plan_reads_text_json_and_loadtest_files(tmp_path, capsys):
+    import json
+
+    from graphrunner_tools.cli import main
+
+    sizes = [1, 1, 1, 3, 7, 8, 8]
+    text = tmp_path / "sizes.txt"
+    text.write_text("# served batch sizes\n" + "\n".join(map(str, sizes)) + "\n\n")
+    assert main(["plan", str(text), "--max-graphs", "2", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["planned"] == plan_buckets(sizes, 2) == [1, 8]
+    assert got["planned_padding"] == padding_of(sizes, [1, 8])
+    assert got["ladder"] == gr.default_buckets(8) and got["ladder_padding"] == padding_of(sizes, [1, 2, 4, 8])
+    lst = tmp_path / "sizes.json"
+    lst.write_text(json.dumps(sizes))
+    assert main(["plan", str(lst)]) == 0  # default: as many graphs as vLLM's ladder (4): no padding left
+    out = capsys.readouterr().out
+    assert "planned, 4 graphs: 1,3,7,8" in out and "planned 0.00% vs vLLM's ladder" in out
+    lt = tmp_path / "loadtest.json"
+    lt.write_text(json.dumps({"levels": [{"concurrency": 4, "schedule": [4, 4, 3, 0]},
+                                         {"concurrency": 2, "schedule": [2, 1]}]}))
+    assert main(["plan", str(lt), "--max-graphs", "1", "--level", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["planned_padding"]["calls"] == 3  # the idle step (0) left out
+    assert main(["plan", str(lt), "--max-graphs", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["planned"] == plan_buckets([4, 4, 3, 2, 1], 2)
+    dims = tmp_path / "dims.json"
+    dims.write_text(json.dumps({"reqs": [1, 2, 3, 8], "draft": [2, 2, 6]}))
+    assert main(["plan", str(dims), "--max-graphs", "reqs=2,draft=1"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("draft: 1 buckets 6;")
+
+
+@pytest.mark.parametrize("content,args,message", [
+    ("1\nx\n", [], r"sizes\.txt:2: 'x' is not an int"),
+    ("[1, -2]", [], r"observed_sizes\[1\] is -2"),
+    ("[]", [], r"holds no batch size >= 1"),
+    ('{"levels": [{"concurrency": 4, "tier_replays": {"4": 9}}]}', [], r"without per-step schedules"),
+    ('{"levels": [{"concurrency": 4, "schedule": [1]}]}', ["--level", "8"], r"no level of concurrency 8"),
+    ("[1, 2]", ["--level", "8"], r"not a loadtest JSON"),
+    ('{"reqs": [1, 2]}', [], r"names dims \['reqs'\]: pass --max-graphs reqs=K"),
+    ("[1, 2]", ["--max-graphs", "reqs=2"], r"--max-graphs names dims"),
+    ("[1, 2]", ["--max-graphs", "0"], r"max_graphs must be >= 1"),
+    ('"text"', [], r"expected a JSON list of batch sizes"),
+])
+def test_cli_plan_bad_input_is_one_line_exit_2(tmp_path, capsys, content, args, message):
+    from graphrunner_tools.cli import main
+
+    f = tmp_path / "sizes.txt"
+    f.write_text(content)
+    assert main(["plan", str(f), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("graphrunner: error: ")
+    import re
+
+    assert re.search(message, err), err
+
+
+def test_cli_plan_names_a_directory_and_a_missing_file(tmp_path, capsys):
+    from graphrunner_tools.cli import main
+
+    assert main(["plan", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    assert main(["plan", str(tmp_path / "nope.txt")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    assert main(["plan", "x", "--max-graphs", "two"]) == 2  # argparse: one line too
+    assert capsys.readouterr().err.startswith("graphrunner: error: argument --max-graphs")
