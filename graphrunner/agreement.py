@@ -23,10 +23,10 @@ are invalid still takes part (:meth:`invalid`), so its peers raise
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from graphrunner.errors import GraphRunnerError
-from graphrunner.keys import AgreementError, agree, all_max_vector
+from graphrunner.keys import AgreementError, agree_extra, all_max_vector
 
 __all__ = ["LocalAgreement", "RankAgreement", "make_agreement", "config_digest", "config_fields"]
 
@@ -88,6 +88,10 @@ class RankAgreement:
         self.group = group
         self.rank = int(getattr(group, "rank", 0))
         self.digest = int(digest)
+        #: ``extra() -> [ints]`` this rank adds to every call's collective (a background capture's
+        #: counts); their max over the ranks after the last call is :attr:`last_extra`.
+        self.extra: Callable[[], List[int]] = list
+        self.last_extra: List[int] = []
         #: The message of the mismatch that made this agreement refuse every call, or ``None``.
         self.broken: Optional[str] = None
 
@@ -98,7 +102,7 @@ class RankAgreement:
         if self.broken is not None:
             self._refuse(call)
         try:
-            agreed, bad = agree(self.group, sizes, False, call, self.digest)
+            agreed, bad, self.last_extra = agree_extra(self.group, sizes, False, call, self.digest, self.extra())
         except AgreementError as exc:
             if exc.unpaired:
                 self.broken = str(exc)
@@ -115,7 +119,7 @@ class RankAgreement:
         if self.broken is not None:
             self._refuse(call)
         try:
-            agree(self.group, zero, True, call, self.digest)
+            agree_extra(self.group, zero, True, call, self.digest, self.extra())
         except AgreementError as exc:
             if exc.unpaired:
                 self.broken = str(exc)

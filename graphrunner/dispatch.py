@@ -26,12 +26,15 @@ from graphrunner.errors import RankTimeoutError
 from graphrunner.keys import CANNOT
 from graphrunner.layout import FreshOutputs, clone_outputs
 
-__all__ = ["Routes", "IDLE", "fall_back"]
+__all__ = ["Routes", "IDLE", "CAPTURING", "fall_back"]
 
 logger = logging.getLogger("graphrunner")
 
 #: The route of agreed sizes with a 0 in some dim whose outputs are all empty: no step runs.
 IDLE = "idle"
+#: The reason of a call whose key a background capture has not captured on every rank yet: the
+#: step runs eagerly on the inputs padded to the key, as its graph will (``capture(background=True)``).
+CAPTURING = "capturing"
 
 Sizes = Tuple[int, ...]
 
@@ -43,6 +46,8 @@ class Routes:
     def __init__(self, space: Any, backend: Any, replayable: Optional[Dict[Sizes, bool]] = None) -> None:
         self.space, self.backend = space, backend
         self.replayable = replayable or {}
+        #: Keys a background capture will still capture: their calls run eagerly, padded to the key.
+        self.pending: set = set()
         self.layout: Any = None  # the runner's OutputLayout, from prepare()
         self._routes: Dict[Sizes, tuple] = {}
         #: The route of ``rows`` if already known, else ``None`` (the hot path's one lookup).
@@ -54,6 +59,20 @@ class Routes:
         self.layout = layout
         for k in self.space.keys:
             staging.prepare(k)
+            route = self.route(k)
+            if route[0] is not None:
+                layout.replayed(route[3], k)
+
+    def enable(self, keys: Any, staging: Any, layout: Any) -> None:
+        """Keys a background capture has captured on every rank: replayable from now on (those the
+        backend can run), their routes computed again and prepared as :meth:`prepare` does."""
+        self.layout = layout
+        for k in keys:
+            self.pending.discard(k)
+            self.replayable[k] = bool(self.backend.can_run(self.space.external(k)))
+            staging.prepare(k)
+        self._routes.clear()
+        for k in keys:
             route = self.route(k)
             if route[0] is not None:
                 layout.replayed(route[3], k)
@@ -77,6 +96,8 @@ class Routes:
 
     def _route(self, rows: Sizes) -> tuple:
         key, reason = self.space.choose(rows)
+        if key is not None and key in self.pending:
+            return (None, key, None, None, 0, CAPTURING)
         if key is None or not self.replayable.get(key, False):
             return (None, rows, None, None, 0, reason or CANNOT)
         ext = self.space.external(key)
@@ -94,13 +115,14 @@ def fall_back(runner: Any, tensors: List[torch.Tensor], sizes: Sizes, rows: Size
               copy_outputs: bool) -> Any:
     """Serve a call of local ``sizes`` (agreed ``rows``) whose route does not replay: :data:`IDLE`
     returns the empty outputs, anything else runs ``runner.step`` eagerly on the inputs padded to
-    the route's sizes (``fallback='error'``: ``ValueError``) and slices the result to ``sizes``."""
+    the route's sizes (the key's, for :data:`CAPTURING`; ``fallback='error'``: ``ValueError``
+    except while capturing) and slices the result to ``sizes``."""
     space, run, reason = runner._space, route[1], route[5]
     if reason == IDLE:
         runner.stats.last_bucket = None  # neither a replay nor a fallback: nothing ran
         out = runner._layout.replayed(route[3], sizes)
         return clone_outputs(out) if copy_outputs else out
-    if runner.fallback == "error":
+    if runner.fallback == "error" and reason != CAPTURING:
         raise ValueError(f"GraphRunner(fallback='error'): {space.why(sizes, run, reason)}; "
                          + ("add a bucket" if space.legacy else "add a bucket or key")
                          + ", raise max_padding_ratio, or use fallback='eager'")

@@ -354,11 +354,18 @@ def _near(own: int, low_bits: int) -> int:
 
 
 def agree(group: Any, sizes: Sizes, invalid: bool, call: int, digest: int = 0) -> Tuple[Sizes, bool]:
+    """:func:`agree_extra` without extra elements: ``(agreed_sizes, any_invalid)``."""
+    agreed, bad, _ = agree_extra(group, sizes, invalid, call, digest)
+    return agreed, bad
+
+
+def agree_extra(group: Any, sizes: Sizes, invalid: bool, call: int, digest: int = 0,
+                extra: Sequence[int] = ()) -> Tuple[Sizes, bool, List[int]]:
     """The one collective of a multi-rank call: the element-wise max of
     :func:`agreement_vector` over the ranks (``group.all_max_vector``), which carries the
     sizes, an "invalid" flag, and the call number and configuration digest as both max and min.
 
-    Returns ``(agreed_sizes, any_invalid)``. A rank with invalid inputs
+    Returns ``(agreed_sizes, any_invalid, extra_max)``. A rank with invalid inputs
     passes ``invalid=True`` (its sizes are ignored: pass zeros). ``call`` is
     the runner's call number (every rank's must be equal: the ranks' calls are
     paired in order) and ``digest`` the runner's configuration digest (0 when
@@ -368,15 +375,18 @@ def agree(group: Any, sizes: Sizes, invalid: bool, call: int, digest: int = 0) -
     agreed size is below its own (the group broke the max). A size of
     ``2**32`` or more in the first dim takes part as invalid and then raises
     ``ValueError``. A group without ``all_max_vector`` is served by one
-    ``all_max`` per element (see :func:`all_max_vector`).
+    ``all_max`` per element (see :func:`all_max_vector`). ``extra``: more ints this rank adds
+    to the same collective (every rank the same count), returned as their max over the ranks
+    (``extra_max``: a background capture's counts, :mod:`graphrunner.background`).
     """
     n = len(sizes)
     huge = not invalid and sizes[0] >> _SIZE_BITS
-    out = all_max_vector(group, agreement_vector(sizes if not huge else (0,) * n, invalid or bool(huge), call, digest),
-                         "runner_agree", call)
-    if len(out) != n + 1:
-        raise AgreementError(f"the group's all_max_vector returned {len(out)} values for {n + 1} "
+    vector = agreement_vector(sizes if not huge else (0,) * n, invalid or bool(huge), call, digest) + list(extra)
+    out = all_max_vector(group, vector, "runner_agree", call)
+    if len(out) != len(vector):
+        raise AgreementError(f"the group's all_max_vector returned {len(out)} values for {len(vector)} "
                              f"({list(out)!r}); it must return one per element")
+    extra_max = [int(v) for v in out[n + 1:]]
     first, last = int(out[0]), int(out[n])
     hi, lo = last >> 1, -(first >> _SIZE_BITS)
     if hi != lo:
@@ -392,7 +402,7 @@ def agree(group: Any, sizes: Sizes, invalid: bool, call: int, digest: int = 0) -
             f"rank {getattr(group, 'rank', '?')}: the agreement of call {call} returned sizes {list(agreed)} "
             f"below this rank's own {list(sizes)} in position(s) {low}: the group's all_max_vector is not an "
             "element-wise max over the ranks; nothing was replayed")
-    return agreed, bad
+    return agreed, bad, extra_max
 
 
 def _unpaired(group: Any, call: int, digest: int, hi: int, lo: int) -> None:

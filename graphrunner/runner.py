@@ -16,20 +16,20 @@ it as capture hooks (:mod:`graphrunner.checks`). See ``docs/runner.md``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
 import logging
 import math
-import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from graphrunner.agreement import LocalAgreement, config_fields, make_agreement
+from graphrunner.agreement import LocalAgreement, config_fields
 from graphrunner.backends import make_backend
 from graphrunner.budget import MemoryBudget, one_time_imports
 from graphrunner.buckets import default_buckets
-from graphrunner.checks import contracts, fingerprint, resolve_checks
+from graphrunner.background import settle_background, start_background
+from graphrunner.capturing import CaptureRun
+from graphrunner.checks import contracts, resolve_checks
 from graphrunner.checks.verify import shadow_reference, shadow_verify, verify_every_setting
 from graphrunner.errors import CaptureError, GraphRunnerError, RankTimeoutError
 from graphrunner.group import LocalGroup
@@ -38,8 +38,7 @@ from graphrunner.keys import LEGACY_DIM, KeySpace, resolve_input_dims, resolve_o
 from graphrunner.ownership import CallOwner
 from graphrunner.dispatch import Routes, fall_back
 from graphrunner.layout import OutputLayout, clone_outputs, user_error
-from graphrunner.progress import CaptureProgress
-from graphrunner.report import BucketReport, CaptureReport, RunnerStats
+from graphrunner.report import CaptureReport, RunnerStats
 from graphrunner.staging import StaticInputs
 
 __all__ = ["GraphRunner", "BatchInput", "RunnerStats", "default_buckets"]
@@ -185,17 +184,22 @@ class GraphRunner:
         self._routes = Routes(self._space, self.backend)
         self._agreement: Any = LocalAgreement()
         self._externals: Optional[contracts.ExternalsCheck] = None
+        self._background: Any = None; self._last_background: Any = None  # noqa: E702 (capture(background=True))
 
     # -------------------------------------------------------------- capture
-    def capture(self) -> CaptureReport:
+    def capture(self, background: bool = False) -> Optional[CaptureReport]:
         """Capture every key, largest first, inside one ``backend.capture_session()`` under
         ``torch.inference_mode()``, and return a :class:`CaptureReport`. Every rank must call it.
         On any error the backend is cleaned up, the runner stays uncaptured and the error
         propagates (a step output the runner cannot slice as ``TypeError``, a padding leak as
         :class:`~graphrunner.errors.PaddingLeakError`, other failures as :class:`CaptureError`
-        naming the key). Raises ``CaptureError`` if already captured (:meth:`cleanup` first)."""
+        naming the key). Raises ``CaptureError`` if already captured (:meth:`cleanup` first).
+        ``background=True`` returns ``None`` at once and captures on a thread while calls are
+        served (:mod:`graphrunner.background`; :meth:`wait_captured`, :attr:`captured_keys`)."""
         if self._captured:
             raise CaptureError("GraphRunner.capture() was already called; call runner.cleanup() before capturing again")
+        if background:
+            return start_background(self)
         self._owner.enter("capture()")
         try:
             return self._budget.capture(self._capture, one_time_imports())
@@ -203,44 +207,16 @@ class GraphRunner:
             self._owner.leave()
 
     def _capture(self, collect: Any) -> CaptureReport:
-        """Capture every key; ``collect`` (``graphrunner check``) puts the hooks in collect mode
-        and turns a key's capture error into findings instead of stopping."""
-        space = self._space
-        order = self._budget.keep(space.capture_order(), space.external)
-        bar = CaptureProgress(len(order), enabled=self.progress and self.rank == 0)
-        reports: List[BucketReport] = []
-        t0, ok = time.perf_counter(), False
-        self._layout.capturing = True
-        self._agreement = make_agreement(self.group, self.agree_bucket)
-        if self.debug:
-            self._externals = contracts.ExternalsCheck(self.step, self._inputs.storages,
-                                                       lambda k: self._key_text(space.internal(k)))
-        extra = {"lead_dims": self._layout.lead} if self._layout.lead > 1 else {}
-        writes = contracts.InputWritesCheck(self._inputs.storage_names())  # one for every key, like the externals
+        """Capture every key (:class:`~graphrunner.capturing.CaptureRun`); ``collect`` (``graphrunner
+        check``) puts the hooks in collect mode and turns a key's capture error into findings."""
+        run = CaptureRun(self, self._budget.keep(self._space.capture_order(), self._space.external), collect)
+        ok = False
         try:
             with torch.inference_mode(), self.backend.capture_session():
-                if self.checks.fingerprint and self.world_size > 1:  # the capture's first collective
-                    fingerprint.check(self.group, self._config_fields(), "configurations", key="config")
-                for i, key in enumerate(order):
-                    ext = space.external(key)
-                    bar.start(i, ext)
-                    views = self._inputs.key_views(key)
-                    hook = functools.partial(self.post_warmup_hook, ext) if self.post_warmup_hook else None
-                    forward = self._layout.forward(self.step, key, views, f"GraphRunner.step[{ext}]")
-                    try:
-                        self.backend.capture_one(ext, forward, capture_inputs=views, post_warmup_hook=hook, hooks=self.checks.key_hooks(
-                                                     space, key, self._key_text(key), self._inputs.key_inputs(views), self.step,
-                                                     self._layout.leaf_dims, self.group, self._externals, writes),
-                                                 findings=None if collect is None else collect.findings, **extra)
-                    except Exception as exc:
-                        if collect is None:
-                            raise
-                        collect.capture_error(ext, exc)
-                        continue
-                    self._budget.append(ext, reports, BucketReport.from_info(ext, self.backend.info(ext)))
-                local = [bool(self.backend.can_run(space.external(k))) for k in space.keys]
-                self._routes.replayable = dict(zip(space.keys, self._agreement.replayable(local)))
-                self._routes.prepare(self._inputs, self._layout)
+                run.begin()
+                for key in run.order:
+                    run.key(key, self._budget.append)
+                run.agree_replayable()
             ok = True
         except BaseException as exc:
             self._abort_capture()
@@ -249,15 +225,28 @@ class GraphRunner:
                 raise
             raise err from None
         finally:
-            self._layout.capturing = False
-            bar.close(ok)
-        self._captured = True
-        self.report = CaptureReport.of(self.backend, self.rank, self.world_size, reports, time.perf_counter() - t0,
-                                       self._inputs.nbytes, self.output_arena,
-                                       None if self._externals is None else self._externals.guard.written())
-        logger.info("GraphRunner captured %d keys (%s) in %.3fs on rank %d", len(order),
-                    self.report.backend, self.report.total_seconds, self.rank)
-        return self.report
+            run.close(ok)
+        return run.finish()
+
+    def wait_captured(self, timeout: Optional[float] = None) -> Optional[CaptureReport]:
+        """After ``capture(background=True)``: wait up to ``timeout`` s (None: until done) for every
+        key; the report, or ``None`` when it timed out or failed (the next call raises the error).
+        On several ranks every rank must call it: it captures the remaining keys now, and they
+        replay from the next call (whose agreement tells every rank that every rank has them)."""
+        bg = self._background or self._last_background  # (settled: its thread may still build the report)
+        if bg is None:
+            return self.report
+        done = bg.wait(timeout) and bg.error is None
+        if done and not bg.shared and self._background is not None:  # one rank: they replay from the next call
+            with bg.mutex:
+                settle_background(self, None)
+        return bg.report if done else None
+
+    @property
+    def captured_keys(self) -> List[Any]:
+        """The keys that replay (every key after a blocking capture; during a background one, those
+        captured on every rank so far)."""
+        return [self._space.external(k) for k in self._space.keys if self._routes.replayable.get(k)]
 
     def _abort_capture(self) -> None:
         try:
@@ -269,6 +258,8 @@ class GraphRunner:
     def cleanup(self) -> None:
         """Release every graph and the output buffer (``backend.cleanup()``); the runner can
         :meth:`capture` again. Static input buffers are kept."""
+        if self._background is not None:
+            self._background.stop()
         self.backend.cleanup()
         self._captured, self._cleaned_up, self.report = False, True, None
         self._reset_replay_state()
@@ -299,6 +290,14 @@ class GraphRunner:
         (``docs/runner.md``, "Idle ranks"); the outputs have 0 rows. Invalid inputs raise
         ``ValueError``/``TypeError`` before anything is written; the runner stays usable. Raises
         :class:`CaptureError` before :meth:`capture`, :class:`GraphRunnerError` during another call."""
+        bg = self._background
+        if bg is not None:  # a background capture: wait for the key it is capturing, hold it back meanwhile
+            bg.before_call()
+            with bg.mutex:
+                return self._run(inputs, copy_outputs)
+        return self._run(inputs, copy_outputs)
+
+    def _run(self, inputs: Mapping[str, torch.Tensor], copy_outputs: Optional[bool]) -> Any:
         if not self._lock.acquire(blocking=False):
             self._owner.refuse("run()")
         self._owner.thread = threading.get_ident()
@@ -320,6 +319,8 @@ class GraphRunner:
                 raise
             copy_outputs = self.copy_outputs if copy_outputs is None else copy_outputs
             rows = self._agreement.agree(sizes, self._calls)
+            if self._background is not None:
+                settle_background(self, rows)
             route = self._routes.get(rows) or self._routes.route(rows)
             key, ext, replay, outputs, volume, reason = route
             if key is None:

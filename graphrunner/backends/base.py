@@ -145,6 +145,9 @@ class GraphBackend:
         self.device = self._resolve_device(device)
         self.group = group if group is not None else LocalGroup()
         self.warmups = warmups
+        #: ``capture_begin``'s error mode: ``"global"``, or ``"thread_local"`` while a background
+        #: capture runs (other threads may then use the device; :mod:`graphrunner.background`).
+        self.capture_error_mode = "global"
         self.drift_check = drift_check
         self.trace: Trace = as_trace(trace)
         if self.trace and int(getattr(self.group, "size", 1)) > 1 and self.trace.rank != self.rank:

@@ -73,7 +73,7 @@ class BreakableGraphBackend(GraphBackend):
 
         body = no_graph(fn) if self.debug_eager else fn
         try:
-            with breakable_graph(graph, stream=self.device.capture_stream(),
+            with breakable_graph(graph, stream=self.device.capture_stream(), capture_error_mode=self.capture_error_mode,
                                  barrier_fn=functools.partial(self._break_barrier, key)):
                 body()
         finally:

@@ -31,7 +31,7 @@ class FullGraphBackend(GraphBackend):
         return self.device.new_graph()
 
     def _capture_into(self, graph: Any, key: Any, fn: Callable[[], None]) -> None:
-        with self.device.capture(graph):
+        with self.device.capture(graph, capture_error_mode=self.capture_error_mode):
             fn()
         is_empty = getattr(self.device, "is_empty", None)
         if is_empty is not None and is_empty(graph):

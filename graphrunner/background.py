@@ -1,0 +1,281 @@
+"""Serving while graphs are captured: ``GraphRunner.capture(background=True)``.
+
+A background thread captures the runner's keys one at a time, each through
+the one capture protocol (``GraphBackend.capture_one``, its trace and checks
+as in a blocking capture), while the runner serves every call: eagerly, on
+the inputs padded to the key the graph will replay (so a key's results do
+not change when it switches to its graph), or by replay once the key is
+captured on every rank.
+
+One lock (:attr:`BackgroundCapture.mutex`) is held by a key's whole capture
+and by every call, so the step never runs on two threads at once and the
+static buffers hold one batch at a time: a call waits at most for the key
+being captured.
+
+Order: the largest key first (it allocates the output buffer every key
+shares), then the keys calls have landed on most, then the rest by size.
+
+Several ranks: a key's capture runs the step (warmups, collectives inside
+it) and barriers, so every rank must capture it between the same two calls.
+Each call's one agreement collective carries every rank's captured-key count
+and failure flag (:meth:`vector`); when every rank has captured the same
+keys, the call grants the next key to the background thread, which captures
+it right after the call returns; the next call waits until it is captured
+(:meth:`BackgroundCapture.before_call`). The keys the
+agreed (smallest) count covers replay from that call on, on every rank
+alike, so every rank switches a key from eager to graph at the same call.
+Without calls nothing is granted: :meth:`wait` (every rank must call it)
+captures the remaining keys.
+
+A failed capture stops the background capture: the next call raises the
+:class:`~graphrunner.errors.CaptureError` (on every rank, at the same call:
+the flag is agreed), without serving that call, and later calls are served
+as before (eagerly for the keys not captured).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from graphrunner.errors import CaptureError
+
+__all__ = ["BackgroundCapture", "start_background", "settle_background"]
+
+logger = logging.getLogger("graphrunner")
+
+Sizes = Tuple[int, ...]
+
+_STOP = object()  # grant: stop capturing
+_ALL = object()  # grant: capture every remaining key
+
+
+class BackgroundCapture:
+    """The background capture of one runner.
+
+    ``keys``: the runner's keys, largest first (``KeySpace.capture_order()``);
+    ``capture_key(key)``: captures one key (called on the background thread,
+    under :attr:`mutex`); ``session``: a context manager factory entered on the
+    background thread around every capture (``torch.inference_mode`` and the
+    backend's capture session); ``finish()``: builds the report after the last
+    key; ``shared``: several ranks agree every call (grants, see the module
+    docstring).
+    """
+
+    def __init__(self, keys: List[Sizes], capture_key: Callable[[Sizes], None], session: Callable[[], Any],
+                 finish: Callable[[], Any], shared: bool, gate: Optional[threading.Event] = None) -> None:
+        self.keys = list(keys)
+        self._capture_key, self._session, self._finish = capture_key, session, finish
+        self.shared = bool(shared)
+        #: Held by a key's capture and by every call of the runner.
+        self.mutex = threading.Lock()
+        #: Keys captured on this rank, in capture order.
+        self.done: List[Sizes] = []
+        #: How many of :attr:`done` replay: every rank had captured them at a call's agreement.
+        self.agreed = 0
+        #: The capture's error, once one failed (the background capture then stops).
+        self.error: Optional[BaseException] = None
+        self._raised = False
+        #: Calls per key (agreed keys, identical on every rank): the capture order after the first key.
+        self.hits: Dict[Sizes, int] = {}
+        self.report: Any = None
+        self._grants: "queue.Queue[Any]" = queue.Queue()
+        self._stop = threading.Event()
+        self._settled = threading.Condition()  # a granted key captured (or failed): the next call may run
+        self._gate = gate  # tests: the thread waits for it before its first key
+        self._granted = 0
+        self._finished = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="graphrunner-background-capture", daemon=True)
+
+    # ------------------------------------------------------------------ thread
+    def start(self) -> None:
+        """Start the background thread (single rank: it captures every key on its own)."""
+        self._thread.start()
+
+    def _next_key(self) -> Sizes:
+        left = [k for k in self.keys if k not in self.done]
+        if not self.done:
+            return left[0]  # the largest: it allocates the shared output buffer
+        return max(left, key=lambda k: (self.hits.get(k, 0), self.keys.index(k) * -1))
+
+    def _capture_next(self, key: Optional[Sizes] = None) -> None:
+        with self.mutex:
+            key = self._next_key() if key is None else key
+            self._capture_key(key)
+            self.done.append(key)
+        with self._settled:
+            self._settled.notify_all()
+
+    def before_call(self) -> None:
+        """Several ranks: wait until the keys granted so far are captured (or the capture failed or
+        stopped), so that every rank captures a granted key before its next call, not after it."""
+        if not self.shared:
+            return
+        with self._settled:
+            while (self._granted > len(self.done) and self.error is None and not self._stop.is_set()
+                   and self._thread.is_alive()):
+                self._settled.wait(0.05)
+    def _main(self) -> None:
+        try:
+            if self._gate is not None:
+                self._gate.wait()
+            with self._session():
+                everything = not self.shared  # one rank: no grants, capture on
+                while len(self.done) < len(self.keys):
+                    if self._stop.is_set():
+                        return
+                    if everything:
+                        self._capture_next()
+                        continue
+                    grant = self._grants.get()
+                    if grant is _STOP:
+                        return
+                    if grant is _ALL:
+                        everything = True
+                        continue
+                    self._capture_next(grant)
+                self.report = self._finish()
+        except BaseException as exc:  # surfaced on the next call (every rank, see vector())
+            logger.error("GraphRunner: background capture failed: %s", exc)
+            self.error = exc
+        finally:
+            self._finished.set()
+            with self._settled:
+                self._settled.notify_all()
+
+    # ------------------------------------------------------------------ calls
+    @property
+    def finished(self) -> bool:
+        """True when the thread ended: every key captured, or a capture failed."""
+        return self._finished.is_set()
+
+    def vector(self) -> List[int]:
+        """What this rank adds to a call's agreement: ``[-captured keys, failed]`` (the max over the
+        ranks gives the smallest count and whether any rank failed)."""
+        return [-len(self.done), 1 if self.error is not None else 0]
+
+    def after_agreement(self, extra: Optional[List[int]], call_key: Optional[Sizes]) -> Tuple[List[Sizes], Optional[CaptureError]]:
+        """Called by a call under :attr:`mutex` after its agreement (``extra``: the agreed
+        :meth:`vector`, None on one rank) with the key it runs (``None``: none). Returns the keys
+        that start replaying at this call, and the error this call must raise (once, on every rank
+        at the same call, when a rank's background capture failed; keys captured before the
+        failure still replay)."""
+        if call_key is not None:
+            self.hits[call_key] = self.hits.get(call_key, 0) + 1
+        if extra is None:
+            agreed, failed = len(self.done), self.error is not None
+        else:
+            agreed, failed = -int(extra[0]), bool(extra[1])
+        new = self.done[self.agreed:agreed]
+        self.agreed = max(self.agreed, agreed)
+        if failed:
+            if self._raised:
+                return new, None
+            self._raised = True
+            self._stop.set()
+            self._grants.put(_STOP)
+            err = self.error or CaptureError("GraphRunner: another rank's background capture failed (see its "
+                                             "error); every rank stops capturing and serves eagerly")
+            return new, CaptureError(f"GraphRunner: background capture failed, this call was not served (retry it; "
+                                     f"later calls are served, eagerly for the keys not captured): {err}")
+        if self.shared and len(self.done) == agreed == self._granted and agreed < len(self.keys):
+            self._granted += 1
+            self._grants.put(self._next_key())  # captured right after this call returns
+        return new, None
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Wait up to ``timeout`` seconds (None: for ever) for the thread; True when it finished.
+        Several ranks: first grants every remaining key (every rank must call it, at the same
+        point between calls, so that their captures pair)."""
+        if self.shared and not self.finished and self._granted < len(self.keys):
+            self._granted = len(self.keys)
+            self._grants.put(_ALL)
+        self._thread.join(timeout)
+        return self.finished
+
+    def stop(self, timeout: Optional[float] = None) -> None:
+        """Stop the thread after the key it is capturing and wait up to ``timeout`` s for it (cleanup)."""
+        self._stop.set()
+        self._grants.put(_STOP)
+        if self._gate is not None:
+            self._gate.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+
+def start_background(runner: Any) -> None:
+    """``runner.capture(background=True)``: every call served from now on, keys captured on a thread."""
+    import contextlib
+
+    import torch
+
+    from graphrunner.capturing import CaptureRun
+
+    if runner._budget.budget is not None:
+        raise ValueError("GraphRunner.capture(background=True) does not apply memory_budget (it measures each "
+                         "key's graph after the capture); capture in the foreground, or drop memory_budget")
+    space = runner._space
+    run = CaptureRun(runner, space.capture_order())  # sets the runner's agreement up (no collective)
+    begun = []
+
+    def capture_key(key: Sizes) -> None:
+        if not begun:  # the capture's first collective, paired like a key's (under a grant)
+            begun.append(True)
+            run.begin()
+        try:
+            run.key(key)
+        except BaseException as exc:
+            err = runner_error(runner, exc)
+            raise err from (None if err is exc else exc)
+
+    @contextlib.contextmanager
+    def session():
+        backend = runner.backend
+        mode = getattr(backend, "capture_error_mode", None)
+        if mode is not None:  # CUDA: only this thread's work is checked during a capture
+            backend.capture_error_mode = "thread_local"
+        try:
+            with torch.inference_mode(), backend.capture_session():
+                yield
+        finally:
+            if mode is not None:
+                backend.capture_error_mode = mode
+            run.close(True)
+
+    runner._routes.pending = set(space.keys)
+    runner._routes.layout = runner._layout
+    bg = BackgroundCapture(run.order, capture_key, session, run.finish, runner._agreement.shared,
+                           getattr(runner, "_background_gate", None))
+    if runner._agreement.shared:
+        runner._agreement.extra = bg.vector
+    runner._background = bg
+    runner._captured = True  # serving starts now
+    bg.start()
+    return None
+
+
+def runner_error(runner: Any, exc: BaseException) -> BaseException:
+    """The error a failed key's capture surfaces as (as a blocking capture would raise it)."""
+    from graphrunner.layout import user_error
+
+    return user_error(exc)
+
+
+def settle_background(runner: Any, rows: Optional[Sizes]) -> None:
+    """In a call, after its agreement (``rows``: its agreed sizes; None outside a call, one rank):
+    the keys every rank has captured start replaying now; on several ranks the next key is
+    granted; a failed capture raises here, on every rank alike."""
+    bg = runner._background
+    agreement = runner._agreement
+    key = runner._space.choose(rows)[0] if rows is not None and min(rows) >= 1 else None
+    new, error = bg.after_agreement(agreement.last_extra if agreement.shared else None, key)
+    if new:
+        runner._routes.enable(new, runner._inputs, runner._layout)
+    if error is not None:
+        raise error from bg.error
+    if bg.agreed == len(bg.keys):  # every key on every rank (agreed: the same call everywhere): plain calls again
+        runner._background, runner._last_background = None, bg
+        if agreement.shared:
+            agreement.extra = list
