@@ -128,9 +128,9 @@ fi
 # (fixture cuda_device) where there is no GPU, and the variable would reach the processes they spawn.
 run_step pytest-cuda 120 -- env -u GRAPHRUNNER_CUDA_STANDIN "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider \
   --junitxml "$OUT_DIR/pytest-cuda.xml"
-run_step perf 120 -- "$PYTHON" -m graphrunner.testing.cuda_check perf --out "$OUT_DIR"
-run_step memory 45 -- "$PYTHON" -m graphrunner.testing.cuda_check memory --out "$OUT_DIR"
-run_step defects 120 -- "$PYTHON" -m graphrunner.testing.cuda_check defects --out "$OUT_DIR"
+run_step perf 120 -- "$PYTHON" -m graphrunner_tools.cuda_check perf --out "$OUT_DIR"
+run_step memory 45 -- "$PYTHON" -m graphrunner_tools.cuda_check memory --out "$OUT_DIR"
+run_step defects 120 -- "$PYTHON" -m graphrunner_tools.cuda_check defects --out "$OUT_DIR"
 run_step demo 45 -- "${CLI[@]}" demo --device cuda --backend breakable --steps 40 \
   --trace-out "$OUT_DIR/demo-trace"
 run_step loadtest 60 -- "${CLI[@]}" loadtest --device cuda --backend breakable --requests 16 --concurrency 4 \
@@ -140,7 +140,7 @@ run_step loadtest-spec 60 -- "${CLI[@]}" loadtest --device cuda --backend full -
 run_step verify 45 -- "${CLI[@]}" verify --requests 3 --max-new 6 --layers 1 --no-progress
 run_step loadtest-ranks2 60 "only NCCL collectives can be captured" -- "${CLI[@]}" loadtest --device cuda \
   --ranks 2 --requests 4 --concurrency 2 --layers 1 --no-progress --json "$OUT_DIR/loadtest-ranks2.json"
-run_step hf 90 -- "$PYTHON" -m graphrunner.testing.cuda_check hf --out "$OUT_DIR"
+run_step hf 90 -- "$PYTHON" -m graphrunner_tools.cuda_check hf --out "$OUT_DIR"
 
 grep -E "passed|failed|skipped|error" "$OUT_DIR/pytest-cuda.log" 2>/dev/null | tail -n 1 | sed 's/^/pytest -m cuda: /' \
   | tee -a "$SUMMARY"

@@ -1,4 +1,4 @@
-"""scripts/cuda-check.sh and its checks (graphrunner.testing.cuda_check) on the CUDA stand-in.
+"""scripts/cuda-check.sh and its checks (graphrunner_tools.cuda_check) on the CUDA stand-in.
 
 The whole dry run (``scripts/cuda-check.sh --dry-run``, about 150 s on a 2-core CPU) is a
 documented command, not part of the suite; these run its pieces that the suite does not
@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from graphrunner.testing import cuda_check
+from graphrunner_tools import cuda_check
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

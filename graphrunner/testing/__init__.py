@@ -5,6 +5,7 @@
   to the installed torch's real signatures and enforces the capture and
   private-pool rules of ``CUDAGraph.cpp`` and the CUDA caching allocator,
   with tensors on the CPU and replays through the tape.
-- :mod:`graphrunner.testing.cuda_check`: the checks of
-  ``scripts/cuda-check.sh`` (real GPU, or ``--dry-run`` on the stand-in).
+
+The checks of ``scripts/cuda-check.sh`` (real GPU, or ``--dry-run`` on the
+stand-in) are a tool: :mod:`graphrunner_tools.cuda_check`.
 """

@@ -1,6 +1,6 @@
 """The Python checks of ``scripts/cuda-check.sh`` (one GPU; or ``--dry-run``: the CUDA stand-in).
 
-``python -m graphrunner.testing.cuda_check CHECK --out DIR`` runs one check, writes
+``python -m graphrunner_tools.cuda_check CHECK --out DIR`` runs one check, writes
 ``DIR/CHECK.json`` and prints one summary line ``PASS|FAIL CHECK: ...``; the exit status is 0
 on PASS. Checks:
 
@@ -301,7 +301,7 @@ def check_defects(out: str) -> Tuple[bool, str, Dict[str, Any]]:
     results, ok = {}, True
     for name in SCENARIOS:
         t0 = time.perf_counter()
-        p = subprocess.run([sys.executable, "-m", "graphrunner.testing.cuda_check", "scenario", name],
+        p = subprocess.run([sys.executable, "-m", "graphrunner_tools.cuda_check", "scenario", name],
                            capture_output=True, text=True, timeout=180)
         passed = p.returncode == 0
         ok &= passed
@@ -345,7 +345,7 @@ CHECKS = {"perf": check_perf, "memory": check_memory, "defects": check_defects, 
 
 
 def main(argv: List[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m graphrunner.testing.cuda_check", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m graphrunner_tools.cuda_check", description=__doc__.split("\n")[0])
     p.add_argument("check", choices=sorted(CHECKS) + ["scenario"])
     p.add_argument("name", nargs="?", help="the scenario (with 'scenario')")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for CHECK.json (default $OUT or .)")
