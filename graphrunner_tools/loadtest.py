@@ -101,10 +101,11 @@ FAULTS = ("mismatch", "stall")
 FAULT_STEP = 2
 #: The keys of each entry of the JSON file's ``levels``, in order. ``tier_replays`` maps each
 #: replayed key of the graph engine (a batch bucket ``"B"``, or a verify tier ``"RxD"``) to its replays;
-#: ``idle_rank_steps`` counts, over every rank, the graph engine's steps run with 0 rows (data parallel).
+#: ``idle_rank_steps`` counts, over every rank, the graph engine's steps run with 0 rows (data parallel);
+#: ``schedule`` is rank 0's graph-engine batch size per step (``graphrunner plan`` reads it).
 LEVEL_KEYS = ("concurrency", "requests", "completed", "faults", "mismatches", "generated_tokens", "tokens_per_s",
               "eager_tokens_per_s", "replays", "fallbacks", "p50_step_ms", "p99_step_ms", "tier_replays",
-              "idle_rank_steps")
+              "idle_rank_steps", "schedule")
 #: Probability that a draft token is the model's greedy token (otherwise a random one).
 DRAFT_HIT = 0.6
 
@@ -450,7 +451,7 @@ class LoadtestConfig:
 
 @dataclass
 class LevelResult:
-    """One concurrency level. The first fourteen fields are the JSON entry (:data:`LEVEL_KEYS`);
+    """One concurrency level. The first fifteen fields are the JSON entry (:data:`LEVEL_KEYS`);
     ``eager_p50_step_ms``/``eager_p99_step_ms`` are the eager engine's step times (for
     ``graphrunner bench``), ``errors`` what failed (per rank), ``mismatched`` the ids of the
     requests whose tokens differed, ``tokens`` rank 0's graph-engine tokens per request id. Rates and step times are rank 0's (``None`` when not run)."""
@@ -469,6 +470,7 @@ class LevelResult:
     p99_step_ms: Optional[float] = None
     tier_replays: Dict[str, int] = field(default_factory=dict)
     idle_rank_steps: int = 0
+    schedule: List[int] = field(default_factory=list)
     eager_p50_step_ms: Optional[float] = None
     eager_p99_step_ms: Optional[float] = None
     errors: List[str] = field(default_factory=list)
@@ -910,6 +912,7 @@ def _combine(cfg: LoadtestConfig, per_rank: List[Optional[Dict[str, Any]]], rank
             lv.eager_tokens_per_s = e_tokens / e0["seconds"] if e0["seconds"] > 0 else None
             lv.replays, lv.fallbacks, lv.tier_replays = g0["replays"], g0["fallbacks"], dict(g0["tier_replays"])
             lv.p50_step_ms, lv.p99_step_ms = g0["p50_step_ms"], g0["p99_step_ms"]
+            lv.schedule = list(g0["schedule"])
             lv.eager_p50_step_ms, lv.eager_p99_step_ms = e0["p50_step_ms"], e0["p99_step_ms"]
         levels.append(lv)
     # A rank that never reported (died, killed at the deadline) faulted in the first level
