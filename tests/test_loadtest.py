@@ -373,6 +373,14 @@ def test_cli_passes_writes_json_and_exits_1_on_a_planted_mismatch(capsys, tmp_pa
     assert [lv["concurrency"] for lv in doc["levels"]] == [2, 4]
     assert all(list(lv) == list(lt.LEVEL_KEYS) and lv["completed"] == 6 for lv in doc["levels"])
     assert all(math.isfinite(lv["tokens_per_s"]) for lv in doc["levels"])
+    # the schedule: one batch size per decode step, each at most the level's concurrency, summing to the
+    # tokens decoded after each request's first (prefill) token
+    for lv in doc["levels"]:
+        assert lv["schedule"] and max(lv["schedule"]) <= lv["concurrency"]
+        assert sum(lv["schedule"]) == lv["generated_tokens"] - lv["completed"]
+    from graphrunner_tools.cli import main  # graphrunner plan reads it
+    assert main(["plan", str(out), "--max-graphs", "2"]) == 0
+    assert "planned, 2 graphs" in capsys.readouterr().out
     code, stdout, err = _cli(capsys, *small, "--inject-fault", "mismatch")
     assert code == 1, stdout + err
     assert "C2: 6/6 requests, 0 faults, 1 mismatches" in stdout and "FAIL" in stdout
