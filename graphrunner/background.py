@@ -10,7 +10,7 @@ captured on every rank.
 One lock (:attr:`BackgroundCapture.mutex`) is held by a key's whole capture
 and by every call, so the step never runs on two threads at once and the
 static buffers hold one batch at a time: a call waits at most for the key
-being captured.
+being captured, and a waiting call goes before the next key.
 
 Order: the largest key first (it allocates the output buffer every key
 shares), then the keys calls have landed on most, then the rest by size.
@@ -35,10 +35,12 @@ as before (eagerly for the keys not captured).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from graphrunner.errors import CaptureError
 
@@ -83,6 +85,7 @@ class BackgroundCapture:
         self.report: Any = None
         self._grants: "queue.Queue[Any]" = queue.Queue()
         self._stop = threading.Event()
+        self._waiting, self._waiting_lock = 0, threading.Lock()  # calls waiting for the mutex
         self._settled = threading.Condition()  # a granted key captured (or failed): the next call may run
         self._gate = gate  # tests: the thread waits for it before its first key
         self._granted = 0
@@ -100,7 +103,25 @@ class BackgroundCapture:
             return left[0]  # the largest: it allocates the shared output buffer
         return max(left, key=lambda k: (self.hits.get(k, 0), self.keys.index(k) * -1))
 
+    @contextlib.contextmanager
+    def call(self) -> Iterator[None]:
+        """Held by a call of the runner: waits for the key being captured (a call waiting has the
+        next turn: the thread lets waiting calls run before it starts another key)."""
+        with self._waiting_lock:
+            self._waiting += 1
+        try:
+            self.mutex.acquire()
+        finally:
+            with self._waiting_lock:
+                self._waiting -= 1
+        try:
+            yield
+        finally:
+            self.mutex.release()
+
     def _capture_next(self, key: Optional[Sizes] = None) -> None:
+        while self._waiting and not self._stop.is_set():  # calls first: serving is never starved by capture
+            time.sleep(0.0002)
         with self.mutex:
             key = self._next_key() if key is None else key
             self._capture_key(key)
@@ -207,8 +228,6 @@ class BackgroundCapture:
 
 def start_background(runner: Any) -> None:
     """``runner.capture(background=True)``: every call served from now on, keys captured on a thread."""
-    import contextlib
-
     import torch
 
     from graphrunner.capturing import CaptureRun

@@ -293,7 +293,7 @@ class GraphRunner:
         bg = self._background
         if bg is not None:  # a background capture: wait for the key it is capturing, hold it back meanwhile
             bg.before_call()
-            with bg.mutex:
+            with bg.call():
                 return self._run(inputs, copy_outputs)
         return self._run(inputs, copy_outputs)
 
