@@ -40,11 +40,13 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from graphrunner.backends.hooks import CaptureHook
 from graphrunner.errors import CaptureError
 
-__all__ = ["BackgroundCapture", "start_background", "settle_background"]
+__all__ = ["BackgroundCapture", "PutBack", "start_background", "settle_background", "wait_background",
+           "hold_background"]
 
 logger = logging.getLogger("graphrunner")
 
@@ -140,6 +142,9 @@ class BackgroundCapture:
                 self._settled.wait(0.05)
     def _main(self) -> None:
         try:
+            from graphrunner.budget import one_time_imports
+
+            one_time_imports()  # PyTorch's one-time import (~1.4 s), before taking the lock from any call
             if self._gate is not None:
                 self._gate.wait()
             with self._session():
@@ -231,6 +236,7 @@ def start_background(runner: Any) -> None:
     import torch
 
     from graphrunner.capturing import CaptureRun
+    from graphrunner.devices import TapeDevice
 
     if runner._budget.budget is not None:
         raise ValueError("GraphRunner.capture(background=True) does not apply memory_budget (it measures each "
@@ -239,12 +245,15 @@ def start_background(runner: Any) -> None:
     run = CaptureRun(runner, space.capture_order())  # sets the runner's agreement up (no collective)
     begun = []
 
+    executes = isinstance(runner.device, TapeDevice)  # a tape capture computes; a CUDA capture only records
+    inputs = list(runner._inputs.buffers.values())
+
     def capture_key(key: Sizes) -> None:
         if not begun:  # the capture's first collective, paired like a key's (under a grant)
             begun.append(True)
             run.begin()
         try:
-            run.key(key)
+            run.key(key, extra_hooks=[PutBack(inputs, executes)])
         except BaseException as exc:
             err = runner_error(runner, exc)
             raise err from (None if err is exc else exc)
@@ -275,6 +284,32 @@ def start_background(runner: Any) -> None:
     return None
 
 
+class PutBack(CaptureHook):
+    """A background capture's hook: what a key's warmups (and, on the tape, its capture, which
+    computes) wrote outside the step is put back after the key, and the default generator too
+    (:class:`~graphrunner.checks.ops.WriteGuard`: each written storage copied before its first
+    write). The capture runs the step on padding between calls: without this, a cache indexed by
+    batch row would lose what its real requests wrote at the padding's positions. ``inputs``:
+    the runner's static input buffers (its own business). The padding check puts back its own
+    runs' writes; writes made by eager breaks during a CUDA capture are not seen."""
+
+    name = "put-back"
+
+    def __init__(self, inputs: Sequence[Any], executes_capture: bool) -> None:
+        from graphrunner.checks.ops import WriteGuard
+
+        self.guard, self.executes = WriteGuard(inputs), bool(executes_capture)
+
+    def warmup_consumers(self, cap: Any, i: int) -> Sequence[Any]:
+        return [self.guard]
+
+    def capture_consumers(self, cap: Any) -> Sequence[Any]:
+        return [self.guard] if self.executes else []
+
+    def end(self, cap: Any) -> None:
+        self.guard.restore()
+
+
 def runner_error(runner: Any, exc: BaseException) -> BaseException:
     """The error a failed key's capture surfaces as (as a blocking capture would raise it)."""
     from graphrunner.layout import user_error
@@ -298,3 +333,26 @@ def settle_background(runner: Any, rows: Optional[Sizes]) -> None:
         runner._background, runner._last_background = None, bg
         if agreement.shared:
             agreement.extra = list
+
+
+def wait_background(runner: Any, timeout: Optional[float]) -> Any:
+    """``runner.wait_captured(timeout)``: the report, or None (timed out, failed)."""
+    bg = runner._background or runner._last_background  # settled: its thread may still build the report
+    if bg is None:
+        return runner.report
+    done = bg.wait(timeout) and bg.error is None
+    if done and not bg.shared and runner._background is not None:  # one rank: they replay from the next call
+        with bg.mutex:
+            settle_background(runner, None)
+    return bg.report if done else None
+
+
+@contextlib.contextmanager
+def hold_background(runner: Any) -> Iterator[None]:
+    """``runner.hold()``: no key starts (or is being captured) while the body runs."""
+    bg = runner._background
+    if bg is None:
+        yield
+        return
+    with bg.call():
+        yield

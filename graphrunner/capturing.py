@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from graphrunner.agreement import make_agreement
 from graphrunner.checks import contracts, fingerprint
@@ -55,10 +55,11 @@ class CaptureRun:
         if r.checks.fingerprint and r.world_size > 1:
             fingerprint.check(r.group, r._config_fields(), "configurations", key="config")
 
-    def key(self, key: Sizes, report: Optional[Any] = None) -> None:
+    def key(self, key: Sizes, report: Optional[Any] = None, extra_hooks: Sequence[Any] = ()) -> None:
         """Capture ``key`` through the backend's protocol with the runner's checks as hooks, and add
         its :class:`BucketReport` (through ``report(ext, reports, bucket_report)`` when given, e.g. the
-        memory budget's ``append``). In collect mode a failure becomes findings."""
+        memory budget's ``append``; ``extra_hooks``: more capture hooks for this key). In collect
+        mode a failure becomes findings."""
         r, space = self.runner, self.runner._space
         ext = space.external(key)
         self.bar.start(self.started, ext)
@@ -67,7 +68,7 @@ class CaptureRun:
         hook = functools.partial(r.post_warmup_hook, ext) if r.post_warmup_hook else None
         forward = r._layout.forward(r.step, key, views, f"GraphRunner.step[{ext}]")
         hooks = r.checks.key_hooks(space, key, r._key_text(key), r._inputs.key_inputs(views), r.step,
-                                   r._layout.leaf_dims, r.group, r._externals, self.writes)
+                                   r._layout.leaf_dims, r.group, r._externals, self.writes) + list(extra_hooks)
         r._layout.capturing = True
         try:
             r.backend.capture_one(ext, forward, capture_inputs=views, post_warmup_hook=hook, hooks=hooks,

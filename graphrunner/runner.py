@@ -27,7 +27,7 @@ from graphrunner.agreement import LocalAgreement, config_fields
 from graphrunner.backends import make_backend
 from graphrunner.budget import MemoryBudget, one_time_imports
 from graphrunner.buckets import default_buckets
-from graphrunner.background import settle_background, start_background
+from graphrunner.background import hold_background, settle_background, start_background, wait_background
 from graphrunner.capturing import CaptureRun
 from graphrunner.checks import contracts, resolve_checks
 from graphrunner.checks.verify import shadow_reference, shadow_verify, verify_every_setting
@@ -233,14 +233,14 @@ class GraphRunner:
         key; the report, or ``None`` when it timed out or failed (the next call raises the error).
         On several ranks every rank must call it: it captures the remaining keys now, and they
         replay from the next call (whose agreement tells every rank that every rank has them)."""
-        bg = self._background or self._last_background  # (settled: its thread may still build the report)
-        if bg is None:
-            return self.report
-        done = bg.wait(timeout) and bg.error is None
-        if done and not bg.shared and self._background is not None:  # one rank: they replay from the next call
-            with bg.mutex:
-                settle_background(self, None)
-        return bg.report if done else None
+        return wait_background(self, timeout)
+
+    def hold(self) -> Any:
+        """``with runner.hold():`` keeps a background capture from starting a key while the body
+        runs (a no-op otherwise): wrap code outside the runner's calls that writes state the step
+        reads (a prefill writing the KV cache, a cache reset), since a key's capture puts back what it
+        wrote when it ends (:mod:`graphrunner.background`)."""
+        return hold_background(self)
 
     @property
     def captured_keys(self) -> List[Any]:

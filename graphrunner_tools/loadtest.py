@@ -55,6 +55,7 @@ give identical schedules.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import math
 import os
@@ -102,10 +103,12 @@ FAULT_STEP = 2
 #: The keys of each entry of the JSON file's ``levels``, in order. ``tier_replays`` maps each
 #: replayed key of the graph engine (a batch bucket ``"B"``, or a verify tier ``"RxD"``) to its replays;
 #: ``idle_rank_steps`` counts, over every rank, the graph engine's steps run with 0 rows (data parallel);
-#: ``schedule`` is rank 0's graph-engine batch size per step (``graphrunner plan`` reads it).
+#: ``schedule`` is rank 0's graph-engine batch size per step (``graphrunner plan`` reads it);
+#: ``first_decode_s`` (first level only) rank 0's seconds from the start of the graph runner's capture
+#: to its first decode step served (blocking capture, or ``--background-capture``).
 LEVEL_KEYS = ("concurrency", "requests", "completed", "faults", "mismatches", "generated_tokens", "tokens_per_s",
               "eager_tokens_per_s", "replays", "fallbacks", "p50_step_ms", "p99_step_ms", "tier_replays",
-              "idle_rank_steps", "schedule")
+              "idle_rank_steps", "schedule", "first_decode_s")
 #: Probability that a draft token is the model's greedy token (otherwise a random one).
 DRAFT_HIT = 0.6
 
@@ -152,6 +155,7 @@ class EngineRun:
     schedule: List[int] = field(default_factory=list)
     step_s: List[float] = field(default_factory=list)
     seconds: float = 0.0
+    first_step_s: Optional[float] = None  # from the start of serve() to the end of its first decode step
 
     @property
     def generated_tokens(self) -> int:
@@ -211,6 +215,9 @@ class Engine:
             step is a verify step: cell 0 of a row is the request's last token, then its drafts
             (``lens`` = 1 + drafts; the cells beyond are padding, 0 at position 0).
         drafter: ``drafter(rid, done) -> drafts`` (:class:`Drafter`), needed with ``verify``.
+        hold: optional ``hold() -> context manager`` around the engine's own writes of the model's
+            state outside the runner's calls (each prefill): ``GraphRunner.hold`` of a runner whose
+            capture may run in the background (``capture(background=True)``).
 
     Without ``verify`` the schedule depends on the requests' lengths only (never on the
     generated tokens), so two engines serving the same requests with the same ``max_running``
@@ -222,7 +229,8 @@ class Engine:
                  after_decode: Optional[Callable[[int, torch.Tensor], None]] = None,
                  on_progress: Optional[Callable[[int, int], None]] = None,
                  verify: Optional[Callable[..., torch.Tensor]] = None,
-                 drafter: Optional[Callable[[int, int], List[int]]] = None) -> None:
+                 drafter: Optional[Callable[[int, int], List[int]]] = None,
+                 hold: Optional[Callable[[], Any]] = None) -> None:
         rows = model.config.max_batch_size
         if max_running < 1 or max_running >= rows:
             raise ValueError(f"Engine: max_running must be in [1, {rows - 1}]: the KV cache has {rows} rows and "
@@ -237,6 +245,7 @@ class Engine:
         self.max_running = max_running
         self.after_decode = after_decode
         self.on_progress = on_progress
+        self.hold = hold or contextlib.nullcontext
         self.device = next(model.parameters()).device
         self.last = EngineRun()
 
@@ -308,6 +317,8 @@ class Engine:
             tokens = [[t] for t in self._decode_step(step, running)]
         run.step_s.append(time.perf_counter() - t0)
         run.schedule.append(len(running))
+        if run.first_step_s is None:
+            run.first_step_s = time.perf_counter() - t_start
         still = []
         for r, toks in zip(running, tokens):
             r.out.extend(toks[:r.req.output_len - len(r.out)])
@@ -325,7 +336,8 @@ class Engine:
         """Prefill ``req`` into cache row ``slot`` (eager) and take its first token."""
         ids = torch.tensor([req.prompt], dtype=torch.long, device=self.device)
         slots = torch.tensor([slot], dtype=torch.long, device=self.device)
-        logits = self.model.prefill(ids, slot_ids=slots)[:, -1]
+        with self.hold():  # a background capture puts back what it wrote: not while the prefill writes
+            logits = self.model.prefill(ids, slot_ids=slots)[:, -1]
         return _Running(req, slot, len(req.prompt), self._tokens(logits, "prefill"))
 
     def _decode_plan(self, running: Sequence[_Running]) -> Dict[str, torch.Tensor]:
@@ -425,6 +437,7 @@ class LoadtestConfig:
     progress: bool = True
     spec: int = 0
     dp: int = 1
+    background_capture: bool = False
 
     @property
     def tp(self) -> int:
@@ -451,7 +464,7 @@ class LoadtestConfig:
 
 @dataclass
 class LevelResult:
-    """One concurrency level. The first fifteen fields are the JSON entry (:data:`LEVEL_KEYS`);
+    """One concurrency level. The first sixteen fields are the JSON entry (:data:`LEVEL_KEYS`);
     ``eager_p50_step_ms``/``eager_p99_step_ms`` are the eager engine's step times (for
     ``graphrunner bench``), ``errors`` what failed (per rank), ``mismatched`` the ids of the
     requests whose tokens differed, ``tokens`` rank 0's graph-engine tokens per request id. Rates and step times are rank 0's (``None`` when not run)."""
@@ -471,6 +484,7 @@ class LevelResult:
     tier_replays: Dict[str, int] = field(default_factory=dict)
     idle_rank_steps: int = 0
     schedule: List[int] = field(default_factory=list)
+    first_decode_s: Optional[float] = None
     eager_p50_step_ms: Optional[float] = None
     eager_p99_step_ms: Optional[float] = None
     errors: List[str] = field(default_factory=list)
@@ -493,6 +507,8 @@ class LevelResult:
                 f"{self.mismatches} mismatches")
         if self.idle_rank_steps:
             head += f", {self.idle_rank_steps} idle-rank steps"
+        if self.first_decode_s is not None:
+            head += f", first decode step {self.first_decode_s * 1000:,.0f} ms after the capture began"
         if self.tokens_per_s is None or self.eager_tokens_per_s is None:
             return head + ", not measured"
         return (head + f", {self.tokens_per_s:,.0f} tok/s (eager {self.eager_tokens_per_s:,.0f} tok/s, "
@@ -515,9 +531,11 @@ class LoadtestResult:
         return not self.errors and all(lv.ok for lv in self.levels)
 
     def to_json(self) -> Dict[str, Any]:
-        """``{"ranks", "dp", "tp", "backend", "spec", "levels": [...]}``: the file ``--json`` writes."""
+        """``{"ranks", "dp", "tp", "backend", "spec", "background_capture", "levels": [...]}``: the file
+        ``--json`` writes."""
         return {"ranks": self.config.ranks, "dp": self.config.dp, "tp": self.config.tp, "backend": self.config.backend,
-                "spec": self.config.spec, "levels": [lv.to_json() for lv in self.levels]}
+                "spec": self.config.spec, "background_capture": self.config.background_capture,
+                "levels": [lv.to_json() for lv in self.levels]}
 
 
 # --------------------------------------------------------------------------- one rank
@@ -806,8 +824,9 @@ def serve_rank(rank: int, world: int, cfg: LoadtestConfig) -> Dict[str, Any]:
         else:
             runners = {kind: decode_runner(model, backend, max_c, device=dev, group=group, progress=False)
                        for kind, backend in (("graph", cfg.backend), ("eager", "eager"))}
-        for r in runners.values():
-            r.capture()
+        t_capture = time.perf_counter()
+        runners["eager"].capture()
+        runners["graph"].capture(background=cfg.background_capture)  # background: serving starts at once
         requests = run_requests(cfg, model.config.vocab_size)
         serve_kw: Dict[str, Any] = {}
         if cfg.dp > 1:  # this rank's DP group's share, in lockstep with every rank
@@ -846,16 +865,21 @@ def serve_rank(rank: int, world: int, cfg: LoadtestConfig) -> Dict[str, Any]:
                     stall.armed = first_graph
                 progress.label = f"C{c} {kind}"
                 runner.stats.reset()
-                model.reset_cache()
+                with runners["graph"].hold():
+                    model.reset_cache()
                 if drafter is not None:
                     engine = Engine(model, None, c, after_decode=hook, on_progress=progress.update,
-                                    verify=runner, drafter=drafter)
+                                    verify=runner, drafter=drafter, hold=runners["graph"].hold)
                 else:
-                    engine = Engine(model, runner, c, after_decode=hook, on_progress=progress.update)
+                    engine = Engine(model, runner, c, after_decode=hook, on_progress=progress.update,
+                                    hold=runners["graph"].hold)
+                started = time.perf_counter() - t_capture
                 try:
                     engine.serve(requests, **serve_kw)
                 finally:
                     level[kind] = _summary(engine.last, runner.stats)
+                if first_graph and engine.last.first_step_s is not None:
+                    level[kind]["first_decode_s"] = started + engine.last.first_step_s
     except Exception as exc:  # noqa: BLE001 - a fault: stop here, the group may be unusable
         levels[-1]["error"] = f"rank {rank}: {type(exc).__name__}: {exc}"
     finally:
@@ -913,6 +937,7 @@ def _combine(cfg: LoadtestConfig, per_rank: List[Optional[Dict[str, Any]]], rank
             lv.replays, lv.fallbacks, lv.tier_replays = g0["replays"], g0["fallbacks"], dict(g0["tier_replays"])
             lv.p50_step_ms, lv.p99_step_ms = g0["p50_step_ms"], g0["p99_step_ms"]
             lv.schedule = list(g0["schedule"])
+            lv.first_decode_s = g0.get("first_decode_s")
             lv.eager_p50_step_ms, lv.eager_p99_step_ms = e0["p50_step_ms"], e0["p99_step_ms"]
         levels.append(lv)
     # A rank that never reported (died, killed at the deadline) faulted in the first level
@@ -1007,7 +1032,7 @@ def _run_from_args(args: Any) -> int:
                          backend=args.backend, device=args.device, layers=args.layers, seed=args.seed,
                          prompt_len=args.prompt_len, output_len=args.output_len, timeout=args.timeout,
                          inject_fault=args.inject_fault, threads=args.threads, progress=not args.no_progress,
-                         spec=args.spec)
+                         spec=args.spec, background_capture=args.background_capture)
     result = run_loadtest(cfg)
     report(result)
     if args.json:
@@ -1106,6 +1131,11 @@ def add_loadtest_subparser(subparsers: Any) -> Any:
                    help="verify steps instead of decode steps: every running request proposes 1..K seeded draft "
                         "tokens per step, served by verify graphs per (reqs, draft) tier and greedy acceptance "
                         "(default: 0, off)")
+    p.add_argument("--background-capture", action="store_true",
+                   help="capture the graph runner with capture(background=True): the first level is served from "
+                        "its first step (eagerly, padded, until each bucket is captured); every token is still "
+                        "compared with the eager engine. The first level's line shows when its first decode step "
+                        "was served, counted from the start of the capture")
     p.add_argument("--no-progress", action="store_true", help="no progress line (drawn on a terminal only)")
     add_threads_argument(p)
     p.set_defaults(func=_run_from_args, check=check_args)

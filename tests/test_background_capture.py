@@ -266,3 +266,95 @@ def test_background_capture_on_cuda_captures_thread_local_and_equals_eager(cuda_
     assert modes and set(modes) == {"thread_local"}
     assert runner.backend.capture_error_mode == "global"  # restored after the background capture
     runner.cleanup()
+
+
+class RowCache:
+    """A decode step over state indexed by batch row (row ``i`` is request ``i``'s): it adds each
+    row's token at its position and returns the sum of the row so far. A capture's warmups run it
+    on whatever the static buffers hold (the last call's rows, then padding), adding again."""
+
+    def __init__(self, rows: int = 8, length: int = 16) -> None:
+        self.cache = torch.zeros(rows, length)
+
+    def __call__(self, tok, pos):
+        rows = torch.arange(tok.shape[0])
+        self.cache.index_put_((rows, pos), tok, accumulate=True)
+        return self.cache[: tok.shape[0]].sum(-1) * 1.0
+
+
+def _serve_row_cache(monkeypatch=None):
+    step, ref = RowCache(), RowCache()
+    runner = gr.GraphRunner(step, inputs={"tok": gr.BatchInput(trailing=(), dtype=torch.float32),
+                                          "pos": gr.BatchInput(trailing=(), dtype=torch.long, bounds=(0, 15))},
+                            buckets=BUCKETS, backend="full", progress=False, checks=("drift",))
+    gate = threading.Event()
+    runner._background_gate = gate  # the requests' first tokens land before any capture
+    runner.capture(background=True)
+    outs, want = [], []
+    for p in range(12):  # 6 requests decode 12 tokens; capture runs between their steps
+        tok = torch.arange(1, 7, dtype=torch.float32) * (p + 1)
+        pos = torch.full((6,), p)
+        outs.append(runner(tok=tok, pos=pos).clone())
+        want.append(ref(tok, pos))
+        if p == 0:
+            gate.set()
+        time.sleep(0.01)
+    runner.wait_captured(timeout=60)
+    return outs, want
+
+
+def test_background_capture_puts_back_what_its_warmups_wrote():
+    """The capture's warmups run on padding (position 0 of rows 0..b-1, every request's first token):
+    put back after each key, the requests' results equal the eager reference at every step."""
+    outs, want = _serve_row_cache()
+    for got, ref in zip(outs, want):
+        assert torch.equal(got, ref)
+
+
+def test_negative_control_without_put_back_the_capture_corrupts_serving_state(monkeypatch):
+    import graphrunner.background as background
+
+    monkeypatch.setattr(background.PutBack, "end", lambda self, cap: None)
+    outs, want = _serve_row_cache()
+    assert any(not torch.equal(got, ref) for got, ref in zip(outs, want))
+
+
+def _write_during_a_capture(use_hold: bool) -> float:
+    """Write one cache cell from the serving thread while the background thread captures a key."""
+    step = RowCache()
+    inside, release = threading.Event(), threading.Event()
+    real = step.__call__
+
+    def slow_step(tok, pos):
+        out = real(tok, pos)
+        if threading.current_thread().name == "graphrunner-background-capture" and not inside.is_set():
+            inside.set()  # the first warmup of the first key wrote the cache (the put-back took its copy)
+            release.wait(5)
+        return out
+
+    runner = gr.GraphRunner(slow_step, inputs={"tok": gr.BatchInput(trailing=(), dtype=torch.float32),
+                                               "pos": gr.BatchInput(trailing=(), dtype=torch.long, bounds=(0, 15))},
+                            buckets=BUCKETS, backend="full", progress=False, checks=("drift",))
+    runner.capture(background=True)
+    assert inside.wait(10)
+
+    def write():
+        step.cache[5, 7] = 42.0  # a prefill of request 5, outside the runner's calls
+
+    if use_hold:
+        threading.Timer(0.05, release.set).start()
+        with runner.hold():  # waits for the key being captured, keeps the next one back
+            write()
+    else:
+        write()
+        release.set()
+    runner.wait_captured(timeout=60)
+    return float(step.cache[5, 7])
+
+
+def test_hold_keeps_a_write_outside_the_runner_from_being_put_back():
+    assert _write_during_a_capture(use_hold=True) == 42.0
+
+
+def test_negative_control_a_write_during_a_capture_without_hold_is_put_back():
+    assert _write_during_a_capture(use_hold=False) == 0.0  # the key's put-back restored the cell

@@ -403,3 +403,20 @@ def test_bench_sweep_script_reports_graph_and_eager_per_level(tmp_path, capsys):
                                "p99", "ms"]
     assert [r.split()[0] for r in rows[1:]] == ["2", "8"]
     assert grbench.loadtest_table([{"concurrency": 4}])[1].split() == ["4", "-", "-", "-", "-", "-"]
+
+
+@pytest.mark.parametrize("backend", ["full", "breakable"])
+def test_background_capture_serves_every_token_equal_to_eager(capsys, tmp_path, backend):
+    """``--background-capture``: the graph runner captures while the first level is served (its prefills
+    held off the capture with ``runner.hold()``); every token equals the eager engine's."""
+    out = tmp_path / "bg.json"
+    code, stdout, err = _cli(capsys, "--requests", "12", "--concurrency", "4,8", "--layers", "1", "--backend", backend,
+                             "--background-capture", "--no-progress", "--json", str(out))
+    assert code == 0, stdout + err
+    doc = json.loads(out.read_text())
+    assert doc["background_capture"] is True
+    first, second = doc["levels"]
+    assert first["mismatches"] == second["mismatches"] == 0 and first["completed"] == second["completed"] == 12
+    assert first["first_decode_s"] > 0 and second["first_decode_s"] is None
+    assert "first decode step" in stdout and second["replays"] > 0  # captured by the second level
+
