@@ -215,7 +215,8 @@ def test_loadtest_one_rank(backend):
         assert lv.replays > 0
         assert lv.tokens_per_s > 0 and lv.eager_tokens_per_s > 0 and lv.p50_step_ms <= lv.p99_step_ms
     doc = res.to_json()
-    assert set(doc) == {"ranks", "dp", "tp", "backend", "spec", "levels"} and doc["ranks"] == 1
+    assert set(doc) == {"ranks", "dp", "tp", "backend", "spec", "background_capture", "levels"} and doc["ranks"] == 1
+    assert doc["background_capture"] is False and doc["levels"][0]["first_decode_s"] > 0
     assert doc["backend"] == backend and (doc["dp"], doc["tp"]) == (1, 1)
     assert doc["spec"] == 0 and all(sum(d["tier_replays"].values()) == d["replays"] for d in doc["levels"])
     assert [tuple(d) for d in doc["levels"]] == [lt.LEVEL_KEYS] * 2
