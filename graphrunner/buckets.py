@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Iterable, List, Optional, Sequence
+from typing import Any, Iterable, List, Optional, Sequence
 
 __all__ = ["default_buckets", "validate_buckets", "bucket_table"]
 
@@ -43,6 +43,18 @@ def default_buckets(max_batch: int) -> List[int]:
     return ladder
 
 
+def as_int(value: Any, what: str, expected: str) -> int:
+    """``value`` as an int (``operator.index``); a bool or a non-integer is a ``TypeError``
+    ``"{what} is a {type} ({value!r}); {expected}"``. Shared by every size a user passes
+    (buckets, observed batch sizes, graph counts)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} is a bool ({value!r}); {expected}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} is a {type(value).__name__} ({value!r}); {expected}") from None
+
+
 def validate_buckets(buckets: Iterable[int]) -> List[int]:
     """Return ``buckets`` as a list of ints, or raise a clear error.
 
@@ -55,12 +67,7 @@ def validate_buckets(buckets: Iterable[int]) -> List[int]:
         raise TypeError(f"buckets must be a list of ints such as [1, 2, 4, 8], got {type(buckets).__name__}")
     out: List[int] = []
     for i, b in enumerate(buckets):
-        if isinstance(b, bool):
-            raise TypeError(f"buckets[{i}] is a bool ({b!r}); buckets must be ints")
-        try:
-            b = operator.index(b)
-        except TypeError:
-            raise TypeError(f"buckets[{i}] is a {type(b).__name__} ({b!r}); buckets must be ints") from None
+        b = as_int(b, f"buckets[{i}]", "buckets must be ints")
         if b <= 0:
             raise ValueError(f"buckets[{i}] is {b}; every bucket must be a batch size >= 1")
         out.append(b)

@@ -26,11 +26,12 @@ memory: a few milliseconds for a few hundred distinct sizes.
 
 from __future__ import annotations
 
-import operator
 from collections import Counter
 from typing import Any, Dict, List, Mapping, Sequence, Union
 
 import torch
+
+from graphrunner.buckets import as_int
 
 __all__ = ["plan_buckets", "padding_of"]
 
@@ -46,12 +47,7 @@ def _counts(observed: Any, what: str) -> Counter:
         observed = observed.reshape(-1).tolist()
     out: Counter = Counter()
     for i, n in enumerate(observed):
-        if isinstance(n, bool):
-            raise TypeError(f"{what}[{i}] is a bool ({n!r}); observed batch sizes must be ints")
-        try:
-            n = operator.index(n)
-        except TypeError:
-            raise TypeError(f"{what}[{i}] is a {type(n).__name__} ({n!r}); observed batch sizes must be ints") from None
+        n = as_int(n, f"{what}[{i}]", "observed batch sizes must be ints")
         if n < 0:
             raise ValueError(f"{what}[{i}] is {n}; a batch size is >= 0 (0, an idle step, carries no rows)")
         if n:
@@ -63,12 +59,7 @@ def _counts(observed: Any, what: str) -> Counter:
 
 
 def _limit(k: Any, what: str) -> int:
-    if isinstance(k, bool):
-        raise TypeError(f"{what} must be an int >= 1 (the most graphs to capture), got a bool")
-    try:
-        k = operator.index(k)
-    except TypeError:
-        raise TypeError(f"{what} must be an int >= 1 (the most graphs to capture), got {type(k).__name__} ({k!r})") from None
+    k = as_int(k, what, "it must be an int >= 1 (the most graphs to capture)")
     if k < 1:
         raise ValueError(f"{what} must be >= 1 (the most graphs to capture), got {k}")
     return k

@@ -91,7 +91,7 @@ def test_named_dims_are_planned_per_dim():
     ("1,2,3", 2, TypeError, r"observed_sizes must be a list of observed batch sizes"),
     (7, 2, TypeError, r"observed_sizes must be a list"),
     ([1, 2], 0, ValueError, r"max_graphs must be >= 1"),
-    ([1, 2], 2.0, TypeError, r"max_graphs must be an int >= 1"),
+    ([1, 2], 2.0, TypeError, r"max_graphs is a float \(2.0\); it must be an int >= 1"),
     ([1, 2], {"reqs": 2}, TypeError, r"max_graphs is a dict but observed_sizes is a list"),
     ({"reqs": [1, 2]}, 2, TypeError, r"give max_graphs per dim"),
     ({"reqs": [1, 2]}, {"draft": 2}, ValueError, r"max_graphs names dims \['draft'\]"),
