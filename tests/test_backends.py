@@ -477,3 +477,20 @@ def test_base_class_is_abstract():
         with pytest.raises(CaptureError, match="graph construction") as ei:
             b.capture_one(1, lambda: torch.ones(1))
     assert isinstance(ei.value.__cause__, NotImplementedError)
+
+
+def test_full_backend_unsafe_op_advice_says_no_graph_needs_a_breakable_graph():
+    """The tape's advice ("into a function decorated with @no_graph") does nothing on a full graph:
+    the full backend's error says to use the breakable backend; the breakable one does not add it."""
+    import graphrunner as gr
+    from graphrunner.backends import BreakableGraphBackend, FullGraphBackend
+
+    x = torch.ones(2, 3)
+
+    def step():
+        return x * float(x.sum())  # a host read
+
+    for backend, hinted in ((FullGraphBackend(), True), (BreakableGraphBackend(), False)):
+        with backend.capture_session(), pytest.raises(gr.CaptureError) as err:
+            backend.capture_one(2, step)
+        assert ("use backend='breakable'" in str(err.value)) is hinted, str(err.value)

@@ -391,11 +391,19 @@ class GraphBackend:
                 raise collective from exc
             raise CaptureError(
                 f"{self.name} backend: capture of shape key {key!r} failed on rank {self.rank} during {step}: "
-                f"{type(exc).__name__}: {exc}"
+                f"{type(exc).__name__}: {exc}{self._unsafe_hint(exc)}"
             ) from exc
         self._capturing = None
         self._end_hooks(all_hooks, cap)
         logger.debug("%s: captured key %r on rank %d in %.3fs", self.name, key, self.rank, t_end - t0)
+
+    def _unsafe_hint(self, exc: BaseException) -> str:
+        """What the unsafe-op error's "@no_graph" advice means on this backend (the full backend
+        captures a @no_graph function like any code: only a breakable graph runs it eagerly)."""
+        if self.name == "full" and type(exc).__name__ == "CaptureUnsafeOpError" and "no_graph" in str(exc):
+            return (" (on the full backend a @no_graph function is captured like any code: use "
+                    "backend='breakable' for an eager break, or a capturable rewrite)")
+        return ""
 
     def _end_hooks(self, hooks: Sequence[CaptureHook], cap: Capture) -> None:
         """Every hook's ``end`` (they drop references); an error there is logged, not raised:
