@@ -103,7 +103,7 @@ class BackgroundCapture:
         left = [k for k in self.keys if k not in self.done]
         if not self.done:
             return left[0]  # the largest: it allocates the shared output buffer
-        return max(left, key=lambda k: (self.hits.get(k, 0), self.keys.index(k) * -1))
+        return max(left, key=lambda k: (self.hits.get(k, 0), -self.keys.index(k)))
 
     @contextlib.contextmanager
     def call(self) -> Iterator[None]:
@@ -140,6 +140,7 @@ class BackgroundCapture:
             while (self._granted > len(self.done) and self.error is None and not self._stop.is_set()
                    and self._thread.is_alive()):
                 self._settled.wait(0.05)
+
     def _main(self) -> None:
         try:
             from graphrunner.budget import one_time_imports
@@ -237,6 +238,7 @@ def start_background(runner: Any) -> None:
 
     from graphrunner.capturing import CaptureRun
     from graphrunner.devices import TapeDevice
+    from graphrunner.layout import user_error
 
     if runner._budget.budget is not None:
         raise ValueError("GraphRunner.capture(background=True) does not apply memory_budget (it measures each "
@@ -255,7 +257,7 @@ def start_background(runner: Any) -> None:
         try:
             run.key(key, extra_hooks=[PutBack(inputs, executes)])
         except BaseException as exc:
-            err = runner_error(runner, exc)
+            err = user_error(exc)  # as a blocking capture raises it
             raise err from (None if err is exc else exc)
 
     @contextlib.contextmanager
@@ -308,13 +310,6 @@ class PutBack(CaptureHook):
 
     def end(self, cap: Any) -> None:
         self.guard.restore()
-
-
-def runner_error(runner: Any, exc: BaseException) -> BaseException:
-    """The error a failed key's capture surfaces as (as a blocking capture would raise it)."""
-    from graphrunner.layout import user_error
-
-    return user_error(exc)
 
 
 def settle_background(runner: Any, rows: Optional[Sizes]) -> None:
