@@ -146,24 +146,31 @@ def test_capture_background_twice_is_refused_and_cleanup_stops_it():
 WORLD = 3
 
 
-def _rank_worker(rank, world):
-
+def _all_reduce_runner(fail_key=None):
+    """``(runner, w, backend)``: a runner over ``tanh(x @ w)`` all-reduced across the ranks (a collective
+    inside the step: captures must pair across ranks) on a full backend; ``fail_key``: a host read at
+    that batch size, which fails its capture on every rank before the collective."""
     import torch.distributed as dist
 
     from graphrunner.group import TorchDistGroup
 
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn(D, D, generator=gen) / 3
+    w = torch.randn(D, D, generator=torch.Generator().manual_seed(0)) / 3
 
     def step(x):
+        if x.shape[0] == fail_key:
+            float(x.sum())
         y = torch.tanh(x @ w)
-        dist.all_reduce(y)  # a collective inside the step: captures must pair across ranks
+        dist.all_reduce(y)
         return y
 
-    group = TorchDistGroup(timeout=20.0)
-    backend = gr.FullGraphBackend(group=group, trace=gr.Trace())
+    backend = gr.FullGraphBackend(group=TorchDistGroup(timeout=20.0), trace=gr.Trace())
     runner = gr.GraphRunner(step, inputs={"x": gr.BatchInput(trailing=(D,), dtype=torch.float32)},
                             buckets=BUCKETS, backend=backend, progress=False)
+    return runner, w, backend
+
+
+def _rank_worker(rank, world):
+    runner, w, backend = _all_reduce_runner()
     runner.capture(background=True)
     g = torch.Generator().manual_seed(7)  # the same sizes on every rank; values per rank
     switched, outs = [], []
@@ -197,22 +204,7 @@ def test_three_ranks_switch_every_key_at_the_same_call_and_equal_eager():
 
 
 def _failing_rank_worker(rank, world):
-    import torch.distributed as dist
-
-    from graphrunner.group import TorchDistGroup
-
-    w = torch.randn(D, D, generator=torch.Generator().manual_seed(0)) / 3
-
-    def step(x):
-        if x.shape[0] == 2:
-            float(x.sum())  # a host read: the capture of key 2 fails on every rank, before the collective
-        y = torch.tanh(x @ w)
-        dist.all_reduce(y)
-        return y
-
-    backend = gr.FullGraphBackend(group=TorchDistGroup(timeout=20.0), trace=gr.Trace())
-    runner = gr.GraphRunner(step, inputs={"x": gr.BatchInput(trailing=(D,), dtype=torch.float32)},
-                            buckets=BUCKETS, backend=backend, progress=False)
+    runner, w, _ = _all_reduce_runner(fail_key=2)  # the capture of key 2 fails on every rank
     runner.capture(background=True)
     assert runner.wait_captured(timeout=60) is None  # failed at key 2
     raised = None
