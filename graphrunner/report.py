@@ -31,8 +31,10 @@ class BucketReport:
     """One captured bucket.
 
     ``capture_seconds`` is the whole protocol for the bucket (warmups +
-    graph capture), ``graph_capture_seconds`` only the graph construction and
-    capture. ``num_segments`` / ``num_breaks`` are the backend's counts (a
+    checks + graph capture), ``graph_capture_seconds`` only the graph
+    construction and capture, ``checks_seconds`` the checks' share of
+    ``capture_seconds`` (their extra forwards, comparisons and op recording:
+    ``info["checks_seconds"]``, 0 without checks). ``num_segments`` / ``num_breaks`` are the backend's counts (a
     full graph is 1 / 0, eager 0 / 1, a breakable graph one segment per
     graph-able stretch and one break per ``@no_graph`` call).
     ``graph_pool_bytes`` is what this key's graph construction and capture
@@ -54,6 +56,7 @@ class BucketReport:
     bytes_held: int
     info: Dict[str, Any] = field(default_factory=dict, repr=False)
     graph_pool_bytes: Optional[int] = None
+    checks_seconds: float = 0.0
 
     @classmethod
     def from_info(cls, bucket: Any, info: Dict[str, Any]) -> "BucketReport":
@@ -63,7 +66,8 @@ class BucketReport:
                    graph_capture_seconds=float(info.get("graph_capture_seconds", 0.0)),
                    num_segments=int(info.get("num_segments", 0)), num_breaks=int(info.get("num_breaks", 0)),
                    bytes_held=int(info.get("bytes_held", 0)), info=info,
-                   graph_pool_bytes=None if info.get("graph_pool_bytes") is None else int(info["graph_pool_bytes"]))
+                   graph_pool_bytes=None if info.get("graph_pool_bytes") is None else int(info["graph_pool_bytes"]),
+                   checks_seconds=float(info.get("checks_seconds", 0.0)))
 
     def to_dict(self) -> Dict[str, Any]:
         """A JSON-ready dict (``info`` included, values made JSON-safe)."""
@@ -71,6 +75,7 @@ class BucketReport:
             "bucket": list(self.bucket) if isinstance(self.bucket, tuple) else self.bucket,
             "capture_seconds": self.capture_seconds,
             "graph_capture_seconds": self.graph_capture_seconds,
+            "checks_seconds": self.checks_seconds,
             "num_segments": self.num_segments,
             "num_breaks": self.num_breaks,
             "bytes_held": self.bytes_held,
@@ -199,13 +204,16 @@ class CaptureReport:
                 f"rank={self.rank}/{self.world_size} buckets={self.num_buckets} wall={self.total_seconds:.3f}s")
         if self.one_time_seconds:
             head += f" (+{self.one_time_seconds:.2f}s one-time before the first key: {self.one_time_what})"
-        cols = f"{'bucket':>7} {'capture_s':>10} {'graph_s':>9} {'segments':>9} {'breaks':>7} {'graph_pool':>11}"
+        cols = (f"{'bucket':>7} {'capture_s':>10} {'checks_s':>9} {'graph_s':>9} {'segments':>9} {'breaks':>7} "
+                f"{'graph_pool':>11}")
         lines = [head, cols, "-" * len(cols)]
         for b in self.buckets:
-            lines.append(f"{key_text(b.bucket):>7} {b.capture_seconds:>10.4f} {b.graph_capture_seconds:>9.4f} "
+            lines.append(f"{key_text(b.bucket):>7} {b.capture_seconds:>10.4f} {b.checks_seconds:>9.4f} "
+                         f"{b.graph_capture_seconds:>9.4f} "
                          f"{b.num_segments:>9} {b.num_breaks:>7} {_bytes_cell(b.graph_pool_bytes):>11}")
         lines.append("-" * len(cols))
         lines.append(f"{'total':>7} {sum(b.capture_seconds for b in self.buckets):>10.4f} "
+                     f"{sum(b.checks_seconds for b in self.buckets):>9.4f} "
                      f"{sum(b.graph_capture_seconds for b in self.buckets):>9.4f} "
                      f"{sum(b.num_segments for b in self.buckets):>9} {sum(b.num_breaks for b in self.buckets):>7} "
                      f"{_bytes_cell(self.graph_pool_bytes):>11}")
@@ -232,8 +240,8 @@ class CaptureReport:
 
 
 #: The last line of :meth:`CaptureReport.table`.
-LEGEND = ("legend: capture_s = warmups + checks + capture; graph_s = the capture alone; "
-          "graph_pool = pool memory the key added (smaller keys reuse larger keys' memory)")
+LEGEND = ("legend: capture_s = warmups + checks + capture; checks_s = the checks' part; graph_s = capture alone; "
+          "graph_pool = pool memory the key added")
 
 
 def _bytes_cell(n: Optional[int]) -> str:

@@ -312,7 +312,8 @@ def test_negative_control_without_put_back_the_capture_corrupts_serving_state(mo
 
 
 def _write_during_a_capture(use_hold: bool) -> float:
-    """Write one cache cell from the serving thread while the background thread captures a key."""
+    """Write one cache cell from the serving thread while the background thread captures a key: a
+    cell the capture writes too (its warmups run on padding: position 0 of every row)."""
     step = RowCache()
     inside, release = threading.Event(), threading.Event()
     real = step.__call__
@@ -331,7 +332,7 @@ def _write_during_a_capture(use_hold: bool) -> float:
     assert inside.wait(10)
 
     def write():
-        step.cache[5, 7] = 42.0  # a prefill of request 5, outside the runner's calls
+        step.cache[5, 0] = 42.0  # a prefill of request 5, outside the runner's calls
 
     if use_hold:
         threading.Timer(0.05, release.set).start()
@@ -341,7 +342,7 @@ def _write_during_a_capture(use_hold: bool) -> float:
         write()
         release.set()
     runner.wait_captured(timeout=60)
-    return float(step.cache[5, 7])
+    return float(step.cache[5, 0])
 
 
 def test_hold_keeps_a_write_outside_the_runner_from_being_put_back():

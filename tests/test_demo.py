@@ -163,14 +163,16 @@ def _table_rows(text: str):
 def test_capture_report_totals_are_sums_of_its_rows():
     from graphrunner.report import BucketReport, CaptureReport
 
-    rows = [BucketReport(4, 0.5, 0.25, 3, 2, 4096), BucketReport(2, 0.125, 0.0625, 3, 2, 2048),
+    rows = [BucketReport(4, 0.5, 0.25, 3, 2, 4096, checks_seconds=0.125),
+            BucketReport(2, 0.125, 0.0625, 3, 2, 2048, checks_seconds=0.0625),
             BucketReport(1, 0.0625, 0.03125, 3, 2, 1024)]
     report = CaptureReport("breakable", "tape", 0, 1, rows, total_seconds=1.0, static_input_bytes=64,
                            output_buffer_bytes=4096)
     printed, total = _table_rows(report.table())
     assert len(printed) == 3
-    assert total[1:5] == ["0.6875", "0.3438", "9", "6"]  # 0.5+0.125+0.0625, 0.25+0.0625+0.03125, 3*3, 3*2
-    assert total[5] == "-"  # overlapping views of shared buffers: no sum printed
+    # 0.5+0.125+0.0625, checks 0.125+0.0625+0, graph 0.25+0.0625+0.03125, 3*3, 3*2
+    assert total[1:6] == ["0.6875", "0.1875", "0.3438", "9", "6"]
+    assert total[6] == "-"  # overlapping views of shared buffers: no sum printed
     assert "= 4.1 KiB" in report.table() and report.total_bytes_held == 64 + 4096
 
 
@@ -188,14 +190,15 @@ def test_demo_prints_a_legend_and_true_totals():
     _, text = _tiny_demo("breakable")
     legend = [line for line in text.splitlines() if line.startswith(("columns:", "legend:"))]
     assert len(legend) == 2 and all(len(line) <= 160 for line in legend)  # the report's, the latency table's
-    for col in ("capture_s", "graph_s", "graph_pool", "eager_ms", "graph_ms", "speedup"):
+    for col in ("capture_s", "checks_s", "graph_s", "graph_pool", "eager_ms", "graph_ms", "speedup"):
         assert col in " ".join(legend), col
     assert "bytes_held" not in text  # overlapping rows are gone: memory is one line of separate parts
     rows, total = _table_rows(text)
-    for col in (1, 2):
+    for col in (1, 2, 3):  # capture_s, checks_s, graph_s
         assert float(total[col]) == pytest.approx(sum(float(r[col]) for r in rows), abs=1e-4 * len(rows))
-    for col in (3, 4):
+    for col in (4, 5):
         assert int(total[col]) == sum(int(r[col]) for r in rows)
+    assert all(0 < float(r[2]) < float(r[1]) for r in rows[:-1])  # checks ran on the padded keys, inside capture_s
 
 
 @pytest.mark.slow

@@ -188,6 +188,8 @@ def test_no_graph_body_is_not_compared_on_breakable_but_is_on_full():
 
 
 def test_one_hot_is_one_op_on_both_sides(monkeypatch):
+    """The runner captures in inference mode, where eager CPU runs F.one_hot as one aten.one_hot; a
+    tape capture runs it as zeros + scatter_: one F.one_hot record each."""
     def step(t):
         return torch.nn.functional.one_hot(t, 5).float()
 
@@ -196,11 +198,40 @@ def test_one_hot_is_one_op_on_both_sides(monkeypatch):
     runner.capture()
     t = torch.tensor([[1, 4]])
     assert torch.equal(runner(t=t), torch.nn.functional.one_hot(t, 5).float())
-    # Negative control: recorded op by op, the tape's capture (zeros + scatter) differs from the eager
-    # aten.one_hot of the warmup: a false alarm the atomic recording prevents.
-    monkeypatch.setattr(ops, "ATOMIC_FUNCTIONS", ())
+    # Negative control: without the capture's mark on the tape's zeros + scatter_, the streams differ.
+    monkeypatch.setattr(ops, "atomic_call", lambda: None)
     with pytest.raises(CaptureError, match="drift"):
         _runner(step, inputs=spec).capture()
+
+
+def test_one_hot_with_autograd_on_is_one_op(monkeypatch):
+    """With autograd on (a backend driven directly), eager CPU runs F.one_hot as aminmax, two host
+    reads, zeros, unsqueeze, scatter_: recognised as the one F.one_hot call the capture made."""
+    t = torch.tensor([[1, 4], [0, 2]])
+
+    def capture():
+        backend = gr.FullGraphBackend(device="tape")
+        with backend.capture_session():
+            backend.capture_one(2, lambda: torch.nn.functional.one_hot(t, 5).float())
+        return backend
+
+    assert torch.equal(capture().replay(2), torch.nn.functional.one_hot(t, 5).float())
+    monkeypatch.setattr(drift, "_ONE_HOT_DECOMPOSED", ())  # negative control: op by op, the streams differ
+    with pytest.raises(CaptureError, match="drift"):
+        capture()
+
+
+def test_one_hot_differing_class_count_is_a_drift():
+    """The one F.one_hot record still carries its class count: a count read from Python state drifts
+    (3 + one per forward: 5 at the second warmup, 6 at the capture)."""
+    calls = {"n": 3}
+
+    def step(t):
+        calls["n"] += 1
+        return torch.nn.functional.one_hot(t, calls["n"]).float().sum(-1)
+
+    with pytest.raises(CaptureError, match=r"argument 2 of F.one_hot was 5 at warmup 2 and 6 at capture"):
+        _runner(step, inputs={"t": gr.BatchInput(trailing=(2,), dtype=torch.long)}).capture()
 
 
 def test_factory_detach_under_a_tape_capture_is_ignored(monkeypatch):

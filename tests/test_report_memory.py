@@ -148,9 +148,44 @@ def test_one_time_cost_is_labelled_once_and_the_legend_is_short():
     head = rep.table().splitlines()[0]
     assert head.endswith("wall=0.500s (+1.40s one-time before the first key: torch._dynamo import, once per process)")
     assert rep.table().splitlines()[-1] == LEGEND and len(LEGEND) <= 160
-    for col in ("capture_s", "graph_s", "graph_pool"):
+    for col in ("capture_s", "checks_s", "graph_s", "graph_pool"):
         assert col in LEGEND
     rep.one_time_seconds = 0.0  # later captures: no one-time note
     assert "one-time" not in rep.table()
     assert one_time_imports() >= 0.0
     assert one_time_imports() == 0.0  # imported now: a later capture pays nothing
+
+
+def test_checks_seconds_is_the_hooks_time_within_the_capture():
+    """A hook that sleeps a known time at each of its points: the key's ``checks_seconds`` holds
+    that time (plus the recorders' own small share), inside ``capture_seconds``; a backend
+    without hooks reports 0 (the control)."""
+    import time
+
+    from graphrunner.backends.hooks import CaptureHook
+
+    naps = {"begin": 0.02, "after_warmups": 0.03, "after_capture": 0.04}
+
+    class Sleeper(CaptureHook):
+        name = "sleeper"
+
+        def begin(self, cap):
+            time.sleep(naps["begin"])
+
+        def after_warmups(self, cap):
+            time.sleep(naps["after_warmups"])
+
+        def after_capture(self, cap):
+            time.sleep(naps["after_capture"])
+
+    def capture(hooks):
+        backend = gr.FullGraphBackend(device="tape", drift_check=False, hooks=hooks)
+        with backend.capture_session():
+            backend.capture_one(2, lambda: torch.ones(2) * 3)
+        return backend.info(2)
+
+    info = capture([Sleeper()])
+    want = sum(naps.values())
+    assert want <= info["checks_seconds"] < want + 0.05
+    assert info["checks_seconds"] <= info["capture_seconds"]
+    assert capture([])["checks_seconds"] == 0.0

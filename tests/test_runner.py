@@ -414,6 +414,7 @@ def test_capture_report_matches_backend_info(backend, segments, breaks):
         assert (b.num_segments, b.num_breaks) == (segments, breaks) == (info["num_segments"], info["num_breaks"])
         assert b.bytes_held == info["bytes_held"] > 0
         assert b.capture_seconds == info["capture_seconds"] > 0
+        assert b.checks_seconds == info["checks_seconds"] < b.capture_seconds
     assert report.static_input_bytes == 8 * (8 + 8 + 4 * D)
     assert report.output_buffer_bytes == 8 * (4 * V + 8 + 4)
     data = json.loads(report.to_json())
@@ -423,7 +424,7 @@ def test_capture_report_matches_backend_info(backend, segments, breaks):
     table = str(report)
     assert "segments" in table and "breaks" in table
     rows = [line.split() for line in table.splitlines() if line.split() and line.split()[0] in {"8", "4", "2"}]
-    assert [(int(x[0]), int(x[3]), int(x[4])) for x in rows] == [(8, segments, breaks), (4, segments, breaks),
+    assert [(int(x[0]), int(x[4]), int(x[5])) for x in rows] == [(8, segments, breaks), (4, segments, breaks),
                                                                   (2, segments, breaks)]
     batch = make_batch(7)
     assert_same(r(**batch), eager(batch))

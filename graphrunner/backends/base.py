@@ -289,7 +289,8 @@ class GraphBackend:
         try:
             for h in all_hooks:
                 step = f"{h.name} check (begin)"
-                h.begin(cap)
+                with cap.timing():
+                    h.begin(cap)
             out = None
             for i in range(self.warmups):
                 step = f"warmup {i + 1}/{self.warmups} synchronize"
@@ -299,15 +300,18 @@ class GraphBackend:
                 step = f"warmup {i + 1}/{self.warmups} forward"
                 out = None  # the previous warmup's output is not kept alive across the next forward
                 consumers = [c for h in all_hooks for c in h.warmup_consumers(cap, i)]
-                with _recorder(consumers, forward_fn) if consumers else contextlib.nullcontext():
+                rec = _recorder(consumers, forward_fn) if consumers else None
+                with rec if rec is not None else contextlib.nullcontext():
                     out = self._warmup_forward(key, forward_fn, i)
+                cap.check_seconds += rec.seconds if rec is not None else 0.0
                 if post_warmup_hook is not None:
                     step = f"post-warmup hook {i + 1}/{self.warmups}"
                     self._post_warmup_hook(key, post_warmup_hook, i)
             cap.last_output = out
             for h in all_hooks:
                 step = f"{h.name} check"
-                self._after_warmups(key, h, cap)
+                with cap.timing():
+                    self._after_warmups(key, h, cap)
             cap.last_output = None  # not held through the capture
             t_warm = time.perf_counter()
 
@@ -353,6 +357,7 @@ class GraphBackend:
                 raise CaptureError(f"the capture of shape key {key!r} never called the forward")
             t_end = time.perf_counter()
             self._capture_recorder = None
+            cap.check_seconds += rec.seconds if rec is not None else 0.0
             pool_after = self._pool_bytes()
             if pool_before is not None and pool_after is not None:
                 cap.info["graph_pool_bytes"] = max(0, pool_after - pool_before)
@@ -373,7 +378,10 @@ class GraphBackend:
             cap.outputs = (binding["spec"], binding["views"])
             for h in all_hooks:
                 step = f"{h.name} check"
-                h.after_capture(cap)
+                with cap.timing():
+                    h.after_capture(cap)
+            cap.info["checks_seconds"] = cap.check_seconds
+            self._entries[key].capture_seconds = time.perf_counter() - t0  # the checks after the capture too
         except BaseException as exc:
             self._capturing = None
             self._capture_recorder = None
@@ -585,6 +593,8 @@ class GraphBackend:
         ``key``, ``backend``, ``rank``, ``capture_seconds`` (whole
         ``capture_one``: warmups + capture), ``warmup_seconds``,
         ``graph_capture_seconds`` (construction + capture only),
+        ``checks_seconds`` (the capture hooks' share of ``capture_seconds``:
+        :attr:`Capture.check_seconds <graphrunner.backends.hooks.Capture.check_seconds>`),
         ``num_segments``, ``num_breaks``, ``num_ops`` (tape graphs only: aten ops recorded), ``output_bytes`` (this key's
         views), ``output_buffer_bytes`` (the whole shared buffer, the same
         for every key: do not sum it over keys), ``capture_input_bytes``

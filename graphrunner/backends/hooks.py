@@ -24,8 +24,9 @@ mode (``graphrunner check``) records it as a finding and lets capture go on.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 __all__ = ["Capture", "CaptureHook", "Finding"]
 
@@ -76,7 +77,10 @@ class Capture:
     ``after_warmups``, not held through the capture); ``outputs``: after the
     capture, ``(spec, views)`` of the key's static outputs; ``info``: fields a hook adds to the key's
     report (``backend.info(key)``); ``findings``: ``None``, or the list that
-    collect mode appends to.
+    collect mode appends to. ``check_seconds``: what the hooks took so far
+    (their methods, their extra forwards included, and the op recorder's
+    Python per op while it fed their consumers; the dispatch mode's own entry
+    per op is not counted), reported as ``info(key)["checks_seconds"]``.
     """
 
     key: Any
@@ -88,6 +92,7 @@ class Capture:
     last_output: Any = None
     outputs: Any = None
     info: Dict[str, Any] = field(default_factory=dict)
+    check_seconds: float = 0.0
 
     @property
     def group(self) -> Any:
@@ -98,6 +103,15 @@ class Capture:
     def warmups(self) -> int:
         """The backend's warmup count."""
         return int(self.backend.warmups)
+
+    @contextlib.contextmanager
+    def timing(self) -> Iterator[None]:
+        """Add the block's wall time to :attr:`check_seconds` (the backend wraps each hook call)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.check_seconds += time.perf_counter() - t0
 
     def eager(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn()`` eagerly as a warmup would (under the device's warmup context: the capture

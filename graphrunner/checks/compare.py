@@ -10,8 +10,8 @@ own stager, exactly as a call does (any key space: named dims too), then:
    segment kernels are invisible to the host), as a call would;
 2. puts back everything the replay wrote -- tensors that are not created by
    the step and that an op wrote in place or through ``out=`` (a KV cache, a
-   counter tensor) get their bytes back, snapshotted before their first
-   write --, and the default generator its state;
+   counter tensor) get their cells back, logged before each write
+   (:class:`~graphrunner.checks.ops.WriteGuard`) --, and the default generator its state;
 3. runs ``step`` eagerly on the same padded inputs (the reference),
    recording every aten op with its output values, its source line (the
    user's frame: :mod:`graphrunner._frames`) and whether it ran in a graph
@@ -270,7 +270,7 @@ def compare_runner(runner: Any, inputs: Mapping[str, torch.Tensor], atol: float 
             worst, at = diff, path
     report = CompareReport(equal=worst <= atol, bucket=ext, batch=sizes[0] if space.legacy else sizes,
                            max_abs_diff=worst, output=at,
-                           restored=[desc for _, _, desc in state.snapshots.values()])
+                           restored=list(state.snapshots.values()))
     if report.equal:
         return report
     found = _first_divergence(graph_rec.ops, eager_rec.ops, atol)

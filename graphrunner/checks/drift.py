@@ -35,7 +35,6 @@ from torch.utils._python_dispatch import _disable_current_modes
 from graphrunner._frames import is_library, library_name
 from graphrunner._frames import where as _where_of
 from graphrunner.backends.hooks import Capture, CaptureHook, Finding
-from graphrunner.checks import ops as _ops
 from graphrunner.checks.ops import OpConsumer, OpRecorder
 from graphrunner.errors import CaptureError
 
@@ -129,21 +128,27 @@ class OpStream(OpConsumer):
     """An op consumer that keeps the comparable op stream of one run (:attr:`ops`).
 
     Every aten op it sees is appended as an :class:`OpRecord`, except
-    aliasing ops without Python arguments, ops inside an atomic torch
-    function (``F.one_hot``, recorded once as a function record) and, with
+    aliasing ops without Python arguments and, with
     ``skip_eager_breaks=True``, ops inside a ``@no_graph`` body (they run
     eagerly at every replay of a breakable graph). ``label`` names the run in
     messages (``"warmup 2"``, ``"capture"``). Fed by the one op recorder
     (:class:`graphrunner.checks.ops.OpRecorder`); use :meth:`recorder` for a
     stand-alone recording.
-    """
 
-    functions = True
+    ``F.one_hot(t, n)`` is one ``"F.one_hot"`` record however it ran: eager
+    CPU runs it as one ``aten.one_hot`` (inference mode) or as
+    ``aminmax``, two host reads, ``zeros``, ``unsqueeze``, ``scatter_``
+    (autograd on), a tape capture as zeros + scatter (its ops carry the
+    call: ``OpEvent.atomic_call``). The stream asks for no torch-function
+    events: a torch-function mode would cost a Python call per torch function
+    of the step, most of the check's cost.
+    """
 
     def __init__(self, label: str, skip_eager_breaks: bool = False):
         self.label = label
         self.skip_eager_breaks = bool(skip_eager_breaks)
         self.ops: List[OpRecord] = []
+        self._call: Any = None  # the atomic call the last op belonged to
 
     def _where(self, ev: Any) -> "Tuple[str, int, str] | None | bool":
         if self.skip_eager_breaks and ev.in_eager_break:
@@ -151,31 +156,54 @@ class OpStream(OpConsumer):
         return ev.where
 
     def before(self, ev: Any) -> None:
-        if ev.atomic or ev.name in _IGNORED_OPS:
+        call = ev.atomic_call
+        if call is not None:  # one record per atomic call, at its first op
+            if call is not self._call:
+                self._call = call
+                where = self._where(ev)
+                if where is not False:
+                    self.ops.append(_one_hot_record(call[0], call[1], call[2], where))
+            return
+        name = ev.name
+        if name in _IGNORED_OPS:
             return
         where = self._where(ev)
         if where is False:
             return
-        fresh = ev.name in _FRESH_OPS
+        if name == "aten::one_hot":
+            self.ops.append(_one_hot_record("F.one_hot", ev.args, ev.kwargs, where))
+            return
+        fresh = name in _FRESH_OPS
         desc = tuple((str(i + 1), _describe(a, fresh)) for i, a in enumerate(ev.args))
         desc += tuple((k, _describe(v)) for k, v in ev.kwargs.items())
-        self.ops.append(OpRecord(ev.op, desc, where))
-
-    def function(self, ev: Any) -> None:
-        name = next((n for f, n in _ops.ATOMIC_FUNCTIONS if ev.func is f), None)
-        if name is None:
-            return None
-        where = self._where(ev)
-        if where is not False:
-            desc = tuple((str(i + 1), _describe(a)) for i, a in enumerate(ev.args))
-            desc += tuple((k, _describe(v)) for k, v in ev.kwargs.items())
-            self.ops.append(OpRecord(name, desc, where))
-        return None
+        rec = OpRecord(str(ev.func), desc, where)
+        if rec.op == "aten.scatter_.value" and _ends_decomposed_one_hot(self.ops):
+            start = self.ops[-5]
+            t, n = start.args[0][1], self.ops[-2].args[0][1][-1]
+            del self.ops[-5:]
+            rec = OpRecord("F.one_hot", (("1", t), ("2", n)), start.where)
+        self.ops.append(rec)
 
     def recorder(self) -> OpRecorder:
         """A stand-alone :class:`~graphrunner.checks.ops.OpRecorder` feeding only this stream
         (``with stream.recorder(): step()``)."""
         return OpRecorder([self])
+
+
+#: The ops eager CPU runs ``F.one_hot(t, n)`` as with autograd on, before its ``scatter_``.
+_ONE_HOT_DECOMPOSED = ("aten.aminmax.default", "aten._local_scalar_dense.default",
+                       "aten._local_scalar_dense.default", "aten.zeros.default", "aten.unsqueeze.default")
+
+
+def _ends_decomposed_one_hot(ops: List[OpRecord]) -> bool:
+    return len(ops) >= 5 and tuple(r.op for r in ops[-5:]) == _ONE_HOT_DECOMPOSED
+
+
+def _one_hot_record(name: str, args: tuple, kwargs: dict, where: Any) -> OpRecord:
+    """The record of one ``F.one_hot(t, num_classes)`` call (or ``aten.one_hot``), arguments by position."""
+    t = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    n = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+    return OpRecord(name, (("1", _describe(t)), ("2", _describe(n))), where)
 
 
 class DriftCheck(CaptureHook):
@@ -242,7 +270,7 @@ def _first_difference(warmup: OpStream, capture: OpStream) -> Optional[Tuple[str
         if a.op != b.op:
             return (f"op {i + 1} was {a.short_op} at {warmup.label} (at {_where(a)}) but {b.short_op} at "
                     f"{capture.label} (at {_where(b)}): the step took a different path", b)
-        if not _same(a.args, b.args):
+        if a.args != b.args and not _same(a.args, b.args):  # == first: fast, and NaN-blind only one way
             name, va, vb = _arg_diff(a, b)
             return (f"{name} of {b.short_op} was {va!r} at {warmup.label} and {vb!r} at {capture.label}, "
                     f"at {_where(b)} (op {i + 1} of the step)", b)

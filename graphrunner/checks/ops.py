@@ -29,7 +29,11 @@ Consumers see each op before it runs (:meth:`OpConsumer.before`) and after
 (``.item()``, ``.tolist()``, ``F.one_hot``) reach :meth:`OpConsumer.function`.
 Ops run inside an *atomic* torch function (:data:`ATOMIC_FUNCTIONS`: the tape
 runs ``F.one_hot`` as zeros + scatter, eager as one ``aten.one_hot``) carry
-``atomic=True``, so a check that compares op streams can skip them.
+``atomic_call``, the call they belong to, so a check that compares op streams
+can see the call once. A tape capture marks the ops of its own substitutions
+(:func:`graphrunner.tape.unsafe.atomic_call`) without any torch-function mode;
+the recorder's torch-function mode, installed only for consumers that ask for
+function events, marks every atomic function's ops.
 
 """
 
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from time import perf_counter
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -46,6 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from graphrunner._aten import storage_key, tensors_in, written_tensors
 from graphrunner._frames import is_internal
 from graphrunner.tape.state import storage_bytes
+from graphrunner.tape.unsafe import atomic_call
 
 __all__ = ["OpEvent", "FunctionEvent", "op_stream", "OpConsumer", "OpRecorder", "RecordingDevice", "WriteGuard", "storage_key",
            "written_tensors", "tensors_in", "no_graph_code", "ATOMIC_FUNCTIONS"]
@@ -61,9 +67,15 @@ ATOMIC_FUNCTIONS = ((torch.nn.functional.one_hot, "F.one_hot"),)
 def no_graph_code() -> Any:
     """The code object of every ``@no_graph`` wrapper (they share one): a frame running it is
     an eager break."""
-    from graphrunner.breakable import force_no_graph
+    global _NO_GRAPH_CODE
+    if _NO_GRAPH_CODE is None:
+        from graphrunner.breakable import force_no_graph
 
-    return force_no_graph.__code__
+        _NO_GRAPH_CODE = force_no_graph.__code__
+    return _NO_GRAPH_CODE
+
+
+_NO_GRAPH_CODE: Any = None
 
 
 class _Frames:
@@ -93,10 +105,13 @@ class _Frames:
     def eager_break(self) -> Any:
         if not self._walked_break:
             self._walked_break = True
-            f, code = self.frame, no_graph_code()
-            while f is not None:
-                if f.f_code is code:
+            f, code, stop = self.frame, no_graph_code(), self.stop
+            while f is not None:  # up to the step's entry: a break runs inside the step
+                c = f.f_code
+                if c is code:
                     self._break = f
+                    break
+                if c is stop:
                     break
                 f = f.f_back
         return self._break
@@ -117,21 +132,27 @@ class OpEvent:
     """One aten op as the checks see it (computed lazily, once, for all consumers).
 
     ``func``, ``args``, ``kwargs``: the op and its arguments; ``out``: its
-    result (``None`` before it ran); ``atomic``: it runs inside an atomic
-    torch function. Properties: ``name`` (schema name, ``aten::mul``),
+    result (``None`` before it ran); ``atomic_call``: the atomic torch function
+    call it runs inside, ``(name, args, kwargs)``, or ``None``. Properties:
+    ``atomic`` (``atomic_call is not None``), ``name`` (schema name, ``aten::mul``),
     ``op`` (``aten.mul.Tensor``), ``written`` (:func:`written_tensors`),
     ``where`` (the user's frame), ``in_eager_break`` and ``break_fn`` (the
     ``@no_graph`` function it runs in), :meth:`user_stack`.
     """
 
-    __slots__ = ("func", "args", "kwargs", "out", "atomic", "_frames", "_written", "_stream")
+    __slots__ = ("func", "args", "kwargs", "out", "atomic_call", "_frames", "_written", "_stream")
 
-    def __init__(self, func: Any, args: tuple, kwargs: dict, frames: _Frames, atomic: bool):
-        self.func, self.args, self.kwargs, self.atomic = func, args, kwargs, atomic
+    def __init__(self, func: Any, args: tuple, kwargs: dict, frames: _Frames, atomic_call: Optional[tuple]):
+        self.func, self.args, self.kwargs, self.atomic_call = func, args, kwargs, atomic_call
         self.out: Any = None
         self._frames = frames
         self._written: Optional[List[torch.Tensor]] = None
         self._stream: Any = None
+
+    @property
+    def atomic(self) -> bool:
+        """True when the op runs inside an atomic torch function (:attr:`atomic_call`)."""
+        return self.atomic_call is not None
 
     @property
     def stream(self) -> Any:
@@ -214,7 +235,10 @@ class OpConsumer:
     ``functions = True`` asks the recorder for torch-function events too. A
     consumer may return a true value from :meth:`function` to say the call is
     a reported host read: the ops it dispatches then reach :meth:`before` with
-    ``atomic=True``.
+    ``atomic=True``. ``OpEvent.atomic`` is set only when some consumer of the
+    recorder asks for function events (the torch-function mode that sees
+    atomic functions is installed only then): a consumer that reads it sets
+    ``functions = True``.
     """
 
     functions = False
@@ -239,17 +263,22 @@ class _Dispatch(TorchDispatchMode):
         rec = self.rec
         if not rec.on:
             return func(*args, **kwargs)
-        ev = OpEvent(func, args, kwargs, _Frames(sys._getframe(1), rec.stop), rec._atomic > 0)
+        t0 = perf_counter()
+        calls = rec._atomic_calls
+        ev = OpEvent(func, args, kwargs, _Frames(sys._getframe(1), rec.stop), calls[-1] if calls else atomic_call())
         muted = rec._muted
         for c in rec._before:
             if not muted or c.__self__ not in muted:
                 c(ev)
+        t1 = perf_counter()
         out = func(*args, **kwargs)
+        t2 = perf_counter()
         if rec._after:
             ev.out = out
             for c in rec._after:
                 if not muted or c.__self__ not in muted:
                     c(ev)
+        rec.seconds += t1 - t0 + perf_counter() - t2
         return out
 
 
@@ -263,22 +292,24 @@ class _Function(TorchFunctionMode):
         rec = self.rec
         if not rec.on:
             return func(*args, **kwargs)
-        atomic = any(func is f for f, _ in ATOMIC_FUNCTIONS)
+        atomic = next((name for f, name in ATOMIC_FUNCTIONS if func is f), None)
         mute = []
         if rec._functions:
             ev = FunctionEvent(func, args, kwargs, _Frames(sys._getframe(1), rec.stop))
             for c in rec._functions:
                 if c.__self__ not in rec._muted and c(ev):
                     mute.append(c.__self__)
-        if not atomic and not mute:
+        if atomic is None and not mute:
             return func(*args, **kwargs)
-        rec._atomic += atomic
+        if atomic is not None:
+            rec._atomic_calls.append((atomic, args, kwargs))
         for c in mute:
             rec._muted[c] = rec._muted.get(c, 0) + 1
         try:
             return func(*args, **kwargs)
         finally:
-            rec._atomic -= atomic
+            if atomic is not None:
+                rec._atomic_calls.pop()
             for c in mute:
                 rec._muted[c] -= 1
                 if not rec._muted[c]:
@@ -286,7 +317,7 @@ class _Function(TorchFunctionMode):
 
 
 class OpRecorder:
-    """Installs one dispatch mode (and a torch-function mode) that feeds ``consumers``.
+    """Installs one dispatch mode (and, when a consumer asks for function events, a torch-function mode) that feeds ``consumers``.
 
     Use as a context manager around the code to record (enter it innermost,
     directly around the step, so ops a graph runs for itself are not seen),
@@ -304,7 +335,9 @@ class OpRecorder:
         self.stop = stop
         #: True while ops are recorded.
         self.on = False
-        self._atomic = 0
+        #: Seconds spent feeding the consumers (the recorder's Python per op, the op itself not counted).
+        self.seconds = 0.0
+        self._atomic_calls: list = []  # the atomic torch-function calls running now, innermost last
         self._muted: dict = {}  # consumer -> depth of reported host reads it asked to be muted in
         base = OpConsumer
         self._before = [c.before for c in self.consumers if type(c).before is not base.before]
@@ -314,8 +347,9 @@ class OpRecorder:
     @contextlib.contextmanager
     def modes(self) -> Iterator[None]:
         """Install the recording modes (on top of any active ones) for the block; ops are
-        recorded only while :attr:`on`."""
-        with _Function(self), _Dispatch(self):
+        recorded only while :attr:`on`. The torch-function mode only when a consumer asks for
+        function events (``functions = True``): it costs a Python call per torch function."""
+        with _Function(self) if self._functions else contextlib.nullcontext(), _Dispatch(self):
             yield
 
     @contextlib.contextmanager
@@ -380,14 +414,18 @@ class RecordingDevice:
 class WriteGuard(OpConsumer):
     """An op consumer that puts back what the recorded code wrote outside itself.
 
-    Storages an op writes (in place, ``out=``) that the recorded code did
-    not create and that are not in ``inputs`` (tensors whose writes are the
-    caller's business: static inputs) are snapshotted before their first
-    write; :meth:`restore` copies the snapshots back and resets the default
-    generator to its state at construction. Used by ``runner.compare`` and
-    by the padding check around their extra forwards, so the KV cache, a
-    counter tensor or the generator are as before. ``snapshots`` maps a
-    storage key to ``(storage, bytes, description)``.
+    Writes (in place, ``out=``) to storages that the recorded code did not
+    create and that are not in ``inputs`` (tensors whose writes are the
+    caller's business: static inputs) are logged before they happen, with
+    what they will overwrite: the indexed cells of an ``index_put_`` or
+    ``index_copy_`` (a KV cache written at a few slots costs a few slots), the
+    written view of another in-place op, the whole storage for an ``out=``
+    argument. :meth:`restore` undoes the log newest first (so the state is as
+    before the first logged write) and resets the default generator to its
+    state at construction. Used by ``runner.compare``, by the padding check
+    around its extra forwards and by a background capture, so the KV cache,
+    a counter tensor or the generator are as before. ``snapshots`` maps the
+    key of every storage put back to a description of the tensor written.
     """
 
     def __init__(self, inputs: Sequence[torch.Tensor] = ()):
@@ -395,6 +433,8 @@ class WriteGuard(OpConsumer):
         self.seen: set = set()                          # storages an op read or wrote before
         self.inputs = {storage_key(t) for t in inputs}
         self.snapshots: dict = {}
+        self._undo: list = []                           # (restore function, its argument), oldest first
+        self._whole: set = set()                        # storages logged whole since the last restore
         self.gens = [(torch.default_generator, torch.default_generator.get_state())]
 
     def before(self, ev: OpEvent) -> None:
@@ -405,11 +445,26 @@ class WriteGuard(OpConsumer):
                     self.seen.add(k)
         for t in ev.written:
             k = storage_key(t)
-            if k is None or k in self.created or k in self.inputs or k in self.snapshots:
+            if k is None or k in self.created or k in self.inputs or k in self._whole:
                 continue
-            st = t.untyped_storage()
+            self.snapshots.setdefault(k, f"{tuple(t.shape)} {t.dtype}")
             with _disable_current_modes(), torch.inference_mode():
-                self.snapshots[k] = (st, storage_bytes(st).clone(), f"{tuple(t.shape)} {t.dtype}")
+                self._undo.append(self._undo_entry(ev, t, k))
+
+    def _undo_entry(self, ev: OpEvent, t: torch.Tensor, k: int) -> tuple:
+        """``(restore function, argument)`` that puts back what ``ev`` is about to write into ``t``."""
+        args, name = ev.args, ev.name
+        if args and args[0] is t and name not in _RESHAPING:  # in place on self: its cells only
+            if name in _INDEX_PUT and len(args) >= 3:
+                index = [None if i is None else i.clone() for i in args[1]]
+                return _put_index, (t, index, torch.ops.aten.index.Tensor(t, index))
+            if name == "aten::index_copy_" and len(args) >= 4:
+                dim, index = args[1], args[2].clone()
+                return _put_index_copy, (t, dim, index, t.index_select(dim, index))
+            return _put_view, (t, t.clone())
+        st = t.untyped_storage()
+        self._whole.add(k)
+        return _put_storage, (st, storage_bytes(st).clone())
 
     def after(self, ev: OpEvent) -> None:
         # storages an op returned that no op had seen: made by the recorded code (its writes
@@ -420,9 +475,40 @@ class WriteGuard(OpConsumer):
                 self.created.add(k)
 
     def restore(self) -> None:
-        """Copy every snapshot back and reset the generators (the guard can be used again)."""
+        """Undo every logged write, newest first, and reset the generators.
+
+        The guard can record again: the log is emptied and the storages the last run
+        created are forgotten (their addresses may be reused); :attr:`snapshots` keeps
+        growing."""
         with _disable_current_modes(), torch.inference_mode():
-            for st, snap, _ in self.snapshots.values():
-                storage_bytes(st).copy_(snap)
+            for put, arg in reversed(self._undo):
+                put(*arg)
+        self._undo.clear()
+        self._whole.clear()
         for g, s in self.gens:
             g.set_state(s)
+        self.created.clear()
+        self.seen.clear()
+
+
+#: In-place ops that index their ``self`` with a list of index tensors (``self[indices] = values``).
+_INDEX_PUT = frozenset(("aten::index_put_", "aten::_index_put_impl_"))
+#: In-place ops that may change their ``self``'s shape or storage: put back whole.
+_RESHAPING = frozenset(("aten::resize_", "aten::resize_as_", "aten::set_", "aten::squeeze_", "aten::unsqueeze_",
+                        "aten::transpose_", "aten::t_", "aten::as_strided_", "aten::swapdims_", "aten::swapaxes_"))
+
+
+def _put_index(t: torch.Tensor, index: list, old: torch.Tensor) -> None:
+    torch.ops.aten.index_put_(t, index, old)
+
+
+def _put_index_copy(t: torch.Tensor, dim: int, index: torch.Tensor, old: torch.Tensor) -> None:
+    t.index_copy_(dim, index, old)
+
+
+def _put_view(t: torch.Tensor, old: torch.Tensor) -> None:
+    t.copy_(old)
+
+
+def _put_storage(st: Any, old: torch.Tensor) -> None:
+    storage_bytes(st).copy_(old)

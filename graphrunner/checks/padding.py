@@ -249,6 +249,7 @@ class LeakCheck(CaptureHook):
         self.seconds = 0.0
         #: Eager forwards it ran.
         self.forwards = 0
+        self._guard: Any = None  # the WriteGuard of the runs, during the check
 
     def after_warmups(self, cap: Capture) -> None:
         if cap.warmups < 1:
@@ -260,6 +261,7 @@ class LeakCheck(CaptureHook):
         try:
             found = self._check(cap)
         finally:
+            self._guard = None  # its snapshots (a KV cache's size) are not held past the check
             for v, old in saved:
                 v.copy_(old)
         leaked = bool(found)
@@ -327,9 +329,9 @@ class LeakCheck(CaptureHook):
     def _run(self, cap: Capture, fn: Callable[[], Any]) -> List[Optional[torch.Tensor]]:
         """``fn()`` eagerly, what it wrote outside itself put back; its output leaves cloned
         (``None`` for exempt ones). The output's structure is kept in ``self._spec``."""
-        from graphrunner.checks.ops import OpRecorder, WriteGuard
+        from graphrunner.checks.ops import OpRecorder
 
-        guard = WriteGuard([v for _, v, _, _ in self.inputs])
+        guard = self._guard
         self.forwards += 1
         try:
             with OpRecorder([guard]):
@@ -342,6 +344,10 @@ class LeakCheck(CaptureHook):
 
     def _check(self, cap: Capture) -> List[Tuple[str, str, float]]:
         """``[(which comparison, output path, max abs diff)]`` of the outputs that moved."""
+        from graphrunner.checks.ops import WriteGuard
+
+        # one guard for every run: what a run wrote is put back after it, from one snapshot
+        self._guard = WriteGuard([v for _, v, _, _ in self.inputs])
         data, sizes = self._real_data(), self.sizes
         self._fill(data, sizes)
         a = self._run(cap, cap.forward_fn)

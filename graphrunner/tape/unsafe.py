@@ -13,6 +13,7 @@ CUDA), and :func:`_user_frame`, the user's source line named in capture errors.
 from __future__ import annotations
 
 import sys
+import threading
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -216,11 +217,24 @@ class _Guard(TorchFunctionMode):
             self.cap.failed = err
             raise err
         if func is _ONE_HOT:
+            _substituting.call = ("F.one_hot", args, kwargs)
             try:
                 out = _one_hot_static(args, kwargs)
             except CaptureUnsafeOpError as err:
                 self.cap.failed = err
                 raise
+            finally:
+                _substituting.call = None
             if out is not None:
                 return out
         return func(*args, **kwargs)
+
+
+_substituting = threading.local()
+
+
+def atomic_call() -> "tuple | None":
+    """The torch function a tape capture on this thread is running as several aten ops right now
+    (``F.one_hot`` as zeros + scatter), as ``(name, args, kwargs)``, else ``None``: an op recorder
+    marks the ops it dispatches as one call (:class:`graphrunner.checks.ops.OpEvent`)."""
+    return getattr(_substituting, "call", None)
