@@ -125,7 +125,9 @@ def one_capture(workload: Workload, checks: Any) -> Dict[str, Any]:
         t0 = time.perf_counter()
         report = runner.capture()
         wall = time.perf_counter() - t0
-    keys = {str(b.bucket): {"capture_s": b.capture_seconds, "checks_s": b.checks_seconds} for b in report.buckets}
+    # info["checks_seconds"]: None from a graphrunner before the report had it (a before/after run)
+    keys = {str(b.bucket): {"capture_s": b.capture_seconds, "checks_s": b.info.get("checks_seconds")}
+            for b in report.buckets}
     runner.cleanup()
     reset()
     return {"wall": wall, "keys": keys}
@@ -151,8 +153,9 @@ def measure(workload: Workload, rounds: int) -> Dict[str, Any]:
         "ratio_min": {n: best[n] / best["none"] for n in names},
         "ratio_median": {n: med[n] / med["none"] for n in names},
         "default_per_key": fastest_default["keys"],
-        "default_checks_share": (sum(k["checks_s"] for k in fastest_default["keys"].values())
-                                 / max(1e-12, sum(k["capture_s"] for k in fastest_default["keys"].values()))),
+        "default_checks_share": None if any(k["checks_s"] is None for k in fastest_default["keys"].values()) else
+        (sum(k["checks_s"] for k in fastest_default["keys"].values())
+         / max(1e-12, sum(k["capture_s"] for k in fastest_default["keys"].values()))),
     }
 
 
@@ -207,7 +210,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     print(f"  {'workload':<15} " + " ".join(f"{n:>15}" for n in VARIANTS) + f" {'checks_s share':>15}")
     for name, r in rows.items():
         cells = " ".join(f"{r['capture_s_min'][n]:7.3f} ({r['ratio_min'][n]:4.2f}x)" for n in VARIANTS)
-        print(f"  {name:<15} {cells} {r['default_checks_share']:14.1%}")
+        share = r["default_checks_share"]
+        print(f"  {name:<15} {cells} {'-' if share is None else f'{share:.1%}':>15}")
     write_json(args.out, result, announce=True)
     return result
 

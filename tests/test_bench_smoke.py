@@ -249,3 +249,25 @@ def main(argv):
         assert torch.get_num_threads() == before
     finally:
         torch.set_num_threads(before)
+
+
+def test_check_cost_script_measures_every_variant(tmp_path):
+    """bench/check_cost.py (standalone): every variant captured, ratios against no checks, and the
+    default run's per-key checks_s inside its capture_s (structure and consistency, not speed)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_cost", BENCH_DIR / "check_cost.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "cc.json"
+    result = mod.main(["--quick", "--workloads", "demo_full", "--buckets", "1,2", "--out", str(out)])
+    assert json.loads(out.read_text())["workloads"].keys() == {"demo_full"}
+    row = result["workloads"]["demo_full"]
+    assert set(row["ratio_min"]) == {"none", "drift", "padding", "default"}
+    assert row["ratio_min"]["none"] == 1.0
+    assert all(len(v) == 2 for v in row["capture_s_all_rounds"].values())  # --quick: 2 rounds each
+    assert set(row["default_per_key"]) == {"1", "2"}
+    for k in row["default_per_key"].values():
+        assert 0 < k["checks_s"] < k["capture_s"]
+    with pytest.raises(SystemExit):
+        mod.main(["--workloads", "nope", "--out", str(out)])

@@ -228,3 +228,24 @@ def test_check_sizes_follow_the_key_choice():
     assert check_sizes(listed, (2, 2)) == (1, 2)         # (1, 2) is not captured: it replays (2, 2)
     ratio = KeySpace([1, 2, 4, 8], None, 0.25)
     assert check_sizes(ratio, (8,)) == (6,)              # 5 would pad more than 25%: it falls back
+
+
+def test_only_unbounded_integer_inputs_run_no_forward_and_bounds_make_it_check(caplog):
+    """Integer inputs without bounds keep the pad in their real cells, and with no floating-point
+    input there is nothing to vary: the check warns and runs no forward. Control: the same step with
+    ``bounds=`` runs its forwards and catches the leak (a sum over the padded batch)."""
+    table = torch.randn(10, 3)
+
+    def step(ids):
+        return table[ids] + table[ids].sum(0)       # the sum reads the padding rows
+
+    def runner(bounds):
+        return gr.GraphRunner(step, inputs={"ids": gr.BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=bounds)},
+                              buckets=[1, 4], device="tape", progress=False)
+
+    with caplog.at_level("WARNING", logger="graphrunner.checks.padding"):
+        rep = runner(None).capture()
+    assert "have no BatchInput(bounds=" in caplog.text
+    assert rep.buckets[0].bucket == 4 and rep.buckets[0].info["leak_check_forwards"] == 0
+    with pytest.raises(gr.PaddingLeakError, match="bucket 4"):
+        runner((0, 9)).capture()

@@ -128,3 +128,27 @@ def test_negative_control_undoing_oldest_first_leaves_overlapping_writes_wrong()
     guard.restore()
     assert not torch.equal(state, before)
     assert torch.equal(state[1], before[1] * 3)   # the zero_ entry logged the mul_'s result
+
+
+def test_writes_through_aliases_are_put_back_and_fresh_results_are_the_steps_own():
+    """``reshape``/``contiguous`` return their argument's storage when they can (writes through them
+    reach the state) and a fresh tensor otherwise; views always alias. Only writes that reach storage
+    the step did not create are logged."""
+    state = torch.arange(6.0).reshape(2, 3)
+    before = state.clone()
+
+    def step():
+        state.reshape(-1).add_(1)          # an alias of the state: logged
+        state.contiguous()[0].mul_(2)      # contiguous already: the state itself, logged
+        state.view(3, 2)[1].sub_(5)        # a view: logged
+        fresh = state.t().reshape(-1)      # a copy (not contiguous): the step's own tensor
+        fresh.add_(100)
+        (state * 1).add_(7)                # a fresh result
+        return fresh
+
+    guard = WriteGuard()
+    _run(step, guard)
+    assert not torch.equal(state, before)
+    assert len(guard._undo) == 3           # the three writes that reach the state, none of the fresh ones
+    guard.restore()
+    assert torch.equal(state, before)

@@ -86,10 +86,13 @@ def _same(a: Any, b: Any) -> bool:
 
 
 _SIMPLE = (int, float, bool, str, complex, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_SCALARS = frozenset((int, float, bool, type(None)))
 
 
 def _describe(v: Any, fresh: bool = False) -> Any:
     """The comparable form of one op argument."""
+    if type(v) in _SCALARS:
+        return v
     if isinstance(v, torch.Tensor):
         values = None
         if fresh and v.device.type == "cpu" and v.numel() <= _FRESH_MAX_NUMEL:
@@ -164,20 +167,25 @@ class OpStream(OpConsumer):
                 if where is not False:
                     self.ops.append(_one_hot_record(call[0], call[1], call[2], where))
             return
-        name = ev.name
-        if name in _IGNORED_OPS:
+        func = ev.func
+        kind = _KINDS.get(func)
+        if kind is None:
+            kind = _KINDS[func] = _kind(func)
+        op, what = kind
+        if what is _IGNORED:
             return
         where = self._where(ev)
         if where is False:
             return
-        if name == "aten::one_hot":
+        if what is _ONE_HOT_OP:
             self.ops.append(_one_hot_record("F.one_hot", ev.args, ev.kwargs, where))
             return
-        fresh = name in _FRESH_OPS
-        desc = tuple((str(i + 1), _describe(a, fresh)) for i, a in enumerate(ev.args))
-        desc += tuple((k, _describe(v)) for k, v in ev.kwargs.items())
-        rec = OpRecord(str(ev.func), desc, where)
-        if rec.op == "aten.scatter_.value" and _ends_decomposed_one_hot(self.ops):
+        fresh = what is _FRESH
+        desc = tuple([(_LABELS[i] if i < 32 else str(i + 1), _describe(a, fresh)) for i, a in enumerate(ev.args)])
+        if ev.kwargs:
+            desc += tuple([(k, _describe(v)) for k, v in ev.kwargs.items()])
+        rec = OpRecord(op, desc, where)
+        if what is _SCATTER and _ends_decomposed_one_hot(self.ops):
             start = self.ops[-5]
             t, n = start.args[0][1], self.ops[-2].args[0][1][-1]
             del self.ops[-5:]
@@ -188,6 +196,22 @@ class OpStream(OpConsumer):
         """A stand-alone :class:`~graphrunner.checks.ops.OpRecorder` feeding only this stream
         (``with stream.recorder(): step()``)."""
         return OpRecorder([self])
+
+
+_LABELS = tuple(str(i + 1) for i in range(32))  # positional argument labels
+_IGNORED, _ONE_HOT_OP, _FRESH, _SCATTER, _PLAIN = "ignored", "one_hot", "fresh", "scatter", "plain"
+_KINDS: dict = {}  # op overload -> (its name as records spell it, how OpStream treats it)
+
+
+def _kind(func: Any) -> Tuple[str, str]:
+    name, op = func._schema.name, str(func)
+    if name in _IGNORED_OPS:
+        return op, _IGNORED
+    if name == "aten::one_hot":
+        return op, _ONE_HOT_OP
+    if name in _FRESH_OPS:
+        return op, _FRESH
+    return op, _SCATTER if op == "aten.scatter_.value" else _PLAIN
 
 
 #: The ops eager CPU runs ``F.one_hot(t, n)`` as with autograd on, before its ``scatter_``.

@@ -317,7 +317,8 @@ class _Function(TorchFunctionMode):
 
 
 class OpRecorder:
-    """Installs one dispatch mode (and, when a consumer asks for function events, a torch-function mode) that feeds ``consumers``.
+    """Installs one dispatch mode (and, when a consumer asks for function events, a torch-function
+    mode) that feeds ``consumers``.
 
     Use as a context manager around the code to record (enter it innermost,
     directly around the step, so ops a graph runs for itself are not seen),
@@ -430,7 +431,6 @@ class WriteGuard(OpConsumer):
 
     def __init__(self, inputs: Sequence[torch.Tensor] = ()):
         self.created: set = set()                       # storages made by the recorded code
-        self.seen: set = set()                          # storages an op read or wrote before
         self.inputs = {storage_key(t) for t in inputs}
         self.snapshots: dict = {}
         self._undo: list = []                           # (restore function, its argument), oldest first
@@ -438,11 +438,8 @@ class WriteGuard(OpConsumer):
         self.gens = [(torch.default_generator, torch.default_generator.get_state())]
 
     def before(self, ev: OpEvent) -> None:
-        for v in list(ev.args) + list(ev.kwargs.values()):
-            for t in tensors_in(v):
-                k = storage_key(t)
-                if k is not None and k not in self.created:
-                    self.seen.add(k)
+        if not ev.func._schema.is_mutable:
+            return
         for t in ev.written:
             k = storage_key(t)
             if k is None or k in self.created or k in self.inputs or k in self._whole:
@@ -467,12 +464,25 @@ class WriteGuard(OpConsumer):
         return _put_storage, (st, storage_bytes(st).clone())
 
     def after(self, ev: OpEvent) -> None:
-        # storages an op returned that no op had seen: made by the recorded code (its writes
-        # to them are its own business, not state to put back)
-        for t in tensors_in(ev.out):
-            k = storage_key(t)
-            if k is not None and k not in self.seen:
-                self.created.add(k)
+        # storages an op returned fresh: made by the recorded code (its writes to them are its
+        # own business, not state to put back). The schema says which returns are fresh (no
+        # alias annotation); for an op whose returns may alias an argument (reshape, contiguous,
+        # an op outside aten), a returned storage that is none of its arguments' is fresh.
+        fresh = _FRESH_RETURNS.get(ev.func)
+        if fresh is None:
+            fresh = _FRESH_RETURNS[ev.func] = _fresh_returns(ev.func)
+        created = self.created
+        if fresh is True:
+            for t in tensors_in(ev.out):
+                k = storage_key(t)
+                if k is not None:
+                    created.add(k)
+        elif fresh is None:
+            args = {storage_key(t) for v in (*ev.args, *ev.kwargs.values()) for t in tensors_in(v)}
+            for t in tensors_in(ev.out):
+                k = storage_key(t)
+                if k is not None and k not in args:
+                    created.add(k)
 
     def restore(self) -> None:
         """Undo every logged write, newest first, and reset the generators.
@@ -488,7 +498,30 @@ class WriteGuard(OpConsumer):
         for g, s in self.gens:
             g.set_state(s)
         self.created.clear()
-        self.seen.clear()
+
+
+_FRESH_RETURNS: dict = {}  # op overload -> True (every return fresh), False (none), None (look)
+
+
+def _fresh_returns(func: Any) -> Optional[bool]:
+    """``True`` when every return of aten op ``func`` is a fresh tensor (no alias annotation),
+    ``False`` when none can be (a view kernel, an in-place or ``out=`` op whose returns are all
+    annotated), ``None`` when it depends (a composite view such as ``reshape``, which copies when
+    it cannot view; ``Tensor(a)`` returns such as ``contiguous``'s; ops outside ``aten``): then
+    the returns are compared with the arguments' storages."""
+    if getattr(func, "namespace", None) != "aten":
+        return None
+    rets = func._schema.returns
+    annotated = [r.alias_info is not None for r in rets]
+    if func.is_view and all(annotated):
+        # a composite view (reshape, flatten) copies when it cannot view: look
+        return None if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd") \
+            else False
+    if not any(annotated):
+        return True
+    if all(r.alias_info.is_write for r in rets):
+        return False  # in place / out=: the returns are the written arguments
+    return None
 
 
 #: In-place ops that index their ``self`` with a list of index tensors (``self[indices] = values``).
