@@ -235,10 +235,11 @@ class OpConsumer:
     ``functions = True`` asks the recorder for torch-function events too. A
     consumer may return a true value from :meth:`function` to say the call is
     a reported host read: the ops it dispatches then reach :meth:`before` with
-    ``atomic=True``. ``OpEvent.atomic`` is set only when some consumer of the
-    recorder asks for function events (the torch-function mode that sees
-    atomic functions is installed only then): a consumer that reads it sets
-    ``functions = True``.
+    ``atomic=True``. ``OpEvent.atomic`` marks the ops of a tape capture's own
+    substitutions always, and those of every atomic function only when some
+    consumer of the recorder asks for function events (the torch-function mode
+    that sees them is installed only then): a consumer that needs it in eager
+    code sets ``functions = True``.
     """
 
     functions = False
@@ -468,8 +469,8 @@ class WriteGuard(OpConsumer):
         # own business, not state to put back). The schema says which returns are fresh (no
         # alias annotation); for an op whose returns may alias an argument (reshape, contiguous,
         # an op outside aten), a returned storage that is none of its arguments' is fresh.
-        fresh = _FRESH_RETURNS.get(ev.func)
-        if fresh is None:
+        fresh = _FRESH_RETURNS.get(ev.func, _UNKNOWN)
+        if fresh is _UNKNOWN:
             fresh = _FRESH_RETURNS[ev.func] = _fresh_returns(ev.func)
         created = self.created
         if fresh is True:
@@ -501,6 +502,7 @@ class WriteGuard(OpConsumer):
 
 
 _FRESH_RETURNS: dict = {}  # op overload -> True (every return fresh), False (none), None (look)
+_UNKNOWN = object()  # not in _FRESH_RETURNS yet
 
 
 def _fresh_returns(func: Any) -> Optional[bool]:
