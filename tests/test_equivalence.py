@@ -76,10 +76,35 @@ def test_row_independent_step_passes_with_integers_and_floats():
     inputs = {"ids": gr.BatchInput(dtype=torch.long, pad=0, bounds=(0, 19)), "h": gr.BatchInput(trailing=(H,))}
     r = _runner(step, inputs)
     rep = r.capture()
-    # bucket 8: padded (5 real), random float padding, a second real size (7), eager unpadded; 4 and 2: no second size
-    assert {b.bucket: b.info.get("leak_check_forwards") for b in rep.buckets} == {8: 4, 4: 3, 2: 3}
+    # bucket 8: padded (5 real: the last warmup), then random float padding, a second real size (7), eager
+    # unpadded: 3 extra forwards; 4 and 2: no second size
+    assert {b.bucket: b.info.get("leak_check_forwards") for b in rep.buckets} == {8: 3, 4: 2, 2: 2}
     ids, h = torch.randint(0, 20, (5,)), torch.randn(5, H)
     torch.testing.assert_close(r(ids=ids, h=h), step(ids, h))
+
+
+def test_the_last_warmup_is_run_a_and_one_warmup_runs_it_apart():
+    """With warmups >= 2 the last warmup runs on run A's data (real ids within bounds, pad rows at the
+    pad) and the capture on the padding again; with warmups=1 the one warmup may be lazy
+    initialisation, so the check runs A itself: one eager forward more (the control)."""
+    emb = torch.randn(20, H)
+    seen = []
+
+    def step(ids):
+        seen.append(ids.clone())
+        return emb[ids] * 2
+
+    inputs = {"ids": gr.BatchInput(dtype=torch.long, pad=0, bounds=(0, 19))}
+    rep = gr.GraphRunner(step, inputs, [2, 4], backend="full", device="tape", progress=False).capture()
+    key4 = seen[:6]  # bucket 4: warmup 1, warmup 2 (run A), eager unpadded (D), capture; bucket 2's after
+    assert [len(t) for t in key4[:4]] == [4, 4, 3, 4]
+    assert torch.equal(key4[0], torch.zeros(4, dtype=torch.long))        # warmup 1 on padding
+    assert key4[1][3] == 0 and key4[1][:3].tolist() != [0, 0, 0]          # warmup 2: run A, 3 real rows + pad
+    assert torch.equal(key4[2], key4[1][:3])                               # D: A's real rows, unpadded
+    assert torch.equal(key4[3], torch.zeros(4, dtype=torch.long))          # the capture on padding again
+    assert rep.buckets[0].info["leak_check_forwards"] == 1
+    one = gr.GraphRunner(step, inputs, [2, 4], backend="full", device="tape", progress=False, warmups=1).capture()
+    assert one.buckets[0].info["leak_check_forwards"] == 2
 
 
 # --------------------------------------------------------- integer leaks

@@ -12,7 +12,8 @@
     capture  copy_into(output_view(key), forward_fn())   exactly once; no hook
 
 Checks attach to this order as capture hooks (:mod:`graphrunner.backends.hooks`)
-at fixed points: ``begin``, the ops of each warmup forward, ``after_warmups``
+at fixed points: ``begin``, around each warmup forward (``before_warmup``, its
+ops, ``after_warmup``), ``after_warmups``
 (before the final synchronize), the ops of the captured forward,
 ``after_capture``, ``end``, and ``before_replay`` in debug mode. The drift
 check (``drift_check=True``) is one of them (:mod:`graphrunner.checks.drift`).
@@ -234,7 +235,8 @@ class GraphBackend:
 
         0. ``H.begin``.
         1. ``warmups`` times: device synchronize, group barrier,
-           ``forward_fn()`` (its ops fed to ``H.warmup_consumers``), then
+           ``H.before_warmup``, ``forward_fn()`` (its ops fed to
+           ``H.warmup_consumers``), ``H.after_warmup``, then
            ``post_warmup_hook()`` if given.
         2. ``H.after_warmups`` (a check's extra eager forwards and collectives).
         3. device synchronize, then group barrier.
@@ -299,11 +301,17 @@ class GraphBackend:
                 self._warmup_barrier(key, i)
                 step = f"warmup {i + 1}/{self.warmups} forward"
                 out = None  # the previous warmup's output is not kept alive across the next forward
+                for h in all_hooks:
+                    with cap.timing():
+                        h.before_warmup(cap, i)
                 consumers = [c for h in all_hooks for c in h.warmup_consumers(cap, i)]
                 rec = _recorder(consumers, forward_fn) if consumers else None
                 with rec if rec is not None else contextlib.nullcontext():
                     out = self._warmup_forward(key, forward_fn, i)
                 cap.check_seconds += rec.seconds if rec is not None else 0.0
+                for h in all_hooks:
+                    with cap.timing():
+                        h.after_warmup(cap, i, out)
                 if post_warmup_hook is not None:
                     step = f"post-warmup hook {i + 1}/{self.warmups}"
                     self._post_warmup_hook(key, post_warmup_hook, i)

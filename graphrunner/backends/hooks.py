@@ -4,7 +4,8 @@
 runs the protocol and calls every hook at fixed points, in this order::
 
     begin(cap)
-    repeat warmups:   sync; barrier; forward (ops to warmup_consumers(cap, i)); post_warmup_hook
+    repeat warmups:   sync; barrier; before_warmup(cap, i);
+                      forward (ops to warmup_consumers(cap, i)); after_warmup(cap, i, out); post_warmup_hook
     after_warmups(cap)             # eager forwards and collectives of a check (the padding check)
     sync; barrier
     graph construction; capture    # ops of the captured forward to capture_consumers(cap)
@@ -150,9 +151,16 @@ class CaptureHook:
     def begin(self, cap: Capture) -> None:
         """Before the first warmup of ``cap.key``."""
 
+    def before_warmup(self, cap: Capture, i: int) -> None:
+        """Before warmup forward ``i`` (0-based), after its synchronize and barrier: a check may
+        set what the forward reads (the padding check's first run is the last warmup)."""
+
     def warmup_consumers(self, cap: Capture, i: int) -> Sequence[Any]:
         """Op consumers to feed the ops of warmup forward ``i`` (0-based) to."""
         return ()
+
+    def after_warmup(self, cap: Capture, i: int, out: Any) -> None:
+        """Warmup forward ``i`` returned ``out``; before the post-warmup hook runs."""
 
     def after_warmups(self, cap: Capture) -> None:
         """After the last warmup and its post-warmup hook, before the final synchronize and

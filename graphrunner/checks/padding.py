@@ -4,13 +4,15 @@ A graph computes every cell of its key, padding included, so a step whose
 real outputs depend on the padding (a reduction over the batch such as
 ``h.sum()``, a mean, a norm across rows) replays with a silently wrong
 result. For every key that a smaller call can replay, :class:`LeakCheck`
-runs one extra eager forward after the capture protocol's last warmup (a
-capture hook's ``after_warmups``: the capture order stays in
-:mod:`graphrunner.backends.base`) with the padding cells of every
-floating-point input set to other values, and compares the real cells of
-every output, 0-dim outputs whole, with the last warmup's. Any difference
-raises :class:`~graphrunner.errors.PaddingLeakError` naming the output path
-and the key.
+runs the step eagerly on seeded random real cells with the padding at its
+pad value (run A: the protocol's last warmup, through the capture hook's
+``before_warmup``/``after_warmup``), then, at ``after_warmups`` (the capture
+order stays in :mod:`graphrunner.backends.base`), with the float padding
+changed, with more real cells and without padding, and compares the real
+cells of every output, 0-dim outputs whole, with run A's (see
+:class:`LeakCheck`). Any difference raises
+:class:`~graphrunner.errors.PaddingLeakError` naming the output path and the
+key.
 
 - Real sizes: per dim, the smallest size that still replays the key (on a
   full grid the dim's previous bucket + 1; ``max_padding_ratio`` and
@@ -32,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -188,7 +191,7 @@ logger = logging.getLogger("graphrunner.checks.padding")
 
 
 class LeakCheck(CaptureHook):
-    """The padded-vs-eager equivalence check of one key, as a capture hook (``after_warmups``).
+    """The padded-vs-eager equivalence check of one key, as a capture hook (the last warmup, ``after_warmups``).
 
     Args:
         key: the key (runner-dim tuple); ``key_text`` how messages name it.
@@ -213,7 +216,9 @@ class LeakCheck(CaptureHook):
     value, as at replay. Then eager forwards, each followed by a restore of
     what it wrote outside itself (:class:`~graphrunner.checks.ops.WriteGuard`):
 
-    - **A**: real sizes ``sizes``, padding = pad values (what the graph computes);
+    - **A**: real sizes ``sizes``, padding = pad values (what the graph computes); with
+      ``warmups >= 2`` this is the protocol's last warmup (its writes put back before the
+      post-warmup hook), with ``warmups=1`` an extra forward;
     - **B**: as A with the padding of floating-point inputs random: real cells must not move;
     - **C**: real sizes ``sizes2`` (more real cells, the first ones as in A):
       A's real cells must not move (the padded count varied);
@@ -250,24 +255,49 @@ class LeakCheck(CaptureHook):
         #: Eager forwards it ran.
         self.forwards = 0
         self._guard: Any = None  # the WriteGuard of the runs, during the check
+        self._saved: Any = None  # the static buffers as they were before the check filled them
+        self._data: Any = None  # the seeded real data of every input
+        self._a: Any = None  # run A's output leaves
+        self._a_in_warmup = False  # the last warmup is running as run A
+
+    # ------------------------------------------------------------ the hook points
+    def before_warmup(self, cap: Capture, i: int) -> None:
+        """Before the last warmup (with ``warmups >= 2``): the static buffers hold run A's data, so
+        that warmup is run A (one eager forward fewer); its writes are put back right after it."""
+        if i != cap.warmups - 1 or cap.warmups < 2:
+            return
+        t0 = time.perf_counter()
+        if self._prepare():
+            self._fill(self._data, self.sizes)
+            self._a_in_warmup = True
+        self.seconds += time.perf_counter() - t0
+
+    def warmup_consumers(self, cap: Capture, i: int) -> Sequence[Any]:
+        return (self._guard,) if self._a_in_warmup and i == cap.warmups - 1 else ()
+
+    def after_warmup(self, cap: Capture, i: int, out: Any) -> None:
+        if not self._a_in_warmup or i != cap.warmups - 1:
+            return
+        self._a_in_warmup = False
+        try:
+            self._a = self._leaves(out)
+        finally:
+            self._guard.restore()  # before the post-warmup hook, as after any run of the check
 
     def after_warmups(self, cap: Capture) -> None:
         if cap.warmups < 1:
             return
-        import time
-
         t0 = time.perf_counter()
-        saved = [(v, v.clone()) for _, v, _, _ in self.inputs]
         try:
+            if self._saved is None:  # warmups=1: the one warmup may be lazy initialisation, A runs here
+                self._prepare()
             found = self._check(cap)
         finally:
-            self._guard = None  # its snapshots (a KV cache's size) are not held past the check
-            for v, old in saved:
-                v.copy_(old)
+            self._finish()
         leaked = bool(found)
         if int(getattr(self.group, "size", 1)) > 1:
             leaked = bool(all_max_vector(self.group, [1 if found else 0], "leak_check", self.phase_key)[0])
-        self.seconds = time.perf_counter() - t0
+        self.seconds += time.perf_counter() - t0
         cap.info["leak_check_sizes"] = list(self.sizes)
         cap.info["leak_check_seconds"] = self.seconds
         cap.info["leak_check_forwards"] = self.forwards
@@ -277,6 +307,32 @@ class LeakCheck(CaptureHook):
                      Finding("padding-leak", self._message(found), None, None, None,
                              fix=f"make the step row-independent, or exempt {first} if it is meant to cover the "
                                  "whole padded batch" if first else "see the other rank's finding"))
+
+    def end(self, cap: Capture) -> None:
+        """After an error between the last warmup and the check: its writes and the static buffers
+        put back."""
+        if self._saved is not None:
+            self._guard.restore()
+            self._finish()
+
+    def _prepare(self) -> bool:
+        """Keep the static buffers, make the runs' write guard and seeded data; False when there is
+        nothing to vary (only integer inputs, some without bounds: the warning says so)."""
+        from graphrunner.checks.ops import WriteGuard
+
+        self._saved = [(v, v.clone()) for _, v, _, _ in self.inputs]
+        # one guard for every run: what a run wrote is put back after it
+        self._guard = WriteGuard([v for _, v, _, _ in self.inputs])
+        self._data = self._real_data()
+        return not (self._blind and not self.floats)
+
+    def _finish(self) -> None:
+        """Drop what the check held (the guard's log, the data, run A) and put the static buffers back."""
+        saved, self._saved = self._saved or [], None
+        self._guard = self._data = self._a = None
+        self._a_in_warmup = False
+        for v, old in saved:
+            v.copy_(old)
 
     # ------------------------------------------------------------ the runs
     def _real_data(self) -> Dict[str, torch.Tensor]:
@@ -336,23 +392,25 @@ class LeakCheck(CaptureHook):
         try:
             with OpRecorder([guard]):
                 out = cap.eager(fn)
-            self._spec, leaves = flatten(out, "step output")
-            skip = [_exempt(p, self.exempt) for p in leaf_paths(self._spec)]
-            return [None if s else t.detach().clone() for t, s in zip(leaves, skip)]
+            return self._leaves(out)
         finally:
             guard.restore()
 
+    def _leaves(self, out: Any) -> List[Optional[torch.Tensor]]:
+        """The output leaves of one run, cloned (``None`` for exempt ones); the structure in ``self._spec``."""
+        self._spec, leaves = flatten(out, "step output")
+        skip = [_exempt(p, self.exempt) for p in leaf_paths(self._spec)]
+        return [None if s else t.detach().clone() for t, s in zip(leaves, skip)]
+
     def _check(self, cap: Capture) -> List[Tuple[str, str, float]]:
         """``[(which comparison, output path, max abs diff)]`` of the outputs that moved."""
-        from graphrunner.checks.ops import WriteGuard
-
-        # one guard for every run: what a run wrote is put back after it, from one snapshot
-        self._guard = WriteGuard([v for _, v, _, _ in self.inputs])
-        data, sizes = self._real_data(), self.sizes
+        data, sizes = self._data, self.sizes
         if self._blind and not self.floats:
             return []  # only integer inputs, some without bounds: nothing to vary (the warning says so)
-        self._fill(data, sizes)
-        a = self._run(cap, cap.forward_fn)
+        a = self._a
+        if a is None:  # the last warmup was not run A (warmups=1)
+            self._fill(data, sizes)
+            a = self._run(cap, cap.forward_fn)
         spec = self._spec
         paths, dims = leaf_paths(spec), self.leaf_dims(spec, len(a))
         found = []
