@@ -10,8 +10,10 @@ capture) runs with
   collective on one rank),
 
 in interleaved rounds (a fresh runner and a reset cache per capture, the order of the variants
-rotated each round), and reports the minimum and median wall time of each variant and the ratio
-``variant / none`` of the minima (the least disturbed run of each; the medians are in the JSON).
+rotated each round), and reports the minimum wall time of each variant and, as the headline
+ratio, the median over the rounds of ``variant / none`` of the same round (``ratio_paired``:
+the two captures ran next to each other, so a slow or lucky stretch of a shared machine moves
+both); the ratios of the minima and of the medians are in the JSON too.
 Per key it also reports the capture report's ``checks_s`` (what the checks say they took: their
 eager forwards, recordings and comparisons) of the ``default`` run. The target of issue 25 is
 ``default / none <= 1.15``.
@@ -152,6 +154,9 @@ def measure(workload: Workload, rounds: int) -> Dict[str, Any]:
         "capture_s_all_rounds": walls,
         "ratio_min": {n: best[n] / best["none"] for n in names},
         "ratio_median": {n: med[n] / med["none"] for n in names},
+        # each round's variant over the same round's no-checks capture (run next to it), median over
+        # the rounds: what the headline prints (a lucky fast run moves the ratio of minima)
+        "ratio_paired": {n: statistics.median(a / b for a, b in zip(walls[n], walls["none"])) for n in names},
         "default_per_key": fastest_default["keys"],
         "default_checks_share": None if any(k["checks_s"] is None for k in fastest_default["keys"].values()) else
         (sum(k["checks_s"] for k in fastest_default["keys"].values())
@@ -202,14 +207,15 @@ def main(argv: Optional[List[str]] = None) -> dict:
         "variants": {n: list(v) if v is not None else "default" for n, v in VARIANTS.items()},
         "target_ratio": TARGET_RATIO,
         "workloads": rows,
-        "meets_target": all(r["ratio_min"]["default"] <= TARGET_RATIO for r in rows.values()) if rows else None,
+        "meets_target": all(r["ratio_paired"]["default"] <= TARGET_RATIO for r in rows.values()) if rows else None,
         "environment": environment(),
     }
     print(f"capture cost of the checks: buckets {args.buckets}, {args.rounds} interleaved rounds, "
-          f"min wall seconds (ratio to no checks); target default <= {TARGET_RATIO:.2f}x")
+          f"min wall seconds (median over the rounds of the ratio to that round's capture without checks); "
+          f"target default <= {TARGET_RATIO:.2f}x")
     print(f"  {'workload':<15} " + " ".join(f"{n:>15}" for n in VARIANTS) + f" {'checks_s share':>15}")
     for name, r in rows.items():
-        cells = " ".join(f"{r['capture_s_min'][n]:7.3f} ({r['ratio_min'][n]:4.2f}x)" for n in VARIANTS)
+        cells = " ".join(f"{r['capture_s_min'][n]:7.3f} ({r['ratio_paired'][n]:4.2f}x)" for n in VARIANTS)
         share = r["default_checks_share"]
         print(f"  {name:<15} {cells} {'-' if share is None else f'{share:.1%}':>15}")
     write_json(args.out, result, announce=True)

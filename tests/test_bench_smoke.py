@@ -264,7 +264,8 @@ def test_check_cost_script_measures_every_variant(tmp_path):
     assert json.loads(out.read_text())["workloads"].keys() == {"demo_full"}
     row = result["workloads"]["demo_full"]
     assert set(row["ratio_min"]) == {"none", "drift", "padding", "default"}
-    assert row["ratio_min"]["none"] == 1.0
+    assert row["ratio_min"]["none"] == row["ratio_paired"]["none"] == 1.0
+    assert set(row["ratio_paired"]) == set(row["ratio_min"])
     assert all(len(v) == 2 for v in row["capture_s_all_rounds"].values())  # --quick: 2 rounds each
     assert set(row["default_per_key"]) == {"1", "2"}
     for k in row["default_per_key"].values():
