@@ -20,6 +20,7 @@ import logging
 import os
 from typing import Any, Dict, Optional
 
+from graphrunner._env import env_flag
 from graphrunner.backends.base import GraphBackend
 from graphrunner.backends.breakable import BreakableGraphBackend
 from graphrunner.backends.eager import EagerBackend
@@ -34,19 +35,14 @@ _BACKENDS = ("full", "breakable", "eager")
 
 #: The environment variable that turns graphs off (``1``/``true``/``yes``/``on``).
 DISABLE_ENV_VAR = "GRAPHRUNNER_DISABLE"
-_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
 def graphs_disabled() -> bool:
     """Whether ``GRAPHRUNNER_DISABLE`` turns graphs off: ``1``/``true``/``yes``/``on`` (any case)
-    yes; unset, empty, ``0``/``false``/``no``/``off`` no; anything else is a ``ValueError``."""
-    value = os.environ.get(DISABLE_ENV_VAR, "").strip().lower()
-    if value in _ON:
-        return True
-    if value in _OFF:
-        return False
-    raise ValueError(f"{DISABLE_ENV_VAR}={os.environ[DISABLE_ENV_VAR]!r} is not understood: set it to 1 to serve "
-                     "every runner eagerly (no graphs), or 0 / unset it to capture graphs")
+    yes; unset, empty, ``0``/``false``/``no``/``off`` no; anything else is a ``ValueError``
+    (:func:`graphrunner._env.env_flag`)."""
+    return env_flag(DISABLE_ENV_VAR, "set it to 1 to serve every runner eagerly (no graphs), or 0 / unset it to "
+                                     "capture graphs")
 
 
 class EnvDisabledBackend(EagerBackend):

@@ -37,14 +37,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch.utils._pytree import tree_leaves
 
+from graphrunner._env import TRUE
 from graphrunner.backends.hooks import Capture, CaptureHook, Finding
 from graphrunner.checks.ops import OpConsumer, storage_key
 from graphrunner.errors import CaptureError, ContractError
 
 __all__ = ["debug_enabled", "check_bounds_spec", "bounds_error", "check_bounds", "check_call", "ExternalRecorder", "named_tensors",
            "External", "ExternalGuard", "ExternalsCheck", "InputWritesCheck", "externals_of"]
-
-_TRUE = ("1", "true", "yes", "on")
 
 
 def debug_enabled(debug: Optional[bool]) -> bool:
@@ -53,7 +52,7 @@ def debug_enabled(debug: Optional[bool]) -> bool:
         if not isinstance(debug, bool):
             raise TypeError(f"debug must be True, False or None (read GRAPHRUNNER_DEBUG), got {debug!r}")
         return debug
-    return os.environ.get("GRAPHRUNNER_DEBUG", "").strip().lower() in _TRUE
+    return os.environ.get("GRAPHRUNNER_DEBUG", "").strip().lower() in TRUE  # lax: anything else is off
 
 
 # ----------------------------------------------------------------- bounds

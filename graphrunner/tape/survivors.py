@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
 import re
 import sys
 import warnings
 import weakref
 
 import torch
+
+from graphrunner._env import env_flag
 
 from .state import alias_of, ours
 
@@ -42,8 +43,6 @@ _SURVIVORS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 #: Environment variable giving the default of ``poison_captured_values`` for
 #: :class:`TapeGraph` and :class:`~graphrunner.devices.TapeDevice`.
 POISON_ENV_VAR = "GRAPHRUNNER_TAPE_POISON"
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("", "0", "false", "no", "off")
 
 
 def poison_default() -> bool:
@@ -54,13 +53,8 @@ def poison_default() -> bool:
     ``ValueError``.  Read each time a graph or device is made without an
     explicit value, so a test suite can set it once for every graph.
     """
-    v = os.environ.get(POISON_ENV_VAR, "").strip().lower()
-    if v in _TRUE:
-        return True
-    if v in _FALSE:
-        return False
-    raise ValueError(f"${POISON_ENV_VAR} must be one of {_TRUE + _FALSE[1:]} or empty, "
-                     f"got {os.environ[POISON_ENV_VAR]!r}")
+    return env_flag(POISON_ENV_VAR, "set it to 1/true/yes/on to poison the values a capture leaves behind, or "
+                                    "0/false/no/off or unset it not to")
 
 
 def poison_value(dtype: torch.dtype) -> "float | int | bool | None":
