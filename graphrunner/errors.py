@@ -6,7 +6,7 @@ classes below, with a message that names what was wrong and what to do.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 
 class GraphRunnerError(RuntimeError):
@@ -52,6 +52,36 @@ class ContractError(GraphRunnerError):
     an external tensor the graph reads (a weight, buffer, KV cache) was
     re-bound or changed storage, shape or strides since capture. The message
     names the tensor, with its module path where known."""
+
+
+class AgreementError(GraphRunnerError):
+    """Ranks that must act alike did not: the per-call agreement found the ranks' calls unpaired
+    (their call numbers or configuration digests differ: every rank raises it for the same call,
+    and :attr:`calls`/:attr:`digests` are set), the collective channel found the ranks'
+    collectives out of step (another phase, kind or sequence number on another rank: every rank
+    raises it in the same collective, :attr:`collectives` is set; :mod:`graphrunner.channel`), or
+    the group returned an agreement that cannot be right (an agreed size below this rank's own in
+    some dim: a broken group implementation). Nothing was replayed."""
+
+    def __init__(self, message: str, calls: Optional[Tuple[int, int, int]] = None,
+                 digests: Optional[Tuple[int, int, int]] = None,
+                 collectives: Optional[Tuple[int, int, int]] = None) -> None:
+        super().__init__(message)
+        #: ``(this rank's call number, lowest, highest over the ranks)`` when the call numbers differ.
+        self.calls = calls
+        #: ``(this rank's configuration digest, lowest, highest)`` when the digests differ.
+        self.digests = digests
+        #: ``(this rank's collective sequence number, lowest, highest)`` when the channel found the
+        #: ranks' collectives out of step.
+        self.collectives = collectives
+
+    @property
+    def unpaired(self) -> bool:
+        """True when the ranks were found out of step (every rank raised it for this collective)."""
+        return self.calls is not None or self.digests is not None or self.collectives is not None
+
+    def __reduce__(self):  # picklable with its fields (errors travel between processes in tests and tools)
+        return (type(self), (str(self), self.calls, self.digests, self.collectives))
 
 
 class RankTimeoutError(GraphRunnerError):

@@ -16,7 +16,12 @@ Two implementations:
   it does not complete within ``timeout`` seconds (a peer died, raised, or is
   stuck) it raises :class:`~graphrunner.errors.RankTimeoutError` naming this
   rank, the phase and the shape key, so a failure on one rank makes every
-  other rank fail loudly instead of hanging.
+  other rank fail loudly instead of hanging. Every call goes through the
+  process group's one collective channel (:mod:`graphrunner.channel`):
+  fixed-size frames carrying the phase and a sequence number, so ranks that
+  are out of step (a barrier of one meets a vector of another) raise
+  :class:`~graphrunner.errors.AgreementError` on every rank instead of gloo
+  aborting the process.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any, Hashable, List, Optional
 
 import torch
 
+from graphrunner.channel import channel_for
 from graphrunner.errors import RankTimeoutError
 
 __all__ = ["LocalGroup", "TorchDistGroup"]
@@ -119,8 +125,12 @@ class TorchDistGroup:
             wrap it in a ``TorchDistGroup`` too.
 
     Every method is a collective: all ranks of the group must call the same
-    methods in the same order. Each is issued as an asynchronous
-    ``all_reduce`` of a one-element tensor (``all_max_vector``: one tensor of its values) and waited on with ``timeout``;
+    methods in the same order. Each is one collective of the process group's
+    :class:`~graphrunner.channel.Channel` (:attr:`channel`): one or more frames
+    of 16 int64 values (phase, sequence number, payload), each an asynchronous
+    ``all_reduce`` (max) waited on with ``timeout``. Ranks whose collectives
+    differ (phase, kind, sequence number or length) raise
+    :class:`~graphrunner.errors.AgreementError` on every rank in that frame;
     a timeout *or any other failure of the collective* (gloo reports a dead
     peer as a ``RuntimeError`` such as "Connection closed by peer") is
     re-raised as ``RankTimeoutError`` naming this rank, the phase and the
@@ -159,20 +169,25 @@ class TorchDistGroup:
             self._device = torch.device("cuda", torch.cuda.current_device())
         else:
             self._device = torch.device("cpu")
+        #: The group's :class:`~graphrunner.channel.Channel` (shared by every group over this process group).
+        self.channel = channel_for(process_group if process_group is not None else
+                                   dist.distributed_c10d._get_default_group(), self.rank, self.size)
 
     def __repr__(self) -> str:
         return f"TorchDistGroup(rank={self.rank}, size={self.size}, backend={self.backend_name!r}, timeout={self.timeout})"
 
-    def _reduce(self, value: int, op: Any, what: str, phase: str, key: Optional[Hashable]) -> int:
-        return self._reduce_list([value], op, what, phase, key)[0]
+    def _exchange(self, kind: str, values: List[int], phase: str, key: Optional[Hashable]) -> List[int]:
+        """``values``' element-wise max over the ranks, as one collective of the group's channel."""
+        where = f"{kind} in phase {phase or '<unnamed>'!r} for shape key {key!r}"
+        return self.channel.exchange(lambda frame: self._all_reduce_max(frame, where), kind, values, phase, key)
 
-    def _reduce_list(self, values: List[int], op: Any, what: str, phase: str, key: Optional[Hashable]) -> List[int]:
+    def _all_reduce_max(self, values: List[int], where: str) -> List[int]:
+        """One element-wise max of ``values`` over the ranks (one channel frame), with the deadline."""
         dist = self._dist
         t = torch.tensor(values, dtype=torch.int64, device=self._device)
-        where = f"{what} in phase {phase or '<unnamed>'!r} for shape key {key!r}"
         try:
             deadline = time.monotonic() + self.timeout
-            work = dist.all_reduce(t, op=op, group=self.process_group, async_op=True)
+            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
             ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
             if ok is False:  # some backends report a timeout by returning False
                 raise TimeoutError("wait() returned False")
@@ -199,21 +214,21 @@ class TorchDistGroup:
         Raises ``RankTimeoutError`` (naming this rank, ``phase`` and ``key``)
         if that does not happen within ``timeout`` seconds or a peer failed.
         """
-        self._reduce(0, self._dist.ReduceOp.SUM, "barrier", phase, key)
+        self._exchange("barrier", [], phase, key)
 
     def all_max(self, value: int, phase: str = "", key: Optional[Hashable] = None) -> int:
         """Return the maximum of ``value`` over all ranks (a collective).
 
         Raises ``RankTimeoutError`` like :meth:`barrier`.
         """
-        return self._reduce(_check_int(value, "all_max"), self._dist.ReduceOp.MAX, "all_max", phase, key)
+        return self._exchange("all_max", [_check_int(value, "all_max")], phase, key)[0]
 
     def all_min(self, value: int, phase: str = "", key: Optional[Hashable] = None) -> int:
         """Return the minimum of ``value`` over all ranks (a collective).
 
         Raises ``RankTimeoutError`` like :meth:`barrier`.
         """
-        return self._reduce(_check_int(value, "all_min"), self._dist.ReduceOp.MIN, "all_min", phase, key)
+        return -self._exchange("all_min", [-_check_int(value, "all_min")], phase, key)[0]
 
     def all_max_vector(self, values, phase: str = "", key: Optional[Hashable] = None) -> List[int]:
         """Return the element-wise maximum of the int list ``values`` over all
@@ -221,5 +236,4 @@ class TorchDistGroup:
 
         Raises ``RankTimeoutError`` like :meth:`barrier`.
         """
-        return self._reduce_list(_check_ints(values, "all_max_vector"), self._dist.ReduceOp.MAX,
-                                 "all_max_vector", phase, key)
+        return self._exchange("all_max_vector", _check_ints(values, "all_max_vector"), phase, key)

@@ -20,7 +20,7 @@ from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from graphrunner.buckets import _check_ratio, validate_buckets
-from graphrunner.errors import GraphRunnerError
+from graphrunner.errors import AgreementError, GraphRunnerError
 
 __all__ = ["KeySpace", "LEGACY_DIM", "agree", "agreement_vector", "all_max_vector", "AgreementError",
            "check_dims", "region", "padding_regions", "slice_leaves", "count_leaves", "resolve_input_dims",
@@ -33,30 +33,6 @@ Sizes = Tuple[int, ...]
 
 #: Why a call falls back (``RunnerStats.fallback_reasons``).
 OVER_MAX, PADDING, CANNOT = "over_max_bucket", "padding_ratio", "cannot_replay"
-
-
-class AgreementError(GraphRunnerError):
-    """The per-call agreement across ranks failed: the ranks' calls are not paired (their
-    call numbers or configuration digests differ: every rank raises it for the same call,
-    and :attr:`calls`/:attr:`digests` are set), or the group returned an agreement that
-    cannot be right (an agreed size below this rank's own in some dim: a broken group
-    implementation). Nothing was replayed."""
-
-    def __init__(self, message: str, calls: Optional[Tuple[int, int, int]] = None,
-                 digests: Optional[Tuple[int, int, int]] = None) -> None:
-        super().__init__(message)
-        #: ``(this rank's call number, lowest, highest over the ranks)`` when the call numbers differ.
-        self.calls = calls
-        #: ``(this rank's configuration digest, lowest, highest)`` when the digests differ.
-        self.digests = digests
-
-    @property
-    def unpaired(self) -> bool:
-        """True when the ranks' calls were found unpaired (every rank raised it for this call)."""
-        return self.calls is not None or self.digests is not None
-
-    def __reduce__(self):  # picklable with its fields (errors travel between processes in tests and tools)
-        return (type(self), (str(self), self.calls, self.digests))
 
 
 class KeySpace:

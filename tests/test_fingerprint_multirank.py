@@ -25,7 +25,7 @@ def _worker(rank, world, case):
     import torch
 
     import graphrunner as gr
-    from graphrunner.errors import CaptureError
+    from graphrunner.errors import AgreementError, CaptureError
 
     buckets, trailing, extra_op = [1, 2, 4, 8], (D,), False
     if case == "bucket_values" and rank == 1:
@@ -36,7 +36,9 @@ def _worker(rank, world, case):
         trailing = (D + 1,)
     if case == "graph" and rank == 1:
         extra_op = True
-    if case == "off_bucket_values" and rank == 1:
+    if case == "off_bucket_values" and rank == 1:  # the same collectives as its peers: only the fingerprint sees it
+        buckets = [1, 2, 5, 8]
+    if case == "off_bucket_collectives" and rank == 1:  # key 3 has no padding to check: one collective fewer
         buckets = [1, 3, 4, 8]
 
     def step(x):  # no collectives: a mismatch cannot hang, it can only be silent
@@ -51,8 +53,8 @@ def _worker(rank, world, case):
     t0 = time.monotonic()
     try:
         runner.capture()
-    except CaptureError as exc:
-        return {"raised": str(exc), "seconds": time.monotonic() - t0}
+    except (CaptureError, AgreementError) as exc:
+        return {"raised": str(exc), "type": type(exc).__name__, "seconds": time.monotonic() - t0}
     chosen = []
     for n in (3, 2, 5, 7):
         x = torch.full((n, trailing[0]), float(n))
@@ -113,5 +115,13 @@ def test_negative_control_without_fingerprint_mismatched_buckets_replay_silently
     values = _run("off_bucket_values")
     assert all(v["raised"] is None for v in values), values
     chosen = [v["chosen"] for v in values]
-    # batch 3 and 2 on every rank, agreed: ranks 0 and 2 replay bucket 4 / 2, rank 1 replays 3 / 3
-    assert chosen[0] == chosen[2] == [4, 2, 8, 8] and chosen[1] == [3, 3, 8, 8], chosen
+    # batch 3, 2, 5, 7 on every rank, agreed: ranks 0 and 2 replay buckets 4, 2, 8, 8; rank 1 replays 5, 2, 5, 8
+    assert chosen[0] == chosen[2] == [4, 2, 8, 8] and chosen[1] == [5, 2, 5, 8], chosen
+
+
+def test_without_fingerprint_a_configuration_that_changes_the_collectives_raises_on_every_rank():
+    # rank 1's key 3 covers one size, so its padding check makes no collective where its peers' key 4 makes one:
+    # the collective channel (graphrunner.channel) finds the ranks out of step in that collective, on every rank
+    values = _run("off_bucket_collectives")
+    _assert_all_raise(values, "out of step", "'leak_check'", "'pre_capture'")
+    assert {v["type"] for v in values} == {"AgreementError"}

@@ -40,7 +40,7 @@ import torch
 
 from graphrunner.backends.hooks import Capture, CaptureHook
 from graphrunner.backends.outputs import OutputBuffer, tensor_bytes, unflatten
-from graphrunner.errors import CaptureError, RanksDisagreeError, RankTimeoutError
+from graphrunner.errors import AgreementError, CaptureError, RanksDisagreeError, RankTimeoutError
 from graphrunner.group import LocalGroup
 from graphrunner.trace import EventKind, Trace, as_trace
 
@@ -400,7 +400,7 @@ class GraphBackend:
                 if rte is exc:
                     raise
                 raise rte from None
-            if not isinstance(exc, Exception) or isinstance(exc, RanksDisagreeError):
+            if not isinstance(exc, Exception) or isinstance(exc, (RanksDisagreeError, AgreementError)):
                 raise  # every rank raises this same error: unchanged
             collective = RankTimeoutError.from_step(exc, self.group, step, key)
             if collective is not None:
