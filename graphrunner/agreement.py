@@ -25,8 +25,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from graphrunner.errors import GraphRunnerError
-from graphrunner.keys import AgreementError, agree_extra, all_max_vector
+from graphrunner.errors import ContractError, GraphRunnerError
+from graphrunner.keys import RESYNC, AgreementError, agree_extra, all_max_vector
 
 __all__ = ["LocalAgreement", "RankAgreement", "make_agreement", "config_digest", "config_fields"]
 
@@ -44,6 +44,7 @@ def config_fields(runner: Any) -> Dict[str, Any]:
     fp["warmups"] = getattr(runner.backend, "warmups", None)
     fp["fallback"] = runner.fallback
     fp["checks"] = runner.checks.names()  # the padding check's verdict is agreed by one collective per key
+    fp["verify_every"] = runner.verify_every  # a verdict rides in every call's agreement when on
     return fp
 
 
@@ -61,69 +62,102 @@ class LocalAgreement:
     #: True when the decision is shared with other ranks.
     shared = False
 
-    def agree(self, sizes: Sizes, call: int) -> Sizes:
+    def agree(self, sizes: Sizes, call: int, step: Optional[int] = None) -> Sizes:
         """The sizes to run: this call's own."""
         return sizes
 
-    def invalid(self, zero: Sizes, call: int) -> None:
+    def invalid(self, zero: Sizes, call: int, step: Optional[int] = None) -> None:
         """This rank's inputs were invalid: nothing to tell anyone."""
 
     def replayable(self, local: Sequence[bool]) -> List[bool]:
         """Which keys can be replayed: this rank's answer."""
         return list(local)
 
+    def verification_failed(self, call: int) -> None:
+        """This rank's shadow verification of ``call`` failed: nobody else to tell."""
+
 
 class RankAgreement:
     """Every rank of ``group`` runs the same sizes, for the same call (one ``all_max_vector`` per call).
 
-    ``digest``: the runner's configuration digest (:func:`config_digest`; 0: none). After the
-    ranks' calls were found unpaired (:class:`~graphrunner.keys.AgreementError` on every rank),
-    :attr:`broken` holds that error's message and every later :meth:`agree`/:meth:`invalid`
-    raises ``AgreementError`` at once, without a collective (every rank saw the same mismatch,
-    so no rank waits for another)."""
+    ``digest``: the runner's configuration digest (:func:`config_digest`; 0: none). ``verdicts``:
+    shadow verification is on (``verify_every > 0``), so every call also carries the number of the
+    last call whose verification failed on this rank and was not told yet (:meth:`verification_failed`;
+    every rank raises :class:`~graphrunner.errors.ContractError` at the next call: one collective per
+    call in debug mode too). A call with ``step=`` (the engine's own step number) also carries it, as
+    max and min, so ranks at different steps raise :class:`~graphrunner.keys.AgreementError` together.
+    After the ranks' calls were found unpaired (``AgreementError`` on every rank), :attr:`broken`
+    holds that error's message and every later :meth:`agree`/:meth:`invalid` raises
+    ``AgreementError`` at once, without a collective (every rank saw the same mismatch, so no rank
+    waits for another)."""
 
     shared = True
 
-    def __init__(self, group: Any, digest: int = 0) -> None:
+    def __init__(self, group: Any, digest: int = 0, verdicts: bool = False) -> None:
         self.group = group
         self.rank = int(getattr(group, "rank", 0))
         self.digest = int(digest)
+        self.verdicts = bool(verdicts)
         #: ``extra() -> [ints]`` this rank adds to every call's collective (a background capture's
         #: counts); their max over the ranks after the last call is :attr:`last_extra`.
         self.extra: Callable[[], List[int]] = list
         self.last_extra: List[int] = []
         #: The message of the mismatch that made this agreement refuse every call, or ``None``.
         self.broken: Optional[str] = None
+        self._failed_call = 0  # the last call whose verification failed here, not yet told (0: none)
 
-    def agree(self, sizes: Sizes, call: int) -> Sizes:
+    def verification_failed(self, call: int) -> None:
+        """This rank's shadow verification of ``call`` failed (it raises ``ContractError`` itself): the
+        next call's agreement tells every rank, which then all refuse that call."""
+        self._failed_call = int(call)
+
+    def agree(self, sizes: Sizes, call: int, step: Optional[int] = None) -> Sizes:
         """The element-wise max of every rank's sizes; raises :class:`GraphRunnerError` when
-        another rank passed invalid inputs (every rank then skips the step), and
-        :class:`~graphrunner.keys.AgreementError` on every rank when the ranks' calls are not paired."""
-        if self.broken is not None:
-            self._refuse(call)
-        try:
-            agreed, bad, self.last_extra = agree_extra(self.group, sizes, False, call, self.digest, self.extra())
-        except AgreementError as exc:
-            if exc.unpaired:
-                self.broken = str(exc)
-            raise
+        another rank passed invalid inputs (every rank then skips the step),
+        :class:`~graphrunner.errors.ContractError` on every rank when a rank's shadow verification
+        of an earlier call failed, and :class:`~graphrunner.keys.AgreementError` on every rank when
+        the ranks' calls (or ``step`` numbers) are not paired."""
+        agreed, bad = self._exchange(sizes, False, call, step)
         if bad:
             raise GraphRunnerError(
                 f"rank {self.rank}: another rank passed invalid inputs at call {call}, so every rank skipped this "
                 "step (see that rank's error); the runner is still usable")
         return agreed
 
-    def invalid(self, zero: Sizes, call: int) -> None:
+    def invalid(self, zero: Sizes, call: int, step: Optional[int] = None) -> None:
         """Take part in the call's one collective as invalid, so the peers skip the step too
         (raises :class:`~graphrunner.keys.AgreementError` instead when the calls are not paired)."""
+        self._exchange(zero, True, call, step)
+
+    def _exchange(self, sizes: Sizes, invalid: bool, call: int, step: Optional[int]) -> Tuple[Sizes, bool]:
+        """The call's one collective: sizes, tag, then the background counts, the verdict, the step."""
         if self.broken is not None:
             self._refuse(call)
+        own = self.extra()
+        tail = ([self._failed_call] if self.verdicts else []) + ([] if step is None else [step, -step])
         try:
-            agree_extra(self.group, zero, True, call, self.digest, self.extra())
+            agreed, bad, out = agree_extra(self.group, sizes, invalid, call, self.digest, own + tail)
         except AgreementError as exc:
             if exc.unpaired:
                 self.broken = str(exc)
             raise
+        self.last_extra, rest = out[:len(own)], out[len(own):]
+        self._failed_call = 0  # told
+        if step is not None:
+            hi, lo = rest[-2], -rest[-1]
+            if hi != lo:
+                self.broken = (f"rank {self.rank} is at engine step {step} but the ranks' steps range from {lo} to "
+                               f"{hi} at call {call}: a rank skipped or repeated a step, so the ranks' calls are "
+                               "not paired; " + RESYNC)
+                raise AgreementError(self.broken, steps=(step, lo, hi))
+        if self.verdicts and rest[0] > 0:
+            raise ContractError(
+                f"rank {self.rank}: GraphRunner shadow verification of call {rest[0]} found a replay that differs "
+                "from eager PyTorch (on the rank that raised ContractError at that call; see its error), so every "
+                f"rank refuses call {call} (nothing was replayed). Re-capture on every rank (runner.cleanup(); "
+                "runner.capture()) after making the value the graph froze a tensor input or a tensor updated "
+                "in place")
+        return agreed, bad
 
     def _refuse(self, call: int) -> None:
         raise AgreementError(
@@ -137,15 +171,15 @@ class RankAgreement:
         return [bool(ok) and not bad for ok, bad in zip(local, cannot)]
 
 
-def make_agreement(group: Any, enabled: bool, digest: int = 0) -> Any:
-    """:class:`RankAgreement` over ``group`` (with configuration ``digest``) when it has more
-    than one rank and ``enabled``, else :class:`LocalAgreement`."""
+def make_agreement(group: Any, enabled: bool, digest: int = 0, verdicts: bool = False) -> Any:
+    """:class:`RankAgreement` over ``group`` (with configuration ``digest``; ``verdicts``: shadow
+    verification is on) when it has more than one rank and ``enabled``, else :class:`LocalAgreement`."""
     if enabled and int(getattr(group, "size", 1)) > 1:
         if "nccl" in str(getattr(group, "backend_name", "")):
             logger.warning("GraphRunner: bucket agreement over an NCCL group waits for the GPU on every call "
                            "(its result is read on the host); pass TorchDistGroup(torch.distributed.new_group("
                            "backend='gloo')) as group= for a host-only agreement")
-        return RankAgreement(group, digest)
+        return RankAgreement(group, digest, verdicts)
     if int(getattr(group, "size", 1)) > 1:
         logger.warning("GraphRunner.agree_bucket = False on a %d-rank group: ranks may replay different buckets "
                        "(unsafe; for tests only)", int(group.size))

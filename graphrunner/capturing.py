@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Any, List, Optional, Sequence, Tuple
 
-from graphrunner.agreement import make_agreement
+from graphrunner.agreement import config_digest, make_agreement
 from graphrunner.checks import contracts, fingerprint
 from graphrunner.progress import CaptureProgress
 from graphrunner.report import BucketReport, CaptureReport
@@ -42,7 +42,10 @@ class CaptureRun:
         self.reports: List[BucketReport] = []
         self.started = 0  # keys begun
         self.t0 = time.perf_counter()
-        runner._agreement = make_agreement(runner.group, runner.agree_bucket)
+        shared = runner.agree_bucket and runner.world_size > 1
+        runner._agreement = make_agreement(runner.group, runner.agree_bucket,
+                                           config_digest(runner._config_fields()) if shared else 0,
+                                           verdicts=runner.verify_every > 0)
         if runner.debug:
             runner._externals = contracts.ExternalsCheck(runner.step, runner._inputs.storages,
                                                          lambda k: runner._key_text(space.internal(k)))

@@ -59,13 +59,15 @@ class AgreementError(GraphRunnerError):
     (their call numbers or configuration digests differ: every rank raises it for the same call,
     and :attr:`calls`/:attr:`digests` are set), the collective channel found the ranks'
     collectives out of step (another phase, kind or sequence number on another rank: every rank
-    raises it in the same collective, :attr:`collectives` is set; :mod:`graphrunner.channel`), or
+    raises it in the same collective, :attr:`collectives` is set; :mod:`graphrunner.channel`), the
+    engine's own step numbers (``runner.run(inputs, step=n)``) differ (:attr:`steps`), or
     the group returned an agreement that cannot be right (an agreed size below this rank's own in
     some dim: a broken group implementation). Nothing was replayed."""
 
     def __init__(self, message: str, calls: Optional[Tuple[int, int, int]] = None,
                  digests: Optional[Tuple[int, int, int]] = None,
-                 collectives: Optional[Tuple[int, int, int]] = None) -> None:
+                 collectives: Optional[Tuple[int, int, int]] = None,
+                 steps: Optional[Tuple[int, int, int]] = None) -> None:
         super().__init__(message)
         #: ``(this rank's call number, lowest, highest over the ranks)`` when the call numbers differ.
         self.calls = calls
@@ -74,14 +76,16 @@ class AgreementError(GraphRunnerError):
         #: ``(this rank's collective sequence number, lowest, highest)`` when the channel found the
         #: ranks' collectives out of step.
         self.collectives = collectives
+        #: ``(this rank's engine step number, lowest, highest)`` when the ranks' ``run(..., step=)`` differ.
+        self.steps = steps
 
     @property
     def unpaired(self) -> bool:
         """True when the ranks were found out of step (every rank raised it for this collective)."""
-        return self.calls is not None or self.digests is not None or self.collectives is not None
+        return any(f is not None for f in (self.calls, self.digests, self.collectives, self.steps))
 
     def __reduce__(self):  # picklable with its fields (errors travel between processes in tests and tools)
-        return (type(self), (str(self), self.calls, self.digests, self.collectives))
+        return (type(self), (str(self), self.calls, self.digests, self.collectives, self.steps))
 
 
 class RankTimeoutError(GraphRunnerError):

@@ -3,6 +3,8 @@ diagnosis of call inputs that failed the runner's fast check."""
 
 from __future__ import annotations
 
+import operator
+
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
@@ -10,7 +12,7 @@ import torch
 
 from graphrunner.keys import check_dims
 
-__all__ = ["BatchInput", "alias_error", "diagnose", "check_config", "positional_error"]
+__all__ = ["BatchInput", "alias_error", "diagnose", "check_config", "check_step", "positional_error"]
 
 _FALLBACKS = ("eager", "error")
 
@@ -198,3 +200,18 @@ def diagnose(inputs: Any, specs: Mapping[str, BatchInput], in_dims: Mapping[str,
         what = "the call's inputs" if name is None else f"input {name!r}"
         return ValueError(f"GraphRunner: inspecting {what} raised {type(exc).__name__}: {exc}; pass every declared "
                           f"input {list(specs)} as a dense torch.Tensor")
+
+
+def check_step(step: Any) -> int:
+    """``runner.run(inputs, step=...)`` as an int in ``[0, 2**62)`` (the engine's step number);
+    ``TypeError`` or ``ValueError`` naming it otherwise."""
+    try:
+        if isinstance(step, bool):
+            raise TypeError
+        step = operator.index(step)
+    except TypeError:
+        raise TypeError(f"GraphRunner.run(step=...) must be the engine's step number, an int >= 0, got "
+                        f"{type(step).__name__} ({step!r})") from None
+    if not 0 <= step < 1 << 62:
+        raise ValueError(f"GraphRunner.run(step=...) must be an int in [0, 2**62), got {step}")
+    return step

@@ -303,7 +303,7 @@ _SIZE_BITS, _CALL_BITS, _DIGEST_BITS = 32, 16, 14
 _CALL_MOD, _DIGEST_MOD = 1 << _CALL_BITS, 1 << _DIGEST_BITS
 
 #: What a rank must do after its calls were found unpaired (the end of every such message).
-_RESYNC = ("every rank must call the runner the same number of times. Nothing was replayed on any rank, and this "
+RESYNC = ("every rank must call the runner the same number of times. Nothing was replayed on any rank, and this "
            "runner now refuses every call on every rank (without a collective): re-synchronise the ranks' steps and "
            "build a new GraphRunner on every rank (or let the processes exit)")
 
@@ -393,7 +393,7 @@ def _unpaired(group: Any, call: int, digest: int, hi: int, lo: int) -> None:
             f"rank {rank} (call {call} of a runner whose configuration digest is {own_d:#x}) met a call of a runner "
             f"with another configuration on another rank (digests {min(lo_d, hi_d):#x} to {max(lo_d, hi_d):#x} "
             f"over the {size} ranks): the ranks called different runners over one group, so their calls are not "
-            "paired; " + _RESYNC, digests=(own_d, min(lo_d, hi_d), max(lo_d, hi_d)))
+            "paired; " + RESYNC, digests=(own_d, min(lo_d, hi_d), max(lo_d, hi_d)))
     if call == last:
         other = f"another rank is at call {first}"
     elif call == first:
@@ -403,7 +403,7 @@ def _unpaired(group: Any, call: int, digest: int, hi: int, lo: int) -> None:
     raise AgreementError(
         f"rank {rank} is at call {call} but {other} (lowest {first}, highest {last} over the {size} ranks): a rank "
         "skipped or added a call (one of its calls raised or was interrupted before it reached the agreement, or "
-        "the ranks crossed calls of different runners on one group), so the ranks' calls are not paired; " + _RESYNC,
+        "the ranks crossed calls of different runners on one group), so the ranks' calls are not paired; " + RESYNC,
         calls=(call, first, last))
 
 

@@ -33,7 +33,7 @@ from graphrunner.checks import contracts, resolve_checks
 from graphrunner.checks.verify import shadow_reference, shadow_verify, verify_every_setting
 from graphrunner.errors import CaptureError, GraphRunnerError, RankTimeoutError
 from graphrunner.group import LocalGroup
-from graphrunner.inputs import BatchInput, check_config, positional_error
+from graphrunner.inputs import BatchInput, check_config, check_step, positional_error
 from graphrunner.keys import LEGACY_DIM, KeySpace, resolve_input_dims, resolve_output_dims
 from graphrunner.ownership import CallOwner
 from graphrunner.dispatch import Routes, fall_back
@@ -280,7 +280,8 @@ class GraphRunner:
             raise positional_error(args, list(self.inputs))
         return self.run(inputs)
 
-    def run(self, inputs: Mapping[str, torch.Tensor], copy_outputs: Optional[bool] = None) -> Any:
+    def run(self, inputs: Mapping[str, torch.Tensor], copy_outputs: Optional[bool] = None,
+            step: Optional[int] = None) -> Any:
         """Serve one batch: validate, agree, copy + pad, replay (or fall back), slice.
 
         ``inputs``: every declared name, a tensor of the declared dtype and trailing shape
@@ -289,15 +290,20 @@ class GraphRunner:
         is valid: the step runs only if a peer has rows there or some output would not be empty
         (``docs/runner.md``, "Idle ranks"); the outputs have 0 rows. Invalid inputs raise
         ``ValueError``/``TypeError`` before anything is written; the runner stays usable. Raises
-        :class:`CaptureError` before :meth:`capture`, :class:`GraphRunnerError` during another call."""
+        :class:`CaptureError` before :meth:`capture`, :class:`GraphRunnerError` during another call.
+        ``step``: the engine's own step number (an int >= 0), on several ranks agreed with the call:
+        ranks at different steps (one skipped or repeated a step) raise
+        :class:`~graphrunner.keys.AgreementError` on every rank at that call (every rank passes it or none)."""
+        if step is not None:
+            step = check_step(step)
         bg = self._background
         if bg is not None:  # a background capture: wait for the key it is capturing, hold it back meanwhile
             bg.before_call()
             with bg.call():
-                return self._run(inputs, copy_outputs)
-        return self._run(inputs, copy_outputs)
+                return self._run(inputs, copy_outputs, step)
+        return self._run(inputs, copy_outputs, step)
 
-    def _run(self, inputs: Mapping[str, torch.Tensor], copy_outputs: Optional[bool]) -> Any:
+    def _run(self, inputs: Mapping[str, torch.Tensor], copy_outputs: Optional[bool], step: Optional[int]) -> Any:
         if not self._lock.acquire(blocking=False):
             self._owner.refuse("run()")
         self._owner.thread = threading.get_ident()
@@ -315,10 +321,10 @@ class GraphRunner:
                                          self._externals if self._agreement.shared else None)
                 staging.stage(tensors, sizes)  # before agreeing: a failed copy is reported to every rank
             except (ValueError, TypeError, GraphRunnerError):
-                self._agreement.invalid(staging.zero, self._calls)
+                self._agreement.invalid(staging.zero, self._calls, step)
                 raise
             copy_outputs = self.copy_outputs if copy_outputs is None else copy_outputs
-            rows = self._agreement.agree(sizes, self._calls)
+            rows = self._agreement.agree(sizes, self._calls, step)
             if self._background is not None:
                 settle_background(self, rows)
             route = self._routes.get(rows) or self._routes.route(rows)

@@ -543,6 +543,13 @@ class ScalarOnlyGroup:
         raise AssertionError("the runner agrees with maxima only")
 
 
+def _digest(runner):
+    """The configuration digest a multi-rank runner's per-call agreement carries (graphrunner.agreement)."""
+    from graphrunner.agreement import config_digest, config_fields
+
+    return config_digest(config_fields(runner))
+
+
 def _group_runner(group, **kw):
     from graphrunner.backends import BreakableGraphBackend
 
@@ -571,7 +578,7 @@ def test_multirank_agreement_makes_exactly_one_collective_per_call():
     batch = make_batch(2)
     out = r(**batch)
     # The peer has 7 rows: both replay bucket 8, this rank's outputs are sliced to its 2 rows.
-    assert g.calls == [("all_max_vector", "runner_agree", agreement_vector((2,), False, 1))]  # batch 2, call 1
+    assert g.calls == [("all_max_vector", "runner_agree", agreement_vector((2,), False, 1, digest=_digest(r)))]  # batch 2, call 1
     assert r.stats.last_bucket == 8 and r.stats.padding_rows == 6
     assert_same(out, eager(batch))
 
@@ -592,7 +599,7 @@ def test_multirank_agreement_makes_exactly_one_collective_per_call():
     g.peer_invalid = 0
     with pytest.raises(ValueError, match="missing"):
         r(input_ids=batch["input_ids"], hidden=batch["hidden"])
-    assert g.calls == [("all_max_vector", "runner_agree", agreement_vector((0,), True, 4))]  # call 4, invalid
+    assert g.calls == [("all_max_vector", "runner_agree", agreement_vector((0,), True, 4, digest=_digest(r)))]  # call 4, invalid
 
 
 def test_multirank_peer_that_cannot_replay_a_key_makes_every_rank_fall_back_for_it():
@@ -622,7 +629,7 @@ def test_group_without_all_max_vector_gets_one_all_max_per_element():
     g.calls.clear()
     batch = make_batch(2)
     assert_same(r(**batch), eager(batch))
-    assert g.calls == [("all_max", "runner_agree", v) for v in agreement_vector((2,), False, 1)]
+    assert g.calls == [("all_max", "runner_agree", v) for v in agreement_vector((2,), False, 1, digest=_digest(r))]
     assert r.stats.last_bucket == 8
 
 
@@ -746,7 +753,7 @@ def test_agreement_vector_packs_the_call_number_as_max_and_min_without_growing()
     for i, n in enumerate((2, 3, 5), start=1):
         batch = make_batch(n)
         assert_same(r(**batch), eager(batch))
-        assert g.calls[-1] == ("all_max_vector", "runner_agree", agreement_vector((n,), False, i))
+        assert g.calls[-1] == ("all_max_vector", "runner_agree", agreement_vector((n,), False, i, digest=_digest(r)))
         assert len(g.calls[-1][2]) == 2  # one dim: two elements, exactly as before
     assert len(g.calls) == 3  # still exactly one collective per call
 
@@ -814,7 +821,7 @@ def test_invalid_inputs_on_an_unpaired_call_raise_agreement_error_on_that_rank_t
     with pytest.raises(AgreementError, match="rank 0 is at call 1 but another rank is at call 2") as ei:
         r(input_ids=batch["input_ids"], hidden=batch["hidden"])  # missing 'positions'
     assert isinstance(ei.value.__context__, ValueError) and "missing" in str(ei.value.__context__)
-    assert g.calls[-1] == ("all_max_vector", "runner_agree", agreement_vector((0,), True, 1))  # it took part
+    assert g.calls[-1] == ("all_max_vector", "runner_agree", agreement_vector((0,), True, 1, digest=_digest(r)))  # it took part
 
 
 def test_configuration_digests_that_differ_raise_agreement_error():
@@ -851,9 +858,9 @@ def test_sparse_input_is_invalid_input_named_and_agreed_as_invalid(make):
                                          r"\(strided\) tensor, e.g. hidden.to_dense\(\)"):
         r(**bad)
     # It took part in the call's one collective as invalid (never a skipped collective).
-    assert g.calls == [("all_max_vector", "runner_agree", agreement_vector((0,), True, 1))]
+    assert g.calls == [("all_max_vector", "runner_agree", agreement_vector((0,), True, 1, digest=_digest(r)))]
     assert_same(r(**batch), eager(batch))  # the runner is still usable: call 2, paired
-    assert g.calls[-1] == ("all_max_vector", "runner_agree", agreement_vector((3,), False, 2))
+    assert g.calls[-1] == ("all_max_vector", "runner_agree", agreement_vector((3,), False, 2, digest=_digest(r)))
 
 
 def test_storage_less_inputs_on_the_generic_validation_path_are_named():

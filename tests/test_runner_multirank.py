@@ -241,8 +241,8 @@ def _without_call_numbers(runner):
     before the call number was carried), so no mismatch can be seen."""
     ag = runner._agreement
     agree, invalid = ag.agree, ag.invalid
-    ag.agree = lambda sizes, call: agree(sizes, 0)
-    ag.invalid = lambda zero, call: invalid(zero, 0)
+    ag.agree = lambda sizes, call, *step: agree(sizes, 0, *step)
+    ag.invalid = lambda zero, call, *step: invalid(zero, 0, *step)
 
 
 class _Interrupted(dict):

@@ -14,8 +14,10 @@ counters, the generator), and its real output cells are compared with the
 replay's. A difference raises :class:`~graphrunner.errors.ContractError`
 with what ``runner.compare`` finds (the first op whose output differs, its
 line, the values). With several ranks every rank verifies the same calls
-(the call counter is paired across ranks) and the verdict is agreed with one
-more collective, so every rank raises or none does.
+(the call counter is paired across ranks); a rank whose replay differs raises
+at once, and its verdict rides in the next call's agreement (no collective of
+its own: every call makes exactly one), where every rank raises
+``ContractError`` and nothing is replayed.
 
 Cost per verified call: one eager forward of the padded step, plus a
 snapshot of what it writes; nothing on the other calls.
@@ -88,26 +90,20 @@ def shadow_verify(runner: Any, ref_leaves: List[torch.Tensor], tensors: List[tor
         d = difference(a.detach(), b, tolerant=True)
         if d is not None and (worst is None or d > worst[1]):
             worst = (i, d)
-    bad = worst is not None
-    if runner.world_size > 1:
-        from graphrunner.keys import all_max_vector
-
-        bad = bool(all_max_vector(runner.group, [1 if bad else 0], "shadow_verify", runner._calls)[0])
-    if not bad:
-        return
-    ext = runner._space.external(key)
     if worst is None:
-        raise ContractError(f"GraphRunner shadow verification of call {runner._calls} ({runner._key_text(key)}): "
-                            "another rank's replay differed from eager (see its error); every rank stops")
-    where = ""
-    try:
-        from graphrunner.checks.compare import compare_runner
+        return
+    runner._agreement.verification_failed(runner._calls)  # every rank refuses the next call (its agreement)
+    ext = runner._space.external(key)
+    where = (" The other ranks raise ContractError at their next call. (Localising the difference replays the "
+             "step, whose collectives the other ranks would not join: run runner.compare(...) on a one-rank runner.)")
+    if runner.world_size == 1:
+        try:
+            from graphrunner.checks.compare import compare_runner
 
-        rep = compare_runner(runner, dict(zip(runner._inputs.names, tensors)), atol=0.0)
-        if not rep.equal:
-            where = f" {rep}"
-    except Exception as exc:  # noqa: BLE001 - the mismatch is the error; localising it is a bonus
-        where = f" (localising it failed: {type(exc).__name__}: {exc})"
+            rep = compare_runner(runner, dict(zip(runner._inputs.names, tensors)), atol=0.0)
+            where = f" {rep}" if not rep.equal else ""
+        except Exception as exc:  # noqa: BLE001 - the mismatch is the error; localising it is a bonus
+            where = f" (localising it failed: {type(exc).__name__}: {exc})"
     raise ContractError(
         f"GraphRunner shadow verification of call {runner._calls}: the replay of {runner._key_text(key)} (key "
         f"{ext!r}) differs from eager PyTorch on the same padded inputs by up to {worst[1]:.6g} in output leaf "
