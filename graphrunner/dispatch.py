@@ -85,7 +85,7 @@ class Routes:
         if hit is not None:
             return hit
         if min(rows) < 1:  # idle in some dim on every rank: the smallest key covering a 1 there
-            run = tuple(max(n, 1) for n in rows)
+            run = self.space.serving_sizes(rows)
             route = self._route(run)
             if route[3] is not None and self.layout.all_empty(route[3], rows):
                 route = (None, run, None, route[3], 0, IDLE)

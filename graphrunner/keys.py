@@ -147,6 +147,12 @@ class KeySpace:
             hit = self._memo[sizes] = self._choose(sizes)
         return hit
 
+    def serving_sizes(self, sizes: Sizes) -> Sizes:
+        """The sizes a call of (agreed) ``sizes`` runs at: ``sizes`` with every 0 raised to 1 (a dim
+        idle on every rank runs the smallest key covering one cell, every cell padding). The one
+        rule the dispatcher and ``GraphRunner.key_for`` share."""
+        return sizes if min(sizes) >= 1 else tuple(max(n, 1) for n in sizes)
+
     def _choose(self, sizes: Sizes) -> Tuple[Optional[Sizes], Optional[str]]:
         ratio = self.max_padding_ratio
         covered = False

@@ -36,7 +36,7 @@ from graphrunner.group import LocalGroup
 from graphrunner.inputs import BatchInput, check_config, check_step, positional_error
 from graphrunner.keys import LEGACY_DIM, KeySpace, resolve_input_dims, resolve_output_dims
 from graphrunner.ownership import CallOwner
-from graphrunner.dispatch import Routes, fall_back
+from graphrunner.dispatch import IDLE, Routes, fall_back
 from graphrunner.layout import OutputLayout, clone_outputs, user_error
 from graphrunner.report import CaptureReport, RunnerStats
 from graphrunner.staging import StaticInputs
@@ -163,12 +163,17 @@ class GraphRunner:
         return dict(self._inputs.buffers)
 
     def bucket_for(self, batch: Any) -> Any:
-        """The key a local call of ``batch`` replays, or ``None`` if it falls back or has a size 0
-        (ignores agreement and whether the key was captured). ``batch``: an int with ``buckets=[...]``,
-        else a tuple of sizes in :attr:`dims` order or ``{dim: size}``."""
-        sizes = self._space.sizes_of(batch, what="key_for")
-        key = self._space.choose(sizes)[0] if min(sizes) >= 1 else None
-        return None if key is None else self._space.external(key)
+        """The key a local call of ``batch`` replays, or ``None`` if it falls back. A 0 in some dim
+        replays the key covering a 1 there, as a call does, unless the call runs no step (every
+        output empty: ``None``), which is known after :meth:`capture` (``None`` before). Ignores
+        agreement and whether the key was captured. ``batch``: an int with ``buckets=[...]``, else a
+        tuple of sizes in :attr:`dims` order or ``{dim: size}``."""
+        space = self._space
+        sizes = space.sizes_of(batch, what="key_for")
+        if min(sizes) < 1 and (not self._captured or self._routes.route(sizes)[5] == IDLE):
+            return None
+        key = space.choose(space.serving_sizes(sizes))[0]
+        return None if key is None else space.external(key)
 
     key_for = bucket_for
 

@@ -282,3 +282,38 @@ def test_three_dims_bit_exact_for_every_size_combination(backend):
         assert out["y"].shape == (p, q, s) and torch.equal(out["y"], ref["y"][:p, :q, :s]), (p, q, s)
         assert out["z"].shape == (p, s, H) and torch.equal(out["z"], ref["z"][:p, :s]), (p, q, s)
     assert r.stats.real_rows == sum(math.prod(c) for c in order)
+
+
+# ------------------------------------------------ key_for is what a call replays (issue 33 item 5)
+def _key_for_runners():
+    """Captured runners of each kind: int keys, named dims (grid), named dims with ``keys=``, and a
+    step whose 0-dim output makes an all-idle call run the step."""
+    import graphrunner as gr
+
+    x1 = {"x": gr.BatchInput(trailing=(3,))}
+    x2 = {"x": gr.BatchInput(trailing=(3,), dims=("r", "d"))}
+    yield "int keys", gr.GraphRunner(lambda x: x * 2.0, x1, [1, 2, 4, 8], device="tape", progress=False), 1
+    yield "named dims", gr.GraphRunner(lambda x: x * 2.0, x2, {"r": [1, 2, 4], "d": [1, 8, 16]}, device="tape",
+                                       progress=False), 2
+    yield "keys=", gr.GraphRunner(lambda x: x * 2.0, x2, {"r": [1, 2, 4], "d": [1, 8, 16]},
+                                  keys=[(1, 16), (2, 8), (4, 16)], device="tape", progress=False), 2
+    yield "output on one dim", gr.GraphRunner(lambda x: x[:, 0] * 2.0, x2, {"r": [1, 2, 4], "d": [1, 8, 16]},
+                                              outputs=("r",), device="tape", progress=False), 2
+    yield "0-dim output", gr.GraphRunner(lambda x: (x * 2.0, x.sum() * 0.0), x1, [1, 2, 4], device="tape",
+                                         progress=False), 1
+
+
+@pytest.mark.parametrize("kind", ["int keys", "named dims", "keys=", "output on one dim", "0-dim output"])
+def test_key_for_is_the_key_a_call_replays_for_random_sizes_zeros_included(kind):
+    runner, ndims = next((r, n) for k, r, n in _key_for_runners() if k == kind)
+    runner.capture()
+    g = torch.Generator().manual_seed(11)
+    maxes = [max(v) for v in runner.buckets.values()] if isinstance(runner.buckets, dict) else [runner.max_batch]
+    cases = [tuple(0 for _ in range(ndims))] + [tuple(int(torch.randint(0, m + 2, (1,), generator=g))
+                                                      for m in maxes) for _ in range(40)]
+    for sizes in cases:
+        batch = sizes[0] if ndims == 1 else sizes
+        replays = sum(runner.stats.replays.values())
+        runner(x=torch.randn(*sizes, 3))
+        replayed = runner.stats.last_bucket if sum(runner.stats.replays.values()) > replays else None
+        assert runner.key_for(batch) == replayed, (kind, sizes)
