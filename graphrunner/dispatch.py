@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from graphrunner.backends.base import GraphBackend
+from graphrunner.checks.contracts import step_error
 from graphrunner.errors import RankTimeoutError
 from graphrunner.keys import CANNOT
 from graphrunner.layout import FreshOutputs, clone_outputs
@@ -130,8 +131,11 @@ def fall_back(runner: Any, tensors: List[torch.Tensor], sizes: Sizes, rows: Size
     try:
         with torch.inference_mode():
             out = runner.step(**kwargs)
-    except Exception as exc:  # a failed collective on a multi-rank runner: RankTimeoutError
-        err = RankTimeoutError.from_step(exc, runner.group, "fallback", space.external(run))
+    except Exception as exc:  # a failed collective (RankTimeoutError), else the cause named
+        staging = runner._inputs
+        err = RankTimeoutError.from_step(exc, runner.group, "fallback", space.external(run)) or step_error(
+            exc, "eager fallback", f"sizes ({space.describe(run)})", staging.bounded, staging.names, tensors,
+            runner.debug)
         if err is None:
             raise
         raise err from exc

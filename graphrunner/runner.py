@@ -341,8 +341,9 @@ class GraphRunner:
             ref = shadow_reference(self, sizes, key) if self.verify_every and not self._calls % self.verify_every else None
             try:
                 replay()
-            except Exception as exc:  # a failed collective on a multi-rank runner: RankTimeoutError
-                err = RankTimeoutError.from_step(exc, self.group, "replay", ext)
+            except Exception as exc:  # a failed collective (RankTimeoutError), else the cause named
+                err = RankTimeoutError.from_step(exc, self.group, "replay", ext) or contracts.step_error(
+                    exc, "replay", self._key_text(key), staging.bounded, staging.names, tensors, self.debug)
                 if err is None:
                     raise
                 raise err from exc

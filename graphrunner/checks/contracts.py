@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_leaves
 from graphrunner._env import TRUE
 from graphrunner.backends.hooks import Capture, CaptureHook, Finding
 from graphrunner.checks.ops import OpConsumer, storage_key
-from graphrunner.errors import CaptureError, ContractError
+from graphrunner.errors import CaptureError, ContractError, GraphRunnerError
 
 __all__ = ["debug_enabled", "check_bounds_spec", "bounds_error", "check_bounds", "check_call", "ExternalRecorder", "named_tensors",
            "External", "ExternalGuard", "ExternalsCheck", "InputWritesCheck", "externals_of"]
@@ -489,3 +489,33 @@ class ExternalGuard:
                     seen.add(e.path)
                     out.append(e.describe())
         return out
+
+
+# -------------------------------------------------------------- a failed call, explained
+def step_error(exc: BaseException, where: str, key_text: str, bounded: Sequence[Tuple[int, str, Tuple[Any, Any], int]],
+               names: Sequence[str], tensors: Sequence[torch.Tensor], debug: bool) -> Optional[Exception]:
+    """The :class:`~graphrunner.errors.GraphRunnerError` for ``exc``, raised by a call's ``where``
+    (``"replay"`` or ``"eager fallback"``) of ``key_text``: it names the call's input whose value
+    lies outside its ``BatchInput(bounds=)`` when one does (an index out of range is the usual
+    cause of a failure inside the tape's engine), else the inputs without bounds, and says how to
+    check every call (``debug=True``). ``None`` for a ``GraphRunnerError`` (already explained) or
+    an exception that is not an ``Exception``. Chain the original: ``raise err from exc``."""
+    if isinstance(exc, GraphRunnerError) or not isinstance(exc, Exception):
+        return None
+    cause = None
+    for i, name, bounds, lead in bounded:
+        err = bounds_error(name, tensors[i], bounds, lead)
+        if err is not None:
+            cause = f"the likely cause: {err}"
+            break
+    if cause is None:
+        declared = {name for _, name, _, _ in bounded}
+        free = [n for n in names if n not in declared]
+        cause = ("every input with bounds= lies within them" + (f"; inputs without bounds=: {free} (declare "
+                 "BatchInput(bounds=(lo, hi)) for index inputs so that a value out of range is named)" if free else ""))
+    check = ("" if debug else "; GraphRunner(debug=True) checks every call's inputs against bounds= before anything "
+             "runs")
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    what = lines[-1][:300] if lines else ""  # a TorchScript error ends in the op's own message
+    return GraphRunnerError(f"GraphRunner: the {where} of {key_text} raised {type(exc).__name__}: {what} ({cause}"
+                            f"{check}); the original error is chained below")
