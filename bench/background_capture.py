@@ -64,7 +64,7 @@ def one(background: bool, args, buckets) -> dict:
         worst = float((out - step(ids, pos)).abs().max())
     served = 0
     if background:
-        while runner._background is not None and not runner._background.finished:
+        while runner.server.background is not None and not runner.server.background.finished:
             time.sleep(args.interval / 1000)
             n = int(torch.randint(1, max(buckets) + 1, (1,), generator=g))
             x, p = torch.randint(0, config.vocab_size, (n,), generator=g), torch.zeros(n, dtype=torch.long)

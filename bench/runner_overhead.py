@@ -351,7 +351,7 @@ def _agreement_rank(rank, world, init, args, queue):
 
         def runner_with(g):
             def run():
-                runner._agreement.group = g  # the runner's one agreement object (graphrunner.agreement)
+                runner.server.agreement.group = g  # the runner's one agreement object (graphrunner.agreement)
                 for b in batches:
                     runner(x=b)
             return run

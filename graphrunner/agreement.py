@@ -35,22 +35,23 @@ logger = logging.getLogger("graphrunner")
 Sizes = Tuple[int, ...]
 
 
-def config_fields(runner: Any) -> Dict[str, Any]:
-    """What every rank must configure alike for ``runner`` (a ``GraphRunner``): the capture
-    fingerprint's fields (:mod:`graphrunner.checks.fingerprint`) and :func:`config_digest`'s input."""
-    fp = runner._space.fingerprint()
-    fp["inputs"], fp["outputs"] = runner._inputs.fingerprint(), runner._layout.fingerprint()
-    fp["backend"] = f"{type(runner.backend).__module__}.{type(runner.backend).__qualname__}"
-    fp["warmups"] = getattr(runner.backend, "warmups", None)
-    fp["fallback"] = runner.fallback
-    fp["checks"] = runner.checks.names()  # the padding check's verdict is agreed by one collective per key
-    fp["verify_every"] = runner.verify_every  # a verdict rides in every call's agreement when on
+def config_fields(server: Any, checks: Any) -> Dict[str, Any]:
+    """What every rank must configure alike for a runner (its :class:`~graphrunner.serving.Server`
+    ``server`` and :class:`~graphrunner.checks.CheckSet` ``checks``): the capture fingerprint's
+    fields (:mod:`graphrunner.checks.fingerprint`) and :func:`config_digest`'s input."""
+    fp = server.space.fingerprint()
+    fp["inputs"], fp["outputs"] = server.inputs.fingerprint(), server.layout.fingerprint()
+    fp["backend"] = f"{type(server.backend).__module__}.{type(server.backend).__qualname__}"
+    fp["warmups"] = getattr(server.backend, "warmups", None)
+    fp["fallback"] = server.fallback
+    fp["checks"] = checks.names()  # the padding check's verdict is agreed by one collective per key
+    fp["verify_every"] = server.verify_every  # a verdict rides in every call's agreement when on
     return fp
 
 
 def config_digest(fields: Mapping[str, Any]) -> int:
     """A 62-bit digest of a runner's configuration fields (what the capture fingerprint
-    compares, ``GraphRunner._config_fields()``), computed once, for :class:`RankAgreement`."""
+    compares, :func:`config_fields`), computed once per capture, for :class:`RankAgreement`."""
     from graphrunner.checks.fingerprint import _hash, canonical
 
     return _hash(canonical(dict(fields)))

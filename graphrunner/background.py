@@ -232,23 +232,19 @@ class BackgroundCapture:
             self._thread.join(timeout)
 
 
-def start_background(runner: Any) -> None:
-    """``runner.capture(background=True)``: every call served from now on, keys captured on a thread."""
+def start_background(server: Any, run: Any, backend: Any, gate: Any = None) -> None:
+    """``runner.capture(background=True)``: ``server`` (:class:`graphrunner.serving.Server`) serves
+    every call from now on while ``run`` (a :class:`~graphrunner.capturing.CaptureRun`, which
+    already set the server's agreement up) captures the keys on a thread through ``backend``;
+    ``gate``: tests hold the thread before its first key."""
     import torch
 
-    from graphrunner.capturing import CaptureRun
     from graphrunner.devices import TapeDevice
     from graphrunner.layout import user_error
 
-    if runner._budget.budget is not None:
-        raise ValueError("GraphRunner.capture(background=True) does not apply memory_budget (it measures each "
-                         "key's graph after the capture); capture in the foreground, or drop memory_budget")
-    space = runner._space
-    run = CaptureRun(runner, space.capture_order())  # sets the runner's agreement up (no collective)
     begun = []
-
-    executes = isinstance(runner.device, TapeDevice)  # a tape capture computes; a CUDA capture only records
-    inputs = list(runner._inputs.buffers.values())
+    executes = isinstance(getattr(backend, "device", None), TapeDevice)  # a tape capture computes; a CUDA capture only records
+    inputs = list(server.inputs.buffers.values())
 
     def capture_key(key: Sizes) -> None:
         if not begun:  # the capture's first collective, paired like a key's (under a grant)
@@ -262,7 +258,6 @@ def start_background(runner: Any) -> None:
 
     @contextlib.contextmanager
     def session():
-        backend = runner.backend
         mode = getattr(backend, "capture_error_mode", None)
         if mode is not None:  # CUDA: only this thread's work is checked during a capture
             backend.capture_error_mode = "thread_local"
@@ -274,14 +269,11 @@ def start_background(runner: Any) -> None:
                 backend.capture_error_mode = mode
             run.close(True)
 
-    runner._routes.pending = set(space.keys)
-    runner._routes.layout = runner._layout
-    bg = BackgroundCapture(run.order, capture_key, session, run.finish, runner._agreement.shared,
-                           getattr(runner, "_background_gate", None))
-    if runner._agreement.shared:
-        runner._agreement.extra = bg.vector
-    runner._background = bg
-    runner._captured = True  # serving starts now
+    agreement = server.agreement
+    bg = BackgroundCapture(run.order, capture_key, session, run.finish, agreement.shared, gate)
+    if agreement.shared:
+        agreement.extra = bg.vector
+    server.serve_in_background(bg)
     bg.start()
     return None
 
@@ -312,40 +304,39 @@ class PutBack(CaptureHook):
         self.guard.restore()
 
 
-def settle_background(runner: Any, rows: Optional[Sizes]) -> None:
-    """In a call, after its agreement (``rows``: its agreed sizes; None outside a call, one rank):
-    the keys every rank has captured start replaying now; on several ranks the next key is
-    granted; a failed capture raises here, on every rank alike."""
-    bg = runner._background
-    agreement = runner._agreement
-    key = runner._space.choose(rows)[0] if rows is not None and min(rows) >= 1 else None
+def settle_background(server: Any, rows: Optional[Sizes]) -> None:
+    """In a call of ``server`` (:class:`graphrunner.serving.Server`), after its agreement (``rows``:
+    its agreed sizes; None outside a call, one rank): the keys every rank has captured start
+    replaying now; on several ranks the next key is granted; a failed capture raises here, on
+    every rank alike."""
+    bg = server.background
+    agreement = server.agreement
+    key = server.space.choose(rows)[0] if rows is not None and min(rows) >= 1 else None
     new, error = bg.after_agreement(agreement.last_extra if agreement.shared else None, key)
     if new:
-        runner._routes.enable(new, runner._inputs, runner._layout)
+        server.enable(new)
     if error is not None:
         raise error from bg.error
     if bg.agreed == len(bg.keys):  # every key on every rank (agreed: the same call everywhere): plain calls again
-        runner._background, runner._last_background = None, bg
+        server.settled()
         if agreement.shared:
             agreement.extra = list
 
 
-def wait_background(runner: Any, timeout: Optional[float]) -> Any:
-    """``runner.wait_captured(timeout)``: the report, or None (timed out, failed)."""
-    bg = runner._background or runner._last_background  # settled: its thread may still build the report
-    if bg is None:
-        return runner.report
+def wait_background(server: Any, bg: Any, timeout: Optional[float]) -> Any:
+    """``runner.wait_captured(timeout)`` for ``server``'s background capture ``bg``: its report, or
+    None (timed out, failed)."""
     done = bg.wait(timeout) and bg.error is None
-    if done and not bg.shared and runner._background is not None:  # one rank: they replay from the next call
+    if done and not bg.shared and server.background is not None:  # one rank: they replay from the next call
         with bg.mutex:
-            settle_background(runner, None)
+            settle_background(server, None)
     return bg.report if done else None
 
 
 @contextlib.contextmanager
-def hold_background(runner: Any) -> Iterator[None]:
+def hold_background(server: Any) -> Iterator[None]:
     """``runner.hold()``: no key starts (or is being captured) while the body runs."""
-    bg = runner._background
+    bg = server.background
     if bg is None:
         yield
         return

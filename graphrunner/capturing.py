@@ -1,25 +1,35 @@
-"""One capture of a runner's keys, in three parts: set up, one key at a time, finish.
+"""The capturer part of a runner: key order, checks as hooks, memory budget, background capture.
 
-:class:`CaptureRun` is what ``GraphRunner.capture()`` does, split so that a
-blocking capture (every key in a row) and a background capture
-(:mod:`graphrunner.background`: one key at a time between calls) run the
-same code: the same backend protocol per key (``capture_one`` with the
-runner's checks as hooks), the same reports, routes and report.
+:class:`Capturer` owns what a capture needs beyond the server's state: the checks
+(:class:`~graphrunner.checks.CheckSet`), the post-warmup hook, the memory budget
+(:mod:`graphrunner.budget`), the progress bar, the last report and the background capture
+(:mod:`graphrunner.background`). It drives the backend's protocol (``capture_one``) one key at a
+time through :class:`CaptureRun`, and hands the server (:class:`graphrunner.serving.Server`) the
+agreement and its replayable keys through the server's own methods (``install``, ``serve``).
+
+:class:`CaptureRun` is one capture, split in three parts (set up, one key at a time, finish) so
+that a blocking capture (every key in a row) and a background capture (one key at a time between
+calls) run the same code: the same protocol per key, the same hooks, reports and routes.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
 
 from graphrunner.agreement import config_digest, make_agreement
+from graphrunner.budget import MemoryBudget, one_time_imports
 from graphrunner.checks import contracts, fingerprint
+from graphrunner.layout import user_error
 from graphrunner.progress import CaptureProgress
 from graphrunner.report import BucketReport, CaptureReport
 
-__all__ = ["CaptureRun"]
+__all__ = ["Capturer", "CaptureRun"]
 
 logger = logging.getLogger("graphrunner")
 
@@ -27,54 +37,59 @@ Sizes = Tuple[int, ...]
 
 
 class CaptureRun:
-    """The capture of ``order`` (internal keys, largest first) for ``runner`` (a ``GraphRunner``).
+    """The capture of ``order`` (internal keys, largest first) for ``capturer``'s server.
 
-    Construction sets the runner up for capture (its agreement, debug-mode externals, the
-    input-writes check); :meth:`begin` makes the capture's first collective (the configuration
+    Construction sets the server up for capture (:meth:`~graphrunner.serving.Server.install`: its
+    agreement, with the configuration digest, and debug mode's externals check) and makes the
+    input-writes check; :meth:`begin` makes the capture's first collective (the configuration
     fingerprint on several ranks), inside the backend's capture session; :meth:`key` captures
-    one key; :meth:`finish` builds the :class:`CaptureReport`. ``collect`` (``graphrunner
-    check``) puts the hooks in collect mode and turns a key's error into findings."""
+    one key; :meth:`agree_replayable` hands the server its keys; :meth:`finish` builds the
+    :class:`CaptureReport`. ``collect`` (``graphrunner check``) puts the hooks in collect mode
+    and turns a key's error into findings. ``agree``: agree the key across ranks per call."""
 
-    def __init__(self, runner: Any, order: List[Sizes], collect: Any = None) -> None:
-        self.runner, self.order, self.collect = runner, list(order), collect
-        space = runner._space
-        self.bar = CaptureProgress(len(order), enabled=runner.progress and runner.rank == 0)
+    def __init__(self, capturer: "Capturer", order: List[Sizes], agree: bool, collect: Any = None) -> None:
+        self.capturer, self.server, self.order, self.collect = capturer, capturer.server, list(order), collect
+        server = self.server
+        self.bar = CaptureProgress(len(order), enabled=capturer.progress and server.rank == 0)
         self.reports: List[BucketReport] = []
         self.started = 0  # keys begun
         self.t0 = time.perf_counter()
-        shared = runner.agree_bucket and runner.world_size > 1
-        runner._agreement = make_agreement(runner.group, runner.agree_bucket,
-                                           config_digest(runner._config_fields()) if shared else 0,
-                                           verdicts=runner.verify_every > 0)
-        if runner.debug:
-            runner._externals = contracts.ExternalsCheck(runner.step, runner._inputs.storages,
-                                                         lambda k: runner._key_text(space.internal(k)))
-        self.extra = {"lead_dims": runner._layout.lead} if runner._layout.lead > 1 else {}
-        self.writes = contracts.InputWritesCheck(runner._inputs.storage_names())  # one for every key
+        shared = agree and server.world_size > 1
+        agreement = make_agreement(server.group, agree, config_digest(capturer.config()) if shared else 0,
+                                   verdicts=server.verify_every > 0)
+        externals = None
+        if server.debug:
+            space = server.space
+            externals = contracts.ExternalsCheck(server.step, server.inputs.storages,
+                                                 lambda k: server.key_text(space.internal(k)))
+        server.install(agreement, externals)
+        self.extra = {"lead_dims": server.layout.lead} if server.layout.lead > 1 else {}
+        self.writes = contracts.InputWritesCheck(server.inputs.storage_names())  # one for every key
 
     def begin(self) -> None:
         """The capture's first collective (several ranks, fingerprint check on): every rank's configuration."""
-        r = self.runner
-        if r.checks.fingerprint and r.world_size > 1:
-            fingerprint.check(r.group, r._config_fields(), "configurations", key="config")
+        c = self.capturer
+        if c.checks.fingerprint and self.server.world_size > 1:
+            fingerprint.check(self.server.group, c.config(), "configurations", key="config")
 
     def key(self, key: Sizes, report: Optional[Any] = None, extra_hooks: Sequence[Any] = ()) -> None:
-        """Capture ``key`` through the backend's protocol with the runner's checks as hooks, and add
-        its :class:`BucketReport` (through ``report(ext, reports, bucket_report)`` when given, e.g. the
+        """Capture ``key`` through the backend's protocol with the checks as hooks, and add its
+        :class:`BucketReport` (through ``report(ext, reports, bucket_report)`` when given, e.g. the
         memory budget's ``append``; ``extra_hooks``: more capture hooks for this key). In collect
         mode a failure becomes findings."""
-        r, space = self.runner, self.runner._space
+        c, server = self.capturer, self.server
+        space, layout, inputs = server.space, server.layout, server.inputs
         ext = space.external(key)
         self.bar.start(self.started, ext)
         self.started += 1
-        views = r._inputs.key_views(key)
-        hook = functools.partial(r.post_warmup_hook, ext) if r.post_warmup_hook else None
-        forward = r._layout.forward(r.step, key, views, f"GraphRunner.step[{ext}]")
-        hooks = r.checks.key_hooks(space, key, r._key_text(key), r._inputs.key_inputs(views), r.step,
-                                   r._layout.leaf_dims, r.group, r._externals, self.writes) + list(extra_hooks)
-        r._layout.capturing = True
+        views = inputs.key_views(key)
+        hook = functools.partial(c.post_warmup_hook, ext) if c.post_warmup_hook else None
+        forward = layout.forward(server.step, key, views, f"GraphRunner.step[{ext}]")
+        hooks = c.checks.key_hooks(space, key, server.key_text(key), inputs.key_inputs(views), server.step,
+                                   layout.leaf_dims, server.group, server.externals, self.writes) + list(extra_hooks)
+        layout.capturing = True
         try:
-            r.backend.capture_one(ext, forward, capture_inputs=views, post_warmup_hook=hook, hooks=hooks,
+            c.backend.capture_one(ext, forward, capture_inputs=views, post_warmup_hook=hook, hooks=hooks,
                                   findings=None if self.collect is None else self.collect.findings, **self.extra)
         except Exception as exc:
             if self.collect is None:
@@ -82,31 +97,146 @@ class CaptureRun:
             self.collect.capture_error(ext, exc)
             return
         finally:
-            r._layout.capturing = False
-        bucket = BucketReport.from_info(ext, r.backend.info(ext))
+            layout.capturing = False
+        bucket = BucketReport.from_info(ext, c.backend.info(ext))
         if report is None:
             self.reports.append(bucket)
         else:
             report(ext, self.reports, bucket)
 
     def agree_replayable(self) -> None:
-        """After every key: which keys every rank can replay (one collective), and their routes."""
-        r, space = self.runner, self.runner._space
-        local = [bool(r.backend.can_run(space.external(k))) for k in space.keys]
-        r._routes.replayable = dict(zip(space.keys, r._agreement.replayable(local)))
-        r._routes.prepare(r._inputs, r._layout)
+        """After every key: which keys every rank can replay (one collective), handed to the server."""
+        server, space = self.server, self.server.space
+        local = [bool(self.capturer.backend.can_run(space.external(k))) for k in space.keys]
+        server.serve(dict(zip(space.keys, server.agreement.replayable(local))))
 
     def close(self, ok: bool) -> None:
         """End the progress bar."""
         self.bar.close(ok)
 
     def finish(self) -> CaptureReport:
-        """The capture report (also ``runner.report``); marks the runner captured."""
-        r = self.runner
-        r._captured = True
-        r.report = CaptureReport.of(r.backend, r.rank, r.world_size, self.reports, time.perf_counter() - self.t0,
-                                    r._inputs.nbytes, r.output_arena,
-                                    None if r._externals is None else r._externals.guard.written())
+        """The capture report (also the capturer's :attr:`Capturer.report`)."""
+        c, server = self.capturer, self.server
+        externals = server.externals
+        c.report = CaptureReport.of(c.backend, server.rank, server.world_size, self.reports,
+                                    time.perf_counter() - self.t0, server.inputs.nbytes, c.output_arena,
+                                    None if externals is None else externals.guard.written())
         logger.info("GraphRunner captured %d keys (%s) in %.3fs on rank %d", len(self.reports),
-                    r.report.backend, r.report.total_seconds, r.rank)
-        return r.report
+                    c.report.backend, c.report.total_seconds, server.rank)
+        return c.report
+
+
+class Capturer:
+    """How a runner captures: the checks, the hook, the memory budget, background capture.
+
+    Args:
+        server: the runner's :class:`~graphrunner.serving.Server` (it is handed the results).
+        backend: the backend whose ``capture_one`` runs the protocol.
+        checks: the :class:`~graphrunner.checks.CheckSet`.
+        post_warmup_hook: ``hook(key)`` after each warmup, or ``None``.
+        progress: draw a progress bar on rank 0.
+        memory_budget: a :class:`~graphrunner.budget.MemoryBudget`.
+        output_arena: the shared :class:`~graphrunner.OutputArena`, or ``None`` (for the report).
+        config: ``config() -> {field: value}``: what every rank must configure alike (the
+            fingerprint's fields and the agreement's digest, :func:`graphrunner.agreement.config_fields`).
+    """
+
+    def __init__(self, server: Any, backend: Any, checks: Any, post_warmup_hook: Optional[Callable[[Any], Any]],
+                 progress: bool, memory_budget: MemoryBudget, output_arena: Any,
+                 config: Callable[[], Dict[str, Any]]) -> None:
+        self.server, self.backend, self.checks = server, backend, checks
+        self.post_warmup_hook, self.progress, self.budget = post_warmup_hook, bool(progress), memory_budget
+        self.output_arena, self.config = output_arena, config
+        #: The last capture's :class:`CaptureReport` (``None`` before one, after ``cleanup()``).
+        self.report: Optional[CaptureReport] = None
+        #: Tests: a ``threading.Event`` the background thread waits for before its first key.
+        self.background_gate: Any = None
+
+    def capture(self, agree: bool, collect: Any = None) -> CaptureReport:
+        """Capture every key the budget keeps, largest first, inside one ``backend.capture_session()``
+        under ``torch.inference_mode()`` (restarting without a key that did not fit). On any error
+        the backend is cleaned up, the server reset, and the error raised as the user should see
+        it. ``collect`` (``graphrunner check``) puts the hooks in collect mode."""
+        if collect is not None:
+            return self._capture_all(agree, collect)
+        return self.budget.capture(lambda _: self._capture_all(agree, None), one_time_imports())
+
+    def _capture_all(self, agree: bool, collect: Any) -> CaptureReport:
+        space = self.server.space
+        run = CaptureRun(self, self.budget.keep(space.capture_order(), space.external), agree, collect)
+        ok = False
+        try:
+            with torch.inference_mode(), self.backend.capture_session():
+                run.begin()
+                for key in run.order:
+                    run.key(key, self.budget.append)
+                run.agree_replayable()
+            ok = True
+        except BaseException as exc:
+            self.abort()
+            err = user_error(exc)
+            if err is exc:
+                raise
+            raise err from None
+        finally:
+            run.close(ok)
+        return run.finish()
+
+    def capture_in_background(self, agree: bool) -> None:
+        """Start a background capture (:func:`graphrunner.background.start_background`)."""
+        from graphrunner.background import start_background
+
+        if self.budget.budget is not None:
+            raise ValueError("GraphRunner.capture(background=True) does not apply memory_budget (it measures each "
+                             "key's graph after the capture); capture in the foreground, or drop memory_budget")
+        run = CaptureRun(self, self.server.space.capture_order(), agree)  # sets the server's agreement up
+        start_background(self.server, run, self.backend, self.background_gate)
+
+    def abort(self) -> None:
+        """After a failed capture: the backend cleaned up (its error logged, never raised over the
+        capture's) and the server reset."""
+        try:
+            self.backend.cleanup()
+        except Exception:  # noqa: BLE001 - the capture error is what the caller needs
+            logger.exception("GraphRunner: backend cleanup after a failed capture raised")
+        self.server.reset()
+
+    def cleanup(self) -> None:
+        """Stop a background capture, release every graph, stop serving (``runner.cleanup()``)."""
+        server = self.server
+        if server.background is not None:
+            server.background.stop()
+        self.backend.cleanup()
+        self.report = None
+        server.stop_serving()
+
+    def wait(self, timeout: Optional[float]) -> Optional[CaptureReport]:
+        """``runner.wait_captured(timeout)`` (:func:`graphrunner.background.wait_background`).
+        ``timeout``: seconds >= 0, ``None`` or ``math.inf`` to wait until done; ``ValueError`` for a
+        negative or NaN one, ``TypeError`` for a non-number (nothing is waited for then)."""
+        from graphrunner.background import wait_background
+
+        timeout = wait_seconds(timeout)
+        bg = self.server.background or self.server.last_background
+        if bg is None:
+            return self.report
+        report = wait_background(self.server, bg, timeout)
+        if report is not None:
+            self.report = report
+        return report
+
+
+def wait_seconds(timeout: Any) -> Optional[float]:
+    """``wait_captured(timeout=)`` as seconds for ``Thread.join`` (``None``: wait until done, for
+    ``None`` and ``math.inf``); ``ValueError`` for a negative or NaN timeout, ``TypeError`` for
+    anything but a real number."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"wait_captured(timeout=...) must be seconds (a number >= 0) or None, got "
+                        f"{type(timeout).__name__} ({timeout!r})")
+    t = float(timeout)
+    if math.isnan(t) or t < 0:
+        raise ValueError(f"wait_captured(timeout=...) must be >= 0 seconds (None or math.inf: until the capture "
+                         f"is done), got {timeout!r}")
+    return None if math.isinf(t) else t

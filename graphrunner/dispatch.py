@@ -9,27 +9,22 @@ or the reason to fall back. The runner's call path is then one dict lookup.
 Agreed sizes with a 0 in some dim (every rank idle there; alone: this rank
 idle) run no step when every output would be empty (:data:`IDLE`: empty
 views of the output buffer, nothing replayed); otherwise they run the
-smallest key as if the 0 were a 1, every cell padding. :func:`fall_back`
-serves the routes that do not replay.
+smallest key as if the 0 were a 1, every cell padding. The server
+(:meth:`graphrunner.serving.Server.fall_back`) serves the routes that do not replay.
 """
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 import math
-from typing import Any, Dict, List, Optional, Tuple
-
-import torch
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from graphrunner.backends.base import GraphBackend
-from graphrunner.checks.contracts import step_error
-from graphrunner.errors import RankTimeoutError
 from graphrunner.keys import CANNOT
-from graphrunner.layout import FreshOutputs, clone_outputs
+from graphrunner.layout import FreshOutputs
 
-__all__ = ["Routes", "IDLE", "CAPTURING", "fall_back"]
+__all__ = ["Route", "Routes", "IDLE", "CAPTURING"]
 
-logger = logging.getLogger("graphrunner")
 
 #: The route of agreed sizes with a 0 in some dim whose outputs are all empty: no step runs.
 IDLE = "idle"
@@ -38,6 +33,25 @@ IDLE = "idle"
 CAPTURING = "capturing"
 
 Sizes = Tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """What a call of given agreed sizes does.
+
+    ``key``: the internal key it replays (``None``: it does not replay), ``ext`` that key as users
+    name it, ``replay()`` the backend's replay function, ``outputs`` the static outputs it fills (or,
+    for :data:`IDLE`, the empty views), ``volume`` the key's cell count; ``run``: the sizes the step
+    runs at eagerly when it does not replay (the agreed sizes, or the key's for :data:`CAPTURING`);
+    ``reason``: why it does not replay (``None`` when it does)."""
+
+    key: Optional[Sizes]
+    ext: Any = None
+    replay: Optional[Callable[[], None]] = None
+    outputs: Any = None
+    volume: int = 0
+    run: Optional[Sizes] = None
+    reason: Optional[str] = None
 
 
 class Routes:
@@ -50,7 +64,7 @@ class Routes:
         #: Keys a background capture will still capture: their calls run eagerly, padded to the key.
         self.pending: set = set()
         self.layout: Any = None  # the runner's OutputLayout, from prepare()
-        self._routes: Dict[Sizes, tuple] = {}
+        self._routes: Dict[Sizes, Route] = {}
         #: The route of ``rows`` if already known, else ``None`` (the hot path's one lookup).
         self.get = self._routes.get
 
@@ -61,8 +75,8 @@ class Routes:
         for k in self.space.keys:
             staging.prepare(k)
             route = self.route(k)
-            if route[0] is not None:
-                layout.replayed(route[3], k)
+            if route.key is not None:
+                layout.replayed(route.outputs, k)
 
     def enable(self, keys: Any, staging: Any, layout: Any) -> None:
         """Keys a background capture has captured on every rank: replayable from now on (those the
@@ -75,32 +89,31 @@ class Routes:
         self._routes.clear()
         for k in keys:
             route = self.route(k)
-            if route[0] is not None:
-                layout.replayed(route[3], k)
+            if route.key is not None:
+                layout.replayed(route.outputs, k)
 
-    def route(self, rows: Sizes) -> tuple:
-        """What a call of agreed sizes ``rows`` does: ``(key, external key, replay(), outputs,
-        key volume, None)`` to replay, ``(None, sizes to run eagerly, None, None, 0, reason)`` to
-        fall back, or ``(None, sizes, None, outputs, 0, IDLE)`` to run nothing (a 0 in ``rows``)."""
+    def route(self, rows: Sizes) -> Route:
+        """The :class:`Route` of a call of agreed sizes ``rows``: one that replays, one that falls
+        back (``run``, ``reason``), or :data:`IDLE` (a 0 in ``rows``, every output empty: no step runs)."""
         hit = self._routes.get(rows)
         if hit is not None:
             return hit
         if min(rows) < 1:  # idle in some dim on every rank: the smallest key covering a 1 there
             run = self.space.serving_sizes(rows)
             route = self._route(run)
-            if route[3] is not None and self.layout.all_empty(route[3], rows):
-                route = (None, run, None, route[3], 0, IDLE)
+            if route.outputs is not None and self.layout.all_empty(route.outputs, rows):
+                route = Route(None, outputs=route.outputs, run=run, reason=IDLE)
         else:
             route = self._route(rows)
         self._routes[rows] = route
         return route
 
-    def _route(self, rows: Sizes) -> tuple:
+    def _route(self, rows: Sizes) -> Route:
         key, reason = self.space.choose(rows)
         if key is not None and key in self.pending:
-            return (None, key, None, None, 0, CAPTURING)
+            return Route(None, run=key, reason=CAPTURING)
         if key is None or not self.replayable.get(key, False):
-            return (None, rows, None, None, 0, reason or CANNOT)
+            return Route(None, run=rows, reason=reason or CANNOT)
         ext = self.space.external(key)
         if isinstance(self.backend, GraphBackend):
             replay, outputs = self.backend.replayer(ext)
@@ -109,39 +122,4 @@ class Routes:
 
             def replay(b=self.backend, k=ext, box=outputs) -> None:
                 box.value = b.replay(k)
-        return (key, ext, replay, outputs, math.prod(key), None)
-
-
-def fall_back(runner: Any, tensors: List[torch.Tensor], sizes: Sizes, rows: Sizes, route: tuple,
-              copy_outputs: bool) -> Any:
-    """Serve a call of local ``sizes`` (agreed ``rows``) whose route does not replay: :data:`IDLE`
-    returns the empty outputs, anything else runs ``runner.step`` eagerly on the inputs padded to
-    the route's sizes (the key's, for :data:`CAPTURING`; ``fallback='error'``: ``ValueError``
-    except while capturing) and slices the result to ``sizes``."""
-    space, run, reason = runner._space, route[1], route[5]
-    if reason == IDLE:
-        runner.stats.last_bucket = None  # neither a replay nor a fallback: nothing ran
-        out = runner._layout.replayed(route[3], sizes)
-        return clone_outputs(out) if copy_outputs else out
-    if runner.fallback == "error" and reason != CAPTURING:
-        raise ValueError(f"GraphRunner(fallback='error'): {space.why(sizes, run, reason)}; "
-                         + ("add a bucket" if space.legacy else "add a bucket or key")
-                         + ", raise max_padding_ratio, or use fallback='eager'")
-    kwargs = runner._inputs.padded(tensors, sizes, run)
-    try:
-        with torch.inference_mode():
-            out = runner.step(**kwargs)
-    except Exception as exc:  # a failed collective (RankTimeoutError), else the cause named
-        staging = runner._inputs
-        err = RankTimeoutError.from_step(exc, runner.group, "fallback", space.external(run)) or step_error(
-            exc, "eager fallback", f"sizes ({space.describe(run)})", staging.bounded, staging.names, tensors,
-            runner.debug)
-        if err is None:
-            raise
-        raise err from exc
-    if run != sizes:
-        out = runner._layout.slice(out, sizes)
-    runner.stats.count(None, sizes, run, reason)
-    logger.debug("GraphRunner: eager fallback (%s) for %s (padded to %s)", reason, space.describe(sizes),
-                 space.describe(run))
-    return clone_outputs(out) if copy_outputs else out
+        return Route(key, ext, replay, outputs, math.prod(key))

@@ -6,44 +6,57 @@
     print(runner.capture())          # largest bucket first; a CaptureReport table
     y = runner(x=torch.randn(3, 64))  # copy into static buffers, pad to 4, replay, slice to 3 rows
 
-The runner wires small parts, each in its own module: keys (:mod:`graphrunner.keys`),
-static inputs (:mod:`graphrunner.staging`), outputs (:mod:`graphrunner.layout`), routes
-(:mod:`graphrunner.dispatch`), agreement across ranks (:mod:`graphrunner.agreement`), the
-backend owning the capture protocol (:mod:`graphrunner.backends`) and the checks, attached to
-it as capture hooks (:mod:`graphrunner.checks`). See ``docs/runner.md``.
+The runner is a facade over two parts built from its arguments: the server
+(:mod:`graphrunner.serving`: a call, and the state it owns: static inputs, output layout,
+routes, agreement across ranks, statistics) and the capturer (:mod:`graphrunner.capturing`:
+a capture, with its checks as capture hooks, memory budget and background capture), over the
+backend that owns the capture protocol (:mod:`graphrunner.backends`). The parts talk through
+their own methods; the facade only forwards. See ``docs/runner.md``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
+import functools
 import logging
-import math
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from graphrunner.agreement import LocalAgreement, config_fields
+from graphrunner.agreement import config_fields
 from graphrunner.backends import make_backend
-from graphrunner.budget import MemoryBudget, one_time_imports
+from graphrunner.background import hold_background
+from graphrunner.budget import MemoryBudget
 from graphrunner.buckets import default_buckets
-from graphrunner.background import hold_background, settle_background, start_background, wait_background
-from graphrunner.capturing import CaptureRun
+from graphrunner.capturing import Capturer
 from graphrunner.checks import contracts, resolve_checks
-from graphrunner.checks.verify import shadow_reference, shadow_verify, verify_every_setting
-from graphrunner.errors import CaptureError, GraphRunnerError, RankTimeoutError
+from graphrunner.checks.verify import verify_every_setting
+from graphrunner.errors import CaptureError
 from graphrunner.group import LocalGroup
 from graphrunner.inputs import BatchInput, check_config, check_step, positional_error
 from graphrunner.keys import LEGACY_DIM, KeySpace, resolve_input_dims, resolve_output_dims
-from graphrunner.ownership import CallOwner
-from graphrunner.dispatch import IDLE, Routes, fall_back
-from graphrunner.layout import OutputLayout, clone_outputs, user_error
+from graphrunner.layout import OutputLayout
 from graphrunner.report import CaptureReport, RunnerStats
+from graphrunner.serving import Server
 from graphrunner.staging import StaticInputs
 
 __all__ = ["GraphRunner", "BatchInput", "RunnerStats", "default_buckets"]
 
 logger = logging.getLogger("graphrunner")
+
+
+def _part_attr(part: str, name: str, doc: str, read_only: bool = False) -> property:
+    """A runner attribute that is the ``name`` attribute of its ``part`` (``"server"`` or
+    ``"capturer"``), which owns it."""
+
+    def get(self: Any) -> Any:
+        return getattr(getattr(self, part), name)
+
+    def put(self: Any, value: Any) -> None:
+        setattr(getattr(self, part), name, value)
+
+    return property(get, None if read_only else put, doc=doc)
+
 
 class GraphRunner:
     """Capture ``step`` once per key (batch bucket) and serve calls by replay.
@@ -101,7 +114,6 @@ class GraphRunner:
 
     #: Agree the key across ranks on every call (set False before capture() only in tests: UNSAFE).
     agree_bucket = True
-    _config_fields = config_fields  # the configuration ranks compare (graphrunner.agreement.config_fields)
 
     def __init__(self, step: Callable[..., Any], inputs: Mapping[str, BatchInput], buckets: Any,
                  backend: Any = "breakable", device: Any = "auto", group: Any = None, warmups: int = 2,
@@ -111,7 +123,7 @@ class GraphRunner:
                  verify_every: Optional[int] = None, memory_budget: Optional[int] = None,
                  copy_outputs: Optional[bool] = None, output_arena: Any = None, progress: bool = True) -> None:
         check_config(step, inputs, fallback, post_warmup_hook, output_arena)
-        self._space = space = KeySpace(buckets, keys, max_padding_ratio)
+        space = KeySpace(buckets, keys, max_padding_ratio)
         #: ``buckets`` as given: a list (one dim, int keys) or ``{dim: [sizes...]}`` (tuple keys).
         self.buckets: Any = space.buckets[LEGACY_DIM] if space.legacy else {d: list(v) for d, v in space.buckets.items()}
         #: The runner's dim names, in key order (``("batch",)`` with ``buckets=[...]``).
@@ -121,46 +133,56 @@ class GraphRunner:
         self.max_padding_ratio = space.max_padding_ratio
         #: The largest bucket of the first dim (the batch with ``buckets=[...]``).
         self.max_batch = space.maxes[0]
-        #: The checks run at capture (:class:`~graphrunner.checks.CheckSet`).
-        self.checks = resolve_checks(checks)
-        #: Debug mode (``debug=`` or ``GRAPHRUNNER_DEBUG=1``): see :mod:`graphrunner.checks.contracts`.
-        self.debug = contracts.debug_enabled(debug)
-        #: Shadow verification of every N-th replayed call (0: off; :mod:`graphrunner.checks.verify`).
-        self.verify_every = verify_every_setting(verify_every, self.debug)
-        self.step, self.inputs, self.fallback = step, dict(inputs), fallback
-        self.post_warmup_hook, self.progress, self.output_arena = post_warmup_hook, bool(progress), output_arena
-        # views into a shared arena are overwritten by any runner on it: copies unless asked otherwise
-        self.copy_outputs = (output_arena is not None) if copy_outputs is None else bool(copy_outputs)
+        checks_set = resolve_checks(checks)
+        debug = contracts.debug_enabled(debug)
+        self.inputs, self.output_arena = dict(inputs), output_arena
         self.backend = make_backend(backend, device, group, warmups, trace, None if checks is None else
-                                    self.checks.drift, output_arena)
+                                    checks_set.drift, output_arena)
         if checks is None:  # the default set: the drift check is the backend's own setting
-            self.checks = dataclasses.replace(self.checks, drift=bool(getattr(self.backend, "drift_check", True)))
+            checks_set = dataclasses.replace(checks_set, drift=bool(getattr(self.backend, "drift_check", True)))
         self.device = self.backend.device
         self.group = getattr(self.backend, "group", None) or LocalGroup()
         self.rank, self.world_size = int(getattr(self.group, "rank", 0)), int(getattr(self.group, "size", 1))
-        self._budget = MemoryBudget(memory_budget, self.world_size)
         self.torch_device = torch.device(getattr(self.device, "torch_device", torch.device("cpu")))
-        self._in_dims = resolve_input_dims(inputs, space)
-        self._inputs = StaticInputs(inputs, self._in_dims, space.dims, space.maxes, space.legacy, self.torch_device)
-        self._layout = OutputLayout(resolve_output_dims(outputs, self._in_dims[next(iter(inputs))], space),
-                                    space.dims, space.legacy, self._key_text)
-        self.stats = RunnerStats(replays={k: 0 for k in self.keys})
-        self.report: Optional[CaptureReport] = None
-        self._calls, self._captured, self._cleaned_up = 0, False, False
-        self._owner = CallOwner()  # one call (or capture) at a time: the static buffers hold one batch
-        self._lock = self._owner.lock
-        self._reset_replay_state()
+        in_dims = resolve_input_dims(inputs, space)
+        key_text = functools.partial(_key_text, space)
+        staging = StaticInputs(inputs, in_dims, space.dims, space.maxes, space.legacy, self.torch_device)
+        layout = OutputLayout(resolve_output_dims(outputs, in_dims[next(iter(inputs))], space),
+                              space.dims, space.legacy, key_text)
+        # views into a shared arena are overwritten by any runner on it: copies unless asked otherwise
+        copy = (output_arena is not None) if copy_outputs is None else bool(copy_outputs)
+        #: The server part (:class:`graphrunner.serving.Server`): a call and the state it owns.
+        self.server = Server(step, space, staging, layout, self.backend, self.group, fallback, debug,
+                             verify_every_setting(verify_every, debug), copy, key_text)
+        #: The capturer part (:class:`graphrunner.capturing.Capturer`): a capture, its checks and budget.
+        self.capturer = Capturer(self.server, self.backend, checks_set, post_warmup_hook, progress,
+                                 MemoryBudget(memory_budget, self.world_size), output_arena, self._config_fields)
 
-    # ----------------------------------------------------------- properties
+    # ----------------------------------------------------------- the parts' settings, as attributes
+    step = _part_attr("server", "step", "The step (``step(**static_inputs)``).")
+    fallback = _part_attr("server", "fallback", "``\"eager\"`` or ``\"error\"``: what a call no key serves does.", True)
+    debug = _part_attr("server", "debug", "Debug mode (``debug=`` or ``GRAPHRUNNER_DEBUG=1``): see "
+                       ":mod:`graphrunner.checks.contracts`.", True)
+    verify_every = _part_attr("server", "verify_every", "Shadow verification of every N-th replayed call (0: "
+                              "off; :mod:`graphrunner.checks.verify`).", True)
+    copy_outputs = _part_attr("server", "copy_outputs", "Return clones instead of views by default.")
+    stats = _part_attr("server", "stats", "Per-call statistics (:class:`~graphrunner.report.RunnerStats`).", True)
+    checks = _part_attr("capturer", "checks", "The checks run at capture (:class:`~graphrunner.checks.CheckSet`).",
+                        True)
+    post_warmup_hook = _part_attr("capturer", "post_warmup_hook", "``hook(key)`` after each warmup forward.")
+    progress = _part_attr("capturer", "progress", "Draw a capture progress bar on rank 0.")
+    report = _part_attr("capturer", "report", "The last capture's :class:`CaptureReport` (``None`` before one).",
+                        True)
+
     @property
     def captured(self) -> bool:
         """True after a successful :meth:`capture` (until :meth:`cleanup`)."""
-        return self._captured
+        return self.server.serving
 
     @property
     def static_inputs(self) -> Dict[str, torch.Tensor]:
         """The static input buffers ``{name: (*largest key on its dims, *trailing)}``; do not write them."""
-        return dict(self._inputs.buffers)
+        return dict(self.server.inputs.buffers)
 
     def bucket_for(self, batch: Any) -> Any:
         """The key a local call of ``batch`` replays, or ``None`` if it falls back. A 0 in some dim
@@ -168,28 +190,18 @@ class GraphRunner:
         output empty: ``None``), which is known after :meth:`capture` (``None`` before). Ignores
         agreement and whether the key was captured. ``batch``: an int with ``buckets=[...]``, else a
         tuple of sizes in :attr:`dims` order or ``{dim: size}``."""
-        space = self._space
-        sizes = space.sizes_of(batch, what="key_for")
-        if min(sizes) < 1 and (not self._captured or self._routes.route(sizes)[5] == IDLE):
-            return None
-        key = space.choose(space.serving_sizes(sizes))[0]
-        return None if key is None else space.external(key)
+        return self.server.key_for(batch)
 
     key_for = bucket_for
 
     def __repr__(self) -> str:
         return (f"GraphRunner(backend={getattr(self.backend, 'name', type(self.backend).__name__)!r}, buckets="
-                f"{self.buckets}, inputs={list(self.inputs)}, rank={self.rank}/{self.world_size}, captured={self._captured})")
+                f"{self.buckets}, inputs={list(self.inputs)}, rank={self.rank}/{self.world_size}, "
+                f"captured={self.captured})")
 
-    def _key_text(self, key: Tuple[int, ...]) -> str:
-        return f"bucket {key[0]}" if self._space.legacy else f"key {key} ({self._space.describe(key)})"
-
-    def _reset_replay_state(self) -> None:
-        self._layout.reset()
-        self._routes = Routes(self._space, self.backend)
-        self._agreement: Any = LocalAgreement()
-        self._externals: Optional[contracts.ExternalsCheck] = None
-        self._background: Any = None; self._last_background: Any = None  # noqa: E702 (capture(background=True))
+    def _config_fields(self) -> Dict[str, Any]:
+        """What every rank must configure alike (:func:`graphrunner.agreement.config_fields`)."""
+        return config_fields(self.server, self.capturer.checks)
 
     # -------------------------------------------------------------- capture
     def capture(self, background: bool = False) -> Optional[CaptureReport]:
@@ -201,73 +213,47 @@ class GraphRunner:
         naming the key). Raises ``CaptureError`` if already captured (:meth:`cleanup` first).
         ``background=True`` returns ``None`` at once and captures on a thread while calls are
         served (:mod:`graphrunner.background`; :meth:`wait_captured`, :attr:`captured_keys`)."""
-        if self._captured:
+        return self._capture(background=background)
+
+    def _capture(self, collect: Any = None, background: bool = False) -> Optional[CaptureReport]:
+        """:meth:`capture`; ``collect`` (``graphrunner check``) puts the hooks in collect mode and
+        turns a key's capture error into findings."""
+        if self.captured:
             raise CaptureError("GraphRunner.capture() was already called; call runner.cleanup() before capturing again")
         if background:
-            return start_background(self)
-        self._owner.enter("capture()")
+            return self.capturer.capture_in_background(self.agree_bucket)
+        owner = self.server.owner
+        owner.enter("capture()")
         try:
-            return self._budget.capture(self._capture, one_time_imports())
+            return self.capturer.capture(self.agree_bucket, collect)
         finally:
-            self._owner.leave()
-
-    def _capture(self, collect: Any) -> CaptureReport:
-        """Capture every key (:class:`~graphrunner.capturing.CaptureRun`); ``collect`` (``graphrunner
-        check``) puts the hooks in collect mode and turns a key's capture error into findings."""
-        run = CaptureRun(self, self._budget.keep(self._space.capture_order(), self._space.external), collect)
-        ok = False
-        try:
-            with torch.inference_mode(), self.backend.capture_session():
-                run.begin()
-                for key in run.order:
-                    run.key(key, self._budget.append)
-                run.agree_replayable()
-            ok = True
-        except BaseException as exc:
-            self._abort_capture()
-            err = user_error(exc)
-            if err is exc:
-                raise
-            raise err from None
-        finally:
-            run.close(ok)
-        return run.finish()
+            owner.leave()
 
     def wait_captured(self, timeout: Optional[float] = None) -> Optional[CaptureReport]:
         """After ``capture(background=True)``: wait up to ``timeout`` s (None: until done) for every
         key; the report, or ``None`` when it timed out or failed (the next call raises the error).
         On several ranks every rank must call it: it captures the remaining keys now, and they
         replay from the next call (whose agreement tells every rank that every rank has them)."""
-        return wait_background(self, timeout)
+        return self.capturer.wait(timeout)
 
     def hold(self) -> Any:
         """``with runner.hold():`` keeps a background capture from starting a key while the body
         runs (a no-op otherwise): wrap code outside the runner's calls that writes state the step
         reads (a prefill writing the KV cache, a cache reset), since a key's capture puts back what it
         wrote when it ends (:mod:`graphrunner.background`)."""
-        return hold_background(self)
+        return hold_background(self.server)
 
     @property
     def captured_keys(self) -> List[Any]:
         """The keys that replay (every key after a blocking capture; during a background one, those
         captured on every rank so far)."""
-        return [self._space.external(k) for k in self._space.keys if self._routes.replayable.get(k)]
-
-    def _abort_capture(self) -> None:
-        try:
-            self.backend.cleanup()
-        except Exception:  # noqa: BLE001 - the capture error is what the caller needs
-            logger.exception("GraphRunner: backend cleanup after a failed capture raised")
-        self._reset_replay_state()
+        server = self.server
+        return [server.space.external(k) for k in server.space.keys if server.routes.replayable.get(k)]
 
     def cleanup(self) -> None:
         """Release every graph and the output buffer (``backend.cleanup()``); the runner can
         :meth:`capture` again. Static input buffers are kept."""
-        if self._background is not None:
-            self._background.stop()
-        self.backend.cleanup()
-        self._captured, self._cleaned_up, self.report = False, True, None
-        self._reset_replay_state()
+        self.capturer.cleanup()
 
     def compare(self, **inputs: torch.Tensor) -> Any:
         """Run the graph and an eager reference on ``inputs`` (staged exactly as a call) and
@@ -275,7 +261,7 @@ class GraphRunner:
         step writes is put back. See :func:`graphrunner.checks.compare.compare_runner`."""
         from graphrunner.checks.compare import compare_runner
 
-        return compare_runner(self, inputs)
+        return compare_runner(self.server, inputs)
 
     # ----------------------------------------------------------------- call
     def __call__(self, *args: Any, **inputs: torch.Tensor) -> Any:
@@ -301,62 +287,15 @@ class GraphRunner:
         :class:`~graphrunner.keys.AgreementError` on every rank at that call (every rank passes it or none)."""
         if step is not None:
             step = check_step(step)
-        bg = self._background
+        server = self.server
+        bg = server.background
         if bg is not None:  # a background capture: wait for the key it is capturing, hold it back meanwhile
             bg.before_call()
             with bg.call():
-                return self._run(inputs, copy_outputs, step)
-        return self._run(inputs, copy_outputs, step)
+                return server.run(inputs, copy_outputs, step)
+        return server.run(inputs, copy_outputs, step)
 
-    def _run(self, inputs: Mapping[str, torch.Tensor], copy_outputs: Optional[bool], step: Optional[int]) -> Any:
-        if not self._lock.acquire(blocking=False):
-            self._owner.refuse("run()")
-        self._owner.thread = threading.get_ident()
-        try:
-            if not self._captured:
-                raise CaptureError("GraphRunner called after cleanup(): its graphs were released; call runner."
-                                   "capture() again before serving" if self._cleaned_up else
-                                   "GraphRunner called before capture(): call runner.capture() once first")
-            self._calls += 1
-            staging = self._inputs
-            try:
-                tensors, sizes = staging.validate(inputs)
-                if self.debug:  # before any write; with agreement every key's externals (no raise after peers agreed)
-                    contracts.check_call(self._inputs.bounded, tensors,
-                                         self._externals if self._agreement.shared else None)
-                staging.stage(tensors, sizes)  # before agreeing: a failed copy is reported to every rank
-            except (ValueError, TypeError, GraphRunnerError):
-                self._agreement.invalid(staging.zero, self._calls, step)
-                raise
-            copy_outputs = self.copy_outputs if copy_outputs is None else copy_outputs
-            rows = self._agreement.agree(sizes, self._calls, step)
-            if self._background is not None:
-                settle_background(self, rows)
-            route = self._routes.get(rows) or self._routes.route(rows)
-            key, ext, replay, outputs, volume, reason = route
-            if key is None:
-                return fall_back(self, tensors, sizes, rows, route, copy_outputs)
-            if staging.filled != sizes:
-                staging.pad_to(sizes, key)
-            ref = shadow_reference(self, sizes, key) if self.verify_every and not self._calls % self.verify_every else None
-            try:
-                replay()
-            except Exception as exc:  # a failed collective (RankTimeoutError), else the cause named
-                err = RankTimeoutError.from_step(exc, self.group, "replay", ext) or contracts.step_error(
-                    exc, "replay", self._key_text(key), staging.bounded, staging.names, tensors, self.debug)
-                if err is None:
-                    raise
-                raise err from exc
-            if staging.stateful:
-                staging.written_by_step(key)
-            stats, real = self.stats, (sizes[0] if len(sizes) == 1 else math.prod(sizes))
-            stats.replays[ext] += 1
-            stats.real_rows, stats.padding_rows, stats.last_bucket = (stats.real_rows + real,
-                                                                      stats.padding_rows + volume - real, ext)
-            out = self._layout.replayed(outputs, sizes)
-            if ref is not None:
-                shadow_verify(self, ref, tensors, sizes, key, out)
-            return clone_outputs(out) if copy_outputs else out
-        finally:
-            self._owner.thread = None
-            self._lock.release()
+
+def _key_text(space: KeySpace, key: Tuple[int, ...]) -> str:
+    """How messages name internal ``key`` of ``space``."""
+    return f"bucket {key[0]}" if space.legacy else f"key {key} ({space.describe(key)})"

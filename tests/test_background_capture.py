@@ -106,7 +106,7 @@ def test_negative_control_before_capture_the_call_runs_the_step_eagerly_padded_t
     step = Step()
     runner = make_runner(step)
     gate = threading.Event()
-    runner._background_gate = gate  # (test hook) hold the background thread before its first key
+    runner.capturer.background_gate = gate  # (test hook) hold the background thread before its first key
     runner.capture(background=True)
     x = torch.randn(3, D)
     runs = step.runs
@@ -280,7 +280,7 @@ def _serve_row_cache(monkeypatch=None):
                                           "pos": gr.BatchInput(trailing=(), dtype=torch.long, bounds=(0, 15))},
                             buckets=BUCKETS, backend="full", progress=False, checks=("drift",))
     gate = threading.Event()
-    runner._background_gate = gate  # the requests' first tokens land before any capture
+    runner.capturer.background_gate = gate  # the requests' first tokens land before any capture
     runner.capture(background=True)
     outs, want = [], []
     for p in range(12):  # 6 requests decode 12 tokens; capture runs between their steps

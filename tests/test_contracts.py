@@ -95,9 +95,10 @@ def test_lookup_index_bounds_and_negative_control():
         build(True)(ids=ids)
     out = build(False)(ids=ids)                       # without debug: no error ...
     torch.testing.assert_close(out[1], table[9] * 2)  # ... row 1 silently reads the last row of the table
-    with pytest.raises((IndexError, RuntimeError)) as ei:  # past the end: an error from inside the replay,
-        build(False)(ids=torch.tensor([1, 10, 2]))     # naming neither the input nor the row
-    assert "'ids'" not in str(ei.value)
+    with pytest.raises(gr.GraphRunnerError) as ei:  # past the end: an error from inside the replay, explained
+        build(False)(ids=torch.tensor([1, 10, 2]))   # after the fact (issue 33): the input, the row, debug mode
+    assert "input 'ids' row 1 holds 10" in str(ei.value) and "debug=True" in str(ei.value)
+    assert isinstance(ei.value.__cause__, (IndexError, RuntimeError))  # the engine's own error, chained
 
 
 def test_multi_dim_bounds_name_the_index_tuple():
@@ -166,7 +167,7 @@ def test_closure_and_global_tensors_are_named():
     r = gr.GraphRunner(step, inputs={"x": gr.BatchInput(trailing=(H,))}, buckets=[2], device="tape",
                        progress=False, debug=True)
     r.capture()
-    assert [e.path for e in r._externals.guard.per_key[2]] == ["w"]
+    assert [e.path for e in r.server.externals.guard.per_key[2]] == ["w"]
     with torch.no_grad():
         w.copy_(torch.randn(H, H))                              # in place: allowed, and replays see it
     x = torch.randn(2, H)
@@ -177,7 +178,7 @@ def test_debug_off_records_nothing():
     m = Decoder()
     r = _runner(m)
     rep = r.capture()
-    assert rep.externals_written is None and r._externals is None
+    assert rep.externals_written is None and r.server.externals is None
 
 
 @pytest.mark.hf

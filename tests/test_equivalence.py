@@ -199,7 +199,7 @@ def test_input_declared_as_state_captures_and_never_writes_the_callers_tensor():
         assert torch.equal(state, keep)                               # the caller's tensor is never written
         assert torch.equal(out, accumulate(keep.clone(), delta))      # the same values as eager on a copy
     # the step wrote the padding rows of its state buffer: they are re-padded before the next call
-    assert torch.equal(r.static_inputs["state"][1:4], torch.zeros(3, H)) or r._inputs.filled != (1,)
+    assert torch.equal(r.static_inputs["state"][1:4], torch.zeros(3, H)) or r.server.inputs.filled != (1,)
 
 
 def index_advance(pos, h):

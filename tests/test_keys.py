@@ -169,7 +169,7 @@ def test_negative_control_without_the_refill_stale_cells_leak():
     one reads the larger call's draft cells as padding (pooled sums them)."""
     r = verify_runner("full")
     r.capture()
-    r._inputs.pad_to = lambda sizes, key: None
+    r.server.inputs.pad_to = lambda sizes, key: None
     r(**verify_inputs(4, 3, seed=1))
     inp = verify_inputs(3, 2, seed=2)               # key (4, 3): cells [3:4, :] and [:3, 2:3] are padding
     out = r(**inp)

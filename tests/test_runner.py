@@ -547,7 +547,7 @@ def _digest(runner):
     """The configuration digest a multi-rank runner's per-call agreement carries (graphrunner.agreement)."""
     from graphrunner.agreement import config_digest, config_fields
 
-    return config_digest(config_fields(runner))
+    return config_digest(runner._config_fields())
 
 
 def _group_runner(group, **kw):

@@ -239,7 +239,7 @@ def _pair_runner(tp_mlp, timeout=20.0, counting=False):
 def _without_call_numbers(runner):
     """The negative control's runner: every rank sends call number 0 (the agreement as it was
     before the call number was carried), so no mismatch can be seen."""
-    ag = runner._agreement
+    ag = runner.server.agreement
     agree, invalid = ag.agree, ag.invalid
     ag.agree = lambda sizes, call, *step: agree(sizes, 0, *step)
     ag.invalid = lambda zero, call, *step: invalid(zero, 0, *step)
@@ -400,13 +400,13 @@ def _sparse_worker(rank, world, bad, steps):
                     for r in rows]
 
     def old_validation(r):  # the RuntimeError of data_ptr() escapes before the agreement, as before
-        validate = r._inputs.validate
+        validate = r.server.inputs.validate
 
         def patched(inputs):
             for t in inputs.values():
                 t.data_ptr()
             return validate(inputs)
-        r._inputs.validate = patched
+        r.server.inputs.validate = patched
 
     # 2. Negative control, call numbers on: the escaped RuntimeError still cannot mispair calls.
     runner2, _ = _pair_runner(tp_mlp)

@@ -209,8 +209,9 @@ def _paths(out: Any) -> List[str]:
     return [f"output leaf {i}" for i in range(len(leaves))]
 
 
-def compare_runner(runner: Any, inputs: Mapping[str, torch.Tensor], atol: float = 0.0) -> CompareReport:
-    """Compare ``runner``'s graph with eager PyTorch on ``inputs``; see the module docstring.
+def compare_runner(server: Any, inputs: Mapping[str, torch.Tensor], atol: float = 0.0) -> CompareReport:
+    """Compare the graph of a runner's ``server`` (:class:`graphrunner.serving.Server`, ``runner.server``)
+    with eager PyTorch on ``inputs``; see the module docstring.
 
     ``inputs`` are as for a call (every declared name, with the runner's
     dims: any key space). They are validated and staged by the runner's own
@@ -222,13 +223,13 @@ def compare_runner(runner: Any, inputs: Mapping[str, torch.Tensor], atol: float 
     their real cells; ``atol`` is the largest difference still called equal
     (default 0: the tape replays bit for bit).
     """
-    if not runner.captured:
+    if not server.serving:
         raise CaptureError("runner.compare() needs a captured runner: call runner.capture() first")
-    staging, space = runner._inputs, runner._space
+    staging, space, backend = server.inputs, server.space, server.backend
     tensors, sizes = staging.validate(inputs)
     key = space.choose(sizes)[0] if staging.fits(sizes) else None
     ext = None if key is None else space.external(key)
-    if key is None or not runner.backend.can_run(ext):
+    if key is None or not backend.can_run(ext):
         raise ValueError(f"runner.compare(): {space.describe(sizes)} falls back to eager (no captured key "
                          "replays it): there is no graph to compare; pass sizes that fit a key")
     saved_static = {k: v.clone() for k, v in staging.buffers.items()}
@@ -244,13 +245,13 @@ def compare_runner(runner: Any, inputs: Mapping[str, torch.Tensor], atol: float 
         # eager break reading a value the segment code set at capture).
         graph_rec = _Recorder(state, locate=False)
         with torch.inference_mode(), OpRecorder([graph_rec], stop=stop):
-            result = runner.backend.replay(ext)
+            result = backend.replay(ext)
         _, graph_leaves = flatten(result)
         graph_out = [t.detach().clone() for t in graph_leaves]
         state.restore()
         eager_rec = _Recorder(state, locate=True)
         with torch.inference_mode(), OpRecorder([eager_rec], stop=stop):
-            out = runner.step(**padded)
+            out = server.step(**padded)
             _, leaves = flatten(out)
             eager_out = [torch.empty_like(t).copy_(t) for t in leaves]  # the graph copies into its buffer too
     finally:
@@ -260,7 +261,7 @@ def compare_runner(runner: Any, inputs: Mapping[str, torch.Tensor], atol: float 
         staging.filled = saved_filled
     paths = _paths(out)
     spec, _ = flatten(out)
-    dims = runner._layout.leaf_dims(spec, len(paths))
+    dims = server.layout.leaf_dims(spec, len(paths))
     worst, at = 0.0, None
     for path, e, g, d in zip(paths, eager_out, graph_out, dims):
         if e.dim() >= 1 and d:

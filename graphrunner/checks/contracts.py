@@ -506,7 +506,7 @@ def step_error(exc: BaseException, where: str, key_text: str, bounded: Sequence[
     for i, name, bounds, lead in bounded:
         err = bounds_error(name, tensors[i], bounds, lead)
         if err is not None:
-            cause = f"the likely cause: {err}"
+            cause = f"the likely cause: {str(err).split('. Nothing was copied')[0]}"
             break
     if cause is None:
         declared = {name for _, name, _, _ in bounded}

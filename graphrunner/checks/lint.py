@@ -698,7 +698,7 @@ def check_runner(runner: Any, target: str) -> CheckReport:
         hooks.append(lint)
         backend.warmups = int(backend.warmups) + 1  # the lint compares the last two warmups
     try:
-        runner._capture(collector)
+        runner.capturer.capture(runner.agree_bucket, collector)
     except SystemExit as exc:
         raise CheckUsageError(f"the step of {target} {_exit_text(exc)} during its capture; a step must return "
                               "its outputs (check needs a runner whose step runs)") from None

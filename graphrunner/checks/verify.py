@@ -57,27 +57,27 @@ def verify_every_setting(verify_every: Optional[int], debug: bool) -> int:
     return verify_every
 
 
-def shadow_reference(runner: Any, sizes: Tuple[int, ...], key: Tuple[int, ...]) -> List[torch.Tensor]:
+def shadow_reference(server: Any, sizes: Tuple[int, ...], key: Tuple[int, ...]) -> List[torch.Tensor]:
     """The eager reference of a call about to replay ``key`` with real ``sizes``: the step on a copy of
     the key's padded static inputs, run BEFORE the replay (so state the step updates, a counter or
     an accumulator, is seen as the replay will see it) and with everything it writes outside
     itself put back; the real cells of each output leaf."""
     from graphrunner.checks.padding import real_cells
 
-    views = runner._inputs.key_views(key)
+    views = server.inputs.key_views(key)
     padded = {k: v.clone() for k, v in views.items()}
     guard = WriteGuard(list(views.values()) + list(padded.values()))
     try:
         with torch.inference_mode(), OpRecorder([guard]):
-            ref = runner.step(**padded)
+            ref = server.step(**padded)
         spec, leaves = flatten(ref)
-        dims = runner._layout.leaf_dims(spec, len(leaves))
+        dims = server.layout.leaf_dims(spec, len(leaves))
         return [real_cells(t, d, sizes).clone() for t, d in zip(leaves, dims)]
     finally:
         guard.restore()
 
 
-def shadow_verify(runner: Any, ref_leaves: List[torch.Tensor], tensors: List[torch.Tensor],
+def shadow_verify(server: Any, ref_leaves: List[torch.Tensor], tensors: List[torch.Tensor],
                   sizes: Tuple[int, ...], key: Tuple[int, ...], out: Any) -> None:
     """Compare a replayed call's ``out`` (sliced to ``sizes``) with its :func:`shadow_reference`.
     Raises :class:`ContractError` naming the key, the output and (from :func:`compare_runner
@@ -92,20 +92,21 @@ def shadow_verify(runner: Any, ref_leaves: List[torch.Tensor], tensors: List[tor
             worst = (i, d)
     if worst is None:
         return
-    runner._agreement.verification_failed(runner._calls)  # every rank refuses the next call (its agreement)
-    ext = runner._space.external(key)
+    call = server.calls
+    server.agreement.verification_failed(call)  # every rank refuses the next call (its agreement)
+    ext = server.space.external(key)
     where = (" The other ranks raise ContractError at their next call. (Localising the difference replays the "
              "step, whose collectives the other ranks would not join: run runner.compare(...) on a one-rank runner.)")
-    if runner.world_size == 1:
+    if server.world_size == 1:
         try:
             from graphrunner.checks.compare import compare_runner
 
-            rep = compare_runner(runner, dict(zip(runner._inputs.names, tensors)), atol=0.0)
+            rep = compare_runner(server, dict(zip(server.inputs.names, tensors)), atol=0.0)
             where = f" {rep}" if not rep.equal else ""
         except Exception as exc:  # noqa: BLE001 - the mismatch is the error; localising it is a bonus
             where = f" (localising it failed: {type(exc).__name__}: {exc})"
     raise ContractError(
-        f"GraphRunner shadow verification of call {runner._calls}: the replay of {runner._key_text(key)} (key "
+        f"GraphRunner shadow verification of call {call}: the replay of {server.key_text(key)} (key "
         f"{ext!r}) differs from eager PyTorch on the same padded inputs by up to {worst[1]:.6g} in output leaf "
         f"{worst[0]}: the graph replays something the step no longer computes (a Python value changed after "
         "capture, an attribute re-bound to a new tensor, state kept outside tensors the graph holds). Re-capture "

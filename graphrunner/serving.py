@@ -1,0 +1,221 @@
+"""The server part of a runner: everything one call does, and the state it owns.
+
+:class:`Server` owns a runner's static inputs (:class:`~graphrunner.staging.StaticInputs`),
+its output layout (:class:`~graphrunner.layout.OutputLayout`), the routes of the agreed sizes
+(:class:`~graphrunner.dispatch.Routes`), the agreement across ranks
+(:mod:`graphrunner.agreement`), the call statistics and the call counter. A call is
+:meth:`Server.run`: validate, stage, agree (the one collective), route, replay or fall back,
+slice, count, verify. The capturer part (:mod:`graphrunner.capturing`) hands it what a capture
+produced through :meth:`Server.install` and :meth:`Server.serve`; the background capture
+through :meth:`Server.enable`. Nothing else writes its state.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+import torch
+
+from graphrunner.agreement import LocalAgreement
+from graphrunner.checks import contracts
+from graphrunner.checks.verify import shadow_reference, shadow_verify
+from graphrunner.dispatch import CAPTURING, IDLE, Route, Routes
+from graphrunner.errors import CaptureError, GraphRunnerError, RankTimeoutError
+from graphrunner.layout import clone_outputs
+from graphrunner.ownership import CallOwner
+from graphrunner.report import RunnerStats
+
+__all__ = ["Server"]
+
+logger = logging.getLogger("graphrunner")
+
+Sizes = Tuple[int, ...]
+
+
+class Server:
+    """The serving state and call path of one runner.
+
+    Args:
+        step: the user's step (``step(**static_inputs)``), run eagerly by the fallback.
+        space: the runner's :class:`~graphrunner.keys.KeySpace`.
+        inputs: its :class:`~graphrunner.staging.StaticInputs` (owned from now on).
+        layout: its :class:`~graphrunner.layout.OutputLayout` (owned from now on).
+        backend, group: the backend whose graphs replay, and the rank group.
+        fallback: ``"eager"`` or ``"error"``.
+        debug, verify_every: debug mode and shadow verification (:mod:`graphrunner.checks.verify`).
+        copy_outputs: the default of :meth:`run`'s ``copy_outputs``.
+        key_text: ``key_text(internal key) -> str`` for messages.
+    """
+
+    def __init__(self, step: Callable[..., Any], space: Any, inputs: Any, layout: Any, backend: Any, group: Any,
+                 fallback: str, debug: bool, verify_every: int, copy_outputs: bool,
+                 key_text: Callable[[Sizes], str]) -> None:
+        self.step, self.space, self.inputs, self.layout = step, space, inputs, layout
+        self.backend, self.group, self.fallback = backend, group, fallback
+        self.rank, self.world_size = int(getattr(group, "rank", 0)), int(getattr(group, "size", 1))
+        self.debug, self.verify_every, self.copy_outputs = debug, verify_every, copy_outputs
+        self.key_text = key_text
+        #: Per-call statistics (``runner.stats``).
+        self.stats = RunnerStats(replays={space.external(k): 0 for k in space.keys})
+        #: Calls so far (invalid ones too): the number every rank's agreement pairs.
+        self.calls = 0
+        #: True while calls are served (after a capture, or from the start of a background one).
+        self.serving = False
+        #: True after ``cleanup()`` (a call then says so).
+        self.cleaned_up = False
+        #: One call (or capture) at a time: the static buffers hold one batch.
+        self.owner = CallOwner()
+        self.reset()
+
+    # ------------------------------------------------------------- what a capture hands over
+    def reset(self) -> None:
+        """Forget every capture: no routes, no agreement, no background capture, calls refused until
+        the next capture (``cleanup()``, a failed capture)."""
+        self.layout.reset()
+        #: The routes of the agreed sizes (:class:`~graphrunner.dispatch.Routes`).
+        self.routes = Routes(self.space, self.backend)
+        #: The agreement across ranks (:mod:`graphrunner.agreement`).
+        self.agreement: Any = LocalAgreement()
+        #: Debug mode's check of the tensors the graphs read (:class:`~graphrunner.checks.contracts.ExternalsCheck`).
+        self.externals: Optional[contracts.ExternalsCheck] = None
+        #: A background capture while its keys are not all replaying (:mod:`graphrunner.background`).
+        self.background: Any = None
+        #: The background capture after every key replays (its thread may still build the report).
+        self.last_background: Any = None
+        self.serving = False
+
+    def install(self, agreement: Any, externals: Optional[contracts.ExternalsCheck]) -> None:
+        """A capture starts: its agreement and debug mode's externals check serve the calls from now on."""
+        self.agreement, self.externals = agreement, externals
+
+    def serve(self, replayable: Dict[Sizes, bool]) -> None:
+        """A blocking capture ended: ``replayable`` (``{key: every rank can replay it}``) keys replay
+        from the next call on, their routes and views prepared now."""
+        self.routes.replayable = dict(replayable)
+        self.routes.prepare(self.inputs, self.layout)
+        self.serving, self.cleaned_up = True, False
+
+    def serve_in_background(self, background: Any) -> None:
+        """A background capture starts: every call is served from now on, eagerly (padded to its
+        key) until :meth:`enable` switches a key to its graph."""
+        self.routes.pending = set(self.space.keys)
+        self.routes.layout = self.layout
+        self.background = background
+        self.serving, self.cleaned_up = True, False
+
+    def enable(self, keys: List[Sizes]) -> None:
+        """Keys a background capture has captured on every rank replay from now on."""
+        self.routes.enable(keys, self.inputs, self.layout)
+
+    def stop_serving(self) -> None:
+        """``cleanup()``: calls raise until the next capture."""
+        self.reset()
+        self.cleaned_up = True
+
+    def settled(self) -> None:
+        """Every key of the background capture replays on every rank: calls are plain calls again."""
+        self.background, self.last_background = None, self.background
+
+    def key_for(self, batch: Any) -> Any:
+        """``GraphRunner.key_for``: the key a local call of ``batch`` replays (see there)."""
+        space = self.space
+        sizes = space.sizes_of(batch, what="key_for")
+        if min(sizes) < 1 and (not self.serving or self.routes.route(sizes).reason == IDLE):
+            return None
+        key = space.choose(space.serving_sizes(sizes))[0]
+        return None if key is None else space.external(key)
+
+    # ------------------------------------------------------------------------ a call
+    def run(self, inputs: Mapping[str, torch.Tensor], copy_outputs: Optional[bool], step: Optional[int]) -> Any:
+        """One call (``GraphRunner.run``; its docstring is the contract)."""
+        lock, owner = self.owner.lock, self.owner
+        if not lock.acquire(blocking=False):
+            owner.refuse("run()")
+        owner.thread = threading.get_ident()
+        try:
+            if not self.serving:
+                raise CaptureError("GraphRunner called after cleanup(): its graphs were released; call runner."
+                                   "capture() again before serving" if self.cleaned_up else
+                                   "GraphRunner called before capture(): call runner.capture() once first")
+            self.calls += 1
+            staging = self.inputs
+            try:
+                tensors, sizes = staging.validate(inputs)
+                if self.debug:  # before any write; with agreement every key's externals (no raise after peers agreed)
+                    contracts.check_call(staging.bounded, tensors, self.externals if self.agreement.shared else None)
+                staging.stage(tensors, sizes)  # before agreeing: a failed copy is reported to every rank
+            except (ValueError, TypeError, GraphRunnerError):
+                self.agreement.invalid(staging.zero, self.calls, step)
+                raise
+            copy_outputs = self.copy_outputs if copy_outputs is None else copy_outputs
+            rows = self.agreement.agree(sizes, self.calls, step)
+            if self.background is not None:
+                from graphrunner.background import settle_background
+
+                settle_background(self, rows)
+            route = self.routes.get(rows) or self.routes.route(rows)
+            key = route.key
+            if key is None:
+                return self.fall_back(tensors, sizes, route, copy_outputs)
+            if staging.filled != sizes:
+                staging.pad_to(sizes, key)
+            verify = self.verify_every and not self.calls % self.verify_every
+            ref = shadow_reference(self, sizes, key) if verify else None
+            try:
+                route.replay()
+            except Exception as exc:  # a failed collective (RankTimeoutError), else the cause named
+                err = RankTimeoutError.from_step(exc, self.group, "replay", route.ext) or contracts.step_error(
+                    exc, "replay", self.key_text(key), staging.bounded, staging.names, tensors, self.debug)
+                if err is None:
+                    raise
+                raise err from exc
+            if staging.stateful:
+                staging.written_by_step(key)
+            stats, real = self.stats, (sizes[0] if len(sizes) == 1 else math.prod(sizes))
+            stats.replays[route.ext] += 1
+            stats.real_rows, stats.padding_rows, stats.last_bucket = (stats.real_rows + real,
+                                                                      stats.padding_rows + route.volume - real,
+                                                                      route.ext)
+            out = self.layout.replayed(route.outputs, sizes)
+            if ref is not None:
+                shadow_verify(self, ref, tensors, sizes, key, out)
+            return clone_outputs(out) if copy_outputs else out
+        finally:
+            owner.thread = None
+            lock.release()
+
+    def fall_back(self, tensors: List[torch.Tensor], sizes: Sizes, route: Route, copy_outputs: bool) -> Any:
+        """Serve a call of local ``sizes`` whose route does not replay: :data:`~graphrunner.dispatch.IDLE`
+        returns the empty outputs, anything else runs the step eagerly on the inputs padded to the
+        route's sizes (the key's, for :data:`~graphrunner.dispatch.CAPTURING`; ``fallback='error'``:
+        ``ValueError`` except while capturing) and slices the result to ``sizes``."""
+        space, run, reason = self.space, route.run, route.reason
+        if reason == IDLE:
+            self.stats.last_bucket = None  # neither a replay nor a fallback: nothing ran
+            out = self.layout.replayed(route.outputs, sizes)
+            return clone_outputs(out) if copy_outputs else out
+        if self.fallback == "error" and reason != CAPTURING:
+            raise ValueError(f"GraphRunner(fallback='error'): {space.why(sizes, run, reason)}; "
+                             + ("add a bucket" if space.legacy else "add a bucket or key")
+                             + ", raise max_padding_ratio, or use fallback='eager'")
+        staging = self.inputs
+        kwargs = staging.padded(tensors, sizes, run)
+        try:
+            with torch.inference_mode():
+                out = self.step(**kwargs)
+        except Exception as exc:  # a failed collective (RankTimeoutError), else the cause named
+            err = RankTimeoutError.from_step(exc, self.group, "fallback", space.external(run)) or contracts.step_error(
+                exc, "eager fallback", f"sizes ({space.describe(run)})", staging.bounded, staging.names, tensors,
+                self.debug)
+            if err is None:
+                raise
+            raise err from exc
+        if run != sizes:
+            out = self.layout.slice(out, sizes)
+        self.stats.count(None, sizes, run, reason)
+        logger.debug("GraphRunner: eager fallback (%s) for %s (padded to %s)", reason, space.describe(sizes),
+                     space.describe(run))
+        return clone_outputs(out) if copy_outputs else out

@@ -1,0 +1,61 @@
+"""Background capture beside an engine's behaviour (issue 34): timeouts validated, a bad request
+never stops the capture, a scratch (state=True) input works with it."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+
+import graphrunner as gr
+
+
+def _runner(step=lambda x: x * 2.0, inputs=None, buckets=(1, 2, 4, 8)):
+    inputs = inputs or {"x": gr.BatchInput(trailing=(3,))}
+    return gr.GraphRunner(step, inputs, list(buckets), device="tape", progress=False)
+
+
+@pytest.mark.parametrize("timeout, error", [(float("nan"), ValueError), (-1, ValueError), ("1", TypeError),
+                                            (True, TypeError)])
+def test_wait_captured_refuses_a_bad_timeout_and_the_capture_goes_on(timeout, error):
+    r = _runner()
+    r.capture(background=True)
+    with pytest.raises(error, match=r"wait_captured\(timeout=...\)"):
+        r.wait_captured(timeout=timeout)
+    report = r.wait_captured(timeout=math.inf)  # inf: until done (was an OverflowError)
+    assert report is not None and r.wait_captured(timeout=math.inf) is report  # and again: the same report
+    assert r.captured_keys == [1, 2, 4, 8]
+    x = torch.randn(3, 3)
+    assert torch.equal(r(x=x), x * 2.0)
+
+
+def test_a_bad_request_during_a_background_capture_does_not_stop_it():
+    r = _runner()
+    gate = threading.Event()
+    r.capturer.background_gate = gate  # the thread waits before its first key: the bad call comes first
+    r.capture(background=True)
+    with pytest.raises(ValueError, match="input 'x' has shape"):
+        r(x=torch.ones(3, 4))
+    x = torch.randn(3, 3)
+    assert torch.equal(r(x=x), x * 2.0)  # served (eagerly) right after it
+    gate.set()
+    assert r.wait_captured(timeout=60) is not None and r.captured_keys == [1, 2, 4, 8]
+    before = r.stats.replays[4]
+    assert torch.equal(r(x=x), x * 2.0) and r.stats.replays[4] == before + 1  # and replayed now
+
+
+def test_a_scratch_state_input_works_with_a_background_capture():
+    def step(x, scratch):
+        scratch.copy_(x * 3.0)
+        return scratch + 1.0
+
+    r = _runner(step, {"x": gr.BatchInput(trailing=(3,)), "scratch": gr.BatchInput(trailing=(3,), state=True)})
+    r.capture(background=True)
+    x = torch.randn(2, 3)
+    outs = [r(x=x, scratch=torch.zeros(2, 3)).clone()]
+    assert r.wait_captured(timeout=60) is not None
+    outs.append(r(x=x, scratch=torch.zeros(2, 3)).clone())
+    for out in outs:
+        assert torch.equal(out, x * 3.0 + 1.0)
