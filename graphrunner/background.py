@@ -74,7 +74,7 @@ class BackgroundCapture:
         self._capture_key, self._session, self._finish = capture_key, session, finish
         self.shared = bool(shared)
         #: Held by a key's capture and by every call of the runner.
-        self.mutex = threading.Lock()
+        self.mutex = threading.RLock()  # re-entrant: a call inside hold(), or a step calling its runner (refused)
         #: Keys captured on this rank, in capture order.
         self.done: List[Sizes] = []
         #: How many of :attr:`done` replay: every rank had captured them at a call's agreement.

@@ -59,3 +59,65 @@ def test_a_scratch_state_input_works_with_a_background_capture():
     outs.append(r(x=x, scratch=torch.zeros(2, 3)).clone())
     for out in outs:
         assert torch.equal(out, x * 3.0 + 1.0)
+
+
+def _call_inside_hold(r, out):
+    with r.hold():
+        out.append(r(x=torch.ones(3, 3)).clone())
+
+
+def _in_thread(fn, *args, seconds):
+    t = threading.Thread(target=fn, args=args, daemon=True)
+    t.start()
+    t.join(seconds)
+    return not t.is_alive()
+
+
+def test_a_call_inside_hold_during_a_background_capture_is_served():
+    r = _runner()
+    r.capture(background=True)
+    out = []
+    assert _in_thread(_call_inside_hold, r, out, seconds=30), "a call inside runner.hold() deadlocked"
+    assert torch.equal(out[0], torch.full((3, 3), 2.0))
+    assert r.wait_captured(timeout=60) is not None
+
+
+def test_negative_control_with_a_plain_lock_a_call_inside_hold_deadlocks(monkeypatch):
+    from graphrunner import background
+
+    real = background.BackgroundCapture.__init__
+
+    def plain_lock(self, *a, **kw):
+        real(self, *a, **kw)
+        self.mutex = threading.Lock()
+
+    monkeypatch.setattr(background.BackgroundCapture, "__init__", plain_lock)
+    r = _runner()
+    gate = threading.Event()
+    r.capturer.background_gate = gate  # no key starts: the only holder of the lock is the stuck call
+    r.capture(background=True)
+    assert not _in_thread(_call_inside_hold, r, [], seconds=1.0)  # stuck for good (a daemon thread)
+
+
+def test_a_step_that_calls_its_own_runner_during_a_background_capture_is_refused_clearly():
+    box = {}
+
+    def step(x):
+        if "runner" in box:
+            with pytest.raises(gr.GraphRunnerError, match="called re-entrantly"):
+                box["runner"](x=x)
+            box["refused"] = True
+        return x * 2.0
+
+    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(3,))}, [1, 2, 4], device="tape", progress=False,
+                       checks=())
+    gate = threading.Event()
+    r.capturer.background_gate = gate
+    r.capture(background=True)
+    box["runner"] = r
+    out = []
+    assert _in_thread(lambda: out.append(r(x=torch.ones(3, 3)).clone()), seconds=30), "a re-entrant call hung"
+    assert box.get("refused") and torch.equal(out[0], torch.full((3, 3), 2.0))
+    del box["runner"]
+    gate.set()
+    assert r.wait_captured(timeout=60) is not None

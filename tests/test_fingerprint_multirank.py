@@ -36,7 +36,7 @@ def _worker(rank, world, case):
         trailing = (D + 1,)
     if case == "graph" and rank == 1:
         extra_op = True
-    if case == "off_bucket_values" and rank == 1:  # the same collectives as its peers: only the fingerprint sees it
+    if case.startswith("off_bucket_values") and rank == 1:  # the same collectives as its peers' at capture
         buckets = [1, 2, 5, 8]
     if case == "off_bucket_collectives" and rank == 1:  # key 3 has no padding to check: one collective fewer
         buckets = [1, 3, 4, 8]
@@ -55,10 +55,15 @@ def _worker(rank, world, case):
         runner.capture()
     except (CaptureError, AgreementError) as exc:
         return {"raised": str(exc), "type": type(exc).__name__, "seconds": time.monotonic() - t0}
+    if case.endswith("_no_digest"):  # nor the configuration digest in each call's agreement
+        runner.server.agreement.digest = 0
     chosen = []
     for n in (3, 2, 5, 7):
         x = torch.full((n, trailing[0]), float(n))
-        out = runner(x=x)
+        try:
+            out = runner(x=x)
+        except AgreementError as exc:
+            return {"raised": str(exc), "type": type(exc).__name__, "seconds": time.monotonic() - t0, "call": n}
         assert torch.equal(out, x * 2.0)  # each rank's own result looks right...
         chosen.append(runner.stats.last_bucket)
     return {"raised": None, "chosen": chosen}  # ...but the ranks replayed these keys
@@ -111,8 +116,18 @@ def test_same_configuration_passes_and_agrees():
     assert len({tuple(v["chosen"]) for v in values}) == 1
 
 
-def test_negative_control_without_fingerprint_mismatched_buckets_replay_silently():
+def test_without_fingerprint_the_configuration_digest_stops_the_first_call_on_every_rank():
+    # rank 1 built other buckets and its capture makes the same collectives as its peers'; the digest of the
+    # configuration rides in every call's agreement, so the first call raises on every rank, nothing replayed
     values = _run("off_bucket_values")
+    for rank, v in enumerate(values):
+        assert v["type"] == "AgreementError" and v["call"] == 3, v  # the first call, batch 3
+        assert v["raised"].startswith(f"rank {rank} (call 1 of a runner whose configuration digest is")
+        assert "another configuration" in v["raised"] and v["seconds"] < TIMEOUT
+
+
+def test_negative_control_without_fingerprint_and_digest_mismatched_buckets_replay_silently():
+    values = _run("off_bucket_values_no_digest")
     assert all(v["raised"] is None for v in values), values
     chosen = [v["chosen"] for v in values]
     # batch 3, 2, 5, 7 on every rank, agreed: ranks 0 and 2 replay buckets 4, 2, 8, 8; rank 1 replays 5, 2, 5, 8
