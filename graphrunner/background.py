@@ -250,8 +250,9 @@ def start_background(server: Any, run: Any, backend: Any, gate: Any = None) -> N
         if not begun:  # the capture's first collective, paired like a key's (under a grant)
             begun.append(True)
             run.begin()
+        put = PutBack(inputs, executes)
         try:
-            run.key(key, extra_hooks=[PutBack(inputs, executes)])
+            run.key(key, extra_hooks=[put], around_hook=put.around)
         except BaseException as exc:
             err = user_error(exc)  # as a blocking capture raises it
             raise err from (None if err is exc else exc)
@@ -279,8 +280,9 @@ def start_background(server: Any, run: Any, backend: Any, gate: Any = None) -> N
 
 
 class PutBack(CaptureHook):
-    """A background capture's hook: what a key's warmups (and, on the tape, its capture, which
-    computes) wrote outside the step is put back after the key, and the default generator too
+    """A background capture's hook: what a key's warmups, its post-warmup hooks (:meth:`around`) and,
+    on the tape, its capture (which computes) wrote outside the step is put back after the key, and
+    the default generator too
     (:class:`~graphrunner.checks.ops.WriteGuard`: each written storage copied before its first
     write). The capture runs the step on padding between calls: without this, a cache indexed by
     batch row would lose what its real requests wrote at the padding's positions. ``inputs``:
@@ -299,6 +301,16 @@ class PutBack(CaptureHook):
 
     def capture_consumers(self, cap: Any) -> Sequence[Any]:
         return [self.guard] if self.executes else []
+
+    def around(self, hook: Callable[[], Any]) -> Callable[[], Any]:
+        """``hook`` (the post-warmup hook) with what it writes logged too: a cache reset in the hook
+        must not wipe the rows real requests wrote, so it is put back with the warmups' writes."""
+        from graphrunner.checks.ops import OpRecorder
+
+        def recorded() -> Any:
+            with OpRecorder([self.guard]):
+                return hook()
+        return recorded
 
     def end(self, cap: Any) -> None:
         self.guard.restore()

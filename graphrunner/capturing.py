@@ -72,11 +72,13 @@ class CaptureRun:
         if c.checks.fingerprint and self.server.world_size > 1:
             fingerprint.check(self.server.group, c.config(), "configurations", key="config")
 
-    def key(self, key: Sizes, report: Optional[Any] = None, extra_hooks: Sequence[Any] = ()) -> None:
+    def key(self, key: Sizes, report: Optional[Any] = None, extra_hooks: Sequence[Any] = (),
+            around_hook: Optional[Callable[[Callable[[], Any]], Callable[[], Any]]] = None) -> None:
         """Capture ``key`` through the backend's protocol with the checks as hooks, and add its
         :class:`BucketReport` (through ``report(ext, reports, bucket_report)`` when given, e.g. the
-        memory budget's ``append``; ``extra_hooks``: more capture hooks for this key). In collect
-        mode a failure becomes findings."""
+        memory budget's ``append``; ``extra_hooks``: more capture hooks for this key;
+        ``around_hook(hook) -> hook``: wraps the post-warmup hook, e.g. to record its writes). In
+        collect mode a failure becomes findings."""
         c, server = self.capturer, self.server
         space, layout, inputs = server.space, server.layout, server.inputs
         ext = space.external(key)
@@ -84,6 +86,8 @@ class CaptureRun:
         self.started += 1
         views = inputs.key_views(key)
         hook = functools.partial(c.post_warmup_hook, ext) if c.post_warmup_hook else None
+        if hook is not None and around_hook is not None:
+            hook = around_hook(hook)
         forward = layout.forward(server.step, key, views, f"GraphRunner.step[{ext}]")
         hooks = c.checks.key_hooks(space, key, server.key_text(key), inputs.key_inputs(views), server.step,
                                    layout.leaf_dims, server.group, server.externals, self.writes) + list(extra_hooks)

@@ -252,8 +252,15 @@ class GraphRunner:
 
     def cleanup(self) -> None:
         """Release every graph and the output buffer (``backend.cleanup()``); the runner can
-        :meth:`capture` again. Static input buffers are kept."""
-        self.capturer.cleanup()
+        :meth:`capture` again. Static input buffers are kept. Raises :class:`GraphRunnerError` at once,
+        releasing nothing, while a call is in progress on another thread (its outputs are views of
+        the buffer this would release): clean up between calls."""
+        owner = self.server.owner
+        owner.enter("cleanup()")
+        try:
+            self.capturer.cleanup()
+        finally:
+            owner.leave()
 
     def compare(self, **inputs: torch.Tensor) -> Any:
         """Run the graph and an eager reference on ``inputs`` (staged exactly as a call) and

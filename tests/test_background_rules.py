@@ -121,3 +121,75 @@ def test_a_step_that_calls_its_own_runner_during_a_background_capture_is_refused
     del box["runner"]
     gate.set()
     assert r.wait_captured(timeout=60) is not None
+
+
+def test_cleanup_while_a_call_is_in_progress_is_refused_and_the_call_is_right():
+    started, release = threading.Event(), threading.Event()
+
+    def step(x):
+        if x.shape[0] == 16:  # the eager fallback (over the largest bucket): a slow call in progress
+            started.set()
+            release.wait(10)
+        return x * 2.0
+
+    r = _runner(step)
+    r.capture()
+    x = torch.randn(16, 3)
+    out = []
+    t = threading.Thread(target=lambda: out.append(r(x=x).clone()), daemon=True)
+    t.start()
+    assert started.wait(10)
+    with pytest.raises(gr.GraphRunnerError, match=r"cleanup\(\) called from thread .* inside a call"):
+        r.cleanup()
+    release.set()
+    t.join(10)
+    assert torch.equal(out[0], x * 2.0) and r.captured  # the call's result is right, the graphs are kept
+    y = torch.randn(3, 3)
+    assert torch.equal(r(x=y), y * 2.0)
+    r.cleanup()  # between calls: fine
+    assert not r.captured
+
+
+class _Engine:
+    """A cache indexed by slot, reset by its post-warmup hook (the hook's documented use), and a
+    counter tensor the hook bumps."""
+
+    def __init__(self):
+        self.cache, self.count = torch.zeros(8, 3), torch.zeros(())
+
+    def step(self, x, slot):
+        self.cache.index_copy_(0, slot, x)
+        return self.cache.index_select(0, slot) * 2.0
+
+    def hook(self, key):
+        self.cache.zero_()
+        self.count.add_(1)
+
+
+def _live_rows_after_background_capture():
+    e = _Engine()
+    inputs = {"x": gr.BatchInput(trailing=(3,)), "slot": gr.BatchInput(dtype=torch.long, pad=7, bounds=(0, 6))}
+    r = gr.GraphRunner(e.step, inputs, [1, 2, 4], device="tape", progress=False, post_warmup_hook=e.hook,
+                       checks=())
+    gate = threading.Event()
+    r.capturer.background_gate = gate  # the real requests' rows land before any key is captured
+    r.capture(background=True)
+    x = torch.randn(2, 3)
+    r(x=x, slot=torch.tensor([0, 1]))
+    gate.set()
+    assert r.wait_captured(timeout=60) is not None
+    return e, x
+
+
+def test_a_hook_that_resets_the_cache_during_a_background_capture_leaves_live_rows_alone():
+    e, x = _live_rows_after_background_capture()
+    assert torch.equal(e.cache[:2], x)  # the rows the real request wrote
+    assert float(e.count) == 0.0  # the hook's counter tensor is put back too (a Python counter is not)
+
+
+def test_negative_control_without_putting_back_the_hooks_writes_live_rows_are_wiped(monkeypatch):
+    from graphrunner.background import PutBack
+
+    monkeypatch.setattr(PutBack, "around", lambda self, hook: hook)
+    e, x = _live_rows_after_background_capture()
+    assert not torch.equal(e.cache[:2], x) and float(e.count) > 0
