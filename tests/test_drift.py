@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import graphrunner as gr
-from graphrunner.checks import drift, ops
+from graphrunner.checks import drift
+from graphrunner.recording import ops
 from graphrunner.backends import BreakableGraphBackend, EagerBackend, FullGraphBackend
 from graphrunner.errors import CaptureError
 from extras_util import require

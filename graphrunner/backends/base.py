@@ -11,7 +11,7 @@
     graph = <make a graph>                           # only after both
     capture  copy_into(output_view(key), forward_fn())   exactly once; no hook
 
-Checks attach to this order as capture hooks (:mod:`graphrunner.backends.hooks`)
+Checks attach to this order as capture hooks (:mod:`graphrunner.recording.hooks`)
 at fixed points: ``begin``, around each warmup forward (``before_warmup``, its
 ops, ``after_warmup``), ``after_warmups``
 (before the final synchronize), the ops of the captured forward,
@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Sequ
 
 import torch
 
-from graphrunner.backends.hooks import Capture, CaptureHook
+from graphrunner.recording.hooks import Capture, CaptureHook
 from graphrunner.backends.outputs import OutputBuffer, tensor_bytes, unflatten
 from graphrunner.errors import CaptureError, RanksDisagreeError, RankTimeoutError
 from graphrunner.group import LocalGroup
@@ -69,7 +69,7 @@ class _Entry:
 
 def _recorder(consumers: Sequence[Any], forward_fn: Callable[[], Any]) -> Any:
     """The one op recorder feeding ``consumers`` (the frames above ``forward_fn`` are not the user's)."""
-    from graphrunner.checks.ops import OpRecorder
+    from graphrunner.recording.ops import OpRecorder
 
     return OpRecorder(consumers, stop=getattr(forward_fn, "__code__", None))
 
@@ -105,7 +105,7 @@ class GraphBackend:
             (:mod:`graphrunner.checks.drift`): the step reads Python state
             that a graph would freeze. Default ``True``; ``False`` skips the
             recording (and its capture-time cost).
-        hooks: more capture hooks (:class:`~graphrunner.backends.hooks.CaptureHook`)
+        hooks: more capture hooks (:class:`~graphrunner.recording.hooks.CaptureHook`)
             run for every key, after the drift check's.
 
     Use::
@@ -231,7 +231,7 @@ class GraphBackend:
         """Warm up and capture ``forward_fn`` for ``key``: THE capture protocol.
 
         Steps, in this order and nowhere else (``H.x``: every hook's ``x``,
-        :mod:`graphrunner.backends.hooks`):
+        :mod:`graphrunner.recording.hooks`):
 
         0. ``H.begin``.
         1. ``warmups`` times: device synchronize, group barrier,
@@ -602,7 +602,7 @@ class GraphBackend:
         ``capture_one``: warmups + capture), ``warmup_seconds``,
         ``graph_capture_seconds`` (construction + capture only),
         ``checks_seconds`` (the capture hooks' share of ``capture_seconds``:
-        :attr:`Capture.check_seconds <graphrunner.backends.hooks.Capture.check_seconds>`),
+        :attr:`Capture.check_seconds <graphrunner.recording.hooks.Capture.check_seconds>`),
         ``num_segments``, ``num_breaks``, ``num_ops`` (tape graphs only: aten ops recorded), ``output_bytes`` (this key's
         views), ``output_buffer_bytes`` (the whole shared buffer, the same
         for every key: do not sum it over keys), ``capture_input_bytes``

@@ -54,7 +54,7 @@ class BreakableGraphBackend(GraphBackend):
 
         device = self.device
         if self._capture_recorder is not None:
-            from graphrunner.checks.ops import RecordingDevice
+            from graphrunner.recording.ops import RecordingDevice
 
             device = RecordingDevice(device, self._capture_recorder)  # records inside each segment
         return BreakableGraph(

@@ -1,8 +1,8 @@
 """The checks that make a graph replay like eager or refuse loudly, as capture hooks.
 
 Every check attaches to the capture protocol through the hook points of
-:mod:`graphrunner.backends.hooks` and sees ops through the one op recorder
-(:mod:`graphrunner.checks.ops`). See ``docs/protocol.md`` for where each
+:mod:`graphrunner.recording.hooks` and sees ops through the one op recorder
+(:mod:`graphrunner.recording.ops`). See ``docs/protocol.md`` for where each
 runs and which collectives it makes.
 """
 

@@ -24,7 +24,7 @@ runs: the runner's call path is unchanged but for one attribute test.
   report.
 
 The externals are recorded by the one op recorder
-(:mod:`graphrunner.checks.ops`) that the drift check also feeds from; the
+(:mod:`graphrunner.recording.ops`) that the drift check also feeds from; the
 check attaches to capture as the hook :class:`ExternalsCheck`.
 """
 
@@ -38,8 +38,8 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from graphrunner._env import TRUE
-from graphrunner.backends.hooks import Capture, CaptureHook, Finding
-from graphrunner.checks.ops import OpConsumer, storage_key
+from graphrunner.recording.hooks import Capture, CaptureHook, Finding
+from graphrunner.recording.ops import OpConsumer, storage_key
 from graphrunner.errors import CaptureError, ContractError
 
 __all__ = ["debug_enabled", "check_bounds_spec", "bounds_error", "check_bounds", "check_call", "ExternalRecorder", "named_tensors",

@@ -7,10 +7,10 @@ FILE_OR_MODULE:STEP --inputs NAME`` (and :func:`check_step`) builds that
 runner from a step and a dict of example tensors instead. The runner is
 captured for real on its device (the tape on a CPU) with every check in
 **collect mode**: a check
-that finds something records a :class:`~graphrunner.backends.hooks.Finding`
+that finds something records a :class:`~graphrunner.recording.hooks.Finding`
 instead of raising, and a key whose capture fails becomes a finding while
 the other keys are still captured. The findings come from the capture
-hooks themselves (:mod:`graphrunner.backends.hooks`), never from parsing
+hooks themselves (:mod:`graphrunner.recording.hooks`), never from parsing
 error messages:
 
 - :class:`UnsafeOpLint` (a hook added for the lint) runs one more eager
@@ -59,8 +59,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from graphrunner._frames import is_internal, is_library, library_name, where
-from graphrunner.backends.hooks import Capture, CaptureHook, Finding
-from graphrunner.checks.ops import OpConsumer
+from graphrunner.recording.hooks import Capture, CaptureHook, Finding
+from graphrunner.recording.ops import OpConsumer
 from graphrunner.errors import CaptureError, CaptureUnsafeOpError, GraphRunnerError
 
 __all__ = ["Finding", "CheckReport", "CheckUsageError", "UnsafeOpLint", "load_factory", "load_target",
@@ -438,7 +438,7 @@ class _BreakReturns:
     calls, consumed by the break itself: not findings."""
 
     def __init__(self, lint: "UnsafeOpLint", cap: Capture) -> None:
-        from graphrunner.checks.ops import no_graph_code
+        from graphrunner.recording.ops import no_graph_code
 
         self.lint, self.cap = lint, cap
         self.wrapper = no_graph_code()
