@@ -129,6 +129,19 @@ def test_backend_level_opt_out_and_validation():
     assert _runner(Counter(), backend=instance, checks=None).backend.drift_check is False  # the default set follows it
 
 
+def test_the_backends_drift_check_is_provided_by_the_checks(monkeypatch):
+    """A backend attaches its drift check by name: graphrunner.checks provides it (a backend never
+    imports a check), so a backend used without a runner runs it too."""
+    from graphrunner.recording import hooks
+
+    assert isinstance(hooks.provided_check("drift"), drift.DriftCheck)
+    assert [type(h) for h in FullGraphBackend(device="tape").hooks] == [drift.DriftCheck]
+    assert FullGraphBackend(device="tape", drift_check=False).hooks == []
+    monkeypatch.setattr(hooks, "_PROVIDED", {})  # negative control: nothing provides it
+    with pytest.raises(RuntimeError, match="no 'drift' check is provided"):
+        FullGraphBackend(device="tape")
+
+
 def test_eager_backend_freezes_nothing_and_checks_nothing():
     step = Counter()
     runner = _runner(step, "eager")

@@ -16,7 +16,10 @@ at fixed points: ``begin``, around each warmup forward (``before_warmup``, its
 ops, ``after_warmup``), ``after_warmups``
 (before the final synchronize), the ops of the captured forward,
 ``after_capture``, ``end``, and ``before_replay`` in debug mode. The drift
-check (``drift_check=True``) is one of them (:mod:`graphrunner.checks.drift`).
+check (``drift_check=True``) is one of them, in :attr:`GraphBackend.hooks`
+like any other: :mod:`graphrunner.checks` provides it by name
+(:func:`~graphrunner.recording.hooks.provided_check`), so a backend never
+imports a check.
 
 Subclasses supply only :meth:`GraphBackend._make_graph` and
 :meth:`GraphBackend._capture_into` (and the two counters of
@@ -38,7 +41,7 @@ from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Sequ
 
 import torch
 
-from graphrunner.recording.hooks import Capture, CaptureHook
+from graphrunner.recording.hooks import Capture, CaptureHook, provided_check
 from graphrunner.backends.outputs import OutputBuffer, tensor_bytes, unflatten
 from graphrunner.errors import CaptureError, RanksDisagreeError, RankTimeoutError
 from graphrunner.group import LocalGroup
@@ -164,9 +167,7 @@ class GraphBackend:
         #: The capture hooks run for every key (the drift check first, when on).
         self.hooks: List[CaptureHook] = []
         if drift_check and self._drift_scope is not None:
-            from graphrunner.checks.drift import DriftCheck
-
-            self.hooks.append(DriftCheck())
+            self.hooks.append(provided_check("drift"))  # graphrunner.checks provides it
         for h in hooks:
             if not isinstance(h, CaptureHook):
                 raise TypeError(f"hooks must be CaptureHook instances, got {type(h).__name__}")

@@ -20,6 +20,14 @@ it returns :class:`~graphrunner.recording.ops.OpConsumer` objects for the warmup
 forwards and the captured forward it wants to watch. A hook that finds a
 problem calls :meth:`Capture.fail`, which raises the error, or in collect
 mode (``graphrunner check``) records it as a finding and lets capture go on.
+
+Hooks reach a backend the same way whoever supplies them: a list of hooks for
+every key (``backend.hooks``) and one per ``capture_one`` call (``hooks=``).
+The checks themselves live a layer above (:mod:`graphrunner.checks`, where
+every check is attached); a check that a backend switches on by its own
+argument (the drift check: ``drift_check=True``) is provided to it by name
+(:func:`provide_check`, :func:`provided_check`), so a backend used without a
+runner runs it too without importing a check.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
-__all__ = ["Capture", "CaptureHook", "Finding"]
+__all__ = ["Capture", "CaptureHook", "Finding", "provide_check", "provided_check"]
 
 
 @dataclass
@@ -179,3 +187,24 @@ class CaptureHook:
     def before_replay(self, key: Any) -> None:
         """Before each replay of ``key`` (only with ``replay_check = True``)."""
 
+
+#: Factories of the checks a backend attaches by its own switch, by name (``"drift"``: a
+#: backend's ``drift_check=True``), registered by :mod:`graphrunner.checks` (:func:`provide_check`).
+_PROVIDED: Dict[str, Callable[[], CaptureHook]] = {}
+
+
+def provide_check(name: str, make: Callable[[], CaptureHook]) -> None:
+    """Register ``make`` (no arguments, returns a new :class:`CaptureHook`) as the check ``name``
+    a backend attaches for every key when its own switch asks for it. :mod:`graphrunner.checks`
+    provides ``"drift"`` when it is imported (``import graphrunner`` imports it)."""
+    _PROVIDED[name] = make
+
+
+def provided_check(name: str) -> CaptureHook:
+    """A new hook of the check ``name`` (:func:`provide_check`); ``RuntimeError`` naming it when
+    nothing provided it."""
+    make = _PROVIDED.get(name)
+    if make is None:
+        raise RuntimeError(f"no {name!r} check is provided to the backends: import graphrunner (or "
+                           "graphrunner.checks, which provides it) before making a backend")
+    return make()
