@@ -1,6 +1,6 @@
 """What an aten op writes, and what identifies a storage: the facts every op recorder shares.
 
-Used by the checks' one op recorder (:mod:`graphrunner.checks.ops`) and by the
+Used by the checks' one op recorder (:mod:`graphrunner.recording.ops`) and by the
 tape's own recording (:mod:`graphrunner.tape.recording`), so that "which
 arguments does this op write" and "is this the same storage" have one answer.
 """

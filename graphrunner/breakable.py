@@ -36,6 +36,7 @@ import torch
 from graphrunner._pytree import describe, flatten, structure, unflatten
 from graphrunner.devices import get_device
 from graphrunner.errors import CaptureError
+from graphrunner.recording.ops import mark_no_graph_code
 from graphrunner.tape.state import alias_of
 
 __all__ = ["BreakableGraph", "BreakableCUDAGraph", "breakable_graph", "no_graph", "force_no_graph",
@@ -429,6 +430,9 @@ def force_no_graph() -> None:
     it does nothing. Useful to bisect a graph bug by cutting a step into
     smaller segments.
     """
+
+
+mark_no_graph_code(force_no_graph.__code__)  # every @no_graph wrapper runs this code: the op recorder's eager breaks
 
 
 def is_in_breakable_graph() -> bool:

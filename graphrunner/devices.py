@@ -257,6 +257,18 @@ def _collective_in(exc: BaseException) -> "str | None":
     return None
 
 
+def _holds_pool(graph: Any) -> bool:
+    """Whether ``graph`` (a ``torch.cuda.CUDAGraph``, or ``None`` once dropped) still holds its
+    memory pool: ``graph.pool()`` answers only after a successful capture, until ``reset()``."""
+    if graph is None:
+        return False
+    try:
+        graph.pool()
+    except Exception:  # noqa: BLE001 - "without a preceding successful capture": reset or never captured
+        return False
+    return True
+
+
 class CudaDevice(Device):
     """Real CUDA graphs on one GPU.
 
@@ -267,11 +279,14 @@ class CudaDevice(Device):
 
     The pool stays capturable: a CUDA pool whose graphs were all released
     (reset, or dropped: an empty breakable segment, a failed capture, a
-    ``BreakableGraph.reset()``) stays registered in the caching allocator and
-    cannot be captured into again (``INTERNAL ASSERT use_count > 0``), so before
-    each capture the device checks that a graph it captured into the pool still
-    holds it (``graph.pool()`` answers only while it does) and otherwise starts
-    a fresh pool handle.
+    ``BreakableGraph.reset()``) stays registered in the caching allocator with
+    use count 0 until ``empty_cache()`` frees it, and cannot be captured into
+    before that (``INTERNAL ASSERT use_count > 0``). So before each capture into
+    a pool that a capture already began in, the device checks that a graph it
+    captured into the pool still holds it (``graph.pool()`` answers only while
+    it does) and otherwise starts a fresh pool handle: also when the only
+    capture was one that failed (it is ended and reset, which released its
+    use), so a backend can retry its first key in the same capture session.
 
     A capture that fails is ended and reset; if CUDA cannot end it (the capture
     was invalidated: a device synchronize, ``.item()``, a non-NCCL collective
@@ -303,6 +318,7 @@ class CudaDevice(Device):
         self.torch_device = standin.tensor_device if standin is not None else self.cuda_device
         self._pool = None
         self._pool_graphs: "list[weakref.ref]" = []  # graphs captured into the current pool
+        self._pool_begun = False  # a capture began in the current pool: the allocator registered it
         self._stream = None
         self._empty_graphs: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 
@@ -322,6 +338,7 @@ class CudaDevice(Device):
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
             self._pool_graphs = []
+            self._pool_begun = False
         return self._pool
 
     def release_pool(self) -> None:
@@ -329,23 +346,16 @@ class CudaDevice(Device):
         capture starts a fresh pool."""
         self._pool = None
         self._pool_graphs = []
+        self._pool_begun = False
 
     def _live_pool(self) -> Any:
-        """The shared pool, made fresh when every graph captured into it has released it
-        (a released CUDA pool cannot be captured into until ``empty_cache`` frees it)."""
-        if self._pool is not None and self._pool_graphs:
-            holders = []
-            for ref in self._pool_graphs:
-                g = ref()
-                if g is None:
-                    continue
-                try:
-                    g.pool()  # raises once the graph was reset (it no longer holds the pool)
-                except Exception:  # noqa: BLE001
-                    continue
-                holders.append(ref)
-            self._pool_graphs = holders
-            if not holders:
+        """The shared pool for the next capture, made fresh when a capture began in the current
+        one and no graph captured into it holds it any more (every graph reset or dropped, or the
+        only capture failed): the caching allocator keeps such a pool with use count 0 until
+        ``empty_cache`` frees it, and refuses to capture into it before."""
+        if self._pool is not None and self._pool_begun:
+            self._pool_graphs = [ref for ref in self._pool_graphs if _holds_pool(ref())]
+            if not self._pool_graphs:
                 self.release_pool()
         return self.graph_pool()
 
@@ -440,6 +450,8 @@ class CudaDevice(Device):
         self._refuse_if_mid_capture()
         own_pool = pool is None
         pool = self._live_pool() if own_pool else pool
+        if own_pool:
+            self._pool_begun = True  # from capture_begin on, the allocator counts this pool's uses
         with self._on_capture_stream(stream):
             graph.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
             try:

@@ -12,7 +12,7 @@ import torch
 
 from graphrunner.keys import check_dims
 
-__all__ = ["BatchInput", "alias_error", "diagnose", "check_config", "check_step", "positional_error"]
+__all__ = ["BatchInput", "check_bounds_spec", "alias_error", "diagnose", "check_config", "check_step", "positional_error"]
 
 _FALLBACKS = ("eager", "error")
 
@@ -77,11 +77,31 @@ class BatchInput:
             raise ValueError(f"BatchInput.pad {self.pad!r} is not representable in {self.dtype}")
         if self.dims is not None:
             object.__setattr__(self, "dims", check_dims(self.dims, "BatchInput.dims"))
-        from graphrunner.checks.contracts import check_bounds_spec
-
         object.__setattr__(self, "bounds", check_bounds_spec(self.bounds, self.pad, self.dtype))
         if not isinstance(self.state, bool):
             raise TypeError(f"BatchInput.state must be True or False, got {self.state!r}")
+
+
+def check_bounds_spec(bounds: Any, pad: Any, dtype: torch.dtype) -> Optional[Tuple[Any, Any]]:
+    """Validate ``BatchInput(bounds=(lo, hi))``: two numbers or ``None`` (unbounded) with ``lo <= hi``.
+
+    ``bounds`` is the range of the *real* values. ``pad`` may lie inside it
+    (a real value too, e.g. token id 0: the padding check then puts a real
+    cell at the pad, where padding and real rows meet) or outside it (a
+    scratch value no real row uses, e.g. a dedicated cache slot: the step
+    must still accept it, since padding cells are fed to the graph)."""
+    if bounds is None:
+        return None
+    try:
+        lo, hi = bounds
+    except (TypeError, ValueError):
+        raise TypeError(f"BatchInput.bounds must be a pair (lo, hi) of numbers or None, got {bounds!r}") from None
+    for v in (lo, hi):
+        if v is not None and (isinstance(v, (bool, torch.Tensor)) or not isinstance(v, (int, float))):
+            raise TypeError(f"BatchInput.bounds must be a pair (lo, hi) of numbers or None, got {bounds!r}")
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"BatchInput.bounds = {bounds!r}: lo > hi")
+    return (lo, hi)
 
 
 def check_inputs(inputs: Any) -> None:

@@ -107,7 +107,8 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from graphrunner.checks.lint import CheckUsageError, check_factory, check_step, load_factory, load_target
+    from graphrunner.checks.lint import CheckUsageError, check_factory
+    from graphrunner_tools.targets import check_step, load_factory, load_target
 
     try:
         if args.inputs is None:

@@ -494,3 +494,41 @@ def test_full_backend_unsafe_op_advice_says_no_graph_needs_a_breakable_graph():
         with backend.capture_session(), pytest.raises(gr.CaptureError) as err:
             backend.capture_one(2, step)
         assert ("use backend='breakable'" in str(err.value)) is hinted, str(err.value)
+
+
+@pytest.mark.parametrize("cls", [EagerBackend, FullGraphBackend, BreakableGraphBackend])
+def test_a_hook_sees_the_ops_of_the_capture_only_not_of_replays(cls):
+    """The hooks' op recorder feeds the captured forward's ops to ``capture_consumers`` during the
+    capture; the forward a graph holds does not keep it: an eager backend's replay (which runs
+    that forward again) records nothing."""
+    from graphrunner.recording.hooks import CaptureHook
+    from graphrunner.recording.ops import OpConsumer
+
+    class Count(OpConsumer):
+        n = 0
+
+        def before(self, ev):
+            self.n += 1
+
+    class Watch(CaptureHook):
+        def __init__(self):
+            self.ops = Count()
+
+        def capture_consumers(self, cap):
+            return (self.ops,)
+
+    x = torch.ones(2, 3)
+    hook = Watch()
+    b = cls(device=TapeDevice(), hooks=[hook])
+    with b.capture_session():
+        b.capture_one(2, lambda: (x * 2).sin())
+    assert hook.ops.n == 2  # mul, sin
+    for _ in range(3):
+        assert torch.equal(b.replay(2), (x * 2).sin())
+    assert hook.ops.n == 2
+    if cls is EagerBackend:  # negative control: a held forward that kept the recorder records every replay
+        from graphrunner.recording.ops import OpRecorder
+
+        b._entries[2].graph.fn.recorder = OpRecorder([hook.ops])
+        b.replay(2)
+        assert hook.ops.n == 4

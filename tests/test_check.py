@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import graphrunner as gr
-from graphrunner.checks.lint import CheckUsageError, check_factory, load_factory
+from graphrunner.checks.lint import CheckUsageError, check_factory
 from graphrunner_tools.cli import main
+from graphrunner_tools.targets import load_factory
 from graphrunner.errors import CaptureError, CaptureUnsafeOpError
 from extras_util import require
 
@@ -200,6 +201,14 @@ def test_factory_errors_are_usage_errors(target, capsys):
         runner = load_factory(f"{path}:make")()
         runner.capture()
         check_factory(lambda: runner)
+
+
+def test_a_factory_result_without_the_runner_surface_is_not_a_runner(target):
+    """The lint knows a runner by its public surface, not its class (it sits below the runner)."""
+    for bad in (None, torch.nn.Linear(2, 2), gr.GraphRunner):
+        with pytest.raises(CheckUsageError, match="must return an uncaptured graphrunner.GraphRunner"):
+            check_factory(lambda: bad)
+    assert check_factory(load_factory(f"{target(CLEAN, 'clean')}:make")).ok  # negative control: a runner is one
 
 
 OPT = textwrap.dedent('''
@@ -458,7 +467,7 @@ def test_a_step_with_example_inputs_is_checked(target, capsys):
     out = capsys.readouterr().out
     assert "buckets [1, 2, 4]" in out and "no findings" in out
     # the runner it checks is the step's: captured, it replays the examples as eager PyTorch
-    from graphrunner.checks.lint import runner_from_examples
+    from graphrunner_tools.targets import runner_from_examples
 
     module = load_factory(f"{path}:fixed").__globals__
     runner = runner_from_examples(module["fixed"], module["EXAMPLE"])

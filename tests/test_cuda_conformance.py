@@ -296,6 +296,44 @@ def test_retry_of_the_first_key_after_a_failed_capture(cuda_device, backend_cls)
     assert torch.equal(backend.replay(4), step(fresh))
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend_cls", [FullGraphBackend, BreakableGraphBackend])
+def test_retry_of_the_first_key_in_the_same_capture_session(cuda_device, backend_cls):
+    """A backend used directly (``capture_one`` in one ``capture_session``, as SGLang's runner
+    drives it) whose first key's capture raises in the forward retries that key in the same
+    session: the failed capture released the only use of the shared pool (no ``empty_cache``
+    in between frees it), so the retry must capture into a fresh pool, not the released one
+    (``INTERNAL ASSERT use_count > 0`` in the caching allocator)."""
+    x = _static(cuda_device)
+    calls = []
+    step = break_middle if backend_cls is BreakableGraphBackend else dense
+
+    def flaky(t):
+        calls.append(1)
+        if len(calls) == 3:  # the first capture (after two warmups), once
+            raise ValueError("flaky step")
+        return step(t)
+
+    backend = backend_cls(device=cuda_device)
+    with backend.capture_session():
+        with pytest.raises(CaptureError, match="(?s)shape key 4.*flaky step") as failed:
+            backend.capture_one(4, lambda: flaky(x), capture_inputs=x)
+        assert "use_count" not in str(failed.value)
+        failed = None  # the traceback holds the failed capture's tensors
+        released = cuda_device.graph_pool()
+        backend.capture_one(4, lambda: flaky(x), capture_inputs=x)
+        assert cuda_device.graph_pool() != released
+        if cs.installed_standin() is not None:  # what a retry into it would have hit
+            assert cs.installed_standin().pool_use_count(released) == 0
+        backend.capture_one(2, lambda: step(x[:2]), capture_inputs=x)  # the next key shares the new pool
+    for seed in (7, 8):
+        fresh = _static(cuda_device, seed)
+        x.copy_(fresh)
+        assert torch.equal(backend.replay(4), step(fresh))
+        assert torch.equal(backend.replay(2), step(fresh[:2]))
+    backend.cleanup()
+
+
 def _syncing_step(t):
     y = dense(t)
     torch.cuda.synchronize()  # host sync inside the captured step: invalidates a CUDA capture

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import graphrunner as gr
-from graphrunner.checks import drift, ops
+from graphrunner.checks import drift
+from graphrunner.recording import ops
 from graphrunner.backends import BreakableGraphBackend, EagerBackend, FullGraphBackend
 from graphrunner.errors import CaptureError
 from extras_util import require
@@ -126,6 +127,19 @@ def test_backend_level_opt_out_and_validation():
     with pytest.raises(ValueError, match="checks= asks for the drift check"):
         _runner(Counter(), backend=instance, checks=("drift",))
     assert _runner(Counter(), backend=instance, checks=None).backend.drift_check is False  # the default set follows it
+
+
+def test_the_backends_drift_check_is_provided_by_the_checks(monkeypatch):
+    """A backend attaches its drift check by name: graphrunner.checks provides it (a backend never
+    imports a check), so a backend used without a runner runs it too."""
+    from graphrunner.recording import hooks
+
+    assert isinstance(hooks.provided_check("drift"), drift.DriftCheck)
+    assert [type(h) for h in FullGraphBackend(device="tape").hooks] == [drift.DriftCheck]
+    assert FullGraphBackend(device="tape", drift_check=False).hooks == []
+    monkeypatch.setattr(hooks, "_PROVIDED", {})  # negative control: nothing provides it
+    with pytest.raises(RuntimeError, match="no 'drift' check is provided"):
+        FullGraphBackend(device="tape")
 
 
 def test_eager_backend_freezes_nothing_and_checks_nothing():

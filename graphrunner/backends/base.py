@@ -11,20 +11,27 @@
     graph = <make a graph>                           # only after both
     capture  copy_into(output_view(key), forward_fn())   exactly once; no hook
 
-Checks attach to this order as capture hooks (:mod:`graphrunner.backends.hooks`)
+Checks attach to this order as capture hooks (:mod:`graphrunner.recording.hooks`)
 at fixed points: ``begin``, around each warmup forward (``before_warmup``, its
 ops, ``after_warmup``), ``after_warmups``
 (before the final synchronize), the ops of the captured forward,
 ``after_capture``, ``end``, and ``before_replay`` in debug mode. The drift
-check (``drift_check=True``) is one of them (:mod:`graphrunner.checks.drift`).
+check (``drift_check=True``) is one of them, in :attr:`GraphBackend.hooks`
+like any other: :mod:`graphrunner.checks` provides it by name
+(:func:`~graphrunner.recording.hooks.provided_check`), so a backend never
+imports a check.
 
 Subclasses supply only :meth:`GraphBackend._make_graph` and
 :meth:`GraphBackend._capture_into` (and the two counters of
-:meth:`GraphBackend._graph_stats`). Each step of the order is a small method
-(``_final_sync``, ``_final_barrier``, ...) so that a test can break exactly
-one step and watch the checks fail; the order itself lives only in
-``capture_one``. Nothing on the replay path synchronizes the device or calls
-the group. See ``docs/protocol.md``.
+:meth:`GraphBackend._graph_stats`). ``capture_one`` calls the protocol's
+phases in order (``_warmups``, ``_pre_capture``, ``_bind_outputs``,
+``_capture``, ``_after_capture``; ``_fail`` on an error), which share one
+:class:`~graphrunner.backends.keycapture.KeyCapture`; the graph holds only
+its :class:`~graphrunner.backends.keycapture.BoundForward`. Each step of a
+phase is a small method (``_final_sync``, ``_final_barrier``, ...) so that a
+test can break exactly one step and watch the checks fail; the order itself
+lives only in ``capture_one``. Nothing on the replay path synchronizes the
+device or calls the group. See ``docs/protocol.md``.
 """
 
 from __future__ import annotations
@@ -34,14 +41,15 @@ import gc
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Hashable, Iterator, List, NoReturn, Optional, Sequence
 
 import torch
 
-from graphrunner.backends.hooks import Capture, CaptureHook
+from graphrunner.backends.keycapture import BoundForward, KeyCapture
 from graphrunner.backends.outputs import OutputBuffer, tensor_bytes, unflatten
 from graphrunner.errors import AgreementError, CaptureError, RanksDisagreeError, RankTimeoutError
 from graphrunner.group import LocalGroup
+from graphrunner.recording.hooks import Capture, CaptureHook, provided_check
 from graphrunner.trace import EventKind, Trace, as_trace
 
 __all__ = ["GraphBackend"]
@@ -65,13 +73,6 @@ class _Entry:
     capture_input_bytes: int = 0
     extra: Dict[str, Any] = field(default_factory=dict)
     replay_hooks: tuple = ()
-
-
-def _recorder(consumers: Sequence[Any], forward_fn: Callable[[], Any]) -> Any:
-    """The one op recorder feeding ``consumers`` (the frames above ``forward_fn`` are not the user's)."""
-    from graphrunner.checks.ops import OpRecorder
-
-    return OpRecorder(consumers, stop=getattr(forward_fn, "__code__", None))
 
 
 def _find_rank_timeout(exc: BaseException) -> Optional[RankTimeoutError]:
@@ -105,7 +106,7 @@ class GraphBackend:
             (:mod:`graphrunner.checks.drift`): the step reads Python state
             that a graph would freeze. Default ``True``; ``False`` skips the
             recording (and its capture-time cost).
-        hooks: more capture hooks (:class:`~graphrunner.backends.hooks.CaptureHook`)
+        hooks: more capture hooks (:class:`~graphrunner.recording.hooks.CaptureHook`)
             run for every key, after the drift check's.
 
     Use::
@@ -160,13 +161,10 @@ class GraphBackend:
         self._out = OutputBuffer(output_arena)
         self._in_session = False
         self._capturing: Optional[Any] = None
-        self._capture_recorder: Optional[Any] = None  # the hooks' op recorder, during a capture
         #: The capture hooks run for every key (the drift check first, when on).
         self.hooks: List[CaptureHook] = []
         if drift_check and self._drift_scope is not None:
-            from graphrunner.checks.drift import DriftCheck
-
-            self.hooks.append(DriftCheck())
+            self.hooks.append(provided_check("drift"))  # graphrunner.checks provides it
         for h in hooks:
             if not isinstance(h, CaptureHook):
                 raise TypeError(f"hooks must be CaptureHook instances, got {type(h).__name__}")
@@ -218,20 +216,13 @@ class GraphBackend:
             self.trace.record(EventKind.SESSION_END, backend=self.name)
 
     # ------------------------------------------------------------- protocol
-    def capture_one(
-        self,
-        key: Hashable,
-        forward_fn: Callable[[], Any],
-        capture_inputs: Any = None,
-        post_warmup_hook: Optional[Callable[[], Any]] = None,
-        lead_dims: int = 1,
-        hooks: Sequence[CaptureHook] = (),
-        findings: Optional[list] = None,
-    ) -> None:
+    def capture_one(self, key: Hashable, forward_fn: Callable[[], Any], capture_inputs: Any = None,
+                    post_warmup_hook: Optional[Callable[[], Any]] = None, lead_dims: int = 1,
+                    hooks: Sequence[CaptureHook] = (), findings: Optional[list] = None) -> None:
         """Warm up and capture ``forward_fn`` for ``key``: THE capture protocol.
 
         Steps, in this order and nowhere else (``H.x``: every hook's ``x``,
-        :mod:`graphrunner.backends.hooks`):
+        :mod:`graphrunner.recording.hooks`):
 
         0. ``H.begin``.
         1. ``warmups`` times: device synchronize, group barrier,
@@ -263,155 +254,156 @@ class GraphBackend:
         Errors: ``RankTimeoutError`` from the group passes through unchanged;
         any other exception cleans up this key's capture state and is
         re-raised as ``CaptureError`` naming the shape key and the step,
-        with the original as ``__cause__``.
+        with the original as ``__cause__`` (:meth:`_fail`).
         """
+        run = self._start(key, forward_fn, capture_inputs, post_warmup_hook, lead_dims, hooks, findings)
+        try:
+            out = self._warmups(run)        # 0-2
+            self._pre_capture(run)          # 3
+            self._bind_outputs(run, out)
+            del out                         # not held through the capture
+            self._capture(run)              # 4
+            self._after_capture(run)        # 5
+        except BaseException as exc:
+            self._fail(run, exc)            # ends the hooks, discards the key, raises
+        self._end(run)
+
+    def _start(self, key: Hashable, forward_fn: Callable[[], Any], capture_inputs: Any,
+               post_warmup_hook: Optional[Callable[[], Any]], lead_dims: int, hooks: Sequence[CaptureHook],
+               findings: Optional[list]) -> KeyCapture:
+        """Check :meth:`capture_one`'s arguments; the key's :class:`KeyCapture` (``key`` is now capturing)."""
         if not self._in_session:
             raise CaptureError(
                 f"capture_one(key={key!r}) called outside a capture session: wrap the captures in "
                 f"`with backend.capture_session(): ...`"
             )
-        try:
-            hash(key)
-        except TypeError:
-            raise TypeError(f"shape key must be hashable (an int or a tuple), got {type(key).__name__} {key!r}") from None
+        if not self._hashable(key):
+            raise TypeError(f"shape key must be hashable (an int or a tuple), got {type(key).__name__} {key!r}")
         if key in self._entries:
             raise CaptureError(f"shape key {key!r} is already captured by this {type(self).__name__}; call cleanup() to re-capture")
         if not callable(forward_fn):
             raise TypeError(f"forward_fn must be callable with no arguments, got {type(forward_fn).__name__}")
         if post_warmup_hook is not None and not callable(post_warmup_hook):
             raise TypeError(f"post_warmup_hook must be callable or None, got {type(post_warmup_hook).__name__}")
-
-        all_hooks = [*self.hooks, *hooks]
         cap = Capture(key=key, backend=self, forward_fn=forward_fn, post_warmup_hook=post_warmup_hook,
                       freezes=self._drift_scope, findings=findings)
-        step = "start"
-        graph = None
-        t0 = time.perf_counter()
+        bound = BoundForward(forward_fn, key, lead_dims, self._out, self._recording_capture)
         self._capturing = key
-        try:
-            for h in all_hooks:
-                step = f"{h.name} check (begin)"
-                with cap.timing():
-                    h.begin(cap)
-            out = None
-            for i in range(self.warmups):
-                step = f"warmup {i + 1}/{self.warmups} synchronize"
-                self._warmup_sync(key, i)
-                step = f"warmup {i + 1}/{self.warmups} barrier"
-                self._warmup_barrier(key, i)
-                step = f"warmup {i + 1}/{self.warmups} forward"
-                out = None  # the previous warmup's output is not kept alive across the next forward
-                for h in all_hooks:
-                    with cap.timing():
-                        h.before_warmup(cap, i)
-                consumers = [c for h in all_hooks for c in h.warmup_consumers(cap, i)]
-                rec = _recorder(consumers, forward_fn) if consumers else None
-                with rec if rec is not None else contextlib.nullcontext():
-                    out = self._warmup_forward(key, forward_fn, i)
-                cap.check_seconds += rec.seconds if rec is not None else 0.0
-                for h in all_hooks:
-                    with cap.timing():
-                        h.after_warmup(cap, i, out)
-                if post_warmup_hook is not None:
-                    step = f"post-warmup hook {i + 1}/{self.warmups}"
-                    self._post_warmup_hook(key, post_warmup_hook, i)
-            cap.last_output = out
-            for h in all_hooks:
-                step = f"{h.name} check"
-                with cap.timing():
-                    self._after_warmups(key, h, cap)
-            cap.last_output = None  # not held through the capture
-            t_warm = time.perf_counter()
+        return KeyCapture(key, cap, [*self.hooks, *hooks], bound, capture_inputs)
 
-            step = "final synchronize"
-            self._final_sync(key)
-            step = "final barrier"
-            self._final_barrier(key)
+    def _warmups(self, run: KeyCapture) -> Any:
+        """Steps 0-2: ``H.begin``, the warmup forwards (:meth:`_warmup`), ``H.after_warmups``;
+        returns the last warmup's output (``None`` without warmups)."""
+        run.call_hooks("begin", step="{} check (begin)")
+        out = None
+        for i in range(self.warmups):
+            out = None  # the previous warmup's output is not kept alive across the next forward
+            out = self._warmup(run, i)
+        run.cap.last_output = out
+        for h in run.hooks:
+            run.step = f"{h.name} check"
+            with run.cap.timing():
+                self._after_warmups(run.key, h, run.cap)
+        run.cap.last_output = None  # not held through the capture
+        run.t_warm = time.perf_counter()
+        return out
 
-            # Bind the key's output views. From the last warmup output when
-            # there was one; with warmups=0 the first key's buffer is made
-            # inside the capture from the captured output.
-            binding: Dict[str, Any] = {}
-            if out is not None or self.warmups > 0:
-                step = "output binding"
-                if not self._out.allocated:
-                    self._out.allocate(out, key)
-                binding["spec"], binding["views"] = self._out.views(out, key, lead_dims)
-            del out
+    def _warmup(self, run: KeyCapture, i: int) -> Any:
+        """Step 1, warmup ``i``: synchronize, barrier, ``H.before_warmup``, the forward (its ops
+        to ``H.warmup_consumers``), ``H.after_warmup``, the post-warmup hook; returns the output."""
+        key, cap, of = run.key, run.cap, f"{i + 1}/{self.warmups}"
+        run.step = f"warmup {of} synchronize"
+        self._warmup_sync(key, i)
+        run.step = f"warmup {of} barrier"
+        self._warmup_barrier(key, i)
+        run.step = f"warmup {of} forward"
+        run.call_hooks("before_warmup", i)
+        with run.watching([c for h in run.hooks for c in h.warmup_consumers(cap, i)]):
+            out = self._warmup_forward(key, cap.forward_fn, i)
+        run.call_hooks("after_warmup", i, out)
+        if cap.post_warmup_hook is not None:
+            run.step = f"post-warmup hook {of}"
+            self._post_warmup_hook(key, cap.post_warmup_hook, i)
+        return out
 
-            consumers = [c for h in all_hooks for c in h.capture_consumers(cap)]
-            rec = _recorder(consumers, forward_fn) if consumers else None
-            self._capture_recorder = rec
+    def _pre_capture(self, run: KeyCapture) -> None:
+        """Step 3: the final synchronize, then the final barrier."""
+        run.step = "final synchronize"
+        self._final_sync(run.key)
+        run.step = "final barrier"
+        self._final_barrier(run.key)
 
-            def captured() -> None:
-                """The function the graph holds: forward, then copy into the buffer."""
-                with self._recording_capture(rec) if rec is not None else contextlib.nullcontext():
-                    result = forward_fn()
-                if "views" not in binding:
-                    if not self._out.allocated:
-                        self._out.allocate(result, key)
-                    binding["spec"], binding["views"] = self._out.views(result, key, lead_dims)
-                else:
-                    self._out.views(result, key, lead_dims)  # same structure as at warmup, or a clear error
-                OutputBuffer.copy_into(binding["views"], result)
+    def _bind_outputs(self, run: KeyCapture, out: Any) -> None:
+        """Bind the key's views of the shared output buffer from the last warmup's output. With
+        ``warmups=0`` there is none: the capture binds them from the captured output."""
+        if out is not None or self.warmups > 0:
+            run.step = "output binding"
+            run.bound.bind(out)
 
-            step = "graph construction"
-            pool_before = self._pool_bytes()
-            graph = self._construct(key)
-            step = "capture"
-            t_cap = time.perf_counter()
-            self._capture_forward(key, graph, captured)
-            if "views" not in binding:
-                raise CaptureError(f"the capture of shape key {key!r} never called the forward")
-            t_end = time.perf_counter()
-            self._capture_recorder = None
-            cap.check_seconds += rec.seconds if rec is not None else 0.0
-            pool_after = self._pool_bytes()
-            if pool_before is not None and pool_after is not None:
-                cap.info["graph_pool_bytes"] = max(0, pool_after - pool_before)
-            self._entries[key] = _Entry(
-                key=key,
-                graph=graph,
-                forward_fn=forward_fn,
-                capture_inputs=capture_inputs,
-                spec=binding["spec"],
-                views=binding["views"],
-                capture_seconds=t_end - t0,
-                warmup_seconds=t_warm - t0,
-                graph_capture_seconds=t_end - t_cap,
-                capture_input_bytes=tensor_bytes(capture_inputs),
-                extra=cap.info,
-                replay_hooks=tuple(h for h in all_hooks if h.replay_check),
-            )
-            cap.outputs = (binding["spec"], binding["views"])
-            for h in all_hooks:
-                step = f"{h.name} check"
-                with cap.timing():
-                    h.after_capture(cap)
-            cap.info["checks_seconds"] = cap.check_seconds
-            self._entries[key].capture_seconds = time.perf_counter() - t0  # the checks after the capture too
-        except BaseException as exc:
-            self._capturing = None
-            self._capture_recorder = None
-            self._end_hooks(all_hooks, cap)
-            self._abort(key, graph)
-            rte = _find_rank_timeout(exc)
-            if rte is not None:
-                if rte is exc:
-                    raise
-                raise rte from None
-            if not isinstance(exc, Exception) or isinstance(exc, (RanksDisagreeError, AgreementError)):
-                raise  # every rank raises this same error: unchanged
-            collective = RankTimeoutError.from_step(exc, self.group, step, key)
-            if collective is not None:
-                raise collective from exc
-            raise CaptureError(
-                f"{self.name} backend: capture of shape key {key!r} failed on rank {self.rank} during {step}: "
-                f"{type(exc).__name__}: {exc}{self._unsafe_hint(exc)}"
-            ) from exc
+    def _capture(self, run: KeyCapture) -> None:
+        """Step 4: construct the graph and capture the bound forward into it exactly once (its
+        ops fed to ``H.capture_consumers``), then store the key."""
+        key, bound = run.key, run.bound
+        bound.recorder = run.recorder([c for h in run.hooks for c in h.capture_consumers(run.cap)])
+        run.step = "graph construction"
+        pool_before = self._pool_bytes()
+        run.graph = self._construct(key)
+        run.step = "capture"
+        run.t_cap = time.perf_counter()
+        self._capture_forward(key, run.graph, bound)
+        if bound.views is None:
+            raise CaptureError(f"the capture of shape key {key!r} never called the forward")
+        run.t_end = time.perf_counter()
+        rec, bound.recorder = bound.recorder, None  # a replay (of an eager graph) records nothing
+        run.cap.check_seconds += rec.seconds if rec is not None else 0.0
+        pool_after = self._pool_bytes()
+        if pool_before is not None and pool_after is not None:
+            run.cap.info["graph_pool_bytes"] = max(0, pool_after - pool_before)
+        self._entries[key] = _Entry(
+            key=key, graph=run.graph, forward_fn=bound.forward_fn, capture_inputs=run.capture_inputs,
+            spec=bound.spec, views=bound.views, capture_seconds=run.t_end - run.t0,
+            warmup_seconds=run.t_warm - run.t0, graph_capture_seconds=run.t_end - run.t_cap,
+            capture_input_bytes=tensor_bytes(run.capture_inputs), extra=run.cap.info,
+            replay_hooks=tuple(h for h in run.hooks if h.replay_check),
+        )
+
+    def _after_capture(self, run: KeyCapture) -> None:
+        """Step 5: ``H.after_capture`` (the key is stored; an error here discards it)."""
+        run.cap.outputs = (run.bound.spec, run.bound.views)
+        run.call_hooks("after_capture", step="{} check")
+        run.cap.info["checks_seconds"] = run.cap.check_seconds
+        self._entries[run.key].capture_seconds = time.perf_counter() - run.t0  # the checks after the capture too
+
+    def _end(self, run: KeyCapture) -> None:
+        """After a capture that succeeded: ``H.end``."""
         self._capturing = None
-        self._end_hooks(all_hooks, cap)
-        logger.debug("%s: captured key %r on rank %d in %.3fs", self.name, key, self.rank, t_end - t0)
+        self._end_hooks(run.hooks, run.cap)
+        logger.debug("%s: captured key %r on rank %d in %.3fs", self.name, run.key, self.rank, run.t_end - run.t0)
+
+    def _fail(self, run: KeyCapture, exc: BaseException) -> NoReturn:
+        """After a capture that failed with ``exc``: ``H.end``, the key discarded (:meth:`_abort`),
+        and the error the caller needs raised: a ``RankTimeoutError`` found in ``exc``'s chain
+        unchanged, ``exc`` itself when every rank raises it (``RanksDisagreeError``, the channel's
+        ``AgreementError``, or not an ``Exception``), a rank's collective that failed as a ``RankTimeoutError``, else a
+        ``CaptureError`` naming the key, the rank and the step, with ``exc`` as its cause."""
+        self._capturing = None
+        run.bound.recorder = None
+        self._end_hooks(run.hooks, run.cap)
+        self._abort(run.key, run.graph)
+        rte = _find_rank_timeout(exc)
+        if rte is not None:
+            if rte is exc:
+                raise exc
+            raise rte from None
+        if not isinstance(exc, Exception) or isinstance(exc, (RanksDisagreeError, AgreementError)):
+            raise exc  # every rank raises this same error: unchanged
+        collective = RankTimeoutError.from_step(exc, self.group, run.step, run.key)
+        if collective is not None:
+            raise collective from exc
+        raise CaptureError(
+            f"{self.name} backend: capture of shape key {run.key!r} failed on rank {self.rank} during {run.step}: "
+            f"{type(exc).__name__}: {exc}{self._unsafe_hint(exc)}"
+        ) from exc
 
     def _unsafe_hint(self, exc: BaseException) -> str:
         """What the unsafe-op error's "@no_graph" advice means on this backend (the full backend
@@ -602,7 +594,7 @@ class GraphBackend:
         ``capture_one``: warmups + capture), ``warmup_seconds``,
         ``graph_capture_seconds`` (construction + capture only),
         ``checks_seconds`` (the capture hooks' share of ``capture_seconds``:
-        :attr:`Capture.check_seconds <graphrunner.backends.hooks.Capture.check_seconds>`),
+        :attr:`Capture.check_seconds <graphrunner.recording.hooks.Capture.check_seconds>`),
         ``num_segments``, ``num_breaks``, ``num_ops`` (tape graphs only: aten ops recorded), ``output_bytes`` (this key's
         views), ``output_buffer_bytes`` (the whole shared buffer, the same
         for every key: do not sum it over keys), ``capture_input_bytes``

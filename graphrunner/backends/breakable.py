@@ -6,6 +6,7 @@ import functools
 from typing import Any, Callable, Dict, Optional
 
 from graphrunner.backends.base import GraphBackend
+from graphrunner.recording.ops import RecordingDevice
 from graphrunner.trace import Trace
 
 __all__ = ["BreakableGraphBackend"]
@@ -52,17 +53,8 @@ class BreakableGraphBackend(GraphBackend):
     def _make_graph(self, key: Any) -> Any:
         from graphrunner.breakable import BreakableGraph
 
-        device = self.device
-        if self._capture_recorder is not None:
-            from graphrunner.checks.ops import RecordingDevice
-
-            device = RecordingDevice(device, self._capture_recorder)  # records inside each segment
-        return BreakableGraph(
-            device=device,
-            trace=self.trace if self.trace else None,
-            key=key,
-            backend=self.name,
-        )
+        return BreakableGraph(device=self.device, trace=self.trace if self.trace else None, key=key,
+                              backend=self.name)
 
     def _break_barrier(self, key: Any, *args: Any, **kwargs: Any) -> None:
         """The barrier before each eager break during capture."""
@@ -72,6 +64,9 @@ class BreakableGraphBackend(GraphBackend):
         from graphrunner.breakable import breakable_graph, no_graph
 
         body = no_graph(fn) if self.debug_eager else fn
+        recorder = getattr(fn, "recorder", None)  # the hooks' recorder of this capture (BoundForward)
+        if recorder is not None:
+            graph.device = RecordingDevice(self.device, recorder)  # records inside each segment
         try:
             with breakable_graph(graph, stream=self.device.capture_stream(), capture_error_mode=self.capture_error_mode,
                                  barrier_fn=functools.partial(self._break_barrier, key)):
@@ -80,7 +75,7 @@ class BreakableGraphBackend(GraphBackend):
             graph.device = self.device  # drop the hooks' RecordingDevice: replay and pool() need the real one
 
     def _recording_capture(self, recorder: Any) -> Any:
-        # The recorder's modes are installed inside each segment (_make_graph):
+        # The recorder's modes are installed inside each segment (_capture_into):
         # around the whole step they would break the segments' mode nesting.
         return recorder.recording()
 

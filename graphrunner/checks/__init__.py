@@ -1,9 +1,14 @@
 """The checks that make a graph replay like eager or refuse loudly, as capture hooks.
 
 Every check attaches to the capture protocol through the hook points of
-:mod:`graphrunner.backends.hooks` and sees ops through the one op recorder
-(:mod:`graphrunner.checks.ops`). See ``docs/protocol.md`` for where each
+:mod:`graphrunner.recording.hooks` and sees ops through the one op recorder
+(:mod:`graphrunner.recording.ops`). See ``docs/protocol.md`` for where each
 runs and which collectives it makes.
+
+The checks are attached here: :meth:`CheckSet.key_hooks` gives a runner's
+hooks for each key, and the drift check, which a backend switches on by its
+own ``drift_check=`` (also a backend used without a runner), is provided to
+the backends below (:func:`~graphrunner.recording.hooks.provide_check`).
 """
 
 from __future__ import annotations
@@ -11,9 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from graphrunner.checks.drift import DriftCheck
 from graphrunner.checks.padding import PaddingCheck
+from graphrunner.recording.hooks import provide_check
 
 __all__ = ["DEFAULT_CHECKS", "CheckSet", "PaddingCheck", "resolve_checks"]
+
+#: A backend with ``drift_check=True`` (the default) attaches this hook for every key.
+provide_check("drift", DriftCheck)
 
 #: The checks a runner runs unless ``checks=`` says otherwise.
 DEFAULT_CHECKS = ("drift", "padding", "fingerprint")
@@ -44,7 +54,8 @@ class CheckSet:
 
     def key_hooks(self, space: Any, key: tuple, key_text: str, inputs: list, step: Any, leaf_dims: Any,
                   group: Any, externals: Any = None, input_writes: Any = None) -> list:
-        """The capture hooks of a runner's ``key`` (the backend runs its drift check itself):
+        """The capture hooks of a runner's ``key`` (the drift check is the backend's: ``drift`` says
+        what the backend was made with, see :func:`provide_check` above):
         ``input_writes`` (:class:`~graphrunner.checks.contracts.InputWritesCheck`, always given by
         the runner) first; the padding check when a smaller call replays ``key`` (``inputs``: ``(name, key view,
         leading-dim indices, BatchInput)`` of every input); the fingerprint with several ranks in

@@ -24,7 +24,7 @@ runs: the runner's call path is unchanged but for one attribute test.
   report.
 
 The externals are recorded by the one op recorder
-(:mod:`graphrunner.checks.ops`) that the drift check also feeds from; the
+(:mod:`graphrunner.recording.ops`) that the drift check also feeds from; the
 check attaches to capture as the hook :class:`ExternalsCheck`.
 """
 
@@ -38,11 +38,11 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from graphrunner._env import TRUE
-from graphrunner.backends.hooks import Capture, CaptureHook, Finding
-from graphrunner.checks.ops import OpConsumer, storage_key
+from graphrunner.recording.hooks import Capture, CaptureHook, Finding
+from graphrunner.recording.ops import OpConsumer, storage_key
 from graphrunner.errors import CaptureError, ContractError, GraphRunnerError
 
-__all__ = ["debug_enabled", "check_bounds_spec", "bounds_error", "check_bounds", "check_call", "ExternalRecorder", "named_tensors",
+__all__ = ["debug_enabled", "bounds_error", "check_bounds", "check_call", "ExternalRecorder", "named_tensors",
            "External", "ExternalGuard", "ExternalsCheck", "InputWritesCheck", "externals_of"]
 
 
@@ -56,28 +56,6 @@ def debug_enabled(debug: Optional[bool]) -> bool:
 
 
 # ----------------------------------------------------------------- bounds
-def check_bounds_spec(bounds: Any, pad: Any, dtype: torch.dtype) -> Optional[Tuple[Any, Any]]:
-    """Validate ``BatchInput(bounds=(lo, hi))``: two numbers or ``None`` (unbounded) with ``lo <= hi``.
-
-    ``bounds`` is the range of the *real* values. ``pad`` may lie inside it
-    (a real value too, e.g. token id 0: the padding check then puts a real
-    cell at the pad, where padding and real rows meet) or outside it (a
-    scratch value no real row uses, e.g. a dedicated cache slot: the step
-    must still accept it, since padding cells are fed to the graph)."""
-    if bounds is None:
-        return None
-    try:
-        lo, hi = bounds
-    except (TypeError, ValueError):
-        raise TypeError(f"BatchInput.bounds must be a pair (lo, hi) of numbers or None, got {bounds!r}") from None
-    for v in (lo, hi):
-        if v is not None and (isinstance(v, (bool, torch.Tensor)) or not isinstance(v, (int, float))):
-            raise TypeError(f"BatchInput.bounds must be a pair (lo, hi) of numbers or None, got {bounds!r}")
-    if lo is not None and hi is not None and lo > hi:
-        raise ValueError(f"BatchInput.bounds = {bounds!r}: lo > hi")
-    return (lo, hi)
-
-
 def bounds_error(name: str, t: torch.Tensor, bounds: Tuple[Any, Any], lead: int) -> Optional[ValueError]:
     """``None`` if every cell of ``t`` lies in ``[lo, hi]`` (inclusive; ``None`` is unbounded),
     else the ``ValueError`` naming input ``name``, the first offending row (an index tuple with

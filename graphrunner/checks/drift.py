@@ -7,7 +7,7 @@ a Python int) therefore replays the capture-time value forever, silently.
 Two consecutive eager calls of such a step already disagree, so the capture
 hook :class:`DriftCheck` records the op stream of the last warmup and of the
 capture (:class:`OpStream`, fed by the one op recorder of
-:mod:`graphrunner.checks.ops`) and compares them with :func:`find_drift`: the first op
+:mod:`graphrunner.recording.ops`) and compares them with :func:`find_drift`: the first op
 whose name, tensor shapes and dtypes, or non-tensor arguments differ is
 reported as a :class:`~graphrunner.errors.CaptureError` naming the op, the
 user's ``file:line`` and both values.
@@ -34,8 +34,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from graphrunner._frames import is_library, library_name
 from graphrunner._frames import where as _where_of
-from graphrunner.backends.hooks import Capture, CaptureHook, Finding
-from graphrunner.checks.ops import OpConsumer, OpRecorder
+from graphrunner.recording.hooks import Capture, CaptureHook, Finding
+from graphrunner.recording.ops import OpConsumer, OpRecorder
 from graphrunner.errors import CaptureError
 
 __all__ = ["OpRecord", "OpStream", "DriftCheck", "find_drift", "drift_error", "drift_finding"]
@@ -135,7 +135,7 @@ class OpStream(OpConsumer):
     ``skip_eager_breaks=True``, ops inside a ``@no_graph`` body (they run
     eagerly at every replay of a breakable graph). ``label`` names the run in
     messages (``"warmup 2"``, ``"capture"``). Fed by the one op recorder
-    (:class:`graphrunner.checks.ops.OpRecorder`); use :meth:`recorder` for a
+    (:class:`graphrunner.recording.ops.OpRecorder`); use :meth:`recorder` for a
     stand-alone recording.
 
     ``F.one_hot(t, n)`` is one ``"F.one_hot"`` record however it ran: eager
@@ -193,7 +193,7 @@ class OpStream(OpConsumer):
         self.ops.append(rec)
 
     def recorder(self) -> OpRecorder:
-        """A stand-alone :class:`~graphrunner.checks.ops.OpRecorder` feeding only this stream
+        """A stand-alone :class:`~graphrunner.recording.ops.OpRecorder` feeding only this stream
         (``with stream.recorder(): step()``)."""
         return OpRecorder([self])
 
@@ -339,7 +339,7 @@ def drift_error(key: Any, warmup: OpStream, capture: OpStream, warmups: int) -> 
 
 
 def drift_finding(text: str, rec: Optional[OpRecord], backend: str, key: Any = None) -> Finding:
-    """The ``"drift"`` :class:`~graphrunner.backends.hooks.Finding` for a difference ``text`` at
+    """The ``"drift"`` :class:`~graphrunner.recording.hooks.Finding` for a difference ``text`` at
     op ``rec`` (collect mode, ``graphrunner check``), with the fix for its line."""
     loc = rec.where if rec is not None else None
     breakable = "" if backend == "breakable" else " and use backend='breakable'"

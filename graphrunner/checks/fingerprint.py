@@ -21,7 +21,7 @@ import hashlib
 import json
 from typing import Any, Dict, List, Mapping
 
-from graphrunner.backends.hooks import Capture, CaptureHook
+from graphrunner.recording.hooks import Capture, CaptureHook
 from graphrunner.errors import RanksDisagreeError
 from graphrunner.keys import all_max_vector
 

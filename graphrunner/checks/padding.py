@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from graphrunner._pytree import flatten, leaf_paths
-from graphrunner.backends.hooks import Capture, CaptureHook, Finding
+from graphrunner.recording.hooks import Capture, CaptureHook, Finding
 from graphrunner.errors import PaddingLeakError
 from graphrunner.keys import all_max_vector, region
 
@@ -214,7 +214,7 @@ class LeakCheck(CaptureHook):
     that writes state at the pad index meets a real row; integers without
     bounds keep their pad value, with one warning), padding cells the pad
     value, as at replay. Then eager forwards, each followed by a restore of
-    what it wrote outside itself (:class:`~graphrunner.checks.ops.WriteGuard`):
+    what it wrote outside itself (:class:`~graphrunner.recording.ops.WriteGuard`):
 
     - **A**: real sizes ``sizes``, padding = pad values (what the graph computes); with
       ``warmups >= 2`` this is the protocol's last warmup (its writes put back before the
@@ -318,7 +318,7 @@ class LeakCheck(CaptureHook):
     def _prepare(self) -> bool:
         """Keep the static buffers, make the runs' write guard and seeded data; False when there is
         nothing to vary (only integer inputs, some without bounds: the warning says so)."""
-        from graphrunner.checks.ops import WriteGuard
+        from graphrunner.recording.ops import WriteGuard
 
         self._saved = [(v, v.clone()) for _, v, _, _ in self.inputs]
         # one guard for every run: what a run wrote is put back after it
@@ -385,7 +385,7 @@ class LeakCheck(CaptureHook):
     def _run(self, cap: Capture, fn: Callable[[], Any]) -> List[Optional[torch.Tensor]]:
         """``fn()`` eagerly, what it wrote outside itself put back; its output leaves cloned
         (``None`` for exempt ones). The output's structure is kept in ``self._spec``."""
-        from graphrunner.checks.ops import OpRecorder
+        from graphrunner.recording.ops import OpRecorder
 
         guard = self._guard
         self.forwards += 1

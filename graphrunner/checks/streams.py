@@ -9,7 +9,7 @@ a missing join is a race that shows up as wrong tokens under load; here it
 is refused at capture.
 
 :class:`StreamCheck` is a capture hook. It watches the ops of the captured
-forward through the one op recorder (:mod:`graphrunner.checks.ops`),
+forward through the one op recorder (:mod:`graphrunner.recording.ops`),
 including the bodies of eager breaks (``eager_breaks = True``), and keeps
 the books of who waited for whom in a
 :class:`~graphrunner.tape.streams.StreamClocks`:
@@ -46,8 +46,8 @@ import torch
 
 from graphrunner._aten import storage_key, tensors_in
 from graphrunner._frames import where as where_text
-from graphrunner.backends.hooks import Capture, CaptureHook, Finding
-from graphrunner.checks.ops import OpConsumer
+from graphrunner.recording.hooks import Capture, CaptureHook, Finding
+from graphrunner.recording.ops import OpConsumer
 from graphrunner.errors import CaptureError
 from graphrunner.tape.streams import CLOCKS, StreamClocks
 

@@ -236,5 +236,5 @@ _substituting = threading.local()
 def atomic_call() -> "tuple | None":
     """The torch function a tape capture on this thread is running as several aten ops right now
     (``F.one_hot`` as zeros + scatter), as ``(name, args, kwargs)``, else ``None``: an op recorder
-    marks the ops it dispatches as one call (:class:`graphrunner.checks.ops.OpEvent`)."""
+    marks the ops it dispatches as one call (:class:`graphrunner.recording.ops.OpEvent`)."""
     return getattr(_substituting, "call", None)
