@@ -344,7 +344,7 @@ class GraphBackend:
         """Step 4: construct the graph and capture the bound forward into it exactly once (its
         ops fed to ``H.capture_consumers``), then store the key."""
         key, bound = run.key, run.bound
-        bound.recorder = run.recorder([c for h in run.hooks for c in h.capture_consumers(run.cap)])
+        bound.recorder = run.new_recorder([c for h in run.hooks for c in h.capture_consumers(run.cap)])
         run.step = "graph construction"
         pool_before = self._pool_bytes()
         run.graph = self._construct(key)

@@ -92,7 +92,7 @@ class KeyCapture:
             with self.cap.timing():
                 getattr(h, point)(self.cap, *args)
 
-    def recorder(self, consumers: Sequence[Any]) -> Optional[OpRecorder]:
+    def new_recorder(self, consumers: Sequence[Any]) -> Optional[OpRecorder]:
         """The one op recorder feeding ``consumers`` (``None`` for none); the frames above the
         forward are not the user's."""
         if not consumers:
@@ -103,7 +103,7 @@ class KeyCapture:
     def watching(self, consumers: Sequence[Any]) -> Iterator[None]:
         """Feed the ops of the block to ``consumers`` (nothing without any); the recorder's time
         counts as the checks'."""
-        rec = self.recorder(consumers)
+        rec = self.new_recorder(consumers)
         if rec is None:
             yield
             return
