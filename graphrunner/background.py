@@ -241,6 +241,7 @@ def start_background(server: Any, run: Any, backend: Any, gate: Any = None) -> N
 
     from graphrunner.devices import TapeDevice
     from graphrunner.layout import user_error
+    from graphrunner.tape.rng import shared_generators
 
     begun = []
     executes = isinstance(getattr(backend, "device", None), TapeDevice)  # a tape capture computes; a CUDA capture only records
@@ -263,7 +264,7 @@ def start_background(server: Any, run: Any, backend: Any, gate: Any = None) -> N
         if mode is not None:  # CUDA: only this thread's work is checked during a capture
             backend.capture_error_mode = "thread_local"
         try:
-            with torch.inference_mode(), backend.capture_session():
+            with shared_generators(), torch.inference_mode(), backend.capture_session():
                 yield
         finally:
             if mode is not None:
