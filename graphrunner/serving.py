@@ -62,6 +62,8 @@ class Server:
         self.stats = RunnerStats(replays={space.external(k): 0 for k in space.keys})
         #: Calls so far (invalid ones too): the number every rank's agreement pairs.
         self.calls = 0
+        #: Replayed calls so far (the same on every rank): shadow verification takes every N-th.
+        self.replayed = 0
         #: True while calls are served (after a capture, or from the start of a background one).
         self.serving = False
         #: True after ``cleanup()`` (a call then says so).
@@ -162,7 +164,8 @@ class Server:
                 return self.fall_back(tensors, sizes, route, copy_outputs)
             if staging.filled != sizes:
                 staging.pad_to(sizes, key)
-            verify = self.verify_every and not self.calls % self.verify_every
+            self.replayed += 1
+            verify = self.verify_every and not self.replayed % self.verify_every  # every N-th replayed call
             ref = shadow_reference(self, sizes, key) if verify else None
             try:
                 route.replay()

@@ -57,3 +57,42 @@ def test_negative_control_putting_generators_back_rewinds_the_engine(monkeypatch
         got_tokens, got_draws = _sampled(background=True)
         differ += not torch.equal(got_draws, want_draws)
     assert differ >= 1
+
+
+# ---------------------------------------------------------------- shadow verification (issue 34 item 9)
+def test_verify_every_counts_replayed_calls_only():
+    class Scaled:
+        scale = 2.0
+
+        def __call__(self, x):
+            return x * self.scale
+
+    step = Scaled()
+    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(3,))}, [1, 2, 4], device="tape", progress=False,
+                       verify_every=2)
+    r.capture()
+    step.scale = 3.0  # every replay is wrong from now on
+    caught = 0
+    for i in range(10):  # replayed and eager (5 rows: over the largest bucket) calls alternate
+        n = 3 if i % 2 == 0 else 5
+        try:
+            r(x=torch.ones(n, 3))
+        except gr.ContractError:
+            caught += 1
+    assert caught == 2  # the 2nd and 4th of the 5 replayed calls (counting every call: none, all are odd)
+
+
+def test_a_step_with_its_own_generator_is_verified_like_with_like():
+    gen = torch.Generator().manual_seed(3)
+
+    def step(x):
+        return x + torch.rand(x.shape, generator=gen)
+
+    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(3,))}, [1, 2, 4], device="tape", progress=False,
+                       verify_every=1)
+    r.capture()
+    gen.manual_seed(3)
+    ref = torch.Generator().manual_seed(3)
+    for _ in range(5):  # no false ContractError, and the replay draws what eager would
+        out = r(x=torch.zeros(4, 3))
+        assert torch.equal(out, torch.rand((4, 3), generator=ref))
