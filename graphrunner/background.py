@@ -42,7 +42,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from graphrunner.backends.hooks import CaptureHook
+from graphrunner.recording.hooks import CaptureHook
 from graphrunner.errors import CaptureError
 
 __all__ = ["BackgroundCapture", "PutBack", "start_background", "settle_background", "wait_background",
@@ -293,7 +293,7 @@ class PutBack(CaptureHook):
     name = "put-back"
 
     def __init__(self, inputs: Sequence[Any], executes_capture: bool) -> None:
-        from graphrunner.checks.ops import WriteGuard
+        from graphrunner.recording.ops import WriteGuard
 
         self.guard, self.executes = WriteGuard(inputs), bool(executes_capture)
 
@@ -306,7 +306,7 @@ class PutBack(CaptureHook):
     def around(self, hook: Callable[[], Any]) -> Callable[[], Any]:
         """``hook`` (the post-warmup hook) with what it writes logged too: a cache reset in the hook
         must not wipe the rows real requests wrote, so it is put back with the warmups' writes."""
-        from graphrunner.checks.ops import OpRecorder
+        from graphrunner.recording.ops import OpRecorder
 
         def recorded() -> Any:
             with OpRecorder([self.guard]):
