@@ -139,7 +139,10 @@ class RankAgreement:
         try:
             agreed, bad, out = agree_extra(self.group, sizes, invalid, call, self.digest, own + tail)
         except AgreementError as exc:
-            if exc.unpaired:
+            # unpaired calls never pair again: refuse from now on. A collective that met another kind of
+            # collective (the channel: a rank capturing or waiting for a capture) was no call on any rank:
+            # the channel re-paired the ranks' sequence numbers and the caller does not count it
+            if exc.unpaired and exc.collectives is None:
                 self.broken = str(exc)
             raise
         self.last_extra, rest = out[:len(own)], out[len(own):]

@@ -42,7 +42,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from graphrunner.backends.hooks import CaptureHook
+from graphrunner.recording.hooks import CaptureHook
 from graphrunner.errors import CaptureError
 
 __all__ = ["BackgroundCapture", "PutBack", "start_background", "settle_background", "wait_background",
@@ -241,6 +241,7 @@ def start_background(server: Any, run: Any, backend: Any, gate: Any = None) -> N
 
     from graphrunner.devices import TapeDevice
     from graphrunner.layout import user_error
+    from graphrunner.tape.rng import shared_generators
 
     begun = []
     executes = isinstance(getattr(backend, "device", None), TapeDevice)  # a tape capture computes; a CUDA capture only records
@@ -263,7 +264,7 @@ def start_background(server: Any, run: Any, backend: Any, gate: Any = None) -> N
         if mode is not None:  # CUDA: only this thread's work is checked during a capture
             backend.capture_error_mode = "thread_local"
         try:
-            with torch.inference_mode(), backend.capture_session():
+            with shared_generators(), torch.inference_mode(), backend.capture_session():
                 yield
         finally:
             if mode is not None:
@@ -292,7 +293,7 @@ class PutBack(CaptureHook):
     name = "put-back"
 
     def __init__(self, inputs: Sequence[Any], executes_capture: bool) -> None:
-        from graphrunner.checks.ops import WriteGuard
+        from graphrunner.recording.ops import WriteGuard
 
         self.guard, self.executes = WriteGuard(inputs), bool(executes_capture)
 
@@ -305,7 +306,7 @@ class PutBack(CaptureHook):
     def around(self, hook: Callable[[], Any]) -> Callable[[], Any]:
         """``hook`` (the post-warmup hook) with what it writes logged too: a cache reset in the hook
         must not wipe the rows real requests wrote, so it is put back with the warmups' writes."""
-        from graphrunner.checks.ops import OpRecorder
+        from graphrunner.recording.ops import OpRecorder
 
         def recorded() -> Any:
             with OpRecorder([self.guard]):

@@ -87,8 +87,17 @@ class MemoryBudget:
         self.left_out: List[Any] = []
 
     def keep(self, order: Sequence[Any], external: Callable[[Any], Any]) -> List[Any]:
-        """``order`` without the keys left out so far."""
-        return [k for k in order if external(k) not in self.left_out]
+        """``order`` (internal keys, largest first) without the keys left out so far. The first key
+        kept allocates the output buffer every key shares, so a key larger than it in some dim (named
+        dims, once a larger key was left out) cannot be captured either: it is left out too (its
+        calls fall back), never a failed capture."""
+        kept = [k for k in order if external(k) not in self.left_out]
+        if kept and self.left_out:
+            top = kept[0]
+            over = [k for k in kept if any(a > b for a, b in zip(k, top))]
+            self.left_out.extend(external(k) for k in over)
+            kept = [k for k in kept if k not in over]
+        return kept
 
     def append(self, key: Any, reports: List[Any], report: Any) -> None:
         """After ``key``'s capture: append its ``report`` to ``reports``, then raise

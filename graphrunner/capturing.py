@@ -172,8 +172,9 @@ class Capturer:
         try:
             with torch.inference_mode(), self.backend.capture_session():
                 run.begin()
+                report = self.budget.append if collect is None else self._budget_finding(collect)
                 for key in run.order:
-                    run.key(key, self.budget.append)
+                    run.key(key, report)
                 run.agree_replayable()
             ok = True
         except BaseException as exc:
@@ -185,6 +186,29 @@ class Capturer:
         finally:
             run.close(ok)
         return run.finish()
+
+    def _budget_finding(self, collect: Any) -> Callable[[Any, List[BucketReport], BucketReport], None]:
+        """In collect mode (``graphrunner check``): the memory budget as one finding (the first key
+        over it), instead of the restart a capture makes."""
+        from graphrunner.budget import OverBudget
+        from graphrunner.report import format_bytes
+        from graphrunner.recording.hooks import Finding
+
+        over_at: List[Any] = []  # one finding: the first key over the budget
+
+        def report(ext: Any, reports: List[BucketReport], bucket: BucketReport) -> None:
+            try:
+                self.budget.append(ext, reports, bucket)
+            except OverBudget as over:
+                if over_at:
+                    return
+                over_at.append(ext)
+                collect.findings.append(Finding(
+                    "memory-budget", f"memory_budget={format_bytes(self.budget.budget)}: with key {ext!r} the "
+                    f"graph pool holds {format_bytes(over.total)}, over the budget: a capture leaves this key "
+                    "(and any that do not fit after it) to eager", None, None, None,
+                    fix="raise memory_budget, or capture fewer keys (buckets=, keys=)", bucket=ext))
+        return report
 
     def capture_in_background(self, agree: bool) -> None:
         """Start a background capture (:func:`graphrunner.background.start_background`)."""

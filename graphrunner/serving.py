@@ -23,7 +23,7 @@ from graphrunner.agreement import LocalAgreement
 from graphrunner.checks import contracts
 from graphrunner.checks.verify import shadow_reference, shadow_verify
 from graphrunner.dispatch import CAPTURING, IDLE, Route, Routes
-from graphrunner.errors import CaptureError, GraphRunnerError, RankTimeoutError
+from graphrunner.errors import AgreementError, CaptureError, GraphRunnerError, RankTimeoutError
 from graphrunner.layout import clone_outputs
 from graphrunner.ownership import CallOwner
 from graphrunner.report import RunnerStats
@@ -62,6 +62,8 @@ class Server:
         self.stats = RunnerStats(replays={space.external(k): 0 for k in space.keys})
         #: Calls so far (invalid ones too): the number every rank's agreement pairs.
         self.calls = 0
+        #: Replayed calls so far (the same on every rank): shadow verification takes every N-th.
+        self.replayed = 0
         #: True while calls are served (after a capture, or from the start of a background one).
         self.serving = False
         #: True after ``cleanup()`` (a call then says so).
@@ -148,10 +150,10 @@ class Server:
                     contracts.check_call(staging.bounded, tensors, self.externals if self.agreement.shared else None)
                 staging.stage(tensors, sizes)  # before agreeing: a failed copy is reported to every rank
             except (ValueError, TypeError, GraphRunnerError):
-                self.agreement.invalid(staging.zero, self.calls, step)
+                self._agree(staging.zero, step, invalid=True)
                 raise
             copy_outputs = self.copy_outputs if copy_outputs is None else copy_outputs
-            rows = self.agreement.agree(sizes, self.calls, step)
+            rows = self._agree(sizes, step)
             if self.background is not None:
                 from graphrunner.background import settle_background
 
@@ -162,7 +164,8 @@ class Server:
                 return self.fall_back(tensors, sizes, route, copy_outputs)
             if staging.filled != sizes:
                 staging.pad_to(sizes, key)
-            verify = self.verify_every and not self.calls % self.verify_every
+            self.replayed += 1
+            verify = self.verify_every and not self.replayed % self.verify_every  # every N-th replayed call
             ref = shadow_reference(self, sizes, key) if verify else None
             try:
                 route.replay()
@@ -186,6 +189,21 @@ class Server:
         finally:
             owner.thread = None
             lock.release()
+
+    def _agree(self, sizes: Sizes, step: Optional[int], invalid: bool = False) -> Sizes:
+        """The call's one collective (:mod:`graphrunner.agreement`). A call whose collective met
+        another kind of collective on some rank (:class:`~graphrunner.errors.AgreementError` with
+        ``collectives`` set: the ranks were out of step, e.g. one waiting for a background capture)
+        happened on no rank: it is not counted, so the ranks' next calls pair again."""
+        try:
+            if invalid:
+                self.agreement.invalid(sizes, self.calls, step)
+                return sizes
+            return self.agreement.agree(sizes, self.calls, step)
+        except AgreementError as exc:
+            if exc.collectives is not None:
+                self.calls -= 1
+            raise
 
     def fall_back(self, tensors: List[torch.Tensor], sizes: Sizes, route: Route, copy_outputs: bool) -> Any:
         """Serve a call of local ``sizes`` whose route does not replay: :data:`~graphrunner.dispatch.IDLE`

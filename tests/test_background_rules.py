@@ -193,3 +193,30 @@ def test_negative_control_without_putting_back_the_hooks_writes_live_rows_are_wi
     monkeypatch.setattr(PutBack, "around", lambda self, hook: hook)
     e, x = _live_rows_after_background_capture()
     assert not torch.equal(e.cache[:2], x) and float(e.count) > 0
+
+
+# ------------------------------------------------------------------ memory budget (issue 34 item 7)
+def _named_dims_runner(budget):
+    x2 = {"x": gr.BatchInput(trailing=(64,), dims=("r", "d"))}
+    return gr.GraphRunner(lambda x: x * 2.0 + 1.0, x2, {"r": [1, 2, 4], "d": [1, 8, 16]}, device="tape",
+                          progress=False, memory_budget=budget)
+
+
+def test_a_budget_that_leaves_out_the_largest_named_key_keeps_every_call_servable():
+    r = _named_dims_runner(20000)  # the largest key (4, 16) alone is over it
+    report = r.capture()
+    assert (4, 16) in report.left_to_eager
+    # the keys wider than the largest kept key (4, 8) in dim d cannot share its output buffer: left out too
+    assert set(report.left_to_eager) == {(4, 16), (2, 16), (1, 16)}
+    for sizes, replayed in [((4, 16), None), ((3, 12), None), ((2, 8), (2, 8)), ((1, 1), (1, 1))]:
+        x = torch.randn(*sizes, 64)
+        assert torch.equal(r(x=x), x * 2.0 + 1.0)
+        assert r.stats.last_bucket == replayed
+
+
+def test_check_reports_a_budget_as_one_finding():
+    from graphrunner.checks.lint import check_runner
+
+    report = check_runner(_named_dims_runner(20000), "budget")
+    budget = [f for f in report.findings if f.kind == "memory-budget"]
+    assert len(budget) == 1 and "memory_budget=19.5 KiB" in budget[0].what and budget[0].bucket == (4, 16)

@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from graphrunner._frames import where
 from graphrunner._pytree import flatten
-from graphrunner.checks.ops import OpConsumer, OpRecorder, WriteGuard, tensors_in
+from graphrunner.recording.ops import OpConsumer, OpRecorder, WriteGuard, tensors_in
 from graphrunner.errors import CaptureError
 from graphrunner.keys import region
 

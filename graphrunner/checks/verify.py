@@ -31,7 +31,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from graphrunner._pytree import flatten
-from graphrunner.checks.ops import OpRecorder, WriteGuard
+from graphrunner.recording.ops import OpRecorder, WriteGuard
 from graphrunner.errors import ContractError
 
 __all__ = ["verify_every_setting", "shadow_reference", "shadow_verify"]

@@ -52,6 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from graphrunner._aten import storage_key, tensors_in, written_tensors
 from graphrunner._frames import is_internal
+from graphrunner.tape.rng import generators_shared
 from graphrunner.tape.state import storage_bytes
 from graphrunner.tape.unsafe import atomic_call
 
@@ -429,7 +430,9 @@ class WriteGuard(OpConsumer):
     written view of another in-place op, the whole storage for an ``out=``
     argument. :meth:`restore` undoes the log newest first (so the state is as
     before the first logged write) and resets the default generator to its
-    state at construction. Used by ``runner.compare``, by the padding check
+    state at construction, and every generator an op drew from through its
+    ``generator=`` argument to its state before that op (neither on a thread
+    inside :func:`graphrunner.tape.rng.shared_generators`). Used by ``runner.compare``, by the padding check
     around its extra forwards and by a background capture, so the KV cache,
     a counter tensor or the generator are as before. ``snapshots`` maps the
     key of every storage put back to a description of the tensor written.
@@ -441,9 +444,14 @@ class WriteGuard(OpConsumer):
         self.snapshots: dict = {}
         self._undo: list = []                           # (restore function, its argument), oldest first
         self._whole: set = set()                        # storages logged whole since the last restore
-        self.gens = [(torch.default_generator, torch.default_generator.get_state())]
+        # the default generator is put back too, unless another thread shares it (a background
+        # capture while the engine samples: putting it back would repeat the engine's numbers)
+        self.gens = [] if generators_shared() else [(torch.default_generator, torch.default_generator.get_state())]
 
     def before(self, ev: OpEvent) -> None:
+        g = ev.kwargs.get("generator")
+        if g is not None and not generators_shared() and all(g is not h for h, _ in self.gens):
+            self.gens.append((g, g.get_state()))  # the step's own generator: put back like the default one
         if not ev.func._schema.is_mutable:
             return
         for t in ev.written:
@@ -503,6 +511,7 @@ class WriteGuard(OpConsumer):
         self._whole.clear()
         for g, s in self.gens:
             g.set_state(s)
+        del self.gens[1:]  # the next run's own generators are logged again when it draws
         self.created.clear()
 
 

@@ -24,8 +24,9 @@ from graphrunner.errors import CaptureError
 
 from .bindings import _Verifier
 from .collapse import COLLAPSIBLE, COLLAPSIBLE_FUNCTIONAL
+from .rng import generators_shared
 from .proof import eager_tls, stats as proof_stats
-from .rng import _op_generator
+from .rng import _op_generator, generators_shared
 from .state import _storage, storage_bytes
 from .streams import CLOCKS, current_stream
 from .survivors import _POISONED, _SURVIVORS, EscapedTensorWarning, _Poisoned
@@ -254,8 +255,9 @@ class _Capture:
                     "(CUDA raises on manual_seed during capture), and the tape restores every generator's "
                     "state at capture end. Seed before capture_begin() (or between replays)."
                 )
-            g.set_state(state)
-        self.drawn_from = [g for g, _, _ in self.generators.values()]
+            if not generators_shared():  # another thread draws from it too: never rewind it
+                g.set_state(state)
+        self.drawn_from = [] if generators_shared() else [g for g, _, _ in self.generators.values()]
         self.generators.clear()
         return err
 

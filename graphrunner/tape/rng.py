@@ -117,3 +117,28 @@ def _op_generator(args, kwargs) -> "torch.Generator | None":
         index = device.index if device.index is not None else torch.cuda.current_device()
         return torch.cuda.default_generators[index]
     return None  # meta and other devices: nothing to restore
+
+
+# ------------------------------------------------------------ a generator shared with another thread
+_SHARED = threading.local()
+
+
+def generators_shared() -> bool:
+    """True on a thread inside :func:`shared_generators`: nothing that runs there may put a
+    generator's state back (tape captures, write guards)."""
+    return getattr(_SHARED, "on", False)
+
+
+@contextlib.contextmanager
+def shared_generators() -> Iterator[None]:
+    """On this thread, for the body: generators are shared with another thread that keeps drawing
+    from them (a background capture while the engine samples with the default generator), so
+    setting a generator's state back would rewind the other thread's draws and repeat its
+    numbers. Inside, a tape capture and a :class:`~graphrunner.recording.ops.WriteGuard` leave
+    every generator as it is: what the step draws here is drawn from the shared stream, once."""
+    before = generators_shared()
+    _SHARED.on = True
+    try:
+        yield
+    finally:
+        _SHARED.on = before
