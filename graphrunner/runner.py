@@ -213,11 +213,6 @@ class GraphRunner:
         naming the key). Raises ``CaptureError`` if already captured (:meth:`cleanup` first).
         ``background=True`` returns ``None`` at once and captures on a thread while calls are
         served (:mod:`graphrunner.background`; :meth:`wait_captured`, :attr:`captured_keys`)."""
-        return self._capture(background=background)
-
-    def _capture(self, collect: Any = None, background: bool = False) -> Optional[CaptureReport]:
-        """:meth:`capture`; ``collect`` (``graphrunner check``) puts the hooks in collect mode and
-        turns a key's capture error into findings."""
         if self.captured:
             raise CaptureError("GraphRunner.capture() was already called; call runner.cleanup() before capturing again")
         if background:
@@ -225,7 +220,7 @@ class GraphRunner:
         owner = self.server.owner
         owner.enter("capture()")
         try:
-            return self.capturer.capture(self.agree_bucket, collect)
+            return self.capturer.capture(self.agree_bucket)
         finally:
             owner.leave()
 
