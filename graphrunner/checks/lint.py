@@ -135,9 +135,9 @@ def _short(path: str) -> str:
 EXPECTED = ("a zero-argument factory returning an uncaptured graphrunner.GraphRunner, or a step with example "
             "inputs (graphrunner check FILE:STEP --inputs NAME, NAME a dict {argument: example tensor})")
 
-#: What the lint uses of a runner (``GraphRunner``'s public surface, plus ``_capture`` for collect
-#: mode): a factory's result without all of it is not a runner.
-_RUNNER_SURFACE = ("capture", "_capture", "cleanup", "captured", "backend", "step", "buckets", "progress")
+#: What the lint uses of a runner (``GraphRunner``'s public surface; its ``capturer`` captures in
+#: collect mode): a factory's result without all of it is not a runner.
+_RUNNER_SURFACE = ("capture", "capturer", "cleanup", "captured", "backend", "step", "buckets", "progress")
 
 
 def exit_text(exc: SystemExit) -> str:
