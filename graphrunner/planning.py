@@ -31,8 +31,8 @@ the smallest minimising ``i`` (``opt(j)``) never decreases with ``j``. Each
 layer is a divide and conquer over ``j``: ``opt`` of the middle row of a range
 bounds the candidates of both halves, so every level of the recursion
 evaluates about ``m`` candidates, all rows of a level at once in vectorised
-NumPy. Time ``O(K m log m)`` (about 1 s for 100,000 distinct sizes and
-``K = 64`` on one core), memory ``O(K m)`` (the back pointers, 4 bytes each).
+NumPy. Time ``O(K m log m)`` (1.2 to 1.6 s of CPU for 100,000 distinct
+sizes and ``K = 64``), memory ``O(K m)`` (the back pointers, 4 bytes each).
 The rows and the tie-breaking (smallest ``i``) are those of the plain
 ``O(K m^2)`` program, so the answer is the same list.
 
@@ -232,7 +232,7 @@ def plan_buckets(observed_sizes: Any, max_graphs: Any, *, progress: bool = True
 
     Exact for sizes and call counts of any magnitude (integer arithmetic,
     never rounded or clamped). Time ``O(K m log m)`` for ``m`` distinct sizes
-    and ``K = min(max_graphs, m)``: about a second for 100,000 distinct sizes
+    and ``K = min(max_graphs, m)``: under 2 s of CPU for 100,000 distinct sizes
     and ``max_graphs=64``. ``progress``: past a second of planning, a
     progress bar on stderr when it is a terminal (never on a log file or a
     pipe); ``False``: never.
