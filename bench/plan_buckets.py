@@ -14,10 +14,15 @@ and the fewest planned graphs that pad no more than the ladder. Traffics:
   (``graphrunner_tools.loadtest``: continuous batching of seeded requests over the demo
   decoder, one level per concurrency), run in this process; ``--no-loadtest`` skips it.
 
+In the same run, the planner's speed at scale (issue 34 item 8): the wall and CPU seconds of
+``gr.plan_buckets`` on 100,000 distinct sizes (``--scale-sizes``; drawn from 1..1,000,000, each
+seen 1..3 times, seeded) with ``max_graphs=64`` (``--scale-graphs``); ``--no-scale`` skips it.
+
 Writes JSON (``--out``, default ``bench/results/plan_buckets.json``) with
-``environment()``. Not a test: no threshold.
+``environment()``: the ratios per traffic and the timing. Not a test: no threshold.
 
     python bench/plan_buckets.py [--calls 20000] [--seed 0] [--threads 1] [--no-loadtest]
+                                 [--scale-sizes 100000] [--scale-graphs 64] [--no-scale]
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Dict, List
 
 import torch
 
+import graphrunner as gr
 from graphrunner_tools.bench import environment, write_json
 from graphrunner_tools.plan import compare_with_ladder
 from graphrunner_tools.threads import torch_threads
@@ -84,6 +90,19 @@ def measure(name: str, sizes: List[int]) -> Dict[str, object]:
     return row
 
 
+def scale(distinct: int, max_graphs: int, seed: int) -> Dict[str, object]:
+    """Seconds (wall and CPU) of one ``gr.plan_buckets`` over ``distinct`` distinct seeded sizes."""
+    rng = random.Random(f"scale-{seed}")
+    sizes = [n for n in rng.sample(range(1, 10 * distinct + 1), distinct) for _ in range(rng.randint(1, 3))]
+    t0, c0 = time.perf_counter(), time.process_time()
+    planned = gr.plan_buckets(sizes, max_graphs=max_graphs, progress=False)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    print(f"plan_buckets at scale: {distinct:,} distinct sizes ({len(sizes):,} calls), max_graphs={max_graphs}: "
+          f"{wall:.2f} s ({cpu:.2f} s CPU), {len(planned)} buckets")
+    return {"distinct_sizes": distinct, "calls": len(sizes), "max_graphs": max_graphs, "seconds": wall,
+            "cpu_seconds": cpu, "buckets": len(planned)}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=20000, help="calls per seeded traffic (default: 20000)")
@@ -92,11 +111,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-loadtest", action="store_true", help="skip the loadtest trace")
     ap.add_argument("--loadtest-requests", type=int, default=256, help="requests of the loadtest (default: 256)")
     ap.add_argument("--loadtest-levels", default="16,64,128", help="its concurrency levels (default: 16,64,128)")
-    ap.add_argument("--quick", action="store_true", help="2000 calls, a 64-request loadtest")
+    ap.add_argument("--scale-sizes", type=int, default=100_000,
+                    help="distinct sizes of the timing at scale (default: 100000)")
+    ap.add_argument("--scale-graphs", type=int, default=64, help="max_graphs of the timing at scale (default: 64)")
+    ap.add_argument("--no-scale", action="store_true", help="skip the timing at scale")
+    ap.add_argument("--quick", action="store_true", help="2000 calls, a 64-request loadtest, 20000 distinct sizes")
     ap.add_argument("--out", default=os.path.join("bench", "results", "plan_buckets.json"))
     args = ap.parse_args(argv)
     if args.quick:
-        args.calls, args.loadtest_requests = 2000, 64
+        args.calls, args.loadtest_requests, args.scale_sizes = 2000, 64, min(args.scale_sizes, 20_000)
     rows = {}
     print(f"{'traffic':>10} {'calls':>7} {'g_vllm':>7} {'g_plan':>7} {'pad_vllm':>9} {'pad_plan':>9} {'ratio':>7} "
           f"{'g_match':>8}")
@@ -112,11 +135,12 @@ def main(argv=None) -> dict:
                                             "seconds": time.perf_counter() - t0, "schedule": sched}
     print("columns: g_* = graphs (equal counts: the planner gets the ladder's), pad_* = padded rows / rows "
           "replayed, ratio = pad_plan / pad_vllm, g_match = fewest planned graphs padding no more than the ladder")
+    timing = None if args.no_scale else scale(args.scale_sizes, args.scale_graphs, args.seed)  # NumPy: one thread
     # exact: never more padding than the ladder with as many graphs
     for name, row in rows.items():
         assert row["padded_rows"]["planned"] <= row["padded_rows"]["ladder"], name
     result = {"bench": "plan_buckets", "environment": environment(), "threads": torch.get_num_threads(),
-              "seed": args.seed, "calls": args.calls, "results": rows,
+              "seed": args.seed, "calls": args.calls, "results": rows, "scale": timing,
               "note": "vLLM's ladder is gr.default_buckets(max size): 1, 2, 4, multiples of 8 below 256, then 16"}
     write_json(args.out, result, announce=True)
     return result

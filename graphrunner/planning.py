@@ -16,35 +16,76 @@ below it never adds padding), so with the ``m`` distinct sizes ``v_1 < ... <
 v_m`` and their counts, ``f[k][j]`` = the least padding of the sizes up to
 ``v_j`` with ``k`` buckets, the last at ``v_j``, satisfies
 
-    f[1][j] = cost(1, j),  f[k][j] = min over i < j of f[k-1][i] + cost(i+1, j),
-    cost(i, j) = sum over l in i..j of count_l * (v_j - v_l)
+    f[1][j] = cost(0, j),  f[k][j] = min over k-1 <= i < j of f[k-1][i] + cost(i, j),
+    cost(i, j) = sum over l in i+1..j of count_l * (v_j - v_l)
 
-(prefix sums make ``cost`` O(1)); the answer is ``f[min(K, m)][m]``. Time
-``O(K m^2)`` in vectorised integer arithmetic (exact, no rounding), ``O(K m)``
-memory: a few milliseconds for a few hundred distinct sizes.
+(prefix sums of the counts and of the rows make ``cost`` O(1)); the answer is
+``f[min(K, m)][m]``. That list is also the optimal one with the fewest
+buckets: with fewer than ``m`` buckets some size is padded, and making it a
+bucket lowers the padding, so ``f[k][m]`` falls strictly with ``k`` up to ``m``.
+
+Speed: ``cost`` satisfies the quadrangle inequality (``cost(a, c) + cost(b,
+d) <= cost(a, d) + cost(b, c)`` for ``a <= b <= c <= d``: the difference is
+``(v_d - v_c)`` times the calls of sizes ``a+1..b``), so in each layer ``k``
+the smallest minimising ``i`` (``opt(j)``) never decreases with ``j``. Each
+layer is a divide and conquer over ``j``: ``opt`` of the middle row of a range
+bounds the candidates of both halves, so every level of the recursion
+evaluates about ``m`` candidates, all rows of a level at once in vectorised
+NumPy. Time ``O(K m log m)`` (1.2 to 1.6 s of CPU for 100,000 distinct
+sizes and ``K = 64``), memory ``O(K m)`` (the back pointers, 4 bytes each).
+The rows and the tie-breaking (smallest ``i``) are those of the plain
+``O(K m^2)`` program, so the answer is the same list.
+
+Exact for any sizes and counts (the key space, :class:`graphrunner.keys.KeySpace`,
+takes any int >= 1 as a bucket, so there is no size to refuse): the arithmetic
+is integer, in int64 when ``calls * (v_m - v_1)``, which bounds every value the
+program forms, is below ``2**63`` (every real traffic: a billion calls of
+sizes up to a billion), and in Python ints otherwise (about 15 times slower;
+never rounded or clamped). Planning that runs past a second draws a progress
+bar on a terminal's stderr (``progress=False``: never).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Dict, List, Mapping, Sequence, Union
+from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
 
 import torch
 
 from graphrunner.buckets import as_int
+from graphrunner.progress import TaskProgress
 
 __all__ = ["plan_buckets", "padding_of"]
 
 Sizes = Sequence[int]
 
+#: Seconds of planning before the progress bar appears (on a terminal only).
+_PROGRESS_AFTER_S = 1.0
+
 
 def _counts(observed: Any, what: str) -> Counter:
-    """``observed`` (an iterable of ints >= 0) as ``Counter({size: calls})`` without zeros."""
+    """``observed`` (an iterable of ints >= 0) as ``Counter({size: calls})`` without zeros.
+
+    Raises ``TypeError``/``ValueError`` naming ``what`` and the entry for a
+    non-int, a bool, a negative size or no size >= 1. A list of plain ints is
+    counted in one C-level pass; anything else is checked entry by entry."""
     if isinstance(observed, (str, bytes)) or isinstance(observed, Mapping) or not hasattr(observed, "__iter__"):
         raise TypeError(f"{what} must be a list of observed batch sizes (ints >= 0, one per call), "
                         f"got {type(observed).__name__}")
-    if isinstance(observed, torch.Tensor):
-        observed = observed.reshape(-1).tolist()
+    if isinstance(observed, torch.Tensor) or (hasattr(observed, "tolist") and hasattr(observed, "reshape")):
+        observed = observed.reshape(-1).tolist()  # a tensor or a NumPy array: Python scalars
+    elif not isinstance(observed, (list, tuple)):
+        observed = list(observed)  # one pass over an iterator: it is read twice below
+    if all(type(n) is int for n in observed):
+        out = Counter(observed)
+        if not out or min(out) >= 0:
+            out.pop(0, None)
+            return _nonempty(out, what)
+    return _nonempty(_counts_checked(observed, what), what)
+
+
+def _counts_checked(observed: Sequence[Any], what: str) -> Counter:
+    """:func:`_counts` entry by entry: the error names the first bad entry."""
     out: Counter = Counter()
     for i, n in enumerate(observed):
         n = as_int(n, f"{what}[{i}]", "observed batch sizes must be ints")
@@ -52,10 +93,14 @@ def _counts(observed: Any, what: str) -> Counter:
             raise ValueError(f"{what}[{i}] is {n}; a batch size is >= 0 (0, an idle step, carries no rows)")
         if n:
             out[n] += 1
-    if not out:
+    return out
+
+
+def _nonempty(counts: Counter, what: str) -> Counter:
+    if not counts:
         raise ValueError(f"{what} holds no batch size >= 1; pass the batch size of each served call "
                          "(e.g. the loadtest's per-step schedule)")
-    return out
+    return counts
 
 
 def _limit(k: Any, what: str) -> int:
@@ -65,54 +110,112 @@ def _limit(k: Any, what: str) -> int:
     return k
 
 
-#: Cells of one block of the cost matrix (bounds the planner's memory: 8 bytes each, a few of them live).
-_BLOCK = 1 << 22
+def _numpy() -> Any:
+    """NumPy (a dependency of graphrunner, imported on first use), or an ImportError saying what to install."""
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - numpy is a declared dependency
+        raise ImportError("gr.plan_buckets needs NumPy: pip install numpy") from None
+    return numpy
 
 
-def _plan_1d(counts: Counter, k_max: int) -> List[int]:
-    """The exact dynamic program of the module docstring; the fewest buckets among the optimal lists."""
+def _tables(sizes: List[int], calls: List[int]) -> Tuple[Any, Any, Any, Any]:
+    """``(U, C, S, F1)``: arrays of ``m + 1`` entries over the sorted distinct ``sizes`` (entry 0: none):
+    ``U[j] = v_j - v_1`` (the cost is the same for sizes shifted by ``v_1``), ``C[j]`` the calls and
+    ``S[j]`` the shifted rows of the sizes up to ``v_j``, ``F1[j] = f[1][j] = U[j] * C[j] - S[j]``.
+    int64 when every value the program forms fits (see the module docstring), else Python ints."""
+    np = _numpy()
+    u = [0] + [s - sizes[0] for s in sizes]
+    c = [0] + calls
+    wide = u[-1] * sum(calls) >= 1 << 63  # bounds |every value| of the program (prefix sums, f, candidates)
+    dtype = object if wide else np.int64
+    U, counts = np.array(u, dtype=dtype), np.array(c, dtype=dtype)
+    C, S = np.cumsum(counts), np.cumsum(counts * U)
+    return U, C, S, U * C - S
+
+
+def _segment_argmin(val: Any, i: Any, starts: Any, lengths: Any) -> Tuple[Any, Any]:
+    """For the contiguous segments ``val[starts[s]: starts[s] + lengths[s]]`` (none empty):
+    ``(the least value, the candidate i of its first occurrence)`` per segment."""
+    np = _numpy()
+    best = np.minimum.reduceat(val, starts)
+    hits = np.flatnonzero(val == np.repeat(best, lengths))
+    return best, i[hits[np.searchsorted(hits, starts)]]
+
+
+def _layer(f_prev: Any, tables: Tuple[Any, Any, Any, Any], k: int) -> Tuple[Any, Any]:
+    """``(f[k], opt[k])`` from ``f[k-1]`` (arrays of ``m + 1``; rows below ``k`` are 0, unused).
+
+    Divide and conquer over the rows ``j`` in ``k..m``, every range of one
+    recursion level at once: a range ``lo..hi`` whose ``opt`` lies in
+    ``olo..ohi`` evaluates its middle row over ``olo..min(ohi, mid - 1)``,
+    then its halves search ``olo..opt(mid)`` and ``opt(mid)..ohi``. Ranges
+    stay in row order, so the candidates of a level are one sorted array."""
+    np = _numpy()
+    U, C, S, F1 = tables
+    m = len(U) - 1
+    a = f_prev + S                       # f[k-1][i] + cost(i, j) = a[i] - U[j] * C[i] + F1[j]
+    f = np.zeros(m + 1, dtype=U.dtype)
+    opt = np.zeros(m + 1, dtype=np.int32 if m < 1 << 31 else np.int64)
+    ranges = np.array([[k], [m], [k - 1], [m - 1]], dtype=np.int64)  # rows lo, hi, olo, ohi; one range a column
+    while ranges.shape[1]:
+        lo, hi, olo, ohi = ranges
+        mid = (lo + hi) >> 1
+        lengths = np.minimum(ohi, mid - 1) - olo + 1
+        starts = np.zeros_like(lengths)
+        np.cumsum(lengths[:-1], out=starts[1:])
+        i = np.arange(int(starts[-1] + lengths[-1])) + np.repeat(olo - starts, lengths)
+        best, at = _segment_argmin(a[i] - np.repeat(U[mid], lengths) * C[i], i, starts, lengths)
+        f[mid], opt[mid] = best + F1[mid], at
+        ranges = _halves(ranges, mid, at)
+    return f, opt
+
+
+def _halves(ranges: Any, mid: Any, at: Any) -> Any:
+    """The non-empty halves of every range (a column ``lo, hi, olo, ohi`` of ``ranges``), in row order:
+    ``lo..mid-1`` with opt in ``olo..at`` and ``mid+1..hi`` with opt in ``at..ohi``."""
+    np = _numpy()
+    lo, hi, olo, ohi = ranges
+    out = np.empty((4, 2 * lo.size), dtype=np.int64)
+    out[:, 0::2] = lo, mid - 1, olo, at
+    out[:, 1::2] = mid + 1, hi, at, ohi
+    return out[:, out[0] <= out[1]]
+
+
+def _plan_1d(counts: Counter, k_max: int, progress: bool = True, what: str = "observed_sizes") -> List[int]:
+    """The dynamic program of the module docstring: the optimal list, of ``min(k_max, m)`` buckets.
+
+    That is also the optimal list with the fewest buckets: below ``m``
+    buckets some size is padded, and making it a bucket lowers the padding,
+    so ``f[k][m]`` falls strictly with ``k`` up to ``m``."""
     sizes = sorted(counts)
     m = len(sizes)
     k_max = min(k_max, m)
-    v = torch.tensor(sizes, dtype=torch.int64)
-    c = torch.tensor([counts[s] for s in sizes], dtype=torch.int64)
-    zero = torch.zeros(1, dtype=torch.int64)
-    C = torch.cat([zero, c.cumsum(0)])        # C[j]: calls with the first j sizes
-    S = torch.cat([zero, (c * v).cumsum(0)])  # S[j]: their rows
-    vj = torch.cat([zero, v])                  # vj[j] = v[j-1], the bucket that ends at size j
-    inf = torch.iinfo(torch.int64).max // 4
-    rows = torch.arange(m + 1)
-    f = vj * C - S                             # k = 1: one bucket at v[j-1] covers sizes 0..j-1
-    f[0] = inf
-    best, back = [int(f[m])], []
-    width = max(1, _BLOCK // (m + 1))
-    starts = range(0, m + 1, width)
+    tables = _tables(sizes, [counts[s] for s in sizes])
+    f, opts = tables[3], []
+    bar = TaskProgress(k_max, f"graphrunner plan_buckets ({what}: {m} distinct sizes)", unit="buckets",
+                       enabled=progress, after=_PROGRESS_AFTER_S)
+    try:
+        for k in range(2, k_max + 1):
+            f, opt = _layer(f, tables, k)
+            opts.append(opt)
+            bar.update(k)
+    finally:
+        bar.close()
+    return _trace(sizes, opts, k_max)
 
-    def block(j0: int) -> torch.Tensor:
-        """cost(i, j) for every i and the columns j0.. of one block (inf where i >= j)."""
-        cols = torch.arange(j0, min(m + 1, j0 + width))
-        cost = vj[cols][None, :] * (C[cols][None, :] - C[:, None]) - (S[cols][None, :] - S[:, None])
-        return cost.masked_fill_(rows[:, None] >= cols[None, :], inf)
 
-    kept = [block(j0) for j0 in starts] if len(starts) <= 4 else None  # small problems: computed once
-    for _ in range(2, k_max + 1):
-        g = torch.empty_like(f)
-        arg = torch.empty(m + 1, dtype=torch.int64)
-        for n, j0 in enumerate(starts):       # f[i] + cost(i, j): the previous bucket ends at size i
-            cost = kept[n] if kept is not None else block(j0)
-            g[j0:j0 + cost.shape[1]], arg[j0:j0 + cost.shape[1]] = (f[:, None] + cost).min(0)  # smallest i on ties
-        f = g.clamp_(max=inf)
-        back.append(arg)
-        best.append(int(f[m]))
-    k = 1 + min(range(len(best)), key=lambda i: (best[i], i))  # fewest buckets at the least padding
-    out, j = [sizes[m - 1]], m
+def _trace(sizes: List[int], opts: List[Any], k: int) -> List[int]:
+    """The ``k`` buckets ending at the largest size, following ``opts[kk - 2][j]`` (``opt`` of layer ``kk``)."""
+    out, j = [sizes[-1]], len(sizes)
     for kk in range(k, 1, -1):
-        j = int(back[kk - 2][j])
+        j = int(opts[kk - 2][j])
         out.append(sizes[j - 1])
-    return sorted(out)
+    return out[::-1]
 
 
-def plan_buckets(observed_sizes: Any, max_graphs: Any) -> Union[List[int], Dict[str, List[int]]]:
+def plan_buckets(observed_sizes: Any, max_graphs: Any, *, progress: bool = True
+                 ) -> Union[List[int], Dict[str, List[int]]]:
     """The bucket list with the fewest padded rows over ``observed_sizes`` for at most ``max_graphs`` graphs.
 
     ``observed_sizes``: the batch size of every served call (a list, tuple,
@@ -126,6 +229,13 @@ def plan_buckets(observed_sizes: Any, max_graphs: Any) -> Union[List[int], Dict[
     dynamic program (see :mod:`graphrunner.planning`); among optimal lists the
     one with the fewest buckets (with ``max_graphs`` >= the number of distinct
     sizes: every distinct size, no padding). Pass it as ``GraphRunner(buckets=...)``.
+
+    Exact for sizes and call counts of any magnitude (integer arithmetic,
+    never rounded or clamped). Time ``O(K m log m)`` for ``m`` distinct sizes
+    and ``K = min(max_graphs, m)``: under 2 s of CPU for 100,000 distinct sizes
+    and ``max_graphs=64``. ``progress``: past a second of planning, a
+    progress bar on stderr when it is a terminal (never on a log file or a
+    pipe); ``False``: never.
 
     Named dims: ``observed_sizes={dim: [sizes...]}`` and ``max_graphs={dim:
     K}`` plan each dim on its own and return ``{dim: [buckets...]}`` for
@@ -153,12 +263,13 @@ def plan_buckets(observed_sizes: Any, max_graphs: Any) -> Union[List[int], Dict[
         for d, sizes in observed_sizes.items():
             if not isinstance(d, str) or not d.isidentifier():
                 raise ValueError(f"observed_sizes: dim name {d!r} must be an identifier such as 'reqs'")
-            out[d] = _plan_1d(_counts(sizes, f"observed_sizes[{d!r}]"), _limit(max_graphs[d], f"max_graphs[{d!r}]"))
+            what = f"observed_sizes[{d!r}]"
+            out[d] = _plan_1d(_counts(sizes, what), _limit(max_graphs[d], f"max_graphs[{d!r}]"), progress, what)
         return out
     if isinstance(max_graphs, Mapping):
         raise TypeError("max_graphs is a dict but observed_sizes is a list: pass an int, or observed_sizes="
                         "{dim: [sizes...]} to plan named dims")
-    return _plan_1d(_counts(observed_sizes, "observed_sizes"), _limit(max_graphs, "max_graphs"))
+    return _plan_1d(_counts(observed_sizes, "observed_sizes"), _limit(max_graphs, "max_graphs"), progress)
 
 
 def padding_of(observed_sizes: Any, buckets: Sequence[int]) -> Dict[str, Any]:

@@ -5,7 +5,9 @@ its stream is a terminal; on any other stream (a redirected stderr, a log
 file, a pipe) every update is a plain newline-terminated line, so logs stay
 readable. :class:`CaptureProgress` draws with ``tqdm`` when it is installed
 and the stream is a terminal, and with a :class:`StatusLine` otherwise (one
-line per bucket when not a terminal). This is the only place the library
+line per bucket when not a terminal). :class:`TaskProgress` is the bar of one
+long computation (``gr.plan_buckets``): drawn on a terminal only, and only
+once the computation has run past a delay. This is the only place the library
 writes to a stream; everything else goes through
 ``logging.getLogger("graphrunner")``.
 """
@@ -17,7 +19,7 @@ import time
 from typing import Any, Optional, TextIO
 from graphrunner.report import key_text
 
-__all__ = ["CaptureProgress", "StatusLine"]
+__all__ = ["CaptureProgress", "StatusLine", "TaskProgress"]
 
 
 def _isatty(stream: Any) -> bool:
@@ -115,3 +117,47 @@ class CaptureProgress:
             return
         status = f"{self.total} buckets in {elapsed:.2f}s" if ok else f"FAILED after {elapsed:.2f}s"
         self._line.write(f"{self.desc}: {status}", final=True)
+
+
+class TaskProgress:
+    """Progress of one computation of ``total`` equal steps, shown only if it runs long.
+
+    Nothing is written until :meth:`update` finds that ``after`` seconds have
+    passed since construction; from then on a :class:`StatusLine` on
+    ``stream`` (default: ``sys.stderr``, looked up at construction) is
+    redrawn in place, at most every ``every`` seconds, as ``"{desc}:
+    {done}/{total} {unit} ({percent}) {elapsed}s"``, and :meth:`close` ends
+    it with the total time. ``enabled=False``, or a stream that is not a
+    terminal (a log file, a pipe, a captured stderr), writes nothing at all.
+    """
+
+    def __init__(self, total: int, desc: str, unit: str = "steps", enabled: bool = True,
+                 stream: Optional[TextIO] = None, after: float = 1.0, every: float = 0.1) -> None:
+        self.total, self.desc, self.unit = max(1, int(total)), desc, unit
+        self.after, self.every = after, every
+        self.t0 = time.perf_counter()
+        self._line = StatusLine(stream)
+        self.enabled = bool(enabled) and self._line.tty
+        #: whether anything was drawn (the delay passed while enabled)
+        self.shown = False
+        self._last = float("-inf")
+
+    def update(self, done: int) -> None:
+        """``done`` of the ``total`` steps are finished; redraw if due (see the class docstring)."""
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if now - self.t0 < self.after or now - self._last < self.every:
+            return
+        self._last, self.shown = now, True
+        self._line.write(self._text(done, now))
+
+    def close(self) -> None:
+        """End the line with the total time (only if it was shown); later calls do nothing."""
+        if self.enabled and self.shown:
+            self._line.write(self._text(self.total, time.perf_counter()) + " done", final=True)
+        self.enabled = False
+
+    def _text(self, done: int, now: float) -> str:
+        return (f"{self.desc}: {done}/{self.total} {self.unit} ({done / self.total:.0%}) "
+                f"{now - self.t0:.1f}s")

@@ -1,16 +1,21 @@
-"""gr.plan_buckets (issue 25 item 3) against brute force over every subset, its edge cases and errors,
-padding_of against a direct count, and the planned buckets served by a GraphRunner."""
+"""gr.plan_buckets (issue 25 item 3; issue 34 item 8: exact at any magnitude, O(K m log m)) against brute
+force over every subset and against the O(K m^2) dynamic program it replaced (kept here as the reference,
+in Python ints), its edge cases and errors, its progress bar, padding_of against a direct count, and the
+planned buckets served by a GraphRunner."""
 
 from __future__ import annotations
 
+import io
 import itertools
 import random
+import time
 from collections import Counter
 
 import pytest
 import torch
 
 import graphrunner as gr
+import graphrunner.planning as planning
 from graphrunner.planning import padding_of, plan_buckets
 
 
@@ -102,6 +107,215 @@ def test_named_dims_are_planned_per_dim():
 def test_bad_input_is_an_error_naming_the_input(sizes, k, exc, match):
     with pytest.raises(exc, match=match):
         plan_buckets(sizes, max_graphs=k)
+
+
+# --------------------------------------------------------------------------- exact at any size, and fast
+def reference_plan(sizes, k):
+    """The O(K m^2) dynamic program of graphrunner/planning.py before issue 34, in Python ints (exact at any
+    magnitude): ``f[kk][j] = min over kk-1 <= i < j of f[kk-1][i] + cost(i, j)``, the smallest ``i`` on ties,
+    the fewest buckets among the optimal lists. Returns ``(buckets, padding)``."""
+    counts = Counter(s for s in sizes if s)
+    v = sorted(counts)
+    m, k = len(v), min(k, len(counts))
+    C, S = [0], [0]
+    for x in v:
+        C.append(C[-1] + counts[x])
+        S.append(S[-1] + counts[x] * x)
+
+    def cost(i, j):  # sizes i+1..j padded to v[j-1]
+        return v[j - 1] * (C[j] - C[i]) - (S[j] - S[i])
+
+    f = [None] + [cost(0, j) for j in range(1, m + 1)]
+    best, back = [f[m]], []
+    for kk in range(2, k + 1):
+        g, arg = [None] * (m + 1), [None] * (m + 1)
+        for j in range(kk, m + 1):
+            g[j], arg[j] = min((f[i] + cost(i, j), i) for i in range(kk - 1, j))
+        f = g
+        back.append(arg)
+        best.append(f[m])
+    kk = 1 + best.index(min(best))
+    out, j = [v[-1]], m
+    for t in range(kk, 1, -1):
+        j = back[t - 2][j]
+        out.append(v[j - 1])
+    return sorted(out), min(best)
+
+
+def subsets_brute_force(sizes, k):
+    """The least padding over every set of at most ``k`` observed sizes holding the largest, and the fewest
+    buckets reaching it (Python ints: any magnitude)."""
+    counts = Counter(s for s in sizes if s)
+    v = sorted(counts)
+    best = None
+    for r in range(min(k, len(v))):
+        for extra in itertools.combinations(v[:-1], r):
+            pad = padding(sizes, list(extra) + [v[-1]])
+            if best is None or pad < best[0]:
+                best = (pad, r + 1)
+    return best
+
+
+#: size ranges of the random cases: small, a narrow band near 2**60, 1..2**60, beyond int64, far beyond
+MAGNITUDES = [(1, 40), (2**60 - 50, 2**60 + 50), (1, 2**60), (2**63 - 10**6, 2**63 + 10**6), (1, 2**100)]
+
+
+def random_traffic(rng, distinct, lo, hi, most_calls=9):
+    """Up to ``distinct`` distinct sizes in ``lo..hi``, each seen 1..``most_calls`` times."""
+    distinct = min(distinct, hi - lo + 1)
+    values = set()
+    while len(values) < distinct:
+        values.add(rng.randint(lo, hi))
+    return [x for x in values for _ in range(rng.randint(1, most_calls))]
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_planner_equals_brute_force_over_observed_subsets_at_any_magnitude(seed):
+    rng = random.Random(f"subsets-{seed}")
+    lo, hi = MAGNITUDES[seed % len(MAGNITUDES)]
+    sizes = random_traffic(rng, rng.randint(1, 9), lo, hi)
+    rng.shuffle(sizes)
+    for k in range(1, 11):
+        got = plan_buckets(sizes, max_graphs=k)
+        assert got == sorted(set(got)) and len(got) <= k and got[-1] == max(sizes) and set(got) <= set(sizes)
+        best_pad, fewest = subsets_brute_force(sizes, k)
+        assert (padding(sizes, got), len(got)) == (best_pad, fewest), (k, sorted(Counter(sizes).items()))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_planner_equals_the_quadratic_dynamic_program(seed):
+    # the same list, not only the same padding: the rows and the tie-breaking are those of the O(K m^2) program
+    rng = random.Random(f"reference-{seed}")
+    lo, hi = MAGNITUDES[seed % len(MAGNITUDES)]
+    sizes = random_traffic(rng, rng.randint(1, 70), lo, hi, most_calls=rng.choice([1, 3, 40]))
+    for k in (1, 2, 3, 5, 8, 13, 40, 80):
+        want, want_pad = reference_plan(sizes, k)
+        got = plan_buckets(sizes, max_graphs=k)
+        assert got == want, (k, seed)
+        assert padding(sizes, got) == want_pad
+
+
+def test_planner_equals_the_quadratic_dynamic_program_on_a_deep_recursion():
+    # 300 distinct sizes, ties everywhere (equal gaps, equal counts) and a skewed part: many recursion levels
+    rng = random.Random(11)
+    sizes = [x for x in range(1, 151) for _ in range(2)] + random_traffic(rng, 150, 200, 10**6)
+    for k in (2, 7, 16):
+        assert plan_buckets(sizes, max_graphs=k) == reference_plan(sizes, k)[0]
+
+
+def test_sizes_near_2_60_are_exact_where_int64_overflowed():
+    # issue 34 item 8: with int64 costs this returned [2**60 - 29] alone (padding 16 * (2**60 - 90), clamped)
+    sizes = [61] * 16 + [2**60 - 29] * 8
+    assert plan_buckets(sizes, max_graphs=2) == [61, 2**60 - 29]
+    assert padding(sizes, [61, 2**60 - 29]) == 0
+    # the example of the issue's reproduction: the least padding is ~2.0e18, computed exactly
+    counts = {13: 9, 28: 6, 649873830028210459: 4, 1152921504606846905: 8, 1152921504606846943: 7}
+    sizes = [x for x, c in counts.items() for _ in range(c)]
+    got = plan_buckets(sizes, max_graphs=2)
+    assert got == [28, 1152921504606846943] == reference_plan(sizes, 2)[0]
+    assert padding(sizes, got) == 2012190698314546375 == subsets_brute_force(sizes, 2)[0]
+
+
+def test_the_int64_path_holds_up_to_its_bound_and_python_ints_take_over_above():
+    # calls * (largest - smallest size) bounds every value the program forms: int64 below 2**63, Python ints at it
+    span = 2**60
+    below = [5] * 3 + [5 + span // 3] * 2 + [5 + span] * 2          # 7 calls: 7 * span < 2**63
+    at = below + [5]                                              # 8 calls: 8 * span == 2**63
+    for sizes, dtype in ((below, "int64"), (at, "object")):
+        counts = Counter(sizes)
+        tables = planning._tables(sorted(counts), [counts[x] for x in sorted(counts)])
+        assert str(tables[0].dtype) == dtype
+        for k in (1, 2, 3):
+            assert plan_buckets(sizes, max_graphs=k) == reference_plan(sizes, k)[0]
+
+
+def test_each_layer_evaluates_m_log_m_candidates(monkeypatch):
+    # the divide and conquer, not the quadratic program: count the candidates every layer evaluates
+    seen = []
+    real = planning._segment_argmin
+
+    def counting(val, i, starts, lengths):
+        seen.append(len(val))
+        return real(val, i, starts, lengths)
+
+    monkeypatch.setattr(planning, "_segment_argmin", counting)
+    m = 4000
+    sizes = random_traffic(random.Random(3), m, 1, 10**7)
+    plan_buckets(sizes, max_graphs=9)
+    per_layer = sum(seen) / 8
+    assert per_layer <= 2 * m * (m.bit_length() + 1)  # m log m, not m^2 / 2 (8,000,000 here)
+    assert per_layer < m * m / 50
+
+
+@pytest.mark.slow
+def test_100000_distinct_sizes_with_64_graphs_plan_in_seconds():
+    rng = random.Random(0)
+    sizes = [x for x in rng.sample(range(1, 10**6), 100_000) for _ in range(rng.randint(1, 3))]
+    t0 = time.process_time()
+    got = plan_buckets(sizes, max_graphs=64, progress=False)
+    seconds = time.process_time() - t0
+    assert len(got) == 64 and got[-1] == max(sizes)
+    assert seconds < 5.0, f"{seconds:.1f} s of CPU for 100,000 distinct sizes (the quadratic program: minutes)"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("progress,stream,after,drawn", [
+    (True, "terminal", 0.0, True),     # a terminal, past the delay: the bar
+    (True, "terminal", 60.0, False),   # a short planning: nothing
+    (True, "pipe", 0.0, False),        # not a terminal: nothing, even past the delay
+    (False, "terminal", 0.0, False),   # progress=False: nothing
+])
+def test_progress_bar_only_on_a_terminal_past_the_delay(monkeypatch, progress, stream, after, drawn):
+    out = _Terminal() if stream == "terminal" else io.StringIO()
+    monkeypatch.setattr("sys.stderr", out)
+    monkeypatch.setattr(planning, "_PROGRESS_AFTER_S", after)
+    sizes = random_traffic(random.Random(5), 300, 1, 10**6)
+    assert plan_buckets(sizes, max_graphs=6, progress=progress) == reference_plan(sizes, 6)[0]
+    text = out.getvalue()
+    if not drawn:
+        assert text == ""
+        return
+    assert text.startswith("\rgraphrunner plan_buckets (observed_sizes: 300 distinct sizes): ")
+    assert text.endswith("6/6 buckets (100%) " + text.rsplit(") ", 1)[1]) and text.endswith(" done\n")
+
+
+def test_task_progress_draws_in_place_then_ends_the_line():
+    from graphrunner.progress import TaskProgress
+
+    out = _Terminal()
+    bar = TaskProgress(4, "work", unit="parts", stream=out, after=0.0, every=0.0)
+    bar.update(1)
+    bar.update(3)
+    bar.close()
+    bar.close()  # once
+    lines = out.getvalue().split("\r")[1:]
+    assert [x.split(" ")[1] for x in lines] == ["1/4", "3/4", "4/4"] and lines[-1].endswith("s done\n")
+    assert "(75%)" in lines[1] and out.getvalue().count("\n") == 1
+    quiet = io.StringIO()
+    bar = TaskProgress(4, "work", stream=quiet, after=0.0, every=0.0)
+    bar.update(2)
+    bar.close()
+    assert quiet.getvalue() == "" and not bar.shown
+
+
+def test_observed_sizes_of_every_kind_count_alike():
+    import numpy as np
+
+    sizes = [3, 1, 1, 0, 8, 8, 5]
+    want = plan_buckets(sizes, max_graphs=2)
+    assert plan_buckets(tuple(sizes), 2) == plan_buckets(iter(sizes), 2) == plan_buckets(np.array(sizes), 2) == want
+    assert plan_buckets(torch.tensor(sizes).reshape(7, 1), 2) == plan_buckets((n for n in sizes), 2) == want
+    assert plan_buckets([np.int64(n) for n in sizes], 2) == want
+    with pytest.raises(ValueError, match=r"observed_sizes\[3\] is -4"):  # an otherwise plain int list
+        plan_buckets([1, 2, 3, -4, 5], 2)
+    with pytest.raises(TypeError, match=r"observed_sizes\[0\] is a float \(1.0\)"):  # a float array: no ints
+        plan_buckets(np.array([1.0, 2.5]), 2)
+    with pytest.raises(TypeError, match=r"observed_sizes\[0\] is a bool \(True\)"):
+        plan_buckets(torch.tensor([True, False, True]), 2)
 
 
 def test_padding_of_counts_padded_rows_and_eager_calls():
