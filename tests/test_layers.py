@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: The layers, bottom up: (name, module prefixes). A module is in the layer of its longest prefix.
 LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("foundation", ("graphrunner._aten", "graphrunner._env", "graphrunner._frames", "graphrunner._pytree",
-                    "graphrunner.errors", "graphrunner.trace", "graphrunner.report")),
+                    "graphrunner.errors", "graphrunner.trace", "graphrunner.report", "graphrunner.progress")),
     ("tape", ("graphrunner.tape",)),
     ("devices", ("graphrunner.devices", "graphrunner.testing")),
     ("group", ("graphrunner.group", "graphrunner.channel")),
@@ -36,7 +36,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("checks", ("graphrunner.checks",)),
     ("server/capturer", ("graphrunner.serving", "graphrunner.server", "graphrunner.agreement", "graphrunner.dispatch",
                          "graphrunner.ownership", "graphrunner.capturing", "graphrunner.capturer",
-                         "graphrunner.background", "graphrunner.budget", "graphrunner.progress")),
+                         "graphrunner.background", "graphrunner.budget")),
     ("runner", ("graphrunner.runner", "graphrunner")),  # the package itself is the facade over the runner
     ("hf", ("graphrunner.hf",)),
     ("tools", ("graphrunner_tools",)),
