@@ -1,0 +1,833 @@
+"""transformers' continuous batching (``model.generate_batch``) with its model step served by graphrunner graphs.
+
+transformers (>= 5) ships a continuous-batching engine: a scheduler that mixes
+prefills and decodes of many requests in one varlen step, a paged KV cache
+(:class:`~transformers.generation.continuous_batching.cache.PagedAttentionCache`)
+and per-step metadata tensors (``cu_seq_lens_q/k``, ``read_index``,
+``write_index``, ``logits_indices``, a block-diagonal attention mask). One
+method runs the model for a step: ``ModelRunner.compute_batch(model,
+batch_data)`` (forward, logits processors, sampling into ``output_ids``).
+
+:func:`generate_batch` (and :class:`GraphBatching` under it) substitutes that
+one method. Everything else is transformers' own code: the manager, the
+scheduler, the cache and its allocators, ``prepare_batch_tensors`` (which
+builds the metadata), the logits processors and the sampler. The forward of
+each varlen step goes through one :class:`graphrunner.GraphRunner` with three
+named dims, ``tokens`` (query tokens), ``kv`` (keys read, per attention type,
+the longest of them) and ``reqs`` (requests), whose inputs are the step's
+metadata, each declared with bounds and a pad (the write index of a padding
+token is the allocator's write-trash slot, which no request owns). The
+attention mask is not an input: the step builds it in the graph from integer
+coordinates (each token's request and position, each key's request and
+position) that are derived from transformers' ``cu_seq_lens`` and validated
+against them at every call. See ``docs/continuous-batching.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from graphrunner.errors import CaptureError, GraphRunnerError
+from graphrunner.inputs import BatchInput
+from graphrunner.planning import plan_buckets
+from graphrunner.runner import GraphRunner
+
+logger = logging.getLogger("graphrunner")
+
+#: The attention implementations whose paged attention reads the step's attention mask (the ones served).
+MASKED_IMPLEMENTATIONS = ("sdpa", "paged|sdpa", "paged|eager", "eager")
+
+#: Pad of ``tok_req`` (a padding query's request): no key carries it.
+TOKEN_PAD_REQUEST = -1
+#: Pad of ``key_req`` (a padding key's request): masked with -inf for every query, so a padding key has weight
+#: exactly 0 even in a row whose real keys are all masked.
+KEY_PAD_REQUEST = -2
+
+#: Default graphs per dim for :func:`gr.plan_buckets <graphrunner.plan_buckets>` over the dry run's step sizes.
+DEFAULT_MAX_GRAPHS = {"tokens": 8, "kv": 8, "reqs": 4}
+
+_DIMS = ("tokens", "kv", "reqs")
+
+
+class MetadataError(GraphRunnerError, ValueError):
+    """A step's metadata breaks the contract of :func:`generate_batch` (a stale or inconsistent
+    ``cu_seq_lens``, a write index outside the cache, ...): raised at the call, before anything is replayed."""
+
+
+@dataclass
+class BatchingStats:
+    """What a :class:`GraphBatching` served: ``steps`` (forward steps), ``replayed`` (served by a graph),
+    ``eager_steps`` (served eagerly: GraphRunner fallbacks, steps before capture, decode fast-path steps),
+    ``real_tokens`` / ``padded_tokens`` (query tokens of replayed steps: real, and padding the graphs computed),
+    ``graphs`` (keys captured), ``capture_seconds``, ``dry_run_seconds`` (the planning run of the scheduler),
+    ``step_sizes`` (``(tokens, kv, reqs)`` of every varlen step seen, dry run included) and ``keys`` (the keys)."""
+
+    steps: int = 0
+    replayed: int = 0
+    eager_steps: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    graphs: int = 0
+    capture_seconds: float = 0.0
+    dry_run_seconds: float = 0.0
+    step_sizes: List[Tuple[int, int, int]] = field(default_factory=list)
+    keys: List[Tuple[int, int, int]] = field(default_factory=list)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The counters as plain Python values (for JSON)."""
+        return {"steps": self.steps, "replayed": self.replayed, "eager_steps": self.eager_steps,
+                "real_tokens": self.real_tokens, "padded_tokens": self.padded_tokens, "graphs": self.graphs,
+                "capture_seconds": self.capture_seconds, "dry_run_seconds": self.dry_run_seconds,
+                "keys": [list(k) for k in self.keys]}
+
+
+# --------------------------------------------------------------------------- refusal
+
+
+def refusal(model, continuous_batching_config=None) -> Optional[str]:
+    """Why :func:`generate_batch` cannot serve ``model`` through graphs, or ``None`` when it can.
+
+    Served: models whose continuous batching runs transformers' index-based paged
+    cache with a mask-based attention (``sdpa``, ``eager`` / ``paged|eager``),
+    synchronous batching, every layer a full- or sliding-attention layer.
+    Refused: flash attention (its varlen kernels take ``max_length_q/k`` as
+    Python ints, which a graph would freeze, and the decode fast path's block
+    table), asynchronous batching, and layer types transformers' paged cache has no
+    allocator for (state-space and linear-attention layers of hybrid models)."""
+    from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
+
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "generate_batch"):
+        return f"{type(model).__name__} is not a transformers generation model (no config / generate_batch)"
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in MASKED_IMPLEMENTATIONS:
+        return (f"its attention implementation {impl!r} is not mask-based: flash varlen attention takes "
+                "max_length_q/k as Python ints a graph would freeze (and a block table on its decode fast path); "
+                "load the model with attn_implementation='sdpa' or 'eager'")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    try:
+        groups = group_layers_by_attn_type(text)
+    except ValueError as exc:
+        layer_types = sorted(set(getattr(text, "layer_types", None) or []))
+        return (f"transformers' paged cache has no allocator for its layer types {layer_types} ({exc}): "
+                "continuous batching itself cannot run it")
+    if getattr(text, "kv_lora_rank", None) is not None:
+        return "its latent (MLA) attention cache is not one of the index-based caches the step is written for"
+    cb = continuous_batching_config
+    if cb is not None and getattr(cb, "use_async_batching", None):
+        return "asynchronous batching double-buffers the step's inputs; run it with use_async_batching=False"
+    if not groups:
+        return "it has no attention layers"
+    return None
+
+
+# --------------------------------------------------------------------------- the step and its inputs
+
+
+@dataclass
+class _Group:
+    """One cache allocator (an attention type) as the step sees it."""
+
+    index: int
+    layer_type: str
+    write_trash: int
+    read_trash: int
+    sentinel: int
+    first_real: int
+    last_index: int
+    window: Optional[int]
+
+
+def _groups(cache) -> List[_Group]:
+    """The cache's allocators: their trash, sentinel and real index ranges, and sliding windows."""
+    out = []
+    for layer_type, alloc in cache.cache_allocators.items():
+        views = list(getattr(alloc, "_kv_token_views", {}).values())
+        if not views:
+            raise CaptureError(f"cache allocator {type(alloc).__name__} ({layer_type}) keeps no per-token K/V views: "
+                               "not an index-based paged cache")
+        last = min(min(k.shape[0], v.shape[0]) for k, v in views) - 1
+        out.append(_Group(index=alloc.index, layer_type=layer_type, write_trash=int(alloc.write_trash_index),
+                          read_trash=int(alloc.read_trash_index), sentinel=int(alloc.sentinel_index),
+                          first_real=2 * int(alloc.write_trash_index), last_index=int(last),
+                          window=getattr(alloc, "sliding_window", None) if layer_type == "sliding_attention" else None))
+    return out
+
+
+def check_trash(cache, groups: Sequence[_Group]) -> None:
+    """Raise :class:`CaptureError` unless every allocator's write-trash slot (the write index of every
+    padding token) lies in the trash sectors that no request is ever given."""
+    for g in groups:
+        if not (g.sentinel < g.write_trash < g.first_real):
+            raise CaptureError(
+                f"padding tokens of the {g.layer_type} layers would write cache slot {g.write_trash}, which is not "
+                f"in the trash sectors (slots {g.sentinel + 1}..{g.first_real - 1}; real slots start at "
+                f"{g.first_real}): a padding token would overwrite a real request's K/V. The allocator's "
+                "write_trash_index must point into the write-trash sector")
+
+
+def step_inputs(groups: Sequence[_Group], vocab_size: int, max_position: int, max_requests: int,
+                max_tokens: int) -> Dict[str, BatchInput]:
+    """The :class:`~graphrunner.BatchInput` of every metadata tensor of the step, with bounds and pads.
+
+    ``tokens`` dim: ``input_ids``, ``position_ids``, ``tok_req`` (each query token's request) and
+    ``write_index_<i>`` per allocator (pad: the write-trash slot). ``kv`` dim: ``read_index_<i>``
+    (pad: the read-trash slot), ``key_req_<i>`` and ``key_pos_<i>`` (each key's request and position).
+    ``reqs`` dim: ``logits_indices``."""
+    tokens, kv, reqs = ("tokens",), ("kv",), ("reqs",)
+    spec = {
+        "input_ids": BatchInput(dtype=torch.int32, dims=tokens, pad=0, bounds=(0, vocab_size - 1)),
+        "position_ids": BatchInput(dtype=torch.int32, dims=tokens, pad=0, bounds=(0, max_position - 1)),
+        "tok_req": BatchInput(dtype=torch.int32, dims=tokens, pad=TOKEN_PAD_REQUEST, bounds=(0, max_requests - 1)),
+        "logits_indices": BatchInput(dtype=torch.int32, dims=reqs, pad=0, bounds=(0, max_tokens - 1)),
+    }
+    for g in groups:
+        # sliding layers read a sentinel slot (and write the write trash for tokens beyond the window)
+        lo_read = g.sentinel if g.window is not None else g.first_real
+        lo_write = g.write_trash if g.window is not None else g.first_real
+        spec[f"write_index_{g.index}"] = BatchInput(dtype=torch.int64, dims=tokens, pad=g.write_trash,
+                                                    bounds=(lo_write, g.last_index))
+        spec[f"read_index_{g.index}"] = BatchInput(dtype=torch.int64, dims=kv, pad=g.read_trash,
+                                                   bounds=(lo_read, g.last_index))
+        spec[f"key_req_{g.index}"] = BatchInput(dtype=torch.int32, dims=kv, pad=KEY_PAD_REQUEST,
+                                                bounds=(0, max_requests - 1))
+        spec[f"key_pos_{g.index}"] = BatchInput(dtype=torch.int32, dims=kv, pad=0, bounds=(0, max_position - 1))
+    return spec
+
+
+def make_step(model, cache, groups: Sequence[_Group], use_logits_to_keep: bool):
+    """Return ``step(**metadata) -> logits [reqs, vocab]``: one varlen forward of ``model`` over the paged ``cache``.
+
+    The attention mask of each attention type is built in the step: query token
+    ``t`` may attend key ``j`` iff they belong to the same request, the key's
+    position is at most the query's, and (sliding layers) within the window;
+    a padding key (``key_req == KEY_PAD_REQUEST``) is ``-inf`` for every query,
+    other masked cells ``finfo.min`` (as transformers' ``build_attention_mask``).
+    ``cu_seq_lens_*`` and ``max_length_*`` are placeholders: mask-based
+    attention does not read them (they are validated at the call instead)."""
+    dtype = model.dtype
+    min_value = torch.finfo(dtype).min
+    single = len(groups) == 1
+
+    def step(input_ids, position_ids, tok_req, logits_indices, **per_group):
+        masks: Dict[str, torch.Tensor] = {}
+        read, write = [], []
+        q_pos = position_ids.long()[:, None]
+        for g in groups:
+            key_req = per_group[f"key_req_{g.index}"]
+            key_pos = per_group[f"key_pos_{g.index}"].long()[None, :]
+            allowed = (tok_req[:, None] == key_req[None, :]) & (key_pos <= q_pos)
+            if g.window is not None:
+                allowed = allowed & (key_pos > q_pos - g.window)
+            zero = torch.zeros((), dtype=dtype, device=input_ids.device)
+            mask = torch.where(allowed, zero, torch.full((), min_value, dtype=dtype, device=input_ids.device))
+            mask = mask.masked_fill((key_req == KEY_PAD_REQUEST)[None, :], float("-inf"))
+            masks[g.layer_type] = mask[None, None]
+            read.append(per_group[f"read_index_{g.index}"])
+            write.append(per_group[f"write_index_{g.index}"])
+        n_tok = input_ids.shape[0]
+        n_kv = read[0].shape[0]
+        placeholder = torch.zeros(logits_indices.shape[0] + 1, dtype=torch.int32, device=input_ids.device)
+        kwargs = dict(
+            input_ids=input_ids[None], position_ids=position_ids[None],
+            attention_mask=next(iter(masks.values())) if single else masks,
+            cu_seq_lens_q=placeholder, max_length_q=n_tok,
+            cu_seq_lens_k={g.layer_type: placeholder for g in groups},
+            max_length_k={g.layer_type: n_kv for g in groups},
+            read_index=read, write_index=write, logits_indices=logits_indices, cache=cache,
+            block_table=None, use_cache=False, is_causal=False,
+        )
+        if use_logits_to_keep:
+            kwargs["logits_to_keep"] = logits_indices
+            logits = model(**kwargs).logits
+        else:
+            logits = model(**kwargs).logits[:, logits_indices.long(), :]
+        return logits[0]
+
+    return step
+
+
+# --------------------------------------------------------------------------- metadata from transformers' IO
+
+
+def _first_new_token_mask(requests_in_batch) -> torch.Tensor:
+    return torch.tensor([bool(fs.has_new_token) for fs in requests_in_batch], dtype=torch.bool)
+
+
+def step_feeds(io, cache, groups: Sequence[_Group], debug: bool = False) -> Dict[str, torch.Tensor]:
+    """The step's inputs for the batch transformers prepared in ``io`` (a ``ContinuousBatchingIOs``), checked.
+
+    Reads what ``prepare_batch_tensors`` wrote (``input_ids``, ``position_ids``,
+    ``cumulative_seqlens_q/k``, ``write/read_index_storage``, ``logits_indices``)
+    and derives each token's and key's request and position from the
+    ``cu_seq_lens``. Raises :class:`MetadataError` naming the tensor when the
+    metadata breaks the contract: ``cu_seq_lens_q`` must start at 0, grow by at
+    least 1 per request and end at the number of query tokens, positions must
+    be consecutive inside each request, ``cu_seq_lens_k`` must end at the keys
+    read, ``logits_indices`` must be each sampled request's last token, and every
+    write index of a real token must lie in the cache, not in the read trash.
+    ``debug=True`` also rebuilds transformers' own attention mask from the
+    derived coordinates and compares it (cost: one ``[tokens, kv]`` pass per type)."""
+    n_req = int(io.num_request_in_batch)
+    n_tok = int(io.total_seqlen_q)
+    if n_req < 1 or n_tok < 1:
+        raise MetadataError(f"a step with {n_req} requests and {n_tok} query tokens: nothing to run")
+    dev = io.input_ids.device
+    cu_q = io.cumulative_seqlens_q[: n_req + 1].long()
+    lens_q = cu_q[1:] - cu_q[:-1]
+    if int(cu_q[0]) != 0 or bool((lens_q < 1).any()) or int(cu_q[-1]) != n_tok:
+        raise MetadataError(f"cu_seq_lens_q {cu_q.tolist()} is stale or inconsistent: it must start at 0, grow by at "
+                            f"least 1 per request ({n_req} requests) and end at the step's {n_tok} query tokens")
+    input_ids = io.input_ids[:n_tok]
+    position_ids = io.position_ids[:n_tok]
+    req_ids = torch.arange(n_req, device=dev)
+    tok_req = torch.repeat_interleave(req_ids, lens_q)
+    pos = position_ids.long()
+    starts = cu_q[:-1]
+    inner = torch.ones(n_tok, dtype=torch.bool, device=dev)
+    inner[starts] = False
+    if bool(((pos[1:] - pos[:-1]) != 1)[inner[1:]].any()):
+        raise MetadataError("cu_seq_lens_q is stale or inconsistent with position_ids: positions are not consecutive "
+                            f"inside a request (cu_seq_lens_q {cu_q.tolist()})")
+    new = _first_new_token_mask(io.requests_in_batch)
+    expected = (cu_q[1:] - 1)[new.to(dev)]
+    got = io.logits_indices[: expected.shape[0]].long()
+    if not torch.equal(got, expected):
+        raise MetadataError(f"logits_indices {io.logits_indices[:n_req].tolist()} do not point at the last token of "
+                            f"each sampled request (expected {expected.tolist()} from cu_seq_lens_q)")
+    logits_indices = io.logits_indices[:n_req]
+    feeds: Dict[str, torch.Tensor] = {"input_ids": input_ids, "position_ids": position_ids,
+                                      "tok_req": tok_req.to(torch.int32), "logits_indices": logits_indices}
+    reads_cache = int(io.max_kv_read) > 0
+    per_group = []
+    for g in groups:
+        cu_k = io.cumulative_seqlens_k[g.layer_type][: n_req + 1].long()
+        lens_k = cu_k[1:] - cu_k[:-1]
+        n_key = int(cu_k[-1])
+        if int(cu_k[0]) != 0 or bool((lens_k < lens_q).any()) or n_key != int(io.total_seqlen_k[g.layer_type]):
+            raise MetadataError(f"cu_seq_lens_k[{g.layer_type!r}] {cu_k.tolist()} is stale or inconsistent: it must "
+                                "start at 0, give each request at least its query tokens and end at the keys read "
+                                f"({io.total_seqlen_k[g.layer_type]})")
+        write = io.write_index_storage[g.index, :n_tok]
+        if int(io.true_write_sizes[g.index]) != n_tok:
+            raise MetadataError(f"write_index[{g.index}] has {io.true_write_sizes[g.index]} entries for {n_tok} tokens")
+        if reads_cache:
+            if int(io.true_read_sizes[g.index]) != n_key:
+                raise MetadataError(f"read_index[{g.index}] has {io.true_read_sizes[g.index]} entries, cu_seq_lens_k "
+                                    f"[{g.layer_type!r}] says {n_key}")
+            read = io.read_index_storage[g.index, :n_key]
+        else:
+            # no request reads its past (all first prefill chunks): read the step's own keys back, as the
+            # allocator would index them (full layers: the written slots; sliding layers: sentinels)
+            if bool((pos[starts] != 0).any()):
+                raise MetadataError("a step without cache reads (max_kv_read 0) holds a request that does not start "
+                                    "at position 0")
+            alloc = cache.cache_allocators[g.layer_type]
+            idx: List[int] = []
+            for fs in io.requests_in_batch:
+                idx.extend(alloc.get_read_indices(fs.state.request_id, 0, fs.query_length))
+            read = torch.tensor(idx, dtype=torch.int64, device=dev)
+            if read.shape[0] != n_key:
+                raise MetadataError(f"{read.shape[0]} keys rebuilt for the {g.layer_type} layers, cu_seq_lens_k says "
+                                    f"{n_key}")
+        key_req = torch.repeat_interleave(req_ids, lens_k)
+        first = pos[starts] - (lens_k - lens_q)  # the position of each request's first key
+        key_pos = first[key_req] + (torch.arange(n_key, device=dev) - cu_k[:-1][key_req])
+        per_group.append((g, write, read, key_req, key_pos))
+    bad = [(g, w) for g, w, *_ in per_group
+           if bool(((w < g.write_trash) | (w > g.last_index)).any())]
+    if bad:
+        g, w = bad[0]
+        raise MetadataError(f"write_index[{g.index}] ({g.layer_type}) holds {w.tolist()}: a real token must write a "
+                            f"slot in {g.write_trash}..{g.last_index}, never the read trash or outside the cache")
+    n_kv = max(r.shape[0] for _, _, r, _, _ in per_group)
+    for g, write, read, key_req, key_pos in per_group:
+        extra = n_kv - read.shape[0]
+        if extra:  # a shorter attention type: its extra keys are padding keys
+            read = torch.cat([read, torch.full((extra,), g.read_trash, dtype=read.dtype, device=dev)])
+            key_req = torch.cat([key_req, torch.full((extra,), KEY_PAD_REQUEST, dtype=key_req.dtype, device=dev)])
+            key_pos = torch.cat([key_pos, torch.zeros(extra, dtype=key_pos.dtype, device=dev)])
+        feeds[f"write_index_{g.index}"] = write
+        feeds[f"read_index_{g.index}"] = read
+        feeds[f"key_req_{g.index}"] = key_req.to(torch.int32)
+        feeds[f"key_pos_{g.index}"] = key_pos.to(torch.int32)
+        if debug and io.attention_mask is not None:
+            _compare_mask(io, g, tok_req, pos, key_req, key_pos, n_tok)
+    return feeds
+
+
+def _compare_mask(io, g: _Group, tok_req, pos, key_req, key_pos, n_tok: int) -> None:
+    """Debug: the mask the step builds must allow exactly what transformers' own mask allows."""
+    theirs = io.attention_mask[g.layer_type][0, 0, :n_tok]
+    n_key = int(io.total_seqlen_k[g.layer_type])
+    theirs = theirs[:, :n_key] == 0
+    kp, kr = key_pos[:n_key][None, :], key_req[:n_key][None, :]
+    ours = (tok_req[:, None] == kr) & (kp <= pos[:, None])
+    if g.window is not None:
+        ours &= kp > pos[:, None] - g.window
+    if not torch.equal(ours, theirs):
+        bad = (ours != theirs).nonzero()[0].tolist()
+        raise MetadataError(f"the attention mask derived from cu_seq_lens differs from transformers' own mask for the "
+                            f"{g.layer_type} layers at (query, key) {tuple(bad)}: stale cu_seq_lens")
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def _covering(buckets: Sequence[int], n: int) -> Optional[int]:
+    for b in buckets:
+        if b >= n:
+            return b
+    return None
+
+
+def plan_keys(step_sizes: Sequence[Tuple[int, int, int]], max_graphs: Optional[Dict[str, int]] = None
+              ) -> Tuple[Dict[str, List[int]], List[Tuple[int, int, int]]]:
+    """``(buckets, keys)`` for ``step_sizes`` (``(tokens, kv, reqs)`` per step).
+
+    Each dim is planned on its own by :func:`graphrunner.plan_buckets` with at
+    most ``max_graphs[dim]`` buckets (default :data:`DEFAULT_MAX_GRAPHS`); the
+    keys are the ones the steps land on, plus the key of the largest bucket of
+    every dim (the static buffers are allocated at it). Raises ``ValueError``
+    for an empty workload."""
+    sizes = [tuple(int(v) for v in s) for s in step_sizes]
+    if not sizes:
+        raise ValueError("no step sizes to plan buckets from: pass buckets= or a non-empty workload")
+    limits = dict(DEFAULT_MAX_GRAPHS)
+    limits.update(max_graphs or {})
+    buckets = plan_buckets({d: [s[i] for s in sizes] for i, d in enumerate(_DIMS)},
+                           max_graphs={d: int(limits[d]) for d in _DIMS}, progress=False)
+    keys = {tuple(_covering(buckets[d], s[i]) for i, d in enumerate(_DIMS)) for s in sizes}
+    keys.add(tuple(buckets[d][-1] for d in _DIMS))
+    return buckets, sorted(keys)
+
+
+# --------------------------------------------------------------------------- the hook on transformers' manager
+
+
+class GraphBatching:
+    """The graph-served step of one transformers ``ContinuousBatchingManager``.
+
+    ``GraphBatching(model, buckets=None, keys=None, max_graphs=None, backend="full", device="auto",
+    debug=False, checks=("drift", "fingerprint"), equivalence=True)``; :meth:`install` it on a manager
+    (``model.init_continuous_batching(...)``) before the manager starts: the
+    manager's batch processor then runs every varlen step's forward through
+    :attr:`runner` (a :class:`~graphrunner.GraphRunner` over dims ``tokens``,
+    ``kv``, ``reqs``) once :meth:`capture` has run, and eagerly before. Steps
+    larger than every key take GraphRunner's eager fallback (counted in
+    ``stats.eager_steps``). Everything but the forward (logits processors,
+    sampling, scheduling) is transformers' own code.
+
+    ``buckets``: ``{"tokens": [...], "kv": [...], "reqs": [...]}``, or ``None``
+    to plan them from the step sizes recorded so far (:meth:`plan`).
+    ``equivalence``: after capture, replay every key on a synthetic batch
+    whose metadata is valid (random requests, positions and cache slots) and
+    compare with the eager step on the same batch unpadded; a difference is a
+    :class:`CaptureError`. GraphRunner's generic padding check draws every
+    integer input independently, which breaks the request structure the mask is
+    built from (a token and a key of one request), so it is replaced by this
+    one by default (``checks=`` passes GraphRunner's checks through).
+    Raises :class:`CaptureError` at capture for a model :func:`refusal` refuses
+    and for padding tokens that would write a real cache slot."""
+
+    def __init__(self, model, buckets: Optional[Dict[str, Sequence[int]]] = None, keys: Optional[Sequence] = None,
+                 max_graphs: Optional[Dict[str, int]] = None, backend: Any = "full", device: Any = "auto",
+                 debug: bool = False, checks: Any = ("drift", "fingerprint"), equivalence: bool = True) -> None:
+        if buckets is not None:
+            if not isinstance(buckets, dict) or set(buckets) != set(_DIMS):
+                raise ValueError(f"buckets must be a dict with the dims {list(_DIMS)}, got {buckets!r}")
+        if max_graphs is not None:
+            unknown = set(max_graphs) - set(_DIMS)
+            if unknown:
+                raise ValueError(f"max_graphs names unknown dims {sorted(unknown)}; the dims are {list(_DIMS)}")
+        self.model = model
+        self.buckets = None if buckets is None else {d: sorted(int(b) for b in buckets[d]) for d in _DIMS}
+        self.keys = None if keys is None else [tuple(int(v) for v in k) for k in keys]
+        self.max_graphs = max_graphs
+        self.backend, self.device, self.debug, self.checks = backend, device, bool(debug), checks
+        self.equivalence = bool(equivalence)
+        self.mode = "eager"  # "record" (dry run: no forward), "eager", "graph"
+        self.runner: Optional[GraphRunner] = None
+        self.report = None
+        self.stats = BatchingStats()
+        self.batch_processor = None
+        self.groups: List[_Group] = []
+        self.seed: Optional[int] = None
+        self.record_token = 0
+        self._original_compute = None
+        self._eos: List[int] = []
+        #: The first exception the step raised inside transformers' generation thread (re-raised by generate_batch).
+        self.error: Optional[BaseException] = None
+
+    # ----------------------------------------------------------------- installation
+    def install(self, manager) -> None:
+        """Hook this object into ``manager`` (a ``ContinuousBatchingManager``, not started): its batch processor,
+        created in the generation thread, runs the forward through :meth:`compute_batch`. Raises
+        :class:`CaptureError` when :func:`refusal` refuses the model."""
+        why = refusal(self.model, manager.continuous_batching_config)
+        if why is None and manager.continuous_batching_config.use_async_batching:
+            why = "asynchronous batching double-buffers the step's inputs; run it with use_async_batching=False"
+        if why is not None:
+            raise CaptureError(f"gr.hf.generate_batch cannot serve architecture {self._model_type()!r}: {why}")
+        eos = manager.generation_config.eos_token_id
+        self._eos = [eos] if isinstance(eos, int) else list(eos or [])
+        vocab = self._vocab()
+        self.record_token = next(t for t in range(vocab) if t not in self._eos)
+        original = manager._create_batch_processor
+
+        def create():
+            fresh = getattr(manager, "batch_processor", None) is None
+            bp = original()
+            if fresh or self.batch_processor is not bp:
+                self._attach(bp)
+            elif self.seed is not None:  # a later session of the same processor: the same random stream again
+                torch.manual_seed(self.seed)
+            return bp
+
+        manager._create_batch_processor = create
+        self.manager = manager
+
+    def _attach(self, bp) -> None:
+        self.batch_processor = bp
+        self.seed = torch.initial_seed()  # set_tp_seed has just seeded the default generator
+        mr = bp.model_runner
+        if mr.pad_inputs:
+            raise CaptureError("the manager pads its inputs for its own CUDA graphs or torch.compile: build it with "
+                               "use_cuda_graph=False and no compile config (graphrunner captures the step)")
+        self.groups = _groups(bp.cache)
+        self._original_compute = mr.compute_batch
+        mr.compute_batch = self.compute_batch
+
+    def _model_type(self) -> str:
+        return getattr(getattr(self.model, "config", None), "model_type", type(self.model).__name__)
+
+    def _vocab(self) -> int:
+        emb = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
+        return int(getattr(emb, "num_embeddings", None) or self.model.config.get_text_config().vocab_size)
+
+    # ----------------------------------------------------------------- the substituted method
+    def compute_batch(self, model, batch_data: dict) -> None:
+        """``ModelRunner.compute_batch`` served by the graphs: forward (replayed), then transformers' own
+        logits processing and sampling into the output tensor."""
+        try:
+            return self._compute_batch(model, batch_data)
+        except BaseException as exc:  # transformers' loop turns it into failed requests: keep it to re-raise
+            if self.error is None:
+                self.error = exc
+            raise
+
+    def _compute_batch(self, model, batch_data: dict) -> None:
+        bp = self.batch_processor
+        io = bp.inputs_and_outputs
+        mr = bp.model_runner
+        if io.use_block_table:  # the decode fast path (flash attention only): never reached for masked attention
+            self.stats.steps += 1
+            self.stats.eager_steps += 1
+            return self._original_compute(model, batch_data)
+        feeds = step_feeds(io, bp.cache, self.groups, debug=self.debug)
+        size = (int(io.total_seqlen_q), int(feeds["read_index_0"].shape[0]), int(io.num_request_in_batch))
+        self.stats.step_sizes.append(size)
+        if self.mode == "record":
+            io.output_ids[0, : size[2]].fill_(self.record_token)
+            return None
+        self.stats.steps += 1
+        runner = self.runner
+        if self.mode == "graph" and runner is not None:
+            before = runner.stats.fallbacks
+            logits = runner(**feeds)
+            if runner.stats.fallbacks > before:
+                self.stats.eager_steps += 1
+            else:
+                self.stats.replayed += 1
+                key = runner.stats.last_bucket
+                self.stats.real_tokens += size[0]
+                self.stats.padded_tokens += int(key[0]) - size[0]
+        else:
+            self.stats.eager_steps += 1
+            logits = self._step()(**feeds)
+        self._sample(mr, batch_data, logits, io)
+        return None
+
+    def _sample(self, mr, batch_data: dict, logits: torch.Tensor, io) -> None:
+        """transformers' ``_forward_process_and_sample`` after the forward, on the step's logits."""
+        logits = logits.unsqueeze(0).float()  # [1, num_logits, vocab]
+        if mr.logit_processor.do_processing:
+            _, num_logits, vocab = logits.shape
+            logits_2d = logits.view(num_logits, vocab)
+            sliced = batch_data["input_ids"][0, batch_data["logits_indices"]]
+            logits_2d = mr.logit_processor(sliced, logits_2d, batch_data["logits_processor_args"])
+            scores = logits_2d.view(1, num_logits, vocab)
+        else:
+            scores = logits
+        mr._sample(scores, io.output_ids)
+
+    def _step(self):
+        bp = self.batch_processor
+        if getattr(self, "_step_fn", None) is None:
+            self._step_fn = make_step(self.model, bp.cache, self.groups, bp.model_runner.supports_logits_to_keep(self.model))
+        return self._step_fn
+
+    # ----------------------------------------------------------------- planning and capture
+    def plan(self) -> Tuple[Dict[str, List[int]], List[Tuple[int, int, int]]]:
+        """Buckets and keys: the declared ones, else :func:`plan_keys` over the step sizes recorded so far."""
+        if self.buckets is not None:
+            if self.keys is not None:
+                return self.buckets, self.keys
+            import itertools
+            return self.buckets, sorted(itertools.product(*(self.buckets[d] for d in _DIMS)))
+        return plan_keys(self.stats.step_sizes, self.max_graphs)
+
+    def capture(self):
+        """Build :attr:`runner` over the planned keys and capture it (blocking); return GraphRunner's report.
+
+        Needs the batch processor (the manager has run once). Checks the trash
+        slots first, runs the equivalence check after, empties the cache (the
+        capture's forwards wrote it) and reseeds the default generator with the
+        manager's seed, so the next session samples as the first did. Raises
+        :class:`CaptureError` naming the architecture and the reason."""
+        bp = self.batch_processor
+        if bp is None:
+            raise GraphRunnerError("capture() needs the manager's batch processor: run the manager once first "
+                                   "(gr.hf.generate_batch does a dry run of the scheduler)")
+        check_trash(bp.cache, self.groups)
+        buckets, keys = self.plan()
+        cache, io = bp.cache, bp.inputs_and_outputs
+        text = self.model.config.get_text_config()
+        max_pos = max(int(getattr(text, "max_position_embeddings", 0) or 0), int(cache.max_tokens_read) + 1)
+        spec = step_inputs(self.groups, self._vocab(), max_pos, int(io.max_requests_per_batch),
+                           int(cache.max_batch_tokens))
+        t0 = time.perf_counter()
+        try:
+            self.runner = GraphRunner(self._step(), inputs=spec, buckets=buckets, keys=keys,
+                                      outputs=("reqs",), backend=self.backend, device=self.device, progress=False,
+                                      checks=self.checks, debug=self.debug, fallback="eager")
+            with torch.inference_mode():
+                self.report = self.runner.capture()
+                if self.equivalence:
+                    self._equivalence()
+        except GraphRunnerError as exc:
+            if isinstance(exc, CaptureError) and "gr.hf.generate_batch" in str(exc):
+                raise
+            raise CaptureError(f"gr.hf.generate_batch cannot serve architecture {self._model_type()!r}: {exc}") from exc
+        finally:
+            cache.cache_tensor.zero_()
+            if self.seed is not None:
+                torch.manual_seed(self.seed)
+        self.stats.capture_seconds += time.perf_counter() - t0
+        self.stats.graphs = len(self.runner.keys)
+        self.stats.keys = [tuple(k) for k in self.runner.keys]
+        self.mode = "graph"
+        return self.report
+
+    def _equivalence(self) -> None:
+        """Every key: a synthetic valid batch, replayed padded vs the eager step unpadded."""
+        runner = self.runner
+        gen = torch.Generator().manual_seed(0x6B76)
+        prev: Dict[str, int] = {d: 0 for d in _DIMS}
+        by_dim = {d: sorted({k[i] for k in runner.keys}) for i, d in enumerate(_DIMS)}
+        for key in sorted(runner.keys, key=lambda k: tuple(k)):
+            sizes = []
+            for i, d in enumerate(_DIMS):
+                below = [b for b in by_dim[d] if b < key[i]]
+                sizes.append(max(1, (below[-1] + 1) if below else 1))
+            feeds = self._synthetic(key, sizes, gen)
+            if feeds is None:
+                continue
+            real = {k: v.clone() for k, v in feeds.items()}
+            saved = self.batch_processor.cache.cache_tensor.clone()
+            try:
+                got = runner(**feeds).clone()
+                self.batch_processor.cache.cache_tensor.copy_(saved)
+                want = self._step()(**real)
+            finally:
+                self.batch_processor.cache.cache_tensor.copy_(saved)
+            if runner.stats.last_bucket != key and runner.stats.last_bucket is not None:
+                continue
+            diff = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
+            scale = want.double().abs().max().item() if want.numel() else 0.0
+            if not diff <= scale * 1e-4 + 1e-6:
+                raise CaptureError(
+                    f"gr.hf.generate_batch cannot serve architecture {self._model_type()!r}: the replayed step of "
+                    f"key (tokens, kv, reqs)={tuple(key)} differs from the eager step on the same valid batch without "
+                    f"padding (real sizes {tuple(sizes)}; max abs diff {diff:.3g} of scale {scale:.3g}): padding "
+                    "tokens or keys reach real requests (a padding write into a real cache slot, a mask that lets "
+                    "a real query see a padding key)")
+
+    def _synthetic(self, key, sizes, gen: torch.Generator) -> Optional[Dict[str, torch.Tensor]]:
+        """A valid batch of ``sizes`` (tokens, kv, reqs) for full/sliding layers: ``reqs`` requests whose
+        queries end each prompt, keys the request's past and present, every real write a distinct real slot."""
+        n_tok, n_kv, n_req = sizes
+        n_req = min(n_req, n_tok)
+        if n_kv < n_tok:
+            n_kv = n_tok
+        if n_kv > key[1] or n_tok > key[0] or n_req > key[2]:
+            return None
+        # split tokens and keys over requests: request r gets q_r >= 1 queries and k_r >= q_r keys
+        cut_q = sorted(torch.randperm(n_tok - 1, generator=gen)[: n_req - 1].add(1).tolist()) if n_req > 1 else []
+        lens_q = [b - a for a, b in zip([0] + cut_q, cut_q + [n_tok])]
+        extra = n_kv - n_tok
+        cut_e = sorted(torch.randint(0, extra + 1, (n_req - 1,), generator=gen).tolist()) if n_req > 1 else []
+        past = [b - a for a, b in zip([0] + cut_e, cut_e + [extra])]
+        vocab = self._vocab()
+        dev = self.batch_processor.inputs_and_outputs.input_ids.device
+        ids, pos, treq, kreq, kpos, logit_idx = [], [], [], [], [], []
+        for r, (q, p) in enumerate(zip(lens_q, past)):
+            pos.extend(range(p, p + q))
+            treq.extend([r] * q)
+            kreq.extend([r] * (p + q))
+            kpos.extend(range(0, p + q))
+            logit_idx.append(len(pos) - 1)
+        ids = torch.randint(0, vocab, (n_tok,), generator=gen)
+        feeds = {"input_ids": ids.to(torch.int32), "position_ids": torch.tensor(pos, dtype=torch.int32),
+                 "tok_req": torch.tensor(treq, dtype=torch.int32), "logits_indices": torch.tensor(logit_idx, dtype=torch.int32)}
+        for g in self.groups:
+            slots = torch.randperm(g.last_index - g.first_real + 1, generator=gen)[: n_kv] + g.first_real
+            # keys of request r: its past slots then its new tokens' slots (full layers: written then read back)
+            read, write = [], []
+            at = 0
+            for q, p in zip(lens_q, past):
+                s = slots[at: at + p + q].tolist()
+                at += p + q
+                if g.window is None:
+                    read.extend(s)
+                    write.extend(s[p:])
+                else:  # sliding: past slots, then sentinels for the new keys
+                    read.extend(s[:p] + [g.sentinel] * q)
+                    write.extend(s[p:])
+            feeds[f"write_index_{g.index}"] = torch.tensor(write, dtype=torch.int64)
+            feeds[f"read_index_{g.index}"] = torch.tensor(read, dtype=torch.int64)
+            feeds[f"key_req_{g.index}"] = torch.tensor(kreq, dtype=torch.int32)
+            if g.window is None:
+                feeds[f"key_pos_{g.index}"] = torch.tensor(kpos, dtype=torch.int32)
+            else:
+                feeds[f"key_pos_{g.index}"] = torch.tensor(kpos, dtype=torch.int32)
+        return {k: v.to(dev) for k, v in feeds.items()}
+
+
+# --------------------------------------------------------------------------- generate_batch
+
+
+def _workload_hints(inputs, generation_config, max_new_tokens):
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    n_ret = generation_config.num_return_sequences if generation_config.num_return_sequences is not None else 1
+    return WorkloadHints(max_prompt_length=max(len(x) for x in inputs),
+                         max_generated_length=max_new_tokens if max_new_tokens is not None else 0,
+                         num_requests=len(inputs) * n_ret)
+
+
+def generate_batch(model, inputs: List[List[int]], generation_config=None, continuous_batching_config=None, *,
+                   buckets: Optional[Dict[str, Sequence[int]]] = None, keys: Optional[Sequence] = None,
+                   max_graphs: Optional[Dict[str, int]] = None, backend: Any = "full", device: Any = "auto",
+                   debug: bool = False, checks: Any = ("drift", "fingerprint"), equivalence: bool = True,
+                   stats: Optional[Dict[str, Any]] = None, **kwargs) -> Dict[str, Any]:
+    """``model.generate_batch(inputs, generation_config, continuous_batching_config, **kwargs)`` with the varlen
+    steps' forward replayed from graphrunner graphs; returns exactly what it returns.
+
+    ``inputs``: a list of prompts (lists of token ids); ``generation_config``,
+    ``continuous_batching_config`` and ``**kwargs`` (``max_new_tokens``,
+    ``record_timestamps``, ``progress_bar``) as for ``model.generate_batch``.
+    The result maps each request id (``req_0``, ...) to transformers'
+    ``GenerationOutput`` (``generated_tokens``). Greedy outputs equal
+    ``model.generate_batch`` token for token; sampled ones too with a
+    ``continuous_batching_config.seed`` (or after the same ``torch.manual_seed``).
+
+    How: a manager is built as ``model.generate_batch`` builds it (the same
+    workload hints). Unless ``buckets=`` is given, a dry run of transformers'
+    own scheduler over ``inputs`` (no forward; a fixed non-EOS token sampled)
+    records the step sizes ``(tokens, kv, reqs)``, and ``gr.plan_buckets`` plans
+    at most ``max_graphs[dim]`` buckets per dim (default
+    :data:`DEFAULT_MAX_GRAPHS`); the keys captured are those the steps land
+    on. Then the step is captured (``backend``, ``device``: as
+    :class:`~graphrunner.GraphRunner`), checked (:class:`GraphBatching`), the cache
+    emptied and the generation run. Steps larger than every key run
+    eagerly. ``stats``: a dict that receives :class:`BatchingStats` (``"stats"``),
+    the capture report (``"report"``) and the runner (``"runner"``).
+
+    Raises :class:`CaptureError` naming the architecture and the reason when the
+    model cannot be served (see :func:`refusal`), ``ValueError``/``TypeError``
+    for bad arguments."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    if not isinstance(inputs, (list, tuple)) or not all(isinstance(x, (list, tuple)) for x in inputs):
+        raise TypeError("inputs must be a list of prompts, each a list of token ids (as model.generate_batch takes)")
+    if not inputs:
+        return {}
+    if any(len(x) == 0 for x in inputs):
+        raise ValueError("every prompt in inputs needs at least one token")
+    if stats is not None and not isinstance(stats, dict):
+        raise TypeError(f"stats must be a dict to fill, got {type(stats).__name__}")
+    why = refusal(model, continuous_batching_config)
+    if why is not None:
+        raise CaptureError(f"gr.hf.generate_batch cannot serve architecture "
+                           f"{getattr(getattr(model, 'config', None), 'model_type', type(model).__name__)!r}: {why}")
+    gen_cfg = model.generation_config if generation_config is None else generation_config
+    if not isinstance(gen_cfg, GenerationConfig):
+        raise TypeError(f"generation_config must be a transformers GenerationConfig, got {type(gen_cfg).__name__}")
+    cb_cfg = ContinuousBatchingConfig() if continuous_batching_config is None else continuous_batching_config
+    max_new_tokens = kwargs.get("max_new_tokens", None)
+    max_new_tokens = gen_cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
+    if getattr(model, "_cached_continuous_batching_manager", None) is not None:
+        raise GraphRunnerError("the model holds a persistent continuous batching manager; call "
+                               "model.destroy_cached_continuous_batching_manager() first")
+    hints = _workload_hints(inputs, gen_cfg, max_new_tokens)
+    manager = model.init_continuous_batching(generation_config=generation_config,
+                                             continuous_batching_config=cb_cfg, workload_hints=hints)
+    hook = GraphBatching(model, buckets=buckets, keys=keys, max_graphs=max_graphs, backend=backend, device=device,
+                         debug=debug, checks=checks, equivalence=equivalence)
+    try:
+        hook.install(manager)
+        run_kwargs = dict(kwargs)
+        run_kwargs["persistent_manager"] = True
+        t0 = time.perf_counter()
+        hook.mode = "record"
+        model._cached_continuous_batching_manager = manager
+        _quiet_generate(model, inputs, generation_config, cb_cfg, {**run_kwargs, "progress_bar": False})
+        _reraise(hook)
+        hook.stats.dry_run_seconds = time.perf_counter() - t0
+        if hook.batch_processor is None:
+            raise GraphRunnerError("the dry run did not start transformers' batch processor")
+        hook.batch_processor.cache.reset()  # the dry run's blocks and prefix hashes hold no real K/V
+        hook.mode = "eager"
+        hook.capture()
+        manager._request_counter = 0  # the same request ids as model.generate_batch
+        model._cached_continuous_batching_manager = manager
+        out = model.generate_batch(inputs=inputs, generation_config=generation_config,
+                                   continuous_batching_config=cb_cfg, **run_kwargs)
+        _reraise(hook)
+    finally:
+        if getattr(model, "_cached_continuous_batching_manager", None) is manager:
+            model.destroy_cached_continuous_batching_manager()
+        else:
+            manager.destroy()
+        if hook.runner is not None and stats is None:
+            hook.runner.cleanup()
+    if stats is not None:
+        stats.update({"stats": hook.stats, "report": hook.report, "runner": hook.runner, "hook": hook})
+    return out
+
+
+def _reraise(hook: GraphBatching) -> None:
+    """Raise the step's first exception (transformers' generation thread only logs it and fails the requests)."""
+    if hook.error is not None:
+        err, hook.error = hook.error, None
+        raise err
+
+
+def _quiet_generate(model, inputs, generation_config, cb_cfg, run_kwargs) -> None:
+    """``model.generate_batch`` with transformers' persistent-manager warning silenced (the dry run)."""
+    from transformers.generation.continuous_batching.utils import logger as cb_logger
+
+    level = cb_logger.level
+    cb_logger.setLevel(logging.ERROR)
+    try:
+        model.generate_batch(inputs=inputs, generation_config=generation_config,
+                             continuous_batching_config=cb_cfg, **run_kwargs)
+    finally:
+        cb_logger.setLevel(level)
