@@ -64,6 +64,7 @@ class BatchingStats:
     """What a :class:`GraphBatching` served: ``steps`` (forward steps), ``replayed`` (served by a graph),
     ``eager_steps`` (served eagerly: GraphRunner fallbacks, steps before capture, decode fast-path steps),
     ``real_tokens`` / ``padded_tokens`` (query tokens of replayed steps: real, and padding the graphs computed),
+    ``real_keys`` / ``padded_keys`` (the same for the ``kv`` dim),
     ``graphs`` (keys captured), ``capture_seconds``, ``dry_run_seconds`` (the planning run of the scheduler),
     ``step_sizes`` (``(tokens, kv, reqs)`` of every varlen step seen, dry run included) and ``keys`` (the keys)."""
 
@@ -72,6 +73,8 @@ class BatchingStats:
     eager_steps: int = 0
     real_tokens: int = 0
     padded_tokens: int = 0
+    real_keys: int = 0
+    padded_keys: int = 0
     graphs: int = 0
     capture_seconds: float = 0.0
     dry_run_seconds: float = 0.0
@@ -81,7 +84,8 @@ class BatchingStats:
     def to_dict(self) -> Dict[str, Any]:
         """The counters as plain Python values (for JSON)."""
         return {"steps": self.steps, "replayed": self.replayed, "eager_steps": self.eager_steps,
-                "real_tokens": self.real_tokens, "padded_tokens": self.padded_tokens, "graphs": self.graphs,
+                "real_tokens": self.real_tokens, "padded_tokens": self.padded_tokens, "real_keys": self.real_keys,
+                "padded_keys": self.padded_keys, "graphs": self.graphs,
                 "capture_seconds": self.capture_seconds, "dry_run_seconds": self.dry_run_seconds,
                 "keys": [list(k) for k in self.keys]}
 
@@ -140,6 +144,7 @@ class _Group:
     sentinel: int
     first_real: int
     last_index: int
+    write_sector: int
     window: Optional[int]
 
 
@@ -152,9 +157,10 @@ def _groups(cache) -> List[_Group]:
             raise CaptureError(f"cache allocator {type(alloc).__name__} ({layer_type}) keeps no per-token K/V views: "
                                "not an index-based paged cache")
         last = min(min(k.shape[0], v.shape[0]) for k, v in views) - 1
+        sector = int(alloc.block_physical_stride) * int(alloc.blocks_per_sector)  # slots of one sector
         out.append(_Group(index=alloc.index, layer_type=layer_type, write_trash=int(alloc.write_trash_index),
                           read_trash=int(alloc.read_trash_index), sentinel=int(alloc.sentinel_index),
-                          first_real=2 * int(alloc.write_trash_index), last_index=int(last),
+                          first_real=2 * sector, last_index=int(last), write_sector=sector,
                           window=getattr(alloc, "sliding_window", None) if layer_type == "sliding_attention" else None))
     return out
 
@@ -163,10 +169,10 @@ def check_trash(cache, groups: Sequence[_Group]) -> None:
     """Raise :class:`CaptureError` unless every allocator's write-trash slot (the write index of every
     padding token) lies in the trash sectors that no request is ever given."""
     for g in groups:
-        if not (g.sentinel < g.write_trash < g.first_real):
+        if not (g.write_sector <= g.write_trash < g.first_real):
             raise CaptureError(
                 f"padding tokens of the {g.layer_type} layers would write cache slot {g.write_trash}, which is not "
-                f"in the trash sectors (slots {g.sentinel + 1}..{g.first_real - 1}; real slots start at "
+                f"in the write-trash sector (slots {g.write_sector}..{g.first_real - 1}; real slots start at "
                 f"{g.first_real}): a padding token would overwrite a real request's K/V. The allocator's "
                 "write_trash_index must point into the write-trash sector")
 
@@ -189,7 +195,7 @@ def step_inputs(groups: Sequence[_Group], vocab_size: int, max_position: int, ma
     for g in groups:
         # sliding layers read a sentinel slot (and write the write trash for tokens beyond the window)
         lo_read = g.sentinel if g.window is not None else g.first_real
-        lo_write = g.write_trash if g.window is not None else g.first_real
+        lo_write = g.write_sector if g.window is not None else g.first_real
         spec[f"write_index_{g.index}"] = BatchInput(dtype=torch.int64, dims=tokens, pad=g.write_trash,
                                                     bounds=(lo_write, g.last_index))
         spec[f"read_index_{g.index}"] = BatchInput(dtype=torch.int64, dims=kv, pad=g.read_trash,
@@ -259,7 +265,8 @@ def _first_new_token_mask(requests_in_batch) -> torch.Tensor:
     return torch.tensor([bool(fs.has_new_token) for fs in requests_in_batch], dtype=torch.bool)
 
 
-def step_feeds(io, cache, groups: Sequence[_Group], debug: bool = False) -> Dict[str, torch.Tensor]:
+def step_feeds(io, cache, groups: Sequence[_Group], debug: bool = False, validate: bool = True
+               ) -> Dict[str, torch.Tensor]:
     """The step's inputs for the batch transformers prepared in ``io`` (a ``ContinuousBatchingIOs``), checked.
 
     Reads what ``prepare_batch_tensors`` wrote (``input_ids``, ``position_ids``,
@@ -272,7 +279,8 @@ def step_feeds(io, cache, groups: Sequence[_Group], debug: bool = False) -> Dict
     read, ``logits_indices`` must be each sampled request's last token, and every
     write index of a real token must lie in the cache, not in the read trash.
     ``debug=True`` also rebuilds transformers' own attention mask from the
-    derived coordinates and compares it (cost: one ``[tokens, kv]`` pass per type)."""
+    derived coordinates and compares it (cost: one ``[tokens, kv]`` pass per type).
+    ``validate=False`` skips the checks (unsafe: a stale ``cu_seq_lens`` then builds wrong masks silently)."""
     n_req = int(io.num_request_in_batch)
     n_tok = int(io.total_seqlen_q)
     if n_req < 1 or n_tok < 1:
@@ -280,7 +288,7 @@ def step_feeds(io, cache, groups: Sequence[_Group], debug: bool = False) -> Dict
     dev = io.input_ids.device
     cu_q = io.cumulative_seqlens_q[: n_req + 1].long()
     lens_q = cu_q[1:] - cu_q[:-1]
-    if int(cu_q[0]) != 0 or bool((lens_q < 1).any()) or int(cu_q[-1]) != n_tok:
+    if validate and (int(cu_q[0]) != 0 or bool((lens_q < 1).any()) or int(cu_q[-1]) != n_tok):
         raise MetadataError(f"cu_seq_lens_q {cu_q.tolist()} is stale or inconsistent: it must start at 0, grow by at "
                             f"least 1 per request ({n_req} requests) and end at the step's {n_tok} query tokens")
     input_ids = io.input_ids[:n_tok]
@@ -291,13 +299,13 @@ def step_feeds(io, cache, groups: Sequence[_Group], debug: bool = False) -> Dict
     starts = cu_q[:-1]
     inner = torch.ones(n_tok, dtype=torch.bool, device=dev)
     inner[starts] = False
-    if bool(((pos[1:] - pos[:-1]) != 1)[inner[1:]].any()):
+    if validate and bool(((pos[1:] - pos[:-1]) != 1)[inner[1:]].any()):
         raise MetadataError("cu_seq_lens_q is stale or inconsistent with position_ids: positions are not consecutive "
                             f"inside a request (cu_seq_lens_q {cu_q.tolist()})")
     new = _first_new_token_mask(io.requests_in_batch)
     expected = (cu_q[1:] - 1)[new.to(dev)]
     got = io.logits_indices[: expected.shape[0]].long()
-    if not torch.equal(got, expected):
+    if validate and not torch.equal(got, expected):
         raise MetadataError(f"logits_indices {io.logits_indices[:n_req].tolist()} do not point at the last token of "
                             f"each sampled request (expected {expected.tolist()} from cu_seq_lens_q)")
     logits_indices = io.logits_indices[:n_req]
@@ -309,22 +317,23 @@ def step_feeds(io, cache, groups: Sequence[_Group], debug: bool = False) -> Dict
         cu_k = io.cumulative_seqlens_k[g.layer_type][: n_req + 1].long()
         lens_k = cu_k[1:] - cu_k[:-1]
         n_key = int(cu_k[-1])
-        if int(cu_k[0]) != 0 or bool((lens_k < lens_q).any()) or n_key != int(io.total_seqlen_k[g.layer_type]):
+        if validate and (int(cu_k[0]) != 0 or bool((lens_k < lens_q).any())
+                         or n_key != int(io.total_seqlen_k[g.layer_type])):
             raise MetadataError(f"cu_seq_lens_k[{g.layer_type!r}] {cu_k.tolist()} is stale or inconsistent: it must "
                                 "start at 0, give each request at least its query tokens and end at the keys read "
                                 f"({io.total_seqlen_k[g.layer_type]})")
         write = io.write_index_storage[g.index, :n_tok]
-        if int(io.true_write_sizes[g.index]) != n_tok:
+        if validate and int(io.true_write_sizes[g.index]) != n_tok:
             raise MetadataError(f"write_index[{g.index}] has {io.true_write_sizes[g.index]} entries for {n_tok} tokens")
         if reads_cache:
-            if int(io.true_read_sizes[g.index]) != n_key:
+            if validate and int(io.true_read_sizes[g.index]) != n_key:
                 raise MetadataError(f"read_index[{g.index}] has {io.true_read_sizes[g.index]} entries, cu_seq_lens_k "
                                     f"[{g.layer_type!r}] says {n_key}")
             read = io.read_index_storage[g.index, :n_key]
         else:
             # no request reads its past (all first prefill chunks): read the step's own keys back, as the
             # allocator would index them (full layers: the written slots; sliding layers: sentinels)
-            if bool((pos[starts] != 0).any()):
+            if validate and bool((pos[starts] != 0).any()):
                 raise MetadataError("a step without cache reads (max_kv_read 0) holds a request that does not start "
                                     "at position 0")
             alloc = cache.cache_allocators[g.layer_type]
@@ -332,19 +341,20 @@ def step_feeds(io, cache, groups: Sequence[_Group], debug: bool = False) -> Dict
             for fs in io.requests_in_batch:
                 idx.extend(alloc.get_read_indices(fs.state.request_id, 0, fs.query_length))
             read = torch.tensor(idx, dtype=torch.int64, device=dev)
-            if read.shape[0] != n_key:
+            if validate and read.shape[0] != n_key:
                 raise MetadataError(f"{read.shape[0]} keys rebuilt for the {g.layer_type} layers, cu_seq_lens_k says "
                                     f"{n_key}")
         key_req = torch.repeat_interleave(req_ids, lens_k)
         first = pos[starts] - (lens_k - lens_q)  # the position of each request's first key
         key_pos = first[key_req] + (torch.arange(n_key, device=dev) - cu_k[:-1][key_req])
         per_group.append((g, write, read, key_req, key_pos))
-    bad = [(g, w) for g, w, *_ in per_group
-           if bool(((w < g.write_trash) | (w > g.last_index)).any())]
-    if bad:
-        g, w = bad[0]
-        raise MetadataError(f"write_index[{g.index}] ({g.layer_type}) holds {w.tolist()}: a real token must write a "
-                            f"slot in {g.write_trash}..{g.last_index}, never the read trash or outside the cache")
+    for g, w, *_ in per_group:
+        # full layers: every real token's K/V is kept; sliding layers: tokens beyond the window go to the write trash
+        lo = g.write_sector if g.window is not None else g.first_real
+        if validate and bool(((w < lo) | (w > g.last_index)).any()):
+            raise MetadataError(f"write_index[{g.index}] ({g.layer_type}) holds {w.tolist()}: a real token must write "
+                                f"a slot in {lo}..{g.last_index}, never a trash slot (sliding layers: the write trash "
+                                "only) or outside the cache")
     n_kv = max(r.shape[0] for _, _, r, _, _ in per_group)
     for g, write, read, key_req, key_pos in per_group:
         extra = n_kv - read.shape[0]
@@ -414,7 +424,7 @@ class GraphBatching:
     """The graph-served step of one transformers ``ContinuousBatchingManager``.
 
     ``GraphBatching(model, buckets=None, keys=None, max_graphs=None, backend="full", device="auto",
-    debug=False, checks=("drift", "fingerprint"), equivalence=True)``; :meth:`install` it on a manager
+    debug=False, checks=("drift", "fingerprint"), equivalence=True, validate=True)``; :meth:`install` it on a manager
     (``model.init_continuous_batching(...)``) before the manager starts: the
     manager's batch processor then runs every varlen step's forward through
     :attr:`runner` (a :class:`~graphrunner.GraphRunner` over dims ``tokens``,
@@ -432,12 +442,17 @@ class GraphBatching:
     integer input independently, which breaks the request structure the mask is
     built from (a token and a key of one request), so it is replaced by this
     one by default (``checks=`` passes GraphRunner's checks through).
+    ``validate``: check every step's metadata at the call (:func:`step_feeds`;
+    ``False`` only to measure what the checks cost). ``debug=True`` also
+    compares the mask built from the metadata with transformers' own mask at
+    every step, and turns on GraphRunner's debug mode (bounds of every input).
     Raises :class:`CaptureError` at capture for a model :func:`refusal` refuses
     and for padding tokens that would write a real cache slot."""
 
     def __init__(self, model, buckets: Optional[Dict[str, Sequence[int]]] = None, keys: Optional[Sequence] = None,
                  max_graphs: Optional[Dict[str, int]] = None, backend: Any = "full", device: Any = "auto",
-                 debug: bool = False, checks: Any = ("drift", "fingerprint"), equivalence: bool = True) -> None:
+                 debug: bool = False, checks: Any = ("drift", "fingerprint"), equivalence: bool = True,
+                 validate: bool = True) -> None:
         if buckets is not None:
             if not isinstance(buckets, dict) or set(buckets) != set(_DIMS):
                 raise ValueError(f"buckets must be a dict with the dims {list(_DIMS)}, got {buckets!r}")
@@ -450,7 +465,7 @@ class GraphBatching:
         self.keys = None if keys is None else [tuple(int(v) for v in k) for k in keys]
         self.max_graphs = max_graphs
         self.backend, self.device, self.debug, self.checks = backend, device, bool(debug), checks
-        self.equivalence = bool(equivalence)
+        self.equivalence, self.validate = bool(equivalence), bool(validate)
         self.mode = "eager"  # "record" (dry run: no forward), "eager", "graph"
         self.runner: Optional[GraphRunner] = None
         self.report = None
@@ -500,6 +515,10 @@ class GraphBatching:
             raise CaptureError("the manager pads its inputs for its own CUDA graphs or torch.compile: build it with "
                                "use_cuda_graph=False and no compile config (graphrunner captures the step)")
         self.groups = _groups(bp.cache)
+        if not self.debug and bp.inputs_and_outputs.attention_mask is not None:
+            # the step builds its masks from the metadata: transformers' host-side [tokens, kv] mask fill
+            # (prepare_batch_tensors) is skipped; debug mode keeps it to compare with
+            bp.inputs_and_outputs.attention_mask = None
         self._original_compute = mr.compute_batch
         mr.compute_batch = self.compute_batch
 
@@ -529,7 +548,7 @@ class GraphBatching:
             self.stats.steps += 1
             self.stats.eager_steps += 1
             return self._original_compute(model, batch_data)
-        feeds = step_feeds(io, bp.cache, self.groups, debug=self.debug)
+        feeds = step_feeds(io, bp.cache, self.groups, debug=self.debug, validate=self.validate)
         size = (int(io.total_seqlen_q), int(feeds["read_index_0"].shape[0]), int(io.num_request_in_batch))
         self.stats.step_sizes.append(size)
         if self.mode == "record":
@@ -547,6 +566,8 @@ class GraphBatching:
                 key = runner.stats.last_bucket
                 self.stats.real_tokens += size[0]
                 self.stats.padded_tokens += int(key[0]) - size[0]
+                self.stats.real_keys += size[1]
+                self.stats.padded_keys += int(key[1]) - size[1]
         else:
             self.stats.eager_steps += 1
             logits = self._step()(**feeds)
@@ -594,7 +615,10 @@ class GraphBatching:
         if bp is None:
             raise GraphRunnerError("capture() needs the manager's batch processor: run the manager once first "
                                    "(gr.hf.generate_batch does a dry run of the scheduler)")
-        check_trash(bp.cache, self.groups)
+        try:
+            check_trash(bp.cache, self.groups)
+        except CaptureError as exc:
+            raise CaptureError(f"gr.hf.generate_batch cannot serve architecture {self._model_type()!r}: {exc}") from exc
         buckets, keys = self.plan()
         cache, io = bp.cache, bp.inputs_and_outputs
         text = self.model.config.get_text_config()
@@ -687,6 +711,9 @@ class GraphBatching:
                  "tok_req": torch.tensor(treq, dtype=torch.int32), "logits_indices": torch.tensor(logit_idx, dtype=torch.int32)}
         for g in self.groups:
             slots = torch.randperm(g.last_index - g.first_real + 1, generator=gen)[: n_kv] + g.first_real
+            if g.first_real <= g.write_trash <= g.last_index:  # the padding write slot is a real one: meet it
+                slots[slots == g.write_trash] = slots[0].clone()
+                slots[0] = g.write_trash
             # keys of request r: its past slots then its new tokens' slots (full layers: written then read back)
             read, write = [], []
             at = 0
@@ -725,7 +752,7 @@ def generate_batch(model, inputs: List[List[int]], generation_config=None, conti
                    buckets: Optional[Dict[str, Sequence[int]]] = None, keys: Optional[Sequence] = None,
                    max_graphs: Optional[Dict[str, int]] = None, backend: Any = "full", device: Any = "auto",
                    debug: bool = False, checks: Any = ("drift", "fingerprint"), equivalence: bool = True,
-                   stats: Optional[Dict[str, Any]] = None, **kwargs) -> Dict[str, Any]:
+                   validate: bool = True, stats: Optional[Dict[str, Any]] = None, **kwargs) -> Dict[str, Any]:
     """``model.generate_batch(inputs, generation_config, continuous_batching_config, **kwargs)`` with the varlen
     steps' forward replayed from graphrunner graphs; returns exactly what it returns.
 
@@ -746,7 +773,8 @@ def generate_batch(model, inputs: List[List[int]], generation_config=None, conti
     on. Then the step is captured (``backend``, ``device``: as
     :class:`~graphrunner.GraphRunner`), checked (:class:`GraphBatching`), the cache
     emptied and the generation run. Steps larger than every key run
-    eagerly. ``stats``: a dict that receives :class:`BatchingStats` (``"stats"``),
+    eagerly. ``debug``, ``checks``, ``equivalence``, ``validate``: as
+    :class:`GraphBatching`. ``stats``: a dict that receives :class:`BatchingStats` (``"stats"``),
     the capture report (``"report"``) and the runner (``"runner"``).
 
     Raises :class:`CaptureError` naming the architecture and the reason when the
@@ -780,7 +808,7 @@ def generate_batch(model, inputs: List[List[int]], generation_config=None, conti
     manager = model.init_continuous_batching(generation_config=generation_config,
                                              continuous_batching_config=cb_cfg, workload_hints=hints)
     hook = GraphBatching(model, buckets=buckets, keys=keys, max_graphs=max_graphs, backend=backend, device=device,
-                         debug=debug, checks=checks, equivalence=equivalence)
+                         debug=debug, checks=checks, equivalence=equivalence, validate=validate)
     try:
         hook.install(manager)
         run_kwargs = dict(kwargs)

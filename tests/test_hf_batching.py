@@ -1,0 +1,281 @@
+"""gr.hf.generate_batch: transformers' continuous batching with its varlen step replayed from graphrunner graphs.
+
+The reference is transformers' own eager ``model.generate_batch`` on the same
+model, prompts and configs: every test compares the generated tokens of every
+request, token for token. Tiny random-weight models (2 layers, hidden 64, vocab
+128, seeded; nothing downloaded); 12 prompts of 1..39 tokens, 8 new tokens, a
+64-token step budget and 8 requests per step, so steps mix prefills (split in
+chunks) and decodes and many are padded. The planted metadata bugs (a padding
+token writing a real cache slot, a stale ``cu_seq_lens_q``) are refused at
+capture or raised at the call, each with a negative control that shows the
+bug changes the tokens when the check is off. Skipped without ``transformers``.
+"""
+
+import pytest
+from extras_util import require
+
+transformers = require("transformers")
+
+import torch  # noqa: E402
+from transformers import GenerationConfig  # noqa: E402
+from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
+
+import graphrunner as gr  # noqa: E402
+import graphrunner.hf  # noqa: E402,F401
+import graphrunner.hf.batching as batching  # noqa: E402
+from graphrunner.errors import CaptureError  # noqa: E402
+from graphrunner_tools.models.hf_tiny import build_tiny  # noqa: E402
+
+pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_torch_thread")]
+
+#: model_type -> config overrides: sliding windows of 12 tokens, shorter than the longer prompts
+ARCHS = {
+    "llama": {}, "qwen3": {}, "mistral": {"sliding_window": 12}, "qwen3_moe": {}, "gemma2": {"sliding_window": 12},
+    "olmo2": {}, "gpt_oss": {"sliding_window": 12},
+}
+
+
+def model_of(arch, seed=0):
+    return build_tiny(arch, seed=seed, max_position_embeddings=512, **ARCHS.get(arch, {}))
+
+
+def prompts(n=12, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (int(k),), generator=g).tolist() for k in torch.randint(1, 40, (n,), generator=g)]
+
+
+def cb_config(seed=5, logprobs=False):
+    return ContinuousBatchingConfig(page_size=16, num_blocks=64, max_batch_tokens=64, max_requests_per_batch=8,
+                                    seed=seed, return_logprobs=logprobs)
+
+
+def gen_config(sample=False, eos=-1, new=8):
+    if sample:
+        return GenerationConfig(max_new_tokens=new, do_sample=True, temperature=0.9, top_k=20, eos_token_id=eos,
+                                pad_token_id=0)
+    return GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=eos, pad_token_id=0)
+
+
+def eager(model, inputs, gc, logprobs=False):
+    return model.generate_batch(inputs=inputs, generation_config=gc, continuous_batching_config=cb_config(logprobs=logprobs))
+
+
+def logprob_gap(ref, out):
+    """The largest difference of a sampled token's log-probability (requests whose tokens agree)."""
+    gaps = [max(abs(a - b) for a, b in zip(ref[k].logprobs, out[k].logprobs)) for k in ref
+            if ref[k].generated_tokens == out[k].generated_tokens]
+    return max(gaps) if gaps else float("inf")
+
+
+#: one key covering every step of the workload: every step but the 64-token ones is padded
+ONE_KEY = {"tokens": [64], "kv": [256], "reqs": [8]}
+
+
+def mismatches(ref, out):
+    assert list(ref) == list(out), "the same request ids in the same order"
+    assert all(r.error is None for r in ref.values())
+    return [k for k in ref if ref[k].generated_tokens != out[k].generated_tokens]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_greedy_tokens_equal_transformers_generate_batch(arch):
+    model, inputs, gc = model_of(arch), prompts(), gen_config()
+    ref = eager(model, inputs, gc)
+    st = {}
+    out = gr.hf.generate_batch(model, inputs, gc, cb_config(), device="tape", stats=st)
+    assert mismatches(ref, out) == []
+    assert all(len(o.generated_tokens) == 8 for o in out.values())
+    s = st["stats"]
+    assert s.replayed == s.steps > 10 and s.eager_steps == 0 and s.graphs == len(s.keys) >= 2
+    assert s.padded_tokens + s.padded_keys > 0, "some steps replay a padded key: the padding is exercised"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_seeded_sampling_equals_transformers_generate_batch(arch):
+    model, inputs, gc = model_of(arch), prompts(seed=2), gen_config(sample=True)
+    ref = eager(model, inputs, gc)
+    out = gr.hf.generate_batch(model, inputs, gc, cb_config(), device="tape")
+    assert mismatches(ref, out) == []
+    greedy = eager(model, inputs, gen_config())
+    assert mismatches(greedy, out), "control: the sampler really sampled"
+
+
+def test_eos_finishes_requests_early_and_outputs_still_equal():
+    # EOS = a token the tiny llama emits: requests end before max_new_tokens, so the real steps are smaller
+    # than the dry run's (which samples a fixed non-EOS token) and still replay covering keys
+    model, inputs = model_of("llama"), prompts(seed=3)
+    first = eager(model, inputs, gen_config())
+    eos = first["req_0"].generated_tokens[2]
+    gc = gen_config(eos=eos)
+    ref = eager(model, inputs, gc)
+    assert any(len(r.generated_tokens) < 8 for r in ref.values())
+    assert mismatches(ref, gr.hf.generate_batch(model, inputs, gc, cb_config(), device="tape")) == []
+
+
+def test_declared_buckets_and_steps_beyond_them_run_eagerly():
+    model, inputs, gc = model_of("llama"), prompts(), gen_config()
+    ref = eager(model, inputs, gc)
+    st = {}
+    out = gr.hf.generate_batch(model, inputs, gc, cb_config(), device="tape", stats=st,
+                               buckets={"tokens": [8, 32], "kv": [128], "reqs": [8]})
+    assert mismatches(ref, out) == []
+    s = st["stats"]
+    assert s.graphs == 2 and s.eager_steps > 0 and s.replayed > 0 and s.replayed + s.eager_steps == s.steps
+    assert st["runner"].stats.fallback_reasons.get("over_max_bucket") == s.eager_steps
+
+
+def test_debug_mode_compares_masks_and_bounds_every_step():
+    model, inputs, gc = model_of("mistral"), prompts(n=6), gen_config(new=4)
+    ref = eager(model, inputs, gc)
+    assert mismatches(ref, gr.hf.generate_batch(model, inputs, gc, cb_config(), device="tape", debug=True)) == []
+
+
+def test_planned_keys_cover_every_step():
+    sizes = [(64, 64, 5), (8, 136, 8), (8, 144, 8), (4, 70, 4), (1, 8, 1), (64, 158, 7)]
+    buckets, keys = batching.plan_keys(sizes, {"tokens": 2, "kv": 2, "reqs": 2})
+    assert all(len(buckets[d]) <= 2 for d in buckets)
+    assert buckets == {"tokens": [8, 64], "kv": [70, 158], "reqs": [5, 8]}
+    for s in sizes:
+        assert any(all(k[i] >= s[i] for i in range(3)) for k in keys)
+    assert (64, 158, 8) in keys, "the largest key allocates the buffers"
+    with pytest.raises(ValueError, match="no step sizes"):
+        batching.plan_keys([])
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def test_hybrid_linear_attention_model_is_refused_with_the_reason():
+    model = build_tiny("qwen3_next", seed=0)
+    with pytest.raises(ValueError, match="linear_attention"):  # transformers' own continuous batching cannot run it
+        eager(model, prompts(n=2), gen_config())
+    with pytest.raises(CaptureError, match=r"'qwen3_next'.*no allocator for its layer types.*linear_attention"):
+        gr.hf.generate_batch(model, prompts(n=2), gen_config(), cb_config(), device="tape")
+
+
+def test_flash_attention_and_async_batching_are_refused_with_the_reason(monkeypatch):
+    model = model_of("llama")
+    monkeypatch.setattr(model.config, "_attn_implementation", "flash_attention_2", raising=False)
+    with pytest.raises(CaptureError, match="not mask-based: flash varlen attention"):
+        gr.hf.generate_batch(model, prompts(n=2), gen_config(), cb_config(), device="tape")
+    monkeypatch.undo()
+    cfg = cb_config()
+    cfg.use_async_batching = True
+    with pytest.raises(CaptureError, match="asynchronous batching"):
+        gr.hf.generate_batch(model, prompts(n=2), gen_config(), cfg, device="tape")
+
+
+def test_user_mistakes_are_clear_errors():
+    model = model_of("llama")
+    with pytest.raises(TypeError, match="list of prompts"):
+        gr.hf.generate_batch(model, torch.tensor([[1, 2]]))
+    with pytest.raises(ValueError, match="at least one token"):
+        gr.hf.generate_batch(model, [[1, 2], []])
+    with pytest.raises(ValueError, match="buckets must be a dict with the dims"):
+        gr.hf.generate_batch(model, [[1, 2]], gen_config(), cb_config(), buckets=[1, 2])
+    with pytest.raises(ValueError, match="unknown dims"):
+        gr.hf.generate_batch(model, [[1, 2]], gen_config(), cb_config(), max_graphs={"batch": 3})
+    with pytest.raises(TypeError, match="GenerationConfig"):
+        gr.hf.generate_batch(model, [[1, 2]], {"max_new_tokens": 2})
+    assert gr.hf.generate_batch(model, []) == {}
+
+
+def test_every_public_name_has_a_docstring():
+    for name in ("generate_batch", "GraphBatching", "BatchingStats", "MetadataError", "refusal", "step_feeds",
+                 "step_inputs", "make_step", "plan_keys", "check_trash"):
+        obj = getattr(batching, name)
+        assert obj.__doc__ and len(obj.__doc__.strip()) > 40, name
+    for name in ("install", "compute_batch", "plan", "capture"):
+        assert getattr(batching.GraphBatching, name).__doc__, name
+
+
+# ---------------------------------------------------------------- planted metadata bugs
+
+
+@pytest.fixture
+def padding_writes_a_real_slot(monkeypatch):
+    """Plant: every allocator's write-trash index (the slot padding tokens write) is a real request's slot."""
+    from transformers.generation.continuous_batching.cache_allocators.cache_allocator import CacheAllocator
+
+    original = CacheAllocator._after_cache_tensor_init
+
+    def planted(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        # the first slot of the last block: the pool hands blocks out from the end, so a request owns it
+        self.write_trash_index = self.block_physical_stride * (self.num_blocks + 2 * self.blocks_per_sector - 1)
+
+    monkeypatch.setattr(CacheAllocator, "_after_cache_tensor_init", planted)
+
+
+def test_padding_write_into_a_real_slot_is_refused_at_capture(padding_writes_a_real_slot):
+    with pytest.raises(CaptureError, match=r"'llama'.*padding tokens .* would write cache slot \d+, which is not in the write-trash sector"):
+        gr.hf.generate_batch(model_of("llama"), prompts(), gen_config(), cb_config(), device="tape")
+
+
+def test_padding_write_into_a_real_slot_is_caught_by_the_equivalence_check(monkeypatch, padding_writes_a_real_slot):
+    monkeypatch.setattr(batching, "check_trash", lambda cache, groups: None)  # the static check off
+    with pytest.raises(CaptureError, match="differs from the eager step on the same valid batch without padding"):
+        gr.hf.generate_batch(model_of("llama"), prompts(), gen_config(), cb_config(), device="tape")
+
+
+def test_negative_control_padding_write_into_a_real_slot_changes_results(monkeypatch, padding_writes_a_real_slot):
+    model, inputs, gc = model_of("llama"), prompts(), gen_config()
+    monkeypatch.undo()  # the reference and the control run on a correct cache
+    ref = eager(model, inputs, gc, logprobs=True)
+    good = gr.hf.generate_batch(model, inputs, gc, cb_config(logprobs=True), device="tape", buckets=ONE_KEY)
+    assert mismatches(ref, good) == [] and logprob_gap(ref, good) < 1e-4
+    from transformers.generation.continuous_batching.cache_allocators.cache_allocator import CacheAllocator
+
+    original = CacheAllocator._after_cache_tensor_init
+
+    def planted(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.write_trash_index = self.block_physical_stride * (self.num_blocks + 2 * self.blocks_per_sector - 1)
+
+    monkeypatch.setattr(CacheAllocator, "_after_cache_tensor_init", planted)
+    monkeypatch.setattr(batching, "check_trash", lambda cache, groups: None)
+    out = gr.hf.generate_batch(model, inputs, gc, cb_config(logprobs=True), device="tape", equivalence=False,
+                               buckets=ONE_KEY)
+    # without the checks the padding tokens overwrite a real request's K/V: its later tokens see another key
+    assert mismatches(ref, out) or logprob_gap(ref, out) > 1e-3
+
+
+def _plant_stale_cu_seq_lens_q(monkeypatch):
+    """Plant: prepare_batch_tensors leaves the previous step's cu_seq_lens_q in place, its last entry fixed up to
+    the step's token count (a stale tensor of the right total: the silent kind)."""
+    from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+
+    original = ContinuousBatchingIOs.prepare_batch_tensors
+
+    def planted(self, *args, **kwargs):
+        before = self.cumulative_seqlens_q.clone()
+        original(self, *args, **kwargs)
+        r, t = self.num_request_in_batch, self.total_seqlen_q
+        stale = before[: r + 1].clamp(max=t)
+        stale[0], stale[r] = 0, t
+        if bool((stale[1:] > stale[:-1]).all()) and not torch.equal(stale, self.cumulative_seqlens_q[: r + 1]):
+            self.cumulative_seqlens_q[: r + 1] = stale
+            ContinuousBatchingIOs.planted += 1
+
+    monkeypatch.setattr(ContinuousBatchingIOs, "prepare_batch_tensors", planted)
+    monkeypatch.setattr(ContinuousBatchingIOs, "planted", 0, raising=False)
+    return ContinuousBatchingIOs
+
+
+def test_stale_cu_seq_lens_is_raised_at_the_call(monkeypatch):
+    _plant_stale_cu_seq_lens_q(monkeypatch)
+    with pytest.raises(gr.hf.MetadataError, match=r"cu_seq_lens_q .*(stale or inconsistent|logits_indices)|"
+                                                  r"logits_indices .* do not point"):
+        gr.hf.generate_batch(model_of("llama"), prompts(), gen_config(), cb_config(), device="tape")
+
+
+def test_negative_control_stale_cu_seq_lens_changes_results(monkeypatch):
+    model, inputs, gc = model_of("llama"), prompts(), gen_config()
+    ref = eager(model, inputs, gc, logprobs=True)  # transformers' sdpa path does not read cu_seq_lens: it stays right
+    ios = _plant_stale_cu_seq_lens_q(monkeypatch)
+    out = gr.hf.generate_batch(model, inputs, gc, cb_config(logprobs=True), device="tape", validate=False)
+    assert ios.planted > 0
+    # without the call's checks a stale cu_seq_lens_q builds wrong masks silently
+    assert mismatches(ref, out) or logprob_gap(ref, out) > 1e-3
