@@ -1,4 +1,4 @@
-"""No silent wrong result across calls (issue 33): reproductions 1, 3 and 8, as tests.
+"""No silent wrong result across calls (issue 33): reproductions 1, 2, 3 and 8, as tests.
 
 Each reproduction either raises at capture naming the cause, or (its fix) replays exactly like eager
 PyTorch for 20 calls; each has a negative control: with the check off the runner returns something
@@ -9,6 +9,8 @@ padding) served the same calls.
    rows overwrite slot 0's state, which the request in slot 0 reads at its next call. Caught by the
    padding check's call sequences (a call after a padded call against the same call after the
    unpadded one).
+2. The same state re-bound instead of written in place (``self.state = self.state.index_copy(...)``):
+   every replay reads the tensor the capture froze. Caught by the stashed-state check.
 3. The pad value as the winner: a padding row's id scores highest and wins a max over the batch.
    Caught by the padding check's runs without a real cell at the pad value.
 8. A leak of a few percent in a small channel of a bfloat16 step, inside a tolerance that was 5% of
@@ -24,6 +26,7 @@ import torch
 import graphrunner as gr
 from graphrunner.checks import padding
 from graphrunner.checks.padding import LeakCheck, Noise, difference
+from graphrunner.tape import StashedTensorWarning
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -125,6 +128,114 @@ def test_repro1_fix_a_scratch_slot_replays_exactly_like_eager_for_20_calls():
     got, want = _served(lambda: SlotState(rows=SLOTS + 1), pad=SLOTS)  # slot 8: no request's
     assert _wrong(got, want, atol=0) == 0
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+# ------------------------------------------------------------------------------ reproduction 2
+class Rebound(SlotState):
+    """The same state, re-bound to a new tensor at every call instead of written in place."""
+
+    def forward(self, x, slots):
+        h = torch.tanh(x @ self.w + self.state[slots] + 0.5)
+        self.state = self.state.index_copy(0, slots, h)  # re-bound
+        return h
+
+
+def test_repro2_rebound_state_is_refused_naming_the_attribute_the_line_and_the_remedy():
+    r = gr.GraphRunner(Rebound(SLOTS + 1), _slot_inputs(SLOTS), BUCKETS, backend="full", device="tape",
+                       progress=False)
+    with pytest.raises(gr.CaptureError) as info:
+        r.capture()
+    msg = str(info.value)
+    assert "is kept in Rebound.state after it" in msg
+    assert f"assigned at {__file__}:{_line(Rebound, 're-bound')} in forward: " \
+           "`self.state = self.state.index_copy(0, slots, h)  # re-bound`" in msg
+    assert "self.state.index_copy_(0, slots, h)" in msg and "or return the tensor as an output" in msg
+    assert not r.captured
+
+
+def test_repro2_negative_control_without_the_check_every_replay_reads_the_frozen_state():
+    with pytest.warns(StashedTensorWarning, match=r"Rebound\.state"):  # what the tape says by itself
+        got, want = _served(lambda: Rebound(SLOTS + 1), pad=SLOTS, checks=NO_DRIFT_CHECK)
+    assert _wrong(got, want) >= CALLS // 2
+
+
+def test_repro2_the_breakable_backend_and_the_cuda_stand_in_refuse_it_too(cuda_standin):
+    """The check watches the captured forward's ops, as every graph kind feeds them to the one op
+    recorder: a breakable graph's segments, and a CUDA capture (here the stand-in's)."""
+    for device, backend in (("tape", "breakable"), ("cuda", "full")):
+        with pytest.raises(gr.CaptureError, match=r"is kept in Rebound\.state after it \(assigned at"):
+            gr.GraphRunner(Rebound(SLOTS + 1), _slot_inputs(SLOTS), [2, 4], backend=backend, device=device,
+                           progress=False).capture()
+
+
+CHECKED = textwrap.dedent('''
+    import torch
+    import graphrunner as gr
+
+    class Rebound(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 4), requires_grad=False)
+            self.register_buffer("state", torch.zeros(9, 4))
+
+        def forward(self, x, slots):
+            h = torch.tanh(x @ self.w + self.state[slots])
+            self.state = self.state.index_copy(0, slots, h)  # re-bound
+            return h
+
+    def make():
+        return gr.GraphRunner(Rebound(), {"x": gr.BatchInput(trailing=(4,)),
+                                          "slots": gr.BatchInput(dtype=torch.long, pad=8, bounds=(0, 7))},
+                              buckets=[2, 4], progress=False)
+''')
+
+
+def test_repro2_graphrunner_check_reports_it_as_a_finding(tmp_path, capsys):
+    from graphrunner_tools.cli import main
+
+    path = tmp_path / "rebound_step.py"
+    path.write_text(CHECKED)
+    line = next(i for i, text in enumerate(CHECKED.splitlines(), 1) if "# re-bound" in text)
+    report = gr.check_factory(lambda: _load(path).make())
+    stashed = [f for f in report.findings if f.kind == "stashed-state"]
+    assert stashed and (stashed[0].file, stashed[0].line, stashed[0].function) == (str(path), line, "forward")
+    assert "Rebound.state" in stashed[0].what and "in place" in stashed[0].fix
+    assert main(["check", f"{path}:make"]) == 1
+    assert "stashed-state" in capsys.readouterr().out
+
+
+def _load(path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Normalized(torch.nn.Module):
+    """A value computed inside the step and kept on ``self`` (re-bound every call), read only inside it."""
+
+    def __init__(self, mark):
+        super().__init__()
+        self.w = torch.nn.Parameter(_weights(), requires_grad=False)
+        self.mark = mark
+
+    def forward(self, x):
+        wn = self.w / self.w.norm(dim=0)
+        self.wn = gr.checks.captured_cache(wn) if self.mark else wn
+        return x @ self.wn
+
+
+def test_repro2_a_deliberate_cache_is_let_through_when_marked():
+    inputs = {"x": gr.BatchInput(trailing=(H,))}
+    with pytest.raises(gr.CaptureError, match=r"kept in Normalized\.wn after it"):
+        gr.GraphRunner(Normalized(False), inputs, [2, 4], device="tape", progress=False).capture()
+    model = Normalized(True)
+    r = gr.GraphRunner(model, inputs, [2, 4], device="tape", progress=False)
+    r.capture()
+    for x in (torch.randn(3, H), torch.randn(1, H), torch.randn(4, H)):
+        torch.testing.assert_close(r(x=x), Normalized(True)(x))
 
 
 # ------------------------------------------------------------------------------ reproduction 3

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from graphrunner.checks.padding import PaddingCheck
+from graphrunner.checks.stash import captured_cache  # noqa: F401 - the stashed-state check's opt-out
 
 __all__ = ["DEFAULT_CHECKS", "CheckSet", "PaddingCheck", "resolve_checks"]
 
