@@ -33,13 +33,15 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from graphrunner.hf.cache import (cache_tensors, compare_caches, make_static_cache, restore_cache,
                                   snapshot_cache, zero_cache)
-from graphrunner.hf.batching import BatchingStats, GraphBatching, MetadataError, generate_batch
+from graphrunner.hf.batching import (BatchingStats, GraphBatching, MetadataError, generate_batch,
+                                     init_continuous_batching)
 from graphrunner.hf.decode import KNOWN_BAD, VERIFIED_TRANSFORMERS_MAJOR, DecodeRunner, DecodeStats
 from graphrunner.hf.steps import decode_inputs, make_decode_step, prefill
 
 __all__ = [
     "DecodeRunner",
     "generate_batch",
+    "init_continuous_batching",
     "GraphBatching",
     "BatchingStats",
     "MetadataError",

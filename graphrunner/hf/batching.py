@@ -66,7 +66,9 @@ class BatchingStats:
     ``real_tokens`` / ``padded_tokens`` (query tokens of replayed steps: real, and padding the graphs computed),
     ``real_keys`` / ``padded_keys`` (the same for the ``kv`` dim),
     ``graphs`` (keys captured), ``capture_seconds``, ``dry_run_seconds`` (the planning run of the scheduler),
-    ``step_sizes`` (``(tokens, kv, reqs)`` of every varlen step seen, dry run included) and ``keys`` (the keys)."""
+    ``step_sizes`` (``(tokens, kv, reqs)`` of every varlen step seen, dry run included), ``engine_sizes``
+    (the same steps as transformers' own graph keys count them: ``(query tokens, max_kv_read, max_length_k
+    per attention type)``, unpadded) and ``keys`` (the keys captured)."""
 
     steps: int = 0
     replayed: int = 0
@@ -79,6 +81,7 @@ class BatchingStats:
     capture_seconds: float = 0.0
     dry_run_seconds: float = 0.0
     step_sizes: List[Tuple[int, int, int]] = field(default_factory=list)
+    engine_sizes: List[Tuple[int, int, Tuple[int, ...]]] = field(default_factory=list)
     keys: List[Tuple[int, int, int]] = field(default_factory=list)
 
     def to_dict(self) -> Dict[str, Any]:
@@ -551,6 +554,7 @@ class GraphBatching:
         feeds = step_feeds(io, bp.cache, self.groups, debug=self.debug, validate=self.validate)
         size = (int(io.total_seqlen_q), int(feeds["read_index_0"].shape[0]), int(io.num_request_in_batch))
         self.stats.step_sizes.append(size)
+        self.stats.engine_sizes.append((size[0], int(io.max_kv_read), tuple(int(v) for v in io.max_length_k.values())))
         if self.mode == "record":
             io.output_ids[0, : size[2]].fill_(self.record_token)
             return None
@@ -734,6 +738,42 @@ class GraphBatching:
             else:
                 feeds[f"key_pos_{g.index}"] = torch.tensor(kpos, dtype=torch.int32)
         return {k: v.to(dev) for k, v in feeds.items()}
+
+
+# --------------------------------------------------------------------------- a manager
+
+
+def init_continuous_batching(model, generation_config=None, continuous_batching_config=None, workload_hints=None, *,
+                             buckets: Optional[Dict[str, Sequence[int]]] = None, keys: Optional[Sequence] = None,
+                             max_graphs: Optional[Dict[str, int]] = None, backend: Any = "full",
+                             device: Any = "auto", debug: bool = False, checks: Any = ("drift", "fingerprint"),
+                             equivalence: bool = True, validate: bool = True):
+    """``model.init_continuous_batching(...)`` with a :class:`GraphBatching` installed: returns the manager,
+    its hook as ``manager.graphs``.
+
+    Use the manager as transformers documents it (``start()``, ``add_request(...)``,
+    ``get_result()``, ``stop(keep_for_next_session=True)`` between sessions,
+    ``destroy()``). Its steps run eagerly through the graph step (recording
+    their sizes) until ``manager.graphs.capture()`` is called between two
+    sessions (the manager stopped, its batch processor created by a first
+    session): the keys are then planned from the sizes recorded (or from
+    ``buckets``/``keys``), and every later session replays them. The cache keeps its
+    tensors across sessions, which the graphs need; call
+    ``manager.graphs.batch_processor.cache.reset()`` to drop the prefix-cache
+    blocks of a session. Options as :class:`GraphBatching`. Raises
+    :class:`CaptureError` for a model :func:`refusal` refuses."""
+    why = refusal(model, continuous_batching_config)
+    if why is not None:
+        raise CaptureError(f"gr.hf.init_continuous_batching cannot serve architecture "
+                           f"{getattr(getattr(model, 'config', None), 'model_type', type(model).__name__)!r}: {why}")
+    manager = model.init_continuous_batching(generation_config=generation_config,
+                                             continuous_batching_config=continuous_batching_config,
+                                             workload_hints=workload_hints)
+    hook = GraphBatching(model, buckets=buckets, keys=keys, max_graphs=max_graphs, backend=backend, device=device,
+                         debug=debug, checks=checks, equivalence=equivalence, validate=validate)
+    hook.install(manager)
+    manager.graphs = hook
+    return manager
 
 
 # --------------------------------------------------------------------------- generate_batch
