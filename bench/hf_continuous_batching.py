@@ -76,7 +76,7 @@ def session(manager, requests, waves: int, wave_steps: int) -> Dict[str, List[in
     per_wave = ceil(len(requests) / waves)
     chunks = [requests[i:i + per_wave] for i in range(0, len(requests), per_wave)]
     ids: List[str] = []
-    state = {"step": 0, "next": 1, "busy": 0.0, "steps": 0}
+    state = {"step": 0, "next": 0, "busy": 0.0, "steps": 0}
 
     def add(wave):
         for j, r in enumerate(wave):
@@ -93,8 +93,10 @@ def session(manager, requests, waves: int, wave_steps: int) -> Dict[str, List[in
         step, update = bp._generation_step, type(bp).update_batch.__get__(bp)
 
         def prepare_in_waves():
+            # wave 0 at the first step (added from this thread, so no step sees half a wave), wave k at step
+            # k * wave_steps, or at once when the engine would idle
             due = state["step"] >= state["next"] * wave_steps or not bp.scheduler.has_pending_requests()
-            if state["next"] < len(chunks) and due:  # at its step, or at once when the engine would idle
+            if state["next"] < len(chunks) and due:
                 add(chunks[state["next"]])  # into the input queue, pulled by this very prepare
                 state["next"] += 1
             state["step"] += 1
@@ -126,7 +128,6 @@ def session(manager, requests, waves: int, wave_steps: int) -> Dict[str, List[in
     manager._request_counter = 0
     try:
         manager.start()
-        add(chunks[0])  # after start(): a manager stopped by the last session refuses new requests until then
         out: Dict[str, List[int]] = {}
         while len(out) < len(requests):
             r = manager.get_result(timeout=30)
