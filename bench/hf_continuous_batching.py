@@ -7,16 +7,18 @@ hidden 64, vocab 128; nothing downloaded), in one process and at one torch threa
    lengths uniform in 1..64 (per request, ``add_request(max_new_tokens=...)``), arriving in
    ``--waves`` waves: wave ``k`` is added when the engine starts its step ``k * --wave-steps``, so the
    steps mix new prefills with the decodes of earlier waves; greedy (``do_sample=False``);
-2. eager: transformers' own manager (``model.init_continuous_batching``), one warm session, then one
-   timed session (the cache's prefix blocks dropped between sessions, so both compute everything);
-3. graphs: ``gr.hf.init_continuous_batching`` on the same configs: a dry session of the scheduler
+2. graphs: ``gr.hf.init_continuous_batching`` on the same configs: a dry session of the scheduler
    (no forward) records the step sizes, ``gr.plan_buckets`` plans the keys (``--max-graphs``),
-   ``capture()`` (timed), then one timed session replaying them;
+   ``capture()`` (timed);
+3. eager: transformers' own manager (``model.init_continuous_batching``), one warm session; then
+   ``--repeat`` rounds of one eager and one graph session (the caches' prefix blocks dropped before
+   each, so every session computes everything);
 4. prints per architecture: graphs captured, padded-token share (padding query tokens / tokens the
    graphs computed; the same for keys), capture seconds, steps served eagerly, generated tokens/s
-   eager and graph and their ratio (measured side by side in this run; tokens per second the engine
-   was busy preparing, computing and updating steps: its 0.1 s idle waits between requests are left
-   out; the wall-clock ratio is in the JSON), token mismatches against
+   eager and graph and their ratio (``--repeat`` rounds of an eager then a graph session, side by
+   side in this run; the median of the rounds' ratios; tokens per second the engine was busy
+   preparing, computing and updating steps: its 0.1 s idle waits between requests are left out),
+   token mismatches against
    eager; and transformers' own CUDA-graph configuration on the same steps, from its documented rules
    (``ContinuousBatchingConfig`` defaults when graphs are on: query tokens padded to a multiple of
    ``q_padding_interval_size`` = 64, capped at ``max_batch_tokens``; ``max_kv_read`` to a multiple of
@@ -177,6 +179,8 @@ def _destroy(model, manager) -> None:
 
 
 def run_arch(arch: str, args, reqs) -> Dict[str, Any]:
+    """One architecture: dry run, capture, then ``args.repeat`` rounds of an eager and a graph session
+    side by side; its row of the table."""
     import graphrunner.hf as grhf
     from graphrunner.errors import CaptureError
     from graphrunner_tools.models.hf_tiny import build_tiny
@@ -185,14 +189,13 @@ def run_arch(arch: str, args, reqs) -> Dict[str, Any]:
     row: Dict[str, Any] = {"arch": arch}
     model = build_tiny(arch, seed=0, max_position_embeddings=1024, **ARCHS.get(arch, {}))
     gc = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=64)
-    # graphs first: a refusal is the row
-    try:
+    try:  # graphs first: a refusal is the row
         manager = grhf.init_continuous_batching(model, gc, cb_config(args), device=args.device,
                                                 max_graphs=args.max_graphs)
     except CaptureError as exc:
         row["refused"] = str(exc)
         return row
-    hook = manager.graphs
+    hook, eager_mgr = manager.graphs, None
     try:
         hook.mode = "record"
         t = time.perf_counter()
@@ -201,40 +204,39 @@ def run_arch(arch: str, args, reqs) -> Dict[str, Any]:
         hook.batch_processor.cache.reset()
         hook.capture()
         row["capture_s"] = hook.stats.capture_seconds
+        sizes = list(hook.stats.engine_sizes)
         hook.stats.steps = hook.stats.replayed = hook.stats.eager_steps = 0
         hook.stats.real_tokens = hook.stats.padded_tokens = hook.stats.real_keys = hook.stats.padded_keys = 0
-        sizes = list(hook.stats.engine_sizes)
-        t = time.perf_counter()
-        graph_out = session(manager, reqs, args.waves, args.wave_steps)
-        row["graph_s"] = time.perf_counter() - t
-        row["graph_busy_s"], row["graph_steps"] = session.busy, session.steps
+        eager_mgr = model.init_continuous_batching(gc, cb_config(args))
+        session(eager_mgr, reqs, args.waves, args.wave_steps)  # warm: its cache and batch processor built
+        rounds = []
+        for _ in range(args.repeat):  # side by side: an eager session, then a graph session, each round
+            eager_mgr.batch_processor.cache.reset()
+            eager_out = session(eager_mgr, reqs, args.waves, args.wave_steps)
+            eager_busy = session.busy
+            hook.batch_processor.cache.reset()
+            graph_out = session(manager, reqs, args.waves, args.wave_steps)
+            rounds.append((eager_busy, session.busy))
         s = hook.stats
-        row.update(graphs=s.graphs, steps=s.steps, eager_steps=s.eager_steps,
+        row.update(graphs=s.graphs, steps=s.steps // args.repeat, eager_steps=s.eager_steps // args.repeat,
                    padded_token_share=s.padded_tokens / max(1, s.real_tokens + s.padded_tokens),
-                   padded_key_share=s.padded_keys / max(1, s.real_keys + s.padded_keys), keys=[list(k) for k in s.keys])
+                   padded_key_share=s.padded_keys / max(1, s.real_keys + s.padded_keys),
+                   keys=[list(k) for k in s.keys])
         cache = hook.batch_processor.cache
         row["transformers"] = transformers_graphs(sizes, int(cache.max_batch_tokens), int(cache.max_tokens_read))
     finally:
-        _destroy(model, manager)
+        for mgr in (manager, eager_mgr):
+            if mgr is not None:
+                _destroy(model, mgr)
         if hook.runner is not None:
             hook.runner.cleanup()
-    eager_mgr = model.init_continuous_batching(gc, cb_config(args))
-    try:
-        session(eager_mgr, reqs, args.waves, args.wave_steps)  # warm: cache and batch processor built
-        eager_mgr.batch_processor.cache.reset()
-        t = time.perf_counter()
-        eager_out = session(eager_mgr, reqs, args.waves, args.wave_steps)
-        row["eager_s"] = time.perf_counter() - t
-        row["eager_busy_s"], row["eager_steps_total"] = session.busy, session.steps
-    finally:
-        _destroy(model, eager_mgr)
     tokens = sum(len(v) for v in eager_out.values())
-    row["tokens"] = tokens
-    row["eager_tok_s"] = tokens / row["eager_busy_s"]
-    row["graph_tok_s"] = sum(len(v) for v in graph_out.values()) / row["graph_busy_s"]
-    row["ratio"] = row["graph_tok_s"] / row["eager_tok_s"]
-    row["wall_ratio"] = row["eager_s"] / row["graph_s"]
-    row["mismatches"] = sum(1 for k in eager_out if eager_out[k] != graph_out.get(k))
+    ratios = sorted(e / g for e, g in rounds)
+    eager_busy = sorted(e for e, _ in rounds)[len(rounds) // 2]
+    graph_busy = sorted(g for _, g in rounds)[len(rounds) // 2]
+    row.update(tokens=tokens, rounds=rounds, eager_tok_s=tokens / eager_busy, graph_tok_s=tokens / graph_busy,
+               ratio=ratios[len(ratios) // 2],
+               mismatches=sum(1 for k in eager_out if eager_out[k] != graph_out.get(k)))
     return row
 
 
@@ -252,13 +254,19 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--quick", action="store_true", help="40 requests, prompts 1..64, outputs 1..16")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeat", type=int, default=3, help="rounds of an eager and a graph session (median ratio)")
+    p.add_argument("--max-graphs", default="tokens=16,kv=16,reqs=4",
+                   help="graphs per dim for gr.plan_buckets, e.g. tokens=16,kv=16,reqs=4")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                  "hf_continuous_batching.json"))
     args = p.parse_args(argv)
     if args.quick:
         args.requests, args.max_prompt, args.max_out, args.wave_steps = 40, 64, 16, 8
         args.blocks = min(args.blocks, 512)
-    args.max_graphs = {"tokens": 8, "kv": 8, "reqs": 4}
+    try:
+        args.max_graphs = {k: int(v) for k, v in (kv.split("=") for kv in args.max_graphs.split(",") if kv)}
+    except ValueError:
+        p.error(f"--max-graphs takes dim=count pairs, got {args.max_graphs!r}")
     torch.set_num_threads(args.threads)
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
     from transformers.generation.continuous_batching.utils import logger as cb_logger

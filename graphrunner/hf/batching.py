@@ -48,6 +48,9 @@ TOKEN_PAD_REQUEST = -1
 #: exactly 0 even in a row whose real keys are all masked.
 KEY_PAD_REQUEST = -2
 
+#: The mask value of a padding key: -inf, so that its weight is exactly 0 in every row.
+_PAD_KEY_VALUE = float("-inf")
+
 #: Default graphs per dim for :func:`gr.plan_buckets <graphrunner.plan_buckets>` over the dry run's step sizes.
 DEFAULT_MAX_GRAPHS = {"tokens": 8, "kv": 8, "reqs": 4}
 
@@ -235,7 +238,7 @@ def make_step(model, cache, groups: Sequence[_Group], use_logits_to_keep: bool):
                 allowed = allowed & (key_pos > q_pos - g.window)
             zero = torch.zeros((), dtype=dtype, device=input_ids.device)
             mask = torch.where(allowed, zero, torch.full((), min_value, dtype=dtype, device=input_ids.device))
-            mask = mask.masked_fill((key_req == KEY_PAD_REQUEST)[None, :], float("-inf"))
+            mask = mask.masked_fill((key_req == KEY_PAD_REQUEST)[None, :], _PAD_KEY_VALUE)
             masks[g.layer_type] = mask[None, None]
             read.append(per_group[f"read_index_{g.index}"])
             write.append(per_group[f"write_index_{g.index}"])
