@@ -132,6 +132,37 @@ def test_debug_mode_compares_masks_and_bounds_every_step():
     assert mismatches(ref, gr.hf.generate_batch(model, inputs, gc, cb_config(), device="tape", debug=True)) == []
 
 
+def _session(manager, inputs):
+    manager.start()
+    ids = [manager.add_request(x, request_id=f"req_{i}", max_new_tokens=8) for i, x in enumerate(inputs)]
+    out = {}
+    while len(out) < len(ids):
+        r = manager.get_result(timeout=30)
+        assert r is not None and r.error is None
+        if r.is_finished():
+            out[r.request_id] = r.generated_tokens
+    manager.stop(block=True, keep_for_next_session=True)
+    return out
+
+
+def test_manager_form_captures_between_sessions():
+    model, inputs, gc = model_of("qwen3"), prompts(n=8), gen_config()
+    ref = eager(model, inputs, gc)
+    manager = gr.hf.init_continuous_batching(model, gc, cb_config(), device="tape")
+    try:
+        first = _session(manager, inputs)  # eager through the graph step, recording the step sizes
+        hook = manager.graphs
+        assert hook.runner is None and hook.stats.eager_steps == hook.stats.steps > 0
+        hook.batch_processor.cache.reset()
+        hook.capture()
+        second = _session(manager, inputs)
+        assert hook.stats.replayed > 0
+    finally:
+        model.destroy_cached_continuous_batching_manager()
+    for out in (first, second):
+        assert {k: ref[k].generated_tokens for k in ref} == out
+
+
 def test_planned_keys_cover_every_step():
     sizes = [(64, 64, 5), (8, 136, 8), (8, 144, 8), (4, 70, 4), (1, 8, 1), (64, 158, 7)]
     buckets, keys = batching.plan_keys(sizes, {"tokens": 2, "kv": 2, "reqs": 2})
