@@ -44,12 +44,8 @@ MASKED_IMPLEMENTATIONS = ("sdpa", "paged|sdpa", "paged|eager", "eager")
 
 #: Pad of ``tok_req`` (a padding query's request): no key carries it.
 TOKEN_PAD_REQUEST = -1
-#: Pad of ``key_req`` (a padding key's request): masked with -inf for every query, so a padding key has weight
-#: exactly 0 even in a row whose real keys are all masked.
+#: Pad of ``key_req`` (a padding key's request): below every real query's range of allowed keys.
 KEY_PAD_REQUEST = -2
-
-#: The mask value of a padding key: -inf, so that its weight is exactly 0 in every row.
-_PAD_KEY_VALUE = float("-inf")
 
 #: Default graphs per dim for :func:`gr.plan_buckets <graphrunner.plan_buckets>` over the dry run's step sizes.
 DEFAULT_MAX_GRAPHS = {"tokens": 8, "kv": 8, "reqs": 4}
@@ -212,34 +208,42 @@ def step_inputs(groups: Sequence[_Group], vocab_size: int, max_position: int, ma
     return spec
 
 
-def make_step(model, cache, groups: Sequence[_Group], use_logits_to_keep: bool):
+def make_step(model, cache, groups: Sequence[_Group], use_logits_to_keep: bool, max_position: int = 1 << 20,
+              max_requests: int = 1024):
     """Return ``step(**metadata) -> logits [reqs, vocab]``: one varlen forward of ``model`` over the paged ``cache``.
 
     The attention mask of each attention type is built in the step: query token
     ``t`` may attend key ``j`` iff they belong to the same request, the key's
     position is at most the query's, and (sliding layers) within the window;
-    a padding key (``key_req == KEY_PAD_REQUEST``) is ``-inf`` for every query,
-    other masked cells ``finfo.min`` (as transformers' ``build_attention_mask``).
-    ``cu_seq_lens_*`` and ``max_length_*`` are placeholders: mask-based
-    attention does not read them (they are validated at the call instead)."""
+    masked cells hold ``finfo.min``, as transformers' ``build_attention_mask``
+    writes them. The test is one range check per cell on a code
+    ``request * (max_position + 1) + position`` (int32 while it fits): key ``j`` is
+    allowed for ``t`` iff ``code(t's request, lowest allowed position) <= code_j <=
+    code(t)``. A padding key (request ``KEY_PAD_REQUEST``) is below every real query's
+    range; a padding query (``TOKEN_PAD_REQUEST``) sees no key, so its row is uniform
+    and finite (nothing reads it). ``cu_seq_lens_*`` and ``max_length_*`` are
+    placeholders: mask-based attention does not read them (they are validated at
+    the call instead). ``max_position`` and ``max_requests`` bound the codes."""
     dtype = model.dtype
     min_value = torch.finfo(dtype).min
     single = len(groups) == 1
+    big = int(max_position) + 1
+    code_dtype = torch.int32 if (int(max_requests) + 2) * big < 2 ** 31 else torch.int64
 
     def step(input_ids, position_ids, tok_req, logits_indices, **per_group):
         masks: Dict[str, torch.Tensor] = {}
         read, write = [], []
-        q_pos = position_ids.long()[:, None]
+        q_pos = position_ids.to(code_dtype)
+        q_base = tok_req.to(code_dtype) * big
+        q_code = (q_base + q_pos)[:, None]
+        zero = torch.zeros((), dtype=dtype, device=input_ids.device)
+        masked = torch.full((), min_value, dtype=dtype, device=input_ids.device)
         for g in groups:
-            key_req = per_group[f"key_req_{g.index}"]
-            key_pos = per_group[f"key_pos_{g.index}"].long()[None, :]
-            allowed = (tok_req[:, None] == key_req[None, :]) & (key_pos <= q_pos)
-            if g.window is not None:
-                allowed = allowed & (key_pos > q_pos - g.window)
-            zero = torch.zeros((), dtype=dtype, device=input_ids.device)
-            mask = torch.where(allowed, zero, torch.full((), min_value, dtype=dtype, device=input_ids.device))
-            mask = mask.masked_fill((key_req == KEY_PAD_REQUEST)[None, :], _PAD_KEY_VALUE)
-            masks[g.layer_type] = mask[None, None]
+            k_code = (per_group[f"key_req_{g.index}"].to(code_dtype) * big
+                      + per_group[f"key_pos_{g.index}"].to(code_dtype))[None, :]
+            lo = q_base if g.window is None else torch.maximum(q_base, q_base + q_pos - (g.window - 1))
+            allowed = (k_code >= lo[:, None]) & (k_code <= q_code)
+            masks[g.layer_type] = torch.where(allowed, zero, masked)[None, None]
             read.append(per_group[f"read_index_{g.index}"])
             write.append(per_group[f"write_index_{g.index}"])
         n_tok = input_ids.shape[0]
@@ -531,6 +535,12 @@ class GraphBatching:
     def _model_type(self) -> str:
         return getattr(getattr(self.model, "config", None), "model_type", type(self.model).__name__)
 
+    def _max_position(self) -> int:
+        """An upper bound on positions: the model's max_position_embeddings or what the cache can hold, the larger."""
+        text = self.model.config.get_text_config()
+        cache = self.batch_processor.cache
+        return max(int(getattr(text, "max_position_embeddings", 0) or 0), int(cache.max_tokens_read) + 1)
+
     def _vocab(self) -> int:
         emb = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
         return int(getattr(emb, "num_embeddings", None) or self.model.config.get_text_config().vocab_size)
@@ -597,7 +607,8 @@ class GraphBatching:
     def _step(self):
         bp = self.batch_processor
         if getattr(self, "_step_fn", None) is None:
-            self._step_fn = make_step(self.model, bp.cache, self.groups, bp.model_runner.supports_logits_to_keep(self.model))
+            self._step_fn = make_step(self.model, bp.cache, self.groups, bp.model_runner.supports_logits_to_keep(self.model),
+                                      self._max_position(), int(bp.inputs_and_outputs.max_requests_per_batch))
         return self._step_fn
 
     # ----------------------------------------------------------------- planning and capture
@@ -628,9 +639,7 @@ class GraphBatching:
             raise CaptureError(f"gr.hf.generate_batch cannot serve architecture {self._model_type()!r}: {exc}") from exc
         buckets, keys = self.plan()
         cache, io = bp.cache, bp.inputs_and_outputs
-        text = self.model.config.get_text_config()
-        max_pos = max(int(getattr(text, "max_position_embeddings", 0) or 0), int(cache.max_tokens_read) + 1)
-        spec = step_inputs(self.groups, self._vocab(), max_pos, int(io.max_requests_per_batch),
+        spec = step_inputs(self.groups, self._vocab(), self._max_position(), int(io.max_requests_per_batch),
                            int(cache.max_batch_tokens))
         t0 = time.perf_counter()
         try:
