@@ -17,6 +17,7 @@ tests can inject a recording device.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import warnings
 import weakref
@@ -78,6 +79,20 @@ class Device:
         capture starts a fresh pool (a CUDA pool whose graphs were all reset
         cannot be captured into again)."""
         self._pool = None
+
+    def with_own_pool(self) -> "Device":
+        """A device like this one (same torch device, settings and capture stream) whose graphs
+        share a memory pool of their own, not this device's (optional device method).
+
+        A :class:`~graphrunner.GraphRunner` given a device object captures through one, so two
+        runners given the same device never share graph memory: each one's
+        ``graph_pool_bytes`` (and ``memory_budget=``) counts exactly what its own graphs hold,
+        one runner's ``cleanup()`` releases only its own pool, and the two can replay at the
+        same time in two threads (graphs of one pool cannot). A shallow copy with no pool yet;
+        a subclass with state of its own to separate overrides it."""
+        twin = copy.copy(self)
+        twin._pool = None
+        return twin
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.torch_device)!r})"
@@ -186,6 +201,12 @@ class TapeDevice(Device):
 
     def memory_reserved(self) -> int:
         """Estimated bytes of the shared tape pool (its arena; 0 before the first capture)."""
+        return self.pool_bytes()
+
+    def pool_bytes(self) -> int:
+        """Estimated bytes of this device object's tape pool (its arena's blocks,
+        :attr:`TapePool.bytes_held <graphrunner.tape.TapePool.bytes_held>`; 0 before the first
+        capture and after ``release_pool()``)."""
         return int(self._pool.bytes_held) if self._pool is not None else 0
 
     def capture_stream(self) -> None:
@@ -347,6 +368,26 @@ class CudaDevice(Device):
         self._pool = None
         self._pool_graphs = []
         self._pool_begun = False
+
+    def with_own_pool(self) -> "CudaDevice":
+        """A ``CudaDevice`` on the same GPU, capturing on the same side stream, whose graphs share
+        a pool of their own (:meth:`Device.with_own_pool`): its pool bookkeeping starts empty."""
+        self.capture_stream()  # made now, so that the twin captures on the same stream
+        twin = copy.copy(self)
+        twin.release_pool()
+        return twin
+
+    def pool_bytes(self) -> int:
+        """Bytes of the segments the caching allocator holds for this device object's pool
+        (``torch.cuda.memory_snapshot()``, the segments whose ``segment_pool_id`` is the pool's
+        handle; 0 without a pool). Unlike ``memory_reserved()`` it counts no other pool and no
+        eager allocation on the GPU: another runner capturing or serving on the same GPU leaves
+        it unchanged."""
+        if self._pool is None:
+            return 0
+        pool = tuple(self._pool)
+        return sum(int(seg.get("total_size", 0)) for seg in torch.cuda.memory_snapshot()
+                   if tuple(seg.get("segment_pool_id", ())) == pool)
 
     def _live_pool(self) -> Any:
         """The shared pool for the next capture, made fresh when a capture began in the current
