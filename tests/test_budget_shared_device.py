@@ -194,3 +194,36 @@ def test_two_runners_on_one_cuda_device_each_count_their_own_pool(cuda_device):
         torch.testing.assert_close(r(x=x), want)
     b.cleanup()
     a.cleanup()
+
+
+BUDGET_TARGET = '''
+import graphrunner as gr
+
+def make():
+    x2 = {"x": gr.BatchInput(trailing=(64,), dims=("r", "d"))}
+    return gr.GraphRunner(lambda x: x * 2.0 + 1.0, x2, {"r": [1, 2, 4], "d": [1, 8, 16]}, device="tape",
+                          progress=False, memory_budget=BUDGET)
+'''
+
+
+@pytest.mark.parametrize("budget", [20000, None])
+def test_graphrunner_check_reports_a_budget_in_one_finding_line(tmp_path, capsys, budget):
+    """``graphrunner check`` on a runner whose keys do not fit its budget: exit 1, one
+    ``memory-budget`` finding whose text is one line naming the budget, the first key over it
+    and the pool it would hold (a hand computation: key (4, 16) alone holds its 4 x 16 x 64
+    float output temporary and result, 2 x 16 KiB), no traceback. Control: no budget, no finding."""
+    from graphrunner_tools.cli import main
+
+    path = tmp_path / "target.py"
+    path.write_text(BUDGET_TARGET.replace("BUDGET", repr(budget)))
+    rc = main(["check", f"{path}:make"])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err and "OverBudget" not in out + err
+    found = [line for line in out.splitlines() if line.strip().startswith("found:")]
+    if budget is None:
+        assert rc == 0 and found == []
+        return
+    assert rc == 1 and len(found) == 1
+    assert found[0].strip() == ("found: memory_budget=19.5 KiB: with key (4, 16) the graph pool holds 32.0 KiB, over "
+                                "the budget: a capture leaves this key (and any that do not fit after it) to eager")
+    assert 2 * (4 * 16 * 64 * F32) == 32 * 1024
