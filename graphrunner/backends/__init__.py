@@ -18,7 +18,6 @@ graphs, whatever backend was asked for.
 
 import logging
 import os
-import weakref
 from typing import Any, Dict, Optional
 
 from graphrunner._env import env_flag
@@ -70,19 +69,16 @@ class EnvDisabledBackend(EagerBackend):
 
 
 def make_backend(backend: Any, device: Any = "auto", group: Any = None, warmups: int = 2, trace: Any = None,
-                 drift_check: Optional[bool] = None, output_arena: Any = None) -> Any:
+                 drift_check: Optional[bool] = None, output_arena: Any = None, own_pool: bool = False) -> Any:
     """The backend a :class:`~graphrunner.GraphRunner` captures with: a new one for a name
     (``"full"``, ``"breakable"``, ``"eager"``) configured with the other arguments, or the given
     instance, which must not be contradicted by them (configure an instance on itself).
 
-    A device *object* given with a name that a backend made here already captures with (another
-    runner's, still alive) is used through its ``with_own_pool()`` where it has one
-    (:meth:`graphrunner.devices.Device.with_own_pool`): that runner's graphs share a pool of their
-    own, so runners given one device object never share graph memory (each one's
-    ``graph_pool_bytes`` and ``memory_budget=`` count its own graphs, one's ``cleanup()`` leaves
-    the other's pool alone, and they can replay at the same time). The first runner uses the
-    device itself. A backend instance keeps its device: give several runners backends on one
-    device to share its pool on purpose (then replay them one after the other).
+    ``own_pool`` (a runner with ``memory_budget=``): a device *object* given with a name is used
+    through its ``with_own_pool()`` where it has one
+    (:meth:`graphrunner.devices.Device.with_own_pool`), so the backend's graphs live in a pool of
+    their own even when other runners share that device's pool: the budget then counts exactly
+    this runner's graphs, and a restart releases only its own pool. An instance keeps its device.
 
     With ``GRAPHRUNNER_DISABLE=1`` the arguments are checked as usual, then an
     :class:`EnvDisabledBackend` is returned instead (an instance's device,
@@ -90,6 +86,9 @@ def make_backend(backend: Any, device: Any = "auto", group: Any = None, warmups:
     call runs eagerly through the same runner."""
     disabled = graphs_disabled()
     if not disabled or not isinstance(backend, str):
+        if own_pool and isinstance(backend, str) and device is not None and not isinstance(device, str) \
+                and callable(getattr(device, "with_own_pool", None)):
+            device = device.with_own_pool()
         chosen = _make_backend(backend, device, group, warmups, trace, drift_check, output_arena)
         if not disabled:
             return chosen
@@ -105,32 +104,6 @@ def make_backend(backend: Any, device: Any = "auto", group: Any = None, warmups:
                               drift_check=True if drift_check is None else drift_check)
 
 
-#: device object given with a backend name -> the backend made here that captures into its pool
-_DEVICE_USERS: "weakref.WeakKeyDictionary[Any, weakref.ref]" = weakref.WeakKeyDictionary()
-
-
-def _claimed(device: Any) -> Any:
-    """``device`` when it is a device object whose pool a live backend made here captures into
-    and that can give a twin with a pool of its own (``with_own_pool``), else ``None``."""
-    if device is None or isinstance(device, str) or not callable(getattr(device, "with_own_pool", None)):
-        return None
-    try:
-        user = _DEVICE_USERS.get(device)
-    except TypeError:  # not hashable or not weakly referenceable: cannot tell, use it as given
-        return None
-    return device if user is not None and user() is not None else None
-
-
-def _claim(device: Any, backend: Any) -> None:
-    """Record that ``backend`` captures into ``device``'s own pool (a device object it was given)."""
-    if device is None or isinstance(device, str) or backend.device is not device:
-        return
-    try:
-        _DEVICE_USERS[device] = weakref.ref(backend)
-    except TypeError:
-        pass
-
-
 def _make_backend(backend: Any, device: Any, group: Any, warmups: int, trace: Any, drift_check: Optional[bool],
                   output_arena: Any) -> Any:
     if isinstance(backend, str):
@@ -140,11 +113,8 @@ def _make_backend(backend: Any, device: Any, group: Any, warmups: int, trace: An
         drift = True if drift_check is None else drift_check
         if backend == "eager":  # no graphs, no output buffer: the arena has nothing to hold
             return classes[backend](device=device, group=group, warmups=warmups, trace=trace, drift_check=drift)
-        shared = _claimed(device)
-        made = classes[backend](device=device if shared is None else shared.with_own_pool(), group=group,
-                                warmups=warmups, trace=trace, drift_check=drift, output_arena=output_arena)
-        _claim(device, made)
-        return made
+        return classes[backend](device=device, group=group, warmups=warmups, trace=trace, drift_check=drift,
+                                output_arena=output_arena)
     if output_arena is not None and output_arena is not getattr(backend, "output_arena", None):
         raise ValueError("output_arena= was given together with a backend instance that does not use it; "
                          "pass output_arena= to the backend instead")

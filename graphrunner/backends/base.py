@@ -643,5 +643,8 @@ class GraphBackend:
         self._entries.clear()
         self._out.release()
         release_pool = getattr(self.device, "release_pool", None)
-        if release_pool is not None:
-            release_pool()  # a CUDA pool whose graphs were all reset cannot be captured into again
+        in_use = getattr(self.device, "pool_in_use", None)
+        if release_pool is not None and not (in_use is not None and in_use()):
+            # a CUDA pool whose graphs were all reset cannot be captured into again; a pool that
+            # another runner's graphs on the same device still hold is kept (and stays counted)
+            release_pool()
