@@ -407,8 +407,11 @@ class CudaDevice(Device):
         if self._pool is None:
             return 0
         pool = tuple(self._pool)
-        return sum(int(seg.get("total_size", 0)) for seg in torch.cuda.memory_snapshot()
-                   if tuple(seg.get("segment_pool_id", ())) == pool)
+        try:
+            segments = torch.cuda.memory_snapshot(include_traces=False)  # no trace entries, where torch takes it
+        except TypeError:
+            segments = torch.cuda.memory_snapshot()
+        return sum(int(seg.get("total_size", 0)) for seg in segments if tuple(seg.get("segment_pool_id", ())) == pool)
 
     def _live_pool(self) -> Any:
         """The shared pool for the next capture, made fresh when a capture began in the current
