@@ -214,7 +214,7 @@ def test_user_mistakes_are_clear_errors():
 
 
 def test_every_public_name_has_a_docstring():
-    for name in ("generate_batch", "GraphBatching", "BatchingStats", "MetadataError", "refusal", "step_feeds",
+    for name in ("generate_batch", "init_continuous_batching", "GraphBatching", "BatchingStats", "MetadataError", "refusal", "step_feeds",
                  "step_inputs", "make_step", "plan_keys", "check_trash"):
         obj = getattr(batching, name)
         assert obj.__doc__ and len(obj.__doc__.strip()) > 40, name

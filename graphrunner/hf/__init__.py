@@ -17,6 +17,11 @@ per bucket), :mod:`~graphrunner.hf.steps` (prefill and decode steps),
 :mod:`~graphrunner.hf.masks`, :mod:`~graphrunner.hf.selftest`,
 :mod:`~graphrunner.hf.sampling` and :mod:`~graphrunner.hf.decode`.
 
+:func:`generate_batch` and :func:`init_continuous_batching` serve transformers'
+own continuous batching (``model.generate_batch``, paged cache, varlen steps)
+with the forward of each step replayed from graphs (:mod:`~graphrunner.hf.batching`,
+``docs/continuous-batching.md``).
+
 The lower-level helpers (:func:`make_static_cache`, :func:`cache_tensors`,
 :func:`snapshot_cache`, :func:`restore_cache`, :func:`compare_caches`,
 :func:`prefill`, :func:`make_decode_step`, :func:`decode_inputs`) are public

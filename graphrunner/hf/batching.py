@@ -114,7 +114,8 @@ def refusal(model, continuous_batching_config=None) -> Optional[str]:
     if impl not in MASKED_IMPLEMENTATIONS:
         return (f"its attention implementation {impl!r} is not mask-based: flash varlen attention takes "
                 "max_length_q/k as Python ints a graph would freeze (and a block table on its decode fast path); "
-                "load the model with attn_implementation='sdpa' or 'eager'")
+                "load the model with attn_implementation='sdpa' or 'eager' (a half-precision model also needs "
+                "ContinuousBatchingConfig(auto_switch_to_flash=False): transformers switches it to flash otherwise)")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     try:
         groups = group_layers_by_attn_type(text)
