@@ -89,6 +89,7 @@ def test_greedy_tokens_equal_transformers_generate_batch(arch):
     s = st["stats"]
     assert s.replayed == s.steps > 10 and s.eager_steps == 0 and s.graphs == len(s.keys) >= 2
     assert s.padded_tokens + s.padded_keys > 0, "some steps replay a padded key: the padding is exercised"
+    assert s.equivalence_checked == s.graphs, "the equivalence check replayed every key"
 
 
 @pytest.mark.slow
@@ -310,3 +311,27 @@ def test_negative_control_stale_cu_seq_lens_changes_results(monkeypatch):
     assert ios.planted > 0
     # without the call's checks a stale cu_seq_lens_q builds wrong masks silently
     assert mismatches(ref, out) or logprob_gap(ref, out) > 1e-3
+
+
+@pytest.mark.slow
+def test_bench_quick_run_writes_its_table(tmp_path):
+    """bench/hf_continuous_batching.py --quick on one architecture: 0 mismatches, every step replayed, JSON rows
+    (no timing asserted)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "cb.json"
+    proc = subprocess.run([sys.executable, os.path.join(root, "bench", "hf_continuous_batching.py"), "--quick",
+                           "--only", "llama,qwen3_next", "--repeat", "1", "--device", "tape",
+                           "--max-graphs", "tokens=4,kv=4,reqs=2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = {r["arch"]: r for r in json.loads(out.read_text())["rows"]}
+    llama = rows["llama"]
+    assert llama["mismatches"] == 0 and llama["eager_steps"] == 0 and 2 <= llama["graphs"] == len(llama["keys"])
+    assert llama["transformers"]["graphs"] >= 1 and 0 <= llama["transformers"]["padded_token_share"] < 1
+    assert "no allocator for its layer types" in rows["qwen3_next"]["refused"]
+    assert "llama" in proc.stdout and "refused" in proc.stdout

@@ -67,7 +67,8 @@ class BatchingStats:
     ``graphs`` (keys captured), ``capture_seconds``, ``dry_run_seconds`` (the planning run of the scheduler),
     ``step_sizes`` (``(tokens, kv, reqs)`` of every varlen step seen, dry run included), ``engine_sizes``
     (the same steps as transformers' own graph keys count them: ``(query tokens, max_kv_read, max_length_k
-    per attention type)``, unpadded) and ``keys`` (the keys captured)."""
+    per attention type)``, unpadded), ``keys`` (the keys captured) and ``equivalence_checked`` (keys the
+    equivalence check replayed)."""
 
     steps: int = 0
     replayed: int = 0
@@ -82,6 +83,7 @@ class BatchingStats:
     step_sizes: List[Tuple[int, int, int]] = field(default_factory=list)
     engine_sizes: List[Tuple[int, int, Tuple[int, ...]]] = field(default_factory=list)
     keys: List[Tuple[int, int, int]] = field(default_factory=list)
+    equivalence_checked: int = 0
 
     def to_dict(self) -> Dict[str, Any]:
         """The counters as plain Python values (for JSON)."""
@@ -89,7 +91,7 @@ class BatchingStats:
                 "real_tokens": self.real_tokens, "padded_tokens": self.padded_tokens, "real_keys": self.real_keys,
                 "padded_keys": self.padded_keys, "graphs": self.graphs,
                 "capture_seconds": self.capture_seconds, "dry_run_seconds": self.dry_run_seconds,
-                "keys": [list(k) for k in self.keys]}
+                "keys": [list(k) for k in self.keys], "equivalence_checked": self.equivalence_checked}
 
 
 # --------------------------------------------------------------------------- refusal
@@ -669,35 +671,49 @@ class GraphBatching:
         """Every key: a synthetic valid batch, replayed padded vs the eager step unpadded."""
         runner = self.runner
         gen = torch.Generator().manual_seed(0x6B76)
-        prev: Dict[str, int] = {d: 0 for d in _DIMS}
         by_dim = {d: sorted({k[i] for k in runner.keys}) for i, d in enumerate(_DIMS)}
+        checked = 0
         for key in sorted(runner.keys, key=lambda k: tuple(k)):
-            sizes = []
+            small = []
             for i, d in enumerate(_DIMS):
                 below = [b for b in by_dim[d] if b < key[i]]
-                sizes.append(max(1, (below[-1] + 1) if below else 1))
-            feeds = self._synthetic(key, sizes, gen)
-            if feeds is None:
-                continue
-            real = {k: v.clone() for k, v in feeds.items()}
-            saved = self.batch_processor.cache.cache_tensor.clone()
-            try:
-                got = runner(**feeds).clone()
-                self.batch_processor.cache.cache_tensor.copy_(saved)
-                want = self._step()(**real)
-            finally:
-                self.batch_processor.cache.cache_tensor.copy_(saved)
-            if runner.stats.last_bucket != key and runner.stats.last_bucket is not None:
-                continue
-            diff = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
-            scale = want.double().abs().max().item() if want.numel() else 0.0
-            if not diff <= scale * 1e-4 + 1e-6:
-                raise CaptureError(
-                    f"gr.hf.generate_batch cannot serve architecture {self._model_type()!r}: the replayed step of "
-                    f"key (tokens, kv, reqs)={tuple(key)} differs from the eager step on the same valid batch without "
-                    f"padding (real sizes {tuple(sizes)}; max abs diff {diff:.3g} of scale {scale:.3g}): padding "
-                    "tokens or keys reach real requests (a padding write into a real cache slot, a mask that lets "
-                    "a real query see a padding key)")
+                small.append(max(1, (below[-1] + 1) if below else 1))
+            # the smallest sizes that replay the key (padded); when those land on another key, the key's own sizes
+            for sizes in (small, list(key)):
+                feeds = self._synthetic(key, sizes, gen)
+                if feeds is None:
+                    continue
+                diff, scale, landed = self._compare_once(feeds)
+                if landed != tuple(key):
+                    continue
+                checked += 1
+                if not diff <= scale * 1e-4 + 1e-6:
+                    raise CaptureError(
+                        f"gr.hf.generate_batch cannot serve architecture {self._model_type()!r}: the replayed step "
+                        f"of key (tokens, kv, reqs)={tuple(key)} differs from the eager step on the same valid batch "
+                        f"without padding (real sizes {tuple(sizes)}; max abs diff {diff:.3g} of scale {scale:.3g}): "
+                        "padding tokens or keys reach real requests (a padding write into a real cache slot, a mask "
+                        "that lets a real query see a padding key)")
+                break
+        self.stats.equivalence_checked = checked
+
+    def _compare_once(self, feeds: Dict[str, torch.Tensor]) -> Tuple[float, float, Any]:
+        """Replay ``feeds`` (padded to their key), then run the step eagerly on them unpadded, the cache put back
+        after each; ``(max abs diff, scale, key replayed)``."""
+        runner = self.runner
+        real = {k: v.clone() for k, v in feeds.items()}
+        cache = self.batch_processor.cache.cache_tensor
+        saved = cache.clone()
+        try:
+            got = runner(**feeds).clone()
+            landed = runner.stats.last_bucket
+            cache.copy_(saved)
+            want = self._step()(**real)
+        finally:
+            cache.copy_(saved)
+        diff = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
+        scale = want.double().abs().max().item() if want.numel() else 0.0
+        return diff, scale, None if landed is None else tuple(landed)
 
     def _synthetic(self, key, sizes, gen: torch.Generator) -> Optional[Dict[str, torch.Tensor]]:
         """A valid batch of ``sizes`` (tokens, kv, reqs) for full/sliding layers: ``reqs`` requests whose
