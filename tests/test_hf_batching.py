@@ -335,3 +335,18 @@ def test_bench_quick_run_writes_its_table(tmp_path):
     assert llama["transformers"]["graphs"] >= 1 and 0 <= llama["transformers"]["padded_token_share"] < 1
     assert "no allocator for its layer types" in rows["qwen3_next"]["refused"]
     assert "llama" in proc.stdout and "refused" in proc.stdout
+
+
+def test_example_runs_and_matches():
+    """examples/hf_continuous_batching.py: its run() on a few requests equals model.generate_batch."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                        "hf_continuous_batching.py")
+    spec = importlib.util.spec_from_file_location("graphrunner_example_hf_cb", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    r = example.run(requests=6, new=3, device="tape")
+    assert r["mismatches"] == [] and r["requests"] == 6 and r["tokens"] == 18
+    assert r["replayed"] + r["eager_steps"] == r["steps"] > 0 and r["graphs"] >= 1
