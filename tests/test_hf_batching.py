@@ -350,3 +350,23 @@ def test_example_runs_and_matches():
     r = example.run(requests=6, new=3, device="tape")
     assert r["mismatches"] == [] and r["requests"] == 6 and r["tokens"] == 18
     assert r["replayed"] + r["eager_steps"] == r["steps"] > 0 and r["graphs"] >= 1
+
+
+def test_background_capture_serves_from_the_first_step():
+    model, inputs, gc = model_of("llama"), prompts(), gen_config()
+    ref = eager(model, inputs, gc)
+    st = {}
+    out = gr.hf.generate_batch(model, inputs, gc, cb_config(), device="tape", background=True, stats=st)
+    assert mismatches(ref, out) == []
+    s, runner = st["stats"], st["runner"]
+    assert s.replayed + s.eager_steps == s.steps and s.graphs == len(runner.keys)
+    assert runner.wait_captured() is not None and sorted(runner.captured_keys) == sorted(runner.keys)
+    runner.cleanup()
+
+
+def test_the_generic_padding_check_misreads_the_varlen_step():
+    """Why the default checks replace GraphRunner's "padding" check: it draws every integer input on its own, so its
+    batches break the request structure the step reads (a logits index past the real tokens, keys of no request
+    that a run with more real cells turns into attended ones); documented in docs/continuous-batching.md."""
+    with pytest.raises(CaptureError, match=r"padding leaks into real results at key \(64, 155, 8\)"):
+        gr.hf.generate_batch(model_of("llama"), prompts(), gen_config(), cb_config(), device="tape", checks=None)

@@ -251,6 +251,9 @@ def make_step(model, cache, groups: Sequence[_Group], use_logits_to_keep: bool, 
             write.append(per_group[f"write_index_{g.index}"])
         n_tok = input_ids.shape[0]
         n_kv = read[0].shape[0]
+        # a no-op for a validated call; keeps the step total on whatever a background capture's warmup reads
+        # (the static buffers still hold a larger call's rows: a logits index past this key's tokens)
+        logits_indices = logits_indices.clamp(0, n_tok - 1)
         placeholder = torch.zeros(logits_indices.shape[0] + 1, dtype=torch.int32, device=input_ids.device)
         kwargs = dict(
             input_ids=input_ids[None], position_ids=position_ids[None],
@@ -437,7 +440,8 @@ class GraphBatching:
     """The graph-served step of one transformers ``ContinuousBatchingManager``.
 
     ``GraphBatching(model, buckets=None, keys=None, max_graphs=None, backend="full", device="auto",
-    debug=False, checks=("drift", "fingerprint"), equivalence=True, validate=True)``; :meth:`install` it on a manager
+    debug=False, checks=("drift", "fingerprint"), equivalence=True, validate=True, background=False)``;
+    :meth:`install` it on a manager
     (``model.init_continuous_batching(...)``) before the manager starts: the
     manager's batch processor then runs every varlen step's forward through
     :attr:`runner` (a :class:`~graphrunner.GraphRunner` over dims ``tokens``,
@@ -459,13 +463,17 @@ class GraphBatching:
     ``False`` only to measure what the checks cost). ``debug=True`` also
     compares the mask built from the metadata with transformers' own mask at
     every step, and turns on GraphRunner's debug mode (bounds of every input).
+    ``background=True``: :meth:`capture` starts GraphRunner's background capture
+    and returns at once; steps are served eagerly (on inputs padded to their key,
+    counted in ``eager_steps``) until their key is captured, then replayed. The
+    equivalence check does not run then (it needs the whole capture).
     Raises :class:`CaptureError` at capture for a model :func:`refusal` refuses
     and for padding tokens that would write a real cache slot."""
 
     def __init__(self, model, buckets: Optional[Dict[str, Sequence[int]]] = None, keys: Optional[Sequence] = None,
                  max_graphs: Optional[Dict[str, int]] = None, backend: Any = "full", device: Any = "auto",
                  debug: bool = False, checks: Any = ("drift", "fingerprint"), equivalence: bool = True,
-                 validate: bool = True) -> None:
+                 validate: bool = True, background: bool = False) -> None:
         if buckets is not None:
             if not isinstance(buckets, dict) or set(buckets) != set(_DIMS):
                 raise ValueError(f"buckets must be a dict with the dims {list(_DIMS)}, got {buckets!r}")
@@ -478,7 +486,7 @@ class GraphBatching:
         self.keys = None if keys is None else [tuple(int(v) for v in k) for k in keys]
         self.max_graphs = max_graphs
         self.backend, self.device, self.debug, self.checks = backend, device, bool(debug), checks
-        self.equivalence, self.validate = bool(equivalence), bool(validate)
+        self.equivalence, self.validate, self.background = bool(equivalence), bool(validate), bool(background)
         self.mode = "eager"  # "record" (dry run: no forward), "eager", "graph"
         self.runner: Optional[GraphRunner] = None
         self.report = None
@@ -625,7 +633,8 @@ class GraphBatching:
         return plan_keys(self.stats.step_sizes, self.max_graphs)
 
     def capture(self):
-        """Build :attr:`runner` over the planned keys and capture it (blocking); return GraphRunner's report.
+        """Build :attr:`runner` over the planned keys and capture it (blocking); return GraphRunner's report
+        (``None`` with ``background=True``: the capture runs on a thread, ``runner.wait_captured()`` waits).
 
         Needs the batch processor (the manager has run once). Checks the trash
         slots first, runs the equivalence check after, empties the cache (the
@@ -645,6 +654,15 @@ class GraphBatching:
         spec = step_inputs(self.groups, self._vocab(), self._max_position(), int(io.max_requests_per_batch),
                            int(cache.max_batch_tokens))
         t0 = time.perf_counter()
+        if self.background:
+            self.runner = GraphRunner(self._step(), inputs=spec, buckets=buckets, keys=keys, outputs=("reqs",),
+                                      backend=self.backend, device=self.device, progress=False, checks=self.checks,
+                                      debug=self.debug, fallback="eager")
+            self.runner.capture(background=True)  # puts back what each key's capture writes: no cache reset
+            self.stats.graphs = len(self.runner.keys)
+            self.stats.keys = [tuple(k) for k in self.runner.keys]
+            self.mode = "graph"
+            return None
         try:
             self.runner = GraphRunner(self._step(), inputs=spec, buckets=buckets, keys=keys,
                                       outputs=("reqs",), backend=self.backend, device=self.device, progress=False,
@@ -776,7 +794,7 @@ def init_continuous_batching(model, generation_config=None, continuous_batching_
                              buckets: Optional[Dict[str, Sequence[int]]] = None, keys: Optional[Sequence] = None,
                              max_graphs: Optional[Dict[str, int]] = None, backend: Any = "full",
                              device: Any = "auto", debug: bool = False, checks: Any = ("drift", "fingerprint"),
-                             equivalence: bool = True, validate: bool = True):
+                             equivalence: bool = True, validate: bool = True, background: bool = False):
     """``model.init_continuous_batching(...)`` with a :class:`GraphBatching` installed: returns the manager,
     its hook as ``manager.graphs``.
 
@@ -799,7 +817,8 @@ def init_continuous_batching(model, generation_config=None, continuous_batching_
                                              continuous_batching_config=continuous_batching_config,
                                              workload_hints=workload_hints)
     hook = GraphBatching(model, buckets=buckets, keys=keys, max_graphs=max_graphs, backend=backend, device=device,
-                         debug=debug, checks=checks, equivalence=equivalence, validate=validate)
+                         debug=debug, checks=checks, equivalence=equivalence, validate=validate,
+                         background=background)
     hook.install(manager)
     manager.graphs = hook
     return manager
@@ -821,7 +840,8 @@ def generate_batch(model, inputs: List[List[int]], generation_config=None, conti
                    buckets: Optional[Dict[str, Sequence[int]]] = None, keys: Optional[Sequence] = None,
                    max_graphs: Optional[Dict[str, int]] = None, backend: Any = "full", device: Any = "auto",
                    debug: bool = False, checks: Any = ("drift", "fingerprint"), equivalence: bool = True,
-                   validate: bool = True, stats: Optional[Dict[str, Any]] = None, **kwargs) -> Dict[str, Any]:
+                   validate: bool = True, background: bool = False, stats: Optional[Dict[str, Any]] = None,
+                   **kwargs) -> Dict[str, Any]:
     """``model.generate_batch(inputs, generation_config, continuous_batching_config, **kwargs)`` with the varlen
     steps' forward replayed from graphrunner graphs; returns exactly what it returns.
 
@@ -842,7 +862,8 @@ def generate_batch(model, inputs: List[List[int]], generation_config=None, conti
     on. Then the step is captured (``backend``, ``device``: as
     :class:`~graphrunner.GraphRunner`), checked (:class:`GraphBatching`), the cache
     emptied and the generation run. Steps larger than every key run
-    eagerly. ``debug``, ``checks``, ``equivalence``, ``validate``: as
+    eagerly. ``debug``, ``checks``, ``equivalence``, ``validate``, ``background``
+    (serve from the first step while the keys are captured on a thread): as
     :class:`GraphBatching`. ``stats``: a dict that receives :class:`BatchingStats` (``"stats"``),
     the capture report (``"report"``) and the runner (``"runner"``).
 
@@ -877,7 +898,8 @@ def generate_batch(model, inputs: List[List[int]], generation_config=None, conti
     manager = model.init_continuous_batching(generation_config=generation_config,
                                              continuous_batching_config=cb_cfg, workload_hints=hints)
     hook = GraphBatching(model, buckets=buckets, keys=keys, max_graphs=max_graphs, backend=backend, device=device,
-                         debug=debug, checks=checks, equivalence=equivalence, validate=validate)
+                         debug=debug, checks=checks, equivalence=equivalence, validate=validate,
+                         background=background)
     try:
         hook.install(manager)
         run_kwargs = dict(kwargs)
@@ -903,6 +925,8 @@ def generate_batch(model, inputs: List[List[int]], generation_config=None, conti
             model.destroy_cached_continuous_batching_manager()
         else:
             manager.destroy()
+        if hook.runner is not None and hook.background:
+            hook.runner.wait_captured()
         if hook.runner is not None and stats is None:
             hook.runner.cleanup()
     if stats is not None:
