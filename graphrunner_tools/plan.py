@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional
 from graphrunner.buckets import default_buckets
 from graphrunner.planning import padding_of, plan_buckets
 
-__all__ = ["load_sizes", "ladder_with", "compare_with_ladder", "graphs_to_match", "add_plan_subparser"]
+__all__ = ["load_sizes", "ladder_with", "compare_with_ladder", "graphs_to_match", "plan_table", "add_plan_subparser"]
 
 
 class PlanInputError(ValueError):
@@ -125,6 +125,23 @@ def graphs_to_match(sizes: List[int], padded_rows: int, most: int) -> int:
     return lo
 
 
+def plan_table(result: Dict[str, Any], path: str, sizes: List[int]) -> List[str]:
+    """``graphrunner plan``'s output for one list of sizes: a header, one table row each for the plan and
+    vLLM's ladder (graphs, buckets, padded rows), their ratio, and the ``GraphRunner`` line to use."""
+    pp, lp = result["planned_padding"], result["ladder_padding"]
+    real = [n for n in sizes if n]
+    lines = [f"graphrunner plan: {pp['calls']} calls from {path}, sizes {min(real)}..{max(real)}",
+             f"  {'':<14} {'graphs':>6} {'padded rows':>12}  buckets"]
+    for name, buckets, pad in (("planned", result["planned"], pp), ("vLLM's ladder", result["ladder"], lp)):
+        lines.append(f"  {name:<14} {len(buckets):>6} {pad['padded_fraction']:>12.2%}  {','.join(map(str, buckets))}")
+    if lp["graphs"] < result["max_graphs"]:
+        lines.append(f"  (vLLM's ladder up to {max(real)} has only {lp['graphs']} sizes)")
+    ratio = f"{result['ratio']:.2f}x the ladder's" if result["ratio"] is not None else "the ladder pads none"
+    lines.append(f"planned padded rows: {ratio}; the planner matches the ladder's padding with "
+                 f"{result['graphs_to_match']} graphs")
+    return lines
+
+
 def _max_graphs(text: str) -> Any:
     """``--max-graphs``: ``8`` or ``reqs=4,draft=3``."""
     if "=" not in text:
@@ -169,16 +186,8 @@ def _run(args: argparse.Namespace) -> int:
             print(f"{d}: {len(r['planned'])} buckets {','.join(map(str, r['planned']))}; padded rows "
                   f"{p['padded_fraction']:.1%} ({p['padded_rows']} over {p['calls']} calls)")
         return 0
-    pp, lp = result["planned_padding"], result["ladder_padding"]
-    print(f"graphrunner plan: {pp['calls']} calls from {args.file}, sizes "
-          f"{min(n for n in sizes if n)}..{max(sizes)}")
-    print(f"planned, {len(result['planned'])} graphs: {','.join(map(str, result['planned']))}")
-    ratio = f" ({result['ratio']:.2f}x)" if result["ratio"] is not None else ""
-    short = (f"; vLLM's ladder up to {max(sizes)} has only {lp['graphs']}" if lp["graphs"] < result["max_graphs"]
-             else "")
-    print(f"vLLM's ladder, {lp['graphs']} graphs: {','.join(map(str, result['ladder']))}{short}")
-    print(f"padded rows: planned {pp['padded_fraction']:.2%} vs vLLM's ladder {lp['padded_fraction']:.2%}{ratio}; "
-          f"the planner matches the ladder's padding with {result['graphs_to_match']} graphs")
+    for line in plan_table(result, args.file, sizes):
+        print(line)
     print("use: GraphRunner(..., buckets=[" + ", ".join(map(str, result["planned"])) + "])")
     return 0
 
