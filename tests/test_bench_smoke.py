@@ -91,6 +91,103 @@ def test_quick_suite_writes_json_and_png(tmp_path):
         assert data["plot"] == str(png)
         assert png.read_bytes()[:8] == PNG_MAGIC
     assert "summary" in proc.stdout
+    _check_output(proc.stdout, proc.stderr, data)
+
+
+def _check_output(stdout: str, stderr: str, data: dict) -> None:
+    """stdout holds tables and the summary only: no raw dicts, no progress lines, no warnings from our own
+    models; every target is marked met or MISSED; the summary repeats the body's figures, never others."""
+    assert "row:" not in stdout and "{'" not in stdout and "[bench] tape_vs_eager:" not in stdout, stdout[:2000]
+    assert "wrote " not in stdout and "wrote " in stderr  # where the JSON went: stderr
+    for text in (stdout, stderr):
+        assert "bounds=(lo, hi)" not in text and "padding check:" not in text, text[:3000]
+    for line in stdout.splitlines():
+        if "target" in line and ("<=" in line or ">=" in line):
+            assert line.rstrip().endswith((": met", ": MISSED", ": met)", ": MISSED)")) or \
+                "target: <=" in line, line
+    ro = data["results"]["runner_overhead"]
+    body, summary = stdout.split("[bench] summary")
+    for key, ratio in (("main", ro["ratio_runner_over_minimal"]), ("tiny", ro["tiny_two_inputs"]["ratio_runner_over_minimal"])):
+        label = ro["steps"][key]
+        (row,) = [ln for ln in body.splitlines() if ln.strip().startswith(label)]
+        (line,) = [ln for ln in summary.splitlines() if f"runner vs minimal loop, {label}:" in ln]
+        assert f"{ratio:.3f}x" in row and f"{ratio:.3f}x" in line, (row, line)
+    worst = ro["tiny_two_inputs"]["first_over_steady_max"]
+    assert f"max {worst:.2f}x" in summary and f"{worst:.2f}x" in body
+
+
+# ----------------------------------------------------------------------------- output: tables, targets
+def test_target_note_says_met_or_missed():
+    assert grbench.target_note(11.88, 3) == "target <= 3x: MISSED"
+    assert grbench.target_note(2.5, 3) == "target <= 3x: met"
+    assert grbench.target_note(5.1, 5, at_most=False) == "target >= 5x: met"
+    assert grbench.target_note(4.9, 5, at_most=False) == "target >= 5x: MISSED"
+    assert grbench.target_note(None, 1.1) == "target <= 1.1x: not measured"
+
+
+def _runner_overhead_result(first_max: float) -> dict:
+    tiny = {"per_call_us": {"minimal": 20.0, "runner": 21.08}, "ratio_runner_over_minimal": 1.054,
+            "target_ratio": 1.10, "first_replay_us": [237.6, 40, 40, 40, 40, 40], "steady_replay_us": [20.0] * 6,
+            "first_over_steady": [first_max, 2, 2, 2, 2, 2], "first_over_steady_max": first_max, "first_target": 3.0}
+    return {"backend": "full", "device": "tape", "rounds": 7, "hidden": 256,
+            "per_call_us": {"minimal": 500.0, "runner": 501.5}, "ratio_runner_over_minimal": 1.003,
+            "target_ratio": 1.25, "tiny_two_inputs": tiny,
+            "steps": {"main": "demo-like step (2 layers, hidden 256)", "tiny": "tiny 2-input step (x * w + y)"},
+            "debug_mode": {"per_call_us_on": 900.0, "ratio_on_over_off": 1.8, "externals_checked_per_replay": 3,
+                           "capture_seconds_off": 1.0, "capture_seconds_on": 1.1},
+            "leak_check": {"capture_seconds_with": 1.0, "capture_seconds_without": 0.9, "leak_check_seconds": 0.05,
+                           "keys_checked": 4}}
+
+
+def test_runner_overhead_body_and_summary_print_one_figure_per_ratio_and_flag_missed_targets(capsys):
+    """The issue's run: a first replay 11.88x over a 3x target passed unflagged, and the body said 1.054x
+    'runner vs minimal loop' where the summary said 1.003x (two steps under one name). Now each ratio has its
+    step's label, the same figure in both places, and a missed target says MISSED."""
+    module = grbench.load_script(BENCH_DIR / "runner_overhead.py", "runner_overhead")
+    result = _runner_overhead_result(11.88)
+    module.print_tables(result, argparse.Namespace(calls=300, reps=7))
+    body = capsys.readouterr().out
+    summary = "\n".join(grbench.summary_lines({"summary": grbench.summarize({"runner_overhead": result}),
+                                                "out": "b.json"}))
+    for label, ratio, target in (("demo-like step (2 layers, hidden 256)", "1.003x", "target <= 1.25x: met"),
+                                 ("tiny 2-input step (x * w + y)", "1.054x", "target <= 1.1x: met")):
+        (row,) = [ln for ln in body.splitlines() if ln.strip().startswith(label)]
+        (line,) = [ln for ln in summary.splitlines() if f"runner vs minimal loop, {label}: " in ln]
+        assert ratio in row and target in row and f"{label}: {ratio} ({target})" in line
+    assert "11.88x  target <= 3x: MISSED" in body
+    assert "first call of a bucket vs a steady one, tiny 2-input step (x * w + y): max 11.88x " \
+           "(target <= 3x: MISSED)" in summary
+    # control: within the target, the same lines say met
+    module.print_tables(_runner_overhead_result(2.5), argparse.Namespace(calls=300, reps=7))
+    assert "2.50x  target <= 3x: met" in capsys.readouterr().out
+
+
+def test_summary_marks_capture_vs_compile_target():
+    merged = {"summary": {"capture_vs_compile": {"ratio": 4.0, "target_ratio": 5, "compile_buckets": [1, 2]}},
+              "out": "b.json"}
+    assert "4.0x faster (target >= 5x: MISSED)" in "\n".join(grbench.summary_lines(merged))
+
+
+def test_decode_runner_declares_bounds_so_the_padding_check_warns_nothing(caplog):
+    """Our own demo decoder's bench runner declares the bounds of its integer inputs: the padding check draws
+    real token ids and positions and logs no 'no bounds' warning. Control: the inputs without bounds warn."""
+    import logging
+
+    import graphrunner as gr
+    from graphrunner_tools.models import LlamaConfig, build_model
+
+    model = build_model(LlamaConfig.tiny(max_batch_size=4, attention="masked"), seed=0)
+    with caplog.at_level(logging.WARNING, logger="graphrunner"):
+        report = grbench.decode_runner(model, "full", "tape", [1, 2, 4]).capture()
+    assert not [r for r in caplog.records if "bounds" in r.getMessage()]
+    assert report.bucket(4).info["leak_check_forwards"] > 0  # the check ran real token ids and positions
+    spec = grbench.decode_inputs(model.config.vocab_size, model.config.max_seq_len)
+    assert spec["input_ids"].bounds == (0, model.config.vocab_size - 1)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="graphrunner"):
+        gr.GraphRunner(lambda input_ids, positions: model.decode_step(input_ids, positions), grbench.decode_inputs(),
+                       [1, 2, 4], backend="full", device="tape", progress=False).capture()
+    assert [r for r in caplog.records if "bounds" in r.getMessage()]
 
 
 # ----------------------------------------------------------------------------- driver behaviour
