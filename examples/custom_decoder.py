@@ -18,6 +18,10 @@ Run it from the repository root::
     python examples/custom_decoder.py --backend full      # one graph per bucket: masked attention
     python examples/custom_decoder.py --pad-slot 0        # break the padding rule: tokens differ
 
+With ``--pad-slot 0`` the padding check refuses the capture (``PaddingLeakError`` naming the
+``slots`` input and the cache cells the padding rows write: a later call of the request in slot 0
+reads them); the example turns that check off to serve anyway and show the tokens change.
+
 It prints a short summary and exits 1 on any mismatch.
 """
 
@@ -278,7 +282,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not 0 <= args.pad_slot <= SCRATCH:
         p.error(f"--pad-slot must be a cache slot in 0..{SCRATCH}, got {args.pad_slot}")
     kwargs = {}
-    if args.pad_slot != SCRATCH:   # the padding check would refuse this capture; serve anyway to show why
+    if args.pad_slot != SCRATCH:   # the padding check refuses this capture (tested); serve anyway to show why
         kwargs["checks"] = ("drift", "fingerprint")
     ok = True
     for backend in (("breakable", "full") if args.backend == "both" else (args.backend,)):

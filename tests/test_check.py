@@ -402,7 +402,9 @@ TRAP = textwrap.dedent('''
 
 def test_item_advice_leads_to_a_break_that_returns_a_tensor(target):
     path = target(TRAP, "trap")
-    (f,) = check_factory(load_factory(f"{path}:make_inline")).findings
+    findings = check_factory(load_factory(f"{path}:make_inline")).findings
+    # the number also reaches the mul (a drift: the last warmup is the padding check's run A, on real data)
+    (f,) = [f for f in findings if f.kind != "drift"]
     assert (f.kind, f.line) == ("unsafe-op", _line(TRAP, "item-in-step"))
     assert "returns tensors" in f.fix and "lens.max(), not lens.max().item()" in f.fix
     assert "keep the code that uses the number inside the break" in f.fix
@@ -411,15 +413,23 @@ def test_item_advice_leads_to_a_break_that_returns_a_tensor(target):
 def test_no_graph_returning_a_number_is_a_frozen_return_finding(target, capsys):
     path = target(TRAP, "trap")
     report = check_factory(load_factory(f"{path}:make_literal"))
-    assert [(f.kind, f.file, f.line, f.function) for f in report.findings] == [
+    # the frozen number also reaches the mul after the break: a drift between the last warmup (the padding
+    # check's run A, on real data) and the capture (on the padding)
+    assert [(f.kind, f.file, f.line, f.function) for f in report.findings if f.kind != "drift"] == [
         ("frozen-return", path, _line(TRAP, "frozen"), "longest_of")]
-    f = report.findings[0]
+    f = [f for f in report.findings if f.kind != "drift"][0]
     assert "returned 0 at capture" in f.what and "frozen" in f.what
     assert f.fix.startswith("return a tensor") and "keep the consumer inside the break" in f.fix
     assert main(["check", f"{path}:make_literal"]) == 1
     assert "frozen-return" in capsys.readouterr().out
-    # independent reference: the same runner, captured for real, raises on the first call whose maximum differs
+    # independent reference: the same runner, captured for real, is refused at capture (the drift check sees
+    # the number differ between the last warmup, on real data, and the capture) ...
     runner = load_factory(f"{path}:make_literal")()
+    with pytest.raises(CaptureError, match=r"argument 2 of aten.mul was \d+ at warmup 2 and 0 at capture"):
+        runner.capture()
+    # ... and without that check raises on the first call whose maximum differs
+    runner = load_factory(f"{path}:make_literal")()
+    runner.backend.hooks[:] = [h for h in runner.backend.hooks if h.name != "drift"]
     runner.capture()
     x, lens = torch.ones(2, 4), torch.tensor([3, 9])
     with pytest.raises(CaptureError, match=r"longest_of returned 9 at replay where it returned 0 at capture"):
@@ -444,7 +454,7 @@ def test_frozen_list_and_full_backend(target):
     assert (f.kind, f.line, f.function) == ("frozen-return", _line(TRAP, "frozen-list"), "shape_and_scale")
     assert "[0, 0]" in f.what or "0, 0" in f.what
     # a full graph does not break: the .item() inside is captured, an unsafe op (the capture stops there)
-    (f,) = check_factory(load_factory(f"{path}:make_literal_full")).findings
+    (f,) = [f for f in check_factory(load_factory(f"{path}:make_literal_full")).findings if f.kind != "drift"]
     assert (f.kind, f.line) == ("unsafe-op", _line(TRAP, "frozen")) and "backend='breakable'" in f.fix
 
 

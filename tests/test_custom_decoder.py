@@ -62,6 +62,21 @@ def test_padding_rows_in_a_real_slot_change_a_real_request():
     assert not res.ok and res.summary().endswith("MISMATCH")
 
 
+@pytest.mark.parametrize("backend", ["breakable", "full"])
+def test_the_padding_check_refuses_padding_rows_in_a_real_slot(backend):
+    """What the example's --pad-slot 0 says: the default checks refuse the capture. The padding check's
+    call sequences see the request in slot 0 read, at its next call, the key/value the padding rows
+    wrote at position 0 of slot 0 (also when the warmups left the same values there). The negative
+    control is test_padding_rows_in_a_real_slot_change_a_real_request (the check off: tokens change)."""
+    attention = "masked" if backend == "full" else "varlen"
+    with pytest.raises(gr.PaddingLeakError) as info:
+        ex.make_runner(ex.TinyDecoder(attention), backend, pad_slot=0, device="tape").capture()
+    msg = str(info.value)
+    assert "in a call after a padded call" in msg
+    assert "slots (pad 0, also a real value: bounds (0, 7))" in msg
+    assert "TinyDecoder.k_cache[:, 0, :, 0, :]" in msg and "TinyDecoder.v_cache[:, 0, :, 0, :]" in msg
+
+
 def test_capture_writes_only_the_scratch_slot():
     """With the scratch slot as the pad, capture (warmups, padding check, capture) leaves every
     request slot as it found it: no cache reset is needed before serving. Control: with slot 0

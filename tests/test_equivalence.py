@@ -76,9 +76,9 @@ def test_row_independent_step_passes_with_integers_and_floats():
     inputs = {"ids": gr.BatchInput(dtype=torch.long, pad=0, bounds=(0, 19)), "h": gr.BatchInput(trailing=(H,))}
     r = _runner(step, inputs)
     rep = r.capture()
-    # bucket 8: padded (5 real: the last warmup), then random float padding, a second real size (7), eager
-    # unpadded: 3 extra forwards; 4 and 2: no second size
-    assert {b.bucket: b.info.get("leak_check_forwards") for b in rep.buckets} == {8: 3, 4: 2, 2: 2}
+    # every bucket: padded (the last warmup: run A), the follow-up after it, random float padding, eager
+    # unpadded (D), the follow-up after it: 4 extra forwards (a second real size runs only without D)
+    assert {b.bucket: b.info.get("leak_check_forwards") for b in rep.buckets} == {8: 4, 4: 4, 2: 4}
     ids, h = torch.randint(0, 20, (5,)), torch.randn(5, H)
     torch.testing.assert_close(r(ids=ids, h=h), step(ids, h))
 
@@ -97,15 +97,20 @@ def test_the_last_warmup_is_run_a_and_one_warmup_runs_it_apart():
 
     inputs = {"ids": gr.BatchInput(dtype=torch.long, pad=0, bounds=(0, 19))}
     rep = gr.GraphRunner(step, inputs, [2, 4], backend="full", device="tape", progress=False).capture()
-    key4 = seen[:6]  # bucket 4: warmup 1, warmup 2 (run A), eager unpadded (D), capture; bucket 2's after
-    assert [len(t) for t in key4[:4]] == [4, 4, 3, 4]
+    # bucket 4: warmup 1, warmup 2 (run A), the follow-up padded (after A), eager unpadded (D), the
+    # follow-up unpadded (after D), capture; bucket 2's after
+    key4 = seen[:6]
+    assert [len(t) for t in key4] == [4, 4, 4, 3, 3, 4]
     assert torch.equal(key4[0], torch.zeros(4, dtype=torch.long))        # warmup 1 on padding
-    assert key4[1][3] == 0 and key4[1][:3].tolist() != [0, 0, 0]          # warmup 2: run A, 3 real rows + pad
-    assert torch.equal(key4[2], key4[1][:3])                               # D: A's real rows, unpadded
-    assert not torch.equal(key4[3][:3], key4[1][:3])                      # the capture is not on A's data
-    assert rep.buckets[0].info["leak_check_forwards"] == 1
+    assert key4[1][3] == 0 and 0 not in key4[1][:3].tolist()              # warmup 2: run A, 3 real rows (none at
+    #                                                                       the pad) + the padding row
+    assert torch.equal(key4[3], key4[1][:3])                               # D: A's real rows, unpadded
+    assert key4[2][3] == 0 and key4[2][0] == 0                            # the follow-up: a real row at the pad
+    assert torch.equal(key4[4], key4[2][:3])                               # ... the same rows unpadded after D
+    assert not torch.equal(key4[5][:3], key4[1][:3])                      # the capture is not on A's data
+    assert rep.buckets[0].info["leak_check_forwards"] == 3
     one = gr.GraphRunner(step, inputs, [2, 4], backend="full", device="tape", progress=False, warmups=1).capture()
-    assert one.buckets[0].info["leak_check_forwards"] == 2
+    assert one.buckets[0].info["leak_check_forwards"] == 4
 
 
 # --------------------------------------------------------- integer leaks
@@ -125,7 +130,7 @@ def test_pad_slot_that_is_a_real_slot_is_caught():
     """pad=0 on the slot input: padding rows overwrite slot 0, which a real request uses."""
     inputs = {"ids": gr.BatchInput(dtype=torch.long, pad=0, bounds=(0, 15)),
               "slots": gr.BatchInput(dtype=torch.long, pad=0, bounds=(0, 7))}
-    with pytest.raises(gr.PaddingLeakError, match=r"slots \(pad 0\)"):
+    with pytest.raises(gr.PaddingLeakError, match=r"a real row holds the pad value.*slots \(pad 0, also a real value"):
         _runner(SlotDecoder(8), inputs).capture()
     dec = SlotDecoder(8)
     r = _runner(dec, inputs, NO_PADDING_CHECK)

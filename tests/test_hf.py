@@ -396,19 +396,29 @@ def test_model_that_ignores_the_cache_is_refused():
         gr.hf.DecodeRunner(model, max_batch=1, max_cache_len=8, buckets=[1]).capture()
 
 
-def _plant_state_bug(model):
-    """A state bug no capture check rejects: the final norm adds a tensor its previous call *replaced*
-    (re-bound, not updated in place), which a replay never re-binds."""
+def _plant_state_bug(model, marked=True):
+    """A state bug: the final norm adds a tensor its previous call *replaced* (re-bound, not updated in
+    place), which a replay never re-binds. The stashed-state check refuses it at capture; ``marked`` hides
+    it from that check (a deliberate cache, wrongly: it is state a later call reads), so that only the
+    self-test can see it."""
     norm = model.model.norm
     norm.carry = torch.zeros(())
 
     def hook(mod, args, out):
         bias = mod.carry
-        mod.carry = out.detach().float().mean().reshape(()).clone()
+        carry = out.detach().float().mean().reshape(()).clone()
+        mod.carry = gr.checks.captured_cache(carry) if marked else carry  # re-bound
         return out + bias
 
     norm.register_forward_hook(hook)
     return model
+
+
+def test_a_rebound_state_is_refused_by_the_stashed_state_check():
+    with pytest.raises(CaptureError, match=r"kept in LlamaRMSNorm\.carry after it \(assigned at .*test_hf\.py:\d+ "
+                                           r"in hook: `mod\.carry = "):
+        gr.hf.DecodeRunner(_plant_state_bug(build_model("llama"), marked=False), max_batch=MAX_BATCH,
+                           max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS).capture()
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

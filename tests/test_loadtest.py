@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+import graphrunner as gr
 from graphrunner_tools import loadtest as lt
 from graphrunner_tools.models import LlamaConfig, build_model
 
@@ -78,11 +79,15 @@ def test_graph_engine_tokens_match_the_uncached_reference(backend):
 @pytest.mark.slow
 def test_padding_rows_in_a_real_slot_corrupt_requests():
     # Negative control of the padding slot: padding rows sent to cache row 0 (a request's slot)
-    # overwrite that request's position 0, and the uncached reference catches it.
-    # The padding check cannot see this one at capture: the padding rows write at (slot 0, position 0)
-    # exactly what the warmups left there (docs/troubleshooting.md, the check's limits).
+    # overwrite that request's position 0, and the uncached reference catches it. The padding check
+    # refuses it at capture (its call sequences: a later call of the request in slot 0 reads what the
+    # padding rows wrote, also where the warmups left the same values); served with the check off:
     model, reqs = _tiny(), _requests()
-    runner = lt.decode_runner(model, "breakable", 8, pad_slot=0, device="tape", progress=False)
+    with pytest.raises(gr.PaddingLeakError, match=r"slot_ids \(pad 0, also a real value.*"
+                                                  r"self_attn\.k_cache\[0, :, 0, :\]"):
+        lt.decode_runner(_tiny(), "breakable", 8, pad_slot=0, device="tape", progress=False).capture()
+    runner = lt.decode_runner(model, "breakable", 8, pad_slot=0, device="tape", progress=False,
+                              checks=("drift", "fingerprint"))
     runner.capture()
     run = lt.Engine(model, runner, 6).serve(reqs)
     assert runner.stats.padding_rows > 0

@@ -2,10 +2,12 @@
 
 ``self.last = h`` in a step: Python does not run at replay, so the attribute
 is never re-bound; a runner with several buckets (and its eager checks)
-leaves it holding another call's tensor.  The capture warns
+leaves it holding another call's tensor.  A tape capture warns
 (:class:`StashedTensorWarning`, an :class:`EscapedTensorWarning`), naming the
-attribute.  The negative control turns the warning off and shows the stale
-attribute passing silently.
+attribute; through a runner (or any backend with the drift check) the
+stashed-state check raises instead (tests/test_cross_call.py has the
+reproduction of issue 33).  The negative control turns both off and shows the
+stale attribute passing silently.
 """
 
 import warnings
@@ -69,9 +71,9 @@ def test_no_warning_for_outputs_and_for_steps_that_keep_nothing():
         g.replay()
 
 
-def _runner(step):
+def _runner(step, **kw):
     r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(H,))}, [2, 4], backend="full", device="tape",
-                       progress=False)
+                       progress=False, **kw)
     return r
 
 
@@ -86,21 +88,24 @@ def _stale_after_calls(r, s) -> bool:
     return stale
 
 
-def test_runner_capture_warns_naming_self_last_and_the_attribute_goes_stale():
+def test_runner_capture_refuses_naming_self_last_and_the_line():
+    """Through a runner the stashed-state check (part of the drift check) raises at capture, naming the
+    attribute and the line that assigns it; the tape's warning is not issued as well."""
     s = Step("attr")
     r = _runner(s)
-    with pytest.warns(StashedTensorWarning, match=r"Step\.last") as rec:
-        r.capture()
-    assert len([w for w in rec if issubclass(w.category, StashedTensorWarning)]) >= 1
-    assert _stale_after_calls(r, s)  # what the warning is about
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EscapedTensorWarning)
+        with pytest.raises(gr.CaptureError, match=r"kept in Step\.last after it \(assigned at .*test_tape_stashed"
+                                                  r"\.py:\d+ in forward: `self\.last = h`\)"):
+            r.capture()
 
 
-def test_negative_control_without_the_warning_the_stale_attribute_passes_silently(monkeypatch):
+def test_negative_control_without_the_checks_the_stale_attribute_passes_silently(monkeypatch):
     monkeypatch.setattr(tape_graph_mod, "warn_stashed", lambda cap, const_storages: None)
     s = Step("attr")
-    r = _runner(s)
+    r = _runner(s, checks=("padding", "fingerprint"))  # no drift check: no stashed-state check either
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         r.capture()
     assert not [w for w in rec if issubclass(w.category, EscapedTensorWarning)]
-    assert _stale_after_calls(r, s)
+    assert _stale_after_calls(r, s)  # what the error is about

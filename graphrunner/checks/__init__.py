@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from graphrunner.checks.drift import DriftCheck
 from graphrunner.checks.padding import PaddingCheck
+from graphrunner.checks.stash import captured_cache  # noqa: F401 - the stashed-state check's opt-out
 from graphrunner.recording.hooks import provide_check
 
 __all__ = ["DEFAULT_CHECKS", "CheckSet", "PaddingCheck", "resolve_checks"]

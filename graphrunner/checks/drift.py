@@ -237,13 +237,21 @@ class DriftCheck(CaptureHook):
     forward (ops outside ``@no_graph`` bodies on a breakable backend; nothing
     on an eager backend, which freezes nothing; nothing with ``warmups=0``)
     and, after the capture, raises the :func:`drift_error` of the first
-    difference (in collect mode, records it as a ``"drift"`` finding).
+    difference (in collect mode, records it as a ``"drift"`` finding). Then
+    the stashed-state check (:attr:`stash`, :mod:`graphrunner.checks.stash`):
+    a tensor the capture made and left on an object's attribute (state kept by
+    re-binding it, which a graph freezes too).
     """
 
     name = "drift"
 
     def __init__(self) -> None:
+        from graphrunner.checks.stash import StashCheck
+
         self._streams: dict = {}
+        #: The stashed-state check (:mod:`graphrunner.checks.stash`): Python state the graph freezes
+        #: by re-binding an attribute, reported after the drift.
+        self.stash = StashCheck()
 
     def begin(self, cap: Capture) -> None:
         if cap.freezes is None or cap.warmups < 1:
@@ -257,20 +265,19 @@ class DriftCheck(CaptureHook):
 
     def capture_consumers(self, cap: Capture) -> Sequence[Any]:
         s = self._streams.get(cap.key)
-        return (s[1],) if s is not None else ()
+        return ((s[1],) if s is not None else ()) + tuple(self.stash.capture_consumers(cap))
 
     def after_capture(self, cap: Capture) -> None:
         s = self._streams.get(cap.key)
-        if s is None:
-            return
-        found = _first_difference(*s)
-        if found is None:
-            return
-        err = drift_error(cap.key, s[0], s[1], cap.warmups)
-        cap.fail(err, drift_finding(found[0], found[1], cap.backend.name))
+        found = _first_difference(*s) if s is not None else None
+        if found is not None:
+            err = drift_error(cap.key, s[0], s[1], cap.warmups)
+            cap.fail(err, drift_finding(found[0], found[1], cap.backend.name))
+        self.stash.after_capture(cap)
 
     def end(self, cap: Capture) -> None:
         self._streams.pop(cap.key, None)
+        self.stash.end(cap)
 
 
 def _where(rec: Optional[OpRecord]) -> str:

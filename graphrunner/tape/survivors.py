@@ -16,6 +16,7 @@ capture may need to read with their real values.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import gc
 import re
@@ -110,6 +111,32 @@ class StashedTensorWarning(EscapedTensorWarning):
     state in a tensor allocated before capture and update it in place
     (``self.last.copy_(h)``).
     """
+
+
+#: Tensors marked as deliberate caches (:func:`mark_cache`): kept on an object after a capture on
+#: purpose, so neither :func:`warn_stashed` nor a stashed-state check reports them.
+_DELIBERATE: dict[int, weakref.ref] = {}  # id(tensor) -> weakref(tensor) (a WeakSet would compare tensors)
+
+#: True while something else reports the tensors a capture leaves on objects (the stashed-state
+#: check of :mod:`graphrunner.checks.stash`, which raises naming the assignment): the tape's own
+#: :class:`StashedTensorWarning` is then not issued as well.
+stash_reported_elsewhere: contextvars.ContextVar[bool] = contextvars.ContextVar("stash_reported_elsewhere",
+                                                                               default=False)
+
+
+def mark_cache(t: torch.Tensor) -> torch.Tensor:
+    """Mark ``t`` as a deliberate cache made during a capture and kept on an object; returns ``t``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"a deliberate cache must be a tensor, got {type(t).__name__}")
+    k = id(t)
+    _DELIBERATE[k] = weakref.ref(t, lambda _, k=k: _DELIBERATE.pop(k, None))
+    return t
+
+
+def is_deliberate_cache(t: torch.Tensor) -> bool:
+    """True for a tensor marked with :func:`mark_cache` (the tensor object itself, not its views)."""
+    w = _DELIBERATE.get(id(t))
+    return w is not None and w() is t
 
 
 class _Poisoned:
@@ -415,7 +442,10 @@ def warn_stashed(cap, const_storages: set) -> None:
     an attribute; constants (computed once, never refreshed) excepted.
     Cheap when nothing escapes: the heap is walked only for tensors the
     frames do not hold."""
-    cands = [t for n, t in cap.user_tensors.items() if cap.skey.get(n) not in const_storages]
+    if stash_reported_elsewhere.get():
+        return
+    cands = [t for n, t in cap.user_tensors.items() if cap.skey.get(n) not in const_storages
+             and not is_deliberate_cache(t)]
     if not cands:
         return
     held = _held_by_frames("graphrunner.tape")
