@@ -17,7 +17,8 @@ seconds its extra forwards took (``leak_check_seconds``) against the whole
 capture, and a capture of the same runner without it (``checks=("drift", "fingerprint")``).
 
 It also times the issue-20 target: a tiny step with 2 inputs, the runner against
-the minimal loop (target <= 1.10x, JSON ``tiny_two_inputs``), and the first call
+the minimal loop (target <= 1.10x, JSON ``tiny_two_inputs``) and against the step run eagerly
+(``ratio_runner_over_eager``: a step this small is faster eagerly), and the first call
 of each bucket after capture against a steady call (target <= 3x: the tape's
 replay engine is built at capture, not at the first replay).
 
@@ -76,8 +77,10 @@ def build_step(hidden: int, vocab: int, layers: int, seed: int):
 
 def tiny_overhead(args) -> dict:
     """The issue-20 target: a tiny step with 2 inputs (``x * w + y``, 16 floats a row), the runner
-    against the minimal hand loop on the same graphs, interleaved rounds, under ``no_grad`` as an
-    engine serves; and the first replay of each bucket against a steady replay of it."""
+    against the minimal hand loop on the same graphs and against the step run eagerly (a step this
+    small is faster eagerly: copying inputs in and replaying cost more than its one fused op), interleaved
+    rounds, under ``no_grad`` as an engine serves; and the first replay of each bucket against a steady
+    replay of it."""
     w = torch.randn(16, generator=torch.Generator().manual_seed(args.seed))
 
     def step(x, y):
@@ -114,11 +117,13 @@ def tiny_overhead(args) -> dict:
     for _ in range(args.calls):
         n = rng.randint(1, buckets[-1])
         batches.append({"x": torch.randn(n, 16), "y": torch.randn(n, 16)})
-    times = {"runner": [], "minimal": []}
+    times = {"runner": [], "minimal": [], "eager": []}
     with torch.no_grad():
         for batch in batches[:20]:
             assert torch.equal(runner(**batch), minimal(batch)), "runner and minimal loop disagree"
-        variants = {"runner": lambda: [runner(**b) for b in batches], "minimal": lambda: [minimal(b) for b in batches]}
+            assert torch.equal(runner(**batch), step(**batch)), "runner and eager disagree"
+        variants = {"runner": lambda: [runner(**b) for b in batches], "minimal": lambda: [minimal(b) for b in batches],
+                    "eager": lambda: [step(**b) for b in batches]}
         for fn in variants.values():
             fn()
         for rep in range(max(args.reps, 9)):
@@ -129,6 +134,7 @@ def tiny_overhead(args) -> dict:
     med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
     ratios = [f / s for f, s in zip(first, steady)]
     return {"per_call_us": med, "ratio_runner_over_minimal": med["runner"] / med["minimal"], "target_ratio": 1.10,
+            "ratio_runner_over_eager": med["runner"] / med["eager"],
             "per_call_us_all_rounds": {k: [x * 1e6 for x in v] for k, v in times.items()},
             "first_replay_us": [f * 1e6 for f in first], "steady_replay_us": [s * 1e6 for s in steady],
             "first_over_steady": ratios, "first_over_steady_max": max(ratios), "first_target": 3.0}
@@ -314,6 +320,9 @@ def print_tables(result: dict, args) -> None:
     print(f"  {'step':<40} {'minimal us':>10} {'runner us':>10} {'ratio':>7}")
     for label, minimal, runner, ratio, target in rows:
         print(f"  {label:<40} {minimal:>10.1f} {runner:>10.1f} {ratio:>6.3f}x  {target_note(ratio, target)}")
+    if tiny["per_call_us"].get("eager") is not None:
+        print(f"  {'  the same step eagerly (no graph)':<40} {'':>10} {tiny['per_call_us']['eager']:>10.1f}  the "
+              f"runner takes {tiny['ratio_runner_over_eager']:.2f}x eager's time: a step this small is faster eagerly")
     print(f"  {'demo-like step, debug=True':<40} {'':>10} {dm['per_call_us_on']:>10.1f} "
           f"{dm['ratio_on_over_off']:>6.2f}x  of debug off; {dm['externals_checked_per_replay']} externals checked "
           f"per replay")

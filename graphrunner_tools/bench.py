@@ -64,6 +64,7 @@ __all__ = [
     "loadtest_table",
     "summarize",
     "summary_lines",
+    "speed_lines",
     "decode_inputs",
     "decode_runner",
     "environment",
@@ -77,8 +78,8 @@ __all__ = [
 
 #: The scripts of the suite, in the order they run (``bench/<name>.py``).
 #: ``capture_vs_compile`` runs last: torch.compile leaves compiled state behind.
-SUITE = ("tape_vs_eager", "runner_overhead", "latency_vs_batch", "loadtest_sweep", "capture_vs_compile",
-         "hf_capture_vs_compile")
+SUITE = ("tape_vs_eager", "runner_overhead", "latency_vs_batch", "loadtest_sweep", "hf_generate",
+         "capture_vs_compile", "hf_capture_vs_compile")
 
 #: Default merged JSON path and plot file name: ``results/bench.json`` inside the
 #: benchmark directory (``<repo>/bench/results/bench.json``, wherever the command runs),
@@ -188,12 +189,25 @@ def decode_runner(model: Any, backend: str, device: str, buckets: Sequence[int],
                        backend=backend, device=device, warmups=warmups, progress=False)
 
 
+def cpu_model() -> Optional[str]:
+    """The CPU's model name (``/proc/cpuinfo``'s ``model name``; ``platform.processor()`` elsewhere), or None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def environment() -> Dict[str, Any]:
     """Facts about this process that make numbers comparable: versions, CPU, threads, GPU."""
     import graphrunner
 
     cuda = torch.cuda.is_available()
     return {
+        "cpu_model": cpu_model(),
         "graphrunner": graphrunner.__version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -491,8 +505,10 @@ def summarize(results: Dict[str, Any]) -> Dict[str, Any]:
       ``compile_seconds``, ``compile_buckets``, ``compile_skipped``.
     - ``latency_vs_batch``: ``batches``; ``speedup`` per graph method, one
       value per batch (its eager reference's latency / its latency);
-      ``reference`` (that eager method, per graph method).
+      ``reference`` (that eager method, per graph method); ``latency_us`` per method.
     - ``runner_overhead``: ``ratio_runner_over_minimal`` and ``target_ratio`` (its demo-like step),
+      ``overhead_us`` (its runner's per-call time minus the minimal loop's: the host cost of a call),
+      ``tiny_per_call_us`` (``runner``, ``minimal``, ``eager``) and ``tiny_ratio_runner_over_eager``,
       ``tiny_ratio_runner_over_minimal`` and ``tiny_target_ratio`` (its tiny 2-input step),
       ``first_over_steady_max`` and ``first_target`` (first replay of a bucket vs a steady one),
       ``steps`` (the two steps' labels, as the script's own table prints them).
@@ -500,6 +516,9 @@ def summarize(results: Dict[str, Any]) -> Dict[str, Any]:
       TapeGraph replay vs eager) and ``speedup_inline`` (its ``rows_inline``).
     - ``loadtest_sweep``: ``levels`` (per concurrency: graph and eager tokens/s, their
       ratio, graph and eager p99 step ms) and ``failures`` (levels that were not clean).
+    - ``hf_generate``: ``batches``, ``prompt``, ``new`` and per arch ``speedup`` (per batch:
+      ``model.generate``'s ms / ``DecodeRunner.generate``'s), ``equal`` (tokens equal at every batch)
+      and ``ms_per_call``.
     """
     s: Dict[str, Any] = {}
     cvc = results.get("capture_vs_compile")
@@ -514,12 +533,16 @@ def summarize(results: Dict[str, Any]) -> Dict[str, Any]:
             "batches": lat.get("batches"),
             "speedup": lat.get("speedup"),
             "reference": {m: (methods.get(m) or {}).get("reference") for m in (lat.get("speedup") or {})},
+            "latency_us": {m: (methods.get(m) or {}).get("latency_us") for m in methods},
         }
     ro = results.get("runner_overhead")
     if isinstance(ro, dict):
         tiny = ro.get("tiny_two_inputs") or {}
         s["runner_overhead"] = {"ratio_runner_over_minimal": ro.get("ratio_runner_over_minimal"),
                                 "target_ratio": ro.get("target_ratio"),
+                                "overhead_us": ro.get("overhead_us"),
+                                "tiny_per_call_us": tiny.get("per_call_us"),
+                                "tiny_ratio_runner_over_eager": tiny.get("ratio_runner_over_eager"),
                                 "tiny_ratio_runner_over_minimal": tiny.get("ratio_runner_over_minimal"),
                                 "tiny_target_ratio": tiny.get("target_ratio"),
                                 "first_over_steady_max": tiny.get("first_over_steady_max"),
@@ -533,6 +556,12 @@ def summarize(results: Dict[str, Any]) -> Dict[str, Any]:
             if isinstance(rows, list) and rows:
                 t[key] = {str(r.get("batch")): r.get("speedup") for r in rows if isinstance(r, dict)}
         s["tape_vs_eager"] = t
+    hg = results.get("hf_generate")
+    if isinstance(hg, dict) and not hg.get("skipped"):
+        s["hf_generate"] = {"batches": hg.get("batches"), "new": hg.get("new"), "prompt": hg.get("prompt"),
+                            "archs": {r["arch"]: {"speedup": r.get("speedup"), "equal": all((r.get("equal") or {}).values()),
+                                                  "ms_per_call": r.get("ms_per_call")}
+                                      for r in hg.get("results") or [] if isinstance(r, dict) and "arch" in r}}
     sweep = results.get("loadtest_sweep")
     if isinstance(sweep, dict):
         s["loadtest_sweep"] = {
@@ -646,13 +675,73 @@ def plot_latency(latency: Dict[str, Any], path: str | os.PathLike) -> Optional[P
 
 
 # --------------------------------------------------------------------------- command line
+#: the batch sizes of the speed table (:func:`speed_lines`)
+SPEED_BATCHES = (1, 8, 32)
+
+
+def _at(batches: Sequence[Any], values: Sequence[Any], b: int) -> Any:
+    """``values`` at batch ``b`` of ``batches`` (None when ``b`` was not measured)."""
+    for x, v in zip(batches or [], values or []):
+        if int(x) == b:
+            return v
+    return None
+
+
+def speed_lines(merged: Dict[str, Any]) -> List[str]:
+    """The speed table that opens the summary (and the README quotes): the machine and date, then per call at
+    batch 1, 8 and 32 (``-`` where not measured): the demo decoder step eagerly, the breakable and the full
+    backend against eager, ``DecodeRunner.generate`` against ``model.generate`` (static cache) per
+    architecture, and the host cost of a ``GraphRunner`` call. Empty when none of those scripts ran."""
+    s = merged.get("summary", {})
+    lat, hg, ro = s.get("latency_vs_batch"), s.get("hf_generate"), s.get("runner_overhead")
+    if not (lat or hg or ro):
+        return []
+    env = merged.get("environment") or {}
+    gpu = env.get("cuda_device") or "no GPU: graphs are the CPU tape; GPU figures not yet measured"
+    rows = [f"[bench] speed, {str(merged.get('created', '?'))[:10]}: {env.get('cpu_model') or env.get('machine')}, "
+            f"{env.get('cpu_count')} cores, torch {env.get('torch')}, {merged.get('threads')} thread(s); {gpu}"
+            + (" (--quick: few rounds, smaller sizes)" if merged.get("quick") else ""),
+            f"  {'per call (median of interleaved rounds)':<58}" + "".join(f"{f'b{b}':>9}" for b in SPEED_BATCHES)]
+
+    def row(label: str, cells: List[Any], fmt: str, unit: str = "") -> None:
+        rows.append(f"  {label:<58}" + "".join(f"{format(c, fmt) + unit if c is not None else '-':>9}" for c in cells))
+
+    if lat:
+        bs, us, sp = lat.get("batches") or [], lat.get("latency_us") or {}, lat.get("speedup") or {}
+        if us.get("eager"):
+            row("demo decoder step, eager (us)", [_at(bs, us["eager"], b) for b in SPEED_BATCHES], ".0f")
+        for m, label in (("tape_breakable", "  breakable (attention an eager break) vs eager"),
+                         ("tape_full", "  full (one graph, masked attention) vs eager masked"),
+                         ("cuda_breakable", "  CUDA breakable vs CUDA eager"), ("cuda_full", "  CUDA full vs CUDA eager")):
+            if sp.get(m):
+                row(label, [_at(bs, sp[m], b) for b in SPEED_BATCHES], ".2f", "x")
+    if hg:
+        for arch, r in (hg.get("archs") or {}).items():
+            sp = r.get("speedup") or {}
+            row(f"DecodeRunner.generate vs model.generate(static), {arch}", [sp.get(str(b)) for b in SPEED_BATCHES],
+                ".2f", "x")
+            if not r.get("equal"):
+                rows[-1] += "  TOKENS DIFFER"
+    if ro and ro.get("overhead_us") is not None:
+        rows.append(f"  host cost of a GraphRunner call over a hand-written replay loop: {ro['overhead_us']:+.1f} us "
+                    f"({(ro.get('steps') or {}).get('main', 'demo-like step')})")
+        tiny = ro.get("tiny_per_call_us") or {}
+        if tiny.get("eager") is not None:
+            rows.append(f"  slower than eager: {(ro.get('steps') or {}).get('tiny', 'a tiny step')}: eager "
+                        f"{tiny['eager']:.1f} us, runner {tiny['runner']:.1f} us "
+                        f"({ro.get('tiny_ratio_runner_over_eager') or 0:.2f}x eager's time)")
+    rows.append("  (ratios: eager time / graph time; above 1.00x the graphs are faster)")
+    return rows
+
+
 def summary_lines(merged: Dict[str, Any]) -> List[str]:
     """The suite's summary as text lines: each headline figure once, labelled as the script's own table
     labels it and with the same value, each target marked ``met`` or ``MISSED``; then what was skipped,
     what failed and where the numbers are."""
     s = merged.get("summary", {})
     env = merged.get("environment") or {}
-    lines = [f"[bench] summary: torch threads {merged.get('threads')}, load average "
+    speed = speed_lines(merged)
+    lines = speed + ([""] if speed else []) + [f"[bench] summary: torch threads {merged.get('threads')}, load average "
              f"{', '.join(f'{x:.2f}' for x in env.get('load_average') or [])} (a shared machine is noisy; every "
              f"ratio is measured side by side in one run)"]
     cvc = s.get("capture_vs_compile")

@@ -41,7 +41,7 @@ def test_quick_suite_writes_json_and_png(tmp_path):
     # cwd is tmp_path: the driver must find bench/ from the package, not from the cwd.
     proc = subprocess.run(
         [sys.executable, "-m", "graphrunner_tools.bench", "--quick", "--out", str(out), "--plot", str(png)],
-        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=150)
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
 
@@ -160,6 +160,65 @@ def test_runner_overhead_body_and_summary_print_one_figure_per_ratio_and_flag_mi
     # control: within the target, the same lines say met
     module.print_tables(_runner_overhead_result(2.5), argparse.Namespace(calls=300, reps=7))
     assert "2.50x  target <= 3x: met" in capsys.readouterr().out
+
+
+def test_speed_table_quotes_the_scripts_own_figures_at_batch_1_8_32():
+    """The table that opens the summary (and that the README quotes): the machine and date, then each figure
+    exactly as the scripts measured it, at batch 1, 8 and 32, '-' where a batch was not measured."""
+    lat = {"batches": [1, 2, 8, 32],
+           "methods": {"eager": {"latency_us": [2000.0, 2100.0, 2500.0, 4000.0]},
+                       "eager_masked": {"latency_us": [2200.0, 2300.0, 2600.0, 4100.0]},
+                       "tape_full": {"latency_us": [1100.0, 1200.0, 1300.0, 2050.0], "reference": "eager_masked"},
+                       "tape_breakable": {"latency_us": [1600.0, 1700.0, 2400.0, 4100.0], "reference": "eager"}},
+           "speedup": {"tape_full": [2.0, 1.92, 2.0, 2.0], "tape_breakable": [1.25, 1.24, 1.0417, 0.9756]}}
+    hg = {"batches": [1, 8], "new": 16, "prompt": 8,
+          "results": [{"arch": "llama", "speedup": {"1": 4.71, "8": 3.02}, "equal": {"1": True, "8": True},
+                       "ms_per_call": {}},
+                      {"arch": "gpt2", "speedup": {"1": 3.5, "8": 2.5}, "equal": {"1": True, "8": False},
+                       "ms_per_call": {}}]}
+    ro = _runner_overhead_result(2.0)
+    ro["overhead_us"] = 1.5
+    ro["tiny_two_inputs"]["per_call_us"]["eager"] = 4.0
+    ro["tiny_two_inputs"]["ratio_runner_over_eager"] = 21.08 / 4.0
+    merged = {"summary": grbench.summarize({"latency_vs_batch": lat, "hf_generate": hg, "runner_overhead": ro}),
+              "created": "2026-12-04T15:00:00+00:00", "threads": 1, "quick": False, "out": "b.json",
+              "environment": {"cpu_model": "AMD EPYC", "cpu_count": 2, "torch": "2.13.0+cpu", "cuda_device": None}}
+    lines = grbench.speed_lines(merged)
+    text = "\n".join(lines)
+    assert lines[0].startswith("[bench] speed, 2026-12-04: AMD EPYC, 2 cores, torch 2.13.0+cpu, 1 thread(s); no GPU")
+    assert "GPU figures not yet measured" in lines[0]
+
+    def cells(prefix):
+        (row,) = [ln for ln in lines if ln.strip().startswith(prefix)]
+        return row.split()[-3:]
+
+    assert cells("demo decoder step, eager (us)") == ["2000", "2500", "4000"]
+    assert cells("breakable (attention an eager break) vs eager") == ["1.25x", "1.04x", "0.98x"]
+    assert cells("full (one graph, masked attention) vs eager masked") == ["2.00x", "2.00x", "2.00x"]
+    assert cells("DecodeRunner.generate vs model.generate(static), llama") == ["4.71x", "3.02x", "-"]
+    (gpt2,) = [ln for ln in lines if "model.generate(static), gpt2" in ln]
+    assert gpt2.endswith("TOKENS DIFFER")  # a run whose tokens differ says so next to its figure
+    assert "host cost of a GraphRunner call over a hand-written replay loop: +1.5 us" in text
+    assert "eager 4.0 us, runner 21.1 us (5.27x eager's time)" in text
+    # the summary opens with the table; nothing to show: no table
+    assert grbench.summary_lines(merged)[:len(lines)] == lines
+    assert grbench.speed_lines({"summary": {}}) == []
+
+
+@pytest.mark.hf
+def test_hf_generate_script_times_decode_runner_against_model_generate(tmp_path):
+    """bench/hf_generate.py --quick: the runner's tokens equal model.generate's at every batch (checked before
+    timing), one positive time per round and method, the speedup the ratio of the medians."""
+    require("transformers")
+    module = grbench.load_script(BENCH_DIR / "hf_generate.py", "hf_generate")
+    result = module.main(["--quick", "--out", str(tmp_path / "hg.json")])
+    assert json.loads((tmp_path / "hg.json").read_text())["batches"] == result["batches"] == [1, 8]
+    (r,) = result["results"]
+    assert r["arch"] == "llama" and r["equal"] == {"1": True, "8": True}
+    for b in ("1", "8"):
+        assert len(r["ms_all_rounds"]["runner"][b]) == len(r["ms_all_rounds"]["generate"][b]) == 2
+        assert r["speedup"][b] == pytest.approx(r["ms_per_call"]["generate"][b] / r["ms_per_call"]["runner"][b])
+    assert r["capture_seconds"] > r["self_test_seconds"] > 0
 
 
 def test_summary_marks_capture_vs_compile_target():
