@@ -33,7 +33,7 @@ group's ``T`` ranks; the MLP spans all ``D * T`` ranks the way an MoE layer does
 (:class:`DataParallelMLP`: the step all-gathers every rank's rows, each rank computes its
 ``1/(D*T)`` slice of the intermediate features for all of them, an ``all_reduce`` sums the
 slices and each rank keeps its own rows), so every rank must run every step: an idle rank calls
-the runner with 0 rows and joins its peers' padded step (``docs/runner.md``, "Idle ranks").
+the runner with 0 rows and joins its peers' padded step (``docs/multirank.md``, "Idle ranks").
 The engines step in lockstep (one ``all_max`` per step says whether any rank has work left,
 as vLLM's DP coordinator does), and ``--concurrency`` is per DP rank. Tokens are compared graph
 vs eager on every rank and across the ``T`` ranks of a group.
