@@ -22,8 +22,8 @@ skipped with a message when matplotlib is missing, and the summary prints the sw
 table either way.
 See ``docs/benchmarks.md`` for what each script measures and how to read the
 JSON. Benchmarks print ratios measured side by side in one run; they never
-fail on a timing. stdout holds tables only (each script's, then the summary
-of :func:`summary_lines`, whose figures are the tables' own, every target
+fail on a timing. stdout holds tables only (each script's, then the speed table of
+:func:`speed_lines` and the summary of :func:`summary_lines`, whose figures are the tables' own, every target
 marked ``met`` or ``MISSED`` by :func:`target_note`); progress lines and
 ``wrote <file>`` go to stderr. The exit status is 1 when a script raised, else 0.
 
@@ -723,11 +723,15 @@ def speed_lines(merged: Dict[str, Any]) -> List[str]:
             if not r.get("equal"):
                 rows[-1] += "  TOKENS DIFFER"
     if ro and ro.get("overhead_us") is not None:
-        rows.append(f"  host cost of a GraphRunner call over a hand-written replay loop: {ro['overhead_us']:+.1f} us "
-                    f"({(ro.get('steps') or {}).get('main', 'demo-like step')})")
-        tiny = ro.get("tiny_per_call_us") or {}
+        steps, tiny = ro.get("steps") or {}, ro.get("tiny_per_call_us") or {}
+        parts = []
+        if tiny.get("runner") is not None and tiny.get("minimal") is not None:
+            parts.append(f"{tiny['runner'] - tiny['minimal']:+.1f} us on the {steps.get('tiny', 'tiny step')} "
+                         f"({tiny['runner']:.1f} vs {tiny['minimal']:.1f} us)")
+        parts.append(f"{ro['overhead_us']:+.1f} us on the {steps.get('main', 'demo-like step')}")
+        rows.append("  host cost of a GraphRunner call over a hand-written replay loop: " + "; ".join(parts))
         if tiny.get("eager") is not None:
-            rows.append(f"  slower than eager: {(ro.get('steps') or {}).get('tiny', 'a tiny step')}: eager "
+            rows.append(f"  slower than eager: {steps.get('tiny', 'a tiny step')}: eager "
                         f"{tiny['eager']:.1f} us, runner {tiny['runner']:.1f} us "
                         f"({ro.get('tiny_ratio_runner_over_eager') or 0:.2f}x eager's time)")
     rows.append("  (ratios: eager time / graph time; above 1.00x the graphs are faster)")
@@ -825,7 +829,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 _DESCRIPTION = ("Run the graphrunner benchmark suite (bench/*.py) in one process; write one merged JSON "
-                "file and a latency-vs-batch plot. stdout: each script's tables, then a summary repeating their "
+                "file and a latency-vs-batch plot. stdout: each script's tables, then the speed table (machine, date; "
+                "per call at batch 1/8/32: the demo decoder eager, breakable and full, DecodeRunner.generate vs "
+                "model.generate, a runner call's host cost; docs/speed.md), then a summary repeating the "
                 "headline figures under the same labels, every target marked met or MISSED; progress on stderr; "
                 "every figure (per round too) in the JSON. Timings are never assertions.")
 

@@ -198,7 +198,8 @@ def test_speed_table_quotes_the_scripts_own_figures_at_batch_1_8_32():
     assert cells("DecodeRunner.generate vs model.generate(static), llama") == ["4.71x", "3.02x", "-"]
     (gpt2,) = [ln for ln in lines if "model.generate(static), gpt2" in ln]
     assert gpt2.endswith("TOKENS DIFFER")  # a run whose tokens differ says so next to its figure
-    assert "host cost of a GraphRunner call over a hand-written replay loop: +1.5 us" in text
+    assert ("host cost of a GraphRunner call over a hand-written replay loop: +1.1 us on the tiny 2-input step "
+            "(x * w + y) (21.1 vs 20.0 us); +1.5 us on the demo-like step (2 layers, hidden 256)") in text
     assert "eager 4.0 us, runner 21.1 us (5.27x eager's time)" in text
     # the summary opens with the table; nothing to show: no table
     assert grbench.summary_lines(merged)[:len(lines)] == lines
