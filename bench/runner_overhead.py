@@ -78,7 +78,7 @@ def build_step(hidden: int, vocab: int, layers: int, seed: int):
 def tiny_overhead(args) -> dict:
     """The issue-20 target: a tiny step with 2 inputs (``x * w + y``, 16 floats a row), the runner
     against the minimal hand loop on the same graphs and against the step run eagerly (a step this
-    small is faster eagerly: copying inputs in and replaying cost more than its one fused op), interleaved
+    small is faster eagerly: copying inputs in and replaying cost more than its two element-wise ops), interleaved
     rounds, under ``no_grad`` as an engine serves; and the first replay of each bucket against a steady
     replay of it."""
     w = torch.randn(16, generator=torch.Generator().manual_seed(args.seed))
