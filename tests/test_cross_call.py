@@ -1,4 +1,4 @@
-"""No silent wrong result across calls (issue 33): reproductions 1, 2, 3 and 8, as tests.
+"""No silent wrong result across calls (issue 33): reproductions 1, 2, 3, 4 and 8, as tests.
 
 Each reproduction either raises at capture naming the cause, or (its fix) replays exactly like eager
 PyTorch for 20 calls; each has a negative control: with the check off the runner returns something
@@ -13,6 +13,9 @@ padding) served the same calls.
    every replay reads the tensor the capture froze. Caught by the stashed-state check.
 3. The pad value as the winner: a padding row's id scores highest and wins a max over the batch.
    Caught by the padding check's runs without a real cell at the pad value.
+4. A Python counter (drift) or a re-bound state next to a mean over the batch: the padding check's runs
+   all start from the same Python state (:class:`~graphrunner.checks.padding.PythonNumbers`), so
+   ``graphrunner check`` reports both findings instead of the first one hiding the leak.
 8. A leak of a few percent in a small channel of a bfloat16 step, inside a tolerance that was 5% of
    the output's largest value. Caught by a tolerance that admits last-bit noise only.
 """
@@ -373,3 +376,108 @@ def test_the_tolerance_admits_last_bits_and_not_a_few_percent(dtype):
     assert difference(leak, b, tolerant=True) is not None
     if dtype != torch.float32:  # negative control: the old tolerance (5% of the largest value) admits it
         assert bool(((leak.double() - b.double()).abs() <= _old_tolerance(b)).all())
+
+
+# ------------------------------------------------------------------------------ reproduction 4
+class CountingLeak:
+    """A Python call counter the graph freezes (drift) *and* a mean over the batch (a padding leak)."""
+
+    def __init__(self, rebind=False):
+        self.n = 0
+        self.rebind = rebind
+        self.state = torch.zeros(H)
+        self.w = _weights()
+
+    def __call__(self, x):
+        if self.rebind:
+            h = x @ self.w + self.state
+            self.state = self.state + 1  # stashed state instead of the counter
+        else:
+            self.n += 1
+            h = x @ self.w * self.n
+        return h - h.mean(0)
+
+
+def _findings(step):
+    from graphrunner.checks.lint import check_factory
+
+    def make():
+        return gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(H,))}, [2, 4], backend="full", device="tape",
+                              progress=False)
+
+    return {f.kind for f in check_factory(make).findings}, make
+
+
+@pytest.mark.parametrize("rebind", [False, True], ids=["counter", "rebound"])
+def test_repro4_one_finding_does_not_hide_the_next(rebind):
+    """``graphrunner check`` reports the drift (or the stashed state) and the mean's padding leak: the
+    padding check's runs start from the same Python state, so a counter does not make it give up."""
+    kinds, make = _findings(CountingLeak(rebind))
+    assert kinds == {"stashed-state" if rebind else "drift", "padding-leak"}
+    # independent reference for each: the row-independent step (no mean) has no leak finding, and the
+    # step without the counter / re-binding has no drift or stashed-state finding
+    assert "padding-leak" not in _findings(lambda x: x @ _weights())[0]
+    assert _findings(lambda x: x - x.mean(0))[0] == {"padding-leak"}
+
+
+def test_repro4_negative_control_without_the_put_back_the_leak_is_hidden(monkeypatch):
+    monkeypatch.setattr(padding.PythonNumbers, "put", staticmethod(lambda snapshot: None))
+    kinds, _ = _findings(CountingLeak())
+    assert kinds == {"drift"}  # the old behaviour: the counter made the padding check give up
+
+
+class Bumping:
+    """Counts its calls in a Python attribute; its output does not depend on the count."""
+
+    def __init__(self):
+        self.n = 0
+        self.w = _weights()
+
+    def __call__(self, x):
+        self.n += 1
+        return x @ self.w
+
+
+def _counter_after_capture(checks):
+    step = Bumping()
+    gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(H,))}, [2, 4], backend="full", device="tape",
+                   progress=False, checks=checks).capture()
+    return step.n
+
+
+def test_repro4_the_capture_sees_the_counter_as_without_the_check():
+    """The padding check's extra forwards leave the step's Python numbers as the last warmup left them:
+    the counter after capture is the same with the check as without it (reference: checks=())."""
+    assert _counter_after_capture(("padding",)) == _counter_after_capture(()) > 0
+
+
+def test_repro4_negative_control_without_the_put_back_the_check_advances_the_counter(monkeypatch):
+    monkeypatch.setattr(padding.PythonNumbers, "put", staticmethod(lambda snapshot: None))
+    assert _counter_after_capture(("padding",)) > _counter_after_capture(())
+
+
+# ------------------------------------------------------------------------------ the docs table
+def test_the_docs_table_of_what_the_check_catches_names_tests_that_exist():
+    """docs/checks.md's table "What the padding check catches" is checked against the tests: every test
+    file it names exists, every reproduction it cites has its test and its negative control here, and
+    every reproduction tested here is in the table."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "checks.md").read_text()
+    section = doc.split("### What the padding check catches, and what it cannot", 1)[1].split("What it cannot see", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| a step")]
+    assert len(rows) >= 8
+    here = pathlib.Path(__file__).read_text()
+    cited = set()
+    for row in rows:
+        files = re.findall(r"`(tests/[\w/]+\.py)`", row)
+        assert files, row
+        for f in files:
+            assert (root / f).is_file(), f"{f} named in docs/checks.md does not exist"
+        for n in re.findall(r"reproduction (\d+)", row):
+            cited.add(n)
+            assert f"def test_repro{n}_" in here and f"def test_repro{n}_negative_control" in here, n
+    tested = set(re.findall(r"def test_repro(\d+)_", here))
+    assert tested <= cited, f"reproductions tested but not in the docs table: {sorted(tested - cited)}"

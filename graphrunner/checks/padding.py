@@ -540,6 +540,8 @@ class LeakCheck(CaptureHook):
         self.forwards = 0
         self._guard: Any = None  # the WriteGuard of the runs, during the check
         self._saved: Any = None  # the static buffers as they were before the check filled them
+        self._numbers0: Any = None  # the step's Python numbers before the check's runs (PythonNumbers)
+        self._numbers_a: Any = None  # ... and right after run A: what the capture sees
         self._data: Any = None  # the seeded real data of every input (runs A to D)
         self._follow_data: Any = None  # the follow-up's real data (the pad among it)
         self._a: Any = None  # run A's output leaves
@@ -575,7 +577,7 @@ class LeakCheck(CaptureHook):
             self._a = self._leaves(out)
             self._after_a(cap)
         finally:
-            self._guard.restore()  # before the post-warmup hook, as after any run of the check
+            self._put_back()  # before the post-warmup hook, as after any run of the check
             self.seconds += time.perf_counter() - t0
 
     def after_warmups(self, cap: Capture) -> None:
@@ -603,7 +605,7 @@ class LeakCheck(CaptureHook):
         """After an error between the last warmup and the check: its writes and the static buffers
         put back."""
         if self._saved is not None:
-            self._guard.restore()
+            self._put_back()
             self._finish()
 
     def _prepare(self) -> bool:
@@ -615,6 +617,10 @@ class LeakCheck(CaptureHook):
         # one guard for every run: what a run wrote is put back after it
         self._guard = WriteGuard([v for _, v, _, _ in self.inputs])
         self._gen0 = torch.default_generator.get_state()
+        # the step's Python numbers: every run starts from them; the capture sees them as after run A
+        self._numbers = PythonNumbers(self.step)
+        self._numbers0 = self._numbers.snapshot()
+        self._numbers_a = None
         self._data = self._real_data(0x6C65616B, self.sizes2 or self.sizes, pad_cell=False)
         if not self._blind:
             self._follow_data = self._real_data(0x666F6C6C, self.sizes, pad_cell=True)
@@ -623,6 +629,8 @@ class LeakCheck(CaptureHook):
     def _finish(self) -> None:
         """Drop what the check held (the guard's log, the data, run A) and put the static buffers back."""
         saved, self._saved = self._saved or [], None
+        PythonNumbers.put(self._numbers_a if self._numbers_a is not None else self._numbers0)
+        self._numbers0 = self._numbers_a = None
         self._guard = self._data = self._a = self._a_log = self._follow_data = self._f_padded = None
         self._seq = {}
         self._a_in_warmup = False
@@ -696,7 +704,7 @@ class LeakCheck(CaptureHook):
             return self._leaves(out)
         finally:
             if restore:
-                guard.restore()
+                self._put_back()
 
     def _leaves(self, out: Any) -> List[Optional[torch.Tensor]]:
         """The output leaves of one run, cloned (``None`` for exempt ones); the structure in ``self._spec``."""
@@ -710,9 +718,15 @@ class LeakCheck(CaptureHook):
         meets the padding rows)."""
         return self._follow_data is not None and bool(self.shared or self._a_log)
 
+    def _put_back(self) -> None:
+        """After a run or a sequence: what it wrote put back, and the step's Python numbers."""
+        self._guard.restore()
+        PythonNumbers.put(self._numbers0)
+
     def _after_a(self, cap: Capture) -> None:
         """Right after run A, its writes not yet put back: keep what it wrote, and run the padded
         sequence's follow-up."""
+        self._numbers_a = self._numbers.snapshot()
         self._a_log = list(self._guard._undo)
         if self._wants_sequences():
             self._f_padded = self._follow(cap, padded=True)
@@ -738,7 +752,7 @@ class LeakCheck(CaptureHook):
                 self._a = self._run(cap, cap.forward_fn, restore=False, consumers=(self._work,))
                 self._after_a(cap)
             finally:
-                self._guard.restore()
+                self._put_back()
         a = self._a
         spec = self._spec
         paths, dims = leaf_paths(spec), self.leaf_dims(spec, len(a))
@@ -768,7 +782,7 @@ class LeakCheck(CaptureHook):
         try:
             ref = self._run(cap, lambda: self.step(**unpadded), restore=False)
         except Exception as exc:  # noqa: BLE001 - a step that only runs at its keys' sizes
-            self._guard.restore()
+            self._put_back()
             logger.info("padding check of %s: the step did not run on the unpadded batch (%s: %s); compared "
                         "padded runs only", self.key_text, type(exc).__name__, exc)
             if self.sizes2 is not None:  # C: without D, the padded count varied at least
@@ -780,7 +794,7 @@ class LeakCheck(CaptureHook):
         if self._f_padded is not None and len(ref) == len(a):
             self._unpadded_sequence(cap, dims, compare)
         else:
-            self._guard.restore()
+            self._put_back()
         return self._control(cap, data, a, found, paths, dims)
 
     def _unpadded_sequence(self, cap: Capture, dims: list, compare: Callable[..., None]) -> None:
@@ -794,7 +808,7 @@ class LeakCheck(CaptureHook):
                         "sequences not compared", self.key_text, type(exc).__name__, exc)
             return
         finally:
-            self._guard.restore()
+            self._put_back()
             pert.restore()
         self._seq = {"unpadded": f_unpadded, "cells": [(t, offs) for t, _, offs, _ in pert.cells]}
         compare("sequence", self._f_padded, f_unpadded, other_sliced=True)
@@ -856,7 +870,7 @@ class LeakCheck(CaptureHook):
         except Exception:  # noqa: BLE001 - the diagnosis is a bonus
             return None
         finally:
-            self._guard.restore()
+            self._put_back()
             if pert is not None:
                 pert.restore()
 
@@ -1026,10 +1040,10 @@ def _cells_text(v: torch.Tensor, offs: torch.Tensor) -> str:
     return "[" + ", ".join(map(str, parts)) + "]"
 
 
-def _tensor_attributes(step: Any) -> List[Tuple[str, torch.Tensor]]:
-    """``[(name, tensor)]`` of the tensors the step's objects hold: the step, the object of a bound
-    method, a closure's cells; ``nn.Module`` buffers and parameters by their path
-    (``TinyDecoder.layers.0.k_cache``), plain objects' tensor attributes one level down."""
+def _step_objects(step: Any) -> List[Tuple[str, Any]]:
+    """``[(label, object)]`` the step reaches: the step, the object of a bound method, a closure's
+    cells; ``nn.Module`` children by attribute (``TinyDecoder.layers``), plain objects' attributes
+    one level down. What :func:`_tensor_attributes` and :class:`PythonNumbers` look in."""
     roots, seen, out = [], set(), []
     for r in (step, getattr(step, "__self__", None), getattr(step, "func", None)):
         if r is not None:
@@ -1044,18 +1058,15 @@ def _tensor_attributes(step: Any) -> List[Tuple[str, torch.Tensor]]:
         if id(obj) in seen or depth > 2:
             return
         seen.add(id(obj))
-        if isinstance(obj, torch.nn.Module):
-            for n, t in list(obj.named_buffers()) + list(obj.named_parameters()):
-                out.append((f"{label}.{n}", t))
+        out.append((label, obj))
         attrs = getattr(obj, "__dict__", None)
         if not isinstance(attrs, dict) or isinstance(obj, type):
             return
         for n, v in list(attrs.items()):
-            if isinstance(v, torch.Tensor):
-                out.append((f"{label}.{n}", v))
-            elif isinstance(v, torch.nn.Module) and not n.startswith("_"):
+            if isinstance(v, torch.nn.Module) and not n.startswith("_"):
                 visit(v, f"{label}.{n}", depth + 1)
-            elif depth == 0 and hasattr(v, "__dict__") and not callable(v) and not isinstance(v, type):
+            elif depth == 0 and hasattr(v, "__dict__") and not callable(v) and not isinstance(v, type) \
+                    and not isinstance(v, torch.Tensor):
                 visit(v, f"{label}.{n}", depth + 1)
 
     for r in roots:
@@ -1063,3 +1074,49 @@ def _tensor_attributes(step: Any) -> List[Tuple[str, torch.Tensor]]:
                 (callable(r) and hasattr(r, "__dict__") and not isinstance(r, type) and not hasattr(r, "__code__")):
             visit(r, type(r).__name__, 0)
     return out
+
+
+def _tensor_attributes(step: Any) -> List[Tuple[str, torch.Tensor]]:
+    """``[(name, tensor)]`` of the tensors the step's objects hold (:func:`_step_objects`);
+    ``nn.Module`` buffers and parameters by their path (``TinyDecoder.layers.0.k_cache``)."""
+    out = []
+    for label, obj in _step_objects(step):
+        if isinstance(obj, torch.nn.Module):
+            for n, t in list(obj.named_buffers()) + list(obj.named_parameters()):
+                out.append((f"{label}.{n}", t))
+        attrs = getattr(obj, "__dict__", None)
+        if isinstance(attrs, dict) and not isinstance(obj, type):
+            out.extend((f"{label}.{n}", v) for n, v in list(attrs.items()) if isinstance(v, torch.Tensor))
+    return out
+
+
+class PythonNumbers:
+    """The Python state a step re-binds: the number (``int``, ``float``, ``bool``) and tensor
+    attributes of the objects it reaches (:func:`_step_objects`), kept so that the padding check's
+    extra runs all start from the same Python state. A step that counts its calls in ``self.n``
+    (drift) or re-binds ``self.state = f(self.state)`` (stashed state) then gives the same output in
+    two identical runs, so the check measures padding leaks next to the drift or stashed-state
+    finding instead of giving up on them (one finding never hides another), and the capture sees
+    the attributes as if the check had not run.
+
+    Contract: :meth:`snapshot` returns the attributes now (tensors by reference); :meth:`put`
+    writes a snapshot's values back into the attributes whose value is no longer that object
+    (straight into ``__dict__``, no ``__setattr__``). State elsewhere (module globals, closure
+    cells, containers, a tensor's contents: those are the write guard's) is not followed."""
+
+    def __init__(self, step: Any) -> None:
+        self.objects = [obj for _, obj in _step_objects(step)
+                        if isinstance(getattr(obj, "__dict__", None), dict) and not isinstance(obj, type)]
+
+    def snapshot(self) -> List[Tuple[Any, str, Any]]:
+        """``[(object, attribute, value)]`` of every number and tensor attribute now."""
+        return [(obj, n, v) for obj in self.objects for n, v in list(vars(obj).items())
+                if type(v) in (int, float, bool) or isinstance(v, torch.Tensor)]
+
+    @staticmethod
+    def put(snapshot: Optional[List[Tuple[Any, str, Any]]]) -> None:
+        """Write ``snapshot``'s values back where they changed."""
+        for obj, n, v in snapshot or ():
+            d = vars(obj)
+            if d.get(n, v) is not v:
+                d[n] = v
