@@ -826,6 +826,18 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "e.g. 1,2,4,8, or 'all' or 'none' (default there: 1,2,4,8; with --quick: skipped)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"],
                    help="capture_vs_compile: device of the comparison (default cpu)")
+    p.add_argument("--step", default=None, metavar="TARGET",
+                   help="time your own step instead of the suite: FILE_OR_MODULE:FACTORY returning an uncaptured "
+                        "GraphRunner, or FILE_OR_MODULE:STEP with --inputs NAME; prints, per batch size, the eager "
+                        "step against the runner call (median us, speedup, max |graph - eager|)")
+    p.add_argument("--inputs", default=None, metavar="NAME",
+                   help="--step with a step: its example inputs, a dict of tensors (batch on dim 0) next to it or "
+                        "FILE_OR_MODULE:NAME")
+    p.add_argument("--batches", type=parse_int_list, default=None,
+                   help="--step: batch sizes to time, e.g. 1,8,32 (default: the runner's buckets; with --inputs "
+                        "they are the buckets)")
+    p.add_argument("--backend", default=None, choices=["full", "breakable", "eager"],
+                   help="--step with --inputs: the runner's backend (default full)")
 
 
 _DESCRIPTION = ("Run the graphrunner benchmark suite (bench/*.py) in one process; write one merged JSON "
@@ -833,14 +845,40 @@ _DESCRIPTION = ("Run the graphrunner benchmark suite (bench/*.py) in one process
                 "per call at batch 1/8/32: the demo decoder eager, breakable and full, DecodeRunner.generate vs "
                 "model.generate, a runner call's host cost; docs/speed.md), then a summary repeating the "
                 "headline figures under the same labels, every target marked met or MISSED; progress on stderr; "
-                "every figure (per round too) in the JSON. Timings are never assertions.")
+                "every figure (per round too) in the JSON. Timings are never assertions. --step TARGET times your "
+                "own step instead: its GraphRunner call against the step eagerly, per batch size (docs/speed.md).")
 
 
 def _split(s: str) -> List[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
+def _run_step(args: argparse.Namespace) -> int:
+    """``--step TARGET``: time the target's runner against its step eagerly (:mod:`graphrunner_tools.steptime`)."""
+    from graphrunner.checks.lint import CheckUsageError
+    from graphrunner_tools.steptime import runner_for_target, step_table, time_runner
+
+    try:
+        runner = runner_for_target(args.step, args.inputs, args.batches if args.inputs else None, args.backend)
+        with torch_threads(args.threads or torch.get_num_threads()):
+            result = time_runner(runner, args.batches)
+    except CheckUsageError as exc:
+        print(f"graphrunner: error: {exc} (see 'graphrunner bench --help')", file=sys.stderr)
+        return 2
+    for line in step_table(args.step, result):
+        print(line)
+    if args.out:
+        write_json(args.out, {"step": args.step, "environment": environment(), **result}, announce=True)
+    return 0
+
+
 def _run_from_args(args: argparse.Namespace) -> int:
+    if args.step is not None:
+        return _run_step(args)
+    if args.inputs is not None or args.batches is not None or args.backend is not None:
+        print("graphrunner: error: --inputs, --batches and --backend go with --step TARGET (see 'graphrunner "
+              "bench --help')", file=sys.stderr)
+        return 2
     extra: Dict[str, List[str]] = {}
     if args.compile_buckets is not None:
         extra.setdefault("capture_vs_compile", []).extend(["--compile-buckets", args.compile_buckets])
