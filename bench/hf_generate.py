@@ -5,7 +5,10 @@ For each of ``--archs`` (tiny random-weight transformers causal LMs from
 ``--batches``: greedy decoding of ``--new`` tokens after a ``--prompt``-token
 prompt, once through ``model.generate`` with a static cache and once through
 a ``DecodeRunner`` captured beforehand (``buckets`` = the batches; capture and
-self-test time are reported apart, not in the per-call time). Every round
+self-test time are reported apart, not in the per-call time; the model is
+moved to the runner's device first, and on CUDA ``model.generate`` compiles its
+static-cache forward at its first call, the token check's, as transformers
+does for a user). Every round
 times one call of each (method, batch) pair, the order rotating between
 rounds; the figure is the median over ``--rounds`` rounds. Before timing, each
 runner's tokens are compared with ``model.generate``'s (``equal``).
@@ -38,8 +41,12 @@ DEFAULT_ARCHS = ("llama", "qwen2", "gpt2")
 
 
 def _time(fn) -> float:
+    """Wall seconds of ``fn()`` (queued GPU work included)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     fn()
+    sync()
     return time.perf_counter() - t0
 
 
@@ -48,11 +55,13 @@ def measure_arch(arch: str, batches: List[int], prompt: int, new: int, rounds: i
     import graphrunner as gr
     from graphrunner_tools.models.hf_tiny import build_tiny
 
-    model = build_tiny(arch)
+    dev = gr.get_device(device)
+    model = build_tiny(arch).to(getattr(dev, "torch_device", "cpu"))  # the model where the graphs run
     vocab = int(model.config.vocab_size)
-    ids = {b: torch.randint(3, vocab, (b, prompt), generator=torch.Generator().manual_seed(b)) for b in batches}
+    ids = {b: torch.randint(3, vocab, (b, prompt), generator=torch.Generator().manual_seed(b)).to(model.device)
+           for b in batches}
     runner = gr.hf.DecodeRunner(model, max_batch=max(batches), max_cache_len=prompt + new, buckets=batches,
-                                device=device, progress=False)
+                                device=dev, progress=False)
     t0 = time.perf_counter()
     report = runner.capture()
     capture_s = time.perf_counter() - t0
