@@ -14,6 +14,12 @@ from typing import Any, Iterable, List, Optional, Sequence
 __all__ = ["default_buckets", "validate_buckets", "bucket_table"]
 
 
+#: The largest ``max_batch`` :func:`default_buckets` takes: its ladder then holds 1,048,594
+#: buckets (a graph each). Above it the list alone would take gigabytes (``10**12``: a
+#: ``MemoryError``); no engine captures that many graphs.
+MAX_LADDER_BATCH = 1 << 24
+
+
 def default_buckets(max_batch: int) -> List[int]:
     """Return the default bucket ladder up to ``max_batch`` (inclusive).
 
@@ -28,7 +34,7 @@ def default_buckets(max_batch: int) -> List[int]:
     ladder has 67). ``default_buckets(1) == [1]``;
     ``default_buckets(6) == [1, 2, 4, 6]``; ``default_buckets(300) == [1, 2,
     4, 8, ..., 248, 256, 272, 288, 300]``. Raises ``ValueError`` for
-    ``max_batch < 1``.
+    ``max_batch < 1`` and above :data:`MAX_LADDER_BATCH` (``2**24``).
     """
     try:
         max_batch = operator.index(max_batch)
@@ -36,6 +42,10 @@ def default_buckets(max_batch: int) -> List[int]:
         raise TypeError(f"default_buckets(max_batch) expects an int, got {type(max_batch).__name__}") from None
     if max_batch < 1:
         raise ValueError(f"default_buckets(max_batch): max_batch must be >= 1, got {max_batch}")
+    if max_batch > MAX_LADDER_BATCH:
+        raise ValueError(f"default_buckets(max_batch): max_batch={max_batch:,} is above {MAX_LADDER_BATCH:,}: the "
+                         f"ladder would hold about {max_batch // 16:,} buckets, one graph each. Pass the largest batch "
+                         "you serve, or list the buckets you need (gr.plan_buckets plans them from traffic)")
     ladder = [b for b in (1, 2, 4) if b <= max_batch] + list(range(8, min(max_batch + 1, 256), 8))
     ladder += list(range(256, max_batch + 1, 16))
     if ladder[-1] != max_batch:

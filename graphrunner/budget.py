@@ -2,10 +2,16 @@
 
 The budget caps the **graph pool**: the sum of the capture report's per-key
 ``graph_pool_bytes`` (what each key's graph construction and capture added to
-the one pool every graph of the runner shares; exact on the tape, the growth of
-``torch.cuda.memory_reserved()`` on CUDA). The static input buffers and the
-shared output buffer are not counted: eager serving needs them too, and the
-report lists them on their own rows.
+the one pool every graph of the runner shares, measured on that pool alone:
+``device.pool_bytes()``, exact on the tape, the pool's segments in
+``torch.cuda.memory_snapshot()`` on CUDA). It is exact on a device shared by
+several runners: a runner with a budget given a device object captures into a
+pool of its own (``device.with_own_pool()``; runners given one device object
+otherwise share its pool and reuse each other's memory), so its figure neither
+counts nor hides in another runner's graphs, and a restart releases only its
+own pool (memory its left-out keys took does not stay in a shared pool). The
+static input buffers and the shared output buffer are not counted: eager
+serving needs them too, and the report lists them on their own rows.
 
 Keys are captured largest first, as always (smaller graphs reuse the memory the
 larger ones left free, so the total is close to the largest key's need). When a

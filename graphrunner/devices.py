@@ -17,6 +17,7 @@ tests can inject a recording device.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import warnings
 import weakref
@@ -78,6 +79,28 @@ class Device:
         capture starts a fresh pool (a CUDA pool whose graphs were all reset
         cannot be captured into again)."""
         self._pool = None
+        self._pool_graphs = []
+
+    def with_own_pool(self) -> "Device":
+        """A device like this one (same torch device, settings and capture stream) whose graphs
+        share a memory pool of their own, not this device's (optional device method).
+
+        A :class:`~graphrunner.GraphRunner` with ``memory_budget=`` given a device object
+        captures through one: runners given one device object otherwise share its pool (their
+        graphs reuse each other's memory), so the budget would count memory other runners'
+        graphs use, and memory its restart freed would stay in the shared pool. A shallow copy
+        with no pool yet; a subclass with state of its own to separate overrides it."""
+        twin = copy.copy(self)
+        twin._pool = None
+        twin._pool_graphs = []
+        return twin
+
+    def pool_in_use(self) -> bool:
+        """Whether a graph captured into this device's pool still holds it (captured, not reset):
+        ``cleanup()`` of one backend then keeps the pool (another runner's graphs sharing the device
+        live in it) instead of :meth:`release_pool` (optional device method)."""
+        graphs = [ref() for ref in getattr(self, "_pool_graphs", ())]
+        return any(g is not None and _holds_pool(g) for g in graphs)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.torch_device)!r})"
@@ -119,6 +142,7 @@ class TapeDevice(Device):
         #: Whether the graphs this device makes replay through a TorchScript trace where they can.
         self.jit_replay: bool = jit_default() if jit_replay is None else jit_replay
         self._pool = None
+        self._pool_graphs: "list[weakref.ref]" = []  # graphs captured into the current pool
 
     def synchronize(self) -> None:
         """Wait for queued work (CUDA tensors; CPU work is synchronous) and for every tape
@@ -186,6 +210,12 @@ class TapeDevice(Device):
 
     def memory_reserved(self) -> int:
         """Estimated bytes of the shared tape pool (its arena; 0 before the first capture)."""
+        return self.pool_bytes()
+
+    def pool_bytes(self) -> int:
+        """Estimated bytes of this device object's tape pool (its arena's blocks,
+        :attr:`TapePool.bytes_held <graphrunner.tape.TapePool.bytes_held>`; 0 before the first
+        capture and after ``release_pool()``)."""
         return int(self._pool.bytes_held) if self._pool is not None else 0
 
     def capture_stream(self) -> None:
@@ -205,7 +235,10 @@ class TapeDevice(Device):
         stream."""
         from graphrunner.tape import _capturing
 
-        pool = pool if pool is not None else self.graph_pool()
+        if pool is None:
+            pool = self.graph_pool()
+            held = [r for r in getattr(self, "_pool_graphs", ()) if r() is not None]
+            self._pool_graphs = held + [weakref.ref(graph)]
         if stream is None:
             return _capturing(graph, pool, capture_error_mode, warn_empty=False)
         return self._capture_on(graph, stream, capture_error_mode, pool)
@@ -258,10 +291,15 @@ def _collective_in(exc: BaseException) -> "str | None":
 
 
 def _holds_pool(graph: Any) -> bool:
-    """Whether ``graph`` (a ``torch.cuda.CUDAGraph``, or ``None`` once dropped) still holds its
-    memory pool: ``graph.pool()`` answers only after a successful capture, until ``reset()``."""
+    """Whether ``graph`` (a ``torch.cuda.CUDAGraph`` or a ``TapeGraph``, or ``None`` once dropped)
+    still holds its memory pool: a CUDA graph's ``pool()`` answers only after a successful capture,
+    until ``reset()``; a tape's ``replay_engine`` is ``None`` before a capture and after a reset."""
     if graph is None:
         return False
+    from graphrunner.tape import TapeGraph
+
+    if isinstance(graph, TapeGraph):
+        return graph.replay_engine is not None
     try:
         graph.pool()
     except Exception:  # noqa: BLE001 - "without a preceding successful capture": reset or never captured
@@ -347,6 +385,33 @@ class CudaDevice(Device):
         self._pool = None
         self._pool_graphs = []
         self._pool_begun = False
+
+    def pool_in_use(self) -> bool:
+        """Whether a graph captured into this device's pool still holds it (:meth:`Device.pool_in_use`)."""
+        return self._pool is not None and any(_holds_pool(ref()) for ref in self._pool_graphs)
+
+    def with_own_pool(self) -> "CudaDevice":
+        """A ``CudaDevice`` on the same GPU, capturing on the same side stream, whose graphs share
+        a pool of their own (:meth:`Device.with_own_pool`): its pool bookkeeping starts empty."""
+        self.capture_stream()  # made now, so that the twin captures on the same stream
+        twin = copy.copy(self)
+        twin.release_pool()
+        return twin
+
+    def pool_bytes(self) -> int:
+        """Bytes of the segments the caching allocator holds for this device object's pool
+        (``torch.cuda.memory_snapshot()``, the segments whose ``segment_pool_id`` is the pool's
+        handle; 0 without a pool). Unlike ``memory_reserved()`` it counts no other pool and no
+        eager allocation on the GPU: another runner capturing or serving on the same GPU leaves
+        it unchanged."""
+        if self._pool is None:
+            return 0
+        pool = tuple(self._pool)
+        try:
+            segments = torch.cuda.memory_snapshot(include_traces=False)  # no trace entries, where torch takes it
+        except TypeError:
+            segments = torch.cuda.memory_snapshot()
+        return sum(int(seg.get("total_size", 0)) for seg in segments if tuple(seg.get("segment_pool_id", ())) == pool)
 
     def _live_pool(self) -> Any:
         """The shared pool for the next capture, made fresh when a capture began in the current

@@ -190,7 +190,8 @@ def _plan_1d(counts: Counter, k_max: int, progress: bool = True, what: str = "ob
     so ``f[k][m]`` falls strictly with ``k`` up to ``m``."""
     sizes = sorted(counts)
     m = len(sizes)
-    k_max = min(k_max, m)
+    if k_max >= m:  # every distinct size a bucket: no padding, and no fewer buckets pad nothing
+        return sizes
     tables = _tables(sizes, [counts[s] for s in sizes])
     f, opts = tables[3], []
     bar = TaskProgress(k_max, f"graphrunner plan_buckets ({what}: {m} distinct sizes)", unit="buckets",

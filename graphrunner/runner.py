@@ -102,6 +102,7 @@ class GraphRunner:
             of the same model (one output memory, the max over runners).
         progress: draw a capture progress bar on rank 0 (stderr).
         memory_budget: bytes the graph pool may hold (one rank): keys left out go eager (:mod:`graphrunner.budget`).
+            A device object given with a budget lends the runner a pool of its own (``device.with_own_pool()``).
 
     Configuration errors raise ``ValueError``/``TypeError`` here, before any capture. **Outputs
     are views** of the backend's one output buffer: the next call overwrites them (clone, or
@@ -137,7 +138,7 @@ class GraphRunner:
         debug = contracts.debug_enabled(debug)
         self.inputs, self.output_arena = dict(inputs), output_arena
         self.backend = make_backend(backend, device, group, warmups, trace, None if checks is None else
-                                    checks_set.drift, output_arena)
+                                    checks_set.drift, output_arena, own_pool=memory_budget is not None)
         if checks is None:  # the default set: the drift check is the backend's own setting
             checks_set = dataclasses.replace(checks_set, drift=bool(getattr(self.backend, "drift_check", True)))
         self.device = self.backend.device

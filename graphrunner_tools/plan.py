@@ -12,7 +12,8 @@ with the fewest padded rows for a number of graphs, next to vLLM's ladder
   named dims ``{dim: [sizes...]}`` (``--max-graphs dim=K,...``).
 
 Exit codes: 0, or 2 with one line on stderr for a file that cannot be read or
-planned.
+planned; the file is read and validated by :mod:`graphrunner_tools.plan_input`
+(every error names the file and the line).
 """
 
 from __future__ import annotations
@@ -24,69 +25,10 @@ from typing import Any, Dict, List, Optional
 
 from graphrunner.buckets import default_buckets
 from graphrunner.planning import padding_of, plan_buckets
+from graphrunner_tools.plan_input import PlanInputError, load_sizes  # the input: read and validated there
 
-__all__ = ["load_sizes", "ladder_with", "compare_with_ladder", "graphs_to_match", "plan_table", "add_plan_subparser"]
-
-
-class PlanInputError(ValueError):
-    """A sizes file that cannot be read or planned (the CLI prints it as one line, exit 2)."""
-
-
-def load_sizes(path: str, level: Optional[int] = None) -> Any:
-    """The observed sizes in ``path`` (see the module docstring): a list of ints, or ``{dim: [...]}``.
-    Raises :class:`PlanInputError` naming the file (and line or field) for anything else."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except IsADirectoryError:
-        raise PlanInputError(f"{path!r} is a directory; pass a file of batch sizes") from None
-    except OSError as exc:
-        raise PlanInputError(f"cannot read {path!r} ({exc.strerror or exc})") from None
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return _text_sizes(path, text, level)
-    if level is not None and not (isinstance(data, dict) and "levels" in data):
-        raise PlanInputError(f"--level {level}: {path!r} is not a loadtest JSON (no 'levels')")
-    if isinstance(data, list):
-        return data
-    if isinstance(data, dict) and "levels" in data:
-        return _loadtest_sizes(path, data, level)
-    if isinstance(data, dict) and "schedule" in data:
-        return data["schedule"]
-    if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
-        return data
-    raise PlanInputError(f"{path!r}: expected a JSON list of batch sizes, {{'schedule': [...]}}, a loadtest JSON "
-                         "with per-level schedules, or {dim: [sizes...]}")
-
-
-def _text_sizes(path: str, text: str, level: Optional[int]) -> List[int]:
-    if level is not None:
-        raise PlanInputError(f"--level {level}: {path!r} is a text file of sizes, not a loadtest JSON")
-    out = []
-    for no, line in enumerate(text.splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        try:
-            out.append(int(line))
-        except ValueError:
-            raise PlanInputError(f"{path}:{no}: {line!r} is not an int; the file holds one batch size per line "
-                                 "(or a JSON list)") from None
-    return out
-
-
-def _loadtest_sizes(path: str, data: Dict[str, Any], level: Optional[int]) -> List[int]:
-    levels = data["levels"]
-    if level is not None:
-        levels = [lv for lv in levels if lv.get("concurrency") == level]
-        if not levels:
-            have = [lv.get("concurrency") for lv in data["levels"]]
-            raise PlanInputError(f"--level {level}: {path!r} has no level of concurrency {level} (levels: {have})")
-    if not any("schedule" in lv for lv in levels):
-        raise PlanInputError(f"{path!r} is a loadtest JSON without per-step schedules (levels[].schedule); "
-                             "pass a file of sizes (one per line) or a JSON list instead")
-    return [n for lv in levels for n in lv.get("schedule", [])]
+__all__ = ["load_sizes", "PlanInputError", "ladder_with", "compare_with_ladder", "graphs_to_match", "plan_table",
+           "add_plan_subparser"]
 
 
 def ladder_with(top: int, graphs: int) -> List[int]:
@@ -201,8 +143,9 @@ def add_plan_subparser(subparsers: Any) -> argparse.ArgumentParser:
                     "dims) and print the bucket list with the fewest padded rows for --max-graphs graphs (an exact "
                     "dynamic program: gr.plan_buckets), its padded-row fraction next to vLLM's ladder "
                     "(gr.default_buckets) with the same number of graphs (its first K-1 sizes and the largest "
-                    "size, so every call replays), and how many planned graphs match the ladder's padding. Exits "
-                    "2 (one line on stderr) for a file that cannot be read or planned.")
+                    "size, so every call replays), and how many planned graphs match the ladder's padding. Sizes "
+                    "are ints from 0 (an idle step) to 16777216. Exits 2 with one line on stderr naming the file "
+                    "and the line for a file that cannot be read or planned.")
     p.add_argument("file", metavar="FILE", help="the observed batch sizes (see above)")
     p.add_argument("--max-graphs", type=_max_graphs, default=None,
                    help="most graphs, for the plan and for vLLM's ladder it is compared with (default: as many as "

@@ -96,3 +96,35 @@ def test_a_step_with_its_own_generator_is_verified_like_with_like():
     for _ in range(5):  # no false ContractError, and the replay draws what eager would
         out = r(x=torch.zeros(4, 3))
         assert torch.equal(out, torch.rand((4, 3), generator=ref))
+
+
+def _random_step_runner():
+    def step(x):
+        return x + torch.rand(x.shape)  # the default generator
+
+    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(3,))}, [1, 2, 4], device="tape", progress=False,
+                       verify_every=1)
+    r.capture()
+    return r
+
+
+def test_a_step_drawing_from_the_default_generator_is_verified_like_with_like():
+    """docs/checks.md (shadow verification): the default generator is put back after the eager run,
+    so the replay draws the numbers the eager run drew: no false ContractError, and the calls draw
+    the default generator's sequence, as eager calls would."""
+    r = _random_step_runner()
+    torch.manual_seed(11)
+    ref = torch.Generator().manual_seed(11)
+    for _ in range(5):
+        assert torch.equal(r(x=torch.zeros(4, 3)), torch.rand((4, 3), generator=ref))
+    assert r.stats.replays[4] == 5
+
+
+def test_negative_control_without_putting_the_default_generator_back_verification_fails(monkeypatch):
+    import graphrunner.recording.ops as ops
+
+    monkeypatch.setattr(ops, "generators_shared", lambda: True)  # as on a background capture's thread
+    r = _random_step_runner()
+    torch.manual_seed(11)
+    with pytest.raises(gr.ContractError, match="shadow verification"):
+        r(x=torch.zeros(4, 3))

@@ -423,15 +423,15 @@ def test_cli_plan_compares_with_the_ladder_at_the_same_number_of_graphs(tmp_path
 
 @pytest.mark.parametrize("content,args,message", [
     ("1\nx\n", [], r"sizes\.txt:2: 'x' is not an int"),
-    ("[1, -2]", [], r"observed_sizes\[1\] is -2"),
-    ("[]", [], r"holds no batch size >= 1"),
+    ("[1, -2]", [], r"sizes\.txt:1: \[1\] = -2 is negative"),
+    ("[]", [], r"sizes\.txt:1: the list is empty: no batch size >= 1"),
     ('{"levels": [{"concurrency": 4, "tier_replays": {"4": 9}}]}', [], r"without per-step schedules"),
     ('{"levels": [{"concurrency": 4, "schedule": [1]}]}', ["--level", "8"], r"no level of concurrency 8"),
-    ("[1, 2]", ["--level", "8"], r"not a loadtest JSON"),
+    ("[1, 2]", ["--level", "8"], r"sizes\.txt:1: --level 8 needs a loadtest JSON"),
     ('{"reqs": [1, 2]}', [], r"names dims \['reqs'\]: pass --max-graphs reqs=K"),
     ("[1, 2]", ["--max-graphs", "reqs=2"], r"--max-graphs names dims"),
     ("[1, 2]", ["--max-graphs", "0"], r"max_graphs must be >= 1"),
-    ('"text"', [], r"expected a JSON list of batch sizes"),
+    ('"text"', [], r"sizes\.txt:1: '\"text\"' is not an int"),
 ])
 def test_cli_plan_bad_input_is_one_line_exit_2(tmp_path, capsys, content, args, message):
     from graphrunner_tools.cli import main

@@ -69,10 +69,16 @@ class EnvDisabledBackend(EagerBackend):
 
 
 def make_backend(backend: Any, device: Any = "auto", group: Any = None, warmups: int = 2, trace: Any = None,
-                 drift_check: Optional[bool] = None, output_arena: Any = None) -> Any:
+                 drift_check: Optional[bool] = None, output_arena: Any = None, own_pool: bool = False) -> Any:
     """The backend a :class:`~graphrunner.GraphRunner` captures with: a new one for a name
     (``"full"``, ``"breakable"``, ``"eager"``) configured with the other arguments, or the given
     instance, which must not be contradicted by them (configure an instance on itself).
+
+    ``own_pool`` (a runner with ``memory_budget=``): a device *object* given with a name is used
+    through its ``with_own_pool()`` where it has one
+    (:meth:`graphrunner.devices.Device.with_own_pool`), so the backend's graphs live in a pool of
+    their own even when other runners share that device's pool: the budget then counts exactly
+    this runner's graphs, and a restart releases only its own pool. An instance keeps its device.
 
     With ``GRAPHRUNNER_DISABLE=1`` the arguments are checked as usual, then an
     :class:`EnvDisabledBackend` is returned instead (an instance's device,
@@ -80,6 +86,9 @@ def make_backend(backend: Any, device: Any = "auto", group: Any = None, warmups:
     call runs eagerly through the same runner."""
     disabled = graphs_disabled()
     if not disabled or not isinstance(backend, str):
+        if own_pool and isinstance(backend, str) and device is not None and not isinstance(device, str) \
+                and callable(getattr(device, "with_own_pool", None)):
+            device = device.with_own_pool()
         chosen = _make_backend(backend, device, group, warmups, trace, drift_check, output_arena)
         if not disabled:
             return chosen

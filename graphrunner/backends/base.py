@@ -424,8 +424,9 @@ class GraphBackend:
                 logger.exception("%s: the %s check's end() failed for key %r", self.name, h.name, cap.key)
 
     def _pool_bytes(self) -> Optional[int]:
-        """The device's reserved graph memory now (``device.memory_reserved()``), or None."""
-        measure = getattr(self.device, "memory_reserved", None)
+        """The bytes of the device's graph pool now: ``device.pool_bytes()`` (that pool alone), else
+        ``device.memory_reserved()`` (a custom device's whole reserved memory), else None."""
+        measure = getattr(self.device, "pool_bytes", None) or getattr(self.device, "memory_reserved", None)
         return int(measure()) if measure is not None else None
 
     # Each step of the protocol is one small method. Override one only to
@@ -600,10 +601,10 @@ class GraphBackend:
         for every key: do not sum it over keys), ``capture_input_bytes``
         (distinct storages reachable from ``capture_inputs``),
         ``bytes_held`` = ``output_bytes + capture_input_bytes``, and, where the
-        device measures its memory (``device.memory_reserved()``),
-        ``graph_pool_bytes``: what the device's reserved memory grew by around
-        this key's graph construction and capture (the graph pool's share; not
-        part of ``bytes_held``).
+        device measures its memory (``device.pool_bytes()``, else
+        ``device.memory_reserved()``), ``graph_pool_bytes``: what the device's
+        graph pool grew by around this key's graph construction and capture
+        (not part of ``bytes_held``).
         """
         entry = self._entries.get(key) if self._hashable(key) else None
         if entry is None:
@@ -642,5 +643,8 @@ class GraphBackend:
         self._entries.clear()
         self._out.release()
         release_pool = getattr(self.device, "release_pool", None)
-        if release_pool is not None:
-            release_pool()  # a CUDA pool whose graphs were all reset cannot be captured into again
+        in_use = getattr(self.device, "pool_in_use", None)
+        if release_pool is not None and not (in_use is not None and in_use()):
+            # a CUDA pool whose graphs were all reset cannot be captured into again; a pool that
+            # another runner's graphs on the same device still hold is kept (and stays counted)
+            release_pool()

@@ -100,7 +100,8 @@ _NOTE = "\n[graphrunner cuda_standin: {}]"
 _REAL: Dict[str, Any] = {}
 for _name in ("CUDAGraph", "graph_pool_handle", "Stream", "Event", "current_stream", "default_stream", "stream",
               "synchronize", "empty_cache", "memory_reserved", "memory_allocated", "max_memory_reserved",
-              "max_memory_allocated", "reset_peak_memory_stats", "memory_stats", "mem_get_info", "is_available",
+              "max_memory_allocated", "reset_peak_memory_stats", "memory_stats", "memory_snapshot", "mem_get_info",
+              "is_available",
               "device_count", "current_device", "set_device", "device", "get_device_name",
               "is_current_stream_capturing", "graph"):
     _REAL[_name] = getattr(torch.cuda, _name)
@@ -789,6 +790,24 @@ class CudaStandin:
             return {"reserved_bytes.all.current": a.reserved(), "reserved_bytes.all.peak": max_memory_reserved(device),
                     "allocated_bytes.all.current": a.allocated(), "num_device_alloc": len(a.graph_pools)}
 
+        @_bound(R["memory_snapshot"])
+        def memory_snapshot(mempool_id=None, include_traces=True):
+            # one segment per registered graph pool of every device, sized by its tape arena (the
+            # keys torch's snapshot segments carry; no blocks, no traces)
+            want = None if mempool_id is None else tuple(mempool_id)
+            segments = []
+            for index, a in enumerate(standin.allocators):
+                for pid, p in a.graph_pools.items():
+                    if want is not None and pid != want:
+                        continue
+                    size = int(p.tape_pool.bytes_held)
+                    segments.append({"device": index, "address": 0, "total_size": size,
+                                     "allocated_size": size if p.use_count > 0 else 0,
+                                     "active_size": size if p.use_count > 0 else 0, "requested_size": size,
+                                     "stream": 0, "segment_type": "large" if size > (1 << 20) else "small",
+                                     "segment_pool_id": pid, "is_expandable": False, "frames": [], "blocks": []})
+            return segments
+
         @_bound(R["mem_get_info"])
         def mem_get_info(device=None):
             return standin.total_memory - _alloc(device).reserved(), standin.total_memory
@@ -873,7 +892,8 @@ class CudaStandin:
             "synchronize": synchronize, "empty_cache": empty_cache, "memory_reserved": memory_reserved,
             "memory_allocated": memory_allocated, "max_memory_reserved": max_memory_reserved,
             "max_memory_allocated": max_memory_allocated, "reset_peak_memory_stats": reset_peak_memory_stats,
-            "memory_stats": memory_stats, "mem_get_info": mem_get_info, "is_available": is_available,
+            "memory_stats": memory_stats, "memory_snapshot": memory_snapshot, "mem_get_info": mem_get_info,
+            "is_available": is_available,
             "device_count": device_count, "current_device": current_device, "set_device": set_device,
             "device": device, "get_device_name": get_device_name,
             "is_current_stream_capturing": is_current_stream_capturing, "graph": graph,
