@@ -12,9 +12,9 @@ For every ``model_type`` transformers maps to a causal LM
 4. ``generate`` at batch 1 and 3 (bucket 4, padded) against the reference: ``accepted`` when every
    token is equal, ``WRONG`` otherwise (the promise is that this never happens).
 
-Generation-config fields whose logits processors DecodeRunner refuses (``forced_eos_token_id`` of the
-BART family, ...; ``graphrunner.hf.sampling.unsupported_fields``) are reset on the model before step 2,
-for both sides, and recorded: the sweep measures the graphs, not the token chooser.
+Each model keeps its own generation_config on both sides: its logits processors (``forced_eos_token_id``
+of the BART family, Whisper's ``begin_suppress_tokens``, ...) are transformers' own on both
+(``graphrunner.hf.generation``).
 
 Each model gets ``--limit`` seconds (SIGALRM; ``timeout``). Prints one line per model and the
 counts, writes JSON (``--out``, default ``bench/results/hf_architectures.json``) and, with
@@ -82,13 +82,6 @@ def one(model_type: str, backend: str) -> Dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - a config transformers cannot build tiny
         return {**rec, "status": "build", "reason": f"{type(exc).__name__}: {exc}"[:300]}
     rec["class"] = type(model).__name__
-    from graphrunner.hf.sampling import unsupported_fields
-
-    cleared = unsupported_fields(model.generation_config)
-    for item in cleared:  # processors DecodeRunner refuses (e.g. forced_eos_token_id): off on both sides
-        setattr(model.generation_config, item.split("=")[0], None)
-    if cleared:
-        rec["generation_config_cleared"] = cleared
     vocab = model.get_input_embeddings().num_embeddings
     prompts = [torch.randint(3, min(vocab, 128), (b, 5), generator=torch.Generator().manual_seed(b)) for b in (1, 3)]
     try:
@@ -97,7 +90,7 @@ def one(model_type: str, backend: str) -> Dict[str, Any]:
                                    cache_implementation="static") for ids in prompts]
     except Exception as exc:  # noqa: BLE001
         return {**rec, "status": "no static decode", "reason": f"{type(exc).__name__}: {exc}"[:300]}
-    dr = gr.hf.DecodeRunner(model, max_batch=4, max_cache_len=16, buckets=[1, 2, 4], backend=backend)
+    dr = gr.hf.DecodeRunner(model, max_batch=4, max_cache_len=16, buckets=[1, 2, 4], backend=backend, progress=False)
     try:
         dr.capture()
     except gr.CaptureError as exc:

@@ -19,10 +19,11 @@ import time
 from typing import Any, Optional, TextIO
 from graphrunner.report import key_text
 
-__all__ = ["CaptureProgress", "StatusLine", "TaskProgress"]
+__all__ = ["CaptureProgress", "StatusLine", "TaskProgress", "is_terminal"]
 
 
-def _isatty(stream: Any) -> bool:
+def is_terminal(stream: Any) -> bool:
+    """True when ``stream`` is a terminal (``isatty()``); False for pipes, files and streams without a working one."""
     try:
         return bool(stream.isatty())
     except Exception:  # noqa: BLE001 - a stream without (a working) isatty is not a terminal
@@ -40,7 +41,7 @@ class StatusLine:
 
     def __init__(self, stream: Optional[TextIO] = None) -> None:
         self.stream = stream if stream is not None else sys.stderr
-        self.tty = _isatty(self.stream)
+        self.tty = is_terminal(self.stream)
         self.enabled = True
         self._width = 0
 
@@ -69,11 +70,14 @@ class CaptureProgress:
     :class:`StatusLine` shows the bucket (one line per bucket when the stream
     is not a TTY). Call :meth:`start` before bucket ``i`` (0-based) is
     captured and :meth:`close` once at the end (also after an error).
+    ``label`` names the items in the text (``"bucket"``; ``"batch"`` for
+    the ``gr.hf`` self-test).
     """
 
     def __init__(self, total: int, enabled: bool = True, stream: Optional[TextIO] = None,
-                 desc: str = "graphrunner capture", use_tqdm: Optional[bool] = None) -> None:
+                 desc: str = "graphrunner capture", use_tqdm: Optional[bool] = None, label: str = "bucket") -> None:
         self.total = total
+        self.label = label
         self.enabled = bool(enabled)
         self.stream = stream if stream is not None else sys.stderr
         self.desc = desc
@@ -90,7 +94,7 @@ class CaptureProgress:
                 if use_tqdm:
                     raise
             else:
-                self._bar = tqdm(total=total, desc=desc, unit="bucket", file=self.stream, leave=True)
+                self._bar = tqdm(total=total, desc=desc, unit=label, file=self.stream, leave=True)
 
     def start(self, i: int, bucket: Any) -> None:
         """Show that bucket ``bucket`` (the ``i``-th, 0-based) is being captured."""
@@ -100,9 +104,9 @@ class CaptureProgress:
         if self._bar is not None:
             if i:
                 self._bar.update(1)
-            self._bar.set_postfix_str(f"bucket {key_text(bucket)}")
+            self._bar.set_postfix_str(f"{self.label} {key_text(bucket)}")
             return
-        self._line.write(f"{self.desc}: bucket {key_text(bucket):>5} ({i + 1}/{self.total}) {elapsed:7.2f}s")
+        self._line.write(f"{self.desc}: {self.label} {key_text(bucket):>5} ({i + 1}/{self.total}) {elapsed:7.2f}s")
 
     def close(self, ok: bool = True) -> None:
         """Finish the bar with the total elapsed time (``ok=False``: failed)."""
@@ -115,7 +119,7 @@ class CaptureProgress:
                 self._bar.update(1)
             self._bar.close()
             return
-        status = f"{self.total} buckets in {elapsed:.2f}s" if ok else f"FAILED after {elapsed:.2f}s"
+        status = f"{self.total} {self.label}s in {elapsed:.2f}s" if ok else f"FAILED after {elapsed:.2f}s"
         self._line.write(f"{self.desc}: {status}", final=True)
 
 

@@ -103,7 +103,10 @@ class CaptureReport:
     (largest first; their calls run the step eagerly).
     ``externals_written`` (debug mode only, else ``None``) lists the
     tensors outside the runner's inputs that the graphs write, e.g. the KV
-    cache: ``[{"path", "shape", "dtype"}]``.
+    cache: ``[{"path", "shape", "dtype"}]``. ``after_capture`` lists what
+    the runner's owner ran after the keys' capture, each
+    ``{"name", "seconds", "summary"}`` (``gr.hf.DecodeRunner``'s self-test);
+    ``total_seconds`` does not include them.
     """
 
     backend: str
@@ -122,6 +125,7 @@ class CaptureReport:
     one_time_what: str = ""
     memory_budget: Optional[int] = None
     left_to_eager: List[Any] = field(default_factory=list)
+    after_capture: List[Dict[str, Any]] = field(default_factory=list)
 
     @property
     def graph_pool_bytes(self) -> Optional[int]:
@@ -183,6 +187,7 @@ class CaptureReport:
             "output_arena": self.output_arena,
             "buckets": [b.to_dict() for b in self.buckets],
             "externals_written": self.externals_written,
+            "after_capture": list(self.after_capture),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -198,7 +203,8 @@ class CaptureReport:
         ``-`` when the device does not measure it). The ``memory:`` line
         splits what the runner holds into rows that do not overlap: graph
         pool + static inputs + output buffer. With a ``memory_budget`` a
-        line names the keys left to eager. The last line is the legend.
+        line names the keys left to eager; each ``after_capture`` step gets a
+        line with its time. The last line is the legend.
         """
         head = (f"graphrunner capture: backend={self.backend} device={self.device} "
                 f"rank={self.rank}/{self.world_size} buckets={self.num_buckets} wall={self.total_seconds:.3f}s")
@@ -232,6 +238,8 @@ class CaptureReport:
         if self.externals_written is not None:
             written = ", ".join(f"{e['path']} {e['shape']} {e['dtype']}" for e in self.externals_written)
             lines.append(f"externals the graphs write (debug): {written or 'none'}")
+        for step in self.after_capture:
+            lines.append(f"after capture: {step['name']} {step['seconds']:.3f}s ({step['summary']})")
         lines.append(LEGEND)
         return "\n".join(lines)
 

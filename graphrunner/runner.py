@@ -282,7 +282,7 @@ class GraphRunner:
         (any device). Returns what ``step`` returns, sliced to the call's sizes: views the next
         call overwrites unless ``copy_outputs`` (default: the runner's). A size of 0 (an idle rank)
         is valid: the step runs only if a peer has rows there or some output would not be empty
-        (``docs/runner.md``, "Idle ranks"); the outputs have 0 rows. Invalid inputs raise
+        (``docs/multirank.md``, "Idle ranks"); the outputs have 0 rows. Invalid inputs raise
         ``ValueError``/``TypeError`` before anything is written; the runner stays usable. Raises
         :class:`CaptureError` before :meth:`capture`, :class:`GraphRunnerError` during another call.
         ``step``: the engine's own step number (an int >= 0), on several ranks agreed with the call:

@@ -22,7 +22,10 @@ skipped with a message when matplotlib is missing, and the summary prints the sw
 table either way.
 See ``docs/benchmarks.md`` for what each script measures and how to read the
 JSON. Benchmarks print ratios measured side by side in one run; they never
-fail on a timing. The exit status is 1 when a script raised, else 0.
+fail on a timing. stdout holds tables only (each script's, then the speed table of
+:func:`speed_lines` and the summary of :func:`summary_lines`, whose figures are the tables' own, every target
+marked ``met`` or ``MISSED`` by :func:`target_note`); progress lines and
+``wrote <file>`` go to stderr. The exit status is 1 when a script raised, else 0.
 
 The module also holds the small helpers the scripts share
 (:func:`decode_inputs`, :func:`decode_runner`, :func:`environment`).
@@ -60,9 +63,14 @@ __all__ = [
     "plot_loadtest",
     "loadtest_table",
     "summarize",
+    "summary_lines",
+    "speed_lines",
     "decode_inputs",
     "decode_runner",
     "environment",
+    "target_note",
+    "progress_line",
+    "write_json",
     "build_parser",
     "add_bench_subparser",
     "main",
@@ -70,8 +78,8 @@ __all__ = [
 
 #: The scripts of the suite, in the order they run (``bench/<name>.py``).
 #: ``capture_vs_compile`` runs last: torch.compile leaves compiled state behind.
-SUITE = ("tape_vs_eager", "runner_overhead", "latency_vs_batch", "loadtest_sweep", "capture_vs_compile",
-         "hf_capture_vs_compile")
+SUITE = ("tape_vs_eager", "runner_overhead", "latency_vs_batch", "loadtest_sweep", "hf_generate",
+         "capture_vs_compile", "hf_capture_vs_compile")
 
 #: Default merged JSON path and plot file name: ``results/bench.json`` inside the
 #: benchmark directory (``<repo>/bench/results/bench.json``, wherever the command runs),
@@ -131,20 +139,35 @@ def parse_buckets(text: str) -> List[int]:
     return vals
 
 
+def target_note(value: Optional[float], target: float, at_most: bool = True) -> str:
+    """``"target <= 3x: met"`` or ``"target <= 3x: MISSED"`` (``at_most=False``: ``>=``) for a ratio ``value``
+    (``"target <= 3x: not measured"`` for ``None``). Every bench line that names a target says which."""
+    sign = "<=" if at_most else ">="
+    if value is None:
+        return f"target {sign} {target:g}x: not measured"
+    ok = value <= target if at_most else value >= target
+    return f"target {sign} {target:g}x: {'met' if ok else 'MISSED'}"
+
+
 def sync_device(device: str) -> None:
     """Wait for queued GPU work when ``device`` is ``"cuda"``, so wall-clock timings are honest."""
     if device == "cuda":
         torch.cuda.synchronize()
 
 
-def decode_inputs() -> Dict[str, Any]:
+def decode_inputs(vocab_size: Optional[int] = None, max_seq_len: Optional[int] = None) -> Dict[str, Any]:
     """The :class:`~graphrunner.runner.BatchInput` spec of the demo decoder's decode step:
-    ``input_ids`` and ``positions``, both long ``[B]`` padded with 0."""
+    ``input_ids`` and ``positions``, both long ``[B]`` padded with 0, with the ``bounds`` of their real
+    values when ``vocab_size`` / ``max_seq_len`` are given (the padding check then draws real token
+    ids and positions from them, and says nothing about missing bounds)."""
     from graphrunner.runner import BatchInput
 
+    def bounds(n: Optional[int]) -> Any:
+        return None if n is None else (0, int(n) - 1)
+
     return {
-        "input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0),
-        "positions": BatchInput(trailing=(), dtype=torch.long, pad=0),
+        "input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=bounds(vocab_size)),
+        "positions": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=bounds(max_seq_len)),
     }
 
 
@@ -152,16 +175,30 @@ def decode_runner(model: Any, backend: str, device: str, buckets: Sequence[int],
     """A not-yet-captured :class:`~graphrunner.runner.GraphRunner` over ``model.decode_step``.
 
     ``backend`` is ``"full"``, ``"breakable"`` or ``"eager"``; ``device`` is
-    ``"tape"``, ``"cuda"`` or ``"auto"``. No progress bar. The caller times
-    ``runner.capture()`` itself.
+    ``"tape"``, ``"cuda"`` or ``"auto"``. The inputs carry the bounds of
+    ``model.config`` (``vocab_size``, ``max_seq_len``). No progress bar. The
+    caller times ``runner.capture()`` itself.
     """
     from graphrunner.runner import GraphRunner
 
     def step(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return model.decode_step(input_ids, positions)
 
-    return GraphRunner(step, inputs=decode_inputs(), buckets=list(buckets), backend=backend, device=device,
-                       warmups=warmups, progress=False)
+    cfg = model.config
+    return GraphRunner(step, inputs=decode_inputs(cfg.vocab_size, cfg.max_seq_len), buckets=list(buckets),
+                       backend=backend, device=device, warmups=warmups, progress=False)
+
+
+def cpu_model() -> Optional[str]:
+    """The CPU's model name (``/proc/cpuinfo``'s ``model name``; ``platform.processor()`` elsewhere), or None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
 
 
 def environment() -> Dict[str, Any]:
@@ -170,6 +207,7 @@ def environment() -> Dict[str, Any]:
 
     cuda = torch.cuda.is_available()
     return {
+        "cpu_model": cpu_model(),
         "graphrunner": graphrunner.__version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -261,7 +299,7 @@ def run_suite(
     skip: Sequence[str] = (),
     bench_dir: Optional[str | os.PathLike] = None,
     extra_args: Optional[Dict[str, List[str]]] = None,
-    echo: Callable[[str], Any] = print,
+    echo: Optional[Callable[[str], Any]] = None,
     threads: Optional[int] = None,
 ) -> Dict[str, Any]:
     """Run the benchmark scripts in this process and write the merged JSON (and the plot).
@@ -279,7 +317,8 @@ def run_suite(
         skip: names not to run.
         bench_dir: see :func:`find_bench_dir`.
         extra_args: ``{name: [args]}`` appended to that script's argv.
-        echo: where progress lines go (``print`` by default).
+        echo: where progress lines go (default: stderr; stdout holds the
+            scripts' tables and the summary only).
         threads: torch intra-op threads for the whole suite (``--threads N``
             is passed to every script that takes it, so each script's JSON
             records it); ``None`` leaves the caller's count. The caller's
@@ -302,7 +341,7 @@ def run_suite(
     """
     bdir = find_bench_dir(bench_dir)
     with torch_threads(threads or torch.get_num_threads()) as n:
-        return _run_suite(bdir, out, plot, quick, only, skip, dict(extra_args or {}), echo,
+        return _run_suite(bdir, out, plot, quick, only, skip, dict(extra_args or {}), echo or progress_line,
                           n if threads else None)
 
 
@@ -344,7 +383,7 @@ def _run_suite(bdir: Path, out: Optional[str | os.PathLike], plot: Any, quick: b
             merged["skipped"][name] = "not selected (--only/--skip)"
     write_json(out, merged)
     echo(f"[bench] torch threads: {merged['threads']}, load average: {merged['environment']['load_average']}")
-    for name in names:
+    for i, name in enumerate(names):
         path = bdir / f"{name}.py"
         if not path.is_file():
             merged["skipped"][name] = f"{path} does not exist"
@@ -361,6 +400,8 @@ def _run_suite(bdir: Path, out: Optional[str | os.PathLike], plot: Any, quick: b
         if script_out.is_file():
             script_out.unlink()  # never read back a previous run's file
         echo(f"[bench] {name}: python {path} {' '.join(argv)}")
+        if i:
+            print(flush=True)  # stdout: a blank line between the scripts' tables
         threads = torch.get_num_threads()
         t0 = time.perf_counter()
         try:
@@ -427,17 +468,22 @@ def _run_suite(bdir: Path, out: Optional[str | os.PathLike], plot: Any, quick: b
     return merged
 
 
+def progress_line(text: str) -> None:
+    """Print a progress line to stderr (stdout is for tables and the summary)."""
+    print(text, file=sys.stderr, flush=True)
+
+
 def write_json(path: "str | os.PathLike", obj: Dict[str, Any], announce: bool = False) -> None:
     """Write ``obj`` as JSON to ``path`` atomically (a run killed while writing
     leaves the previous complete file), creating its folder; with
-    ``announce``, print ``wrote <path>``. Every bench script writes through it."""
+    ``announce``, print ``wrote <path>`` to stderr. Every bench script writes through it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2, default=_json_default))
     os.replace(tmp, path)
     if announce:
-        print(f"wrote {path}")
+        progress_line(f"wrote {path}")
 
 
 def _json_default(v: Any) -> Any:
@@ -459,12 +505,20 @@ def summarize(results: Dict[str, Any]) -> Dict[str, Any]:
       ``compile_seconds``, ``compile_buckets``, ``compile_skipped``.
     - ``latency_vs_batch``: ``batches``; ``speedup`` per graph method, one
       value per batch (its eager reference's latency / its latency);
-      ``reference`` (that eager method, per graph method).
-    - ``runner_overhead``: ``ratio_runner_over_minimal``, ``target_ratio``.
+      ``reference`` (that eager method, per graph method); ``latency_us`` per method.
+    - ``runner_overhead``: ``ratio_runner_over_minimal`` and ``target_ratio`` (its demo-like step),
+      ``overhead_us`` (its runner's per-call time minus the minimal loop's: the host cost of a call),
+      ``tiny_per_call_us`` (``runner``, ``minimal``, ``eager``) and ``tiny_ratio_runner_over_eager``,
+      ``tiny_ratio_runner_over_minimal`` and ``tiny_target_ratio`` (its tiny 2-input step),
+      ``first_over_steady_max`` and ``first_target`` (first replay of a bucket vs a steady one),
+      ``steps`` (the two steps' labels, as the script's own table prints them).
     - ``tape_vs_eager``: ``speedup`` per batch (its ``rows``: the demo decoder's
       TapeGraph replay vs eager) and ``speedup_inline`` (its ``rows_inline``).
     - ``loadtest_sweep``: ``levels`` (per concurrency: graph and eager tokens/s, their
       ratio, graph and eager p99 step ms) and ``failures`` (levels that were not clean).
+    - ``hf_generate``: ``batches``, ``prompt``, ``new`` and per arch ``speedup`` (per batch:
+      ``model.generate``'s ms / ``DecodeRunner.generate``'s), ``equal`` (tokens equal at every batch)
+      and ``ms_per_call``.
     """
     s: Dict[str, Any] = {}
     cvc = results.get("capture_vs_compile")
@@ -479,11 +533,21 @@ def summarize(results: Dict[str, Any]) -> Dict[str, Any]:
             "batches": lat.get("batches"),
             "speedup": lat.get("speedup"),
             "reference": {m: (methods.get(m) or {}).get("reference") for m in (lat.get("speedup") or {})},
+            "latency_us": {m: (methods.get(m) or {}).get("latency_us") for m in methods},
         }
     ro = results.get("runner_overhead")
     if isinstance(ro, dict):
+        tiny = ro.get("tiny_two_inputs") or {}
         s["runner_overhead"] = {"ratio_runner_over_minimal": ro.get("ratio_runner_over_minimal"),
-                                "target_ratio": ro.get("target_ratio")}
+                                "target_ratio": ro.get("target_ratio"),
+                                "overhead_us": ro.get("overhead_us"),
+                                "tiny_per_call_us": tiny.get("per_call_us"),
+                                "tiny_ratio_runner_over_eager": tiny.get("ratio_runner_over_eager"),
+                                "tiny_ratio_runner_over_minimal": tiny.get("ratio_runner_over_minimal"),
+                                "tiny_target_ratio": tiny.get("target_ratio"),
+                                "first_over_steady_max": tiny.get("first_over_steady_max"),
+                                "first_target": tiny.get("first_target"),
+                                "steps": ro.get("steps") or {}}
     tve = results.get("tape_vs_eager")
     if isinstance(tve, dict):
         t: Dict[str, Any] = {}
@@ -492,6 +556,12 @@ def summarize(results: Dict[str, Any]) -> Dict[str, Any]:
             if isinstance(rows, list) and rows:
                 t[key] = {str(r.get("batch")): r.get("speedup") for r in rows if isinstance(r, dict)}
         s["tape_vs_eager"] = t
+    hg = results.get("hf_generate")
+    if isinstance(hg, dict) and not hg.get("skipped"):
+        s["hf_generate"] = {"batches": hg.get("batches"), "new": hg.get("new"), "prompt": hg.get("prompt"),
+                            "archs": {r["arch"]: {"speedup": r.get("speedup"), "equal": all((r.get("equal") or {}).values()),
+                                                  "ms_per_call": r.get("ms_per_call")}
+                                      for r in hg.get("results") or [] if isinstance(r, dict) and "arch" in r}}
     sweep = results.get("loadtest_sweep")
     if isinstance(sweep, dict):
         s["loadtest_sweep"] = {
@@ -605,42 +675,128 @@ def plot_latency(latency: Dict[str, Any], path: str | os.PathLike) -> Optional[P
 
 
 # --------------------------------------------------------------------------- command line
-def _print_summary(merged: Dict[str, Any], out: Path) -> None:
+#: the batch sizes of the speed table (:func:`speed_lines`)
+SPEED_BATCHES = (1, 8, 32)
+
+
+def _at(batches: Sequence[Any], values: Sequence[Any], b: int) -> Any:
+    """``values`` at batch ``b`` of ``batches`` (None when ``b`` was not measured)."""
+    for x, v in zip(batches or [], values or []):
+        if int(x) == b:
+            return v
+    return None
+
+
+def speed_lines(merged: Dict[str, Any]) -> List[str]:
+    """The speed table that opens the summary (and the README quotes): the machine and date, then per call at
+    batch 1, 8 and 32 (``-`` where not measured): the demo decoder step eagerly, the breakable and the full
+    backend against eager, ``DecodeRunner.generate`` against ``model.generate`` (static cache) per
+    architecture, and the host cost of a ``GraphRunner`` call. Empty when none of those scripts ran."""
     s = merged.get("summary", {})
-    print("\n[bench] summary (timings on a shared machine are noisy; ratios are measured side by side)")
+    lat, hg, ro = s.get("latency_vs_batch"), s.get("hf_generate"), s.get("runner_overhead")
+    if not (lat or hg or ro):
+        return []
+    env = merged.get("environment") or {}
+    gpu = env.get("cuda_device") or "no GPU: graphs are the CPU tape; GPU figures not yet measured"
+    rows = [f"[bench] speed, {str(merged.get('created', '?'))[:10]}: {env.get('cpu_model') or env.get('machine')}, "
+            f"{env.get('cpu_count')} cores, torch {env.get('torch')}, {merged.get('threads')} thread(s); {gpu}"
+            + (" (--quick: few rounds, smaller sizes)" if merged.get("quick") else ""),
+            f"  {'per call (median of interleaved rounds)':<58}" + "".join(f"{f'b{b}':>9}" for b in SPEED_BATCHES)]
+
+    def row(label: str, cells: List[Any], fmt: str, unit: str = "") -> None:
+        rows.append(f"  {label:<58}" + "".join(f"{format(c, fmt) + unit if c is not None else '-':>9}" for c in cells))
+
+    if lat:
+        bs, us, sp = lat.get("batches") or [], lat.get("latency_us") or {}, lat.get("speedup") or {}
+        if us.get("eager"):
+            row("demo decoder step, eager (us)", [_at(bs, us["eager"], b) for b in SPEED_BATCHES], ".0f")
+        for m, label in (("tape_breakable", "  breakable (attention an eager break) vs eager"),
+                         ("tape_full", "  full (one graph, masked attention) vs eager masked"),
+                         ("cuda_breakable", "  CUDA breakable vs CUDA eager"), ("cuda_full", "  CUDA full vs CUDA eager")):
+            if sp.get(m):
+                row(label, [_at(bs, sp[m], b) for b in SPEED_BATCHES], ".2f", "x")
+    if hg:
+        for arch, r in (hg.get("archs") or {}).items():
+            sp = r.get("speedup") or {}
+            row(f"DecodeRunner.generate vs model.generate(static), {arch}", [sp.get(str(b)) for b in SPEED_BATCHES],
+                ".2f", "x")
+            if not r.get("equal"):
+                rows[-1] += "  TOKENS DIFFER"
+    if ro and ro.get("overhead_us") is not None:
+        steps, tiny = ro.get("steps") or {}, ro.get("tiny_per_call_us") or {}
+        parts = []
+        if tiny.get("runner") is not None and tiny.get("minimal") is not None:
+            parts.append(f"{tiny['runner'] - tiny['minimal']:+.1f} us on the {steps.get('tiny', 'tiny step')} "
+                         f"({tiny['runner']:.1f} vs {tiny['minimal']:.1f} us)")
+        parts.append(f"{ro['overhead_us']:+.1f} us on the {steps.get('main', 'demo-like step')}")
+        rows.append("  host cost of a GraphRunner call over a hand-written replay loop: " + "; ".join(parts))
+        if tiny.get("eager") is not None:
+            rows.append(f"  slower than eager: {steps.get('tiny', 'a tiny step')}: eager "
+                        f"{tiny['eager']:.1f} us, runner {tiny['runner']:.1f} us "
+                        f"({ro.get('tiny_ratio_runner_over_eager') or 0:.2f}x eager's time)")
+    rows.append("  (ratios: eager time / graph time; above 1.00x the graphs are faster)")
+    return rows
+
+
+def summary_lines(merged: Dict[str, Any]) -> List[str]:
+    """The suite's summary as text lines: each headline figure once, labelled as the script's own table
+    labels it and with the same value, each target marked ``met`` or ``MISSED``; then what was skipped,
+    what failed and where the numbers are."""
+    s = merged.get("summary", {})
+    env = merged.get("environment") or {}
+    speed = speed_lines(merged)
+    lines = speed + ([""] if speed else []) + [f"[bench] summary: torch threads {merged.get('threads')}, load average "
+             f"{', '.join(f'{x:.2f}' for x in env.get('load_average') or [])} (a shared machine is noisy; every "
+             f"ratio is measured side by side in one run)"]
     cvc = s.get("capture_vs_compile")
     if cvc:
         if cvc.get("ratio") is not None:
-            print(f"  capture vs torch.compile: {cvc['ratio']:.1f}x faster on buckets {cvc.get('compile_buckets')} "
-                  f"(target >= {cvc.get('target_ratio')}x: {'met' if cvc.get('meets_target') else 'NOT met'})")
+            lines.append(f"  capture vs torch.compile, buckets {cvc.get('compile_buckets')}: {cvc['ratio']:.1f}x faster "
+                         f"({target_note(cvc['ratio'], cvc.get('target_ratio') or 0, at_most=False)})")
         else:
-            print(f"  capture vs torch.compile: compile side skipped ({cvc.get('compile_skipped')})")
+            lines.append(f"  capture vs torch.compile: compile side skipped ({cvc.get('compile_skipped')})")
     lat = s.get("latency_vs_batch")
     if lat and lat.get("speedup"):
         for m, sp in lat["speedup"].items():
             cells = ", ".join(f"b{b}: {x:.2f}x" for b, x in zip(lat["batches"], sp) if x is not None)
             ref = (lat.get("reference") or {}).get(m) or "eager"
-            print(f"  {m} vs {ref}: {cells}")
+            lines.append(f"  latency_vs_batch, {m} speedup vs {ref}: {cells}")
     ro = s.get("runner_overhead")
     if ro and ro.get("ratio_runner_over_minimal") is not None:
-        print(f"  runner vs minimal loop: {ro['ratio_runner_over_minimal']:.3f}x (target <= {ro.get('target_ratio')})")
+        steps = ro.get("steps") or {}
+        for key, ratio, target in (("main", "ratio_runner_over_minimal", "target_ratio"),
+                                   ("tiny", "tiny_ratio_runner_over_minimal", "tiny_target_ratio")):
+            if ro.get(ratio) is not None:
+                lines.append(f"  runner vs minimal loop, {steps.get(key, key)}: {ro[ratio]:.3f}x "
+                             f"({target_note(ro[ratio], ro.get(target) or 0)})")
+        if ro.get("first_over_steady_max") is not None:
+            lines.append(f"  first call of a bucket vs a steady one, {steps.get('tiny', 'tiny')}: max "
+                         f"{ro['first_over_steady_max']:.2f}x ({target_note(ro['first_over_steady_max'], ro.get('first_target') or 0)})")
     tve = s.get("tape_vs_eager")
-    for key, label in (("speedup", "demo decoder"), ("speedup_inline", "inline decoder")):
+    for key, model in (("speedup", "llama"), ("speedup_inline", "inline")):
         if tve and tve.get(key):
-            print(f"  TapeGraph replay vs eager ({label}): " +
-                  ", ".join(f"b{b}: {x:.2f}x" for b, x in tve[key].items() if x is not None))
+            lines.append(f"  tape_vs_eager, TapeGraph replay vs eager, model {model}: " +
+                         ", ".join(f"b{b}: {x:.2f}x" for b, x in tve[key].items() if x is not None))
     sweep = s.get("loadtest_sweep")
     if sweep and sweep.get("levels"):
-        print("  loadtest sweep (graph vs eager engine, same requests and batches):")
-        for row in loadtest_table(sweep["levels"]):
-            print("    " + row)
-        for f in sweep.get("failures") or []:
-            print(f"    NOT CLEAN: {f}")
+        lines.append("  loadtest sweep (graph vs eager engine, same requests and batches):")
+        lines.extend("    " + row for row in loadtest_table(sweep["levels"]))
+        lines.extend(f"    NOT CLEAN: {f}" for f in sweep.get("failures") or [])
     for name, reason in merged.get("skipped", {}).items():
-        print(f"  skipped {name}: {reason}")
+        lines.append(f"  skipped {name}: {reason}")
     for name in merged.get("errors", {}):
-        print(f"  FAILED {name} (traceback in the JSON under errors.{name})")
-    print(f"[bench] wrote {out}" + (f" and {merged['plot']}" if merged.get("plot") else ""))
+        lines.append(f"  FAILED {name} (traceback in the JSON under errors.{name})")
+    if merged.get("plot_note") and merged["plot_note"] != "no plot requested":
+        lines.append(f"  no plot: {merged['plot_note']}")
+    lines.append(f"[bench] every figure, per round, in {merged.get('out')}"
+                 + (f"; plot {merged['plot']}" if merged.get("plot") else ""))
+    return lines
+
+
+def _print_summary(merged: Dict[str, Any], out: Path) -> None:
+    print()
+    for line in summary_lines({**merged, "out": str(out)}):
+        print(line)
 
 
 def _compile_buckets(text: str) -> str:
@@ -670,17 +826,59 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "e.g. 1,2,4,8, or 'all' or 'none' (default there: 1,2,4,8; with --quick: skipped)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"],
                    help="capture_vs_compile: device of the comparison (default cpu)")
+    p.add_argument("--step", default=None, metavar="TARGET",
+                   help="time your own step instead of the suite: FILE_OR_MODULE:FACTORY returning an uncaptured "
+                        "GraphRunner, or FILE_OR_MODULE:STEP with --inputs NAME; prints, per batch size, the eager "
+                        "step against the runner call (median us, speedup, max |graph - eager|)")
+    p.add_argument("--inputs", default=None, metavar="NAME",
+                   help="--step with a step: its example inputs, a dict of tensors (batch on dim 0) next to it or "
+                        "FILE_OR_MODULE:NAME")
+    p.add_argument("--batches", type=parse_int_list, default=None,
+                   help="--step: batch sizes to time, e.g. 1,8,32 (default: the runner's buckets; with --inputs "
+                        "they are the buckets)")
+    p.add_argument("--backend", default=None, choices=["full", "breakable", "eager"],
+                   help="--step with --inputs: the runner's backend (default full)")
 
 
 _DESCRIPTION = ("Run the graphrunner benchmark suite (bench/*.py) in one process; write one merged JSON "
-                "file and a latency-vs-batch plot. Timings are never assertions.")
+                "file and a latency-vs-batch plot. stdout: each script's tables, then the speed table (machine, date; "
+                "per call at batch 1/8/32: the demo decoder eager, breakable and full, DecodeRunner.generate vs "
+                "model.generate, a runner call's host cost; docs/speed.md), then a summary repeating the "
+                "headline figures under the same labels, every target marked met or MISSED; progress on stderr; "
+                "every figure (per round too) in the JSON. Timings are never assertions. --step TARGET times your "
+                "own step instead: its GraphRunner call against the step eagerly, per batch size (docs/speed.md).")
 
 
 def _split(s: str) -> List[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
+def _run_step(args: argparse.Namespace) -> int:
+    """``--step TARGET``: time the target's runner against its step eagerly (:mod:`graphrunner_tools.steptime`)."""
+    from graphrunner.checks.lint import CheckUsageError
+    from graphrunner_tools.steptime import runner_for_target, step_table, time_runner
+
+    try:
+        runner = runner_for_target(args.step, args.inputs, args.batches if args.inputs else None, args.backend)
+        with torch_threads(args.threads or torch.get_num_threads()):
+            result = time_runner(runner, args.batches)
+    except CheckUsageError as exc:
+        print(f"graphrunner: error: {exc} (see 'graphrunner bench --help')", file=sys.stderr)
+        return 2
+    for line in step_table(args.step, result):
+        print(line)
+    if args.out:
+        write_json(args.out, {"step": args.step, "environment": environment(), **result}, announce=True)
+    return 0
+
+
 def _run_from_args(args: argparse.Namespace) -> int:
+    if args.step is not None:
+        return _run_step(args)
+    if args.inputs is not None or args.batches is not None or args.backend is not None:
+        print("graphrunner: error: --inputs, --batches and --backend go with --step TARGET (see 'graphrunner "
+              "bench --help')", file=sys.stderr)
+        return 2
     extra: Dict[str, List[str]] = {}
     if args.compile_buckets is not None:
         extra.setdefault("capture_vs_compile", []).extend(["--compile-buckets", args.compile_buckets])

@@ -20,7 +20,8 @@ on PASS. Checks:
     gloo collective inside a capture (a ``CaptureError``, not ``RankTimeoutError``), an
     empty full graph (an error), and one GPU per rank.
 ``hf``
-    ``gr.hf.DecodeRunner`` on 3 architectures (tiny random models) vs ``model.generate``;
+    ``gr.hf.DecodeRunner`` on 4 architectures (tiny random models; bart with its own generation_config,
+    greedy and sampled; llama with a repetition penalty and an n-gram ban too) vs ``model.generate``;
     skipped (PASS, ``skipped``) without transformers.
 
 Under ``$GRAPHRUNNER_CUDA_STANDIN=1`` (``--dry-run`` of the script) the stand-in of
@@ -322,22 +323,41 @@ def check_hf(out: str) -> Tuple[bool, str, Dict[str, Any]]:
 
     dev = _device()
     results, ok = {}, True
-    for arch in ("llama", "qwen2", "mistral"):
+    # architecture -> {name: generate arguments}: one runner each; bart with its own generation_config (forced
+    # EOS), greedy and sampled (the global CUDA generator on both sides); llama with a repetition penalty and an
+    # n-gram ban too
+    cases = {"llama": {"llama": {}, "llama+processors": {"repetition_penalty": 1.3, "no_repeat_ngram_size": 2}},
+             "qwen2": {"qwen2": {}}, "mistral": {"mistral": {}},
+             "bart": {"bart": {}, "bart+sampling": {"do_sample": True}}}
+    for arch, variants in cases.items():
         try:
             model = build_tiny(arch, seed=0).to(dev.torch_device)
             ids = torch.randint(3, 128, (3, 5), generator=torch.Generator().manual_seed(1)).to(dev.torch_device)
-            with torch.inference_mode():
-                ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
-                                     cache_implementation="static")
-            runner = gr.hf.DecodeRunner(model, max_batch=4, max_cache_len=16, buckets=[1, 2, 4], device=dev)
-            got = runner.generate(ids, max_new_tokens=5)
-            same = bool(torch.equal(torch.as_tensor(got).to(ref.device), ref))
-            results[arch] = {"ok": same}
-            ok &= same
+            runner = gr.hf.DecodeRunner(model, max_batch=4, max_cache_len=16, buckets=[1, 2, 4], device=dev,
+                                        progress=False)
+            runner.capture()
         except Exception as exc:  # noqa: BLE001 - reported per architecture
-            results[arch] = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:500]}",
-                             "traceback": traceback.format_exc()[-3000:]}
+            for name in variants:
+                results[name] = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:500]}",
+                                 "traceback": traceback.format_exc()[-3000:]}
             ok = False
+            continue
+        for name, kwargs in variants.items():
+            try:
+                kw = {"max_new_tokens": 5, "do_sample": False, **kwargs}
+                torch.manual_seed(7)
+                with torch.inference_mode():
+                    ref = model.generate(ids, attention_mask=torch.ones_like(ids), cache_implementation="static",
+                                         **kw)
+                torch.manual_seed(7)
+                got = runner.generate(ids, **kw)
+                same = bool(torch.equal(torch.as_tensor(got).to(ref.device), ref))
+                results[name] = {"ok": same}
+                ok &= same
+            except Exception as exc:  # noqa: BLE001 - reported per case
+                results[name] = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:500]}",
+                                 "traceback": traceback.format_exc()[-3000:]}
+                ok = False
     return ok, ", ".join(f"{a}={'ok' if r['ok'] else 'FAIL'}" for a, r in results.items()), results
 
 

@@ -236,6 +236,9 @@ def run_demo(backend: str = "breakable", device: str = "auto", steps: int = 200,
           f"padding rows computed: {stats.padding_rows} for {stats.real_rows} real rows", file=out)
     latency = _latency_table(runner, model, dev, list(buckets), config, gen, out, graphed=backend != "eager")
     print(_legend(backend, LATENCY_REPS), file=out)
+    if backend == "breakable":
+        print("note: breakable runs attention eagerly at every replay, so it gains little; --backend full "
+              "captures the whole step, the faster one (docs/speed.md)", file=out)
     print(f"graph vs eager on the padded batch: {steps - graph_bad}/{steps} bit-exact "
           f"(max |diff| {max_padded:.3g})", file=out)
     print(f"graph vs eager on the real batch: {steps - pad_bad}/{steps} within atol={UNPADDED_ATOL} "

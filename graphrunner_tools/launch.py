@@ -1,14 +1,16 @@
-"""Run one function on N local processes joined by a gloo process group, with deadlines.
+"""Run one function on N local processes joined by a process group (gloo, or NCCL with one GPU per rank), with deadlines.
 
 For commands that need real ranks on one machine (``graphrunner loadtest --ranks N``,
 ``graphrunner verify --ranks N``)::
 
     outcomes = spawn_ranks(fn, world_size=2, args=(config,), timeout=600, grace=10)
+    outcomes = spawn_ranks(fn, world_size=2, args=(config,), backend="nccl")  # one GPU per rank
 
 Each rank is a fresh ``spawn`` process that sets one torch thread per rank (unless told
-otherwise), joins ``torch.distributed`` (gloo, through a FileStore in a fresh temporary
-directory: no TCP port to collide on), makes GPU ``rank % device_count()`` its current CUDA device
-when there is one (:func:`bind_gpu`), calls ``fn(rank, world_size, *args)`` and sends what it
+otherwise), makes GPU ``rank % device_count()`` its current CUDA device when there is one
+(:func:`bind_gpu`), joins ``torch.distributed`` (``backend``: gloo by default; NCCL, whose
+collectives a CUDA graph can capture, needs a GPU per rank; through a FileStore in a fresh
+temporary directory: no TCP port to collide on), calls ``fn(rank, world_size, *args)`` and sends what it
 returned (or the exception it raised, with a partial result: :class:`PartialResult`) back through a queue. A rank that succeeded destroys the
 process group; one that raised leaves it (a collective may still be pending) and exits with
 ``sys.exit(1)``; never ``os._exit``. Nothing hangs the caller: the whole run is bounded by
@@ -96,7 +98,7 @@ def bind_gpu(rank: int) -> "int | None":
 
 
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, store_file: str, init_timeout: float,
-           threads: int, args: tuple, q: Any) -> None:
+           threads: int, args: tuple, q: Any, backend: str = "gloo") -> None:
     os.environ["OMP_NUM_THREADS"] = str(threads)
     import torch
     import torch.distributed as dist
@@ -104,9 +106,9 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, store_file: str, 
     torch.set_num_threads(threads)
     ok = False
     try:
-        dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size,
+        bind_gpu(rank)  # before NCCL's init: its communicator uses the current device
+        dist.init_process_group(backend, init_method=f"file://{store_file}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=init_timeout))
-        bind_gpu(rank)
         value = fn(rank, world_size, *args)
         pickle.dumps(value)  # an unpicklable result is this rank's error, reported below
         q.put(("ok", rank, value))
@@ -131,15 +133,19 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, store_file: str, 
 
 
 def spawn_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout: float = 600.0,
-                grace: float = 10.0, init_timeout: float = 60.0, threads: int = 1) -> List[RankOutcome]:
+                grace: float = 10.0, init_timeout: float = 60.0, threads: int = 1,
+                backend: str = "gloo") -> List[RankOutcome]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; one :class:`RankOutcome` per rank.
 
     ``fn`` must be a top-level importable function and ``args`` picklable; torch.distributed
-    (gloo) is initialised before ``fn`` runs (``init_timeout`` bounds the rendezvous).
+    (``backend``: ``"gloo"`` or ``"nccl"``; rank ``r`` on GPU ``r`` either way when there are
+    GPUs) is initialised before ``fn`` runs (``init_timeout`` bounds the rendezvous).
     ``timeout`` bounds the whole run; after the first failed rank the rest have ``grace``
     seconds. Never raises for a failing rank: read the outcomes. Raises ``ValueError`` for
-    ``world_size < 1`` or a non-positive ``timeout``.
+    ``world_size < 1``, a non-positive ``timeout`` or another backend.
     """
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"spawn_ranks: backend must be 'gloo' or 'nccl', got {backend!r}")
     if world_size < 1:
         raise ValueError(f"spawn_ranks: world_size must be >= 1, got {world_size}")
     if not timeout > 0 or grace < 0:
@@ -151,8 +157,8 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (
     store_dir = tempfile.mkdtemp(prefix="graphrunner-launch-")
     store_file = os.path.join(store_dir, "store")  # must not exist yet: FileStore creates it
     outcomes = [RankOutcome(rank=r) for r in range(world_size)]
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, store_file, init_timeout, threads, tuple(args), q),
-                         daemon=True) for r in range(world_size)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, store_file, init_timeout, threads, tuple(args), q,
+                                              backend), daemon=True) for r in range(world_size)]
     try:
         for p in procs:
             p.start()

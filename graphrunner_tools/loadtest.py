@@ -16,13 +16,15 @@ has generated its output length, and its slot is reused. The KV cache has one ex
 padding slot: padding rows of a bucket (and the capture warmups) write there only, so they
 never touch a real request's cache row.
 
-With ``ranks > 1`` the ranks are real gloo processes (:func:`graphrunner_tools.launch.spawn_ranks`);
-each holds a tensor-parallel shard of the decoder (:func:`graphrunner_tools.models.tp.shard_tensor_parallel`:
+With ``ranks > 1`` the ranks are real processes (:func:`graphrunner_tools.launch.spawn_ranks`):
+gloo on the CPU tape; on CUDA one process per GPU joined by NCCL, whose collectives a CUDA graph
+can capture (gloo's cannot: it copies CUDA tensors through the host). With fewer GPUs than ranks
+the run is refused before any process starts (:func:`rank_backend`). Each rank holds a tensor-parallel shard of the decoder (:func:`graphrunner_tools.models.tp.shard_tensor_parallel`:
 MLP and attention output, an ``all_reduce`` inside the captured step), serves the same
 requests, and the runners' ``group=`` makes the ranks agree on the bucket at every step.
 Generated tokens are compared graph vs eager on every rank, and across ranks.
 
-Data parallel (``dp=D``, ``--dp D --tp T``: ``D * T`` gloo processes; DP attention as in the
+Data parallel (``dp=D``, ``--dp D --tp T``: ``D * T`` processes; DP attention as in the
 seed's TP8/DP8 decode). Rank ``r`` is tensor-parallel rank ``r % T`` of data-parallel group
 ``r // T``. A seeded scheduler (:func:`dp_schedule`) splits the requests over the DP groups
 unevenly (group ``g`` draws weight ``2**g``) and gives each an arrival step, so at the same
@@ -31,7 +33,7 @@ group's ``T`` ranks; the MLP spans all ``D * T`` ranks the way an MoE layer does
 (:class:`DataParallelMLP`: the step all-gathers every rank's rows, each rank computes its
 ``1/(D*T)`` slice of the intermediate features for all of them, an ``all_reduce`` sums the
 slices and each rank keeps its own rows), so every rank must run every step: an idle rank calls
-the runner with 0 rows and joins its peers' padded step (``docs/runner.md``, "Idle ranks").
+the runner with 0 rows and joins its peers' padded step (``docs/multirank.md``, "Idle ranks").
 The engines step in lockstep (one ``all_max`` per step says whether any rank has work left,
 as vLLM's DP coordinator does), and ``--concurrency`` is per DP rank. Tokens are compared graph
 vs eager on every rank and across the ``T`` ranks of a group.
@@ -518,12 +520,14 @@ class LevelResult:
 @dataclass
 class LoadtestResult:
     """A whole run: ``levels`` (one :class:`LevelResult` each), ``errors`` not tied to a level
-    (capture, a rank that died), ``seconds`` (wall time)."""
+    (capture, a rank that died), ``seconds`` (wall time), ``dist_backend`` (the ranks' process
+    group: ``"gloo"`` or ``"nccl"``; ``None`` for one rank)."""
 
     config: LoadtestConfig
     levels: List[LevelResult]
     errors: List[str] = field(default_factory=list)
     seconds: float = 0.0
+    dist_backend: Optional[str] = None
 
     @property
     def ok(self) -> bool:
@@ -531,10 +535,11 @@ class LoadtestResult:
         return not self.errors and all(lv.ok for lv in self.levels)
 
     def to_json(self) -> Dict[str, Any]:
-        """``{"ranks", "dp", "tp", "backend", "spec", "background_capture", "levels": [...]}``: the file
-        ``--json`` writes."""
+        """``{"ranks", "dp", "tp", "backend", "dist_backend", "spec", "background_capture", "levels": [...]}``:
+        the file ``--json`` writes."""
         return {"ranks": self.config.ranks, "dp": self.config.dp, "tp": self.config.tp, "backend": self.config.backend,
-                "spec": self.config.spec, "background_capture": self.config.background_capture,
+                "dist_backend": self.dist_backend, "spec": self.config.spec,
+                "background_capture": self.config.background_capture,
                 "levels": [lv.to_json() for lv in self.levels]}
 
 
@@ -711,7 +716,7 @@ def build_decoder(cfg: LoadtestConfig, rank: int = 0, world: int = 1, device: An
         import torch.distributed as dist
 
         tp = world // cfg.dp
-        groups = [dist.new_group(list(range(g * tp, (g + 1) * tp)), backend="gloo") for g in range(cfg.dp)]
+        groups = [dist.new_group(list(range(g * tp, (g + 1) * tp))) for g in range(cfg.dp)]  # the world's backend
         full = [layer.mlp for layer in model.model.layers]
         if tp > 1:
             shard_tensor_parallel(model, rank % tp, tp, process_group=groups[rank // tp])
@@ -949,16 +954,54 @@ def _combine(cfg: LoadtestConfig, per_rank: List[Optional[Dict[str, Any]]], rank
     return LoadtestResult(cfg, levels, errors=errors)
 
 
+def _on_cuda(device: str) -> bool:
+    """Whether ``device`` (``"auto"``, ``"cuda"``, ``"tape"``) means CUDA, as ``get_device`` decides it, without
+    making a device (which would open a CUDA context in this launching process)."""
+    from graphrunner.devices import DEVICE_ENV_VAR
+
+    if device == "auto":
+        device = os.environ.get(DEVICE_ENV_VAR, "auto").strip().lower() or "auto"
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
+
+
+def rank_backend(cfg: LoadtestConfig) -> str:
+    """The ``torch.distributed`` backend of ``cfg``'s ranks: ``"nccl"`` when they run on CUDA
+    (``device`` ``"cuda"``, or ``"auto"`` with CUDA available) with one GPU each, ``"gloo"`` on
+    the CPU tape (and for one rank, which makes no process group). Raises ``ValueError``, before
+    anything is spawned, when the ranks would run on CUDA but there are fewer GPUs than ranks
+    or this torch has no NCCL: a gloo collective inside a captured CUDA step cannot be captured,
+    so such a run could only fail."""
+    if cfg.ranks == 1 or not _on_cuda(cfg.device):
+        return "gloo"
+    import torch.distributed as dist
+
+    gpus = torch.cuda.device_count()
+    why = ("it captures an all_reduce inside the tensor-parallel step, which only an NCCL collective allows (one "
+           "process per GPU)")
+    fix = "run fewer --ranks, or --device tape (the ranks on the CPU tape, over gloo)"
+    if gpus < cfg.ranks:
+        raise ValueError(f"--ranks {cfg.ranks} on CUDA needs {cfg.ranks} GPUs, one per rank, and this machine has "
+                         f"{gpus}: {why}; {fix}")
+    if not dist.is_nccl_available():
+        raise ValueError(f"--ranks {cfg.ranks} on CUDA needs NCCL, and this torch has none "
+                         f"(torch.distributed.is_nccl_available() is False): {why}; install a CUDA build of "
+                         f"PyTorch with NCCL, or {fix}")
+    return "nccl"
+
+
 def run_loadtest(cfg: LoadtestConfig, launch_timeout: float = 3600.0) -> LoadtestResult:
     """Run the sweep described by ``cfg`` and return its :class:`LoadtestResult`.
 
     ``cfg.ranks == 1`` runs in this process (with ``cfg.threads`` torch threads);
-    otherwise ``cfg.ranks`` spawned gloo processes (one torch thread each unless
-    ``cfg.threads`` says more), bounded by ``launch_timeout`` seconds in all; once a rank has
-    failed, the others get ``3 * cfg.timeout + 10`` seconds to report before they are killed.
+    otherwise ``cfg.ranks`` spawned processes (one torch thread each unless ``cfg.threads``
+    says more; gloo, or NCCL with one GPU per rank on CUDA: :func:`rank_backend`, whose
+    ``ValueError`` comes before anything is spawned), bounded by ``launch_timeout`` seconds in
+    all; once a rank has failed, the others get ``3 * cfg.timeout + 10`` seconds to report
+    before they are killed.
     """
     from graphrunner_tools.threads import torch_threads
 
+    backend = rank_backend(cfg)
     t0 = time.perf_counter()
     if cfg.ranks == 1:
         with torch_threads(cfg.threads):
@@ -968,11 +1011,12 @@ def run_loadtest(cfg: LoadtestConfig, launch_timeout: float = 3600.0) -> Loadtes
         from graphrunner_tools.launch import spawn_ranks
 
         outcomes = spawn_ranks(serve_levels, cfg.ranks, args=(cfg,), timeout=launch_timeout,
-                               grace=3 * cfg.timeout + 10, threads=cfg.threads)
+                               grace=3 * cfg.timeout + 10, threads=cfg.threads, backend=backend)
         per_rank = [o.value for o in outcomes]  # a failed rank's partial result, or None
         rank_errors = [f"rank {o.rank}: {o.error}" for o in outcomes if o.value is None]
     result = _combine(cfg, per_rank, rank_errors)
     result.seconds = time.perf_counter() - t0
+    result.dist_backend = backend if cfg.ranks > 1 else None
     return result
 
 
@@ -981,6 +1025,10 @@ def report(result: LoadtestResult, out: Optional[TextIO] = None) -> None:
     out = sys.stdout if out is None else out
     cfg = result.config
     ranks = f"{cfg.ranks} rank(s)" if cfg.dp == 1 else f"{cfg.ranks} ranks (DP {cfg.dp} x TP {cfg.tp})"
+    if result.dist_backend == "nccl":
+        ranks += " over NCCL, one GPU each"
+    elif result.dist_backend:
+        ranks += f" over {result.dist_backend}"
     print(f"graphrunner loadtest: {ranks}, backend={cfg.backend}, {cfg.requests} requests per level, "
           f"prompt {cfg.prompt_len[0]}-{cfg.prompt_len[1]} / output {cfg.output_len[0]}-{cfg.output_len[1]} tokens, "
           f"{cfg.layers} layers" + (f", verify steps with 1-{cfg.spec} drafts per request" if cfg.spec else "")
@@ -1056,6 +1104,10 @@ def check_args(parser: Any, args: Any) -> None:
         args.dp = 1
     if args.inject_fault == "stall" and args.ranks < 2:
         parser.error("argument --inject-fault: stall stalls one rank while the others wait; it needs --ranks 2 or more")
+    try:  # on CUDA: one GPU per rank and NCCL, found before any process is spawned
+        rank_backend(LoadtestConfig(ranks=args.ranks, dp=args.dp, device=args.device))
+    except ValueError as exc:
+        parser.error(f"argument --ranks: {exc}")
     from graphrunner_tools.models import LlamaConfig
 
     cfg = LlamaConfig.demo()
@@ -1092,14 +1144,17 @@ def add_loadtest_subparser(subparsers: Any) -> Any:
                     "engine with the same scheduling decisions, and compare every generated token. --spec K makes every "
                     "step a speculative verify step (1..K seeded drafts per request, verify graphs per (reqs, "
                     "draft) tier, greedy acceptance) instead of a decode step. --ranks N runs "
-                    "N gloo processes with a tensor-parallel decoder (an all_reduce inside the captured step). "
+                    "N processes with a tensor-parallel decoder (an all_reduce inside the captured step): gloo on the "
+                    "CPU tape; on CUDA NCCL with one GPU per rank (fewer GPUs than ranks is refused before anything "
+                    "starts). "
                     "--dp D --tp T runs D*T processes serving data-parallel: a seeded uneven scheduler splits the "
                     "requests over D groups (ranks run different batch sizes at the same step, some 0 rows), "
                     "attention split over a group's T ranks, the MLP spanning all ranks like an MoE layer. "
                     "Prints one line per level; exits 1 on a lost request, a fault (an exception on any rank, a "
                     "timeout, NaN/inf logits) or a mismatch, 2 (one line on stderr) for a bad command line.")
-    p.add_argument("--ranks", type=positive_int, default=1, help="ranks: 1 in process, N > 1 spawned gloo "
-                                                                  "processes (default: 1)")
+    p.add_argument("--ranks", type=positive_int, default=1,
+                   help="ranks: 1 in process, N > 1 spawned processes (gloo on the tape; on CUDA NCCL, one GPU per "
+                        "rank: N GPUs needed) (default: 1)")
     p.add_argument("--dp", type=positive_int, default=None,
                    help="data-parallel groups D (DP attention; needs --tp or defaults it to 1): D*T processes, each "
                         "group serving its own share of the requests; --concurrency is per group (default: off)")

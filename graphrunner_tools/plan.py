@@ -2,7 +2,8 @@
 
 Reads the batch size of every served call from a file and prints the bucket list
 with the fewest padded rows for a number of graphs, next to vLLM's ladder
-(:func:`graphrunner.default_buckets`) with the same number of graphs. Files:
+(:func:`graphrunner.default_buckets`) with the same number of graphs
+(:func:`ladder_with`). Files:
 
 - text: one int per line (blank lines and ``#`` comments ignored);
 - JSON: a list of ints; ``{"schedule": [...]}``; a loadtest JSON whose levels
@@ -26,16 +27,27 @@ from graphrunner.buckets import default_buckets
 from graphrunner.planning import padding_of, plan_buckets
 from graphrunner_tools.plan_input import PlanInputError, load_sizes  # the input: read and validated there
 
-__all__ = ["load_sizes", "PlanInputError", "compare_with_ladder", "graphs_to_match", "add_plan_subparser"]
+__all__ = ["load_sizes", "PlanInputError", "ladder_with", "compare_with_ladder", "graphs_to_match", "plan_table",
+           "add_plan_subparser"]
+
+
+def ladder_with(top: int, graphs: int) -> List[int]:
+    """vLLM's ladder up to ``top`` (:func:`graphrunner.default_buckets`) with ``graphs`` graphs: its first
+    ``graphs - 1`` sizes and ``top``, so that every call replays, as with the planned buckets (the
+    whole ladder when it has no more than ``graphs`` sizes)."""
+    full = default_buckets(top)
+    return full if graphs >= len(full) else full[:graphs - 1] + [top]
 
 
 def compare_with_ladder(sizes: List[int], max_graphs: Optional[int] = None) -> Dict[str, Any]:
-    """The plan for ``max_graphs`` (default: as many graphs as vLLM's ladder up to the largest size)
-    next to that ladder: ``{"planned": buckets, "ladder": buckets, "planned_padding": padding_of(...),
-    "ladder_padding": ..., "ratio": planned / ladder padded fraction, "graphs_to_match": k}``."""
+    """The plan for ``max_graphs`` (default: as many graphs as vLLM's whole ladder up to the largest size)
+    next to vLLM's ladder with the same number of graphs (:func:`ladder_with`):
+    ``{"max_graphs": k, "planned": buckets, "ladder": buckets, "planned_padding": padding_of(...),
+    "ladder_padding": ..., "ratio": planned / ladder padded fraction, "graphs_to_match": the fewest
+    planned graphs with at most the ladder's padded rows}``."""
     top = max(sizes)
-    ladder = default_buckets(top)
-    k = len(ladder) if max_graphs is None else max_graphs
+    k = len(default_buckets(top)) if max_graphs is None else max_graphs
+    ladder = ladder_with(top, k)
     planned = plan_buckets(sizes, max_graphs=k)
     pp, lp = padding_of(sizes, planned), padding_of(sizes, ladder)
     return {"max_graphs": k, "planned": planned, "ladder": ladder, "planned_padding": pp, "ladder_padding": lp,
@@ -53,6 +65,23 @@ def graphs_to_match(sizes: List[int], padded_rows: int, most: int) -> int:
         else:
             lo = mid + 1
     return lo
+
+
+def plan_table(result: Dict[str, Any], path: str, sizes: List[int]) -> List[str]:
+    """``graphrunner plan``'s output for one list of sizes: a header, one table row each for the plan and
+    vLLM's ladder (graphs, buckets, padded rows), their ratio, and the ``GraphRunner`` line to use."""
+    pp, lp = result["planned_padding"], result["ladder_padding"]
+    real = [n for n in sizes if n]
+    lines = [f"graphrunner plan: {pp['calls']} calls from {path}, sizes {min(real)}..{max(real)}",
+             f"  {'':<14} {'graphs':>6} {'padded rows':>12}  buckets"]
+    for name, buckets, pad in (("planned", result["planned"], pp), ("vLLM's ladder", result["ladder"], lp)):
+        lines.append(f"  {name:<14} {len(buckets):>6} {pad['padded_fraction']:>12.2%}  {','.join(map(str, buckets))}")
+    if lp["graphs"] < result["max_graphs"]:
+        lines.append(f"  (vLLM's ladder up to {max(real)} has only {lp['graphs']} sizes)")
+    ratio = f"{result['ratio']:.2f}x the ladder's" if result["ratio"] is not None else "the ladder pads none"
+    lines.append(f"planned padded rows: {ratio}; the planner matches the ladder's padding with "
+                 f"{result['graphs_to_match']} graphs")
+    return lines
 
 
 def _max_graphs(text: str) -> Any:
@@ -99,14 +128,8 @@ def _run(args: argparse.Namespace) -> int:
             print(f"{d}: {len(r['planned'])} buckets {','.join(map(str, r['planned']))}; padded rows "
                   f"{p['padded_fraction']:.1%} ({p['padded_rows']} over {p['calls']} calls)")
         return 0
-    pp, lp = result["planned_padding"], result["ladder_padding"]
-    print(f"graphrunner plan: {pp['calls']} calls from {args.file}, sizes "
-          f"{min(n for n in sizes if n)}..{max(sizes)}")
-    print(f"planned, {len(result['planned'])} graphs: {','.join(map(str, result['planned']))}")
-    ratio = f" ({result['ratio']:.2f}x)" if result["ratio"] is not None else ""
-    print(f"padded rows: planned {pp['padded_fraction']:.2%} vs vLLM's ladder {lp['padded_fraction']:.2%} "
-          f"({lp['graphs']} graphs){ratio}; the planner matches the ladder's padding with "
-          f"{result['graphs_to_match']} graphs")
+    for line in plan_table(result, args.file, sizes):
+        print(line)
     print("use: GraphRunner(..., buckets=[" + ", ".join(map(str, result["planned"])) + "])")
     return 0
 
@@ -119,13 +142,14 @@ def add_plan_subparser(subparsers: Any) -> argparse.ArgumentParser:
                     "{'schedule': [...]}; a loadtest JSON with per-level schedules; or {dim: [sizes]} for named "
                     "dims) and print the bucket list with the fewest padded rows for --max-graphs graphs (an exact "
                     "dynamic program: gr.plan_buckets), its padded-row fraction next to vLLM's ladder "
-                    "(gr.default_buckets) with the same number of graphs, and how many planned graphs match the "
-                    "ladder's padding. Sizes are ints from 0 (an idle step) to 16777216. Exits 2 with one line on stderr "
-                    "naming the file and the line for a file that cannot be read or planned.")
+                    "(gr.default_buckets) with the same number of graphs (its first K-1 sizes and the largest "
+                    "size, so every call replays), and how many planned graphs match the ladder's padding. Sizes "
+                    "are ints from 0 (an idle step) to 16777216. Exits 2 with one line on stderr naming the file "
+                    "and the line for a file that cannot be read or planned.")
     p.add_argument("file", metavar="FILE", help="the observed batch sizes (see above)")
     p.add_argument("--max-graphs", type=_max_graphs, default=None,
-                   help="most graphs (default: as many as vLLM's ladder up to the largest size); dim=K,... for "
-                        "named dims")
+                   help="most graphs, for the plan and for vLLM's ladder it is compared with (default: as many as "
+                        "vLLM's ladder up to the largest size); dim=K,... for named dims")
     p.add_argument("--level", type=int, default=None,
                    help="a loadtest JSON: plan for the level of this concurrency only (default: every level)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")

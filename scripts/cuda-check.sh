@@ -19,10 +19,13 @@
 #   loadtest           graphrunner loadtest --device cuda (decode steps, breakable)
 #   loadtest-spec      graphrunner loadtest --device cuda --spec 3 --backend full (verify steps)
 #   verify             graphrunner verify (its graphs are tape graphs on the CPU: the command has no --device)
-#   loadtest-ranks2    graphrunner loadtest --device cuda --ranks 2: its tensor-parallel all_reduce is a gloo
-#                      collective inside the capture, so the expected outcome is the clear CaptureError
-#                      ("only NCCL collectives can be captured"), not a hang or a RankTimeoutError
-#   hf                 gr.hf.DecodeRunner on llama, qwen2, mistral (tiny random models) vs model.generate;
+#   loadtest-ranks     graphrunner loadtest --device cuda --ranks N, N = the GPU count (its largest power of two)
+#                      when it is 2 or more: N NCCL processes, one GPU each, the tensor-parallel all_reduce captured
+#                      inside the step, every token equal to the eager engine's (SKIP with one GPU, and in
+#                      --dry-run: the stand-in has no NCCL)
+#   loadtest-ranks-refused  --ranks (GPU count + 1): refused before any rank starts ("needs N GPUs, one per rank")
+#   hf                 gr.hf.DecodeRunner on llama, qwen2, mistral, bart (tiny random models; bart's own forced
+#                      EOS greedy and sampled, llama with a repetition penalty) vs model.generate;
 #                      skipped without transformers
 # Writes $OUT/<step>.json (the Python checks), $OUT/<step>.log, $OUT/summary.txt (one line per step) and
 # $OUT/summary.json. Exit status: 0 when every step passed, 1 when one failed or timed out, 2 without CUDA
@@ -34,7 +37,7 @@ DRY_RUN=0
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY_RUN=1 ;;
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
     *) echo "cuda-check: unknown argument $arg (expected --dry-run)" >&2; exit 2 ;;
   esac
 done
@@ -138,8 +141,23 @@ run_step loadtest 60 -- "${CLI[@]}" loadtest --device cuda --backend breakable -
 run_step loadtest-spec 60 -- "${CLI[@]}" loadtest --device cuda --backend full --spec 3 --requests 8 \
   --concurrency 4 --layers 1 --no-progress --json "$OUT_DIR/loadtest-spec.json"
 run_step verify 45 -- "${CLI[@]}" verify --requests 3 --max-new 6 --layers 1 --no-progress
-run_step loadtest-ranks2 60 "only NCCL collectives can be captured" -- "${CLI[@]}" loadtest --device cuda \
-  --ranks 2 --requests 4 --concurrency 2 --layers 1 --no-progress --json "$OUT_DIR/loadtest-ranks2.json"
+# GPUs and NCCL as the loadtest will see them (in --dry-run: the stand-in's devices, a CPU torch without NCCL)
+read -r GPUS NCCL < <("$PYTHON" -c 'import torch, torch.distributed as d
+from graphrunner.testing.cuda_standin import install_from_env
+install_from_env()
+print(torch.cuda.device_count(), int(d.is_available() and d.is_nccl_available()))' 2>/dev/null || echo "0 0")
+RANKS=1; while [ $(( RANKS * 2 )) -le "${GPUS:-0}" ]; do RANKS=$(( RANKS * 2 )); done  # the decoder splits by 2^k
+if [ "$RANKS" -ge 2 ] && [ "${NCCL:-0}" -eq 1 ]; then
+  run_step loadtest-ranks 90 -- "${CLI[@]}" loadtest --device cuda --ranks "$RANKS" --requests 8 --concurrency 2,4 \
+    --layers 1 --no-progress --json "$OUT_DIR/loadtest-ranks.json"
+else
+  WHY="needs 2 or more GPUs and NCCL; here $GPUS GPU(s), NCCL $([ "${NCCL:-0}" -eq 1 ] && echo yes || echo no)"
+  say "$(printf '%-7s %-16s %4ss  %s' SKIP loadtest-ranks 0 "$WHY")"
+  record loadtest-ranks SKIP 0 "$WHY"
+fi
+MORE=$(( ${GPUS:-0} + 1 ))
+run_step loadtest-ranks-refused 60 "needs $MORE GPUs, one per rank" -- "${CLI[@]}" loadtest --device cuda \
+  --ranks "$MORE" --requests 4 --concurrency 2 --layers 1 --no-progress
 run_step hf 90 -- "$PYTHON" -m graphrunner_tools.cuda_check hf --out "$OUT_DIR"
 
 grep -E "passed|failed|skipped|error" "$OUT_DIR/pytest-cuda.log" 2>/dev/null | tail -n 1 | sed 's/^/pytest -m cuda: /' \

@@ -109,7 +109,7 @@ def _random_step_runner():
 
 
 def test_a_step_drawing_from_the_default_generator_is_verified_like_with_like():
-    """docs/runner.md (shadow verification): the default generator is put back after the eager run,
+    """docs/checks.md (shadow verification): the default generator is put back after the eager run,
     so the replay draws the numbers the eager run drew: no false ContractError, and the calls draw
     the default generator's sequence, as eager calls would."""
     r = _random_step_runner()

@@ -41,7 +41,7 @@ def test_quick_suite_writes_json_and_png(tmp_path):
     # cwd is tmp_path: the driver must find bench/ from the package, not from the cwd.
     proc = subprocess.run(
         [sys.executable, "-m", "graphrunner_tools.bench", "--quick", "--out", str(out), "--plot", str(png)],
-        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=150)
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
 
@@ -91,6 +91,163 @@ def test_quick_suite_writes_json_and_png(tmp_path):
         assert data["plot"] == str(png)
         assert png.read_bytes()[:8] == PNG_MAGIC
     assert "summary" in proc.stdout
+    _check_output(proc.stdout, proc.stderr, data)
+
+
+def _check_output(stdout: str, stderr: str, data: dict) -> None:
+    """stdout holds tables and the summary only: no raw dicts, no progress lines, no warnings from our own
+    models; every target is marked met or MISSED; the summary repeats the body's figures, never others."""
+    assert "row:" not in stdout and "{'" not in stdout and "[bench] tape_vs_eager:" not in stdout, stdout[:2000]
+    assert "wrote " not in stdout and "wrote " in stderr  # where the JSON went: stderr
+    for text in (stdout, stderr):
+        assert "bounds=(lo, hi)" not in text and "padding check:" not in text, text[:3000]
+    for line in stdout.splitlines():
+        if "target" in line and ("<=" in line or ">=" in line):
+            assert line.rstrip().endswith((": met", ": MISSED", ": met)", ": MISSED)")) or \
+                "target: <=" in line, line
+    ro = data["results"]["runner_overhead"]
+    body, summary = stdout.split("[bench] summary")
+    for key, ratio in (("main", ro["ratio_runner_over_minimal"]), ("tiny", ro["tiny_two_inputs"]["ratio_runner_over_minimal"])):
+        label = ro["steps"][key]
+        (row,) = [ln for ln in body.splitlines() if ln.strip().startswith(label)]
+        (line,) = [ln for ln in summary.splitlines() if f"runner vs minimal loop, {label}:" in ln]
+        assert f"{ratio:.3f}x" in row and f"{ratio:.3f}x" in line, (row, line)
+    worst = ro["tiny_two_inputs"]["first_over_steady_max"]
+    assert f"max {worst:.2f}x" in summary and f"{worst:.2f}x" in body
+
+
+# ----------------------------------------------------------------------------- output: tables, targets
+def test_target_note_says_met_or_missed():
+    assert grbench.target_note(11.88, 3) == "target <= 3x: MISSED"
+    assert grbench.target_note(2.5, 3) == "target <= 3x: met"
+    assert grbench.target_note(5.1, 5, at_most=False) == "target >= 5x: met"
+    assert grbench.target_note(4.9, 5, at_most=False) == "target >= 5x: MISSED"
+    assert grbench.target_note(None, 1.1) == "target <= 1.1x: not measured"
+
+
+def _runner_overhead_result(first_max: float) -> dict:
+    tiny = {"per_call_us": {"minimal": 20.0, "runner": 21.08}, "ratio_runner_over_minimal": 1.054,
+            "target_ratio": 1.10, "first_replay_us": [237.6, 40, 40, 40, 40, 40], "steady_replay_us": [20.0] * 6,
+            "first_over_steady": [first_max, 2, 2, 2, 2, 2], "first_over_steady_max": first_max, "first_target": 3.0}
+    return {"backend": "full", "device": "tape", "rounds": 7, "hidden": 256,
+            "per_call_us": {"minimal": 500.0, "runner": 501.5}, "ratio_runner_over_minimal": 1.003,
+            "target_ratio": 1.25, "tiny_two_inputs": tiny,
+            "steps": {"main": "demo-like step (2 layers, hidden 256)", "tiny": "tiny 2-input step (x * w + y)"},
+            "debug_mode": {"per_call_us_on": 900.0, "ratio_on_over_off": 1.8, "externals_checked_per_replay": 3,
+                           "capture_seconds_off": 1.0, "capture_seconds_on": 1.1},
+            "leak_check": {"capture_seconds_with": 1.0, "capture_seconds_without": 0.9, "leak_check_seconds": 0.05,
+                           "keys_checked": 4}}
+
+
+def test_runner_overhead_body_and_summary_print_one_figure_per_ratio_and_flag_missed_targets(capsys):
+    """The issue's run: a first replay 11.88x over a 3x target passed unflagged, and the body said 1.054x
+    'runner vs minimal loop' where the summary said 1.003x (two steps under one name). Now each ratio has its
+    step's label, the same figure in both places, and a missed target says MISSED."""
+    module = grbench.load_script(BENCH_DIR / "runner_overhead.py", "runner_overhead")
+    result = _runner_overhead_result(11.88)
+    module.print_tables(result, argparse.Namespace(calls=300, reps=7))
+    body = capsys.readouterr().out
+    summary = "\n".join(grbench.summary_lines({"summary": grbench.summarize({"runner_overhead": result}),
+                                                "out": "b.json"}))
+    for label, ratio, target in (("demo-like step (2 layers, hidden 256)", "1.003x", "target <= 1.25x: met"),
+                                 ("tiny 2-input step (x * w + y)", "1.054x", "target <= 1.1x: met")):
+        (row,) = [ln for ln in body.splitlines() if ln.strip().startswith(label)]
+        (line,) = [ln for ln in summary.splitlines() if f"runner vs minimal loop, {label}: " in ln]
+        assert ratio in row and target in row and f"{label}: {ratio} ({target})" in line
+    assert "11.88x  target <= 3x: MISSED" in body
+    assert "first call of a bucket vs a steady one, tiny 2-input step (x * w + y): max 11.88x " \
+           "(target <= 3x: MISSED)" in summary
+    # control: within the target, the same lines say met
+    module.print_tables(_runner_overhead_result(2.5), argparse.Namespace(calls=300, reps=7))
+    assert "2.50x  target <= 3x: met" in capsys.readouterr().out
+
+
+def test_speed_table_quotes_the_scripts_own_figures_at_batch_1_8_32():
+    """The table that opens the summary (and that the README quotes): the machine and date, then each figure
+    exactly as the scripts measured it, at batch 1, 8 and 32, '-' where a batch was not measured."""
+    lat = {"batches": [1, 2, 8, 32],
+           "methods": {"eager": {"latency_us": [2000.0, 2100.0, 2500.0, 4000.0]},
+                       "eager_masked": {"latency_us": [2200.0, 2300.0, 2600.0, 4100.0]},
+                       "tape_full": {"latency_us": [1100.0, 1200.0, 1300.0, 2050.0], "reference": "eager_masked"},
+                       "tape_breakable": {"latency_us": [1600.0, 1700.0, 2400.0, 4100.0], "reference": "eager"}},
+           "speedup": {"tape_full": [2.0, 1.92, 2.0, 2.0], "tape_breakable": [1.25, 1.24, 1.0417, 0.9756]}}
+    hg = {"batches": [1, 8], "new": 16, "prompt": 8,
+          "results": [{"arch": "llama", "speedup": {"1": 4.71, "8": 3.02}, "equal": {"1": True, "8": True},
+                       "ms_per_call": {}},
+                      {"arch": "gpt2", "speedup": {"1": 3.5, "8": 2.5}, "equal": {"1": True, "8": False},
+                       "ms_per_call": {}}]}
+    ro = _runner_overhead_result(2.0)
+    ro["overhead_us"] = 1.5
+    ro["tiny_two_inputs"]["per_call_us"]["eager"] = 4.0
+    ro["tiny_two_inputs"]["ratio_runner_over_eager"] = 21.08 / 4.0
+    merged = {"summary": grbench.summarize({"latency_vs_batch": lat, "hf_generate": hg, "runner_overhead": ro}),
+              "created": "2026-12-04T15:00:00+00:00", "threads": 1, "quick": False, "out": "b.json",
+              "environment": {"cpu_model": "AMD EPYC", "cpu_count": 2, "torch": "2.13.0+cpu", "cuda_device": None}}
+    lines = grbench.speed_lines(merged)
+    text = "\n".join(lines)
+    assert lines[0].startswith("[bench] speed, 2026-12-04: AMD EPYC, 2 cores, torch 2.13.0+cpu, 1 thread(s); no GPU")
+    assert "GPU figures not yet measured" in lines[0]
+
+    def cells(prefix):
+        (row,) = [ln for ln in lines if ln.strip().startswith(prefix)]
+        return row.split()[-3:]
+
+    assert cells("demo decoder step, eager (us)") == ["2000", "2500", "4000"]
+    assert cells("breakable (attention an eager break) vs eager") == ["1.25x", "1.04x", "0.98x"]
+    assert cells("full (one graph, masked attention) vs eager masked") == ["2.00x", "2.00x", "2.00x"]
+    assert cells("DecodeRunner.generate vs model.generate(static), llama") == ["4.71x", "3.02x", "-"]
+    (gpt2,) = [ln for ln in lines if "model.generate(static), gpt2" in ln]
+    assert gpt2.endswith("TOKENS DIFFER")  # a run whose tokens differ says so next to its figure
+    assert ("host cost of a GraphRunner call over a hand-written replay loop: +1.1 us on the tiny 2-input step "
+            "(x * w + y) (21.1 vs 20.0 us); +1.5 us on the demo-like step (2 layers, hidden 256)") in text
+    assert "eager 4.0 us, runner 21.1 us (5.27x eager's time)" in text
+    # the summary opens with the table; nothing to show: no table
+    assert grbench.summary_lines(merged)[:len(lines)] == lines
+    assert grbench.speed_lines({"summary": {}}) == []
+
+
+@pytest.mark.hf
+def test_hf_generate_script_times_decode_runner_against_model_generate(tmp_path):
+    """bench/hf_generate.py --quick: the runner's tokens equal model.generate's at every batch (checked before
+    timing), one positive time per round and method, the speedup the ratio of the medians."""
+    require("transformers")
+    module = grbench.load_script(BENCH_DIR / "hf_generate.py", "hf_generate")
+    result = module.main(["--quick", "--out", str(tmp_path / "hg.json")])
+    assert json.loads((tmp_path / "hg.json").read_text())["batches"] == result["batches"] == [1, 8]
+    (r,) = result["results"]
+    assert r["arch"] == "llama" and r["equal"] == {"1": True, "8": True}
+    for b in ("1", "8"):
+        assert len(r["ms_all_rounds"]["runner"][b]) == len(r["ms_all_rounds"]["generate"][b]) == 2
+        assert r["speedup"][b] == pytest.approx(r["ms_per_call"]["generate"][b] / r["ms_per_call"]["runner"][b])
+    assert r["capture_seconds"] > r["self_test_seconds"] > 0
+
+
+def test_summary_marks_capture_vs_compile_target():
+    merged = {"summary": {"capture_vs_compile": {"ratio": 4.0, "target_ratio": 5, "compile_buckets": [1, 2]}},
+              "out": "b.json"}
+    assert "4.0x faster (target >= 5x: MISSED)" in "\n".join(grbench.summary_lines(merged))
+
+
+def test_decode_runner_declares_bounds_so_the_padding_check_warns_nothing(caplog):
+    """Our own demo decoder's bench runner declares the bounds of its integer inputs: the padding check draws
+    real token ids and positions and logs no 'no bounds' warning. Control: the inputs without bounds warn."""
+    import logging
+
+    import graphrunner as gr
+    from graphrunner_tools.models import LlamaConfig, build_model
+
+    model = build_model(LlamaConfig.tiny(max_batch_size=4, attention="masked"), seed=0)
+    with caplog.at_level(logging.WARNING, logger="graphrunner"):
+        report = grbench.decode_runner(model, "full", "tape", [1, 2, 4]).capture()
+    assert not [r for r in caplog.records if "bounds" in r.getMessage()]
+    assert report.bucket(4).info["leak_check_forwards"] > 0  # the check ran real token ids and positions
+    spec = grbench.decode_inputs(model.config.vocab_size, model.config.max_seq_len)
+    assert spec["input_ids"].bounds == (0, model.config.vocab_size - 1)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="graphrunner"):
+        gr.GraphRunner(lambda input_ids, positions: model.decode_step(input_ids, positions), grbench.decode_inputs(),
+                       [1, 2, 4], backend="full", device="tape", progress=False).capture()
+    assert [r for r in caplog.records if "bounds" in r.getMessage()]
 
 
 # ----------------------------------------------------------------------------- driver behaviour

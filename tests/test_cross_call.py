@@ -458,14 +458,14 @@ def test_repro4_negative_control_without_the_put_back_the_check_advances_the_cou
 
 # ------------------------------------------------------------------------------ the docs table
 def test_the_docs_table_of_what_the_check_catches_names_tests_that_exist():
-    """docs/runner.md's table "What the padding check catches" is checked against the tests: every test
+    """docs/checks.md's table "What the padding check catches" is checked against the tests: every test
     file it names exists, every reproduction it cites has its test and its negative control here, and
     every reproduction tested here is in the table."""
     import pathlib
     import re
 
     root = pathlib.Path(__file__).resolve().parents[1]
-    doc = (root / "docs" / "runner.md").read_text()
+    doc = (root / "docs" / "checks.md").read_text()
     section = doc.split("### What the padding check catches, and what it cannot", 1)[1].split("What it cannot see", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| a step")]
     assert len(rows) >= 8
@@ -475,7 +475,7 @@ def test_the_docs_table_of_what_the_check_catches_names_tests_that_exist():
         files = re.findall(r"`(tests/[\w/]+\.py)`", row)
         assert files, row
         for f in files:
-            assert (root / f).is_file(), f"{f} named in docs/runner.md does not exist"
+            assert (root / f).is_file(), f"{f} named in docs/checks.md does not exist"
         for n in re.findall(r"reproduction (\d+)", row):
             cited.add(n)
             assert f"def test_repro{n}_" in here and f"def test_repro{n}_negative_control" in here, n

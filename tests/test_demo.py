@@ -193,6 +193,8 @@ def test_demo_prints_a_legend_and_true_totals():
     for col in ("capture_s", "checks_s", "graph_s", "graph_pool", "eager_ms", "graph_ms", "speedup"):
         assert col in " ".join(legend), col
     assert "bytes_held" not in text  # overlapping rows are gone: memory is one line of separate parts
+    # the default backend says where the speedup is (issue 36: the demo showed ~1.0x and never said why)
+    assert "note: breakable runs attention eagerly at every replay, so it gains little; --backend full" in text
     rows, total = _table_rows(text)
     for col in (1, 2, 3):  # capture_s, checks_s, graph_s
         assert float(total[col]) == pytest.approx(sum(float(r[col]) for r in rows), abs=1e-4 * len(rows))
@@ -207,6 +209,7 @@ def test_demo_eager_latency_table_has_no_graph_columns():
     head = next(line for line in text.splitlines() if line.split()[:2] == ["bucket", "eager_ms"])
     assert head.split() == ["bucket", "eager_ms", "runner_ms"]
     assert "speedup" not in text and "graph_ms" not in text and "x\n" not in text
+    assert "note: breakable" not in text  # only the breakable backend's table gets the note
     assert set(result.latency["1"]) == {"eager_ms", "runner_ms"}
 
 

@@ -168,3 +168,61 @@ def test_blocks_needing_a_missing_extra_skip_and_run_when_it_is_there(monkeypatc
             test_python_block_runs_as_pasted(b, tmp_path)
     assert all(missing_extra(b.code) is None for b in plain)
     assert missing_extra("import matplotlib\n") == "needs matplotlib: pip install -e '.[bench]'"
+
+
+# ----------------------------------------------------------------------------- links between the docs
+def heading_anchors(text: str) -> set:
+    """The anchors GitHub gives the headings of a markdown text (lower case, punctuation but ``-`` and ``_``
+    dropped, spaces to ``-``, ``-1``, ``-2``... for repeats); lines inside fenced code blocks are no headings."""
+    anchors, seen, fenced = set(), {}, False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        m = None if fenced else re.match(r"^#{1,6} +(.*?) *#*$", line)
+        if m:
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
+
+
+def relative_links(text: str) -> List[str]:
+    """The relative link targets ``[text](target)`` of a markdown text outside fenced code (no ``http``,
+    no ``mailto``)."""
+    out, fenced = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        if not fenced:
+            out += [t for t in re.findall(r"\]\(([^)\s]+)\)", line) if not re.match(r"[a-z]+:", t)]
+    return out
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_links_between_the_docs_resolve(doc):
+    """Every relative link of README.md and docs/*.md names a file of the repository and, after ``#``, a
+    heading of that file (or of the same page for ``#anchor``)."""
+    here = (ROOT / doc).parent
+    broken = []
+    for target in relative_links((ROOT / doc).read_text()):
+        path, _, anchor = target.partition("#")
+        file = (here / path).resolve() if path else (ROOT / doc)
+        if not file.exists():
+            broken.append(f"{target}: no file {file.relative_to(ROOT) if ROOT in file.parents else file}")
+        elif anchor and file.suffix == ".md" and anchor not in heading_anchors(file.read_text()):
+            broken.append(f"{target}: no heading with anchor #{anchor} in {file.relative_to(ROOT)}")
+    assert not broken, f"{doc}: broken links:\n" + "\n".join(broken)
+
+
+def test_link_checker_sees_a_broken_anchor_and_a_missing_file():
+    """Negative control: the slugs of headings with code and punctuation, a repeated heading, a heading in
+    code that is none, and links to a missing file or heading found as broken."""
+    text = "# A `x=` (b)\n## Same\n## Same\n```\n# not a heading\n```\n"
+    assert heading_anchors(text) == {"a-x-b", "same", "same-1"}
+    links = relative_links("[a](runner.md#nope) [b](https://x.org/y.md) [c](nothing.md)\n```\n[d](e.md)\n```\n")
+    assert links == ["runner.md#nope", "nothing.md"]
+    assert "nope" not in heading_anchors((ROOT / "docs" / "runner.md").read_text())
+    assert not (ROOT / "docs" / "nothing.md").exists()

@@ -202,11 +202,17 @@ def test_input_validation():
         runner.generate(ids, max_new_tokens=2, attention_mask=torch.tensor([[2, 1, 1, 1, 1], [1] * 5]))
     with pytest.raises(ValueError, match="prompt's shape"):
         runner.generate(ids, max_new_tokens=2, attention_mask=torch.ones((2, 4), dtype=torch.long))
-    with pytest.raises(ValueError, match="temperature must be > 0"):
+    # invalid sampling values: transformers' own processors refuse them, as in model.generate
+    with pytest.raises(ValueError, match="temperature.*strictly positive"):
         runner.generate(ids, max_new_tokens=2, do_sample=True, temperature=0.0)
-    with pytest.raises(ValueError, match="top_p must be in"):
-        runner.generate(ids, max_new_tokens=2, do_sample=True, top_p=1.5)
-    assert torch.equal(runner.generate(ids, 2, attention_mask=torch.ones_like(ids)), reference(model, ids, 2))
+    with pytest.raises(ValueError, match="top_k.*strictly positive integer"):
+        runner.generate(ids, max_new_tokens=2, do_sample=True, top_k=-1)
+    with pytest.raises(TypeError, match="second argument is generation_config, as in model.generate"):
+        runner.generate(ids, 2)
+    with pytest.raises(ValueError, match="inputs or input_ids, not both"):
+        runner.generate(ids, input_ids=ids, max_new_tokens=2)
+    assert torch.equal(runner.generate(input_ids=ids, max_new_tokens=2, attention_mask=torch.ones_like(ids)),
+                       reference(model, ids, 2))
 
 
 def test_import_graphrunner_does_not_import_transformers():
@@ -432,19 +438,19 @@ def test_negative_control_without_the_self_test_the_planted_bug_replays_wrong_to
     assert not torch.equal(got, reference(_plant_state_bug(build_model("llama")), ids, n=8))
 
 
-def test_generation_config_processors_it_does_not_apply_are_refused():
-    """model.generate would force EOS at the last position (BART's default); DecodeRunner refuses rather than
-    decode other tokens silently. Control: with the field reset, the tokens equal model.generate's."""
+def test_generation_config_processors_are_applied_as_model_generate_applies_them():
+    """model.generate forces EOS at the last position (BART's default forced_eos_token_id); DecodeRunner applies the
+    same processor outside the graph. Control: with the field reset, the last token is the model's own again."""
     model = build_model("llama")
     model.generation_config.forced_eos_token_id = 5
     runner = gr.hf.DecodeRunner(model, max_batch=2, max_cache_len=MAX_CACHE_LEN, buckets=[1, 2])
     ids = prompts(2, seed=2)
-    with pytest.raises(ValueError, match=r"forced_eos_token_id=5.*does not apply"):
-        runner.generate(ids, max_new_tokens=4)
     forced = reference(model, ids, n=4)
     assert (forced[:, -1] == 5).all()  # what model.generate does with it
+    assert torch.equal(runner.generate(ids, max_new_tokens=4), forced)
     model.generation_config.forced_eos_token_id = None
-    assert torch.equal(runner.generate(ids, max_new_tokens=4), reference(model, ids, n=4))
+    plain = runner.generate(ids, max_new_tokens=4)
+    assert torch.equal(plain, reference(model, ids, n=4)) and not (plain[:, -1] == 5).all()
 
 
 def test_an_op_a_graph_cannot_hold_is_refused_with_the_architecture():

@@ -220,7 +220,8 @@ def test_loadtest_one_rank(backend):
         assert lv.replays > 0
         assert lv.tokens_per_s > 0 and lv.eager_tokens_per_s > 0 and lv.p50_step_ms <= lv.p99_step_ms
     doc = res.to_json()
-    assert set(doc) == {"ranks", "dp", "tp", "backend", "spec", "background_capture", "levels"} and doc["ranks"] == 1
+    assert set(doc) == {"ranks", "dp", "tp", "backend", "dist_backend", "spec", "background_capture", "levels"}
+    assert doc["ranks"] == 1 and doc["dist_backend"] is None  # one rank: no process group
     assert doc["background_capture"] is False and doc["levels"][0]["first_decode_s"] > 0
     assert doc["backend"] == backend and (doc["dp"], doc["tp"]) == (1, 1)
     assert doc["spec"] == 0 and all(sum(d["tier_replays"].values()) == d["replays"] for d in doc["levels"])
@@ -317,7 +318,7 @@ def test_loadtest_data_parallel_with_idle_ranks():
         assert f"{lv.idle_rank_steps} idle-rank steps" in lv.line()
     _reference_check(cfg, res)  # every request's tokens are the unsharded model's greedy tokens
     doc = res.to_json()
-    assert (doc["ranks"], doc["dp"], doc["tp"]) == (4, 2, 2)
+    assert (doc["ranks"], doc["dp"], doc["tp"], doc["dist_backend"]) == (4, 2, 2, "gloo")
     assert [tuple(d) for d in doc["levels"]] == [lt.LEVEL_KEYS] * 2
 
 
@@ -332,6 +333,65 @@ def test_stall_fault_raises_rank_timeout_and_never_passes():
     assert any("rank 0" in e and "RankTimeoutError" in e and "within 2s" in e for e in first.errors), first.errors
     assert not any("killed" in e for lv in res.levels for e in lv.errors + res.errors)  # no rank had to be killed
     assert res.levels[1].completed == 0  # the run stopped: the group is unusable after a timeout
+
+
+# --------------------------------------------------------------------------- ranks on CUDA: NCCL, a GPU each
+def _fake_cuda(monkeypatch, gpus, nccl=True):
+    """This process sees ``gpus`` CUDA GPUs (and NCCL or not); a spawned rank would fail the test."""
+    import torch.distributed as dist
+
+    import graphrunner_tools.launch as launch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: nccl)
+    spawned = []
+
+    def spawn(*args, **kwargs):
+        spawned.append(kwargs)
+        raise _Spawned()
+
+    monkeypatch.setattr(launch, "spawn_ranks", spawn)
+    return spawned
+
+
+class _Spawned(Exception):
+    pass
+
+
+@pytest.mark.parametrize("device", ["cuda", "auto"], ids=["device-cuda", "device-auto"])  # (an id "cuda" marks it)
+def test_ranks_on_cuda_need_one_gpu_each_refused_before_spawning(monkeypatch, capsys, device):
+    monkeypatch.delenv("GRAPHRUNNER_DEVICE", raising=False)  # "auto" is CUDA here
+    spawned = _fake_cuda(monkeypatch, gpus=1)
+    code, out, err = _cli(capsys, "--device", device, "--ranks", "2")
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "--ranks 2 on CUDA needs 2 GPUs, one per rank, and this machine has 1" in err and "--device tape" in err
+    with pytest.raises(ValueError, match="needs 2 GPUs"):
+        lt.run_loadtest(_cfg(ranks=2, device=device))
+    assert spawned == []  # nothing was started
+
+
+def test_ranks_on_cuda_need_nccl(monkeypatch, capsys):
+    spawned = _fake_cuda(monkeypatch, gpus=2, nccl=False)
+    code, _, err = _cli(capsys, "--device", "cuda", "--ranks", "2")
+    assert code == 2 and "needs NCCL" in err and "is_nccl_available() is False" in err, err
+    assert spawned == []
+
+
+def test_ranks_on_cuda_with_a_gpu_each_spawn_over_nccl(monkeypatch):
+    """The decision: N GPUs and NCCL -> N processes over NCCL; the tape (or one rank) -> gloo. Negative
+    control: the refusal above is about the GPU count, not about CUDA at all."""
+    spawned = _fake_cuda(monkeypatch, gpus=2)
+    with pytest.raises(_Spawned):
+        lt.run_loadtest(_cfg(ranks=2, device="cuda"))
+    assert spawned[0]["backend"] == "nccl"
+    assert lt.rank_backend(_cfg(ranks=2, device="tape")) == "gloo"
+    assert lt.rank_backend(_cfg(ranks=1, device="cuda")) == "gloo"  # one rank: no process group
+    monkeypatch.setenv("GRAPHRUNNER_DEVICE", "tape")  # what "auto" means in the suite
+    assert lt.rank_backend(_cfg(ranks=4, device="auto")) == "gloo"
+    monkeypatch.delenv("GRAPHRUNNER_DEVICE")
+    with pytest.raises(ValueError, match="--ranks 4 on CUDA needs 4 GPUs, one per rank, and this machine has 2"):
+        lt.rank_backend(_cfg(ranks=4, device="auto"))
 
 
 # --------------------------------------------------------------------------- the command line
@@ -386,7 +446,9 @@ def test_cli_passes_writes_json_and_exits_1_on_a_planted_mismatch(capsys, tmp_pa
         assert sum(lv["schedule"]) == lv["generated_tokens"] - lv["completed"]
     from graphrunner_tools.cli import main  # graphrunner plan reads it
     assert main(["plan", str(out), "--max-graphs", "2"]) == 0
-    assert "planned, 2 graphs" in capsys.readouterr().out
+    import re
+
+    assert re.search(r"\n  planned +2 ", capsys.readouterr().out)
     code, stdout, err = _cli(capsys, *small, "--inject-fault", "mismatch")
     assert code == 1, stdout + err
     assert "C2: 6/6 requests, 0 faults, 1 mismatches" in stdout and "FAIL" in stdout

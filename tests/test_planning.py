@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import itertools
 import random
+import re
 import time
 from collections import Counter
 
@@ -374,12 +375,13 @@ def test_cli_plan_reads_text_json_and_loadtest_files(tmp_path, capsys):
     got = json.loads(capsys.readouterr().out)
     assert got["planned"] == plan_buckets(sizes, 2) == [1, 8]
     assert got["planned_padding"] == padding_of(sizes, [1, 8])
-    assert got["ladder"] == gr.default_buckets(8) and got["ladder_padding"] == padding_of(sizes, [1, 2, 4, 8])
+    # vLLM's ladder with the same 2 graphs (its first size and the largest), not its whole ladder [1, 2, 4, 8]
+    assert got["ladder"] == [1, 8] and got["ladder_padding"] == padding_of(sizes, [1, 8])
     lst = tmp_path / "sizes.json"
     lst.write_text(json.dumps(sizes))
     assert main(["plan", str(lst)]) == 0  # default: as many graphs as vLLM's ladder (4): no padding left
     out = capsys.readouterr().out
-    assert "planned, 4 graphs: 1,3,7,8" in out and "planned 0.00% vs vLLM's ladder" in out
+    assert re.search(r"planned +4 +0\.00%  1,3,7,8\n", out) and re.search(r"vLLM's ladder +4 +[0-9.]+%  1,2,4,8\n", out)
     lt = tmp_path / "loadtest.json"
     lt.write_text(json.dumps({"levels": [{"concurrency": 4, "schedule": [4, 4, 3, 0]},
                                          {"concurrency": 2, "schedule": [2, 1]}]}))
@@ -391,6 +393,32 @@ def test_cli_plan_reads_text_json_and_loadtest_files(tmp_path, capsys):
     dims.write_text(json.dumps({"reqs": [1, 2, 3, 8], "draft": [2, 2, 6]}))
     assert main(["plan", str(dims), "--max-graphs", "reqs=2,draft=1"]) == 0
     assert capsys.readouterr().out.splitlines()[1].startswith("draft: 1 buckets 6;")
+
+
+def test_cli_plan_compares_with_the_ladder_at_the_same_number_of_graphs(tmp_path, capsys):
+    """--max-graphs 4 on sizes up to 37: vLLM's ladder with 4 graphs is 1,2,4,37 (not its 8 graphs up to 37),
+    and the printed padding is that ladder's; more graphs than the ladder has: the whole ladder, said so."""
+    from graphrunner_tools.cli import main
+    from graphrunner_tools.plan import ladder_with
+
+    sizes = [1, 1, 3, 5, 7, 9, 12, 17, 20, 31, 37]
+    f = tmp_path / "sizes.txt"
+    f.write_text("\n".join(map(str, sizes)))
+    assert main(["plan", str(f), "--max-graphs", "4"]) == 0
+    out = capsys.readouterr().out
+    ladder = ladder_with(37, 4)
+    assert ladder == [1, 2, 4, 37] and len(gr.default_buckets(37)) == 8
+    lp = padding_of(sizes, ladder)["padded_fraction"]
+    whole = padding_of(sizes, gr.default_buckets(37))["padded_fraction"]
+    assert re.search(rf"vLLM's ladder +4 +{lp:.2%}  1,2,4,37\n", out), out
+    assert f"{whole:.2%}" not in out and lp != whole  # not the whole ladder's figure
+    pp = padding_of(sizes, plan_buckets(sizes, 4))["padded_fraction"]
+    assert re.search(rf"planned +4 +{pp:.2%}  ", out) and f"planned padded rows: {pp / lp:.2f}x the ladder's" in out
+    assert main(["plan", str(f), "--max-graphs", "20"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"vLLM's ladder +8 +[0-9.]+%  1,2,4,8,16,24,32,37\n  \(vLLM's ladder up to 37 has only 8 sizes\)",
+                     out), out
+    assert ladder_with(37, 1) == [37] and ladder_with(8, 9) == gr.default_buckets(8)
 
 
 @pytest.mark.parametrize("content,args,message", [

@@ -128,7 +128,9 @@ def test_bench_threads_reach_every_script_and_its_json(tmp_path, caller_threads,
     assert "--threads" not in ovh["argv"] and ovh["torch_threads_seen"] == 2  # set for the whole suite
     assert data["threads"] == 2 and data["environment"]["torch_threads"] == 2
     assert data["environment"]["load_average"] is None or len(data["environment"]["load_average"]) == 3
-    assert "[bench] torch threads: 2" in capsys.readouterr().out
+    cap = capsys.readouterr()
+    assert "[bench] torch threads: 2" in cap.err  # progress: stderr
+    assert "[bench] summary: torch threads 2," in cap.out and "[bench] torch threads" not in cap.out
     assert torch.get_num_threads() == caller_threads
 
 

@@ -15,7 +15,10 @@ attention masks are built inside the step from tensors the runner owns
 prompts. The modules: :mod:`~graphrunner.hf.cache` (the static cache, views
 per bucket), :mod:`~graphrunner.hf.steps` (prefill and decode steps),
 :mod:`~graphrunner.hf.masks`, :mod:`~graphrunner.hf.selftest`,
-:mod:`~graphrunner.hf.sampling` and :mod:`~graphrunner.hf.decode`.
+:mod:`~graphrunner.hf.generation` (``generate``'s arguments resolved by
+transformers' own code: defaults, logits processors, stopping criteria) and
+:mod:`~graphrunner.hf.decode`. :meth:`DecodeRunner.generate` takes
+``model.generate``'s arguments.
 
 :func:`generate_batch` and :func:`init_continuous_batching` serve transformers'
 own continuous batching (``model.generate_batch``, paged cache, varlen steps)

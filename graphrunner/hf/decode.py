@@ -14,6 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
+import sys
+import time
+
 import torch
 
 from graphrunner.buckets import default_buckets, validate_buckets
@@ -22,8 +25,8 @@ from graphrunner.errors import CaptureError, GraphRunnerError
 from graphrunner.hf.cache import (cache_tensors, cache_was_written, layer_problem, make_static_cache, row_view_cache,
                                   widen_sliding_layers, zero_cache, zero_tensors)
 from graphrunner.hf.masks import MaskPlan, plan_masks
-from graphrunner.hf.sampling import TokenChooser
 from graphrunner.hf.selftest import SelfTestResult, run_self_test
+from graphrunner.progress import is_terminal
 from graphrunner.hf.steps import make_masked_step, masked_inputs, prefill
 from graphrunner.runner import GraphRunner
 
@@ -64,24 +67,27 @@ class DecodeStats:
 class DecodeRunner:
     """Decoding of a transformers causal LM whose one-token step replays as a captured graph.
 
-    ``DecodeRunner(model, max_batch, max_cache_len, buckets=None, backend="full", device="auto", self_test=True)``
-    builds a ``StaticCache`` of ``max_batch`` rows and ``max_cache_len``
+    ``DecodeRunner(model, max_batch, max_cache_len, buckets=None, backend="full", device="auto", self_test=True,
+    progress=True)`` builds a ``StaticCache`` of ``max_batch`` rows and ``max_cache_len``
     slots for ``model`` (an eval-mode ``*ForCausalLM`` on ``device``) and a
     :class:`GraphRunner` over the decode step with ``buckets`` (default:
     ``default_buckets(max_batch)``; the largest must be ``max_batch``).
     Nothing is captured until :meth:`capture` (or the first
     :meth:`generate`). ``self_test=False`` skips the capture self-test (the
     capture checks still run); only for models already verified.
+    ``progress``: progress bars of the capture and the self-test on stderr
+    when it is a terminal (never on a pipe or a log file); ``False`` turns
+    them off.
 
-    Limits, stated up front: one sequence per row, prompts left-padded to
-    one length (``attention_mask``), greedy or temperature/top-k/top-p
-    sampling (no beams, no repetition penalty), the prompt prefilled eagerly
-    and only the one-token decode step replayed. Raises ``ValueError`` for
-    bad sizes.
+    Limits, stated up front: one sequence per row (no beams), greedy or
+    sampled with any of transformers' logits processors (see
+    :meth:`generate`), prompts left-padded (``attention_mask``), the prompt
+    prefilled eagerly and only the one-token decode step replayed. Raises
+    ``ValueError`` for bad sizes and for a model in train mode.
     """
 
     def __init__(self, model, max_batch: int, max_cache_len: int, buckets: Optional[Sequence[int]] = None,
-                 backend: Any = "full", device: Any = "auto", self_test: bool = True) -> None:
+                 backend: Any = "full", device: Any = "auto", self_test: bool = True, progress: bool = True) -> None:
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
         if not isinstance(max_cache_len, int) or max_cache_len < 2:
@@ -93,9 +99,11 @@ class DecodeRunner:
             raise ValueError(f"the largest bucket must equal max_batch={max_batch}, got buckets {buckets}: "
                              f"add {max_batch} or lower max_batch")
         self.model = model
+        self._check_eval()
         self.max_batch = max_batch
         self.max_cache_len = max_cache_len
         self.self_test = bool(self_test)
+        self.progress = bool(progress) and is_terminal(sys.stderr)
         self.model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
         self.device = get_device(device)
         self.cache = None
@@ -107,7 +115,8 @@ class DecodeRunner:
         self.vocab_size = getattr(emb, "num_embeddings", None) or getattr(model.config, "vocab_size", None)
         step = make_masked_step(model, self._view, lambda: self.plan, max_cache_len)
         self.runner = GraphRunner(step, inputs=masked_inputs(self.vocab_size, max_cache_len), buckets=buckets,
-                                  backend=backend, device=self.device, progress=False, fallback="error")
+                                  backend=backend, device=self.device, progress=self.progress,
+                                  fallback="error")
         self.buckets: List[int] = list(self.runner.buckets)
 
     # ------------------------------------------------------------------ internals
@@ -118,6 +127,13 @@ class DecodeRunner:
 
     def _refuse(self, why: str) -> CaptureError:
         return CaptureError(f"gr.hf.DecodeRunner cannot capture architecture {self.model_type!r}: {why}")
+
+    def _check_eval(self) -> None:
+        """Refuse a model in train mode (``model.training``), naming it."""
+        if getattr(self.model, "training", False):
+            raise ValueError(f"gr.hf.DecodeRunner: the model ({type(self.model).__name__}) is in train() mode; "
+                             f"DecodeRunner decodes eval-mode models only (dropout would make each step random, "
+                             f"which neither a graph nor the capture checks can reproduce): call model.eval() first")
 
     def _check_version(self) -> None:
         version = _transformers_version()
@@ -194,11 +210,14 @@ class DecodeRunner:
         graph cannot hold), a cache layer a graph cannot keep in place, a
         model that ignores the cache, an entry of :data:`KNOWN_BAD`, or the
         self-test found replayed logits that differ from the model's own
-        eager decode. The cache is emptied afterwards. Calling it again
-        returns the first report.
+        eager decode. The cache is emptied afterwards. The report's
+        ``after_capture`` holds the self-test's time and result (its table
+        prints them). Calling it again returns the first report. Raises
+        ``ValueError`` for a model in train mode.
         """
         if self._report is not None:
             return self._report
+        self._check_eval()
         self._check_version()
         with torch.inference_mode():
             self._allocate()
@@ -209,77 +228,121 @@ class DecodeRunner:
             finally:
                 self._reset_cache()
             if self.self_test:
+                t0 = time.perf_counter()
                 try:
-                    self.stats.self_test = run_self_test(self)
+                    result = run_self_test(self, progress=self.progress)
                 except CaptureError:
                     self.runner.cleanup()
                     raise
+                self.stats.self_test = result
+                report.after_capture.append({"name": "self-test", "seconds": time.perf_counter() - t0,
+                                             "summary": result.summary()})
         self._report = report
         return report
 
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: Optional[torch.Tensor] = None,
-                 do_sample: bool = False, temperature: Optional[float] = None, top_k: Optional[int] = None,
-                 top_p: Optional[float] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-        """Return ``[B, P + new]`` tokens: the prompt, then up to ``max_new_tokens`` new ones per row.
+    def generate(self, inputs: Optional[torch.Tensor] = None, generation_config: Any = None,
+                 logits_processor: Any = None, stopping_criteria: Any = None, prefix_allowed_tokens_fn: Any = None,
+                 synced_gpus: Optional[bool] = None, assistant_model: Any = None, streamer: Any = None,
+                 negative_prompt_ids: Optional[torch.Tensor] = None,
+                 negative_prompt_attention_mask: Optional[torch.Tensor] = None, custom_generate: Any = None,
+                 generator: Optional[torch.Generator] = None, **kwargs: Any) -> torch.Tensor:
+        """``model.generate`` with the decode step replayed: return ``[B, P + new]`` tokens (prompt, then new ones).
 
-        ``input_ids`` ``[B, P]`` long, ``1 <= B <= max_batch``;
-        ``attention_mask`` ``[B, P]`` 0/1 marks left padding (each row: zeros,
+        Takes ``model.generate``'s arguments, with its meaning: ``inputs``
+        (or ``input_ids=``) ``[B, P]`` long, ``1 <= B <= max_batch``;
+        ``attention_mask`` ``[B, P]`` 0/1 for left padding (each row: zeros,
         then ones; ragged prompts need a model whose masks the step builds,
-        ``stats.masks == "step"``). Greedy by default; ``do_sample=True`` draws
-        with ``generator`` after temperature/top-k/top-p (defaults from the
-        model's ``generation_config``, see :class:`~graphrunner.hf.sampling.TokenChooser`).
-        A row that emits an EOS id continues with the pad id, and decoding
-        stops early once every row has finished. Equals
-        ``model.generate(..., cache_implementation="static")`` token for
-        token (sampling: after ``torch.manual_seed`` with the generator's
-        seed). Captures first if needed. Raises ``ValueError`` for bad shapes
-        or when ``P + max_new_tokens - 1`` exceeds ``max_cache_len``.
+        ``stats.masks == "step"``); ``generation_config`` and any of its
+        fields as keyword arguments, which override ``model.generation_config``
+        as there (``max_new_tokens``, ``max_length``, ``min_new_tokens``,
+        ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``min_p``,
+        ``repetition_penalty``, ``no_repeat_ngram_size``, ``bad_words_ids``,
+        ``suppress_tokens``, ``forced_eos_token_id``, ``pad_token_id``,
+        ``eos_token_id`` (an int or a list), ``stop_strings`` with
+        ``tokenizer=``, ...); ``logits_processor``, ``stopping_criteria``,
+        ``prefix_allowed_tokens_fn`` and a ``streamer`` (``put``/``end``, e.g.
+        ``transformers.TextStreamer``). Every default is resolved as
+        ``model.generate`` resolves it (its global ``top_k=50`` and
+        ``max_length=20`` included) and every logits processor and stopping
+        criterion is transformers' own (:mod:`graphrunner.hf.generation`),
+        applied outside the graph to each step's logits. ``generator``
+        (not a ``model.generate`` argument) is the ``torch.Generator`` of the
+        sampling draws (default: the global one).
+
+        Equals ``model.generate(..., cache_implementation="static")`` token
+        for token (sampling: with the generator at ``model.generate``'s
+        ``torch.manual_seed``). A row that meets an EOS id continues with the
+        pad id; decoding stops once every row has met a stopping criterion.
+        Captures first if needed. Raises ``ValueError`` for bad shapes, when
+        ``P + new - 1`` exceeds ``max_cache_len``, for a model in train mode,
+        and for an argument it does not support (beams, assisted decoding,
+        guidance, ``return_dict_in_generate``, a cache of the caller's, model
+        keyword arguments other than ``attention_mask``, ...: named, with
+        what to do); transformers' own errors for invalid values.
         """
+        from graphrunner.hf.generation import refuse_arguments, resolve
+
+        refuse_arguments({"synced_gpus": synced_gpus, "assistant_model": assistant_model,
+                          "negative_prompt_ids": negative_prompt_ids,
+                          "negative_prompt_attention_mask": negative_prompt_attention_mask,
+                          "custom_generate": custom_generate})
+        if generation_config is not None and not hasattr(generation_config, "to_dict"):
+            raise TypeError(f"generate's second argument is generation_config, as in model.generate, got "
+                            f"{type(generation_config).__name__}: pass max_new_tokens= by keyword")
+        if "input_ids" in kwargs:
+            if inputs is not None:
+                raise ValueError("pass the prompt once: inputs or input_ids, not both")
+            inputs = kwargs.pop("input_ids")
+        input_ids = inputs
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
             raise ValueError("input_ids must be a [batch, prompt_len] torch.long tensor")
         b, p = input_ids.shape
         if not 1 <= b <= self.max_batch or p < 1:
             raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: need 1 <= batch <= max_batch="
                              f"{self.max_batch} and prompt_len >= 1")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        if p + max(max_new_tokens - 1, 0) > self.max_cache_len:
-            raise ValueError(f"prompt_len {p} + max_new_tokens {max_new_tokens} - 1 exceeds max_cache_len "
-                             f"{self.max_cache_len}: build the DecodeRunner with a larger max_cache_len")
-        mask = self._check_mask(attention_mask, input_ids)
-        choose = TokenChooser(self.model, do_sample, temperature, top_k, top_p, generator)
-        self.capture()
+        self._check_eval()
+        mask = self._check_mask(kwargs.pop("attention_mask", None), input_ids)
         dev = self.model.device
         input_ids = input_ids.to(dev)
-        self.stats.generate_calls += 1
-        if max_new_tokens == 0:
-            return input_ids.clone()
         mask = None if mask is None else mask.to(dev)
+        setup = resolve(self.model, input_ids, mask, generation_config, kwargs, logits_processor,
+                        stopping_criteria, prefix_allowed_tokens_fn)
+        new = setup.max_new_tokens
+        if p + new - 1 > self.max_cache_len:
+            raise ValueError(f"prompt_len {p} + {new} new tokens - 1 exceeds max_cache_len {self.max_cache_len} "
+                             f"(max_length {setup.config.max_length}): build the DecodeRunner with a larger "
+                             f"max_cache_len, or pass a smaller max_new_tokens")
+        self.capture()
+        self.stats.generate_calls += 1
         with torch.inference_mode():
             self._reset_cache()
+            if streamer is not None:
+                streamer.put(input_ids.cpu())
             logits = self._prefill(input_ids, mask)
-            eos, pad = self._eos_pad(dev)
-            unfinished = torch.ones((b, 1), dtype=torch.bool, device=dev)
+            unfinished = torch.ones(b, dtype=torch.long, device=dev)
             full = torch.ones((b, p), dtype=torch.long, device=dev) if mask is None else mask
             positions = (full.long().cumsum(-1) - 1)[:, -1:]
             first = (full == 0).sum(-1, keepdim=True)
-            out, token = input_ids, None
-            for i in range(max_new_tokens):
+            out = input_ids
+            for i in range(new):
                 if i:
                     positions = positions + 1
                     slot = torch.full((b, 1), p + i - 1, dtype=torch.long, device=dev)
-                    logits = self.runner(input_ids=token, position_ids=positions, cache_position=slot,
+                    logits = self.runner(input_ids=out[:, -1:], position_ids=positions, cache_position=slot,
                                          first_slot=first)
                     self._count_step(b)
-                token = choose(out, logits)
-                if eos is not None:
-                    # As model.generate: a finished row emits pad; all finished -> stop early.
-                    token = torch.where(unfinished, token, pad)
-                    unfinished &= ~torch.isin(token, eos)
-                out = torch.cat([out, token], dim=1)
+                token = setup.next_tokens(out, logits, generator)
+                if setup.pad_finished:  # as model.generate: a finished row continues with the pad id
+                    token = token * unfinished + setup.pad * (1 - unfinished)
+                out = torch.cat([out, token[:, None]], dim=-1)
                 self.stats.tokens += b
-                if eos is not None and not bool(unfinished.any()):
+                unfinished = unfinished & ~setup.criteria(out, None)
+                if streamer is not None:
+                    streamer.put(token.cpu())
+                if bool(unfinished.max() == 0):
                     break
+            if streamer is not None:
+                streamer.end()
         return out
 
     def _count_step(self, batch: int) -> None:
@@ -309,21 +372,6 @@ class DecodeRunner:
                              f"({self.plan.reason}), so DecodeRunner supports only equal-length prompts for it: "
                              f"group prompts by length or use model.generate()")
         return m
-
-    def _eos_pad(self, dev):
-        """``(eos ids tensor or None, pad id tensor)`` from the model's generation config, as ``model.generate`` uses."""
-        gc = getattr(self.model, "generation_config", None)
-        eos = getattr(gc, "eos_token_id", None)
-        if eos is None:
-            return None, None
-        eos_list = [eos] if isinstance(eos, int) else list(eos)
-        if not eos_list:
-            return None, None
-        pad = getattr(gc, "pad_token_id", None)
-        if pad is None:
-            pad = eos_list[0]
-        return (torch.tensor(eos_list, dtype=torch.long, device=dev),
-                torch.tensor(pad, dtype=torch.long, device=dev))
 
     def cleanup(self) -> None:
         """Release the captured graphs (``GraphRunner.cleanup``); the runner cannot replay afterwards."""

@@ -26,6 +26,7 @@ from graphrunner.checks.padding import difference
 from graphrunner.errors import CaptureError
 from graphrunner.hf.cache import make_static_cache
 from graphrunner.hf.steps import forward_names, prefill, prompt_positions
+from graphrunner.progress import CaptureProgress
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,11 @@ class SelfTestResult:
     def exact(self) -> bool:
         """True when every compared logit was bit-equal."""
         return self.worst == 0.0
+
+    def summary(self) -> str:
+        """One line: what was compared and how close, e.g. ``batches 1, 2, 4, 3 x 3 decode steps, bit-equal``."""
+        close = "bit-equal" if self.exact else f"max abs logit difference {self.worst:.2g}, within tolerance"
+        return f"batches {', '.join(map(str, self.sizes))} x {self.steps} decode steps vs eager, {close}"
 
 
 def self_test_sizes(buckets: List[int]) -> Tuple[int, ...]:
@@ -60,55 +66,69 @@ def _reference_step(model, names, cache, tokens, mask2d, positions, slot):
     return model(input_ids=tokens, **kwargs).logits
 
 
-def run_self_test(dr: Any, steps: int = 3, seed: int = 0) -> SelfTestResult:
+def run_self_test(dr: Any, steps: int = 3, seed: int = 0, progress: bool = False) -> SelfTestResult:
     """Compare ``dr``'s replayed decode steps with the model's own eager decode; raise ``CaptureError`` on a difference.
 
     ``dr`` is a captured :class:`~graphrunner.hf.DecodeRunner`. ``steps``
     decode steps per size (fewer when ``max_cache_len`` is short); prompts
-    and pad rows come from ``seed``. Runs under ``torch.inference_mode``.
+    and pad rows come from ``seed``. ``progress``: a progress bar on stderr
+    (one batch size at a time). Runs under ``torch.inference_mode``.
     """
-    model, dev = dr.model, dr.model.device
     prompt = max(1, min(4, dr.max_cache_len - 1))
     replays = max(1, min(steps, dr.max_cache_len - prompt))
-    names = forward_names(model)
     g = torch.Generator().manual_seed(seed)
-    worst = 0.0
     sizes = self_test_sizes(dr.buckets)
-    with torch.inference_mode():
-        for n in sizes:
-            ids = torch.randint(0, dr.vocab_size, (n, prompt), generator=g).to(dev)
-            mask = torch.ones((n, prompt), dtype=torch.long, device=dev)
-            if dr.plan.explicit and prompt >= 2 and n >= 2:
-                mask[0, 0] = 0  # one left-padded row: the step's masks against transformers' own
-            ragged = bool((mask == 0).any())
-            ref_cache = make_static_cache(model, n, prompt + replays)
-            want = prefill(model, ref_cache, ids, mask if ragged else None)
-            dr._reset_cache()
-            dr._prefill(ids, mask if ragged else None)
-            positions = prompt_positions(mask)[:, -1:]
-            first = (mask == 0).sum(-1, keepdim=True)
-            for i in range(replays):
-                tokens = want[:, -1].argmax(-1, keepdim=True)
-                positions = positions + 1
-                slot = prompt + i
-                mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=dev)], dim=1)
-                want = _reference_step(model, names, ref_cache, tokens, mask if dr.plan.explicit else None,
-                                       positions, slot)
-                got = dr.runner(input_ids=tokens, position_ids=positions,
-                                cache_position=torch.full((n, 1), slot, dtype=torch.long, device=dev),
-                                first_slot=first)
-                diff = difference(got.float(), want.float(), tolerant=True)
-                exact = difference(got.float(), want.float())
-                worst = max(worst, exact or 0.0)
-                if diff is not None:
-                    dr._reset_cache()
-                    raise CaptureError(
-                        f"gr.hf.DecodeRunner: the replayed decode step of architecture {dr.model_type!r} differs "
-                        f"from the model's own eager decode at batch {n} (bucket {dr.runner.bucket_for(n)}), "
-                        f"decode step {i + 1}: max abs logit difference {diff:.3g} ({_plan_text(dr.plan)}); a "
-                        f"graph would give wrong tokens. Decode this model with model.generate()")
+    bar = CaptureProgress(len(sizes), enabled=progress, desc="gr.hf self-test", label="batch")
+    ok = False
+    try:
+        with torch.inference_mode():
+            worst = _compare(dr, sizes, prompt, replays, g, bar)
+        ok = True
+    finally:
+        bar.close(ok)
     dr._reset_cache()
     return SelfTestResult(sizes=sizes, steps=replays, worst=worst)
+
+
+def _compare(dr: Any, sizes: Tuple[int, ...], prompt: int, replays: int, g: torch.Generator, bar: Any) -> float:
+    """The self-test's comparisons (prompts of ``prompt`` tokens drawn from ``g``, ``replays`` steps per size);
+    returns the worst exact difference."""
+    model, dev, names = dr.model, dr.model.device, forward_names(dr.model)
+    worst = 0.0
+    for i_size, n in enumerate(sizes):
+        bar.start(i_size, n)
+        ids = torch.randint(0, dr.vocab_size, (n, prompt), generator=g).to(dev)
+        mask = torch.ones((n, prompt), dtype=torch.long, device=dev)
+        if dr.plan.explicit and prompt >= 2 and n >= 2:
+            mask[0, 0] = 0  # one left-padded row: the step's masks against transformers' own
+        ragged = bool((mask == 0).any())
+        ref_cache = make_static_cache(model, n, prompt + replays)
+        want = prefill(model, ref_cache, ids, mask if ragged else None)
+        dr._reset_cache()
+        dr._prefill(ids, mask if ragged else None)
+        positions = prompt_positions(mask)[:, -1:]
+        first = (mask == 0).sum(-1, keepdim=True)
+        for i in range(replays):
+            tokens = want[:, -1].argmax(-1, keepdim=True)
+            positions = positions + 1
+            slot = prompt + i
+            mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=dev)], dim=1)
+            want = _reference_step(model, names, ref_cache, tokens, mask if dr.plan.explicit else None,
+                                   positions, slot)
+            got = dr.runner(input_ids=tokens, position_ids=positions,
+                            cache_position=torch.full((n, 1), slot, dtype=torch.long, device=dev),
+                            first_slot=first)
+            diff = difference(got.float(), want.float(), tolerant=True)
+            exact = difference(got.float(), want.float())
+            worst = max(worst, exact or 0.0)
+            if diff is not None:
+                dr._reset_cache()
+                raise CaptureError(
+                    f"gr.hf.DecodeRunner: the replayed decode step of architecture {dr.model_type!r} differs "
+                    f"from the model's own eager decode at batch {n} (bucket {dr.runner.bucket_for(n)}), "
+                    f"decode step {i + 1}: max abs logit difference {diff:.3g} ({_plan_text(dr.plan)}); a "
+                    f"graph would give wrong tokens. Decode this model with model.generate()")
+    return worst
 
 
 def _plan_text(plan: Any) -> str:
