@@ -686,7 +686,8 @@ class GraphBatching:
         return self.report
 
     def _equivalence(self) -> None:
-        """Every key: a synthetic valid batch, replayed padded vs the eager step unpadded."""
+        """Every key: a synthetic valid batch replayed padded, then a follow-up step that reads what it wrote,
+        against both run eagerly without padding."""
         runner = self.runner
         gen = torch.Generator().manual_seed(0x6B76)
         by_dim = {d: sorted({k[i] for k in runner.keys}) for i, d in enumerate(_DIMS)}
@@ -698,44 +699,51 @@ class GraphBatching:
                 small.append(max(1, (below[-1] + 1) if below else 1))
             # the smallest sizes that replay the key (padded); when those land on another key, the key's own sizes
             for sizes in (small, list(key)):
-                feeds = self._synthetic(key, sizes, gen)
-                if feeds is None:
+                made = self._synthetic(key, sizes, gen)
+                if made is None:
                     continue
-                diff, scale, landed = self._compare_once(feeds)
+                feeds, plan = made
+                diff, scale, landed = self._compare_once(feeds, self._follow_up(plan, gen))
                 if landed != tuple(key):
                     continue
                 checked += 1
                 if not diff <= scale * 1e-4 + 1e-6:
                     raise CaptureError(
                         f"gr.hf.generate_batch cannot serve architecture {self._model_type()!r}: the replayed step "
-                        f"of key (tokens, kv, reqs)={tuple(key)} differs from the eager step on the same valid batch "
-                        f"without padding (real sizes {tuple(sizes)}; max abs diff {diff:.3g} of scale {scale:.3g}): "
+                        f"of key (tokens, kv, reqs)={tuple(key)}, or the step after it, differs from the eager steps on "
+                        f"the same valid batches without padding (real sizes {tuple(sizes)}; max abs diff {diff:.3g} "
+                        f"of scale {scale:.3g}): "
                         "padding tokens or keys reach real requests (a padding write into a real cache slot, a mask "
                         "that lets a real query see a padding key)")
                 break
         self.stats.equivalence_checked = checked
 
-    def _compare_once(self, feeds: Dict[str, torch.Tensor]) -> Tuple[float, float, Any]:
-        """Replay ``feeds`` (padded to their key), then run the step eagerly on them unpadded, the cache put back
-        after each; ``(max abs diff, scale, key replayed)``."""
+    def _compare_once(self, feeds: Dict[str, torch.Tensor], follow: Dict[str, torch.Tensor]
+                      ) -> Tuple[float, float, Any]:
+        """Two call sequences from the same cache: ``feeds`` replayed (padded to their key) then ``follow``
+        run eagerly, against both run eagerly without padding; the cache put back after each.
+        ``(max abs diff over both calls, scale, key replayed)``: the second call sees what the padding
+        tokens of the first wrote."""
         runner = self.runner
         real = {k: v.clone() for k, v in feeds.items()}
         cache = self.batch_processor.cache.cache_tensor
         saved = cache.clone()
         try:
-            got = runner(**feeds).clone()
+            got = [runner(**feeds).clone()]
             landed = runner.stats.last_bucket
+            got.append(self._step()(**follow))
             cache.copy_(saved)
-            want = self._step()(**real)
+            want = [self._step()(**real), self._step()(**follow)]
         finally:
             cache.copy_(saved)
-        diff = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
-        scale = want.double().abs().max().item() if want.numel() else 0.0
+        diff = max((a.double() - b.double()).abs().max().item() for a, b in zip(got, want))
+        scale = max(b.double().abs().max().item() for b in want)
         return diff, scale, None if landed is None else tuple(landed)
 
-    def _synthetic(self, key, sizes, gen: torch.Generator) -> Optional[Dict[str, torch.Tensor]]:
+    def _synthetic(self, key, sizes, gen: torch.Generator) -> Optional[Tuple[Dict[str, torch.Tensor], Dict[str, Any]]]:
         """A valid batch of ``sizes`` (tokens, kv, reqs) for full/sliding layers: ``reqs`` requests whose
-        queries end each prompt, keys the request's past and present, every real write a distinct real slot."""
+        queries end each prompt, keys the request's past and present, every real write a distinct real slot;
+        with its plan (per request queries and past, per group the slots) for :meth:`_follow_up`."""
         n_tok, n_kv, n_req = sizes
         n_req = min(n_req, n_tok)
         if n_kv < n_tok:
@@ -760,11 +768,13 @@ class GraphBatching:
         ids = torch.randint(0, vocab, (n_tok,), generator=gen)
         feeds = {"input_ids": ids.to(torch.int32), "position_ids": torch.tensor(pos, dtype=torch.int32),
                  "tok_req": torch.tensor(treq, dtype=torch.int32), "logits_indices": torch.tensor(logit_idx, dtype=torch.int32)}
+        plan: Dict[str, Any] = {"lens_q": lens_q, "past": past, "slots": {}}
         for g in self.groups:
-            slots = torch.randperm(g.last_index - g.first_real + 1, generator=gen)[: n_kv] + g.first_real
+            slots = torch.randperm(g.last_index - g.first_real + 1, generator=gen)[: n_kv + n_req] + g.first_real
             if g.first_real <= g.write_trash <= g.last_index:  # the padding write slot is a real one: meet it
                 slots[slots == g.write_trash] = slots[0].clone()
                 slots[0] = g.write_trash
+            plan["slots"][g.index] = slots
             # keys of request r: its past slots then its new tokens' slots (full layers: written then read back)
             read, write = [], []
             at = 0
@@ -780,10 +790,37 @@ class GraphBatching:
             feeds[f"write_index_{g.index}"] = torch.tensor(write, dtype=torch.int64)
             feeds[f"read_index_{g.index}"] = torch.tensor(read, dtype=torch.int64)
             feeds[f"key_req_{g.index}"] = torch.tensor(kreq, dtype=torch.int32)
-            if g.window is None:
-                feeds[f"key_pos_{g.index}"] = torch.tensor(kpos, dtype=torch.int32)
-            else:
-                feeds[f"key_pos_{g.index}"] = torch.tensor(kpos, dtype=torch.int32)
+            feeds[f"key_pos_{g.index}"] = torch.tensor(kpos, dtype=torch.int32)
+        return {k: v.to(dev) for k, v in feeds.items()}, plan
+
+    def _follow_up(self, plan: Dict[str, Any], gen: torch.Generator) -> Dict[str, torch.Tensor]:
+        """The next step after a :meth:`_synthetic` batch: one new token per request, reading every key the
+        request wrote or read before (so a real slot a padding token overwrote in that batch is read here)."""
+        lens_q, past = plan["lens_q"], plan["past"]
+        n_req = len(lens_q)
+        dev = self.batch_processor.inputs_and_outputs.input_ids.device
+        pos = [p + q for q, p in zip(lens_q, past)]
+        kreq, kpos = [], []
+        for r, n in enumerate(pos):
+            kreq.extend([r] * (n + 1))
+            kpos.extend(range(n + 1))
+        feeds = {"input_ids": torch.randint(0, self._vocab(), (n_req,), generator=gen).to(torch.int32),
+                 "position_ids": torch.tensor(pos, dtype=torch.int32),
+                 "tok_req": torch.arange(n_req, dtype=torch.int32),
+                 "logits_indices": torch.arange(n_req, dtype=torch.int32)}
+        n_kv = sum(pos)
+        for g in self.groups:
+            slots = plan["slots"][g.index]
+            read, write, at = [], [], 0
+            for r, n in enumerate(pos):
+                old, new = slots[at: at + n].tolist(), int(slots[n_kv + r])
+                at += n
+                read.extend(old + ([new] if g.window is None else [g.sentinel]))
+                write.append(new)
+            feeds[f"write_index_{g.index}"] = torch.tensor(write, dtype=torch.int64)
+            feeds[f"read_index_{g.index}"] = torch.tensor(read, dtype=torch.int64)
+            feeds[f"key_req_{g.index}"] = torch.tensor(kreq, dtype=torch.int32)
+            feeds[f"key_pos_{g.index}"] = torch.tensor(kpos, dtype=torch.int32)
         return {k: v.to(dev) for k, v in feeds.items()}
 
 
