@@ -207,7 +207,12 @@ def run_arch(arch: str, args, reqs) -> Dict[str, Any]:
         sizes = list(hook.stats.engine_sizes)
         hook.stats.steps = hook.stats.replayed = hook.stats.eager_steps = 0
         hook.stats.real_tokens = hook.stats.padded_tokens = hook.stats.real_keys = hook.stats.padded_keys = 0
+        # stop(keep_for_next_session=True) cached the graph manager on the model, and init_continuous_batching
+        # returns a cached manager: forget it first, or the "eager" sessions would run the graphs too
+        model.__dict__.pop("_cached_continuous_batching_manager", None)
         eager_mgr = model.init_continuous_batching(gc, cb_config(args))
+        if eager_mgr is manager or getattr(eager_mgr, "graphs", None) is not None:
+            raise RuntimeError("the eager manager is the graph manager")
         session(eager_mgr, reqs, args.waves, args.wave_steps)  # warm: its cache and batch processor built
         rounds = []
         for _ in range(args.repeat):  # side by side: an eager session, then a graph session, each round
