@@ -422,14 +422,11 @@ def test_no_graph_returning_a_number_is_a_frozen_return_finding(target, capsys):
     assert f.fix.startswith("return a tensor") and "keep the consumer inside the break" in f.fix
     assert main(["check", f"{path}:make_literal"]) == 1
     assert "frozen-return" in capsys.readouterr().out
-    # independent reference: the same runner, captured for real, is refused at capture (the drift check sees
-    # the number differ between the last warmup, on real data, and the capture) ...
+    # independent reference: the same runner, captured for real, raises on the first call whose maximum
+    # differs from the capture's (its one key has one real row, which the padding check's follow-up, the
+    # last warmup, fills with the pad: the number at the last warmup equals the capture's, so the drift
+    # check has no difference to see here: it sees a Python number only when the two runs' data differ)
     runner = load_factory(f"{path}:make_literal")()
-    with pytest.raises(CaptureError, match=r"argument 2 of aten.mul was \d+ at warmup 2 and 0 at capture"):
-        runner.capture()
-    # ... and without that check raises on the first call whose maximum differs
-    runner = load_factory(f"{path}:make_literal")()
-    runner.backend.hooks[:] = [h for h in runner.backend.hooks if h.name != "drift"]
     runner.capture()
     x, lens = torch.ones(2, 4), torch.tensor([3, 9])
     with pytest.raises(CaptureError, match=r"longest_of returned 9 at replay where it returned 0 at capture"):

@@ -133,6 +133,49 @@ def test_repro1_fix_a_scratch_slot_replays_exactly_like_eager_for_20_calls():
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+def _with_reset_hook(model, pad):
+    """A runner whose post-warmup hook resets the state (a cache reset: the hook's documented use)."""
+    def reset(_bucket):
+        with torch.inference_mode():
+            model.state.zero_()
+    return gr.GraphRunner(model, _slot_inputs(pad), BUCKETS, backend="full", device="tape", progress=False,
+                          post_warmup_hook=reset)
+
+
+def test_repro1_with_a_post_warmup_hook_that_resets_the_state_it_is_still_refused():
+    """The hook runs after every warmup, so run A and its padded follow-up are not split by it (run A
+    is then the last warmup and the follow-up runs right after it): the leak is still measured."""
+    with pytest.raises(gr.PaddingLeakError, match="in a call after a padded call"):
+        _with_reset_hook(SlotState(), pad=0).capture()
+
+
+def test_repro1_fix_with_a_reset_hook_has_no_false_alarm_and_replays_like_eager():
+    model, twin = SlotState(rows=SLOTS + 1), SlotState(rows=SLOTS + 1)
+    _with_reset_hook(model, pad=SLOTS).capture()
+    r = _with_reset_hook(model, pad=SLOTS)
+    r.capture()
+    calls = _calls()
+    got, want = _serve(r, calls), _serve(twin, calls)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_repro1_fix_with_a_reset_hook_negative_control_a_sequence_split_by_the_hook_is_a_false_alarm(monkeypatch):
+    """Were the sequence's two padded calls the last two warmups with the hook between them, the hook's
+    reset would wipe what run A wrote before the follow-up, and the fixed step would be refused (with
+    the confirmation of a finding from the first warmup off: it runs A and the follow-up again,
+    back to back)."""
+    monkeypatch.setattr(LeakCheck, "_a_index", staticmethod(lambda cap: cap.warmups - 2))
+    original = LeakCheck.before_warmup
+
+    def unconfirmed(self, cap, i):
+        original(self, cap, i)
+        self._a_first = False
+
+    monkeypatch.setattr(LeakCheck, "before_warmup", unconfirmed)
+    with pytest.raises(gr.PaddingLeakError):
+        _with_reset_hook(SlotState(rows=SLOTS + 1), pad=SLOTS).capture()
+
+
 # ------------------------------------------------------------------------------ reproduction 2
 class Rebound(SlotState):
     """The same state, re-bound to a new tensor at every call instead of written in place."""

@@ -76,18 +76,20 @@ def test_row_independent_step_passes_with_integers_and_floats():
     inputs = {"ids": gr.BatchInput(dtype=torch.long, pad=0, bounds=(0, 19)), "h": gr.BatchInput(trailing=(H,))}
     r = _runner(step, inputs)
     rep = r.capture()
-    # every bucket: padded (the last warmup: run A), the follow-up after it, random float padding, eager
-    # unpadded (D), the follow-up after it: 4 extra forwards (a second real size runs only without D)
-    assert {b.bucket: b.info.get("leak_check_forwards") for b in rep.buckets} == {8: 4, 4: 4, 2: 4}
+    # every bucket: padded (the one but last warmup: run A), the follow-up after it (the last warmup),
+    # random float padding, eager unpadded (D), the follow-up after it: 3 extra forwards (a second real
+    # size runs only without D)
+    assert {b.bucket: b.info.get("leak_check_forwards") for b in rep.buckets} == {8: 3, 4: 3, 2: 3}
     ids, h = torch.randint(0, 20, (5,)), torch.randn(5, H)
     torch.testing.assert_close(r(ids=ids, h=h), step(ids, h))
 
 
-def test_the_last_warmup_is_run_a_and_one_warmup_runs_it_apart():
-    """With warmups >= 2 the last warmup runs on run A's data (real ids within bounds, pad rows at the
-    pad) and the capture on the static buffers as they were (the padding; poisoned under
-    GRAPHRUNNER_TAPE_POISON); with warmups=1 the one warmup may be lazy
-    initialisation, so the check runs A itself: one eager forward more (the control)."""
+def test_the_last_two_warmups_are_the_padded_sequence_and_one_warmup_runs_it_apart():
+    """With warmups >= 2 the one but last warmup runs on run A's data (real ids within bounds, pad rows
+    at the pad), the last one is the padded follow-up after it, and the capture runs on the static
+    buffers as they were (the padding; poisoned under GRAPHRUNNER_TAPE_POISON); with warmups=1 the one
+    warmup may be lazy initialisation, so the check runs A and the follow-up itself: two eager forwards
+    more (the control)."""
     emb = torch.randn(20, H)
     seen = []
 
@@ -97,18 +99,17 @@ def test_the_last_warmup_is_run_a_and_one_warmup_runs_it_apart():
 
     inputs = {"ids": gr.BatchInput(dtype=torch.long, pad=0, bounds=(0, 19))}
     rep = gr.GraphRunner(step, inputs, [2, 4], backend="full", device="tape", progress=False).capture()
-    # bucket 4: warmup 1, warmup 2 (run A), the follow-up padded (after A), eager unpadded (D), the
+    # bucket 4: warmup 1 (run A), warmup 2 (the follow-up padded, after A), eager unpadded (D), the
     # follow-up unpadded (after D), capture; bucket 2's after
-    key4 = seen[:6]
-    assert [len(t) for t in key4] == [4, 4, 4, 3, 3, 4]
-    assert torch.equal(key4[0], torch.zeros(4, dtype=torch.long))        # warmup 1 on padding
-    assert key4[1][3] == 0 and 0 not in key4[1][:3].tolist()              # warmup 2: run A, 3 real rows (none at
+    key4 = seen[:5]
+    assert [len(t) for t in key4] == [4, 4, 3, 3, 4]
+    assert key4[0][3] == 0 and 0 not in key4[0][:3].tolist()              # warmup 1: run A, 3 real rows (none at
     #                                                                       the pad) + the padding row
-    assert torch.equal(key4[3], key4[1][:3])                               # D: A's real rows, unpadded
-    assert key4[2][3] == 0 and key4[2][0] == 0                            # the follow-up: a real row at the pad
-    assert torch.equal(key4[4], key4[2][:3])                               # ... the same rows unpadded after D
-    assert not torch.equal(key4[5][:3], key4[1][:3])                      # the capture is not on A's data
-    assert rep.buckets[0].info["leak_check_forwards"] == 3
+    assert key4[1][3] == 0 and key4[1][0] == 0                            # warmup 2: the follow-up, a real row at the pad
+    assert torch.equal(key4[2], key4[0][:3])                               # D: A's real rows, unpadded
+    assert torch.equal(key4[3], key4[1][:3])                               # ... the follow-up's rows unpadded after D
+    assert not torch.equal(key4[4][:3], key4[0][:3])                      # the capture is not on A's data
+    assert rep.buckets[0].info["leak_check_forwards"] == 2
     one = gr.GraphRunner(step, inputs, [2, 4], backend="full", device="tape", progress=False, warmups=1).capture()
     assert one.buckets[0].info["leak_check_forwards"] == 4
 
@@ -286,3 +287,59 @@ def test_debug_mode_verifies_every_call_and_the_env_sets_the_period(monkeypatch)
     out = r(x=torch.ones(3, H))
     assert torch.equal(cache[:4], snap[:4] + torch.cat([torch.ones(3, H), torch.zeros(1, H)]))  # one write: the replay's
     assert torch.equal(out, cache[:3])
+
+
+class LazyScale:
+    """Initialises a Python scale at its first call, which returns something else (a lazy table)."""
+
+    def __init__(self):
+        self.scale = None
+        self.w = torch.randn(H, H)
+
+    def __call__(self, x):
+        if self.scale is None:
+            self.scale = 2.0
+            return x @ self.w  # the first call only: before the scale exists
+        return (x @ self.w) * self.scale
+
+
+UNCHECKABLE = "changed between two identical calls"
+
+
+def test_run_a_at_a_lazy_first_warmup_is_confirmed_before_a_finding(caplog):
+    """Run A is the key's first warmup (warmups=2): a step that initialises lazily at its first call gives
+    run A another output than the unpadded run; the check runs A again before it reports, so there is
+    no false alarm and the output is checked (no "cannot be checked" warning), and the replay equals
+    eager (the reference)."""
+    step = LazyScale()
+    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(H,))}, [2, 4], backend="full", device="tape",
+                       progress=False)
+    with caplog.at_level("WARNING", logger="graphrunner"):
+        r.capture()
+    assert UNCHECKABLE not in caplog.text
+    x = torch.randn(3, H)
+    assert torch.allclose(r(x=x), (x @ step.w) * 2.0, atol=1e-6)
+
+
+def test_run_a_at_a_lazy_first_warmup_negative_control_without_the_confirmation(monkeypatch, caplog):
+    """Without the confirmation the check compares the lazy first call and gives up on the output."""
+    from graphrunner.checks.padding import LeakCheck
+
+    original = LeakCheck.before_warmup
+
+    def unconfirmed(self, cap, i):
+        original(self, cap, i)
+        self._a_first = False
+
+    monkeypatch.setattr(LeakCheck, "before_warmup", unconfirmed)
+    with caplog.at_level("WARNING", logger="graphrunner"):
+        gr.GraphRunner(LazyScale(), {"x": gr.BatchInput(trailing=(H,))}, [2, 4], backend="full", device="tape",
+                       progress=False).capture()
+    assert UNCHECKABLE in caplog.text
+
+
+def test_the_confirmation_does_not_hide_a_leak():
+    """A leak found with run A at the first warmup is still reported after run A is run again."""
+    with pytest.raises(gr.PaddingLeakError, match="bucket 4"):
+        gr.GraphRunner(lambda x: x - x.mean(0), {"x": gr.BatchInput(trailing=(H,))}, [2, 4], backend="full",
+                       device="tape", progress=False).capture()

@@ -8,7 +8,7 @@ padding rows write state (a KV cache, a recurrent state) where a real request
 reads later replays right for the padded call and wrong for that request's
 next one. For every key that a smaller call can replay, :class:`LeakCheck`
 runs the step eagerly on seeded random real cells with the padding at its pad
-value (run A: the protocol's last warmup, through the capture hook's
+value (run A: the protocol's one but last warmup, through the capture hook's
 ``before_warmup``/``after_warmup``), then, at ``after_warmups`` (the capture
 order stays in :mod:`graphrunner.backends.base`), with the float padding
 changed and without padding, and compares the real cells of every output, 0-dim
@@ -463,7 +463,7 @@ def _no_modes() -> Any:
 
 
 class LeakCheck(CaptureHook):
-    """The padded-vs-eager equivalence check of one key, as a capture hook (the last warmup, ``after_warmups``).
+    """The padded-vs-eager equivalence check of one key, as a capture hook (the last two warmups, ``after_warmups``).
 
     Args:
         key: the key (runner-dim tuple); ``key_text`` how messages name it.
@@ -490,8 +490,10 @@ class LeakCheck(CaptureHook):
     (:class:`~graphrunner.recording.ops.WriteGuard`):
 
     - **A**: real sizes ``sizes``, padding = pad values (what the graph computes); with
-      ``warmups >= 2`` this is the protocol's last warmup (its writes put back before the
-      post-warmup hook), with ``warmups=1`` an extra forward;
+      ``warmups >= 2`` this is the protocol's one but last warmup and the padded follow-up
+      its last (their writes put back before the post-warmup hook; when A was the key's first
+      warmup, which may initialise lazily, a finding is confirmed by running both again), with
+      ``warmups=1`` extra forwards;
     - **B**: as A with the padding of floating-point inputs random: real cells must not move;
     - **D**: ``step`` eagerly on the unpadded real batch (no padding at all):
       A's real cells must equal it (a dependence on the padded size, ``x / x.shape[0]``, or a
@@ -541,7 +543,7 @@ class LeakCheck(CaptureHook):
         self._guard: Any = None  # the WriteGuard of the runs, during the check
         self._saved: Any = None  # the static buffers as they were before the check filled them
         self._numbers0: Any = None  # the step's Python numbers before the check's runs (PythonNumbers)
-        self._numbers_a: Any = None  # ... and right after run A: what the capture sees
+        self._numbers_last: Any = None  # ... and after the last warmup: what the capture sees
         self._data: Any = None  # the seeded real data of every input (runs A to D)
         self._follow_data: Any = None  # the follow-up's real data (the pad among it)
         self._a: Any = None  # run A's output leaves
@@ -551,32 +553,70 @@ class LeakCheck(CaptureHook):
         self._explained: Dict[str, Any] = {}  # what a sequence finding needs to name its cause
         self._work = _Work()  # run A's matmuls, for the tolerance
         self._gen0: Any = None  # the default generator's state before the check
-        self._a_in_warmup = False  # the last warmup is running as run A
+        self._a_in_warmup = False  # the one but last warmup is running as run A
+        self._f_in_warmup = False  # the last warmup is running as the padded follow-up
+        self._a_first = False  # run A was the key's first warmup
 
     # ------------------------------------------------------------ the hook points
+    @staticmethod
+    def _a_index(cap: Capture) -> int:
+        """The warmup that is run A: the one but last, so that the last one is the padded
+        follow-up; the last when the user's post-warmup hook (which runs after every warmup: a
+        cache reset) would come between the two."""
+        return cap.warmups - (2 if cap.post_warmup_hook is None else 1)
+
     def before_warmup(self, cap: Capture, i: int) -> None:
-        """Before the last warmup (with ``warmups >= 2``): the static buffers hold run A's data, so
-        that warmup is run A (one eager forward fewer); its writes are put back right after it."""
-        if i != cap.warmups - 1 or cap.warmups < 2:
+        """With ``warmups >= 2`` the last two warmups are the padded sequence (without a post-warmup
+        hook; with one, the last warmup is run A and the follow-up runs right after it): before run
+        A's warmup the static buffers get A's data; before the last, when the sequences run, the
+        follow-up's data (A's writes in place). Eager forwards fewer; every write of both is put
+        back right after the last warmup, before the post-warmup hook."""
+        if cap.warmups < 2:
             return
         t0 = time.perf_counter()
-        if self._prepare():
-            self._fill(self._data, self.sizes)
-            self._a_in_warmup = True
+        if i == self._a_index(cap):
+            if self._prepare():
+                self._fill(self._data, self.sizes)
+                self._a_in_warmup = True
+                self._a_first = i == 0  # the first warmup may be lazy initialisation: a finding is confirmed
+        elif i == cap.warmups - 1 and self._a is not None and self._wants_sequences():
+            torch.default_generator.set_state(self._gen0)
+            self._fill(self._follow_data, self.sizes)
+            self._f_in_warmup = True
         self.seconds += time.perf_counter() - t0
 
     def warmup_consumers(self, cap: Capture, i: int) -> Sequence[Any]:
-        return (self._guard, self._work) if self._a_in_warmup and i == cap.warmups - 1 else ()
+        if self._a_in_warmup and i == self._a_index(cap):
+            return (self._guard, self._work)
+        return (self._guard,) if self._a is not None and self._guard is not None and i == cap.warmups - 1 else ()
 
     def after_warmup(self, cap: Capture, i: int, out: Any) -> None:
-        if not self._a_in_warmup or i != cap.warmups - 1:
+        last = i == cap.warmups - 1
+        if self._a_in_warmup and i == self._a_index(cap):
+            self._a_in_warmup = False
+            t0 = time.perf_counter()
+            try:
+                self._a = self._leaves(out)
+                if last:  # run A is the last warmup: the capture sees the numbers as it left them
+                    self._numbers_last = self._numbers.snapshot()
+                self._after_a(cap, follow=last)
+            except BaseException:
+                self._put_back()
+                raise
+            finally:
+                if last:
+                    self._put_back()  # before the post-warmup hook, as after any run of the check
+                self.seconds += time.perf_counter() - t0
             return
-        self._a_in_warmup = False
+        if self._a is None or self._guard is None or not last:
+            return
         t0 = time.perf_counter()
         try:
-            self._a = self._leaves(out)
-            self._after_a(cap)
+            if self._f_in_warmup:
+                self._f_padded = self._leaves(out)
         finally:
+            self._f_in_warmup = False
+            self._numbers_last = self._numbers.snapshot()  # what the capture sees, as without the check
             self._put_back()  # before the post-warmup hook, as after any run of the check
             self.seconds += time.perf_counter() - t0
 
@@ -620,7 +660,7 @@ class LeakCheck(CaptureHook):
         # the step's Python numbers: every run starts from them; the capture sees them as after run A
         self._numbers = PythonNumbers(self.step)
         self._numbers0 = self._numbers.snapshot()
-        self._numbers_a = None
+        self._numbers_last = None
         self._data = self._real_data(0x6C65616B, self.sizes2 or self.sizes, pad_cell=False)
         if not self._blind:
             self._follow_data = self._real_data(0x666F6C6C, self.sizes, pad_cell=True)
@@ -629,11 +669,11 @@ class LeakCheck(CaptureHook):
     def _finish(self) -> None:
         """Drop what the check held (the guard's log, the data, run A) and put the static buffers back."""
         saved, self._saved = self._saved or [], None
-        PythonNumbers.put(self._numbers_a if self._numbers_a is not None else self._numbers0)
-        self._numbers0 = self._numbers_a = None
+        PythonNumbers.put(self._numbers_last if self._numbers_last is not None else self._numbers0)
+        self._numbers0 = self._numbers_last = None
         self._guard = self._data = self._a = self._a_log = self._follow_data = self._f_padded = None
         self._seq = {}
-        self._a_in_warmup = False
+        self._a_in_warmup = self._f_in_warmup = self._a_first = False
         for v, old in saved:
             v.copy_(old)
 
@@ -723,12 +763,11 @@ class LeakCheck(CaptureHook):
         self._guard.restore()
         PythonNumbers.put(self._numbers0)
 
-    def _after_a(self, cap: Capture) -> None:
-        """Right after run A, its writes not yet put back: keep what it wrote, and run the padded
-        sequence's follow-up."""
-        self._numbers_a = self._numbers.snapshot()
+    def _after_a(self, cap: Capture, follow: bool = True) -> None:
+        """Right after run A, its writes not yet put back: keep what it wrote, and (``follow``) run
+        the padded sequence's follow-up (else the last warmup is that follow-up)."""
         self._a_log = list(self._guard._undo)
-        if self._wants_sequences():
+        if follow and self._wants_sequences():
             self._f_padded = self._follow(cap, padded=True)
 
     def _follow(self, cap: Capture, padded: bool) -> List[Optional[torch.Tensor]]:
@@ -795,6 +834,13 @@ class LeakCheck(CaptureHook):
             self._unpadded_sequence(cap, dims, compare)
         else:
             self._put_back()
+        if found and self._a_first:
+            # run A was the key's first warmup, which may initialise lazily (a table, a cache): the
+            # finding counts only if run A and its follow-up, run again as extra forwards, agree
+            self._a_first = False
+            self._a = self._f_padded = None
+            self._seq = {}
+            return self._check(cap)
         return self._control(cap, data, a, found, paths, dims)
 
     def _unpadded_sequence(self, cap: Capture, dims: list, compare: Callable[..., None]) -> None:
