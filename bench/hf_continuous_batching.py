@@ -27,7 +27,8 @@ hidden 64, vocab 128; nothing downloaded), in one process and at one torch threa
    its graph count and padded-token share.
 
 Writes JSON (``--out``, default ``bench/results/hf_continuous_batching.json``). Not a test, no timed
-assertion. ``--quick`` scales the workload down (40 requests, prompts 1..64, outputs 1..16).
+assertion; exits 1 when a generated token differs from transformers' eager run or an architecture
+raised (a refusal, with its reason, is not a failure). ``--quick`` scales the workload down (40 requests, prompts 1..64, outputs 1..16).
 
     python bench/hf_continuous_batching.py [--quick] [--only llama,qwen3] [--requests 200] [--device tape]
 """
@@ -246,6 +247,9 @@ def run_arch(arch: str, args, reqs) -> Dict[str, Any]:
 
 
 def main(argv=None) -> int:
+    from graphrunner.testing.cuda_standin import install_from_env
+
+    install_from_env()  # scripts/cuda-check.sh --dry-run: --device cuda on the CUDA stand-in
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default=",".join(ARCHS), help="comma-separated model types")
     p.add_argument("--requests", type=int, default=200)
@@ -301,6 +305,12 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump({"args": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=1)
     print(f"wrote {args.out}")
+    wrong = [r["arch"] for r in rows if r.get("mismatches")]
+    broken = [r["arch"] for r in rows if "error" in r]
+    if wrong or broken:  # the promise is token equality: a mismatch fails the run (scripts/cuda-check.sh relies on it)
+        print(f"FAIL token mismatches against transformers' eager continuous batching: {', '.join(wrong) or 'none'}; "
+              f"errors: {', '.join(broken) or 'none'}")
+        return 1
     return 0
 
 
