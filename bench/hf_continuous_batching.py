@@ -48,6 +48,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from graphrunner_tools.bench import environment  # noqa: E402 - after the repository is on sys.path
+
 #: model_type -> config overrides (sliding windows shorter than most prompts)
 ARCHS = {
     "llama": {}, "qwen3": {}, "qwen3_moe": {}, "mistral": {"sliding_window": 64}, "gemma2": {"sliding_window": 64},
@@ -303,7 +305,8 @@ def main(argv=None) -> int:
               flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=1)
+        json.dump({"benchmark": "hf_continuous_batching", "environment": environment(),
+                   "args": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=1)
     print(f"wrote {args.out}")
     wrong = [r["arch"] for r in rows if r.get("mismatches")]
     broken = [r["arch"] for r in rows if "error" in r]
