@@ -333,6 +333,10 @@ HF_ARCHS = {
                dict(vocab_size=V, hidden_size=64, state_size=8, num_hidden_layers=2, num_heads=4, head_dim=32,
                     n_groups=1, chunk_size=8)),
 }
+#: More model types, built by ``graphrunner_tools.models.hf_tiny.build_tiny`` (the tiny configs of
+#: bench/hf_architectures.py): with HF_ARCHS, 36 architectures.
+HF_TINY_ARCHS = ("phi", "starcoder2", "granite", "olmo", "helium", "glm", "smollm3", "arcee", "seed_oss", "nemotron",
+                 "persimmon", "ernie4_5", "hunyuan_v1_dense", "apertus", "bitnet", "codegen", "gptj")
 #: Recurrent models keep no StaticCache: their no-cache forward over a fixed length is captured.
 _NO_STATIC_CACHE = ("mamba", "mamba2")
 B, PROMPT, CACHE_LEN = 2, 4, 16
@@ -340,6 +344,12 @@ B, PROMPT, CACHE_LEN = 2, 4, 16
 
 def _hf_model(arch: str):
     transformers = require("transformers")
+    if arch in HF_TINY_ARCHS:
+        from graphrunner_tools.models.hf_tiny import build_tiny
+
+        model = build_tiny(arch)
+        assert model.config.vocab_size >= V
+        return model
     cfg_name, model_name, kw = HF_ARCHS[arch]
     cfg = getattr(transformers, cfg_name)(**kw)
     torch.manual_seed(0)
@@ -358,7 +368,7 @@ def _decode_setup(model):
 
 @pytest.mark.hf
 @pytest.mark.usefixtures("one_torch_thread")
-@pytest.mark.parametrize("arch", list(HF_ARCHS))
+@pytest.mark.parametrize("arch", list(HF_ARCHS) + list(HF_TINY_ARCHS))
 def test_no_false_alarm_on_transformers_architectures(arch):
     from graphrunner import hf as ghf
 
