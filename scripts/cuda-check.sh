@@ -70,6 +70,10 @@ record() {  # name status seconds detail
   local d="${4//\\/\\\\}"; d="${d//\"/\\\"}"
   echo "{\"step\": \"$1\", \"status\": \"$2\", \"seconds\": $3, \"detail\": \"$d\"}," >>"$OUT_DIR/summary.json.tmp"
 }
+skip_step() {  # name why: a step that does not run here, said in the summary and the JSON (not a failure)
+  say "$(printf '%-7s %-16s %4ss  %s' SKIP "$1" 0 "$2")"
+  record "$1" SKIP 0 "$2"
+}
 
 # run_step NAME LIMIT_S [EXPECT_REGEX] -- CMD...: run with a time limit (capped by the overall deadline), log to
 # $OUT_DIR/NAME.log, one summary line: PASS/FAIL/TIMEOUT, the duration, and the step's own summary line (the
@@ -156,8 +160,7 @@ if [ "$RANKS" -ge 2 ] && [ "${NCCL:-0}" -eq 1 ]; then
     --layers 1 --no-progress --json "$OUT_DIR/loadtest-ranks.json"
 else
   WHY="needs 2 or more GPUs and NCCL; here $GPUS GPU(s), NCCL $([ "${NCCL:-0}" -eq 1 ] && echo yes || echo no)"
-  say "$(printf '%-7s %-16s %4ss  %s' SKIP loadtest-ranks 0 "$WHY")"
-  record loadtest-ranks SKIP 0 "$WHY"
+  skip_step loadtest-ranks "$WHY"
 fi
 MORE=$(( ${GPUS:-0} + 1 ))
 run_step loadtest-ranks-refused 60 "needs $MORE GPUs, one per rank" -- "${CLI[@]}" loadtest --device cuda \
@@ -165,14 +168,12 @@ run_step loadtest-ranks-refused 60 "needs $MORE GPUs, one per rank" -- "${CLI[@]
 run_step hf 90 -- "$PYTHON" -m graphrunner_tools.cuda_check hf --out "$OUT_DIR"
 if [ "$DRY_RUN" -eq 1 ]; then  # transformers' engine pins host memory for a CUDA model: the stand-in has no pinned allocator
   WHY="GPU only: transformers' continuous batching pins host memory on CUDA, which the stand-in cannot emulate"
-  say "$(printf '%-7s %-16s %4ss  %s' SKIP hf-batching 0 "$WHY")"
-  record hf-batching SKIP 0 "$WHY"
+  skip_step hf-batching "$WHY"
 elif "$PYTHON" -c 'import transformers' >/dev/null 2>&1; then
   run_step hf-batching 120 -- "$PYTHON" bench/hf_continuous_batching.py --quick --only llama --repeat 1 \
     --device cuda --out "$OUT_DIR/hf_continuous_batching.json"
 else
-  say "$(printf '%-7s %-16s %4ss  %s' SKIP hf-batching 0 "transformers is not installed")"
-  record hf-batching SKIP 0 "transformers is not installed"
+  skip_step hf-batching "transformers is not installed"
 fi
 
 grep -E "passed|failed|skipped|error" "$OUT_DIR/pytest-cuda.log" 2>/dev/null | tail -n 1 | sed 's/^/pytest -m cuda: /' \
