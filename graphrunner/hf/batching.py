@@ -47,10 +47,37 @@ TOKEN_PAD_REQUEST = -1
 #: Pad of ``key_req`` (a padding key's request): below every real query's range of allowed keys.
 KEY_PAD_REQUEST = -2
 
-#: Default graphs per dim for :func:`gr.plan_buckets <graphrunner.plan_buckets>` over the dry run's step sizes.
+#: Default graphs per dim for :func:`gr.plan_buckets <graphrunner.plan_buckets>` over the dry run's step sizes
+#: (the ``kv`` limit holds for every attention type's keys dim).
 DEFAULT_MAX_GRAPHS = {"tokens": 8, "kv": 8, "reqs": 4}
 
+#: The dims of a model with one attention type.
 _DIMS = ("tokens", "kv", "reqs")
+
+
+def kv_dim(layer_type: str, layer_types: Sequence[str]) -> str:
+    """The name of the keys dim of ``layer_type``'s layers among the model's ``layer_types``: ``kv`` for the
+    full-attention layers or the only type, else ``kv_<type>`` (``kv_sliding`` for ``sliding_attention``)."""
+    if len(set(layer_types)) == 1 or layer_type == "full_attention":
+        return "kv"
+    return "kv_" + layer_type.replace("_attention", "")
+
+
+def batch_dims(model) -> Tuple[str, ...]:
+    """The step's dims for ``model``: ``("tokens", <one keys dim per attention type>, "reqs")``, the keys dims
+    as :func:`kv_dim` names them, ``kv`` first. Each attention type reads its own keys (a sliding
+    layer only its window), so each is padded to its own bucket. ``_DIMS`` for a model transformers'
+    paged cache cannot group (one it refuses)."""
+    from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
+
+    config = getattr(model, "config", None)
+    try:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        types = list(group_layers_by_attn_type(text))
+    except (ValueError, AttributeError, TypeError):
+        return _DIMS
+    kv = sorted({kv_dim(t, types) for t in types}, key=lambda d: (d != "kv", d))
+    return ("tokens", *kv, "reqs")
 
 
 class MetadataError(GraphRunnerError, ValueError):
@@ -65,7 +92,7 @@ class BatchingStats:
     ``real_tokens`` / ``padded_tokens`` (query tokens of replayed steps: real, and padding the graphs computed),
     ``real_keys`` / ``padded_keys`` (the same for the ``kv`` dim),
     ``graphs`` (keys captured), ``capture_seconds``, ``dry_run_seconds`` (the planning run of the scheduler),
-    ``step_sizes`` (``(tokens, kv, reqs)`` of every varlen step seen, dry run included), ``engine_sizes``
+    ``step_sizes`` (``(tokens, kv..., reqs)``: a size per dim of :func:`batch_dims`, of every varlen step seen, dry run included), ``engine_sizes``
     (the same steps as transformers' own graph keys count them: ``(query tokens, max_kv_read, max_length_k
     per attention type)``, unpadded), ``keys`` (the keys captured) and ``equivalence_checked`` (keys the
     equivalence check replayed)."""
@@ -80,9 +107,9 @@ class BatchingStats:
     graphs: int = 0
     capture_seconds: float = 0.0
     dry_run_seconds: float = 0.0
-    step_sizes: List[Tuple[int, int, int]] = field(default_factory=list)
+    step_sizes: List[Tuple[int, ...]] = field(default_factory=list)
     engine_sizes: List[Tuple[int, int, Tuple[int, ...]]] = field(default_factory=list)
-    keys: List[Tuple[int, int, int]] = field(default_factory=list)
+    keys: List[Tuple[int, ...]] = field(default_factory=list)
     equivalence_checked: int = 0
 
     def to_dict(self) -> Dict[str, Any]:
@@ -144,6 +171,7 @@ class _Group:
 
     index: int
     layer_type: str
+    dim: str
     write_trash: int
     read_trash: int
     sentinel: int
@@ -156,6 +184,7 @@ class _Group:
 def _groups(cache) -> List[_Group]:
     """The cache's allocators: their trash, sentinel and real index ranges, and sliding windows."""
     out = []
+    types = list(cache.cache_allocators)
     for layer_type, alloc in cache.cache_allocators.items():
         views = list(getattr(alloc, "_kv_token_views", {}).values())
         if not views:
@@ -163,11 +192,11 @@ def _groups(cache) -> List[_Group]:
                                "not an index-based paged cache")
         last = min(min(k.shape[0], v.shape[0]) for k, v in views) - 1
         sector = int(alloc.block_physical_stride) * int(alloc.blocks_per_sector)  # slots of one sector
-        out.append(_Group(index=alloc.index, layer_type=layer_type, write_trash=int(alloc.write_trash_index),
+        out.append(_Group(index=alloc.index, layer_type=layer_type, dim=kv_dim(layer_type, types), write_trash=int(alloc.write_trash_index),
                           read_trash=int(alloc.read_trash_index), sentinel=int(alloc.sentinel_index),
                           first_real=2 * sector, last_index=int(last), write_sector=sector,
                           window=getattr(alloc, "sliding_window", None) if layer_type == "sliding_attention" else None))
-    return out
+    return sorted(out, key=lambda g: (g.dim != "kv", g.dim))
 
 
 def check_trash(cache, groups: Sequence[_Group]) -> None:
@@ -187,10 +216,10 @@ def step_inputs(groups: Sequence[_Group], vocab_size: int, max_position: int, ma
     """The :class:`~graphrunner.BatchInput` of every metadata tensor of the step, with bounds and pads.
 
     ``tokens`` dim: ``input_ids``, ``position_ids``, ``tok_req`` (each query token's request) and
-    ``write_index_<i>`` per allocator (pad: the write-trash slot). ``kv`` dim: ``read_index_<i>``
-    (pad: the read-trash slot), ``key_req_<i>`` and ``key_pos_<i>`` (each key's request and position).
-    ``reqs`` dim: ``logits_indices``."""
-    tokens, kv, reqs = ("tokens",), ("kv",), ("reqs",)
+    ``write_index_<i>`` per allocator (pad: the write-trash slot). The allocator's keys dim (``kv``,
+    ``kv_sliding``: :func:`kv_dim`): ``read_index_<i>`` (pad: the read-trash slot), ``key_req_<i>`` and
+    ``key_pos_<i>`` (each key's request and position). ``reqs`` dim: ``logits_indices``."""
+    tokens, reqs = ("tokens",), ("reqs",)
     spec = {
         "input_ids": BatchInput(dtype=torch.int32, dims=tokens, pad=0, bounds=(0, vocab_size - 1)),
         "position_ids": BatchInput(dtype=torch.int32, dims=tokens, pad=0, bounds=(0, max_position - 1)),
@@ -201,6 +230,7 @@ def step_inputs(groups: Sequence[_Group], vocab_size: int, max_position: int, ma
         # sliding layers read a sentinel slot (and write the write trash for tokens beyond the window)
         lo_read = g.sentinel if g.window is not None else g.first_real
         lo_write = g.write_sector if g.window is not None else g.first_real
+        kv = (g.dim,)
         spec[f"write_index_{g.index}"] = BatchInput(dtype=torch.int64, dims=tokens, pad=g.write_trash,
                                                     bounds=(lo_write, g.last_index))
         spec[f"read_index_{g.index}"] = BatchInput(dtype=torch.int64, dims=kv, pad=g.read_trash,
@@ -232,10 +262,15 @@ def make_step(model, cache, groups: Sequence[_Group], use_logits_to_keep: bool, 
     single = len(groups) == 1
     big = int(max_position) + 1
     code_dtype = torch.int32 if (int(max_requests) + 2) * big < 2 ** 31 else torch.int64
+    by_index = sorted(groups, key=lambda g: g.index)
+    if [g.index for g in by_index] != list(range(len(groups))):
+        raise CaptureError(f"the cache's allocator indices {[g.index for g in by_index]} are not 0..{len(groups) - 1}")
 
     def step(input_ids, position_ids, tok_req, logits_indices, **per_group):
         masks: Dict[str, torch.Tensor] = {}
-        read, write = [], []
+        # transformers indexes read_index / write_index by the allocator's index
+        read = [per_group[f"read_index_{g.index}"] for g in by_index]
+        write = [per_group[f"write_index_{g.index}"] for g in by_index]
         q_pos = position_ids.to(code_dtype)
         q_base = tok_req.to(code_dtype) * big
         q_code = (q_base + q_pos)[:, None]
@@ -247,10 +282,7 @@ def make_step(model, cache, groups: Sequence[_Group], use_logits_to_keep: bool, 
             lo = q_base if g.window is None else torch.maximum(q_base, q_base + q_pos - (g.window - 1))
             allowed = (k_code >= lo[:, None]) & (k_code <= q_code)
             masks[g.layer_type] = torch.where(allowed, zero, masked)[None, None]
-            read.append(per_group[f"read_index_{g.index}"])
-            write.append(per_group[f"write_index_{g.index}"])
         n_tok = input_ids.shape[0]
-        n_kv = read[0].shape[0]
         # a no-op for a validated call; keeps the step total on whatever a background capture's warmup reads
         # (the static buffers still hold a larger call's rows: a logits index past this key's tokens)
         logits_indices = logits_indices.clamp(0, n_tok - 1)
@@ -260,7 +292,7 @@ def make_step(model, cache, groups: Sequence[_Group], use_logits_to_keep: bool, 
             attention_mask=next(iter(masks.values())) if single else masks,
             cu_seq_lens_q=placeholder, max_length_q=n_tok,
             cu_seq_lens_k={g.layer_type: placeholder for g in groups},
-            max_length_k={g.layer_type: n_kv for g in groups},
+            max_length_k={g.layer_type: per_group[f"read_index_{g.index}"].shape[0] for g in groups},
             read_index=read, write_index=write, logits_indices=logits_indices, cache=cache,
             block_table=None, use_cache=False, is_causal=False,
         )
@@ -371,13 +403,7 @@ def step_feeds(io, cache, groups: Sequence[_Group], debug: bool = False, validat
             raise MetadataError(f"write_index[{g.index}] ({g.layer_type}) holds {w.tolist()}: a real token must write "
                                 f"a slot in {lo}..{g.last_index}, never a trash slot (sliding layers: the write trash "
                                 "only) or outside the cache")
-    n_kv = max(r.shape[0] for _, _, r, _, _ in per_group)
-    for g, write, read, key_req, key_pos in per_group:
-        extra = n_kv - read.shape[0]
-        if extra:  # a shorter attention type: its extra keys are padding keys
-            read = torch.cat([read, torch.full((extra,), g.read_trash, dtype=read.dtype, device=dev)])
-            key_req = torch.cat([key_req, torch.full((extra,), KEY_PAD_REQUEST, dtype=key_req.dtype, device=dev)])
-            key_pos = torch.cat([key_pos, torch.zeros(extra, dtype=key_pos.dtype, device=dev)])
+    for g, write, read, key_req, key_pos in per_group:  # each attention type's keys: its own dim, its own length
         feeds[f"write_index_{g.index}"] = write
         feeds[f"read_index_{g.index}"] = read
         feeds[f"key_req_{g.index}"] = key_req.to(torch.int32)
@@ -412,24 +438,38 @@ def _covering(buckets: Sequence[int], n: int) -> Optional[int]:
     return None
 
 
-def plan_keys(step_sizes: Sequence[Tuple[int, int, int]], max_graphs: Optional[Dict[str, int]] = None
-              ) -> Tuple[Dict[str, List[int]], List[Tuple[int, int, int]]]:
-    """``(buckets, keys)`` for ``step_sizes`` (``(tokens, kv, reqs)`` per step).
+def dim_limits(dims: Sequence[str], max_graphs: Optional[Dict[str, int]] = None) -> Dict[str, int]:
+    """Graphs per dim: ``max_graphs[dim]``, else (a keys dim) ``max_graphs["kv"]``, else
+    :data:`DEFAULT_MAX_GRAPHS`'s."""
+    given = dict(max_graphs or {})
+    out = {}
+    for d in dims:
+        fallback = "kv" if d.startswith("kv") else d
+        out[d] = int(given.get(d, given.get(fallback, DEFAULT_MAX_GRAPHS[fallback])))
+    return out
+
+
+def plan_keys(step_sizes: Sequence[Tuple[int, ...]], max_graphs: Optional[Dict[str, int]] = None,
+              dims: Sequence[str] = _DIMS) -> Tuple[Dict[str, List[int]], List[Tuple[int, ...]]]:
+    """``(buckets, keys)`` for ``step_sizes`` (a size per dim of ``dims`` per step; by default
+    ``(tokens, kv, reqs)``).
 
     Each dim is planned on its own by :func:`graphrunner.plan_buckets` with at
-    most ``max_graphs[dim]`` buckets (default :data:`DEFAULT_MAX_GRAPHS`); the
+    most :func:`dim_limits` buckets (default :data:`DEFAULT_MAX_GRAPHS`); the
     keys are the ones the steps land on, plus the key of the largest bucket of
     every dim (the static buffers are allocated at it). Raises ``ValueError``
-    for an empty workload."""
+    for an empty workload or a step of another length than ``dims``."""
+    dims = tuple(dims)
     sizes = [tuple(int(v) for v in s) for s in step_sizes]
     if not sizes:
         raise ValueError("no step sizes to plan buckets from: pass buckets= or a non-empty workload")
-    limits = dict(DEFAULT_MAX_GRAPHS)
-    limits.update(max_graphs or {})
-    buckets = plan_buckets({d: [s[i] for s in sizes] for i, d in enumerate(_DIMS)},
-                           max_graphs={d: int(limits[d]) for d in _DIMS}, progress=False)
-    keys = {tuple(_covering(buckets[d], s[i]) for i, d in enumerate(_DIMS)) for s in sizes}
-    keys.add(tuple(buckets[d][-1] for d in _DIMS))
+    bad = [s for s in sizes if len(s) != len(dims)]
+    if bad:
+        raise ValueError(f"step size {bad[0]} does not give one size per dim {list(dims)}")
+    buckets = plan_buckets({d: [s[i] for s in sizes] for i, d in enumerate(dims)},
+                           max_graphs=dim_limits(dims, max_graphs), progress=False)
+    keys = {tuple(_covering(buckets[d], s[i]) for i, d in enumerate(dims)) for s in sizes}
+    keys.add(tuple(buckets[d][-1] for d in dims))
     return buckets, sorted(keys)
 
 
@@ -444,14 +484,18 @@ class GraphBatching:
     :meth:`install` it on a manager
     (``model.init_continuous_batching(...)``) before the manager starts: the
     manager's batch processor then runs every varlen step's forward through
-    :attr:`runner` (a :class:`~graphrunner.GraphRunner` over dims ``tokens``,
-    ``kv``, ``reqs``) once :meth:`capture` has run, and eagerly before. Steps
+    :attr:`runner` (a :class:`~graphrunner.GraphRunner` over the dims :attr:`dims`:
+    ``tokens``, a keys dim per attention type (``kv``, and ``kv_sliding`` for a
+    model that mixes sliding and full layers: :func:`batch_dims`), ``reqs``) once
+    :meth:`capture` has run, and eagerly before. Steps
     larger than every key take GraphRunner's eager fallback (counted in
     ``stats.eager_steps``). Everything but the forward (logits processors,
     sampling, scheduling) is transformers' own code.
 
-    ``buckets``: ``{"tokens": [...], "kv": [...], "reqs": [...]}``, or ``None``
-    to plan them from the step sizes recorded so far (:meth:`plan`).
+    ``buckets``: ``{"tokens": [...], "kv": [...], "reqs": [...]}`` (``kv`` also
+    stands for a keys dim not named itself), or ``None`` to plan them from the
+    step sizes recorded so far (:meth:`plan`); ``keys``: tuples in the order of
+    :attr:`dims`. ``max_graphs``: per dim, as :func:`dim_limits`.
     ``equivalence``: after capture, replay every key on a synthetic batch
     whose metadata is valid (random requests, positions and cache slots) and
     compare with the eager step on the same batch unpadded; a difference is a
@@ -474,15 +518,23 @@ class GraphBatching:
                  max_graphs: Optional[Dict[str, int]] = None, backend: Any = "full", device: Any = "auto",
                  debug: bool = False, checks: Any = ("drift", "fingerprint"), equivalence: bool = True,
                  validate: bool = True, background: bool = False) -> None:
+        #: The step's dims: ``tokens``, one keys dim per attention type, ``reqs`` (:func:`batch_dims`).
+        self.dims = batch_dims(model)
+        names = set(self.dims) | {"kv"}
         if buckets is not None:
-            if not isinstance(buckets, dict) or set(buckets) != set(_DIMS):
-                raise ValueError(f"buckets must be a dict with the dims {list(_DIMS)}, got {buckets!r}")
+            missing = [d for d in self.dims if d not in buckets and not (d.startswith("kv") and "kv" in buckets)]
+            if not isinstance(buckets, dict) or set(buckets) - names or missing:
+                raise ValueError(f"buckets must be a dict with the dims {list(self.dims)} (kv stands for a keys dim "
+                                 f"not named), got {buckets!r}")
+            buckets = {d: buckets[d] if d in buckets else buckets["kv"] for d in self.dims}
         if max_graphs is not None:
-            unknown = set(max_graphs) - set(_DIMS)
+            unknown = set(max_graphs) - names
             if unknown:
-                raise ValueError(f"max_graphs names unknown dims {sorted(unknown)}; the dims are {list(_DIMS)}")
+                raise ValueError(f"max_graphs names unknown dims {sorted(unknown)}; the dims are {list(self.dims)}")
+        if keys is not None and any(len(k) != len(self.dims) for k in keys):
+            raise ValueError(f"keys must be tuples of one size per dim {list(self.dims)}, got {list(keys)!r}")
         self.model = model
-        self.buckets = None if buckets is None else {d: sorted(int(b) for b in buckets[d]) for d in _DIMS}
+        self.buckets = None if buckets is None else {d: sorted(int(b) for b in buckets[d]) for d in self.dims}
         self.keys = None if keys is None else [tuple(int(v) for v in k) for k in keys]
         self.max_graphs = max_graphs
         self.backend, self.device, self.debug, self.checks = backend, device, bool(debug), checks
@@ -536,6 +588,9 @@ class GraphBatching:
             raise CaptureError("the manager pads its inputs for its own CUDA graphs or torch.compile: build it with "
                                "use_cuda_graph=False and no compile config (graphrunner captures the step)")
         self.groups = _groups(bp.cache)
+        if tuple(g.dim for g in self.groups) != self.dims[1:-1]:
+            raise CaptureError(f"the cache's attention types {[g.layer_type for g in self.groups]} do not match the "
+                               f"model config's keys dims {list(self.dims[1:-1])}")
         if not self.debug and bp.inputs_and_outputs.attention_mask is not None:
             # the step builds its masks from the metadata: transformers' host-side [tokens, kv] mask fill
             # (prepare_batch_tensors) is skipped; debug mode keeps it to compare with
@@ -576,11 +631,12 @@ class GraphBatching:
             self.stats.eager_steps += 1
             return self._original_compute(model, batch_data)
         feeds = step_feeds(io, bp.cache, self.groups, debug=self.debug, validate=self.validate)
-        size = (int(io.total_seqlen_q), int(feeds["read_index_0"].shape[0]), int(io.num_request_in_batch))
+        size = (int(io.total_seqlen_q), *(int(feeds[f"read_index_{g.index}"].shape[0]) for g in self.groups),
+                int(io.num_request_in_batch))
         self.stats.step_sizes.append(size)
         self.stats.engine_sizes.append((size[0], int(io.max_kv_read), tuple(int(v) for v in io.max_length_k.values())))
         if self.mode == "record":
-            io.output_ids[0, : size[2]].fill_(self.record_token)
+            io.output_ids[0, : size[-1]].fill_(self.record_token)
             return None
         self.stats.steps += 1
         runner = self.runner
@@ -594,8 +650,8 @@ class GraphBatching:
                 key = runner.stats.last_bucket
                 self.stats.real_tokens += size[0]
                 self.stats.padded_tokens += int(key[0]) - size[0]
-                self.stats.real_keys += size[1]
-                self.stats.padded_keys += int(key[1]) - size[1]
+                self.stats.real_keys += sum(size[1:-1])
+                self.stats.padded_keys += sum(int(k) for k in key[1:-1]) - sum(size[1:-1])
         else:
             self.stats.eager_steps += 1
             logits = self._step()(**feeds)
@@ -623,14 +679,14 @@ class GraphBatching:
         return self._step_fn
 
     # ----------------------------------------------------------------- planning and capture
-    def plan(self) -> Tuple[Dict[str, List[int]], List[Tuple[int, int, int]]]:
+    def plan(self) -> Tuple[Dict[str, List[int]], List[Tuple[int, ...]]]:
         """Buckets and keys: the declared ones, else :func:`plan_keys` over the step sizes recorded so far."""
         if self.buckets is not None:
             if self.keys is not None:
                 return self.buckets, self.keys
             import itertools
-            return self.buckets, sorted(itertools.product(*(self.buckets[d] for d in _DIMS)))
-        return plan_keys(self.stats.step_sizes, self.max_graphs)
+            return self.buckets, sorted(itertools.product(*(self.buckets[d] for d in self.dims)))
+        return plan_keys(self.stats.step_sizes, self.max_graphs, self.dims)
 
     def capture(self):
         """Build :attr:`runner` over the planned keys and capture it (blocking); return GraphRunner's report
@@ -690,11 +746,11 @@ class GraphBatching:
         against both run eagerly without padding."""
         runner = self.runner
         gen = torch.Generator().manual_seed(0x6B76)
-        by_dim = {d: sorted({k[i] for k in runner.keys}) for i, d in enumerate(_DIMS)}
+        by_dim = {d: sorted({k[i] for k in runner.keys}) for i, d in enumerate(self.dims)}
         checked = 0
         for key in sorted(runner.keys, key=lambda k: tuple(k)):
             small = []
-            for i, d in enumerate(_DIMS):
+            for i, d in enumerate(self.dims):
                 below = [b for b in by_dim[d] if b < key[i]]
                 small.append(max(1, (below[-1] + 1) if below else 1))
             # the smallest sizes that replay the key (padded); when those land on another key, the key's own sizes
@@ -710,7 +766,7 @@ class GraphBatching:
                 if not diff <= scale * 1e-4 + 1e-6:
                     raise CaptureError(
                         f"gr.hf.generate_batch cannot serve architecture {self._model_type()!r}: the replayed step "
-                        f"of key (tokens, kv, reqs)={tuple(key)}, or the step after it, differs from the eager steps on "
+                        f"of key {tuple(self.dims)}={tuple(key)}, or the step after it, differs from the eager steps on "
                         f"the same valid batches without padding (real sizes {tuple(sizes)}; max abs diff {diff:.3g} "
                         f"of scale {scale:.3g}): "
                         "padding tokens or keys reach real requests (a padding write into a real cache slot, a mask "
@@ -741,56 +797,59 @@ class GraphBatching:
         return diff, scale, None if landed is None else tuple(landed)
 
     def _synthetic(self, key, sizes, gen: torch.Generator) -> Optional[Tuple[Dict[str, torch.Tensor], Dict[str, Any]]]:
-        """A valid batch of ``sizes`` (tokens, kv, reqs) for full/sliding layers: ``reqs`` requests whose
-        queries end each prompt, keys the request's past and present, every real write a distinct real slot;
-        with its plan (per request queries and past, per group the slots) for :meth:`_follow_up`."""
-        n_tok, n_kv, n_req = sizes
-        n_req = min(n_req, n_tok)
-        if n_kv < n_tok:
-            n_kv = n_tok
-        if n_kv > key[1] or n_tok > key[0] or n_req > key[2]:
+        """A valid batch of ``sizes`` (one per dim of :attr:`dims`) for full/sliding layers: ``reqs`` requests
+        whose queries end each prompt, each attention type reading its keys dim's count of the request's
+        most recent keys, every real write a distinct real slot; with its plan (per request queries and
+        past, per group the past read and the slots) for :meth:`_follow_up`. A write-trash slot that is
+        a real slot (a planted bug) is given to a real new token: full layers read it back in this
+        batch, sliding layers only in the follow-up."""
+        n_tok, n_req = sizes[0], min(sizes[-1], sizes[0])
+        kv = {g.index: max(n, n_tok) for g, n in zip(self.groups, sizes[1:-1])}
+        if n_tok > key[0] or n_req > key[-1] or any(kv[g.index] > k for g, k in zip(self.groups, key[1:-1])):
             return None
-        # split tokens and keys over requests: request r gets q_r >= 1 queries and k_r >= q_r keys
+        # split tokens and keys over requests: request r gets q_r >= 1 queries and a past of P_r positions
         cut_q = sorted(torch.randperm(n_tok - 1, generator=gen)[: n_req - 1].add(1).tolist()) if n_req > 1 else []
         lens_q = [b - a for a, b in zip([0] + cut_q, cut_q + [n_tok])]
-        extra = n_kv - n_tok
+        extra = max(kv.values()) - n_tok
         cut_e = sorted(torch.randint(0, extra + 1, (n_req - 1,), generator=gen).tolist()) if n_req > 1 else []
         past = [b - a for a, b in zip([0] + cut_e, cut_e + [extra])]
-        vocab = self._vocab()
-        dev = self.batch_processor.inputs_and_outputs.input_ids.device
-        ids, pos, treq, kreq, kpos, logit_idx = [], [], [], [], [], []
+        pos, treq, logit_idx = [], [], []
         for r, (q, p) in enumerate(zip(lens_q, past)):
             pos.extend(range(p, p + q))
             treq.extend([r] * q)
-            kreq.extend([r] * (p + q))
-            kpos.extend(range(0, p + q))
             logit_idx.append(len(pos) - 1)
-        ids = torch.randint(0, vocab, (n_tok,), generator=gen)
+        ids = torch.randint(0, self._vocab(), (n_tok,), generator=gen)
         feeds = {"input_ids": ids.to(torch.int32), "position_ids": torch.tensor(pos, dtype=torch.int32),
                  "tok_req": torch.tensor(treq, dtype=torch.int32), "logits_indices": torch.tensor(logit_idx, dtype=torch.int32)}
-        plan: Dict[str, Any] = {"lens_q": lens_q, "past": past, "slots": {}}
+        plan: Dict[str, Any] = {"lens_q": lens_q, "past": past, "read_past": {}, "slots": {}}
         for g in self.groups:
+            # this type reads the most recent read_past[r] <= past[r] of each request's past positions
+            read_past, deficit = list(past), extra - (kv[g.index] - n_tok)
+            for r in torch.randperm(n_req, generator=gen).tolist():
+                cut = min(read_past[r], deficit)
+                read_past[r] -= cut
+                deficit -= cut
+            n_kv = kv[g.index]
             slots = torch.randperm(g.last_index - g.first_real + 1, generator=gen)[: n_kv + n_req] + g.first_real
             if g.first_real <= g.write_trash <= g.last_index:  # the padding write slot is a real one: meet it
-                slots[slots == g.write_trash] = slots[0].clone()
-                slots[0] = g.write_trash
-            plan["slots"][g.index] = slots
-            # keys of request r: its past slots then its new tokens' slots (full layers: written then read back)
-            read, write = [], []
-            at = 0
-            for q, p in zip(lens_q, past):
-                s = slots[at: at + p + q].tolist()
-                at += p + q
-                if g.window is None:
-                    read.extend(s)
-                    write.extend(s[p:])
-                else:  # sliding: past slots, then sentinels for the new keys
-                    read.extend(s[:p] + [g.sentinel] * q)
-                    write.extend(s[p:])
+                first_new = read_past[0]  # request 0's first new token
+                slots[slots == g.write_trash] = slots[first_new].clone()
+                slots[first_new] = g.write_trash
+            plan["slots"][g.index], plan["read_past"][g.index] = slots, read_past
+            read, write, kreq, kpos, at = [], [], [], [], 0
+            for r, (q, p, rp) in enumerate(zip(lens_q, past, read_past)):
+                s = slots[at: at + rp + q].tolist()
+                at += rp + q
+                # full layers: the new tokens' keys written then read back; sliding: sentinels for the new keys
+                read.extend(s if g.window is None else s[:rp] + [g.sentinel] * q)
+                write.extend(s[rp:])
+                kreq.extend([r] * (rp + q))
+                kpos.extend(range(p - rp, p + q))
             feeds[f"write_index_{g.index}"] = torch.tensor(write, dtype=torch.int64)
             feeds[f"read_index_{g.index}"] = torch.tensor(read, dtype=torch.int64)
             feeds[f"key_req_{g.index}"] = torch.tensor(kreq, dtype=torch.int32)
             feeds[f"key_pos_{g.index}"] = torch.tensor(kpos, dtype=torch.int32)
+        dev = self.batch_processor.inputs_and_outputs.input_ids.device
         return {k: v.to(dev) for k, v in feeds.items()}, plan
 
     def _follow_up(self, plan: Dict[str, Any], gen: torch.Generator) -> Dict[str, torch.Tensor]:
@@ -800,23 +859,21 @@ class GraphBatching:
         n_req = len(lens_q)
         dev = self.batch_processor.inputs_and_outputs.input_ids.device
         pos = [p + q for q, p in zip(lens_q, past)]
-        kreq, kpos = [], []
-        for r, n in enumerate(pos):
-            kreq.extend([r] * (n + 1))
-            kpos.extend(range(n + 1))
         feeds = {"input_ids": torch.randint(0, self._vocab(), (n_req,), generator=gen).to(torch.int32),
                  "position_ids": torch.tensor(pos, dtype=torch.int32),
                  "tok_req": torch.arange(n_req, dtype=torch.int32),
                  "logits_indices": torch.arange(n_req, dtype=torch.int32)}
-        n_kv = sum(pos)
         for g in self.groups:
-            slots = plan["slots"][g.index]
-            read, write, at = [], [], 0
-            for r, n in enumerate(pos):
-                old, new = slots[at: at + n].tolist(), int(slots[n_kv + r])
-                at += n
+            slots, read_past = plan["slots"][g.index], plan["read_past"][g.index]
+            n_kv = sum(read_past) + sum(lens_q)
+            read, write, kreq, kpos, at = [], [], [], [], 0
+            for r, (n, rp, q) in enumerate(zip(pos, read_past, lens_q)):
+                old, new = slots[at: at + rp + q].tolist(), int(slots[n_kv + r])
+                at += rp + q
                 read.extend(old + ([new] if g.window is None else [g.sentinel]))
                 write.append(new)
+                kreq.extend([r] * (rp + q + 1))
+                kpos.extend(range(n - rp - q, n + 1))
             feeds[f"write_index_{g.index}"] = torch.tensor(write, dtype=torch.int64)
             feeds[f"read_index_{g.index}"] = torch.tensor(read, dtype=torch.int64)
             feeds[f"key_req_{g.index}"] = torch.tensor(kreq, dtype=torch.int32)
@@ -893,7 +950,7 @@ def generate_batch(model, inputs: List[List[int]], generation_config=None, conti
     How: a manager is built as ``model.generate_batch`` builds it (the same
     workload hints). Unless ``buckets=`` is given, a dry run of transformers'
     own scheduler over ``inputs`` (no forward; a fixed non-EOS token sampled)
-    records the step sizes ``(tokens, kv, reqs)``, and ``gr.plan_buckets`` plans
+    records the step sizes (``(tokens, kv, reqs)``; a keys dim per attention type), and ``gr.plan_buckets`` plans
     at most ``max_graphs[dim]`` buckets per dim (default
     :data:`DEFAULT_MAX_GRAPHS`); the keys captured are those the steps land
     on. Then the step is captured (``backend``, ``device``: as
