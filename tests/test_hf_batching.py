@@ -226,8 +226,7 @@ def test_every_public_name_has_a_docstring():
 # ---------------------------------------------------------------- planted metadata bugs
 
 
-@pytest.fixture
-def padding_writes_a_real_slot(monkeypatch):
+def _plant_real_write_trash(monkeypatch):
     """Plant: every allocator's write-trash index (the slot padding tokens write) is a real request's slot."""
     from transformers.generation.continuous_batching.cache_allocators.cache_allocator import CacheAllocator
 
@@ -239,6 +238,11 @@ def padding_writes_a_real_slot(monkeypatch):
         self.write_trash_index = self.block_physical_stride * (self.num_blocks + 2 * self.blocks_per_sector - 1)
 
     monkeypatch.setattr(CacheAllocator, "_after_cache_tensor_init", planted)
+
+
+@pytest.fixture
+def padding_writes_a_real_slot(monkeypatch):
+    _plant_real_write_trash(monkeypatch)
 
 
 def test_padding_write_into_a_real_slot_is_refused_at_capture(padding_writes_a_real_slot):
@@ -258,20 +262,75 @@ def test_negative_control_padding_write_into_a_real_slot_changes_results(monkeyp
     ref = eager(model, inputs, gc, logprobs=True)
     good = gr.hf.generate_batch(model, inputs, gc, cb_config(logprobs=True), device="tape", buckets=ONE_KEY)
     assert mismatches(ref, good) == [] and logprob_gap(ref, good) < 1e-4
-    from transformers.generation.continuous_batching.cache_allocators.cache_allocator import CacheAllocator
-
-    original = CacheAllocator._after_cache_tensor_init
-
-    def planted(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        self.write_trash_index = self.block_physical_stride * (self.num_blocks + 2 * self.blocks_per_sector - 1)
-
-    monkeypatch.setattr(CacheAllocator, "_after_cache_tensor_init", planted)
+    _plant_real_write_trash(monkeypatch)
     monkeypatch.setattr(batching, "check_trash", lambda cache, groups: None)
     out = gr.hf.generate_batch(model, inputs, gc, cb_config(logprobs=True), device="tape", equivalence=False,
                                buckets=ONE_KEY)
     # without the checks the padding tokens overwrite a real request's K/V: its later tokens see another key
     assert mismatches(ref, out) or logprob_gap(ref, out) > 1e-3
+
+
+def _single_call_comparison(monkeypatch):
+    """Turn the equivalence check's follow-up step into a repeat of the checked step (which reads back no slot the
+    padding wrote that it did not read the first time): what a check of one call at a time sees."""
+    made = {}
+    original = batching.GraphBatching._synthetic
+
+    def synthetic(self, key, sizes, gen):
+        out = original(self, key, sizes, gen)
+        if out is not None:
+            made["feeds"] = {k: v.clone() for k, v in out[0].items()}
+        return out
+
+    monkeypatch.setattr(batching.GraphBatching, "_synthetic", synthetic)
+    monkeypatch.setattr(batching.GraphBatching, "_follow_up", lambda self, plan, gen: made["feeds"])
+
+
+def test_only_the_follow_up_step_catches_a_padding_write_its_step_does_not_read(monkeypatch, padding_writes_a_real_slot):
+    """Sliding layers read a step's own new keys through the sentinel, not back from the cache: a padding token
+    that overwrites a new token's slot changes nothing in that step, only in the next one that reads the slot."""
+    monkeypatch.setattr(batching, "check_trash", lambda cache, groups: None)  # the static check off
+    with pytest.raises(CaptureError, match="or the step after it, differs from the eager steps"):
+        gr.hf.generate_batch(model_of("mistral"), prompts(), gen_config(), cb_config(), device="tape",
+                             buckets=ONE_KEY)
+
+
+def test_negative_control_a_single_call_comparison_accepts_that_padding_write(monkeypatch):
+    model, inputs, gc = model_of("mistral"), prompts(), gen_config()
+    ref = eager(model, inputs, gc, logprobs=True)  # on a correct cache
+    _plant_real_write_trash(monkeypatch)
+    monkeypatch.setattr(batching, "check_trash", lambda cache, groups: None)
+    _single_call_comparison(monkeypatch)
+    st = {}
+    out = gr.hf.generate_batch(model, inputs, gc, cb_config(logprobs=True), device="tape", buckets=ONE_KEY, stats=st)
+    assert st["stats"].equivalence_checked == 1, "the one-call check ran and accepted the key"
+    # and the bug it missed is real: a request reads a K/V that a padding token overwrote
+    assert mismatches(ref, out) or logprob_gap(ref, out) > 1e-3
+
+
+def test_each_attention_type_gets_its_own_keys_dim():
+    """gemma2 mixes sliding (window 12) and full layers: the sliding layers' keys are a dim of their own, padded to
+    their own buckets (a sliding layer reads at most window - 1 past keys of a request)."""
+    model, inputs, gc = model_of("gemma2"), prompts(), gen_config()
+    assert batching.batch_dims(model) == ("tokens", "kv", "kv_sliding", "reqs")
+    assert batching.batch_dims(model_of("llama")) == ("tokens", "kv", "reqs")
+    assert batching.batch_dims(model_of("mistral")) == ("tokens", "kv", "reqs"), "one attention type: kv"
+    ref = eager(model, inputs, gc)
+    st = {}
+    out = gr.hf.generate_batch(model, inputs, gc, cb_config(), device="tape", stats=st)
+    assert mismatches(ref, out) == []
+    s = st["stats"]
+    assert all(len(k) == 4 for k in s.keys) and all(len(z) == 4 for z in s.step_sizes)
+    for tokens, kv, kv_sliding, reqs in s.step_sizes:
+        assert kv_sliding <= tokens + reqs * (12 - 1) <= tokens + kv, (tokens, kv, kv_sliding, reqs)
+    assert any(z[2] < z[1] for z in s.step_sizes), "the sliding layers read fewer keys than the full ones"
+    # `kv` stands for every keys dim not named itself
+    st = {}
+    out = gr.hf.generate_batch(model, inputs, gc, cb_config(), device="tape", stats=st, buckets=ONE_KEY)
+    assert mismatches(ref, out) == [] and st["stats"].keys == [(64, 256, 256, 8)]
+    with pytest.raises(ValueError, match=r"max_graphs names unknown dims \['kv_full'\]; the dims are "
+                                         r"\['tokens', 'kv', 'kv_sliding', 'reqs'\]"):
+        gr.hf.generate_batch(model, inputs, gc, cb_config(), device="tape", max_graphs={"kv_full": 2})
 
 
 def _plant_stale_cu_seq_lens_q(monkeypatch):

