@@ -6,7 +6,8 @@ hidden 64, vocab 128; nothing downloaded), in one process and at one torch threa
 1. the workload: ``--requests`` requests (default 200), prompt lengths uniform in 1..256, output
    lengths uniform in 1..64 (per request, ``add_request(max_new_tokens=...)``), arriving in
    ``--waves`` waves: wave ``k`` is added when the engine starts its step ``k * --wave-steps``, so the
-   steps mix new prefills with the decodes of earlier waves; greedy (``do_sample=False``);
+   steps mix new prefills with the decodes of earlier waves; greedy (``do_sample=False``), or with
+   ``--sample`` a seeded sampler (temperature 0.9, top-k 20; every session starts from seed 0);
 2. graphs: ``gr.hf.init_continuous_batching`` on the same configs: a dry session of the scheduler
    (no forward) records the step sizes, ``gr.plan_buckets`` plans the keys (``--max-graphs``),
    ``capture()`` (timed);
@@ -131,6 +132,7 @@ def session(manager, requests, waves: int, wave_steps: int) -> Dict[str, List[in
 
     manager._create_batch_processor = create
     manager._request_counter = 0
+    torch.manual_seed(0)  # the same random stream for every session (a seeded sampler draws the same numbers)
     try:
         manager.start()
         out: Dict[str, List[int]] = {}
@@ -191,7 +193,11 @@ def run_arch(arch: str, args, reqs) -> Dict[str, Any]:
 
     row: Dict[str, Any] = {"arch": arch}
     model = build_tiny(arch, seed=0, max_position_embeddings=1024, **ARCHS.get(arch, {}))
-    gc = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=64)
+    if args.sample:  # a seeded sampler: every session starts from the manager's seed (cb_config(seed=0))
+        gc = GenerationConfig(do_sample=True, temperature=0.9, top_k=20, eos_token_id=-1, pad_token_id=0,
+                              max_new_tokens=64)
+    else:
+        gc = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=64)
     try:  # graphs first: a refusal is the row
         manager = grhf.init_continuous_batching(model, gc, cb_config(args), device=args.device,
                                                 max_graphs=args.max_graphs)
@@ -267,6 +273,8 @@ def main(argv=None) -> int:
     p.add_argument("--blocks", type=int, default=2048)
     p.add_argument("--device", default="auto")
     p.add_argument("--quick", action="store_true", help="40 requests, prompts 1..64, outputs 1..16")
+    p.add_argument("--sample", action="store_true",
+                   help="sample (temperature 0.9, top-k 20, seeded) instead of greedy decoding")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeat", type=int, default=5, help="rounds of an eager and a graph session (median ratio)")
     p.add_argument("--max-graphs", default="tokens=16,kv=16,reqs=4",
@@ -290,7 +298,8 @@ def main(argv=None) -> int:
     head = (f"{'arch':<11} {'graphs':>6} {'pad tok':>7} {'pad kv':>6} {'capture s':>9} {'eager steps':>11} "
             f"{'eager tok/s':>11} {'graph tok/s':>11} {'ratio':>6} {'cpu ratio':>9} {'mismatch':>8} | {'hf graphs':>9} "
             f"{'hf pad tok':>10}")
-    print(f"{args.requests} requests, prompts 1..{args.max_prompt}, outputs 1..{args.max_out}, {args.waves} waves "
+    print(f"{args.requests} requests, prompts 1..{args.max_prompt}, outputs 1..{args.max_out}, "
+          f"{'seeded sampling' if args.sample else 'greedy'}, {args.waves} waves "
           f"every {args.wave_steps} steps, {args.threads} thread(s), device {args.device}")
     print(head)
     for arch in [a for a in args.only.split(",") if a]:

@@ -343,10 +343,6 @@ def make_step(model, cache, groups: Sequence[_Group], use_logits_to_keep: bool, 
 # --------------------------------------------------------------------------- metadata from transformers' IO
 
 
-def _first_new_token_mask(requests_in_batch) -> torch.Tensor:
-    return torch.tensor([bool(fs.has_new_token) for fs in requests_in_batch], dtype=torch.bool)
-
-
 def step_feeds(io, cache, groups: Sequence[_Group], debug: bool = False, validate: bool = True
                ) -> Dict[str, torch.Tensor]:
     """The step's inputs for the batch transformers prepared in ``io`` (a ``ContinuousBatchingIOs``), checked.
@@ -368,40 +364,41 @@ def step_feeds(io, cache, groups: Sequence[_Group], debug: bool = False, validat
     if n_req < 1 or n_tok < 1:
         raise MetadataError(f"a step with {n_req} requests and {n_tok} query tokens: nothing to run")
     dev = io.input_ids.device
-    cu_q = io.cumulative_seqlens_q[: n_req + 1].long()
-    lens_q = cu_q[1:] - cu_q[:-1]
-    if validate and (int(cu_q[0]) != 0 or bool((lens_q < 1).any()) or int(cu_q[-1]) != n_tok):
-        raise MetadataError(f"cu_seq_lens_q {cu_q.tolist()} is stale or inconsistent: it must start at 0, grow by at "
+    # the per-request metadata is small: checked on the host, read once
+    cu_q = io.cumulative_seqlens_q[: n_req + 1]
+    cq = cu_q.tolist()
+    lq = [b - a for a, b in zip(cq, cq[1:])]
+    if validate and (cq[0] != 0 or min(lq) < 1 or cq[-1] != n_tok):
+        raise MetadataError(f"cu_seq_lens_q {cq} is stale or inconsistent: it must start at 0, grow by at "
                             f"least 1 per request ({n_req} requests) and end at the step's {n_tok} query tokens")
     input_ids = io.input_ids[:n_tok]
     position_ids = io.position_ids[:n_tok]
-    req_ids = torch.arange(n_req, device=dev)
-    tok_req = torch.repeat_interleave(req_ids, lens_q)
-    pos = position_ids.long()
-    starts = cu_q[:-1]
-    inner = torch.ones(n_tok, dtype=torch.bool, device=dev)
-    inner[starts] = False
-    if validate and bool(((pos[1:] - pos[:-1]) != 1)[inner[1:]].any()):
+    req_ids = torch.arange(n_req, dtype=torch.int32, device=dev)
+    lens_q = torch.tensor(lq, device=dev)
+    tok_req = torch.repeat_interleave(req_ids, lens_q, output_size=n_tok)
+    starts = cu_q[:-1].long()
+    first_q = position_ids[starts]  # each request's first query position
+    pos = position_ids
+    if validate and not torch.equal(pos.long(), (first_q - starts)[tok_req] + torch.arange(n_tok, device=dev)):
         raise MetadataError("cu_seq_lens_q is stale or inconsistent with position_ids: positions are not consecutive "
-                            f"inside a request (cu_seq_lens_q {cu_q.tolist()})")
-    new = _first_new_token_mask(io.requests_in_batch)
-    expected = (cu_q[1:] - 1)[new.to(dev)]
-    got = io.logits_indices[: expected.shape[0]].long()
-    if validate and not torch.equal(got, expected):
+                            f"inside a request (cu_seq_lens_q {cq})")
+    expected = [cq[i + 1] - 1 for i, fs in enumerate(io.requests_in_batch) if fs.has_new_token]
+    if validate and io.logits_indices[: len(expected)].tolist() != expected:
         raise MetadataError(f"logits_indices {io.logits_indices[:n_req].tolist()} do not point at the last token of "
-                            f"each sampled request (expected {expected.tolist()} from cu_seq_lens_q)")
+                            f"each sampled request (expected {expected} from cu_seq_lens_q)")
     logits_indices = io.logits_indices[:n_req]
     feeds: Dict[str, torch.Tensor] = {"input_ids": input_ids, "position_ids": position_ids,
-                                      "tok_req": tok_req.to(torch.int32), "logits_indices": logits_indices}
+                                      "tok_req": tok_req, "logits_indices": logits_indices}
     reads_cache = int(io.max_kv_read) > 0
-    per_group = []
+    fq = None
     for g in groups:
-        cu_k = io.cumulative_seqlens_k[g.layer_type][: n_req + 1].long()
-        lens_k = cu_k[1:] - cu_k[:-1]
-        n_key = int(cu_k[-1])
-        if validate and (int(cu_k[0]) != 0 or bool((lens_k < lens_q).any())
+        cu_k = io.cumulative_seqlens_k[g.layer_type][: n_req + 1]
+        ck = cu_k.tolist()
+        lk = [b - a for a, b in zip(ck, ck[1:])]
+        n_key = ck[-1]
+        if validate and (ck[0] != 0 or any(k < q for k, q in zip(lk, lq))
                          or n_key != int(io.total_seqlen_k[g.layer_type])):
-            raise MetadataError(f"cu_seq_lens_k[{g.layer_type!r}] {cu_k.tolist()} is stale or inconsistent: it must "
+            raise MetadataError(f"cu_seq_lens_k[{g.layer_type!r}] {ck} is stale or inconsistent: it must "
                                 "start at 0, give each request at least its query tokens and end at the keys read "
                                 f"({io.total_seqlen_k[g.layer_type]})")
         write = io.write_index_storage[g.index, :n_tok]
@@ -415,7 +412,8 @@ def step_feeds(io, cache, groups: Sequence[_Group], debug: bool = False, validat
         else:
             # no request reads its past (all first prefill chunks): read the step's own keys back, as the
             # allocator would index them (full layers: the written slots; sliding layers: sentinels)
-            if validate and bool((pos[starts] != 0).any()):
+            fq = first_q.tolist() if fq is None else fq
+            if validate and any(fq):
                 raise MetadataError("a step without cache reads (max_kv_read 0) holds a request that does not start "
                                     "at position 0")
             alloc = cache.cache_allocators[g.layer_type]
@@ -426,22 +424,22 @@ def step_feeds(io, cache, groups: Sequence[_Group], debug: bool = False, validat
             if validate and read.shape[0] != n_key:
                 raise MetadataError(f"{read.shape[0]} keys rebuilt for the {g.layer_type} layers, cu_seq_lens_k says "
                                     f"{n_key}")
-        key_req = torch.repeat_interleave(req_ids, lens_k)
-        first = pos[starts] - (lens_k - lens_q)  # the position of each request's first key
-        key_pos = first[key_req] + (torch.arange(n_key, device=dev) - cu_k[:-1][key_req])
-        per_group.append((g, write, read, key_req, key_pos))
-    for g, w, *_ in per_group:
-        # full layers: every real token's K/V is kept; sliding layers: tokens beyond the window go to the write trash
-        lo = g.write_sector if g.window is not None else g.first_real
-        if validate and bool(((w < lo) | (w > g.last_index)).any()):
-            raise MetadataError(f"write_index[{g.index}] ({g.layer_type}) holds {w.tolist()}: a real token must write "
-                                f"a slot in {lo}..{g.last_index}, never a trash slot (sliding layers: the write trash "
-                                "only) or outside the cache")
-    for g, write, read, key_req, key_pos in per_group:  # each attention type's keys: its own dim, its own length
-        feeds[f"write_index_{g.index}"] = write
+        key_req = torch.repeat_interleave(req_ids, torch.tensor(lk, device=dev), output_size=n_key)
+        # key j of request r sits at position first_q[r] - (lk[r] - lq[r]) + (j - ck[r]): j minus an offset per request
+        offset = cu_k[:-1] - first_q + torch.tensor([k - q for k, q in zip(lk, lq)], dtype=first_q.dtype, device=dev)
+        key_pos = torch.arange(n_key, dtype=torch.int32, device=dev) - offset.to(torch.int32)[key_req]
+        if validate:
+            # full layers: every real token's K/V is kept; sliding layers: tokens beyond the window go to the write trash
+            lo = g.write_sector if g.window is not None else g.first_real
+            w_lo, w_hi = (int(v) for v in torch.aminmax(write))
+            if w_lo < lo or w_hi > g.last_index:
+                raise MetadataError(f"write_index[{g.index}] ({g.layer_type}) holds {write.tolist()}: a real token must "
+                                    f"write a slot in {lo}..{g.last_index}, never a trash slot (sliding layers: the "
+                                    "write trash only) or outside the cache")
+        feeds[f"write_index_{g.index}"] = write  # each attention type's keys: its own dim, its own length
         feeds[f"read_index_{g.index}"] = read
-        feeds[f"key_req_{g.index}"] = key_req.to(torch.int32)
-        feeds[f"key_pos_{g.index}"] = key_pos.to(torch.int32)
+        feeds[f"key_req_{g.index}"] = key_req
+        feeds[f"key_pos_{g.index}"] = key_pos
         if debug and io.attention_mask is not None:
             _compare_mask(io, g, tok_req, pos, key_req, key_pos, n_tok)
     return feeds
