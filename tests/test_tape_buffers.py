@@ -133,3 +133,53 @@ def test_out_only_for_bindings_sharing_the_functional_kernel():
     assert not _out_same_kernel(aten.linear.default, torch._C._nn.linear)  # a composite
     assert not _out_same_kernel(aten.softmax.int, torch.softmax)
     assert not _out_same_kernel(aten.add.Tensor, torch.mul)  # not the op's own binding
+
+
+def _temporaries(g):
+    """The planned temporary buffers of ``g`` (not their views)."""
+    return [v for k, v in g._env.items() if k.startswith("b") and isinstance(v, torch.Tensor) and v._base is None]
+
+
+def _graphs(pools, seed=4):
+    gen = torch.Generator().manual_seed(seed)
+    made = []
+    for pool in pools:
+        x, w = torch.randn(4, 8, generator=gen), torch.randn(8, 8, generator=gen)
+        with torch.inference_mode():
+            g = TapeGraph()
+            with tape_graph(g, pool=pool):
+                out = _step(x, w)
+        made.append((g, out, x, w))
+    return made
+
+
+def test_graphs_of_one_pool_share_their_temporaries_memory():
+    """The j-th temporary buffer of every graph of a pool is the same memory (a CUDA capture reuses the blocks an
+    earlier capture into its pool freed): the pool holds one graph's temporaries, not one set per graph. Replayed
+    one after the other in any order, every graph still equals eager: its temporaries are dead when it returns."""
+    from graphrunner.tape import graph_pool_handle
+
+    pool = graph_pool_handle()
+    made = _graphs([pool] * 4)
+    memory = [sorted(t.untyped_storage().data_ptr() for t in _temporaries(g)) for g, *_ in made]
+    assert len(memory[0]) >= 2 and all(m == memory[0] for m in memory)
+    distinct = {t.untyped_storage().data_ptr(): t for t in _temporaries(made[0][0])}.values()  # a reused buffer: one
+    assert pool.scratch_bytes == sum(t.numel() * t.element_size() for t in distinct)
+    gen = torch.Generator().manual_seed(5)
+    for order in ([0, 1, 2, 3], [3, 1, 0, 2], [2, 2, 0, 3]):
+        for i in order:
+            g, out, x, w = made[i]
+            x.copy_(torch.randn(x.shape, generator=gen))
+            g.replay()
+        for i in set(order):  # every output still holds its own graph's last replay, bit for bit
+            g, out, x, w = made[i]
+            with torch.inference_mode():
+                assert torch.equal(out, _step(x, w))
+
+
+def test_negative_control_graphs_of_separate_pools_do_not_share_temporaries():
+    from graphrunner.tape import graph_pool_handle
+
+    made = _graphs([graph_pool_handle() for _ in range(2)])
+    a, b = ({t.untyped_storage().data_ptr() for t in _temporaries(g)} for g, *_ in made)
+    assert a and b and not (a & b)

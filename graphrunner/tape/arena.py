@@ -85,9 +85,19 @@ class TapePool:
     one capture (a temporary, an output the user dropped) is reused by the
     next capture into the pool, and replaying such graphs out of capture
     order corrupts as on CUDA (see :mod:`graphrunner.tape.arena`).
-    ``bytes_held`` is the pool's estimated size in bytes."""
+    ``bytes_held`` is the pool's estimated size in bytes.
 
-    __slots__ = ("__weakref__", "_lock", "_replay_lock", "_replaying", "_free", "_used", "bytes_held", "_captures")
+    The temporaries the generated replay writes into planned buffers
+    (:func:`graphrunner.tape.codegen.plan_buffers`) are views of the pool's
+    scratch storages (:meth:`scratch`): the ``j``-th buffer of every graph of
+    the pool is the same memory, as a CUDA capture reuses the blocks an earlier
+    capture into the pool freed. Safe because a graph's temporaries are dead
+    when its replay ends and two graphs of a pool never replay at once; the
+    host memory of many graphs is then their largest graph's temporaries, not
+    their sum. ``scratch_bytes``: the bytes of the current scratch storages."""
+
+    __slots__ = ("__weakref__", "_lock", "_replay_lock", "_replaying", "_free", "_used", "bytes_held", "_captures",
+                 "_scratch")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()         # arena bookkeeping (captures in several threads)
@@ -98,9 +108,26 @@ class TapePool:
         #: Estimated bytes of graph memory this pool holds (sum of its blocks).
         self.bytes_held = 0
         self._captures = 0
+        self._scratch: dict = {}               # (device, j) -> untyped storage of the graphs' j-th temporary buffer
 
     def __repr__(self) -> str:
         return f"<TapePool at {id(self):#x}: {self._captures} captures, {self.bytes_held} bytes>"
+
+    def scratch(self, j: int, nbytes: int, device) -> "torch.UntypedStorage":
+        """The storage of the ``j``-th planned temporary buffer of this pool's graphs on ``device``, at least
+        ``nbytes`` long. A larger request replaces it with a larger storage (graphs already viewing the
+        smaller one keep it alive; captures run largest key first, so this is rare)."""
+        key = (torch.device(device), j)
+        with self._lock:
+            st = self._scratch.get(key)
+            if st is None or st.nbytes() < nbytes:
+                st = self._scratch[key] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device).untyped_storage()
+            return st
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of the scratch storages the pool's graphs' planned temporaries view now."""
+        return sum(st.nbytes() for st in list(self._scratch.values()))
 
     # -- blocks ------------------------------------------------------------
     def _release(self, b: _Block) -> None:

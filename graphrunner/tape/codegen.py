@@ -101,14 +101,15 @@ def hoist(cap) -> tuple[set, dict]:
     return const_storages, consts
 
 
-def generate(cap, consts: dict, survivors: dict, spills: dict | None = None) -> tuple[_Program, int]:
+def generate(cap, consts: dict, survivors: dict, spills: dict | None = None, scratch=None) -> tuple[_Program, int]:
     """Steps 3-5: aliases and CSE, views of internal storages as
     ``as_strided``, dead-code elimination, then the straight-line replay
     code (each survivor refreshed in place by ``copy_``; each temporary in
     ``spills`` also written into its tensor there, the pool memory a CUDA
     capture would have given it).  Returns the built
     program (``prog.fn``, ``prog.source``, ``prog.env``) and the number of
-    ops it replays."""
+    ops it replays. ``scratch``: where planned temporaries live (see
+    :func:`plan_buffers`)."""
     ops = cap.ops
     # 3. Aliases and common subexpressions.  canon maps a value's name to
     #    the name of an equal value computed earlier.
@@ -204,7 +205,7 @@ def generate(cap, consts: dict, survivors: dict, spills: dict | None = None) -> 
             needed.update(cn(n) for n in op.in_names)
 
     # 4b. Memory plan: results written into preplanned buffers (out=).
-    planned = plan_buffers(cap, ops, keep, cn, survivors, surv_storages, spills or {}, consts)
+    planned = plan_buffers(cap, ops, keep, cn, survivors, surv_storages, spills or {}, consts, scratch)
 
     # 5. Generate straight-line code.
     prog = _Program()
@@ -329,10 +330,11 @@ class _Plan:
         self.out: dict[int, torch.Tensor] = {}
         self.views: dict[str, dict[str, torch.Tensor]] = {}
         self.direct: dict[int, tuple] = {}
+        self.allocated = 0  # distinct temporary buffers allocated (the next one's scratch index)
 
 
 def plan_buffers(cap, ops, keep, cn, survivors: dict, surv_storages: set, spills: dict,
-                 consts: dict | None = None) -> _Plan:
+                 consts: dict | None = None, scratch=None) -> _Plan:
     """Give each replayed op whose binding was verified with ``out=``
     (``op.out_ok``) a buffer allocated once, so that replay does no allocator
     traffic, and turn views of those buffers (``op.view``) into constants.
@@ -342,7 +344,10 @@ def plan_buffers(cap, ops, keep, cn, survivors: dict, surv_storages: set, spills
     strides) once every tensor on the previous holder's storage is dead: the
     buffer is freed after the last op reading any name on that storage, and
     an op's own output is taken before its inputs are freed, so a buffer
-    never aliases a live value or an input of the op writing it.  Temporaries
+    never aliases a live value or an input of the op writing it. With
+    ``scratch`` (``TapePool.scratch``: ``(j, nbytes, device) -> storage``) the
+    ``j``-th buffer allocated is a view of that storage, shared with the other
+    graphs of the pool; without it, memory of its own.  Temporaries
     that another graph's memory spills to, and every op after an in-place
     metadata change (``set_``, ``resize_``), are left to the allocator.
 
@@ -413,7 +418,12 @@ def plan_buffers(cap, ops, keep, cn, survivors: dict, surv_storages: set, spills
                     else:
                         dtype, device, size, stride, _ = meta
                         with torch.inference_mode(cap.inference):
-                            buf = torch.empty_strided(size, stride, dtype=dtype, device=device)
+                            if scratch is None:
+                                buf = torch.empty_strided(size, stride, dtype=dtype, device=device)
+                            else:
+                                st = scratch(plan.allocated, _extent(meta), device)
+                                buf = torch.empty(0, dtype=dtype, device=device).set_(st, 0, size, stride)
+                        plan.allocated += 1
                     plan.out[i] = buf
                     plan.views[n] = {}
                     held[k] = (fk, buf)

@@ -387,7 +387,7 @@ class TapeGraph:
         cap.user_tensors = {}
         # moving a survivor onto reused pool memory (set_) bumps its version
         versioned = [(w, w()._version) for w, _ in versioned if w() is not None]
-        prog, n_ops = generate(cap, consts, survivors, spills)
+        prog, n_ops = generate(cap, consts, survivors, spills, scratch=self._pool.scratch)
         self._fn = prog.fn
         self._jit = None
         if self.jit_replay and prog.lines:  # (an empty replay has nothing to trace)
