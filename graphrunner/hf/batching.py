@@ -76,8 +76,12 @@ def batch_dims(model) -> Tuple[str, ...]:
         types = list(group_layers_by_attn_type(text))
     except (ValueError, AttributeError, TypeError):
         return _DIMS
-    kv = sorted({kv_dim(t, types) for t in types}, key=lambda d: (d != "kv", d))
-    return ("tokens", *kv, "reqs")
+    return ("tokens", *sorted({kv_dim(t, types) for t in types}, key=_kv_order), "reqs")
+
+
+def _kv_order(dim: str) -> Tuple[bool, str]:
+    """The order of the keys dims in a key: ``kv`` first, then by name."""
+    return dim != "kv", dim
 
 
 class MetadataError(GraphRunnerError, ValueError):
@@ -222,11 +226,11 @@ def _groups(cache) -> List[_Group]:
                                "not an index-based paged cache")
         last = min(min(k.shape[0], v.shape[0]) for k, v in views) - 1
         sector = int(alloc.block_physical_stride) * int(alloc.blocks_per_sector)  # slots of one sector
-        out.append(_Group(index=alloc.index, layer_type=layer_type, dim=kv_dim(layer_type, types), write_trash=int(alloc.write_trash_index),
-                          read_trash=int(alloc.read_trash_index), sentinel=int(alloc.sentinel_index),
+        out.append(_Group(index=alloc.index, layer_type=layer_type, dim=kv_dim(layer_type, types),
+                          write_trash=int(alloc.write_trash_index), read_trash=int(alloc.read_trash_index), sentinel=int(alloc.sentinel_index),
                           first_real=2 * sector, last_index=int(last), write_sector=sector,
                           window=getattr(alloc, "sliding_window", None) if layer_type == "sliding_attention" else None))
-    return sorted(out, key=lambda g: (g.dim != "kv", g.dim))
+    return sorted(out, key=lambda g: _kv_order(g.dim))
 
 
 def check_trash(cache, groups: Sequence[_Group]) -> None:
@@ -281,13 +285,13 @@ def make_step(model, cache, groups: Sequence[_Group], use_logits_to_keep: bool, 
     masked cells hold ``-inf`` (transformers' ``build_attention_mask`` writes
     ``finfo.min``: the same softmax, bit for bit, on every row that attends a key,
     and CPU flash attention skips ``-inf`` blocks, 5-8% faster; a boolean mask
-    would be converted to a float one in every layer). The test is one range check per cell on a code
-    ``request * (max_position + 1) + position`` (int32 while it fits): key ``j`` is
+    would be converted to a float one in every layer). The test is one range
+    check per cell on a code ``request * (max_position + 1) + position`` (int32 while it fits): key ``j`` is
     allowed for ``t`` iff ``code(t's request, lowest allowed position) <= code_j <=
     code(t)``. A padding key (request ``KEY_PAD_REQUEST``) is below every real query's
     range; a padding query (``TOKEN_PAD_REQUEST``) sees every key, so no row is fully
-    masked (its softmax would be ``nan``; nothing reads a padding row). ``cu_seq_lens_*`` and ``max_length_*`` are
-    placeholders: mask-based attention does not read them (they are validated at
+    masked (its softmax would be ``nan``; nothing reads a padding row).
+    ``cu_seq_lens_*`` and ``max_length_*`` are placeholders: mask-based attention does not read them (they are validated at
     the call instead). ``max_position`` and ``max_requests`` bound the codes."""
     dtype = model.dtype
     single = len(groups) == 1
