@@ -558,7 +558,8 @@ class GraphBatching:
         self.dims = batch_dims(model)
         names = set(self.dims) | {"kv"}
         if buckets is not None:
-            missing = [d for d in self.dims if d not in buckets and not (d.startswith("kv") and "kv" in buckets)]
+            missing = [d for d in self.dims if d not in buckets and not (d.startswith("kv") and "kv" in buckets)
+                       ] if isinstance(buckets, dict) else list(self.dims)
             if not isinstance(buckets, dict) or set(buckets) - names or missing:
                 raise ValueError(f"buckets must be a dict with the dims {list(self.dims)} (kv stands for a keys dim "
                                  f"not named), got {buckets!r}")
@@ -881,10 +882,7 @@ class GraphBatching:
                 write.extend(s[rp:])
                 kreq.extend([r] * (rp + q))
                 kpos.extend(range(p - rp, p + q))
-            feeds[f"write_index_{g.index}"] = torch.tensor(write, dtype=torch.int64)
-            feeds[f"read_index_{g.index}"] = torch.tensor(read, dtype=torch.int64)
-            feeds[f"key_req_{g.index}"] = torch.tensor(kreq, dtype=torch.int32)
-            feeds[f"key_pos_{g.index}"] = torch.tensor(kpos, dtype=torch.int32)
+            _put_group(feeds, g, write, read, kreq, kpos)
         dev = self.batch_processor.inputs_and_outputs.input_ids.device
         return {k: v.to(dev) for k, v in feeds.items()}, plan
 
@@ -910,11 +908,16 @@ class GraphBatching:
                 write.append(new)
                 kreq.extend([r] * (rp + q + 1))
                 kpos.extend(range(n - rp - q, n + 1))
-            feeds[f"write_index_{g.index}"] = torch.tensor(write, dtype=torch.int64)
-            feeds[f"read_index_{g.index}"] = torch.tensor(read, dtype=torch.int64)
-            feeds[f"key_req_{g.index}"] = torch.tensor(kreq, dtype=torch.int32)
-            feeds[f"key_pos_{g.index}"] = torch.tensor(kpos, dtype=torch.int32)
+            _put_group(feeds, g, write, read, kreq, kpos)
         return {k: v.to(dev) for k, v in feeds.items()}
+
+
+def _put_group(feeds: Dict[str, torch.Tensor], g: _Group, write, read, key_req, key_pos) -> None:
+    """Write allocator ``g``'s four per-key and per-token inputs (Python lists) into ``feeds``."""
+    feeds[f"write_index_{g.index}"] = torch.tensor(write, dtype=torch.int64)
+    feeds[f"read_index_{g.index}"] = torch.tensor(read, dtype=torch.int64)
+    feeds[f"key_req_{g.index}"] = torch.tensor(key_req, dtype=torch.int32)
+    feeds[f"key_pos_{g.index}"] = torch.tensor(key_pos, dtype=torch.int32)
 
 
 # --------------------------------------------------------------------------- a manager
