@@ -429,3 +429,90 @@ def test_the_generic_padding_check_misreads_the_varlen_step():
     that a run with more real cells turns into attended ones); documented in docs/continuous-batching.md."""
     with pytest.raises(CaptureError, match=r"padding leaks into real results at key \(64, 155, 8\)"):
         gr.hf.generate_batch(model_of("llama"), prompts(), gen_config(), cb_config(), device="tape", checks=None)
+
+
+# ---------------------------------------------------------------- every metadata check of step_feeds, one breach each
+
+_IO_FIELDS = ("num_request_in_batch", "total_seqlen_q", "input_ids", "position_ids", "cumulative_seqlens_q",
+              "cumulative_seqlens_k", "total_seqlen_k", "logits_indices", "max_kv_read", "write_index_storage",
+              "read_index_storage", "true_write_sizes", "true_read_sizes", "requests_in_batch", "attention_mask")
+
+
+def _copy_io(io):
+    import copy
+    import types
+
+    return types.SimpleNamespace(**{f: copy.deepcopy(getattr(io, f)) for f in _IO_FIELDS})
+
+
+@pytest.fixture(scope="module")
+def real_step():
+    """A real varlen step of transformers' scheduler (llama: 2+ requests, keys read from the cache): a copy of
+    its IO, the cache and the groups, taken inside gr.hf.generate_batch."""
+    taken = {}
+    original = batching.step_feeds
+
+    def spy(io, cache, groups, **kw):
+        if "io" not in taken and int(io.num_request_in_batch) >= 3 and int(io.max_kv_read) > 0 and \
+                int(io.total_seqlen_q) > int(io.num_request_in_batch):
+            taken.update(io=_copy_io(io), cache=cache, groups=list(groups))
+        return original(io, cache, groups, **kw)
+
+    batching.step_feeds = spy
+    try:
+        gr.hf.generate_batch(model_of("llama"), prompts(), gen_config(), cb_config(), device="tape",
+                             buckets=ONE_KEY)
+    finally:
+        batching.step_feeds = original
+    assert "io" in taken, "the workload has a mixed step that reads the cache"
+    return taken
+
+
+def _breach(io, what, g):
+    """Break one piece of ``io``'s metadata the way a stale or buggy scheduler would."""
+    n_req, n_tok = int(io.num_request_in_batch), int(io.total_seqlen_q)
+    if what == "cu_seq_lens_q":  # a request boundary moved, the total kept
+        cu = io.cumulative_seqlens_q
+        i = next(i for i in range(1, n_req) if cu[i + 1] - cu[i] > 1)
+        cu[i] += 1
+    elif what == "positions":  # a request's tokens skip a position
+        cu = io.cumulative_seqlens_q
+        i = next(i for i in range(n_req) if cu[i + 1] - cu[i] > 1)
+        io.position_ids[int(cu[i]) + 1] += 1
+    elif what == "logits_indices":
+        io.logits_indices[0] += 1
+    elif what == "cu_seq_lens_k":
+        io.cumulative_seqlens_k[g.layer_type][n_req] -= 1
+    elif what == "read_index":
+        io.true_read_sizes[g.index] += 1
+    elif what == "write_index":  # a real token writes the read-trash slot
+        io.write_index_storage[g.index, n_tok - 1] = g.read_trash
+    return io
+
+
+BREACHES = {"cu_seq_lens_q": r"cu_seq_lens_q .* stale or inconsistent",
+            "positions": r"positions are not consecutive inside a request",
+            "logits_indices": r"logits_indices .* do not point at the last token",
+            "cu_seq_lens_k": r"cu_seq_lens_k\['full_attention'\] .* stale or inconsistent",
+            "read_index": r"read_index\[0\] has \d+ entries, cu_seq_lens_k",
+            "write_index": r"write_index\[0\] \(full_attention\) holds .* never a trash slot"}
+
+
+@pytest.mark.parametrize("what", sorted(BREACHES))
+def test_each_metadata_breach_is_raised_naming_the_tensor(real_step, what):
+    io, cache, groups = real_step["io"], real_step["cache"], real_step["groups"]
+    good = batching.step_feeds(_copy_io(io), cache, groups)  # the untouched step passes
+    assert sorted(good) == sorted(batching.step_inputs(groups, 128, 512, 8, 64))
+    with pytest.raises(gr.hf.MetadataError, match=BREACHES[what]):
+        batching.step_feeds(_breach(_copy_io(io), what, groups[0]), cache, groups)
+
+
+@pytest.mark.parametrize("what", ["cu_seq_lens_q", "positions", "cu_seq_lens_k", "write_index"])
+def test_negative_control_without_the_checks_each_breach_feeds_the_graph_silently(real_step, what):
+    """validate=False: the same breaches go through, and the step's inputs (the mask's coordinates, the slots
+    written) differ from the untouched step's: a wrong result, no error."""
+    io, cache, groups = real_step["io"], real_step["cache"], real_step["groups"]
+    good = batching.step_feeds(_copy_io(io), cache, groups)
+    bad = batching.step_feeds(_breach(_copy_io(io), what, groups[0]), cache, groups, validate=False)
+    assert any(not torch.equal(good[k], bad[k]) for k in good if good[k].shape == bad[k].shape) or \
+        any(good[k].shape != bad[k].shape for k in good)
