@@ -26,7 +26,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from graphrunner_tools.bench import environment, parse_buckets, write_json
+from graphrunner_tools.bench import environment, parse_buckets, skipped_without_transformers, write_json
 
 
 def _model():
@@ -74,12 +74,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     result: Dict[str, Any] = {"benchmark": "hf_capture_vs_compile", "environment": environment(),
                               "buckets": args.buckets, "skipped": None}
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        result["skipped"] = "transformers is not installed (pip install -e '.[hf]')"
-        print(f"hf_capture_vs_compile: skipped: {result['skipped']}")
-        write_json(args.out, result, announce=True)
+    if skipped_without_transformers(result, args.out):
         return result
     from graphrunner import hf
 

@@ -35,7 +35,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from graphrunner_tools.bench import environment, parse_int_list, write_json
+from graphrunner_tools.bench import environment, parse_int_list, skipped_without_transformers, write_json
 
 DEFAULT_ARCHS = ("llama", "qwen2", "gpt2")
 
@@ -115,12 +115,7 @@ def main(argv=None) -> Dict[str, Any]:
     result: Dict[str, Any] = {"benchmark": "hf_generate", "environment": environment(), "archs": archs,
                               "batches": args.batches, "prompt": args.prompt, "new": args.new,
                               "rounds": args.rounds, "skipped": None, "results": []}
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        result["skipped"] = "transformers is not installed (pip install -e '.[hf]')"
-        print(f"hf_generate: skipped: {result['skipped']}")
-        write_json(args.out, result, announce=True)
+    if skipped_without_transformers(result, args.out):
         return result
     import warnings
 

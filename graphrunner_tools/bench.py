@@ -486,6 +486,20 @@ def write_json(path: "str | os.PathLike", obj: Dict[str, Any], announce: bool = 
         progress_line(f"wrote {path}")
 
 
+def skipped_without_transformers(result: Dict[str, Any], out: "str | os.PathLike") -> bool:
+    """``True`` (after recording ``result["skipped"]``, printing the reason under ``result["benchmark"]``
+    and writing ``result`` to ``out``) when transformers is not installed: a bench script of ``gr.hf``
+    then returns ``result`` as it is. ``False`` when it is installed."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        result["skipped"] = "transformers is not installed (pip install -e '.[hf]')"
+        print(f"{result['benchmark']}: skipped: {result['skipped']}")
+        write_json(out, result, announce=True)
+        return True
+    return False
+
+
 def _json_default(v: Any) -> Any:
     if isinstance(v, (torch.dtype, torch.device, Path)):
         return str(v)

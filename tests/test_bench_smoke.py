@@ -429,3 +429,19 @@ def test_check_cost_script_measures_every_variant(tmp_path):
         assert 0 < k["checks_s"] < k["capture_s"]
     with pytest.raises(SystemExit):
         mod.main(["--workloads", "nope", "--out", str(out)])
+
+
+@pytest.mark.parametrize("name", ["hf_generate", "hf_capture_vs_compile"])
+def test_hf_bench_scripts_record_a_skip_without_transformers(tmp_path, monkeypatch, name, capsys):
+    """Without the [hf] extra the gr.hf bench scripts write a JSON saying why they measured nothing (one helper,
+    graphrunner_tools.bench.skipped_without_transformers), instead of failing on the import."""
+    import json
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    module = grbench.load_script(BENCH_DIR / f"{name}.py", f"{name}_noextra")
+    out = tmp_path / f"{name}.json"
+    result = module.main(["--quick", "--out", str(out)])
+    assert result["skipped"] == "transformers is not installed (pip install -e '.[hf]')"
+    assert json.loads(out.read_text())["skipped"] == result["skipped"]
+    assert f"{name}: skipped: transformers is not installed" in capsys.readouterr().out
