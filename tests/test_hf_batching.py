@@ -207,6 +207,12 @@ def test_user_mistakes_are_clear_errors():
         gr.hf.generate_batch(model, [[1, 2], []])
     with pytest.raises(ValueError, match="buckets must be a dict with the dims"):
         gr.hf.generate_batch(model, [[1, 2]], gen_config(), cb_config(), buckets=[1, 2])
+    with pytest.raises(ValueError, match="buckets must be a dict with the dims"):
+        gr.hf.generate_batch(model, [[1, 2]], gen_config(), cb_config(), buckets=5)
+    with pytest.raises(ValueError, match=r"buckets must be a dict with the dims \['tokens', 'kv', 'reqs'\]"):
+        gr.hf.generate_batch(model, [[1, 2]], gen_config(), cb_config(), buckets={"tokens": [8], "reqs": [4]})
+    with pytest.raises(ValueError, match=r"keys must be tuples of one size per dim \['tokens', 'kv', 'reqs'\]"):
+        gr.hf.generate_batch(model, [[1, 2]], gen_config(), cb_config(), buckets=ONE_KEY, keys=[(64, 256)])
     with pytest.raises(ValueError, match="unknown dims"):
         gr.hf.generate_batch(model, [[1, 2]], gen_config(), cb_config(), max_graphs={"batch": 3})
     with pytest.raises(TypeError, match="GenerationConfig"):
