@@ -1,5 +1,5 @@
-"""The ``graphrunner`` command line: ``graphrunner demo``, ``verify``, ``loadtest``, ``check``, ``bench``, ``plan`` and
-``graphrunner --version``.
+"""The ``graphrunner`` command line: ``graphrunner demo``, ``verify``, ``loadtest``, ``check``, ``bench``, ``plan``,
+``serve`` and ``graphrunner --version``.
 
 A bad command line is one line on stderr, ``graphrunner: error: ...``, and exit code 2.
 """
@@ -18,6 +18,7 @@ from graphrunner.errors import GraphRunnerError
 from graphrunner_tools.bench import add_bench_subparser, parse_buckets
 from graphrunner_tools.loadtest import add_loadtest_subparser
 from graphrunner_tools.plan import add_plan_subparser
+from graphrunner_tools.serve import add_serve_subparser
 from graphrunner_tools.threads import add_threads_argument, positive_int, torch_threads
 
 
@@ -240,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --inputs: the backend to check against (default: breakable)")
     check.add_argument("--json", action="store_true", help="print the findings as JSON instead of a table")
     check.set_defaults(func=_check)
+    add_serve_subparser(sub)
     return parser
 
 

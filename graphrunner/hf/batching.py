@@ -25,6 +25,9 @@ against them at every call. See ``docs/continuous-batching.md``.
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import copy
 import logging
 import time
 from dataclasses import dataclass, field
@@ -35,6 +38,7 @@ import torch
 from graphrunner.errors import CaptureError, GraphRunnerError
 from graphrunner.inputs import BatchInput
 from graphrunner.planning import plan_buckets
+from graphrunner.hf.ladder import ladder_keys, replan
 from graphrunner.runner import GraphRunner
 
 logger = logging.getLogger("graphrunner")
@@ -115,6 +119,7 @@ class BatchingStats:
     engine_sizes: List[Tuple[int, int, Tuple[int, ...]]] = field(default_factory=list)
     keys: List[Tuple[int, ...]] = field(default_factory=list)
     equivalence_checked: int = 0
+    replans: int = 0
 
     def to_dict(self) -> Dict[str, Any]:
         """The counters as plain Python values (for JSON)."""
@@ -547,13 +552,20 @@ class GraphBatching:
     and returns at once; steps are served eagerly (on inputs padded to their key,
     counted in ``eager_steps``) until their key is captured, then replayed. The
     equivalence check does not run then (it needs the whole capture).
+    ``autocapture=True``: the background capture starts by itself when the
+    manager creates its batch processor, over keys from
+    :func:`graphrunner.hf.ladder.ladder_keys` (``buckets``/``keys`` when given),
+    and every ``replan_every`` steps (0: never) the keys are re-planned from the
+    recent step sizes (:func:`graphrunner.hf.ladder.replan`); the manager's
+    cache-writing and sampling work never runs beside a key's capture.
     Raises :class:`CaptureError` at capture for a model :func:`refusal` refuses
     and for padding tokens that would write a real cache slot."""
 
     def __init__(self, model, buckets: Optional[Dict[str, Sequence[int]]] = None, keys: Optional[Sequence] = None,
                  max_graphs: Optional[Dict[str, int]] = None, backend: Any = "full", device: Any = "auto",
                  debug: bool = False, checks: Any = ("drift", "fingerprint"), equivalence: bool = True,
-                 validate: bool = True, background: bool = False) -> None:
+                 validate: bool = True, background: bool = False, autocapture: bool = False,
+                 replan_every: int = 256) -> None:
         #: The step's dims: ``tokens``, one keys dim per attention type, ``reqs`` (:func:`batch_dims`).
         self.dims = batch_dims(model)
         names = set(self.dims) | {"kv"}
@@ -570,19 +582,26 @@ class GraphBatching:
                 raise ValueError(f"max_graphs names unknown dims {sorted(unknown)}; the dims are {list(self.dims)}")
         if keys is not None and any(len(k) != len(self.dims) for k in keys):
             raise ValueError(f"keys must be tuples of one size per dim {list(self.dims)}, got {list(keys)!r}")
+        if isinstance(replan_every, bool) or not isinstance(replan_every, int) or replan_every < 0:
+            raise ValueError(f"replan_every must be a number of steps >= 0 (0: never re-plan), got {replan_every!r}")
         self.model = model
         self.buckets = None if buckets is None else {d: sorted(int(b) for b in buckets[d]) for d in self.dims}
         self.keys = None if keys is None else [tuple(int(v) for v in k) for k in keys]
         self.max_graphs = max_graphs
         self.backend, self.device, self.debug, self.checks = backend, device, bool(debug), checks
         self.equivalence, self.validate, self.background = bool(equivalence), bool(validate), bool(background)
+        #: Capture in the background from the manager's first session on, keys from the ladder, re-planned.
+        self.autocapture, self.replan_every = bool(autocapture), int(replan_every)
+        self._window: "collections.deque[Tuple[int, ...]]" = collections.deque(maxlen=4 * max(self.replan_every, 256))
+        self._since_plan = 0
+        self._replan_due = False
+        self._capture_began: Optional[float] = None
         self.mode = "eager"  # "record" (dry run: no forward), "eager", "graph"
         self.runner: Optional[GraphRunner] = None
         self.report = None
         self.stats = BatchingStats()
         self.batch_processor = None
         self.groups: List[_Group] = []
-        self.seed: Optional[int] = None
         self.record_token = 0
         self._original_compute = None
         self._eos: List[int] = []
@@ -606,20 +625,31 @@ class GraphBatching:
         original = manager._create_batch_processor
 
         def create():
-            fresh = getattr(manager, "batch_processor", None) is None
             bp = original()
-            if fresh or self.batch_processor is not bp:
+            if self.batch_processor is not bp:
                 self._attach(bp)
-            elif self.seed is not None:  # a later session of the same processor: the same random stream again
-                torch.manual_seed(self.seed)
             return bp
 
         manager._create_batch_processor = create
+        destroy = manager.destroy
+
+        def destroy_and_release() -> None:
+            destroy()
+            self.release()
+
+        manager.destroy = destroy_and_release
         self.manager = manager
+
+    def release(self) -> None:
+        """Stop a background capture and release the graphs (``manager.destroy()`` calls it): a capture
+        thread must not outlive its manager. The steps run eagerly again until :meth:`capture`."""
+        runner, self.runner = self.runner, None
+        self.mode = "eager"
+        if runner is not None:
+            runner.cleanup()
 
     def _attach(self, bp) -> None:
         self.batch_processor = bp
-        self.seed = torch.initial_seed()  # set_tp_seed has just seeded the default generator
         mr = bp.model_runner
         if mr.pad_inputs:
             raise CaptureError("the manager pads its inputs for its own CUDA graphs or torch.compile: build it with "
@@ -634,6 +664,26 @@ class GraphBatching:
             bp.inputs_and_outputs.attention_mask = None
         self._original_compute = mr.compute_batch
         mr.compute_batch = self.compute_batch
+        if self.autocapture:
+            # transformers writes the cache outside the forward too (prefix-cache forks, offloading) and
+            # samples from the default generator after it: a background key capture, which puts back
+            # what it wrote when it ends, must not run beside any of that
+            for name in ("prepare_next_batch", "_generation_step", "update_batch"):
+                setattr(bp, name, self._guarded(getattr(bp, name)))
+            self.capture()
+
+    def _guarded(self, fn):
+        """``fn`` run while no background key capture runs (``runner.hold()``); a re-plan found due
+        by a step is made after it, outside the hold."""
+        def run(*args, **kwargs):
+            runner = self.runner
+            with runner.hold() if runner is not None else contextlib.nullcontext():
+                out = fn(*args, **kwargs)
+            if self._replan_due:
+                self._replan_due = False
+                self._replan()
+            return out
+        return run
 
     def _model_type(self) -> str:
         return getattr(getattr(self.model, "config", None), "model_type", type(self.model).__name__)
@@ -671,6 +721,15 @@ class GraphBatching:
         size = (int(io.total_seqlen_q), *(int(feeds[f"read_index_{g.index}"].shape[0]) for g in self.groups),
                 int(io.num_request_in_batch))
         self.stats.step_sizes.append(size)
+        if self.autocapture:
+            self._window.append(size)
+            if len(self.stats.step_sizes) > 2 * self._window.maxlen:  # a server runs for ever: keep the recent ones
+                del self.stats.step_sizes[: -self._window.maxlen]
+                del self.stats.engine_sizes[: -self._window.maxlen]
+            self._since_plan += 1
+            if self.replan_every and self._since_plan >= self.replan_every:
+                self._since_plan = 0
+                self._replan_due = True
         self.stats.engine_sizes.append((size[0], int(io.max_kv_read), tuple(int(v) for v in io.max_length_k.values())))
         if self.mode == "record":
             io.output_ids[0, : size[-1]].fill_(self.record_token)
@@ -717,22 +776,84 @@ class GraphBatching:
 
     # ----------------------------------------------------------------- planning and capture
     def plan(self) -> Tuple[Dict[str, List[int]], List[Tuple[int, ...]]]:
-        """Buckets and keys: the declared ones, else :func:`plan_keys` over the step sizes recorded so far."""
+        """Buckets and keys: the declared ones, else :func:`plan_keys` over the step sizes recorded so far,
+        else (``autocapture``, no step yet) the ladder up to the configured sizes
+        (:func:`graphrunner.hf.ladder.ladder_keys`)."""
         if self.buckets is not None:
             if self.keys is not None:
                 return self.buckets, self.keys
             import itertools
             return self.buckets, sorted(itertools.product(*(self.buckets[d] for d in self.dims)))
+        if self.autocapture and not self.stats.step_sizes:
+            return ladder_keys(self._maxima(), self.dims, self.max_graphs)
         return plan_keys(self.stats.step_sizes, self.max_graphs, self.dims)
+
+    def _maxima(self) -> Dict[str, int]:
+        """The largest size of each dim the configured cache and batch allow."""
+        bp = self.batch_processor
+        io, cache = bp.inputs_and_outputs, bp.cache
+        tokens = int(cache.max_batch_tokens)
+        out = {"tokens": tokens, "reqs": int(io.max_requests_per_batch)}
+        for g in self.groups:
+            out[g.dim] = int(cache.max_tokens_read) + tokens
+        return out
+
+    def _new_runner(self, buckets: Dict[str, List[int]], keys: Sequence[Tuple[int, ...]]) -> GraphRunner:
+        bp = self.batch_processor
+        spec = step_inputs(self.groups, self._vocab(), self._max_position(),
+                           int(bp.inputs_and_outputs.max_requests_per_batch), int(bp.cache.max_batch_tokens))
+        return GraphRunner(self._step(), inputs=spec, buckets=buckets, keys=keys, outputs=("reqs",),
+                           backend=self.backend, device=self.device, progress=False, checks=self.checks,
+                           debug=self.debug, fallback="eager")
+
+    def _background(self, buckets: Dict[str, List[int]], keys: Sequence[Tuple[int, ...]]) -> None:
+        """Serve through a new runner over ``keys`` at once, its keys captured on a thread."""
+        self.runner = self._new_runner(buckets, keys)
+        self.runner.capture(background=True)  # puts back what each key's capture writes: no cache reset
+        self._capture_began = time.perf_counter()
+        self.stats.graphs = len(self.runner.keys)
+        self.stats.keys = [tuple(k) for k in self.runner.keys]
+        self.mode = "graph"
+
+    def captured(self) -> int:
+        """Keys that replay now (all of :attr:`runner`'s after a blocking capture; during a background
+        one, those captured so far); adds a finished background capture's time to ``stats.capture_seconds``."""
+        runner = self.runner
+        if runner is None:
+            return 0
+        n = len(runner.captured_keys)
+        if self._capture_began is not None and n == len(runner.keys):
+            self.stats.capture_seconds += time.perf_counter() - self._capture_began
+            self._capture_began = None
+        return n
+
+    def _replan(self) -> None:
+        """``autocapture``: once the current keys are all captured, re-plan them from the recent step
+        sizes (:func:`graphrunner.hf.ladder.replan`) and, when that cuts the padding, serve through a
+        runner over the new keys at once (eagerly, padded, until each is captured) and release the old."""
+        old = self.runner
+        if old is None or self.captured() < len(old.keys) or self.buckets is not None:
+            return
+        plan = replan(list(self._window), [tuple(k) for k in old.keys], self.dims, self.max_graphs)
+        if plan is None:
+            return
+        logger.info("gr.hf: re-planned the keys from %d recent steps: %d keys -> %d", len(self._window),
+                    len(old.keys), len(plan[1]))
+        self._background(*plan)
+        self.stats.replans += 1
+        old.cleanup()
 
     def capture(self):
         """Build :attr:`runner` over the planned keys and capture it (blocking); return GraphRunner's report
         (``None`` with ``background=True``: the capture runs on a thread, ``runner.wait_captured()`` waits).
 
         Needs the batch processor (the manager has run once). Checks the trash
-        slots first, runs the equivalence check after, empties the cache (the
-        capture's forwards wrote it) and reseeds the default generator with the
-        manager's seed, so the next session samples as the first did. Raises
+        slots first, runs the equivalence check after, and puts back the paged
+        cache and the default generator's state as they were before (the
+        capture's forwards write the cache; the prefix-cache blocks of earlier
+        sessions stay valid for later ones). With ``background=True`` or
+        ``autocapture=True`` the keys are captured on a thread while the steps
+        are served (each key's capture puts back what it wrote). Raises
         :class:`CaptureError` naming the architecture and the reason."""
         bp = self.batch_processor
         if bp is None:
@@ -743,23 +864,17 @@ class GraphBatching:
         except CaptureError as exc:
             raise CaptureError(f"gr.hf.generate_batch cannot serve architecture {self._model_type()!r}: {exc}") from exc
         buckets, keys = self.plan()
-        cache, io = bp.cache, bp.inputs_and_outputs
-        spec = step_inputs(self.groups, self._vocab(), self._max_position(), int(io.max_requests_per_batch),
-                           int(cache.max_batch_tokens))
-        t0 = time.perf_counter()
-        if self.background:
-            self.runner = GraphRunner(self._step(), inputs=spec, buckets=buckets, keys=keys, outputs=("reqs",),
-                                      backend=self.backend, device=self.device, progress=False, checks=self.checks,
-                                      debug=self.debug, fallback="eager")
-            self.runner.capture(background=True)  # puts back what each key's capture writes: no cache reset
-            self.stats.graphs = len(self.runner.keys)
-            self.stats.keys = [tuple(k) for k in self.runner.keys]
-            self.mode = "graph"
+        if self.background or self.autocapture:
+            self._background(buckets, keys)
             return None
+        cache = bp.cache
+        t0 = time.perf_counter()
+        # the capture's forwards write the paged cache, whose blocks the prefix cache gives to later
+        # sessions, and may draw from the default generator: both are put back as they were
+        saved = cache.cache_tensor.to("cpu", copy=True)
+        rng = torch.get_rng_state()
         try:
-            self.runner = GraphRunner(self._step(), inputs=spec, buckets=buckets, keys=keys,
-                                      outputs=("reqs",), backend=self.backend, device=self.device, progress=False,
-                                      checks=self.checks, debug=self.debug, fallback="eager")
+            self.runner = self._new_runner(buckets, keys)
             with torch.inference_mode():
                 self.report = self.runner.capture()
                 if self.equivalence:
@@ -769,9 +884,8 @@ class GraphBatching:
                 raise
             raise CaptureError(f"gr.hf.generate_batch cannot serve architecture {self._model_type()!r}: {exc}") from exc
         finally:
-            cache.cache_tensor.zero_()
-            if self.seed is not None:
-                torch.manual_seed(self.seed)
+            cache.cache_tensor.copy_(saved)
+            torch.set_rng_state(rng)
         self.stats.capture_seconds += time.perf_counter() - t0
         self.stats.graphs = len(self.runner.keys)
         self.stats.keys = [tuple(k) for k in self.runner.keys]
@@ -923,11 +1037,8 @@ def _put_group(feeds: Dict[str, torch.Tensor], g: _Group, write, read, key_req, 
 # --------------------------------------------------------------------------- a manager
 
 
-def init_continuous_batching(model, generation_config=None, continuous_batching_config=None, workload_hints=None, *,
-                             buckets: Optional[Dict[str, Sequence[int]]] = None, keys: Optional[Sequence] = None,
-                             max_graphs: Optional[Dict[str, int]] = None, backend: Any = "full",
-                             device: Any = "auto", debug: bool = False, checks: Any = ("drift", "fingerprint"),
-                             equivalence: bool = True, validate: bool = True, background: bool = False):
+def init_continuous_batching(model, generation_config=None, continuous_batching_config=None, workload_hints=None,
+                             **options: Any):
     """``model.init_continuous_batching(...)`` with a :class:`GraphBatching` installed: returns the manager,
     its hook as ``manager.graphs``.
 
@@ -938,9 +1049,17 @@ def init_continuous_batching(model, generation_config=None, continuous_batching_
     sessions (the manager stopped, its batch processor created by a first
     session): the keys are then planned from the sizes recorded (or from
     ``buckets``/``keys``), and every later session replays them. The cache keeps its
-    tensors across sessions, which the graphs need; call
-    ``manager.graphs.batch_processor.cache.reset()`` to drop the prefix-cache
-    blocks of a session. Options as :class:`GraphBatching`. Raises
+    tensors (and its prefix-cache blocks) across sessions: the capture puts
+    back what it wrote, so every session before and after it generates what
+    transformers' own manager does.
+
+    ``autocapture=True`` is the form a server takes (it never stops its
+    manager): from the first session on, the keys are planned from a ladder up
+    to the configured cache and batch sizes and captured in the background
+    while the steps are served (eagerly, padded, until their key is captured),
+    then re-planned every ``replan_every`` steps from the sizes served when that
+    cuts the padding (``stats.replans``). Options (keyword only) as
+    :class:`GraphBatching`; ``TypeError`` for an unknown one. Raises
     :class:`CaptureError` for a model :func:`refusal` refuses."""
     why = refusal(model, continuous_batching_config)
     if why is not None:
@@ -949,10 +1068,12 @@ def init_continuous_batching(model, generation_config=None, continuous_batching_
     manager = model.init_continuous_batching(generation_config=generation_config,
                                              continuous_batching_config=continuous_batching_config,
                                              workload_hints=workload_hints)
-    hook = GraphBatching(model, buckets=buckets, keys=keys, max_graphs=max_graphs, backend=backend, device=device,
-                         debug=debug, checks=checks, equivalence=equivalence, validate=validate,
-                         background=background)
-    hook.install(manager)
+    try:
+        hook = GraphBatching(model, **options)
+        hook.install(manager)
+    except BaseException:
+        manager.destroy()
+        raise
     manager.graphs = hook
     return manager
 
@@ -974,7 +1095,7 @@ def generate_batch(model, inputs: List[List[int]], generation_config=None, conti
                    max_graphs: Optional[Dict[str, int]] = None, backend: Any = "full", device: Any = "auto",
                    debug: bool = False, checks: Any = ("drift", "fingerprint"), equivalence: bool = True,
                    validate: bool = True, background: bool = False, stats: Optional[Dict[str, Any]] = None,
-                   **kwargs) -> Dict[str, Any]:
+                   reuse: bool = True, **kwargs) -> Dict[str, Any]:
     """``model.generate_batch(inputs, generation_config, continuous_batching_config, **kwargs)`` with the varlen
     steps' forward replayed from graphrunner graphs; returns exactly what it returns.
 
@@ -995,7 +1116,11 @@ def generate_batch(model, inputs: List[List[int]], generation_config=None, conti
     on. Then the step is captured (``backend``, ``device``: as
     :class:`~graphrunner.GraphRunner`), checked (:class:`GraphBatching`), the cache
     emptied and the generation run. Steps larger than every key run
-    eagerly. ``debug``, ``checks``, ``equivalence``, ``validate``, ``background``
+    eagerly. ``reuse=True`` (the default) keeps the manager and its graphs on
+    the model: a later call with the same settings (generation and batching
+    configs, the workload hints of its prompts, these options) captures
+    nothing and starts from an empty cache, as a new manager does; another
+    setting replaces them. :func:`release` frees them (or ``reuse=False``). ``debug``, ``checks``, ``equivalence``, ``validate``, ``background``
     (serve from the first step while the keys are captured on a thread): as
     :class:`GraphBatching`. ``stats``: a dict that receives :class:`BatchingStats` (``"stats"``),
     the capture report (``"report"``) and the runner (``"runner"``).
@@ -1021,50 +1146,91 @@ def generate_batch(model, inputs: List[List[int]], generation_config=None, conti
     gen_cfg = model.generation_config if generation_config is None else generation_config
     if not isinstance(gen_cfg, GenerationConfig):
         raise TypeError(f"generation_config must be a transformers GenerationConfig, got {type(gen_cfg).__name__}")
-    cb_cfg = ContinuousBatchingConfig() if continuous_batching_config is None else continuous_batching_config
+    # transformers fills the batching config in when it sizes the cache: it gets a copy, the user's stays as given
+    cb_cfg = ContinuousBatchingConfig() if continuous_batching_config is None else copy.deepcopy(
+        continuous_batching_config)
     max_new_tokens = kwargs.get("max_new_tokens", None)
     max_new_tokens = gen_cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
     if getattr(model, "_cached_continuous_batching_manager", None) is not None:
         raise GraphRunnerError("the model holds a persistent continuous batching manager; call "
                                "model.destroy_cached_continuous_batching_manager() first")
     hints = _workload_hints(inputs, gen_cfg, max_new_tokens)
-    manager = model.init_continuous_batching(generation_config=generation_config,
-                                             continuous_batching_config=cb_cfg, workload_hints=hints)
-    hook = GraphBatching(model, buckets=buckets, keys=keys, max_graphs=max_graphs, backend=backend, device=device,
-                         debug=debug, checks=checks, equivalence=equivalence, validate=validate,
-                         background=background)
+    options = dict(buckets=buckets, keys=keys, max_graphs=max_graphs, backend=backend, device=device, debug=debug,
+                   checks=checks, equivalence=equivalence, validate=validate, background=background)
+    settings = repr((sorted(gen_cfg.to_dict().items()), sorted(vars(cb_cfg).items()), vars(hints),
+                     sorted(options.items())))
+    held = getattr(model, _HELD, None)
+    if held is not None and (held.settings != settings or not reuse):
+        release(model)
+        held = None
+    run_kwargs = {**kwargs, "persistent_manager": True}
+    if held is None:
+        manager = model.init_continuous_batching(generation_config=generation_config,
+                                                 continuous_batching_config=cb_cfg, workload_hints=hints)
+        hook = GraphBatching(model, **options)
+    else:
+        manager, hook = held.manager, held.hook
+    ok = False
     try:
-        hook.install(manager)
-        run_kwargs = dict(kwargs)
-        run_kwargs["persistent_manager"] = True
-        t0 = time.perf_counter()
-        hook.mode = "record"
         model._cached_continuous_batching_manager = manager
-        _quiet_generate(model, inputs, generation_config, cb_cfg, {**run_kwargs, "progress_bar": False})
-        _reraise(hook)
-        hook.stats.dry_run_seconds = time.perf_counter() - t0
-        if hook.batch_processor is None:
-            raise GraphRunnerError("the dry run did not start transformers' batch processor")
-        hook.batch_processor.cache.reset()  # the dry run's blocks and prefix hashes hold no real K/V
-        hook.mode = "eager"
-        hook.capture()
+        if held is None:
+            hook.install(manager)
+            t0 = time.perf_counter()
+            hook.mode = "record"
+            _quiet_generate(model, inputs, generation_config, cb_cfg, {**run_kwargs, "progress_bar": False})
+            _reraise(hook)
+            hook.stats.dry_run_seconds = time.perf_counter() - t0
+            if hook.batch_processor is None:
+                raise GraphRunnerError("the dry run did not start transformers' batch processor")
+            hook.mode = "eager"
+        hook.batch_processor.cache.reset()  # empty, as a new manager's: the dry run's blocks hold no real K/V
+        if held is None:
+            hook.capture()
+        bp = hook.batch_processor
+        bp.distributed_helper.set_tp_seed(cb_cfg.seed, bp.cache.device)  # as transformers seeds a new processor
         manager._request_counter = 0  # the same request ids as model.generate_batch
         model._cached_continuous_batching_manager = manager
-        out = model.generate_batch(inputs=inputs, generation_config=generation_config,
-                                   continuous_batching_config=cb_cfg, **run_kwargs)
+        out = _quiet_generate(model, inputs, generation_config, cb_cfg, run_kwargs)
         _reraise(hook)
+        ok = True
     finally:
         if getattr(model, "_cached_continuous_batching_manager", None) is manager:
-            model.destroy_cached_continuous_batching_manager()
-        else:
-            manager.destroy()
+            del model._cached_continuous_batching_manager  # model.generate_batch must not pick our manager up
         if hook.runner is not None and hook.background:
             hook.runner.wait_captured()
-        if hook.runner is not None and stats is None:
-            hook.runner.cleanup()
+        if ok and reuse:
+            setattr(model, _HELD, _Held(settings, manager, hook))
+        else:
+            if getattr(model, _HELD, None) is not None and getattr(model, _HELD).manager is manager:
+                delattr(model, _HELD)
+            manager.destroy()  # releases the graphs too
     if stats is not None:
         stats.update({"stats": hook.stats, "report": hook.report, "runner": hook.runner, "hook": hook})
     return out
+
+
+#: The attribute of a model that holds what :func:`generate_batch` keeps for its next call.
+_HELD = "_graphrunner_generate_batch"
+
+
+@dataclass
+class _Held:
+    """A manager and its graphs kept on a model for the next :func:`generate_batch` call of ``settings``."""
+
+    settings: str
+    manager: Any
+    hook: GraphBatching
+
+
+def release(model) -> bool:
+    """Free the manager, cache and graphs :func:`generate_batch` keeps on ``model`` for its next call (a
+    background capture is stopped first). Returns True when there were some."""
+    held = getattr(model, _HELD, None)
+    if held is None:
+        return False
+    delattr(model, _HELD)
+    held.manager.destroy()  # GraphBatching.install makes it release the graphs
+    return True
 
 
 def _reraise(hook: GraphBatching) -> None:
@@ -1074,14 +1240,15 @@ def _reraise(hook: GraphBatching) -> None:
         raise err
 
 
-def _quiet_generate(model, inputs, generation_config, cb_cfg, run_kwargs) -> None:
-    """``model.generate_batch`` with transformers' persistent-manager warning silenced (the dry run)."""
+def _quiet_generate(model, inputs, generation_config, cb_cfg, run_kwargs) -> Dict[str, Any]:
+    """``model.generate_batch`` with transformers' warning about ``persistent_manager=True`` silenced:
+    graphrunner passes it, not the user."""
     from transformers.generation.continuous_batching.utils import logger as cb_logger
 
     level = cb_logger.level
     cb_logger.setLevel(logging.ERROR)
     try:
-        model.generate_batch(inputs=inputs, generation_config=generation_config,
-                             continuous_batching_config=cb_cfg, **run_kwargs)
+        return model.generate_batch(inputs=inputs, generation_config=generation_config,
+                                    continuous_batching_config=cb_cfg, **run_kwargs)
     finally:
         cb_logger.setLevel(level)

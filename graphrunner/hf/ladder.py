@@ -1,0 +1,106 @@
+"""Keys for a server that has seen no step yet, and when to re-plan them from the steps it has seen.
+
+A server cannot run a dry run of its workload first (``gr.hf.generate_batch``
+does): its keys start from a *ladder*, a few sizes per dim from 1 up to what
+the configured cache and batch allow, and are re-planned by
+:func:`graphrunner.plan_buckets` from the sizes of the steps served once that
+would cut the padding the graphs compute (:func:`replan`). Pure functions of
+sizes: :class:`graphrunner.hf.batching.GraphBatching` applies them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["LADDER_GRAPHS", "REPLAN_GAIN", "ladder", "ladder_keys", "padding", "replan"]
+
+#: Sizes per dim of the starting ladder (a keys dim not named takes ``kv``'s).
+LADDER_GRAPHS = {"tokens": 5, "kv": 4, "reqs": 3}
+
+#: A re-plan is taken when its keys compute at most this share of the current keys' padding.
+REPLAN_GAIN = 0.8
+
+Sizes = Tuple[int, ...]
+
+
+def ladder(top: int, count: int, low: int = 1) -> List[int]:
+    """Up to ``count`` sizes from ``low`` to ``top`` (both included when ``count >= 2``): powers of two
+    between them, thinned evenly when there are more, and ``top`` itself. Raises ``ValueError`` for
+    ``top < 1`` or ``count < 1``."""
+    top, low, count = int(top), max(1, int(low)), int(count)
+    if top < 1 or count < 1:
+        raise ValueError(f"a ladder needs top >= 1 and count >= 1, got top={top}, count={count}")
+    low = min(low, top)
+    steps = sorted({low} | {1 << i for i in range(top.bit_length()) if low < (1 << i) < top} | {top})
+    if len(steps) <= count:
+        return steps
+    if count == 1:
+        return [top]
+    picked = {steps[int(i * (len(steps) - 1) / (count - 1) + 0.5)] for i in range(count)}
+    return sorted(picked)
+
+
+def ladder_keys(maxima: Dict[str, int], dims: Sequence[str], counts: Optional[Dict[str, int]] = None
+                ) -> Tuple[Dict[str, List[int]], List[Sizes]]:
+    """``(buckets, keys)`` of the starting ladder: :func:`ladder` per dim up to ``maxima[dim]`` with
+    ``counts[dim]`` sizes (default :data:`LADDER_GRAPHS`; a keys dim ``kv_*`` falls back on ``kv``),
+    and every key a step can land on: no more requests than tokens (a request has a token in the
+    step) and, for the keys dims, at least as many keys as the smallest ladder size of tokens. The
+    ``dims`` are ``("tokens", <keys dims>..., "reqs")``."""
+    counts = {**LADDER_GRAPHS, **(counts or {})}
+    buckets: Dict[str, List[int]] = {}
+    for d in dims:
+        n = counts.get(d, counts["kv"] if d.startswith("kv") else 4)
+        low = 16 if d.startswith("kv") else 1
+        top = min(int(maxima[d]), int(maxima[dims[0]])) if d == dims[-1] else int(maxima[d])  # reqs <= tokens
+        buckets[d] = ladder(top, n, low)
+    keys = [k for k in itertools.product(*(buckets[d] for d in dims)) if k[-1] <= k[0]]
+    return buckets, sorted(keys)
+
+
+def padding(sizes: Sequence[Sizes], keys: Sequence[Sizes]) -> Tuple[int, int]:
+    """``(padded cells, steps no key covers)`` of serving ``sizes`` on ``keys``: each step lands on
+    the key the runner chooses (the covering key of the smallest product); its padding is that
+    key's cells (the product of its sizes but ``reqs``: tokens x keys) minus the step's."""
+    pad, missed = 0, 0
+    ordered = sorted((tuple(k) for k in keys), key=lambda k: (math.prod(k), k))  # as the runner chooses
+    for s in sizes:
+        for k in ordered:
+            if all(a >= b for a, b in zip(k, s)):
+                pad += _cells(k) - _cells(s)
+                break
+        else:
+            missed += 1
+    return pad, missed
+
+
+def _cells(key: Sizes) -> int:
+    return math.prod(int(v) for v in key[:-1])
+
+
+def replan(sizes: Sequence[Sizes], keys: Sequence[Sizes], dims: Sequence[str],
+           max_graphs: Optional[Dict[str, int]] = None, gain: float = REPLAN_GAIN
+           ) -> Optional[Tuple[Dict[str, List[int]], List[Sizes]]]:
+    """New ``(buckets, keys)`` for the steps ``sizes`` served so far on ``keys``, or ``None`` when they
+    would not cut the padding to ``gain`` of today's (:func:`padding`) or would leave a step uncovered
+    that today's keys cover. The plan is :func:`graphrunner.hf.batching.plan_keys` over ``sizes``,
+    plus the key of today's largest size in every dim, so a step larger than every step seen still
+    replays."""
+    from graphrunner.hf.batching import plan_keys
+
+    if not sizes or not keys:
+        return None
+    buckets, planned = plan_keys(sizes, max_graphs, dims)
+    chosen = set(planned) | {tuple(max(int(k[i]) for k in keys) for i in range(len(dims)))}
+    chosen.add(tuple(max(k[i] for k in chosen) for i in range(len(dims))))  # the key covering every other one
+    new = sorted(chosen)
+    buckets = {d: sorted({int(k[i]) for k in new}) for i, d in enumerate(dims)}
+    old_pad, old_missed = padding(sizes, keys)
+    new_pad, new_missed = padding(sizes, new)
+    if new_missed > old_missed or sorted(new) == sorted(tuple(k) for k in keys):
+        return None
+    if old_pad == 0 or new_pad > gain * old_pad:
+        return None
+    return buckets, new

@@ -1,0 +1,199 @@
+"""The manager form of gr.hf (``gr.hf.init_continuous_batching``): sessions, a capture between them, and a
+server's form (``autocapture=True``: captured in the background from the first step, keys re-planned).
+
+The reference is transformers' own ``model.generate_batch`` on the same model, prompts and configs,
+token for token. Prefix caching is on (transformers' default, ``allow_block_sharing``): a later
+session reuses the cache blocks of an earlier one's prompts, so a capture that spoils them gives
+wrong tokens silently (the negative control). Tiny random-weight models, nothing downloaded.
+"""
+
+import pytest
+from extras_util import require
+
+transformers = require("transformers")
+
+import torch  # noqa: E402
+from transformers import GenerationConfig  # noqa: E402
+from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
+
+import graphrunner as gr  # noqa: E402
+import graphrunner.hf  # noqa: E402,F401
+from graphrunner.hf import ladder  # noqa: E402
+from graphrunner_tools.models.hf_tiny import build_tiny  # noqa: E402
+
+pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_torch_thread")]
+
+NEW = 12
+
+
+def qwen2():
+    """The issue's model: vocab 256, hidden 64, 2 layers, 4 heads, 2 kv heads."""
+    torch.manual_seed(0)
+    return build_tiny("qwen2", vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2)
+
+
+def cb_config(seed=None):
+    return ContinuousBatchingConfig(page_size=16, num_blocks=64, max_batch_tokens=64, max_requests_per_batch=8,
+                                    seed=seed)
+
+
+def prompts(n=10, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (int(k),), generator=g).tolist() for k in torch.randint(2, 41, (n,), generator=g)]
+
+
+def gen_config(sample=False):
+    if sample:
+        return GenerationConfig(max_new_tokens=NEW, do_sample=True, temperature=0.9, top_k=20, eos_token_id=-1,
+                                pad_token_id=0)
+    return GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+
+def reference(model, inputs, gc, seed=None):
+    out = model.generate_batch(inputs=inputs, generation_config=gc, continuous_batching_config=cb_config(seed))
+    return {k: v.generated_tokens for k, v in out.items()}
+
+
+def session(manager, inputs):
+    """One session as a user runs it: start, add the requests (in one call, as ``generate_batch`` does:
+    a seeded sampler's draws follow the steps' makeup), collect, stop keeping the cache. Returns
+    ``req_<i>`` -> tokens, ``i`` the prompt's index."""
+    manager.start()
+    ids = manager.add_requests(inputs=inputs, max_new_tokens=NEW)
+    name = {rid: f"req_{i}" for i, rid in enumerate(ids)}
+    out = {}
+    while len(out) < len(inputs):
+        r = manager.get_result(timeout=60)
+        assert r is not None and r.error is None
+        if r.is_finished():
+            out[name[r.request_id]] = r.generated_tokens
+    manager.stop(block=True, keep_for_next_session=True)
+    return out
+
+
+def equal(ref, out):
+    return sum(ref[k] == out.get(k) for k in ref)
+
+
+@pytest.mark.slow
+def test_three_sessions_around_a_capture_equal_transformers_with_prefix_caching():
+    model, gc = qwen2(), gen_config()
+    a, b = prompts(), prompts(seed=7)
+    ref_a, ref_b = reference(model, a, gc), reference(model, b, gc)
+    manager = gr.hf.init_continuous_batching(model, gc, cb_config(), device="tape")
+    try:
+        assert manager.continuous_batching_config.allow_block_sharing, "prefix caching is on"
+        first = session(manager, a)
+        hook = manager.graphs
+        cache = hook.batch_processor.cache.cache_tensor
+        before = cache.clone()
+        hook.capture()  # no cache reset: the blocks of the first session's prompts are reused next
+        assert torch.equal(cache, before), "the capture put back every cache slot it wrote"
+        second = session(manager, a)  # the same prompts: their prefix blocks come from the first session
+        replayed = hook.stats.replayed
+        third = session(manager, b)  # other prompts
+    finally:
+        manager.destroy()
+    assert (equal(ref_a, first), equal(ref_a, second), equal(ref_b, third)) == (10, 10, 10)
+    assert replayed > 0 and hook.stats.replayed > replayed, "the second and third sessions replayed graphs"
+
+
+@pytest.mark.slow
+def test_negative_control_a_capture_that_spoils_the_cache_gives_wrong_tokens():
+    # what the capture did before: it zeroed the cache, whose blocks the prefix cache hands the next session
+    model, gc = qwen2(), gen_config()
+    a = prompts()
+    ref = reference(model, a, gc)
+    manager = gr.hf.init_continuous_batching(model, gc, cb_config(), device="tape")
+    try:
+        session(manager, a)
+        manager.graphs.capture()
+        manager.graphs.batch_processor.cache.cache_tensor.zero_()
+        second = session(manager, a)
+    finally:
+        manager.destroy()
+    assert equal(ref, second) < 10, "a spoiled prefix cache changes the tokens"
+
+
+@pytest.mark.slow
+def test_autocapture_serves_from_the_first_step_and_equals_transformers():
+    model, gc = qwen2(), gen_config()
+    a = prompts()
+    ref = reference(model, a, gc)
+    manager = gr.hf.init_continuous_batching(model, gc, cb_config(), device="tape", autocapture=True,
+                                             replan_every=0)
+    try:
+        first = session(manager, a)  # capture runs on a thread from the first step
+        hook = manager.graphs
+        eager_first = hook.stats.eager_steps
+        assert hook.runner.wait_captured(timeout=120) is not None
+        second = session(manager, a)
+        keys, captured = sorted(tuple(k) for k in hook.runner.keys), hook.captured()
+        expect_buckets, expect_keys = ladder.ladder_keys(hook._maxima(), hook.dims)
+    finally:
+        manager.destroy()
+    assert (equal(ref, first), equal(ref, second)) == (10, 10)
+    s = hook.stats
+    assert eager_first > 0, "steps before their key was captured ran eagerly"
+    assert s.replayed > 0 and s.eager_steps + s.replayed == s.steps
+    assert keys == expect_keys and captured == len(expect_keys) and s.capture_seconds > 0
+    assert hook.runner is None, "manager.destroy() released the graphs"
+
+
+@pytest.mark.slow
+def test_autocapture_seeded_sampling_equals_transformers():
+    model, gc = qwen2(), gen_config(sample=True)
+    a = prompts(seed=3)
+    ref = reference(model, a, gc, seed=11)
+    manager = gr.hf.init_continuous_batching(model, gc, cb_config(seed=11), device="tape", autocapture=True)
+    try:
+        out = session(manager, a)
+    finally:
+        manager.destroy()
+    assert equal(ref, out) == 10
+    assert ref != reference(model, a, gen_config()), "control: the sampler really sampled"
+
+
+@pytest.mark.slow
+def test_a_replan_swaps_keys_without_a_wrong_token():
+    model, gc = qwen2(), gen_config()
+    a, b = prompts(n=16, seed=4), prompts(n=16, seed=5)
+    ref_a, ref_b = reference(model, a, gc), reference(model, b, gc)
+    manager = gr.hf.init_continuous_batching(model, gc, cb_config(), device="tape", autocapture=True,
+                                             replan_every=8)
+    try:
+        hook = manager.graphs
+        first = session(manager, a)
+        assert hook.runner.wait_captured(timeout=120) is not None
+        ladder_keys = sorted(tuple(k) for k in hook.runner.keys)
+        second = session(manager, b)  # the first step after the ladder is captured re-plans
+        assert hook.runner.wait_captured(timeout=120) is not None
+        third = session(manager, a)
+        keys = sorted(tuple(k) for k in hook.runner.keys)
+    finally:
+        manager.destroy()
+    assert (equal(ref_a, first), equal(ref_b, second), equal(ref_a, third)) == (16, 16, 16)
+    assert hook.stats.replans >= 1 and keys != ladder_keys
+    sizes = hook.stats.step_sizes
+    assert ladder.padding(sizes, keys)[0] < ladder.padding(sizes, ladder_keys)[0]
+
+
+def test_ladder_and_replan_by_hand():
+    assert ladder.ladder(64, 5) == [1, 4, 8, 32, 64]
+    assert ladder.ladder(8, 4) == [1, 2, 4, 8] and ladder.ladder(1, 3) == [1] and ladder.ladder(3, 4) == [1, 2, 3]
+    assert ladder.ladder(1024, 4, low=16) == [16, 64, 256, 1024]
+    with pytest.raises(ValueError, match="top >= 1"):
+        ladder.ladder(0, 3)
+    buckets, keys = ladder.ladder_keys({"tokens": 8, "kv": 64, "reqs": 16}, ("tokens", "kv", "reqs"),
+                                       {"tokens": 2, "kv": 2, "reqs": 2})
+    assert buckets == {"tokens": [1, 8], "kv": [16, 64], "reqs": [1, 8]}, "reqs capped at the tokens"
+    assert keys == [(1, 16, 1), (1, 64, 1), (8, 16, 1), (8, 16, 8), (8, 64, 1), (8, 64, 8)]
+    # a step (3 tokens, 20 keys) lands on (8, 64, 8): 8*64 - 3*20 = 452 padded cells (by hand)
+    assert ladder.padding([(3, 20, 2)], keys) == (452, 0)
+    assert ladder.padding([(9, 20, 2)], keys) == (0, 1)
+    # steps all of (4, 32, 2): a plan that fits them exactly cuts the padding; the largest key stays
+    plan = ladder.replan([(4, 32, 2)] * 10, keys, ("tokens", "kv", "reqs"))
+    assert plan is not None and (4, 32, 2) in plan[1] and (8, 64, 8) in plan[1]
+    assert ladder.padding([(4, 32, 2)], plan[1]) == (0, 0)
+    assert ladder.replan([(8, 64, 8)] * 3, keys, ("tokens", "kv", "reqs")) is None, "nothing to cut"
