@@ -30,14 +30,13 @@ check attaches to capture as the hook :class:`ExternalsCheck`.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._pytree import tree_leaves
 
-from graphrunner._env import TRUE
+from graphrunner._env import env_flag
 from graphrunner.recording.hooks import Capture, CaptureHook, Finding
 from graphrunner.recording.ops import OpConsumer, storage_key
 from graphrunner.errors import CaptureError, ContractError, GraphRunnerError
@@ -47,12 +46,15 @@ __all__ = ["debug_enabled", "bounds_error", "check_bounds", "check_call", "Exter
 
 
 def debug_enabled(debug: Optional[bool]) -> bool:
-    """``debug`` if given, else whether ``GRAPHRUNNER_DEBUG`` is ``1``/``true``/``yes``/``on``."""
+    """``debug`` if given, else ``GRAPHRUNNER_DEBUG`` read as every ``GRAPHRUNNER_*`` switch is
+    (:func:`graphrunner._env.env_flag`): ``1``/``true``/``yes``/``on`` on, unset/``0``/``false``/``no``/
+    ``off`` off, anything else (``2``, ``debug``, ``enabled``) a ``ValueError`` saying what to set."""
     if debug is not None:
         if not isinstance(debug, bool):
             raise TypeError(f"debug must be True, False or None (read GRAPHRUNNER_DEBUG), got {debug!r}")
         return debug
-    return os.environ.get("GRAPHRUNNER_DEBUG", "").strip().lower() in TRUE  # lax: anything else is off
+    return env_flag("GRAPHRUNNER_DEBUG", "set it to 1 (or true/yes/on) to check every call of every runner "
+                    "(debug mode), or 0 / unset it for none; GraphRunner(debug=...) overrides it per runner")
 
 
 # ----------------------------------------------------------------- bounds
