@@ -1149,15 +1149,28 @@ class PythonNumbers:
 
     Contract: :meth:`snapshot` returns the attributes now (tensors by reference); :meth:`put`
     writes a snapshot's values back into the attributes whose value is no longer that object
-    (straight into ``__dict__``, no ``__setattr__``). State elsewhere (module globals, closure
-    cells, containers, a tensor's contents: those are the write guard's) is not followed."""
+    (straight into ``__dict__``, no ``__setattr__``; a class attribute through ``type.__setattr__``:
+    the user's classes of the objects are followed too, so ``Step.calls += 1`` counts like
+    ``self.calls += 1``). State elsewhere (module globals, closure cells, containers, a tensor's
+    contents: those are the write guard's) is not followed."""
 
     def __init__(self, step: Any) -> None:
-        self.objects = [obj for _, obj in _step_objects(step)
+        reached = [obj for _, obj in _step_objects(step)]
+        self.objects = [obj for obj in reached
                         if isinstance(getattr(obj, "__dict__", None), dict) and not isinstance(obj, type)]
+        # the user's classes of those objects (and their bases): a counter kept in a class attribute
+        # (``Step.calls += 1``) is Python state the step re-binds just like ``self.calls``
+        classes: List[type] = []
+        for obj in reached:
+            for cls in getattr(obj if isinstance(obj, type) else type(obj), "__mro__", ()):
+                mod = getattr(cls, "__module__", "") or ""
+                if mod == "builtins" or mod.split(".")[0] in ("torch", "graphrunner") or cls in classes:
+                    continue
+                classes.append(cls)
+        self.objects += classes
 
     def snapshot(self) -> List[Tuple[Any, str, Any]]:
-        """``[(object, attribute, value)]`` of every number and tensor attribute now."""
+        """``[(object or class, attribute, value)]`` of every number and tensor attribute now."""
         return [(obj, n, v) for obj in self.objects for n, v in list(vars(obj).items())
                 if type(v) in (int, float, bool) or isinstance(v, torch.Tensor)]
 
@@ -1167,4 +1180,7 @@ class PythonNumbers:
         for obj, n, v in snapshot or ():
             d = vars(obj)
             if d.get(n, v) is not v:
-                d[n] = v
+                if isinstance(obj, type):  # a class's __dict__ is read-only: set it as the class would
+                    type.__setattr__(obj, n, v)
+                else:
+                    d[n] = v
