@@ -52,24 +52,28 @@ def test_the_engine_samples_exactly_what_it_samples_without_a_capture():
 VOCAB, D = 50, 16
 
 
-def _embedding_runner():
+def _embedding_runner(cache=False):
     """The issue's deterministic step: ``h = E[ids]``, ten ``tanh(h @ W)``, ``h @ E.T``; ``ids``'s pad
     (0) lies inside its bounds, so the padding check runs its follow-up call (the path that set the
-    default generator's state back)."""
+    default generator's state back). ``cache``: the step also writes a cache through ``ids`` (REVIEW
+    item 1: state written through an integer slot input whose pad lies inside its bounds)."""
     g = torch.Generator().manual_seed(0)
     E, W = torch.randn(VOCAB, D, generator=g), torch.randn(D, D, generator=g) * 0.3
+    store = torch.zeros(VOCAB, D)
 
     def step(ids):
         h = E[ids]
         for _ in range(10):
             h = torch.tanh(h @ W)
+        if cache:
+            store.index_add_(0, ids, h)
         return h @ E.T
 
     ids = gr.BatchInput(dtype=torch.long, pad=0, bounds=(0, VOCAB - 1))
     return gr.GraphRunner(step, {"ids": ids}, [1, 2, 4, 8, 16, 32], device="tape", progress=False)
 
 
-def _draws_around_a_follow_up(monkeypatch, rewind=False, n=100):
+def _draws_around_a_follow_up(monkeypatch, rewind=False, n=100, cache=False):
     """The serving thread's ``torch.rand(1)`` draws, ``n`` while the capture thread is held right after
     the padding check prepared its runs (before its follow-up call) and ``n`` after the key's check
     ended: a deterministic interleaving. ``rewind``: the negative control, the check's old follow-up
@@ -97,7 +101,7 @@ def _draws_around_a_follow_up(monkeypatch, rewind=False, n=100):
 
     monkeypatch.setattr(LeakCheck, "before_warmup", held_before_warmup)
     monkeypatch.setattr(LeakCheck, "after_warmups", noted_after_warmups)
-    r = _embedding_runner()
+    r = _embedding_runner(cache)
     torch.manual_seed(0)
     r.capture(background=True)
     assert at_follow.wait(60)  # the check began (its run A is next, then the follow-up)
@@ -110,17 +114,19 @@ def _draws_around_a_follow_up(monkeypatch, rewind=False, n=100):
     return torch.cat(draws)
 
 
-def test_the_padding_checks_follow_up_never_rewinds_the_engines_generator(monkeypatch):
+@pytest.mark.parametrize("cache", [False, True], ids=["pure", "writes-a-cache"])
+def test_the_padding_checks_follow_up_never_rewinds_the_engines_generator(monkeypatch, cache):
     torch.manual_seed(0)
     want = torch.rand(200)
-    got = _draws_around_a_follow_up(monkeypatch)
+    got = _draws_around_a_follow_up(monkeypatch, cache=cache)
     assert torch.equal(got, want)
 
 
-def test_negative_control_the_rewinding_follow_up_repeats_the_engines_numbers(monkeypatch):
+@pytest.mark.parametrize("cache", [False, True], ids=["pure", "writes-a-cache"])
+def test_negative_control_the_rewinding_follow_up_repeats_the_engines_numbers(monkeypatch, cache):
     torch.manual_seed(0)
     want = torch.rand(200)
-    got = _draws_around_a_follow_up(monkeypatch, rewind=True)
+    got = _draws_around_a_follow_up(monkeypatch, rewind=True, cache=cache)
     assert not torch.equal(got, want)
     assert torch.equal(got[100:], got[:100])  # the second hundred repeats the first: a rewind
 
