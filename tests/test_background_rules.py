@@ -67,6 +67,8 @@ def _call_inside_hold(r, out):
 
 
 def _in_thread(fn, *args, seconds):
+    """True when ``fn`` returned within ``seconds``: a deadlock detector, not a timing claim (the
+    bound is far above any call here; a thread still alive after it is stuck on a lock)."""
     t = threading.Thread(target=fn, args=args, daemon=True)
     t.start()
     t.join(seconds)
