@@ -305,3 +305,40 @@ def test_shadow_verification_under_a_background_capture_draws_what_eager_draws()
             gate.set()
             assert r.wait_captured(timeout=60) is not None
     assert sum(r.stats.replays.values()) > 0
+
+
+def test_compare_draws_nothing_from_the_engines_generator_and_compares_like_with_like():
+    """runner.compare (after a background capture) on a step that draws from the default generator,
+    between two of the engine's draws: equal (both runs draw from one copy of the generator), and
+    the engine's numbers are as if compare had not run (it never drew from, nor set, the generator)."""
+    def step(x):
+        return x + torch.rand(x.shape)
+
+    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(3,))}, [1, 2, 4], device="tape", progress=False)
+    gate = threading.Event()
+    r.capturer.background_gate = gate
+    r.capture(background=True)
+    gate.set()
+    assert r.wait_captured(timeout=60) is not None
+    torch.manual_seed(3)
+    want = torch.rand(10)
+    torch.manual_seed(3)
+    got = [torch.rand(5)]
+    report = r.compare(x=torch.zeros(4, 3))
+    got.append(torch.rand(5))
+    assert report.equal, report
+    assert torch.equal(torch.cat(got), want)
+
+
+def test_negative_control_compare_without_stand_ins_differs(monkeypatch):
+    import graphrunner.recording.ops as ops
+
+    monkeypatch.setattr(ops, "stand_in_op", lambda func, args, kwargs: (func, kwargs))
+
+    def step(x):
+        return x + torch.rand(x.shape)
+
+    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(3,))}, [1, 2, 4], device="tape", progress=False)
+    r.capture()
+    torch.manual_seed(3)
+    assert not r.compare(x=torch.zeros(4, 3)).equal  # the two runs drew different numbers
