@@ -312,6 +312,7 @@ class PutBack(CaptureHook):
         self._filled: Any = None
 
     def begin(self, cap: Any) -> None:
+        """Keep the static buffers and set every input to its pad value (the key's own inputs)."""
         import torch
 
         staging = self.staging
@@ -332,15 +333,19 @@ class PutBack(CaptureHook):
                     b.fill_(staging.specs[n].pad)
 
     def after_warmup(self, cap: Any, i: int, out: Any) -> None:
+        """``state=True`` inputs back to their pad value after warmup ``i``."""
         self._state_to_pad()  # the next warmup starts where the first did
 
     def after_warmups(self, cap: Any) -> None:
+        """``state=True`` inputs back to their pad value before the capture."""
         self._state_to_pad()  # the capture too (after the checks' runs, which put back their own data)
 
     def warmup_consumers(self, cap: Any, i: int) -> Sequence[Any]:
+        """The write guard watches every warmup."""
         return [self.guard]
 
     def capture_consumers(self, cap: Any) -> Sequence[Any]:
+        """The write guard watches a tape capture (it computes); a CUDA capture only records."""
         return [self.guard] if self.executes else []
 
     def around(self, hook: Callable[[], Any]) -> Callable[[], Any]:
@@ -354,6 +359,7 @@ class PutBack(CaptureHook):
         return recorded
 
     def end(self, cap: Any) -> None:
+        """Put back what the key wrote outside the step, and the static buffers as the last call left them."""
         import torch
 
         self.guard.restore()

@@ -263,7 +263,7 @@ def first_unsafe_op(forward: Callable[[], Any]) -> Optional[str]:
     try:
         with OpRecorder([guard, first], stop=getattr(forward, "__code__", None)):
             forward()
-    except Exception:  # noqa: BLE001 - a diagnosis: the original error is what the caller raises
+    except Exception:  # noqa: BLE001, S110 - a diagnosis: the original error is what the caller raises
         pass
     finally:
         guard.restore()

@@ -53,8 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from graphrunner._aten import storage_key, tensors_in, written_tensors
 from graphrunner._frames import is_internal
 from graphrunner.tape.rng import OwnedGenerators, redirect, redirected, stand_in_op
-from graphrunner.tape.state import _capture_here
-from graphrunner.tape.state import storage_bytes
+from graphrunner.tape.state import _capture_here, storage_bytes
 from graphrunner.tape.unsafe import atomic_call
 
 __all__ = ["OpEvent", "FunctionEvent", "op_stream", "OpConsumer", "OpRecorder", "RecordingDevice", "WriteGuard", "storage_key",
