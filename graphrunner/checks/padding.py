@@ -773,7 +773,7 @@ class LeakCheck(CaptureHook):
             self._f_padded = self._follow(cap, padded=True)
 
     def _follow(self, cap: Capture, padded: bool) -> List[Optional[torch.Tensor]]:
-        """The follow-up call on its own data (the generator as before the check): through the
+        """The follow-up call on its own data (the check's own generators reset, as for run A): through the
         key's static buffers (padded) or eagerly on the real rows alone. Its writes stay logged."""
         self._guard.generators.reset()
         if padded:

@@ -507,7 +507,7 @@ class WriteGuard(OpConsumer):
                     created.add(k)
 
     def restore(self) -> None:
-        """Undo every logged write, newest first, and reset the generators.
+        """Undo every logged write, newest first, and reset the guard's own generators (never another's).
 
         The guard can record again: the log is emptied and the storages the last run
         created are forgotten (their addresses may be reused); :attr:`snapshots` keeps
