@@ -245,13 +245,13 @@ def start_background(server: Any, run: Any, backend: Any, gate: Any = None) -> N
 
     begun = []
     executes = isinstance(getattr(backend, "device", None), TapeDevice)  # a tape capture computes; a CUDA capture only records
-    inputs = list(server.inputs.buffers.values())
+    staging = server.inputs
 
     def capture_key(key: Sizes) -> None:
         if not begun:  # the capture's first collective, paired like a key's (under a grant)
             begun.append(True)
             run.begin()
-        put = PutBack(inputs, executes)
+        put = PutBack(staging, executes)
         try:
             run.key(key, extra_hooks=[put], around_hook=put.around)
         except BaseException as exc:
@@ -281,26 +281,71 @@ def start_background(server: Any, run: Any, backend: Any, gate: Any = None) -> N
 
 
 class PutBack(CaptureHook):
-    """A background capture's hook: what a key's warmups, its post-warmup hooks (:meth:`around`) and,
-    on the tape, its capture (which computes) wrote outside the step is put back after the key, and
-    the default generator too
-    (:class:`~graphrunner.checks.ops.WriteGuard`: each written storage copied before its first
+    """A background capture's hook: the key's warmups and capture run on inputs the runner controls,
+    and what they wrote is put back after the key.
+
+    Inputs: at the key's ``begin`` the static buffers (``staging``, a
+    :class:`~graphrunner.staging.StaticInputs`) are kept and set to every input's pad value, as a
+    blocking capture finds them, never what the last call left there (a bad request's row, a
+    ``state=True`` input the step advanced); after each warmup and before the capture the
+    ``state=True`` inputs get their pad values back (the step's own writes to them are undone);
+    at ``end`` (also after an error) the buffers get the kept bytes back and the stager its
+    ``filled`` extent, so the next call finds them as the last call left them.
+
+    Writes outside the step: what a key's warmups, its post-warmup hooks (:meth:`around`) and, on
+    the tape, its capture (which computes) wrote is put back after the key
+    (:class:`~graphrunner.recording.ops.WriteGuard`: each written storage copied before its first
     write). The capture runs the step on padding between calls: without this, a cache indexed by
-    batch row would lose what its real requests wrote at the padding's positions. ``inputs``:
-    the runner's static input buffers (its own business). The padding check puts back its own
-    runs' writes; writes made by eager breaks during a CUDA capture are not seen."""
+    batch row would lose what its real requests wrote at the padding's positions. The padding
+    check puts back its own runs' writes; writes made by eager breaks during a CUDA capture are
+    not seen. Generators are not this hook's business: the thread draws from its own
+    (:func:`graphrunner.tape.rng.shared_generators`)."""
 
     name = "put-back"
 
-    def __init__(self, inputs: Sequence[Any], executes_capture: bool) -> None:
+    def __init__(self, staging: Any, executes_capture: bool) -> None:
         from graphrunner.recording.ops import WriteGuard
 
-        self.guard, self.executes = WriteGuard(inputs), bool(executes_capture)
+        self.staging = staging
+        self.guard, self.executes = WriteGuard(list(staging.buffers.values())), bool(executes_capture)
+        self._kept: Optional[Dict[str, Any]] = None
+        self._filled: Any = None
+
+    def begin(self, cap: Any) -> None:
+        """Keep the static buffers and set every input to its pad value (the key's own inputs)."""
+        import torch
+
+        staging = self.staging
+        with torch.inference_mode():
+            self._kept = {n: b.clone() for n, b in staging.buffers.items()}
+            self._filled = staging.filled
+            for n, b in staging.buffers.items():  # the key's warmups read the pad values, as in a blocking capture
+                b.fill_(staging.specs[n].pad)
+        staging.filled = staging.zero
+
+    def _state_to_pad(self) -> None:
+        import torch
+
+        staging = self.staging
+        with torch.inference_mode():
+            for n, b in staging.buffers.items():
+                if staging.specs[n].state:
+                    b.fill_(staging.specs[n].pad)
+
+    def after_warmup(self, cap: Any, i: int, out: Any) -> None:
+        """``state=True`` inputs back to their pad value after warmup ``i``."""
+        self._state_to_pad()  # the next warmup starts where the first did
+
+    def after_warmups(self, cap: Any) -> None:
+        """``state=True`` inputs back to their pad value before the capture."""
+        self._state_to_pad()  # the capture too (after the checks' runs, which put back their own data)
 
     def warmup_consumers(self, cap: Any, i: int) -> Sequence[Any]:
+        """The write guard watches every warmup."""
         return [self.guard]
 
     def capture_consumers(self, cap: Any) -> Sequence[Any]:
+        """The write guard watches a tape capture (it computes); a CUDA capture only records."""
         return [self.guard] if self.executes else []
 
     def around(self, hook: Callable[[], Any]) -> Callable[[], Any]:
@@ -314,7 +359,16 @@ class PutBack(CaptureHook):
         return recorded
 
     def end(self, cap: Any) -> None:
+        """Put back what the key wrote outside the step, and the static buffers as the last call left them."""
+        import torch
+
         self.guard.restore()
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            with torch.inference_mode():
+                for n, b in self.staging.buffers.items():
+                    b.copy_(kept[n])
+            self.staging.filled = self._filled
 
 
 def settle_background(server: Any, rows: Optional[Sizes]) -> None:

@@ -25,6 +25,7 @@ import torch
 from graphrunner.agreement import config_digest, make_agreement
 from graphrunner.budget import MemoryBudget, one_time_imports
 from graphrunner.checks import contracts, fingerprint
+from graphrunner.checks.lint import first_unsafe_op
 from graphrunner.layout import user_error
 from graphrunner.progress import CaptureProgress
 from graphrunner.report import BucketReport, CaptureReport
@@ -92,6 +93,7 @@ class CaptureRun:
         hooks = c.checks.key_hooks(space, key, server.key_text(key), inputs.key_inputs(views), server.step,
                                    layout.leaf_dims, server.group, server.externals, self.writes) + list(extra_hooks)
         layout.capturing = True
+        layout.explain = first_unsafe_op  # an output shape it cannot slice: the op and line behind it
         try:
             c.backend.capture_one(ext, forward, capture_inputs=views, post_warmup_hook=hook, hooks=hooks,
                                   findings=None if self.collect is None else self.collect.findings, **self.extra)

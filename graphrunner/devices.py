@@ -209,8 +209,13 @@ class TapeDevice(Device):
         return survivor_graph(tensor) is not None
 
     def memory_reserved(self) -> int:
-        """Estimated bytes of the shared tape pool (its arena; 0 before the first capture)."""
-        return self.pool_bytes()
+        """Estimated bytes of every live tape pool of the process (their arenas), as CUDA's
+        ``memory_reserved()`` counts every pool of the allocator: this device's shared pool and the
+        pools of its own that other devices (a runner with ``memory_budget=``, ``with_own_pool()``)
+        hold. :meth:`pool_bytes` is this device object's pool alone."""
+        from graphrunner.tape.arena import pools_bytes
+
+        return pools_bytes()
 
     def pool_bytes(self) -> int:
         """Estimated bytes of this device object's tape pool (its arena's blocks,

@@ -9,6 +9,23 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 
+def add_note(exc: BaseException, note: str) -> BaseException:
+    """Add graphrunner's context to an exception raised by the user's code (PEP 678:
+    ``exc.add_note``, shown under the traceback; on Python 3.10, which has no ``add_note``, the
+    note is appended to ``exc.__notes__`` as 3.11 does). The exception keeps its type and
+    message, so an engine catches its own types; returns ``exc``."""
+    adder = getattr(exc, "add_note", None)
+    if adder is not None:
+        adder(note)
+    else:
+        notes = getattr(exc, "__notes__", None)
+        try:
+            exc.__notes__ = [*(notes or []), note]  # type: ignore[attr-defined]
+        except AttributeError:  # an exception type that refuses attributes: no note
+            pass
+    return exc
+
+
 class GraphRunnerError(RuntimeError):
     """Base class of graphrunner's own errors (a ``RuntimeError``): ``except
     GraphRunnerError`` catches every error the library raises itself about

@@ -40,6 +40,9 @@ class OutputLayout:
         self.lead = max([len(self.default)] + [len(v) for v in self.per_key.values()])
         #: True while the runner captures: the forwards of :meth:`forward` check their outputs.
         self.capturing = False
+        #: ``explain(forward) -> str | None``: names the op and line behind an output shape the runner
+        #: cannot slice (set by the capturer: :func:`graphrunner.checks.lint.first_unsafe_op`).
+        self.explain: Optional[Callable[[Callable[[], Any]], Optional[str]]] = None
         self.reset()
 
     def forward(self, step: Callable[..., Any], key: Sizes, views: Dict[str, torch.Tensor],
@@ -50,7 +53,16 @@ class OutputLayout:
         def forward() -> Any:
             out = step(**views)
             if self.capturing:
-                self.check(out, key)
+                try:
+                    self.check(out, key)
+                except StepOutputError as exc:
+                    why = self.explain(forward) if self.explain is not None else None
+                    if why is None:
+                        raise
+                    raise StepOutputError(
+                        f"{exc} The likely cause: the step ran {why}, which a device graph cannot hold. Move that code into a function decorated with "
+                        "@no_graph (it runs eagerly between graph segments), or rewrite it with static "
+                        "shapes (torch.where(mask, x, 0) instead of x[mask])") from None
             return out
 
         forward.__qualname__ = name

@@ -23,7 +23,7 @@ from graphrunner.agreement import LocalAgreement
 from graphrunner.checks import contracts
 from graphrunner.checks.verify import shadow_reference, shadow_verify
 from graphrunner.dispatch import CAPTURING, IDLE, Route, Routes
-from graphrunner.errors import AgreementError, CaptureError, GraphRunnerError, RankTimeoutError
+from graphrunner.errors import AgreementError, CaptureError, GraphRunnerError, RankTimeoutError, add_note
 from graphrunner.layout import clone_outputs
 from graphrunner.ownership import CallOwner
 from graphrunner.report import RunnerStats
@@ -169,12 +169,15 @@ class Server:
             ref = shadow_reference(self, sizes, key) if verify else None
             try:
                 route.replay()
-            except Exception as exc:  # a failed collective (RankTimeoutError), else the cause named
-                err = RankTimeoutError.from_step(exc, self.group, "replay", route.ext) or contracts.step_error(
-                    exc, "replay", self.key_text(key), staging.bounded, staging.names, tensors, self.debug)
-                if err is None:
-                    raise
-                raise err from exc
+            except Exception as exc:  # a failed collective (RankTimeoutError), else the user's error, noted
+                err = RankTimeoutError.from_step(exc, self.group, "replay", route.ext)
+                if err is not None:
+                    raise err from exc
+                note = contracts.step_note(exc, "replay", self.key_text(key), staging.bounded, staging.names,
+                                           tensors, self.debug)
+                if note is not None:
+                    add_note(exc, note)
+                raise
             if staging.stateful:
                 staging.written_by_step(key)
             stats, real = self.stats, (sizes[0] if len(sizes) == 1 else math.prod(sizes))
@@ -224,13 +227,15 @@ class Server:
         try:
             with torch.inference_mode():
                 out = self.step(**kwargs)
-        except Exception as exc:  # a failed collective (RankTimeoutError), else the cause named
-            err = RankTimeoutError.from_step(exc, self.group, "fallback", space.external(run)) or contracts.step_error(
-                exc, "eager fallback", f"sizes ({space.describe(run)})", staging.bounded, staging.names, tensors,
-                self.debug)
-            if err is None:
-                raise
-            raise err from exc
+        except Exception as exc:  # a failed collective (RankTimeoutError), else the user's error, noted
+            err = RankTimeoutError.from_step(exc, self.group, "fallback", space.external(run))
+            if err is not None:
+                raise err from exc
+            note = contracts.step_note(exc, "eager fallback", f"sizes ({space.describe(run)})", staging.bounded,
+                                       staging.names, tensors, self.debug)
+            if note is not None:
+                add_note(exc, note)
+            raise
         if run != sizes:
             out = self.layout.slice(out, sizes)
         self.stats.count(None, sizes, run, reason)

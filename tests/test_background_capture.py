@@ -262,8 +262,9 @@ def test_background_capture_on_cuda_captures_thread_local_and_equals_eager(cuda_
 
 class RowCache:
     """A decode step over state indexed by batch row (row ``i`` is request ``i``'s): it adds each
-    row's token at its position and returns the sum of the row so far. A capture's warmups run it
-    on whatever the static buffers hold (the last call's rows, then padding), adding again."""
+    row's token at its position and returns the sum of the row so far. A background capture's
+    warmups run it on padding (issue 42 item 3: never on what the last call left), whose token pad
+    is 1.0 here, so they add to every row's position 0 again."""
 
     def __init__(self, rows: int = 8, length: int = 16) -> None:
         self.cache = torch.zeros(rows, length)
@@ -276,7 +277,7 @@ class RowCache:
 
 def _serve_row_cache(monkeypatch=None):
     step, ref = RowCache(), RowCache()
-    runner = gr.GraphRunner(step, inputs={"tok": gr.BatchInput(trailing=(), dtype=torch.float32),
+    runner = gr.GraphRunner(step, inputs={"tok": gr.BatchInput(trailing=(), dtype=torch.float32, pad=1.0),
                                           "pos": gr.BatchInput(trailing=(), dtype=torch.long, bounds=(0, 15))},
                             buckets=BUCKETS, backend="full", progress=False, checks=("drift",))
     gate = threading.Event()
@@ -325,7 +326,7 @@ def _write_during_a_capture(use_hold: bool) -> float:
             release.wait(5)
         return out
 
-    runner = gr.GraphRunner(slow_step, inputs={"tok": gr.BatchInput(trailing=(), dtype=torch.float32),
+    runner = gr.GraphRunner(slow_step, inputs={"tok": gr.BatchInput(trailing=(), dtype=torch.float32, pad=1.0),
                                                "pos": gr.BatchInput(trailing=(), dtype=torch.long, bounds=(0, 15))},
                             buckets=BUCKETS, backend="full", progress=False, checks=("drift",))
     runner.capture(background=True)

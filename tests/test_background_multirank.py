@@ -63,6 +63,8 @@ def test_wait_captured_on_one_rank_raises_on_every_rank_and_serving_goes_on():
     res = run_ranks(_wait_on_one_rank, world_size=2, timeout=120)
     for r in res:
         assert r.ok and r.exitcode == 0 and not r.timed_out, r
+        # not a timing claim: TIMEOUT is the group's collective deadline; a rank that took longer than it
+        # had a collective wait out its deadline instead of pairing (the mispairing was not found in it)
         assert r.value["seconds"] < TIMEOUT  # no collective waited for its timeout
         assert r.value["log"].count("ok") == 8 and r.value["log"].count("CaptureError") == 1, r.value
     assert "AgreementError" in res[1].value["log"]  # the serving rank's call met rank 0's capture
@@ -88,5 +90,6 @@ def test_background_capture_on_one_rank_and_blocking_on_the_other_raise_on_both(
     res = run_ranks(_background_and_blocking, world_size=2, timeout=120)
     for r in res:
         assert r.ok and r.exitcode == 0 and not r.timed_out, r
+        # < TIMEOUT (the collective deadline): the channel found the mismatch, no deadline expired
         assert r.value["type"] == "AgreementError" and r.value["seconds"] < TIMEOUT, r.value
         assert "out of step" in r.value["message"]

@@ -1,12 +1,16 @@
-"""A background capture never rewinds the engine's random numbers (issue 34 item 1): the engine
-samples with the default generator after each call while keys are captured on another thread."""
+"""A background capture never touches the engine's random numbers (issue 34 item 1, issue 42 item 1):
+the engine samples with the default generator while keys are captured on another thread; no
+capture, check or verification there reads, draws from or sets a generator the engine owns."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
 
 import graphrunner as gr
+from graphrunner.checks.padding import LeakCheck
 
 V, H = 11, 8
 
@@ -42,21 +46,170 @@ def test_the_engine_samples_exactly_what_it_samples_without_a_capture():
     got_tokens, got_draws = _sampled(background=True)
     assert torch.equal(got_tokens, want_tokens)
     assert torch.equal(got_draws, want_draws)
-    assert len(set(got_draws.tolist())) == got_draws.numel()  # no number repeated
 
 
-def test_negative_control_putting_generators_back_rewinds_the_engine(monkeypatch):
-    import contextlib
+# ---------------------------------------------------------------- issue 42 item 1: the padding check's follow-up
+VOCAB, D = 50, 16
 
-    from graphrunner.tape import rng
 
-    monkeypatch.setattr(rng, "shared_generators", contextlib.nullcontext)
-    want_tokens, want_draws = _sampled(background=False)
-    differ = 0
-    for _ in range(3):  # the rewind lands wherever a key ends between two draws: some run shows it
-        got_tokens, got_draws = _sampled(background=True)
-        differ += not torch.equal(got_draws, want_draws)
-    assert differ >= 1
+def _embedding_runner(cache=False):
+    """The issue's deterministic step: ``h = E[ids]``, ten ``tanh(h @ W)``, ``h @ E.T``; ``ids``'s pad
+    (0) lies inside its bounds, so the padding check runs its follow-up call (the path that set the
+    default generator's state back). ``cache``: the step also writes a cache through ``ids`` (REVIEW
+    item 1: state written through an integer slot input whose pad lies inside its bounds)."""
+    g = torch.Generator().manual_seed(0)
+    E, W = torch.randn(VOCAB, D, generator=g), torch.randn(D, D, generator=g) * 0.3
+    store = torch.zeros(VOCAB, D)
+
+    def step(ids):
+        h = E[ids]
+        for _ in range(10):
+            h = torch.tanh(h @ W)
+        if cache:
+            store.index_add_(0, ids, h)
+        return h @ E.T
+
+    ids = gr.BatchInput(dtype=torch.long, pad=0, bounds=(0, VOCAB - 1))
+    return gr.GraphRunner(step, {"ids": ids}, [1, 2, 4, 8, 16, 32], device="tape", progress=False)
+
+
+def _draws_around_a_follow_up(monkeypatch, rewind=False, n=100, cache=False):
+    """The serving thread's ``torch.rand(1)`` draws, ``n`` while the capture thread is held right after
+    the padding check prepared its runs (before its follow-up call) and ``n`` after the key's check
+    ended: a deterministic interleaving. ``rewind``: the negative control, the check's old follow-up
+    (the default generator's state set back to what it was when the check began) restored here."""
+    at_follow, go, key_done = threading.Event(), threading.Event(), threading.Event()
+    before_warmup, after_warmups = LeakCheck.before_warmup, LeakCheck.after_warmups
+    saved = {}
+
+    def held_before_warmup(self, cap, i):
+        first = i == self._a_index(cap) and not at_follow.is_set()
+        if first and rewind:
+            saved["state"] = torch.default_generator.get_state()
+        before_warmup(self, cap, i)
+        if i == cap.warmups - 1 and rewind and "state" in saved:
+            torch.default_generator.set_state(saved["state"])  # the rewinding path, as it was
+        if first:
+            at_follow.set()
+            assert go.wait(60)
+
+    def noted_after_warmups(self, cap):
+        try:
+            after_warmups(self, cap)
+        finally:
+            key_done.set()
+
+    monkeypatch.setattr(LeakCheck, "before_warmup", held_before_warmup)
+    monkeypatch.setattr(LeakCheck, "after_warmups", noted_after_warmups)
+    r = _embedding_runner(cache)
+    torch.manual_seed(0)
+    r.capture(background=True)
+    assert at_follow.wait(60)  # the check began (its run A is next, then the follow-up)
+    draws = [torch.rand(1) for _ in range(n)]
+    go.set()
+    assert key_done.wait(60)  # the check's follow-up ran
+    draws += [torch.rand(1) for _ in range(n)]
+    r.wait_captured(timeout=120)
+    r.cleanup()
+    return torch.cat(draws)
+
+
+@pytest.mark.parametrize("cache", [False, True], ids=["pure", "writes-a-cache"])
+def test_the_padding_checks_follow_up_never_rewinds_the_engines_generator(monkeypatch, cache):
+    torch.manual_seed(0)
+    want = torch.rand(200)
+    got = _draws_around_a_follow_up(monkeypatch, cache=cache)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("cache", [False, True], ids=["pure", "writes-a-cache"])
+def test_negative_control_the_rewinding_follow_up_repeats_the_engines_numbers(monkeypatch, cache):
+    torch.manual_seed(0)
+    want = torch.rand(200)
+    got = _draws_around_a_follow_up(monkeypatch, rewind=True, cache=cache)
+    assert not torch.equal(got, want)
+    assert torch.equal(got[100:], got[:100])  # the second hundred repeats the first: a rewind
+
+
+def test_the_issues_reproduction_200_draws_1ms_apart_equal_those_without_a_capture():
+    import time
+
+    torch.manual_seed(0)
+    want = torch.cat([torch.rand(1) for _ in range(200)])
+    r = _embedding_runner()
+    torch.manual_seed(0)
+    r.capture(background=True)
+    got = []
+    for _ in range(200):
+        got.append(torch.rand(1))
+        time.sleep(0.001)
+    assert r.wait_captured(timeout=300) is not None
+    assert torch.equal(torch.cat(got), want)
+
+
+# ---------------------------------------------------------------- a step that samples: 120 seeded steps
+def _sampling_loop(background, steps=120, redirect=True, monkeypatch=None):
+    """A seeded sampling engine: the step samples one token per row inside itself (Gumbel-max on
+    ``torch.rand``, the default generator) and returns its logits; the engine then samples a second
+    token from them with ``torch.multinomial``. Background: the capture thread starts at step 10,
+    and every key is captured by step 60 (so steps are served eagerly and by replay).
+    ``redirect=False``: the negative control (a capture's own draws go to the engine's generator)."""
+    if not redirect:
+        from graphrunner.tape import rng
+
+        monkeypatch.setattr(rng, "stand_in_op", lambda func, args, kwargs: (func, kwargs))
+        import graphrunner.recording.ops as ops
+        import graphrunner.tape.recording as trec
+
+        monkeypatch.setattr(ops, "stand_in_op", rng.stand_in_op)
+        monkeypatch.setattr(trec, "stand_in_op", rng.stand_in_op)
+    g = torch.Generator().manual_seed(0)
+    E, W = torch.randn(VOCAB, D, generator=g), torch.randn(D, D, generator=g) * 0.3
+
+    def step(ids):
+        logits = torch.tanh(E[ids] @ W) @ E.T
+        gumbel = -torch.log(-torch.log(torch.rand(logits.shape).clamp_min(1e-9)))
+        return (logits + gumbel).argmax(-1), torch.softmax(logits, -1)
+
+    r = gr.GraphRunner(step, {"ids": gr.BatchInput(dtype=torch.long, pad=0, bounds=(0, VOCAB - 1))},
+                       [1, 2, 4, 8], device="tape", progress=False)
+    gate = threading.Event()
+    if background:
+        r.capturer.background_gate = gate
+        r.capture(background=True)
+    torch.manual_seed(42)
+    sizes = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, VOCAB, (8,), generator=sizes)
+    out = []
+    for i in range(steps):
+        n = (1, 2, 4, 8)[int(torch.randint(0, 4, (1,), generator=sizes))]  # a bucket: no padding rows draw
+        call = r if background else step
+        inside, probs = call(ids=ids[:n])
+        outside = torch.multinomial(probs, 1).reshape(-1)
+        out += [inside.clone(), outside]
+        ids = torch.cat([inside, outside, ids])[:8] % VOCAB
+        if background and i == 10:
+            gate.set()
+        if background and i == 60:
+            assert r.wait_captured(timeout=120) is not None
+    stats = r.stats if background else None
+    if background:
+        r.cleanup()
+    return torch.cat(out), stats
+
+
+def test_a_seeded_sampling_loop_of_120_steps_equals_eager_token_for_token():
+    want, _ = _sampling_loop(background=False)
+    got, stats = _sampling_loop(background=True)
+    replayed = sum(stats.replays.values())
+    assert replayed > 0 and stats.fallbacks > 0  # both ways of serving took part
+    assert torch.equal(got, want)
+
+
+def test_negative_control_a_capture_drawing_from_the_engines_generator_changes_the_tokens(monkeypatch):
+    want, _ = _sampling_loop(background=False)
+    got, _ = _sampling_loop(background=True, redirect=False, monkeypatch=monkeypatch)
+    assert not torch.equal(got, want)
 
 
 # ---------------------------------------------------------------- shadow verification (issue 34 item 9)
@@ -120,11 +273,72 @@ def test_a_step_drawing_from_the_default_generator_is_verified_like_with_like():
     assert r.stats.replays[4] == 5
 
 
-def test_negative_control_without_putting_the_default_generator_back_verification_fails(monkeypatch):
+def test_negative_control_without_stand_in_generators_verification_fails(monkeypatch):
+    """The shadow reference drawing from the engine's generator itself (no stand-ins): the replay
+    then draws the next numbers, and verification fails."""
     import graphrunner.recording.ops as ops
 
-    monkeypatch.setattr(ops, "generators_shared", lambda: True)  # as on a background capture's thread
+    monkeypatch.setattr(ops, "stand_in_op", lambda func, args, kwargs: (func, kwargs))
     r = _random_step_runner()
     torch.manual_seed(11)
     with pytest.raises(gr.ContractError, match="shadow verification"):
         r(x=torch.zeros(4, 3))
+
+
+def test_shadow_verification_under_a_background_capture_draws_what_eager_draws():
+    """verify_every=1 while keys are captured on another thread: the engine's numbers as without
+    a runner (the reference draws from copies, the capture from its own generators)."""
+    def step(x):
+        return x + torch.rand(x.shape)
+
+    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(3,))}, [1, 2, 4], device="tape", progress=False,
+                       verify_every=1)
+    gate = threading.Event()
+    r.capturer.background_gate = gate
+    r.capture(background=True)
+    torch.manual_seed(11)
+    ref = torch.Generator().manual_seed(11)
+    for i in range(12):
+        n = (1, 2, 4)[i % 3]  # buckets: the padding rows would draw too
+        assert torch.equal(r(x=torch.zeros(n, 3)), torch.rand((n, 3), generator=ref))
+        if i == 3:
+            gate.set()
+            assert r.wait_captured(timeout=60) is not None
+    assert sum(r.stats.replays.values()) > 0
+
+
+def test_compare_draws_nothing_from_the_engines_generator_and_compares_like_with_like():
+    """runner.compare (after a background capture) on a step that draws from the default generator,
+    between two of the engine's draws: equal (both runs draw from one copy of the generator), and
+    the engine's numbers are as if compare had not run (it never drew from, nor set, the generator)."""
+    def step(x):
+        return x + torch.rand(x.shape)
+
+    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(3,))}, [1, 2, 4], device="tape", progress=False)
+    gate = threading.Event()
+    r.capturer.background_gate = gate
+    r.capture(background=True)
+    gate.set()
+    assert r.wait_captured(timeout=60) is not None
+    torch.manual_seed(3)
+    want = torch.rand(10)
+    torch.manual_seed(3)
+    got = [torch.rand(5)]
+    report = r.compare(x=torch.zeros(4, 3))
+    got.append(torch.rand(5))
+    assert report.equal, report
+    assert torch.equal(torch.cat(got), want)
+
+
+def test_negative_control_compare_without_stand_ins_differs(monkeypatch):
+    import graphrunner.recording.ops as ops
+
+    monkeypatch.setattr(ops, "stand_in_op", lambda func, args, kwargs: (func, kwargs))
+
+    def step(x):
+        return x + torch.rand(x.shape)
+
+    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(3,))}, [1, 2, 4], device="tape", progress=False)
+    r.capture()
+    torch.manual_seed(3)
+    assert not r.compare(x=torch.zeros(4, 3)).equal  # the two runs drew different numbers

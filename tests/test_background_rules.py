@@ -67,6 +67,8 @@ def _call_inside_hold(r, out):
 
 
 def _in_thread(fn, *args, seconds):
+    """True when ``fn`` returned within ``seconds``: a deadlock detector, not a timing claim (the
+    bound is far above any call here; a thread still alive after it is stuck on a lock)."""
     t = threading.Thread(target=fn, args=args, daemon=True)
     t.start()
     t.join(seconds)
@@ -220,3 +222,111 @@ def test_check_reports_a_budget_as_one_finding():
     report = check_runner(_named_dims_runner(20000), "budget")
     budget = [f for f in report.findings if f.kind == "memory-budget"]
     assert len(budget) == 1 and "memory_budget=19.5 KiB" in budget[0].what and budget[0].bucket == (4, 16)
+
+
+# ---------------------------------------------------------------- issue 42 items 3 and 4: the capture's own inputs
+class BadRequest(ValueError):
+    """An engine's per-request validation error."""
+
+
+@gr.no_graph
+def _no_nan(x):
+    if torch.isnan(x).any():
+        raise BadRequest("a request carries a NaN row")
+    return x
+
+
+def _validating_step(x):
+    _no_nan(x)
+    return torch.tanh(x) * 2.0
+
+
+def _old_put_back(monkeypatch):
+    """The negative control: a background key's warmups run on what the last call left in the
+    static buffers (the hook's input handling removed)."""
+    from graphrunner.background import PutBack
+
+    for point in ("begin", "after_warmup", "after_warmups"):
+        monkeypatch.setattr(PutBack, point, lambda self, *args: None)
+    real_end = PutBack.end
+    monkeypatch.setattr(PutBack, "end", lambda self, cap: (setattr(self, "_kept", None), real_end(self, cap)))
+
+
+def _serve_a_bad_request_first():
+    r = _runner(_validating_step)
+    gate = threading.Event()
+    r.capturer.background_gate = gate  # the bad call comes before any key's capture
+    r.capture(background=True)
+    bad = torch.ones(3, 3)
+    bad[1, 0] = float("nan")
+    with pytest.raises(BadRequest):  # the engine catches its own error type
+        r(x=bad)
+    gate.set()
+    return r
+
+
+def test_a_bad_request_leaves_no_trace_the_background_capture_reads():
+    r = _serve_a_bad_request_first()
+    assert r.wait_captured(timeout=60) is not None and r.captured_keys == [1, 2, 4, 8]
+    x = torch.randn(3, 3, generator=torch.Generator().manual_seed(0))
+    before = r.stats.replays[4]
+    assert torch.equal(r(x=x), _validating_step(x)) and r.stats.replays[4] == before + 1
+
+
+def test_negative_control_warmups_on_the_last_calls_buffers_stop_the_capture(monkeypatch):
+    _old_put_back(monkeypatch)
+    r = _serve_a_bad_request_first()
+    assert r.wait_captured(timeout=60) is None  # the key's warmups met the NaN row
+    with pytest.raises(gr.CaptureError, match="background capture failed"):
+        r(x=torch.ones(3, 3))
+
+
+TABLE = torch.arange(8 * 2, dtype=torch.float32).reshape(8, 2)
+
+
+def _advancing(pos):
+    out = TABLE[pos] * 2
+    pos.add_(1)
+    return out
+
+
+def _positions_runner():
+    pos = gr.BatchInput(dtype=torch.long, pad=0, bounds=(0, 6), state=True)
+    return _runner(_advancing, {"pos": pos})
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_state_input_the_step_advances_works_with_a_background_capture(background):
+    """The issue's step: ``pos`` advanced in place, ``state=True``; the first call leaves 6 (advanced
+    to 7) in the static buffer. Blocking and background captures alike: every key captured, every
+    call right (the background warmups start from the pad value, restored around each warmup)."""
+    r = _positions_runner()
+    gate = threading.Event()
+    if background:
+        r.capturer.background_gate = gate
+        r.capture(background=True)
+    else:
+        r.capture()
+    calls = [[6], [6, 1], [6, 5, 4], [0, 1, 2, 3, 4, 5, 6], [6, 6]]
+    for i, values in enumerate(calls):
+        pos = torch.tensor(values)
+        assert torch.equal(r(pos=pos), TABLE[pos] * 2)
+        assert torch.equal(pos, torch.tensor(values))  # the caller's tensor is never written
+        if background and i == 0:
+            gate.set()
+            assert r.wait_captured(timeout=60) is not None
+    assert r.captured_keys == [1, 2, 4, 8]
+    assert sum(r.stats.replays.values()) >= 4
+
+
+def test_negative_control_a_state_input_left_by_a_call_breaks_the_background_capture(monkeypatch):
+    _old_put_back(monkeypatch)
+    r = _positions_runner()
+    gate = threading.Event()
+    r.capturer.background_gate = gate
+    r.capture(background=True)
+    r(pos=torch.tensor([6]))
+    gate.set()
+    assert r.wait_captured(timeout=60) is None  # the warmups indexed past the table
+    with pytest.raises(gr.CaptureError, match="background capture failed"):
+        r(pos=torch.tensor([1]))

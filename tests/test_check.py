@@ -97,6 +97,25 @@ COUNTER = textwrap.dedent('''
 ''')
 
 
+COUNTED_LEAK = textwrap.dedent('''
+    import torch
+    import graphrunner as gr
+
+
+    class Step:
+        calls = 0  # COUNTER_WHERE
+
+        def __call__(self, x):
+            COUNTER_CODE
+            return (x - x.mean(0)) * self.calls  # a leak across rows, and drift
+
+
+    def make():
+        return gr.GraphRunner(Step(), {"x": gr.BatchInput(trailing=(4,))}, buckets=[1, 2, 4], device="tape",
+                              progress=False)
+''')
+
+
 def _line(source: str, marker: str) -> int:
     return next(i for i, text in enumerate(source.splitlines(), 1) if f"# {marker}" in text)
 
@@ -563,3 +582,34 @@ def test_a_directory_is_named_as_a_directory(tmp_path, monkeypatch, capsys):
     # negative control: the file inside it is checked
     assert main(["check", "pkgdir/model.py:make"]) == 0
     assert "no findings" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("where", ["class", "instance"])
+def test_a_counter_in_a_class_attribute_hides_no_leak(target, where, caplog):
+    """Issue 42 item 6: a step counting its calls in a class attribute (``Step.calls += 1``) that also
+    leaks across rows (``x - x.mean(0)``): both findings, as with an instance attribute, and no
+    "cannot be checked" warning."""
+    code = "Step.calls += 1" if where == "class" else "self.calls = self.calls + 1"
+    path = target(COUNTED_LEAK.replace("COUNTER_CODE", code), f"counted_{where}")
+    with caplog.at_level("WARNING", logger="graphrunner"):
+        report = check_factory(load_factory(f"{path}:make"))
+    kinds = sorted({f.kind for f in report.findings})
+    assert "padding-leak" in kinds and "drift" in kinds, kinds
+    assert "cannot be checked" not in caplog.text
+
+
+def test_negative_control_without_the_classes_the_leak_is_not_checked(target, monkeypatch, caplog):
+    from graphrunner.checks import padding
+
+    real = padding.PythonNumbers.__init__
+
+    def instances_only(self, step):
+        real(self, step)
+        self.objects = [o for o in self.objects if not isinstance(o, type)]
+
+    monkeypatch.setattr(padding.PythonNumbers, "__init__", instances_only)
+    path = target(COUNTED_LEAK.replace("COUNTER_CODE", "Step.calls += 1"), "counted_control")
+    with caplog.at_level("WARNING", logger="graphrunner"):
+        report = check_factory(load_factory(f"{path}:make"))
+    assert "padding-leak" not in {f.kind for f in report.findings}
+    assert "cannot be checked" in caplog.text

@@ -11,6 +11,8 @@ capture or raised at the call, each with a negative control that shows the
 bug changes the tokens when the check is off. Skipped without ``transformers``.
 """
 
+import threading
+
 import pytest
 from extras_util import require
 
@@ -417,15 +419,49 @@ def test_example_runs_and_matches():
     assert r["replayed"] + r["eager_steps"] == r["steps"] > 0 and r["graphs"] >= 1
 
 
-def test_background_capture_serves_from_the_first_step():
-    model, inputs, gc = model_of("llama"), prompts(), gen_config()
+def _held_background(monkeypatch, calls_before=3):
+    """Hold every runner's background thread until its ``calls_before``-th call, then capture every
+    key before the next: a deterministic share of eager and replayed steps (no timing)."""
+    from graphrunner.capturing import Capturer
+    from graphrunner.runner import GraphRunner
+
+    real_init, real_run = Capturer.__init__, GraphRunner.run
+    calls = {}
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.background_gate = threading.Event()
+
+    def run(self, *args, **kwargs):
+        out = real_run(self, *args, **kwargs)
+        n = calls[id(self)] = calls.get(id(self), 0) + 1
+        gate = self.capturer.background_gate
+        if n == calls_before and gate is not None and not gate.is_set():
+            gate.set()
+            assert self.wait_captured(timeout=300) is not None
+        return out
+
+    monkeypatch.setattr(Capturer, "__init__", init)
+    monkeypatch.setattr(GraphRunner, "run", run)
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "seeded-sampling"])
+def test_background_capture_serves_from_the_first_step(monkeypatch, sample):
+    """REVIEW item 3: the first steps are served eagerly while the capture thread is held, the rest
+    by replay (both counts > 0), and the tokens equal transformers' own, greedy and under seeded
+    sampling (the capture thread never draws from the engine's generator: issue 42 item 1)."""
+    _held_background(monkeypatch)
+    model, inputs, gc = model_of("llama"), prompts(seed=2 if sample else 1), gen_config(sample=sample)
     ref = eager(model, inputs, gc)
     st = {}
     out = gr.hf.generate_batch(model, inputs, gc, cb_config(), device="tape", background=True, stats=st)
     assert mismatches(ref, out) == []
     s, runner = st["stats"], st["runner"]
+    assert s.replayed > 0 and s.eager_steps > 0, (s.replayed, s.eager_steps)
     assert s.replayed + s.eager_steps == s.steps and s.graphs == len(runner.keys)
     assert runner.wait_captured() is not None and sorted(runner.captured_keys) == sorted(runner.keys)
+    if sample:
+        assert mismatches(eager(model, inputs, gen_config()), out), "control: the sampler really sampled"
     runner.cleanup()
 
 

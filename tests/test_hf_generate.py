@@ -347,3 +347,16 @@ def test_the_capture_report_shows_the_self_test_time():
     assert report.to_dict()["after_capture"] == [step]
     bare = gr.hf.DecodeRunner(model, max_batch=2, max_cache_len=16, buckets=[1, 2], self_test=False).capture()
     assert bare.after_capture == [] and "after capture" not in bare.table()
+
+
+def test_too_many_rows_names_the_batch_and_what_to_change(llama):
+    """Issue 42 item 8: 6 rows on a max_batch=4 runner names the 6 rows and both fixes (it said only
+    "need 1 <= batch <= max_batch=4")."""
+    _, runner = llama
+    with pytest.raises(ValueError) as ei:
+        ours(runner, prompts(6, seed=1), max_new_tokens=2)
+    msg = str(ei.value)
+    assert "6 rows" in msg and "max_batch=4" in msg
+    assert "DecodeRunner(model, max_batch=6" in msg and "input_ids[:4]" in msg
+    with pytest.raises(ValueError, match="at least one row"):
+        ours(runner, torch.zeros((0, 5), dtype=torch.long), max_new_tokens=2)

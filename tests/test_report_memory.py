@@ -47,7 +47,7 @@ def test_graph_pool_bytes_per_key_match_a_hand_computation(backend, t):
     # largest first: key 8 takes two blocks; every smaller key fits in the blocks 8 freed
     assert [b.bucket for b in rep.buckets] == [8, 4, 2, 1]
     assert [b.graph_pool_bytes for b in rep.buckets] == [pool_need(8, t), 0, 0, 0]
-    assert rep.graph_pool_bytes == pool_need(8, t) == r.device.memory_reserved()  # rows sum to the pool
+    assert rep.graph_pool_bytes == pool_need(8, t) == r.device.pool_bytes()  # rows sum to the pool
     assert rep.static_input_bytes == 8 * t * F32
     assert rep.output_buffer_bytes == 8 * F32
     assert rep.total_bytes == pool_need(8, t) + 8 * t * F32 + 8 * F32
@@ -90,7 +90,7 @@ def test_memory_budget_leaves_exactly_the_keys_that_do_not_fit(budget, left, poo
     rep = r.capture()
     assert rep.left_to_eager == left and rep.memory_budget == budget
     assert [b.bucket for b in rep.buckets] == [k for k in (8, 4, 2, 1) if k not in left]
-    assert rep.graph_pool_bytes == pool == r.device.memory_reserved()
+    assert rep.graph_pool_bytes == pool == r.device.pool_bytes()
     assert budget is None or rep.graph_pool_bytes <= budget
     assert r.backend.keys() == [b.bucket for b in rep.buckets]
     gen = torch.Generator().manual_seed(0)

@@ -262,3 +262,41 @@ def test_rank_whose_copy_fails_makes_every_rank_raise_then_all_continue():
     assert "copying input 'y'" in first1 and "device lost" in first1
     ref = (torch.ones(2, D) @ W + 1) * 2  # all_reduce over 2 ranks of the same values
     assert torch.allclose(torch.tensor(out0), ref, atol=1e-5) and torch.allclose(torch.tensor(out1), ref, atol=1e-5)
+
+
+# ---------------------------------------------------------------- issue 42 item 8: a data-dependent shape, named
+def test_boolean_mask_indexing_is_refused_naming_the_op_and_the_line():
+    """The output of ``x[mask]`` has a data-dependent shape ([0, 64] at capture): the refusal names the
+    op and the step's line (it spoke of the output shape only), and the step's writes are put back."""
+    import inspect
+
+    cache = torch.zeros(4)
+
+    def step(x):
+        cache.add_(1.0)
+        return x[x[:, 0] > 100]  # MASK_LINE
+
+    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(64,))}, [1, 2, 4], device="tape", progress=False)
+    with pytest.raises(TypeError) as ei:
+        r.capture()
+    msg = str(ei.value)
+    line = next(i for i, text in enumerate(inspect.getsource(step).splitlines(), inspect.getsourcelines(step)[1])
+                if "MASK_LINE" in text)
+    assert "has shape [0, 64]" in msg  # what the runner found ...
+    assert "boolean-mask indexing" in msg and "aten.index.Tensor" in msg  # ... and the op behind it
+    assert f"test_runner_safety.py:{line} in step" in msg and "@no_graph" in msg
+    assert torch.equal(cache, torch.zeros(4))  # the check puts back its run (warmup 0), the diagnosis its own
+
+
+def test_negative_control_without_the_diagnosis_the_message_names_only_the_shape(monkeypatch):
+    import graphrunner.capturing as capturing
+
+    monkeypatch.setattr(capturing, "first_unsafe_op", None)
+
+    def step(x):
+        return x[x[:, 0] > 100]
+
+    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(64,))}, [1, 2, 4], device="tape", progress=False)
+    with pytest.raises(TypeError) as ei:
+        r.capture()
+    assert "has shape [0, 64]" in str(ei.value) and "aten.index" not in str(ei.value)

@@ -11,13 +11,15 @@ own stager, exactly as a call does (any key space: named dims too), then:
 2. puts back everything the replay wrote -- tensors that are not created by
    the step and that an op wrote in place or through ``out=`` (a KV cache, a
    counter tensor) get their cells back, logged before each write
-   (:class:`~graphrunner.checks.ops.WriteGuard`) --, and the default generator its state;
+   (:class:`~graphrunner.checks.ops.WriteGuard`) --; both runs draw from copies of the engine's
+   generators (:class:`~graphrunner.tape.rng.OwnedGenerators`), never from the engine's own;
 3. runs ``step`` eagerly on the same padded inputs (the reference),
    recording every aten op with its output values, its source line (the
    user's frame: :mod:`graphrunner._frames`) and whether it ran in a graph
    segment or in an eager break (``@no_graph`` body);
 4. puts back the step's writes again, and the runner's static input
-   buffers, so the runner, its cache and the generators are as before.
+   buffers, so the runner and its cache are as before (the generators were never touched; on
+   CUDA a segment's kernels draw from the device's generator, which the host cannot redirect).
 
 Python state is not put back: a step that changes a Python attribute when
 it runs eagerly (a counter) has changed it once more after ``compare``.
@@ -47,6 +49,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from graphrunner._frames import where
 from graphrunner._pytree import flatten
 from graphrunner.recording.ops import OpConsumer, OpRecorder, WriteGuard, tensors_in
+from graphrunner.tape.rng import OwnedGenerators
 from graphrunner.errors import CaptureError
 from graphrunner.keys import region
 
@@ -136,6 +139,7 @@ class _Recorder(OpConsumer):
 
     def __init__(self, state: WriteGuard, locate: bool):
         self.state, self.locate = state, locate
+        self.generators = state.generators  # the recorder redirects the run's draws to them
         self.ops: List[_OpValue] = []
         self._segment = 1
         self._in_break = False
@@ -238,7 +242,9 @@ def compare_runner(server: Any, inputs: Mapping[str, torch.Tensor], atol: float 
     staging.pad_to(sizes, key)
     static = staging.key_views(key)
     padded = {k: v.clone() for k, v in static.items()}   # the eager reference's own copy of the padded inputs
-    state = WriteGuard(list(padded.values()) + list(static.values()))
+    # both runs draw from copies of the engine's generators (the tape's replay too: it replays
+    # under the recorder), reset between them: the engine's generators are never drawn from nor set
+    state = WriteGuard(list(padded.values()) + list(static.values()), generators=OwnedGenerators())
     stop = compare_runner.__code__
     try:
         # The graph first: it sees the Python state a call would see now (an

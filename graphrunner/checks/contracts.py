@@ -30,14 +30,13 @@ check attaches to capture as the hook :class:`ExternalsCheck`.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._pytree import tree_leaves
 
-from graphrunner._env import TRUE
+from graphrunner._env import env_flag
 from graphrunner.recording.hooks import Capture, CaptureHook, Finding
 from graphrunner.recording.ops import OpConsumer, storage_key
 from graphrunner.errors import CaptureError, ContractError, GraphRunnerError
@@ -47,12 +46,15 @@ __all__ = ["debug_enabled", "bounds_error", "check_bounds", "check_call", "Exter
 
 
 def debug_enabled(debug: Optional[bool]) -> bool:
-    """``debug`` if given, else whether ``GRAPHRUNNER_DEBUG`` is ``1``/``true``/``yes``/``on``."""
+    """``debug`` if given, else ``GRAPHRUNNER_DEBUG`` read as every ``GRAPHRUNNER_*`` switch is
+    (:func:`graphrunner._env.env_flag`): ``1``/``true``/``yes``/``on`` on, unset/``0``/``false``/``no``/
+    ``off`` off, anything else (``2``, ``debug``, ``enabled``) a ``ValueError`` saying what to set."""
     if debug is not None:
         if not isinstance(debug, bool):
             raise TypeError(f"debug must be True, False or None (read GRAPHRUNNER_DEBUG), got {debug!r}")
         return debug
-    return os.environ.get("GRAPHRUNNER_DEBUG", "").strip().lower() in TRUE  # lax: anything else is off
+    return env_flag("GRAPHRUNNER_DEBUG", "set it to 1 (or true/yes/on) to check every call of every runner "
+                    "(debug mode), or 0 / unset it for none; GraphRunner(debug=...) overrides it per runner")
 
 
 # ----------------------------------------------------------------- bounds
@@ -470,14 +472,15 @@ class ExternalGuard:
 
 
 # -------------------------------------------------------------- a failed call, explained
-def step_error(exc: BaseException, where: str, key_text: str, bounded: Sequence[Tuple[int, str, Tuple[Any, Any], int]],
-               names: Sequence[str], tensors: Sequence[torch.Tensor], debug: bool) -> Optional[Exception]:
-    """The :class:`~graphrunner.errors.GraphRunnerError` for ``exc``, raised by a call's ``where``
-    (``"replay"`` or ``"eager fallback"``) of ``key_text``: it names the call's input whose value
-    lies outside its ``BatchInput(bounds=)`` when one does (an index out of range is the usual
-    cause of a failure inside the tape's engine), else the inputs without bounds, and says how to
-    check every call (``debug=True``). ``None`` for a ``GraphRunnerError`` (already explained) or
-    an exception that is not an ``Exception``. Chain the original: ``raise err from exc``."""
+def step_note(exc: BaseException, where: str, key_text: str, bounded: Sequence[Tuple[int, str, Tuple[Any, Any], int]],
+              names: Sequence[str], tensors: Sequence[torch.Tensor], debug: bool) -> Optional[str]:
+    """The note (PEP 678, :func:`~graphrunner.errors.add_note`) graphrunner adds to ``exc``, raised by a
+    call's ``where`` (``"replay"`` or ``"eager fallback"``) of ``key_text``, which reaches the caller
+    with its own type: it names the call's input whose value lies outside its
+    ``BatchInput(bounds=)`` when one does (an index out of range is the usual cause of a failure
+    inside the tape's engine), else the inputs without bounds, and says how to check every call
+    (``debug=True``). ``None`` for a ``GraphRunnerError`` (already explained) or an exception that
+    is not an ``Exception``."""
     if isinstance(exc, GraphRunnerError) or not isinstance(exc, Exception):
         return None
     cause = None
@@ -493,7 +496,5 @@ def step_error(exc: BaseException, where: str, key_text: str, bounded: Sequence[
                  "BatchInput(bounds=(lo, hi)) for index inputs so that a value out of range is named)" if free else ""))
     check = ("" if debug else "; GraphRunner(debug=True) checks every call's inputs against bounds= before anything "
              "runs")
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    what = lines[-1][:300] if lines else ""  # a TorchScript error ends in the op's own message
-    return GraphRunnerError(f"GraphRunner: the {where} of {key_text} raised {type(exc).__name__}: {what} ({cause}"
-                            f"{check}); the original error is chained below")
+    return (f"GraphRunner: raised by the {where} of {key_text} ({cause}{check}); the runner is still usable "
+            "for the next call")

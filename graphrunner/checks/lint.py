@@ -63,7 +63,7 @@ from graphrunner.recording.ops import OpConsumer
 from graphrunner.errors import CaptureError, CaptureUnsafeOpError, GraphRunnerError
 
 __all__ = ["Finding", "CheckReport", "CheckUsageError", "UnsafeOpLint", "EXPECTED", "exit_text", "required_parameters",
-           "check_factory", "check_runner"]
+           "check_factory", "check_runner", "first_unsafe_op"]
 
 #: Finding kinds, in the order the table lists them.
 KINDS = ("unsafe-op", "frozen-return", "drift", "padding-leak", "input-write", "step-error", "capture-error")
@@ -233,6 +233,43 @@ _RETURNS = ("it must return tensors, not the Python value it reads (a number a b
 
 
 # ------------------------------------------------------------------ the lint hook
+class _FirstUnsafe(OpConsumer):
+    """Keeps the first op of a forward that a device graph cannot hold, with the user's line."""
+
+    def __init__(self) -> None:
+        self.found: Optional[str] = None
+
+    def before(self, ev: Any) -> None:
+        if self.found is not None or ev.atomic or ev.func.namespace == "c10d" or ev.in_eager_break:
+            return
+        from graphrunner._frames import where as where_text
+        from graphrunner.tape.unsafe import unsafe_reason
+
+        reason = unsafe_reason(ev.func, ev.args, ev.kwargs)
+        if reason is not None:
+            self.found = f"{reason[0]} [op: {reason[1]}] at {where_text(ev.where)}"
+
+
+def first_unsafe_op(forward: Callable[[], Any]) -> Optional[str]:
+    """Run ``forward`` once more, eagerly, and describe its first capture-unsafe op (``"boolean-mask
+    indexing ... [op: aten::index.Tensor] at step.py:12 in step"``), or ``None`` when it has none
+    (or fails before one). What it writes outside itself is put back
+    (:class:`~graphrunner.recording.ops.WriteGuard`, the static buffers included). Used when a
+    capture's output has a shape the runner cannot slice: a data-dependent shape op is the
+    usual cause, and the shape alone names neither the op nor the line."""
+    from graphrunner.recording.ops import OpRecorder, WriteGuard
+
+    guard, first = WriteGuard(()), _FirstUnsafe()
+    try:
+        with OpRecorder([guard, first], stop=getattr(forward, "__code__", None)):
+            forward()
+    except Exception:  # noqa: BLE001, S110 - a diagnosis: the original error is what the caller raises
+        pass
+    finally:
+        guard.restore()
+    return first.found
+
+
 class _UnsafeOps(OpConsumer):
     """Checks every op (and torch function) of one forward against the capture-unsafe catalogue."""
 

@@ -552,7 +552,6 @@ class LeakCheck(CaptureHook):
         self._seq: Dict[str, Any] = {}  # the sequences' runs, during the check
         self._explained: Dict[str, Any] = {}  # what a sequence finding needs to name its cause
         self._work = _Work()  # run A's matmuls, for the tolerance
-        self._gen0: Any = None  # the default generator's state before the check
         self._a_in_warmup = False  # the one but last warmup is running as run A
         self._f_in_warmup = False  # the last warmup is running as the padded follow-up
         self._a_first = False  # run A was the key's first warmup
@@ -576,11 +575,12 @@ class LeakCheck(CaptureHook):
         t0 = time.perf_counter()
         if i == self._a_index(cap):
             if self._prepare():
+                self._guard.generators.reset()
                 self._fill(self._data, self.sizes)
                 self._a_in_warmup = True
                 self._a_first = i == 0  # the first warmup may be lazy initialisation: a finding is confirmed
         elif i == cap.warmups - 1 and self._a is not None and self._wants_sequences():
-            torch.default_generator.set_state(self._gen0)
+            self._guard.generators.reset()  # the check's own generators: never the engine's
             self._fill(self._follow_data, self.sizes)
             self._f_in_warmup = True
         self.seconds += time.perf_counter() - t0
@@ -652,11 +652,13 @@ class LeakCheck(CaptureHook):
         """Keep the static buffers, make the runs' write guard and seeded data; False when there is
         nothing to vary (only integer inputs, some without bounds: the warning says so)."""
         from graphrunner.recording.ops import WriteGuard
+        from graphrunner.tape.rng import OwnedGenerators
 
         self._saved = [(v, v.clone()) for _, v, _, _ in self.inputs]
         # one guard for every run: what a run wrote is put back after it
-        self._guard = WriteGuard([v for _, v, _, _ in self.inputs])
-        self._gen0 = torch.default_generator.get_state()
+        # the step's draws during the runs come from generators the check owns (reset before each
+        # run): the engine's generators are never read, drawn from or set, on any thread
+        self._guard = WriteGuard([v for _, v, _, _ in self.inputs], generators=OwnedGenerators(0x636B6563))
         # the step's Python numbers: every run starts from them; the capture sees them as after run A
         self._numbers = PythonNumbers(self.step)
         self._numbers0 = self._numbers.snapshot()
@@ -771,9 +773,9 @@ class LeakCheck(CaptureHook):
             self._f_padded = self._follow(cap, padded=True)
 
     def _follow(self, cap: Capture, padded: bool) -> List[Optional[torch.Tensor]]:
-        """The follow-up call on its own data (the generator as before the check): through the
+        """The follow-up call on its own data (the check's own generators reset, as for run A): through the
         key's static buffers (padded) or eagerly on the real rows alone. Its writes stay logged."""
-        torch.default_generator.set_state(self._gen0)
+        self._guard.generators.reset()
         if padded:
             self._fill(self._follow_data, self.sizes)
             return self._run(cap, cap.forward_fn, restore=False)
@@ -1147,15 +1149,28 @@ class PythonNumbers:
 
     Contract: :meth:`snapshot` returns the attributes now (tensors by reference); :meth:`put`
     writes a snapshot's values back into the attributes whose value is no longer that object
-    (straight into ``__dict__``, no ``__setattr__``). State elsewhere (module globals, closure
-    cells, containers, a tensor's contents: those are the write guard's) is not followed."""
+    (straight into ``__dict__``, no ``__setattr__``; a class attribute through ``type.__setattr__``:
+    the user's classes of the objects are followed too, so ``Step.calls += 1`` counts like
+    ``self.calls += 1``). State elsewhere (module globals, closure cells, containers, a tensor's
+    contents: those are the write guard's) is not followed."""
 
     def __init__(self, step: Any) -> None:
-        self.objects = [obj for _, obj in _step_objects(step)
+        reached = [obj for _, obj in _step_objects(step)]
+        self.objects = [obj for obj in reached
                         if isinstance(getattr(obj, "__dict__", None), dict) and not isinstance(obj, type)]
+        # the user's classes of those objects (and their bases): a counter kept in a class attribute
+        # (``Step.calls += 1``) is Python state the step re-binds just like ``self.calls``
+        classes: List[type] = []
+        for obj in reached:
+            for cls in getattr(obj if isinstance(obj, type) else type(obj), "__mro__", ()):
+                mod = getattr(cls, "__module__", "") or ""
+                if mod == "builtins" or mod.split(".")[0] in ("torch", "graphrunner") or cls in classes:
+                    continue
+                classes.append(cls)
+        self.objects += classes
 
     def snapshot(self) -> List[Tuple[Any, str, Any]]:
-        """``[(object, attribute, value)]`` of every number and tensor attribute now."""
+        """``[(object or class, attribute, value)]`` of every number and tensor attribute now."""
         return [(obj, n, v) for obj in self.objects for n, v in list(vars(obj).items())
                 if type(v) in (int, float, bool) or isinstance(v, torch.Tensor)]
 
@@ -1165,4 +1180,7 @@ class PythonNumbers:
         for obj, n, v in snapshot or ():
             d = vars(obj)
             if d.get(n, v) is not v:
-                d[n] = v
+                if isinstance(obj, type):  # a class's __dict__ is read-only: set it as the class would
+                    type.__setattr__(obj, n, v)
+                else:
+                    d[n] = v

@@ -10,8 +10,9 @@ verifies every N-th call: right before the replay, the step runs eagerly on a
 copy of the same padded inputs (before, so that state it updates is seen as
 the replay sees it), with everything it writes outside itself put back
 afterwards (:class:`~graphrunner.checks.ops.WriteGuard`: the KV cache,
-counters, the generator), and its real output cells are compared with the
-replay's. A difference raises :class:`~graphrunner.errors.ContractError`
+counters), drawing from copies of the engine's generators (never from the
+generators themselves, so the replay draws what an eager call would), and its
+real output cells are compared with the replay's. A difference raises :class:`~graphrunner.errors.ContractError`
 with what ``runner.compare`` finds (the first op whose output differs, its
 line, the values). With several ranks every rank verifies the same calls
 (the call counter is paired across ranks); a rank whose replay differs raises
@@ -32,6 +33,7 @@ import torch
 
 from graphrunner._pytree import flatten
 from graphrunner.recording.ops import OpRecorder, WriteGuard
+from graphrunner.tape.rng import OwnedGenerators
 from graphrunner.errors import ContractError
 
 __all__ = ["verify_every_setting", "shadow_reference", "shadow_verify"]
@@ -66,7 +68,9 @@ def shadow_reference(server: Any, sizes: Tuple[int, ...], key: Tuple[int, ...]) 
 
     views = server.inputs.key_views(key)
     padded = {k: v.clone() for k, v in views.items()}
-    guard = WriteGuard(list(views.values()) + list(padded.values()))
+    # the reference draws from copies of the engine's generators (read here, on the calling thread,
+    # before the replay draws from them): never set, so the replay draws what an eager call would
+    guard = WriteGuard(list(views.values()) + list(padded.values()), generators=OwnedGenerators())
     try:
         with torch.inference_mode(), OpRecorder([guard]):
             ref = server.step(**padded)

@@ -297,9 +297,15 @@ class DecodeRunner:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
             raise ValueError("input_ids must be a [batch, prompt_len] torch.long tensor")
         b, p = input_ids.shape
-        if not 1 <= b <= self.max_batch or p < 1:
-            raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: need 1 <= batch <= max_batch="
-                             f"{self.max_batch} and prompt_len >= 1")
+        if b > self.max_batch:
+            raise ValueError(
+                f"input_ids has {b} rows (shape {tuple(input_ids.shape)}), more than this DecodeRunner's "
+                f"max_batch={self.max_batch} (its static cache and largest graph hold {self.max_batch} rows): "
+                f"build it with DecodeRunner(model, max_batch={b}, ...) (or larger), or call generate on at "
+                f"most {self.max_batch} rows at a time (input_ids[:{self.max_batch}], then the rest)")
+        if b < 1 or p < 1:
+            raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: generate needs at least one row and "
+                             "a prompt of at least one token ([batch >= 1, prompt_len >= 1])")
         self._check_eval()
         mask = self._check_mask(kwargs.pop("attention_mask", None), input_ids)
         dev = self.model.device

@@ -52,8 +52,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from graphrunner._aten import storage_key, tensors_in, written_tensors
 from graphrunner._frames import is_internal
-from graphrunner.tape.rng import generators_shared
-from graphrunner.tape.state import storage_bytes
+from graphrunner.tape.rng import OwnedGenerators, redirect, redirected, stand_in_op
+from graphrunner.tape.state import _capture_here, storage_bytes
 from graphrunner.tape.unsafe import atomic_call
 
 __all__ = ["OpEvent", "FunctionEvent", "op_stream", "OpConsumer", "OpRecorder", "RecordingDevice", "WriteGuard", "storage_key",
@@ -278,7 +278,11 @@ class _Dispatch(TorchDispatchMode):
             if not muted or c.__self__ not in muted:
                 c(ev)
         t1 = perf_counter()
-        out = func(*args, **kwargs)
+        if redirected() is not None and _capture_here() is None:  # (a tape capture redirects as it records)
+            run, run_kwargs = stand_in_op(func, args, kwargs)
+            out = run(*args, **run_kwargs)
+        else:
+            out = func(*args, **kwargs)
         t2 = perf_counter()
         if rec._after:
             ev.out = out
@@ -351,6 +355,7 @@ class OpRecorder:
         self._before = [c.before for c in self.consumers if type(c).before is not base.before]
         self._after = [c.after for c in self.consumers if type(c).after is not base.after]
         self._functions = [c.function for c in self.consumers if c.functions]
+        self._redirect: Optional[OwnedGenerators] = None  # a consumer's stand-in generators, while recording
 
     @contextlib.contextmanager
     def modes(self) -> Iterator[None]:
@@ -364,10 +369,15 @@ class OpRecorder:
     def recording(self) -> Iterator["OpRecorder"]:
         """Record (set :attr:`on`) for the block, through modes installed by :meth:`modes`."""
         was, self.on = self.on, True
+        owned = next((g for g in reversed([getattr(c, "generators", None) for c in self.consumers])
+                      if isinstance(g, OwnedGenerators)), None)
         try:
-            yield self
+            with redirect(owned) if owned is not None else contextlib.nullcontext():
+                self._redirect = owned
+                yield self
         finally:
             self.on = was
+            self._redirect = None
 
     def __enter__(self) -> "OpRecorder":
         self._stack = contextlib.ExitStack()
@@ -429,29 +439,27 @@ class WriteGuard(OpConsumer):
     ``index_copy_`` (a KV cache written at a few slots costs a few slots), the
     written view of another in-place op, the whole storage for an ``out=``
     argument. :meth:`restore` undoes the log newest first (so the state is as
-    before the first logged write) and resets the default generator to its
-    state at construction, and every generator an op drew from through its
-    ``generator=`` argument to its state before that op (neither on a thread
-    inside :func:`graphrunner.tape.rng.shared_generators`). Used by ``runner.compare``, by the padding check
-    around its extra forwards and by a background capture, so the KV cache,
-    a counter tensor or the generator are as before. ``snapshots`` maps the
+    before the first logged write). It never sets a generator it does not own:
+    with ``generators`` (:class:`~graphrunner.tape.rng.OwnedGenerators`), code
+    recorded with the guard draws from their stand-ins (the recorder installs a
+    :func:`~graphrunner.tape.rng.redirect`) and :meth:`restore` resets them, so
+    the next run draws the same numbers. Used by ``runner.compare``, by the padding check
+    around its extra forwards and by a background capture, so the KV cache or
+    a counter tensor are as before and the engine's generators untouched. ``snapshots`` maps the
     key of every storage put back to a description of the tensor written.
     """
 
-    def __init__(self, inputs: Sequence[torch.Tensor] = ()):
+    def __init__(self, inputs: Sequence[torch.Tensor] = (), generators: Optional[OwnedGenerators] = None):
         self.created: set = set()                       # storages made by the recorded code
         self.inputs = {storage_key(t) for t in inputs}
         self.snapshots: dict = {}
         self._undo: list = []                           # (restore function, its argument), oldest first
         self._whole: set = set()                        # storages logged whole since the last restore
-        # the default generator is put back too, unless another thread shares it (a background
-        # capture while the engine samples: putting it back would repeat the engine's numbers)
-        self.gens = [] if generators_shared() else [(torch.default_generator, torch.default_generator.get_state())]
+        #: Generators standing in for the step's while it is recorded with this guard (None: the
+        #: step draws from its own; the guard never sets a generator it does not own).
+        self.generators = generators
 
     def before(self, ev: OpEvent) -> None:
-        g = ev.kwargs.get("generator")
-        if g is not None and not generators_shared() and all(g is not h for h, _ in self.gens):
-            self.gens.append((g, g.get_state()))  # the step's own generator: put back like the default one
         if not ev.func._schema.is_mutable:
             return
         for t in ev.written:
@@ -499,7 +507,7 @@ class WriteGuard(OpConsumer):
                     created.add(k)
 
     def restore(self) -> None:
-        """Undo every logged write, newest first, and reset the generators.
+        """Undo every logged write, newest first, and reset the guard's own generators (never another's).
 
         The guard can record again: the log is emptied and the storages the last run
         created are forgotten (their addresses may be reused); :attr:`snapshots` keeps
@@ -509,9 +517,8 @@ class WriteGuard(OpConsumer):
                 put(*arg)
         self._undo.clear()
         self._whole.clear()
-        for g, s in self.gens:
-            g.set_state(s)
-        del self.gens[1:]  # the next run's own generators are logged again when it draws
+        if self.generators is not None:
+            self.generators.reset()  # the next run draws what this one drew
         self.created.clear()
 
 

@@ -109,6 +109,7 @@ class TapePool:
         self.bytes_held = 0
         self._captures = 0
         self._scratch: dict = {}               # (device, j) -> untyped storage of the graphs' j-th temporary buffer
+        _POOLS.add(self)
 
     def __repr__(self) -> str:
         return f"<TapePool at {id(self):#x}: {self._captures} captures, {self.bytes_held} bytes>"
@@ -151,6 +152,16 @@ class TapePool:
             return self._free.pop(i)[2]
         self.bytes_held += size
         return _Block(size)
+
+
+_POOLS: "weakref.WeakSet[TapePool]" = weakref.WeakSet()  # every live pool (what memory_reserved() counts)
+
+
+def pools_bytes() -> int:
+    """Estimated bytes held by every live :class:`TapePool` of the process, as
+    ``torch.cuda.memory_reserved`` counts every pool of the caching allocator (a runner with
+    ``memory_budget=`` or ``with_own_pool()`` has a pool of its own)."""
+    return sum(int(p.bytes_held) for p in list(_POOLS))
 
 
 def graph_pool_handle() -> TapePool:

@@ -408,7 +408,9 @@ class TapeGraph:
         self._inference = cap.inference
         self._statics = list(survivors.values())
         self._versioned = versioned
-        if self._jit is not None:
+        if self._jit is not None and not cap.redirected_draws:
+            # (a capture whose draws went to stand-ins: the trace would draw from the engine's own
+            # generators, which replays draw from; it is traced at the first replay, which it is)
             self._prepare_jit(list(survivors.values()) + list(spills.values()), cap.drawn_from)
         logger.debug(
             "tape capture: %d ops recorded, %d replayed, %d survivors, %d externals; %d rewrites proven "

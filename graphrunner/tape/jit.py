@@ -26,7 +26,9 @@ memory it spills to) are copied first and put back after (the same
 rollback a failed trace uses), and the generators the replay draws from
 get their states back.  ``prepare`` runs with the caller's dispatch modes
 disabled.  Only when the graph cannot be traced at capture end (its pool is
-replaying in another thread) is the trace made at the first replay
+replaying in another thread, or its capture drew from stand-in generators
+under a :func:`~graphrunner.tape.rng.redirect`, whose trace would draw from
+the engine's own generators) is the trace made at the first replay
 (``engine == "jit-pending"`` until then): that replay traces, and tracing
 *is* the replay.
 

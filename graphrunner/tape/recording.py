@@ -24,9 +24,8 @@ from graphrunner.errors import CaptureError
 
 from .bindings import _Verifier
 from .collapse import COLLAPSIBLE, COLLAPSIBLE_FUNCTIONAL
-from .rng import generators_shared
 from .proof import eager_tls, stats as proof_stats
-from .rng import _op_generator, generators_shared
+from .rng import _op_generator, redirected, stand_in_op
 from .state import _storage, storage_bytes
 from .streams import CLOCKS, current_stream
 from .survivors import _POISONED, _SURVIVORS, EscapedTensorWarning, _Poisoned
@@ -103,7 +102,10 @@ class _Capture:
         self.lifted: list[_Poisoned] = []          # other graphs' poisoned survivors lifted for this capture
         self.generators: dict[int, tuple] = {}     # id(generator) -> (generator, state, initial seed) at first use
         self.drawn_from: list = []                 # at capture end: the generators tracked (restored)
-        self.track_generator(torch.default_generator)
+        #: Seeded ops that drew from a stand-in (a :func:`~graphrunner.tape.rng.redirect` was active).
+        self.redirected_draws = 0
+        if redirected() is None:  # redirected: the capture draws from stand-ins only, tracked at first use
+            self.track_generator(torch.default_generator)
         # streams: the capture stream, its time at capture begin and every stream's last op then
         # (a stream forked from it during the capture must be joined back by capture end)
         self.stream = current_stream()
@@ -255,9 +257,11 @@ class _Capture:
                     "(CUDA raises on manual_seed during capture), and the tape restores every generator's "
                     "state at capture end. Seed before capture_begin() (or between replays)."
                 )
-            if not generators_shared():  # another thread draws from it too: never rewind it
+            owned = redirected()
+            if owned is None or owned.owns(g):  # never set a generator owned elsewhere (another thread draws from it)
                 g.set_state(state)
-        self.drawn_from = [] if generators_shared() else [g for g, _, _ in self.generators.values()]
+        owned = redirected()
+        self.drawn_from = [g for g, _, _ in self.generators.values() if owned is None or owned.owns(g)]
         self.generators.clear()
         return err
 
@@ -330,12 +334,18 @@ class _Recorder(TorchDispatchMode):
             verifier = None
             if not collective and not seeded:
                 verifier = _Verifier(cap, func, args, kwargs, written, fresh)
-            if seeded:
-                cap.track_generator(_op_generator(args, kwargs))
+            run, run_kwargs = func, kwargs
+            if seeded:  # under a redirect (a background capture) it draws from a stand-in
+                run, run_kwargs = stand_in_op(func, args, kwargs)
+                if run_kwargs is not kwargs:
+                    cap.redirected_draws += 1
+                    cap.track_generator(_op_generator(args, run_kwargs))
+                elif redirected() is None:
+                    cap.track_generator(_op_generator(args, kwargs))
         except BaseException as e:
             cap.failed = e
             raise
-        out = func(*args, **kwargs)
+        out = run(*args, **run_kwargs)
         try:
             op = _Op()
             op.func, op.args, op.kwargs = func, targs, tkwargs

@@ -1,18 +1,21 @@
-"""Random number generators on the tape, with CUDA's semantics.
+"""Random number generators on the tape, with CUDA's semantics, and the generators graphrunner owns.
 
 Owns the re-seed guard (``torch.manual_seed`` / ``seed`` / ``set_rng_state``
 raise while a capture is active, as ``manual_seed`` does during a CUDA
-capture) and :func:`_op_generator`, the generator a seeded op draws from.
-Saving and restoring generator states around a capture is done by the
-capture itself (:meth:`~graphrunner.tape.recording._Capture.track_generator`,
-``restore_generators``).
-"""
+capture), :func:`_op_generator`, the generator a seeded op draws from, and
+:class:`OwnedGenerators` with :func:`redirect`: the one mechanism by which a
+check, a verification or a background capture draws from generators of its
+own instead of the engine's (the op recorder and the tape capture swap the
+generator of every seeded op they see). Saving and restoring generator states
+around a blocking tape capture is done by the capture itself
+(:meth:`~graphrunner.tape.recording._Capture.track_generator`,
+``restore_generators``); under a redirect it only ever sets its stand-ins."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -119,26 +122,146 @@ def _op_generator(args, kwargs) -> "torch.Generator | None":
     return None  # meta and other devices: nothing to restore
 
 
-# ------------------------------------------------------------ a generator shared with another thread
+# ------------------------------------------------------------ generators a check or a capture owns
 _SHARED = threading.local()
 
 
+class OwnedGenerators:
+    """Generators owned by a check, a verification or a background capture, standing in for the
+    generators the step would draw from (the default generator of a device, an explicit
+    ``generator=`` argument) while a :func:`redirect` is active on this thread.
+
+    ``seed`` given: each stand-in is a fresh generator seeded from it (the source is never read);
+    :meth:`reset` seeds them again, so every run of a check draws the same numbers (the padding
+    check's runs, a background capture's warmups). ``seed=None``: each stand-in starts as a copy of
+    its source's state, read once at its first draw on the calling thread (shadow verification,
+    ``runner.compare``: the eager reference draws what the replay will draw from the engine's
+    generator, and the engine's generator is never set). Either way the sources are never drawn
+    from nor set."""
+
+    def __init__(self, seed: "int | None" = None) -> None:
+        self.seed = seed
+        self._stand_ins: dict = {}  # id(source) -> (source, stand-in); the source kept alive: ids stay unique
+        self._mine: set = set()  # ids of the stand-ins
+        #: How many draws were redirected to a stand-in.
+        self.draws = 0
+
+    def stand_in(self, source: torch.Generator) -> torch.Generator:
+        """The generator that draws instead of ``source`` (itself when ``source`` is a stand-in)."""
+        if id(source) in self._mine:
+            return source
+        ent = self._stand_ins.get(id(source))
+        if ent is None:
+            g = torch.Generator(device=source.device)
+            if self.seed is None:
+                g.set_state(source.get_state())
+            else:
+                g.manual_seed(self.seed + len(self._stand_ins))
+            ent = self._stand_ins[id(source)] = (source, g)
+            self._mine.add(id(g))
+        return ent[1]
+
+    def owns(self, g: "torch.Generator | None") -> bool:
+        """True for one of this object's stand-ins."""
+        return g is not None and id(g) in self._mine
+
+    def reset(self) -> None:
+        """The next run draws what the first did: seeded stand-ins seeded again; copies forgotten
+        (copied again at their next first draw)."""
+        if self.seed is None:
+            self._stand_ins.clear()
+            self._mine.clear()
+            return
+        for i, (_, g) in enumerate(self._stand_ins.values()):
+            g.manual_seed(self.seed + i)
+
+
+def _stack() -> list:
+    st = getattr(_SHARED, "stack", None)
+    if st is None:
+        st = _SHARED.stack = []
+    return st
+
+
+@contextlib.contextmanager
+def redirect(owned: OwnedGenerators) -> Iterator[OwnedGenerators]:
+    """On this thread, for the body: every seeded op that a graphrunner dispatch mode sees (an op
+    recorder's, a tape capture's) draws from ``owned``'s stand-ins instead of the generator it
+    would draw from. Nested redirects: the innermost wins."""
+    st = _stack()
+    st.append(owned)
+    try:
+        yield owned
+    finally:
+        st.remove(owned)
+
+
+def redirected() -> "OwnedGenerators | None":
+    """The innermost :func:`redirect` active on this thread, or None."""
+    st = getattr(_SHARED, "stack", None)
+    return st[-1] if st else None
+
+
+def _generator_overload(func: Any) -> Any:
+    """The overload of seeded op ``func`` that takes a ``generator=`` argument with the same other
+    arguments (``aten.rand.default`` -> ``aten.rand.generator``), or None."""
+    hit = _OVERLOADS.get(func, _MISSING)
+    if hit is not _MISSING:
+        return hit
+    names = [a.name for a in func._schema.arguments]
+    hit = None
+    if "generator" in names:
+        hit = func
+    else:
+        packet = getattr(torch.ops.aten, func._schema.name.split("::")[-1], None)
+        for o in packet.overloads() if packet is not None else ():
+            cand = getattr(packet, o)
+            cnames = [a.name for a in cand._schema.arguments]
+            if "generator" in cnames and [n for n in cnames if n != "generator"] == names:
+                hit = cand
+                break
+    _OVERLOADS[func] = hit
+    return hit
+
+
+_OVERLOADS: dict = {}
+_MISSING = object()
+
+
+def stand_in_op(func: Any, args: tuple, kwargs: dict) -> "tuple[Any, dict]":
+    """``(func, kwargs)`` to run seeded op ``func`` with under the active :func:`redirect`: its
+    generator argument the stand-in of the generator it would draw from. Unchanged without a
+    redirect, for an op that is not seeded, or one without a generator overload (it draws from
+    its generator as before)."""
+    owned = redirected()
+    if owned is None or torch.Tag.nondeterministic_seeded not in func.tags:
+        return func, kwargs
+    target = _generator_overload(func)
+    if target is None:
+        return func, kwargs
+    source = _op_generator(args, kwargs)
+    if source is None:
+        return func, kwargs
+    owned.draws += 1
+    return target, {**kwargs, "generator": owned.stand_in(source)}
+
+
 def generators_shared() -> bool:
-    """True on a thread inside :func:`shared_generators`: nothing that runs there may put a
-    generator's state back (tape captures, write guards)."""
+    """True on a thread inside :func:`shared_generators` (a background capture's thread)."""
     return getattr(_SHARED, "on", False)
 
 
 @contextlib.contextmanager
-def shared_generators() -> Iterator[None]:
+def shared_generators(seed: int = 0x62677267) -> Iterator[None]:
     """On this thread, for the body: generators are shared with another thread that keeps drawing
-    from them (a background capture while the engine samples with the default generator), so
-    setting a generator's state back would rewind the other thread's draws and repeat its
-    numbers. Inside, a tape capture and a :class:`~graphrunner.recording.ops.WriteGuard` leave
-    every generator as it is: what the step draws here is drawn from the shared stream, once."""
+    from them (a background capture while the engine samples with the default generator). Every
+    seeded op recorded here (warmups, the post-warmup hook, a tape capture, a check's runs) draws
+    from generators owned by the body (:func:`redirect`), so the engine's generators are never
+    drawn from, read or set on this thread."""
     before = generators_shared()
     _SHARED.on = True
     try:
-        yield
+        with redirect(OwnedGenerators(seed)):
+            yield
     finally:
         _SHARED.on = before
