@@ -1,0 +1,259 @@
+"""``graphrunner serve``: a real server process on 127.0.0.1, driven by the real ``openai`` client.
+
+The reference is the same command with ``--eager`` (transformers' own continuous-batching engine, no
+graphs): greedy answers must be equal, text for text, one request at a time and 16 at once. The
+server under test has small cache and batch settings, so its background capture finishes in
+seconds and its keys are re-planned (``--replan-every 32``) during the tests. Skipped without the
+``serve`` extra (``pip install -e '.[serve]'``).
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from extras_util import require
+
+require("transformers")
+require("fastapi")
+require("uvicorn")
+require("prometheus_client")
+openai = require("openai")
+
+pytestmark = [pytest.mark.hf, pytest.mark.slow]
+
+#: Small engine settings: 64 cache blocks of 16 tokens, 64 tokens and 16 requests a step.
+ENGINE = ["--cb-num-blocks", "64", "--cb-block-size", "16", "--cb-max-batch-tokens", "64", "--cb-max-requests", "16"]
+
+#: Seconds a server may take to load and listen (it builds the tiny model, loads it, starts its engine).
+START = 180
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A ``graphrunner serve`` process on a free port of 127.0.0.1; its output goes to a log file."""
+
+    def __init__(self, tmp, *flags):
+        self.port = free_port()
+        self.log = open(os.path.join(tmp, f"serve-{self.port}.log"), "w+")
+        env = {**os.environ, "GRAPHRUNNER_CACHE": os.path.join(os.path.dirname(tmp), "cache"),
+               "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "graphrunner_tools", "serve", "--port", str(self.port),
+                                      *ENGINE, *flags], stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + START
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"the server did not listen within {START} s:\n{self.output()}")
+            time.sleep(0.5)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        self.model = self.client.models.list().data[0].id
+
+    def output(self):
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-4000:]
+
+    def chat(self, content, max_tokens=12, **kw):
+        r = self.client.chat.completions.create(model=self.model, messages=[{"role": "user", "content": content}],
+                                                max_tokens=max_tokens, temperature=0, **kw)
+        return r.choices[0].message.content
+
+    def metrics(self):
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def metric(self, name):
+        return sum(v for k, v in self.metrics().items() if k == name or k.startswith(name + "{"))
+
+    def stop(self, sig=signal.SIGTERM, timeout=30):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("serve"))
+    graphs = Server(tmp, "--replan-every", "32")
+    try:
+        eager = Server(tmp, "--eager")
+    except BaseException:
+        graphs.stop()
+        raise
+    yield graphs, eager
+    codes = graphs.stop(), eager.stop()
+    assert codes == (0, 0), f"SIGTERM: both servers exit 0, got {codes}\n{graphs.output()}\n{eager.output()}"
+
+
+PROMPTS = ["hello there", "what is a graph?", "x", "count: 1 2 3 4 5 6 7 8 9", "tell me a story about a cat " * 3,
+           "ok", "The quick brown fox jumps over the lazy dog.", "?" * 40]
+
+
+def test_greedy_chat_completions_equal_the_eager_server(servers):
+    graphs, eager = servers
+    got = [graphs.chat(p) for p in PROMPTS]
+    want = [eager.chat(p) for p in PROMPTS]
+    assert got == want
+    assert len(set(want)) > 1 and all(len(w) == 12 for w in want), "12 characters each, differing by prompt"
+    assert graphs.metric("graphrunner_graphs_enabled") == 1 and eager.metric("graphrunner_graphs_enabled") == 0
+
+
+def test_streaming_equals_non_streaming(servers):
+    graphs, _ = servers
+    for p in PROMPTS[:4]:
+        stream = graphs.client.chat.completions.create(model=graphs.model, messages=[{"role": "user", "content": p}],
+                                                       max_tokens=12, temperature=0, stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert text == graphs.chat(p)
+
+
+def test_sixteen_concurrent_clients_are_all_answered_and_equal(servers):
+    graphs, eager = servers
+    prompts = [f"request {i}: " + "abc" * i for i in range(16)]
+    want = [eager.chat(p, max_tokens=16) for p in prompts]
+    before = graphs.metric("graphrunner_steps_total")
+    got, errors = [None] * 16, []
+
+    def ask(i):
+        try:
+            got[i] = graphs.chat(prompts[i], max_tokens=16)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert errors == [] and got == want
+    steps = graphs.metric("graphrunner_steps_total") - before
+    assert 16 <= steps < 16 * 16 + 16, "the 16 requests were batched together (fewer steps than one per token each)"
+    m = graphs.metrics()
+    assert graphs.metric("graphrunner_graphs_captured") > 0
+    assert sum(v for k, v in m.items() if k.startswith("graphrunner_steps_total") and 'path="replayed"' in k) > 0
+
+
+@pytest.mark.parametrize("bad, status, words", [
+    ({"model": "no-such-model"}, 400, "no-such-model"),
+    ({"max_tokens": 0}, 400, "max_tokens must be at least 1"),
+    ({"max_tokens": -3}, 400, "got -3"),
+    ({"messages": [{"role": "user", "content": "y" * 2000}]}, 400, "at most 1024"),
+])
+def test_bad_input_is_a_4xx_naming_it_and_the_next_request_is_right(servers, bad, status, words):
+    graphs, eager = servers
+    body = {"model": graphs.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, **bad}
+    with pytest.raises(openai.APIStatusError) as err:
+        graphs.client.chat.completions.create(**body)
+    assert err.value.status_code == status and words in str(err.value.body)
+    assert graphs.chat("after a bad request") == eager.chat("after a bad request")
+
+
+def test_malformed_json_is_a_422_and_the_next_request_is_right(servers):
+    graphs, eager = servers
+    for raw in (b'{"model": ', b"[1, 2]"):
+        req = urllib.request.Request(graphs.url + "/v1/chat/completions", data=raw,
+                                     headers={"content-type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=30)
+        assert err.value.code == 422
+        assert json.loads(err.value.read())["detail"], "the answer says what was wrong"
+    assert graphs.chat("after malformed json") == eager.chat("after malformed json")
+
+
+def _wait_for(server, name, predicate, timeout=30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = server.metric(name)
+        if predicate(value):
+            return value
+        time.sleep(0.2)
+    return server.metric(name)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_cache_blocks(servers):
+    graphs, _ = servers
+    total = graphs.metric("graphrunner_kv_cache_blocks")
+    assert _wait_for(graphs, "graphrunner_kv_cache_free_blocks", lambda v: v == total) == total
+    stream = graphs.client.chat.completions.create(model=graphs.model, messages=[{"role": "user", "content": "go"}],
+                                                   max_tokens=900, temperature=0, stream=True)
+    chunks = iter(stream)
+    for _ in range(3):
+        next(chunks)
+    # control: while the stream runs its request holds cache blocks (the figure can see a held block)
+    assert graphs.metric("graphrunner_kv_cache_free_blocks") < total
+    assert graphs.metric("graphrunner_requests_active") == 1
+    stream.close()  # the client goes away mid-stream (900 tokens would take many seconds)
+    assert _wait_for(graphs, "graphrunner_kv_cache_free_blocks", lambda v: v == total) == total
+    assert graphs.metric("graphrunner_requests_active") == 0
+
+
+def test_sigterm_with_a_request_in_flight_exits_0_within_seconds(tmp_path):
+    server = Server(str(tmp_path))
+    done = []
+
+    def ask():
+        try:
+            stream = server.client.chat.completions.create(
+                model=server.model, messages=[{"role": "user", "content": "long"}], max_tokens=900, temperature=0,
+                stream=True)
+            done.append(sum(1 for _ in stream))
+        except Exception as exc:  # noqa: BLE001 - the server went away: expected
+            done.append(exc)
+
+    t = threading.Thread(target=ask)
+    t.start()
+    _wait_for(server, "graphrunner_requests_active", lambda v: v == 1)
+    t0 = time.monotonic()
+    code = server.stop(signal.SIGTERM, timeout=60)
+    seconds = time.monotonic() - t0
+    t.join(60)
+    assert code == 0, server.output()
+    assert seconds < 20, f"SIGTERM took {seconds:.1f} s (bounds a hang: the shutdown waits at most 5 s for requests)"
+    assert done, "the client got an answer or an error, not a hang"
+
+
+def test_metrics_show_graphs_steps_and_requests(servers):
+    graphs, _ = servers
+    m = graphs.metrics()
+    names = {k.partition("{")[0] for k in m}
+    for name in ("graphrunner_steps_total", "graphrunner_graphs_planned", "graphrunner_graphs_captured",
+                 "graphrunner_capture_seconds", "graphrunner_padded_tokens_total", "graphrunner_fallbacks_total",
+                 "graphrunner_replans_total", "graphrunner_kv_cache_free_blocks", "graphrunner_http_requests_total"):
+        assert name in names or name == "graphrunner_fallbacks_total", name
+    assert graphs.metric("graphrunner_graphs_captured") == graphs.metric("graphrunner_graphs_planned") > 0
+    assert graphs.metric("graphrunner_capture_seconds") > 0
+    ok = sum(v for k, v in m.items() if k.startswith("graphrunner_http_requests_total") and 'status="200"' in k)
+    assert ok >= len(PROMPTS)
