@@ -351,7 +351,7 @@ def _fake_cuda(monkeypatch, gpus, nccl=True):
         spawned.append(kwargs)
         raise _Spawned()
 
-    monkeypatch.setattr(launch, "spawn_ranks", spawn)
+    monkeypatch.setattr(launch, "launch_ranks", spawn)
     return spawned
 
 
