@@ -202,8 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "--ranks N, N gloo processes split the MLP tensor-parallel (an all_reduce inside the captured "
                     "step); each rank pads to its own local tier and the runner's agreement makes them replay the "
                     "same key. Under torchrun (one node or several) every process runs its own rank in torchrun's "
-                    "group (env://) and rank 0 prints the summary. Prints requests, steps, tokens, replays per tier, fallbacks and mismatches; exits 1 "
-                    "on any mismatch or failed rank, 2 for a bad command line.")
+                    "group (env://) and rank 0 prints the summary. Prints requests, steps, tokens, replays per "
+                    "tier, fallbacks and mismatches; exits 1 on any mismatch or failed rank, 2 for a bad command "
+                    "line.")
     verify.add_argument("--backend", default="breakable", choices=["full", "breakable"],
                         help="breakable: attention is an eager break (default); full: one graph per tier")
     verify.add_argument("--requests", type=positive_int, default=6, help="requests served (default: 6)")

@@ -18,11 +18,12 @@ never touch a real request's cache row.
 
 With ``ranks > 1`` the ranks are real processes, started by torch's elastic launcher
 (:func:`graphrunner_tools.launch.launch_ranks`), or, when this process is a torchrun worker
-(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set: :func:`~graphrunner_tools.launch.torchrun_env`),
-torchrun's own ranks, on one node or several: each runs its part and the ranks exchange their
-results (:func:`~graphrunner_tools.launch.run_joined`), so every rank returns the same
-:class:`LoadtestResult` and rank 0 prints it. gloo on the CPU tape; on CUDA one process per GPU joined by NCCL, whose collectives a CUDA graph
-can capture (gloo's cannot: it copies CUDA tensors through the host). With fewer GPUs than ranks
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set:
+:func:`~graphrunner_tools.launch.torchrun_env`), torchrun's own ranks, on one node or several:
+each runs its part and the ranks exchange their results
+(:func:`~graphrunner_tools.launch.run_joined`), so every rank returns the same
+:class:`LoadtestResult` and rank 0 prints it. gloo on the CPU tape; on CUDA one process per GPU
+joined by NCCL, whose collectives a CUDA graph can capture (gloo's cannot: it copies CUDA tensors through the host). With fewer GPUs than ranks
 the run is refused before any process starts (:func:`rank_backend`). Each rank holds a tensor-parallel shard of the decoder (:func:`graphrunner_tools.models.tp.shard_tensor_parallel`:
 MLP and attention output, an ``all_reduce`` inside the captured step), serves the same
 requests, and the runners' ``group=`` makes the ranks agree on the bucket at every step.

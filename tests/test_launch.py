@@ -194,3 +194,24 @@ def test_run_loadtest_refuses_ranks_other_than_torchruns(monkeypatch):
     with pytest.raises(ValueError, match="ranks=2, but this process is rank 0 of a torchrun job of WORLD_SIZE=4"):
         lt.run_loadtest(lt.LoadtestConfig(ranks=2, requests=2, concurrency=(1,), progress=False))
 
+
+
+def test_every_row_of_the_failure_table_names_a_test_that_exists():
+    """docs/multirank.md's "Failure -> what every rank sees": each row's test is a real test (file,
+    function, parameter id), so the table cannot drift from the suite."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    text = (root / "docs" / "multirank.md").read_text()
+    table = text.split("### Failure -> what every rank sees", 1)[1]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "tests/" in line]
+    assert len(rows) >= 8
+    for row in rows:
+        node = re.search(r"`(tests/[\w/]+\.py)::(\w+)(?:\[(\w+)\])?`", row)
+        assert node, row
+        path, name, param = node.groups()
+        source = (root / path).read_text()
+        assert re.search(rf"^def {name}\(", source, re.M), (path, name)
+        if param:
+            assert re.search(rf"""["']{param}["']""", source), (path, name, param)
