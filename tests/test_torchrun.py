@@ -104,11 +104,17 @@ def test_a_mismatch_under_torchrun_fails_every_rank(tmp_path):
     assert _marked(mark) == []
 
 
-def test_loadtest_on_two_torchrun_nodes(tmp_path):
+def test_loadtest_spec_on_two_torchrun_nodes(tmp_path):
+    """Two torchrun "nodes" on 127.0.0.1 (one worker each), verify steps (``--spec 2``): equal to
+    ``--ranks 2 --spec 2``."""
     mark, port = uuid.uuid4().hex, _free_port()
+    ref, out = _run([sys.executable, *_tool("loadtest", "--ranks", "2", "--spec", "2", *SMALL,
+                                            "--json", str(tmp_path / "r.json"))], mark)
+    assert ref.returncode == 0, out[-3000:]
     procs = [subprocess.Popen(_torchrun("--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1",
                                         "--master-addr", "127.0.0.1", "--master-port", str(port),
-                                        *_tool("loadtest", *SMALL, "--json", str(tmp_path / f"n{n}.json"))),
+                                        *_tool("loadtest", "--spec", "2", *SMALL,
+                                               "--json", str(tmp_path / f"n{n}.json"))),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(mark),
                               cwd=str(ROOT)) for n in (0, 1)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
@@ -116,8 +122,10 @@ def test_loadtest_on_two_torchrun_nodes(tmp_path):
     assert "PASS in" in outs[0] and "PASS in" not in outs[1]  # rank 0 (node 0) prints and writes the JSON
     assert not (tmp_path / "n1.json").exists()
     doc = _levels(tmp_path / "n0.json")
+    assert doc == _levels(tmp_path / "r.json")
     lv = doc["levels"][0]
-    assert (lv["completed"], lv["faults"], lv["mismatches"]) == (6, 0, 0) and doc["ranks"] == 2
+    assert (lv["completed"], lv["faults"], lv["mismatches"]) == (6, 0, 0) and (doc["ranks"], doc["spec"]) == (2, 2)
+    assert lv["tier_replays"] and all("x" in t for t in lv["tier_replays"])  # (reqs, draft) tiers were replayed
     assert _marked(mark) == []
 
 
