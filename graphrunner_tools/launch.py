@@ -390,7 +390,8 @@ def launch_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = 
     ``timeout`` bounds the whole run: ranks that have not reported by then are killed. The first
     rank that fails ends the run: the launcher stops the others, whose outcomes say so. Never
     raises for a failing rank: read the outcomes. Raises ``ValueError`` for ``world_size < 1``,
-    a non-positive ``timeout`` or another backend.
+    a non-positive ``timeout`` or another backend; ``KeyboardInterrupt`` on Ctrl-C (SIGINT) and
+    the launcher's ``SignalException`` on SIGTERM/SIGHUP/SIGQUIT, after the ranks are stopped.
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"launch_ranks: backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -398,6 +399,7 @@ def launch_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = 
         raise ValueError(f"launch_ranks: world_size must be >= 1, got {world_size}")
     if not timeout > 0:
         raise ValueError(f"launch_ranks: timeout must be > 0 seconds, got {timeout}")
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -409,6 +411,7 @@ def launch_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = 
     outcomes = [RankOutcome(rank=r) for r in range(world_size)]
     failures: Dict[int, Any] = {}
     launch_error: Optional[str] = None
+    interrupted: Optional[BaseException] = None
     t0 = time.monotonic()
     try:
         with _QuietElastic(), _Deadline(report_dir, world_size, timeout) as deadline:
@@ -416,6 +419,8 @@ def launch_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = 
                 elastic_launch(config, _rank_main)(fn, tuple(args), report_dir, backend, threads, init_timeout)
             except ChildFailedError as exc:
                 failures = dict(exc.failures)
+            except SignalException as exc:  # Ctrl-C or a kill of this process: the ranks are already stopped
+                interrupted = KeyboardInterrupt() if exc.sigval == signal.SIGINT else exc
             except Exception as exc:  # noqa: BLE001 - the launcher itself failed (e.g. its rendezvous)
                 launch_error = f"torch's elastic launcher failed: {type(exc).__name__}: {exc}"
         for r, out in enumerate(outcomes):
@@ -442,5 +447,7 @@ def launch_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = 
                              "failed")
     finally:
         shutil.rmtree(report_dir, ignore_errors=True)
+    if interrupted is not None:
+        raise interrupted
     logging.getLogger("graphrunner").debug("launch_ranks: %d ranks in %.1fs", world_size, time.monotonic() - t0)
     return outcomes

@@ -215,3 +215,46 @@ def test_every_row_of_the_failure_table_names_a_test_that_exists():
         assert re.search(rf"^def {name}\(", source, re.M), (path, name)
         if param:
             assert re.search(rf"""["']{param}["']""", source), (path, name, param)
+
+
+_INTERRUPTED = """
+import sys, time
+sys.path.insert(0, {root!r})
+from graphrunner_tools.launch import launch_ranks
+
+def hang(rank, world, pid_dir):
+    import os
+    with open(os.path.join(pid_dir, str(rank)), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(3600)
+
+if __name__ == "__main__":
+    try:
+        launch_ranks(hang, 2, args=({pid_dir!r},), timeout=600)
+    except KeyboardInterrupt:
+        print("KeyboardInterrupt after the launch")
+        sys.exit(130)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_ctrl_c_stops_every_rank_and_raises_keyboard_interrupt(tmp_path):
+    import pathlib
+    import subprocess
+    import sys
+
+    root = str(pathlib.Path(__file__).resolve().parent.parent)
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    script = tmp_path / "interrupted.py"
+    script.write_text(_INTERRUPTED.format(root=root, pid_dir=str(pid_dir)))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while len(os.listdir(pid_dir)) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert len(os.listdir(pid_dir)) == 2, proc.communicate(timeout=30)[0]
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 130 and "KeyboardInterrupt after the launch" in out, out
+    assert not any(_alive(p) for p in _pids(pid_dir))  # the ranks were stopped, not orphaned
