@@ -83,8 +83,11 @@ def test_loadtest_under_torchrun_equals_ranks_n(tmp_path):
     ref, out = _run([sys.executable, *_tool("loadtest", "--ranks", "2", *SMALL, "--json", str(tmp_path / "r.json"))],
                     mark)
     assert ref.returncode == 0, out[-3000:]
+    # the console script as a user types it (torchrun --no-python graphrunner ...), where it is installed
+    script = pathlib.Path(sys.executable).parent / "graphrunner"
+    tool = ["--no-python", str(script)] if script.exists() else _tool()
     run, out = _run(_torchrun("--standalone", "--nproc-per-node", "2",
-                              *_tool("loadtest", *SMALL, "--json", str(tmp_path / "t.json"))), mark)
+                              *tool, "loadtest", *SMALL, "--json", str(tmp_path / "t.json")), mark)
     assert run.returncode == 0, out[-3000:]
     assert run.stdout.count("graphrunner loadtest: 2 rank(s) over gloo") == 1  # rank 0 alone prints the summary
     assert run.stdout.count("PASS in") == 1 and "C3: 6/6 requests, 0 faults, 0 mismatches" in run.stdout
