@@ -1036,9 +1036,10 @@ def run_loadtest(cfg: LoadtestConfig, launch_timeout: float = 3600.0) -> Loadtes
             per_rank: List[Optional[Dict[str, Any]]] = [serve_rank(0, 1, cfg)]
     else:
         if joined:
-            # a peer that failed reports within its group's timeouts (a stalled one: up to 3 of them)
+            # the ranks step in lockstep: a peer that failed too reports within a group timeout of this
+            # rank's end; one that has not by then is gone or stuck (torchrun stops its node's ranks)
             env, outcomes = run_joined(serve_levels, (cfg,), backend=backend, init_timeout=INIT_TIMEOUT,
-                                       threads=cfg.threads, env=env, exchange_timeout=3 * cfg.timeout + 10)
+                                       threads=cfg.threads, env=env, exchange_timeout=cfg.timeout + 10)
         else:
             outcomes = launch_ranks(serve_levels, cfg.ranks, args=(cfg,), timeout=launch_timeout,
                                     init_timeout=INIT_TIMEOUT, threads=cfg.threads, backend=backend)

@@ -366,7 +366,6 @@ def run_spec_joined(threads: int = 1, **kwargs: Any) -> "tuple[int, List[RankOut
     :func:`graphrunner_tools.launch.run_joined`); returns ``(rank, outcomes)``, every rank's
     :class:`~graphrunner_tools.launch.RankOutcome` as after :func:`run_spec_ranks` (a rank that
     failed knows only its own)."""
-    timeout = float(kwargs.get("group_timeout", 30.0))  # a failed peer reports within its group's timeouts
-    env, outcomes = run_joined(_spec_rank, (kwargs,), backend="gloo", threads=threads,
-                               exchange_timeout=3 * timeout + 10)
+    timeout = float(kwargs.get("group_timeout", 30.0))  # lockstep ranks: a failed peer reports within one of them
+    env, outcomes = run_joined(_spec_rank, (kwargs,), backend="gloo", threads=threads, exchange_timeout=timeout + 10)
     return env.rank, outcomes

@@ -166,7 +166,7 @@ def test_verify_under_torchrun_equals_ranks_n():
 
 def test_killing_one_nodes_worker_ends_the_other_node():
     """Node 1's only worker is SIGKILLed mid-run: node 0's rank fails in its next collective (or at
-    the group's 5 s timeout), waits for rank 1's outcome (3 x 5 + 10 s at most), reports and exits 1;
+    the group's 5 s timeout), waits for rank 1's outcome (5 + 10 s at most), reports and exits 1;
     node 1's torchrun exits non-zero; no process is left."""
     mark, port = uuid.uuid4().hex, _free_port()
     args = ["--requests", "400", "--concurrency", "4,8", "--layers", "1", "--timeout", "5", "--no-progress"]
@@ -192,8 +192,8 @@ def test_killing_one_nodes_worker_ends_the_other_node():
         os.kill(victim, signal.SIGKILL)
         out0 = procs[0].communicate(timeout=120)[0]
         # bounds node 0's own end: a failed collective (at once, or the 5 s group timeout) plus its wait
-        # for rank 1's outcome (25 s), far below the 120 s this test would wait
-        assert time.monotonic() - killed_at < 90
+        # for rank 1's outcome (15 s), far below the 120 s this test would wait
+        assert time.monotonic() - killed_at < 80
         out1 = procs[1].communicate(timeout=60)[0]
     finally:
         for p in procs:
