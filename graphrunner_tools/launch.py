@@ -314,8 +314,9 @@ def _is_child(pid: int) -> bool:
 
 
 class _Deadline:
-    """Kills (SIGKILL) the ranks of a :func:`launch_ranks` run that have not reported ``timeout``
-    seconds after it starts; elastic_launch has no deadline of its own. ``killed``: their ranks."""
+    """Kills (SIGKILL) the ranks of a :func:`launch_ranks` run still alive ``timeout`` seconds after
+    it starts, reported or not (a rank stuck on its way out would hold the launcher too);
+    elastic_launch has no deadline of its own. ``killed``: their ranks."""
 
     def __init__(self, report_dir: str, world_size: int, timeout: float) -> None:
         self.report_dir, self.world_size, self.timeout = report_dir, world_size, timeout
@@ -336,9 +337,7 @@ class _Deadline:
             return
         for r in range(self.world_size):
             pid = _read(self.report_dir, f"rank{r}.pid")
-            if pid is None or os.path.exists(os.path.join(self.report_dir, f"rank{r}.report")):
-                continue
-            if _is_child(pid):
+            if pid is not None and _is_child(pid):
                 try:
                     os.kill(pid, signal.SIGKILL)
                     self.killed.append(r)
