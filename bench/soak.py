@@ -20,17 +20,15 @@ while); ``--steps 300`` is a smoke run.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import random
 import sys
-import tempfile
 import time
 
 import torch
-import torch.multiprocessing as mp
 
 from graphrunner_tools.bench import environment, write_json
+from graphrunner_tools.launch import launch_ranks
 
 D, H = 16, 48
 BUCKETS = [1, 2, 4, 8]
@@ -64,14 +62,12 @@ def _reference(step: int, rank: int, world: int, n: int, w1: torch.Tensor, w2: t
     return out
 
 
-def _rank_main(rank, world, store, steps, backend, threads, q):
-    torch.set_num_threads(threads)
+def _rank_main(rank, world, steps, backend):
+    """One rank (started by torch's elastic launcher, its gloo group joined): the soak; returns its numbers."""
     import torch.distributed as dist
 
     import graphrunner as gr
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
     gen = torch.Generator().manual_seed(0)
     w1, w2 = torch.randn(D, H, generator=gen) / 4, torch.randn(H, D, generator=gen) / 4
     shard = slice(rank * H // world, (rank + 1) * H // world)
@@ -104,11 +100,10 @@ def _rank_main(rank, world, store, steps, backend, threads, q):
             rss.append((i, _rss_mib()))
     seconds = time.perf_counter() - t0
     stats = runner.stats
-    q.put({"rank": rank, "steps": steps, "mismatches": mismatches, "max_abs_diff": max_diff,
-           "replays": sum(stats.replays.values()), "fallbacks": stats.fallbacks, "seconds": seconds,
-           "rss_mib": rss})
     runner.cleanup()
-    dist.destroy_process_group()
+    return {"rank": rank, "steps": steps, "mismatches": mismatches, "max_abs_diff": max_diff,
+            "replays": sum(stats.replays.values()), "fallbacks": stats.fallbacks, "seconds": seconds,
+            "rss_mib": rss}
 
 
 def main(argv=None):
@@ -120,27 +115,11 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank process (default 1)")
     ap.add_argument("--out", default=os.path.join("bench", "results", "soak.json"))
     args = ap.parse_args(argv)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    store = os.path.join(tempfile.mkdtemp(prefix="graphrunner-soak-"), "store")
-    procs = [ctx.Process(target=_rank_main, args=(r, args.ranks, store, args.steps, args.backend, args.threads, q))
-             for r in range(args.ranks)]
     t0 = time.perf_counter()
-    for p in procs:
-        p.start()
-    ranks = []
-    deadline = time.monotonic() + 3600
-    while len(ranks) < args.ranks and time.monotonic() < deadline:
-        try:
-            ranks.append(q.get(timeout=5))
-        except Exception:  # noqa: BLE001 - queue.Empty: check for dead ranks
-            if any(p.exitcode not in (None, 0) for p in procs):
-                break
-    for p in procs:
-        p.join(30)
-        if p.is_alive():
-            p.kill()
-    ranks.sort(key=lambda r: r["rank"])
+    # the ranks: torch's elastic launcher, one hour for the whole run; the first failed rank ends it
+    outcomes = launch_ranks(_rank_main, args.ranks, args=(args.steps, args.backend), timeout=3600,
+                            threads=args.threads)
+    ranks = [o.value for o in outcomes if o.ok]
     ok = len(ranks) == args.ranks
     for r in ranks:
         first = r["rss_mib"][1][1] if len(r["rss_mib"]) > 1 else r["rss_mib"][0][1]
@@ -150,8 +129,9 @@ def main(argv=None):
               f"(max |diff| {r['max_abs_diff']:.2g}), {r['replays']} replays, {r['fallbacks']} fallbacks, "
               f"RSS {first:.1f} -> {last:.1f} MiB ({r['rss_growth_mib']:+.1f})")
         ok = ok and r["mismatches"] == 0
-    if len(ranks) < args.ranks:
-        print(f"soak: only {len(ranks)} of {args.ranks} ranks reported; exit codes {[p.exitcode for p in procs]}")
+    for o in outcomes:
+        if not o.ok:
+            print(f"soak: rank {o.rank} failed: {o.error}")
     result = {"benchmark": "soak", "environment": environment(), "ranks": args.ranks, "steps": args.steps,
               "backend": args.backend, "threads_per_rank": args.threads, "wall_seconds": time.perf_counter() - t0,
               "per_rank": ranks, "ok": ok}

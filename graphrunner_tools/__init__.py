@@ -14,5 +14,6 @@ public modules; the runtime never imports it. It holds:
 * :mod:`graphrunner_tools.bench`: the driver of the benchmark scripts in a
   source checkout's ``bench/`` and the helpers they share;
 * :mod:`graphrunner_tools.launch`, :mod:`~graphrunner_tools.threads`: the
-  multi-rank launcher and the CLI's thread count.
+  multi-rank tools' ranks (started by torch's elastic launcher, or joined
+  from torchrun's environment) and the CLI's thread count.
 """

@@ -77,13 +77,24 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from graphrunner_tools.spec import MLP_WIDTH, run_spec, run_spec_ranks
+    from graphrunner_tools.launch import torchrun_env
+    from graphrunner_tools.spec import MLP_WIDTH, run_spec, run_spec_joined, run_spec_ranks
 
     problem = None
-    if max(args.reqs_buckets) < args.requests:
+    try:
+        env = torchrun_env()
+    except ValueError as exc:
+        env, problem = None, str(exc)
+    joined = env is not None and env.world_size > 1
+    if env is not None and args.ranks not in (None, env.world_size):
+        problem = (f"argument --ranks: {args.ranks}, but this process is a torchrun worker of WORLD_SIZE="
+                   f"{env.world_size}, and under torchrun the ranks are torchrun's; drop --ranks (or pass --ranks "
+                   f"{env.world_size})")
+    args.ranks = env.world_size if env is not None else (args.ranks or 1)
+    if problem is None and max(args.reqs_buckets) < args.requests:
         problem = (f"argument --reqs-buckets: the largest ({max(args.reqs_buckets)}) must hold all "
                    f"{args.requests} requests; add a bucket or pass fewer --requests")
-    elif MLP_WIDTH % args.ranks:
+    elif problem is None and MLP_WIDTH % args.ranks:
         problem = f"argument --ranks: {args.ranks} does not divide the MLP width {MLP_WIDTH}; use 1, 2, 3, 4, 6 or 8"
     if problem:
         print(f"graphrunner: error: {problem} (see 'graphrunner verify --help')", file=sys.stderr)
@@ -95,8 +106,16 @@ def _verify(args: argparse.Namespace) -> int:
     if args.ranks == 1:
         with torch_threads(args.threads):
             return 0 if run_spec(**kwargs).ok else 1
-    results = run_spec_ranks(args.ranks, timeout=args.timeout, threads=args.threads, **kwargs)
-    failed = [o for o in results if not o.ok or not o.value.ok]
+    if joined:  # under torchrun: this process is one rank; rank 0 prints the summary
+        rank, results = run_spec_joined(threads=args.threads, **kwargs)
+        failed = [o for o in results if not o.ok or not o.value.ok]
+        if rank != 0:
+            if not results[rank].ok:
+                print(f"graphrunner verify: rank {rank} failed: {results[rank].error}", file=sys.stderr)
+            return 1 if failed else 0
+    else:
+        results = run_spec_ranks(args.ranks, timeout=args.timeout, threads=args.threads, **kwargs)
+        failed = [o for o in results if not o.ok or not o.value.ok]
     for o in results:
         if not o.ok:
             print(f"graphrunner verify: rank {o.rank} failed: {o.error}", file=sys.stderr)
@@ -183,8 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "against an independent eager model token for token and against plain greedy decoding. With "
                     "--ranks N, N gloo processes split the MLP tensor-parallel (an all_reduce inside the captured "
                     "step); each rank pads to its own local tier and the runner's agreement makes them replay the "
-                    "same key. Prints requests, steps, tokens, replays per tier, fallbacks and mismatches; exits 1 "
-                    "on any mismatch or failed rank, 2 for a bad command line.")
+                    "same key. Under torchrun (one node or several) every process runs its own rank in torchrun's "
+                    "group (env://) and rank 0 prints the summary. Prints requests, steps, tokens, replays per "
+                    "tier, fallbacks and mismatches; exits 1 on any mismatch or failed rank, 2 for a bad command "
+                    "line.")
     verify.add_argument("--backend", default="breakable", choices=["full", "breakable"],
                         help="breakable: attention is an eager break (default); full: one graph per tier")
     verify.add_argument("--requests", type=positive_int, default=6, help="requests served (default: 6)")
@@ -195,14 +216,17 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--draft-buckets", type=parse_buckets, default=[2, 4, 6],
                         help="cells per request (last token + drafts) tiers; more cells than the largest means "
                              "eager fallback (default: 2,4,6)")
-    verify.add_argument("--ranks", type=positive_int, default=1,
-                        help="gloo processes, tensor-parallel MLP (default: 1); must divide the MLP width 192")
+    verify.add_argument("--ranks", type=positive_int, default=None,
+                        help="gloo processes started by torch's elastic launcher, tensor-parallel MLP (default: 1; "
+                             "under torchrun: torchrun's WORLD_SIZE, each process running its own rank); must divide "
+                             "the MLP width 192")
     verify.add_argument("--layers", type=positive_int, default=2, help="decoder layers (default: 2)")
     verify.add_argument("--seed", type=int, default=0, help="seed of weights, prompts and drafts (default: 0)")
     verify.add_argument("--group-timeout", type=float, default=30.0,
                         help="seconds a collective may take before it fails (default: 30)")
     verify.add_argument("--timeout", type=float, default=600.0,
-                        help="seconds the whole multi-rank run may take before the ranks are killed (default: 600)")
+                        help="seconds the whole --ranks N run may take before the ranks are killed (default: 600; "
+                             "under torchrun the deadline is torchrun's, each collective bounded by --group-timeout)")
     verify.add_argument("--no-progress", action="store_true", help="no progress line (shown only on a terminal)")
     # test-only: break the run on purpose (the tests' negative controls)
     verify.add_argument("--unsafe-no-agreement", action="store_true", help=argparse.SUPPRESS)

@@ -16,9 +16,14 @@ has generated its output length, and its slot is reused. The KV cache has one ex
 padding slot: padding rows of a bucket (and the capture warmups) write there only, so they
 never touch a real request's cache row.
 
-With ``ranks > 1`` the ranks are real processes (:func:`graphrunner_tools.launch.spawn_ranks`):
-gloo on the CPU tape; on CUDA one process per GPU joined by NCCL, whose collectives a CUDA graph
-can capture (gloo's cannot: it copies CUDA tensors through the host). With fewer GPUs than ranks
+With ``ranks > 1`` the ranks are real processes, started by torch's elastic launcher
+(:func:`graphrunner_tools.launch.launch_ranks`), or, when this process is a torchrun worker
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set:
+:func:`~graphrunner_tools.launch.torchrun_env`), torchrun's own ranks, on one node or several:
+each runs its part and the ranks exchange their results
+(:func:`~graphrunner_tools.launch.run_joined`), so every rank returns the same
+:class:`LoadtestResult` and rank 0 prints it. gloo on the CPU tape; on CUDA one process per GPU
+joined by NCCL, whose collectives a CUDA graph can capture (gloo's cannot: it copies CUDA tensors through the host). With fewer GPUs than ranks
 the run is refused before any process starts (:func:`rank_backend`). Each rank holds a tensor-parallel shard of the decoder (:func:`graphrunner_tools.models.tp.shard_tensor_parallel`:
 MLP and attention output, an ``all_reduce`` inside the captured step), serves the same
 requests, and the runners' ``group=`` makes the ranks agree on the bucket at every step.
@@ -521,13 +526,16 @@ class LevelResult:
 class LoadtestResult:
     """A whole run: ``levels`` (one :class:`LevelResult` each), ``errors`` not tied to a level
     (capture, a rank that died), ``seconds`` (wall time), ``dist_backend`` (the ranks' process
-    group: ``"gloo"`` or ``"nccl"``; ``None`` for one rank)."""
+    group: ``"gloo"`` or ``"nccl"``; ``None`` for one rank). ``rank``: under torchrun, this
+    process's rank (every rank returns the combined result; rank 0 prints it and writes the
+    JSON), ``None`` otherwise."""
 
     config: LoadtestConfig
     levels: List[LevelResult]
     errors: List[str] = field(default_factory=list)
     seconds: float = 0.0
     dist_backend: Optional[str] = None
+    rank: Optional[int] = None
 
     @property
     def ok(self) -> bool:
@@ -793,9 +801,10 @@ def verify_runner(model: Any, backend: Any, max_running: int, k: int, pad_slot: 
 
 
 def serve_levels(rank: int, world: int, cfg: LoadtestConfig) -> Dict[str, Any]:
-    """One spawned rank's whole run (torch.distributed initialised): :func:`serve_rank`, and
-    on a fault raise :class:`~graphrunner_tools.launch.PartialResult` carrying its result, so the
-    launcher reports the rank as failed and leaves its (maybe unusable) process group alone."""
+    """One rank's whole run (torch.distributed initialised; a rank of :func:`~graphrunner_tools.launch.launch_ranks`
+    or of torchrun): :func:`serve_rank`, and on a fault raise
+    :class:`~graphrunner_tools.launch.PartialResult` carrying its result, so the launcher reports
+    the rank as failed and leaves its (maybe unusable) process group alone."""
     from graphrunner_tools.launch import PartialResult
 
     res = serve_rank(rank, world, cfg)
@@ -964,23 +973,26 @@ def _on_cuda(device: str) -> bool:
     return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
-def rank_backend(cfg: LoadtestConfig) -> str:
+def rank_backend(cfg: LoadtestConfig, local_ranks: Optional[int] = None) -> str:
     """The ``torch.distributed`` backend of ``cfg``'s ranks: ``"nccl"`` when they run on CUDA
     (``device`` ``"cuda"``, or ``"auto"`` with CUDA available) with one GPU each, ``"gloo"`` on
-    the CPU tape (and for one rank, which makes no process group). Raises ``ValueError``, before
-    anything is spawned, when the ranks would run on CUDA but there are fewer GPUs than ranks
-    or this torch has no NCCL: a gloo collective inside a captured CUDA step cannot be captured,
-    so such a run could only fail."""
+    the CPU tape (and for one rank, which makes no process group). ``local_ranks``: the ranks
+    on this machine (torchrun's ``LOCAL_WORLD_SIZE``; default: all of ``cfg.ranks``). Raises
+    ``ValueError``, before anything is started, when the ranks would run on CUDA but this machine
+    has fewer GPUs than its ranks or this torch has no NCCL: a gloo collective inside a captured
+    CUDA step cannot be captured, so such a run could only fail."""
     if cfg.ranks == 1 or not _on_cuda(cfg.device):
         return "gloo"
     import torch.distributed as dist
 
     gpus = torch.cuda.device_count()
+    local = cfg.ranks if local_ranks is None else local_ranks
     why = ("it captures an all_reduce inside the tensor-parallel step, which only an NCCL collective allows (one "
            "process per GPU)")
     fix = "run fewer --ranks, or --device tape (the ranks on the CPU tape, over gloo)"
-    if gpus < cfg.ranks:
-        raise ValueError(f"--ranks {cfg.ranks} on CUDA needs {cfg.ranks} GPUs, one per rank, and this machine has "
+    if gpus < local:
+        what = f"--ranks {cfg.ranks}" if local_ranks is None else f"{local} torchrun ranks on this node"
+        raise ValueError(f"{what} on CUDA needs {local} GPUs, one per rank, and this machine has "
                          f"{gpus}: {why}; {fix}")
     if not dist.is_nccl_available():
         raise ValueError(f"--ranks {cfg.ranks} on CUDA needs NCCL, and this torch has none "
@@ -989,34 +1001,55 @@ def rank_backend(cfg: LoadtestConfig) -> str:
     return "nccl"
 
 
+#: Seconds the default process group of the ranks allows its rendezvous and each collective
+#: outside the runner's own group (the step's all_reduce, the exchange of the results).
+INIT_TIMEOUT = 60.0
+
+
 def run_loadtest(cfg: LoadtestConfig, launch_timeout: float = 3600.0) -> LoadtestResult:
     """Run the sweep described by ``cfg`` and return its :class:`LoadtestResult`.
 
-    ``cfg.ranks == 1`` runs in this process (with ``cfg.threads`` torch threads);
-    otherwise ``cfg.ranks`` spawned processes (one torch thread each unless ``cfg.threads``
+    ``cfg.ranks == 1`` runs in this process (with ``cfg.threads`` torch threads).
+    Under torchrun (:func:`~graphrunner_tools.launch.torchrun_env`; ``cfg.ranks`` must be its
+    ``WORLD_SIZE``) this process runs its own rank's part in torchrun's group and every rank
+    returns the combined result (``result.rank`` is this rank; a rank that failed returns its own
+    part only). Otherwise ``cfg.ranks`` processes started by torch's elastic launcher
+    (:func:`~graphrunner_tools.launch.launch_ranks`: one torch thread each unless ``cfg.threads``
     says more; gloo, or NCCL with one GPU per rank on CUDA: :func:`rank_backend`, whose
-    ``ValueError`` comes before anything is spawned), bounded by ``launch_timeout`` seconds in
-    all; once a rank has failed, the others get ``3 * cfg.timeout + 10`` seconds to report
-    before they are killed.
+    ``ValueError`` comes before anything is started), bounded by ``launch_timeout`` seconds in
+    all; the first rank that fails ends the run on every rank.
     """
+    from graphrunner_tools.launch import launch_ranks, run_joined, torchrun_env
     from graphrunner_tools.threads import torch_threads
 
-    backend = rank_backend(cfg)
+    env = torchrun_env()
+    if env is not None and env.world_size > 1 and cfg.ranks != env.world_size:
+        raise ValueError(f"ranks={cfg.ranks}, but this process is rank {env.rank} of a torchrun job of WORLD_SIZE="
+                         f"{env.world_size}: under torchrun the ranks are torchrun's; pass ranks={env.world_size} "
+                         "(on the command line: drop --ranks, or pass --dp/--tp whose product is WORLD_SIZE)")
+    joined = env is not None and env.world_size > 1
+    backend = rank_backend(cfg, env.local_world_size if joined and env is not None else None)
     t0 = time.perf_counter()
+    rank_errors: List[str] = []
     if cfg.ranks == 1:
         with torch_threads(cfg.threads):
             per_rank: List[Optional[Dict[str, Any]]] = [serve_rank(0, 1, cfg)]
-        rank_errors: List[str] = []
     else:
-        from graphrunner_tools.launch import spawn_ranks
-
-        outcomes = spawn_ranks(serve_levels, cfg.ranks, args=(cfg,), timeout=launch_timeout,
-                               grace=3 * cfg.timeout + 10, threads=cfg.threads, backend=backend)
+        if joined:
+            # the ranks step in lockstep: a peer that failed too reports within a group timeout of this
+            # rank's end; one that has not by then is gone or stuck (torchrun stops its node's ranks)
+            env, outcomes = run_joined(serve_levels, (cfg,), backend=backend, init_timeout=INIT_TIMEOUT,
+                                       threads=cfg.threads, env=env, exchange_timeout=cfg.timeout + 10)
+        else:
+            outcomes = launch_ranks(serve_levels, cfg.ranks, args=(cfg,), timeout=launch_timeout,
+                                    init_timeout=INIT_TIMEOUT, threads=cfg.threads, backend=backend)
         per_rank = [o.value for o in outcomes]  # a failed rank's partial result, or None
-        rank_errors = [f"rank {o.rank}: {o.error}" for o in outcomes if o.value is None]
+        rank_errors = [o.error if o.error.startswith(f"rank {o.rank} ") else f"rank {o.rank}: {o.error}"
+                       for o in outcomes if o.value is None and o.error]
     result = _combine(cfg, per_rank, rank_errors)
     result.seconds = time.perf_counter() - t0
     result.dist_backend = backend if cfg.ranks > 1 else None
+    result.rank = env.rank if joined and env is not None else None
     return result
 
 
@@ -1076,12 +1109,22 @@ def _seconds(text: str) -> float:
 
 
 def _run_from_args(args: Any) -> int:
+    from graphrunner_tools.launch import torchrun_env
+
+    env = torchrun_env()
+    if env is not None and env.rank != 0:  # a torchrun rank other than 0: no progress line
+        args.no_progress = True
     cfg = LoadtestConfig(ranks=args.ranks, dp=args.dp or 1, requests=args.requests, concurrency=tuple(args.concurrency),
                          backend=args.backend, device=args.device, layers=args.layers, seed=args.seed,
                          prompt_len=args.prompt_len, output_len=args.output_len, timeout=args.timeout,
                          inject_fault=args.inject_fault, threads=args.threads, progress=not args.no_progress,
                          spec=args.spec, background_capture=args.background_capture)
     result = run_loadtest(cfg)
+    if result.rank not in (None, 0):  # torchrun: rank 0 prints the summary; another rank only its own fault
+        for e in result.errors + [e for lv in result.levels for e in lv.errors]:
+            if e.startswith(f"rank {result.rank}"):
+                print(f"graphrunner loadtest: {e}", file=sys.stderr)
+        return 0 if result.ok else 1
     report(result)
     if args.json:
         from graphrunner_tools.bench import write_json
@@ -1093,19 +1136,35 @@ def _run_from_args(args: Any) -> int:
 
 def check_args(parser: Any, args: Any) -> None:
     """Usage errors found after parsing (one line, exit 2 through ``parser.error``)."""
+    from graphrunner_tools.launch import torchrun_env
+
     if args.spec < 0:
         parser.error(f"argument --spec: expected 0 (off) or K >= 1 drafts per request, got {args.spec}")
+    try:
+        env = torchrun_env()
+    except ValueError as exc:
+        parser.error(str(exc))
+    world = env.world_size if env is not None else None
+    if world is not None and args.ranks not in (None, world):
+        parser.error(f"argument --ranks: {args.ranks}, but this process is a torchrun worker of WORLD_SIZE={world}, "
+                     "and under torchrun the ranks are torchrun's; drop --ranks (or pass --ranks "
+                     f"{world})")
     if args.dp is not None or args.tp is not None:
         ranks = (args.dp or 1) * (args.tp or 1)
-        if args.ranks not in (1, ranks):
+        if world is not None and ranks != world:
+            parser.error(f"argument --dp/--tp: --dp x --tp = {ranks}, but torchrun started WORLD_SIZE={world} "
+                         f"ranks; pass --dp and --tp whose product is {world}")
+        if args.ranks not in (None, 1, ranks):
             parser.error(f"argument --ranks: {args.ranks} is not --dp x --tp = {ranks}; pass --dp and --tp, or --ranks alone")
         args.ranks, args.dp = ranks, args.dp or 1
     else:
+        args.ranks = world or args.ranks or 1
         args.dp = 1
     if args.inject_fault == "stall" and args.ranks < 2:
         parser.error("argument --inject-fault: stall stalls one rank while the others wait; it needs --ranks 2 or more")
-    try:  # on CUDA: one GPU per rank and NCCL, found before any process is spawned
-        rank_backend(LoadtestConfig(ranks=args.ranks, dp=args.dp, device=args.device))
+    try:  # on CUDA: one GPU per rank and NCCL, found before any process is started
+        rank_backend(LoadtestConfig(ranks=args.ranks, dp=args.dp, device=args.device),
+                     env.local_world_size if env is not None and env.world_size > 1 else None)
     except ValueError as exc:
         parser.error(f"argument --ranks: {exc}")
     from graphrunner_tools.models import LlamaConfig
@@ -1146,15 +1205,19 @@ def add_loadtest_subparser(subparsers: Any) -> Any:
                     "draft) tier, greedy acceptance) instead of a decode step. --ranks N runs "
                     "N processes with a tensor-parallel decoder (an all_reduce inside the captured step): gloo on the "
                     "CPU tape; on CUDA NCCL with one GPU per rank (fewer GPUs than ranks is refused before anything "
-                    "starts). "
+                    "starts); the processes are started by torch's elastic launcher, and the first that fails ends "
+                    "the run on every rank. Run under torchrun (one node or several: torchrun --nnodes 2 ... "
+                    "graphrunner loadtest ...), every process runs its own rank in torchrun's group (env://) and "
+                    "rank 0 prints the summary and writes --json. "
                     "--dp D --tp T runs D*T processes serving data-parallel: a seeded uneven scheduler splits the "
                     "requests over D groups (ranks run different batch sizes at the same step, some 0 rows), "
                     "attention split over a group's T ranks, the MLP spanning all ranks like an MoE layer. "
                     "Prints one line per level; exits 1 on a lost request, a fault (an exception on any rank, a "
                     "timeout, NaN/inf logits) or a mismatch, 2 (one line on stderr) for a bad command line.")
-    p.add_argument("--ranks", type=positive_int, default=1,
-                   help="ranks: 1 in process, N > 1 spawned processes (gloo on the tape; on CUDA NCCL, one GPU per "
-                        "rank: N GPUs needed) (default: 1)")
+    p.add_argument("--ranks", type=positive_int, default=None,
+                   help="ranks: 1 in process, N > 1 processes started by torch's elastic launcher (gloo on the tape; "
+                        "on CUDA NCCL, one GPU per rank: N GPUs needed) (default: 1; under torchrun: torchrun's "
+                        "WORLD_SIZE, each process running its own rank)")
     p.add_argument("--dp", type=positive_int, default=None,
                    help="data-parallel groups D (DP attention; needs --tp or defaults it to 1): D*T processes, each "
                         "group serving its own share of the requests; --concurrency is per group (default: off)")

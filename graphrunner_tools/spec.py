@@ -23,7 +23,8 @@ the generated tokens must equal plain greedy decoding (speculative greedy decodi
 exact), except after a near-tie of the top two logits (reported, not counted: float
 rounding may break it either way).
 
-Ranks. With ``world > 1`` every rank runs this in its own process (gloo): the MLP is
+Ranks. With ``world > 1`` every rank runs this in its own process (gloo; started by torch's
+elastic launcher, :func:`run_spec_ranks`, or torchrun's own workers, :func:`run_spec_joined`): the MLP is
 split tensor-parallel (an ``all_reduce`` inside the captured step). All ranks see the same
 requests and drafts, and each pads its batch to a rank-dependent local tier (as if each
 rank's budget had picked its own), so ranks call the runner with different sizes; the
@@ -46,11 +47,11 @@ from torch import nn
 from graphrunner.breakable import no_graph
 from graphrunner.inputs import BatchInput
 from graphrunner.progress import StatusLine
-from graphrunner_tools.launch import RankOutcome, spawn_ranks
+from graphrunner_tools.launch import RankOutcome, launch_ranks, run_joined
 from graphrunner_tools.models import LlamaConfig, build_model
 from graphrunner_tools.models.tp import shard_tensor_parallel
 
-__all__ = ["SpecResult", "verify_step_fn", "accept", "run_spec", "run_spec_ranks"]
+__all__ = ["SpecResult", "verify_step_fn", "accept", "run_spec", "run_spec_ranks", "run_spec_joined"]
 
 #: A plain-greedy token is a near-tie when its top-2 logit margin is below this (not a mismatch).
 NEAR_TIE = 1e-3
@@ -351,11 +352,20 @@ def _spec_rank(rank: int, world: int, kwargs: Dict[str, Any]) -> SpecResult:
         return run_spec(rank=rank, world=world, out=out, **kwargs)
 
 
-def run_spec_ranks(ranks: int, timeout: float = 300.0, grace: float = 10.0, threads: int = 1,
-                   **kwargs: Any) -> List[RankOutcome]:
-    """Run :func:`run_spec` on ``ranks`` spawned gloo processes (``threads`` torch threads
-    each) through :func:`graphrunner_tools.launch.spawn_ranks`; one
+def run_spec_ranks(ranks: int, timeout: float = 300.0, threads: int = 1, **kwargs: Any) -> List[RankOutcome]:
+    """Run :func:`run_spec` on ``ranks`` gloo processes (``threads`` torch threads each) started
+    by torch's elastic launcher (:func:`graphrunner_tools.launch.launch_ranks`); one
     :class:`~graphrunner_tools.launch.RankOutcome` per rank (``value``: its :class:`SpecResult`
-    when ``ok``, else ``error`` says why). The whole run is bounded by ``timeout`` seconds,
-    and once a rank failed the others get ``grace`` seconds to report; stragglers are killed."""
-    return spawn_ranks(_spec_rank, ranks, args=(kwargs,), timeout=timeout, grace=grace, threads=threads)
+    when ``ok``, else ``error`` says why). The whole run is bounded by ``timeout`` seconds (ranks
+    still running then are killed), and the first rank that fails ends the run on every rank."""
+    return launch_ranks(_spec_rank, ranks, args=(kwargs,), timeout=timeout, threads=threads)
+
+
+def run_spec_joined(threads: int = 1, **kwargs: Any) -> "tuple[int, List[RankOutcome]]":
+    """This torchrun worker's rank of :func:`run_spec` in torchrun's group (gloo, ``env://``:
+    :func:`graphrunner_tools.launch.run_joined`); returns ``(rank, outcomes)``, every rank's
+    :class:`~graphrunner_tools.launch.RankOutcome` as after :func:`run_spec_ranks` (a rank that
+    failed knows only its own)."""
+    timeout = float(kwargs.get("group_timeout", 30.0))  # lockstep ranks: a failed peer reports within one of them
+    env, outcomes = run_joined(_spec_rank, (kwargs,), backend="gloo", threads=threads, exchange_timeout=timeout + 10)
+    return env.rank, outcomes

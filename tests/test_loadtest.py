@@ -332,6 +332,8 @@ def test_stall_fault_raises_rank_timeout_and_never_passes():
     assert first.faults >= 1 and first.completed < cfg.requests
     assert any("rank 0" in e and "RankTimeoutError" in e and "within 2s" in e for e in first.errors), first.errors
     assert not any("killed" in e for lv in res.levels for e in lv.errors + res.errors)  # no rank had to be killed
+    # the stalled rank did not wait out its stall: torch's launcher stopped it once rank 0 had failed
+    assert "rank 1 was stopped by torch's launcher before it reported, after rank 0 failed" in first.errors
     assert res.levels[1].completed == 0  # the run stopped: the group is unusable after a timeout
 
 
@@ -351,7 +353,7 @@ def _fake_cuda(monkeypatch, gpus, nccl=True):
         spawned.append(kwargs)
         raise _Spawned()
 
-    monkeypatch.setattr(launch, "spawn_ranks", spawn)
+    monkeypatch.setattr(launch, "launch_ranks", spawn)
     return spawned
 
 
