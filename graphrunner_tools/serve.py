@@ -30,6 +30,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from typing import Any, Dict, Optional
 
@@ -78,7 +79,10 @@ def _metrics_text(engine: Dict[str, Any], http: Dict[tuple, int], model_id: str)
                     ("graphrunner_requests_active", "requests_active", "requests the engine is generating"),
                     ("graphrunner_requests_waiting", "requests_waiting", "requests waiting for the engine"),
                     ("graphrunner_kv_cache_blocks", "cache_blocks", "blocks of the paged KV cache"),
-                    ("graphrunner_kv_cache_free_blocks", "cache_free_blocks", "free blocks of the paged KV cache")):
+                    ("graphrunner_kv_cache_free_blocks", "cache_free_blocks", "free blocks of the paged KV cache"),
+                    ("graphrunner_kv_cache_held_blocks", "cache_held_blocks", "blocks running requests hold"),
+                    ("graphrunner_kv_cache_cached_blocks", "cache_cached_blocks",
+                     "blocks the prefix cache keeps for a later prompt (reclaimable)")):
                 g = GaugeMetricFamily(name, doc, labels=["model"])
                 g.add_metric([model_id], float(engine.get(key, 0)))
                 yield g
@@ -221,6 +225,10 @@ def serve(args: argparse.Namespace) -> int:
                             callback_notify=stop_if_the_engine_died, timeout_notify=5,
                             timeout_graceful_shutdown=args.shutdown_timeout)
     server = uvicorn.Server(config)
+    # uvicorn stops on SIGTERM / Ctrl+C, then raises the signal again for the handler found before it:
+    # this one, so the process ends as a clean stop (exit 0), not killed by the signal
+    for stop_signal in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop_signal, lambda *_: None)
     print(f"graphrunner serve: http://{args.host}:{args.port}/v1 (model {model!r}; GET /metrics)", file=sys.stderr,
           flush=True)
     freeze_garbage_collector()

@@ -10,7 +10,7 @@ code (the ``serve`` extra).
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from transformers.cli.serving.model_manager import ModelLoader
 
@@ -70,7 +70,8 @@ def engine_metrics(model: Any, processor: Any = None) -> Dict[str, Any]:
     """What ``/metrics`` shows of the engine, read in the model's process (transformers'
     ``EngineClient.submit`` runs it there): the graphs' :class:`~graphrunner.hf.batching.BatchingStats`
     (steps replayed and eager, graphs planned and captured, capture seconds, padding, re-plans,
-    fallbacks by reason), the requests the manager runs and holds, and the paged cache's blocks."""
+    fallbacks by reason), the requests the manager runs and holds, and the paged cache's blocks: free,
+    held by requests, kept by the prefix cache."""
     manager = getattr(model, _MANAGER, None)
     out: Dict[str, Any] = {"graphs_on": False}
     if manager is None:
@@ -88,9 +89,28 @@ def engine_metrics(model: Any, processor: Any = None) -> Dict[str, Any]:
     if bp is not None:
         sched = bp.scheduler
         cache = bp.cache
+        held, cached = _request_blocks(cache)
         out.update(requests_active=len(sched.active_requests), requests_waiting=len(sched.waiting_requests),
-                   cache_blocks=int(cache.num_blocks), cache_free_blocks=_free_blocks(cache))
+                   cache_blocks=int(cache.num_blocks), cache_free_blocks=_free_blocks(cache),
+                   cache_held_blocks=held, cache_cached_blocks=cached)
     return out
+
+
+def _request_blocks(cache: Any) -> Tuple[int, int]:
+    """``(blocks requests hold, blocks the prefix cache keeps)`` over the cache's allocators: a block a
+    finished request wrote in full is kept for a later prompt that starts the same (reclaimable), the
+    blocks of running requests are held. Read beside the engine's thread: retried if a table changes
+    while it is read."""
+    for _ in range(20):
+        try:
+            held = cached = 0
+            for alloc in cache.cache_allocators.values():
+                held += len({b for blocks in list(alloc.block_table.values()) for b in blocks})
+                cached += len(alloc.ledger.cached_blocks)
+            return held, cached
+        except RuntimeError:  # "dictionary changed size during iteration"
+            continue
+    return -1, -1
 
 
 def _free_blocks(cache: Any) -> int:
