@@ -240,6 +240,14 @@ class GraphRunner:
         return hold_background(self.server)
 
     @property
+    def capture_error(self) -> Optional[BaseException]:
+        """The error that stopped a background capture (``None`` while it runs, after it succeeded,
+        or without one); the next call raises it as well."""
+        server = self.server
+        bg = server.background or server.last_background
+        return None if bg is None else bg.error
+
+    @property
     def captured_keys(self) -> List[Any]:
         """The keys that replay (every key after a blocking capture; during a background one, those
         captured on every rank so far)."""

@@ -167,9 +167,9 @@ def test_a_replan_swaps_keys_without_a_wrong_token():
         first = session(manager, a)
         assert hook.runner.wait_captured(timeout=120) is not None
         ladder_keys = sorted(tuple(k) for k in hook.runner.keys)
-        second = session(manager, b)  # the first step after the ladder is captured re-plans
-        assert hook.runner.wait_captured(timeout=120) is not None
-        third = session(manager, a)
+        second = session(manager, b)  # a step after the ladder is captured starts a re-plan's capture
+        assert hook.wait_captured(timeout=120)
+        third = session(manager, a)  # its first step switches to the re-planned keys
         keys = sorted(tuple(k) for k in hook.runner.keys)
     finally:
         manager.destroy()
@@ -197,3 +197,26 @@ def test_ladder_and_replan_by_hand():
     assert plan is not None and (4, 32, 2) in plan[1] and (8, 64, 8) in plan[1]
     assert ladder.padding([(4, 32, 2)], plan[1]) == (0, 0)
     assert ladder.replan([(8, 64, 8)] * 3, keys, ("tokens", "kv", "reqs")) is None, "nothing to cut"
+
+
+@pytest.mark.slow
+def test_generate_batch_reuses_its_graphs_for_the_same_settings():
+    model, gc, sampled = qwen2(), gen_config(), gen_config(sample=True)
+    a = prompts()
+    ref, ref_sampled = reference(model, a, gc), reference(model, a, sampled, seed=3)
+    runs = []
+    for cfg, seed in ((gc, None), (gc, None), (sampled, 3), (sampled, 3)):
+        st = {}
+        out = gr.hf.generate_batch(model, a, cfg, cb_config(seed), device="tape", stats=st)
+        runs.append(({k: v.generated_tokens for k, v in out.items()}, st["runner"], st["stats"].capture_seconds))
+    assert [r[0] for r in runs] == [ref, ref, ref_sampled, ref_sampled]
+    assert runs[1][1] is runs[0][1] and runs[1][2] == runs[0][2], "the second call captured nothing"
+    assert runs[2][1] is not runs[0][1], "other settings: a new capture"
+    assert not runs[0][1].captured, "the graphs of the replaced settings were released"
+    assert runs[3][1] is runs[2][1] and runs[3][1].captured
+    assert getattr(model, "_cached_continuous_batching_manager", None) is None, "model.generate_batch stays eager"
+    assert gr.hf.batching.release(model) and not runs[3][1].captured
+    assert not gr.hf.batching.release(model), "nothing left to release"
+    st = {}
+    gr.hf.generate_batch(model, a, gc, cb_config(), device="tape", stats=st, reuse=False)
+    assert not st["runner"].captured and not gr.hf.batching.release(model), "reuse=False keeps nothing"

@@ -10,9 +10,6 @@ seconds and its keys are re-planned (``--replan-every 32``) during the tests. Sk
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -27,6 +24,8 @@ require("uvicorn")
 require("prometheus_client")
 openai = require("openai")
 
+from graphrunner_tools.serve import ServerProcess  # noqa: E402
+
 pytestmark = [pytest.mark.hf, pytest.mark.slow]
 
 #: Small engine settings: 64 cache blocks of 16 tokens, 64 tokens and 16 requests a step.
@@ -36,72 +35,25 @@ ENGINE = ["--cb-num-blocks", "64", "--cb-block-size", "16", "--cb-max-batch-toke
 START = 180
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A ``graphrunner serve`` process on a free port of 127.0.0.1; its output goes to a log file."""
+class Server(ServerProcess):
+    """A ``graphrunner serve`` process (:class:`graphrunner_tools.serve.ServerProcess`) with the small
+    :data:`ENGINE` settings, a tiny model built under the test's temp dir, and an ``openai`` client."""
 
     def __init__(self, tmp, *flags):
-        self.port = free_port()
-        self.log = open(os.path.join(tmp, f"serve-{self.port}.log"), "w+")
-        env = {**os.environ, "GRAPHRUNNER_CACHE": os.path.join(os.path.dirname(tmp), "cache"),
-               "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "graphrunner_tools", "serve", "--port", str(self.port),
-                                      *ENGINE, *flags], stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + START
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"the server exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise AssertionError(f"the server did not listen within {START} s:\n{self.output()}")
-            time.sleep(0.5)
+        log = os.path.join(tmp, f"serve-{len(os.listdir(tmp))}.log")
+        try:
+            super().__init__([*ENGINE, *flags], log, START,
+                             env={"GRAPHRUNNER_CACHE": os.path.join(os.path.dirname(tmp), "cache"),
+                                  "OMP_NUM_THREADS": "1"})
+        except RuntimeError as exc:
+            raise AssertionError(str(exc)) from None
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
         self.model = self.client.models.list().data[0].id
-
-    def output(self):
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()[-4000:]
 
     def chat(self, content, max_tokens=12, **kw):
         r = self.client.chat.completions.create(model=self.model, messages=[{"role": "user", "content": content}],
                                                 max_tokens=max_tokens, temperature=0, **kw)
         return r.choices[0].message.content
-
-    def metrics(self):
-        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
-            text = r.read().decode()
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
-
-    def metric(self, name):
-        return sum(v for k, v in self.metrics().items() if k == name or k.startswith(name + "{"))
-
-    def stop(self, sig=signal.SIGTERM, timeout=30):
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="module")

@@ -596,6 +596,9 @@ class GraphBatching:
         self._since_plan = 0
         self._replan_due = False
         self._capture_began: Optional[float] = None
+        #: A re-plan's runner while its keys are captured (the current one serves meanwhile).
+        self._pending: Optional[GraphRunner] = None
+        self._pending_began = 0.0
         self.mode = "eager"  # "record" (dry run: no forward), "eager", "graph"
         self.runner: Optional[GraphRunner] = None
         self.report = None
@@ -643,10 +646,11 @@ class GraphBatching:
     def release(self) -> None:
         """Stop a background capture and release the graphs (``manager.destroy()`` calls it): a capture
         thread must not outlive its manager. The steps run eagerly again until :meth:`capture`."""
-        runner, self.runner = self.runner, None
+        runners, self.runner, self._pending = (self.runner, self._pending), None, None
         self.mode = "eager"
-        if runner is not None:
-            runner.cleanup()
+        for runner in runners:
+            if runner is not None:
+                runner.cleanup()
 
     def _attach(self, bp) -> None:
         self.batch_processor = bp
@@ -673,13 +677,18 @@ class GraphBatching:
             self.capture()
 
     def _guarded(self, fn):
-        """``fn`` run while no background key capture runs (``runner.hold()``); a re-plan found due
-        by a step is made after it, outside the hold."""
+        """``fn`` run while no background key capture runs (``runner.hold()`` of the runner serving and
+        of a re-plan's runner being captured); a re-plan found due by a step is started after it,
+        outside the holds, and a re-plan's runner takes over once every key of it is captured."""
         def run(*args, **kwargs):
-            runner = self.runner
-            with runner.hold() if runner is not None else contextlib.nullcontext():
+            with contextlib.ExitStack() as held:
+                for runner in (self.runner, self._pending):
+                    if runner is not None:
+                        held.enter_context(runner.hold())
                 out = fn(*args, **kwargs)
-            if self._replan_due:
+            if self._pending is not None:
+                self._settle_replan()
+            elif self._replan_due:
                 self._replan_due = False
                 self._replan()
             return out
@@ -829,19 +838,49 @@ class GraphBatching:
 
     def _replan(self) -> None:
         """``autocapture``: once the current keys are all captured, re-plan them from the recent step
-        sizes (:func:`graphrunner.hf.ladder.replan`) and, when that cuts the padding, serve through a
-        runner over the new keys at once (eagerly, padded, until each is captured) and release the old."""
+        sizes (:func:`graphrunner.hf.ladder.replan`) and, when that cuts the padding, capture a runner
+        over the new keys in the background while the current one serves on; it takes over when all
+        its keys are captured (:meth:`_settle_replan`), so a re-plan never serves a step eagerly."""
         old = self.runner
-        if old is None or self.captured() < len(old.keys) or self.buckets is not None:
+        if old is None or self._pending is not None or self.captured() < len(old.keys) or self.buckets is not None:
             return
         plan = replan(list(self._window), [tuple(k) for k in old.keys], self.dims, self.max_graphs)
         if plan is None:
             return
-        logger.info("gr.hf: re-planned the keys from %d recent steps: %d keys -> %d", len(self._window),
+        logger.info("gr.hf: re-planning the keys from %d recent steps: %d keys -> %d", len(self._window),
                     len(old.keys), len(plan[1]))
-        self._background(*plan)
+        self._pending = self._new_runner(*plan)
+        self._pending.capture(background=True)
+        self._pending_began = time.perf_counter()
+
+    def wait_captured(self, timeout: Optional[float] = None) -> bool:
+        """Wait up to ``timeout`` s (each) for the background capture of :attr:`runner`'s keys and of a
+        re-plan's keys (which take over at the step after); True when both are done."""
+        done = True
+        for runner in (self.runner, self._pending):
+            if runner is not None and runner.wait_captured(timeout) is None:
+                done = False
+        return done
+
+    def _settle_replan(self) -> None:
+        """The re-plan's runner serves from now on once all its keys are captured (the old one is
+        released); a failed re-plan capture is dropped, the current keys serve on."""
+        pending = self._pending
+        if pending.capture_error is not None:
+            logger.warning("gr.hf: the re-planned keys' capture failed, serving on with the current keys: %s",
+                           pending.capture_error)
+            self._pending = None
+            pending.cleanup()
+            return
+        if pending.wait_captured(timeout=0) is None:
+            return
+        old, self.runner, self._pending = self.runner, pending, None
+        self.stats.capture_seconds += time.perf_counter() - self._pending_began
+        self.stats.graphs = len(pending.keys)
+        self.stats.keys = [tuple(k) for k in pending.keys]
         self.stats.replans += 1
-        old.cleanup()
+        if old is not None:
+            old.cleanup()
 
     def capture(self):
         """Build :attr:`runner` over the planned keys and capture it (blocking); return GraphRunner's report
@@ -1123,7 +1162,7 @@ def generate_batch(model, inputs: List[List[int]], generation_config=None, conti
     setting replaces them. :func:`release` frees them (or ``reuse=False``). ``debug``, ``checks``, ``equivalence``, ``validate``, ``background``
     (serve from the first step while the keys are captured on a thread): as
     :class:`GraphBatching`. ``stats``: a dict that receives :class:`BatchingStats` (``"stats"``),
-    the capture report (``"report"``) and the runner (``"runner"``).
+    the capture report (``"report"``) and the runner (``"runner"``; released already with ``reuse=False``).
 
     Raises :class:`CaptureError` naming the architecture and the reason when the
     model cannot be served (see :func:`refusal`), ``ValueError``/``TypeError``
@@ -1198,6 +1237,7 @@ def generate_batch(model, inputs: List[List[int]], generation_config=None, conti
             del model._cached_continuous_batching_manager  # model.generate_batch must not pick our manager up
         if hook.runner is not None and hook.background:
             hook.runner.wait_captured()
+        runner = hook.runner  # for stats: destroying the manager releases it
         if ok and reuse:
             setattr(model, _HELD, _Held(settings, manager, hook))
         else:
@@ -1205,7 +1245,7 @@ def generate_batch(model, inputs: List[List[int]], generation_config=None, conti
                 delattr(model, _HELD)
             manager.destroy()  # releases the graphs too
     if stats is not None:
-        stats.update({"stats": hook.stats, "report": hook.report, "runner": hook.runner, "hook": hook})
+        stats.update({"stats": hook.stats, "report": hook.report, "runner": runner, "hook": hook})
     return out
 
 

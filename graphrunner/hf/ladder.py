@@ -20,7 +20,7 @@ __all__ = ["LADDER_GRAPHS", "REPLAN_GAIN", "ladder", "ladder_keys", "padding", "
 LADDER_GRAPHS = {"tokens": 5, "kv": 4, "reqs": 3}
 
 #: A re-plan is taken when its keys compute at most this share of the current keys' padding.
-REPLAN_GAIN = 0.8
+REPLAN_GAIN = 0.6
 
 Sizes = Tuple[int, ...]
 
