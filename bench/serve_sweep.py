@@ -9,7 +9,7 @@ inter-token latency (ITL) p50 and p99, plus the share of engine steps replayed f
 Prompts and output lengths are seeded. Prints a table, writes JSON (``--out``) and, with
 matplotlib, a plot next to it. Timings are never assertions.
 
-    python bench/serve_sweep.py [--quick] [--concurrency 1,4,16,64] [--requests 100,300,600,1000] [MODEL_DIR]
+    python bench/serve_sweep.py [--quick] [--concurrency 1,4,16,64] [--requests 100,300,600,1000] [--threads 1] [MODEL_DIR]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from graphrunner_tools.bench import environment, parse_int_list, write_json
+from graphrunner_tools.threads import add_threads_argument
 
 #: The server's engine settings for the sweep (a CPU machine): 512 blocks of 16 tokens, 256 tokens and
 #: 64 requests a step.
@@ -118,14 +119,14 @@ def _ms(seconds: Optional[float]) -> Optional[float]:
 
 
 def sweep(flags: List[str], levels: Sequence[int], work: List[List[Dict[str, Any]]], log: str, warmup: int,
-          prompt_chars: Sequence[int], output_tokens: Sequence[int]) -> Dict[str, Any]:
+          prompt_chars: Sequence[int], output_tokens: Sequence[int], threads: int) -> Dict[str, Any]:
     """One server (``flags``) through every level; returns its levels and start/stop facts."""
     import openai
 
     from graphrunner_tools.serve import ServerProcess
 
     t0 = time.perf_counter()
-    server = ServerProcess([*ENGINE, *flags], log, start_timeout=300)
+    server = ServerProcess([*ENGINE, *flags], log, start_timeout=300, env={"OMP_NUM_THREADS": str(threads)})
     start = time.perf_counter() - t0
     model = openai.OpenAI(base_url=server.url + "/v1", api_key="none").models.list().data[0].id
     try:
@@ -220,6 +221,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                     help="requests before the first level, at concurrency 16 (default 64); then the graph server's "
                          "levels wait until its keys are captured")
     ap.add_argument("--flags", default="", help="more graphrunner serve flags for both servers")
+    add_threads_argument(ap)  # the servers' torch threads (OMP_NUM_THREADS of their processes)
     args = ap.parse_args(argv)
     levels = args.concurrency or ([1, 4] if args.quick else [1, 4, 16, 64])
     counts = args.requests or ([6, 12] if args.quick else [100, 300, 600, 1000])
@@ -231,9 +233,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     result: Dict[str, Any] = {"benchmark": "serve_sweep", "environment": environment(),
                               "config": {"levels": levels, "requests": counts, "engine": ENGINE, "flags": base,
                                          "prompt_chars": args.prompt_chars, "output_tokens": args.output_tokens,
-                                         "seed": args.seed, "warmup": args.warmup, "logs": logs}}
+                                         "seed": args.seed, "warmup": args.warmup, "threads": args.threads,
+                                         "logs": logs}}
     warm = 0 if args.quick else args.warmup
-    shape = (args.prompt_chars, args.output_tokens)
+    shape = (args.prompt_chars, args.output_tokens, args.threads)
     result["graphs"] = sweep(base, levels, work, os.path.join(logs, "graphs.log"), warm, *shape)
     result["eager"] = sweep(base + ["--eager"], levels, work, os.path.join(logs, "eager.log"), warm, *shape)
     result["same"] = [sum(a == b and a is not None for a, b in zip(g["answers"], e["answers"]))

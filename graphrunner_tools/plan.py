@@ -84,8 +84,8 @@ def plan_table(result: Dict[str, Any], path: str, sizes: List[int]) -> List[str]
     return lines
 
 
-def _max_graphs(text: str) -> Any:
-    """``--max-graphs``: ``8`` or ``reqs=4,draft=3``."""
+def parse_max_graphs(text: str) -> Any:
+    """``--max-graphs`` (``graphrunner plan``, ``serve``): ``8`` or ``reqs=4,draft=3`` (a dict)."""
     if "=" not in text:
         try:
             return int(text)
@@ -147,7 +147,7 @@ def add_plan_subparser(subparsers: Any) -> argparse.ArgumentParser:
                     "are ints from 0 (an idle step) to 16777216. Exits 2 with one line on stderr naming the file "
                     "and the line for a file that cannot be read or planned.")
     p.add_argument("file", metavar="FILE", help="the observed batch sizes (see above)")
-    p.add_argument("--max-graphs", type=_max_graphs, default=None,
+    p.add_argument("--max-graphs", type=parse_max_graphs, default=None,
                    help="most graphs, for the plan and for vLLM's ladder it is compared with (default: as many as "
                         "vLLM's ladder up to the largest size); dim=K,... for named dims")
     p.add_argument("--level", type=int, default=None,

@@ -44,6 +44,27 @@ _CB_OPTIONS = ("cb_block_size", "cb_num_blocks", "cb_max_batch_tokens", "cb_max_
 _CB_NAMES = {"cb_block_size": "page_size"}
 
 
+#: ``/metrics``' one-value families: (kind, name, key of :func:`~graphrunner_tools.serve_engine.engine_metrics`, help).
+_SCALARS = (
+    ("counter", "graphrunner_real_tokens", "real_tokens", "query tokens of replayed steps"),
+    ("counter", "graphrunner_padded_tokens", "padded_tokens", "padding query tokens the graphs computed"),
+    ("counter", "graphrunner_real_keys", "real_keys", "keys read by replayed steps"),
+    ("counter", "graphrunner_padded_keys", "padded_keys", "padding keys the graphs computed"),
+    ("counter", "graphrunner_replans", "replans", "times the keys were re-planned from the steps served"),
+    ("gauge", "graphrunner_graphs_enabled", "graphs_on", "1 when the steps are served from graphs"),
+    ("gauge", "graphrunner_graphs_planned", "graphs_planned", "keys (graphs) planned"),
+    ("gauge", "graphrunner_graphs_captured", "graphs_captured", "graphs captured and replaying"),
+    ("gauge", "graphrunner_capture_seconds", "capture_seconds", "seconds the finished captures took"),
+    ("gauge", "graphrunner_requests_active", "requests_active", "requests the engine is generating"),
+    ("gauge", "graphrunner_requests_waiting", "requests_waiting", "requests waiting for the engine"),
+    ("gauge", "graphrunner_kv_cache_blocks", "cache_blocks", "blocks of the paged KV cache"),
+    ("gauge", "graphrunner_kv_cache_free_blocks", "cache_free_blocks", "free blocks of the paged KV cache"),
+    ("gauge", "graphrunner_kv_cache_held_blocks", "cache_held_blocks", "blocks running requests hold"),
+    ("gauge", "graphrunner_kv_cache_cached_blocks", "cache_cached_blocks",
+     "blocks the prefix cache keeps for a later prompt (reclaimable)"),
+)
+
+
 def _metrics_text(engine: Dict[str, Any], http: Dict[tuple, int], model_id: str) -> bytes:
     """The Prometheus exposition of ``engine`` (:func:`engine_metrics`) and ``http`` ((path, status) -> count)."""
     from prometheus_client import CollectorRegistry, generate_latest
@@ -56,36 +77,16 @@ def _metrics_text(engine: Dict[str, Any], http: Dict[tuple, int], model_id: str)
             steps.add_metric([model_id, "replayed"], engine.get("replayed", 0))
             steps.add_metric([model_id, "eager"], engine.get("eager_steps", 0))
             yield steps
-            for name, key, doc in (
-                    ("graphrunner_real_tokens", "real_tokens", "query tokens of replayed steps"),
-                    ("graphrunner_padded_tokens", "padded_tokens", "padding query tokens the graphs computed"),
-                    ("graphrunner_real_keys", "real_keys", "keys read by replayed steps"),
-                    ("graphrunner_padded_keys", "padded_keys", "padding keys the graphs computed"),
-                    ("graphrunner_replans", "replans", "times the keys were re-planned from the steps served")):
-                c = CounterMetricFamily(name, doc, labels=["model"])
-                c.add_metric([model_id], engine.get(key, 0))
-                yield c
             fb = CounterMetricFamily("graphrunner_fallbacks", "calls the graphs did not serve, by reason "
                                      "(over_max_bucket: no key covers the step; not captured yet)",
                                      labels=["model", "reason"])
             for reason, n in sorted(engine.get("fallbacks", {}).items()):
                 fb.add_metric([model_id, str(reason)], n)
             yield fb
-            for name, key, doc in (
-                    ("graphrunner_graphs_enabled", "graphs_on", "1 when the steps are served from graphs"),
-                    ("graphrunner_graphs_planned", "graphs_planned", "keys (graphs) planned"),
-                    ("graphrunner_graphs_captured", "graphs_captured", "graphs captured and replaying"),
-                    ("graphrunner_capture_seconds", "capture_seconds", "seconds the finished captures took"),
-                    ("graphrunner_requests_active", "requests_active", "requests the engine is generating"),
-                    ("graphrunner_requests_waiting", "requests_waiting", "requests waiting for the engine"),
-                    ("graphrunner_kv_cache_blocks", "cache_blocks", "blocks of the paged KV cache"),
-                    ("graphrunner_kv_cache_free_blocks", "cache_free_blocks", "free blocks of the paged KV cache"),
-                    ("graphrunner_kv_cache_held_blocks", "cache_held_blocks", "blocks running requests hold"),
-                    ("graphrunner_kv_cache_cached_blocks", "cache_cached_blocks",
-                     "blocks the prefix cache keeps for a later prompt (reclaimable)")):
-                g = GaugeMetricFamily(name, doc, labels=["model"])
-                g.add_metric([model_id], float(engine.get(key, 0)))
-                yield g
+            for kind, name, key, doc in _SCALARS:
+                family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=["model"])
+                family.add_metric([model_id], float(engine.get(key, 0)))
+                yield family
             req = CounterMetricFamily("graphrunner_http_requests", "HTTP requests answered, by path and status",
                                       labels=["path", "status"])
             for (path, status), n in sorted(http.items()):
@@ -317,14 +318,13 @@ def _dims_buckets(text: str) -> Dict[str, list]:
 
 
 def _dims_counts(text: str) -> Dict[str, int]:
-    """``tokens=4,kv=4,reqs=2`` -> ``{"tokens": 4, ...}``."""
-    out: Dict[str, int] = {}
-    for part in text.split(","):
-        name, _, n = part.partition("=")
-        if not n.strip().isdigit() or int(n) < 1:
-            raise argparse.ArgumentTypeError(f"expected dim=count,... with counts >= 1 such as 'tokens=4,kv=4,reqs=2', "
-                                             f"got {text!r}")
-        out[name.strip()] = int(n)
+    """``--max-graphs``: ``tokens=4,kv=4,reqs=2`` (``graphrunner plan``'s syntax), or ``4`` for every dim."""
+    from graphrunner_tools.plan import parse_max_graphs
+
+    got = parse_max_graphs(text)
+    out = {d: got for d in ("tokens", "kv", "reqs")} if isinstance(got, int) else got
+    if any(n < 1 for n in out.values()):
+        raise argparse.ArgumentTypeError(f"every count must be >= 1, got {text!r}")
     return out
 
 
