@@ -112,7 +112,8 @@ class Channel:
         self._names: Dict[int, str] = {phase_id(p): p for p in PHASES}
         #: The process group aborted when a rank fails (``None``: nothing to abort), and the
         #: rendezvous store the failure is reported through (``None``: this process only).
-        self.process_group, self.store = process_group, store
+        self._pg = _weak(process_group)  # never keeps the process group alive past destroy_process_group()
+        self.store = store
         #: Set once a rank of the group failed alone (this one or a peer): every collective then
         #: raises it again, sending nothing.
         self.failure: Optional[RankFailedError] = None
@@ -159,6 +160,11 @@ class Channel:
         return out
 
     # ------------------------------------------------------------- a rank that fails alone
+    @property
+    def process_group(self) -> Any:
+        """The process group a failure aborts (``None``: none, or no longer alive)."""
+        return self._pg()
+
     def fail(self, cause: BaseException, where: str, alone: bool = False) -> Optional[RankFailedError]:
         """This rank's capture or step raised ``cause`` (``where``: e.g. ``"in its background capture"``)
         while its peers may be inside the step's own collectives. Sends nothing on the group.
@@ -253,7 +259,7 @@ class Channel:
     def _abort(self) -> None:
         """Abort the process group (its pending collectives fail at once, on every rank)."""
         pg = self.process_group
-        if pg is None:
+        if pg is None:  # none, or already destroyed
             return
         try:
             abort = getattr(pg, "abort", None)
@@ -309,6 +315,16 @@ def channel_for(process_group: Any, rank: int, size: int, store: Any = None) -> 
         return ch
 
 
+def _weak(obj: Any) -> Callable[[], Any]:
+    """``obj`` behind a weak reference where it takes one (a strong one otherwise; ``None``: none)."""
+    if obj is None:
+        return lambda: None
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
+
+
 def _text(value: Any) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, (bytes, bytearray)) else str(value)
 
@@ -342,11 +358,11 @@ def fail_ranks(group: Any, exc: BaseException, where: str, alone: bool = False) 
 
     ``exc`` itself on one rank, for a group without a channel (a group you wrote) and for an error
     every rank raised together (:func:`_together`), and for a collective of this rank that failed
-    with no report (a ``RankTimeoutError``: a peer died or is stuck; unchanged, as before). Otherwise the group's :class:`RankFailedError`:
-    a peer's, when a peer reported its failure first (``exc`` is then what that did here: a collective
-    that failed); ``exc`` again when every rank failed alike (:meth:`Channel.fail` waits for their
-    reports); else this rank's own, reported and the process group aborted now (``alone``: without
-    waiting for the peers' reports)."""
+    with no report (a ``RankTimeoutError``: a peer died or is stuck; unchanged, as before).
+    Otherwise the group's :class:`RankFailedError`: a peer's, when a peer reported its failure first
+    (``exc`` is then what that did here: a collective that failed); ``exc`` again when every rank
+    failed alike (:meth:`Channel.fail` waits for their reports); else this rank's own, reported and
+    the process group aborted now (``alone``: without waiting for the peers' reports)."""
     ch = getattr(group, "channel", None)
     if not isinstance(ch, Channel) or ch.size <= 1:
         return exc

@@ -197,6 +197,81 @@ def test_negative_control_without_end_the_thread_outlives_its_runner_inside_a_co
     assert res[1].ok and res[1].value["peer"] is None, format_results(res)
 
 
+# ------------------------------------------------------------------ the same mechanism: capture() and a call
+def _oom_runner(rank, fail):
+    """The tensor-parallel step; rank 1's step runs out of memory when ``fail(x)``."""
+    import torch.distributed as dist
+
+    def step(x):
+        if rank == 1 and fail(x):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated on rank 1)")
+        h = x @ W
+        dist.all_reduce(h)
+        return h + 1
+
+    backend = gr.BreakableGraphBackend(group=gr.TorchDistGroup(timeout=TIMEOUT))
+    return gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(D,))}, [1, 2, 4], backend=backend, progress=False)
+
+
+def _raised(exc):
+    return {"type": type(exc).__name__, "message": str(exc), "notes": list(getattr(exc, "__notes__", []))}
+
+
+def _fail_in_blocking_capture(rank, world):
+    runner = _oom_runner(rank, lambda x: x.shape[0] == 2)  # rank 1 fails capturing key 2, rank 0 goes on
+    t0 = time.monotonic()
+    try:
+        runner.capture()
+    except Exception as exc:  # noqa: BLE001
+        return {**_raised(exc), "seconds": time.monotonic() - t0}
+    return {"type": None, "seconds": time.monotonic() - t0}
+
+
+def test_a_blocking_capture_that_fails_on_one_rank_makes_its_peer_raise_rank_failed_error_at_once():
+    res = run_ranks(_fail_in_blocking_capture, world_size=2, timeout=90)
+    for r in res:
+        assert r.ok and r.exitcode == 0 and not r.timed_out, format_results(res)
+        assert r.value["seconds"] < TIMEOUT, r.value  # not the deadline: the abort ended rank 0's all_reduce
+    v0, v1 = res[0].value, res[1].value
+    assert v1["type"] == "CaptureError" and "OutOfMemoryError" in v1["message"], v1  # its own error ...
+    assert any("failed alone" in n and "RankFailedError" in n for n in v1["notes"]), v1  # ... saying so
+    assert v0["type"] == "RankFailedError", v0
+    assert v0["message"].startswith("rank 1 of 2 failed alone in its capture") and "OutOfMemoryError" in v0["message"]
+
+
+def _fail_in_a_call(rank, world):
+    state = {"fail": False}
+    runner = _oom_runner(rank, lambda x: state["fail"])
+    runner.capture()
+    log = []
+    for i in range(4):
+        state["fail"] = i == 1
+        x = torch.full((5, D), float(i + 1))  # 5 rows: no key, the eager fallback runs the step (and its all_reduce)
+        try:
+            out = runner(x=x)
+        except Exception as exc:  # noqa: BLE001
+            log.append(_raised(exc))
+            continue
+        torch.testing.assert_close(out, (x @ W) * world + 1, rtol=1e-5, atol=1e-5)
+        log.append("ok")
+    return log
+
+
+def test_a_step_that_raises_on_one_rank_in_a_call_keeps_its_type_there_and_stops_every_rank():
+    res = run_ranks(_fail_in_a_call, world_size=2, timeout=90)
+    for r in res:
+        assert r.ok and r.exitcode == 0 and not r.timed_out, format_results(res)
+    l0, l1 = res[0].value, res[1].value
+    assert l0[0] == l1[0] == "ok"
+    assert l1[1]["type"] == "OutOfMemoryError", l1[1]  # the user's exception keeps its type on the failed rank
+    assert any("RankFailedError" in n for n in l1[1]["notes"]), l1[1]
+    assert l0[1]["type"] == "RankFailedError", l0[1]
+    assert l0[1]["message"].startswith("rank 1 of 2 failed alone in the step's eager fallback"), l0[1]
+    for log in (l0, l1):  # the runner stopped on every rank: the same error at once
+        assert [e["type"] for e in log[2:]] == ["RankFailedError"] * 2, log
+        assert log[2]["message"] == l0[1]["message"]
+
+
 if __name__ == "__main__":  # the issue's "20 runs in a row", by hand: python tests/test_rank_failure_multirank.py 20
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 20
     bad = 0

@@ -384,7 +384,8 @@ class GraphBackend:
         """After a capture that failed with ``exc``: ``H.end``, the key discarded (:meth:`_abort`),
         and the error the caller needs raised: a ``RankTimeoutError`` found in ``exc``'s chain
         unchanged, ``exc`` itself when every rank raises it (``RanksDisagreeError``, the channel's
-        ``AgreementError`` or ``RankFailedError``, or not an ``Exception``), a rank's collective that failed as a ``RankTimeoutError``, else a
+        ``AgreementError`` or ``RankFailedError``, or not an ``Exception``), a rank's collective that
+        failed as a ``RankTimeoutError``, else a
         ``CaptureError`` naming the key, the rank and the step, with ``exc`` as its cause."""
         self._capturing = None
         run.bound.recorder = None
