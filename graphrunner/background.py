@@ -27,15 +27,31 @@ alike, so every rank switches a key from eager to graph at the same call.
 Without calls nothing is granted: :meth:`wait` (every rank must call it)
 captures the remaining keys.
 
-A failed capture stops the background capture: the next call raises the
-:class:`~graphrunner.errors.CaptureError` (on every rank, at the same call:
-the flag is agreed), without serving that call, and later calls are served
-as before (eagerly for the keys not captured).
+A failed capture stops the background capture. When every rank raised it
+together (the channel found the ranks out of step: an ``AgreementError``), the
+next call raises the :class:`~graphrunner.errors.CaptureError` (on every rank,
+at the same call: the flag is agreed), without serving that call, and later
+calls are served as before (eagerly for the keys not captured). When it failed
+on one rank alone (the step raised there, e.g. out of memory, while its peers
+may be inside the step's own collectives), that rank sends nothing more on the
+group: it reports the failure out of band and aborts the process group
+(:func:`graphrunner.channel.fail_ranks`), the peers' capture of the same key
+fails at once, and every rank raises the same
+:class:`~graphrunner.errors.RankFailedError` (a ``CaptureError``) at the next
+call, the one after the grant: the runner stops on every rank.
+
+The thread never outlives its runner inside a collective: ``cleanup()`` stops
+it after the key it is capturing (every collective of the key has the group's
+deadline); garbage collection of the runner and interpreter exit stop it too
+(:meth:`BackgroundCapture.end`) and, when it is still inside a collective after
+a grace period (its peers are not in it), fail the group the same way, so the
+collective ends and the process exits normally.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import queue
 import threading
@@ -51,6 +67,9 @@ __all__ = ["BackgroundCapture", "PutBack", "start_background", "settle_backgroun
 logger = logging.getLogger("graphrunner")
 
 Sizes = Tuple[int, ...]
+
+#: Seconds garbage collection or interpreter exit waits for the key being captured before failing the group.
+END_GRACE = 5.0
 
 _STOP = object()  # grant: stop capturing
 _ALL = object()  # grant: capture every remaining key
@@ -69,10 +88,18 @@ class BackgroundCapture:
     """
 
     def __init__(self, keys: List[Sizes], capture_key: Callable[[Sizes], None], session: Callable[[], Any],
-                 finish: Callable[[], Any], shared: bool, gate: Optional[threading.Event] = None) -> None:
+                 finish: Callable[[], Any], shared: bool, gate: Optional[threading.Event] = None,
+                 fail: Optional[Callable[[BaseException, str, bool], BaseException]] = None,
+                 deadline: float = 60.0) -> None:
         self.keys = list(keys)
         self._capture_key, self._session, self._finish = capture_key, session, finish
+        #: ``fail(exc, where, alone) -> error``: what a failure on this rank becomes (several ranks:
+        #: :func:`graphrunner.channel.fail_ranks`, which reports it and aborts the group unless every rank
+        #: failed alike).
+        self._fail: Callable[[BaseException, str, bool], BaseException] = fail or (lambda exc, where, alone: exc)
         self.shared = bool(shared)
+        #: The group's collective deadline in seconds (how long a collective of the thread can take).
+        self.deadline = float(deadline)
         #: Held by a key's capture and by every call of the runner.
         self.mutex = threading.RLock()  # re-entrant: a call inside hold(), or a step calling its runner (refused)
         #: Keys captured on this rank, in capture order.
@@ -165,8 +192,11 @@ class BackgroundCapture:
                     self._capture_next(grant)
                 self.report = self._finish()
         except BaseException as exc:  # surfaced on the next call (every rank, see vector())
-            logger.error("GraphRunner: background capture failed: %s", exc)
-            self.error = exc
+            failed = self._fail(exc, "in its background capture", False)  # alone: reported, the group aborted
+            if failed is not exc:
+                failed.__cause__ = exc
+            logger.error("GraphRunner: background capture failed: %s", failed)
+            self.error = failed
         finally:
             self._finished.set()
             with self._settled:
@@ -228,8 +258,30 @@ class BackgroundCapture:
         self._grants.put(_STOP)
         if self._gate is not None:
             self._gate.set()
-        if self._thread.is_alive():
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+
+    def end(self, why: str, grace: Optional[float] = None) -> None:
+        """The runner is gone (``why``: garbage collected, interpreter exit): stop the thread, waiting up
+        to ``grace`` s for the key it is capturing; a thread still inside a collective then (its peers
+        are not in it) fails the group (reported, the process group aborted), which ends that
+        collective at once, so no thread is inside a collective when the process exits (``grace``:
+        :data:`END_GRACE` by default)."""
+        grace = END_GRACE if grace is None else float(grace)
+        self.stop(grace)
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            logger.error("GraphRunner: %s while its background capture was still inside a collective after %gs; "
+                         "failing the group so that the collective ends", why, grace)
+            self._fail(RuntimeError(f"{why} while its background capture was inside a collective"),
+                       "(its runner went away)", True)
+            # the group's own collectives end at once; one inside the step ends when its peer's side closes,
+            # at the latest at the group's deadline
+            self._thread.join(self.deadline + END_GRACE)
+        # The runner's parts (server, capturer, this object and the thread's closures) refer to each other:
+        # freed by the garbage collector, not when the runner goes. Free them now, while the process group
+        # is alive, not at interpreter exit: released there (with the group's store and the graphs they
+        # hold) they aborted about 1 process exit in 5 ("terminate called without an active exception")
+        gc.collect()
 
 
 def start_background(server: Any, run: Any, backend: Any, gate: Any = None) -> None:
@@ -271,8 +323,13 @@ def start_background(server: Any, run: Any, backend: Any, gate: Any = None) -> N
                 backend.capture_error_mode = mode
             run.close(True)
 
+    from graphrunner.channel import fail_ranks
+
+    group = server.group
     agreement = server.agreement
-    bg = BackgroundCapture(run.order, capture_key, session, run.finish, agreement.shared, gate)
+    bg = BackgroundCapture(run.order, capture_key, session, run.finish, agreement.shared, gate,
+                           lambda exc, where, alone: fail_ranks(group, exc, where, alone),
+                           float(getattr(group, "timeout", 60.0) or 60.0))
     if agreement.shared:
         agreement.extra = bg.vector
     server.serve_in_background(bg)

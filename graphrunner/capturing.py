@@ -22,10 +22,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from graphrunner.agreement import config_digest, make_agreement
+from graphrunner.agreement import config_digest, config_fields, make_agreement
 from graphrunner.budget import MemoryBudget, one_time_imports
 from graphrunner.checks import contracts, fingerprint
+from graphrunner.channel import fail_ranks
 from graphrunner.checks.lint import first_unsafe_op
+from graphrunner.errors import RankFailedError, add_note
 from graphrunner.layout import user_error
 from graphrunner.progress import CaptureProgress
 from graphrunner.report import BucketReport, CaptureReport
@@ -144,15 +146,18 @@ class Capturer:
         memory_budget: a :class:`~graphrunner.budget.MemoryBudget`.
         output_arena: the shared :class:`~graphrunner.OutputArena`, or ``None`` (for the report).
         config: ``config() -> {field: value}``: what every rank must configure alike (the
-            fingerprint's fields and the agreement's digest, :func:`graphrunner.agreement.config_fields`).
+            fingerprint's fields and the agreement's digest); ``None``:
+            :func:`graphrunner.agreement.config_fields` of the server and :attr:`checks` (holds no
+            reference to the runner, so a background capture's thread does not keep it alive).
     """
 
     def __init__(self, server: Any, backend: Any, checks: Any, post_warmup_hook: Optional[Callable[[Any], Any]],
                  progress: bool, memory_budget: MemoryBudget, output_arena: Any,
-                 config: Callable[[], Dict[str, Any]]) -> None:
+                 config: Optional[Callable[[], Dict[str, Any]]] = None) -> None:
         self.server, self.backend, self.checks = server, backend, checks
         self.post_warmup_hook, self.progress, self.budget = post_warmup_hook, bool(progress), memory_budget
-        self.output_arena, self.config = output_arena, config
+        self.output_arena = output_arena
+        self.config: Callable[[], Dict[str, Any]] = config or (lambda: config_fields(self.server, self.checks))
         #: The last capture's :class:`CaptureReport` (``None`` before one, after ``cleanup()``).
         self.report: Optional[CaptureReport] = None
         #: Tests: a ``threading.Event`` the background thread waits for before its first key.
@@ -181,7 +186,13 @@ class Capturer:
             ok = True
         except BaseException as exc:
             self.abort()
+            failed = fail_ranks(self.server.group, exc, "in its capture") if collect is None else exc
+            if isinstance(failed, RankFailedError) and failed.failed_rank != self.server.rank:
+                raise failed from exc  # a peer failed alone: its error, on every rank
             err = user_error(exc)
+            if failed is not exc:  # this rank failed alone: reported, the group aborted; its own error
+                add_note(err, f"GraphRunner: rank {self.server.rank} failed alone; it told the other ranks out of "
+                              f"band and aborted the process group, so they raise RankFailedError: {failed}")
             if err is exc:
                 raise
             raise err from None

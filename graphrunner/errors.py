@@ -64,6 +64,29 @@ class PaddingLeakError(CaptureError):
     names the output path (e.g. ``output['total']``) and the key."""
 
 
+class RankFailedError(CaptureError):
+    """A rank failed where its peers may be inside the step's own collectives (its capture or its
+    step raised on that rank alone), so the ranks' collectives can no longer pair.
+
+    The failed rank sent nothing more on the process group: it wrote what happened to the
+    rendezvous store (out of band) and aborted the process group (gloo closes its connections,
+    NCCL aborts its communicator), so a peer's pending collective ends at once in an error, and
+    every rank raises this error, with the same message, naming the failed rank (:attr:`failed_rank`)
+    and its cause (:attr:`cause_text`); the first failure reported wins when several ranks fail.
+    Every collective of the runner's group then raises it again, without sending anything: the
+    runner stops on every rank (:mod:`graphrunner.channel`, ``docs/multirank.md``)."""
+
+    def __init__(self, message: str, failed_rank: int = -1, cause_text: str = "") -> None:
+        super().__init__(message)
+        #: The rank that failed first (the one whose report is in the store).
+        self.failed_rank = int(failed_rank)
+        #: What it raised, as ``"Type: message"``.
+        self.cause_text = cause_text
+
+    def __reduce__(self):  # picklable with its fields
+        return (type(self), (str(self), self.failed_rank, self.cause_text))
+
+
 class ContractError(GraphRunnerError):
     """A debug-mode contract failed before a replay (:mod:`graphrunner.checks.contracts`):
     an external tensor the graph reads (a weight, buffer, KV cache) was

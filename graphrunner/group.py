@@ -39,6 +39,9 @@ from graphrunner.errors import RankTimeoutError
 
 __all__ = ["LocalGroup", "TorchDistGroup"]
 
+#: Seconds of one slice of a collective's wait (:meth:`TorchDistGroup._wait`).
+WAIT_SLICE = 0.25
+
 logger = logging.getLogger("graphrunner")
 
 
@@ -74,6 +77,17 @@ def _bound_timeout(process_group: Any, seconds: float) -> None:
     except Exception as exc:  # noqa: BLE001 - a missing private API must not stop the run
         logger.warning("TorchDistGroup: could not set the process group's timeout to %gs (%s: %s); collectives "
                        "inside the step keep the process group's own timeout", seconds, type(exc).__name__, exc)
+
+
+def _group_store(process_group: Any) -> Any:
+    """``process_group``'s rendezvous store (prefixed per group), where a rank that fails alone reports
+    it (:func:`graphrunner.channel.fail_ranks`); ``None`` where this PyTorch does not say."""
+    try:
+        from torch.distributed.distributed_c10d import _world
+
+        return _world.pg_map[process_group][1]
+    except Exception:  # noqa: BLE001 - no store: a failure is then seen by the peers as a RankTimeoutError
+        return None
 
 
 class LocalGroup:
@@ -170,8 +184,8 @@ class TorchDistGroup:
         else:
             self._device = torch.device("cpu")
         #: The group's :class:`~graphrunner.channel.Channel` (shared by every group over this process group).
-        self.channel = channel_for(process_group if process_group is not None else
-                                   dist.distributed_c10d._get_default_group(), self.rank, self.size)
+        pg = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+        self.channel = channel_for(pg, self.rank, self.size, _group_store(pg))
 
     def __repr__(self) -> str:
         return f"TorchDistGroup(rank={self.rank}, size={self.size}, backend={self.backend_name!r}, timeout={self.timeout})"
@@ -188,9 +202,7 @@ class TorchDistGroup:
         try:
             deadline = time.monotonic() + self.timeout
             work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
-            ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
-            if ok is False:  # some backends report a timeout by returning False
-                raise TimeoutError("wait() returned False")
+            self._wait(work, deadline)
             if self._device.type == "cuda":
                 # NCCL's wait() only orders the current stream after the
                 # collective (unless blocking wait is on): poll for completion
@@ -198,6 +210,8 @@ class TorchDistGroup:
                 while not work.is_completed():
                     if time.monotonic() > deadline:
                         raise TimeoutError("the NCCL all_reduce did not complete")
+                    if self.channel.failure is not None:  # this rank failed the group meanwhile (its runner went away)
+                        raise RuntimeError(f"the process group was aborted: {self.channel.failure}")
                     time.sleep(0.0001)
         except Exception as exc:  # noqa: BLE001 - every failure of the collective means the ranks diverged
             msg = (
@@ -207,6 +221,29 @@ class TorchDistGroup:
             logger.error(msg)
             raise RankTimeoutError(msg) from exc
         return [int(v) for v in t.tolist()]
+
+    def _wait(self, work: Any, deadline: float) -> None:
+        """Wait for ``work`` until ``deadline``, in slices of :data:`WAIT_SLICE` s (a completed collective
+        returns at once): between slices, a failure of the group on this rank (another thread failed it,
+        :meth:`graphrunner.channel.Channel.fail`: the process group is aborted, which does not wake a
+        wait on this rank) ends the wait with an error, so no thread stays inside a collective."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the all_reduce did not complete")
+            try:
+                ok = work.wait(timeout=datetime.timedelta(seconds=min(left, WAIT_SLICE)))
+            except Exception:
+                if time.monotonic() >= deadline:
+                    raise
+                if work.is_completed():  # it failed (or completed) meanwhile: its own outcome
+                    work.wait(timeout=datetime.timedelta(seconds=max(left, 0.001)))
+                    return
+                ok = False
+            if ok is not False:  # some backends report a timeout by returning False
+                return
+            if self.channel.failure is not None:
+                raise RuntimeError(f"the process group was aborted: {self.channel.failure}")
 
     def barrier(self, phase: str = "", key: Optional[Hashable] = None) -> None:
         """Block until every rank of the group reached this barrier.

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import weakref
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -157,7 +158,7 @@ class GraphRunner:
                              verify_every_setting(verify_every, debug), copy, key_text)
         #: The capturer part (:class:`graphrunner.capturing.Capturer`): a capture, its checks and budget.
         self.capturer = Capturer(self.server, self.backend, checks_set, post_warmup_hook, progress,
-                                 MemoryBudget(memory_budget, self.world_size), output_arena, self._config_fields)
+                                 MemoryBudget(memory_budget, self.world_size), output_arena)
 
     # ----------------------------------------------------------- the parts' settings, as attributes
     step = _part_attr("server", "step", "The step (``step(**static_inputs)``).")
@@ -217,7 +218,11 @@ class GraphRunner:
         if self.captured:
             raise CaptureError("GraphRunner.capture() was already called; call runner.cleanup() before capturing again")
         if background:
-            return self.capturer.capture_in_background(self.agree_bucket)
+            self.capturer.capture_in_background(self.agree_bucket)
+            bg = self.server.background
+            if bg is not None:  # garbage collection and interpreter exit end the thread before the runner is gone
+                weakref.finalize(self, bg.end, "GraphRunner garbage collected or the interpreter exiting")
+            return None
         owner = self.server.owner
         owner.enter("capture()")
         try:

@@ -23,7 +23,9 @@ from graphrunner.agreement import LocalAgreement
 from graphrunner.checks import contracts
 from graphrunner.checks.verify import shadow_reference, shadow_verify
 from graphrunner.dispatch import CAPTURING, IDLE, Route, Routes
-from graphrunner.errors import AgreementError, CaptureError, GraphRunnerError, RankTimeoutError, add_note
+from graphrunner.channel import fail_ranks
+from graphrunner.errors import (AgreementError, CaptureError, GraphRunnerError, RankFailedError, RankTimeoutError,
+                               add_note)
 from graphrunner.layout import clone_outputs
 from graphrunner.ownership import CallOwner
 from graphrunner.report import RunnerStats
@@ -170,9 +172,8 @@ class Server:
             try:
                 route.replay()
             except Exception as exc:  # a failed collective (RankTimeoutError), else the user's error, noted
-                err = RankTimeoutError.from_step(exc, self.group, "replay", route.ext)
-                if err is not None:
-                    raise err from exc
+                if self.step_failed(exc, "replay", route.ext):
+                    raise
                 note = contracts.step_note(exc, "replay", self.key_text(key), staging.bounded, staging.names,
                                            tensors, self.debug)
                 if note is not None:
@@ -208,6 +209,30 @@ class Server:
                 self.calls -= 1
             raise
 
+    def step_failed(self, exc: Exception, phase: str, ext: Any) -> bool:
+        """The step raised ``exc`` in a call (``phase``: ``"replay"`` or ``"fallback"``, key ``ext``). A
+        failed collective raises :class:`~graphrunner.errors.RankTimeoutError` (or, when a peer failed
+        alone and said so, its :class:`~graphrunner.errors.RankFailedError`). On several ranks the
+        user's own error means this rank failed alone while its peers may be inside the step's own
+        collectives: it is reported and the process group aborted
+        (:func:`graphrunner.channel.fail_ranks`), so the peers raise ``RankFailedError``; ``exc`` keeps
+        its type here, with a note (returns True: the caller raises it as it is; False: the group is
+        fine, the caller adds its own note)."""
+        err = RankTimeoutError.from_step(exc, self.group, phase, ext)
+        where = (f"in the step's replay of key {ext!r}" if phase == "replay"
+                 else f"in the step's eager {phase} at {ext!r}")
+        if err is not None:
+            failed = fail_ranks(self.group, err, where)
+            raise failed from exc
+        if self.world_size > 1:
+            failed = fail_ranks(self.group, exc, where)
+            if isinstance(failed, RankFailedError):
+                add_note(exc, f"GraphRunner: the step raised on rank {self.rank} alone, while its peers may be "
+                              "inside the step's own collectives; it told them out of band and aborted the process "
+                              f"group, so every rank raises RankFailedError and the runner stops: {failed}")
+                return True
+        return False
+
     def fall_back(self, tensors: List[torch.Tensor], sizes: Sizes, route: Route, copy_outputs: bool) -> Any:
         """Serve a call of local ``sizes`` whose route does not replay: :data:`~graphrunner.dispatch.IDLE`
         returns the empty outputs, anything else runs the step eagerly on the inputs padded to the
@@ -228,9 +253,8 @@ class Server:
             with torch.inference_mode():
                 out = self.step(**kwargs)
         except Exception as exc:  # a failed collective (RankTimeoutError), else the user's error, noted
-            err = RankTimeoutError.from_step(exc, self.group, "fallback", space.external(run))
-            if err is not None:
-                raise err from exc
+            if self.step_failed(exc, "fallback", space.external(run)):
+                raise
             note = contracts.step_note(exc, "eager fallback", f"sizes ({space.describe(run)})", staging.bounded,
                                        staging.names, tensors, self.debug)
             if note is not None:

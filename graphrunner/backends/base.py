@@ -47,7 +47,7 @@ import torch
 
 from graphrunner.backends.keycapture import BoundForward, KeyCapture
 from graphrunner.backends.outputs import OutputBuffer, tensor_bytes, unflatten
-from graphrunner.errors import AgreementError, CaptureError, RanksDisagreeError, RankTimeoutError
+from graphrunner.errors import AgreementError, CaptureError, RankFailedError, RanksDisagreeError, RankTimeoutError
 from graphrunner.group import LocalGroup
 from graphrunner.recording.hooks import Capture, CaptureHook, provided_check
 from graphrunner.trace import EventKind, Trace, as_trace
@@ -384,7 +384,8 @@ class GraphBackend:
         """After a capture that failed with ``exc``: ``H.end``, the key discarded (:meth:`_abort`),
         and the error the caller needs raised: a ``RankTimeoutError`` found in ``exc``'s chain
         unchanged, ``exc`` itself when every rank raises it (``RanksDisagreeError``, the channel's
-        ``AgreementError``, or not an ``Exception``), a rank's collective that failed as a ``RankTimeoutError``, else a
+        ``AgreementError`` or ``RankFailedError``, or not an ``Exception``), a rank's collective that
+        failed as a ``RankTimeoutError``, else a
         ``CaptureError`` naming the key, the rank and the step, with ``exc`` as its cause."""
         self._capturing = None
         run.bound.recorder = None
@@ -395,7 +396,7 @@ class GraphBackend:
             if rte is exc:
                 raise exc
             raise rte from None
-        if not isinstance(exc, Exception) or isinstance(exc, (RanksDisagreeError, AgreementError)):
+        if not isinstance(exc, Exception) or isinstance(exc, (RanksDisagreeError, AgreementError, RankFailedError)):
             raise exc  # every rank raises this same error: unchanged
         collective = RankTimeoutError.from_step(exc, self.group, run.step, run.key)
         if collective is not None:
