@@ -668,13 +668,12 @@ class GraphBatching:
             bp.inputs_and_outputs.attention_mask = None
         self._original_compute = mr.compute_batch
         mr.compute_batch = self.compute_batch
-        if self.autocapture or self.background:
+        if self.autocapture:
             # transformers writes the cache outside the forward too (prefix-cache forks, offloading) and
             # samples from the default generator after it: a background key capture, which puts back
             # what it wrote when it ends, must not run beside any of that
             for name in ("prepare_next_batch", "_generation_step", "update_batch"):
                 setattr(bp, name, self._guarded(getattr(bp, name)))
-        if self.autocapture:
             self.capture()
 
     def _guarded(self, fn):
