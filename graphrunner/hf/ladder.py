@@ -10,6 +10,7 @@ sizes: :class:`graphrunner.hf.batching.GraphBatching` applies them.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -66,13 +67,13 @@ def padding(sizes: Sequence[Sizes], keys: Sequence[Sizes]) -> Tuple[int, int]:
     key's cells (the product of its sizes but ``reqs``: tokens x keys) minus the step's."""
     pad, missed = 0, 0
     ordered = sorted((tuple(k) for k in keys), key=lambda k: (math.prod(k), k))  # as the runner chooses
-    for s in sizes:
+    for s, n in collections.Counter(tuple(s) for s in sizes).items():  # a server's steps repeat their sizes
         for k in ordered:
             if all(a >= b for a, b in zip(k, s)):
-                pad += _cells(k) - _cells(s)
+                pad += n * (_cells(k) - _cells(s))
                 break
         else:
-            missed += 1
+            missed += n
     return pad, missed
 
 
@@ -85,14 +86,15 @@ def replan(sizes: Sequence[Sizes], keys: Sequence[Sizes], dims: Sequence[str],
            ) -> Optional[Tuple[Dict[str, List[int]], List[Sizes]]]:
     """New ``(buckets, keys)`` for the steps ``sizes`` served so far on ``keys``, or ``None`` when they
     would not cut the padding to ``gain`` of today's (:func:`padding`) or would leave a step uncovered
-    that today's keys cover. The plan is :func:`graphrunner.hf.batching.plan_keys` over ``sizes``,
-    plus the key of today's largest size in every dim, so a step larger than every step seen still
+    that today's keys cover. The plan is :func:`graphrunner.hf.batching.plan_keys` over ``sizes``
+    with ``max_graphs`` sizes per dim (default :data:`LADDER_GRAPHS`, as many as the ladder: a re-plan
+    captures about as many keys as the ladder did), plus the key of today's largest size in every dim, so a step larger than every step seen still
     replays."""
     from graphrunner.hf.batching import plan_keys
 
     if not sizes or not keys:
         return None
-    buckets, planned = plan_keys(sizes, max_graphs, dims)
+    buckets, planned = plan_keys(sizes, {**LADDER_GRAPHS, **(max_graphs or {})}, dims)
     chosen = set(planned) | {tuple(max(int(k[i]) for k in keys) for i in range(len(dims)))}
     chosen.add(tuple(max(k[i] for k in chosen) for i in range(len(dims))))  # the key covering every other one
     new = sorted(chosen)
