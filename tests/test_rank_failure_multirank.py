@@ -38,17 +38,7 @@ THREAD = "graphrunner-background-capture"
 def _tp_runner(rank):
     """The issue's tensor-parallel step on the breakable backend, buckets 1, 2, 4; rank 1's step runs out of
     memory when its background thread captures key 2."""
-    import torch.distributed as dist
-
-    def step(x):
-        if rank == 1 and x.shape[0] == 2 and threading.current_thread().name == THREAD:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated on rank 1)")
-        h = x @ W
-        dist.all_reduce(h)
-        return h + 1
-
-    backend = gr.BreakableGraphBackend(group=gr.TorchDistGroup(timeout=TIMEOUT))
-    return gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(D,))}, [1, 2, 4], backend=backend, progress=False)
+    return _oom_runner(rank, lambda x: x.shape[0] == 2 and threading.current_thread().name == THREAD)
 
 
 def _fail_in_background(rank, world, old):
