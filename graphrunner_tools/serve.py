@@ -39,9 +39,9 @@ __all__ = ["ServerProcess", "add_serve_subparser", "build_app", "serve", "tiny_m
 logger = logging.getLogger("graphrunner")
 
 #: transformers serve's continuous-batching options, under its names.
-_CB_OPTIONS = ("cb_block_size", "cb_num_blocks", "cb_max_batch_tokens", "cb_max_memory_percent")
+_CB_OPTIONS = ("cb_block_size", "cb_num_blocks", "cb_max_batch_tokens", "cb_max_memory_percent", "cb_max_requests")
 #: ... and the ContinuousBatchingConfig field of each that is named otherwise.
-_CB_NAMES = {"cb_block_size": "page_size"}
+_CB_NAMES = {"cb_block_size": "page_size", "cb_max_requests": "max_requests_per_batch"}
 
 
 #: ``/metrics``' one-value families: (kind, name, key of :func:`~graphrunner_tools.serve_engine.engine_metrics`, help).
@@ -174,17 +174,10 @@ def serve(args: argparse.Namespace) -> int:
 
     from transformers.utils import logging as hf_logging
 
-    model = args.model or tiny_model_dir(args.tiny_dir)
-    if not os.path.isdir(model):
-        raise SystemExit(f"graphrunner: error: MODEL_DIR {model!r} is not a directory holding a transformers model "
-                         "(config.json, weights, tokenizer); graphrunner serve loads local models only, or none for "
-                         "the built-in tiny model (see 'graphrunner serve --help')")
-    model = os.path.abspath(model)
+    model = os.path.abspath(args.model or tiny_model_dir(args.tiny_dir))
     level = hf_logging.log_levels[args.log_level.lower()]
     set_serve_log_level(level, False)
     cb = {_CB_NAMES.get(name, name[3:]): getattr(args, name) for name in _CB_OPTIONS if getattr(args, name)}
-    if args.cb_max_requests:
-        cb["max_requests_per_batch"] = args.cb_max_requests
     cb.setdefault("use_cuda_graph", False)  # graphrunner captures the step (transformers' own graphs pad it)
     if args.eager:
         cb.pop("use_cuda_graph")
@@ -376,7 +369,7 @@ def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="seconds SIGTERM waits for requests in flight before cancelling them (default 5)")
     p.add_argument("--tiny-dir", default=None, help=argparse.SUPPRESS)
-    p.set_defaults(func=_run, check=_check)
+    p.set_defaults(func=serve, check=_check)
     return p
 
 
@@ -384,6 +377,10 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     missing = [m for m in ("fastapi", "uvicorn", "prometheus_client", "transformers") if not _importable(m)]
     if missing:
         parser.error(f"graphrunner serve needs {', '.join(missing)}: pip install -e '.[serve]'")
+    if args.model is not None and not os.path.isdir(args.model):
+        parser.error(f"MODEL_DIR {args.model!r} is not a directory holding a transformers model (config.json, "
+                     "weights, tokenizer): graphrunner serve loads local models only, or none for the built-in tiny "
+                     "model")
     if args.replan_every < 0:
         parser.error(f"argument --replan-every: must be >= 0 (0: never), got {args.replan_every}")
     if not 0 < args.port < 65536:
@@ -394,10 +391,6 @@ def _importable(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(name) is not None
-
-
-def _run(args: argparse.Namespace) -> int:
-    return serve(args)
 
 
 class ServerProcess:

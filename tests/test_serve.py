@@ -232,3 +232,11 @@ def test_the_serving_sweep_quick_run_writes_its_table(tmp_path, monkeypatch):
         assert result[server]["exit_code"] == 0
     assert sum(lv["replayed_steps"] for lv in result["graphs"]["levels"]) > 0
     assert all(lv["replayed_steps"] == 0 for lv in result["eager"]["levels"])
+
+
+def test_a_model_dir_that_is_not_a_directory_is_a_usage_error(tmp_path, capsys):
+    from graphrunner_tools.cli import main
+
+    assert main(["serve", str(tmp_path / "no-such-model")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no-such-model" in err and "is not a directory" in err

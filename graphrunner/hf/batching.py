@@ -817,12 +817,16 @@ class GraphBatching:
 
     def _background(self, buckets: Dict[str, List[int]], keys: Sequence[Tuple[int, ...]]) -> None:
         """Serve through a new runner over ``keys`` at once, its keys captured on a thread."""
-        self.runner = self._new_runner(buckets, keys)
-        self.runner.capture(background=True)  # puts back what each key's capture writes: no cache reset
+        runner = self._new_runner(buckets, keys)
+        runner.capture(background=True)  # puts back what each key's capture writes: no cache reset
         self._capture_began = time.perf_counter()
-        self.stats.graphs = len(self.runner.keys)
-        self.stats.keys = [tuple(k) for k in self.runner.keys]
-        self.mode = "graph"
+        self._serve_through(runner)
+
+    def _serve_through(self, runner: GraphRunner) -> None:
+        """Every step goes through ``runner`` from now on; its keys in ``stats``."""
+        self.runner, self.mode = runner, "graph"
+        self.stats.graphs = len(runner.keys)
+        self.stats.keys = [tuple(k) for k in runner.keys]
 
     def captured(self) -> int:
         """Keys that replay now (all of :attr:`runner`'s after a blocking capture; during a background
@@ -874,10 +878,9 @@ class GraphBatching:
             return
         if pending.wait_captured(timeout=0) is None:
             return
-        old, self.runner, self._pending = self.runner, pending, None
+        old, self._pending = self.runner, None
+        self._serve_through(pending)
         self.stats.capture_seconds += time.perf_counter() - self._pending_began
-        self.stats.graphs = len(pending.keys)
-        self.stats.keys = [tuple(k) for k in pending.keys]
         self.stats.replans += 1
         if old is not None:
             old.cleanup()
@@ -926,9 +929,7 @@ class GraphBatching:
             cache.cache_tensor.copy_(saved)
             torch.set_rng_state(rng)
         self.stats.capture_seconds += time.perf_counter() - t0
-        self.stats.graphs = len(self.runner.keys)
-        self.stats.keys = [tuple(k) for k in self.runner.keys]
-        self.mode = "graph"
+        self._serve_through(self.runner)
         return self.report
 
     def _equivalence(self) -> None:
