@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import graphrunner as gr
-from graphrunner.channel import FRAME, PAYLOAD, Channel
+from graphrunner.channel import FRAME, HEADER, PAYLOAD, Channel
 from graphrunner.errors import AgreementError
 from mp_util import run_ranks
 
@@ -130,20 +130,24 @@ def test_payloads_of_different_lengths_raise_on_every_rank():
 
 
 def test_negative_control_without_the_header_a_barrier_pairs_with_a_vector_silently():
-    # the same two collectives sent unframed (what the group did before the channel): one element each,
-    # so they pair, and neither rank learns that the other was somewhere else
-    red = _Reduction(2)
-    out = [None, None]
+    """REVIEW item 4: the real channel, its frames' headers blanked on the wire (what the group sent before
+    the channel: values only). The pair that raises on every rank with headers now pairs silently: rank 0's
+    barrier returns, and rank 1 takes its agreement from a barrier."""
+    def blank(send):
+        return lambda frame: send([0] * HEADER + list(frame[HEADER:]))
 
-    def run(r, values):
-        out[r] = red.send(r)(values)
+    def barrier(ch, s):
+        return ch.exchange(s, "barrier", [], "pre_capture", key=8)
 
-    ts = [threading.Thread(target=run, args=(0, [0])), threading.Thread(target=run, args=(1, [7]))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(10)
-    assert out == [[7], [7]]  # rank 0's "barrier" returned, with rank 1's agreement value in it
+    def vector(ch, s):
+        return ch.exchange(s, "all_max_vector", [7], "runner_agree", key=3)
+
+    with_header, _, _ = _ranks(barrier, vector)
+    assert [r[0] for r in with_header] == ["raised", "raised"]
+    assert all(isinstance(r[1], AgreementError) for r in with_header)
+    blanked, red, _ = _ranks(lambda ch, s: barrier(ch, blank(s)), lambda ch, s: vector(ch, blank(s)))
+    assert blanked == [("ok", []), ("ok", [7])]
+    assert all(f[:HEADER] == [0] * HEADER for frames in red.sent for f in frames)  # no header went out
 
 
 # ----------------------------------------------------------------- real ranks (gloo)
