@@ -21,9 +21,12 @@ import copy
 import os
 import warnings
 import weakref
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
+
+if TYPE_CHECKING:
+    from graphrunner.tape import TapePool
 
 __all__ = ["Device", "TapeDevice", "CudaDevice", "get_device"]
 
@@ -37,6 +40,9 @@ class Device:
 
     kind: str = "abstract"
     torch_device: torch.device
+    # the shared pool's bookkeeping, set by the subclasses that have a pool
+    _pool: Any
+    _pool_graphs: list[weakref.ref[Any]]
 
     def synchronize(self) -> None:
         """Block until all work queued on this device has finished."""
@@ -141,8 +147,8 @@ class TapeDevice(Device):
             raise TypeError(f"jit_replay must be True, False or None, got {type(jit_replay).__name__}")
         #: Whether the graphs this device makes replay through a TorchScript trace where they can.
         self.jit_replay: bool = jit_default() if jit_replay is None else jit_replay
-        self._pool = None
-        self._pool_graphs: "list[weakref.ref]" = []  # graphs captured into the current pool
+        self._pool: TapePool | None = None
+        self._pool_graphs = []  # graphs captured into the current pool
 
     def synchronize(self) -> None:
         """Wait for queued work (CUDA tensors; CPU work is synchronous) and for every tape
@@ -359,10 +365,10 @@ class CudaDevice(Device):
         self.cuda_device = torch.device("cuda", index)
         standin = getattr(torch.cuda, "_graphrunner_standin", None)
         self.torch_device = standin.tensor_device if standin is not None else self.cuda_device
-        self._pool = None
-        self._pool_graphs: "list[weakref.ref]" = []  # graphs captured into the current pool
+        self._pool: torch.cuda._POOL_HANDLE | None = None
+        self._pool_graphs = []  # graphs captured into the current pool
         self._pool_begun = False  # a capture began in the current pool: the allocator registered it
-        self._stream = None
+        self._stream: torch.cuda.Stream | None = None
         self._empty_graphs: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 
     def __repr__(self) -> str:

@@ -131,7 +131,8 @@ class CaptureReport:
     def graph_pool_bytes(self) -> Optional[int]:
         """The graphs' pool: the sum of the keys' ``graph_pool_bytes`` (``None`` if not measured)."""
         sizes = [b.graph_pool_bytes for b in self.buckets]
-        return None if any(s is None for s in sizes) else sum(sizes)
+        measured = [s for s in sizes if s is not None]
+        return None if len(measured) < len(sizes) else sum(measured)
 
     @property
     def total_bytes_held(self) -> int:
@@ -293,6 +294,9 @@ class RunnerStats:
         self.real_rows += real
         self.last_bucket = bucket
         if bucket is None:
+            if reason is None:
+                raise ValueError("RunnerStats.count: a fallback (bucket=None) is counted under its reason; "
+                                 "pass reason= (e.g. 'over_max_bucket')")
             self.fallbacks += 1
             self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + 1
         else:

@@ -586,8 +586,8 @@ def check_capture_order(trace: Trace, warmups: Optional[int] = None) -> List[str
     violations: List[str] = []
 
     # No synchronize or barrier inside a replay.
-    for e, r in _enclosed(events, EventKind.REPLAY, (EventKind.SYNCHRONIZE, EventKind.BARRIER)):
-        violations.append(f"rank {r.rank} key {r.key!r}: {e.kind} inside replay")
+    for e, span in _enclosed(events, EventKind.REPLAY, (EventKind.SYNCHRONIZE, EventKind.BARRIER)):
+        violations.append(f"rank {span.rank} key {span.key!r}: {e.kind} inside replay")
 
     # Inside a capture forward only the barriers before eager breaks belong;
     # any other protocol step there is a violation of its own.
@@ -606,8 +606,8 @@ def check_capture_order(trace: Trace, warmups: Optional[int] = None) -> List[str
                 groups.setdefault((e.rank, repr(e.key)), []).append(e)
 
     # last warmup activity and construction begin, per (key, rank), per episode index
-    last_activity: Dict[Any, Dict[int, List[int]]] = {}
-    construct: Dict[Any, Dict[int, List[int]]] = {}
+    last_activity: Dict[Any, Dict[int, List[Optional[int]]]] = {}
+    construct: Dict[Any, Dict[int, List[Optional[int]]]] = {}
     for (rank, key), evs in sorted(groups.items(), key=lambda kv: (kv[0][0], repr(kv[0][1]))):
         eps = _episodes(evs)
         for n, ep in enumerate(eps):
@@ -625,15 +625,16 @@ def check_capture_order(trace: Trace, warmups: Optional[int] = None) -> List[str
             if missing:
                 violations.append(f"key {key!r}: captured on ranks {sorted(per_rank)} but not on ranks {missing}")
             for r, cons_list in per_rank.items():
-                for n, c in enumerate(cons_list):
-                    if c is None:
+                for n, begin in enumerate(cons_list):
+                    if begin is None:
                         continue
                     for other, acts in last_activity.get(key, {}).items():
-                        if other == r or n >= len(acts) or acts[n] is None:
+                        act_end = acts[n] if n < len(acts) else None
+                        if other == r or act_end is None:
                             continue
-                        if c < acts[n]:
+                        if begin < act_end:
                             violations.append(
-                                f"key {key!r}: rank {r} began graph construction {(acts[n] - c) / 1e6:.3f} ms before "
+                                f"key {key!r}: rank {r} began graph construction {(act_end - begin) / 1e6:.3f} ms before "
                                 f"rank {other} finished its last warmup/hook (missing or broken final barrier)"
                             )
     return violations
