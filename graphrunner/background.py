@@ -295,7 +295,7 @@ def start_background(server: Any, run: Any, backend: Any, gate: Any = None) -> N
     from graphrunner.layout import user_error
     from graphrunner.tape.rng import shared_generators
 
-    begun = []
+    begun: list[bool] = []
     executes = isinstance(getattr(backend, "device", None), TapeDevice)  # a tape capture computes; a CUDA capture only records
     staging = server.inputs
 

@@ -59,7 +59,8 @@ def _bind_error(f: Callable, params: "list[inspect.Parameter] | None" = None) ->
         sig = inspect.signature(f)
     except (TypeError, ValueError):
         return None
-    args, kwargs = [], {}
+    args: list[None] = []
+    kwargs: dict[str, None] = {}
     for p in params or ():
         if p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
@@ -214,7 +215,8 @@ class BreakableGraph:
         """Aten ops recorded over all segments when every segment is a tape
         graph (:attr:`TapeGraph.num_ops`), else ``None`` (CUDA graphs do not count them)."""
         counts = [getattr(g, "num_ops", None) for g in self._graphs]
-        return None if any(c is None for c in counts) else sum(counts)
+        known = [c for c in counts if c is not None]
+        return None if len(known) < len(counts) else sum(known)
 
     @property
     def captured(self) -> bool:
@@ -260,7 +262,7 @@ class _Capture:
 
     def __init__(self, graph: BreakableGraph, stream, capture_error_mode: str, barrier_fn) -> None:
         self.graph, self.stream, self.mode, self.barrier_fn = graph, stream, capture_error_mode, barrier_fn
-        self.segment = None  # (graph, context) while a segment is being captured
+        self.segment: tuple[Any, Any] | None = None  # (graph, context) while a segment is being captured
 
     def open_segment(self) -> None:
         g = self.graph.device.new_graph()
@@ -273,6 +275,9 @@ class _Capture:
         self.segment = (g, ctx)
 
     def close_segment(self, exc_info=(None, None, None)) -> None:
+        if self.segment is None:
+            raise CaptureError("breakable_graph: no segment is open to end (the capture's segments and eager "
+                               "breaks went out of step); reset the graph and capture again")
         g, ctx = self.segment
         self.segment = None
         ctx.__exit__(*exc_info)
@@ -417,7 +422,7 @@ def no_graph(fn: Callable | None = None, *, enable: bool = True,
             return fn(*args, **kwargs)
         return state.eager_break(fn, capture_stub, args, kwargs)
 
-    wrapper.__graphrunner_no_graph__ = True
+    setattr(wrapper, "__graphrunner_no_graph__", True)  # a marker on the function object
     return wrapper
 
 
