@@ -73,10 +73,13 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+if TYPE_CHECKING:
+    from graphrunner.tape import TapeGraph
 
 __all__ = ["CudaStandin", "check_signatures", "installed_standin", "ENV_VAR", "EMPTY_GRAPH_WARNING",
            "CAPTURE_UNSUPPORTED", "CAPTURE_INVALIDATED"]
@@ -120,8 +123,9 @@ def _bound(real: Callable, method: bool = False) -> Callable[[Callable], Callabl
     sig = inspect.signature(real)
 
     def deco(impl: Callable) -> Callable:
+        wrapper: Callable[..., Any]
         if method:
-            def wrapper(self, *args, **kwargs):
+            def method_wrapper(self, *args, **kwargs):
                 ba = sig.bind(self, *args, **kwargs)
                 ba.apply_defaults()
                 a = dict(ba.arguments)
@@ -131,8 +135,9 @@ def _bound(real: Callable, method: bool = False) -> Callable[[Callable], Callabl
                     if p.kind is p.VAR_KEYWORD:
                         extra = a.pop(p.name, {})
                 return impl(self, **a, **extra)
+            wrapper = method_wrapper
         else:
-            def wrapper(*args, **kwargs):
+            def function_wrapper(*args, **kwargs):
                 ba = sig.bind(*args, **kwargs)
                 ba.apply_defaults()
                 a = dict(ba.arguments)
@@ -141,6 +146,7 @@ def _bound(real: Callable, method: bool = False) -> Callable[[Callable], Callabl
                     if p.kind is p.VAR_KEYWORD:
                         extra = a.pop(p.name, {})
                 return impl(**a, **extra)
+            wrapper = function_wrapper
         wrapper.__signature__ = sig  # type: ignore[attr-defined]
         wrapper.__name__ = impl.__name__
         wrapper.__qualname__ = impl.__qualname__
@@ -337,7 +343,7 @@ class CudaStandin:
         self._saved: Dict[str, Any] = {}
         #: Every rule violation and notable call, in order: ``(kind, detail)`` (for tests).
         self.log: List[Tuple[str, str]] = []
-        self._defaults = {}
+        self._defaults: Dict[int, _StandinStream] = {}
         self._build()
 
     # ------------------------------------------------------------------ device state
@@ -363,7 +369,7 @@ class CudaStandin:
 
     def capturing_graphs(self, index: Optional[int] = None) -> List[Any]:
         """The stand-in graphs whose capture is underway (on device ``index``, default all)."""
-        out = []
+        out: List[Any] = []
         for i, a in enumerate(self.allocators):
             if index is None or i == index:
                 out.extend(g for _, g in a.captures_underway if getattr(g, "_capturing", False))
@@ -519,6 +525,20 @@ class CudaStandin:
         class CUDAGraph:
             """Stand-in ``torch.cuda.CUDAGraph``: CUDAGraph.cpp's state machine around a tape."""
 
+            # set in __new__ (bound to the real __new__'s signature)
+            _keep_graph: bool
+            _tape: TapeGraph
+            _capture_stream: _StandinStream
+            _capture_dev: Optional[int]  # the device the capture began on (None before one began)
+            _mempool_id: Tuple[int, int]
+            _capture_id: int
+            _capture_ended: bool
+            _has_graph: bool
+            _has_graph_exec: bool
+            _capturing: bool
+            _invalidated: Optional[str]
+            _guard: Optional[_CollectiveGuard]
+
             def __new__(cls, *args, **kwargs):
                 ba = inspect.signature(R["CUDAGraph"].__new__).bind(cls, *args, **kwargs)
                 ba.apply_defaults()
@@ -535,7 +555,7 @@ class CudaStandin:
                 self._has_graph = False
                 self._has_graph_exec = False
                 self._capturing = False
-                self._invalidated: Optional[str] = None
+                self._invalidated = None
                 self._guard = None
                 return self
 
@@ -545,6 +565,13 @@ class CudaStandin:
             def _invalidate(self, why: str) -> None:
                 if self._invalidated is None:
                     self._invalidated = why
+
+            def _allocator(self) -> _Allocator:
+                """The caching allocator of the device this graph's capture began on."""
+                if self._capture_dev is None:
+                    raise RuntimeError("stand-in CUDAGraph: no capture began on this graph, so it has no device"
+                                       + _NOTE.format("internal state"))
+                return standin.allocators[self._capture_dev]
 
             @_bound(R["CUDAGraph"].capture_begin, method=True)
             def capture_begin(self, pool=None, capture_error_mode="global", check_input_liveness=False):
@@ -623,7 +650,7 @@ class CudaStandin:
                                        "reported at some other API call, so the stacktrace below might be incorrect."
                                        + _NOTE.format(f"the capture was invalidated ({self._invalidated}); the "
                                                       "caching allocator is left mid-capture"))
-                alloc = standin.allocators[self._capture_dev]
+                alloc = self._allocator()
                 alloc.end_allocate_to_pool(self._mempool_id)
                 self._capture_id = 0
                 try:
@@ -660,7 +687,7 @@ class CudaStandin:
                 if self._capture_id != 0:
                     self._capture_id = 0  # erased from _currently_capturing_graphs; nothing else
                 if self._capture_ended:
-                    standin.allocators[self._capture_dev].release_pool(self._mempool_id)
+                    self._allocator().release_pool(self._mempool_id)
                     self._capture_ended = False
                 self._has_graph = False
                 self._has_graph_exec = False
@@ -682,7 +709,7 @@ class CudaStandin:
                 # ~CUDAGraph() calls reset(): dropping the last reference releases the pool.
                 try:
                     if self._capture_ended:
-                        standin.allocators[self._capture_dev].release_pool(self._mempool_id)
+                        self._allocator().release_pool(self._mempool_id)
                         self._capture_ended = False
                 except Exception:  # noqa: BLE001 - never raise under GC (torch warns)
                     pass
@@ -795,7 +822,7 @@ class CudaStandin:
             # one segment per registered graph pool of every device, sized by its tape arena (the
             # keys torch's snapshot segments carry; no blocks, no traces)
             want = None if mempool_id is None else tuple(mempool_id)
-            segments = []
+            segments: List[Dict[str, Any]] = []
             for index, a in enumerate(standin.allocators):
                 for pid, p in a.graph_pools.items():
                     if want is not None and pid != want:
