@@ -289,14 +289,15 @@ class RunnerStats:
     def count(self, bucket: Any, sizes: Any, rows: Any, reason: Optional[str] = None) -> None:
         """Count one call of real ``sizes`` computed at ``rows`` (a key, or the padded fallback):
         a replay of ``bucket``, or with ``bucket=None`` a fallback for ``reason``."""
+        if bucket is None and reason is None:
+            raise ValueError("RunnerStats.count: a fallback (bucket=None) is counted under its reason; "
+                             "pass reason= (e.g. 'over_max_bucket')")
         real = math.prod(sizes)
         self.padding_rows += math.prod(rows) - real
         self.real_rows += real
         self.last_bucket = bucket
         if bucket is None:
-            if reason is None:
-                raise ValueError("RunnerStats.count: a fallback (bucket=None) is counted under its reason; "
-                                 "pass reason= (e.g. 'over_max_bucket')")
+            assert reason is not None  # checked above, before any counter moved
             self.fallbacks += 1
             self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + 1
         else:

@@ -11,7 +11,7 @@ import torch
 
 import graphrunner as gr
 from graphrunner.budget import MemoryBudget, one_time_imports
-from graphrunner.report import LEGEND, BucketReport, CaptureReport
+from graphrunner.report import LEGEND, BucketReport, CaptureReport, RunnerStats
 
 F32 = 4  # bytes
 
@@ -189,3 +189,16 @@ def test_checks_seconds_is_the_hooks_time_within_the_capture():
     assert want <= info["checks_seconds"] < want + 0.05
     assert info["checks_seconds"] <= info["capture_seconds"]
     assert capture([])["checks_seconds"] == 0.0
+
+
+def test_runner_stats_count_a_fallback_only_under_its_reason():
+    stats = RunnerStats(replays={4: 0})
+    stats.count(None, (9,), (9,), "over_max_bucket")
+    stats.count(4, (3,), (4,))
+    assert (stats.replays, stats.fallbacks, stats.fallback_reasons) == ({4: 1}, 1, {"over_max_bucket": 1})
+    assert (stats.padding_rows, stats.real_rows, stats.calls) == (1, 12, 2)
+    # a fallback without its reason is refused before any counter moves (it would be filed under None)
+    with pytest.raises(ValueError, match="pass reason="):
+        stats.count(None, (2,), (2,))
+    assert (stats.fallbacks, stats.fallback_reasons, stats.real_rows, stats.last_bucket) == (1, {"over_max_bucket": 1},
+                                                                                              12, 4)
