@@ -20,7 +20,7 @@ def add_note(exc: BaseException, note: str) -> BaseException:
     else:
         notes = getattr(exc, "__notes__", None)
         try:
-            exc.__notes__ = [*(notes or []), note]  # type: ignore[attr-defined]
+            exc.__notes__ = [*(notes or []), note]  # type: ignore[attr-defined]  # typeshed has __notes__ from 3.11 only
         except AttributeError:  # an exception type that refuses attributes: no note
             pass
     return exc

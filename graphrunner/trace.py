@@ -387,12 +387,12 @@ class NullTrace(Trace):
     def __bool__(self) -> bool:
         return False
 
-    def record(self, kind: str, key: Any = None, backend: Optional[str] = None, rank: Optional[int] = None, **data: Any) -> None:  # type: ignore[override]
+    def record(self, kind: str, key: Any = None, backend: Optional[str] = None, rank: Optional[int] = None, **data: Any) -> None:  # type: ignore[override]  # records nothing: no Event
         """Do nothing."""
         return None
 
     @contextlib.contextmanager
-    def span(self, kind: str, key: Any = None, backend: Optional[str] = None, rank: Optional[int] = None, **data: Any) -> Iterator[None]:  # type: ignore[override]
+    def span(self, kind: str, key: Any = None, backend: Optional[str] = None, rank: Optional[int] = None, **data: Any) -> Iterator[None]:  # type: ignore[override]  # records nothing: no Event
         """Run the body; record nothing."""
         yield None
 

@@ -147,11 +147,11 @@ def _bound(real: Callable, method: bool = False) -> Callable[[Callable], Callabl
                         extra = a.pop(p.name, {})
                 return impl(**a, **extra)
             wrapper = function_wrapper
-        wrapper.__signature__ = sig  # type: ignore[attr-defined]
+        wrapper.__signature__ = sig  # type: ignore[attr-defined]  # inspect.signature reads a function's __signature__
         wrapper.__name__ = impl.__name__
         wrapper.__qualname__ = impl.__qualname__
         wrapper.__doc__ = impl.__doc__
-        wrapper.__graphrunner_real__ = real  # type: ignore[attr-defined]
+        wrapper.__graphrunner_real__ = real  # type: ignore[attr-defined]  # our marker on the function object
         return wrapper
 
     return deco
@@ -398,7 +398,7 @@ class CudaStandin:
         for name, obj in self._api.items():
             self._saved[name] = getattr(torch.cuda, name)
             setattr(torch.cuda, name, obj)
-        torch.cuda._graphrunner_standin = self  # type: ignore[attr-defined]
+        torch.cuda._graphrunner_standin = self  # type: ignore[attr-defined]  # our marker: not a torch.cuda name
 
     def uninstall(self) -> None:
         """Restore ``torch.cuda``'s own attributes."""
@@ -406,7 +406,7 @@ class CudaStandin:
             setattr(torch.cuda, name, obj)
         self._saved.clear()
         if getattr(torch.cuda, "_graphrunner_standin", None) is self:
-            del torch.cuda._graphrunner_standin  # type: ignore[attr-defined]
+            del torch.cuda._graphrunner_standin  # type: ignore[attr-defined]  # our marker: not a torch.cuda name
 
     @contextlib.contextmanager
     def installed(self) -> Iterator["CudaStandin"]:
@@ -467,7 +467,7 @@ class CudaStandin:
             def query(self):
                 return True
 
-        Stream.__new__.__signature__ = inspect.signature(R["Stream"].__new__)  # type: ignore[attr-defined]
+        Stream.__new__.__signature__ = inspect.signature(R["Stream"].__new__)  # type: ignore[attr-defined]  # for inspect.signature
         Stream.standin = self
         self.Stream = Stream
 
@@ -518,7 +518,7 @@ class CudaStandin:
                                        "capturing stream")
                 return (end_event.t - self.t) * 1000.0
 
-        Event.__new__.__signature__ = inspect.signature(R["Event"].__new__)  # type: ignore[attr-defined]
+        Event.__new__.__signature__ = inspect.signature(R["Event"].__new__)  # type: ignore[attr-defined]  # for inspect.signature
         Event.standin = self
         self.Event = Event
 
@@ -723,7 +723,7 @@ class CudaStandin:
                 state = "captured" if self._capture_ended else ("capturing" if self._capturing else "empty")
                 return f"<torch.cuda.CUDAGraph (standin, {state}, pool={self._mempool_id})>"
 
-        CUDAGraph.__new__.__signature__ = inspect.signature(R["CUDAGraph"].__new__)  # type: ignore[attr-defined]
+        CUDAGraph.__new__.__signature__ = inspect.signature(R["CUDAGraph"].__new__)  # type: ignore[attr-defined]  # for inspect.signature
         self.CUDAGraph = CUDAGraph
 
         @_bound(R["graph_pool_handle"])
@@ -882,7 +882,7 @@ class CudaStandin:
                 standin._local.device = self.prev
                 return False
 
-        device.__init__.__signature__ = inspect.signature(R["device"].__init__)  # type: ignore[attr-defined]
+        device.__init__.__signature__ = inspect.signature(R["device"].__init__)  # type: ignore[attr-defined]  # for inspect.signature
 
         class graph:
             """Stand-in ``torch.cuda.graph`` (the real context manager's steps, on the stand-in)."""
@@ -911,7 +911,7 @@ class CudaStandin:
                 self.cuda_graph.capture_end()
                 self.stream_ctx.__exit__(*args)
 
-        graph.__init__.__signature__ = inspect.signature(R["graph"].__init__)  # type: ignore[attr-defined]
+        graph.__init__.__signature__ = inspect.signature(R["graph"].__init__)  # type: ignore[attr-defined]  # for inspect.signature
 
         self._api: Dict[str, Any] = {
             "CUDAGraph": CUDAGraph, "graph_pool_handle": graph_pool_handle, "Stream": Stream, "Event": Event,
