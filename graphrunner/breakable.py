@@ -422,7 +422,7 @@ def no_graph(fn: Callable | None = None, *, enable: bool = True,
             return fn(*args, **kwargs)
         return state.eager_break(fn, capture_stub, args, kwargs)
 
-    setattr(wrapper, "__graphrunner_no_graph__", True)  # a marker on the function object
+    wrapper.__graphrunner_no_graph__ = True  # type: ignore[attr-defined]  # our marker on the function object
     return wrapper
 
 

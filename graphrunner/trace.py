@@ -606,8 +606,8 @@ def check_capture_order(trace: Trace, warmups: Optional[int] = None) -> List[str
                 groups.setdefault((e.rank, repr(e.key)), []).append(e)
 
     # last warmup activity and construction begin, per (key, rank), per episode index
-    last_activity: Dict[Any, Dict[int, List[Optional[int]]]] = {}
-    construct: Dict[Any, Dict[int, List[Optional[int]]]] = {}
+    last_activity: Dict[Any, Dict[int, List[int | None]]] = {}
+    construct: Dict[Any, Dict[int, List[int | None]]] = {}
     for (rank, key), evs in sorted(groups.items(), key=lambda kv: (kv[0][0], repr(kv[0][1]))):
         eps = _episodes(evs)
         for n, ep in enumerate(eps):

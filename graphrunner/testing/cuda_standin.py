@@ -343,7 +343,7 @@ class CudaStandin:
         self._saved: Dict[str, Any] = {}
         #: Every rule violation and notable call, in order: ``(kind, detail)`` (for tests).
         self.log: List[Tuple[str, str]] = []
-        self._defaults: Dict[int, _StandinStream] = {}
+        self._defaults: dict[int, _StandinStream] = {}
         self._build()
 
     # ------------------------------------------------------------------ device state
@@ -369,7 +369,7 @@ class CudaStandin:
 
     def capturing_graphs(self, index: Optional[int] = None) -> List[Any]:
         """The stand-in graphs whose capture is underway (on device ``index``, default all)."""
-        out: List[Any] = []
+        out: list[Any] = []
         for i, a in enumerate(self.allocators):
             if index is None or i == index:
                 out.extend(g for _, g in a.captures_underway if getattr(g, "_capturing", False))
@@ -529,15 +529,15 @@ class CudaStandin:
             _keep_graph: bool
             _tape: TapeGraph
             _capture_stream: _StandinStream
-            _capture_dev: Optional[int]  # the device the capture began on (None before one began)
-            _mempool_id: Tuple[int, int]
+            _capture_dev: int | None  # the device the capture began on (None before one began)
+            _mempool_id: tuple[int, int]
             _capture_id: int
             _capture_ended: bool
             _has_graph: bool
             _has_graph_exec: bool
             _capturing: bool
-            _invalidated: Optional[str]
-            _guard: Optional[_CollectiveGuard]
+            _invalidated: str | None
+            _guard: _CollectiveGuard | None
 
             def __new__(cls, *args, **kwargs):
                 ba = inspect.signature(R["CUDAGraph"].__new__).bind(cls, *args, **kwargs)
@@ -822,7 +822,7 @@ class CudaStandin:
             # one segment per registered graph pool of every device, sized by its tape arena (the
             # keys torch's snapshot segments carry; no blocks, no traces)
             want = None if mempool_id is None else tuple(mempool_id)
-            segments: List[Dict[str, Any]] = []
+            segments: list[dict[str, Any]] = []
             for index, a in enumerate(standin.allocators):
                 for pid, p in a.graph_pools.items():
                     if want is not None and pid != want:
