@@ -100,6 +100,7 @@ class Server:
         from the next call on, their routes and views prepared now."""
         self.routes.replayable = dict(replayable)
         self.routes.prepare(self.inputs, self.layout)
+        self.inputs.warm()
         self.serving, self.cleaned_up = True, False
 
     def serve_in_background(self, background: Any) -> None:
@@ -113,6 +114,7 @@ class Server:
     def enable(self, keys: List[Sizes]) -> None:
         """Keys a background capture has captured on every rank replay from now on."""
         self.routes.enable(keys, self.inputs, self.layout)
+        self.inputs.warm()
 
     def stop_serving(self) -> None:
         """``cleanup()``: calls raise until the next capture."""
