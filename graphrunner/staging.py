@@ -153,6 +153,9 @@ class StaticInputs:
             torch._foreach_zero_(dst)
             for d, (_, pad) in zip(dst, self._pads):
                 d.fill_(pad)
+        if self._views:  # and the validation, on copies of the smallest key's views (reads shapes only)
+            sizes = min(self._views)
+            self.validate({n: v.clone() for n, v in zip(self.names, self._views[sizes])})
 
     def fits(self, sizes: Sizes) -> bool:
         """True when ``sizes`` fit the buffers (every size at most the dim's largest)."""
