@@ -108,8 +108,8 @@ def measure(name: str, args) -> Dict[str, Any]:
         batch = make(n, gen)
         with torch.inference_mode():
             assert torch.equal(runner(**batch), step(**batch)), f"{name}: graph and eager disagree at batch {n}"
-            variants = {"graph": lambda: runner(**batch), "eager": lambda: step(**batch),
-                        "replay": lambda: runner.backend.replay(n)}
+            variants = {"graph": lambda batch=batch: runner(**batch), "eager": lambda batch=batch: step(**batch),
+                        "replay": lambda n=n: runner.backend.replay(n)}
             for fn in variants.values():  # warm
                 _per_call(fn, max(3, calls // 10))
             cpu: Dict[str, List[float]] = {k: [] for k in variants}

@@ -146,7 +146,9 @@ class StaticInputs:
         call of each in a process costs tens of microseconds (torch looks the operator and its
         kernel up lazily)."""
         with torch.inference_mode(False), torch.no_grad():
-            dst = [torch.empty_like(buf[:1]) for buf, _ in self._pads]
+            # views, as the call's destinations are (a copy into a view takes another path in torch,
+            # whose first use costs ~10 us more)
+            dst = [torch.empty_like(buf[:1])[:1] for buf, _ in self._pads]
             src = [torch.zeros_like(d) for d in dst]
             torch._foreach_copy_(dst, src)
             dst[0].copy_(src[0])
