@@ -70,3 +70,23 @@ def test_serving_warms_the_copies_without_writing_the_static_buffers():
     for n in (3, 1, 4, 2):
         x, y = torch.randn(n, 8), torch.randn(n, 8)
         assert torch.equal(runner(x=x, y=y), x * w + y)
+
+
+def test_negative_control_a_replay_that_leaves_the_flag_off_is_caught(monkeypatch):
+    from graphrunner.tape import jit
+
+    model, x = _mlp(), torch.randn(4, 32)
+    g = TapeGraph(jit_replay=True)
+    get, put = torch._C._get_graph_executor_optimize, torch._C._set_graph_executor_optimize
+    before = get()
+    with torch.inference_mode():
+        with tape_graph(g):
+            out = model(x)
+        assert g.replay_engine == "jit" and out is not None
+        monkeypatch.setattr(jit, "_set_optimize", lambda flag: put(False))  # never puts it back
+        try:
+            put(True)
+            g.replay()
+            assert get() is False  # what the first test's check catches
+        finally:
+            put(before)
