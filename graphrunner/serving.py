@@ -36,6 +36,8 @@ logger = logging.getLogger("graphrunner")
 
 Sizes = Tuple[int, ...]
 
+_get_ident = threading.get_ident
+
 
 class Server:
     """The serving state and call path of one runner.
@@ -100,6 +102,7 @@ class Server:
         from the next call on, their routes and views prepared now."""
         self.routes.replayable = dict(replayable)
         self.routes.prepare(self.inputs, self.layout)
+        self.inputs.warm()
         self.serving, self.cleaned_up = True, False
 
     def serve_in_background(self, background: Any) -> None:
@@ -113,6 +116,7 @@ class Server:
     def enable(self, keys: List[Sizes]) -> None:
         """Keys a background capture has captured on every rank replay from now on."""
         self.routes.enable(keys, self.inputs, self.layout)
+        self.inputs.warm()
 
     def stop_serving(self) -> None:
         """``cleanup()``: calls raise until the next capture."""
@@ -138,7 +142,7 @@ class Server:
         lock, owner = self.owner.lock, self.owner
         if not lock.acquire(blocking=False):
             owner.refuse("run()")
-        owner.thread = threading.get_ident()
+        owner.thread = _get_ident()
         try:
             if not self.serving:
                 raise CaptureError("GraphRunner called after cleanup(): its graphs were released; call runner."
@@ -155,7 +159,12 @@ class Server:
                 self._agree(staging.zero, step, invalid=True)
                 raise
             copy_outputs = self.copy_outputs if copy_outputs is None else copy_outputs
-            rows = self._agree(sizes, step)
+            try:  # _agree's valid case, in this frame
+                rows = self.agreement.agree(sizes, self.calls, step)
+            except AgreementError as exc:
+                if exc.collectives is not None:
+                    self.calls -= 1
+                raise
             if self.background is not None:
                 from graphrunner.background import settle_background
 

@@ -139,6 +139,26 @@ class StaticInputs:
         if self._rows_only and sizes[0] not in self._shapes:
             self._shapes[sizes[0]] = tuple(torch.Size((sizes[0], *s.trailing)) for s in self.specs.values())
 
+    def warm(self) -> None:
+        """Make the first call's copies cost what later ones do: run what :meth:`stage` and
+        :meth:`pad_to` run (``torch._foreach_copy_``, ``copy_``, ``torch._foreach_zero_``, ``fill_``)
+        once on scratch rows shaped like one row of each buffer, never on the buffers. The first
+        call of each in a process costs tens of microseconds (torch looks the operator and its
+        kernel up lazily)."""
+        with torch.inference_mode(False), torch.no_grad():
+            # views, as the call's destinations are (a copy into a view takes another path in torch,
+            # whose first use costs ~10 us more)
+            dst = [torch.empty_like(buf[:1])[:1] for buf, _ in self._pads]
+            src = [torch.zeros_like(d) for d in dst]
+            torch._foreach_copy_(dst, src)
+            dst[0].copy_(src[0])
+            torch._foreach_zero_(dst)
+            for d, (_, pad) in zip(dst, self._pads):
+                d.fill_(pad)
+        if self._views:  # and the validation, on copies of the smallest key's views (reads shapes only)
+            sizes = min(self._views)
+            self.validate({n: v.clone() for n, v in zip(self.names, self._views[sizes])})
+
     def fits(self, sizes: Sizes) -> bool:
         """True when ``sizes`` fit the buffers (every size at most the dim's largest)."""
         return all(n <= m for n, m in zip(sizes, self.maxes))

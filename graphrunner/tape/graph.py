@@ -38,6 +38,11 @@ from .survivors import (_SURVIVORS, EscapedTensorWarning, _Poisoned, _resolve_po
                         forget_poisoned, poison_survivors, unpoison, warn_stashed)
 from .unsafe import _Guard
 
+# the replay's C entry points, bound once (one attribute lookup less each per replay)
+_InferenceMode = torch._C._InferenceMode
+_is_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
+
 logger = logging.getLogger("graphrunner")
 
 #: The warning ``capture_end()`` gives when no aten op ran during the capture
@@ -305,14 +310,31 @@ class TapeGraph:
                 raise CaptureError("cannot replay a TapeGraph while it is capturing; call capture_end() first")
             raise CaptureError("cannot replay an empty TapeGraph: capture something first")
         pool = self._pool
-        if not pool._replay_lock.acquire(False):
+        lock = pool._replay_lock
+        if not lock.acquire(False):
             self._concurrent(pool)
         pool._replaying = self._self_ref
         try:
-            self._run(fn)
+            if self._versioned or self._poisoned:
+                self._run(fn)
+            elif self._inference:  # the common case, what _run does in one frame (its checks do nothing here)
+                with _NO_TORCH_FUNCTION():
+                    guard = _InferenceMode(True)
+                    try:
+                        fn()
+                    finally:
+                        del guard
+            else:
+                with _NO_TORCH_FUNCTION():
+                    prev = _is_grad_enabled()
+                    _set_grad_enabled(False)
+                    try:
+                        fn()
+                    finally:
+                        _set_grad_enabled(prev)
         finally:
             pool._replaying = None
-            pool._replay_lock.release()
+            lock.release()
 
     def _concurrent(self, pool) -> None:
         """The pool's replay lock is taken: by the capture end of another of
