@@ -50,6 +50,7 @@ from graphrunner.backends.outputs import OutputBuffer, tensor_bytes, unflatten
 from graphrunner.errors import AgreementError, CaptureError, RankFailedError, RanksDisagreeError, RankTimeoutError
 from graphrunner.group import LocalGroup
 from graphrunner.recording.hooks import Capture, CaptureHook, provided_check
+from graphrunner.tape.state import reuse_snapshot_buffers
 from graphrunner.trace import EventKind, Trace, as_trace
 
 __all__ = ["GraphBackend"]
@@ -195,7 +196,10 @@ class GraphBackend:
         ``session_begin`` event. On exit, also on an exception:
         ``gc.unfreeze()`` (skipped if the caller had frozen objects itself
         before the session, so an engine's own ``gc.freeze()`` stays) and
-        ``session_end``. Sessions do not nest.
+        ``session_end``. Sessions do not nest. Within a session the tape's
+        snapshots of the storages a capture writes (to put them back) reuse
+        the buffers of earlier captures' snapshots
+        (:func:`graphrunner.tape.state.reuse_snapshot_buffers`), dropped at exit.
         """
         if self._in_session:
             raise CaptureError(f"{type(self).__name__}.capture_session() is already active; sessions do not nest")
@@ -208,7 +212,8 @@ class GraphBackend:
         self._in_session = True
         self.trace.record(EventKind.SESSION_BEGIN, backend=self.name)
         try:
-            yield self
+            with reuse_snapshot_buffers():
+                yield self
         finally:
             self._in_session = False
             if not caller_froze:

@@ -939,6 +939,8 @@ class GraphBatching:
         gen = torch.Generator().manual_seed(0x6B76)
         by_dim = {d: sorted({k[i] for k in runner.keys}) for i, d in enumerate(self.dims)}
         checked = 0
+        # every comparison starts from the cache as it is now and puts it back: one copy serves them all
+        saved = self.batch_processor.cache.cache_tensor.clone()
         for key in sorted(runner.keys, key=lambda k: tuple(k)):
             small = []
             for i, d in enumerate(self.dims):
@@ -950,7 +952,7 @@ class GraphBatching:
                 if made is None:
                     continue
                 feeds, plan = made
-                diff, scale, landed = self._compare_once(feeds, self._follow_up(plan, gen))
+                diff, scale, landed = self._compare_once(feeds, self._follow_up(plan, gen), saved)
                 if landed != tuple(key):
                     continue
                 checked += 1
@@ -965,16 +967,15 @@ class GraphBatching:
                 break
         self.stats.equivalence_checked = checked
 
-    def _compare_once(self, feeds: Dict[str, torch.Tensor], follow: Dict[str, torch.Tensor]
-                      ) -> Tuple[float, float, Any]:
-        """Two call sequences from the same cache: ``feeds`` replayed (padded to their key) then ``follow``
-        run eagerly, against both run eagerly without padding; the cache put back after each.
-        ``(max abs diff over both calls, scale, key replayed)``: the second call sees what the padding
-        tokens of the first wrote."""
+    def _compare_once(self, feeds: Dict[str, torch.Tensor], follow: Dict[str, torch.Tensor],
+                      saved: torch.Tensor) -> Tuple[float, float, Any]:
+        """Two call sequences from the same cache, ``saved`` (what the cache holds now): ``feeds`` replayed
+        (padded to their key) then ``follow`` run eagerly, against both run eagerly without padding; the
+        cache put back to ``saved`` after each. ``(max abs diff over both calls, scale, key replayed)``: the
+        second call sees what the padding tokens of the first wrote."""
         runner = self.runner
         real = {k: v.clone() for k, v in feeds.items()}
         cache = self.batch_processor.cache.cache_tensor
-        saved = cache.clone()
         try:
             got = [runner(**feeds).clone()]
             landed = runner.stats.last_bucket

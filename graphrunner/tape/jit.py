@@ -55,7 +55,7 @@ from typing import Any, Callable
 
 import torch
 
-from .state import storage_bytes
+from .state import release_snapshot, snapshot_copy, storage_bytes
 
 logger = logging.getLogger("graphrunner.tape")
 
@@ -256,7 +256,7 @@ def _snapshot(tensors: list[torch.Tensor]) -> list:
             continue
         seen.add(st.data_ptr())
         with torch.inference_mode():
-            out.append((st, storage_bytes(st).clone()))
+            out.append((st, snapshot_copy(storage_bytes(st))))
     return out
 
 
@@ -264,3 +264,4 @@ def _restore(saved: list) -> None:
     with torch.inference_mode():
         for st, copy in saved:
             storage_bytes(st).copy_(copy)
+            release_snapshot(copy)

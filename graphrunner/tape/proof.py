@@ -40,6 +40,7 @@ than in eager (it folds a batch into ``mm`` for a weight that requires grad).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 import time
 from typing import Any, Callable, Iterable
@@ -96,6 +97,36 @@ class _Stats(threading.local):
 stats = _Stats()
 
 
+def _load_memcmp():
+    try:
+        fn = ctypes.CDLL(None).memcmp
+    except (OSError, AttributeError, TypeError):  # no C library to load by name (Windows): torch.equal
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MEMCMP = _load_memcmp()
+_MEMCMP_MIN_BYTES = 4096  # below, torch.equal costs what memcmp does
+
+
+def equal_ints(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal(a, b)`` for tensors of one integer dtype (bitwise equality): on CPU, for two
+    contiguous tensors of the same shape and dtype, a ``memcmp`` of their bytes (3-9x faster than
+    ``torch.equal``'s element loop on large tensors; the capture compares every op's results
+    this way); otherwise ``torch.equal`` itself."""
+    if (_MEMCMP is not None and a.dtype == b.dtype and not a.dtype.is_floating_point and not a.is_complex()
+            and a.dtype != torch.bool and a.device.type == "cpu" and b.device.type == "cpu"
+            and a.shape == b.shape and a.layout == torch.strided and b.layout == torch.strided
+            and not (a.is_neg() or b.is_neg() or a.is_conj() or b.is_conj())
+            and a.is_contiguous() and b.is_contiguous()):
+        n = a.numel() * a.element_size()
+        if n >= _MEMCMP_MIN_BYTES:
+            return _MEMCMP(a.data_ptr(), b.data_ptr(), n) == 0
+    return torch.equal(a, b)
+
+
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality (NaNs with the same payload equal, -0.0 != 0.0)."""
     if a.dtype != b.dtype or a.shape != b.shape:
@@ -107,7 +138,7 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
         if it is None:
             return False
         a, b = a.view(it), b.view(it)
-    return torch.equal(a, b)
+    return equal_ints(a, b)
 
 
 def _key(t: torch.Tensor):
@@ -300,7 +331,7 @@ def _prove(ref, test, inputs: list, outputs: list, seen: dict, capture: bool) ->
         for k in outs:
             a = torch.empty(0, dtype=torch.uint8, device=written[0][k].device).set_(written[0][k])
             b = torch.empty(0, dtype=torch.uint8, device=written[1][k].device).set_(written[1][k])
-            if not torch.equal(a, b):
+            if not equal_ints(a, b):
                 return False
     return True
 

@@ -26,7 +26,7 @@ from .bindings import _Verifier
 from .collapse import COLLAPSIBLE, COLLAPSIBLE_FUNCTIONAL
 from .proof import eager_tls, stats as proof_stats
 from .rng import _op_generator, redirected, stand_in_op
-from .state import _storage, storage_bytes
+from .state import _storage, snapshot_copy, release_snapshot, storage_bytes
 from .streams import CLOCKS, current_stream
 from .survivors import _POISONED, _SURVIVORS, EscapedTensorWarning, _Poisoned
 from .unsafe import _check_safe, _user_frame
@@ -223,7 +223,7 @@ class _Capture:
         # nothing, so the external must look untouched after capture_end.
         with torch.inference_mode():
             b = storage_bytes(st)
-            self.snapshots[k] = (st, b.clone())
+            self.snapshots[k] = (st, snapshot_copy(b))
         ent = _SURVIVORS.get(k)
         if ent is not None and ent[0]() is st:
             g = ent[1]()
@@ -269,6 +269,7 @@ class _Capture:
         with torch.inference_mode():
             for st, snap in self.snapshots.values():
                 storage_bytes(st).copy_(snap)
+                release_snapshot(snap)
         self.snapshots.clear()
 
 

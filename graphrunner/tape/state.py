@@ -6,13 +6,17 @@ capture, at most one per thread, changed only under ``_ACTIVE_LOCK``),
 ``_storage`` (a tensor's untyped storage, or None), the key every other tape
 module uses to tell tensors' memory apart, and :func:`alias_of` (a new tensor
 object on the same memory, so holding memory need not hold a user's object)
-with ``_OURS``, the registry of such tensors the tape holds.  Imports nothing from the package.
+with ``_OURS``, the registry of such tensors the tape holds, and the
+snapshot buffers reused within a capture session (:func:`reuse_snapshot_buffers`).
+Imports nothing from the package.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
+from typing import Iterator
 
 import torch
 
@@ -50,6 +54,62 @@ def storage_bytes(st) -> torch.Tensor:
     a copy: ``.clone()`` it to snapshot, ``.copy_(snap)`` into it to restore).
     Call it under ``torch.inference_mode()`` as the tape's snapshots do."""
     return torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)
+
+
+# Snapshot buffers reused within a capture session (reuse_snapshot_buffers):
+# (numel, device) -> byte copies no snapshot holds any more.  A fresh copy of
+# a large storage (a paged KV cache) costs its allocation's page faults, 3-5x
+# the copy itself; inside a session every capture snapshots the same storages.
+_BUF_LOCK = threading.Lock()
+_BUF_FREE: "dict[tuple, list[torch.Tensor]]" = {}
+_BUF_DEPTH = 0
+_BUF_MIN_BYTES = 1 << 20  # smaller copies are cheap to allocate
+_BUF_PER_SIZE = 4
+
+
+@contextlib.contextmanager
+def reuse_snapshot_buffers() -> Iterator[None]:
+    """Within: the byte copies the tape takes to put storages back (the
+    externals a capture writes, the storages :meth:`JitReplay.prepare
+    <graphrunner.tape.jit.JitReplay.prepare>` writes) are copied into buffers
+    a restore gave back earlier instead of fresh allocations.  What is copied
+    and put back is unchanged: only where the copy lives.  A backend's
+    ``capture_session()`` enters it; the buffers are dropped when the
+    outermost one exits."""
+    global _BUF_DEPTH
+    with _BUF_LOCK:
+        _BUF_DEPTH += 1
+    try:
+        yield
+    finally:
+        with _BUF_LOCK:
+            _BUF_DEPTH -= 1
+            if _BUF_DEPTH == 0:
+                _BUF_FREE.clear()
+
+
+def snapshot_copy(b: torch.Tensor) -> torch.Tensor:
+    """A copy of the byte view ``b`` (:func:`storage_bytes`), in a reused
+    buffer inside :func:`reuse_snapshot_buffers`.  Call it under
+    ``torch.inference_mode()``; give the copy back with
+    :func:`release_snapshot` once nothing reads it."""
+    if _BUF_DEPTH and b.numel() >= _BUF_MIN_BYTES:
+        with _BUF_LOCK:
+            free = _BUF_FREE.get((b.numel(), b.device))
+            buf = free.pop() if free else None
+        if buf is not None:
+            return buf.copy_(b)
+    return b.clone()
+
+
+def release_snapshot(buf: torch.Tensor) -> None:
+    """Give back a copy from :func:`snapshot_copy` that nothing reads any more."""
+    if _BUF_DEPTH and buf.numel() >= _BUF_MIN_BYTES:
+        with _BUF_LOCK:
+            if _BUF_DEPTH:
+                free = _BUF_FREE.setdefault((buf.numel(), buf.device), [])
+                if len(free) < _BUF_PER_SIZE:
+                    free.append(buf)
 
 
 # Tensors the tape itself holds on some storage: id(storage) -> WeakSet of them.
