@@ -592,8 +592,7 @@ def _mask_case(gen, n_req=5, window=3, pad_tok=3, pad_key=7):
     pos += [0] * pad_tok
     key_req += [batching.KEY_PAD_REQUEST] * pad_key
     key_pos += [0] * pad_key
-    t = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
-    return t(tok_req), t(pos), t(key_req), t(key_pos)
+    return tuple(torch.tensor(v, dtype=torch.int32) for v in (tok_req, pos, key_req, key_pos))
 
 
 def _reference_mask(tok_req, pos, key_req, key_pos, window, own=True):
