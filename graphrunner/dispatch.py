@@ -1,7 +1,7 @@
 """The dispatcher: the one place that says what a call of given sizes does.
 
 :class:`Routes` maps the agreed sizes of a call to a route, computed once
-and cached: the key that serves them (:meth:`graphrunner.keys.KeySpace.choose`),
+and cached (per key, and per sizes up to a bound): the key that serves them (:meth:`graphrunner.keys.KeySpace.choose`),
 whether every rank can replay it, and the backend's replay function and
 static outputs for it (:meth:`graphrunner.backends.base.GraphBackend.replayer`),
 or the reason to fall back. The runner's call path is then one dict lookup.
@@ -20,7 +20,7 @@ import math
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from graphrunner.backends.base import GraphBackend
-from graphrunner.keys import CANNOT
+from graphrunner.keys import _MEMO_LIMIT, CANNOT
 from graphrunner.layout import FreshOutputs
 
 __all__ = ["Route", "Routes", "IDLE", "CAPTURING"]
@@ -65,6 +65,8 @@ class Routes:
         self.pending: set = set()
         self.layout: Any = None  # the runner's OutputLayout, from prepare()
         self._routes: Dict[Sizes, Route] = {}
+        #: The replaying route of each key: the sizes a key serves share one (varlen sizes rarely repeat).
+        self._by_key: Dict[Sizes, Route] = {}
         #: The route of ``rows`` if already known, else ``None`` (the hot path's one lookup).
         self.get = self._routes.get
 
@@ -87,6 +89,7 @@ class Routes:
             self.replayable[k] = bool(self.backend.can_run(self.space.external(k)))
             staging.prepare(k)
         self._routes.clear()
+        self._by_key.clear()
         for k in keys:
             route = self.route(k)
             if route.key is not None:
@@ -105,6 +108,8 @@ class Routes:
                 route = Route(None, outputs=route.outputs, run=run, reason=IDLE)
         else:
             route = self._route(rows)
+        if len(self._routes) >= _MEMO_LIMIT:  # bounded: a miss costs a bisect per dim and two lookups
+            self._routes.clear()
         self._routes[rows] = route
         return route
 
@@ -114,6 +119,14 @@ class Routes:
             return Route(None, run=key, reason=CAPTURING)
         if key is None or not self.replayable.get(key, False):
             return Route(None, run=rows, reason=reason or CANNOT)
+        hit = self._by_key.get(key)
+        if hit is not None:
+            return hit
+        self._by_key[key] = route = self._make(key)
+        return route
+
+    def _make(self, key: Sizes) -> Route:
+        """The replaying :class:`Route` of captured, replayable ``key``."""
         ext = self.space.external(key)
         if isinstance(self.backend, GraphBackend):
             replay, outputs = self.backend.replayer(ext)

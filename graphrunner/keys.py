@@ -13,6 +13,7 @@ which key a call replays and :func:`agree` what every rank agreed on.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
@@ -83,6 +84,10 @@ class KeySpace:
         #: The largest key (it covers every other key): the static buffers' leading shape.
         self.maxes: Sizes = self.keys[-1]
         self._memo: Dict[Sizes, Tuple[Optional[Sizes], Optional[str]]] = {}
+        #: The choice per tuple of per-dim buckets (:meth:`bucket_of`): without a padding ratio every
+        #: size a dim's bucket covers is served by the same key, so varlen sizes share one entry.
+        self._by_bucket: Dict[Sizes, Tuple[Optional[Sizes], Optional[str]]] = {}
+        self._lists = tuple(self.buckets[d] for d in self.dims)
 
     def _validate_keys(self, keys: Any) -> List[Sizes]:
         if isinstance(keys, (str, bytes)) or not hasattr(keys, "__iter__"):
@@ -144,8 +149,30 @@ class KeySpace:
         ``"padding_ratio"`` (every covering key pads some dim too much)."""
         hit = self._memo.get(sizes)
         if hit is None:
-            hit = self._memo[sizes] = self._choose(sizes)
+            if self.max_padding_ratio is None:
+                # the keys covering ``sizes`` are those covering its per-dim buckets (every key holds a
+                # bucket per dim): a bisect per dim and one lookup, not a scan of the keys
+                b = self.bucket_of(sizes)
+                hit = (None, OVER_MAX) if b is None else self._by_bucket.get(b)
+                if hit is None:
+                    hit = self._by_bucket[b] = self._choose(b)
+            else:
+                hit = self._choose(sizes)
+            if len(self._memo) >= _MEMO_LIMIT:  # varlen sizes rarely repeat: keep the memo bounded
+                self._memo.clear()
+            self._memo[sizes] = hit
         return hit
+
+    def bucket_of(self, sizes: Sizes) -> Optional[Sizes]:
+        """The smallest bucket of each dim that covers ``sizes`` (a tuple in :attr:`dims` order), or
+        ``None`` when some size exceeds its dim's largest bucket."""
+        out = []
+        for bl, n in zip(self._lists, sizes):
+            i = bisect.bisect_left(bl, n)
+            if i == len(bl):
+                return None
+            out.append(bl[i])
+        return tuple(out)
 
     def serving_sizes(self, sizes: Sizes) -> Sizes:
         """The sizes a call of (agreed) ``sizes`` runs at: ``sizes`` with every 0 raised to 1 (a dim
@@ -194,6 +221,11 @@ class KeySpace:
         """The configuration ranks must share: dims, bucket lists, keys, padding ratio."""
         return {"dims": list(self.dims), "buckets": {d: list(b) for d, b in self.buckets.items()},
                 "keys": [list(k) for k in self.keys], "max_padding_ratio": self.max_padding_ratio}
+
+
+#: Entries :meth:`KeySpace.choose` (and the dispatcher's routes) keep per exact sizes before starting
+#: over: a server's varlen sizes rarely repeat, and the per-bucket entries behind them are cheap to reach.
+_MEMO_LIMIT = 4096
 
 
 def _order(key: Sizes) -> Tuple[int, Sizes]:

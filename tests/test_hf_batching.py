@@ -565,3 +565,68 @@ def test_negative_control_without_the_checks_each_breach_feeds_the_graph_silentl
     bad = batching.step_feeds(_breach(_copy_io(io), what, groups[0]), cache, groups, validate=False)
     assert any(not torch.equal(good[k], bad[k]) for k in good if good[k].shape == bad[k].shape) or \
         any(good[k].shape != bad[k].shape for k in good)
+
+
+class _MaskSpy:
+    """A stand-in model for :func:`batching.make_step`: records the attention masks it is given."""
+
+    dtype = torch.float32
+
+    def __call__(self, **kw):
+        self.masks = kw["attention_mask"]
+        n = kw["logits_indices"].shape[0]
+        return type("Out", (), {"logits": torch.zeros(1, n, 4)})()
+
+
+def _mask_case(gen, n_req=5, window=3, pad_tok=3, pad_key=7):
+    """Random valid varlen metadata: requests with a past and new tokens, padded queries and keys."""
+    lens_q = torch.randint(1, 5, (n_req,), generator=gen).tolist()
+    past = torch.randint(0, 9, (n_req,), generator=gen).tolist()
+    tok_req, pos, key_req, key_pos = [], [], [], []
+    for r, (q, p) in enumerate(zip(lens_q, past)):
+        tok_req += [r] * q
+        pos += list(range(p, p + q))
+        key_req += [r] * (p + q)
+        key_pos += list(range(p + q))
+    tok_req += [batching.TOKEN_PAD_REQUEST] * pad_tok
+    pos += [0] * pad_tok
+    key_req += [batching.KEY_PAD_REQUEST] * pad_key
+    key_pos += [0] * pad_key
+    return tuple(torch.tensor(v, dtype=torch.int32) for v in (tok_req, pos, key_req, key_pos))
+
+
+def _reference_mask(tok_req, pos, key_req, key_pos, window, own=True):
+    """Query t may see key j: the same request, a position at most its own (``own=False``: below its own, a
+    planted off-by-one), within the window; a padding query sees every key."""
+    same = tok_req[:, None] == key_req[None, :]
+    before = key_pos[None, :] <= pos[:, None] if own else key_pos[None, :] < pos[:, None]
+    ok = same & before
+    if window is not None:
+        ok &= key_pos[None, :] > pos[:, None] - window
+    return ok | (tok_req < 0)[:, None]
+
+
+@pytest.mark.parametrize("max_requests", [8, 1 << 20], ids=["int32-codes", "int64-codes"])
+def test_the_step_builds_the_reference_mask(max_requests):
+    """make_step's in-graph masks (one range test per cell on request/position codes) allow exactly the keys
+    of the query's request at or before its position (sliding layers: within the window), and nothing for a
+    padding key; a padding query sees every key. -inf where masked, 0 where allowed; random metadata, full and
+    sliding layers; int32 and int64 codes. Negative control: the reference with an off-by-one differs."""
+    gen = torch.Generator().manual_seed(7)
+    groups = [batching._Group(0, "full_attention", "kv", 0, 0, 0, 0, 0, 0, None),
+              batching._Group(1, "sliding_attention", "kv_sliding", 0, 0, 0, 0, 0, 0, 3)]
+    spy = _MaskSpy()
+    step = batching.make_step(spy, None, groups, use_logits_to_keep=True, max_position=64, max_requests=max_requests)
+    for _ in range(20):
+        tok_req, pos, key_req, key_pos = _mask_case(gen)
+        feeds = {"input_ids": torch.zeros_like(tok_req), "position_ids": pos, "tok_req": tok_req,
+                 "logits_indices": torch.zeros(2, dtype=torch.int32)}
+        for g in groups:
+            feeds.update({f"read_index_{g.index}": torch.zeros_like(key_req), f"write_index_{g.index}": tok_req,
+                          f"key_req_{g.index}": key_req, f"key_pos_{g.index}": key_pos})
+        step(**feeds)
+        for g in groups:
+            mask = spy.masks[g.layer_type][0, 0]
+            want = _reference_mask(tok_req, pos, key_req, key_pos, g.window)
+            assert torch.equal(mask == 0, want) and torch.equal(mask != 0, mask == float("-inf"))
+            assert not torch.equal(mask == 0, _reference_mask(tok_req, pos, key_req, key_pos, g.window, own=False))

@@ -317,3 +317,43 @@ def test_key_for_is_the_key_a_call_replays_for_random_sizes_zeros_included(kind)
         runner(x=torch.randn(*sizes, 3))
         replayed = runner.stats.last_bucket if sum(runner.stats.replays.values()) > replays else None
         assert runner.key_for(batch) == replayed, (kind, sizes)
+
+
+def _scan(space, sizes):
+    """The choice by a scan of every key (smallest by volume covering ``sizes`` within the ratio)."""
+    return KeySpace._choose(space, sizes)
+
+
+@pytest.mark.parametrize("ratio", [None, 0.5], ids=["per-bucket-memo", "padding-ratio"])
+def test_the_choice_memoised_on_the_per_dim_buckets_is_the_scan_of_the_keys(ratio):
+    """KeySpace.choose, memoised on the tuple of per-dim buckets (a bisect per dim: the route of varlen
+    sizes that never repeat), picks what a scan of every key picks, for random sparse key sets (three dims,
+    sizes over the largest bucket and zeros included); with a padding ratio the choice depends on the exact
+    sizes and is made from them."""
+    rng = random.Random(11)
+    for _ in range(20):
+        buckets = {d: sorted(rng.sample(range(1, 300), rng.randint(1, 6))) for d in ("tokens", "kv", "reqs")}
+        grid = list(itertools.product(*buckets.values()))
+        keys = set(rng.sample(grid, rng.randint(1, len(grid)))) | {tuple(b[-1] for b in buckets.values())}
+        space = KeySpace(buckets, keys=sorted(keys), max_padding_ratio=ratio)
+        for _ in range(300):
+            sizes = tuple(rng.randint(0, b[-1] + 3) for b in buckets.values())
+            assert space.choose(sizes) == _scan(space, sizes), (buckets, sorted(keys), sizes)
+            assert space.choose(sizes) == _scan(space, sizes)  # memoised: the same again
+
+
+def test_negative_control_with_a_padding_ratio_one_bucket_holds_sizes_of_different_choices():
+    """Why the per-bucket memo is only used without a padding ratio: two sizes in the same buckets, one
+    within the ratio, one padding too much."""
+    space = KeySpace({"tokens": [8, 64]}, max_padding_ratio=0.5)
+    assert space.bucket_of((40,)) == space.bucket_of((20,)) == (64,)
+    assert _scan(space, (40,)) == ((64,), None) and _scan(space, (20,)) == (None, "padding_ratio")
+
+
+def test_the_choice_memo_stays_bounded_for_sizes_that_never_repeat():
+    from graphrunner import keys as keys_mod
+
+    space = KeySpace({"tokens": [16, 256], "kv": [1024, 8192]})
+    for n in range(1, 3 * keys_mod._MEMO_LIMIT):
+        assert space.choose((n % 256 + 1, n))[0] == space.bucket_of((n % 256 + 1, n))
+    assert len(space._memo) <= keys_mod._MEMO_LIMIT and len(space._by_bucket) <= 4
