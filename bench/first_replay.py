@@ -60,7 +60,7 @@ def make_step(batch: int, hidden: int, layers: int, seed: int = 0):
 def measure(step, x, jit: bool, steady: int) -> dict:
     """One fresh capture with the engine on or off: capture, first and steady replay times."""
     with torch.inference_mode():
-        g = gr.TapeGraph(jit_replay=jit)
+        g = gr.tape.TapeGraph(jit_replay=jit)
         t0 = time.perf_counter()
         with tape_graph(g):
             out = step()

@@ -163,7 +163,7 @@ def _all_reduce_runner(fail_key=None):
         dist.all_reduce(y)
         return y
 
-    backend = gr.FullGraphBackend(group=TorchDistGroup(timeout=20.0), trace=gr.Trace())
+    backend = gr.backends.FullGraphBackend(group=TorchDistGroup(timeout=20.0), trace=gr.Trace())
     runner = gr.GraphRunner(step, inputs={"x": gr.BatchInput(trailing=(D,), dtype=torch.float32)},
                             buckets=BUCKETS, backend=backend, progress=False)
     return runner, w, backend

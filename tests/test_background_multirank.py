@@ -24,7 +24,7 @@ def _runner():
         dist.all_reduce(y)
         return y
 
-    backend = gr.FullGraphBackend(group=gr.TorchDistGroup(timeout=TIMEOUT))
+    backend = gr.backends.FullGraphBackend(group=gr.TorchDistGroup(timeout=TIMEOUT))
     return gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(D,))}, [1, 2, 4, 8], backend=backend, progress=False)
 
 

@@ -177,7 +177,7 @@ def test_with_own_pool_gives_a_twin_with_a_pool_of_its_own():
     # only a runner with a budget takes a twin; a backend instance keeps its device
     assert make(dev, 16).device is dev and make(dev, 16, memory_budget=1 << 20).device is not dev
     inst = gr.GraphRunner(chain, {"x": gr.BatchInput(trailing=(16,))}, list(BUCKETS), progress=False,
-                          backend=gr.FullGraphBackend(device=dev), memory_budget=1 << 20)
+                          backend=gr.backends.FullGraphBackend(device=dev), memory_budget=1 << 20)
     assert inst.device is dev
 
 

@@ -193,7 +193,7 @@ def test_get_device_names_missing_methods_of_a_custom_device():
             pass
 
         def new_graph(self):
-            return gr.TapeGraph()
+            return gr.tape.TapeGraph()
 
     with pytest.raises(TypeError, match=r"lacks graph_pool, capture_stream, capture"):
         get_device(Half())

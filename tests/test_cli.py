@@ -39,19 +39,19 @@ PUBLIC_API = {
     "__version__",
     "CaptureError", "CaptureUnsafeOpError", "ContractError", "GraphRunnerError", "PaddingLeakError", "RankTimeoutError",
     "CudaDevice", "TapeDevice", "get_device",
-    "BreakableGraph", "breakable_graph", "no_graph", "force_no_graph", "is_in_breakable_graph",
-    "TapeGraph", "LocalGroup", "TorchDistGroup", "Trace", "check_capture_order",
-    "GraphBackend", "FullGraphBackend", "BreakableGraphBackend", "EagerBackend",
+    "BreakableGraph", "breakable_graph", "no_graph",
+    "LocalGroup", "TorchDistGroup", "Trace", "check_capture_order",
     "GraphRunner", "BatchInput", "default_buckets", "plan_buckets", "CaptureReport", "OutputArena", "PaddingCheck",
     "check_factory", "CompareReport",
 }
 
-#: Names that left the top level -> the module that keeps them.
-MOVED = {
-    "Device": "graphrunner.devices", "BreakableCUDAGraph": "graphrunner.breakable",
-    "EscapedTensorWarning": "graphrunner.tape", "TapePool": "graphrunner.tape",
-    "graph_pool_handle": "graphrunner.tape", "is_tape_capturing": "graphrunner.tape", "tape_graph": "graphrunner.tape",
-    "Event": "graphrunner.trace", "EventKind": "graphrunner.trace", "NullTrace": "graphrunner.trace",
+#: Internals that are not public (issue 45): each lives in its module only.
+INTERNAL = {
+    "Device": "graphrunner.devices", "TapeGraph": "graphrunner.tape", "TapePool": "graphrunner.tape",
+    "tape_graph": "graphrunner.tape", "Event": "graphrunner.trace", "NullTrace": "graphrunner.trace",
+    "FullGraphBackend": "graphrunner.backends", "BreakableGraphBackend": "graphrunner.backends",
+    "EagerBackend": "graphrunner.backends", "GraphBackend": "graphrunner.backends",
+    "force_no_graph": "graphrunner.breakable", "is_in_breakable_graph": "graphrunner.breakable",
     "BucketReport": "graphrunner.report", "RunnerStats": "graphrunner.report",
 }
 
@@ -59,7 +59,7 @@ MOVED = {
 def test_all_is_the_small_public_api():
     assert len(graphrunner.__all__) == len(set(graphrunner.__all__)), "duplicates in __all__"
     assert set(graphrunner.__all__) == PUBLIC_API
-    assert not set(graphrunner.__all__) & set(MOVED)
+    assert not set(graphrunner.__all__) & set(INTERNAL)
 
 
 def _undocumented(module) -> list:
@@ -83,25 +83,20 @@ def test_every_public_name_states_its_contract_in_a_docstring():
     assert _undocumented(fake) == ["bare"]
 
 
-@pytest.mark.parametrize("name", sorted(MOVED))
-def test_moved_names_still_resolve_with_a_warning_naming_their_module(name):
+@pytest.mark.parametrize("name", sorted(INTERNAL))
+def test_internals_live_in_their_module_only(name):
     import importlib
 
-    home = importlib.import_module(MOVED[name])
-    with pytest.warns(DeprecationWarning, match=rf"graphrunner\.{name} is deprecated.*{MOVED[name]}\.{name}"):
-        obj = getattr(graphrunner, name)
-    assert obj is getattr(home, name)
-    assert name not in dir(graphrunner)  # not part of the namespace: only the deprecation path finds it
+    assert hasattr(importlib.import_module(INTERNAL[name]), name)  # the module that keeps it has it
+    with pytest.raises(AttributeError, match=f"no attribute '{name}'"):
+        getattr(graphrunner, name)
+    with pytest.raises(ImportError):
+        exec(f"from graphrunner import {name}", {})
 
 
-def test_from_import_of_a_moved_name_warns_and_public_names_do_not():
-    import warnings
+def test_public_names_import_and_others_raise_attribute_error():
+    from graphrunner import GraphRunner, check_factory, no_graph  # noqa: F401  (test_hf: gr.hf is lazy)
 
-    with pytest.warns(DeprecationWarning, match=r"graphrunner\.tape\.tape_graph"):
-        from graphrunner import tape_graph  # noqa: F401
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # negative control: public names are silent
-        from graphrunner import GraphRunner, TapeGraph, check_factory  # noqa: F401
     with pytest.raises(AttributeError, match="no attribute 'NotAName'"):
         graphrunner.NotAName
 

@@ -102,7 +102,7 @@ def test_a_backend_instance_is_disabled_too_and_keeps_its_configuration(monkeypa
     monkeypatch.setenv("GRAPHRUNNER_DISABLE", "true")
     model = Scaled()
     device = CountingTape()
-    backend = gr.BreakableGraphBackend(device=device, warmups=3, drift_check=False)
+    backend = gr.backends.BreakableGraphBackend(device=device, warmups=3, drift_check=False)
     runner = gr.GraphRunner(model.step_with_break, {"x": gr.BatchInput(trailing=(4,))}, buckets=[2],
                             backend=backend, checks=(), progress=False)
     assert isinstance(runner.backend, EnvDisabledBackend) and runner.backend.requested == "BreakableGraphBackend"

@@ -224,7 +224,7 @@ def test_one_hot_with_autograd_on_is_one_op(monkeypatch):
     t = torch.tensor([[1, 4], [0, 2]])
 
     def capture():
-        backend = gr.FullGraphBackend(device="tape")
+        backend = gr.backends.FullGraphBackend(device="tape")
         with backend.capture_session():
             backend.capture_one(2, lambda: torch.nn.functional.one_hot(t, 5).float())
         return backend

@@ -130,7 +130,7 @@ def test_cleanup_releases_the_claim():
 def test_bad_output_arena_is_a_type_error():
     with pytest.raises(TypeError, match="output_arena must be a gr.OutputArena"):
         gr.GraphRunner(decode, inputs={"x": gr.BatchInput(trailing=(H,))}, buckets=[1], output_arena=object())
-    backend = gr.FullGraphBackend(device="tape")
+    backend = gr.backends.FullGraphBackend(device="tape")
     with pytest.raises(ValueError, match="output_arena= was given together with a backend instance"):
         gr.GraphRunner(decode, inputs={"x": gr.BatchInput(trailing=(H,))}, buckets=[1], backend=backend,
                        output_arena=gr.OutputArena())

@@ -111,7 +111,7 @@ def _plain_runner():
         dist.all_reduce(h)
         return h + 1
 
-    backend = gr.BreakableGraphBackend(group=gr.TorchDistGroup(timeout=TIMEOUT))
+    backend = gr.backends.BreakableGraphBackend(group=gr.TorchDistGroup(timeout=TIMEOUT))
     return gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(D,))}, [1, 2, 4], backend=backend, progress=False)
 
 
@@ -203,7 +203,7 @@ def _oom_runner(rank, fail):
         dist.all_reduce(h)
         return h + 1
 
-    backend = gr.BreakableGraphBackend(group=gr.TorchDistGroup(timeout=TIMEOUT))
+    backend = gr.backends.BreakableGraphBackend(group=gr.TorchDistGroup(timeout=TIMEOUT))
     return gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(D,))}, [1, 2, 4], backend=backend, progress=False)
 
 

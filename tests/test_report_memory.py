@@ -179,7 +179,7 @@ def test_checks_seconds_is_the_hooks_time_within_the_capture():
             time.sleep(naps["after_capture"])
 
     def capture(hooks):
-        backend = gr.FullGraphBackend(device="tape", drift_check=False, hooks=hooks)
+        backend = gr.backends.FullGraphBackend(device="tape", drift_check=False, hooks=hooks)
         with backend.capture_session():
             backend.capture_one(2, lambda: torch.ones(2) * 3)
         return backend.info(2)

@@ -162,7 +162,7 @@ def test_fork_inside_a_full_capture_must_be_joined_before_it_ends(dev):
             h.mul_(2)                 # forked, never joined
         return h
 
-    b = gr.FullGraphBackend(device=dev, warmups=1)
+    b = gr.backends.FullGraphBackend(device=dev, warmups=1)
     with pytest.raises(CaptureError, match=r"side stream was not joined.*'comm'.*id \d+") as ei:
         with b.capture_session():
             b.capture_one(4, forward)
@@ -182,7 +182,7 @@ def test_full_capture_fork_joined_replays_equal_to_eager(dev):
         dev.current_stream().wait_stream(side)
         return g + h
 
-    b = gr.FullGraphBackend(device=dev, warmups=1, hooks=[StreamCheck()])
+    b = gr.backends.FullGraphBackend(device=dev, warmups=1, hooks=[StreamCheck()])
     with b.capture_session():
         b.capture_one(4, forward)
     for v in (2.0, -1.5):
@@ -203,7 +203,7 @@ def test_full_capture_late_join_is_a_hazard_naming_both_lines(dev):
         dev.current_stream().wait_stream(side)
         return out
 
-    b = gr.FullGraphBackend(device=dev, warmups=1, hooks=[StreamCheck()])
+    b = gr.backends.FullGraphBackend(device=dev, warmups=1, hooks=[StreamCheck()])
     with pytest.raises(CaptureError, match="stream ownership") as ei:
         with b.capture_session():
             b.capture_one(4, forward)
@@ -237,7 +237,7 @@ def test_fork_join_across_a_break_replays_equal_to_eager(dev):
         fill_meta(h)
         return h + meta
 
-    b = gr.BreakableGraphBackend(device=dev, hooks=[StreamCheck()])
+    b = gr.backends.BreakableGraphBackend(device=dev, hooks=[StreamCheck()])
     with b.capture_session():
         b.capture_one(4, forward)
     assert b.info(4)["num_breaks"] == 1
@@ -257,7 +257,7 @@ def test_unjoined_fork_in_a_break_is_refused_with_names(dev):
         fill_meta(h)
         return h + meta
 
-    b = gr.BreakableGraphBackend(device=dev, hooks=[StreamCheck()])
+    b = gr.backends.BreakableGraphBackend(device=dev, hooks=[StreamCheck()])
     with pytest.raises(CaptureError) as ei:
         with b.capture_session():
             b.capture_one(4, forward)
@@ -281,7 +281,7 @@ def test_negative_control_check_off_replays_the_stale_value(dev):
         fill_meta(h)
         return h + meta
 
-    b = gr.BreakableGraphBackend(device=dev)
+    b = gr.backends.BreakableGraphBackend(device=dev)
     with b.capture_session():
         b.capture_one(4, forward)
     dev.synchronize()
@@ -313,11 +313,11 @@ def test_side_stream_never_joined_and_never_read_is_refused_at_capture_end(dev):
         prefetch(h)
         return h * 2
 
-    b = gr.BreakableGraphBackend(device=dev, hooks=[StreamCheck()])
+    b = gr.backends.BreakableGraphBackend(device=dev, hooks=[StreamCheck()])
     with pytest.raises(CaptureError, match=r"'prefetch'.*still runs unjoined work.*scratch.copy_\(h\)"):
         with b.capture_session():
             b.capture_one(4, forward)
-    b2 = gr.BreakableGraphBackend(device=dev)       # negative control: without the check it captures
+    b2 = gr.backends.BreakableGraphBackend(device=dev)       # negative control: without the check it captures
     with b2.capture_session():
         b2.capture_one(4, forward)
     x.fill_(3)
@@ -339,7 +339,7 @@ def test_side_stream_reading_segment_output_without_waiting_is_a_hazard(dev):
         consume(h)
         return out + 0
 
-    b = gr.BreakableGraphBackend(device=dev, hooks=[StreamCheck()])
+    b = gr.backends.BreakableGraphBackend(device=dev, hooks=[StreamCheck()])
     with pytest.raises(CaptureError, match=r"'side'.* reads .*h = x \+ 1"):
         with b.capture_session():
             b.capture_one(4, forward)
@@ -423,7 +423,7 @@ def test_cuda_streams_checked_through_torch_cuda(cuda_device, join, backend):
         fill_meta(h)
         return h + meta
 
-    cls = gr.BreakableGraphBackend if backend == "breakable" else gr.FullGraphBackend
+    cls = gr.backends.BreakableGraphBackend if backend == "breakable" else gr.backends.FullGraphBackend
     b = cls(device=dev, warmups=1, hooks=[StreamCheck()])
     if not join:
         import re

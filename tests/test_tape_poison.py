@@ -236,7 +236,7 @@ def test_demo_passes_with_poisoning_and_its_attention_break_sees_poison(monkeypa
 
     @gr.no_graph
     def spy(q, *args):
-        if gr.is_in_breakable_graph():
+        if gr.breakable.is_in_breakable_graph():
             seen.append(bool(torch.isnan(q).all()))
         return real(q, *args)
 

@@ -41,7 +41,7 @@ def _eager(step, n):
 
 def _graphed(step, n, interleave=None, ctx=torch.inference_mode):
     torch.manual_seed(SEED)
-    g = gr.TapeGraph()
+    g = gr.tape.TapeGraph()
     with ctx(), tape_graph(g):
         out = step()
     outs = []
@@ -87,7 +87,7 @@ def test_replays_interleaved_with_eager_draws():
 
 def _draw_after_capture():
     torch.manual_seed(SEED)
-    g = gr.TapeGraph()
+    g = gr.tape.TapeGraph()
     with torch.no_grad(), tape_graph(g):
         OPS["dropout"]()
         torch.randn(10)
@@ -114,7 +114,7 @@ def test_explicit_generator_is_restored_and_replays_draw_from_it():
     gen = torch.Generator().manual_seed(7)
     before = gen.get_state()
     default_before = torch.get_rng_state()
-    g = gr.TapeGraph()
+    g = gr.tape.TapeGraph()
     with torch.no_grad(), tape_graph(g):
         out = torch.randn(5, generator=gen) * 2
     assert torch.equal(gen.get_state(), before)
@@ -130,7 +130,7 @@ def test_failed_capture_restores_the_generator():
     torch.manual_seed(SEED)
     before = torch.get_rng_state()
     with pytest.raises(ZeroDivisionError):
-        with torch.no_grad(), tape_graph(gr.TapeGraph()):
+        with torch.no_grad(), tape_graph(gr.tape.TapeGraph()):
             torch.randn(100)
             1 / 0
     assert torch.equal(torch.get_rng_state(), before)
@@ -149,7 +149,7 @@ def test_reseeding_during_capture_raises(name):
     originals = (torch.manual_seed, torch.random.manual_seed, torch.seed, torch.set_rng_state)
     torch.manual_seed(SEED)
     before = torch.get_rng_state()
-    g = gr.TapeGraph()
+    g = gr.tape.TapeGraph()
     with pytest.raises(CaptureError, match=r"during a tape capture.*Seed before capture_begin"):
         with tape_graph(g):
             torch.ones(3) + 1
@@ -167,7 +167,7 @@ def test_reseeding_during_capture_raises(name):
 def test_reseeding_the_generator_object_during_capture_raises_at_capture_end():
     torch.manual_seed(SEED)
     before = torch.get_rng_state()
-    g = gr.TapeGraph()
+    g = gr.tape.TapeGraph()
     g.capture_begin()
     torch.default_generator.manual_seed(SEED + 1)
     torch.rand(2)
@@ -181,7 +181,7 @@ def test_reseeding_the_generator_object_during_capture_raises_at_capture_end():
 def test_reseeding_check_negative_control():
     """Drawing from the generator during capture is not mistaken for re-seeding it."""
     torch.manual_seed(SEED)
-    g = gr.TapeGraph()
+    g = gr.tape.TapeGraph()
     g.capture_begin()
     out = torch.rand(2)
     g.capture_end()
@@ -190,7 +190,7 @@ def test_reseeding_check_negative_control():
 
 
 def test_empty_capture_warns_like_cuda():
-    g = gr.TapeGraph()
+    g = gr.tape.TapeGraph()
     with pytest.warns(UserWarning, match="The tape graph is empty"):
         with tape_graph(g):
             pass
@@ -202,7 +202,7 @@ def test_non_empty_capture_and_device_segments_do_not_warn():
     dev = gr.TapeDevice()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with tape_graph(gr.TapeGraph()):
+        with tape_graph(gr.tape.TapeGraph()):
             torch.ones(2) + 1
         g = dev.new_graph()
         with dev.capture(g):  # a device drops empty segments itself (is_empty)

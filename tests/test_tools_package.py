@@ -87,7 +87,7 @@ def test_capture_error_names_the_demo_models_source_line():
     model = build_model(LlamaConfig.demo(num_layers=1, attention="varlen", max_batch_size=4))
     ids = torch.zeros(2, dtype=torch.long)
     with pytest.raises(gr.CaptureUnsafeOpError) as err:
-        with tape_graph(gr.TapeGraph()):
+        with tape_graph(gr.tape.TapeGraph()):
             model.decode_step(ids, ids.clone())
     msg = str(err.value)
     llama_py = str(ROOT / "graphrunner_tools" / "models" / "llama.py")
