@@ -88,7 +88,7 @@ class CaptureRun:
         self.bar.start(self.started, ext)
         self.started += 1
         views = inputs.key_views(key)
-        hook = functools.partial(c.post_warmup_hook, ext) if c.post_warmup_hook else None
+        hook: Callable[[], Any] | None = functools.partial(c.post_warmup_hook, ext) if c.post_warmup_hook else None
         if hook is not None and around_hook is not None:
             hook = around_hook(hook)
         forward = layout.forward(server.step, key, views, f"GraphRunner.step[{ext}]")
@@ -213,11 +213,14 @@ class Capturer:
             try:
                 self.budget.append(ext, reports, bucket)
             except OverBudget as over:
+                limit = self.budget.budget
+                if limit is None:  # not reached: only a budget raises OverBudget
+                    raise
                 if over_at:
                     return
                 over_at.append(ext)
                 collect.findings.append(Finding(
-                    "memory-budget", f"memory_budget={format_bytes(self.budget.budget)}: with key {ext!r} the "
+                    "memory-budget", f"memory_budget={format_bytes(limit)}: with key {ext!r} the "
                     f"graph pool holds {format_bytes(over.total)}, over the budget: a capture leaves this key "
                     "(and any that do not fit after it) to eager", None, None, None,
                     fix="raise memory_budget, or capture fewer keys (buckets=, keys=)", bucket=ext))

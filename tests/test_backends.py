@@ -456,6 +456,19 @@ def test_structure_change_between_keys_names_both_structures():
     assert b.keys() == [8]
 
 
+def test_output_buffer_views_before_allocate_is_a_capture_error():
+    # was a TypeError from describe(None) (found by mypy: the buffer's spec is None until allocate)
+    from graphrunner.backends.outputs import OutputBuffer
+
+    buf = OutputBuffer()
+    with pytest.raises(CaptureError, match="shared output buffer is not allocated"):
+        buf.views(torch.zeros(2, 3), 8)
+    buf.allocate(torch.zeros(2, 3), 8)
+    buf.release()
+    with pytest.raises(CaptureError, match=r"shape key 4 returned Tensor\[1, 3\] float32, .* not allocated"):
+        buf.views(torch.zeros(1, 3), 4)
+
+
 def test_capture_inputs_live_until_cleanup():
     b = FullGraphBackend(device=TapeDevice())
     inp = torch.randn(4, 2)

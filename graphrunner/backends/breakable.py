@@ -38,7 +38,7 @@ class BreakableGraphBackend(GraphBackend):
 
     #: Ops inside ``@no_graph`` bodies run eagerly at every replay: the drift
     #: check compares only the ops the segments hold.
-    _drift_scope = "segments"
+    _drift_scope: str | None = "segments"
 
     def __init__(self, device: Any = None, group: Any = None, warmups: int = 2, trace: Optional[Trace] = None,
                  debug_eager: bool = False, drift_check: bool = True, *, output_arena: Any = None,

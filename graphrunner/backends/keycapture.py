@@ -45,20 +45,24 @@ class BoundForward:
         #: The key's views of the shared output buffer, once bound.
         self.views: Optional[List[torch.Tensor]] = None
 
-    def bind(self, out: Any) -> None:
-        """Bind the key's views for output ``out`` (the first key allocates the shared buffer)."""
+    def bind(self, out: Any) -> list[torch.Tensor]:
+        """Bind the key's views for output ``out`` (the first key allocates the shared buffer);
+        returns them."""
         if not self.buffer.allocated:
             self.buffer.allocate(out, self.key)
-        self.spec, self.views = self.buffer.views(out, self.key, self.lead_dims)
+        self.spec, views = self.buffer.views(out, self.key, self.lead_dims)
+        self.views = views
+        return views
 
     def __call__(self) -> None:
         with self.recording(self.recorder) if self.recorder is not None else contextlib.nullcontext():
             result = self.forward_fn()
-        if self.views is None:
-            self.bind(result)
+        views = self.views
+        if views is None:
+            views = self.bind(result)
         else:
             self.buffer.views(result, self.key, self.lead_dims)  # same structure as at warmup, or a clear error
-        OutputBuffer.copy_into(self.views, result)
+        OutputBuffer.copy_into(views, result)
 
 
 @dataclass(eq=False)

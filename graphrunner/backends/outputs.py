@@ -82,6 +82,11 @@ class OutputBuffer:
         than the buffer's.
         """
         spec, leaves = flatten(out)
+        if self.spec is None:
+            raise CaptureError(
+                f"forward for shape key {key!r} returned {describe(spec, leaves)}, but the shared output buffer "
+                "is not allocated (allocate() it from a warmup's output first, and again after release())"
+            )
         if spec != self.spec:
             raise CaptureError(
                 f"forward for shape key {key!r} returned {describe(spec, leaves)}, but the shared output buffer "
@@ -132,6 +137,7 @@ def tensor_bytes(obj: Any) -> int:
     tuples, lists, dicts, sets and dataclasses in ``obj``."""
     seen = set()
     total = 0
+    ident: tuple  # a storage's (data_ptr, nbytes, device), or (id(tensor),) without a storage
     stack = [obj]
     visited = set()
     while stack:

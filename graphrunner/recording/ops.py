@@ -274,8 +274,8 @@ class _Dispatch(TorchDispatchMode):
         calls = rec._atomic_calls
         ev = OpEvent(func, args, kwargs, _Frames(sys._getframe(1), rec.stop), calls[-1] if calls else atomic_call())
         muted = rec._muted
-        for c in rec._before:
-            if not muted or c.__self__ not in muted:
+        for owner, c in rec._before:
+            if not muted or owner not in muted:
                 c(ev)
         t1 = perf_counter()
         if redirected() is not None and _capture_here() is None:  # (a tape capture redirects as it records)
@@ -286,8 +286,8 @@ class _Dispatch(TorchDispatchMode):
         t2 = perf_counter()
         if rec._after:
             ev.out = out
-            for c in rec._after:
-                if not muted or c.__self__ not in muted:
+            for owner, c in rec._after:
+                if not muted or owner not in muted:
                     c(ev)
         rec.seconds += t1 - t0 + perf_counter() - t2
         return out
@@ -307,9 +307,9 @@ class _Function(TorchFunctionMode):
         mute = []
         if rec._functions:
             ev = FunctionEvent(func, args, kwargs, _Frames(sys._getframe(1), rec.stop))
-            for c in rec._functions:
-                if c.__self__ not in rec._muted and c(ev):
-                    mute.append(c.__self__)
+            for owner, hook in rec._functions:
+                if owner not in rec._muted and hook(ev):
+                    mute.append(owner)
         if atomic is None and not mute:
             return func(*args, **kwargs)
         if atomic is not None:
@@ -352,9 +352,10 @@ class OpRecorder:
         self._atomic_calls: list = []  # the atomic torch-function calls running now, innermost last
         self._muted: dict = {}  # consumer -> depth of reported host reads it asked to be muted in
         base = OpConsumer
-        self._before = [c.before for c in self.consumers if type(c).before is not base.before]
-        self._after = [c.after for c in self.consumers if type(c).after is not base.after]
-        self._functions = [c.function for c in self.consumers if c.functions]
+        # (consumer, its bound method): the consumer is what _muted is keyed by
+        self._before = [(c, c.before) for c in self.consumers if type(c).before is not base.before]
+        self._after = [(c, c.after) for c in self.consumers if type(c).after is not base.after]
+        self._functions = [(c, c.function) for c in self.consumers if c.functions]
         self._redirect: Optional[OwnedGenerators] = None  # a consumer's stand-in generators, while recording
 
     @contextlib.contextmanager

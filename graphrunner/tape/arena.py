@@ -233,9 +233,9 @@ def place(pool: TapePool, graph, cap, survivors: dict, targets: list) -> tuple[d
                     _SURVIVORS[id(old)] = (weakref.ref(old), weakref.ref(graph))
                 b.storage = weakref.ref(st)
             for k in set(op.in_skeys) | set(op.out_skeys):
-                b = live.get(k)
-                if b is not None and last.get(k) == i and k not in alive:
-                    pool._release(b)  # a temporary after its last use
+                held = live.get(k)
+                if held is not None and last.get(k) == i and k not in alive:
+                    pool._release(held)  # a temporary after its last use
                     del live[k]
             for b in deferred.pop(i, ()):
                 pool._release(b)

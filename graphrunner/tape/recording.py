@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -30,6 +31,9 @@ from .state import _storage, snapshot_copy, release_snapshot, storage_bytes
 from .streams import CLOCKS, current_stream
 from .survivors import _POISONED, _SURVIVORS, EscapedTensorWarning, _Poisoned
 from .unsafe import _check_safe, _user_frame
+
+if TYPE_CHECKING:  # graph imports this module: a runtime import would be a cycle
+    from .graph import TapeGraph
 
 
 class _Ref:
@@ -51,7 +55,31 @@ class _Op:
                  "out_skeys", "in_skeys", "fast", "call", "cargs", "in_vers", "alias", "view",
                  "out_ok", "seen", "stream")
 
-    def __init__(self):
+    # set by _Recorder when it records the op (__init__ leaves them unset)
+    func: torch._ops.OpOverload
+    args: tuple                          # argument templates (_Ref for tensors)
+    kwargs: dict[str, Any]
+    outs: Any                            # output template: a _Ref, a list/tuple of them, or None
+    new: list[str]                       # names of the tensors this op created
+    in_names: list[str]
+    in_vers: tuple[int, ...]             # writes so far to each input's storage (for CSE)
+    writes: list[str]
+    collective: bool
+    seeded: bool
+    pure: bool
+    in_skeys: set[int | None]            # storage keys (None: a tensor without storage)
+    out_skeys: list[int | None]
+    # set in __init__, changed by the recorder or codegen
+    fast: str | None
+    call: Callable[..., Any] | None
+    cargs: tuple[Any, dict[str, Any]] | None
+    alias: tuple[str, str] | None
+    view: tuple[str, tuple[int, ...], tuple[int, ...], int | torch.SymInt] | None  # storage_offset()'s type
+    out_ok: bool
+    seen: dict[str, torch.Tensor] | None
+    stream: int
+
+    def __init__(self) -> None:
         # fast: None (replayed), "hoisted" (computed once at capture), "alias"
         # (a view with its input's exact metadata: replaced by its input) or
         # "cse" (recomputes an earlier op's value: replaced by that value).
@@ -80,7 +108,7 @@ class _Capture:
         self.names: dict[int, str] = {}            # id(tensor) -> name
         self.strong: dict[str, torch.Tensor] = {}  # name -> tensor (keeps ids unique during capture)
         self.kind: dict[str, str] = {}             # name -> "ext" | "int"
-        self.skey: dict[str, int] = {}             # name -> storage key
+        self.skey: dict[str, int | None] = {}      # name -> storage key (None: a tensor without storage)
         self.storages: dict[int, Any] = {}         # storage key -> storage (strong, during capture)
         self.internal_storages: dict[int, str] = {}  # storage key -> name of the allocating tensor
         self.alloc_meta: dict[str, tuple] = {}     # allocating name -> (dtype, device, size, stride, offset)
@@ -96,7 +124,7 @@ class _Capture:
         self.tls = eager_tls()                     # dispatch-key state eager runs in (for rewrites' proofs)
         self.proofs_before = proof_stats.snapshot()  # this thread's proof counters at capture begin
         self.warned: set[int] = set()
-        self.wcount: dict[int, int] = {}           # storage key -> writes so far (for CSE)
+        self.wcount: dict[int | None, int] = {}    # storage key -> writes so far (for CSE)
         self.scalars: dict[tuple, torch.Tensor] = {}  # Python scalar -> shared 0-dim tensor
         self.meta_mutated = False                  # an inplace_view op (t_, unsqueeze_, ...) ran
         self.lifted: list[_Poisoned] = []          # other graphs' poisoned survivors lifted for this capture
@@ -353,6 +381,7 @@ class _Recorder(TorchDispatchMode):
             op.stream = current_stream().id
             op.in_names = in_names
             op.in_vers = in_vers
+            allout: list[str]
             op.new, allout = [], []
             op.outs = cap.template_out(out, op.new, allout)
             op.writes = [cap.names[id(t)] for t in written]
@@ -383,7 +412,7 @@ class _Recorder(TorchDispatchMode):
                     and op.new and isinstance(out, torch.Tensor) and out.layout == torch.strided
                     and not (out.is_conj() or out.is_neg() or out.is_quantized)):
                 k = cap.skey.get(op.new[0])
-                base = cap.internal_storages.get(k)
+                base = cap.internal_storages.get(k) if k is not None else None
                 if base is not None and base != op.new[0] and k in op.in_skeys:
                     b = cap.strong.get(base)
                     if b is not None and b.dtype == out.dtype and not (b.is_conj() or b.is_neg()):

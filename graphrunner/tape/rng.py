@@ -60,8 +60,8 @@ def _guarded_reseed(name: str, fn: Callable) -> Callable:
             raise err
         return fn(*args, **kwargs)
 
-    guarded.__wrapped__ = fn
-    guarded._graphrunner_reseed_guard = True
+    guarded.__wrapped__ = fn  # type: ignore[attr-defined]  # a function attribute mypy's type of a def lacks
+    guarded._graphrunner_reseed_guard = True  # type: ignore[attr-defined]  # likewise (read by _reseed_guard)
     guarded.__name__ = guarded.__qualname__ = name
     guarded.__doc__ = fn.__doc__
     return guarded

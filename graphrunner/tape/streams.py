@@ -195,7 +195,6 @@ CLOCKS = StreamClocks()
 _ids = itertools.count(1)
 _ALL: "weakref.WeakValueDictionary[int, TapeStream]" = weakref.WeakValueDictionary()
 _event_ids = itertools.count(1)
-_ALL: "weakref.WeakValueDictionary[int, TapeStream]" = weakref.WeakValueDictionary()
 _local = threading.local()
 _LOCK = threading.RLock()
 
@@ -209,7 +208,7 @@ class _Pending:
         self.st = st
         self.outside: Optional[torch.Tensor] = None  # while the stream is current: what the others see
         self.mask: Optional[torch.Tensor] = None     # bytes the stream changed
-        self.vals: Optional[torch.Tensor] = None     # their values
+        self.vals: Optional[torch.Tensor] = None     # their values (set with mask)
         self.t = 0                                   # time of the stream's last write into it
 
 
@@ -318,14 +317,14 @@ class TapeStream:
         for e in self._pending.values():
             cur = _bytes(e.st)
             e.outside = cur.clone()
-            if e.mask is not None and cur.numel() == e.mask.numel():
+            if e.mask is not None and e.vals is not None and cur.numel() == e.mask.numel():
                 cur.copy_(torch.where(e.mask, e.vals, cur))
 
     def _land(self, upto: int) -> None:
         for k, e in list(self._pending.items()):
             if e.t > upto:
                 continue
-            if e.outside is None and e.mask is not None:  # not current anywhere: write back
+            if e.outside is None and e.mask is not None and e.vals is not None:  # not current anywhere: write back
                 cur = _bytes(e.st)
                 if cur.numel() == e.mask.numel():
                     cur.copy_(torch.where(e.mask, e.vals, cur))

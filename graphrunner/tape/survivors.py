@@ -23,6 +23,7 @@ import re
 import sys
 import warnings
 import weakref
+from types import FrameType
 
 import torch
 
@@ -129,7 +130,11 @@ def mark_cache(t: torch.Tensor) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"a deliberate cache must be a tensor, got {type(t).__name__}")
     k = id(t)
-    _DELIBERATE[k] = weakref.ref(t, lambda _, k=k: _DELIBERATE.pop(k, None))
+
+    def forget(_: object) -> None:  # the tensor is gone: its id may be reused
+        _DELIBERATE.pop(k, None)
+
+    _DELIBERATE[k] = weakref.ref(t, forget)
     return t
 
 
@@ -150,7 +155,7 @@ class _Poisoned:
             self.raw = ours(torch.empty(0, dtype=torch.uint8, device=st.device).set_(st))
             self.real = self.raw.clone()
             self.typed = ours(torch.empty(0, dtype=dtype, device=st.device).set_(
-                st, 0, (st.nbytes() // dtype.itemsize,)))
+                st, 0, (st.nbytes() // dtype.itemsize,), (1,)))  # the contiguous stride set_ defaults to
         self.value = value
         self.once = once  # computed once at capture (a hoisted constant): never refreshed by replay
 
@@ -303,7 +308,7 @@ def _held_by_frames(skip_prefix: str) -> set:
             for x in list(vars(v).values()) if hasattr(v, "__dict__") else ():
                 walk(x, depth - 1)
 
-    f = sys._getframe(1)
+    f: FrameType | None = sys._getframe(1)
     while f is not None:
         if not str(f.f_globals.get("__name__", "")).startswith(skip_prefix):
             for v in list(f.f_locals.values()):
@@ -453,6 +458,7 @@ def warn_stashed(cap, const_storages: set) -> None:
     if not cands:
         return
     named = stashed_attributes(cands)
+    f: FrameType | None
     level, f = 1, sys._getframe()  # point at the user's code: the first frame outside graphrunner, contextlib
     while f is not None and str(f.f_globals.get("__name__", "")).startswith(("graphrunner.", "contextlib")):
         f, level = f.f_back, level + 1

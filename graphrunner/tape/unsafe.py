@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -22,6 +23,8 @@ from graphrunner._frames import user_frame as _user_frame_of
 from graphrunner._frames import where as _where
 from graphrunner.errors import CaptureUnsafeOpError
 
+if TYPE_CHECKING:  # recording imports this module: a runtime import would be a cycle
+    from .recording import _Capture
 
 
 _INDEX_OPS = {"index", "_unsafe_index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put"}
@@ -160,7 +163,7 @@ def unsafe_function_reason(func, args, kwargs) -> "tuple[str, str] | None":
     (``tolist``, ``print``, ``.cpu()``, ``.item()``, ...) and ``F.one_hot``
     without ``num_classes``. The predicate behind :class:`_Guard`."""
     qualname = getattr(func, "__qualname__", None)
-    what = _UNSAFE_FUNCTIONS.get(qualname)
+    what = _UNSAFE_FUNCTIONS.get(qualname) if qualname is not None else None
     if what is not None:
         return what, qualname or str(func)
     if func is _ONE_HOT and _one_hot_reads_host(args, kwargs):
