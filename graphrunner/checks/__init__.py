@@ -42,7 +42,7 @@ class CheckSet:
     ``fingerprint``: the cross-rank capture fingerprint
     (:mod:`graphrunner.checks.fingerprint`; UNSAFE to leave out with several
     ranks: mismatched ranks then replay mismatched graphs silently);
-    ``streams``: stream ownership (:mod:`graphrunner.checks.streams`: side-stream
+    ``streams``: stream ownership (:mod:`graphrunner.checks.stream_use`: side-stream
     work joined before it is read; off unless named). Debug mode adds the
     externals contract (:mod:`graphrunner.checks.contracts`) and the stream
     check.
@@ -76,7 +76,7 @@ class CheckSet:
         if externals is not None:
             hooks.append(externals)
         if self.streams or externals is not None:  # named, or debug mode
-            from graphrunner.checks.streams import StreamCheck
+            from graphrunner.checks.stream_use import StreamCheck
 
             names = {k: v[0] for k, v in getattr(input_writes, "storages", {}).items()}
             hooks.append(StreamCheck(names=names, step=step))

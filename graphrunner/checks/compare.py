@@ -5,13 +5,13 @@ the runner's static buffers and pads them to their key with the runner's
 own stager, exactly as a call does (any key space: named dims too), then:
 
 1. replays the key's graph, recording (through the one op recorder,
-   :mod:`graphrunner.checks.ops`) the ops a dispatch mode sees (on
+   :mod:`graphrunner.recording.ops`) the ops a dispatch mode sees (on
    the tape every op of every segment, on CUDA only the eager breaks:
    segment kernels are invisible to the host), as a call would;
 2. puts back everything the replay wrote -- tensors that are not created by
    the step and that an op wrote in place or through ``out=`` (a KV cache, a
    counter tensor) get their cells back, logged before each write
-   (:class:`~graphrunner.checks.ops.WriteGuard`) --; both runs draw from copies of the engine's
+   (:class:`~graphrunner.recording.ops.WriteGuard`) --; both runs draw from copies of the engine's
    generators (:class:`~graphrunner.tape.rng.OwnedGenerators`), never from the engine's own;
 3. runs ``step`` eagerly on the same padded inputs (the reference),
    recording every aten op with its output values, its source line (the

@@ -9,7 +9,7 @@ silently. ``GraphRunner(verify_every=N)`` (or ``GRAPHRUNNER_VERIFY_EVERY=N``;
 verifies every N-th call: right before the replay, the step runs eagerly on a
 copy of the same padded inputs (before, so that state it updates is seen as
 the replay sees it), with everything it writes outside itself put back
-afterwards (:class:`~graphrunner.checks.ops.WriteGuard`: the KV cache,
+afterwards (:class:`~graphrunner.recording.ops.WriteGuard`: the KV cache,
 counters), drawing from copies of the engine's generators (never from the
 generators themselves, so the replay draws what an eager call would), and its
 real output cells are compared with the replay's. A difference raises :class:`~graphrunner.errors.ContractError`
