@@ -62,7 +62,8 @@ class CheckSet:
         leading-dim indices, BatchInput)`` of every input); the fingerprint with several ranks in
         ``group``; the debug-mode ``externals`` hook when given."""
         from graphrunner.checks.fingerprint import FingerprintCheck
-        from graphrunner.checks.padding import LeakCheck, check_sizes, second_sizes
+        from graphrunner.checks.leak_check import LeakCheck
+        from graphrunner.checks.padding import check_sizes, second_sizes
 
         hooks: list = [] if input_writes is None else [input_writes]
         multi = int(getattr(group, "size", 1)) > 1

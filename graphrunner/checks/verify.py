@@ -86,7 +86,7 @@ def shadow_verify(server: Any, ref_leaves: List[torch.Tensor], tensors: List[tor
     """Compare a replayed call's ``out`` (sliced to ``sizes``) with its :func:`shadow_reference`.
     Raises :class:`ContractError` naming the key, the output and (from :func:`compare_runner
     <graphrunner.checks.compare.compare_runner>`) the first differing op and line."""
-    from graphrunner.checks.padding import difference
+    from graphrunner.checks.tolerance import difference
 
     _, got = flatten(out)
     worst: Optional[Tuple[int, float]] = None
