@@ -14,12 +14,17 @@ the backends below (:func:`~graphrunner.recording.hooks.provide_check`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 
 from graphrunner.checks.drift import DriftCheck
 from graphrunner.checks.padding import PaddingCheck
 from graphrunner.checks.stash import captured_cache  # noqa: F401 - the stashed-state check's opt-out
-from graphrunner.recording.hooks import provide_check
+from graphrunner.recording.hooks import CaptureHook, provide_check
+
+if TYPE_CHECKING:
+    from graphrunner.checks.contracts import InputWritesCheck
+    from graphrunner.checks.leak_runs import KeyInput
+    from graphrunner.keys import KeySpace
 
 __all__ = ["DEFAULT_CHECKS", "CheckSet", "PaddingCheck", "resolve_checks"]
 
@@ -53,8 +58,10 @@ class CheckSet:
     fingerprint: bool
     streams: bool = False
 
-    def key_hooks(self, space: Any, key: tuple, key_text: str, inputs: list, step: Any, leaf_dims: Any,
-                  group: Any, externals: Any = None, input_writes: Any = None) -> list:
+    def key_hooks(self, space: KeySpace, key: Tuple[int, ...], key_text: str, inputs: Sequence[KeyInput],
+                  step: Callable[..., Any], leaf_dims: Callable[[tuple, int], List[Tuple[int, ...]]], group: Any,
+                  externals: Optional[CaptureHook] = None,
+                  input_writes: Optional[InputWritesCheck] = None) -> List[CaptureHook]:
         """The capture hooks of a runner's ``key`` (the drift check is the backend's: ``drift`` says
         what the backend was made with, see :func:`provide_check` above):
         ``input_writes`` (:class:`~graphrunner.checks.contracts.InputWritesCheck`, always given by
@@ -65,13 +72,14 @@ class CheckSet:
         from graphrunner.checks.leak_check import LeakCheck
         from graphrunner.checks.padding import check_sizes, second_sizes
 
-        hooks: list = [] if input_writes is None else [input_writes]
+        hooks: List[CaptureHook] = [] if input_writes is None else [input_writes]
         multi = int(getattr(group, "size", 1)) > 1
-        sizes = check_sizes(space, key) if self.padding is not None else None
-        if sizes is not None:
+        padding = self.padding
+        sizes = check_sizes(space, key) if padding is not None else None
+        if padding is not None and sizes is not None:
             hooks.append(LeakCheck(key, key_text, sizes, second_sizes(space, key, sizes), inputs, step, leaf_dims,
-                                   self.padding.exempt, group=group if multi else None,
-                                   phase_key=space.external(key), warned=self.padding.warned))
+                                   padding.exempt, group=group if multi else None,
+                                   phase_key=space.external(key), warned=padding.warned))
         if self.fingerprint and multi:
             hooks.append(FingerprintCheck())
         if externals is not None:
@@ -113,7 +121,8 @@ def resolve_checks(checks: Any) -> CheckSet:
     padding: Optional[PaddingCheck] = None
     for c in items:
         if isinstance(c, PaddingCheck):
-            c, padding = "padding", c
+            padding = c
+            c = "padding"
         elif c == "padding":
             padding = padding or PaddingCheck()
         if c == "drift":

@@ -41,7 +41,7 @@ import ast
 import os
 import re
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Collection, Dict, List, Literal, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -79,7 +79,7 @@ class StashWatch(OpConsumer):
         self.made: List[Tuple[weakref.ref, Optional[Where]]] = []
         self.created: set = set()  # storages the capture's ops made
         self.const: set = set()  # ... of those, the ones made from constants only
-        self.files: set = set()  # the user's source files the ops ran in
+        self.files: Set[str] = set()  # the user's source files the ops ran in
 
     def after(self, ev: Any) -> None:
         out = ev.out
@@ -242,7 +242,7 @@ _CONTAINER_DEPTH = 3
 _MAX_OBJECTS = 50_000
 
 
-def attribute_names(tensors: Dict[int, torch.Tensor], roots: Sequence[Any], files: Sequence[str] = ()) -> Dict[int, List[str]]:
+def attribute_names(tensors: Dict[int, torch.Tensor], roots: Sequence[Any], files: Collection[str] = ()) -> Dict[int, List[str]]:
     """``{id(tensor): ["Owner.attr", "Owner.attr[0]['k']", "module.NAME", ...]}``: where each of
     ``tensors`` is kept, looked for from ``roots`` down (a callable's closure cells, bound object and
     wrapped function; objects' attributes, ``nn.Module`` buffers, parameters and submodules, lists,
@@ -379,7 +379,7 @@ def _tree(file: str) -> Tuple[Optional[ast.AST], List[str]]:
     return tree, lines
 
 
-def _assignment(attr: str, made: Optional[Where], segments: bool) -> "Optional[Tuple[str, int, str, str]] | bool":
+def _assignment(attr: str, made: Optional[Where], segments: bool) -> "Optional[Tuple[str, int, str, str]] | Literal[False]":
     """``(file, line, function, source)`` of the assignment of ``attr`` (``"Owner.name[...]"``) in
     the file the tensor was made in, nearest after that line in the same function first; ``None``
     when not found; ``False`` when ``segments`` and it lies in a ``@no_graph`` function."""
@@ -398,7 +398,7 @@ def _assignment(attr: str, made: Optional[Where], segments: bool) -> "Optional[T
                 brk = in_break or any("no_graph" in ast.unparse(d) for d in child.decorator_list)
                 visit(child, child.name, brk)
                 continue
-            if _assigns(child, name):
+            if isinstance(child, ast.stmt) and _assigns(child, name):  # _assigns: statements only
                 sites.append((child.lineno, func, in_break))
             visit(child, func, in_break)
 

@@ -46,7 +46,8 @@ import torch
 
 from graphrunner._aten import storage_key, tensors_in
 from graphrunner._frames import where as where_text
-from graphrunner.recording.hooks import Capture, CaptureHook, Finding
+from graphrunner.checks.findings import finding_at
+from graphrunner.recording.hooks import Capture, CaptureHook
 from graphrunner.recording.ops import OpConsumer
 from graphrunner.errors import CaptureError
 from graphrunner.tape.streams import CLOCKS, StreamClocks
@@ -186,7 +187,8 @@ class _Watch(OpConsumer):
         if self.writes:
             for v in list(ev.args) + list(ev.kwargs.values()):
                 for x in tensors_in(v):
-                    w = self.writes.get(storage_key(x))
+                    k = storage_key(x)
+                    w = self.writes.get(k) if k is not None else None
                     if w is not None and w.stream != s and not w.reported and not clocks.knows(s, w.stream, w.t):
                         w.reported = True
                         self.check._hazard(self.cap, led, ev, x, w, s)
@@ -255,8 +257,7 @@ class StreamCheck(CaptureHook):
                        f"{cap.key!r} ends: its last write ({w.op} into {what} at {where_text(w.where)}"
                        f"{self._in_break(w.brk)}) was never waited for by {led.name(now)}, so the next replay, "
                        f"and whatever reads {what} after it, races that write. To fix: {_JOIN}.")
-                cap.fail(CaptureError(msg), Finding("stream-unjoined", msg, *(w.where or (None, None, None)),
-                                                    fix=_JOIN))
+                cap.fail(CaptureError(msg), finding_at("stream-unjoined", msg, w.where, fix=_JOIN))
 
     def end(self, cap: Capture) -> None:
         if self._ledger is not None:
@@ -286,8 +287,8 @@ class StreamCheck(CaptureHook):
                         self._paths.setdefault(sk, path)
             except Exception:  # noqa: BLE001 - naming is best effort; the hazard is reported anyway
                 pass
-        path = self._paths.get(k)
-        return f"{path} ({w.desc})" if path else f"a {w.desc} tensor"
+        named = self._paths.get(k) if k is not None else None
+        return f"{named} ({w.desc})" if named else f"a {w.desc} tensor"
 
     def _hazard(self, cap: Capture, led: Any, ev: Any, x: torch.Tensor, w: _Write, reader: int) -> None:
         what = self._tensor(cap, x, w)
@@ -300,4 +301,4 @@ class StreamCheck(CaptureHook):
                f"the write), at the capture of shape key {cap.key!r}. On a GPU this read races the write and may "
                "see the value from before it (silent corruption under load; the tape shows that stale value when "
                f"this check is off). To fix: {_JOIN}.")
-        cap.fail(CaptureError(msg), Finding("stream-hazard", msg, *(ev.where or (None, None, None)), fix=_JOIN))
+        cap.fail(CaptureError(msg), finding_at("stream-hazard", msg, ev.where, fix=_JOIN))
