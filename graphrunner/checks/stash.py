@@ -40,6 +40,7 @@ from __future__ import annotations
 import ast
 import os
 import re
+import types
 import weakref
 from typing import Any, Collection, Dict, List, Literal, Optional, Sequence, Set, Tuple
 
@@ -250,58 +251,77 @@ def attribute_names(tensors: Dict[int, torch.Tensor], roots: Sequence[Any], file
     of graphrunner's own modules do not count (the library's bookkeeping). Cheap: no heap walk, a
     bounded number of objects; a tensor kept where none of these reach (another module's registry,
     a cache of ``functools``) is not named."""
-    import sys
-    import types
+    walk = _AttributeWalk(tensors)
+    for r in roots:
+        walk.obj(r, 0)
+    if files:
+        by_file = _modules_by_file()
+        for f in {os.path.abspath(f) for f in files}:
+            for m in by_file.get(f, ()):
+                for k, v in list(vars(m).items()):
+                    if isinstance(v, (torch.Tensor, list, tuple, dict)):
+                        walk.value(v, f"{m.__name__}.{k}", 0, 0)
+    return walk.found
 
-    found: Dict[int, List[str]] = {}
-    seen: set = set()
-    budget = [_MAX_OBJECTS]
 
-    def add(t: Any, path: str) -> None:
-        if id(t) in tensors and tensors[id(t)] is t:
-            lst = found.setdefault(id(t), [])
+class _AttributeWalk:
+    """One walk of :func:`attribute_names`: the names ``found`` so far, the objects ``seen``, and
+    the ``budget`` of objects left to visit."""
+
+    def __init__(self, tensors: Dict[int, torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.found: Dict[int, List[str]] = {}
+        self.seen: Set[int] = set()
+        self.budget = _MAX_OBJECTS
+
+    def add(self, t: Any, path: str) -> None:
+        if id(t) in self.tensors and self.tensors[id(t)] is t:
+            lst = self.found.setdefault(id(t), [])
             if path not in lst:
                 lst.append(path)
 
-    def value(v: Any, path: str, depth: int, cdepth: int) -> None:
+    def value(self, v: Any, path: str, depth: int, cdepth: int) -> None:
+        """A value at ``path``: a tensor, a container (``cdepth`` deep in containers) or an object."""
         if isinstance(v, torch.Tensor):
-            add(v, path)
+            self.add(v, path)
             return
-        if budget[0] <= 0:
+        if self.budget <= 0:
             return
         if isinstance(v, (list, tuple)):
-            if cdepth < _CONTAINER_DEPTH and id(v) not in seen:
-                seen.add(id(v))
-                budget[0] -= 1
+            if cdepth < _CONTAINER_DEPTH and id(v) not in self.seen:
+                self.seen.add(id(v))
+                self.budget -= 1
                 for i, x in enumerate(v[:1000]):
-                    value(x, f"{path}[{i}]", depth, cdepth + 1)
+                    self.value(x, f"{path}[{i}]", depth, cdepth + 1)
             return
         if isinstance(v, dict):
-            if cdepth < _CONTAINER_DEPTH and id(v) not in seen:
-                seen.add(id(v))
-                budget[0] -= 1
+            if cdepth < _CONTAINER_DEPTH and id(v) not in self.seen:
+                self.seen.add(id(v))
+                self.budget -= 1
                 for k, x in list(v.items())[:1000]:
-                    value(x, f"{path}[{k!r}]", depth, cdepth + 1)
+                    self.value(x, f"{path}[{k!r}]", depth, cdepth + 1)
             return
-        obj(v, depth + 1)
+        self.obj(v, depth + 1)
 
-    def obj(o: Any, depth: int) -> None:
-        if depth > _OBJECT_DEPTH or id(o) in seen or budget[0] <= 0 or o is None:
+    def obj(self, o: Any, depth: int) -> None:
+        """An object ``depth`` objects down: a callable's closure cells, bound object and wrapped
+        function; an object's attributes (an ``nn.Module``'s buffers, parameters and submodules)."""
+        if depth > _OBJECT_DEPTH or id(o) in self.seen or self.budget <= 0 or o is None:
             return
         if isinstance(o, (str, bytes, int, float, complex, bool, type, types.ModuleType)) or _ours(o):
             return
-        seen.add(id(o))
-        budget[0] -= 1
+        self.seen.add(id(o))
+        self.budget -= 1
         if callable(o) and not isinstance(o, torch.nn.Module):
             for c in getattr(o, "__closure__", None) or ():
                 try:
-                    obj(c.cell_contents, depth) if not isinstance(c.cell_contents, torch.Tensor) else None
+                    self.obj(c.cell_contents, depth) if not isinstance(c.cell_contents, torch.Tensor) else None
                 except ValueError:
                     pass
             for a in ("__self__", "__wrapped__", "func"):
                 inner = getattr(o, a, None)
                 if inner is not None and not isinstance(inner, types.ModuleType):
-                    obj(inner, depth)
+                    self.obj(inner, depth)
             if isinstance(o, (types.FunctionType, types.MethodType, types.BuiltinFunctionType)):
                 return
         try:
@@ -314,20 +334,9 @@ def attribute_names(tensors: Dict[int, torch.Tensor], roots: Sequence[Any], file
         for k, v in list(attrs.items()):
             if k in ("_buffers", "_parameters", "_modules") and isinstance(o, torch.nn.Module) and isinstance(v, dict):
                 for n, x in list(v.items()):
-                    value(x, f"{label}.{n}", depth, 1)
+                    self.value(x, f"{label}.{n}", depth, 1)
                 continue
-            value(v, f"{label}.{k}", depth, 0)
-
-    for r in roots:
-        obj(r, 0)
-    if files:
-        by_file = _modules_by_file()
-        for f in {os.path.abspath(f) for f in files}:
-            for m in by_file.get(f, ()):
-                for k, v in list(vars(m).items()):
-                    if isinstance(v, (torch.Tensor, list, tuple, dict)):
-                        value(v, f"{m.__name__}.{k}", 0, 0)
-    return found
+            self.value(v, f"{label}.{k}", depth, 0)
 
 
 _BY_FILE: List[Any] = [-1, {}]  # [len(sys.modules) when built, {absolute source path: [module]}]
