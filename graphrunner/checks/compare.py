@@ -48,7 +48,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from graphrunner._frames import where
 from graphrunner._pytree import flatten
-from graphrunner.recording.ops import OpConsumer, OpRecorder, WriteGuard, tensors_in
+from graphrunner.recording.ops import OpConsumer, OpEvent, OpRecorder, WriteGuard, tensors_in
 from graphrunner.tape.rng import OwnedGenerators
 from graphrunner.errors import CaptureError
 from graphrunner.keys import region
@@ -144,7 +144,7 @@ class _Recorder(OpConsumer):
         self._segment = 1
         self._in_break = False
 
-    def _context(self, ev: Any) -> str:
+    def _context(self, ev: OpEvent) -> str:
         if ev.in_eager_break:
             self._in_break = True
             fn = ev.break_fn
@@ -154,10 +154,10 @@ class _Recorder(OpConsumer):
             self._segment += 1
         return f"graph segment {self._segment}"
 
-    def before(self, ev: Any) -> None:
+    def before(self, ev: OpEvent) -> None:
         self.state.before(ev)
 
-    def after(self, ev: Any) -> None:
+    def after(self, ev: OpEvent) -> None:
         self.state.after(ev)
         if ev.name in _SKIP:
             return

@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_leaves
 from graphrunner._env import env_flag
 from graphrunner.checks.findings import finding_at
 from graphrunner.recording.hooks import Capture, CaptureHook
-from graphrunner.recording.ops import OpConsumer, storage_key
+from graphrunner.recording.ops import OpConsumer, OpEvent, storage_key
 from graphrunner.errors import CaptureError, ContractError, GraphRunnerError
 
 __all__ = ["debug_enabled", "bounds_error", "check_bounds", "check_call", "ExternalRecorder", "named_tensors",
@@ -130,7 +130,7 @@ class ExternalRecorder(OpConsumer):
         self.written: set = set()
         self.made: set = set()  # ids of tensors the forward's ops returned (views of externals included)
 
-    def before(self, ev: Any) -> None:
+    def before(self, ev: OpEvent) -> None:
         for t in tree_leaves((ev.args, ev.kwargs)):
             if isinstance(t, torch.Tensor):
                 s = storage_key(t)
@@ -142,7 +142,7 @@ class ExternalRecorder(OpConsumer):
             if s in self.ext_storage:
                 self.written.add(s)
 
-    def after(self, ev: Any) -> None:
+    def after(self, ev: OpEvent) -> None:
         for t in tree_leaves(ev.out):
             if isinstance(t, torch.Tensor):
                 # ids of live externals cannot be reused by tensors made here
@@ -319,7 +319,7 @@ class _InputWrites(OpConsumer):
         self.storages = storages
         self.found: Dict[str, Any] = {}
 
-    def before(self, ev: Any) -> None:
+    def before(self, ev: OpEvent) -> None:
         for t in ev.written:
             k = storage_key(t)
             hit = self.storages.get(k) if k is not None else None

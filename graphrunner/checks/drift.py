@@ -36,7 +36,7 @@ from graphrunner._frames import is_library, library_name
 from graphrunner._frames import where as _where_of
 from graphrunner.checks.findings import finding_at
 from graphrunner.recording.hooks import Capture, CaptureHook, Finding
-from graphrunner.recording.ops import OpConsumer, OpRecorder
+from graphrunner.recording.ops import OpConsumer, OpEvent, OpRecorder
 from graphrunner.errors import CaptureError
 
 __all__ = ["OpRecord", "OpStream", "DriftCheck", "find_drift", "drift_error", "drift_finding"]
@@ -154,12 +154,12 @@ class OpStream(OpConsumer):
         self.ops: List[OpRecord] = []
         self._call: Any = None  # the atomic call the last op belonged to
 
-    def _where(self, ev: Any) -> "Tuple[str, int, str] | None | Literal[False]":
+    def _where(self, ev: OpEvent) -> "Tuple[str, int, str] | None | Literal[False]":
         if self.skip_eager_breaks and ev.in_eager_break:
             return False
         return ev.where
 
-    def before(self, ev: Any) -> None:
+    def before(self, ev: OpEvent) -> None:
         call = ev.atomic_call
         if call is not None:  # one record per atomic call, at its first op
             if call is not self._call:

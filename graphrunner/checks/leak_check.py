@@ -25,6 +25,7 @@ from graphrunner.checks.written_cells import PerturbedCells
 from graphrunner.errors import PaddingLeakError
 from graphrunner.keys import all_max_vector
 from graphrunner.recording.hooks import Capture, CaptureHook, Finding
+from graphrunner.recording.ops import OpConsumer
 
 __all__ = ["LeakCheck"]
 
@@ -152,7 +153,7 @@ class LeakCheck(CaptureHook):
             runs.phase = Phase.FOLLOW_UP
         self.seconds += time.perf_counter() - t0
 
-    def warmup_consumers(self, cap: Capture, i: int) -> Sequence[Any]:
+    def warmup_consumers(self, cap: Capture, i: int) -> Sequence[OpConsumer]:
         runs = self._runs
         if runs is None:
             return ()
@@ -241,7 +242,7 @@ class LeakCheck(CaptureHook):
 
     # ------------------------------------------------------------ the runs
     def _run(self, cap: Capture, runs: LeakRuns, fn: Callable[[], Any], restore: bool = True,
-             consumers: Sequence[Any] = ()) -> Leaves:
+             consumers: Sequence[OpConsumer] = ()) -> Leaves:
         """One eager forward of the check (:meth:`LeakRuns.run`), counted."""
         self.forwards += 1
         return runs.run(cap, fn, restore=restore, consumers=consumers)

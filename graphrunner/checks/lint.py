@@ -60,7 +60,7 @@ import torch
 from graphrunner._frames import is_internal, is_library, library_name, where
 from graphrunner.checks.findings import finding_at
 from graphrunner.recording.hooks import Capture, CaptureHook, Finding
-from graphrunner.recording.ops import OpConsumer
+from graphrunner.recording.ops import OpConsumer, OpEvent
 from graphrunner.errors import CaptureError, CaptureUnsafeOpError, GraphRunnerError
 
 __all__ = ["Finding", "CheckReport", "CheckUsageError", "UnsafeOpLint", "EXPECTED", "exit_text", "required_parameters",
@@ -240,7 +240,7 @@ class _FirstUnsafe(OpConsumer):
     def __init__(self) -> None:
         self.found: Optional[str] = None
 
-    def before(self, ev: Any) -> None:
+    def before(self, ev: OpEvent) -> None:
         if self.found is not None or ev.atomic or ev.func.namespace == "c10d" or ev.in_eager_break:
             return
         from graphrunner._frames import where as where_text
@@ -279,7 +279,7 @@ class _UnsafeOps(OpConsumer):
     def __init__(self, lint: "UnsafeOpLint", cap: Capture, skip_eager_breaks: bool):
         self.lint, self.cap, self.skip = lint, cap, skip_eager_breaks
 
-    def before(self, ev: Any) -> None:
+    def before(self, ev: OpEvent) -> None:
         if ev.atomic or ev.func.namespace == "c10d" or (self.skip and ev.in_eager_break):
             return
         from graphrunner.tape.unsafe import unsafe_reason
@@ -288,6 +288,8 @@ class _UnsafeOps(OpConsumer):
         if reason is not None:
             self.lint.report(self.cap.findings, self.cap.key, f"{reason[0]} [op: {reason[1]}]", ev.user_stack())
 
+    # ev is a FunctionEvent; typed Any because FunctionEvent borrows OpEvent's in_eager_break and
+    # user_stack (recording/ops.py), which mypy types with an OpEvent self
     def function(self, ev: Any) -> Any:
         from graphrunner.tape.unsafe import _ONE_HOT, unsafe_function_reason
 

@@ -50,7 +50,7 @@ from graphrunner._aten import storage_key, tensors_in
 from graphrunner._frames import is_library
 from graphrunner.recording.hooks import Capture, CaptureHook, Finding
 from graphrunner.recording.ops import _FRESH_RETURNS as _FRESH
-from graphrunner.recording.ops import _UNKNOWN, OpConsumer, _fresh_returns
+from graphrunner.recording.ops import _UNKNOWN, OpConsumer, OpEvent, _fresh_returns
 from graphrunner.errors import CaptureError
 
 __all__ = ["StashCheck", "StashWatch", "attribute_names", "captured_cache"]
@@ -82,7 +82,7 @@ class StashWatch(OpConsumer):
         self.const: set = set()  # ... of those, the ones made from constants only
         self.files: Set[str] = set()  # the user's source files the ops ran in
 
-    def after(self, ev: Any) -> None:
+    def after(self, ev: OpEvent) -> None:
         out = ev.out
         if isinstance(out, torch.Tensor):
             outs: Sequence[torch.Tensor] = (out,)

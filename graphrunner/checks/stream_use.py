@@ -48,7 +48,7 @@ from graphrunner._aten import storage_key, tensors_in
 from graphrunner._frames import where as where_text
 from graphrunner.checks.findings import finding_at
 from graphrunner.recording.hooks import Capture, CaptureHook
-from graphrunner.recording.ops import OpConsumer
+from graphrunner.recording.ops import OpConsumer, OpEvent
 from graphrunner.errors import CaptureError
 from graphrunner.tape.streams import CLOCKS, StreamClocks
 
@@ -179,7 +179,7 @@ class _Watch(OpConsumer):
         self.side: Dict[int, _Write] = {}  # stream -> its last write (streams other than the main one)
         self._now = (self.main, 0)
 
-    def before(self, ev: Any) -> None:
+    def before(self, ev: OpEvent) -> None:
         led = self.ledger
         s = led.current()
         t = led.clocks.note_op(s)
@@ -195,7 +195,7 @@ class _Watch(OpConsumer):
         self._now = (s, t)
         self._note(ev, ev.written, s, t)
 
-    def after(self, ev: Any) -> None:
+    def after(self, ev: OpEvent) -> None:
         # what the op allocated is written by it, on its stream (a view of an input is not)
         if ev.out is None:
             return
@@ -204,7 +204,7 @@ class _Watch(OpConsumer):
         if fresh:
             self._note(ev, fresh, *self._now)
 
-    def _note(self, ev: Any, written: Sequence[torch.Tensor], s: int, t: int) -> None:
+    def _note(self, ev: OpEvent, written: Sequence[torch.Tensor], s: int, t: int) -> None:
         if written:
             where, brk = ev.where, (ev.break_fn if ev.in_eager_break else None)
             for x in written:
@@ -290,7 +290,7 @@ class StreamCheck(CaptureHook):
         named = self._paths.get(k) if k is not None else None
         return f"{named} ({w.desc})" if named else f"a {w.desc} tensor"
 
-    def _hazard(self, cap: Capture, led: Any, ev: Any, x: torch.Tensor, w: _Write, reader: int) -> None:
+    def _hazard(self, cap: Capture, led: Any, ev: OpEvent, x: torch.Tensor, w: _Write, reader: int) -> None:
         what = self._tensor(cap, x, w)
         place = (f"in eager break {_fn_name(ev.break_fn)}" if ev.in_eager_break
                  else "in a graph segment" if cap.freezes is not None else "in the step")
