@@ -94,7 +94,6 @@ class LeakCheck(CaptureHook):
     back afterwards.
     """
 
-
     name = "padding"
 
     def __init__(self, key: Sizes, key_text: str, sizes: Sizes, sizes2: Optional[Sizes],
