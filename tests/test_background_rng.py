@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import graphrunner as gr
-from graphrunner.checks.padding import LeakCheck
+from graphrunner.checks.leak_check import LeakCheck
 
 V, H = 11, 8
 

@@ -599,7 +599,7 @@ def test_a_counter_in_a_class_attribute_hides_no_leak(target, where, caplog):
 
 
 def test_negative_control_without_the_classes_the_leak_is_not_checked(target, monkeypatch, caplog):
-    from graphrunner.checks import padding
+    from graphrunner.checks import step_objects as padding
 
     real = padding.PythonNumbers.__init__
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import graphrunner as gr
-from graphrunner.checks.ops import WriteGuard
+from graphrunner.recording.ops import WriteGuard
 from graphrunner.errors import CaptureError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -27,8 +27,10 @@ import pytest
 import torch
 
 import graphrunner as gr
-from graphrunner.checks import padding
-from graphrunner.checks.padding import LeakCheck, Noise, difference
+from graphrunner.checks import leak_runs as padding
+from graphrunner.checks import tolerance
+from graphrunner.checks.leak_check import LeakCheck
+from graphrunner.checks.tolerance import Noise, difference
 from graphrunner.tape import StashedTensorWarning
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -381,7 +383,7 @@ def _old_tolerance(b, noise=None):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_repro8_negative_control_the_old_tolerance_accepts_it_and_replays_differ_by_percents(dtype, monkeypatch):
-    monkeypatch.setattr(padding, "admitted", _old_tolerance)
+    monkeypatch.setattr(tolerance, "admitted", _old_tolerance)  # where difference() reads it
     step, calls = _channels(dtype, leak=True), _x_calls(dtype)
     r = _x_runner(step, dtype)
     r.capture()

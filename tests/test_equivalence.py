@@ -323,7 +323,7 @@ def test_run_a_at_a_lazy_first_warmup_is_confirmed_before_a_finding(caplog):
 
 def test_run_a_at_a_lazy_first_warmup_negative_control_without_the_confirmation(monkeypatch, caplog):
     """Without the confirmation the check compares the lazy first call and gives up on the output."""
-    from graphrunner.checks.padding import LeakCheck
+    from graphrunner.checks.leak_check import LeakCheck
 
     original = LeakCheck.before_warmup
 

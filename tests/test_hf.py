@@ -261,7 +261,7 @@ def test_moe_decode_runner_captures_with_buckets_up_to_8_no_false_alarm(monkeypa
     ref = reference(model, ids, n=3)
     assert torch.equal(out, ref)
     # negative control: compared bit for bit, the row-count-dependent kernels read as a leak
-    import graphrunner.checks.padding as padding
+    import graphrunner.checks.leak_check as padding
 
     exact = padding.difference
     monkeypatch.setattr(padding, "difference", lambda a, b, tolerant=False: exact(a, b, False))

@@ -132,7 +132,7 @@ def test_state_the_step_writes_is_put_back_around_the_checks_forwards(caplog, mo
     tensor the step updates in place is no false alarm, with or without a reset hook; the user's hook
     runs after each warmup only. Negative control: without the restore the check sees the output move
     between two identical calls and can only warn that it cannot check it."""
-    from graphrunner.checks.ops import WriteGuard
+    from graphrunner.recording.ops import WriteGuard
 
     counter = torch.zeros(())
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import graphrunner as gr
-from graphrunner.checks.streams import StreamCheck
+from graphrunner.checks.stream_use import StreamCheck
 from graphrunner.errors import CaptureError
 from graphrunner.tape import TapeEvent, TapeStream
 from graphrunner.tape.streams import CLOCKS
@@ -123,7 +123,7 @@ def test_clocks_follow_waits_and_events():
 
 
 def test_ops_record_their_stream_in_a_capture(dev):
-    from graphrunner.checks.ops import OpConsumer, OpRecorder
+    from graphrunner.recording.ops import OpConsumer, OpRecorder
 
     class Streams(OpConsumer):
         seen: list = []
@@ -428,7 +428,7 @@ def test_cuda_streams_checked_through_torch_cuda(cuda_device, join, backend):
     if not join:
         import re
 
-        from graphrunner.checks.streams import _CudaLedger
+        from graphrunner.checks.stream_use import _CudaLedger
 
         with pytest.raises(CaptureError, match=rf"stream ownership: CUDA stream \S+ reads meta .*meta.copy_.*"
                                                rf"ran on {re.escape(_CudaLedger.name(side.cuda_stream))},"):

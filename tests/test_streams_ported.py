@@ -139,7 +139,7 @@ def test_debug_fork_tracking():
 def test_debug_fork_tracking_through_the_gpu_trace_hooks(cuda_standin):
     """The same, through ``torch.cuda`` on the CUDA stand-in: events recorded and waited on real
     ``torch.cuda.Event`` calls reach the debug-mode clocks via ``torch.cuda._gpu_trace``."""
-    from graphrunner.checks.streams import _release, cuda_clocks
+    from graphrunner.checks.stream_use import _release, cuda_clocks
 
     clk = cuda_clocks()
     try:

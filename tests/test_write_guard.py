@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from graphrunner.checks.ops import OpRecorder, WriteGuard
+from graphrunner.recording.ops import OpRecorder, WriteGuard
 
 
 def _run(step, guard):

@@ -14,12 +14,17 @@ the backends below (:func:`~graphrunner.recording.hooks.provide_check`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 
 from graphrunner.checks.drift import DriftCheck
 from graphrunner.checks.padding import PaddingCheck
 from graphrunner.checks.stash import captured_cache  # noqa: F401 - the stashed-state check's opt-out
-from graphrunner.recording.hooks import provide_check
+from graphrunner.recording.hooks import CaptureHook, provide_check
+
+if TYPE_CHECKING:
+    from graphrunner.checks.contracts import InputWritesCheck
+    from graphrunner.checks.leak_runs import KeyInput
+    from graphrunner.keys import KeySpace
 
 __all__ = ["DEFAULT_CHECKS", "CheckSet", "PaddingCheck", "resolve_checks"]
 
@@ -42,7 +47,7 @@ class CheckSet:
     ``fingerprint``: the cross-rank capture fingerprint
     (:mod:`graphrunner.checks.fingerprint`; UNSAFE to leave out with several
     ranks: mismatched ranks then replay mismatched graphs silently);
-    ``streams``: stream ownership (:mod:`graphrunner.checks.streams`: side-stream
+    ``streams``: stream ownership (:mod:`graphrunner.checks.stream_use`: side-stream
     work joined before it is read; off unless named). Debug mode adds the
     externals contract (:mod:`graphrunner.checks.contracts`) and the stream
     check.
@@ -53,8 +58,10 @@ class CheckSet:
     fingerprint: bool
     streams: bool = False
 
-    def key_hooks(self, space: Any, key: tuple, key_text: str, inputs: list, step: Any, leaf_dims: Any,
-                  group: Any, externals: Any = None, input_writes: Any = None) -> list:
+    def key_hooks(self, space: KeySpace, key: Tuple[int, ...], key_text: str, inputs: Sequence[KeyInput],
+                  step: Callable[..., Any], leaf_dims: Callable[[tuple, int], List[Tuple[int, ...]]], group: Any,
+                  externals: Optional[CaptureHook] = None,
+                  input_writes: Optional[InputWritesCheck] = None) -> List[CaptureHook]:
         """The capture hooks of a runner's ``key`` (the drift check is the backend's: ``drift`` says
         what the backend was made with, see :func:`provide_check` above):
         ``input_writes`` (:class:`~graphrunner.checks.contracts.InputWritesCheck`, always given by
@@ -62,21 +69,23 @@ class CheckSet:
         leading-dim indices, BatchInput)`` of every input); the fingerprint with several ranks in
         ``group``; the debug-mode ``externals`` hook when given."""
         from graphrunner.checks.fingerprint import FingerprintCheck
-        from graphrunner.checks.padding import LeakCheck, check_sizes, second_sizes
+        from graphrunner.checks.leak_check import LeakCheck
+        from graphrunner.checks.padding import check_sizes, second_sizes
 
-        hooks: list = [] if input_writes is None else [input_writes]
+        hooks: List[CaptureHook] = [] if input_writes is None else [input_writes]
         multi = int(getattr(group, "size", 1)) > 1
-        sizes = check_sizes(space, key) if self.padding is not None else None
-        if sizes is not None:
+        padding = self.padding
+        sizes = check_sizes(space, key) if padding is not None else None
+        if padding is not None and sizes is not None:
             hooks.append(LeakCheck(key, key_text, sizes, second_sizes(space, key, sizes), inputs, step, leaf_dims,
-                                   self.padding.exempt, group=group if multi else None,
-                                   phase_key=space.external(key), warned=self.padding.warned))
+                                   padding.exempt, group=group if multi else None,
+                                   phase_key=space.external(key), warned=padding.warned))
         if self.fingerprint and multi:
             hooks.append(FingerprintCheck())
         if externals is not None:
             hooks.append(externals)
         if self.streams or externals is not None:  # named, or debug mode
-            from graphrunner.checks.streams import StreamCheck
+            from graphrunner.checks.stream_use import StreamCheck
 
             names = {k: v[0] for k, v in getattr(input_writes, "storages", {}).items()}
             hooks.append(StreamCheck(names=names, step=step))
@@ -112,7 +121,8 @@ def resolve_checks(checks: Any) -> CheckSet:
     padding: Optional[PaddingCheck] = None
     for c in items:
         if isinstance(c, PaddingCheck):
-            c, padding = "padding", c
+            padding = c
+            c = "padding"
         elif c == "padding":
             padding = padding or PaddingCheck()
         if c == "drift":

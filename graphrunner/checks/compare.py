@@ -5,13 +5,13 @@ the runner's static buffers and pads them to their key with the runner's
 own stager, exactly as a call does (any key space: named dims too), then:
 
 1. replays the key's graph, recording (through the one op recorder,
-   :mod:`graphrunner.checks.ops`) the ops a dispatch mode sees (on
+   :mod:`graphrunner.recording.ops`) the ops a dispatch mode sees (on
    the tape every op of every segment, on CUDA only the eager breaks:
    segment kernels are invisible to the host), as a call would;
 2. puts back everything the replay wrote -- tensors that are not created by
    the step and that an op wrote in place or through ``out=`` (a KV cache, a
    counter tensor) get their cells back, logged before each write
-   (:class:`~graphrunner.checks.ops.WriteGuard`) --; both runs draw from copies of the engine's
+   (:class:`~graphrunner.recording.ops.WriteGuard`) --; both runs draw from copies of the engine's
    generators (:class:`~graphrunner.tape.rng.OwnedGenerators`), never from the engine's own;
 3. runs ``step`` eagerly on the same padded inputs (the reference),
    recording every aten op with its output values, its source line (the
@@ -48,7 +48,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from graphrunner._frames import where
 from graphrunner._pytree import flatten
-from graphrunner.recording.ops import OpConsumer, OpRecorder, WriteGuard, tensors_in
+from graphrunner.recording.ops import OpConsumer, OpEvent, OpRecorder, WriteGuard, tensors_in
 from graphrunner.tape.rng import OwnedGenerators
 from graphrunner.errors import CaptureError
 from graphrunner.keys import region
@@ -144,7 +144,7 @@ class _Recorder(OpConsumer):
         self._segment = 1
         self._in_break = False
 
-    def _context(self, ev: Any) -> str:
+    def _context(self, ev: OpEvent) -> str:
         if ev.in_eager_break:
             self._in_break = True
             fn = ev.break_fn
@@ -154,10 +154,10 @@ class _Recorder(OpConsumer):
             self._segment += 1
         return f"graph segment {self._segment}"
 
-    def before(self, ev: Any) -> None:
+    def before(self, ev: OpEvent) -> None:
         self.state.before(ev)
 
-    def after(self, ev: Any) -> None:
+    def after(self, ev: OpEvent) -> None:
         self.state.after(ev)
         if ev.name in _SKIP:
             return

@@ -37,8 +37,9 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from graphrunner._env import env_flag
-from graphrunner.recording.hooks import Capture, CaptureHook, Finding
-from graphrunner.recording.ops import OpConsumer, storage_key
+from graphrunner.checks.findings import finding_at
+from graphrunner.recording.hooks import Capture, CaptureHook
+from graphrunner.recording.ops import OpConsumer, OpEvent, storage_key
 from graphrunner.errors import CaptureError, ContractError, GraphRunnerError
 
 __all__ = ["debug_enabled", "bounds_error", "check_bounds", "check_call", "ExternalRecorder", "named_tensors",
@@ -129,7 +130,7 @@ class ExternalRecorder(OpConsumer):
         self.written: set = set()
         self.made: set = set()  # ids of tensors the forward's ops returned (views of externals included)
 
-    def before(self, ev: Any) -> None:
+    def before(self, ev: OpEvent) -> None:
         for t in tree_leaves((ev.args, ev.kwargs)):
             if isinstance(t, torch.Tensor):
                 s = storage_key(t)
@@ -141,7 +142,7 @@ class ExternalRecorder(OpConsumer):
             if s in self.ext_storage:
                 self.written.add(s)
 
-    def after(self, ev: Any) -> None:
+    def after(self, ev: OpEvent) -> None:
         for t in tree_leaves(ev.out):
             if isinstance(t, torch.Tensor):
                 # ids of live externals cannot be reused by tensors made here
@@ -182,11 +183,11 @@ def _roots(step: Callable[..., Any]) -> Iterator[Tuple[str, Callable[[], Any]]]:
                 continue
             if inspect.isfunction(v) and len(seen) < 4:
                 funcs.append(v)
-            yield name, (lambda c=cell: c.cell_contents)
+            yield name, functools.partial(getattr, cell, "cell_contents")  # read at call time
         g = getattr(f, "__globals__", {})
         for name in code.co_names:
             if name in g and isinstance(g[name], (torch.Tensor, torch.nn.Module, list, tuple, dict)):
-                yield name, (lambda g=g, n=name: g.get(n))
+                yield name, functools.partial(g.get, name)
 
 
 def _walk(obj: Any, steps: Tuple[Step, ...], out: List[Tuple[Tuple[Step, ...], torch.Tensor]], seen: set,
@@ -297,11 +298,11 @@ def externals_of(rec: ExternalRecorder,
                             storage_key(t) in rec.written))
 
     for i, t in enumerate(rec.externals.values()):
-        path, res, _ = names.get(id(t), (None, None, None))
+        named = names.get(id(t))
         base = by_storage.get(storage_key(t))
         desc = f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}"
-        if path is not None:
-            add(path, t, res)
+        if named is not None and named[0] is not None:
+            add(named[0], t, named[1])
         elif base is None:
             add(f"an unnamed tensor #{i} {desc}", t, None)
         else:
@@ -318,9 +319,10 @@ class _InputWrites(OpConsumer):
         self.storages = storages
         self.found: Dict[str, Any] = {}
 
-    def before(self, ev: Any) -> None:
+    def before(self, ev: OpEvent) -> None:
         for t in ev.written:
-            hit = self.storages.get(storage_key(t))
+            k = storage_key(t)
+            hit = self.storages.get(k) if k is not None else None
             if hit is not None and not hit[1] and hit[0] not in self.found:
                 self.found[hit[0]] = (ev.op, ev.where)
 
@@ -379,8 +381,8 @@ class InputWritesCheck(_LastWarmupRecording):
                "drift. Return the new value as an output instead, or declare "
                f"BatchInput(state=True) for {name!r} if the write is scratch the step does not need to see again "
                "(the runner then re-pads it after every call and never writes your tensor)")
-        cap.fail(CaptureError(msg), Finding("input-write", msg, *(loc or (None, None, None)),
-                                            fix=f"return the new value of {name!r} as an output, or declare "
+        cap.fail(CaptureError(msg), finding_at("input-write", msg, loc,
+                                               fix=f"return the new value of {name!r} as an output, or declare "
                                                 "BatchInput(state=True)"))
 
 

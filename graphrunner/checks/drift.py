@@ -27,15 +27,16 @@ holds as constants.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Hashable, List, Literal, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from graphrunner._frames import is_library, library_name
 from graphrunner._frames import where as _where_of
+from graphrunner.checks.findings import finding_at
 from graphrunner.recording.hooks import Capture, CaptureHook, Finding
-from graphrunner.recording.ops import OpConsumer, OpRecorder
+from graphrunner.recording.ops import OpConsumer, OpEvent, OpRecorder
 from graphrunner.errors import CaptureError
 
 __all__ = ["OpRecord", "OpStream", "DriftCheck", "find_drift", "drift_error", "drift_finding"]
@@ -153,12 +154,12 @@ class OpStream(OpConsumer):
         self.ops: List[OpRecord] = []
         self._call: Any = None  # the atomic call the last op belonged to
 
-    def _where(self, ev: Any) -> "Tuple[str, int, str] | None | bool":
+    def _where(self, ev: OpEvent) -> "Tuple[str, int, str] | None | Literal[False]":
         if self.skip_eager_breaks and ev.in_eager_break:
             return False
         return ev.where
 
-    def before(self, ev: Any) -> None:
+    def before(self, ev: OpEvent) -> None:
         call = ev.atomic_call
         if call is not None:  # one record per atomic call, at its first op
             if call is not self._call:
@@ -248,7 +249,7 @@ class DriftCheck(CaptureHook):
     def __init__(self) -> None:
         from graphrunner.checks.stash import StashCheck
 
-        self._streams: dict = {}
+        self._streams: Dict[Hashable, Tuple[OpStream, OpStream]] = {}  # key -> (last warmup, capture)
         #: The stashed-state check (:mod:`graphrunner.checks.stash`): Python state the graph freezes
         #: by re-binding an attribute, reported after the drift.
         self.stash = StashCheck()
@@ -270,8 +271,8 @@ class DriftCheck(CaptureHook):
     def after_capture(self, cap: Capture) -> None:
         s = self._streams.get(cap.key)
         found = _first_difference(*s) if s is not None else None
-        if found is not None:
-            err = drift_error(cap.key, s[0], s[1], cap.warmups)
+        err = drift_error(cap.key, s[0], s[1], cap.warmups) if s is not None and found is not None else None
+        if found is not None and err is not None:  # err: the same difference, as the error
             cap.fail(err, drift_finding(found[0], found[1], cap.backend.name))
         self.stash.after_capture(cap)
 
@@ -359,6 +360,6 @@ def drift_finding(text: str, rec: Optional[OpRecord], backend: str, key: Any = N
                f"enclosing function {loc[2]}{breakable} so it runs eagerly at every replay")
     else:
         fix = "make the value a tensor input"
-    return Finding("drift", f"{text}: the step reads Python state that changes between calls, which the graph "
-                   "freezes", *(loc or (None, None, None)), fix=fix, bucket=key,
-                   in_library=bool(loc and is_library(loc[0])))
+    return finding_at("drift", f"{text}: the step reads Python state that changes between calls, which the "
+                      "graph freezes", loc, fix=fix, bucket=key,
+                      in_library=bool(loc and is_library(loc[0])))

@@ -58,8 +58,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from graphrunner._frames import is_internal, is_library, library_name, where
+from graphrunner.checks.findings import finding_at
 from graphrunner.recording.hooks import Capture, CaptureHook, Finding
-from graphrunner.recording.ops import OpConsumer
+from graphrunner.recording.ops import OpConsumer, OpEvent
 from graphrunner.errors import CaptureError, CaptureUnsafeOpError, GraphRunnerError
 
 __all__ = ["Finding", "CheckReport", "CheckUsageError", "UnsafeOpLint", "EXPECTED", "exit_text", "required_parameters",
@@ -239,7 +240,7 @@ class _FirstUnsafe(OpConsumer):
     def __init__(self) -> None:
         self.found: Optional[str] = None
 
-    def before(self, ev: Any) -> None:
+    def before(self, ev: OpEvent) -> None:
         if self.found is not None or ev.atomic or ev.func.namespace == "c10d" or ev.in_eager_break:
             return
         from graphrunner._frames import where as where_text
@@ -278,21 +279,23 @@ class _UnsafeOps(OpConsumer):
     def __init__(self, lint: "UnsafeOpLint", cap: Capture, skip_eager_breaks: bool):
         self.lint, self.cap, self.skip = lint, cap, skip_eager_breaks
 
-    def before(self, ev: Any) -> None:
+    def before(self, ev: OpEvent) -> None:
         if ev.atomic or ev.func.namespace == "c10d" or (self.skip and ev.in_eager_break):
             return
         from graphrunner.tape.unsafe import unsafe_reason
 
         reason = unsafe_reason(ev.func, ev.args, ev.kwargs)
         if reason is not None:
-            self.lint.report(self.cap, f"{reason[0]} [op: {reason[1]}]", ev.user_stack())
+            self.lint.report(self.cap.findings, self.cap.key, f"{reason[0]} [op: {reason[1]}]", ev.user_stack())
 
+    # ev is a FunctionEvent; typed Any because FunctionEvent borrows OpEvent's in_eager_break and
+    # user_stack (recording/ops.py), which mypy types with an OpEvent self
     def function(self, ev: Any) -> Any:
         from graphrunner.tape.unsafe import _ONE_HOT, unsafe_function_reason
 
         reason = unsafe_function_reason(ev.func, ev.args, ev.kwargs)
         if reason is not None and not (self.skip and ev.in_eager_break):
-            self.lint.report(self.cap, f"{reason[0]} [op: {reason[1]}]", ev.user_stack())
+            self.lint.report(self.cap.findings, self.cap.key, f"{reason[0]} [op: {reason[1]}]", ev.user_stack())
         # Inside a reported host read (and inside F.one_hot, which a tape runs
         # without its CPU-only host read) the ops it dispatches are not
         # findings of their own: they reach before() as atomic.
@@ -451,12 +454,13 @@ class UnsafeOpLint(CaptureHook):
         if breaks is not None:
             breaks.stop()
 
-    def report(self, cap: Capture, what: str, stack: List[Tuple[Any, int]]) -> None:
-        """Record an ``"unsafe-op"`` finding at the innermost frame of ``stack``."""
+    def report(self, findings: Optional[List[Finding]], key: Any, what: str, stack: List[Tuple[Any, int]]) -> None:
+        """Record an ``"unsafe-op"`` finding of shape key ``key`` at the innermost frame of ``stack`` (in
+        ``findings``, collect mode's list; ``None``: only noted as reported)."""
         loc = (stack[0][0].f_code.co_filename, stack[0][1], stack[0][0].f_code.co_name) if stack else None
         fix, lib = _fix_for(stack, self.step_code, self.backend)
-        self.add(cap.findings, Finding("unsafe-op", f"{what} at {where(loc)}", *(loc or (None, None, None)),
-                                       fix=fix, bucket=cap.key, in_library=lib))
+        self.add(findings, finding_at("unsafe-op", f"{what} at {where(loc)}", loc,
+                                      fix=fix, bucket=key, in_library=lib))
 
     def add(self, findings: Optional[List[Finding]], f: Finding) -> None:
         """Append ``f`` unless a finding of its kind was recorded at its line (and, for unsafe
@@ -494,8 +498,7 @@ class _Collector:
             if "unsafe-op" in mine:
                 return  # the tape stops at the first of the ops the lint listed
             stack = _traceback_stack(cause)
-            self.lint.report(Capture(key, None, None, None, None, self.findings),
-                             f"the tape capture raised {type(cause).__name__}", stack)
+            self.lint.report(self.findings, key, f"the tape capture raised {type(cause).__name__}", stack)
             return
         if isinstance(cause, GraphRunnerError) or cause is exc:
             self.findings.append(Finding("capture-error", f"the tape capture raised {type(exc).__name__}: {exc}",
@@ -504,8 +507,8 @@ class _Collector:
         # the step itself raised (in a warmup or the capture): locate it in the traceback
         stack = _traceback_stack(cause)
         loc = (stack[0][0].f_code.co_filename, stack[0][1], stack[0][0].f_code.co_name) if stack else None
-        self.lint.add(self.findings, Finding(
-            "step-error", f"the step raised {type(cause).__name__}: {cause}", *(loc or (None, None, None)),
+        self.lint.add(self.findings, finding_at(
+            "step-error", f"the step raised {type(cause).__name__}: {cause}", loc,
             fix="fix the step so that it runs eagerly on the bucket's static inputs (the lint could not "
                 "capture this bucket past the error)", bucket=key, in_library=bool(loc and is_library(loc[0]))))
 
@@ -551,10 +554,8 @@ def check_runner(runner: Any, target: str) -> CheckReport:
     buckets = list(runner.buckets)
     lint = UnsafeOpLint(getattr(runner.step, "__code__", None), name)
     collector = _Collector(lint)
-    hooks = getattr(backend, "hooks", None)
-    if hooks is None:  # a backend that is not a GraphBackend: capture it as it is
-        lint = None
-    else:
+    hooks = getattr(backend, "hooks", None)  # None: a backend that is not a GraphBackend, captured as it is
+    if hooks is not None:
         hooks.append(lint)
         backend.warmups = int(backend.warmups) + 1  # the lint compares the last two warmups
     try:
@@ -563,7 +564,7 @@ def check_runner(runner: Any, target: str) -> CheckReport:
         raise CheckUsageError(f"the step of {target} {exit_text(exc)} during its capture; a step must return "
                               "its outputs (check needs a runner whose step runs)") from None
     finally:
-        if lint is not None:
+        if hooks is not None:
             lint._stop_watching()
             hooks.remove(lint)
             backend.warmups -= 1

@@ -40,8 +40,9 @@ from __future__ import annotations
 import ast
 import os
 import re
+import types
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Collection, Dict, List, Literal, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -49,7 +50,7 @@ from graphrunner._aten import storage_key, tensors_in
 from graphrunner._frames import is_library
 from graphrunner.recording.hooks import Capture, CaptureHook, Finding
 from graphrunner.recording.ops import _FRESH_RETURNS as _FRESH
-from graphrunner.recording.ops import _UNKNOWN, OpConsumer, _fresh_returns
+from graphrunner.recording.ops import _UNKNOWN, OpConsumer, OpEvent, _fresh_returns
 from graphrunner.errors import CaptureError
 
 __all__ = ["StashCheck", "StashWatch", "attribute_names", "captured_cache"]
@@ -79,9 +80,9 @@ class StashWatch(OpConsumer):
         self.made: List[Tuple[weakref.ref, Optional[Where]]] = []
         self.created: set = set()  # storages the capture's ops made
         self.const: set = set()  # ... of those, the ones made from constants only
-        self.files: set = set()  # the user's source files the ops ran in
+        self.files: Set[str] = set()  # the user's source files the ops ran in
 
-    def after(self, ev: Any) -> None:
+    def after(self, ev: OpEvent) -> None:
         out = ev.out
         if isinstance(out, torch.Tensor):
             outs: Sequence[torch.Tensor] = (out,)
@@ -242,7 +243,7 @@ _CONTAINER_DEPTH = 3
 _MAX_OBJECTS = 50_000
 
 
-def attribute_names(tensors: Dict[int, torch.Tensor], roots: Sequence[Any], files: Sequence[str] = ()) -> Dict[int, List[str]]:
+def attribute_names(tensors: Dict[int, torch.Tensor], roots: Sequence[Any], files: Collection[str] = ()) -> Dict[int, List[str]]:
     """``{id(tensor): ["Owner.attr", "Owner.attr[0]['k']", "module.NAME", ...]}``: where each of
     ``tensors`` is kept, looked for from ``roots`` down (a callable's closure cells, bound object and
     wrapped function; objects' attributes, ``nn.Module`` buffers, parameters and submodules, lists,
@@ -250,58 +251,77 @@ def attribute_names(tensors: Dict[int, torch.Tensor], roots: Sequence[Any], file
     of graphrunner's own modules do not count (the library's bookkeeping). Cheap: no heap walk, a
     bounded number of objects; a tensor kept where none of these reach (another module's registry,
     a cache of ``functools``) is not named."""
-    import sys
-    import types
+    walk = _AttributeWalk(tensors)
+    for r in roots:
+        walk.obj(r, 0)
+    if files:
+        by_file = _modules_by_file()
+        for f in {os.path.abspath(f) for f in files}:
+            for m in by_file.get(f, ()):
+                for k, v in list(vars(m).items()):
+                    if isinstance(v, (torch.Tensor, list, tuple, dict)):
+                        walk.value(v, f"{m.__name__}.{k}", 0, 0)
+    return walk.found
 
-    found: Dict[int, List[str]] = {}
-    seen: set = set()
-    budget = [_MAX_OBJECTS]
 
-    def add(t: Any, path: str) -> None:
-        if id(t) in tensors and tensors[id(t)] is t:
-            lst = found.setdefault(id(t), [])
+class _AttributeWalk:
+    """One walk of :func:`attribute_names`: the names ``found`` so far, the objects ``seen``, and
+    the ``budget`` of objects left to visit."""
+
+    def __init__(self, tensors: Dict[int, torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.found: Dict[int, List[str]] = {}
+        self.seen: Set[int] = set()
+        self.budget = _MAX_OBJECTS
+
+    def add(self, t: Any, path: str) -> None:
+        if id(t) in self.tensors and self.tensors[id(t)] is t:
+            lst = self.found.setdefault(id(t), [])
             if path not in lst:
                 lst.append(path)
 
-    def value(v: Any, path: str, depth: int, cdepth: int) -> None:
+    def value(self, v: Any, path: str, depth: int, cdepth: int) -> None:
+        """A value at ``path``: a tensor, a container (``cdepth`` deep in containers) or an object."""
         if isinstance(v, torch.Tensor):
-            add(v, path)
+            self.add(v, path)
             return
-        if budget[0] <= 0:
+        if self.budget <= 0:
             return
         if isinstance(v, (list, tuple)):
-            if cdepth < _CONTAINER_DEPTH and id(v) not in seen:
-                seen.add(id(v))
-                budget[0] -= 1
+            if cdepth < _CONTAINER_DEPTH and id(v) not in self.seen:
+                self.seen.add(id(v))
+                self.budget -= 1
                 for i, x in enumerate(v[:1000]):
-                    value(x, f"{path}[{i}]", depth, cdepth + 1)
+                    self.value(x, f"{path}[{i}]", depth, cdepth + 1)
             return
         if isinstance(v, dict):
-            if cdepth < _CONTAINER_DEPTH and id(v) not in seen:
-                seen.add(id(v))
-                budget[0] -= 1
+            if cdepth < _CONTAINER_DEPTH and id(v) not in self.seen:
+                self.seen.add(id(v))
+                self.budget -= 1
                 for k, x in list(v.items())[:1000]:
-                    value(x, f"{path}[{k!r}]", depth, cdepth + 1)
+                    self.value(x, f"{path}[{k!r}]", depth, cdepth + 1)
             return
-        obj(v, depth + 1)
+        self.obj(v, depth + 1)
 
-    def obj(o: Any, depth: int) -> None:
-        if depth > _OBJECT_DEPTH or id(o) in seen or budget[0] <= 0 or o is None:
+    def obj(self, o: Any, depth: int) -> None:
+        """An object ``depth`` objects down: a callable's closure cells, bound object and wrapped
+        function; an object's attributes (an ``nn.Module``'s buffers, parameters and submodules)."""
+        if depth > _OBJECT_DEPTH or id(o) in self.seen or self.budget <= 0 or o is None:
             return
         if isinstance(o, (str, bytes, int, float, complex, bool, type, types.ModuleType)) or _ours(o):
             return
-        seen.add(id(o))
-        budget[0] -= 1
+        self.seen.add(id(o))
+        self.budget -= 1
         if callable(o) and not isinstance(o, torch.nn.Module):
             for c in getattr(o, "__closure__", None) or ():
                 try:
-                    obj(c.cell_contents, depth) if not isinstance(c.cell_contents, torch.Tensor) else None
+                    self.obj(c.cell_contents, depth) if not isinstance(c.cell_contents, torch.Tensor) else None
                 except ValueError:
                     pass
             for a in ("__self__", "__wrapped__", "func"):
                 inner = getattr(o, a, None)
                 if inner is not None and not isinstance(inner, types.ModuleType):
-                    obj(inner, depth)
+                    self.obj(inner, depth)
             if isinstance(o, (types.FunctionType, types.MethodType, types.BuiltinFunctionType)):
                 return
         try:
@@ -314,20 +334,9 @@ def attribute_names(tensors: Dict[int, torch.Tensor], roots: Sequence[Any], file
         for k, v in list(attrs.items()):
             if k in ("_buffers", "_parameters", "_modules") and isinstance(o, torch.nn.Module) and isinstance(v, dict):
                 for n, x in list(v.items()):
-                    value(x, f"{label}.{n}", depth, 1)
+                    self.value(x, f"{label}.{n}", depth, 1)
                 continue
-            value(v, f"{label}.{k}", depth, 0)
-
-    for r in roots:
-        obj(r, 0)
-    if files:
-        by_file = _modules_by_file()
-        for f in {os.path.abspath(f) for f in files}:
-            for m in by_file.get(f, ()):
-                for k, v in list(vars(m).items()):
-                    if isinstance(v, (torch.Tensor, list, tuple, dict)):
-                        value(v, f"{m.__name__}.{k}", 0, 0)
-    return found
+            self.value(v, f"{label}.{k}", depth, 0)
 
 
 _BY_FILE: List[Any] = [-1, {}]  # [len(sys.modules) when built, {absolute source path: [module]}]
@@ -379,7 +388,7 @@ def _tree(file: str) -> Tuple[Optional[ast.AST], List[str]]:
     return tree, lines
 
 
-def _assignment(attr: str, made: Optional[Where], segments: bool) -> "Optional[Tuple[str, int, str, str]] | bool":
+def _assignment(attr: str, made: Optional[Where], segments: bool) -> "Optional[Tuple[str, int, str, str]] | Literal[False]":
     """``(file, line, function, source)`` of the assignment of ``attr`` (``"Owner.name[...]"``) in
     the file the tensor was made in, nearest after that line in the same function first; ``None``
     when not found; ``False`` when ``segments`` and it lies in a ``@no_graph`` function."""
@@ -398,7 +407,7 @@ def _assignment(attr: str, made: Optional[Where], segments: bool) -> "Optional[T
                 brk = in_break or any("no_graph" in ast.unparse(d) for d in child.decorator_list)
                 visit(child, child.name, brk)
                 continue
-            if _assigns(child, name):
+            if isinstance(child, ast.stmt) and _assigns(child, name):  # _assigns: statements only
                 sites.append((child.lineno, func, in_break))
             visit(child, func, in_break)
 

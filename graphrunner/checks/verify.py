@@ -9,7 +9,7 @@ silently. ``GraphRunner(verify_every=N)`` (or ``GRAPHRUNNER_VERIFY_EVERY=N``;
 verifies every N-th call: right before the replay, the step runs eagerly on a
 copy of the same padded inputs (before, so that state it updates is seen as
 the replay sees it), with everything it writes outside itself put back
-afterwards (:class:`~graphrunner.checks.ops.WriteGuard`: the KV cache,
+afterwards (:class:`~graphrunner.recording.ops.WriteGuard`: the KV cache,
 counters), drawing from copies of the engine's generators (never from the
 generators themselves, so the replay draws what an eager call would), and its
 real output cells are compared with the replay's. A difference raises :class:`~graphrunner.errors.ContractError`
@@ -86,7 +86,7 @@ def shadow_verify(server: Any, ref_leaves: List[torch.Tensor], tensors: List[tor
     """Compare a replayed call's ``out`` (sliced to ``sizes``) with its :func:`shadow_reference`.
     Raises :class:`ContractError` naming the key, the output and (from :func:`compare_runner
     <graphrunner.checks.compare.compare_runner>`) the first differing op and line."""
-    from graphrunner.checks.padding import difference
+    from graphrunner.checks.tolerance import difference
 
     _, got = flatten(out)
     worst: Optional[Tuple[int, float]] = None

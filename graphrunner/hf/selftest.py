@@ -22,7 +22,7 @@ from typing import Any, List, Tuple
 
 import torch
 
-from graphrunner.checks.padding import difference
+from graphrunner.checks.tolerance import difference
 from graphrunner.errors import CaptureError
 from graphrunner.hf.cache import make_static_cache
 from graphrunner.hf.steps import forward_names, prefill, prompt_positions

@@ -293,7 +293,7 @@ class _StandinStream:
 def _trace(registry: str, *args: Any) -> None:
     """Fire ``torch.cuda._gpu_trace``'s callbacks as torch's C++ does for a real stream or event call
     (event record / wait: ``(event, stream)`` handles; stream, event and device synchronize), so
-    the debug-mode stream bookkeeping (:mod:`graphrunner.checks.streams`) sees the stand-in's joins."""
+    the debug-mode stream bookkeeping (:mod:`graphrunner.checks.stream_use`) sees the stand-in's joins."""
     from torch.cuda import _gpu_trace
 
     callbacks = getattr(_gpu_trace, registry)

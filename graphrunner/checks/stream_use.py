@@ -46,8 +46,9 @@ import torch
 
 from graphrunner._aten import storage_key, tensors_in
 from graphrunner._frames import where as where_text
-from graphrunner.recording.hooks import Capture, CaptureHook, Finding
-from graphrunner.recording.ops import OpConsumer
+from graphrunner.checks.findings import finding_at
+from graphrunner.recording.hooks import Capture, CaptureHook
+from graphrunner.recording.ops import OpConsumer, OpEvent
 from graphrunner.errors import CaptureError
 from graphrunner.tape.streams import CLOCKS, StreamClocks
 
@@ -178,7 +179,7 @@ class _Watch(OpConsumer):
         self.side: Dict[int, _Write] = {}  # stream -> its last write (streams other than the main one)
         self._now = (self.main, 0)
 
-    def before(self, ev: Any) -> None:
+    def before(self, ev: OpEvent) -> None:
         led = self.ledger
         s = led.current()
         t = led.clocks.note_op(s)
@@ -186,14 +187,15 @@ class _Watch(OpConsumer):
         if self.writes:
             for v in list(ev.args) + list(ev.kwargs.values()):
                 for x in tensors_in(v):
-                    w = self.writes.get(storage_key(x))
+                    k = storage_key(x)
+                    w = self.writes.get(k) if k is not None else None
                     if w is not None and w.stream != s and not w.reported and not clocks.knows(s, w.stream, w.t):
                         w.reported = True
                         self.check._hazard(self.cap, led, ev, x, w, s)
         self._now = (s, t)
         self._note(ev, ev.written, s, t)
 
-    def after(self, ev: Any) -> None:
+    def after(self, ev: OpEvent) -> None:
         # what the op allocated is written by it, on its stream (a view of an input is not)
         if ev.out is None:
             return
@@ -202,7 +204,7 @@ class _Watch(OpConsumer):
         if fresh:
             self._note(ev, fresh, *self._now)
 
-    def _note(self, ev: Any, written: Sequence[torch.Tensor], s: int, t: int) -> None:
+    def _note(self, ev: OpEvent, written: Sequence[torch.Tensor], s: int, t: int) -> None:
         if written:
             where, brk = ev.where, (ev.break_fn if ev.in_eager_break else None)
             for x in written:
@@ -255,8 +257,7 @@ class StreamCheck(CaptureHook):
                        f"{cap.key!r} ends: its last write ({w.op} into {what} at {where_text(w.where)}"
                        f"{self._in_break(w.brk)}) was never waited for by {led.name(now)}, so the next replay, "
                        f"and whatever reads {what} after it, races that write. To fix: {_JOIN}.")
-                cap.fail(CaptureError(msg), Finding("stream-unjoined", msg, *(w.where or (None, None, None)),
-                                                    fix=_JOIN))
+                cap.fail(CaptureError(msg), finding_at("stream-unjoined", msg, w.where, fix=_JOIN))
 
     def end(self, cap: Capture) -> None:
         if self._ledger is not None:
@@ -286,10 +287,10 @@ class StreamCheck(CaptureHook):
                         self._paths.setdefault(sk, path)
             except Exception:  # noqa: BLE001 - naming is best effort; the hazard is reported anyway
                 pass
-        path = self._paths.get(k)
-        return f"{path} ({w.desc})" if path else f"a {w.desc} tensor"
+        named = self._paths.get(k) if k is not None else None
+        return f"{named} ({w.desc})" if named else f"a {w.desc} tensor"
 
-    def _hazard(self, cap: Capture, led: Any, ev: Any, x: torch.Tensor, w: _Write, reader: int) -> None:
+    def _hazard(self, cap: Capture, led: Any, ev: OpEvent, x: torch.Tensor, w: _Write, reader: int) -> None:
         what = self._tensor(cap, x, w)
         place = (f"in eager break {_fn_name(ev.break_fn)}" if ev.in_eager_break
                  else "in a graph segment" if cap.freezes is not None else "in the step")
@@ -300,4 +301,4 @@ class StreamCheck(CaptureHook):
                f"the write), at the capture of shape key {cap.key!r}. On a GPU this read races the write and may "
                "see the value from before it (silent corruption under load; the tape shows that stale value when "
                f"this check is off). To fix: {_JOIN}.")
-        cap.fail(CaptureError(msg), Finding("stream-hazard", msg, *(ev.where or (None, None, None)), fix=_JOIN))
+        cap.fail(CaptureError(msg), finding_at("stream-hazard", msg, ev.where, fix=_JOIN))
