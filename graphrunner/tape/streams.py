@@ -15,7 +15,7 @@ would do to a reader:
   the host knows is finished (``synchronize``). ``CLOCKS.knows(reader,
   writer, t)`` answers "is work number ``t`` of ``writer`` ordered before
   work issued on ``reader`` now": the question every hazard check asks
-  (:mod:`graphrunner.checks.streams`). The same class keeps the books of
+  (:mod:`graphrunner.checks.stream_use`). The same class keeps the books of
   ``torch.cuda`` streams in debug mode.
 * **Deferred side-stream writes** (the emulation of an unjoined stream).
   Outside a tape capture, what an op on a non-default stream writes into
