@@ -223,8 +223,9 @@ class KeySpace:
                 "keys": [list(k) for k in self.keys], "max_padding_ratio": self.max_padding_ratio}
 
 
-#: Entries :meth:`KeySpace.choose` (and the dispatcher's routes) keep per exact sizes before starting
-#: over: a server's varlen sizes rarely repeat, and the per-bucket entries behind them are cheap to reach.
+#: Entries :meth:`KeySpace.choose` (and the dispatcher's routes, the static inputs' views and re-pad
+#: views, the output views) keep per exact sizes before starting over: a server's varlen sizes rarely
+#: repeat, and the per-bucket entries behind them are cheap to reach (a miss costs a few views).
 _MEMO_LIMIT = 4096
 
 

@@ -16,7 +16,7 @@ import torch
 
 from graphrunner.backends.outputs import flatten, unflatten
 from graphrunner.errors import CaptureError, PaddingLeakError
-from graphrunner.keys import count_leaves, slice_leaves
+from graphrunner.keys import _MEMO_LIMIT, count_leaves, slice_leaves
 
 __all__ = ["OutputLayout", "StepOutputError", "FreshOutputs", "clone_outputs", "user_error"]
 
@@ -139,8 +139,9 @@ class OutputLayout:
 
     def replayed(self, result: Any, sizes: Sizes) -> Any:
         """The outputs of a call of ``sizes`` from a replay's ``result`` (views of the shared
-        output buffer, cached per ``sizes``; every key's outputs are leading-corner views of one
-        buffer, so the ``sizes`` view is the same whichever key replayed). ``result`` may be a
+        output buffer, cached per ``sizes``, at most ``keys._MEMO_LIMIT`` of them; every key's
+        outputs are leading-corner views of one buffer, so the ``sizes`` view is the same whichever
+        key replayed). ``result`` may be a
         :class:`FreshOutputs` box holding the output of a backend that is not a
         :class:`~graphrunner.backends.base.GraphBackend` (fresh outputs each replay: sliced, not cached)."""
         if type(result) is FreshOutputs:
@@ -153,6 +154,8 @@ class OutputLayout:
                 self._spec, out = None, sliced[0]
             else:
                 self._spec, out = spec, sliced
+            if len(self._views) >= _MEMO_LIMIT:  # varlen sizes rarely repeat: start over, never grow unbounded
+                self._views.clear()
             self._views[sizes] = out
         return out if self._spec is None else unflatten(self._spec, out)
 

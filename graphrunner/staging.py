@@ -24,7 +24,7 @@ import torch
 
 from graphrunner.errors import GraphRunnerError
 from graphrunner.inputs import BatchInput, alias_error, diagnose
-from graphrunner.keys import padding_regions, region
+from graphrunner.keys import _MEMO_LIMIT, padding_regions, region
 
 __all__ = ["StaticInputs"]
 
@@ -74,6 +74,8 @@ class StaticInputs:
         self.zero: Sizes = (0,) * len(dims)
         self._one_dim = len(dims) == 1
         self.filled: Sizes = self.zero  # outside [:filled[0], :filled[1], ...] every buffer holds its pad value
+        # The views a call of given sizes copies into (and re-pads), cached per sizes (and key) and
+        # started over at keys._MEMO_LIMIT entries: varlen sizes rarely repeat.
         self._views: Dict[Sizes, List[torch.Tensor]] = {}
         self._pad_views: Dict[Tuple[Sizes, Sizes], List[Tuple[torch.Tensor, Any]]] = {}
 
@@ -135,8 +137,12 @@ class StaticInputs:
         if not self.fits(sizes):
             return
         if sizes not in self._views:
+            if len(self._views) >= _MEMO_LIMIT:  # bounded, as in stage()
+                self._views.clear()
             self._views[sizes] = [buf[region(sizes, didx)] for (buf, _), didx in zip(self._pads, self.dim_idx)]
         if self._rows_only and sizes[0] not in self._shapes:
+            if len(self._shapes) >= _MEMO_LIMIT:
+                self._shapes.clear()
             self._shapes[sizes[0]] = tuple(torch.Size((sizes[0], *s.trailing)) for s in self.specs.values())
 
     def warm(self) -> None:
@@ -250,6 +256,8 @@ class StaticInputs:
         if views is None:
             if not self.fits(sizes):
                 return False
+            if len(self._views) >= _MEMO_LIMIT:  # varlen sizes rarely repeat: start over, never grow unbounded
+                self._views.clear()
             views = self._views[sizes] = [buf[region(sizes, didx)] for (buf, _), didx in
                                           zip(self._pads, self.dim_idx)]
         i = 0
@@ -299,6 +307,8 @@ class StaticInputs:
             views = [(buf[r], pad) for (buf, pad), didx in zip(self._pads, self.dim_idx)
                      for r in padding_regions(sizes, key, didx)]
             zeros = [v for v, pad in views if _is_zero(pad)]
+            if len(self._pad_views) >= _MEMO_LIMIT:  # one entry per (sizes, key): bounded as in stage()
+                self._pad_views.clear()
             pv = self._pad_views[(sizes, key)] = (zeros, [(v, pad) for v, pad in views if not _is_zero(pad)])
         zeros, others = pv
         if zeros:
