@@ -153,11 +153,12 @@ def alias_error(ranges: Sequence[Tuple[int, int]], names: Sequence[str], name: s
 
 
 def diagnose(inputs: Any, specs: Mapping[str, BatchInput], in_dims: Mapping[str, Tuple[int, ...]],
-             dims: Sequence[str], legacy: bool, alias: Callable[[str, torch.Tensor], Optional[Exception]]) -> Exception:
+             dims: Sequence[str], one_batch_dim: bool,
+             alias: Callable[[str, torch.Tensor], Optional[Exception]]) -> Exception:
     """The error to raise for call ``inputs`` that failed the runner's fast check (slow path).
 
     ``specs`` are the declared inputs, ``in_dims[name]`` the indices in
-    ``dims`` of each input's leading dims, ``legacy`` true for a runner built
+    ``dims`` of each input's leading dims, ``one_batch_dim`` true for a runner built
     with ``buckets=[...]`` (messages speak of the batch), ``alias`` the
     runner's aliasing check. Names the input and what was expected.
     """
@@ -189,7 +190,7 @@ def diagnose(inputs: Any, specs: Mapping[str, BatchInput], in_dims: Mapping[str,
                 return ValueError(f"GraphRunner: input {name!r} has dtype {t.dtype}, expected {spec.dtype}; "
                                   f"convert it with .to({spec.dtype})")
             if t.dim() != len(spec.trailing) + len(didx) or tuple(t.shape[len(didx):]) != spec.trailing:
-                lead = "batch" if legacy else ", ".join(dims[d] for d in didx)
+                lead = "batch" if one_batch_dim else ", ".join(dims[d] for d in didx)
                 return ValueError(f"GraphRunner: input {name!r} has shape {list(t.shape)}, expected "
                                   f"[{lead}, {', '.join(map(str, spec.trailing))}]".replace(", ]", "]")
                                   + f" (trailing shape {spec.trailing})")
@@ -209,7 +210,7 @@ def diagnose(inputs: Any, specs: Mapping[str, BatchInput], in_dims: Mapping[str,
                 if d not in seen:
                     seen[d] = (v, name)
                 elif seen[d][0] != v:
-                    if legacy:
+                    if one_batch_dim:
                         return ValueError(f"GraphRunner: input {name!r} has batch {v} but input {seen[d][1]!r} has "
                                           f"batch {seen[d][0]}; all inputs share dim 0")
                     return ValueError(f"GraphRunner: input {name!r} has {dims[d]}={v} (dim {j}) but input "

@@ -23,12 +23,12 @@ import torch
 from graphrunner.buckets import _check_ratio, validate_buckets
 from graphrunner.errors import AgreementError, GraphRunnerError
 
-__all__ = ["KeySpace", "LEGACY_DIM", "agree", "agreement_vector", "all_max_vector", "AgreementError",
+__all__ = ["KeySpace", "BATCH_DIM", "agree", "agreement_vector", "all_max_vector", "AgreementError",
            "check_dims", "region", "padding_regions", "slice_leaves", "count_leaves", "resolve_input_dims",
            "resolve_output_dims"]
 
 #: The name of the one dim of a runner built with ``buckets=[...]``.
-LEGACY_DIM = "batch"
+BATCH_DIM = "batch"
 
 Sizes = Tuple[int, ...]
 
@@ -58,10 +58,12 @@ class KeySpace:
 
     def __init__(self, buckets: Any, keys: Optional[Sequence[Any]] = None,
                  max_padding_ratio: Optional[float] = None) -> None:
+        #: True for ``buckets=[...]`` (a list): one dim, :data:`BATCH_DIM`, int keys, and messages that
+        #: speak of the batch; False for ``{dim: [sizes...]}`` (tuple keys, even with one dim).
+        self.one_batch_dim = not isinstance(buckets, Mapping)
         if isinstance(buckets, Mapping):
             if not buckets:
                 raise ValueError("buckets is an empty dict; pass {dim: [sizes...]}, e.g. {'reqs': [1, 2, 4]}")
-            self.legacy = False
             self.buckets: Dict[str, List[int]] = {}
             for dim, bl in buckets.items():
                 if not isinstance(dim, str) or not dim.isidentifier():
@@ -71,8 +73,7 @@ class KeySpace:
                 except (TypeError, ValueError) as exc:
                     raise type(exc)(f"buckets[{dim!r}]: {exc}") from None
         else:
-            self.legacy = True
-            self.buckets = {LEGACY_DIM: validate_buckets(buckets)}
+            self.buckets = {BATCH_DIM: validate_buckets(buckets)}
         self.dims: Tuple[str, ...] = tuple(self.buckets)
         self.max_padding_ratio = _check_ratio(max_padding_ratio)
         self.explicit = keys is not None
@@ -136,7 +137,7 @@ class KeySpace:
 
     def external(self, key: Sizes) -> Hashable:
         """The key as users, backends, stats and traces see it: an int with ``buckets=[...]``, else the tuple."""
-        return key[0] if self.legacy else key
+        return key[0] if self.one_batch_dim else key
 
     def capture_order(self) -> List[Sizes]:
         """The keys to capture, largest (by volume, then lexicographically) first."""
@@ -192,20 +193,20 @@ class KeySpace:
 
     def describe(self, sizes: Sizes) -> str:
         """``sizes`` for an error message: ``batch 3`` or ``reqs=3, draft=2``."""
-        if self.legacy:
+        if self.one_batch_dim:
             return f"batch {sizes[0]}"
         return ", ".join(f"{d}={n}" for d, n in zip(self.dims, sizes))
 
     def why(self, sizes: Sizes, rows: Sizes, reason: str) -> str:
         """Why no key serves a call of local ``sizes`` agreed to ``rows`` (for ``fallback='error'``)."""
         space = self
-        if space.legacy:
+        if space.one_batch_dim:
             n, r = sizes[0], rows[0]
             where = f"the agreed batch {r} (max over ranks; this rank has {n})" if r != n else f"batch {n}"
             if reason == OVER_MAX:
                 return f"{where} exceeds the largest bucket {self.maxes[0]}"
             if reason == PADDING:
-                b = next(x for x in self.buckets[LEGACY_DIM] if x >= r)
+                b = next(x for x in self.buckets[BATCH_DIM] if x >= r)
                 return (f"{where} would pad bucket {b} with {b - r} rows, more than max_padding_ratio="
                         f"{self.max_padding_ratio}")
             return f"bucket for {where} cannot be replayed on every rank"

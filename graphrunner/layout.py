@@ -30,12 +30,13 @@ class StepOutputError(TypeError):
 class OutputLayout:
     """The leading dims of every output leaf, from ``outputs=`` (resolved by
     :func:`graphrunner.keys.resolve_output_dims`): ``out_dims = (default, {dict key: dims})``
-    as indices into ``dims``; ``legacy``: one batch dim; ``key_text(key)`` names a key."""
+    as indices into ``dims``; ``one_batch_dim``: built with ``buckets=[...]`` (one dim, the batch);
+    ``key_text(key)`` names a key."""
 
     def __init__(self, out_dims: Tuple[Tuple[int, ...], Dict[Any, Tuple[int, ...]]], dims: Tuple[str, ...],
-                 legacy: bool, key_text: Any) -> None:
+                 one_batch_dim: bool, key_text: Any) -> None:
         self.default, self.per_key = out_dims
-        self.dims, self.legacy, self.key_text = dims, legacy, key_text
+        self.dims, self.one_batch_dim, self.key_text = dims, one_batch_dim, key_text
         #: How many leading dims of an output may be smaller than the shared buffer's.
         self.lead = max([len(self.default)] + [len(v) for v in self.per_key.values()])
         #: True while the runner captures: the forwards of :meth:`forward` check their outputs.
@@ -115,7 +116,7 @@ class OutputLayout:
                 trailing.append(())
                 continue
             if tuple(t.shape[:len(want)]) != want:
-                if self.legacy:
+                if self.one_batch_dim:
                     raise StepOutputError(
                         f"step output tensor {i} has shape {list(t.shape)} for bucket {key[0]}: every output tensor "
                         f"must be batch-major (dim 0 == the {key[0]} input rows) or 0-dim, so the runner can slice "

@@ -35,7 +35,7 @@ from graphrunner.checks.verify import verify_every_setting
 from graphrunner.errors import CaptureError
 from graphrunner.group import LocalGroup
 from graphrunner.inputs import BatchInput, check_config, check_step, positional_error
-from graphrunner.keys import LEGACY_DIM, KeySpace, resolve_input_dims, resolve_output_dims
+from graphrunner.keys import BATCH_DIM, KeySpace, resolve_input_dims, resolve_output_dims
 from graphrunner.layout import OutputLayout
 from graphrunner.report import CaptureReport, RunnerStats
 from graphrunner.serving import Server
@@ -127,7 +127,8 @@ class GraphRunner:
         check_config(step, inputs, fallback, post_warmup_hook, output_arena)
         space = KeySpace(buckets, keys, max_padding_ratio)
         #: ``buckets`` as given: a list (one dim, int keys) or ``{dim: [sizes...]}`` (tuple keys).
-        self.buckets: Any = space.buckets[LEGACY_DIM] if space.legacy else {d: list(v) for d, v in space.buckets.items()}
+        self.buckets: Any = (space.buckets[BATCH_DIM] if space.one_batch_dim else
+                             {d: list(v) for d, v in space.buckets.items()})
         #: The runner's dim names, in key order (``("batch",)`` with ``buckets=[...]``).
         self.dims: Tuple[str, ...] = space.dims
         #: Every key captured, smallest first (ints with ``buckets=[...]``, else tuples).
@@ -148,9 +149,9 @@ class GraphRunner:
         self.torch_device = torch.device(getattr(self.device, "torch_device", torch.device("cpu")))
         in_dims = resolve_input_dims(inputs, space)
         key_text = functools.partial(_key_text, space)
-        staging = StaticInputs(inputs, in_dims, space.dims, space.maxes, space.legacy, self.torch_device)
+        staging = StaticInputs(inputs, in_dims, space.dims, space.maxes, space.one_batch_dim, self.torch_device)
         layout = OutputLayout(resolve_output_dims(outputs, in_dims[next(iter(inputs))], space),
-                              space.dims, space.legacy, key_text)
+                              space.dims, space.one_batch_dim, key_text)
         # views into a shared arena are overwritten by any runner on it: copies unless asked otherwise
         copy = (output_arena is not None) if copy_outputs is None else bool(copy_outputs)
         #: The server part (:class:`graphrunner.serving.Server`): a call and the state it owns.
@@ -317,4 +318,4 @@ class GraphRunner:
 
 def _key_text(space: KeySpace, key: Tuple[int, ...]) -> str:
     """How messages name internal ``key`` of ``space``."""
-    return f"bucket {key[0]}" if space.legacy else f"key {key} ({space.describe(key)})"
+    return f"bucket {key[0]}" if space.one_batch_dim else f"key {key} ({space.describe(key)})"

@@ -254,7 +254,7 @@ class Server:
             return clone_outputs(out) if copy_outputs else out
         if self.fallback == "error" and reason != CAPTURING:
             raise ValueError(f"GraphRunner(fallback='error'): {space.why(sizes, run, reason)}; "
-                             + ("add a bucket" if space.legacy else "add a bucket or key")
+                             + ("add a bucket" if space.one_batch_dim else "add a bucket or key")
                              + ", raise max_padding_ratio, or use fallback='eager'")
         staging = self.inputs
         kwargs = staging.padded(tensors, sizes, run)

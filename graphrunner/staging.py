@@ -39,15 +39,15 @@ class StaticInputs:
 
     ``specs``: ``{name: BatchInput}``; ``in_dims[name]``: indices of the
     input's leading dims among the runner's ``dims``; ``maxes``: the largest
-    size of each dim (the buffers' leading shape); ``legacy``: one batch dim
-    given as ``buckets=[...]`` (messages speak of the batch).
+    size of each dim (the buffers' leading shape); ``one_batch_dim``: the runner was
+    built with ``buckets=[...]``, one dim, the batch (messages speak of the batch).
     """
 
     def __init__(self, specs: Mapping[str, BatchInput], in_dims: Mapping[str, Tuple[int, ...]],
-                 dims: Tuple[str, ...], maxes: Tuple[int, ...], legacy: bool, device: torch.device) -> None:
+                 dims: Tuple[str, ...], maxes: Tuple[int, ...], one_batch_dim: bool, device: torch.device) -> None:
         self.specs: Dict[str, BatchInput] = dict(specs)
         self.in_dims = dict(in_dims)
-        self.dims, self.maxes, self.legacy, self.device = dims, tuple(maxes), legacy, device
+        self.dims, self.maxes, self.one_batch_dim, self.device = dims, tuple(maxes), one_batch_dim, device
         #: ``{name: (*largest size of each of its dims, *trailing)}``.
         self.buffers: Dict[str, torch.Tensor] = self._allocate()
         self.names = tuple(self.specs)
@@ -90,7 +90,7 @@ class StaticInputs:
 
         def error(what: str) -> ValueError:
             biggest = max(sizes, key=sizes.__getitem__)
-            where = (f"bucket {self.maxes[0]}" if self.legacy else
+            where = (f"bucket {self.maxes[0]}" if self.one_batch_dim else
                      f"key ({', '.join(f'{d}={n}' for d, n in zip(self.dims, self.maxes))})")
             return ValueError(
                 f"buckets: the largest {where} needs {need:,} bytes of static input buffers on {dev} (input "
@@ -242,7 +242,7 @@ class StaticInputs:
 
     def error(self, inputs: Any) -> Exception:
         """The error for invalid call ``inputs`` (slow path): names the input and what was expected."""
-        return diagnose(inputs, self.specs, self.in_dims, self.dims, self.legacy, self._alias_error)
+        return diagnose(inputs, self.specs, self.in_dims, self.dims, self.one_batch_dim, self._alias_error)
 
     def _alias_error(self, name: str, t: torch.Tensor) -> Optional[Exception]:
         return alias_error(self._ranges, self.names, name, t)
