@@ -6,7 +6,7 @@ from __future__ import annotations
 import operator
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -15,6 +15,11 @@ from graphrunner.keys import check_dims
 __all__ = ["BatchInput", "check_bounds_spec", "alias_error", "diagnose", "check_config", "check_step", "positional_error"]
 
 _FALLBACKS = ("eager", "error")
+
+#: A pad value (``BatchInput.pad``): a Python number.
+Pad = Union[bool, int, float]
+#: ``BatchInput.bounds``: ``(lo, hi)``, inclusive, either ``None`` (unbounded).
+Bounds = Tuple[Optional[float], Optional[float]]
 
 
 @dataclass(frozen=True)
@@ -51,9 +56,9 @@ class BatchInput:
 
     trailing: Tuple[int, ...] = ()
     dtype: torch.dtype = torch.float32
-    pad: Any = 0
+    pad: Pad = 0
     dims: Optional[Tuple[str, ...]] = None
-    bounds: Optional[Tuple[Any, Any]] = None
+    bounds: Optional[Bounds] = None
     state: bool = False
 
     def __post_init__(self) -> None:
@@ -82,7 +87,7 @@ class BatchInput:
             raise TypeError(f"BatchInput.state must be True or False, got {self.state!r}")
 
 
-def check_bounds_spec(bounds: Any, pad: Any, dtype: torch.dtype) -> Optional[Tuple[Any, Any]]:
+def check_bounds_spec(bounds: Any, pad: Pad, dtype: torch.dtype) -> Optional[Bounds]:
     """Validate ``BatchInput(bounds=(lo, hi))``: two numbers or ``None`` (unbounded) with ``lo <= hi``.
 
     ``bounds`` is the range of the *real* values. ``pad`` may lie inside it
@@ -162,7 +167,7 @@ def diagnose(inputs: Any, specs: Mapping[str, BatchInput], in_dims: Mapping[str,
     with ``buckets=[...]`` (messages speak of the batch), ``alias`` the
     runner's aliasing check. Names the input and what was expected.
     """
-    name: Any = None
+    name: Optional[str] = None
     try:
         if not isinstance(inputs, Mapping):
             return TypeError(f"GraphRunner inputs must be passed as keywords {list(specs)}, "

@@ -10,7 +10,7 @@ slice of an eager fallback's fresh outputs.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple, Union
 
 import torch
 
@@ -28,13 +28,13 @@ class StepOutputError(TypeError):
 
 
 class OutputLayout:
-    """The leading dims of every output leaf, from ``outputs=`` (resolved by
+    """The leading dims of every output leaf, from ``outputs=`` (keywords; resolved by
     :func:`graphrunner.keys.resolve_output_dims`): ``out_dims = (default, {dict key: dims})``
     as indices into ``dims``; ``one_batch_dim``: built with ``buckets=[...]`` (one dim, the batch);
     ``key_text(key)`` names a key."""
 
-    def __init__(self, out_dims: Tuple[Tuple[int, ...], Dict[Any, Tuple[int, ...]]], dims: Tuple[str, ...],
-                 one_batch_dim: bool, key_text: Any) -> None:
+    def __init__(self, *, out_dims: Tuple[Tuple[int, ...], Dict[Hashable, Tuple[int, ...]]], dims: Tuple[str, ...],
+                 one_batch_dim: bool, key_text: Callable[[Sizes], str]) -> None:
         self.default, self.per_key = out_dims
         self.dims, self.one_batch_dim, self.key_text = dims, one_batch_dim, key_text
         #: How many leading dims of an output may be smaller than the shared buffer's.
@@ -82,7 +82,8 @@ class OutputLayout:
     def reset(self) -> None:
         """Forget what the captures taught (trailing shapes, cached views)."""
         self._trailing: Optional[List[Tuple[int, ...]]] = None
-        self._views: Dict[Sizes, Any] = {}
+        #: ``{sizes: the output views}``: the one tensor, or the list of tensor leaves when :attr:`_spec` is set.
+        self._views: Dict[Sizes, Union[torch.Tensor, List[torch.Tensor]]] = {}
         self._spec: Optional[tuple] = None
 
     def fingerprint(self) -> Dict[str, Any]:
@@ -109,7 +110,7 @@ class OutputLayout:
             raise StepOutputError(
                 f"step returned something that is not a pytree of tensors for {self.key_text(key)}: {exc}"
             ) from None
-        trailing = []
+        trailing: List[Tuple[int, ...]] = []
         for i, (t, dims) in enumerate(zip(leaves, self.leaf_dims(spec, len(leaves)))):
             want = tuple(key[d] for d in dims)
             if t.dim() == 0:
@@ -158,7 +159,9 @@ class OutputLayout:
             if len(self._views) >= _MEMO_LIMIT:  # varlen sizes rarely repeat: start over, never grow unbounded
                 self._views.clear()
             self._views[sizes] = out
-        return out if self._spec is None else unflatten(self._spec, out)
+        # one branch on the hot path: the cached value is the tensor when _spec is None, else the list of
+        # leaves (the two are set on the same miss, and the spec is the step's whatever key replayed)
+        return out if self._spec is None else unflatten(self._spec, out)  # type: ignore[arg-type]
 
     def slice(self, out: Any, sizes: Sizes) -> Any:
         """``out`` with every tensor leaf sliced to ``sizes`` on its declared leading dims."""

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from graphrunner.errors import GraphRunnerError
-from graphrunner.inputs import BatchInput, alias_error, diagnose
+from graphrunner.inputs import BatchInput, Pad, alias_error, diagnose
 from graphrunner.keys import _MEMO_LIMIT, padding_regions, region
 
 __all__ = ["StaticInputs"]
@@ -37,16 +37,16 @@ _Tensor = torch.Tensor
 class StaticInputs:
     """The static input buffers of one runner and everything that writes them.
 
-    ``specs``: ``{name: BatchInput}``; ``in_dims[name]``: indices of the
+    Keywords: ``specs``: ``{name: BatchInput}``; ``in_dims[name]``: indices of the
     input's leading dims among the runner's ``dims``; ``maxes``: the largest
     size of each dim (the buffers' leading shape); ``one_batch_dim``: the runner was
     built with ``buckets=[...]``, one dim, the batch (messages speak of the batch).
     """
 
-    def __init__(self, specs: Mapping[str, BatchInput], in_dims: Mapping[str, Tuple[int, ...]],
+    def __init__(self, *, specs: Mapping[str, BatchInput], in_dims: Mapping[str, Tuple[int, ...]],
                  dims: Tuple[str, ...], maxes: Tuple[int, ...], one_batch_dim: bool, device: torch.device) -> None:
         self.specs: Dict[str, BatchInput] = dict(specs)
-        self.in_dims = dict(in_dims)
+        self.in_dims: Dict[str, Tuple[int, ...]] = dict(in_dims)
         self.dims, self.maxes, self.one_batch_dim, self.device = dims, tuple(maxes), one_batch_dim, device
         #: ``{name: (*largest size of each of its dims, *trailing)}``.
         self.buffers: Dict[str, torch.Tensor] = self._allocate()
@@ -77,7 +77,8 @@ class StaticInputs:
         # The views a call of given sizes copies into (and re-pads), cached per sizes (and key) and
         # started over at keys._MEMO_LIMIT entries: varlen sizes rarely repeat.
         self._views: Dict[Sizes, List[torch.Tensor]] = {}
-        self._pad_views: Dict[Tuple[Sizes, Sizes], List[Tuple[torch.Tensor, Any]]] = {}
+        #: ``{(sizes, key): (views whose pad is +0, [(view, pad) for the other views])}``: what pad_to resets.
+        self._pad_views: Dict[Tuple[Sizes, Sizes], Tuple[List[torch.Tensor], List[Tuple[torch.Tensor, Pad]]]] = {}
 
     def _allocate(self) -> Dict[str, torch.Tensor]:
         """One buffer per input at the largest key, filled with its pad value; a ``ValueError``
@@ -371,6 +372,6 @@ def _memory_of(device: torch.device) -> Optional[int]:
     return None
 
 
-def _is_zero(pad: Any) -> bool:
+def _is_zero(pad: Pad) -> bool:
     """True for a pad value that ``zero_()`` writes bit for bit (``0``, ``False``, ``+0.0``)."""
     return pad == 0 and math.copysign(1.0, float(pad)) > 0
