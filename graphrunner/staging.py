@@ -70,7 +70,7 @@ class StaticInputs:
         # every input is (rows, *trailing) of one dim: the fast validation (shapes cached per row count)
         self._rows_only = len(dims) == 1 and all(self.in_dims[n] == (0,) for n in self.names)
         self._fast = tuple(zip((s.dtype for s in self.specs.values()), self._own, self.names))
-        self._shapes: Dict[int, tuple] = {}
+        self._shapes: Dict[int, Tuple[torch.Size, ...]] = {}
         self.zero: Sizes = (0,) * len(dims)
         self._one_dim = len(dims) == 1
         self.filled: Sizes = self.zero  # outside [:filled[0], :filled[1], ...] every buffer holds its pad value
