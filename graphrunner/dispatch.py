@@ -17,13 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Hashable, Optional, Protocol, Sequence, Set, Tuple
 
 from graphrunner.backends.base import GraphBackend
-from graphrunner.keys import _MEMO_LIMIT, CANNOT
+from graphrunner.errors import GraphRunnerError
+from graphrunner.keys import _MEMO_LIMIT, CANNOT, Key, KeySpace
 from graphrunner.layout import FreshOutputs
 
-__all__ = ["Route", "Routes", "IDLE", "CAPTURING"]
+if TYPE_CHECKING:
+    from graphrunner.layout import OutputLayout
+    from graphrunner.staging import StaticInputs
+
+__all__ = ["Route", "Routes", "ReplayBackend", "IDLE", "CAPTURING"]
 
 
 #: The route of agreed sizes with a 0 in some dim whose outputs are all empty: no step runs.
@@ -35,55 +40,73 @@ CAPTURING = "capturing"
 Sizes = Tuple[int, ...]
 
 
+class ReplayBackend(Protocol):
+    """A backend as serving sees it: a :class:`~graphrunner.backends.base.GraphBackend` (its
+    ``replayer`` serves a key), or any object ``make_backend`` accepts as an instance, of which
+    serving asks only whether a key replays on this rank and its ``replay`` (fresh outputs)."""
+
+    def can_run(self, key: Hashable) -> bool: ...
+
+    def replay(self, key: Hashable) -> Any: ...
+
+
+def _no_replay() -> None:
+    """The ``replay`` of a route without a key: the server falls back on ``key is None`` first."""
+    raise GraphRunnerError("GraphRunner internal error: a call replayed a route that has no key; please report it")
+
+
 @dataclasses.dataclass(frozen=True)
 class Route:
     """What a call of given agreed sizes does.
 
     ``key``: the internal key it replays (``None``: it does not replay), ``ext`` that key as users
-    name it, ``replay()`` the backend's replay function, ``outputs`` the static outputs it fills (or,
-    for :data:`IDLE`, the empty views), ``volume`` the key's cell count; ``run``: the sizes the step
-    runs at eagerly when it does not replay (the agreed sizes, or the key's for :data:`CAPTURING`);
-    ``reason``: why it does not replay (``None`` when it does)."""
+    name it (``()`` when it does not replay), ``replay()`` the backend's replay function (one that
+    raises when it does not replay), ``outputs`` the static outputs it fills (or, for :data:`IDLE`,
+    the empty views), ``volume`` the key's cell count; ``run``: the sizes the step runs at eagerly
+    when it does not replay (the agreed sizes, or the key's for :data:`CAPTURING`; ``()`` when it
+    replays); ``reason``: why it does not replay (``""`` when it does)."""
 
     key: Optional[Sizes]
-    ext: Any = None
-    replay: Optional[Callable[[], None]] = None
+    ext: Key = ()
+    replay: Callable[[], None] = _no_replay
+    #: The step's static outputs (a pytree of the user's step, or a :class:`FreshOutputs` box).
     outputs: Any = None
     volume: int = 0
-    run: Optional[Sizes] = None
-    reason: Optional[str] = None
+    run: Sizes = ()
+    reason: str = ""
 
 
 class Routes:
     """Routes of one captured runner: ``space`` (its :class:`~graphrunner.keys.KeySpace`),
-    ``backend``, and ``replayable`` (``{key: every rank can replay it}``, from the agreement)."""
+    ``backend``, ``layout`` (its :class:`~graphrunner.layout.OutputLayout`: which outputs an idle
+    call leaves empty) and ``replayable`` (``{key: every rank can replay it}``, from the agreement)."""
 
-    def __init__(self, space: Any, backend: Any, replayable: Optional[Dict[Sizes, bool]] = None) -> None:
-        self.space, self.backend = space, backend
-        self.replayable = replayable or {}
+    def __init__(self, space: KeySpace, backend: ReplayBackend, layout: OutputLayout,
+                 replayable: Optional[Dict[Sizes, bool]] = None) -> None:
+        self.space, self.backend, self.layout = space, backend, layout
+        self.replayable: Dict[Sizes, bool] = replayable or {}
         #: Keys a background capture will still capture: their calls run eagerly, padded to the key.
-        self.pending: set = set()
-        self.layout: Any = None  # the runner's OutputLayout, from prepare()
+        self.pending: Set[Sizes] = set()
         self._routes: Dict[Sizes, Route] = {}
         #: The replaying route of each key: the sizes a key serves share one (varlen sizes rarely repeat).
         self._by_key: Dict[Sizes, Route] = {}
         #: The route of ``rows`` if already known, else ``None`` (the hot path's one lookup).
         self.get = self._routes.get
 
-    def prepare(self, staging: Any, layout: Any) -> None:
+    def prepare(self, staging: StaticInputs) -> None:
         """After capture: the route, input views and output views of every key, so that the
         first call of a key costs what later ones do."""
-        self.layout = layout
+        layout = self.layout
         for k in self.space.keys:
             staging.prepare(k)
             route = self.route(k)
             if route.key is not None:
                 layout.replayed(route.outputs, k)
 
-    def enable(self, keys: Any, staging: Any, layout: Any) -> None:
+    def enable(self, keys: Sequence[Sizes], staging: StaticInputs) -> None:
         """Keys a background capture has captured on every rank: replayable from now on (those the
         backend can run), their routes computed again and prepared as :meth:`prepare` does."""
-        self.layout = layout
+        layout = self.layout
         for k in keys:
             self.pending.discard(k)
             self.replayable[k] = bool(self.backend.can_run(self.space.external(k)))

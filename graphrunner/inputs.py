@@ -6,7 +6,7 @@ from __future__ import annotations
 import operator
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -15,6 +15,11 @@ from graphrunner.keys import check_dims
 __all__ = ["BatchInput", "check_bounds_spec", "alias_error", "diagnose", "check_config", "check_step", "positional_error"]
 
 _FALLBACKS = ("eager", "error")
+
+#: A pad value (``BatchInput.pad``): a Python number.
+Pad = Union[bool, int, float]
+#: ``BatchInput.bounds``: ``(lo, hi)``, inclusive, either ``None`` (unbounded).
+Bounds = Tuple[Optional[float], Optional[float]]
 
 
 @dataclass(frozen=True)
@@ -51,9 +56,9 @@ class BatchInput:
 
     trailing: Tuple[int, ...] = ()
     dtype: torch.dtype = torch.float32
-    pad: Any = 0
+    pad: Pad = 0
     dims: Optional[Tuple[str, ...]] = None
-    bounds: Optional[Tuple[Any, Any]] = None
+    bounds: Optional[Bounds] = None
     state: bool = False
 
     def __post_init__(self) -> None:
@@ -82,7 +87,7 @@ class BatchInput:
             raise TypeError(f"BatchInput.state must be True or False, got {self.state!r}")
 
 
-def check_bounds_spec(bounds: Any, pad: Any, dtype: torch.dtype) -> Optional[Tuple[Any, Any]]:
+def check_bounds_spec(bounds: Any, pad: Pad, dtype: torch.dtype) -> Optional[Bounds]:
     """Validate ``BatchInput(bounds=(lo, hi))``: two numbers or ``None`` (unbounded) with ``lo <= hi``.
 
     ``bounds`` is the range of the *real* values. ``pad`` may lie inside it
@@ -153,15 +158,16 @@ def alias_error(ranges: Sequence[Tuple[int, int]], names: Sequence[str], name: s
 
 
 def diagnose(inputs: Any, specs: Mapping[str, BatchInput], in_dims: Mapping[str, Tuple[int, ...]],
-             dims: Sequence[str], legacy: bool, alias: Callable[[str, torch.Tensor], Optional[Exception]]) -> Exception:
+             dims: Sequence[str], one_batch_dim: bool,
+             alias: Callable[[str, torch.Tensor], Optional[Exception]]) -> Exception:
     """The error to raise for call ``inputs`` that failed the runner's fast check (slow path).
 
     ``specs`` are the declared inputs, ``in_dims[name]`` the indices in
-    ``dims`` of each input's leading dims, ``legacy`` true for a runner built
+    ``dims`` of each input's leading dims, ``one_batch_dim`` true for a runner built
     with ``buckets=[...]`` (messages speak of the batch), ``alias`` the
     runner's aliasing check. Names the input and what was expected.
     """
-    name: Any = None
+    name: Optional[str] = None
     try:
         if not isinstance(inputs, Mapping):
             return TypeError(f"GraphRunner inputs must be passed as keywords {list(specs)}, "
@@ -189,7 +195,7 @@ def diagnose(inputs: Any, specs: Mapping[str, BatchInput], in_dims: Mapping[str,
                 return ValueError(f"GraphRunner: input {name!r} has dtype {t.dtype}, expected {spec.dtype}; "
                                   f"convert it with .to({spec.dtype})")
             if t.dim() != len(spec.trailing) + len(didx) or tuple(t.shape[len(didx):]) != spec.trailing:
-                lead = "batch" if legacy else ", ".join(dims[d] for d in didx)
+                lead = "batch" if one_batch_dim else ", ".join(dims[d] for d in didx)
                 return ValueError(f"GraphRunner: input {name!r} has shape {list(t.shape)}, expected "
                                   f"[{lead}, {', '.join(map(str, spec.trailing))}]".replace(", ]", "]")
                                   + f" (trailing shape {spec.trailing})")
@@ -209,7 +215,7 @@ def diagnose(inputs: Any, specs: Mapping[str, BatchInput], in_dims: Mapping[str,
                 if d not in seen:
                     seen[d] = (v, name)
                 elif seen[d][0] != v:
-                    if legacy:
+                    if one_batch_dim:
                         return ValueError(f"GraphRunner: input {name!r} has batch {v} but input {seen[d][1]!r} has "
                                           f"batch {seen[d][0]}; all inputs share dim 0")
                     return ValueError(f"GraphRunner: input {name!r} has {dims[d]}={v} (dim {j}) but input "

@@ -16,21 +16,54 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Hashable, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 
 from graphrunner.buckets import _check_ratio, validate_buckets
 from graphrunner.errors import AgreementError, GraphRunnerError
 
-__all__ = ["KeySpace", "LEGACY_DIM", "agree", "agreement_vector", "all_max_vector", "AgreementError",
+if TYPE_CHECKING:
+    from graphrunner.inputs import BatchInput
+
+__all__ = ["KeySpace", "BATCH_DIM", "agree", "agreement_vector", "all_max_vector", "AgreementError",
            "check_dims", "region", "padding_regions", "slice_leaves", "count_leaves", "resolve_input_dims",
            "resolve_output_dims"]
 
 #: The name of the one dim of a runner built with ``buckets=[...]``.
-LEGACY_DIM = "batch"
+BATCH_DIM = "batch"
 
 Sizes = Tuple[int, ...]
+#: A key as users, backends, stats and traces name it (:meth:`KeySpace.external`): an int with
+#: ``buckets=[...]``, else the tuple.
+Key = Union[int, Sizes]
+#: A call's sizes as users give them (``key_for``): an int (one dim), a tuple in dims order, or ``{dim: size}``.
+Batch = Union[int, Sequence[int], Mapping[str, int]]
+#: ``buckets=``: a list of sizes (one dim, the batch) or ``{dim: [sizes...]}``.
+Buckets = Union[Sequence[int], Mapping[str, Sequence[int]]]
+#: ``outputs=``: the outputs' leading dims (a dims tuple, or ``{dict output key: dims}``), or ``None``.
+OutputDims = Union[None, Sequence[str], Mapping[Hashable, Sequence[str]]]
+#: The index of a leading region of a tensor (:func:`region`).
+Index = Union[slice, Tuple[slice, ...]]
+
+
+class Group(Protocol):
+    """A rank group as graphrunner uses it (:mod:`graphrunner.group`: ``LocalGroup``,
+    ``TorchDistGroup``, or a test's fake); ``all_max_vector(values, phase=, key=)`` is optional
+    (:func:`all_max_vector`)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    def barrier(self, phase: str = "", key: Optional[Hashable] = None) -> None: ...
+
+    def all_max(self, value: int, phase: str = "", key: Optional[Hashable] = None) -> int: ...
+
+    def all_min(self, value: int, phase: str = "", key: Optional[Hashable] = None) -> int: ...
+
 
 #: Why a call falls back (``RunnerStats.fallback_reasons``).
 OVER_MAX, PADDING, CANNOT = "over_max_bucket", "padding_ratio", "cannot_replay"
@@ -56,12 +89,14 @@ class KeySpace:
     buckets or keys.
     """
 
-    def __init__(self, buckets: Any, keys: Optional[Sequence[Any]] = None,
+    def __init__(self, buckets: Buckets, keys: Optional[Sequence[Key]] = None,
                  max_padding_ratio: Optional[float] = None) -> None:
+        #: True for ``buckets=[...]`` (a list): one dim, :data:`BATCH_DIM`, int keys, and messages that
+        #: speak of the batch; False for ``{dim: [sizes...]}`` (tuple keys, even with one dim).
+        self.one_batch_dim = not isinstance(buckets, Mapping)
         if isinstance(buckets, Mapping):
             if not buckets:
                 raise ValueError("buckets is an empty dict; pass {dim: [sizes...]}, e.g. {'reqs': [1, 2, 4]}")
-            self.legacy = False
             self.buckets: Dict[str, List[int]] = {}
             for dim, bl in buckets.items():
                 if not isinstance(dim, str) or not dim.isidentifier():
@@ -71,8 +106,7 @@ class KeySpace:
                 except (TypeError, ValueError) as exc:
                     raise type(exc)(f"buckets[{dim!r}]: {exc}") from None
         else:
-            self.legacy = True
-            self.buckets = {LEGACY_DIM: validate_buckets(buckets)}
+            self.buckets = {BATCH_DIM: validate_buckets(buckets)}
         self.dims: Tuple[str, ...] = tuple(self.buckets)
         self.max_padding_ratio = _check_ratio(max_padding_ratio)
         self.explicit = keys is not None
@@ -125,7 +159,7 @@ class KeySpace:
             raise ValueError(f"{what} {key!r} must hold one int per dim {self.dims}")
         return t
 
-    def sizes_of(self, batch: Any, what: str = "sizes") -> Sizes:
+    def sizes_of(self, batch: Batch, what: str = "sizes") -> Sizes:
         """``batch`` as sizes: an int (one dim), a tuple in :attr:`dims` order, or ``{dim: size}``;
         ``ValueError`` naming ``what`` otherwise."""
         if isinstance(batch, Mapping):
@@ -134,9 +168,9 @@ class KeySpace:
             batch = tuple(int(batch[d]) for d in self.dims)
         return self.internal(batch, what=f"{what} sizes")
 
-    def external(self, key: Sizes) -> Hashable:
+    def external(self, key: Sizes) -> Key:
         """The key as users, backends, stats and traces see it: an int with ``buckets=[...]``, else the tuple."""
-        return key[0] if self.legacy else key
+        return key[0] if self.one_batch_dim else key
 
     def capture_order(self) -> List[Sizes]:
         """The keys to capture, largest (by volume, then lexicographically) first."""
@@ -153,9 +187,12 @@ class KeySpace:
                 # the keys covering ``sizes`` are those covering its per-dim buckets (every key holds a
                 # bucket per dim): a bisect per dim and one lookup, not a scan of the keys
                 b = self.bucket_of(sizes)
-                hit = (None, OVER_MAX) if b is None else self._by_bucket.get(b)
-                if hit is None:
-                    hit = self._by_bucket[b] = self._choose(b)
+                if b is None:
+                    hit = (None, OVER_MAX)
+                else:
+                    hit = self._by_bucket.get(b)
+                    if hit is None:
+                        hit = self._by_bucket[b] = self._choose(b)
             else:
                 hit = self._choose(sizes)
             if len(self._memo) >= _MEMO_LIMIT:  # varlen sizes rarely repeat: keep the memo bounded
@@ -192,20 +229,20 @@ class KeySpace:
 
     def describe(self, sizes: Sizes) -> str:
         """``sizes`` for an error message: ``batch 3`` or ``reqs=3, draft=2``."""
-        if self.legacy:
+        if self.one_batch_dim:
             return f"batch {sizes[0]}"
         return ", ".join(f"{d}={n}" for d, n in zip(self.dims, sizes))
 
     def why(self, sizes: Sizes, rows: Sizes, reason: str) -> str:
         """Why no key serves a call of local ``sizes`` agreed to ``rows`` (for ``fallback='error'``)."""
         space = self
-        if space.legacy:
+        if space.one_batch_dim:
             n, r = sizes[0], rows[0]
             where = f"the agreed batch {r} (max over ranks; this rank has {n})" if r != n else f"batch {n}"
             if reason == OVER_MAX:
                 return f"{where} exceeds the largest bucket {self.maxes[0]}"
             if reason == PADDING:
-                b = next(x for x in self.buckets[LEGACY_DIM] if x >= r)
+                b = next(x for x in self.buckets[BATCH_DIM] if x >= r)
                 return (f"{where} would pad bucket {b} with {b - r} rows, more than max_padding_ratio="
                         f"{self.max_padding_ratio}")
             return f"bucket for {where} cannot be replayed on every rank"
@@ -223,8 +260,9 @@ class KeySpace:
                 "keys": [list(k) for k in self.keys], "max_padding_ratio": self.max_padding_ratio}
 
 
-#: Entries :meth:`KeySpace.choose` (and the dispatcher's routes) keep per exact sizes before starting
-#: over: a server's varlen sizes rarely repeat, and the per-bucket entries behind them are cheap to reach.
+#: Entries :meth:`KeySpace.choose` (and the dispatcher's routes, the static inputs' views and re-pad
+#: views, the output views) keep per exact sizes before starting over: a server's varlen sizes rarely
+#: repeat, and the per-bucket entries behind them are cheap to reach (a miss costs a few views).
 _MEMO_LIMIT = 4096
 
 
@@ -252,17 +290,17 @@ def check_dims(dims: Any, what: str, allow_empty: bool = False) -> Tuple[str, ..
     return t
 
 
-def region(sizes: Sequence[int], didx: Tuple[int, ...]) -> Any:
+def region(sizes: Sequence[int], didx: Tuple[int, ...]) -> Index:
     """The index of the leading region ``sizes`` (runner-dim order) of a tensor whose leading dims are ``didx``."""
     if len(didx) == 1:
         return slice(0, sizes[didx[0]])
     return tuple(slice(0, sizes[d]) for d in didx)
 
 
-def padding_regions(sizes: Sequence[int], key: Sequence[int], didx: Tuple[int, ...]) -> List[Any]:
+def padding_regions(sizes: Sequence[int], key: Sequence[int], didx: Tuple[int, ...]) -> List[Index]:
     """Indices that together cover ``key`` minus ``sizes`` on a tensor with leading dims ``didx``:
     one region per dim (``[:n0, ..., n_j:k_j, :k_{j+1}, ...]``), empty ones left out."""
-    out = []
+    out: List[Index] = []
     for j, d in enumerate(didx):
         if sizes[d] >= key[d]:
             continue
@@ -292,7 +330,7 @@ def count_leaves(spec: tuple) -> int:
     return sum(count_leaves(c) for c in spec[-1])
 
 
-def resolve_input_dims(inputs: Mapping[str, Any], space: KeySpace) -> Dict[str, Tuple[int, ...]]:
+def resolve_input_dims(inputs: Mapping[str, BatchInput], space: KeySpace) -> Dict[str, Tuple[int, ...]]:
     """``{input name: indices of its leading dims in space.dims}``; every dim used by some input."""
     out: Dict[str, Tuple[int, ...]] = {}
     for name, spec in inputs.items():
@@ -314,8 +352,8 @@ def resolve_input_dims(inputs: Mapping[str, Any], space: KeySpace) -> Dict[str, 
     return out
 
 
-def resolve_output_dims(outputs: Any, default: Tuple[int, ...], space: KeySpace
-                         ) -> Tuple[Tuple[int, ...], Dict[Any, Tuple[int, ...]]]:
+def resolve_output_dims(outputs: OutputDims, default: Tuple[int, ...], space: KeySpace
+                         ) -> Tuple[Tuple[int, ...], Dict[Hashable, Tuple[int, ...]]]:
     """``(default leading dims, {dict output key: leading dims})`` as runner-dim indices."""
 
     def idx(dims: Any, what: str) -> Tuple[int, ...]:
@@ -367,13 +405,13 @@ def _near(own: int, low_bits: int) -> int:
     return own + (d - _CALL_MOD if d >= _CALL_MOD // 2 else d)
 
 
-def agree(group: Any, sizes: Sizes, invalid: bool, call: int, digest: int = 0) -> Tuple[Sizes, bool]:
+def agree(group: Group, sizes: Sizes, invalid: bool, call: int, digest: int = 0) -> Tuple[Sizes, bool]:
     """:func:`agree_extra` without extra elements: ``(agreed_sizes, any_invalid)``."""
     agreed, bad, _ = agree_extra(group, sizes, invalid, call, digest)
     return agreed, bad
 
 
-def agree_extra(group: Any, sizes: Sizes, invalid: bool, call: int, digest: int = 0,
+def agree_extra(group: Group, sizes: Sizes, invalid: bool, call: int, digest: int = 0,
                 extra: Sequence[int] = ()) -> Tuple[Sizes, bool, List[int]]:
     """The one collective of a multi-rank call: the element-wise max of
     :func:`agreement_vector` over the ranks (``group.all_max_vector``), which carries the
@@ -419,7 +457,7 @@ def agree_extra(group: Any, sizes: Sizes, invalid: bool, call: int, digest: int 
     return agreed, bad, extra_max
 
 
-def _unpaired(group: Any, call: int, digest: int, hi: int, lo: int) -> None:
+def _unpaired(group: Group, call: int, digest: int, hi: int, lo: int) -> None:
     """Raise the :class:`AgreementError` for a call whose peers' tags (call number, digest)
     ranged from ``lo`` to ``hi``, not all equal to this rank's."""
     rank, size = getattr(group, "rank", "?"), getattr(group, "size", "?")
@@ -445,7 +483,7 @@ def _unpaired(group: Any, call: int, digest: int, hi: int, lo: int) -> None:
         calls=(call, first, last))
 
 
-def all_max_vector(group: Any, values: List[int], phase: str, key: Any) -> List[int]:
+def all_max_vector(group: Group, values: List[int], phase: str, key: Hashable) -> List[int]:
     """``group.all_max_vector(values)``; for a group without it, one ``all_max`` per element
     (correct, but one collective per element: add ``all_max_vector`` to such a group)."""
     fn = getattr(group, "all_max_vector", None)

@@ -10,13 +10,13 @@ slice of an eager fallback's fresh outputs.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple, Union
 
 import torch
 
 from graphrunner.backends.outputs import flatten, unflatten
 from graphrunner.errors import CaptureError, PaddingLeakError
-from graphrunner.keys import count_leaves, slice_leaves
+from graphrunner.keys import _MEMO_LIMIT, count_leaves, slice_leaves
 
 __all__ = ["OutputLayout", "StepOutputError", "FreshOutputs", "clone_outputs", "user_error"]
 
@@ -28,14 +28,15 @@ class StepOutputError(TypeError):
 
 
 class OutputLayout:
-    """The leading dims of every output leaf, from ``outputs=`` (resolved by
+    """The leading dims of every output leaf, from ``outputs=`` (keywords; resolved by
     :func:`graphrunner.keys.resolve_output_dims`): ``out_dims = (default, {dict key: dims})``
-    as indices into ``dims``; ``legacy``: one batch dim; ``key_text(key)`` names a key."""
+    as indices into ``dims``; ``one_batch_dim``: built with ``buckets=[...]`` (one dim, the batch);
+    ``key_text(key)`` names a key."""
 
-    def __init__(self, out_dims: Tuple[Tuple[int, ...], Dict[Any, Tuple[int, ...]]], dims: Tuple[str, ...],
-                 legacy: bool, key_text: Any) -> None:
+    def __init__(self, *, out_dims: Tuple[Tuple[int, ...], Dict[Hashable, Tuple[int, ...]]], dims: Tuple[str, ...],
+                 one_batch_dim: bool, key_text: Callable[[Sizes], str]) -> None:
         self.default, self.per_key = out_dims
-        self.dims, self.legacy, self.key_text = dims, legacy, key_text
+        self.dims, self.one_batch_dim, self.key_text = dims, one_batch_dim, key_text
         #: How many leading dims of an output may be smaller than the shared buffer's.
         self.lead = max([len(self.default)] + [len(v) for v in self.per_key.values()])
         #: True while the runner captures: the forwards of :meth:`forward` check their outputs.
@@ -81,7 +82,8 @@ class OutputLayout:
     def reset(self) -> None:
         """Forget what the captures taught (trailing shapes, cached views)."""
         self._trailing: Optional[List[Tuple[int, ...]]] = None
-        self._views: Dict[Sizes, Any] = {}
+        #: ``{sizes: the output views}``: the one tensor, or the list of tensor leaves when :attr:`_spec` is set.
+        self._views: Dict[Sizes, Union[torch.Tensor, List[torch.Tensor]]] = {}
         self._spec: Optional[tuple] = None
 
     def fingerprint(self) -> Dict[str, Any]:
@@ -108,14 +110,14 @@ class OutputLayout:
             raise StepOutputError(
                 f"step returned something that is not a pytree of tensors for {self.key_text(key)}: {exc}"
             ) from None
-        trailing = []
+        trailing: List[Tuple[int, ...]] = []
         for i, (t, dims) in enumerate(zip(leaves, self.leaf_dims(spec, len(leaves)))):
             want = tuple(key[d] for d in dims)
             if t.dim() == 0:
                 trailing.append(())
                 continue
             if tuple(t.shape[:len(want)]) != want:
-                if self.legacy:
+                if self.one_batch_dim:
                     raise StepOutputError(
                         f"step output tensor {i} has shape {list(t.shape)} for bucket {key[0]}: every output tensor "
                         f"must be batch-major (dim 0 == the {key[0]} input rows) or 0-dim, so the runner can slice "
@@ -139,8 +141,9 @@ class OutputLayout:
 
     def replayed(self, result: Any, sizes: Sizes) -> Any:
         """The outputs of a call of ``sizes`` from a replay's ``result`` (views of the shared
-        output buffer, cached per ``sizes``; every key's outputs are leading-corner views of one
-        buffer, so the ``sizes`` view is the same whichever key replayed). ``result`` may be a
+        output buffer, cached per ``sizes``, at most ``keys._MEMO_LIMIT`` of them; every key's
+        outputs are leading-corner views of one buffer, so the ``sizes`` view is the same whichever
+        key replayed). ``result`` may be a
         :class:`FreshOutputs` box holding the output of a backend that is not a
         :class:`~graphrunner.backends.base.GraphBackend` (fresh outputs each replay: sliced, not cached)."""
         if type(result) is FreshOutputs:
@@ -153,8 +156,12 @@ class OutputLayout:
                 self._spec, out = None, sliced[0]
             else:
                 self._spec, out = spec, sliced
+            if len(self._views) >= _MEMO_LIMIT:  # varlen sizes rarely repeat: start over, never grow unbounded
+                self._views.clear()
             self._views[sizes] = out
-        return out if self._spec is None else unflatten(self._spec, out)
+        # one branch on the hot path: the cached value is the tensor when _spec is None, else the list of
+        # leaves (the two are set on the same miss, and the spec is the step's whatever key replayed)
+        return out if self._spec is None else unflatten(self._spec, out)  # type: ignore[arg-type]
 
     def slice(self, out: Any, sizes: Sizes) -> Any:
         """``out`` with every tensor leaf sliced to ``sizes`` on its declared leading dims."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Hashable, List, Optional
 
 from graphrunner.trace import jsonable
 
@@ -279,12 +279,12 @@ class RunnerStats:
     (invalid inputs, ``fallback="error"``) are not counted.
     """
 
-    replays: Dict[int, int] = field(default_factory=dict)
+    replays: Dict[Hashable, int] = field(default_factory=dict)  # int keys, or tuples with dims
     fallbacks: int = 0
     fallback_reasons: Dict[str, int] = field(default_factory=dict)
     padding_rows: int = 0
     real_rows: int = 0
-    last_bucket: Optional[int] = None
+    last_bucket: Optional[Hashable] = None
 
     def count(self, bucket: Any, sizes: Any, rows: Any, reason: Optional[str] = None) -> None:
         """Count one call of real ``sizes`` computed at ``rows`` (a key, or the padded fallback):

@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import logging
 import weakref
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -35,11 +35,18 @@ from graphrunner.checks.verify import verify_every_setting
 from graphrunner.errors import CaptureError
 from graphrunner.group import LocalGroup
 from graphrunner.inputs import BatchInput, check_config, check_step, positional_error
-from graphrunner.keys import LEGACY_DIM, KeySpace, resolve_input_dims, resolve_output_dims
+from graphrunner.keys import (BATCH_DIM, Batch, Buckets, Group, Key, KeySpace, OutputDims, resolve_input_dims,
+                              resolve_output_dims)
 from graphrunner.layout import OutputLayout
 from graphrunner.report import CaptureReport, RunnerStats
 from graphrunner.serving import Server
 from graphrunner.staging import StaticInputs
+
+if TYPE_CHECKING:
+    from graphrunner.arena import OutputArena
+    from graphrunner.checks.compare import CompareReport
+    from graphrunner.dispatch import ReplayBackend
+    from graphrunner.trace import Trace
 
 __all__ = ["GraphRunner", "BatchInput", "RunnerStats", "default_buckets"]
 
@@ -50,10 +57,10 @@ def _part_attr(part: str, name: str, doc: str, read_only: bool = False) -> prope
     """A runner attribute that is the ``name`` attribute of its ``part`` (``"server"`` or
     ``"capturer"``), which owns it."""
 
-    def get(self: Any) -> Any:
+    def get(self: GraphRunner) -> Any:
         return getattr(getattr(self, part), name)
 
-    def put(self: Any, value: Any) -> None:
+    def put(self: GraphRunner, value: Any) -> None:
         setattr(getattr(self, part), name, value)
 
     return property(get, None if read_only else put, doc=doc)
@@ -117,17 +124,22 @@ class GraphRunner:
     #: Agree the key across ranks on every call (set False before capture() only in tests: UNSAFE).
     agree_bucket = True
 
-    def __init__(self, step: Callable[..., Any], inputs: Mapping[str, BatchInput], buckets: Any,
-                 backend: Any = "breakable", device: Any = "auto", group: Any = None, warmups: int = 2,
+    def __init__(self, step: Callable[..., Any], inputs: Mapping[str, BatchInput], buckets: Buckets,
+                 backend: Any = "breakable", device: Any = "auto", group: Optional[Group] = None, warmups: int = 2,
                  post_warmup_hook: Optional[Callable[[Any], Any]] = None, max_padding_ratio: Optional[float] = None,
-                 fallback: str = "eager", trace: Any = None, *, keys: Optional[Sequence[Any]] = None,
-                 outputs: Any = None, checks: Any = None, debug: Optional[bool] = None,
+                 fallback: str = "eager", trace: Optional[Trace] = None, *, keys: Optional[Sequence[Key]] = None,
+                 outputs: OutputDims = None, checks: Any = None, debug: Optional[bool] = None,
                  verify_every: Optional[int] = None, memory_budget: Optional[int] = None,
-                 copy_outputs: Optional[bool] = None, output_arena: Any = None, progress: bool = True) -> None:
+                 copy_outputs: Optional[bool] = None, output_arena: Optional[OutputArena] = None,
+                 progress: bool = True) -> None:
         check_config(step, inputs, fallback, post_warmup_hook, output_arena)
-        space = KeySpace(buckets, keys, max_padding_ratio)
+        space = KeySpace(buckets, keys=keys, max_padding_ratio=max_padding_ratio)
+        # The public keys and buckets below take the form the caller chose with ``buckets=`` (ints and a
+        # list, or tuples and a dict), which the caller knows: ``Any``, not a union every caller would
+        # have to narrow again (``Key`` and ``Buckets`` in graphrunner.keys name both forms).
         #: ``buckets`` as given: a list (one dim, int keys) or ``{dim: [sizes...]}`` (tuple keys).
-        self.buckets: Any = space.buckets[LEGACY_DIM] if space.legacy else {d: list(v) for d, v in space.buckets.items()}
+        self.buckets: Any = (space.buckets[BATCH_DIM] if space.one_batch_dim else
+                             {d: list(v) for d, v in space.buckets.items()})
         #: The runner's dim names, in key order (``("batch",)`` with ``buckets=[...]``).
         self.dims: Tuple[str, ...] = space.dims
         #: Every key captured, smallest first (ints with ``buckets=[...]``, else tuples).
@@ -138,27 +150,37 @@ class GraphRunner:
         checks_set = resolve_checks(checks)
         debug = contracts.debug_enabled(debug)
         self.inputs, self.output_arena = dict(inputs), output_arena
-        self.backend = make_backend(backend, device, group, warmups, trace, None if checks is None else
-                                    checks_set.drift, output_arena, own_pool=memory_budget is not None)
+        made = make_backend(backend, device=device, group=group, warmups=warmups, trace=trace,
+                            drift_check=None if checks is None else checks_set.drift, output_arena=output_arena,
+                            own_pool=memory_budget is not None)
+        #: The backend (a :class:`~graphrunner.backends.base.GraphBackend`, or an instance given that
+        #: has its methods); the capturer captures with it, the server replays it.
+        self.backend: ReplayBackend = made
         if checks is None:  # the default set: the drift check is the backend's own setting
-            checks_set = dataclasses.replace(checks_set, drift=bool(getattr(self.backend, "drift_check", True)))
-        self.device = self.backend.device
-        self.group = getattr(self.backend, "group", None) or LocalGroup()
+            checks_set = dataclasses.replace(checks_set, drift=bool(getattr(made, "drift_check", True)))
+        #: The backend's device object (any object with the device methods, :mod:`graphrunner.devices`).
+        self.device: Any = made.device
+        self.group: Group = getattr(made, "group", None) or LocalGroup()
         self.rank, self.world_size = int(getattr(self.group, "rank", 0)), int(getattr(self.group, "size", 1))
         self.torch_device = torch.device(getattr(self.device, "torch_device", torch.device("cpu")))
         in_dims = resolve_input_dims(inputs, space)
         key_text = functools.partial(_key_text, space)
-        staging = StaticInputs(inputs, in_dims, space.dims, space.maxes, space.legacy, self.torch_device)
-        layout = OutputLayout(resolve_output_dims(outputs, in_dims[next(iter(inputs))], space),
-                              space.dims, space.legacy, key_text)
+        staging = StaticInputs(specs=inputs, in_dims=in_dims, dims=space.dims, maxes=space.maxes,
+                               one_batch_dim=space.one_batch_dim, device=self.torch_device)
+        layout = OutputLayout(out_dims=resolve_output_dims(outputs, in_dims[next(iter(inputs))], space),
+                              dims=space.dims, one_batch_dim=space.one_batch_dim, key_text=key_text)
         # views into a shared arena are overwritten by any runner on it: copies unless asked otherwise
         copy = (output_arena is not None) if copy_outputs is None else bool(copy_outputs)
         #: The server part (:class:`graphrunner.serving.Server`): a call and the state it owns.
-        self.server = Server(step, space, staging, layout, self.backend, self.group, fallback, debug,
-                             verify_every_setting(verify_every, debug), copy, key_text)
+        self.server = Server(step=step, space=space, inputs=staging, layout=layout, backend=self.backend,
+                             group=self.group, fallback=fallback, debug=debug,
+                             verify_every=verify_every_setting(verify_every, debug), copy_outputs=copy,
+                             key_text=key_text)
         #: The capturer part (:class:`graphrunner.capturing.Capturer`): a capture, its checks and budget.
-        self.capturer = Capturer(self.server, self.backend, checks_set, post_warmup_hook, progress,
-                                 MemoryBudget(memory_budget, self.world_size), output_arena)
+        self.capturer = Capturer(server=self.server, backend=self.backend, checks=checks_set,
+                                 post_warmup_hook=post_warmup_hook, progress=progress,
+                                 memory_budget=MemoryBudget(memory_budget, world_size=self.world_size),
+                                 output_arena=output_arena)
 
     # ----------------------------------------------------------- the parts' settings, as attributes
     step = _part_attr("server", "step", "The step (``step(**static_inputs)``).")
@@ -186,7 +208,7 @@ class GraphRunner:
         """The static input buffers ``{name: (*largest key on its dims, *trailing)}``; do not write them."""
         return dict(self.server.inputs.buffers)
 
-    def bucket_for(self, batch: Any) -> Any:
+    def bucket_for(self, batch: Batch) -> Any:
         """The key a local call of ``batch`` replays, or ``None`` if it falls back. A 0 in some dim
         replays the key covering a 1 there, as a call does, unless the call runs no step (every
         output empty: ``None``), which is known after :meth:`capture` (``None`` before). Ignores
@@ -237,7 +259,7 @@ class GraphRunner:
         replay from the next call (whose agreement tells every rank that every rank has them)."""
         return self.capturer.wait(timeout)
 
-    def hold(self) -> Any:
+    def hold(self) -> ContextManager[None]:
         """``with runner.hold():`` keeps a background capture from starting a key while the body
         runs (a no-op otherwise): wrap code outside the runner's calls that writes state the step
         reads (a prefill writing the KV cache, a cache reset), since a key's capture puts back what it
@@ -271,7 +293,7 @@ class GraphRunner:
         finally:
             owner.leave()
 
-    def compare(self, **inputs: torch.Tensor) -> Any:
+    def compare(self, **inputs: torch.Tensor) -> CompareReport:
         """Run the graph and an eager reference on ``inputs`` (staged exactly as a call) and
         localise any difference: a :class:`graphrunner.checks.compare.CompareReport`. State the
         step writes is put back. See :func:`graphrunner.checks.compare.compare_runner`."""
@@ -317,4 +339,4 @@ class GraphRunner:
 
 def _key_text(space: KeySpace, key: Tuple[int, ...]) -> str:
     """How messages name internal ``key`` of ``space``."""
-    return f"bucket {key[0]}" if space.legacy else f"key {key} ({space.describe(key)})"
+    return f"bucket {key[0]}" if space.one_batch_dim else f"key {key} ({space.describe(key)})"

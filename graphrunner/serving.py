@@ -15,14 +15,14 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 
-from graphrunner.agreement import LocalAgreement
+from graphrunner.agreement import LocalAgreement, RankAgreement
 from graphrunner.checks import contracts
 from graphrunner.checks.verify import shadow_reference, shadow_verify
-from graphrunner.dispatch import CAPTURING, IDLE, Route, Routes
+from graphrunner.dispatch import CAPTURING, IDLE, ReplayBackend, Route, Routes
 from graphrunner.channel import fail_ranks
 from graphrunner.errors import (AgreementError, CaptureError, GraphRunnerError, RankFailedError, RankTimeoutError,
                                add_note)
@@ -30,11 +30,19 @@ from graphrunner.layout import clone_outputs
 from graphrunner.ownership import CallOwner
 from graphrunner.report import RunnerStats
 
+if TYPE_CHECKING:
+    from graphrunner.background import BackgroundCapture
+    from graphrunner.keys import Batch, Group, Key, KeySpace
+    from graphrunner.layout import OutputLayout
+    from graphrunner.staging import StaticInputs
+
 __all__ = ["Server"]
 
 logger = logging.getLogger("graphrunner")
 
 Sizes = Tuple[int, ...]
+#: How a call's sizes are agreed: by this rank alone, or with its peers (:mod:`graphrunner.agreement`).
+Agreement = Union[LocalAgreement, RankAgreement]
 
 _get_ident = threading.get_ident
 
@@ -42,7 +50,7 @@ _get_ident = threading.get_ident
 class Server:
     """The serving state and call path of one runner.
 
-    Args:
+    Args (keywords only):
         step: the user's step (``step(**static_inputs)``), run eagerly by the fallback.
         space: the runner's :class:`~graphrunner.keys.KeySpace`.
         inputs: its :class:`~graphrunner.staging.StaticInputs` (owned from now on).
@@ -54,9 +62,9 @@ class Server:
         key_text: ``key_text(internal key) -> str`` for messages.
     """
 
-    def __init__(self, step: Callable[..., Any], space: Any, inputs: Any, layout: Any, backend: Any, group: Any,
-                 fallback: str, debug: bool, verify_every: int, copy_outputs: bool,
-                 key_text: Callable[[Sizes], str]) -> None:
+    def __init__(self, *, step: Callable[..., Any], space: KeySpace, inputs: StaticInputs, layout: OutputLayout,
+                 backend: ReplayBackend, group: Group, fallback: str, debug: bool, verify_every: int,
+                 copy_outputs: bool, key_text: Callable[[Sizes], str]) -> None:
         self.step, self.space, self.inputs, self.layout = step, space, inputs, layout
         self.backend, self.group, self.fallback = backend, group, fallback
         self.rank, self.world_size = int(getattr(group, "rank", 0)), int(getattr(group, "size", 1))
@@ -82,18 +90,18 @@ class Server:
         the next capture (``cleanup()``, a failed capture)."""
         self.layout.reset()
         #: The routes of the agreed sizes (:class:`~graphrunner.dispatch.Routes`).
-        self.routes = Routes(self.space, self.backend)
+        self.routes = Routes(self.space, self.backend, self.layout)
         #: The agreement across ranks (:mod:`graphrunner.agreement`).
-        self.agreement: Any = LocalAgreement()
+        self.agreement: Agreement = LocalAgreement()
         #: Debug mode's check of the tensors the graphs read (:class:`~graphrunner.checks.contracts.ExternalsCheck`).
         self.externals: Optional[contracts.ExternalsCheck] = None
         #: A background capture while its keys are not all replaying (:mod:`graphrunner.background`).
-        self.background: Any = None
+        self.background: Optional[BackgroundCapture] = None
         #: The background capture after every key replays (its thread may still build the report).
-        self.last_background: Any = None
+        self.last_background: Optional[BackgroundCapture] = None
         self.serving = False
 
-    def install(self, agreement: Any, externals: Optional[contracts.ExternalsCheck]) -> None:
+    def install(self, agreement: Agreement, externals: Optional[contracts.ExternalsCheck]) -> None:
         """A capture starts: its agreement and debug mode's externals check serve the calls from now on."""
         self.agreement, self.externals = agreement, externals
 
@@ -101,21 +109,20 @@ class Server:
         """A blocking capture ended: ``replayable`` (``{key: every rank can replay it}``) keys replay
         from the next call on, their routes and views prepared now."""
         self.routes.replayable = dict(replayable)
-        self.routes.prepare(self.inputs, self.layout)
+        self.routes.prepare(self.inputs)
         self.inputs.warm()
         self.serving, self.cleaned_up = True, False
 
-    def serve_in_background(self, background: Any) -> None:
+    def serve_in_background(self, background: BackgroundCapture) -> None:
         """A background capture starts: every call is served from now on, eagerly (padded to its
         key) until :meth:`enable` switches a key to its graph."""
         self.routes.pending = set(self.space.keys)
-        self.routes.layout = self.layout
         self.background = background
         self.serving, self.cleaned_up = True, False
 
     def enable(self, keys: List[Sizes]) -> None:
         """Keys a background capture has captured on every rank replay from now on."""
-        self.routes.enable(keys, self.inputs, self.layout)
+        self.routes.enable(keys, self.inputs)
         self.inputs.warm()
 
     def stop_serving(self) -> None:
@@ -127,7 +134,7 @@ class Server:
         """Every key of the background capture replays on every rank: calls are plain calls again."""
         self.background, self.last_background = None, self.background
 
-    def key_for(self, batch: Any) -> Any:
+    def key_for(self, batch: Batch) -> Optional[Key]:
         """``GraphRunner.key_for``: the key a local call of ``batch`` replays (see there)."""
         space = self.space
         sizes = space.sizes_of(batch, what="key_for")
@@ -218,7 +225,7 @@ class Server:
                 self.calls -= 1
             raise
 
-    def step_failed(self, exc: Exception, phase: str, ext: Any) -> bool:
+    def step_failed(self, exc: Exception, phase: str, ext: Key) -> bool:
         """The step raised ``exc`` in a call (``phase``: ``"replay"`` or ``"fallback"``, key ``ext``). A
         failed collective raises :class:`~graphrunner.errors.RankTimeoutError` (or, when a peer failed
         alone and said so, its :class:`~graphrunner.errors.RankFailedError`). On several ranks the
@@ -254,7 +261,7 @@ class Server:
             return clone_outputs(out) if copy_outputs else out
         if self.fallback == "error" and reason != CAPTURING:
             raise ValueError(f"GraphRunner(fallback='error'): {space.why(sizes, run, reason)}; "
-                             + ("add a bucket" if space.legacy else "add a bucket or key")
+                             + ("add a bucket" if space.one_batch_dim else "add a bucket or key")
                              + ", raise max_padding_ratio, or use fallback='eager'")
         staging = self.inputs
         kwargs = staging.padded(tensors, sizes, run)

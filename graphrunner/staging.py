@@ -23,8 +23,8 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from graphrunner.errors import GraphRunnerError
-from graphrunner.inputs import BatchInput, alias_error, diagnose
-from graphrunner.keys import padding_regions, region
+from graphrunner.inputs import BatchInput, Pad, alias_error, diagnose
+from graphrunner.keys import _MEMO_LIMIT, padding_regions, region
 
 __all__ = ["StaticInputs"]
 
@@ -37,17 +37,17 @@ _Tensor = torch.Tensor
 class StaticInputs:
     """The static input buffers of one runner and everything that writes them.
 
-    ``specs``: ``{name: BatchInput}``; ``in_dims[name]``: indices of the
+    Keywords: ``specs``: ``{name: BatchInput}``; ``in_dims[name]``: indices of the
     input's leading dims among the runner's ``dims``; ``maxes``: the largest
-    size of each dim (the buffers' leading shape); ``legacy``: one batch dim
-    given as ``buckets=[...]`` (messages speak of the batch).
+    size of each dim (the buffers' leading shape); ``one_batch_dim``: the runner was
+    built with ``buckets=[...]``, one dim, the batch (messages speak of the batch).
     """
 
-    def __init__(self, specs: Mapping[str, BatchInput], in_dims: Mapping[str, Tuple[int, ...]],
-                 dims: Tuple[str, ...], maxes: Tuple[int, ...], legacy: bool, device: torch.device) -> None:
+    def __init__(self, *, specs: Mapping[str, BatchInput], in_dims: Mapping[str, Tuple[int, ...]],
+                 dims: Tuple[str, ...], maxes: Tuple[int, ...], one_batch_dim: bool, device: torch.device) -> None:
         self.specs: Dict[str, BatchInput] = dict(specs)
-        self.in_dims = dict(in_dims)
-        self.dims, self.maxes, self.legacy, self.device = dims, tuple(maxes), legacy, device
+        self.in_dims: Dict[str, Tuple[int, ...]] = dict(in_dims)
+        self.dims, self.maxes, self.one_batch_dim, self.device = dims, tuple(maxes), one_batch_dim, device
         #: ``{name: (*largest size of each of its dims, *trailing)}``.
         self.buffers: Dict[str, torch.Tensor] = self._allocate()
         self.names = tuple(self.specs)
@@ -70,12 +70,15 @@ class StaticInputs:
         # every input is (rows, *trailing) of one dim: the fast validation (shapes cached per row count)
         self._rows_only = len(dims) == 1 and all(self.in_dims[n] == (0,) for n in self.names)
         self._fast = tuple(zip((s.dtype for s in self.specs.values()), self._own, self.names))
-        self._shapes: Dict[int, tuple] = {}
+        self._shapes: Dict[int, Tuple[torch.Size, ...]] = {}
         self.zero: Sizes = (0,) * len(dims)
         self._one_dim = len(dims) == 1
         self.filled: Sizes = self.zero  # outside [:filled[0], :filled[1], ...] every buffer holds its pad value
+        # The views a call of given sizes copies into (and re-pads), cached per sizes (and key) and
+        # started over at keys._MEMO_LIMIT entries: varlen sizes rarely repeat.
         self._views: Dict[Sizes, List[torch.Tensor]] = {}
-        self._pad_views: Dict[Tuple[Sizes, Sizes], List[Tuple[torch.Tensor, Any]]] = {}
+        #: ``{(sizes, key): (views whose pad is +0, [(view, pad) for the other views])}``: what pad_to resets.
+        self._pad_views: Dict[Tuple[Sizes, Sizes], Tuple[List[torch.Tensor], List[Tuple[torch.Tensor, Pad]]]] = {}
 
     def _allocate(self) -> Dict[str, torch.Tensor]:
         """One buffer per input at the largest key, filled with its pad value; a ``ValueError``
@@ -88,7 +91,7 @@ class StaticInputs:
 
         def error(what: str) -> ValueError:
             biggest = max(sizes, key=sizes.__getitem__)
-            where = (f"bucket {self.maxes[0]}" if self.legacy else
+            where = (f"bucket {self.maxes[0]}" if self.one_batch_dim else
                      f"key ({', '.join(f'{d}={n}' for d, n in zip(self.dims, self.maxes))})")
             return ValueError(
                 f"buckets: the largest {where} needs {need:,} bytes of static input buffers on {dev} (input "
@@ -135,8 +138,12 @@ class StaticInputs:
         if not self.fits(sizes):
             return
         if sizes not in self._views:
+            if len(self._views) >= _MEMO_LIMIT:  # bounded, as in stage()
+                self._views.clear()
             self._views[sizes] = [buf[region(sizes, didx)] for (buf, _), didx in zip(self._pads, self.dim_idx)]
         if self._rows_only and sizes[0] not in self._shapes:
+            if len(self._shapes) >= _MEMO_LIMIT:
+                self._shapes.clear()
             self._shapes[sizes[0]] = tuple(torch.Size((sizes[0], *s.trailing)) for s in self.specs.values())
 
     def warm(self) -> None:
@@ -236,7 +243,7 @@ class StaticInputs:
 
     def error(self, inputs: Any) -> Exception:
         """The error for invalid call ``inputs`` (slow path): names the input and what was expected."""
-        return diagnose(inputs, self.specs, self.in_dims, self.dims, self.legacy, self._alias_error)
+        return diagnose(inputs, self.specs, self.in_dims, self.dims, self.one_batch_dim, self._alias_error)
 
     def _alias_error(self, name: str, t: torch.Tensor) -> Optional[Exception]:
         return alias_error(self._ranges, self.names, name, t)
@@ -250,6 +257,8 @@ class StaticInputs:
         if views is None:
             if not self.fits(sizes):
                 return False
+            if len(self._views) >= _MEMO_LIMIT:  # varlen sizes rarely repeat: start over, never grow unbounded
+                self._views.clear()
             views = self._views[sizes] = [buf[region(sizes, didx)] for (buf, _), didx in
                                           zip(self._pads, self.dim_idx)]
         i = 0
@@ -299,6 +308,8 @@ class StaticInputs:
             views = [(buf[r], pad) for (buf, pad), didx in zip(self._pads, self.dim_idx)
                      for r in padding_regions(sizes, key, didx)]
             zeros = [v for v, pad in views if _is_zero(pad)]
+            if len(self._pad_views) >= _MEMO_LIMIT:  # one entry per (sizes, key): bounded as in stage()
+                self._pad_views.clear()
             pv = self._pad_views[(sizes, key)] = (zeros, [(v, pad) for v, pad in views if not _is_zero(pad)])
         zeros, others = pv
         if zeros:
@@ -361,6 +372,6 @@ def _memory_of(device: torch.device) -> Optional[int]:
     return None
 
 
-def _is_zero(pad: Any) -> bool:
+def _is_zero(pad: Pad) -> bool:
     """True for a pad value that ``zero_()`` writes bit for bit (``0``, ``False``, ``+0.0``)."""
     return pad == 0 and math.copysign(1.0, float(pad)) > 0

@@ -97,9 +97,9 @@ def test_keyspace_choice_full_grid_and_explicit_keys():
     # per-dim padding ratio: (3, 1) -> (4, 1) pads reqs by 1/4 <= 0.3; (1, 1) -> (2, 4) pads draft by 3/4
     r = KeySpace({"reqs": [1, 2, 4, 8], "draft": [1, 2, 4]}, keys=[(8, 4), (2, 4), (4, 1)], max_padding_ratio=0.3)
     assert r.choose((3, 1)) == ((4, 1), None) and r.choose((1, 1)) == (None, "padding_ratio")
-    # legacy lists: int keys, one dim named "batch"
-    legacy = KeySpace([1, 2, 4])
-    assert legacy.legacy and legacy.dims == ("batch",) and legacy.external((4,)) == 4
+    # bucket lists: int keys, one dim named "batch"
+    batch = KeySpace([1, 2, 4])
+    assert batch.one_batch_dim and batch.dims == ("batch",) and batch.external((4,)) == 4
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -275,7 +275,7 @@ def compare_runner(server: Any, inputs: Mapping[str, torch.Tensor], atol: float 
         diff = _max_diff(e, g)
         if diff > worst:
             worst, at = diff, path
-    report = CompareReport(equal=worst <= atol, bucket=ext, batch=sizes[0] if space.legacy else sizes,
+    report = CompareReport(equal=worst <= atol, bucket=ext, batch=sizes[0] if space.one_batch_dim else sizes,
                            max_abs_diff=worst, output=at,
                            restored=list(state.snapshots.values()))
     if report.equal:
