@@ -11,6 +11,7 @@ capture or raised at the call, each with a negative control that shows the
 bug changes the tokens when the check is off. Skipped without ``transformers``.
 """
 
+import dataclasses
 import threading
 
 import math
@@ -228,6 +229,34 @@ def test_user_mistakes_are_clear_errors():
     with pytest.raises(TypeError, match="GenerationConfig"):
         gr.hf.generate_batch(model, [[1, 2]], {"max_new_tokens": 2})
     assert gr.hf.generate_batch(model, []) == {}
+
+
+def test_the_options_are_one_frozen_keyword_only_dataclass():
+    """gr.hf.BatchingOptions: frozen, keyword-only, checked; both entry points take it (options=) or its fields as
+    keywords, and the same options serve the same tokens either way; generate_batch refuses a server's options."""
+    with pytest.raises(TypeError):
+        gr.hf.BatchingOptions("tape")  # keyword-only
+    opts = gr.hf.BatchingOptions(device="tape", buckets=ONE_KEY)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.device = "auto"
+    with pytest.raises(ValueError, match="replan_every must be a number of steps"):
+        gr.hf.BatchingOptions(replan_every=-1)
+    assert gr.hf.BatchingOptions.of(opts, debug=True) == gr.hf.BatchingOptions(device="tape", buckets=ONE_KEY,
+                                                                             debug=True)
+    model, inputs, gc = model_of("llama"), prompts(n=4), gen_config()
+    with pytest.raises(TypeError, match="unknown continuous batching option"):
+        gr.hf.init_continuous_batching(model, gc, cb_config(), devise="tape")
+    with pytest.raises(TypeError, match=r"\['autocapture'\] are options of a manager"):
+        gr.hf.generate_batch(model, inputs, gc, cb_config(), device="tape", autocapture=True)
+    ref = eager(model, inputs, gc)
+    st = {}
+    assert mismatches(ref, gr.hf.generate_batch(model, inputs, gc, cb_config(), options=opts, stats=st)) == []
+    first = st["hook"]
+    assert first.options == opts and st["stats"].replayed > 0
+    assert mismatches(ref, gr.hf.generate_batch(model, inputs, gc, cb_config(), device="tape", buckets=ONE_KEY,
+                                                stats=st)) == []
+    assert st["hook"] is first, "the same options as keywords: the kept manager and graphs serve again"
+    assert gr.hf.release(model)
 
 
 def test_every_public_name_has_a_docstring():

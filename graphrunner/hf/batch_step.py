@@ -20,6 +20,7 @@ from graphrunner.errors import CaptureError
 from graphrunner.inputs import BatchInput
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
 __all__ = ["DIMS", "KEY_PAD_REQUEST", "TOKEN_PAD_REQUEST", "CacheGroup", "batch_dims", "cache_groups", "kv_dim",
@@ -42,7 +43,7 @@ def kv_dim(layer_type: str, layer_types: Sequence[str]) -> str:
     return "kv_" + layer_type.replace("_attention", "")
 
 
-def batch_dims(model) -> Tuple[str, ...]:
+def batch_dims(model: PreTrainedModel) -> Tuple[str, ...]:
     """The step's dims for ``model``: ``("tokens", <one keys dim per attention type>, "reqs")``, the keys dims
     as :func:`kv_dim` names them, ``kv`` first. Each attention type reads its own keys (a sliding
     layer only its window), so each is padded to its own bucket. ``DIMS`` for a model transformers'
@@ -129,7 +130,7 @@ def step_inputs(groups: Sequence[CacheGroup], vocab_size: int, max_position: int
     return spec
 
 
-def make_step(model, cache, groups: Sequence[CacheGroup], use_logits_to_keep: bool, max_position: int = 1 << 20,
+def make_step(model: PreTrainedModel, cache: Optional[PagedAttentionCache], groups: Sequence[CacheGroup], use_logits_to_keep: bool, max_position: int = 1 << 20,
               max_requests: int = 1024):
     """Return ``step(**metadata) -> logits [reqs, vocab]``: one varlen forward of ``model`` over the paged ``cache``.
 

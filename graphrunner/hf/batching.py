@@ -54,6 +54,7 @@ from graphrunner.hf.refusals import check_served, refused
 from graphrunner.runner import GraphRunner
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
     from transformers.generation.continuous_batching.continuous_api import (ContinuousBatchingManager,
                                                                              ContinuousBatchProcessor)
     from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
@@ -173,7 +174,7 @@ class GraphBatching:
     :meth:`install` for a model :func:`~graphrunner.hf.refusals.refusal` refuses
     and at capture for padding tokens that would write a real cache slot."""
 
-    def __init__(self, model: Any, options: Optional[BatchingOptions] = None) -> None:
+    def __init__(self, model: PreTrainedModel, options: Optional[BatchingOptions] = None) -> None:
         opts = BatchingOptions() if options is None else options
         #: The step's dims: ``tokens``, one keys dim per attention type, ``reqs`` (:func:`batch_dims`).
         self.dims = batch_dims(model)
@@ -316,7 +317,7 @@ class GraphBatching:
         return int(getattr(emb, "num_embeddings", None) or self.model.config.get_text_config().vocab_size)
 
     # ----------------------------------------------------------------- the substituted method
-    def compute_batch(self, model: Any, batch_data: Dict[str, Any]) -> None:
+    def compute_batch(self, model: PreTrainedModel, batch_data: Dict[str, Any]) -> None:
         """``ModelRunner.compute_batch`` served by the graphs: forward (replayed), then transformers' own
         logits processing and sampling into the output tensor."""
         try:
@@ -326,7 +327,7 @@ class GraphBatching:
                 self.error = exc
             raise
 
-    def _compute_batch(self, model: Any, batch_data: Dict[str, Any]) -> None:
+    def _compute_batch(self, model: PreTrainedModel, batch_data: Dict[str, Any]) -> None:
         bp = self.processor
         io = _sync_io(bp)
         mr = bp.model_runner

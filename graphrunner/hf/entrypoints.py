@@ -26,16 +26,16 @@ from graphrunner.hf.options import BatchingOptions
 from graphrunner.hf.refusals import check_served
 
 if TYPE_CHECKING:
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig, PreTrainedModel
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
-    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager, ContinuousMixin
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     from graphrunner.runner import GraphRunner
 
 __all__ = ["generate_batch", "init_continuous_batching", "release"]
 
-def init_continuous_batching(model: Any, generation_config: Optional[GenerationConfig] = None,
+def init_continuous_batching(model: PreTrainedModel, generation_config: Optional[GenerationConfig] = None,
                              continuous_batching_config: Optional[ContinuousBatchingConfig] = None,
                              workload_hints: Optional[WorkloadHints] = None, *,
                              options: Optional[BatchingOptions] = None, **fields: Any) -> ContinuousBatchingManager:
@@ -65,20 +65,36 @@ def init_continuous_batching(model: Any, generation_config: Optional[GenerationC
     :func:`~graphrunner.hf.refusals.refusal` refuses."""
     opts = BatchingOptions.of(options, **fields)
     check_served(model, continuous_batching_config, "init_continuous_batching")
-    manager = model.init_continuous_batching(generation_config=generation_config,
-                                             continuous_batching_config=continuous_batching_config,
-                                             workload_hints=workload_hints)
+    hook = GraphBatching(model, opts)  # checks the options against the model's dims before a manager exists
+    manager = _continuous(model).init_continuous_batching(generation_config=generation_config,
+                                                          continuous_batching_config=continuous_batching_config,
+                                                          workload_hints=workload_hints)
     try:
-        hook = GraphBatching(model, opts)
         hook.install(manager)
     except BaseException:
         manager.destroy()
         raise
-    manager.graphs = hook
+    manager.graphs = hook  # type: ignore[attr-defined]  # the documented handle on transformers' manager
     return manager
 
 
 # --------------------------------------------------------------------------- generate_batch
+
+
+def _continuous(model: PreTrainedModel) -> ContinuousMixin:
+    """``model`` as the transformers generation model that runs continuous batching (``refusal`` refuses
+    any other first)."""
+    from transformers.generation.continuous_batching.continuous_api import ContinuousMixin
+
+    if not isinstance(model, ContinuousMixin):
+        raise TypeError(f"{type(model).__name__} is not a transformers generation model (no continuous batching)")
+    return model
+
+
+def _lend(model: PreTrainedModel, manager: ContinuousBatchingManager) -> None:
+    """Make ``manager`` the persistent manager ``model.generate_batch`` runs (transformers' own slot)."""
+    # nn.Module types its attributes as tensors or modules; transformers keeps its manager there as well
+    model._cached_continuous_batching_manager = manager  # type: ignore[assignment]
 
 
 def _workload_hints(inputs: Sequence[Sequence[int]], generation_config: GenerationConfig,
@@ -96,7 +112,7 @@ def _workload_hints(inputs: Sequence[Sequence[int]], generation_config: Generati
 _MANAGER_ONLY = ("autocapture", "replan_every")
 
 
-def generate_batch(model: Any, inputs: List[List[int]], generation_config: Optional[GenerationConfig] = None,
+def generate_batch(model: PreTrainedModel, inputs: List[List[int]], generation_config: Optional[GenerationConfig] = None,
                    continuous_batching_config: Optional[ContinuousBatchingConfig] = None, *,
                    options: Optional[BatchingOptions] = None, stats: Optional[Dict[str, Any]] = None,
                    reuse: bool = True, **kwargs: Any) -> Dict[str, Any]:
@@ -145,13 +161,13 @@ def generate_batch(model: Any, inputs: List[List[int]], generation_config: Optio
     run_kwargs = {**kwargs, "persistent_manager": True}
     if held is None:
         hook = GraphBatching(model, opts)  # checks the options against the model's dims first
-        manager = model.init_continuous_batching(generation_config=generation_config,
-                                                 continuous_batching_config=cb_cfg, workload_hints=hints)
+        manager = _continuous(model).init_continuous_batching(generation_config=generation_config,
+                                                              continuous_batching_config=cb_cfg, workload_hints=hints)
     else:
         manager, hook = held.manager, held.hook
     ok = False
     try:
-        model._cached_continuous_batching_manager = manager
+        _lend(model, manager)
         if held is None:
             _dry_run(model, hook, manager, inputs, generation_config, cb_cfg, run_kwargs)
         bp = hook.processor
@@ -161,7 +177,7 @@ def generate_batch(model: Any, inputs: List[List[int]], generation_config: Optio
         # as transformers seeds a new processor
         bp.distributed_helper.set_tp_seed(cb_cfg.seed, torch.device(bp.cache.device))
         manager._request_counter = 0  # the same request ids as model.generate_batch
-        model._cached_continuous_batching_manager = manager
+        _lend(model, manager)
         out = _quiet_generate(model, inputs, generation_config, cb_cfg, run_kwargs)
         _reraise(hook)
         ok = True
@@ -186,7 +202,7 @@ def _check_call(inputs: Any, stats: Any) -> bool:
     return True
 
 
-def _configs(model: Any, inputs: List[List[int]], generation_config: Optional[GenerationConfig],
+def _configs(model: PreTrainedModel, inputs: List[List[int]], generation_config: Optional[GenerationConfig],
              continuous_batching_config: Optional[ContinuousBatchingConfig], max_new_tokens: Optional[int]
              ) -> Tuple[GenerationConfig, ContinuousBatchingConfig, WorkloadHints]:
     """The generation config, a copy of the batching config and the workload hints of a :func:`generate_batch`
@@ -207,7 +223,7 @@ def _configs(model: Any, inputs: List[List[int]], generation_config: Optional[Ge
     return gen_cfg, cb_cfg, _workload_hints(inputs, gen_cfg, max_new_tokens)
 
 
-def _held_for(model: Any, settings: str, reuse: bool) -> Optional[_Held]:
+def _held_for(model: PreTrainedModel, settings: str, reuse: bool) -> Optional[_Held]:
     """What :func:`generate_batch` kept on ``model`` for a call of ``settings``; anything else kept is released."""
     held: Optional[_Held] = getattr(model, _HELD, None)
     if held is not None and (held.settings != settings or not reuse):
@@ -229,7 +245,7 @@ def _batch_options(options: Optional[BatchingOptions], kwargs: Dict[str, Any]) -
     return opts
 
 
-def _dry_run(model: Any, hook: GraphBatching, manager: ContinuousBatchingManager, inputs: List[List[int]],
+def _dry_run(model: PreTrainedModel, hook: GraphBatching, manager: ContinuousBatchingManager, inputs: List[List[int]],
              generation_config: Optional[GenerationConfig], cb_cfg: ContinuousBatchingConfig,
              run_kwargs: Dict[str, Any]) -> None:
     """Install ``hook`` on ``manager`` and run transformers' scheduler over ``inputs`` without a forward,
@@ -245,7 +261,7 @@ def _dry_run(model: Any, hook: GraphBatching, manager: ContinuousBatchingManager
     hook.mode = "eager"
 
 
-def _keep_or_destroy(model: Any, manager: ContinuousBatchingManager, hook: GraphBatching, settings: str,
+def _keep_or_destroy(model: PreTrainedModel, manager: ContinuousBatchingManager, hook: GraphBatching, settings: str,
                      keep: bool) -> Optional[GraphRunner]:
     """After a :func:`generate_batch` call: keep ``manager`` and its graphs on ``model`` for the next call of
     ``settings`` (``keep``), else destroy them; the runner that served, for the stats."""
@@ -276,7 +292,7 @@ class _Held:
     hook: GraphBatching
 
 
-def release(model: Any) -> bool:
+def release(model: PreTrainedModel) -> bool:
     """Free the manager, cache and graphs :func:`generate_batch` keeps on ``model`` for its next call (a
     background capture is stopped first). Returns True when there were some."""
     held = getattr(model, _HELD, None)
@@ -294,7 +310,7 @@ def _reraise(hook: GraphBatching) -> None:
         raise err
 
 
-def _quiet_generate(model: Any, inputs: List[List[int]], generation_config: Optional[GenerationConfig],
+def _quiet_generate(model: PreTrainedModel, inputs: List[List[int]], generation_config: Optional[GenerationConfig],
                     cb_cfg: ContinuousBatchingConfig, run_kwargs: Dict[str, Any]) -> Dict[str, Any]:
     """``model.generate_batch`` with transformers' warning about ``persistent_manager=True`` silenced:
     graphrunner passes it, not the user."""
@@ -303,7 +319,7 @@ def _quiet_generate(model: Any, inputs: List[List[int]], generation_config: Opti
     level = cb_logger.level
     cb_logger.setLevel(logging.ERROR)
     try:
-        return model.generate_batch(inputs=inputs, generation_config=generation_config,
+        return _continuous(model).generate_batch(inputs=inputs, generation_config=generation_config,
                                     continuous_batching_config=cb_cfg, **run_kwargs)
     finally:
         cb_logger.setLevel(level)

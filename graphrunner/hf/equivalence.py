@@ -22,6 +22,8 @@ from graphrunner.hf.batch_step import CacheGroup
 from graphrunner.hf.refusals import refused
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from graphrunner.runner import GraphRunner
 
 __all__ = ["EquivalenceCheck"]
@@ -45,7 +47,7 @@ class EquivalenceCheck:
     cache: torch.Tensor
     vocab: int
     device: torch.device
-    model: Any
+    model: PreTrainedModel
 
     def run(self) -> int:
         """Every key: a synthetic valid batch replayed padded, then a follow-up step that reads what it wrote,

@@ -10,9 +10,12 @@ raise; :func:`refused` words every later refusal (a capture or equivalence failu
 from __future__ import annotations
 
 import re
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from graphrunner.errors import CaptureError
+
+if TYPE_CHECKING:
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 __all__ = ["MASKED_IMPLEMENTATIONS", "check_served", "model_type", "refusal", "refused"]
 
@@ -30,7 +33,8 @@ def refused(model: Any, why: object, entry: str = "generate_batch") -> CaptureEr
     return CaptureError(f"gr.hf.{entry} cannot serve architecture {model_type(model)!r}: {why}")
 
 
-def check_served(model: Any, continuous_batching_config: Any = None, entry: str = "generate_batch") -> None:
+def check_served(model: Any, continuous_batching_config: Optional[ContinuousBatchingConfig] = None,
+                 entry: str = "generate_batch") -> None:
     """Raise :func:`refused`'s :class:`CaptureError` when :func:`refusal` refuses ``model`` under
     ``continuous_batching_config``; ``entry`` names the entry point in the message."""
     why = refusal(model, continuous_batching_config)
@@ -38,7 +42,7 @@ def check_served(model: Any, continuous_batching_config: Any = None, entry: str 
         raise refused(model, why, entry)
 
 
-def refusal(model, continuous_batching_config=None) -> Optional[str]:
+def refusal(model: Any, continuous_batching_config: Optional[ContinuousBatchingConfig] = None) -> Optional[str]:
     """Why :func:`generate_batch` cannot serve ``model`` through graphs, or ``None`` when it can.
 
     Served: models whose continuous batching runs transformers' index-based paged
