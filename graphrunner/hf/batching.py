@@ -149,7 +149,7 @@ class GraphBatching:
     manager's batch processor then runs every varlen step's forward through
     :attr:`runner` (a :class:`~graphrunner.GraphRunner` over the dims :attr:`dims`:
     ``tokens``, a keys dim per attention type (``kv``, and ``kv_sliding`` for a
-    model that mixes sliding and full layers: :func:`batch_dims`), ``reqs``) once
+    model that mixes sliding and full layers: :func:`~graphrunner.hf.batch_step.batch_dims`), ``reqs``) once
     :meth:`capture` has run, and eagerly before. Steps
     larger than every key take GraphRunner's eager fallback (counted in
     ``stats.eager_steps``). Everything but the forward (logits processors,
@@ -176,7 +176,8 @@ class GraphBatching:
 
     def __init__(self, model: PreTrainedModel, options: Optional[BatchingOptions] = None) -> None:
         opts = BatchingOptions() if options is None else options
-        #: The step's dims: ``tokens``, one keys dim per attention type, ``reqs`` (:func:`batch_dims`).
+        #: The step's dims: ``tokens``, one keys dim per attention type, ``reqs``
+        #: (:func:`~graphrunner.hf.batch_step.batch_dims`).
         self.dims = batch_dims(model)
         self.model = model
         #: How the graphs are planned, captured, checked and served.
