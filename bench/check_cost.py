@@ -86,8 +86,8 @@ def hf_llama_workload(buckets: List[int], device: str, max_cache_len: int = 32) 
         import transformers
     except ImportError:
         return None
-    from graphrunner import hf as ghf
-    from graphrunner.hf.cache import row_view_cache
+    from graphrunner.hf.cache import make_static_cache, row_view_cache, zero_cache
+    from graphrunner.hf.steps import decode_inputs, make_decode_step, prefill
 
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -95,9 +95,9 @@ def hf_llama_workload(buckets: List[int], device: str, max_cache_len: int = 32) 
     model = transformers.LlamaForCausalLM(cfg).float().eval()
     rows = max(buckets)
     with torch.inference_mode():
-        cache = ghf.make_static_cache(model, rows, max_cache_len)
-        ghf.prefill(model, cache, torch.zeros((rows, 1), dtype=torch.long))  # allocate, as DecodeRunner does
-        ghf.zero_cache(cache)
+        cache = make_static_cache(model, rows, max_cache_len)
+        prefill(model, cache, torch.zeros((rows, 1), dtype=torch.long))  # allocate, as DecodeRunner does
+        zero_cache(cache)
     views: Dict[int, Any] = {}
 
     def pick(n: int) -> Any:
@@ -105,15 +105,15 @@ def hf_llama_workload(buckets: List[int], device: str, max_cache_len: int = 32) 
             views[n] = row_view_cache(cache, n)
         return views[n]
 
-    step = ghf.make_decode_step(model, pick)
+    step = make_decode_step(model, pick)
 
     def make(checks: Any) -> GraphRunner:
-        return GraphRunner(step, inputs=ghf.decode_inputs(cfg.vocab_size, max_cache_len), buckets=list(buckets),
+        return GraphRunner(step, inputs=decode_inputs(cfg.vocab_size, max_cache_len), buckets=list(buckets),
                            backend="full", device=device, progress=False, fallback="error", checks=checks)
 
     def reset() -> None:
         with torch.inference_mode():
-            ghf.zero_cache(cache)
+            zero_cache(cache)
 
     return make, reset, torch.inference_mode  # DecodeRunner captures under inference mode
 

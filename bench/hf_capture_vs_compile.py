@@ -5,7 +5,7 @@ downloaded) decodes through a ``StaticCache``. One side is
 ``gr.hf.DecodeRunner(...).capture()`` over ``--buckets`` (wall time: cache
 allocation, warmups and graph capture of every bucket). The other is
 ``torch.compile`` (inductor, ``dynamic=False``, inductor's on-disk caches off)
-of the same decode step (:func:`graphrunner.hf.make_decode_step`), timed
+of the same decode step (:func:`graphrunner.hf.steps.make_decode_step`), timed
 as the first call of each of ``--compile-buckets`` (compilation dominates),
 each with its own cache of that batch size. Prints both and the ratio;
 writes JSON::
@@ -41,7 +41,8 @@ def _model():
 def _compile_seconds(model, batches: List[int], cache_len: int) -> Dict[str, Any]:
     import torch._inductor.config as inductor_config
 
-    from graphrunner import hf
+    from graphrunner.hf.cache import make_static_cache
+    from graphrunner.hf.steps import make_decode_step
 
     inductor_config.fx_graph_cache = False
     if hasattr(inductor_config, "autotune_local_cache"):
@@ -49,8 +50,8 @@ def _compile_seconds(model, batches: List[int], cache_len: int) -> Dict[str, Any
     torch._dynamo.reset()
     per: Dict[str, float] = {}
     for b in batches:
-        cache = hf.make_static_cache(model, b, cache_len)
-        step = torch.compile(hf.make_decode_step(model, cache), dynamic=False)
+        cache = make_static_cache(model, b, cache_len)
+        step = torch.compile(make_decode_step(model, cache), dynamic=False)
         ids = torch.zeros((b, 1), dtype=torch.long)
         pos = torch.zeros((b, 1), dtype=torch.long)
         t0 = time.perf_counter()

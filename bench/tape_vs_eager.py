@@ -174,10 +174,11 @@ def build_gpt2(batch=1, seed=0, hidden=256, heads=4, layers=4, vocab=1024, max_l
 def build_hf_llama(batch=1, seed=0):
     """A transformers ``LlamaForCausalLM`` (tiny config, random weights: 4 layers, hidden 256,
     GQA) decoding one token per row through a ``StaticCache`` of 256 positions, its step
-    from :func:`graphrunner.hf.make_decode_step`: returns (step, set_inputs, caches)."""
+    from :func:`graphrunner.hf.steps.make_decode_step`: returns (step, set_inputs, caches)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from graphrunner.hf import cache_tensors, make_decode_step, make_static_cache
+    from graphrunner.hf.cache import cache_tensors, make_static_cache
+    from graphrunner.hf.steps import make_decode_step
 
     cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)

@@ -21,7 +21,7 @@ things and nothing else:
   template, built locally), so the server runs on a fresh machine with no
   download.
 
-Tested with transformers 5.25 (:data:`graphrunner.hf.VERIFIED_TRANSFORMERS_MAJOR`).
+Tested with transformers 5.25 (:data:`graphrunner.hf.decode.VERIFIED_TRANSFORMERS_MAJOR`).
 """
 
 from __future__ import annotations

@@ -234,7 +234,8 @@ OPT = textwrap.dedent('''
     import torch
     import transformers
     import graphrunner as gr
-    from graphrunner import hf
+    from graphrunner.hf.cache import make_static_cache
+    from graphrunner.hf.steps import decode_inputs, make_decode_step
 
 
     def make():
@@ -242,8 +243,8 @@ OPT = textwrap.dedent('''
                                      num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=64)
         torch.manual_seed(0)
         model = transformers.OPTForCausalLM(cfg).eval()
-        cache = hf.make_static_cache(model, 2, 16)
-        return gr.GraphRunner(hf.make_decode_step(model, cache), hf.decode_inputs(), buckets=[2],
+        cache = make_static_cache(model, 2, 16)
+        return gr.GraphRunner(make_decode_step(model, cache), decode_inputs(), buckets=[2],
                               backend="full", progress=False)
 ''')
 

@@ -358,19 +358,20 @@ def _hf_model(arch: str):
 
 def _decode_setup(model):
     """A prefilled StaticCache, its decode step, and a hook restoring the cache tensors after each warmup."""
-    from graphrunner import hf as ghf
+    from graphrunner.hf.cache import make_static_cache, restore_cache, snapshot_cache
+    from graphrunner.hf.steps import make_decode_step, prefill
 
-    cache = ghf.make_static_cache(model, B, CACHE_LEN)
-    ghf.prefill(model, cache, torch.randint(3, V, (B, PROMPT), generator=torch.Generator().manual_seed(0)))
-    snap = ghf.snapshot_cache(cache)
-    return cache, ghf.make_decode_step(model, cache), lambda _b: ghf.restore_cache(cache, snap), snap
+    cache = make_static_cache(model, B, CACHE_LEN)
+    prefill(model, cache, torch.randint(3, V, (B, PROMPT), generator=torch.Generator().manual_seed(0)))
+    snap = snapshot_cache(cache)
+    return cache, make_decode_step(model, cache), lambda _b: restore_cache(cache, snap), snap
 
 
 @pytest.mark.hf
 @pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("arch", list(HF_ARCHS) + list(HF_TINY_ARCHS))
 def test_no_false_alarm_on_transformers_architectures(arch):
-    from graphrunner import hf as ghf
+    from graphrunner.hf.steps import decode_inputs
 
     model = _hf_model(arch)
     with torch.inference_mode():
@@ -381,7 +382,7 @@ def test_no_false_alarm_on_transformers_architectures(arch):
             spec = {"input_ids": gr.BatchInput(trailing=(6,), dtype=torch.long, pad=0)}
         else:
             cache, step, hook, snap = _decode_setup(model)
-            spec = ghf.decode_inputs()
+            spec = decode_inputs()
         runner = gr.GraphRunner(step, inputs=spec, buckets=[B], backend="full", progress=False,
                                 post_warmup_hook=hook)
         runner.capture()  # drift check on (the default): must not raise
@@ -410,13 +411,13 @@ def _gemma2():
 @pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("backend", ["full", "breakable"])
 def test_gemma2_sliding_window_cache_is_caught(backend):
-    from graphrunner import hf as ghf
+    from graphrunner.hf.steps import decode_inputs
 
     model = _gemma2()
     with torch.inference_mode():
         cache, step, hook, _ = _decode_setup(model)
         assert any(type(layer).__name__ == "StaticSlidingWindowLayer" for layer in cache.layers)
-        runner = gr.GraphRunner(step, inputs=ghf.decode_inputs(), buckets=[B], backend=backend, progress=False,
+        runner = gr.GraphRunner(step, inputs=decode_inputs(), buckets=[B], backend=backend, progress=False,
                                 post_warmup_hook=hook)
         with pytest.raises(CaptureError) as info:
             runner.capture()
@@ -429,21 +430,22 @@ def test_gemma2_sliding_window_cache_is_caught(backend):
 @pytest.mark.hf
 @pytest.mark.usefixtures("one_torch_thread")
 def test_gemma2_negative_control_graph_differs_from_eager_without_the_check():
-    from graphrunner import hf as ghf
+    from graphrunner.hf.cache import make_static_cache, restore_cache, snapshot_cache
+    from graphrunner.hf.steps import decode_inputs, make_decode_step, prefill
 
     model = _gemma2()
     with torch.inference_mode():
         # Captured after a 6-token prompt (past the window of 4: the layer's rolling path) ...
-        cache = ghf.make_static_cache(model, B, CACHE_LEN)
-        ghf.prefill(model, cache, torch.randint(3, V, (B, 6), generator=torch.Generator().manual_seed(1)))
-        runner = gr.GraphRunner(ghf.make_decode_step(model, cache), inputs=ghf.decode_inputs(), buckets=[B],
+        cache = make_static_cache(model, B, CACHE_LEN)
+        prefill(model, cache, torch.randint(3, V, (B, 6), generator=torch.Generator().manual_seed(1)))
+        runner = gr.GraphRunner(make_decode_step(model, cache), inputs=decode_inputs(), buckets=[B],
                                 backend="full", progress=False, checks=("padding", "fingerprint"))
         runner.capture()  # no error: the cache length of the capture is frozen silently
         # ... then serving a new 2-token prompt; the eager reference is a fresh cache with that prompt.
-        twin = ghf.make_static_cache(model, B, CACHE_LEN)
-        ghf.prefill(model, twin, torch.randint(3, V, (B, 2), generator=torch.Generator().manual_seed(0)))
-        ghf.restore_cache(cache, ghf.snapshot_cache(twin))  # the graph's cache tensors hold the same prompt
-        eager_step = ghf.make_decode_step(model, twin)
+        twin = make_static_cache(model, B, CACHE_LEN)
+        prefill(model, twin, torch.randint(3, V, (B, 2), generator=torch.Generator().manual_seed(0)))
+        restore_cache(cache, snapshot_cache(twin))  # the graph's cache tensors hold the same prompt
+        eager_step = make_decode_step(model, twin)
         diffs = []
         for i in range(3):
             args = {"input_ids": torch.full((B, 1), 5 + i), "position_ids": torch.full((B, 1), 2 + i)}

@@ -11,6 +11,7 @@ capture or raised at the call, each with a negative control that shows the
 bug changes the tokens when the check is off. Skipped without ``transformers``.
 """
 
+import dataclasses
 import threading
 
 import math
@@ -26,7 +27,13 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 import graphrunner as gr  # noqa: E402
 import graphrunner.hf  # noqa: E402,F401
+import graphrunner.hf.batch_step as batch_step  # noqa: E402
 import graphrunner.hf.batching as batching  # noqa: E402
+import graphrunner.hf.entrypoints as entrypoints  # noqa: E402
+import graphrunner.hf.equivalence as equivalence  # noqa: E402
+import graphrunner.hf.metadata as metadata  # noqa: E402
+import graphrunner.hf.planning as planning  # noqa: E402
+import graphrunner.hf.refusals as refusals  # noqa: E402
 from graphrunner.errors import CaptureError  # noqa: E402
 from graphrunner_tools.models.hf_tiny import build_tiny  # noqa: E402
 
@@ -170,14 +177,14 @@ def test_manager_form_captures_between_sessions():
 
 def test_planned_keys_cover_every_step():
     sizes = [(64, 64, 5), (8, 136, 8), (8, 144, 8), (4, 70, 4), (1, 8, 1), (64, 158, 7)]
-    buckets, keys = batching.plan_keys(sizes, {"tokens": 2, "kv": 2, "reqs": 2})
+    buckets, keys = planning.plan_keys(sizes, {"tokens": 2, "kv": 2, "reqs": 2})
     assert all(len(buckets[d]) <= 2 for d in buckets)
     assert buckets == {"tokens": [8, 64], "kv": [70, 158], "reqs": [5, 8]}
     for s in sizes:
         assert any(all(k[i] >= s[i] for i in range(3)) for k in keys)
     assert (64, 158, 8) in keys, "the largest key allocates the buffers"
     with pytest.raises(ValueError, match="no step sizes"):
-        batching.plan_keys([])
+        planning.plan_keys([])
 
 
 # ---------------------------------------------------------------- refusals
@@ -224,10 +231,40 @@ def test_user_mistakes_are_clear_errors():
     assert gr.hf.generate_batch(model, []) == {}
 
 
+def test_the_options_are_one_frozen_keyword_only_dataclass():
+    """gr.hf.BatchingOptions: frozen, keyword-only, checked; both entry points take it (options=) or its fields as
+    keywords, and the same options serve the same tokens either way; generate_batch refuses a server's options."""
+    with pytest.raises(TypeError):
+        gr.hf.BatchingOptions("tape")  # keyword-only
+    opts = gr.hf.BatchingOptions(device="tape", buckets=ONE_KEY)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.device = "auto"
+    with pytest.raises(ValueError, match="replan_every must be a number of steps"):
+        gr.hf.BatchingOptions(replan_every=-1)
+    assert gr.hf.BatchingOptions.of(opts, debug=True) == gr.hf.BatchingOptions(device="tape", buckets=ONE_KEY,
+                                                                             debug=True)
+    model, inputs, gc = model_of("llama"), prompts(n=4), gen_config()
+    with pytest.raises(TypeError, match="unknown continuous batching option"):
+        gr.hf.init_continuous_batching(model, gc, cb_config(), devise="tape")
+    with pytest.raises(TypeError, match=r"\['autocapture'\] are options of a manager"):
+        gr.hf.generate_batch(model, inputs, gc, cb_config(), device="tape", autocapture=True)
+    ref = eager(model, inputs, gc)
+    st = {}
+    assert mismatches(ref, gr.hf.generate_batch(model, inputs, gc, cb_config(), options=opts, stats=st)) == []
+    first = st["hook"]
+    assert first.options == opts and st["stats"].replayed > 0
+    assert mismatches(ref, gr.hf.generate_batch(model, inputs, gc, cb_config(), device="tape", buckets=ONE_KEY,
+                                                stats=st)) == []
+    assert st["hook"] is first, "the same options as keywords: the kept manager and graphs serve again"
+    assert gr.hf.release(model)
+
+
 def test_every_public_name_has_a_docstring():
-    for name in ("generate_batch", "init_continuous_batching", "GraphBatching", "BatchingStats", "MetadataError", "refusal", "step_feeds",
-                 "step_inputs", "make_step", "plan_keys", "check_trash"):
-        obj = getattr(batching, name)
+    for module, name in ((entrypoints, "generate_batch"), (entrypoints, "init_continuous_batching"),
+                         (batching, "GraphBatching"), (batching, "BatchingStats"), (metadata, "MetadataError"),
+                         (refusals, "refusal"), (metadata, "step_feeds"), (batch_step, "step_inputs"),
+                         (batch_step, "make_step"), (planning, "plan_keys"), (metadata, "check_trash")):
+        obj = getattr(module, name)
         assert obj.__doc__ and len(obj.__doc__.strip()) > 40, name
     for name in ("install", "compute_batch", "plan", "capture"):
         assert getattr(batching.GraphBatching, name).__doc__, name
@@ -284,7 +321,7 @@ def _single_call_comparison(monkeypatch):
     """Turn the equivalence check's follow-up step into a repeat of the checked step (which reads back no slot the
     padding wrote that it did not read the first time): what a check of one call at a time sees."""
     made = {}
-    original = batching.GraphBatching._synthetic
+    original = equivalence.EquivalenceCheck._synthetic
 
     def synthetic(self, key, sizes, gen):
         out = original(self, key, sizes, gen)
@@ -292,8 +329,8 @@ def _single_call_comparison(monkeypatch):
             made["feeds"] = {k: v.clone() for k, v in out[0].items()}
         return out
 
-    monkeypatch.setattr(batching.GraphBatching, "_synthetic", synthetic)
-    monkeypatch.setattr(batching.GraphBatching, "_follow_up", lambda self, plan, gen: made["feeds"])
+    monkeypatch.setattr(equivalence.EquivalenceCheck, "_synthetic", synthetic)
+    monkeypatch.setattr(equivalence.EquivalenceCheck, "_follow_up", lambda self, plan, gen: made["feeds"])
 
 
 def test_only_the_follow_up_step_catches_a_padding_write_its_step_does_not_read(monkeypatch, padding_writes_a_real_slot):
@@ -322,9 +359,9 @@ def test_each_attention_type_gets_its_own_keys_dim():
     """gemma2 mixes sliding (window 12) and full layers: the sliding layers' keys are a dim of their own, padded to
     their own buckets (a sliding layer reads at most window - 1 past keys of a request)."""
     model, inputs, gc = model_of("gemma2"), prompts(), gen_config()
-    assert batching.batch_dims(model) == ("tokens", "kv", "kv_sliding", "reqs")
-    assert batching.batch_dims(model_of("llama")) == ("tokens", "kv", "reqs")
-    assert batching.batch_dims(model_of("mistral")) == ("tokens", "kv", "reqs"), "one attention type: kv"
+    assert batch_step.batch_dims(model) == ("tokens", "kv", "kv_sliding", "reqs")
+    assert batch_step.batch_dims(model_of("llama")) == ("tokens", "kv", "reqs")
+    assert batch_step.batch_dims(model_of("mistral")) == ("tokens", "kv", "reqs"), "one attention type: kv"
     ref = eager(model, inputs, gc)
     st = {}
     out = gr.hf.generate_batch(model, inputs, gc, cb_config(), device="tape", stats=st)
@@ -550,10 +587,10 @@ BREACHES = {"cu_seq_lens_q": r"cu_seq_lens_q .* stale or inconsistent",
 @pytest.mark.parametrize("what", sorted(BREACHES))
 def test_each_metadata_breach_is_raised_naming_the_tensor(real_step, what):
     io, cache, groups = real_step["io"], real_step["cache"], real_step["groups"]
-    good = batching.step_feeds(_copy_io(io), cache, groups)  # the untouched step passes
-    assert sorted(good) == sorted(batching.step_inputs(groups, 128, 512, 8, 64))
+    good = metadata.step_feeds(_copy_io(io), cache, groups)  # the untouched step passes
+    assert sorted(good) == sorted(batch_step.step_inputs(groups, 128, 512, 8, 64))
     with pytest.raises(gr.hf.MetadataError, match=BREACHES[what]):
-        batching.step_feeds(_breach(_copy_io(io), what, groups[0]), cache, groups)
+        metadata.step_feeds(_breach(_copy_io(io), what, groups[0]), cache, groups)
 
 
 @pytest.mark.parametrize("what", ["cu_seq_lens_q", "positions", "cu_seq_lens_k", "write_index"])
@@ -561,14 +598,14 @@ def test_negative_control_without_the_checks_each_breach_feeds_the_graph_silentl
     """validate=False: the same breaches go through, and the step's inputs (the mask's coordinates, the slots
     written) differ from the untouched step's: a wrong result, no error."""
     io, cache, groups = real_step["io"], real_step["cache"], real_step["groups"]
-    good = batching.step_feeds(_copy_io(io), cache, groups)
-    bad = batching.step_feeds(_breach(_copy_io(io), what, groups[0]), cache, groups, validate=False)
+    good = metadata.step_feeds(_copy_io(io), cache, groups)
+    bad = metadata.step_feeds(_breach(_copy_io(io), what, groups[0]), cache, groups, validate=False)
     assert any(not torch.equal(good[k], bad[k]) for k in good if good[k].shape == bad[k].shape) or \
         any(good[k].shape != bad[k].shape for k in good)
 
 
 class _MaskSpy:
-    """A stand-in model for :func:`batching.make_step`: records the attention masks it is given."""
+    """A stand-in model for :func:`batch_step.make_step`: records the attention masks it is given."""
 
     dtype = torch.float32
 
@@ -588,9 +625,9 @@ def _mask_case(gen, n_req=5, window=3, pad_tok=3, pad_key=7):
         pos += list(range(p, p + q))
         key_req += [r] * (p + q)
         key_pos += list(range(p + q))
-    tok_req += [batching.TOKEN_PAD_REQUEST] * pad_tok
+    tok_req += [batch_step.TOKEN_PAD_REQUEST] * pad_tok
     pos += [0] * pad_tok
-    key_req += [batching.KEY_PAD_REQUEST] * pad_key
+    key_req += [batch_step.KEY_PAD_REQUEST] * pad_key
     key_pos += [0] * pad_key
     return tuple(torch.tensor(v, dtype=torch.int32) for v in (tok_req, pos, key_req, key_pos))
 
@@ -613,10 +650,10 @@ def test_the_step_builds_the_reference_mask(max_requests):
     padding key; a padding query sees every key. -inf where masked, 0 where allowed; random metadata, full and
     sliding layers; int32 and int64 codes. Negative control: the reference with an off-by-one differs."""
     gen = torch.Generator().manual_seed(7)
-    groups = [batching._Group(0, "full_attention", "kv", 0, 0, 0, 0, 0, 0, None),
-              batching._Group(1, "sliding_attention", "kv_sliding", 0, 0, 0, 0, 0, 0, 3)]
+    groups = [batch_step.CacheGroup(0, "full_attention", "kv", 0, 0, 0, 0, 0, 0, None),
+              batch_step.CacheGroup(1, "sliding_attention", "kv_sliding", 0, 0, 0, 0, 0, 0, 3)]
     spy = _MaskSpy()
-    step = batching.make_step(spy, None, groups, use_logits_to_keep=True, max_position=64, max_requests=max_requests)
+    step = batch_step.make_step(spy, None, groups, use_logits_to_keep=True, max_position=64, max_requests=max_requests)
     for _ in range(20):
         tok_req, pos, key_req, key_pos = _mask_case(gen)
         feeds = {"input_ids": torch.zeros_like(tok_req), "position_ids": pos, "tok_req": tok_req,

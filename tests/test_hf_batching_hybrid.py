@@ -1,4 +1,4 @@
-"""gr.hf.batching.refusal on hybrid and state-space models: refused with the layer kind named.
+"""gr.hf.refusal on hybrid and state-space models: refused with the layer kind named.
 
 transformers' paged cache pages attention keys and values only; it has no
 allocator for layers that keep a recurrent state per request (mamba
@@ -29,7 +29,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 import graphrunner as gr  # noqa: E402
 import graphrunner.hf  # noqa: E402,F401
 from graphrunner.errors import CaptureError  # noqa: E402
-from graphrunner.hf.batching import refusal  # noqa: E402
+from graphrunner.hf.refusals import refusal  # noqa: E402
 from graphrunner_tools.models.hf_tiny import build_tiny  # noqa: E402
 
 pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_torch_thread")]

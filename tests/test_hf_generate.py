@@ -186,6 +186,26 @@ def test_eos_and_pad_ids_as_arguments(llama):
             assert stop <= 2 and all(t == 0 for t in new[stop + 1:])  # finished: padded with pad_token_id=0
 
 
+def test_an_eos_criterion_without_a_pad_id_is_refused_before_decoding():
+    """A caller's EOS stopping criterion with no pad id anywhere (nor an EOS id to pad with): the rows that finish
+    first have nothing to continue with. model.generate fails mid-decode (a TypeError: None * tensor); generate
+    refuses it up front naming pad_token_id (mypy found the None). Control: with pad_token_id= it decodes as
+    model.generate does."""
+    model = build_tiny("llama")
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    runner = runner_for(model)
+    ids = prompts(2, seed=3)
+    crit = transformers.StoppingCriteriaList([transformers.generation.stopping_criteria.EosTokenCriteria(5)])
+    with pytest.raises(TypeError):
+        reference(model, ids, max_new_tokens=4, do_sample=False, stopping_criteria=crit)
+    with pytest.raises(ValueError, match="pad_token_id"):
+        ours(runner, ids, max_new_tokens=4, stopping_criteria=crit)
+    crit = transformers.StoppingCriteriaList([transformers.generation.stopping_criteria.EosTokenCriteria(5)])
+    want = reference(model, ids, max_new_tokens=4, do_sample=False, stopping_criteria=crit, pad_token_id=0)
+    assert torch.equal(ours(runner, ids, max_new_tokens=4, stopping_criteria=crit, pad_token_id=0), want)
+
+
 def test_max_length_defaults_as_model_generate(llama):
     """No max_new_tokens: transformers' global max_length=20 (20 new tokens); max_length= counts the prompt."""
     model, runner = llama

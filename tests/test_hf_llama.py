@@ -65,36 +65,38 @@ def test_warmup_writes_are_caught_without_the_cache_restore():
 
 
 def test_cache_helpers_snapshot_restore_in_place():
-    from graphrunner import hf as ghf
+    from graphrunner.hf.cache import (cache_tensors, compare_caches, make_static_cache, restore_cache, snapshot_cache,
+                                      zero_cache)
+    from graphrunner.hf.steps import make_decode_step, prefill
 
     with torch.inference_mode():
         model = hf.build_model(seed=3)
-        cache = ghf.make_static_cache(model, batch_size=1, max_cache_len=8)
+        cache = make_static_cache(model, batch_size=1, max_cache_len=8)
         if not _allocated_at_construction(cache):  # transformers >= 4.56 allocates at the first write
             with pytest.raises(ValueError, match="prefill"):
-                ghf.cache_tensors(cache)
-        logits = ghf.prefill(model, cache, torch.tensor([[1, 2, 3]]))
+                cache_tensors(cache)
+        logits = prefill(model, cache, torch.tensor([[1, 2, 3]]))
         assert logits.shape == (1, 3, model.config.vocab_size)
-        tensors = ghf.cache_tensors(cache)
+        tensors = cache_tensors(cache)
         ids = {name: id(t) for name, t in tensors.items()}
-        saved = ghf.snapshot_cache(cache)
-        step = ghf.make_decode_step(model, cache)
+        saved = snapshot_cache(cache)
+        step = make_decode_step(model, cache)
         step(input_ids=torch.tensor([[4]]), position_ids=torch.tensor([[3]]))
-        twin = ghf.make_static_cache(model, batch_size=1, max_cache_len=8)
-        ghf.prefill(model, twin, torch.tensor([[1, 2, 3]]))
-        assert ghf.compare_caches(cache, twin), "a decode step must change the cache"
-        ghf.restore_cache(cache, saved)
-        assert ghf.compare_caches(cache, twin) == []
-        assert {name: id(t) for name, t in ghf.cache_tensors(cache).items()} == ids  # restored in place
-        ghf.zero_cache(cache)
-        assert all(not t.any() for t in ghf.cache_tensors(cache).values())
+        twin = make_static_cache(model, batch_size=1, max_cache_len=8)
+        prefill(model, twin, torch.tensor([[1, 2, 3]]))
+        assert compare_caches(cache, twin), "a decode step must change the cache"
+        restore_cache(cache, saved)
+        assert compare_caches(cache, twin) == []
+        assert {name: id(t) for name, t in cache_tensors(cache).items()} == ids  # restored in place
+        zero_cache(cache)
+        assert all(not t.any() for t in cache_tensors(cache).values())
 
 
 def _allocated_at_construction(cache) -> bool:
-    from graphrunner import hf as ghf
+    from graphrunner.hf.cache import cache_tensors
 
     try:
-        ghf.cache_tensors(cache)
+        cache_tensors(cache)
         return True
     except ValueError:
         return False

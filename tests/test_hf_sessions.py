@@ -215,8 +215,8 @@ def test_generate_batch_reuses_its_graphs_for_the_same_settings():
     assert not runs[0][1].captured, "the graphs of the replaced settings were released"
     assert runs[3][1] is runs[2][1] and runs[3][1].captured
     assert getattr(model, "_cached_continuous_batching_manager", None) is None, "model.generate_batch stays eager"
-    assert gr.hf.batching.release(model) and not runs[3][1].captured
-    assert not gr.hf.batching.release(model), "nothing left to release"
+    assert gr.hf.release(model) and not runs[3][1].captured
+    assert not gr.hf.release(model), "nothing left to release"
     st = {}
     gr.hf.generate_batch(model, a, gc, cb_config(), device="tape", stats=st, reuse=False)
-    assert not st["runner"].captured and not gr.hf.batching.release(model), "reuse=False keeps nothing"
+    assert not st["runner"].captured and not gr.hf.release(model), "reuse=False keeps nothing"

@@ -22,13 +22,21 @@ transformers' own code: defaults, logits processors, stopping criteria) and
 
 :func:`generate_batch` and :func:`init_continuous_batching` serve transformers'
 own continuous batching (``model.generate_batch``, paged cache, varlen steps)
-with the forward of each step replayed from graphs (:mod:`~graphrunner.hf.batching`,
-``docs/continuous-batching.md``).
+with the forward of each step replayed from graphs (:class:`GraphBatching`,
+its options one :class:`BatchingOptions`; ``docs/continuous-batching.md``);
+:func:`refusal` says why a model is not served, :func:`release` frees what
+``generate_batch`` keeps for its next call. Their modules:
+:mod:`~graphrunner.hf.entrypoints`, :mod:`~graphrunner.hf.batching` (the hook),
+:mod:`~graphrunner.hf.options`, :mod:`~graphrunner.hf.refusals`,
+:mod:`~graphrunner.hf.batch_step`, :mod:`~graphrunner.hf.metadata`,
+:mod:`~graphrunner.hf.planning`, :mod:`~graphrunner.hf.ladder`,
+:mod:`~graphrunner.hf.equivalence`.
 
-The lower-level helpers (:func:`make_static_cache`, :func:`cache_tensors`,
-:func:`snapshot_cache`, :func:`restore_cache`, :func:`compare_caches`,
-:func:`prefill`, :func:`make_decode_step`, :func:`decode_inputs`) are public
-for tools that drive the cache themselves (``examples/hf_llama.py``).
+The lower-level helpers that drive a ``StaticCache`` by hand (``examples/hf_llama.py``,
+the benchmarks) are imported from their modules: :mod:`graphrunner.hf.cache`
+(``make_static_cache``, ``cache_tensors``, ``snapshot_cache``, ``restore_cache``,
+``zero_cache``, ``compare_caches``) and :mod:`graphrunner.hf.steps` (``prefill``,
+``make_decode_step``, ``decode_inputs``).
 """
 
 from __future__ import annotations
@@ -39,37 +47,23 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("graphrunner.hf needs transformers: pip install 'graphrunner[hf]' "
                       "(or pip install transformers)") from exc
 
-from graphrunner.hf.cache import (cache_tensors, compare_caches, make_static_cache, restore_cache,
-                                  snapshot_cache, zero_cache)
-from graphrunner.hf.batching import (BatchingStats, GraphBatching, MetadataError, generate_batch,
-                                     init_continuous_batching)
-from graphrunner.hf.decode import KNOWN_BAD, VERIFIED_TRANSFORMERS_MAJOR, DecodeRunner, DecodeStats
-from graphrunner.hf.steps import decode_inputs, make_decode_step, prefill
+from graphrunner.hf.batching import BatchingStats, GraphBatching
+from graphrunner.hf.decode import KNOWN_BAD, DecodeRunner, DecodeStats
+from graphrunner.hf.entrypoints import generate_batch, init_continuous_batching, release
+from graphrunner.hf.metadata import MetadataError
+from graphrunner.hf.options import BatchingOptions
+from graphrunner.hf.refusals import refusal
 
 __all__ = [
     "DecodeRunner",
-    "generate_batch",
-    "init_continuous_batching",
-    "GraphBatching",
-    "BatchingStats",
-    "MetadataError",
     "DecodeStats",
     "KNOWN_BAD",
-    "VERIFIED_TRANSFORMERS_MAJOR",
-    "make_static_cache",
-    "cache_tensors",
-    "snapshot_cache",
-    "restore_cache",
-    "zero_cache",
-    "compare_caches",
-    "prefill",
-    "make_decode_step",
-    "decode_inputs",
+    "generate_batch",
+    "init_continuous_batching",
+    "release",
+    "refusal",
+    "GraphBatching",
+    "BatchingOptions",
+    "BatchingStats",
+    "MetadataError",
 ]
-
-
-def __getattr__(name: str):
-    if name == "SUPPORTED_MODEL_TYPES":
-        raise AttributeError("gr.hf.SUPPORTED_MODEL_TYPES is gone: DecodeRunner accepts every architecture whose "
-                             "decode step passes the capture checks and the self-test (see gr.hf.KNOWN_BAD)")
-    raise AttributeError(f"module 'graphrunner.hf' has no attribute {name!r}")

@@ -12,7 +12,7 @@ architectures whose problem no check can see, each with its reason.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 import sys
 import time
@@ -29,6 +29,10 @@ from graphrunner.hf.selftest import SelfTestResult, run_self_test
 from graphrunner.progress import is_terminal
 from graphrunner.hf.steps import make_masked_step, masked_inputs, prefill
 from graphrunner.runner import GraphRunner
+
+if TYPE_CHECKING:
+    from graphrunner.hf.generation import GenerationSetup
+    from graphrunner.report import CaptureReport
 
 #: The transformers major version whose cache layout DecodeRunner is written for.
 VERIFIED_TRANSFORMERS_MAJOR = 5
@@ -109,7 +113,7 @@ class DecodeRunner:
         self.cache = None
         self.plan = plan_masks(model.config)
         self._views: Dict[int, Any] = {}
-        self._report = None
+        self._report: Optional[CaptureReport] = None
         self.stats = DecodeStats(masks="step" if self.plan.explicit else f"model ({self.plan.reason})")
         emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         self.vocab_size = getattr(emb, "num_embeddings", None) or getattr(model.config, "vocab_size", None)
@@ -149,10 +153,10 @@ class DecodeRunner:
     def _allocate(self) -> None:
         """Allocate the ``max_batch`` cache with one eager dummy token, check its layers, then zero it."""
         try:
-            self.cache = make_static_cache(self.model, self.max_batch, self.max_cache_len)
+            cache = self.cache = make_static_cache(self.model, self.max_batch, self.max_cache_len)
         except Exception as exc:  # transformers refuses configs it has no static cache for
             raise self._refuse(f"transformers cannot build a StaticCache for it ({type(exc).__name__}: {exc})") from exc
-        if getattr(self.cache, "layers", None) is None:
+        if getattr(cache, "layers", None) is None:
             raise self._refuse("this transformers version's StaticCache has no per-layer objects (transformers "
                                ">= 4.56 needed for padded buckets); upgrade it")
         widen_sliding_layers(self.cache, self.max_cache_len)
@@ -169,7 +173,7 @@ class DecodeRunner:
             raise self._refuse("the StaticCache stayed empty after a forward: the model keeps no state in it "
                                "(it ignores past_key_values), so a decode step would recompute nothing; decode "
                                "it with model.generate()") from exc
-        for i, layer in enumerate(self.cache.layers):
+        for i, layer in enumerate(cache.layers):
             problem = layer_problem(layer, self.max_batch)
             if problem:
                 raise self._refuse(f"cache layer {i}: {problem}")
@@ -201,7 +205,7 @@ class DecodeRunner:
         zero_cache(self.cache)
 
     # ------------------------------------------------------------------ API
-    def capture(self):
+    def capture(self) -> CaptureReport:
         """Capture the decode step for every bucket, run the self-test; return GraphRunner's ``CaptureReport``.
 
         Raises :class:`CaptureError` naming the architecture and the reason
@@ -227,6 +231,8 @@ class DecodeRunner:
                 raise self._refuse(f"{exc}") from exc
             finally:
                 self._reset_cache()
+            if report is None:  # only a background capture returns no report; this one blocks
+                raise GraphRunnerError("the decode step's capture returned no report")
             if self.self_test:
                 t0 = time.perf_counter()
                 try:
@@ -293,19 +299,8 @@ class DecodeRunner:
             if inputs is not None:
                 raise ValueError("pass the prompt once: inputs or input_ids, not both")
             inputs = kwargs.pop("input_ids")
-        input_ids = inputs
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
-            raise ValueError("input_ids must be a [batch, prompt_len] torch.long tensor")
+        input_ids = self._check_prompt(inputs)
         b, p = input_ids.shape
-        if b > self.max_batch:
-            raise ValueError(
-                f"input_ids has {b} rows (shape {tuple(input_ids.shape)}), more than this DecodeRunner's "
-                f"max_batch={self.max_batch} (its static cache and largest graph hold {self.max_batch} rows): "
-                f"build it with DecodeRunner(model, max_batch={b}, ...) (or larger), or call generate on at "
-                f"most {self.max_batch} rows at a time (input_ids[:{self.max_batch}], then the rest)")
-        if b < 1 or p < 1:
-            raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: generate needs at least one row and "
-                             "a prompt of at least one token ([batch >= 1, prompt_len >= 1])")
         self._check_eval()
         mask = self._check_mask(kwargs.pop("attention_mask", None), input_ids)
         dev = self.model.device
@@ -321,34 +316,57 @@ class DecodeRunner:
         self.capture()
         self.stats.generate_calls += 1
         with torch.inference_mode():
-            self._reset_cache()
+            return self._decode(input_ids, mask, setup, streamer, generator)
+
+    def _check_prompt(self, input_ids: Any) -> torch.Tensor:
+        """``input_ids`` checked: a ``[B, P]`` long tensor, ``1 <= B <= max_batch``, ``P >= 1``."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+            raise ValueError("input_ids must be a [batch, prompt_len] torch.long tensor")
+        b, p = input_ids.shape
+        if b > self.max_batch:
+            raise ValueError(
+                f"input_ids has {b} rows (shape {tuple(input_ids.shape)}), more than this DecodeRunner's "
+                f"max_batch={self.max_batch} (its static cache and largest graph hold {self.max_batch} rows): "
+                f"build it with DecodeRunner(model, max_batch={b}, ...) (or larger), or call generate on at "
+                f"most {self.max_batch} rows at a time (input_ids[:{self.max_batch}], then the rest)")
+        if b < 1 or p < 1:
+            raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: generate needs at least one row and "
+                             "a prompt of at least one token ([batch >= 1, prompt_len >= 1])")
+        return input_ids
+
+    def _decode(self, input_ids: torch.Tensor, mask: Optional[torch.Tensor], setup: GenerationSetup,
+                streamer: Any, generator: Optional[torch.Generator]) -> torch.Tensor:
+        """Prefill ``input_ids`` eagerly, then decode up to ``setup.max_new_tokens`` tokens through the graphs."""
+        b, p = input_ids.shape
+        dev = input_ids.device
+        self._reset_cache()
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        logits = self._prefill(input_ids, mask)
+        unfinished = torch.ones(b, dtype=torch.long, device=dev)
+        full = torch.ones((b, p), dtype=torch.long, device=dev) if mask is None else mask
+        positions = (full.long().cumsum(-1) - 1)[:, -1:]
+        first = (full == 0).sum(-1, keepdim=True)
+        out = input_ids
+        for i in range(setup.max_new_tokens):
+            if i:
+                positions = positions + 1
+                slot = torch.full((b, 1), p + i - 1, dtype=torch.long, device=dev)
+                logits = self.runner(input_ids=out[:, -1:], position_ids=positions, cache_position=slot,
+                                     first_slot=first)
+                self._count_step(b)
+            token = setup.next_tokens(out, logits, generator)
+            if setup.pad_finished and setup.pad is not None:  # resolve() refuses a criterion without a pad
+                token = token * unfinished + setup.pad * (1 - unfinished)  # as model.generate: pad finished rows
+            out = torch.cat([out, token[:, None]], dim=-1)
+            self.stats.tokens += b
+            unfinished = unfinished & ~setup.criteria(out, None)
             if streamer is not None:
-                streamer.put(input_ids.cpu())
-            logits = self._prefill(input_ids, mask)
-            unfinished = torch.ones(b, dtype=torch.long, device=dev)
-            full = torch.ones((b, p), dtype=torch.long, device=dev) if mask is None else mask
-            positions = (full.long().cumsum(-1) - 1)[:, -1:]
-            first = (full == 0).sum(-1, keepdim=True)
-            out = input_ids
-            for i in range(new):
-                if i:
-                    positions = positions + 1
-                    slot = torch.full((b, 1), p + i - 1, dtype=torch.long, device=dev)
-                    logits = self.runner(input_ids=out[:, -1:], position_ids=positions, cache_position=slot,
-                                         first_slot=first)
-                    self._count_step(b)
-                token = setup.next_tokens(out, logits, generator)
-                if setup.pad_finished:  # as model.generate: a finished row continues with the pad id
-                    token = token * unfinished + setup.pad * (1 - unfinished)
-                out = torch.cat([out, token[:, None]], dim=-1)
-                self.stats.tokens += b
-                unfinished = unfinished & ~setup.criteria(out, None)
-                if streamer is not None:
-                    streamer.put(token.cpu())
-                if bool(unfinished.max() == 0):
-                    break
-            if streamer is not None:
-                streamer.end()
+                streamer.put(token.cpu())
+            if bool(unfinished.max() == 0):
+                break
+        if streamer is not None:
+            streamer.end()
         return out
 
     def _count_step(self, batch: int) -> None:

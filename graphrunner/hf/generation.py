@@ -16,7 +16,7 @@ processors' classes, order and parameters are transformers' own:
 ``_prepare_generated_length``, ``_validate_generated_length``,
 ``_get_logits_processor``, ``_get_stopping_criteria``.
 
-These are private methods of ``GenerationMixin``; :data:`~graphrunner.hf.VERIFIED_TRANSFORMERS_MAJOR`
+These are private methods of ``GenerationMixin``; :data:`~graphrunner.hf.decode.VERIFIED_TRANSFORMERS_MAJOR`
 is the major version they are verified on, and a version without one of them
 is refused with the method's name. Anything ``model.generate`` accepts that
 the graph-replayed loop cannot do the same way (beams, assisted decoding,
@@ -232,6 +232,11 @@ def resolve(model: Any, input_ids: torch.Tensor, attention_mask: Optional[torch.
         stopping_criteria=stopping_criteria if stopping_criteria is not None else StoppingCriteriaList(),
         tokenizer=tokenizer)
     pad = config._pad_token_tensor
+    if pad is None and any(hasattr(c, "eos_token_id") for c in criteria):
+        # finished rows continue with the pad id (as model.generate, which fails mid-decode on a None one)
+        raise ValueError("gr.hf.DecodeRunner.generate: a stopping criterion watches eos_token_id but there is no "
+                         "pad_token_id (nor an eos_token_id in the generation config to pad with) for the rows "
+                         "that finish first: pass pad_token_id=")
     return GenerationSetup(config=config, processors=processors, criteria=criteria, do_sample=mode == "sample",
                            max_new_tokens=int(config.max_length) - p,
                            pad=None if pad is None else pad.to(dev),

@@ -5,7 +5,8 @@ does): its keys start from a *ladder*, a few sizes per dim from 1 up to what
 the configured cache and batch allow, and are re-planned by
 :func:`graphrunner.plan_buckets` from the sizes of the steps served once that
 would cut the padding the graphs compute (:func:`replan`). Pure functions of
-sizes: :class:`graphrunner.hf.batching.GraphBatching` applies them.
+sizes: :class:`graphrunner.hf.batching.GraphBatching` applies them, :mod:`graphrunner.hf.planning` (its
+neighbour) plans the keys of a dry run's workload.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import collections
 import itertools
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
+
+from graphrunner.hf.planning import plan_keys
 
 __all__ = ["LADDER_GRAPHS", "REPLAN_GAIN", "ladder", "ladder_keys", "padding", "replan"]
 
@@ -86,12 +89,10 @@ def replan(sizes: Sequence[Sizes], keys: Sequence[Sizes], dims: Sequence[str],
            ) -> Optional[Tuple[Dict[str, List[int]], List[Sizes]]]:
     """New ``(buckets, keys)`` for the steps ``sizes`` served so far on ``keys``, or ``None`` when they
     would not cut the padding to ``gain`` of today's (:func:`padding`) or would leave a step uncovered
-    that today's keys cover. The plan is :func:`graphrunner.hf.batching.plan_keys` over ``sizes``
+    that today's keys cover. The plan is :func:`graphrunner.hf.planning.plan_keys` over ``sizes``
     with ``max_graphs`` sizes per dim (default :data:`LADDER_GRAPHS`, as many as the ladder: a re-plan
     captures about as many keys as the ladder did), plus the key of today's largest size in every dim, so a step larger than every step seen still
     replays."""
-    from graphrunner.hf.batching import plan_keys
-
     if not sizes or not keys:
         return None
     buckets, planned = plan_keys(sizes, {**LADDER_GRAPHS, **(max_graphs or {})}, dims)

@@ -85,12 +85,18 @@ class MaskPlan:
         own = kv == cache_position
         causal = ((kv >= first_slot) & (kv <= cache_position)) | own
         built: Dict[str, torch.Tensor] = {}
+        window = self.window
 
         def mask(kind: str) -> Optional[torch.Tensor]:
             if kind == "none":
                 return None
             if kind not in built:
-                m = causal if kind == "causal" else (causal & (kv > cache_position - int(self.window))) | own
+                if kind == "causal":
+                    m = causal
+                elif window is None:  # plan_masks gives sliding layers an int window: a MaskPlan built by hand
+                    raise ValueError(f"MaskPlan: sliding layers {self.layers} need an int window, got None")
+                else:
+                    m = (causal & (kv > cache_position - int(window))) | own
                 m = m[:, None, None, :]
                 if self.implementation == "eager":
                     zero = torch.zeros((), dtype=dtype, device=m.device)

@@ -1,0 +1,73 @@
+"""The options of continuous batching on graphs, in one place: :class:`BatchingOptions`.
+
+:func:`graphrunner.hf.generate_batch` and :func:`graphrunner.hf.init_continuous_batching`
+take them as keywords (or as ``options=``) and hand one :class:`BatchingOptions`
+to :class:`graphrunner.hf.batching.GraphBatching`. What depends on the model
+(the names of the keys dims in ``buckets``, ``keys`` and ``max_graphs``) is
+checked by :class:`~graphrunner.hf.batching.GraphBatching`, which knows them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Sequence
+
+__all__ = ["BatchingOptions"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchingOptions:
+    """How a :class:`~graphrunner.hf.batching.GraphBatching` plans, captures, checks and serves its graphs.
+
+    ``buckets``: ``{"tokens": [...], "kv": [...], "reqs": [...]}`` (``kv`` also
+    stands for a keys dim not named itself), or ``None`` to plan them from the
+    step sizes recorded (a dry run, or the sessions before ``capture()``);
+    ``keys``: tuples in the order of the dims (default: every combination of
+    ``buckets``). ``max_graphs``: graphs per dim for the planner (default
+    :data:`graphrunner.hf.planning.DEFAULT_MAX_GRAPHS`; ``kv`` for every keys dim
+    not named). ``backend``, ``device``, ``checks``: as
+    :class:`~graphrunner.GraphRunner` (GraphRunner's generic padding check is
+    replaced by ``equivalence``). ``debug``: compare the mask built from the
+    metadata with transformers' own at every step, and GraphRunner's debug mode.
+    ``equivalence``: after a blocking capture, replay every key on a synthetic
+    valid batch and its follow-up step and compare with the eager steps unpadded
+    (:class:`graphrunner.hf.equivalence.EquivalenceCheck`). ``validate``: check
+    every step's metadata at the call (:func:`graphrunner.hf.metadata.step_feeds`;
+    ``False`` only to measure what the checks cost). ``background``: capture on
+    a thread while the steps are served (eagerly, padded, until their key is
+    captured; no equivalence check). ``autocapture`` (a manager that is never
+    stopped, a server): capture in the background from the first session on,
+    the keys from a ladder (:func:`graphrunner.hf.ladder.ladder_keys`), re-planned
+    every ``replan_every`` steps (0: never) from the recent step sizes.
+    Raises ``ValueError`` for a ``replan_every`` that is no number of steps >= 0."""
+
+    buckets: Optional[Mapping[str, Sequence[int]]] = None
+    keys: Optional[Sequence[Sequence[int]]] = None
+    max_graphs: Optional[Dict[str, int]] = None
+    backend: Any = "full"  # a backend name or object, as GraphRunner(backend=) takes
+    device: Any = "auto"  # a device name or object, as GraphRunner(device=) takes
+    debug: bool = False
+    checks: Any = ("drift", "fingerprint")  # GraphRunner(checks=): names, hook objects or None
+    equivalence: bool = True
+    validate: bool = True
+    background: bool = False
+    autocapture: bool = False
+    replan_every: int = 256
+
+    def __post_init__(self) -> None:
+        every = self.replan_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"replan_every must be a number of steps >= 0 (0: never re-plan), got {every!r}")
+
+    @classmethod
+    def of(cls, options: Optional[BatchingOptions] = None, **fields: Any) -> BatchingOptions:
+        """``options`` (default: the defaults) with ``fields`` replaced; ``TypeError`` naming an unknown field."""
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise TypeError(f"unknown continuous batching option(s) {unknown}; the options are "
+                            f"{[f.name for f in dataclasses.fields(cls)]}")
+        base = cls() if options is None else options
+        if not isinstance(base, cls):
+            raise TypeError(f"options must be a {cls.__name__}, got {type(base).__name__}")
+        return dataclasses.replace(base, **fields) if fields else base
