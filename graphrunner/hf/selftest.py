@@ -9,7 +9,7 @@ graphs, and compares each step's logits with the model's own eager decode
 both the same tokens. Under an explicit mask plan one row is left-padded, so
 the masks the step builds are compared with the ones transformers builds.
 Logits must agree within the float tolerance of
-:func:`graphrunner.checks.padding.difference` (kernels chosen for another row
+:func:`graphrunner.checks.tolerance.difference` (kernels chosen for another row
 count or cache length move the last bits); anything more raises
 :class:`~graphrunner.errors.CaptureError`. The runner's cache is emptied
 afterwards.
