@@ -273,7 +273,7 @@ class GraphBatching:
             # for attention that reads no mask (ContinuousBatchingIOs.__init__): None is its own 'no mask'
             io.attention_mask = None  # type: ignore[assignment]
         self._original_compute = mr.compute_batch
-        mr.compute_batch = self.compute_batch  # type: ignore[method-assign]  # the one method graphs serve
+        mr.compute_batch = self.compute_batch  # type: ignore[method-assign,assignment]  # the one method graphs serve; transformers passes its PreTrainedModel
         if self.options.autocapture:
             # transformers writes the cache outside the forward too (prefix-cache forks, offloading) and
             # samples from the default generator after it: a background key capture, which puts back
