@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 from graphrunner.devices import CudaDevice, TapeDevice, get_device
 from graphrunner.breakable import BreakableGraph, breakable_graph, no_graph
 from graphrunner.group import LocalGroup, TorchDistGroup
-from graphrunner.trace import Trace, check_capture_order
+from graphrunner.trace import Trace
 from graphrunner.runner import BatchInput, GraphRunner, default_buckets
 from graphrunner.report import CaptureReport
 from graphrunner.planning import plan_buckets
@@ -40,7 +40,7 @@ __all__ = [
     # rank groups
     "LocalGroup", "TorchDistGroup",
     # tracing
-    "Trace", "check_capture_order",
+    "Trace",
     # the runner and its reports
     "BatchInput", "GraphRunner", "default_buckets", "plan_buckets", "CaptureReport", "OutputArena",
     # checks
