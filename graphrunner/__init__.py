@@ -6,7 +6,9 @@ else lives in its submodule: the CPU emulation of a CUDA graph in :mod:`graphrun
 :mod:`graphrunner.backends` (``FullGraphBackend``, ``BreakableGraphBackend``, ``EagerBackend``),
 the segment controls of a breakable capture in :mod:`graphrunner.breakable` (``force_no_graph``,
 ``is_in_breakable_graph``), trace internals in
-:mod:`graphrunner.trace` (``Event``, ``EventKind``, ``NullTrace``), report rows
+:mod:`graphrunner.trace` (``Event``, ``EventKind``, ``NullTrace``), the capture protocol's
+named steps and its order checker in :mod:`graphrunner.backends.protocol` (``Step``,
+``check_capture_order``), report rows
 in :mod:`graphrunner.report` (``BucketReport``, ``RunnerStats``), the device
 protocol in :mod:`graphrunner.devices` (``Device``). ``graphrunner.hf`` (needs
 ``transformers``) is imported on first access.
