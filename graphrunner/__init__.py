@@ -6,7 +6,9 @@ else lives in its submodule: the CPU emulation of a CUDA graph in :mod:`graphrun
 :mod:`graphrunner.backends` (``FullGraphBackend``, ``BreakableGraphBackend``, ``EagerBackend``),
 the segment controls of a breakable capture in :mod:`graphrunner.breakable` (``force_no_graph``,
 ``is_in_breakable_graph``), trace internals in
-:mod:`graphrunner.trace` (``Event``, ``EventKind``, ``NullTrace``), report rows
+:mod:`graphrunner.trace` (``Event``, ``EventKind``, ``NullTrace``), the capture protocol's
+named steps and its order checker in :mod:`graphrunner.backends.protocol` (``Step``,
+``check_capture_order``), report rows
 in :mod:`graphrunner.report` (``BucketReport``, ``RunnerStats``), the device
 protocol in :mod:`graphrunner.devices` (``Device``). ``graphrunner.hf`` (needs
 ``transformers``) is imported on first access.
@@ -19,7 +21,7 @@ __version__ = "0.1.0"
 from graphrunner.devices import CudaDevice, TapeDevice, get_device
 from graphrunner.breakable import BreakableGraph, breakable_graph, no_graph
 from graphrunner.group import LocalGroup, TorchDistGroup
-from graphrunner.trace import Trace, check_capture_order
+from graphrunner.trace import Trace
 from graphrunner.runner import BatchInput, GraphRunner, default_buckets
 from graphrunner.report import CaptureReport
 from graphrunner.planning import plan_buckets
@@ -40,7 +42,7 @@ __all__ = [
     # rank groups
     "LocalGroup", "TorchDistGroup",
     # tracing
-    "Trace", "check_capture_order",
+    "Trace",
     # the runner and its reports
     "BatchInput", "GraphRunner", "default_buckets", "plan_buckets", "CaptureReport", "OutputArena",
     # checks

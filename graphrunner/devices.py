@@ -219,7 +219,7 @@ class TapeDevice(Device):
         ``memory_reserved()`` counts every pool of the allocator: this device's shared pool and the
         pools of its own that other devices (a runner with ``memory_budget=``, ``with_own_pool()``)
         hold. :meth:`pool_bytes` is this device object's pool alone."""
-        from graphrunner.tape.arena import pools_bytes
+        from graphrunner.tape.pool import pools_bytes
 
         return pools_bytes()
 

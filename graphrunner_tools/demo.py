@@ -30,10 +30,11 @@ from typing import Any, Dict, List, Optional, Sequence, TextIO
 
 import torch
 
+from graphrunner.backends.protocol import check_capture_order
 from graphrunner.devices import get_device
 from graphrunner.progress import StatusLine
 from graphrunner.runner import BatchInput, GraphRunner
-from graphrunner.trace import Trace, check_capture_order
+from graphrunner.trace import Trace
 from graphrunner_tools.models import LlamaConfig, build_model
 
 #: Tolerance of the unpadded-batch check (float32 GEMM rounding differences only).

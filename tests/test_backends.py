@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from graphrunner.backends import BreakableGraphBackend, EagerBackend, FullGraphBackend, GraphBackend
+from graphrunner.backends.protocol import check_capture_order
 from graphrunner.breakable import no_graph
 from graphrunner.devices import TapeDevice
 from graphrunner.errors import CaptureError, RankTimeoutError
 from graphrunner.group import LocalGroup
-from graphrunner.trace import EventKind, Trace, check_capture_order
+from graphrunner.trace import EventKind, Trace
 
 
 class RecordingDevice(TapeDevice):

@@ -6,10 +6,11 @@ import torch
 from torch import nn
 
 from graphrunner.backends import BreakableGraphBackend, EagerBackend, FullGraphBackend
+from graphrunner.backends.protocol import check_capture_order
 from graphrunner.breakable import no_graph
 from graphrunner.devices import TapeDevice
 from graphrunner.errors import CaptureError, CaptureUnsafeOpError
-from graphrunner.trace import Trace, check_capture_order
+from graphrunner.trace import Trace
 
 MAX_ROWS, D = 8, 16
 KEYS = (8, 5, 2, 1)

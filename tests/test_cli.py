@@ -40,7 +40,7 @@ PUBLIC_API = {
     "CaptureError", "CaptureUnsafeOpError", "ContractError", "GraphRunnerError", "PaddingLeakError", "RankTimeoutError",
     "CudaDevice", "TapeDevice", "get_device",
     "BreakableGraph", "breakable_graph", "no_graph",
-    "LocalGroup", "TorchDistGroup", "Trace", "check_capture_order",
+    "LocalGroup", "TorchDistGroup", "Trace",
     "GraphRunner", "BatchInput", "default_buckets", "plan_buckets", "CaptureReport", "OutputArena", "PaddingCheck",
     "check_factory", "CompareReport",
 }
@@ -53,6 +53,7 @@ INTERNAL = {
     "EagerBackend": "graphrunner.backends", "GraphBackend": "graphrunner.backends",
     "force_no_graph": "graphrunner.breakable", "is_in_breakable_graph": "graphrunner.breakable",
     "BucketReport": "graphrunner.report", "RunnerStats": "graphrunner.report",
+    "check_capture_order": "graphrunner.backends.protocol",
 }
 
 

@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from graphrunner.backends import BreakableGraphBackend, FullGraphBackend
+from graphrunner.backends.protocol import check_capture_order
 from graphrunner.breakable import no_graph
 from graphrunner.devices import TapeDevice
 from graphrunner.errors import RankTimeoutError
 from graphrunner.group import TorchDistGroup
-from graphrunner.trace import EventKind, Trace, check_capture_order
+from graphrunner.trace import EventKind, Trace
 from mp_util import assert_all_ok, format_results, run_ranks
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]  # slow: spawns rank processes (-m "not slow" skips it)

@@ -162,7 +162,7 @@ def test_checks_seconds_is_the_hooks_time_within_the_capture():
     without hooks reports 0 (the control)."""
     import time
 
-    from graphrunner.backends.hooks import CaptureHook
+    from graphrunner.recording.hooks import CaptureHook
 
     naps = {"begin": 0.02, "after_warmups": 0.03, "after_capture": 0.04}
 

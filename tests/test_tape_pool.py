@@ -15,7 +15,7 @@ import threading
 import pytest
 import torch
 
-import graphrunner.tape.arena as arena
+import graphrunner.tape.pool as arena
 from graphrunner.errors import CaptureError
 from graphrunner.tape import TapeGraph, graph_pool_handle
 

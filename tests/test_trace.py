@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from graphrunner.backends import BreakableGraphBackend, EagerBackend, FullGraphBackend
+from graphrunner.backends.protocol import check_capture_order
 from graphrunner.devices import TapeDevice
-from graphrunner.trace import NULL_TRACE, Event, EventKind, NullTrace, Trace, as_trace, check_capture_order, layer_of
+from graphrunner.trace import NULL_TRACE, Event, EventKind, NullTrace, Trace, as_trace, layer_of
 
 K = EventKind
 

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 import graphrunner as gr
+import graphrunner.backends.protocol as protocol_mod
 import graphrunner.trace as trace_mod
-from graphrunner.trace import EventKind, Trace, check_capture_order
+from graphrunner.backends.protocol import check_capture_order
+from graphrunner.trace import EventKind, Trace
 
 BUCKETS = [1, 2, 4]
 
@@ -79,13 +81,13 @@ def _synthetic(n_replays):
 
 def test_checker_work_is_linear_in_events(monkeypatch):
     calls = {"n": 0}
-    real = trace_mod._inside
+    real = protocol_mod._inside
 
     def counting(inner, outer):
         calls["n"] += 1
         return real(inner, outer)
 
-    monkeypatch.setattr(trace_mod, "_inside", counting)
+    monkeypatch.setattr(protocol_mod, "_inside", counting)
     for n in (500, 2000):
         calls["n"] = 0
         t = _synthetic(n)

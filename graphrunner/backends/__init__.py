@@ -22,7 +22,7 @@ from typing import Any, Dict, Optional
 
 from graphrunner._env import env_flag
 from graphrunner.backends.base import GraphBackend
-from graphrunner.backends.breakable import BreakableGraphBackend
+from graphrunner.backends.segmented import BreakableGraphBackend
 from graphrunner.backends.eager import EagerBackend
 from graphrunner.backends.full import FullGraphBackend
 

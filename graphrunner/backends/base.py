@@ -1,21 +1,26 @@
 """The capture protocol, in one place.
 
 :class:`GraphBackend` holds the one method that orders capture,
-:meth:`GraphBackend.capture_one`. For every shape key, on every rank::
+:meth:`GraphBackend.capture_one`. For every shape key, on every rank (the steps are named, in order and with
+their reasons, by :class:`graphrunner.backends.protocol.Step`)::
 
+    BEGIN
     repeat warmups (default 2):
-        device.synchronize(); group.barrier()
-        out = forward_fn(); post_warmup_hook()       # the hook only after warmups
-    device.synchronize()                             # drain the last warmup/hook's async work
-    group.barrier()                                  # no rank starts capturing early
-    graph = <make a graph>                           # only after both
-    capture  copy_into(output_view(key), forward_fn())   exactly once; no hook
+        WARMUP_SYNC, WARMUP_BARRIER                  # device.synchronize(); group.barrier()
+        WARMUP_FORWARD, POST_WARMUP_HOOK             # out = forward_fn(); post_warmup_hook()
+    AFTER_WARMUPS                                    # the checks' work after the warmups
+    FINAL_SYNC                                       # drain the last warmup/hook's async work
+    FINAL_BARRIER                                    # no rank starts capturing early
+    GRAPH_CONSTRUCT                                  # <make a graph>, only after both
+    CAPTURE_FORWARD                                  # copy_into(output_view(key), forward_fn()) exactly once; no hook
+    AFTER_CAPTURE, END
 
 Checks attach to this order as capture hooks (:mod:`graphrunner.recording.hooks`)
-at fixed points: ``begin``, around each warmup forward (``before_warmup``, its
-ops, ``after_warmup``), ``after_warmups``
-(before the final synchronize), the ops of the captured forward,
-``after_capture``, ``end``, and ``before_replay`` in debug mode. The drift
+at fixed points: ``begin`` (``BEGIN``), around each warmup forward
+(``before_warmup``, its ops, ``after_warmup``: ``WARMUP_FORWARD``),
+``after_warmups`` (``AFTER_WARMUPS``, before ``FINAL_SYNC``), the ops of the
+captured forward (``CAPTURE_FORWARD``), ``after_capture`` (``AFTER_CAPTURE``),
+``end`` (``END``), and ``before_replay`` in debug mode. The drift
 check (``drift_check=True``) is one of them, in :attr:`GraphBackend.hooks`
 like any other: :mod:`graphrunner.checks` provides it by name
 (:func:`~graphrunner.recording.hooks.provided_check`), so a backend never
@@ -28,7 +33,8 @@ phases in order (``_warmups``, ``_pre_capture``, ``_bind_outputs``,
 ``_capture``, ``_after_capture``; ``_fail`` on an error), which share one
 :class:`~graphrunner.backends.keycapture.KeyCapture`; the graph holds only
 its :class:`~graphrunner.backends.keycapture.BoundForward`. Each step of a
-phase is a small method (``_final_sync``, ``_final_barrier``, ...) so that a
+phase is a small method (``_final_sync`` for ``FINAL_SYNC``, ``_final_barrier``
+for ``FINAL_BARRIER``, ...) so that a
 test can break exactly one step and watch the checks fail; the order itself
 lives only in ``capture_one``. Nothing on the replay path synchronizes the
 device or calls the group. See ``docs/protocol.md``.
@@ -47,6 +53,7 @@ import torch
 
 from graphrunner.backends.keycapture import BoundForward, KeyCapture
 from graphrunner.backends.outputs import OutputBuffer, tensor_bytes, unflatten
+from graphrunner.backends.protocol import Step
 from graphrunner.errors import AgreementError, CaptureError, RankFailedError, RanksDisagreeError, RankTimeoutError
 from graphrunner.group import LocalGroup
 from graphrunner.recording.hooks import Capture, CaptureHook, provided_check
@@ -226,22 +233,26 @@ class GraphBackend:
                     hooks: Sequence[CaptureHook] = (), findings: Optional[list] = None) -> None:
         """Warm up and capture ``forward_fn`` for ``key``: THE capture protocol.
 
-        Steps, in this order and nowhere else (``H.x``: every hook's ``x``,
-        :mod:`graphrunner.recording.hooks`):
+        Steps (:class:`~graphrunner.backends.protocol.Step`), in this order and
+        nowhere else (``H.x``: every hook's ``x``, :mod:`graphrunner.recording.hooks`):
 
-        0. ``H.begin``.
-        1. ``warmups`` times: device synchronize, group barrier,
-           ``H.before_warmup``, ``forward_fn()`` (its ops fed to
-           ``H.warmup_consumers``), ``H.after_warmup``, then
-           ``post_warmup_hook()`` if given.
-        2. ``H.after_warmups`` (a check's extra eager forwards and collectives).
-        3. device synchronize, then group barrier.
-        4. construct the graph (:meth:`_make_graph`) and capture
-           ``forward_fn()`` exactly once (its output copied into the shared
-           output buffer inside the graph; its ops fed to
-           ``H.capture_consumers``). The post-warmup hook does not run.
-        5. ``H.after_capture`` (the drift check compares the last warmup's op
-           stream with the capture's), then ``H.end`` (also after an error).
+        - ``BEGIN``: ``H.begin``.
+        - ``warmups`` times: ``WARMUP_SYNC`` (device synchronize),
+          ``WARMUP_BARRIER`` (group barrier), ``WARMUP_FORWARD``
+          (``H.before_warmup``, ``forward_fn()`` with its ops fed to
+          ``H.warmup_consumers``, ``H.after_warmup``), then
+          ``POST_WARMUP_HOOK`` (``post_warmup_hook()``, if given).
+        - ``AFTER_WARMUPS``: ``H.after_warmups`` (a check's extra eager
+          forwards and collectives).
+        - ``FINAL_SYNC`` (device synchronize), then ``FINAL_BARRIER`` (group
+          barrier).
+        - ``GRAPH_CONSTRUCT`` (:meth:`_make_graph`), then ``CAPTURE_FORWARD``:
+          ``forward_fn()`` captured exactly once (its output copied into the
+          shared output buffer inside the graph; its ops fed to
+          ``H.capture_consumers``). The post-warmup hook does not run.
+        - ``AFTER_CAPTURE``: ``H.after_capture`` (the drift check compares the
+          last warmup's op stream with the capture's), then ``END``:
+          ``H.end`` (also after an error).
 
         ``forward_fn`` takes no arguments and reads static input tensors;
         ``capture_inputs`` (any object, typically those static tensors) is
@@ -263,15 +274,15 @@ class GraphBackend:
         """
         run = self._start(key, forward_fn, capture_inputs, post_warmup_hook, lead_dims, hooks, findings)
         try:
-            out = self._warmups(run)        # 0-2
-            self._pre_capture(run)          # 3
+            out = self._warmups(run)        # BEGIN, WARMUP_* and POST_WARMUP_HOOK, AFTER_WARMUPS
+            self._pre_capture(run)          # FINAL_SYNC, FINAL_BARRIER
             self._bind_outputs(run, out)
             del out                         # not held through the capture
-            self._capture(run)              # 4
-            self._after_capture(run)        # 5
+            self._capture(run)              # GRAPH_CONSTRUCT, CAPTURE_FORWARD
+            self._after_capture(run)        # AFTER_CAPTURE
         except BaseException as exc:
-            self._fail(run, exc)            # ends the hooks, discards the key, raises
-        self._end(run)
+            self._fail(run, exc)            # END; discards the key, raises
+        self._end(run)                      # END
 
     def _start(self, key: Hashable, forward_fn: Callable[[], Any], capture_inputs: Any,
                post_warmup_hook: Optional[Callable[[], Any]], lead_dims: int, hooks: Sequence[CaptureHook],
@@ -297,8 +308,8 @@ class GraphBackend:
         return KeyCapture(key, cap, [*self.hooks, *hooks], bound, capture_inputs)
 
     def _warmups(self, run: KeyCapture) -> Any:
-        """Steps 0-2: ``H.begin``, the warmup forwards (:meth:`_warmup`), ``H.after_warmups``;
-        returns the last warmup's output (``None`` without warmups)."""
+        """``BEGIN`` (``H.begin``), the warmups (:meth:`_warmup`), ``AFTER_WARMUPS``
+        (``H.after_warmups``); returns the last warmup's output (``None`` without warmups)."""
         run.call_hooks("begin", step="{} check (begin)")
         out = None
         for i in range(self.warmups):
@@ -314,46 +325,48 @@ class GraphBackend:
         return out
 
     def _warmup(self, run: KeyCapture, i: int) -> Any:
-        """Step 1, warmup ``i``: synchronize, barrier, ``H.before_warmup``, the forward (its ops
-        to ``H.warmup_consumers``), ``H.after_warmup``, the post-warmup hook; returns the output."""
+        """Warmup ``i``: ``WARMUP_SYNC``, ``WARMUP_BARRIER``, ``WARMUP_FORWARD`` (``H.before_warmup``,
+        the forward with its ops to ``H.warmup_consumers``, ``H.after_warmup``), ``POST_WARMUP_HOOK``;
+        returns the output."""
         key, cap, of = run.key, run.cap, f"{i + 1}/{self.warmups}"
-        run.step = f"warmup {of} synchronize"
+        run.step = f"warmup {of} {Step.WARMUP_SYNC.value}"
         self._warmup_sync(key, i)
-        run.step = f"warmup {of} barrier"
+        run.step = f"warmup {of} {Step.WARMUP_BARRIER.value}"
         self._warmup_barrier(key, i)
-        run.step = f"warmup {of} forward"
+        run.step = f"warmup {of} {Step.WARMUP_FORWARD.value}"
         run.call_hooks("before_warmup", i)
         with run.watching([c for h in run.hooks for c in h.warmup_consumers(cap, i)]):
             out = self._warmup_forward(key, cap.forward_fn, i)
         run.call_hooks("after_warmup", i, out)
         if cap.post_warmup_hook is not None:
-            run.step = f"post-warmup hook {of}"
+            run.step = f"{Step.POST_WARMUP_HOOK.value} {of}"
             self._post_warmup_hook(key, cap.post_warmup_hook, i)
         return out
 
     def _pre_capture(self, run: KeyCapture) -> None:
-        """Step 3: the final synchronize, then the final barrier."""
-        run.step = "final synchronize"
+        """``FINAL_SYNC``, then ``FINAL_BARRIER``."""
+        run.step = Step.FINAL_SYNC.value
         self._final_sync(run.key)
-        run.step = "final barrier"
+        run.step = Step.FINAL_BARRIER.value
         self._final_barrier(run.key)
 
     def _bind_outputs(self, run: KeyCapture, out: Any) -> None:
-        """Bind the key's views of the shared output buffer from the last warmup's output. With
+        """Bind the key's views of the shared output buffer from the last warmup's output (after
+        ``FINAL_BARRIER``, before ``GRAPH_CONSTRUCT``: bookkeeping, not a step of its own). With
         ``warmups=0`` there is none: the capture binds them from the captured output."""
         if out is not None or self.warmups > 0:
             run.step = "output binding"
             run.bound.bind(out)
 
     def _capture(self, run: KeyCapture) -> None:
-        """Step 4: construct the graph and capture the bound forward into it exactly once (its
-        ops fed to ``H.capture_consumers``), then store the key."""
+        """``GRAPH_CONSTRUCT``, then ``CAPTURE_FORWARD``: the bound forward captured into the graph
+        exactly once (its ops fed to ``H.capture_consumers``); then the key is stored."""
         key, bound = run.key, run.bound
         bound.recorder = run.new_recorder([c for h in run.hooks for c in h.capture_consumers(run.cap)])
-        run.step = "graph construction"
+        run.step = Step.GRAPH_CONSTRUCT.value
         pool_before = self._pool_bytes()
         run.graph = self._construct(key)
-        run.step = "capture"
+        run.step = Step.CAPTURE_FORWARD.value
         run.t_cap = time.perf_counter()
         self._capture_forward(key, run.graph, bound)
         if bound.views is None:
@@ -373,20 +386,20 @@ class GraphBackend:
         )
 
     def _after_capture(self, run: KeyCapture) -> None:
-        """Step 5: ``H.after_capture`` (the key is stored; an error here discards it)."""
+        """``AFTER_CAPTURE``: ``H.after_capture`` (the key is stored; an error here discards it)."""
         run.cap.outputs = (run.bound.spec, run.bound.views)
         run.call_hooks("after_capture", step="{} check")
         run.cap.info["checks_seconds"] = run.cap.check_seconds
         self._entries[run.key].capture_seconds = time.perf_counter() - run.t0  # the checks after the capture too
 
     def _end(self, run: KeyCapture) -> None:
-        """After a capture that succeeded: ``H.end``."""
+        """``END`` after a capture that succeeded: ``H.end``."""
         self._capturing = None
         self._end_hooks(run.hooks, run.cap)
         logger.debug("%s: captured key %r on rank %d in %.3fs", self.name, run.key, self.rank, run.t_end - run.t0)
 
     def _fail(self, run: KeyCapture, exc: BaseException) -> NoReturn:
-        """After a capture that failed with ``exc``: ``H.end``, the key discarded (:meth:`_abort`),
+        """``END`` after a capture that failed with ``exc``: ``H.end``, the key discarded (:meth:`_abort`),
         and the error the caller needs raised: a ``RankTimeoutError`` found in ``exc``'s chain
         unchanged, ``exc`` itself when every rank raises it (``RanksDisagreeError``, the channel's
         ``AgreementError`` or ``RankFailedError``, or not an ``Exception``), a rank's collective that
@@ -435,9 +448,9 @@ class GraphBackend:
         measure = getattr(self.device, "pool_bytes", None) or getattr(self.device, "memory_reserved", None)
         return int(measure()) if measure is not None else None
 
-    # Each step of the protocol is one small method. Override one only to
-    # test what breaks without it; never reorder them (the order lives in
-    # capture_one).
+    # Each step of the protocol (graphrunner.backends.protocol.Step) is one
+    # small method. Override one only to test what breaks without it; never
+    # reorder them (the order lives in capture_one).
     def _sync(self, key: Any, phase: str) -> None:
         """Device synchronize, recorded as a ``synchronize`` span."""
         with self.trace.span(EventKind.SYNCHRONIZE, key=key, backend=self.name, phase=phase):
@@ -449,21 +462,21 @@ class GraphBackend:
             self.group.barrier(phase=phase, key=key)
 
     def _warmup_sync(self, key: Any, i: int) -> None:
-        """Step 1a: synchronize before warmup forward ``i``."""
+        """``WARMUP_SYNC``: synchronize before warmup forward ``i``."""
         self._sync(key, "warmup")
 
     def _warmup_barrier(self, key: Any, i: int) -> None:
-        """Step 1b: barrier before warmup forward ``i``."""
+        """``WARMUP_BARRIER``: barrier before warmup forward ``i``."""
         self._barrier(key, "warmup")
 
     def _warmup_forward(self, key: Any, forward_fn: Callable[[], Any], i: int) -> Any:
-        """Step 1c: warmup forward ``i`` (eager); returns its output."""
+        """``WARMUP_FORWARD``: warmup forward ``i`` (eager); returns its output."""
         with self.trace.span(EventKind.WARMUP_FORWARD, key=key, backend=self.name, i=i, warmups=self.warmups), \
                 self._warmup_context():
             return forward_fn()
 
     def _post_warmup_hook(self, key: Any, hook: Callable[[], Any], i: int) -> None:
-        """Step 1d: the post-warmup hook after warmup forward ``i``."""
+        """``POST_WARMUP_HOOK``: the post-warmup hook after warmup forward ``i``."""
         with self.trace.span(EventKind.HOOK, key=key, backend=self.name, i=i), self._warmup_context():
             hook()
 
@@ -473,28 +486,28 @@ class GraphBackend:
         return make() if make is not None else contextlib.nullcontext()
 
     def _final_sync(self, key: Any) -> None:
-        """Step 2a: synchronize after the last warmup and its hook, so their
+        """``FINAL_SYNC``: synchronize after the last warmup and its hook, so their
         asynchronous work (lazy kernel loading, hook side effects) cannot run
         into the capture."""
         self._sync(key, "pre_capture")
 
     def _final_barrier(self, key: Any) -> None:
-        """Step 2b: barrier after the final synchronize, so no rank starts
+        """``FINAL_BARRIER``: barrier after the final synchronize, so no rank starts
         capturing while another is still warming up."""
         self._barrier(key, "pre_capture")
 
     def _construct(self, key: Any) -> Any:
-        """Step 3a: make the graph (``graph_construct`` span)."""
+        """``GRAPH_CONSTRUCT``: make the graph (``graph_construct`` span)."""
         with self.trace.span(EventKind.GRAPH_CONSTRUCT, key=key, backend=self.name, warmups=self.warmups):
             return self._make_graph(key)
 
     def _capture_forward(self, key: Any, graph: Any, fn: Callable[[], None]) -> None:
-        """Step 3b: capture ``fn`` into ``graph`` once (``capture_forward`` span)."""
+        """``CAPTURE_FORWARD``: capture ``fn`` into ``graph`` once (``capture_forward`` span)."""
         with self.trace.span(EventKind.CAPTURE_FORWARD, key=key, backend=self.name):
             self._capture_into(graph, key, fn)
 
     def _after_warmups(self, key: Any, hook: CaptureHook, cap: Capture) -> None:
-        """Step 2: ``hook.after_warmups(cap)`` (a ``check`` span, when the hook has that step)."""
+        """``AFTER_WARMUPS``: ``hook.after_warmups(cap)`` (a ``check`` span, when the hook has that step)."""
         if type(hook).after_warmups is CaptureHook.after_warmups:
             return
         with self.trace.span(EventKind.CHECK, key=key, backend=self.name, check=hook.name):
@@ -521,7 +534,7 @@ class GraphBackend:
 
     # ----------------------------------------------------- subclass hooks
     def _make_graph(self, key: Any) -> Any:
-        """Return a new, empty graph for ``key`` (called only in step 3)."""
+        """Return a new, empty graph for ``key`` (called only at ``GRAPH_CONSTRUCT``)."""
         raise NotImplementedError
 
     def _capture_into(self, graph: Any, key: Any, fn: Callable[[], None]) -> None:

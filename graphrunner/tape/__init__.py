@@ -25,7 +25,7 @@ one runs on the other:
 * Graphs captured into one pool (``pool=``) share its memory as on CUDA: a
   later capture reuses memory freed after an earlier one (including
   outputs the user dropped), so out-of-order replays corrupt as on a GPU;
-  concurrent replays in one pool raise (:mod:`~graphrunner.tape.arena`).
+  concurrent replays in one pool raise (:mod:`~graphrunner.tape.pool`).
 * Optionally (``TapeGraph(poison_captured_values=True)``, or the environment
   variable ``GRAPHRUNNER_TAPE_POISON=1``), survivors are filled with a poison
   value at capture end (NaN, the integer dtype's max, ``True``), because on a
@@ -80,7 +80,7 @@ Modules (each owns one job; see its docstring):
   data, or the rewrite is dropped);
 * :mod:`~graphrunner.tape.jit`: the TorchScript replay engine (the
   generated code traced at capture end);
-* :mod:`~graphrunner.tape.arena`: :class:`TapePool` and the per-pool arena
+* :mod:`~graphrunner.tape.pool`: :class:`TapePool` and the per-pool arena
   (memory reuse between captures as on CUDA, the pool size estimate);
 * :mod:`~graphrunner.tape.state`: the captures in progress, per thread, and
   the tensors the tape itself holds;
@@ -89,7 +89,7 @@ Modules (each owns one job; see its docstring):
   side stream until it is joined (the emulation of an unjoined stream).
 """
 
-from .arena import TapePool, graph_pool_handle
+from .pool import TapePool, graph_pool_handle
 from .graph import EMPTY_GRAPH_MESSAGE, TapeGraph, _capturing, tape_graph
 from .recording import _Capture, _Recorder
 from .state import is_tape_capturing

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from graphrunner.errors import CaptureError
 
 from .bindings import _NO_TORCH_FUNCTION
-from .arena import TRACING, TapePool, graph_pool_handle, place
+from .pool import TRACING, TapePool, graph_pool_handle, place
 from .codegen import generate, hoist
 from .jit import JitReplay, eligible, jit_default
 from .proof import stats as proof_stats

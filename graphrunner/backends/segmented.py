@@ -1,4 +1,5 @@
-"""BreakableGraphBackend: graph segments with eager breaks per key."""
+"""BreakableGraphBackend: graph segments with eager breaks per key (the ``"breakable"`` backend;
+the graph it makes, :class:`~graphrunner.breakable.BreakableGraph`, is in :mod:`graphrunner.breakable`)."""
 
 from __future__ import annotations
 

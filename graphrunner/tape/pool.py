@@ -1,4 +1,4 @@
-"""The per-pool arena: graph memory handed out as CUDA's caching allocator would.
+"""The tape's graph pools: graph memory handed out as CUDA's caching allocator would.
 
 Owns :class:`TapePool` (what ``graph_pool_handle()`` returns and
 ``pool=`` takes) and the bookkeeping behind it.  Every capture into a pool
@@ -84,7 +84,7 @@ class TapePool:
     Graphs captured with the same pool share its arena: memory freed after
     one capture (a temporary, an output the user dropped) is reused by the
     next capture into the pool, and replaying such graphs out of capture
-    order corrupts as on CUDA (see :mod:`graphrunner.tape.arena`).
+    order corrupts as on CUDA (see :mod:`graphrunner.tape.pool`).
     ``bytes_held`` is the pool's estimated size in bytes.
 
     The temporaries the generated replay writes into planned buffers
