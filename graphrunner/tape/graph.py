@@ -9,7 +9,7 @@ and code generation through :mod:`~graphrunner.tape.codegen` and
 ``replay`` (the generated function with
 autograd and torch-function handling off, one replay at a time per pool),
 ``reset`` -- and :data:`EMPTY_GRAPH_MESSAGE`.  Memory placement in a pool is
-:mod:`~graphrunner.tape.arena`'s job.
+:mod:`~graphrunner.tape.pool`'s job.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class TapeGraph:
       * ``reset()`` drops the recording (and aborts a capture in progress).
       * ``num_ops`` is the number of aten ops recorded (0 when empty).
       * Pools (``pool=``): graphs captured into one pool share its memory as
-        CUDA graphs do (:mod:`graphrunner.tape.arena`): replayed out of
+        CUDA graphs do (:mod:`graphrunner.tape.pool`): replayed out of
         capture order they corrupt each other as on CUDA; replaying two of
         them at once (two threads) raises :class:`CaptureError` naming both.
         ``pool_bytes`` estimates the pool memory the capture added.

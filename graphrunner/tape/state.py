@@ -114,7 +114,7 @@ def release_snapshot(buf: torch.Tensor) -> None:
 
 # Tensors the tape itself holds on some storage: id(storage) -> WeakSet of them.
 # They do not count as references to the memory (a CUDA graph holds
-# addresses, not tensors): see graphrunner.tape.arena.
+# addresses, not tensors): see graphrunner.tape.pool.
 _OURS: "dict[int, weakref.WeakSet]" = {}
 
 
