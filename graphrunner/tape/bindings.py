@@ -298,7 +298,8 @@ class _Verifier:
         def rewritten(tw):
             return fn(*tw(ca), **tw(ck))
 
-        return proven(recorded, rewritten, ref_in, capture=False, inference=cap.inference, tls=cap.tls)
+        return proven(recorded, rewritten, ref_in, capture=False, inference=cap.inference, tls=cap.tls,
+                      memo=("rewrite", func, fn, args, kwargs, ca, ck))
 
     def _proven_out(self, fn, ca, ck, out, cap) -> bool:
         """``fn(..., out=buf)`` of a composite ``fn``, equal to ``fn(...)`` on the
@@ -314,7 +315,7 @@ class _Verifier:
             return tw(buf)
 
         return proven(functional, into_buffer, _flat_tensors((ca, ck), []), [buf], capture=False,
-                      inference=cap.inference, tls=cap.tls)
+                      inference=cap.inference, tls=cap.tls, memo=("out", fn, ca, ck, buf))
 
     def _out_ok(self, fn, ca, ck, out) -> bool:
         """``fn(*ca, **ck, out=buf)`` writes ``out``'s bits into a preplanned

@@ -84,8 +84,27 @@ def reuse_snapshot_buffers() -> Iterator[None]:
     finally:
         with _BUF_LOCK:
             _BUF_DEPTH -= 1
-            if _BUF_DEPTH == 0:
+            last = _BUF_DEPTH == 0
+            if last:
                 _BUF_FREE.clear()
+        if last:
+            for clear in _SESSION_CLEARS:
+                clear()
+
+
+# Other session-scoped caches (the proofs' memo, graphrunner.tape.proof): each
+# registers a function emptying it, called when the outermost session exits.
+_SESSION_CLEARS: "list" = []
+
+
+def in_session() -> bool:
+    """Whether a capture session (:func:`reuse_snapshot_buffers`) is active."""
+    return _BUF_DEPTH > 0
+
+
+def on_session_end(clear) -> None:
+    """Call ``clear()`` whenever the outermost capture session exits."""
+    _SESSION_CLEARS.append(clear)
 
 
 def snapshot_copy(b: torch.Tensor) -> torch.Tensor:
