@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from .proof import bits_equal, eager_context, equal_ints, proven
-from .state import _storage, storage_bytes
+from .state import _storage, give_back_scratch, scratch_storage, storage_bytes
 from .survivors import poison_value
 
 # Calling an OpOverload from Python (``aten.mul.Tensor._op(x, y)``) costs about
@@ -44,6 +44,7 @@ _NN = torch._C._nn
 _TB = torch._C.TensorBase
 _BUILTIN_TYPES = ("builtin_function_or_method", "method_descriptor")
 _BINDINGS: dict[Any, tuple] = {}
+_use_count = getattr(torch._C, "_storage_Use_Count", None)  # tensors holding a storage
 # Ops writing a storage larger than this (a KV cache, ...) replay through the
 # aten op: verifying a binding needs a copy of every storage it writes, which
 # would cost more capture time (and memory) than the ~1 us per call it saves.
@@ -328,19 +329,32 @@ class _Verifier:
                 or out.is_conj() or out.is_neg() or out.is_quantized
                 or not _is_function(fn)):
             return False
+        # buf's memory: scratch reused within a capture session (no page faults), prefilled all the same
+        st = scratch_storage(_extent_bytes(out), out.device)
         try:
             with torch.inference_mode(out.is_inference()):
-                buf = torch.empty_strided(out.size(), out.stride(), dtype=out.dtype, device=out.device)
+                buf = torch.empty(0, dtype=out.dtype, device=out.device).set_(st, 0, out.size(), out.stride())
                 v = poison_value(out.dtype)
                 if v is not None and buf.numel():
                     buf.fill_(v)
             ptr, size, stride = buf.data_ptr(), buf.size(), buf.stride()
             with torch._C.DisableTorchFunction():
                 got = fn(*ca, **ck, out=buf)
+            ok = (got is buf and buf.data_ptr() == ptr and buf.size() == size and buf.stride() == stride
+                  and _bits_equal(buf, out))
         except Exception:
-            return False
-        return (got is buf and buf.data_ptr() == ptr and buf.size() == size and buf.stride() == stride
-                and _bits_equal(buf, out))
+            ok = False
+        got = buf = None
+        if _use_count is not None and _use_count(st._cdata) == 1:  # no tensor left on it
+            give_back_scratch(st)
+        return ok
+
+
+def _extent_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor of ``t``'s size and strides spans from offset 0."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.size(), t.stride()))) * t.element_size()
 
 
 def _is_function(fn) -> bool:
