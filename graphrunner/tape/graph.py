@@ -28,6 +28,7 @@ from graphrunner.errors import CaptureError
 from .bindings import _NO_TORCH_FUNCTION
 from .arena import TRACING, TapePool, graph_pool_handle, place
 from .codegen import generate, hoist
+from . import jit
 from .jit import JitReplay, eligible, jit_default
 from .proof import stats as proof_stats
 from .recording import _Capture, _Recorder
@@ -414,6 +415,8 @@ class TapeGraph:
         self._jit = None
         if self.jit_replay and prog.lines:  # (an empty replay has nothing to trace)
             why = eligible(prog.env, any(op.collective for op in cap.ops))
+            if why is None and n_ops < jit.JIT_MIN_OPS:
+                why = f"it replays {n_ops} ops (< JIT_MIN_OPS = {jit.JIT_MIN_OPS}: the Python replay is faster)"
             if why is None:
                 # (an nn.Parameter too: a trace at capture end must give back what it writes)
                 written = [t for n, t in consts.items() if cap.kind.get(n) == "ext" and isinstance(t, torch.Tensor)
