@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import struct
 import threading
 import time
 from typing import Any, Callable, Iterable
@@ -285,7 +286,7 @@ def _sig(v, stores: dict):
     if isinstance(v, dict):
         return ("D",) + tuple((k, _sig(x, stores)) for k, x in v.items())
     if isinstance(v, float):
-        return ("F", repr(v))  # -0.0 != 0.0, NaN == NaN
+        return ("F", struct.pack("<d", v))  # its bits: -0.0 != 0.0, NaN payloads told apart
     if isinstance(v, _SIG_LITERALS):
         return (type(v).__name__, v)
     if type(v).__name__ in ("builtin_function_or_method", "method_descriptor") or isinstance(
@@ -301,7 +302,8 @@ def _memo_key(memo, inputs: list, outputs: list, inference: bool, tls) -> "tuple
     except _NoMemo:
         return None
     tls_s = (repr(tls[0]), repr(tls[1])) if tls is not None else None
-    return (sig, inference, tls_s, torch.get_num_threads(), ENABLED, RANDOM_TRIALS)
+    return (sig, inference, tls_s, torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
+            ENABLED, RANDOM_TRIALS)
 
 
 def proven(ref: Callable[[_Twins], Any], test: Callable[[_Twins], Any], inputs: Iterable, outputs: Iterable = (),
