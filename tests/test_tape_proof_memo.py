@@ -138,3 +138,13 @@ def test_a_session_capture_replays_like_eager_with_reused_proofs():
             g.replay()
             with torch.inference_mode():
                 assert torch.equal(out, step(x))
+
+
+def test_the_cached_composite_lookup_is_the_dispatchers():
+    from graphrunner.tape import bindings
+
+    aten = torch.ops.aten
+    for op in (aten.matmul.default, aten.linear.default, aten.mm.default, aten.add.Tensor, aten.tanh.default):
+        want = torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+        assert bindings._composite(op) is want and bindings._composite(op) is want  # computed, then cached
+    assert bindings._composite(aten.matmul.default) and not bindings._composite(aten.mm.default)

@@ -375,7 +375,20 @@ def _needs_proof(func, fn) -> bool:
     ``out=`` forms of a structured kernel share one implementation)."""
     if getattr(fn, "__name__", None) != func._schema.name.split("::", 1)[-1]:
         return True
-    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+    return _composite(func)
+
+
+def _composite(func) -> bool:
+    """``func`` is a CompositeImplicitAutograd decomposition (no kernel of its own); asked of the
+    dispatcher once per op (twice per recorded op otherwise, a measurable share of the capture)."""
+    got = _COMPOSITE.get(func)
+    if got is None:
+        got = _COMPOSITE[func] = torch._C._dispatch_has_kernel_for_dispatch_key(
+            func.name(), "CompositeImplicitAutograd")
+    return got
+
+
+_COMPOSITE: dict = {}
 
 
 def _out_same_kernel(func, fn) -> bool:
@@ -390,4 +403,4 @@ def _out_same_kernel(func, fn) -> bool:
         return True
     if name != func._schema.name.split("::", 1)[-1]:
         return False
-    return not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+    return not _composite(func)
