@@ -262,10 +262,13 @@ class _Verifier:
         scalar_ids = {id(t) for t in cap.scalars.values()}
         for i_try, (fn, va, vk) in enumerate(tries):
             try:
-                # a fresh copy of the written storages, as they were before the op
-                with torch.inference_mode():
-                    self.work = {k: b.clone() for k, (_, b) in self.twin_st.items()}
-                ca, ck = self._twin(va), self._twin(vk)
+                if self.twin_st:
+                    # a fresh copy of the written storages, as they were before the op
+                    with torch.inference_mode():
+                        self.work = {k: b.clone() for k, (_, b) in self.twin_st.items()}
+                    ca, ck = self._twin(va), self._twin(vk)
+                else:  # the op writes nothing: the arguments as they are (what _twin would give)
+                    ca, ck = va, vk
                 with torch._C.DisableTorchFunction():
                     got = fn(*ca, **ck)
                 # Inputs in the same order as ref_in: our 0-dim scalars (Python
