@@ -295,7 +295,7 @@ def _sig(v, stores: dict):
     raise _NoMemo
 
 
-def _memo_key(memo, inputs: list, outputs: list, inference: bool, tls) -> "tuple | None":
+def _memo_key(memo, inputs: list, outputs: list, inference: bool, tls) -> tuple | None:
     """The key of a proof's random trials in :data:`_MEMO`, or None (no memo)."""
     try:
         sig = _sig((inputs, outputs, memo), {})
@@ -365,12 +365,12 @@ def proven(ref: Callable[[_Twins], Any], test: Callable[[_Twins], Any], inputs: 
     return ok
 
 
-def _prove(ref, test, inputs: list, outputs: list, seen: dict, on_capture_data: bool) -> bool:
-    """The capture trial (``on_capture_data``) or the :data:`RANDOM_TRIALS` random ones."""
+def _prove(ref, test, inputs: list, outputs: list, seen: dict, capture_trial: bool) -> bool:
+    """The capture trial (``capture_trial``) or the :data:`RANDOM_TRIALS` random ones."""
     outs = _storages(outputs)
     ins = {k: v for k, v in _storages(inputs).items() if k not in outs}
-    trials = [True] if on_capture_data else [False] * RANDOM_TRIALS
-    salt = 0 if on_capture_data else _RANDOM_SALT
+    trials = [True] if capture_trial else [False] * RANDOM_TRIALS
+    salt = 0 if capture_trial else _RANDOM_SALT
     for on_capture_data in trials:
         in_twins: dict = {}
         if on_capture_data:

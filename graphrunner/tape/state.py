@@ -97,7 +97,7 @@ def reuse_snapshot_buffers() -> Iterator[None]:
 # graphrunner.tape.bindings), reused within a capture session: (nbytes,
 # device) -> untyped storages given back.  A fresh allocation of a large
 # buffer costs its page faults, more than the fill and the kernel writing it.
-_SCRATCH_FREE: "dict[tuple, list]" = {}
+_SCRATCH_FREE: dict[tuple, list] = {}
 _SCRATCH_MIN_BYTES = 1 << 16
 _SCRATCH_PER_SIZE = 2
 
@@ -127,7 +127,7 @@ def give_back_scratch(st) -> None:
 
 # Other session-scoped caches (the proofs' memo, graphrunner.tape.proof): each
 # registers a function emptying it, called when the outermost session exits.
-_SESSION_CLEARS: "list" = []
+_SESSION_CLEARS: list = []
 
 
 def in_session() -> bool:
