@@ -82,8 +82,9 @@ class TapeGraph:
 
     ``jit_replay`` (default: ``$GRAPHRUNNER_TAPE_JIT``, on unless ``0``):
     replay through a TorchScript trace of the generated code, where the
-    program allows (:mod:`graphrunner.tape.jit`); the results are the same
-    bits.  The trace is made at ``capture_end()``, so the first replay costs
+    program allows and replays at least ``jit.JIT_MIN_OPS`` ops (a smaller
+    one replays faster in Python, untraced) (:mod:`graphrunner.tape.jit`);
+    the results are the same bits.  The trace is made at ``capture_end()``, so the first replay costs
     what a steady one does; making it runs the replay, and that run leaves
     nothing behind (externals, survivors and generators get back what they
     held: the capture still launches nothing, as on CUDA, and poisoned
