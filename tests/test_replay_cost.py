@@ -1,10 +1,19 @@
 """The replay's fast paths (issue 44, items 3 and 4): each against eager with real values, and what
 they must leave alone (torch's executor flag, grad mode, the static buffers)."""
 
+import pytest
 import torch
 
 import graphrunner as gr
 from graphrunner.tape import TapeGraph, tape_graph
+from graphrunner.tape import jit as tape_jit
+
+
+@pytest.fixture(autouse=True)
+def _trace_small_programs(monkeypatch):
+    """These tests trace small programs on purpose (the trace's mechanics), below the
+    size from which a graph is traced by default (jit.JIT_MIN_OPS)."""
+    monkeypatch.setattr(tape_jit, "JIT_MIN_OPS", 0)
 
 
 def _mlp():

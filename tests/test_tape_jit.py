@@ -13,11 +13,19 @@ import contextlib
 import threading
 import time
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphrunner.tape import TapeGraph, graph_pool_handle, jit, tape_graph
 from graphrunner.tape import graph as graph_mod
+
+
+@pytest.fixture(autouse=True)
+def _trace_small_programs(monkeypatch):
+    """These tests trace small programs on purpose (the trace's mechanics), below the
+    size from which a graph is traced by default (jit.JIT_MIN_OPS)."""
+    monkeypatch.setattr(jit, "JIT_MIN_OPS", 0)
 
 
 def _step(x, w, cache, pos, idx):

@@ -10,6 +10,13 @@ from graphrunner.backends.full import FullGraphBackend
 from graphrunner.tape import TapeGraph, tape_graph
 from graphrunner.tape.state import _BUF_FREE, release_snapshot, reuse_snapshot_buffers, snapshot_copy
 
+
+@pytest.fixture(autouse=True)
+def _trace_small_programs(monkeypatch):
+    """These tests trace small programs on purpose (the trace's mechanics), below the
+    size from which a graph is traced by default (jit.JIT_MIN_OPS)."""
+    monkeypatch.setattr(tape_jit, "JIT_MIN_OPS", 0)
+
 N = 1 << 19  # float32: 2 MiB, above the size whose snapshot buffers are reused
 
 

@@ -38,7 +38,7 @@ one runs on the other:
   order, bit-identical, without Python's per-op cost; making the trace runs
   the replay once and leaves nothing behind: :mod:`~graphrunner.tape.jit`;
   ``TapeGraph(jit_replay=False)`` or ``GRAPHRUNNER_TAPE_JIT=0`` keeps the
-  Python); it never goes through a
+  Python, as does a program of fewer than ``jit.JIT_MIN_OPS`` ops, faster in Python); it never goes through a
   dispatch mode of its own.  To make it cheap: views of externals and
   constant factories are hoisted (computed once); each op calls the public
   binding (``torch.mul``, ``Tensor.view``, ...) verified at capture to match

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from .proof import bits_equal, eager_context, equal_ints, proven
-from .state import _storage, storage_bytes
+from .state import _storage, give_back_scratch, scratch_storage, storage_bytes
 from .survivors import poison_value
 
 # Calling an OpOverload from Python (``aten.mul.Tensor._op(x, y)``) costs about
@@ -44,6 +44,7 @@ _NN = torch._C._nn
 _TB = torch._C.TensorBase
 _BUILTIN_TYPES = ("builtin_function_or_method", "method_descriptor")
 _BINDINGS: dict[Any, tuple] = {}
+_use_count = getattr(torch._C, "_storage_Use_Count", None)  # tensors holding a storage
 # Ops writing a storage larger than this (a KV cache, ...) replay through the
 # aten op: verifying a binding needs a copy of every storage it writes, which
 # would cost more capture time (and memory) than the ~1 us per call it saves.
@@ -261,10 +262,13 @@ class _Verifier:
         scalar_ids = {id(t) for t in cap.scalars.values()}
         for i_try, (fn, va, vk) in enumerate(tries):
             try:
-                # a fresh copy of the written storages, as they were before the op
-                with torch.inference_mode():
-                    self.work = {k: b.clone() for k, (_, b) in self.twin_st.items()}
-                ca, ck = self._twin(va), self._twin(vk)
+                if self.twin_st:
+                    # a fresh copy of the written storages, as they were before the op
+                    with torch.inference_mode():
+                        self.work = {k: b.clone() for k, (_, b) in self.twin_st.items()}
+                    ca, ck = self._twin(va), self._twin(vk)
+                else:  # the op writes nothing: the arguments as they are (what _twin would give)
+                    ca, ck = va, vk
                 with torch._C.DisableTorchFunction():
                     got = fn(*ca, **ck)
                 # Inputs in the same order as ref_in: our 0-dim scalars (Python
@@ -298,7 +302,8 @@ class _Verifier:
         def rewritten(tw):
             return fn(*tw(ca), **tw(ck))
 
-        return proven(recorded, rewritten, ref_in, capture=False, inference=cap.inference, tls=cap.tls)
+        return proven(recorded, rewritten, ref_in, capture=False, inference=cap.inference, tls=cap.tls,
+                      memo=("rewrite", func, fn, args, kwargs, ca, ck))
 
     def _proven_out(self, fn, ca, ck, out, cap) -> bool:
         """``fn(..., out=buf)`` of a composite ``fn``, equal to ``fn(...)`` on the
@@ -314,7 +319,7 @@ class _Verifier:
             return tw(buf)
 
         return proven(functional, into_buffer, _flat_tensors((ca, ck), []), [buf], capture=False,
-                      inference=cap.inference, tls=cap.tls)
+                      inference=cap.inference, tls=cap.tls, memo=("out", fn, ca, ck, buf))
 
     def _out_ok(self, fn, ca, ck, out) -> bool:
         """``fn(*ca, **ck, out=buf)`` writes ``out``'s bits into a preplanned
@@ -327,19 +332,32 @@ class _Verifier:
                 or out.is_conj() or out.is_neg() or out.is_quantized
                 or not _is_function(fn)):
             return False
+        # buf's memory: scratch reused within a capture session (no page faults), prefilled all the same
+        st = scratch_storage(_extent_bytes(out), out.device)
         try:
             with torch.inference_mode(out.is_inference()):
-                buf = torch.empty_strided(out.size(), out.stride(), dtype=out.dtype, device=out.device)
+                buf = torch.empty(0, dtype=out.dtype, device=out.device).set_(st, 0, out.size(), out.stride())
                 v = poison_value(out.dtype)
                 if v is not None and buf.numel():
                     buf.fill_(v)
             ptr, size, stride = buf.data_ptr(), buf.size(), buf.stride()
             with torch._C.DisableTorchFunction():
                 got = fn(*ca, **ck, out=buf)
+            ok = (got is buf and buf.data_ptr() == ptr and buf.size() == size and buf.stride() == stride
+                  and _bits_equal(buf, out))
         except Exception:
-            return False
-        return (got is buf and buf.data_ptr() == ptr and buf.size() == size and buf.stride() == stride
-                and _bits_equal(buf, out))
+            ok = False
+        got = buf = None
+        if _use_count is not None and _use_count(st._cdata) == 1:  # no tensor left on it
+            give_back_scratch(st)
+        return ok
+
+
+def _extent_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor of ``t``'s size and strides spans from offset 0."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.size(), t.stride()))) * t.element_size()
 
 
 def _is_function(fn) -> bool:
@@ -360,7 +378,20 @@ def _needs_proof(func, fn) -> bool:
     ``out=`` forms of a structured kernel share one implementation)."""
     if getattr(fn, "__name__", None) != func._schema.name.split("::", 1)[-1]:
         return True
-    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+    return _composite(func)
+
+
+def _composite(func) -> bool:
+    """``func`` is a CompositeImplicitAutograd decomposition (no kernel of its own); asked of the
+    dispatcher once per op (twice per recorded op otherwise, a measurable share of the capture)."""
+    got = _COMPOSITE.get(func)
+    if got is None:
+        got = _COMPOSITE[func] = torch._C._dispatch_has_kernel_for_dispatch_key(
+            func.name(), "CompositeImplicitAutograd")
+    return got
+
+
+_COMPOSITE: dict = {}
 
 
 def _out_same_kernel(func, fn) -> bool:
@@ -375,4 +406,4 @@ def _out_same_kernel(func, fn) -> bool:
         return True
     if name != func._schema.name.split("::", 1)[-1]:
         return False
-    return not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+    return not _composite(func)

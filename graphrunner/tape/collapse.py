@@ -148,7 +148,8 @@ def collapse(call, args: list, out: torch.Tensor, seen: dict | None = None, tls:
         kfn(*tw(kargs), out=tw(kout))
         return tw(out)
 
-    if not proven(composite, direct, args, [out], seen, inference=out.is_inference(), tls=tls):
+    if not proven(composite, direct, args, [out], seen, inference=out.is_inference(), tls=tls,
+                  memo=("collapse", call, args, out, kfn, kargs, kout)):
         return None
     return kfn, kargs, kout
 
@@ -185,7 +186,8 @@ def collapse_functional(call, args: list, inference: bool, seen: dict | None = N
         kfn(*tw(kargs), out=tw(kout))
         return tw(buf)
 
-    if not proven(composite, direct, args, [buf], seen, inference=inference, tls=tls):
+    if not proven(composite, direct, args, [buf], seen, inference=inference, tls=tls,
+                  memo=("collapse_functional", call, args, kfn, kargs, buf, kout)):
         return None
     return kernel
 

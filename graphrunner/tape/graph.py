@@ -28,6 +28,7 @@ from graphrunner.errors import CaptureError
 from .bindings import _NO_TORCH_FUNCTION
 from .pool import TRACING, TapePool, graph_pool_handle, place
 from .codegen import generate, hoist
+from . import jit
 from .jit import JitReplay, eligible, jit_default
 from .proof import stats as proof_stats
 from .recording import _Capture, _Recorder
@@ -81,8 +82,9 @@ class TapeGraph:
 
     ``jit_replay`` (default: ``$GRAPHRUNNER_TAPE_JIT``, on unless ``0``):
     replay through a TorchScript trace of the generated code, where the
-    program allows (:mod:`graphrunner.tape.jit`); the results are the same
-    bits.  The trace is made at ``capture_end()``, so the first replay costs
+    program allows and replays at least ``jit.JIT_MIN_OPS`` ops (a smaller
+    one replays faster in Python, untraced) (:mod:`graphrunner.tape.jit`);
+    the results are the same bits.  The trace is made at ``capture_end()``, so the first replay costs
     what a steady one does; making it runs the replay, and that run leaves
     nothing behind (externals, survivors and generators get back what they
     held: the capture still launches nothing, as on CUDA, and poisoned
@@ -414,6 +416,8 @@ class TapeGraph:
         self._jit = None
         if self.jit_replay and prog.lines:  # (an empty replay has nothing to trace)
             why = eligible(prog.env, any(op.collective for op in cap.ops))
+            if why is None and n_ops < jit.JIT_MIN_OPS:
+                why = f"it replays {n_ops} ops (< JIT_MIN_OPS = {jit.JIT_MIN_OPS}: the Python replay is faster)"
             if why is None:
                 # (an nn.Parameter too: a trace at capture end must give back what it writes)
                 written = [t for n, t in consts.items() if cap.kind.get(n) == "ext" and isinstance(t, torch.Tensor)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import struct
 import threading
 import time
 from typing import Any, Callable, Iterable
@@ -48,7 +49,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .state import _storage, storage_bytes
+from .state import _storage, in_session, on_session_end, storage_bytes
 from .survivors import poison_value
 
 # Off only in negative-control tests: every rewrite is then taken on trust.
@@ -89,6 +90,7 @@ class _Stats(threading.local):
         self.proofs = 0
         self.refused = 0
         self.seconds = 0.0
+        self.reused = 0  # proofs whose random trials were answered by the session's memo (_MEMO)
 
     def snapshot(self) -> tuple:
         return (self.proofs, self.refused, self.seconds)
@@ -199,6 +201,7 @@ def _draw(flat: torch.Tensor, gen: torch.Generator) -> bool:
 # between storages.  The pool grows to the largest request (up to
 # _POOL_MAX elements; larger storages draw their own values).
 _POOL: dict = {}
+_POOL_GEN = 0  # bumped at every (re)draw of a pool
 _SPREAD = 4099  # a prime: window offsets in [0, _SPREAD)
 _POOL_MAX = 1 << 23
 
@@ -211,6 +214,8 @@ def _fill_random(flat: torch.Tensor, salt: int) -> bool:
     key = (flat.dtype, flat.device)
     pool = _POOL.get(key)
     if pool is None or pool.numel() < n + _SPREAD:
+        global _POOL_GEN
+        _POOL_GEN += 1  # the values a window holds may change: memoized proofs no longer apply
         size = 1 << max(12, (n + _SPREAD - 1).bit_length())
         pool = torch.empty(size, dtype=flat.dtype, device=flat.device)
         if not _draw(pool, torch.Generator(device="cpu").manual_seed(_SEED)):
@@ -246,9 +251,64 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
+# The random trials' verdicts, within a capture session (memo=, see proven):
+# signature -> bool.  Emptied when the outermost session exits.
+_MEMO: dict = {}
+on_session_end(_MEMO.clear)
+# Random trials salt their storages from here (the capture trial from 0), so
+# that the random data of a proof does not depend on its capture trial.
+_RANDOM_SALT = 1 << 16
+
+
+class _NoMemo(Exception):
+    """A value :func:`_sig` cannot describe exactly: no memo for this proof."""
+
+
+_SIG_LITERALS = (type(None), bool, int, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _sig(v, stores: dict):
+    """Hashable description of ``v`` (a nest of tensors, literals and C
+    callables) that leaves out the tensors' values only: a tensor is its
+    storage's number in order of first appearance (aliasing), that storage's
+    size, and the tensor's dtype, device, shape, strides, offset,
+    requires_grad, inference, neg / conj bits and type."""
+    if isinstance(v, torch.Tensor):
+        if type(v) not in (torch.Tensor, torch.nn.Parameter) or v.layout != torch.strided:
+            raise _NoMemo
+        k = _key(v)
+        st = _storage(v)
+        return ("T", stores.setdefault(k, len(stores)) if k is not None else -1,
+                st.nbytes() if st is not None else 0, v.dtype, v.device, tuple(v.shape), v.stride(),
+                v.storage_offset(), v.requires_grad, v.is_inference(), v.is_neg(), v.is_conj(), type(v))
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__,) + tuple(_sig(x, stores) for x in v)
+    if isinstance(v, dict):
+        return ("D",) + tuple((k, _sig(x, stores)) for k, x in v.items())
+    if isinstance(v, float):
+        return ("F", struct.pack("<d", v))  # its bits: -0.0 != 0.0, NaN payloads told apart
+    if isinstance(v, _SIG_LITERALS):
+        return (type(v).__name__, v)
+    if type(v).__name__ in ("builtin_function_or_method", "method_descriptor") or isinstance(
+            v, torch._ops.OpOverload):
+        return ("C", v)
+    raise _NoMemo
+
+
+def _memo_key(memo, inputs: list, outputs: list, inference: bool, tls) -> tuple | None:
+    """The key of a proof's random trials in :data:`_MEMO`, or None (no memo)."""
+    try:
+        sig = _sig((inputs, outputs, memo), {})
+    except _NoMemo:
+        return None
+    tls_s = (repr(tls[0]), repr(tls[1])) if tls is not None else None
+    return (sig, inference, tls_s, torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
+            ENABLED, RANDOM_TRIALS)
+
+
 def proven(ref: Callable[[_Twins], Any], test: Callable[[_Twins], Any], inputs: Iterable, outputs: Iterable = (),
            seen: "dict | None" = None, *, capture: bool = True, inference: bool = False,
-           tls: "tuple | None" = None) -> bool:
+           tls: "tuple | None" = None, memo: Any = None) -> bool:
     """True when ``test`` (the rewrite) leaves the same bits as ``ref`` (the
     call it replaces) on the capture's data and on :data:`RANDOM_TRIALS`
     draws of random data (always True when :data:`ENABLED` is off).
@@ -267,28 +327,50 @@ def proven(ref: Callable[[_Twins], Any], test: Callable[[_Twins], Any], inputs: 
     the caller has just compared both calls on the capture's data itself.
     ``inference`` and ``tls`` (:func:`eager_tls` at capture begin): the
     capture's context, which replay reproduces.  Nothing is written to the
-    inputs' or outputs' own storages."""
+    inputs' or outputs' own storages.
+
+    ``memo``: within a capture session, a description of the two calls
+    (a nest of the callables and of every argument they pass, tensors
+    included): the random trials' verdict is then kept under the exact
+    signature of the proof (``memo``, ``inputs`` and ``outputs`` with every
+    tensor's metadata and aliasing but not its values, the context, the
+    thread count and the random pool's generation) and a later proof of the
+    same signature in the session reuses it instead of running them again:
+    it would draw the very same random values into the very same layouts
+    and run the same calls, so its verdict is the same.  The capture trial
+    (``capture=True``), which reads this capture's data, always runs."""
     if not ENABLED:
         return True
     t0 = time.perf_counter()
     ok = False
+    known = None
+    inputs, outputs = list(inputs), list(outputs)
     try:
         with _disable_current_modes(), torch._C.DisableTorchFunction(), torch.inference_mode(inference), \
                 torch.no_grad(), eager_context(tls):  # as replay runs
-            ok = _prove(ref, test, list(inputs), list(outputs), seen or {}, capture)
+            key = _memo_key(memo, inputs, outputs, inference, tls) if memo is not None and in_session() else None
+            gen = _POOL_GEN
+            known = _MEMO.get((key, gen)) if key is not None else None
+            ok = known is not False and (not capture or _prove(ref, test, inputs, outputs, seen or {}, True))
+            if ok and known is None:
+                ok = _prove(ref, test, inputs, outputs, {}, False)
+                if key is not None and _POOL_GEN == gen:  # (a pool redrawn meanwhile: another draw next time)
+                    _MEMO[(key, gen)] = ok
     except Exception:  # noqa: BLE001 - a proof that cannot run proves nothing
         ok = False
     stats.proofs += 1
     stats.refused += not ok
+    stats.reused += known is not None
     stats.seconds += time.perf_counter() - t0
     return ok
 
 
-def _prove(ref, test, inputs: list, outputs: list, seen: dict, capture: bool) -> bool:
+def _prove(ref, test, inputs: list, outputs: list, seen: dict, capture_trial: bool) -> bool:
+    """The capture trial (``capture_trial``) or the :data:`RANDOM_TRIALS` random ones."""
     outs = _storages(outputs)
     ins = {k: v for k, v in _storages(inputs).items() if k not in outs}
-    trials = ([True] if capture else []) + [False] * RANDOM_TRIALS
-    salt = 0
+    trials = [True] if capture_trial else [False] * RANDOM_TRIALS
+    salt = 0 if capture_trial else _RANDOM_SALT
     for on_capture_data in trials:
         in_twins: dict = {}
         if on_capture_data:

@@ -84,8 +84,60 @@ def reuse_snapshot_buffers() -> Iterator[None]:
     finally:
         with _BUF_LOCK:
             _BUF_DEPTH -= 1
-            if _BUF_DEPTH == 0:
+            last = _BUF_DEPTH == 0
+            if last:
                 _BUF_FREE.clear()
+                _SCRATCH_FREE.clear()
+        if last:
+            for clear in _SESSION_CLEARS:
+                clear()
+
+
+# Scratch memory for the capture's checks (the out= check's buffer,
+# graphrunner.tape.bindings), reused within a capture session: (nbytes,
+# device) -> untyped storages given back.  A fresh allocation of a large
+# buffer costs its page faults, more than the fill and the kernel writing it.
+_SCRATCH_FREE: dict[tuple, list] = {}
+_SCRATCH_MIN_BYTES = 1 << 16
+_SCRATCH_PER_SIZE = 2
+
+
+def scratch_storage(nbytes: int, device: torch.device):
+    """An untyped storage of ``nbytes`` (its bytes: whatever was there),
+    inside a capture session one given back earlier (:func:`give_back_scratch`)."""
+    if _BUF_DEPTH and nbytes >= _SCRATCH_MIN_BYTES:
+        with _BUF_LOCK:
+            free = _SCRATCH_FREE.get((nbytes, device))
+            st = free.pop() if free else None
+        if st is not None:
+            return st
+    return torch.empty(nbytes, dtype=torch.uint8, device=device).untyped_storage()
+
+
+def give_back_scratch(st) -> None:
+    """Give back a storage from :func:`scratch_storage` that nothing holds or reads any more."""
+    n = st.nbytes()
+    if _BUF_DEPTH and n >= _SCRATCH_MIN_BYTES:
+        with _BUF_LOCK:
+            if _BUF_DEPTH:
+                free = _SCRATCH_FREE.setdefault((n, st.device), [])
+                if len(free) < _SCRATCH_PER_SIZE:
+                    free.append(st)
+
+
+# Other session-scoped caches (the proofs' memo, graphrunner.tape.proof): each
+# registers a function emptying it, called when the outermost session exits.
+_SESSION_CLEARS: list = []
+
+
+def in_session() -> bool:
+    """Whether a capture session (:func:`reuse_snapshot_buffers`) is active."""
+    return _BUF_DEPTH > 0
+
+
+def on_session_end(clear) -> None:
+    """Call ``clear()`` whenever the outermost capture session exits."""
+    _SESSION_CLEARS.append(clear)
 
 
 def snapshot_copy(b: torch.Tensor) -> torch.Tensor:
