@@ -13,13 +13,16 @@ composite's ``out=`` form) must also be proven equal on random data
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from .proof import bits_equal, eager_context, equal_ints, proven
 from .state import _storage, give_back_scratch, scratch_storage, storage_bytes
 from .survivors import poison_value
+
+if TYPE_CHECKING:  # recording imports this module
+    from .recording import _Capture
 
 # Calling an OpOverload from Python (``aten.mul.Tensor._op(x, y)``) costs about
 # 1.5x the public binding (``torch.mul(x, y)``), and a Python scalar argument
@@ -56,13 +59,13 @@ def _bindings(func) -> tuple:
     got = _BINDINGS.get(func)
     if got is None:
         name = func._schema.name.split("::", 1)[-1]
-        got = []
+        found: list = []
         if func.namespace == "aten":
             for src in (_TB,) if name.endswith("_") else (_VF, _NN, _TB):
                 c = getattr(src, name, None)
-                if c is not None and type(c).__name__ in _BUILTIN_TYPES and c not in got:
-                    got.append(c)
-        got = _BINDINGS[func] = tuple(got)
+                if c is not None and type(c).__name__ in _BUILTIN_TYPES and c not in found:
+                    found.append(c)
+        got = _BINDINGS[func] = tuple(found)
     return got
 
 
@@ -221,7 +224,7 @@ class _Verifier:
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 slots.append((key, v))
         res = out if isinstance(out, torch.Tensor) else None
-        dtypes = []
+        dtypes: list[torch.dtype | None] = []
         if slots and res is not None:
             dt = res.dtype
             if dt in (torch.float16, torch.bfloat16):
@@ -231,10 +234,10 @@ class _Verifier:
                 dtypes.append(dt)
         if slots:
             dtypes += [None]  # None: float64 / int64, like a wrapped scalar
-        for dt in dict.fromkeys(dtypes):
+        for sdt in dict.fromkeys(dtypes):
             sargs, skw = list(args), dict(kwargs)
             for key, v in slots:
-                t = cap.scalar_tensor(v, dt)
+                t = cap.scalar_tensor(v, sdt)
                 if isinstance(key, int):
                     sargs[key] = t
                 else:
@@ -334,6 +337,7 @@ class _Verifier:
             return False
         # buf's memory: scratch reused within a capture session (no page faults), prefilled all the same
         st = scratch_storage(_extent_bytes(out), out.device)
+        buf: torch.Tensor | None = None  # (dropped below, before the storage's use count is read)
         try:
             with torch.inference_mode(out.is_inference()):
                 buf = torch.empty(0, dtype=out.dtype, device=out.device).set_(st, 0, out.size(), out.stride())

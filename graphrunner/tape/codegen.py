@@ -31,8 +31,9 @@ def _literal(v) -> str | None:
             return None
         return repr(v)
     if isinstance(v, (tuple, list)):
-        parts = [_literal(x) for x in v]
-        if any(p is None for p in parts):
+        maybe = [_literal(x) for x in v]
+        parts = [p for p in maybe if p is not None]
+        if len(parts) != len(maybe):
             return None
         if isinstance(v, tuple):
             return "(" + "".join(p + ", " for p in parts) + ")"
@@ -42,6 +43,9 @@ def _literal(v) -> str | None:
 
 class _Program:
     """The generated replay function and what it binds."""
+
+    fn: Callable[[], None]  # set by generate() once every line is in (build())
+    source: str  # set by build()
 
     def __init__(self):
         self.env: dict[str, Any] = {}

@@ -228,7 +228,7 @@ def _fill_random(flat: torch.Tensor, salt: int) -> bool:
 
 def _typed(st, dtype: torch.dtype) -> torch.Tensor:
     """A flat tensor of ``dtype`` over the whole of storage ``st``."""
-    return torch.empty(0, dtype=dtype, device=st.device).set_(st, 0, (st.nbytes() // dtype.itemsize,))
+    return torch.empty(0, dtype=dtype, device=st.device).set_(st, 0, (st.nbytes() // dtype.itemsize,), (1,))
 
 
 def _storages(tensors: Iterable) -> dict:

@@ -16,9 +16,12 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
+
+if TYPE_CHECKING:  # (at run time the package's modules import this one, not the reverse)
+    from .recording import _Capture
 
 _CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 
