@@ -88,3 +88,29 @@ def test_survivor_written_by_eager_code_warns_at_next_replay():
         with pytest.warns(EscapedTensorWarning, match="outside the graph"):
             g.replay()
         assert torch.equal(acc, x * 2)  # and the replay overwrote it
+
+
+class _DiesAfter:
+    """A weak reference whose tensor is freed (by another thread, say) after ``n`` dereferences."""
+
+    def __init__(self, ref, n):
+        self.ref, self.n = ref, n
+
+    def __call__(self):
+        self.n -= 1
+        return self.ref() if self.n >= 0 else None
+
+
+def test_survivor_freed_between_version_reads_does_not_break_replay():
+    # a replay reads each held survivor's version once before the replay and once after;
+    # a survivor freed in between (its last reference dropped by another thread) is skipped,
+    # not dereferenced twice (the second dereference gets None: AttributeError)
+    x = torch.randn(4)
+    with torch.no_grad():  # version counters exist outside inference_mode
+        g = TapeGraph()
+        with tape_graph(g):
+            acc = x * 2
+        assert g._versioned
+        g._versioned = [(_DiesAfter(w, 2), v) for w, v in g._versioned]
+        g.replay()
+        assert torch.equal(acc, x * 2)

@@ -195,6 +195,8 @@ class TapeGraph:
         capture read with their real values (the caller calls
         :meth:`_repoison` once it is done computing on them)."""
         cap, modes = self._cap, self._modes
+        if cap is None:  # (its callers check first)
+            raise CaptureError("this TapeGraph is not capturing")
         self._cap = self._modes = None
         with _ACTIVE_LOCK:
             if _ACTIVE.get(cap.thread) is cap:
@@ -311,7 +313,8 @@ class TapeGraph:
             if self._cap is not None:
                 raise CaptureError("cannot replay a TapeGraph while it is capturing; call capture_end() first")
             raise CaptureError("cannot replay an empty TapeGraph: capture something first")
-        pool = self._pool
+        # set whenever _fn is (capture_begin sets it, nothing unsets it): no check per replay
+        pool: TapePool = self._pool  # type: ignore[assignment]
         lock = pool._replay_lock
         if not lock.acquire(False):
             self._concurrent(pool)
@@ -377,8 +380,8 @@ class TapeGraph:
                     fn()
                 finally:
                     torch._C._set_grad_enabled(prev)
-        if self._versioned:
-            self._versioned = [(w, (w()._version if w() is not None else v)) for w, v in self._versioned]
+        if self._versioned:  # (one call of each ref: a tensor freed between two would raise)
+            self._versioned = [(w, (t._version if (t := w()) is not None else v)) for w, v in self._versioned]
 
     def _check_versions(self) -> None:
         for w, v in self._versioned:
@@ -406,12 +409,15 @@ class TapeGraph:
                 ent = _SURVIVORS.get(id(st))
                 if ent is not None and ent[0]() is st:
                     consts[n] = alias_of(t)
-        spills, self._surv_storages, self._pool_bytes = place(self._pool, self, cap, survivors, targets)
-        self._pool_index = self._pool._captures
+        pool = self._pool
+        if pool is None:  # (capture_begin set it)
+            raise CaptureError("internal error: a TapeGraph capture ended without a pool")
+        spills, self._surv_storages, self._pool_bytes = place(pool, self, cap, survivors, targets)
+        self._pool_index = pool._captures
         cap.user_tensors = {}
         # moving a survivor onto reused pool memory (set_) bumps its version
-        versioned = [(w, w()._version) for w, _ in versioned if w() is not None]
-        prog, n_ops = generate(cap, consts, survivors, spills, scratch=self._pool.scratch)
+        versioned = [(w, t._version) for w, _ in versioned if (t := w()) is not None]
+        prog, n_ops = generate(cap, consts, survivors, spills, scratch=pool.scratch)
         self._fn = prog.fn
         self._jit = None
         if self.jit_replay and prog.lines:  # (an empty replay has nothing to trace)
@@ -461,7 +467,9 @@ class TapeGraph:
         under a mode still runs the Python replay, so that the mode sees its
         ops.  When the pool is replaying in another thread the trace is left
         to the first replay (``replay_engine == "jit-pending"``)."""
-        pool = self._pool
+        pool, jit_ = self._pool, self._jit
+        if pool is None or jit_ is None:  # (_finalize calls it with both set)
+            raise CaptureError("internal error: tracing the replay of a TapeGraph with no pool or no trace")
         if not pool._replay_lock.acquire(False):
             logger.debug("tape replay traced at the first replay: the pool is replaying at capture end")
             return
@@ -471,13 +479,13 @@ class TapeGraph:
         try:
             with _disable_current_modes(), _NO_TORCH_FUNCTION(), (
                     torch.inference_mode() if self._inference else torch.no_grad()):
-                self._jit.prepare(keep, generators)
+                jit_.prepare(keep, generators)
         finally:
             pool._replay_lock.release()
-        if self._jit.engine == "python":
-            logger.debug("tape replay in Python: %s", self._jit.why_python)
+        if jit_.engine == "python":
+            logger.debug("tape replay in Python: %s", jit_.why_python)
         if self._versioned:  # the trace wrote the survivors (their bytes are back)
-            self._versioned = [(w, (w()._version if w() is not None else v)) for w, v in self._versioned]
+            self._versioned = [(w, (t._version if (t := w()) is not None else v)) for w, v in self._versioned]
 
     @property
     def replay_engine(self) -> str | None:

@@ -102,7 +102,7 @@ class TapePool:
     def __init__(self) -> None:
         self._lock = threading.Lock()         # arena bookkeeping (captures in several threads)
         self._replay_lock = threading.Lock()  # one replay at a time among the pool's graphs
-        self._replaying = None                # weakref to the graph replaying now, or TRACING
+        self._replaying: object = None        # weakref to the graph replaying now, or TRACING
         self._free: list[tuple] = []          # sorted (size, seq, block)
         self._used: list[_Block] = []         # blocks holding survivors
         #: Estimated bytes of graph memory this pool holds (sum of its blocks).
