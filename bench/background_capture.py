@@ -49,10 +49,16 @@ def make_runner(backend: str, layers: int, buckets):
     def step(input_ids, positions):
         return model.decode_step(input_ids, positions)
 
-    runner = GraphRunner(step, inputs={
-        "input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, config.vocab_size - 1)),
-        "positions": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, 7))},
-        buckets=list(buckets), backend=backend, progress=False)
+    runner = GraphRunner(
+        step,
+        inputs={
+            "input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, config.vocab_size - 1)),
+            "positions": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, 7)),
+        },
+        buckets=list(buckets),
+        backend=backend,
+        progress=False,
+    )
     return runner, step, config
 
 
@@ -102,9 +108,16 @@ def one(background: bool, args, buckets) -> dict:
         check(runner(input_ids=x, positions=p), x, p)
         replaying += runner.stats.last_bucket == key
     runner.cleanup()
-    return {"first_call_s": first, "all_captured_s": done, "calls_before_captured": served,
-            "keys": len(runner.keys), "keys_replaying": replaying, "calls_checked": checked["calls"],
-            "mismatches": checked["mismatches"], "max_abs_diff": checked["worst"]}
+    return {
+        "first_call_s": first,
+        "all_captured_s": done,
+        "calls_before_captured": served,
+        "keys": len(runner.keys),
+        "keys_replaying": replaying,
+        "calls_checked": checked["calls"],
+        "mismatches": checked["mismatches"],
+        "max_abs_diff": checked["worst"],
+    }
 
 
 def main(argv=None) -> dict:
@@ -130,24 +143,43 @@ def main(argv=None) -> dict:
             rows[background].append(one(background, args, buckets))
     med = {bg: {k: statistics.median(r[k] for r in rows[bg]) for k in rows[bg][0]} for bg in rows}
     ratio = med[False]["first_call_s"] / med[True]["first_call_s"]
-    print(f"demo decoder, {args.layers} layers, {args.backend} backend, buckets {buckets}, {args.rounds} rounds "
-          f"(medians; counts summed over the rounds), {torch.get_num_threads()} thread(s)")
+    print(
+        f"demo decoder, {args.layers} layers, {args.backend} backend, buckets {buckets}, {args.rounds} rounds "
+        f"(medians; counts summed over the rounds), {torch.get_num_threads()} thread(s)"
+    )
     for bg, name in ((False, "blocking  "), (True, "background")):
         m, r = med[bg], rows[bg]
-        print(f"  {name} capture: first call served after {m['first_call_s'] * 1000:8.1f} ms, every key "
-              f"replaying after {m['all_captured_s'] * 1000:8.1f} ms "
-              f"({sum(x['keys_replaying'] for x in r)} of {sum(x['keys'] for x in r)} keys replay at the end), "
-              f"{sum(x['calls_before_captured'] for x in r)} calls served while capturing, still equal to eager: "
-              f"{sum(x['mismatches'] for x in r)} mismatches in {sum(x['calls_checked'] for x in r)} calls "
-              f"(max |diff| {max(x['max_abs_diff'] for x in r):.2e})")
+        print(
+            f"  {name} capture: first call served after {m['first_call_s'] * 1000:8.1f} ms, every key "
+            f"replaying after {m['all_captured_s'] * 1000:8.1f} ms "
+            f"({sum(x['keys_replaying'] for x in r)} of {sum(x['keys'] for x in r)} keys replay at the end), "
+            f"{sum(x['calls_before_captured'] for x in r)} calls served while capturing, still equal to eager: "
+            f"{sum(x['mismatches'] for x in r)} mismatches in {sum(x['calls_checked'] for x in r)} calls "
+            f"(max |diff| {max(x['max_abs_diff'] for x in r):.2e})"
+        )
     print(f"  time to the first served call: {ratio:.1f}x shorter in the background")
-    doc = {"backend": args.backend, "layers": args.layers, "buckets": buckets, "rounds": args.rounds,
-           "batch": args.batch, "threads": args.threads, "environment": environment(),
-           "blocking": rows[False], "background": rows[True], "median": {"blocking": med[False],
-                                                                       "background": med[True]},
-           "first_call_ratio": ratio, "rtol": args.rtol, "atol": args.atol,
-           "totals": {("background" if bg else "blocking"): {k: sum(x[k] for x in rows[bg]) for k in (
-               "keys", "keys_replaying", "calls_before_captured", "calls_checked", "mismatches")} for bg in rows}}
+    doc = {
+        "backend": args.backend,
+        "layers": args.layers,
+        "buckets": buckets,
+        "rounds": args.rounds,
+        "batch": args.batch,
+        "threads": args.threads,
+        "environment": environment(),
+        "blocking": rows[False],
+        "background": rows[True],
+        "median": {"blocking": med[False], "background": med[True]},
+        "first_call_ratio": ratio,
+        "rtol": args.rtol,
+        "atol": args.atol,
+        "totals": {
+            ("background" if bg else "blocking"): {
+                k: sum(x[k] for x in rows[bg])
+                for k in ("keys", "keys_replaying", "calls_before_captured", "calls_checked", "mismatches")
+            }
+            for bg in rows
+        },
+    }
     write_json(args.out, doc)
     print(f"wrote {args.out}")
     return doc

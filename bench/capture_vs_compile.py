@@ -37,7 +37,7 @@ import os
 import time
 import warnings
 from dataclasses import asdict
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 
@@ -48,7 +48,7 @@ from graphrunner_tools.models import LlamaConfig, build_model
 TARGET_RATIO = 50.0
 
 
-def _capture(model: Any, backend: str, gr_device: str, dev: str, buckets: List[int], warmups: int) -> Dict[str, Any]:
+def _capture(model: Any, backend: str, gr_device: str, dev: str, buckets: list[int], warmups: int) -> dict[str, Any]:
     runner = decode_runner(model, backend, gr_device, buckets, warmups)
     sync_device(dev)
     t0 = time.perf_counter()
@@ -58,11 +58,16 @@ def _capture(model: Any, backend: str, gr_device: str, dev: str, buckets: List[i
     per_bucket = {str(b.bucket): b.capture_seconds for b in report.buckets}
     segments = {str(b.bucket): b.num_segments for b in report.buckets}
     runner.cleanup()
-    return {"backend": backend, "buckets": buckets, "wall_seconds": wall,
-            "per_bucket_seconds": per_bucket, "segments": segments}
+    return {
+        "backend": backend,
+        "buckets": buckets,
+        "wall_seconds": wall,
+        "per_bucket_seconds": per_bucket,
+        "segments": segments,
+    }
 
 
-def _compile_side(model: Any, dev: str, buckets: List[int], cold: bool, vocab: int, seed: int) -> Dict[str, Any]:
+def _compile_side(model: Any, dev: str, buckets: list[int], cold: bool, vocab: int, seed: int) -> dict[str, Any]:
     import torch._dynamo
     import torch._inductor.config as inductor_config
 
@@ -76,8 +81,8 @@ def _compile_side(model: Any, dev: str, buckets: List[int], cold: bool, vocab: i
     setattr(dynamo_cfg, limit_name, max(old_limit, len(buckets) + 2))
     if cold and old_disable is not None:
         inductor_config.force_disable_caches = True
-    per_bucket: Dict[str, float] = {}
-    diffs: Dict[str, float] = {}
+    per_bucket: dict[str, float] = {}
+    diffs: dict[str, float] = {}
     gen = torch.Generator().manual_seed(seed)
     with warnings.catch_warnings():  # inductor warns that the caches are off, once per run
         try:
@@ -95,19 +100,28 @@ def _compile_side(model: Any, dev: str, buckets: List[int], cold: bool, vocab: i
                     per_bucket[str(b)] = time.perf_counter() - t0
                     ref = step(ids, pos)
                     diffs[str(b)] = float((out.float() - ref.float()).abs().max())
-                print(f"  torch.compile bucket {b:>3}: {per_bucket[str(b)]:7.2f}s (max |compiled - eager| "
-                      f"{diffs[str(b)]:.2g})", flush=True)
+                print(
+                    f"  torch.compile bucket {b:>3}: {per_bucket[str(b)]:7.2f}s (max |compiled - eager| "
+                    f"{diffs[str(b)]:.2g})",
+                    flush=True,
+                )
         finally:
             torch._dynamo.reset()
             setattr(dynamo_cfg, limit_name, old_limit)
             if old_disable is not None:
                 inductor_config.force_disable_caches = old_disable
-    return {"buckets": buckets, "per_bucket_seconds": per_bucket, "seconds": sum(per_bucket.values()),
-            "max_abs_diff": diffs, "backend": "inductor", "dynamic": False,
-            "cache": "cold (inductor caches disabled)" if cold else "warm (inductor caches enabled)"}
+    return {
+        "buckets": buckets,
+        "per_bucket_seconds": per_bucket,
+        "seconds": sum(per_bucket.values()),
+        "max_abs_diff": diffs,
+        "backend": "inductor",
+        "dynamic": False,
+        "cache": "cold (inductor caches disabled)" if cold else "warm (inductor caches enabled)",
+    }
 
 
-def main(argv: Optional[List[str]] = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     """Run the comparison; return (and write to ``--out``) the result dict.
 
     Keys: ``benchmark``, ``environment``, ``config``, ``device``, ``import_seconds``,
@@ -121,16 +135,30 @@ def main(argv: Optional[List[str]] = None) -> dict:
     """
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join("bench", "results", "capture_vs_compile.json"))
-    ap.add_argument("--quick", action="store_true",
-                    help="smoke run: buckets 1,2; compile side skipped unless --compile-buckets is given")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: buckets 1,2; compile side skipped unless --compile-buckets is given",
+    )
     ap.add_argument("--buckets", type=parse_buckets, default=None, help="graphrunner buckets (default 1,2,4,8,16,32)")
-    ap.add_argument("--compile-buckets", default=None,
-                    help="sizes torch.compile compiles: comma-separated, 'all' (= --buckets) or 'none' "
-                         "(default 1,2,4,8; with --quick: none)")
-    ap.add_argument("--compile-cache", choices=["cold", "warm"], default="cold",
-                    help="cold: disable inductor's on-disk caches (default); warm: leave them on")
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                    help="cpu: tape graphs vs inductor-CPU (default); cuda: CUDA graphs vs inductor-CUDA")
+    ap.add_argument(
+        "--compile-buckets",
+        default=None,
+        help="sizes torch.compile compiles: comma-separated, 'all' (= --buckets) or 'none' "
+        "(default 1,2,4,8; with --quick: none)",
+    )
+    ap.add_argument(
+        "--compile-cache",
+        choices=["cold", "warm"],
+        default="cold",
+        help="cold: disable inductor's on-disk caches (default); warm: leave them on",
+    )
+    ap.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cpu: tape graphs vs inductor-CPU (default); cuda: CUDA graphs vs inductor-CUDA",
+    )
     ap.add_argument("--warmups", type=int, default=2, help="GraphRunner warmups per bucket")
     ap.add_argument("--no-breakable", action="store_true", help="skip the informational breakable capture")
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
@@ -144,23 +172,28 @@ def main(argv: Optional[List[str]] = None) -> dict:
         raise SystemExit("--device cuda: CUDA is not available on this machine")
     gr_device = "cuda" if dev == "cuda" else "tape"
     buckets = args.buckets or ([1, 2] if args.quick else [1, 2, 4, 8, 16, 32])
-    notes: List[str] = []
+    notes: list[str] = []
     spec = args.compile_buckets
     if spec is None:
         spec = "none" if args.quick else "1,2,4,8"
     if spec == "none":
-        compile_buckets: List[int] = []
+        compile_buckets: list[int] = []
     elif spec == "all":
         compile_buckets = list(buckets)
     else:
         compile_buckets = parse_buckets(spec)
     compile_skipped = None
     if not compile_buckets:
-        compile_skipped = ("--quick: torch.compile takes seconds to a minute per size; pass --compile-buckets"
-                           if args.quick else "--compile-buckets none")
+        compile_skipped = (
+            "--quick: torch.compile takes seconds to a minute per size; pass --compile-buckets"
+            if args.quick
+            else "--compile-buckets none"
+        )
     elif compile_buckets != buckets:
-        notes.append(f"torch.compile compiled only buckets {compile_buckets} of {buckets} to keep the run bounded; "
-                     f"the ratio compares the same sizes (a graphrunner capture of exactly {compile_buckets})")
+        notes.append(
+            f"torch.compile compiled only buckets {compile_buckets} of {buckets} to keep the run bounded; "
+            f"the ratio compares the same sizes (a graphrunner capture of exactly {compile_buckets})"
+        )
 
     cfg = LlamaConfig(attention="masked", max_batch_size=max(64, max(buckets + compile_buckets)))
 
@@ -171,32 +204,44 @@ def main(argv: Optional[List[str]] = None) -> dict:
     importlib.import_module("torch._inductor.config")
     import_seconds = time.perf_counter() - t0
 
-    print(f"capture_vs_compile: demo decoder ({cfg.num_layers} layers, hidden {cfg.hidden_size}, masked attention) "
-          f"on {dev}, {torch.get_num_threads()} threads", flush=True)
-    capture: Dict[str, Any] = {}
+    print(
+        f"capture_vs_compile: demo decoder ({cfg.num_layers} layers, hidden {cfg.hidden_size}, masked attention) "
+        f"on {dev}, {torch.get_num_threads()} threads",
+        flush=True,
+    )
+    capture: dict[str, Any] = {}
     model = build_model(cfg, seed=args.seed, device=dev)
     # The capture of the compile sizes runs first, so it (not the all-bucket capture) pays any
     # first-capture-in-this-process cost: the ratio errs against graphrunner, not for it.
     if compile_buckets:
         capture["full_same"] = _capture(model, "full", gr_device, dev, compile_buckets, args.warmups)
-        print(f"  graphrunner full capture, buckets {compile_buckets}: "
-              f"{capture['full_same']['wall_seconds']:.3f}s", flush=True)
+        print(
+            f"  graphrunner full capture, buckets {compile_buckets}: {capture['full_same']['wall_seconds']:.3f}s",
+            flush=True,
+        )
     capture["full_all"] = _capture(model, "full", gr_device, dev, buckets, args.warmups)
     print(f"  graphrunner full capture, buckets {buckets}: {capture['full_all']['wall_seconds']:.3f}s", flush=True)
     if not args.no_breakable:
         vmodel = build_model(cfg.replace(attention="varlen"), seed=args.seed, device=dev)
         capture["breakable_varlen_all"] = _capture(vmodel, "breakable", gr_device, dev, buckets, args.warmups)
-        print(f"  graphrunner breakable capture (varlen config), buckets {buckets}: "
-              f"{capture['breakable_varlen_all']['wall_seconds']:.3f}s", flush=True)
+        print(
+            f"  graphrunner breakable capture (varlen config), buckets {buckets}: "
+            f"{capture['breakable_varlen_all']['wall_seconds']:.3f}s",
+            flush=True,
+        )
         del vmodel
 
     compile_result = None
     if compile_buckets:
         cmodel = build_model(cfg, seed=args.seed, device=dev)
-        compile_result = _compile_side(cmodel, dev, compile_buckets, args.compile_cache == "cold",
-                                       cfg.vocab_size, args.seed)
-        print(f"  torch.compile (inductor, dynamic=False, {compile_result['cache']}), buckets {compile_buckets}: "
-              f"{compile_result['seconds']:.2f}s", flush=True)
+        compile_result = _compile_side(
+            cmodel, dev, compile_buckets, args.compile_cache == "cold", cfg.vocab_size, args.seed
+        )
+        print(
+            f"  torch.compile (inductor, dynamic=False, {compile_result['cache']}), buckets {compile_buckets}: "
+            f"{compile_result['seconds']:.2f}s",
+            flush=True,
+        )
 
     cap_all = capture["full_all"]["wall_seconds"]
     cap_same = capture["full_same"]["wall_seconds"] if "full_same" in capture else None
@@ -206,8 +251,13 @@ def main(argv: Optional[List[str]] = None) -> dict:
     result = {
         "benchmark": "capture_vs_compile",
         "environment": environment(),
-        "config": {**asdict(cfg), "warmups": args.warmups, "seed": args.seed, "quick": args.quick,
-                   "compile_cache": args.compile_cache},
+        "config": {
+            **asdict(cfg),
+            "warmups": args.warmups,
+            "seed": args.seed,
+            "quick": args.quick,
+            "compile_cache": args.compile_cache,
+        },
         "device": dev,
         "step": "model.decode_step(input_ids[B], positions[B]), LlamaConfig(attention='masked'), inference_mode",
         "import_seconds": import_seconds,
@@ -226,10 +276,14 @@ def main(argv: Optional[List[str]] = None) -> dict:
         "notes": notes,
     }
     if ratio is not None:
-        print(f"  ratio: torch.compile {comp:.2f}s / graphrunner capture {cap_same:.3f}s on buckets {compile_buckets} "
-              f"= {ratio:.1f}x ({target_note(ratio, TARGET_RATIO, at_most=False)})")
-        print(f"  compile of {compile_buckets} / capture of all {buckets} (more sizes on the capture side) "
-              f"= {ratio_all:.1f}x")
+        print(
+            f"  ratio: torch.compile {comp:.2f}s / graphrunner capture {cap_same:.3f}s on buckets {compile_buckets} "
+            f"= {ratio:.1f}x ({target_note(ratio, TARGET_RATIO, at_most=False)})"
+        )
+        print(
+            f"  compile of {compile_buckets} / capture of all {buckets} (more sizes on the capture side) "
+            f"= {ratio_all:.1f}x"
+        )
     else:
         print(f"  compile side skipped: {compile_skipped}")
     for n in notes:

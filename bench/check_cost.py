@@ -41,7 +41,8 @@ import contextlib
 import os
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -51,17 +52,17 @@ from graphrunner_tools.models import LlamaConfig, build_model
 from graphrunner_tools.threads import torch_threads
 
 #: ``checks=`` of each variant (``None``: the default checks).
-VARIANTS: Dict[str, Any] = {"none": (), "drift": ("drift",), "padding": ("padding",), "default": None}
+VARIANTS: dict[str, Any] = {"none": (), "drift": ("drift",), "padding": ("padding",), "default": None}
 
 #: Issue 25's target: the default checks add at most 15% to capture.
 TARGET_RATIO = 1.15
 
 WORKLOADS = ("demo_full", "demo_breakable", "hf_llama")
 
-Workload = Tuple[Callable[[Any], GraphRunner], Callable[[], None], Callable[[], Any]]
+Workload = tuple[Callable[[Any], GraphRunner], Callable[[], None], Callable[[], Any]]
 
 
-def demo_workload(backend: str, layers: int, buckets: List[int], device: str) -> Workload:
+def demo_workload(backend: str, layers: int, buckets: list[int], device: str) -> Workload:
     """``(make, reset, ctx)``: uncaptured runners over the demo decoder's decode step (``make(checks)``),
     the cache reset run around each capture, and the context a capture runs in."""
     attention = "masked" if backend == "full" else "varlen"
@@ -69,17 +70,23 @@ def demo_workload(backend: str, layers: int, buckets: List[int], device: str) ->
     model = build_model(config, seed=0)
 
     def make(checks: Any) -> GraphRunner:
-        return GraphRunner(lambda input_ids, positions: model.decode_step(input_ids, positions),
-                           inputs={"input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0,
-                                                           bounds=(0, config.vocab_size - 1)),
-                                   "positions": BatchInput(trailing=(), dtype=torch.long, pad=0,
-                                                           bounds=(0, config.max_seq_len - 1))},
-                           buckets=list(buckets), backend=backend, device=device, progress=False, checks=checks)
+        return GraphRunner(
+            lambda input_ids, positions: model.decode_step(input_ids, positions),
+            inputs={
+                "input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, config.vocab_size - 1)),
+                "positions": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, config.max_seq_len - 1)),
+            },
+            buckets=list(buckets),
+            backend=backend,
+            device=device,
+            progress=False,
+            checks=checks,
+        )
 
     return make, model.reset_cache, contextlib.nullcontext
 
 
-def hf_llama_workload(buckets: List[int], device: str, max_cache_len: int = 32) -> Optional[Workload]:
+def hf_llama_workload(buckets: list[int], device: str, max_cache_len: int = 32) -> Workload | None:
     """``(make, reset, ctx)`` over a tiny HF Llama decode step (DecodeRunner's construction), or
     ``None`` without transformers."""
     try:
@@ -89,8 +96,15 @@ def hf_llama_workload(buckets: List[int], device: str, max_cache_len: int = 32) 
     from graphrunner.hf.cache import make_static_cache, row_view_cache, zero_cache
     from graphrunner.hf.steps import decode_inputs, make_decode_step, prefill
 
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).float().eval()
     rows = max(buckets)
@@ -98,7 +112,7 @@ def hf_llama_workload(buckets: List[int], device: str, max_cache_len: int = 32) 
         cache = make_static_cache(model, rows, max_cache_len)
         prefill(model, cache, torch.zeros((rows, 1), dtype=torch.long))  # allocate, as DecodeRunner does
         zero_cache(cache)
-    views: Dict[int, Any] = {}
+    views: dict[int, Any] = {}
 
     def pick(n: int) -> Any:
         if n not in views:
@@ -108,8 +122,16 @@ def hf_llama_workload(buckets: List[int], device: str, max_cache_len: int = 32) 
     step = make_decode_step(model, pick)
 
     def make(checks: Any) -> GraphRunner:
-        return GraphRunner(step, inputs=decode_inputs(cfg.vocab_size, max_cache_len), buckets=list(buckets),
-                           backend="full", device=device, progress=False, fallback="error", checks=checks)
+        return GraphRunner(
+            step,
+            inputs=decode_inputs(cfg.vocab_size, max_cache_len),
+            buckets=list(buckets),
+            backend="full",
+            device=device,
+            progress=False,
+            fallback="error",
+            checks=checks,
+        )
 
     def reset() -> None:
         with torch.inference_mode():
@@ -118,7 +140,7 @@ def hf_llama_workload(buckets: List[int], device: str, max_cache_len: int = 32) 
     return make, reset, torch.inference_mode  # DecodeRunner captures under inference mode
 
 
-def one_capture(workload: Workload, checks: Any) -> Dict[str, Any]:
+def one_capture(workload: Workload, checks: Any) -> dict[str, Any]:
     """Capture a fresh runner with ``checks``; wall seconds and the report's per-key seconds."""
     make, reset, ctx = workload
     reset()
@@ -128,21 +150,23 @@ def one_capture(workload: Workload, checks: Any) -> Dict[str, Any]:
         report = runner.capture()
         wall = time.perf_counter() - t0
     # info["checks_seconds"]: None from a graphrunner before the report had it (a before/after run)
-    keys = {str(b.bucket): {"capture_s": b.capture_seconds, "checks_s": b.info.get("checks_seconds")}
-            for b in report.buckets}
+    keys = {
+        str(b.bucket): {"capture_s": b.capture_seconds, "checks_s": b.info.get("checks_seconds")}
+        for b in report.buckets
+    }
     runner.cleanup()
     reset()
     return {"wall": wall, "keys": keys}
 
 
-def measure(workload: Workload, rounds: int) -> Dict[str, Any]:
+def measure(workload: Workload, rounds: int) -> dict[str, Any]:
     """Every variant ``rounds`` times, interleaved (the order rotated each round)."""
     names = list(VARIANTS)
     for n in names:  # warm the code paths once (imports, allocator, lazy initialisation)
         one_capture(workload, VARIANTS[n])
-    runs: Dict[str, List[Dict[str, Any]]] = {n: [] for n in names}
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for r in range(rounds):
-        for n in names[r % len(names):] + names[:r % len(names)]:
+        for n in names[r % len(names) :] + names[: r % len(names)]:
             runs[n].append(one_capture(workload, VARIANTS[n]))
     walls = {n: [x["wall"] for x in runs[n]] for n in names}
     best = {n: min(w) for n, w in walls.items()}
@@ -158,13 +182,16 @@ def measure(workload: Workload, rounds: int) -> Dict[str, Any]:
         # the rounds: what the headline prints (a lucky fast run moves the ratio of minima)
         "ratio_paired": {n: statistics.median(a / b for a, b in zip(walls[n], walls["none"])) for n in names},
         "default_per_key": fastest_default["keys"],
-        "default_checks_share": None if any(k["checks_s"] is None for k in fastest_default["keys"].values()) else
-        (sum(k["checks_s"] for k in fastest_default["keys"].values())
-         / max(1e-12, sum(k["capture_s"] for k in fastest_default["keys"].values()))),
+        "default_checks_share": None
+        if any(k["checks_s"] is None for k in fastest_default["keys"].values())
+        else (
+            sum(k["checks_s"] for k in fastest_default["keys"].values())
+            / max(1e-12, sum(k["capture_s"] for k in fastest_default["keys"].values()))
+        ),
     }
 
 
-def main(argv: Optional[List[str]] = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     """Run the comparison; print the table; return (and write to ``--out``) the result dict."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="auto")
@@ -185,7 +212,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     if unknown:
         ap.error(f"unknown workload(s) {unknown}: choose from {', '.join(WORKLOADS)}")
 
-    rows: Dict[str, Any] = {}
+    rows: dict[str, Any] = {}
     with torch_threads(args.threads):
         for name in wanted:
             if name == "hf_llama":
@@ -210,15 +237,19 @@ def main(argv: Optional[List[str]] = None) -> dict:
         "meets_target": all(r["ratio_paired"]["default"] <= TARGET_RATIO for r in rows.values()) if rows else None,
         "environment": environment(),
     }
-    print(f"capture cost of the checks: buckets {args.buckets}, {args.rounds} interleaved rounds, "
-          f"min wall seconds (median over the rounds of the ratio to that round's capture without checks); "
-          f"the default checks' target: <= {TARGET_RATIO:.2f}x")
+    print(
+        f"capture cost of the checks: buckets {args.buckets}, {args.rounds} interleaved rounds, "
+        f"min wall seconds (median over the rounds of the ratio to that round's capture without checks); "
+        f"the default checks' target: <= {TARGET_RATIO:.2f}x"
+    )
     print(f"  {'workload':<15} " + " ".join(f"{n:>15}" for n in VARIANTS) + f" {'checks_s share':>15}")
     for name, r in rows.items():
         cells = " ".join(f"{r['capture_s_min'][n]:7.3f} ({r['ratio_paired'][n]:4.2f}x)" for n in VARIANTS)
         share = r["default_checks_share"]
-        print(f"  {name:<15} {cells} {'-' if share is None else f'{share:.1%}':>15}  "
-              f"default {target_note(r['ratio_paired']['default'], TARGET_RATIO)}")
+        print(
+            f"  {name:<15} {cells} {'-' if share is None else f'{share:.1%}':>15}  "
+            f"default {target_note(r['ratio_paired']['default'], TARGET_RATIO)}"
+        )
     write_json(args.out, result, announce=True)
     return result
 

@@ -39,8 +39,19 @@ while True:
 
 
 def _demo_seconds(threads: int, steps: int, env: dict) -> float:
-    argv = [sys.executable, "-m", "graphrunner_tools.cli", "demo", "--steps", str(steps), "--threads", str(threads),
-            "--trace-out", "", "--no-progress"]
+    argv = [
+        sys.executable,
+        "-m",
+        "graphrunner_tools.cli",
+        "demo",
+        "--steps",
+        str(steps),
+        "--threads",
+        str(threads),
+        "--trace-out",
+        "",
+        "--no-progress",
+    ]
     t0 = time.perf_counter()
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1800)
     seconds = time.perf_counter() - t0
@@ -52,8 +63,11 @@ def _demo_seconds(threads: int, steps: int, env: dict) -> float:
 def main(argv=None):
     """Run the measurement (see the module docstring) and return the JSON dict."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--threads", default=f"1,{os.cpu_count() or 1}",
-                    help="comma-separated thread counts to compare (default: 1 and the core count)")
+    ap.add_argument(
+        "--threads",
+        default=f"1,{os.cpu_count() or 1}",
+        help="comma-separated thread counts to compare (default: 1 and the core count)",
+    )
     ap.add_argument("--steps", type=int, default=100, help="demo steps per run (default 100)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
     ap.add_argument("--out", default=os.path.join("bench", "results", "demo_under_load.json"))
@@ -71,10 +85,19 @@ def main(argv=None):
                 for t in counts:
                     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
                     s = _demo_seconds(t, args.steps, env)
-                    runs.append({"round": r, "threads": t, "competing_process": loaded, "seconds": s,
-                                 "load_average_1m_before": load})
-                    print(f"round {r}: threads={t} {'with one competing process' if loaded else 'idle'}: "
-                          f"{s:.1f} s", flush=True)
+                    runs.append(
+                        {
+                            "round": r,
+                            "threads": t,
+                            "competing_process": loaded,
+                            "seconds": s,
+                            "load_average_1m_before": load,
+                        }
+                    )
+                    print(
+                        f"round {r}: threads={t} {'with one competing process' if loaded else 'idle'}: {s:.1f} s",
+                        flush=True,
+                    )
             finally:
                 if competitor is not None:
                     competitor.kill()
@@ -85,8 +108,14 @@ def main(argv=None):
         busy = statistics.median(x["seconds"] for x in runs if x["threads"] == t and x["competing_process"])
         summary[str(t)] = {"idle_s": idle, "loaded_s": busy, "loaded_over_idle": busy / idle}
         print(f"threads={t}: idle {idle:.1f} s, with one competing process {busy:.1f} s: {busy / idle:.2f}x")
-    result = {"benchmark": "demo_under_load", "environment": environment(), "steps": args.steps,
-              "rounds": args.rounds, "runs": runs, "summary": summary}
+    result = {
+        "benchmark": "demo_under_load",
+        "environment": environment(),
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "runs": runs,
+        "summary": summary,
+    }
     write_json(args.out, result, announce=True)
     return result
 

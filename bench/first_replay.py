@@ -42,10 +42,15 @@ def make_step(batch: int, hidden: int, layers: int, seed: int = 0):
     """A SwiGLU MLP stack over a static input ``x``: ``3 * layers`` matmuls."""
     gen = torch.Generator().manual_seed(seed)
     inter = 2 * hidden
-    scale = hidden ** -0.5
-    weights = [(torch.randn(hidden, inter, generator=gen) * scale,
-                torch.randn(hidden, inter, generator=gen) * scale,
-                torch.randn(inter, hidden, generator=gen) * inter ** -0.5) for _ in range(layers)]
+    scale = hidden**-0.5
+    weights = [
+        (
+            torch.randn(hidden, inter, generator=gen) * scale,
+            torch.randn(hidden, inter, generator=gen) * scale,
+            torch.randn(inter, hidden, generator=gen) * inter**-0.5,
+        )
+        for _ in range(layers)
+    ]
     x = torch.randn(batch, hidden, generator=gen)
 
     def step():
@@ -66,7 +71,7 @@ def measure(step, x, jit: bool, steady: int) -> dict:
             out = step()
         t1 = time.perf_counter()
         engine_after_capture = g.replay_engine
-        x.copy_(torch.randn_like(x))      # new input: the first replay must compute, not reuse
+        x.copy_(torch.randn_like(x))  # new input: the first replay must compute, not reuse
         t2 = time.perf_counter()
         g.replay()
         t3 = time.perf_counter()
@@ -77,9 +82,17 @@ def measure(step, x, jit: bool, steady: int) -> dict:
             g.replay()
             times.append(time.perf_counter() - t)
     first, med = (t3 - t2) * 1e3, statistics.median(times) * 1e3
-    return {"jit_replay": jit, "engine_after_capture": engine_after_capture, "engine": g.replay_engine,
-            "capture_ms": (t1 - t0) * 1e3, "first_ms": first, "steady_ms": med, "ratio": first / med,
-            "first_replay_bit_exact": exact, "num_replayed_ops": g.num_replayed_ops}
+    return {
+        "jit_replay": jit,
+        "engine_after_capture": engine_after_capture,
+        "engine": g.replay_engine,
+        "capture_ms": (t1 - t0) * 1e3,
+        "first_ms": first,
+        "steady_ms": med,
+        "ratio": first / med,
+        "first_replay_bit_exact": exact,
+        "num_replayed_ops": g.num_replayed_ops,
+    }
 
 
 def summary(rows: list[dict]) -> dict:
@@ -111,28 +124,41 @@ def main(argv=None) -> dict:
         for jit in (True, False):
             r = measure(step, x, jit, args.steady)
             rows[jit].append(r)
-            print(f"capture {i + 1} engine {'jit   ' if jit else 'python'} ({r['engine_after_capture']} after "
-                  f"capture): capture {r['capture_ms']:.2f} ms, first replay {r['first_ms']:.3f} ms, "
-                  f"steady {r['steady_ms']:.3f} ms, ratio {r['ratio']:.2f}x"
-                  + ("" if r["first_replay_bit_exact"] else "  NOT BIT-EXACT"))
+            print(
+                f"capture {i + 1} engine {'jit   ' if jit else 'python'} ({r['engine_after_capture']} after "
+                f"capture): capture {r['capture_ms']:.2f} ms, first replay {r['first_ms']:.3f} ms, "
+                f"steady {r['steady_ms']:.3f} ms, ratio {r['ratio']:.2f}x"
+                + ("" if r["first_replay_bit_exact"] else "  NOT BIT-EXACT")
+            )
     on, off = summary(rows[True]), summary(rows[False])
-    print(f"\n{args.layers * 3} matmuls + silu, batch {args.batch}, hidden {args.hidden}, "
-          f"{rows[True][0]['num_replayed_ops']} replayed ops, {torch.get_num_threads()} thread(s); "
-          f"medians over {args.captures} captures:")
-    print(f"jit engine:    first replay {on['first_ms']:.3f} ms, steady {on['steady_ms']:.3f} ms, "
-          f"ratio {on['ratio']:.2f}x ({target_note(on['ratio'], 3.0)}); worst {on['max_ratio']:.2f}x; "
-          f"capture {on['capture_ms']:.2f} ms")
-    print(f"python engine: first replay {off['first_ms']:.3f} ms, steady {off['steady_ms']:.3f} ms, "
-          f"ratio {off['ratio']:.2f}x; capture {off['capture_ms']:.2f} ms")
+    print(
+        f"\n{args.layers * 3} matmuls + silu, batch {args.batch}, hidden {args.hidden}, "
+        f"{rows[True][0]['num_replayed_ops']} replayed ops, {torch.get_num_threads()} thread(s); "
+        f"medians over {args.captures} captures:"
+    )
+    print(
+        f"jit engine:    first replay {on['first_ms']:.3f} ms, steady {on['steady_ms']:.3f} ms, "
+        f"ratio {on['ratio']:.2f}x ({target_note(on['ratio'], 3.0)}); worst {on['max_ratio']:.2f}x; "
+        f"capture {on['capture_ms']:.2f} ms"
+    )
+    print(
+        f"python engine: first replay {off['first_ms']:.3f} ms, steady {off['steady_ms']:.3f} ms, "
+        f"ratio {off['ratio']:.2f}x; capture {off['capture_ms']:.2f} ms"
+    )
     added = on["capture_ms"] - off["capture_ms"]
-    print(f"the trace adds {added:.2f} ms to a capture ({on['capture_ms']:.2f} vs {off['capture_ms']:.2f} ms); "
-          f"steady jit/python {on['steady_ms'] / off['steady_ms']:.2f}x")
+    print(
+        f"the trace adds {added:.2f} ms to a capture ({on['capture_ms']:.2f} vs {off['capture_ms']:.2f} ms); "
+        f"steady jit/python {on['steady_ms'] / off['steady_ms']:.2f}x"
+    )
     result = {
         "benchmark": "first_replay",
-        "config": {k: v for k, v in vars(args).items() if k != "out"} | {"torch": torch.__version__,
-                                                                       "num_threads": torch.get_num_threads()},
-        "jit": on, "python": off, "capture_ms_added_by_trace": added,
-        "target_ratio": 3.0, "meets_target": on["ratio"] <= 3.0,
+        "config": {k: v for k, v in vars(args).items() if k != "out"}
+        | {"torch": torch.__version__, "num_threads": torch.get_num_threads()},
+        "jit": on,
+        "python": off,
+        "capture_ms_added_by_trace": added,
+        "target_ratio": 3.0,
+        "meets_target": on["ratio"] <= 3.0,
         "rows": rows[True] + rows[False],
         "environment": environment(),
     }

@@ -34,7 +34,7 @@ import sys
 import time
 import warnings
 from collections import Counter
-from typing import Any, Dict, List
+from typing import Any
 
 import torch
 
@@ -71,12 +71,12 @@ def classify(message: str) -> str:
     return "other"
 
 
-def one(model_type: str, backend: str) -> Dict[str, Any]:
+def one(model_type: str, backend: str) -> dict[str, Any]:
     """Measure one architecture; returns its JSON record."""
     import graphrunner as gr
     from graphrunner_tools.models.hf_tiny import build_tiny
 
-    rec: Dict[str, Any] = {"model_type": model_type}
+    rec: dict[str, Any] = {"model_type": model_type}
     try:
         model = build_tiny(model_type)
     except Exception as exc:  # noqa: BLE001 - a config transformers cannot build tiny
@@ -86,8 +86,16 @@ def one(model_type: str, backend: str) -> Dict[str, Any]:
     prompts = [torch.randint(3, min(vocab, 128), (b, 5), generator=torch.Generator().manual_seed(b)) for b in (1, 3)]
     try:
         with torch.inference_mode():
-            want = [model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
-                                   cache_implementation="static") for ids in prompts]
+            want = [
+                model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=6,
+                    do_sample=False,
+                    cache_implementation="static",
+                )
+                for ids in prompts
+            ]
     except Exception as exc:  # noqa: BLE001
         return {**rec, "status": "no static decode", "reason": f"{type(exc).__name__}: {exc}"[:300]}
     dr = gr.hf.DecodeRunner(model, max_batch=4, max_cache_len=16, buckets=[1, 2, 4], backend=backend, progress=False)
@@ -97,13 +105,17 @@ def one(model_type: str, backend: str) -> Dict[str, Any]:
         return {**rec, "status": "refused", "check": classify(str(exc)), "reason": str(exc)[:400]}
     got = [dr.generate(ids, max_new_tokens=6) for ids in prompts]
     equal = all(torch.equal(g, w) for g, w in zip(got, want))
-    rec.update(status="accepted" if equal else "WRONG", masks="step" if dr.plan.explicit else "model",
-               self_test_worst=dr.stats.self_test.worst, replays=dr.stats.replays)
+    rec.update(
+        status="accepted" if equal else "WRONG",
+        masks="step" if dr.plan.explicit else "model",
+        self_test_worst=dr.stats.self_test.worst,
+        replays=dr.stats.replays,
+    )
     dr.cleanup()
     return rec
 
 
-def table(records: List[Dict[str, Any]]) -> str:
+def table(records: list[dict[str, Any]]) -> str:
     """The Markdown page listing every architecture with its outcome."""
     counts = Counter(r["status"] for r in records)
     built = sum(1 for r in records if r["status"] not in ("build", "no static decode"))
@@ -115,7 +127,7 @@ def table(records: List[Dict[str, Any]]) -> str:
         f"Measured on tiny random-weight models (`graphrunner_tools.models.hf_tiny`) of every causal-LM "
         f"`model_type` of transformers {records[0].get('transformers', '')}: "
         f"{counts['accepted']} of {built} that transformers can decode with a static cache are accepted and "
-        f"generate token for token what `model.generate(..., cache_implementation=\"static\")` does "
+        f'generate token for token what `model.generate(..., cache_implementation="static")` does '
         f"(batch 1 and a padded batch 3); {counts['refused']} are refused at capture with the check that "
         f"failed; {counts['WRONG']} replay wrong. {counts['build']} did not build from a tiny config and "
         f"{counts['no static decode']} cannot decode with transformers' own static cache.",
@@ -126,8 +138,11 @@ def table(records: List[Dict[str, Any]]) -> str:
     for r in records:
         detail = r.get("reason", "")
         if r["status"] == "accepted":
-            detail = "bit-exact self-test" if r.get("self_test_worst") == 0.0 else \
-                f"self-test within tolerance (max {r.get('self_test_worst', 0):.1e})"
+            detail = (
+                "bit-exact self-test"
+                if r.get("self_test_worst") == 0.0
+                else f"self-test within tolerance (max {r.get('self_test_worst', 0):.1e})"
+            )
         detail = detail.replace("|", "/").replace("\n", " ")[:160]
         kind = r.get("masks") or r.get("check", "")
         lines.append(f"| {r['model_type']} | {r['status']} | {kind} | {detail} |")
@@ -148,9 +163,8 @@ def main(argv=None) -> int:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    from graphrunner_tools.models.hf_tiny import causal_lm_types
-
     from graphrunner_tools.bench import environment
+    from graphrunner_tools.models.hf_tiny import causal_lm_types
 
     torch.set_num_threads(max(1, args.threads))
     types = [t for t in args.only.split(",") if t] or causal_lm_types()
@@ -171,17 +185,35 @@ def main(argv=None) -> int:
         rec["seconds"] = round(time.perf_counter() - t0, 2)
         rec["transformers"] = transformers.__version__
         records.append(rec)
-        print(f"[{i}/{len(types)}] {mt}: {rec['status']} {rec.get('check', rec.get('masks', ''))} "
-              f"({rec['seconds']}s) {rec.get('reason', '')[:150]}", flush=True)
+        print(
+            f"[{i}/{len(types)}] {mt}: {rec['status']} {rec.get('check', rec.get('masks', ''))} "
+            f"({rec['seconds']}s) {rec.get('reason', '')[:150]}",
+            flush=True,
+        )
     counts = Counter(r["status"] for r in records)
-    print(f"{len(records)} architectures in {time.perf_counter() - start:.0f}s: "
-          + ", ".join(f"{k} {v}" for k, v in counts.most_common()))
-    print("refusals by check: " + ", ".join(f"{k} {v}" for k, v in
-                                             Counter(r.get("check") for r in records if r["status"] == "refused").most_common()))
+    print(
+        f"{len(records)} architectures in {time.perf_counter() - start:.0f}s: "
+        + ", ".join(f"{k} {v}" for k, v in counts.most_common())
+    )
+    print(
+        "refusals by check: "
+        + ", ".join(
+            f"{k} {v}" for k, v in Counter(r.get("check") for r in records if r["status"] == "refused").most_common()
+        )
+    )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"backend": args.backend, "threads": args.threads, "environment": environment(),
-                   "counts": dict(counts), "records": records}, f, indent=1)
+        json.dump(
+            {
+                "backend": args.backend,
+                "threads": args.threads,
+                "environment": environment(),
+                "counts": dict(counts),
+                "records": records,
+            },
+            f,
+            indent=1,
+        )
     print(f"wrote {args.out}")
     if args.table:
         with open(args.table, "w") as f:

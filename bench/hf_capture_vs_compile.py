@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from typing import Any, Dict, List
+from typing import Any
 
 import torch
 
@@ -32,13 +32,20 @@ from graphrunner_tools.bench import environment, parse_buckets, skipped_without_
 def _model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).eval()
 
 
-def _compile_seconds(model, batches: List[int], cache_len: int) -> Dict[str, Any]:
+def _compile_seconds(model, batches: list[int], cache_len: int) -> dict[str, Any]:
     import torch._inductor.config as inductor_config
 
     from graphrunner.hf.cache import make_static_cache
@@ -48,7 +55,7 @@ def _compile_seconds(model, batches: List[int], cache_len: int) -> Dict[str, Any
     if hasattr(inductor_config, "autotune_local_cache"):
         inductor_config.autotune_local_cache = False
     torch._dynamo.reset()
-    per: Dict[str, float] = {}
+    per: dict[str, float] = {}
     for b in batches:
         cache = make_static_cache(model, b, cache_len)
         step = torch.compile(make_decode_step(model, cache), dynamic=False)
@@ -73,16 +80,26 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    result: Dict[str, Any] = {"benchmark": "hf_capture_vs_compile", "environment": environment(),
-                              "buckets": args.buckets, "skipped": None}
+    result: dict[str, Any] = {
+        "benchmark": "hf_capture_vs_compile",
+        "environment": environment(),
+        "buckets": args.buckets,
+        "skipped": None,
+    }
     if skipped_without_transformers(result, args.out):
         return result
     from graphrunner import hf
 
     model = _model()
     t0 = time.perf_counter()
-    runner = hf.DecodeRunner(model, max_batch=args.buckets[-1], max_cache_len=args.cache_len,
-                             buckets=args.buckets, backend="full", device="tape")
+    runner = hf.DecodeRunner(
+        model,
+        max_batch=args.buckets[-1],
+        max_cache_len=args.cache_len,
+        buckets=args.buckets,
+        backend="full",
+        device="tape",
+    )
     runner.capture()
     capture_s = time.perf_counter() - t0
     runner.cleanup()
@@ -96,8 +113,10 @@ def main(argv=None):
         comp = _compile_seconds(_model(), compile_buckets, args.cache_len)
         result["compile"] = comp
         result["ratio_compile_over_capture_all_buckets"] = comp["seconds"] / capture_s
-        print(f"  torch.compile (inductor, cold), buckets {compile_buckets}: {comp['seconds']:.2f}s: "
-              f"{comp['seconds'] / capture_s:.1f}x the capture of all {len(args.buckets)} buckets")
+        print(
+            f"  torch.compile (inductor, cold), buckets {compile_buckets}: {comp['seconds']:.2f}s: "
+            f"{comp['seconds'] / capture_s:.1f}x the capture of all {len(args.buckets)} buckets"
+        )
     else:
         result["compile"] = None
         print("  torch.compile side skipped (--quick or --compile-buckets none)")

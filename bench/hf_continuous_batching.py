@@ -48,7 +48,7 @@ import os
 import sys
 import time
 from math import ceil, log2
-from typing import Any, Dict, List
+from typing import Any
 
 import torch
 
@@ -66,40 +66,53 @@ CAPTURE_TARGET_S = {"llama": 8.0, "gemma2": 25.0}
 
 #: model_type -> config overrides (sliding windows shorter than most prompts)
 ARCHS = {
-    "llama": {}, "qwen3": {}, "qwen3_moe": {}, "mistral": {"sliding_window": 64}, "gemma2": {"sliding_window": 64},
-    "gpt_oss": {"sliding_window": 64}, "olmo2": {}, "qwen3_next": {},
+    "llama": {},
+    "qwen3": {},
+    "qwen3_moe": {},
+    "mistral": {"sliding_window": 64},
+    "gemma2": {"sliding_window": 64},
+    "gpt_oss": {"sliding_window": 64},
+    "olmo2": {},
+    "qwen3_next": {},
 }
 
 
-def workload(n: int, max_prompt: int, max_out: int, seed: int = 0) -> List[Dict[str, Any]]:
+def workload(n: int, max_prompt: int, max_out: int, seed: int = 0) -> list[dict[str, Any]]:
     """``n`` seeded requests: prompt token ids (3..127) and their output length."""
     g = torch.Generator().manual_seed(seed)
     plen = torch.randint(1, max_prompt + 1, (n,), generator=g)
     olen = torch.randint(1, max_out + 1, (n,), generator=g)
-    return [{"prompt": torch.randint(3, 128, (int(p),), generator=g).tolist(), "new": int(o)}
-            for p, o in zip(plen, olen)]
+    return [
+        {"prompt": torch.randint(3, 128, (int(p),), generator=g).tolist(), "new": int(o)} for p, o in zip(plen, olen)
+    ]
 
 
 def cb_config(args):
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    return ContinuousBatchingConfig(page_size=32, num_blocks=args.blocks, max_batch_tokens=args.batch_tokens,
-                                    max_requests_per_batch=args.max_requests, seed=0, use_cuda_graph=False)
+    return ContinuousBatchingConfig(
+        page_size=32,
+        num_blocks=args.blocks,
+        max_batch_tokens=args.batch_tokens,
+        max_requests_per_batch=args.max_requests,
+        seed=0,
+        use_cuda_graph=False,
+    )
 
 
-def session(manager, requests, waves: int, wave_steps: int) -> Dict[str, List[int]]:
+def session(manager, requests, waves: int, wave_steps: int) -> dict[str, list[int]]:
     """One session of ``manager``: the requests in waves injected at step boundaries (wave ``k`` at step
     ``k * wave_steps``, or earlier when the engine has nothing left to do); request id -> tokens.
     ``session.busy``: the seconds the engine spent preparing, computing and updating steps (its idle
     waits and the result queue left out); ``session.cpu``: the generation thread's CPU seconds in the same
     spans; ``session.steps``: the steps it computed."""
     per_wave = ceil(len(requests) / waves)
-    chunks = [requests[i:i + per_wave] for i in range(0, len(requests), per_wave)]
-    ids: List[str] = []
+    chunks = [requests[i : i + per_wave] for i in range(0, len(requests), per_wave)]
+    ids: list[str] = []
     state = {"step": 0, "next": 0, "busy": 0.0, "cpu": 0.0, "steps": 0}
 
     def add(wave):
-        for j, r in enumerate(wave):
+        for r in wave:
             rid = f"req_{len(ids)}"
             ids.append(rid)
             manager.add_request(r["prompt"], request_id=rid, max_new_tokens=r["new"])
@@ -147,7 +160,7 @@ def session(manager, requests, waves: int, wave_steps: int) -> Dict[str, List[in
     torch.manual_seed(0)  # the same random stream for every session (a seeded sampler draws the same numbers)
     try:
         manager.start()
-        out: Dict[str, List[int]] = {}
+        out: dict[str, list[int]] = {}
         while len(out) < len(requests):
             r = manager.get_result(timeout=30)
             if r is None:
@@ -171,6 +184,7 @@ def session(manager, requests, waves: int, wave_steps: int) -> Dict[str, List[in
 
 def transformers_graphs(engine_sizes, max_batch_tokens: int, max_tokens_read: int, q_int=64, kv_int=64 * 256):
     """transformers' own varlen CUDA-graph keys for these steps (its padding rules): graphs, padded share."""
+
     def interval(v, i, cap):
         return min(ceil(v / i) * i if v > 0 else i, cap)
 
@@ -195,24 +209,27 @@ def _destroy(model, manager) -> None:
         manager.destroy()
 
 
-def run_arch(arch: str, args, reqs) -> Dict[str, Any]:
+def run_arch(arch: str, args, reqs) -> dict[str, Any]:
     """One architecture: dry run, capture, then ``args.repeat`` rounds of an eager and a graph session
     side by side; its row of the table."""
+    from transformers import GenerationConfig
+
     import graphrunner.hf as grhf
     from graphrunner.errors import CaptureError
     from graphrunner_tools.models.hf_tiny import build_tiny
-    from transformers import GenerationConfig
 
-    row: Dict[str, Any] = {"arch": arch}
+    row: dict[str, Any] = {"arch": arch}
     model = build_tiny(arch, seed=0, max_position_embeddings=1024, **ARCHS.get(arch, {}))
     if args.sample:  # a seeded sampler: every session starts from the manager's seed (cb_config(seed=0))
-        gc = GenerationConfig(do_sample=True, temperature=0.9, top_k=20, eos_token_id=-1, pad_token_id=0,
-                              max_new_tokens=64)
+        gc = GenerationConfig(
+            do_sample=True, temperature=0.9, top_k=20, eos_token_id=-1, pad_token_id=0, max_new_tokens=64
+        )
     else:
         gc = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=64)
     try:  # graphs first: a refusal is the row
-        manager = grhf.init_continuous_batching(model, gc, cb_config(args), device=args.device,
-                                                max_graphs=args.max_graphs)
+        manager = grhf.init_continuous_batching(
+            model, gc, cb_config(args), device=args.device, max_graphs=args.max_graphs
+        )
     except CaptureError as exc:
         row["refused"] = str(exc)
         return row
@@ -226,8 +243,10 @@ def run_arch(arch: str, args, reqs) -> Dict[str, Any]:
         hook.capture()
         row["capture_s"] = hook.stats.capture_seconds
         if arch in CAPTURE_TARGET_S and not args.quick:
-            row["capture_target"] = {"seconds": CAPTURE_TARGET_S[arch],
-                                     "met": row["capture_s"] <= CAPTURE_TARGET_S[arch]}
+            row["capture_target"] = {
+                "seconds": CAPTURE_TARGET_S[arch],
+                "met": row["capture_s"] <= CAPTURE_TARGET_S[arch],
+            }
         sizes = list(hook.stats.engine_sizes)
         hook.stats.steps = hook.stats.replayed = hook.stats.eager_steps = 0
         hook.stats.real_tokens = hook.stats.padded_tokens = hook.stats.real_keys = hook.stats.padded_keys = 0
@@ -248,10 +267,14 @@ def run_arch(arch: str, args, reqs) -> Dict[str, Any]:
             rounds.append((eager_busy, session.busy))
             cpu_rounds.append((eager_cpu, session.cpu))
         s = hook.stats
-        row.update(graphs=s.graphs, steps=s.steps // args.repeat, eager_steps=s.eager_steps // args.repeat,
-                   padded_token_share=s.padded_tokens / max(1, s.real_tokens + s.padded_tokens),
-                   padded_key_share=s.padded_keys / max(1, s.real_keys + s.padded_keys),
-                   keys=[list(k) for k in s.keys])
+        row.update(
+            graphs=s.graphs,
+            steps=s.steps // args.repeat,
+            eager_steps=s.eager_steps // args.repeat,
+            padded_token_share=s.padded_tokens / max(1, s.real_tokens + s.padded_tokens),
+            padded_key_share=s.padded_keys / max(1, s.real_keys + s.padded_keys),
+            keys=[list(k) for k in s.keys],
+        )
         cache = hook.batch_processor.cache
         row["transformers"] = transformers_graphs(sizes, int(cache.max_batch_tokens), int(cache.max_tokens_read))
     finally:
@@ -265,16 +288,26 @@ def run_arch(arch: str, args, reqs) -> Dict[str, Any]:
     cpu_ratios = sorted(e / g for e, g in cpu_rounds)
     eager_busy = sorted(e for e, _ in rounds)[len(rounds) // 2]
     graph_busy = sorted(g for _, g in rounds)[len(rounds) // 2]
-    row.update(tokens=tokens, rounds=rounds, eager_tok_s=tokens / eager_busy, graph_tok_s=tokens / graph_busy,
-               ratio=ratios[len(ratios) // 2], cpu_rounds=cpu_rounds, cpu_ratio=cpu_ratios[len(cpu_ratios) // 2],
-               min_ratio=min(ratios[0], cpu_ratios[0]),
-               target={"median": TARGET_MEDIAN, "min_round": TARGET_MIN,
-                       "met": ratios[len(ratios) // 2] >= TARGET_MEDIAN and min(ratios[0], cpu_ratios[0]) >= TARGET_MIN},
-               mismatches=sum(1 for k in eager_out if eager_out[k] != graph_out.get(k)))
+    row.update(
+        tokens=tokens,
+        rounds=rounds,
+        eager_tok_s=tokens / eager_busy,
+        graph_tok_s=tokens / graph_busy,
+        ratio=ratios[len(ratios) // 2],
+        cpu_rounds=cpu_rounds,
+        cpu_ratio=cpu_ratios[len(cpu_ratios) // 2],
+        min_ratio=min(ratios[0], cpu_ratios[0]),
+        target={
+            "median": TARGET_MEDIAN,
+            "min_round": TARGET_MIN,
+            "met": ratios[len(ratios) // 2] >= TARGET_MEDIAN and min(ratios[0], cpu_ratios[0]) >= TARGET_MIN,
+        },
+        mismatches=sum(1 for k in eager_out if eager_out[k] != graph_out.get(k)),
+    )
     return row
 
 
-def _capture_target(row: Dict[str, Any]) -> str:
+def _capture_target(row: dict[str, Any]) -> str:
     """The capture-time target's cell: ``<=8 met`` / ``<=8 missed``, or ``-`` where none applies."""
     t = row.get("capture_target")
     return "-" if t is None else f"<={t['seconds']:g} {'met' if t['met'] else 'missed'}"
@@ -296,14 +329,20 @@ def main(argv=None) -> int:
     p.add_argument("--blocks", type=int, default=2048)
     p.add_argument("--device", default="auto")
     p.add_argument("--quick", action="store_true", help="40 requests, prompts 1..64, outputs 1..16")
-    p.add_argument("--sample", action="store_true",
-                   help="sample (temperature 0.9, top-k 20, seeded) instead of greedy decoding")
+    p.add_argument(
+        "--sample", action="store_true", help="sample (temperature 0.9, top-k 20, seeded) instead of greedy decoding"
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeat", type=int, default=5, help="rounds of an eager and a graph session (median ratio)")
-    p.add_argument("--max-graphs", default="tokens=16,kv=16,reqs=4",
-                   help="graphs per dim for gr.plan_buckets, e.g. tokens=16,kv=16,reqs=4")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                 "hf_continuous_batching.json"))
+    p.add_argument(
+        "--max-graphs",
+        default="tokens=16,kv=16,reqs=4",
+        help="graphs per dim for gr.plan_buckets, e.g. tokens=16,kv=16,reqs=4",
+    )
+    p.add_argument(
+        "--out",
+        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "hf_continuous_batching.json"),
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.requests, args.max_prompt, args.max_out, args.wave_steps = 40, 64, 16, 8
@@ -315,16 +354,21 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
     from transformers.generation.continuous_batching.utils import logger as cb_logger
+
     cb_logger.setLevel(logging.ERROR)
     reqs = workload(args.requests, args.max_prompt, args.max_out)
     rows = []
-    head = (f"{'arch':<11} {'graphs':>6} {'pad tok':>7} {'pad kv':>6} {'capture s':>9} {'cap target':>10} {'eager steps':>11} "
-            f"{'eager tok/s':>11} {'graph tok/s':>11} {'ratio':>6} {'cpu ratio':>9} {'min':>5} {'target':>6} {'mismatch':>8} | {'hf graphs':>9} "
-            f"{'hf pad tok':>10}")
-    print(f"{args.requests} requests, prompts 1..{args.max_prompt}, outputs 1..{args.max_out}, "
-          f"{'seeded sampling' if args.sample else 'greedy'}, {args.waves} waves "
-          f"every {args.wave_steps} steps, {args.threads} thread(s), device {args.device}; target: median ratio >= "
-          f"{TARGET_MEDIAN}x, no round below {TARGET_MIN}x (min: the lowest round, wall or CPU)")
+    head = (
+        f"{'arch':<11} {'graphs':>6} {'pad tok':>7} {'pad kv':>6} {'capture s':>9} {'cap target':>10} {'eager steps':>11} "
+        f"{'eager tok/s':>11} {'graph tok/s':>11} {'ratio':>6} {'cpu ratio':>9} {'min':>5} {'target':>6} {'mismatch':>8} | {'hf graphs':>9} "
+        f"{'hf pad tok':>10}"
+    )
+    print(
+        f"{args.requests} requests, prompts 1..{args.max_prompt}, outputs 1..{args.max_out}, "
+        f"{'seeded sampling' if args.sample else 'greedy'}, {args.waves} waves "
+        f"every {args.wave_steps} steps, {args.threads} thread(s), device {args.device}; target: median ratio >= "
+        f"{TARGET_MEDIAN}x, no round below {TARGET_MIN}x (min: the lowest round, wall or CPU)"
+    )
     print(head)
     for arch in [a for a in args.only.split(",") if a]:
         try:
@@ -333,25 +377,39 @@ def main(argv=None) -> int:
             row = {"arch": arch, "error": f"{type(exc).__name__}: {exc}"}
         rows.append(row)
         if "refused" in row or "error" in row:
-            print(f"{arch:<11} {'refused' if 'refused' in row else 'ERROR'}: {(row.get('refused') or row['error'])[:160]}")
+            print(
+                f"{arch:<11} {'refused' if 'refused' in row else 'ERROR'}: {(row.get('refused') or row['error'])[:160]}"
+            )
             continue
         hf = row["transformers"]
-        print(f"{arch:<11} {row['graphs']:>6} {row['padded_token_share']:>7.1%} {row['padded_key_share']:>6.1%} "
-              f"{row['capture_s']:>9.1f} {_capture_target(row):>10} {row['eager_steps']:>11} {row['eager_tok_s']:>11.0f} {row['graph_tok_s']:>11.0f} "
-              f"{row['ratio']:>5.2f}x {row['cpu_ratio']:>8.2f}x {row['min_ratio']:>4.2f}x "
-              f"{'met' if row['target']['met'] else 'missed':>6} {row['mismatches']:>8} | {hf['graphs']:>9} "
-              f"{hf['padded_token_share']:>10.1%}",
-              flush=True)
+        print(
+            f"{arch:<11} {row['graphs']:>6} {row['padded_token_share']:>7.1%} {row['padded_key_share']:>6.1%} "
+            f"{row['capture_s']:>9.1f} {_capture_target(row):>10} {row['eager_steps']:>11} {row['eager_tok_s']:>11.0f} {row['graph_tok_s']:>11.0f} "
+            f"{row['ratio']:>5.2f}x {row['cpu_ratio']:>8.2f}x {row['min_ratio']:>4.2f}x "
+            f"{'met' if row['target']['met'] else 'missed':>6} {row['mismatches']:>8} | {hf['graphs']:>9} "
+            f"{hf['padded_token_share']:>10.1%}",
+            flush=True,
+        )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"benchmark": "hf_continuous_batching", "environment": environment(),
-                   "args": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=1)
+        json.dump(
+            {
+                "benchmark": "hf_continuous_batching",
+                "environment": environment(),
+                "args": {k: v for k, v in vars(args).items()},
+                "rows": rows,
+            },
+            f,
+            indent=1,
+        )
     print(f"wrote {args.out}")
     wrong = [r["arch"] for r in rows if r.get("mismatches")]
     broken = [r["arch"] for r in rows if "error" in r]
     if wrong or broken:  # the promise is token equality: a mismatch fails the run (scripts/cuda-check.sh relies on it)
-        print(f"FAIL token mismatches against transformers' eager continuous batching: {', '.join(wrong) or 'none'}; "
-              f"errors: {', '.join(broken) or 'none'}")
+        print(
+            f"FAIL token mismatches against transformers' eager continuous batching: {', '.join(wrong) or 'none'}; "
+            f"errors: {', '.join(broken) or 'none'}"
+        )
         return 1
     return 0
 

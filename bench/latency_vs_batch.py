@@ -30,8 +30,9 @@ import argparse
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any
 
 import torch
 
@@ -39,7 +40,7 @@ from graphrunner_tools.bench import decode_runner, environment, parse_int_list, 
 from graphrunner_tools.models import LlamaConfig, build_model
 
 # method -> (device kind, attention config, backend or None for eager, eager reference method)
-METHODS: Dict[str, tuple] = {
+METHODS: dict[str, tuple] = {
     "eager": ("cpu", "varlen", None, None),
     "eager_masked": ("cpu", "masked", None, None),
     "tape_full": ("cpu", "masked", "full", "eager_masked"),
@@ -62,7 +63,7 @@ DESCRIPTIONS = {
 }
 
 
-def main(argv: Optional[List[str]] = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark; return (and write to ``--out``) the result dict.
 
     Keys: ``benchmark``, ``environment``, ``config`` (model config + settings), ``batches``,
@@ -77,10 +78,12 @@ def main(argv: Optional[List[str]] = None) -> dict:
     ap.add_argument("--batches", type=parse_int_list, default=None, help="batch sizes (default 1,2,4,8,16,32)")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 7)")
     ap.add_argument("--calls", type=int, default=None, help="calls per (method, batch) per round (default 20)")
-    ap.add_argument("--methods", default=None,
-                    help=f"comma-separated subset of {','.join(METHODS)} (default: all available)")
-    ap.add_argument("--position", type=int, default=128,
-                    help="cache position of every row's new token (varlen attends 0..position)")
+    ap.add_argument(
+        "--methods", default=None, help=f"comma-separated subset of {','.join(METHODS)} (default: all available)"
+    )
+    ap.add_argument(
+        "--position", type=int, default=128, help="cache position of every row's new token (varlen attends 0..position)"
+    )
     ap.add_argument("--warmups", type=int, default=2, help="GraphRunner warmups per bucket")
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
     ap.add_argument("--seed", type=int, default=0)
@@ -92,7 +95,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available()
-    notes: List[str] = []
+    notes: list[str] = []
     if args.methods:
         wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
         unknown = [m for m in wanted if m not in METHODS]
@@ -116,7 +119,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     if args.position >= base.max_seq_len or args.position < 0:
         raise SystemExit(f"--position must be in [0, {base.max_seq_len}), got {args.position}")
 
-    models: Dict[tuple, Any] = {}
+    models: dict[tuple, Any] = {}
 
     def model_for(dev: str, attention: str) -> Any:
         key = (dev, attention)
@@ -128,17 +131,19 @@ def main(argv: Optional[List[str]] = None) -> dict:
     ids_cpu = {b: torch.randint(0, base.vocab_size, (b,), generator=gen) for b in batches}
     pos_cpu = {b: torch.full((b,), args.position, dtype=torch.long) for b in batches}
 
-    fns: Dict[str, Callable[[int], Any]] = {}
-    capture_s: Dict[str, Optional[float]] = {}
+    fns: dict[str, Callable[[int], Any]] = {}
+    capture_s: dict[str, float | None] = {}
     for m in wanted:
         dev, attention, backend, _ = METHODS[m]
         model = model_for(dev, attention)
         ids = {b: t.to(dev) for b, t in ids_cpu.items()}
         pos = {b: t.to(dev) for b, t in pos_cpu.items()}
         if backend is None:
+
             def fn(b, model=model, ids=ids, pos=pos):
                 with torch.inference_mode():
                     return model.decode_step(ids[b], pos[b])
+
             capture_s[m] = None
         else:
             runner = decode_runner(model, backend, "cuda" if dev == "cuda" else "tape", batches, args.warmups)
@@ -149,10 +154,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
 
             def fn(b, runner=runner, ids=ids, pos=pos):
                 return runner(input_ids=ids[b], positions=pos[b])
+
         fns[m] = fn
 
     # Correctness first: each graph method against its eager reference, same inputs.
-    diffs: Dict[str, Optional[List[float]]] = {}
+    diffs: dict[str, list[float] | None] = {}
     for m in wanted:
         ref = METHODS[m][3]
         if ref is None:
@@ -172,7 +178,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         for b in batches:
             fns[m](b)
         sync_device(METHODS[m][0])
-    per_round: Dict[str, Dict[int, List[float]]] = {m: {b: [] for b in batches} for m in wanted}
+    per_round: dict[str, dict[int, list[float]]] = {m: {b: [] for b in batches} for m in wanted}
     for r in range(rounds):
         k = r % len(wanted)
         order = wanted[k:] + wanted[:k]
@@ -189,7 +195,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
                 sync_device(dev)
                 per_round[m][b].append((time.perf_counter() - t0) / calls * 1e6)
 
-    methods: Dict[str, Any] = {}
+    methods: dict[str, Any] = {}
     for m in wanted:
         dev, attention, backend, ref = METHODS[m]
         methods[m] = {
@@ -203,23 +209,35 @@ def main(argv: Optional[List[str]] = None) -> dict:
             "max_abs_diff": diffs[m],
             "capture_seconds": capture_s[m],
         }
-    speedup = {m: [methods[METHODS[m][3]]["latency_us"][i] / methods[m]["latency_us"][i]
-                   for i in range(len(batches))]
-               for m in wanted if METHODS[m][3] is not None}
+    speedup = {
+        m: [methods[METHODS[m][3]]["latency_us"][i] / methods[m]["latency_us"][i] for i in range(len(batches))]
+        for m in wanted
+        if METHODS[m][3] is not None
+    }
     result = {
         "benchmark": "latency_vs_batch",
         "environment": environment(),
-        "config": {**asdict(base), "attention": "per method", "position": args.position, "rounds": rounds,
-                   "calls_per_round": calls, "warmups": args.warmups, "seed": args.seed, "quick": args.quick},
+        "config": {
+            **asdict(base),
+            "attention": "per method",
+            "position": args.position,
+            "rounds": rounds,
+            "calls_per_round": calls,
+            "warmups": args.warmups,
+            "seed": args.seed,
+            "quick": args.quick,
+        },
         "batches": batches,
         "methods": methods,
         "speedup": speedup,
         "notes": notes,
     }
 
-    print(f"latency_vs_batch: demo decoder ({base.num_layers} layers, hidden {base.hidden_size}), "
-          f"position {args.position}, median of {rounds} interleaved rounds x {calls} calls, "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"latency_vs_batch: demo decoder ({base.num_layers} layers, hidden {base.hidden_size}), "
+        f"position {args.position}, median of {rounds} interleaved rounds x {calls} calls, "
+        f"{torch.get_num_threads()} threads"
+    )
     head = f"{'method':>24} " + " ".join(f"{'b' + str(b):>9}" for b in batches) + "   (us/call)"
     print(head)
     for m in wanted:
@@ -228,8 +246,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
         print(f"{m + ' speedup':>24} " + " ".join(f"{v:>8.2f}x" for v in sp) + f"   vs {METHODS[m][3]}")
     for m in wanted:
         if capture_s[m] is not None:
-            print(f"  {m}: capture of {len(batches)} buckets {capture_s[m]:.2f}s, "
-                  f"max |graph - eager| {max(diffs[m]):.3g}")
+            print(
+                f"  {m}: capture of {len(batches)} buckets {capture_s[m]:.2f}s, max |graph - eager| {max(diffs[m]):.3g}"
+            )
     for n in notes:
         print(f"  note: {n}")
     write_json(args.out, result, announce=True)

@@ -17,22 +17,21 @@ import argparse
 import os
 import statistics
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from graphrunner_tools.bench import environment, loadtest_table, parse_int_list, write_json
 from graphrunner_tools.loadtest import LoadtestConfig, run_loadtest
 
 #: Per-level fields reported (medians over rounds), graph then eager.
-FIELDS = ("tokens_per_s", "eager_tokens_per_s", "p50_step_ms", "eager_p50_step_ms", "p99_step_ms",
-          "eager_p99_step_ms")
+FIELDS = ("tokens_per_s", "eager_tokens_per_s", "p50_step_ms", "eager_p50_step_ms", "p99_step_ms", "eager_p99_step_ms")
 
 
-def _median(xs: List[Optional[float]]) -> Optional[float]:
+def _median(xs: list[float | None]) -> float | None:
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
 
 
-def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the sweep; return (and write to ``--out``) the result dict.
 
     Keys: ``benchmark``, ``environment``, ``config`` (the :class:`LoadtestConfig` fields and
@@ -51,14 +50,19 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     ap.add_argument("--rounds", type=int, default=None, help="whole sweeps; medians reported (default 3)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (per rank)")
     args = ap.parse_args(argv)
-    cfg = LoadtestConfig(ranks=args.ranks, requests=args.requests or (12 if args.quick else 100),
-                         concurrency=tuple(args.concurrency or ((2, 8) if args.quick else (1, 4, 16, 64))),
-                         backend=args.backend, layers=args.layers or (1 if args.quick else 2),
-                         threads=args.threads, progress=False)
+    cfg = LoadtestConfig(
+        ranks=args.ranks,
+        requests=args.requests or (12 if args.quick else 100),
+        concurrency=tuple(args.concurrency or ((2, 8) if args.quick else (1, 4, 16, 64))),
+        backend=args.backend,
+        layers=args.layers or (1 if args.quick else 2),
+        threads=args.threads,
+        progress=False,
+    )
     rounds = args.rounds or (1 if args.quick else 3)
-    per_level: Dict[int, Dict[str, List[Optional[float]]]] = {c: {f: [] for f in FIELDS} for c in cfg.concurrency}
-    failures: List[str] = []
-    seconds: List[float] = []
+    per_level: dict[int, dict[str, list[float | None]]] = {c: {f: [] for f in FIELDS} for c in cfg.concurrency}
+    failures: list[str] = []
+    seconds: list[float] = []
     for r in range(rounds):
         res = run_loadtest(cfg)
         seconds.append(res.seconds)
@@ -70,20 +74,29 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                 per_level[lv.concurrency][f].append(getattr(lv, f))
     levels = []
     for c in cfg.concurrency:
-        row: Dict[str, Any] = {"concurrency": c, **{f: _median(per_level[c][f]) for f in FIELDS}}
+        row: dict[str, Any] = {"concurrency": c, **{f: _median(per_level[c][f]) for f in FIELDS}}
         g, e = row["tokens_per_s"], row["eager_tokens_per_s"]
         row["speedup"] = g / e if g and e else None
         levels.append(row)
 
-    print(f"loadtest sweep: {cfg.ranks} rank(s), backend={cfg.backend}, {cfg.requests} requests per level, "
-          f"{cfg.layers} layers, medians of {rounds} round(s)")
+    print(
+        f"loadtest sweep: {cfg.ranks} rank(s), backend={cfg.backend}, {cfg.requests} requests per level, "
+        f"{cfg.layers} layers, medians of {rounds} round(s)"
+    )
     for line in loadtest_table(levels):
         print(line)
     for f in failures:
         print(f"NOT CLEAN: {f}")
     cfg_dict = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
-    result = {"benchmark": "loadtest_sweep", "environment": environment(), "config": {**cfg_dict, "rounds": rounds},
-              "concurrency": list(cfg.concurrency), "levels": levels, "failures": failures, "seconds": seconds}
+    result = {
+        "benchmark": "loadtest_sweep",
+        "environment": environment(),
+        "config": {**cfg_dict, "rounds": rounds},
+        "concurrency": list(cfg.concurrency),
+        "levels": levels,
+        "failures": failures,
+        "seconds": seconds,
+    }
     write_json(args.out, result, announce=True)
     return result
 

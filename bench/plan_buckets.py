@@ -32,7 +32,6 @@ import math
 import os
 import random
 import time
-from typing import Dict, List
 
 import torch
 
@@ -44,15 +43,15 @@ from graphrunner_tools.threads import torch_threads
 MAX = 256
 
 
-def uniform(n: int, rng: random.Random) -> List[int]:
+def uniform(n: int, rng: random.Random) -> list[int]:
     return [rng.randint(1, MAX) for _ in range(n)]
 
 
-def lognormal(n: int, rng: random.Random) -> List[int]:
+def lognormal(n: int, rng: random.Random) -> list[int]:
     return [min(MAX, max(1, round(math.exp(rng.gauss(3.0, 1.0))))) for _ in range(n)]
 
 
-def bursty(n: int, rng: random.Random) -> List[int]:
+def bursty(n: int, rng: random.Random) -> list[int]:
     out, burst = [], False
     for _ in range(n):
         if rng.random() < (0.05 if burst else 0.02):  # bursts last ~20 calls, quiet stretches ~50
@@ -61,46 +60,63 @@ def bursty(n: int, rng: random.Random) -> List[int]:
     return out
 
 
-def loadtest_schedule(requests: int, levels: List[int], seed: int) -> List[int]:
+def loadtest_schedule(requests: int, levels: list[int], seed: int) -> list[int]:
     """The graph engine's decode schedule of an in-process loadtest (rank 0 of 1)."""
     from graphrunner_tools.loadtest import LoadtestConfig, serve_rank
 
-    cfg = LoadtestConfig(requests=requests, concurrency=tuple(levels), layers=1, seed=seed, progress=False,
-                         device="auto")
+    cfg = LoadtestConfig(
+        requests=requests, concurrency=tuple(levels), layers=1, seed=seed, progress=False, device="auto"
+    )
     res = serve_rank(0, 1, cfg)
     if res["error"] or any(lv.get("error") for lv in res["levels"]):
         raise RuntimeError(f"loadtest failed: {res}")
     return [n for lv in res["levels"] for n in lv["graph"]["schedule"]]
 
 
-def measure(name: str, sizes: List[int]) -> Dict[str, object]:
+def measure(name: str, sizes: list[int]) -> dict[str, object]:
     t0 = time.perf_counter()
     r = compare_with_ladder(sizes)
     plan_s = time.perf_counter() - t0
     pp, lp = r["planned_padding"], r["ladder_padding"]
-    row = {"calls": len(sizes), "distinct_sizes": len(set(sizes)), "max_size": max(sizes),
-           "graphs": {"ladder": lp["graphs"], "planned": pp["graphs"]},
-           "padded_fraction": {"ladder": lp["padded_fraction"], "planned": pp["padded_fraction"]},
-           "padded_rows": {"ladder": lp["padded_rows"], "planned": pp["padded_rows"]},
-           "ratio_planned_over_ladder": r["ratio"], "planned_graphs_to_match_ladder": r["graphs_to_match"],
-           "planned": r["planned"], "seconds_to_plan_with_search": plan_s}
+    row = {
+        "calls": len(sizes),
+        "distinct_sizes": len(set(sizes)),
+        "max_size": max(sizes),
+        "graphs": {"ladder": lp["graphs"], "planned": pp["graphs"]},
+        "padded_fraction": {"ladder": lp["padded_fraction"], "planned": pp["padded_fraction"]},
+        "padded_rows": {"ladder": lp["padded_rows"], "planned": pp["padded_rows"]},
+        "ratio_planned_over_ladder": r["ratio"],
+        "planned_graphs_to_match_ladder": r["graphs_to_match"],
+        "planned": r["planned"],
+        "seconds_to_plan_with_search": plan_s,
+    }
     ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}x"
-    print(f"{name:>10} {len(sizes):>7} {lp['graphs']:>7} {pp['graphs']:>7} {lp['padded_fraction']:>9.2%} "
-          f"{pp['padded_fraction']:>9.2%} {ratio:>7} {r['graphs_to_match']:>8}")
+    print(
+        f"{name:>10} {len(sizes):>7} {lp['graphs']:>7} {pp['graphs']:>7} {lp['padded_fraction']:>9.2%} "
+        f"{pp['padded_fraction']:>9.2%} {ratio:>7} {r['graphs_to_match']:>8}"
+    )
     return row
 
 
-def scale(distinct: int, max_graphs: int, seed: int) -> Dict[str, object]:
+def scale(distinct: int, max_graphs: int, seed: int) -> dict[str, object]:
     """Seconds (wall and CPU) of one ``gr.plan_buckets`` over ``distinct`` distinct seeded sizes."""
     rng = random.Random(f"scale-{seed}")
     sizes = [n for n in rng.sample(range(1, 10 * distinct + 1), distinct) for _ in range(rng.randint(1, 3))]
     t0, c0 = time.perf_counter(), time.process_time()
     planned = gr.plan_buckets(sizes, max_graphs=max_graphs, progress=False)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    print(f"plan_buckets at scale: {distinct:,} distinct sizes ({len(sizes):,} calls), max_graphs={max_graphs}: "
-          f"{wall:.2f} s ({cpu:.2f} s CPU), {len(planned)} buckets")
-    return {"distinct_sizes": distinct, "calls": len(sizes), "max_graphs": max_graphs, "seconds": wall,
-            "cpu_seconds": cpu, "buckets": len(planned)}
+    print(
+        f"plan_buckets at scale: {distinct:,} distinct sizes ({len(sizes):,} calls), max_graphs={max_graphs}: "
+        f"{wall:.2f} s ({cpu:.2f} s CPU), {len(planned)} buckets"
+    )
+    return {
+        "distinct_sizes": distinct,
+        "calls": len(sizes),
+        "max_graphs": max_graphs,
+        "seconds": wall,
+        "cpu_seconds": cpu,
+        "buckets": len(planned),
+    }
 
 
 def main(argv=None) -> dict:
@@ -111,8 +127,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-loadtest", action="store_true", help="skip the loadtest trace")
     ap.add_argument("--loadtest-requests", type=int, default=256, help="requests of the loadtest (default: 256)")
     ap.add_argument("--loadtest-levels", default="16,64,128", help="its concurrency levels (default: 16,64,128)")
-    ap.add_argument("--scale-sizes", type=int, default=100_000,
-                    help="distinct sizes of the timing at scale (default: 100000)")
+    ap.add_argument(
+        "--scale-sizes", type=int, default=100_000, help="distinct sizes of the timing at scale (default: 100000)"
+    )
     ap.add_argument("--scale-graphs", type=int, default=64, help="max_graphs of the timing at scale (default: 64)")
     ap.add_argument("--no-scale", action="store_true", help="skip the timing at scale")
     ap.add_argument("--quick", action="store_true", help="2000 calls, a 64-request loadtest, 20000 distinct sizes")
@@ -121,8 +138,10 @@ def main(argv=None) -> dict:
     if args.quick:
         args.calls, args.loadtest_requests, args.scale_sizes = 2000, 64, min(args.scale_sizes, 20_000)
     rows = {}
-    print(f"{'traffic':>10} {'calls':>7} {'g_vllm':>7} {'g_plan':>7} {'pad_vllm':>9} {'pad_plan':>9} {'ratio':>7} "
-          f"{'g_match':>8}")
+    print(
+        f"{'traffic':>10} {'calls':>7} {'g_vllm':>7} {'g_plan':>7} {'pad_vllm':>9} {'pad_plan':>9} {'ratio':>7} "
+        f"{'g_match':>8}"
+    )
     with torch_threads(args.threads):
         for name, draw in (("uniform", uniform), ("lognormal", lognormal), ("bursty", bursty)):
             rows[name] = measure(name, draw(args.calls, random.Random(f"{name}-{args.seed}")))
@@ -131,17 +150,30 @@ def main(argv=None) -> dict:
             t0 = time.perf_counter()
             sched = [n for n in loadtest_schedule(args.loadtest_requests, levels, args.seed) if n]
             rows["loadtest"] = measure("loadtest", sched)
-            rows["loadtest"]["loadtest"] = {"requests": args.loadtest_requests, "levels": levels,
-                                            "seconds": time.perf_counter() - t0, "schedule": sched}
-    print("columns: g_* = graphs (equal counts: the planner gets the ladder's), pad_* = padded rows / rows "
-          "replayed, ratio = pad_plan / pad_vllm, g_match = fewest planned graphs padding no more than the ladder")
+            rows["loadtest"]["loadtest"] = {
+                "requests": args.loadtest_requests,
+                "levels": levels,
+                "seconds": time.perf_counter() - t0,
+                "schedule": sched,
+            }
+    print(
+        "columns: g_* = graphs (equal counts: the planner gets the ladder's), pad_* = padded rows / rows "
+        "replayed, ratio = pad_plan / pad_vllm, g_match = fewest planned graphs padding no more than the ladder"
+    )
     timing = None if args.no_scale else scale(args.scale_sizes, args.scale_graphs, args.seed)  # NumPy: one thread
     # exact: never more padding than the ladder with as many graphs
     for name, row in rows.items():
         assert row["padded_rows"]["planned"] <= row["padded_rows"]["ladder"], name
-    result = {"bench": "plan_buckets", "environment": environment(), "threads": torch.get_num_threads(),
-              "seed": args.seed, "calls": args.calls, "results": rows, "scale": timing,
-              "note": "vLLM's ladder is gr.default_buckets(max size): 1, 2, 4, multiples of 8 below 256, then 16"}
+    result = {
+        "bench": "plan_buckets",
+        "environment": environment(),
+        "threads": torch.get_num_threads(),
+        "seed": args.seed,
+        "calls": args.calls,
+        "results": rows,
+        "scale": timing,
+        "note": "vLLM's ladder is gr.default_buckets(max size): 1, 2, 4, multiples of 8 below 256, then 16",
+    }
     write_json(args.out, result, announce=True)
     return result
 

@@ -28,7 +28,8 @@ import argparse
 import os
 import statistics
 import time
-from typing import Any, Callable, Dict, List
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -71,17 +72,21 @@ def demo_step(seed: int):
     def step(input_ids, positions):
         return model.decode_step(input_ids, positions)
 
-    inputs = {"input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, config.vocab_size - 1)),
-              "positions": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, config.max_seq_len - 1))}
+    inputs = {
+        "input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, config.vocab_size - 1)),
+        "positions": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, config.max_seq_len - 1)),
+    }
 
     def make(n, g):
-        return {"input_ids": torch.randint(0, config.vocab_size, (n,), generator=g),
-                "positions": torch.randint(0, config.max_seq_len, (n,), generator=g)}
+        return {
+            "input_ids": torch.randint(0, config.vocab_size, (n,), generator=g),
+            "positions": torch.randint(0, config.max_seq_len, (n,), generator=g),
+        }
 
     return step, inputs, make
 
 
-STEPS: Dict[str, Any] = {
+STEPS: dict[str, Any] = {
     "tiny": ("tiny 2-op step (x * w + y)", tiny_step, False),
     "mlp": ("MLP, 3 layers, width 512, ReLU", mlp_step, True),
     "demo": ("demo decoder (4 layers, hidden 256)", demo_step, True),
@@ -95,7 +100,7 @@ def _per_call(fn: Callable[[], Any], calls: int) -> tuple:
     return (time.thread_time() - c0) / calls * 1e6, (time.perf_counter() - w0) / calls * 1e6
 
 
-def measure(name: str, args) -> Dict[str, Any]:
+def measure(name: str, args) -> dict[str, Any]:
     label, make_step, targeted = STEPS[name]
     step, inputs, make = make_step(args.seed)
     runner = GraphRunner(step, inputs, BUCKETS, backend="full", device="tape", progress=False)
@@ -103,26 +108,32 @@ def measure(name: str, args) -> Dict[str, Any]:
     ops = max(int(getattr(e.graph, "num_ops", 0)) for e in runner.backend._entries.values())
     gen = torch.Generator().manual_seed(args.seed + 1)
     calls = args.calls if name != "demo" else max(10, args.calls // 10)
-    rows: Dict[str, Any] = {}
+    rows: dict[str, Any] = {}
     for n in BATCHES:
         batch = make(n, gen)
         with torch.inference_mode():
             assert torch.equal(runner(**batch), step(**batch)), f"{name}: graph and eager disagree at batch {n}"
-            variants = {"graph": lambda batch=batch: runner(**batch), "eager": lambda batch=batch: step(**batch),
-                        "replay": lambda n=n: runner.backend.replay(n)}
+            variants = {
+                "graph": lambda batch=batch: runner(**batch),
+                "eager": lambda batch=batch: step(**batch),
+                "replay": lambda n=n: runner.backend.replay(n),
+            }
             for fn in variants.values():  # warm
                 _per_call(fn, max(3, calls // 10))
-            cpu: Dict[str, List[float]] = {k: [] for k in variants}
-            wall: Dict[str, List[float]] = {k: [] for k in variants}
+            cpu: dict[str, list[float]] = {k: [] for k in variants}
+            wall: dict[str, list[float]] = {k: [] for k in variants}
             for rep in range(args.rounds):
-                for k in (list(variants) if rep % 2 == 0 else list(reversed(variants))):
+                for k in list(variants) if rep % 2 == 0 else list(reversed(variants)):
                     c, w = _per_call(variants[k], calls)
                     cpu[k].append(c)
                     wall[k].append(w)
         med = {k: statistics.median(v) for k, v in cpu.items()}
         rows[str(n)] = {
-            "graph_us": med["graph"], "eager_us": med["eager"], "replay_us": med["replay"],
-            "fixed_us": med["graph"] - med["replay"], "ratio_graph_over_eager": med["graph"] / med["eager"],
+            "graph_us": med["graph"],
+            "eager_us": med["eager"],
+            "replay_us": med["replay"],
+            "fixed_us": med["graph"] - med["replay"],
+            "ratio_graph_over_eager": med["graph"] / med["eager"],
             "target": TARGET if (targeted and n == 1) else None,
             "wall_us": {k: statistics.median(v) for k, v in wall.items()},
             "cpu_us_all_rounds": cpu,
@@ -131,7 +142,7 @@ def measure(name: str, args) -> Dict[str, Any]:
     return {"label": label, "ops": ops, "calls_per_round": calls, "batches": rows}
 
 
-def main(argv=None) -> Dict[str, Any]:
+def main(argv=None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", default="tiny,mlp,demo", help="comma-separated: tiny, mlp, demo")
     ap.add_argument("--calls", type=int, default=200, help="calls per timed round (the decoder: a tenth)")
@@ -145,20 +156,34 @@ def main(argv=None) -> Dict[str, Any]:
     unknown = [s for s in names if s not in STEPS]
     if unknown:
         ap.error(f"unknown step(s) {unknown}: choose from {list(STEPS)}")
-    result: Dict[str, Any] = {"benchmark": "replay_cost", "backend": "full", "device": "tape", "buckets": BUCKETS,
-                              "rounds": args.rounds, "threads": args.threads, "clock": "thread CPU time",
-                              "environment": environment(), "steps": {}}
-    print(f"replay_cost: GraphRunner call vs the step run eagerly (tape, full backend; per-call thread CPU time, "
-          f"medians of {args.rounds} interleaved rounds)")
-    print(f"  {'step':<38} {'ops':>4} {'batch':>5} {'eager us':>9} {'graph us':>9} {'replay us':>9} "
-          f"{'fixed us':>8} {'graph/eager':>11}")
+    result: dict[str, Any] = {
+        "benchmark": "replay_cost",
+        "backend": "full",
+        "device": "tape",
+        "buckets": BUCKETS,
+        "rounds": args.rounds,
+        "threads": args.threads,
+        "clock": "thread CPU time",
+        "environment": environment(),
+        "steps": {},
+    }
+    print(
+        f"replay_cost: GraphRunner call vs the step run eagerly (tape, full backend; per-call thread CPU time, "
+        f"medians of {args.rounds} interleaved rounds)"
+    )
+    print(
+        f"  {'step':<38} {'ops':>4} {'batch':>5} {'eager us':>9} {'graph us':>9} {'replay us':>9} "
+        f"{'fixed us':>8} {'graph/eager':>11}"
+    )
     for name in names:
         r = result["steps"][name] = measure(name, args)
         for n, row in r["batches"].items():
             note = target_note(row["ratio_graph_over_eager"], row["target"]) if row["target"] else ""
-            print(f"  {r['label']:<38} {r['ops']:>4} {n:>5} {row['eager_us']:>9.1f} {row['graph_us']:>9.1f} "
-                  f"{row['replay_us']:>9.1f} {row['fixed_us']:>8.1f} {row['ratio_graph_over_eager']:>10.3f}x  {note}",
-                  flush=True)
+            print(
+                f"  {r['label']:<38} {r['ops']:>4} {n:>5} {row['eager_us']:>9.1f} {row['graph_us']:>9.1f} "
+                f"{row['replay_us']:>9.1f} {row['fixed_us']:>8.1f} {row['ratio_graph_over_eager']:>10.3f}x  {note}",
+                flush=True,
+            )
     write_json(args.out, result, announce=True)
     return result
 

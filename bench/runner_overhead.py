@@ -60,7 +60,7 @@ from graphrunner_tools.bench import environment, target_note, write_json
 def build_step(hidden: int, vocab: int, layers: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     emb = torch.randn(vocab, hidden, generator=g) / 4
-    ws = [torch.randn(hidden, hidden, generator=g) / hidden ** 0.5 for _ in range(layers)]
+    ws = [torch.randn(hidden, hidden, generator=g) / hidden**0.5 for _ in range(layers)]
 
     @no_graph
     def host_part(h):  # one eager break (used by the breakable backend)
@@ -125,25 +125,36 @@ def tiny_overhead(args) -> dict:
         for batch in batches[:20]:
             assert torch.equal(runner(**batch), minimal(batch)), "runner and minimal loop disagree"
             assert torch.equal(runner(**batch), step(**batch)), "runner and eager disagree"
-        variants = {"runner": lambda: [runner(**b) for b in batches], "minimal": lambda: [minimal(b) for b in batches],
-                    "eager": lambda: [step(**b) for b in batches]}
+        variants = {
+            "runner": lambda: [runner(**b) for b in batches],
+            "minimal": lambda: [minimal(b) for b in batches],
+            "eager": lambda: [step(**b) for b in batches],
+        }
         for fn in variants.values():
             fn()
         for rep in range(max(args.reps, 9)):
-            for name in (list(variants) if rep % 2 == 0 else list(reversed(variants))):
+            for name in list(variants) if rep % 2 == 0 else list(reversed(variants)):
                 t0 = time.perf_counter()
                 variants[name]()
                 times[name].append((time.perf_counter() - t0) / len(batches))
     med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
     ratios = [f / s for f, s in zip(first, steady)]
     later = ratios[1:]
-    return {"first_call": FIRST_CALL,
-            "first_over_steady_later_max": max(later), "first_extra_us": (first[0] - steady[0]) * 1e6,
-            "per_call_us": med, "ratio_runner_over_minimal": med["runner"] / med["minimal"], "target_ratio": 1.10,
-            "ratio_runner_over_eager": med["runner"] / med["eager"],
-            "per_call_us_all_rounds": {k: [x * 1e6 for x in v] for k, v in times.items()},
-            "first_replay_us": [f * 1e6 for f in first], "steady_replay_us": [s * 1e6 for s in steady],
-            "first_over_steady": ratios, "first_over_steady_max": max(ratios), "first_target": 3.0}
+    return {
+        "first_call": FIRST_CALL,
+        "first_over_steady_later_max": max(later),
+        "first_extra_us": (first[0] - steady[0]) * 1e6,
+        "per_call_us": med,
+        "ratio_runner_over_minimal": med["runner"] / med["minimal"],
+        "target_ratio": 1.10,
+        "ratio_runner_over_eager": med["runner"] / med["eager"],
+        "per_call_us_all_rounds": {k: [x * 1e6 for x in v] for k, v in times.items()},
+        "first_replay_us": [f * 1e6 for f in first],
+        "steady_replay_us": [s * 1e6 for s in steady],
+        "first_over_steady": ratios,
+        "first_over_steady_max": max(ratios),
+        "first_target": 3.0,
+    }
 
 
 def main(argv=None) -> dict:
@@ -155,10 +166,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--calls", type=int, default=300, help="calls per timed round")
     ap.add_argument("--reps", type=int, default=7, help="interleaved rounds per variant")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads (default 1: per-call timings on a shared CPU stay stable)")
-    ap.add_argument("--agree-ranks", type=int, default=0,
-                    help="also time the multi-rank agreement (one vs two collectives per call) on N gloo ranks")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: per-call timings on a shared CPU stay stable)",
+    )
+    ap.add_argument(
+        "--agree-ranks",
+        type=int,
+        default=0,
+        help="also time the multi-rank agreement (one vs two collectives per call) on N gloo ranks",
+    )
     ap.add_argument("--out", default=os.path.join("bench", "results", "runner_overhead.json"))
     args = ap.parse_args(argv)
     if args.agree_ranks == 1 or args.agree_ranks < 0:
@@ -174,18 +193,26 @@ def main(argv=None) -> dict:
     }
     # Capture once without the leak check first (the first capture of a process also pays lazy
     # initialisation), then the runner with it: the two totals compare like with like.
-    plain = GraphRunner(step, inputs, buckets, backend=args.backend, device=args.device, progress=False,
-                        debug=False, checks=("drift", "fingerprint"))
+    plain = GraphRunner(
+        step,
+        inputs,
+        buckets,
+        backend=args.backend,
+        device=args.device,
+        progress=False,
+        debug=False,
+        checks=("drift", "fingerprint"),
+    )
     plain.capture()
     plain.cleanup()
     plain_s = plain.capture().total_seconds
     plain.cleanup()
-    runner = GraphRunner(step, inputs, buckets, backend=args.backend, device=args.device, progress=False,
-                         debug=False)
+    runner = GraphRunner(step, inputs, buckets, backend=args.backend, device=args.device, progress=False, debug=False)
     report = runner.capture()
     leak_s = sum(float(b.info.get("leak_check_seconds", 0.0)) for b in report.buckets)
-    debug_runner = GraphRunner(step, inputs, buckets, backend=args.backend, device=args.device, progress=False,
-                               debug=True)
+    debug_runner = GraphRunner(
+        step, inputs, buckets, backend=args.backend, device=args.device, progress=False, debug=True
+    )
     debug_report = debug_runner.capture()
     tdev = runner.torch_device
 
@@ -194,11 +221,13 @@ def main(argv=None) -> dict:
     batches = []
     for _ in range(args.calls):
         n = rng.randint(1, buckets[-1])
-        batches.append({
-            "input_ids": torch.randint(0, vocab, (n,), generator=gen).to(tdev),
-            "positions": torch.randint(0, 4096, (n,), generator=gen).to(tdev),
-            "hidden_in": torch.randn(n, args.hidden, generator=gen).to(tdev),
-        })
+        batches.append(
+            {
+                "input_ids": torch.randint(0, vocab, (n,), generator=gen).to(tdev),
+                "positions": torch.randint(0, 4096, (n,), generator=gen).to(tdev),
+                "hidden_in": torch.randn(n, args.hidden, generator=gen).to(tdev),
+            }
+        )
 
     # The hand-written loop over the runner's own captured graphs and buffers.
     bufs = runner.static_inputs
@@ -294,13 +323,19 @@ def main(argv=None) -> dict:
         agreement = run_agreement(args)
         result["agreement"] = agreement
         us = agreement["per_call_us"]
-        print(f"\nagreement on {args.agree_ranks} gloo ranks ({args.calls} calls x {args.reps} interleaved rounds, rank 0)")
+        print(
+            f"\nagreement on {args.agree_ranks} gloo ranks ({args.calls} calls x {args.reps} interleaved rounds, rank 0)"
+        )
         print(f"  runner, two collectives/call (old) : {us['runner_two']:9.1f} us/call")
-        print(f"  runner, one collective/call (now)  : {us['runner_one']:9.1f} us/call  "
-              f"ratio now/old {agreement['ratio_runner_one_over_two']:.3f}x")
+        print(
+            f"  runner, one collective/call (now)  : {us['runner_one']:9.1f} us/call  "
+            f"ratio now/old {agreement['ratio_runner_one_over_two']:.3f}x"
+        )
         print(f"  bare all_max + all_min             : {us['bare_two']:9.1f} us/call")
-        print(f"  bare all_max_vector                : {us['bare_one']:9.1f} us/call  "
-              f"ratio {agreement['ratio_bare_one_over_two']:.3f}x")
+        print(
+            f"  bare all_max_vector                : {us['bare_one']:9.1f} us/call  "
+            f"ratio {agreement['ratio_bare_one_over_two']:.3f}x"
+        )
     write_json(args.out, result, announce=True)
     return result
 
@@ -313,8 +348,10 @@ def main(argv=None) -> dict:
 #: and torch's copy kernels are warmed then. What remains is the runner's very first call paying for CPU
 #: caches the capture left cold (tens of microseconds, once); the first calls of the other buckets show
 #: what a bucket costs the first time (``first_over_steady_later_max``).
-FIRST_CALL = ("the first runner call of each bucket after capture (buckets in increasing order: bucket 1's is the "
-              "runner's first call at all) vs the median of its 11th-40th calls")
+FIRST_CALL = (
+    "the first runner call of each bucket after capture (buckets in increasing order: bucket 1's is the "
+    "runner's first call at all) vs the median of its 11th-40th calls"
+)
 
 #: the labels of the two runner-vs-minimal-loop steps (the JSON's ``steps``): this script's table and
 #: ``graphrunner bench``'s summary print the same label with the same figure
@@ -327,33 +364,51 @@ def print_tables(result: dict, args) -> None:
     The per-round times and the best rounds are in the JSON only."""
     tiny, us = result["tiny_two_inputs"], result["per_call_us"]
     dm, lc = result["debug_mode"], result["leak_check"]
-    print(f"runner_overhead: GraphRunner per call vs a minimal hand loop over the same graphs ({result['backend']} "
-          f"backend on {result['device']}; medians of {result['rounds']} (tiny: {max(args.reps, 9)}) interleaved "
-          f"rounds of {args.calls} calls)")
+    print(
+        f"runner_overhead: GraphRunner per call vs a minimal hand loop over the same graphs ({result['backend']} "
+        f"backend on {result['device']}; medians of {result['rounds']} (tiny: {max(args.reps, 9)}) interleaved "
+        f"rounds of {args.calls} calls)"
+    )
     steps = result["steps"]
-    rows = [(steps["main"], us["minimal"], us["runner"], result["ratio_runner_over_minimal"], result["target_ratio"]),
-            (steps["tiny"], tiny["per_call_us"]["minimal"], tiny["per_call_us"]["runner"],
-             tiny["ratio_runner_over_minimal"], tiny["target_ratio"])]
+    rows = [
+        (steps["main"], us["minimal"], us["runner"], result["ratio_runner_over_minimal"], result["target_ratio"]),
+        (
+            steps["tiny"],
+            tiny["per_call_us"]["minimal"],
+            tiny["per_call_us"]["runner"],
+            tiny["ratio_runner_over_minimal"],
+            tiny["target_ratio"],
+        ),
+    ]
     print(f"  {'step':<40} {'minimal us':>10} {'runner us':>10} {'ratio':>7}")
     for label, minimal, runner, ratio, target in rows:
         print(f"  {label:<40} {minimal:>10.1f} {runner:>10.1f} {ratio:>6.3f}x  {target_note(ratio, target)}")
     if tiny["per_call_us"].get("eager") is not None:
-        print(f"  {'  the same step eagerly (no graph)':<40} {'':>10} {tiny['per_call_us']['eager']:>10.1f}  the "
-              f"runner takes {tiny['ratio_runner_over_eager']:.2f}x eager's time: a step this small is faster eagerly")
-    print(f"  {'demo-like step, debug=True':<40} {'':>10} {dm['per_call_us_on']:>10.1f} "
-          f"{dm['ratio_on_over_off']:>6.2f}x  of debug off; {dm['externals_checked_per_replay']} externals checked "
-          f"per replay")
+        print(
+            f"  {'  the same step eagerly (no graph)':<40} {'':>10} {tiny['per_call_us']['eager']:>10.1f}  the "
+            f"runner takes {tiny['ratio_runner_over_eager']:.2f}x eager's time: a step this small is faster eagerly"
+        )
+    print(
+        f"  {'demo-like step, debug=True':<40} {'':>10} {dm['per_call_us_on']:>10.1f} "
+        f"{dm['ratio_on_over_off']:>6.2f}x  of debug off; {dm['externals_checked_per_replay']} externals checked "
+        f"per replay"
+    )
     print(f"  first call of a bucket: {FIRST_CALL}; {steps['tiny']}:")
     print(f"  {'bucket':>8} {'first us':>9} {'steady us':>10} {'ratio':>7}")
-    for b, f, st, r in zip([1, 2, 4, 8, 16, 32], tiny["first_replay_us"], tiny["steady_replay_us"],
-                           tiny["first_over_steady"]):
+    for b, f, st, r in zip(
+        [1, 2, 4, 8, 16, 32], tiny["first_replay_us"], tiny["steady_replay_us"], tiny["first_over_steady"]
+    ):
         print(f"  {b:>8} {f:>9.1f} {st:>10.1f} {r:>6.2f}x")
-    print(f"  {'max':>8} {'':>9} {'':>10} {tiny['first_over_steady_max']:>6.2f}x  "
-          f"{target_note(tiny['first_over_steady_max'], tiny['first_target'])}")
+    print(
+        f"  {'max':>8} {'':>9} {'':>10} {tiny['first_over_steady_max']:>6.2f}x  "
+        f"{target_note(tiny['first_over_steady_max'], tiny['first_target'])}"
+    )
     print(f"  {'':>8} {'':>9} {'':>10} {'':>7}  {first_call_note(tiny)}")
-    print(f"  capture: debug off {dm['capture_seconds_off']:.3f}s, on {dm['capture_seconds_on']:.3f}s; with the "
-          f"padding check {lc['capture_seconds_with']:.3f}s (its extra forwards on {lc['keys_checked']} keys "
-          f"{lc['leak_check_seconds']:.3f}s), without {lc['capture_seconds_without']:.3f}s")
+    print(
+        f"  capture: debug off {dm['capture_seconds_off']:.3f}s, on {dm['capture_seconds_on']:.3f}s; with the "
+        f"padding check {lc['capture_seconds_with']:.3f}s (its extra forwards on {lc['keys_checked']} keys "
+        f"{lc['leak_check_seconds']:.3f}s), without {lc['capture_seconds_without']:.3f}s"
+    )
 
 
 def first_call_note(tiny: dict) -> str:
@@ -361,9 +416,12 @@ def first_call_note(tiny: dict) -> str:
     later = tiny.get("first_over_steady_later_max")
     if later is None:
         return ""
-    where = ("the max is bucket 1's, the runner's first call after capture: nothing is built lazily there, it "
-             f"pays {tiny['first_extra_us']:.0f} us once for CPU caches the capture left cold"
-             if tiny["first_over_steady"][0] >= later else "the max is a later bucket's")
+    where = (
+        "the max is bucket 1's, the runner's first call after capture: nothing is built lazily there, it "
+        f"pays {tiny['first_extra_us']:.0f} us once for CPU caches the capture left cold"
+        if tiny["first_over_steady"][0] >= later
+        else "the max is a later bucket's"
+    )
     return f"{where}; the first calls of the other buckets: max {later:.2f}x"
 
 
@@ -399,8 +457,9 @@ def _agreement_rank(rank, world, init, args, queue):
         group = TorchDistGroup(timeout=60)
         buckets = [1, 2, 4, 8, 16, 32]
         inputs = {"x": BatchInput(trailing=(args.hidden,), dtype=torch.float32, pad=0.0)}
-        runner = GraphRunner(lambda x: x * 2.0, inputs, buckets, backend=args.backend, device="tape",
-                             group=group, progress=False)
+        runner = GraphRunner(
+            lambda x: x * 2.0, inputs, buckets, backend=args.backend, device="tape", group=group, progress=False
+        )
         runner.capture()
         rng = random.Random(args.seed * 100 + rank)
         batches = [torch.randn(rng.randint(1, buckets[-1]), args.hidden) for _ in range(args.calls)]
@@ -411,6 +470,7 @@ def _agreement_rank(rank, world, init, args, queue):
                 runner.server.agreement.group = g  # the runner's one agreement object (graphrunner.agreement)
                 for b in batches:
                     runner(x=b)
+
             return run
 
         def bare_two():
@@ -422,8 +482,12 @@ def _agreement_rank(rank, world, init, args, queue):
             for b in batches:
                 group.all_max_vector([b.shape[0], 0], phase="bench", key=0)
 
-        variants = {"runner_one": runner_with(group), "runner_two": runner_with(two),
-                    "bare_one": bare_one, "bare_two": bare_two}
+        variants = {
+            "runner_one": runner_with(group),
+            "runner_two": runner_with(two),
+            "bare_one": bare_one,
+            "bare_two": bare_two,
+        }
         for fn in variants.values():  # warm up
             fn()
         times = {k: [] for k in variants}
@@ -450,8 +514,10 @@ def run_agreement(args) -> dict:
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = "file://" + os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_agreement_rank, args=(r, args.agree_ranks, init, args, queue))
-                 for r in range(args.agree_ranks)]
+        procs = [
+            ctx.Process(target=_agreement_rank, args=(r, args.agree_ranks, init, args, queue))
+            for r in range(args.agree_ranks)
+        ]
         for p in procs:
             p.start()
         got = dict(queue.get(timeout=600) for _ in procs)

@@ -82,8 +82,15 @@ def _rank_main(rank, world, steps, backend):
         dist.all_reduce(part)
         return part
 
-    runner = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(D,))}, buckets=BUCKETS, backend=backend,
-                            device="tape", group=gr.TorchDistGroup(timeout=30), progress=False)
+    runner = gr.GraphRunner(
+        step,
+        {"x": gr.BatchInput(trailing=(D,))},
+        buckets=BUCKETS,
+        backend=backend,
+        device="tape",
+        group=gr.TorchDistGroup(timeout=30),
+        progress=False,
+    )
     runner.capture()
     mismatches, max_diff, rss = 0, 0.0, []
     sample_every = max(1, steps // 20)
@@ -101,9 +108,16 @@ def _rank_main(rank, world, steps, backend):
     seconds = time.perf_counter() - t0
     stats = runner.stats
     runner.cleanup()
-    return {"rank": rank, "steps": steps, "mismatches": mismatches, "max_abs_diff": max_diff,
-            "replays": sum(stats.replays.values()), "fallbacks": stats.fallbacks, "seconds": seconds,
-            "rss_mib": rss}
+    return {
+        "rank": rank,
+        "steps": steps,
+        "mismatches": mismatches,
+        "max_abs_diff": max_diff,
+        "replays": sum(stats.replays.values()),
+        "fallbacks": stats.fallbacks,
+        "seconds": seconds,
+        "rss_mib": rss,
+    }
 
 
 def main(argv=None):
@@ -117,24 +131,33 @@ def main(argv=None):
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     # the ranks: torch's elastic launcher, one hour for the whole run; the first failed rank ends it
-    outcomes = launch_ranks(_rank_main, args.ranks, args=(args.steps, args.backend), timeout=3600,
-                            threads=args.threads)
+    outcomes = launch_ranks(_rank_main, args.ranks, args=(args.steps, args.backend), timeout=3600, threads=args.threads)
     ranks = [o.value for o in outcomes if o.ok]
     ok = len(ranks) == args.ranks
     for r in ranks:
         first = r["rss_mib"][1][1] if len(r["rss_mib"]) > 1 else r["rss_mib"][0][1]
         last = r["rss_mib"][-1][1]
         r["rss_growth_mib"] = last - first
-        print(f"rank {r['rank']}: {r['steps']} steps in {r['seconds']:.1f}s, {r['mismatches']} mismatches "
-              f"(max |diff| {r['max_abs_diff']:.2g}), {r['replays']} replays, {r['fallbacks']} fallbacks, "
-              f"RSS {first:.1f} -> {last:.1f} MiB ({r['rss_growth_mib']:+.1f})")
+        print(
+            f"rank {r['rank']}: {r['steps']} steps in {r['seconds']:.1f}s, {r['mismatches']} mismatches "
+            f"(max |diff| {r['max_abs_diff']:.2g}), {r['replays']} replays, {r['fallbacks']} fallbacks, "
+            f"RSS {first:.1f} -> {last:.1f} MiB ({r['rss_growth_mib']:+.1f})"
+        )
         ok = ok and r["mismatches"] == 0
     for o in outcomes:
         if not o.ok:
             print(f"soak: rank {o.rank} failed: {o.error}")
-    result = {"benchmark": "soak", "environment": environment(), "ranks": args.ranks, "steps": args.steps,
-              "backend": args.backend, "threads_per_rank": args.threads, "wall_seconds": time.perf_counter() - t0,
-              "per_rank": ranks, "ok": ok}
+    result = {
+        "benchmark": "soak",
+        "environment": environment(),
+        "ranks": args.ranks,
+        "steps": args.steps,
+        "backend": args.backend,
+        "threads_per_rank": args.threads,
+        "wall_seconds": time.perf_counter() - t0,
+        "per_rank": ranks,
+        "ok": ok,
+    }
     write_json(args.out, result, announce=True)
     print("soak: OK" if ok else "soak: FAILED")
     return result

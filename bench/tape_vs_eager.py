@@ -55,8 +55,9 @@ def load_tape(path: str | None):
         return _tape
     name = f"_tape_{abs(hash(path))}"
     if os.path.isdir(path):  # a package: its relative imports resolve inside the copy
-        spec = importlib.util.spec_from_file_location(name, os.path.join(path, "__init__.py"),
-                                                      submodule_search_locations=[path])
+        spec = importlib.util.spec_from_file_location(
+            name, os.path.join(path, "__init__.py"), submodule_search_locations=[path]
+        )
     else:
         spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
@@ -69,8 +70,18 @@ def build_inline(hidden=256, heads=4, layers=4, ffn=688, max_len=128, batch=1, s
     """The flat decoder: returns (step, set_inputs, caches); ``step()`` reads its inputs in place."""
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g) * 0.05  # noqa: E731
-    W = [dict(n1=torch.ones(hidden), n2=torch.ones(hidden), qkv=r(3 * hidden, hidden), o=r(hidden, hidden),
-              gate=r(ffn, hidden), up=r(ffn, hidden), down=r(hidden, ffn)) for _ in range(layers)]
+    W = [
+        dict(
+            n1=torch.ones(hidden),
+            n2=torch.ones(hidden),
+            qkv=r(3 * hidden, hidden),
+            o=r(hidden, hidden),
+            gate=r(ffn, hidden),
+            up=r(ffn, hidden),
+            down=r(hidden, ffn),
+        )
+        for _ in range(layers)
+    ]
     hd = hidden // heads
     kc = [torch.zeros(batch, heads, max_len, hd) for _ in range(layers)]
     vc = [torch.zeros(batch, heads, max_len, hd) for _ in range(layers)]
@@ -92,7 +103,7 @@ def build_inline(hidden=256, heads=4, layers=4, ffn=688, max_len=128, batch=1, s
             v = v.view(batch, 1, heads, hd).transpose(1, 2)
             kc[i].index_copy_(2, pos, k)
             vc[i].index_copy_(2, pos, v)
-            s = (q @ kc[i].transpose(-1, -2)) * (hd ** -0.5) + mask
+            s = (q @ kc[i].transpose(-1, -2)) * (hd**-0.5) + mask
             o = (s.softmax(-1) @ vc[i]).transpose(1, 2).reshape(batch, 1, hidden)
             h = h + F.linear(o, w["o"])
             m = rms(h, w["n2"])
@@ -134,10 +145,17 @@ def build_gpt2(batch=1, seed=0, hidden=256, heads=4, layers=4, vocab=1024, max_l
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g) * 0.02  # noqa: E731
     wte, wpe = r(vocab, hidden), r(max_len, hidden)
-    W = [dict(ln1=(torch.ones(hidden), torch.zeros(hidden)), ln2=(torch.ones(hidden), torch.zeros(hidden)),
-              qkv=(r(3 * hidden, hidden), r(3 * hidden)), o=(r(hidden, hidden), r(hidden)),
-              fc=(r(4 * hidden, hidden), r(4 * hidden)), proj=(r(hidden, 4 * hidden), r(hidden)))
-         for _ in range(layers)]
+    W = [
+        dict(
+            ln1=(torch.ones(hidden), torch.zeros(hidden)),
+            ln2=(torch.ones(hidden), torch.zeros(hidden)),
+            qkv=(r(3 * hidden, hidden), r(3 * hidden)),
+            o=(r(hidden, hidden), r(hidden)),
+            fc=(r(4 * hidden, hidden), r(4 * hidden)),
+            proj=(r(hidden, 4 * hidden), r(hidden)),
+        )
+        for _ in range(layers)
+    ]
     lnf = (torch.ones(hidden), torch.zeros(hidden))
     hd = hidden // heads
     kc = [torch.zeros(batch, heads, max_len, hd) for _ in range(layers)]
@@ -155,7 +173,7 @@ def build_gpt2(batch=1, seed=0, hidden=256, heads=4, layers=4, vocab=1024, max_l
             q = q.view(batch, 1, heads, hd).transpose(1, 2)
             kc[i].index_copy_(2, pos, k.view(batch, 1, heads, hd).transpose(1, 2))
             vc[i].index_copy_(2, pos, v.view(batch, 1, heads, hd).transpose(1, 2))
-            s = (q @ kc[i].transpose(-1, -2)) * (hd ** -0.5) + mask
+            s = (q @ kc[i].transpose(-1, -2)) * (hd**-0.5) + mask
             o = (s.softmax(-1) @ vc[i]).transpose(1, 2).reshape(batch, 1, hidden)
             h = h + F.linear(o, *w["o"])
             m = F.layer_norm(h, (hidden,), *w["ln2"])
@@ -180,8 +198,15 @@ def build_hf_llama(batch=1, seed=0):
     from graphrunner.hf.cache import cache_tensors, make_static_cache
     from graphrunner.hf.steps import make_decode_step
 
-    cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)
+    cfg = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).eval().requires_grad_(False)  # plain tensors: torch.jit.trace can run it
     cache = make_static_cache(model, batch, 256)
@@ -193,8 +218,11 @@ def build_hf_llama(batch=1, seed=0):
 
     # transformers 5 advances a write counter at every call: rewind it to the
     # position first, so that the step can run any number of times
-    counters = [c for layer in getattr(cache, "layers", ())
-                if isinstance(c := getattr(layer, "cumulative_length", None), torch.Tensor)]
+    counters = [
+        c
+        for layer in getattr(cache, "layers", ())
+        if isinstance(c := getattr(layer, "cumulative_length", None), torch.Tensor)
+    ]
 
     def step():
         for c in counters:
@@ -318,8 +346,9 @@ def profile_by_callee(g, timed) -> list:
         row = acc.setdefault(callee(g, ln), [0, 0.0])
         row[0] += 1
         row[1] += t
-    return sorted(([name, n, round(t * 1e6, 1), round(t / total, 4)] for name, (n, t) in acc.items()),
-                  key=lambda r: -r[2])
+    return sorted(
+        ([name, n, round(t * 1e6, 1), round(t / total, 4)] for name, (n, t) in acc.items()), key=lambda r: -r[2]
+    )
 
 
 def _compiled(kind: str, step):
@@ -381,8 +410,14 @@ def bench_batch(model, batch, reps, inner, tapes, floor=True, inductor=False, to
             graphs[name] = g
             sfx = "" if name == "new" else f"_{name}"
             row[f"engine{sfx}"] = getattr(g, "replay_engine", "python")
-            row.update({f"bit_exact{sfx}": exact, f"num_ops{sfx}": g.num_ops,
-                        f"replayed_ops{sfx}": g.num_replayed_ops, f"capture_ms{sfx}": cap_ms})
+            row.update(
+                {
+                    f"bit_exact{sfx}": exact,
+                    f"num_ops{sfx}": g.num_ops,
+                    f"replayed_ops{sfx}": g.num_replayed_ops,
+                    f"capture_ms{sfx}": cap_ms,
+                }
+            )
         runners = {"eager": step}
         runners.update({name: g.replay for name, g in graphs.items()})
         for kind, asked in (("inductor", inductor), ("torchscript", torchscript)):
@@ -448,19 +483,25 @@ def bench_batch(model, batch, reps, inner, tapes, floor=True, inductor=False, to
 
 
 def print_table(rows, baseline: bool):
-    print("tape_vs_eager: TapeGraph replay vs eager, per call (llama: the demo decoder; gpt2: a GPT-2-style step; "
-          "hf_llama: a transformers Llama; inline: a flat 4-layer decoder function); py: the same graph replayed "
-          "by the Python engine")
-    head = (f"{'model':>8} {'batch':>5} {'eager us':>9} {'replay us':>9} {'speedup':>8} {'exact':>6} {'ops':>4} "
-            f"{'replayed':>8} {'capture ms':>10} {'engine':>6} {'py us':>8} {'py/replay':>9}")
+    print(
+        "tape_vs_eager: TapeGraph replay vs eager, per call (llama: the demo decoder; gpt2: a GPT-2-style step; "
+        "hf_llama: a transformers Llama; inline: a flat 4-layer decoder function); py: the same graph replayed "
+        "by the Python engine"
+    )
+    head = (
+        f"{'model':>8} {'batch':>5} {'eager us':>9} {'replay us':>9} {'speedup':>8} {'exact':>6} {'ops':>4} "
+        f"{'replayed':>8} {'capture ms':>10} {'engine':>6} {'py us':>8} {'py/replay':>9}"
+    )
     if baseline:
         head += f" {'base us':>8} {'base spd':>8} {'base ops':>8}"
     print(head)
     for r in rows:
-        line = (f"{r['model']:>8} {r['batch']:>5} {r['eager_us']:>9.1f} {r['replay_us']:>9.1f} {r['speedup']:>7.2f}x "
-                f"{str(r['bit_exact']):>6} {r['num_ops']:>4} {r['replayed_ops']:>8} {r['capture_ms']:>10.1f} "
-                f"{r.get('engine', '-'):>6} {r.get('replay_us_python', float('nan')):>8.1f} "
-                f"{r.get('replay_us_python', float('nan')) / r['replay_us']:>8.2f}x")
+        line = (
+            f"{r['model']:>8} {r['batch']:>5} {r['eager_us']:>9.1f} {r['replay_us']:>9.1f} {r['speedup']:>7.2f}x "
+            f"{str(r['bit_exact']):>6} {r['num_ops']:>4} {r['replayed_ops']:>8} {r['capture_ms']:>10.1f} "
+            f"{r.get('engine', '-'):>6} {r.get('replay_us_python', float('nan')):>8.1f} "
+            f"{r.get('replay_us_python', float('nan')) / r['replay_us']:>8.2f}x"
+        )
         if baseline:
             line += f" {r['replay_us_base']:>8.1f} {r['speedup_base']:>7.2f}x {r['replayed_ops_base']:>8}"
         print(line)
@@ -468,23 +509,32 @@ def print_table(rows, baseline: bool):
         # against the kernel floor (each replayed op timed alone) and the compilers; the speedup is above
         extra = any("inductor_us" in r or "torchscript_us" in r for r in rows)
         print()
-        print(f"{'model':>14} {'batch':>5} {'floor us':>9} {'tape/floor':>10} {'tape/seqfl':>10} {'eager/floor':>11}"
-              + (f" {'inductor/tape':>13} {'script/tape':>11} {'ind/floor':>9} {'ind diff':>8} {'script diff':>11}"
-                 if extra else ""))
+        print(
+            f"{'model':>14} {'batch':>5} {'floor us':>9} {'tape/floor':>10} {'tape/seqfl':>10} {'eager/floor':>11}"
+            + (
+                f" {'inductor/tape':>13} {'script/tape':>11} {'ind/floor':>9} {'ind diff':>8} {'script diff':>11}"
+                if extra
+                else ""
+            )
+        )
         fmt = lambda v: f"{v:.2f}" if v else "-"  # noqa: E731
         for r in rows:
             for sfx in ("",) + (("_base",) if baseline else ()):
                 if f"speedup{sfx}" not in r or f"floor_us{sfx}" not in r:
                     continue
-                line = (f"{r['model'] + (f'({sfx[1:]})' if sfx else ''):>14} {r['batch']:>5} "
-                        f"{r['floor_us' + sfx]:>9.1f} "
-                        f"{fmt(r.get('tape_over_floor' + sfx)):>10} {fmt(r.get('tape_over_floor_seq' + sfx)):>10} "
-                        f"{fmt(r.get('eager_over_floor' + sfx)):>11}")
+                line = (
+                    f"{r['model'] + (f'({sfx[1:]})' if sfx else ''):>14} {r['batch']:>5} "
+                    f"{r['floor_us' + sfx]:>9.1f} "
+                    f"{fmt(r.get('tape_over_floor' + sfx)):>10} {fmt(r.get('tape_over_floor_seq' + sfx)):>10} "
+                    f"{fmt(r.get('eager_over_floor' + sfx)):>11}"
+                )
                 if extra:
-                    line += (f" {fmt(r.get('inductor_over_tape' + sfx)):>13} "
-                             f"{fmt(r.get('torchscript_over_tape' + sfx)):>11} "
-                             f"{fmt(r.get('inductor_over_floor' + sfx)):>9} {_sci(r.get('inductor_max_diff')):>8} "
-                             f"{_sci(r.get('torchscript_max_diff')):>11}")
+                    line += (
+                        f" {fmt(r.get('inductor_over_tape' + sfx)):>13} "
+                        f"{fmt(r.get('torchscript_over_tape' + sfx)):>11} "
+                        f"{fmt(r.get('inductor_over_floor' + sfx)):>9} {_sci(r.get('inductor_max_diff')):>8} "
+                        f"{_sci(r.get('torchscript_max_diff')):>11}"
+                    )
                 print(line)
 
 
@@ -504,34 +554,54 @@ def print_profiles(rows, top: int = 10):
             print(f"{name[:28]:>28} {n:>5} {us:>9.1f} {share:>6.1%}")
         rest = prof[top:]
         if rest:
-            print(f"{'(other)':>28} {sum(x[1] for x in rest):>5} {sum(x[2] for x in rest):>9.1f} "
-                  f"{sum(x[3] for x in rest):>6.1%}")
+            print(
+                f"{'(other)':>28} {sum(x[1] for x in rest):>5} {sum(x[2] for x in rest):>9.1f} "
+                f"{sum(x[3] for x in rest):>6.1%}"
+            )
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join("bench", "results", "tape_vs_eager.json"))
-    ap.add_argument("--models", default="llama,gpt2,hf_llama,inline",
-                    help="comma list of: llama, gpt2, hf_llama, inline (hf_llama needs transformers)")
+    ap.add_argument(
+        "--models",
+        default="llama,gpt2,hf_llama,inline",
+        help="comma list of: llama, gpt2, hf_llama, inline (hf_llama needs transformers)",
+    )
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--inner", type=int, default=20)
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
-    ap.add_argument("--tape", default=os.environ.get("GRAPHRUNNER_TAPE_IMPL"),
-                    help="benchmark this tape.py / tape package directory instead of graphrunner.tape "
-                         "(default: $GRAPHRUNNER_TAPE_IMPL)")
-    ap.add_argument("--baseline", default=None, help="also time replay with this tape.py / tape package directory, interleaved")
+    ap.add_argument(
+        "--tape",
+        default=os.environ.get("GRAPHRUNNER_TAPE_IMPL"),
+        help="benchmark this tape.py / tape package directory instead of graphrunner.tape "
+        "(default: $GRAPHRUNNER_TAPE_IMPL)",
+    )
+    ap.add_argument(
+        "--baseline", default=None, help="also time replay with this tape.py / tape package directory, interleaved"
+    )
     ap.add_argument("--quick", action="store_true", help="smoke run: batches 1,8, 3 reps of 5")
     ap.add_argument("--no-floor", action="store_true", help="skip the kernel floor (each replayed op timed alone)")
-    ap.add_argument("--profile", action="store_true",
-                    help="print where each replay's time goes, by callee (always in the JSON rows' 'profile')")
-    ap.add_argument("--inductor", action="store_true",
-                    help="also time torch.compile (inductor) steady state (compiles once per model and batch)")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="print where each replay's time goes, by callee (always in the JSON rows' 'profile')",
+    )
+    ap.add_argument(
+        "--inductor",
+        action="store_true",
+        help="also time torch.compile (inductor) steady state (compiles once per model and batch)",
+    )
     ap.add_argument("--torchscript", action="store_true", help="also time torch.jit.trace of the step")
-    ap.add_argument("--clock", choices=("auto", "wall", "cpu"), default="auto",
-                    help="cpu: this thread's CPU time (not inflated by other processes on a shared machine; "
-                         "only meaningful with one thread); wall: perf_counter; auto: cpu when torch uses "
-                         "one thread, else wall")
+    ap.add_argument(
+        "--clock",
+        choices=("auto", "wall", "cpu"),
+        default="auto",
+        help="cpu: this thread's CPU time (not inflated by other processes on a shared machine; "
+        "only meaningful with one thread); wall: perf_counter; auto: cpu when torch uses "
+        "one thread, else wall",
+    )
     a = ap.parse_args(argv)
     if a.quick:
         a.batches, a.reps, a.inner = "1,8", 3, 5
@@ -555,18 +625,32 @@ def main(argv=None):
     rows = []
     for m in models:
         for b in a.batches.split(","):
-            rows.append(bench_batch(m, int(b), a.reps, a.inner, tapes, floor=not a.no_floor,
-                                    inductor=a.inductor, torchscript=a.torchscript))
+            rows.append(
+                bench_batch(
+                    m,
+                    int(b),
+                    a.reps,
+                    a.inner,
+                    tapes,
+                    floor=not a.no_floor,
+                    inductor=a.inductor,
+                    torchscript=a.torchscript,
+                )
+            )
             progress_line(f"tape_vs_eager: {m} batch {b} done (every field in the JSON's rows)")
     print_table(rows, bool(a.baseline))
     if a.profile:
         print_profiles(rows)
-    result = dict(torch=torch.__version__, threads=torch.get_num_threads(), environment=environment(),
-                  clock="cpu" if cpu else "wall",
-                  rows=[r for r in rows if r["model"] == "llama"],
-                  rows_inline=[r for r in rows if r["model"] == "inline"],
-                  rows_gpt2=[r for r in rows if r["model"] == "gpt2"],
-                  rows_hf_llama=[r for r in rows if r["model"] == "hf_llama"])
+    result = dict(
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+        environment=environment(),
+        clock="cpu" if cpu else "wall",
+        rows=[r for r in rows if r["model"] == "llama"],
+        rows_inline=[r for r in rows if r["model"] == "inline"],
+        rows_gpt2=[r for r in rows if r["model"] == "gpt2"],
+        rows_hf_llama=[r for r in rows if r["model"] == "hf_llama"],
+    )
     write_json(a.out, result, announce=True)
     return result
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -41,9 +41,9 @@ import graphrunner as gr
 
 VOCAB, HIDDEN, HEADS, LAYERS, FFN = 128, 64, 4, 2, 128
 HEAD_DIM = HIDDEN // HEADS
-MAX_LEN = 32          # cache positions per slot: positions 0..31
-NUM_SLOTS = 8         # requests in flight at most; they own slots 0..7
-SCRATCH = NUM_SLOTS   # slot 8: owned by no request; every padding row writes and reads here
+MAX_LEN = 32  # cache positions per slot: positions 0..31
+NUM_SLOTS = 8  # requests in flight at most; they own slots 0..7
+SCRATCH = NUM_SLOTS  # slot 8: owned by no request; every padding row writes and reads here
 BUCKETS = [1, 2, 4, 8]
 
 
@@ -60,7 +60,7 @@ class RMSNorm(nn.Module):
 def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of ``x [B, heads, HEAD_DIM]`` at ``positions [B]``."""
     inv_freq = 10000.0 ** (-torch.arange(0, HEAD_DIM, 2, device=x.device) / HEAD_DIM)
-    angle = (positions[:, None].float() * inv_freq)[:, None]            # [B, 1, HEAD_DIM/2]
+    angle = (positions[:, None].float() * inv_freq)[:, None]  # [B, 1, HEAD_DIM/2]
     x1, x2 = x.chunk(2, -1)
     return torch.cat((x1 * angle.cos() - x2 * angle.sin(), x1 * angle.sin() + x2 * angle.cos()), -1)
 
@@ -123,14 +123,14 @@ class TinyDecoder(nn.Module):
         self.to(device).requires_grad_(False).eval()
 
     def forward(self, input_ids, positions, slots):
-        h = self.embed(input_ids)                                          # [B, HIDDEN]
+        h = self.embed(input_ids)  # [B, HIDDEN]
         b = h.shape[0]
         for i, layer in enumerate(self.layers):
             q, k, v = layer.qkv(layer.attn_norm(h)).view(b, 3, HEADS, HEAD_DIM).unbind(1)
             q, k = rope(q, positions), rope(k, positions)
-            k_cache, v_cache = self.k_cache[i], self.v_cache[i]           # views: [slots, H, L, D]
-            k_cache[slots, :, positions] = k                               # write in place at
-            v_cache[slots, :, positions] = v                               # (slot, position)
+            k_cache, v_cache = self.k_cache[i], self.v_cache[i]  # views: [slots, H, L, D]
+            k_cache[slots, :, positions] = k  # write in place at
+            v_cache[slots, :, positions] = v  # (slot, position)
             h = h + layer.o(self.attention(q, k_cache, v_cache, slots, positions).reshape(b, HIDDEN))
             gate, up = layer.gate_up(layer.mlp_norm(h)).chunk(2, -1)
             h = h + layer.down(F.silu(gate) * up)
@@ -138,8 +138,9 @@ class TinyDecoder(nn.Module):
 
 
 # --------------------------------------------------------------------------- the runner
-def make_runner(model: TinyDecoder, backend: str = "breakable", pad_slot: int = SCRATCH,
-                device="auto", **kwargs) -> gr.GraphRunner:
+def make_runner(
+    model: TinyDecoder, backend: str = "breakable", pad_slot: int = SCRATCH, device="auto", **kwargs
+) -> gr.GraphRunner:
     """A GraphRunner over ``model``'s decode step with buckets 1, 2, 4, 8.
 
     ``bounds=`` are the ranges of the *real* values; the padding check at capture draws real
@@ -166,7 +167,7 @@ def make_requests(n: int = 12, seed: int = 0):
     return reqs
 
 
-def serve(step: Callable, requests, device="cpu", on_step: Optional[Callable] = None) -> List[List[int]]:
+def serve(step: Callable, requests, device="cpu", on_step: Callable | None = None) -> list[list[int]]:
     """Greedy decoding of every request with at most NUM_SLOTS in flight; returns the generated
     tokens of each. One request arrives per step; it takes a free slot when admitted and gives
     it back when done.
@@ -174,22 +175,24 @@ def serve(step: Callable, requests, device="cpu", on_step: Optional[Callable] = 
     so rows sit at different positions and the batch size changes as requests come and go.
     ``on_step(inputs, logits)`` sees every step."""
     tokens = [list(prompt) for prompt, _ in requests]
-    out: List[List[int]] = [[] for _ in requests]
+    out: list[list[int]] = [[] for _ in requests]
     pos = [0] * len(requests)
     waiting, free, running = list(range(len(requests))), list(range(NUM_SLOTS)), {}
     while waiting or running:
         if waiting and free:
-            running[waiting.pop(0)] = free.pop(0)                         # request -> its slot
+            running[waiting.pop(0)] = free.pop(0)  # request -> its slot
         rows = list(running)
-        inputs = {"input_ids": torch.tensor([tokens[r][pos[r]] for r in rows], device=device),
-                  "positions": torch.tensor([pos[r] for r in rows], device=device),
-                  "slots": torch.tensor([running[r] for r in rows], device=device)}
+        inputs = {
+            "input_ids": torch.tensor([tokens[r][pos[r]] for r in rows], device=device),
+            "positions": torch.tensor([pos[r] for r in rows], device=device),
+            "slots": torch.tensor([running[r] for r in rows], device=device),
+        }
         logits = step(**inputs)
         if on_step is not None:
             on_step(inputs, logits)
         for r, t in zip(rows, logits.argmax(-1).tolist()):
             pos[r] += 1
-            if pos[r] == len(tokens[r]):                                  # past the prompt: a new token
+            if pos[r] == len(tokens[r]):  # past the prompt: a new token
                 tokens[r].append(t)
                 out[r].append(t)
                 if len(out[r]) == requests[r][1]:
@@ -206,12 +209,12 @@ def pad_to(inputs, bucket: int, pads) -> dict:
 @dataclass
 class Result:
     backend: str
-    graph_tokens: List[List[int]]
-    eager_tokens: List[List[int]]
+    graph_tokens: list[list[int]]
+    eager_tokens: list[list[int]]
     steps: int = 0
-    padded_steps: int = 0          # steps that replayed a bucket larger than the batch
-    padded_equal: int = 0          # steps where the graph equals the twin on the padded batch, bit for bit
-    max_real_diff: float = 0.0     # graph vs the unpadded eager engine, real rows, same step
+    padded_steps: int = 0  # steps that replayed a bucket larger than the batch
+    padded_equal: int = 0  # steps where the graph equals the twin on the padded batch, bit for bit
+    max_real_diff: float = 0.0  # graph vs the unpadded eager engine, real rows, same step
     replays: dict = field(default_factory=dict)
 
     @property
@@ -221,16 +224,18 @@ class Result:
     def summary(self) -> str:
         n = sum(len(t) for t in self.graph_tokens)
         same = sum(a == b for g, e in zip(self.graph_tokens, self.eager_tokens) for a, b in zip(g, e))
-        return (f"backend={self.backend}: {self.steps} steps ({self.padded_steps} padded), replays per bucket "
-                f"{self.replays}\n"
-                f"  graph == eager twin on the padded batch (torch.equal): {self.padded_equal}/{self.steps} steps\n"
-                f"  graph vs eager engine without padding: {same}/{n} tokens equal, "
-                f"max |logit diff| on real rows {self.max_real_diff:.2g}\n"
-                + ("OK" if self.ok else "MISMATCH"))
+        return (
+            f"backend={self.backend}: {self.steps} steps ({self.padded_steps} padded), replays per bucket "
+            f"{self.replays}\n"
+            f"  graph == eager twin on the padded batch (torch.equal): {self.padded_equal}/{self.steps} steps\n"
+            f"  graph vs eager engine without padding: {same}/{n} tokens equal, "
+            f"max |logit diff| on real rows {self.max_real_diff:.2g}\n" + ("OK" if self.ok else "MISMATCH")
+        )
 
 
-def run(backend: str = "breakable", pad_slot: int = SCRATCH, device="auto", requests=None,
-        seed: int = 0, **runner_kwargs) -> Result:
+def run(
+    backend: str = "breakable", pad_slot: int = SCRATCH, device="auto", requests=None, seed: int = 0, **runner_kwargs
+) -> Result:
     """Serve ``requests`` through a captured runner and check it against eager twins.
 
     ``backend="full"`` uses the masked attention (a full graph cannot hold the varlen break).
@@ -245,47 +250,53 @@ def run(backend: str = "breakable", pad_slot: int = SCRATCH, device="auto", requ
     requests = make_requests() if requests is None else requests
     pads = {name: spec.pad for name, spec in runner.inputs.items()}
     res = Result(backend, [], [])
-    graph_logits: List[torch.Tensor] = []
+    graph_logits: list[torch.Tensor] = []
 
     def check(inputs, logits):
         res.steps += 1
         bucket = runner.stats.last_bucket or len(logits)
         res.padded_steps += bucket > len(logits)
         with torch.inference_mode():
-            ref = twin(**pad_to(inputs, bucket, pads))[:len(logits)]
+            ref = twin(**pad_to(inputs, bucket, pads))[: len(logits)]
         res.padded_equal += torch.equal(logits, ref)
-        graph_logits.append(logits.clone())                               # outputs are views: keep a copy
+        graph_logits.append(logits.clone())  # outputs are views: keep a copy
 
     with torch.inference_mode():
         res.graph_tokens = serve(runner, requests, dev.torch_device, on_step=check)
-        eager_logits: List[torch.Tensor] = []
-        res.eager_tokens = serve(eager, requests, dev.torch_device,
-                                 on_step=lambda inputs, logits: eager_logits.append(logits))
-    if len(eager_logits) == len(graph_logits):                            # same schedule: compare per step
-        res.max_real_diff = max(float((g - e).abs().max()) for g, e in zip(graph_logits, eager_logits)
-                                if g.shape == e.shape)
+        eager_logits: list[torch.Tensor] = []
+        res.eager_tokens = serve(
+            eager, requests, dev.torch_device, on_step=lambda inputs, logits: eager_logits.append(logits)
+        )
+    if len(eager_logits) == len(graph_logits):  # same schedule: compare per step
+        res.max_real_diff = max(
+            float((g - e).abs().max()) for g, e in zip(graph_logits, eager_logits) if g.shape == e.shape
+        )
     res.replays = dict(runner.stats.replays)
     return res
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", choices=("breakable", "full", "both"), default="both")
     p.add_argument("--device", choices=("auto", "tape", "cuda"), default="auto")
     p.add_argument("--requests", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--pad-slot", type=int, default=SCRATCH,
-                   help=f"cache slot of the padding rows (default {SCRATCH}, the scratch slot; 0 breaks the rule)")
+    p.add_argument(
+        "--pad-slot",
+        type=int,
+        default=SCRATCH,
+        help=f"cache slot of the padding rows (default {SCRATCH}, the scratch slot; 0 breaks the rule)",
+    )
     args = p.parse_args(argv)
     if args.requests < 1:
         p.error(f"--requests must be >= 1, got {args.requests}")
     if not 0 <= args.pad_slot <= SCRATCH:
         p.error(f"--pad-slot must be a cache slot in 0..{SCRATCH}, got {args.pad_slot}")
     kwargs = {}
-    if args.pad_slot != SCRATCH:   # the padding check refuses this capture (tested); serve anyway to show why
+    if args.pad_slot != SCRATCH:  # the padding check refuses this capture (tested); serve anyway to show why
         kwargs["checks"] = ("drift", "fingerprint")
     ok = True
-    for backend in (("breakable", "full") if args.backend == "both" else (args.backend,)):
+    for backend in ("breakable", "full") if args.backend == "both" else (args.backend,):
         res = run(backend, args.pad_slot, args.device, make_requests(args.requests, args.seed), args.seed, **kwargs)
         print(res.summary())
         ok &= res.ok

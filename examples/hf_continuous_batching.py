@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any
 
 import torch
 
@@ -30,25 +30,34 @@ def build_model(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         attn_implementation="sdpa")
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(config).eval()
 
 
-def prompts(n: int, seed: int = 1, longest: int = 48) -> List[List[int]]:
+def prompts(n: int, seed: int = 1, longest: int = 48) -> list[list[int]]:
     """``n`` seeded prompts of 1..``longest`` token ids (3..127)."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 128, (int(k),), generator=g).tolist()
-            for k in torch.randint(1, longest + 1, (n,), generator=g)]
+    return [
+        torch.randint(3, 128, (int(k),), generator=g).tolist() for k in torch.randint(1, longest + 1, (n,), generator=g)
+    ]
 
 
-def run(requests: int = 24, new: int = 8, device: str = "auto") -> Dict[str, Any]:
+def run(requests: int = 24, new: int = 8, device: str = "auto") -> dict[str, Any]:
     """Generate with transformers' eager engine and with graphs; return the counts, timings and mismatches."""
-    import graphrunner as gr
-    import graphrunner.hf  # noqa: F401  (gr.hf needs the hf extra)
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    import graphrunner as gr
+    import graphrunner.hf  # noqa: F401  (gr.hf needs the hf extra)
 
     model, inputs = build_model(), prompts(requests)
     gen = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
@@ -59,17 +68,27 @@ def run(requests: int = 24, new: int = 8, device: str = "auto") -> Dict[str, Any
     t = time.perf_counter()
     eager = model.generate_batch(inputs=inputs, generation_config=gen, continuous_batching_config=engine())
     eager_s = time.perf_counter() - t
-    info: Dict[str, Any] = {}
+    info: dict[str, Any] = {}
     t = time.perf_counter()
     graphed = gr.hf.generate_batch(model, inputs, gen, engine(), device=device, stats=info)
     graph_s = time.perf_counter() - t
     stats = info["stats"]
     mismatches = [k for k in eager if eager[k].generated_tokens != graphed[k].generated_tokens]
-    return {"requests": len(graphed), "tokens": sum(len(o.generated_tokens) for o in graphed.values()),
-            "graphs": stats.graphs, "steps": stats.steps, "replayed": stats.replayed,
-            "eager_steps": stats.eager_steps, "padded_tokens": stats.padded_tokens,
-            "real_tokens": stats.real_tokens, "capture_s": stats.capture_seconds,
-            "dry_run_s": stats.dry_run_seconds, "eager_s": eager_s, "graph_s": graph_s, "mismatches": mismatches}
+    return {
+        "requests": len(graphed),
+        "tokens": sum(len(o.generated_tokens) for o in graphed.values()),
+        "graphs": stats.graphs,
+        "steps": stats.steps,
+        "replayed": stats.replayed,
+        "eager_steps": stats.eager_steps,
+        "padded_tokens": stats.padded_tokens,
+        "real_tokens": stats.real_tokens,
+        "capture_s": stats.capture_seconds,
+        "dry_run_s": stats.dry_run_seconds,
+        "eager_s": eager_s,
+        "graph_s": graph_s,
+        "mismatches": mismatches,
+    }
 
 
 def main(argv=None) -> int:
@@ -83,11 +102,15 @@ def main(argv=None) -> int:
         p.error("--requests and --new must be >= 1")
     r = run(args.requests, args.new, args.device)
     share = r["padded_tokens"] / max(1, r["padded_tokens"] + r["real_tokens"])
-    print(f"{r['requests']} requests, {r['tokens']} tokens: {r['graphs']} graphs captured in {r['capture_s']:.1f} s "
-          f"(dry run {r['dry_run_s']:.1f} s); {r['replayed']}/{r['steps']} steps replayed, {r['eager_steps']} eager, "
-          f"{share:.1%} padding tokens")
-    print(f"model.generate_batch {r['eager_s']:.2f} s, gr.hf.generate_batch {r['graph_s']:.2f} s (capture included); "
-          f"mismatching requests: {len(r['mismatches'])}")
+    print(
+        f"{r['requests']} requests, {r['tokens']} tokens: {r['graphs']} graphs captured in {r['capture_s']:.1f} s "
+        f"(dry run {r['dry_run_s']:.1f} s); {r['replayed']}/{r['steps']} steps replayed, {r['eager_steps']} eager, "
+        f"{share:.1%} padding tokens"
+    )
+    print(
+        f"model.generate_batch {r['eager_s']:.2f} s, gr.hf.generate_batch {r['graph_s']:.2f} s (capture included); "
+        f"mismatching requests: {len(r['mismatches'])}"
+    )
     return 1 if r["mismatches"] else 0
 
 

@@ -14,40 +14,64 @@ protocol in :mod:`graphrunner.devices` (``Device``). ``graphrunner.hf`` (needs
 ``transformers``) is imported on first access.
 """
 
-from graphrunner.errors import (CaptureError, CaptureUnsafeOpError, ContractError, GraphRunnerError, PaddingLeakError,
-                                RankTimeoutError)
+from graphrunner.errors import (
+    CaptureError,
+    CaptureUnsafeOpError,
+    ContractError,
+    GraphRunnerError,
+    PaddingLeakError,
+    RankTimeoutError,
+)
 
 __version__ = "0.1.0"
-from graphrunner.devices import CudaDevice, TapeDevice, get_device
-from graphrunner.breakable import BreakableGraph, breakable_graph, no_graph
-from graphrunner.group import LocalGroup, TorchDistGroup
-from graphrunner.trace import Trace
-from graphrunner.runner import BatchInput, GraphRunner, default_buckets
-from graphrunner.report import CaptureReport
-from graphrunner.planning import plan_buckets
 from graphrunner.arena import OutputArena
+from graphrunner.breakable import BreakableGraph, breakable_graph, no_graph
 from graphrunner.checks import PaddingCheck
 from graphrunner.checks.compare import CompareReport
 from graphrunner.checks.lint import check_factory
+from graphrunner.devices import CudaDevice, TapeDevice, get_device
+from graphrunner.group import LocalGroup, TorchDistGroup
+from graphrunner.planning import plan_buckets
+from graphrunner.report import CaptureReport
+from graphrunner.runner import BatchInput, GraphRunner, default_buckets
+from graphrunner.trace import Trace
 
 #: The public API: every name above (``help(graphrunner)`` lists these).
 __all__ = [
     "__version__",
     # errors
-    "CaptureError", "CaptureUnsafeOpError", "ContractError", "GraphRunnerError", "PaddingLeakError", "RankTimeoutError",
+    "CaptureError",
+    "CaptureUnsafeOpError",
+    "ContractError",
+    "GraphRunnerError",
+    "PaddingLeakError",
+    "RankTimeoutError",
     # devices
-    "CudaDevice", "TapeDevice", "get_device",
+    "CudaDevice",
+    "TapeDevice",
+    "get_device",
     # breakable graphs
-    "BreakableGraph", "breakable_graph", "no_graph",
+    "BreakableGraph",
+    "breakable_graph",
+    "no_graph",
     # rank groups
-    "LocalGroup", "TorchDistGroup",
+    "LocalGroup",
+    "TorchDistGroup",
     # tracing
     "Trace",
     # the runner and its reports
-    "BatchInput", "GraphRunner", "default_buckets", "plan_buckets", "CaptureReport", "OutputArena",
+    "BatchInput",
+    "GraphRunner",
+    "default_buckets",
+    "plan_buckets",
+    "CaptureReport",
+    "OutputArena",
     # checks
-    "PaddingCheck", "CompareReport", "check_factory",
+    "PaddingCheck",
+    "CompareReport",
+    "check_factory",
 ]
+
 
 def __getattr__(name):
     """Lazy ``gr.hf``: imports :mod:`graphrunner.hf` (which needs ``transformers``) on first access."""

@@ -7,14 +7,15 @@ arguments does this op write" and "is this the same storage" have one answer.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, List, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
 __all__ = ["storage_key", "tensors_in", "written_tensors"]
 
 
-def storage_key(t: torch.Tensor) -> Optional[int]:
+def storage_key(t: torch.Tensor) -> int | None:
     """The identity of ``t``'s storage (its data pointer), ``None`` for a tensor without
     one (meta, sparse, wrapper subclasses) or an empty storage. Every check compares storages
     with this one function."""
@@ -34,14 +35,14 @@ def tensors_in(v: Any) -> Iterator[torch.Tensor]:
             yield from tensors_in(x)
 
 
-def written_tensors(func: Any, args: Sequence[Any], kwargs: dict, every_argument: bool = False) -> List[torch.Tensor]:
+def written_tensors(func: Any, args: Sequence[Any], kwargs: dict, every_argument: bool = False) -> list[torch.Tensor]:
     """The tensors the aten op ``func`` writes: every argument its schema marks as written
     (``Tensor(a!)``: in-place ``self``, ``out=``), lists of tensors included; with
     ``every_argument`` (a collective, which writes its buffers in place) every tensor argument."""
     schema = func._schema
     if not every_argument and not schema.is_mutable:
         return []
-    out: List[torch.Tensor] = []
+    out: list[torch.Tensor] = []
     for i, a in enumerate(schema.arguments):
         if not every_argument and (a.alias_info is None or not a.alias_info.is_write):
             continue

@@ -15,7 +15,6 @@ import linecache
 import os
 import sys
 import sysconfig
-from typing import Optional, Tuple
 
 import torch
 
@@ -23,8 +22,15 @@ __all__ = ["is_internal", "is_library", "library_name", "user_frame", "where"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_STDLIB_DIRS = tuple(sorted({os.path.abspath(p) + os.sep for p in (sysconfig.get_paths().get("stdlib"),
-                                                                  sysconfig.get_paths().get("platstdlib")) if p}))
+_STDLIB_DIRS = tuple(
+    sorted(
+        {
+            os.path.abspath(p) + os.sep
+            for p in (sysconfig.get_paths().get("stdlib"), sysconfig.get_paths().get("platstdlib"))
+            if p
+        }
+    )
+)
 
 _internal_cache: dict = {}
 
@@ -66,7 +72,7 @@ def library_name(filename: str) -> str:
     return "a library"
 
 
-def user_frame(frame=None) -> Optional[Tuple[str, int, str]]:
+def user_frame(frame=None) -> tuple[str, int, str] | None:
     """``(filename, lineno, function)`` of the innermost frame at or above
     ``frame`` (default: the caller's) that is not :func:`internal
     <is_internal>`, or ``None``."""
@@ -78,7 +84,7 @@ def user_frame(frame=None) -> Optional[Tuple[str, int, str]]:
     return None
 
 
-def where(loc: Optional[Tuple[str, int, str]]) -> str:
+def where(loc: tuple[str, int, str] | None) -> str:
     """``"file:line in function: `source`"`` for a :func:`user_frame`
     result, ``"<unknown location>"`` for ``None``."""
     if loc is None:

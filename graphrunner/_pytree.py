@@ -7,7 +7,7 @@ eager breaks, so both accept the same containers and reject the same leaves.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional, Tuple
+from typing import Any
 
 import torch
 
@@ -26,7 +26,7 @@ __all__ = ["flatten", "unflatten", "describe", "structure", "leaf_paths"]
 _SCALARS = (bool, int, float, complex, str, bytes)
 
 
-def flatten(obj: Any, path: str = "output", scalars: bool = False) -> Tuple[tuple, List[torch.Tensor]]:
+def flatten(obj: Any, path: str = "output", scalars: bool = False) -> tuple[tuple, list[torch.Tensor]]:
     """Return ``(spec, tensor_leaves)`` of a pytree of tensors.
 
     Containers: tuple (and namedtuple), list, dict, dataclass instance;
@@ -35,7 +35,7 @@ def flatten(obj: Any, path: str = "output", scalars: bool = False) -> Tuple[tupl
     other leaf raises ``TypeError`` naming its path (``path`` names the root),
     because a graph would freeze it silently.
     """
-    leaves: List[torch.Tensor] = []
+    leaves: list[torch.Tensor] = []
     spec = _flatten(obj, path, leaves, scalars)
     return spec, leaves
 
@@ -55,12 +55,14 @@ def _flatten(obj: Any, path: str, leaves: list, scalars: bool) -> tuple:
         return ("dict", type(obj), keys, tuple(_flatten(obj[k], f"{path}[{k!r}]", leaves, scalars) for k in keys))
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         names = tuple(f.name for f in dataclasses.fields(obj))
-        return ("dc", type(obj), names,
-                tuple(_flatten(getattr(obj, n), f"{path}.{n}", leaves, scalars) for n in names))
+        return ("dc", type(obj), names, tuple(_flatten(getattr(obj, n), f"{path}.{n}", leaves, scalars) for n in names))
     if scalars and isinstance(obj, _SCALARS):
         return ("S", obj)
-    who = ("an eager break (@no_graph) may return only tensors, None, Python scalars"
-           if scalars else "a captured forward may return only tensors, None")
+    who = (
+        "an eager break (@no_graph) may return only tensors, None, Python scalars"
+        if scalars
+        else "a captured forward may return only tensors, None"
+    )
     raise TypeError(
         f"{path} is a {type(obj).__name__} ({obj!r:.60}); {who}, and tuples/lists/dicts/dataclasses of them "
         "(a graph would freeze any other value silently). Return its tensors in one of those containers, "
@@ -68,7 +70,7 @@ def _flatten(obj: Any, path: str, leaves: list, scalars: bool) -> tuple:
     )
 
 
-def unflatten(spec: tuple, leaves: List[torch.Tensor]) -> Any:
+def unflatten(spec: tuple, leaves: list[torch.Tensor]) -> Any:
     """Rebuild the pytree described by ``spec`` from its tensor leaves."""
     it = iter(leaves)
     return _unflatten(spec, it)
@@ -105,7 +107,7 @@ def _unflatten(spec: tuple, it) -> Any:
     raise AssertionError(f"bad output spec {spec!r}")
 
 
-def describe(spec: tuple, leaves: Optional[List[torch.Tensor]] = None) -> str:
+def describe(spec: tuple, leaves: list[torch.Tensor] | None = None) -> str:
     """A readable one-line description, e.g. ``tuple(Tensor[8, 16] float32, None)``."""
     it = iter(leaves) if leaves is not None else None
     return _describe(spec, it)
@@ -149,15 +151,15 @@ def structure(spec: tuple) -> tuple:
     return spec[:-1] + (tuple(structure(child) for child in spec[-1]),)
 
 
-def leaf_paths(spec: tuple, root: str = "output") -> List[str]:
+def leaf_paths(spec: tuple, root: str = "output") -> list[str]:
     """The path of every tensor leaf of ``spec``, in leaf order, e.g.
     ``["output['hidden']", "output['total']"]`` (the spelling of :func:`flatten`'s errors)."""
-    out: List[str] = []
+    out: list[str] = []
     _paths(spec, root, out)
     return out
 
 
-def _paths(spec: tuple, path: str, out: List[str]) -> None:
+def _paths(spec: tuple, path: str, out: list[str]) -> None:
     tag = spec[0]
     if tag == "T":
         out.append(path)

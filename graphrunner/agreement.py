@@ -23,7 +23,8 @@ are invalid still takes part (:meth:`invalid`), so its peers raise
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from graphrunner.errors import ContractError, GraphRunnerError
 from graphrunner.keys import RESYNC, AgreementError, agree_extra, all_max_vector
@@ -32,10 +33,10 @@ __all__ = ["LocalAgreement", "RankAgreement", "make_agreement", "config_digest",
 
 logger = logging.getLogger("graphrunner")
 
-Sizes = Tuple[int, ...]
+Sizes = tuple[int, ...]
 
 
-def config_fields(server: Any, checks: Any) -> Dict[str, Any]:
+def config_fields(server: Any, checks: Any) -> dict[str, Any]:
     """What every rank must configure alike for a runner (its :class:`~graphrunner.serving.Server`
     ``server`` and :class:`~graphrunner.checks.CheckSet` ``checks``): the capture fingerprint's
     fields (:mod:`graphrunner.checks.fingerprint`) and :func:`config_digest`'s input."""
@@ -63,14 +64,14 @@ class LocalAgreement:
     #: True when the decision is shared with other ranks.
     shared = False
 
-    def agree(self, sizes: Sizes, call: int, step: Optional[int] = None) -> Sizes:
+    def agree(self, sizes: Sizes, call: int, step: int | None = None) -> Sizes:
         """The sizes to run: this call's own."""
         return sizes
 
-    def invalid(self, zero: Sizes, call: int, step: Optional[int] = None) -> None:
+    def invalid(self, zero: Sizes, call: int, step: int | None = None) -> None:
         """This rank's inputs were invalid: nothing to tell anyone."""
 
-    def replayable(self, local: Sequence[bool]) -> List[bool]:
+    def replayable(self, local: Sequence[bool]) -> list[bool]:
         """Which keys can be replayed: this rank's answer."""
         return list(local)
 
@@ -101,10 +102,10 @@ class RankAgreement:
         self.verdicts = bool(verdicts)
         #: ``extra() -> [ints]`` this rank adds to every call's collective (a background capture's
         #: counts); their max over the ranks after the last call is :attr:`last_extra`.
-        self.extra: Callable[[], List[int]] = list
-        self.last_extra: List[int] = []
+        self.extra: Callable[[], list[int]] = list
+        self.last_extra: list[int] = []
         #: The message of the mismatch that made this agreement refuse every call, or ``None``.
-        self.broken: Optional[str] = None
+        self.broken: str | None = None
         self._failed_call = 0  # the last call whose verification failed here, not yet told (0: none)
 
     def verification_failed(self, call: int) -> None:
@@ -112,7 +113,7 @@ class RankAgreement:
         next call's agreement tells every rank, which then all refuse that call."""
         self._failed_call = int(call)
 
-    def agree(self, sizes: Sizes, call: int, step: Optional[int] = None) -> Sizes:
+    def agree(self, sizes: Sizes, call: int, step: int | None = None) -> Sizes:
         """The element-wise max of every rank's sizes; raises :class:`GraphRunnerError` when
         another rank passed invalid inputs (every rank then skips the step),
         :class:`~graphrunner.errors.ContractError` on every rank when a rank's shadow verification
@@ -122,15 +123,16 @@ class RankAgreement:
         if bad:
             raise GraphRunnerError(
                 f"rank {self.rank}: another rank passed invalid inputs at call {call}, so every rank skipped this "
-                "step (see that rank's error); the runner is still usable")
+                "step (see that rank's error); the runner is still usable"
+            )
         return agreed
 
-    def invalid(self, zero: Sizes, call: int, step: Optional[int] = None) -> None:
+    def invalid(self, zero: Sizes, call: int, step: int | None = None) -> None:
         """Take part in the call's one collective as invalid, so the peers skip the step too
         (raises :class:`~graphrunner.keys.AgreementError` instead when the calls are not paired)."""
         self._exchange(zero, True, call, step)
 
-    def _exchange(self, sizes: Sizes, invalid: bool, call: int, step: Optional[int]) -> Tuple[Sizes, bool]:
+    def _exchange(self, sizes: Sizes, invalid: bool, call: int, step: int | None) -> tuple[Sizes, bool]:
         """The call's one collective: sizes, tag, then the background counts, the verdict, the step."""
         if self.broken is not None:
             self._refuse(call)
@@ -145,14 +147,16 @@ class RankAgreement:
             if exc.unpaired and exc.collectives is None:
                 self.broken = str(exc)
             raise
-        self.last_extra, rest = out[:len(own)], out[len(own):]
+        self.last_extra, rest = out[: len(own)], out[len(own) :]
         self._failed_call = 0  # told
         if step is not None:
             hi, lo = rest[-2], -rest[-1]
             if hi != lo:
-                self.broken = (f"rank {self.rank} is at engine step {step} but the ranks' steps range from {lo} to "
-                               f"{hi} at call {call}: a rank skipped or repeated a step, so the ranks' calls are "
-                               "not paired; " + RESYNC)
+                self.broken = (
+                    f"rank {self.rank} is at engine step {step} but the ranks' steps range from {lo} to "
+                    f"{hi} at call {call}: a rank skipped or repeated a step, so the ranks' calls are "
+                    "not paired; " + RESYNC
+                )
                 raise AgreementError(self.broken, steps=(step, lo, hi))
         if self.verdicts and rest[0] > 0:
             raise ContractError(
@@ -160,15 +164,18 @@ class RankAgreement:
                 "from eager PyTorch (on the rank that raised ContractError at that call; see its error), so every "
                 f"rank refuses call {call} (nothing was replayed). Re-capture on every rank (runner.cleanup(); "
                 "runner.capture()) after making the value the graph froze a tensor input or a tensor updated "
-                "in place")
+                "in place"
+            )
         return agreed, bad
 
     def _refuse(self, call: int) -> None:
         raise AgreementError(
             f"rank {self.rank}: call {call} refused without a collective: an earlier call found the ranks' calls of "
-            f"this runner unpaired, on every rank. That error: {self.broken}", calls=None)
+            f"this runner unpaired, on every rank. That error: {self.broken}",
+            calls=None,
+        )
 
-    def replayable(self, local: Sequence[bool]) -> List[bool]:
+    def replayable(self, local: Sequence[bool]) -> list[bool]:
         """Which keys every rank can replay: one collective at the end of capture (a max over
         "cannot replay" bits, one per key), so that per call the agreed sizes alone decide."""
         cannot = all_max_vector(self.group, [0 if ok else 1 for ok in local], "runner_replayable", "capture")
@@ -180,11 +187,16 @@ def make_agreement(group: Any, enabled: bool, digest: int = 0, verdicts: bool = 
     verification is on) when it has more than one rank and ``enabled``, else :class:`LocalAgreement`."""
     if enabled and int(getattr(group, "size", 1)) > 1:
         if "nccl" in str(getattr(group, "backend_name", "")):
-            logger.warning("GraphRunner: bucket agreement over an NCCL group waits for the GPU on every call "
-                           "(its result is read on the host); pass TorchDistGroup(torch.distributed.new_group("
-                           "backend='gloo')) as group= for a host-only agreement")
+            logger.warning(
+                "GraphRunner: bucket agreement over an NCCL group waits for the GPU on every call "
+                "(its result is read on the host); pass TorchDistGroup(torch.distributed.new_group("
+                "backend='gloo')) as group= for a host-only agreement"
+            )
         return RankAgreement(group, digest, verdicts)
     if int(getattr(group, "size", 1)) > 1:
-        logger.warning("GraphRunner.agree_bucket = False on a %d-rank group: ranks may replay different buckets "
-                       "(unsafe; for tests only)", int(group.size))
+        logger.warning(
+            "GraphRunner.agree_bucket = False on a %d-rank group: ranks may replay different buckets "
+            "(unsafe; for tests only)",
+            int(group.size),
+        )
     return LocalAgreement()

@@ -24,7 +24,8 @@ capture the runner with the largest outputs first to hold only the max;
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -52,14 +53,14 @@ class OutputArena:
 
     def __init__(self, name: str = "arena") -> None:
         self.name = str(name)
-        self._blocks: Dict[str, torch.Tensor] = {}
-        self._needs: "weakref.WeakKeyDictionary[Any, Tuple[str, int]]" = weakref.WeakKeyDictionary()
-        self._held: "weakref.WeakKeyDictionary[Any, List[torch.Tensor]]" = weakref.WeakKeyDictionary()
+        self._blocks: dict[str, torch.Tensor] = {}
+        self._needs: weakref.WeakKeyDictionary[Any, tuple[str, int]] = weakref.WeakKeyDictionary()
+        self._held: weakref.WeakKeyDictionary[Any, list[torch.Tensor]] = weakref.WeakKeyDictionary()
         self.outgrown = 0
 
-    def carve(self, owner: Any, layouts: Sequence[Tuple[Sequence[int], torch.dtype, Any]]) -> List[torch.Tensor]:
+    def carve(self, owner: Any, layouts: Sequence[tuple[Sequence[int], torch.dtype, Any]]) -> list[torch.Tensor]:
         """Tensors for ``layouts``, carved from offset 0 of each device's block (uninitialised)."""
-        sizes: Dict[str, int] = {}
+        sizes: dict[str, int] = {}
         offsets = []
         for shape, dtype, device in layouts:
             dev = str(torch.device(device))
@@ -78,7 +79,7 @@ class OutputArena:
                 self._blocks[dev] = torch.empty(need, dtype=torch.uint8, device=dev)
         out = []
         for (shape, dtype, _), (dev, off, nbytes) in zip(layouts, offsets):
-            raw = self._blocks[dev][off:off + nbytes]
+            raw = self._blocks[dev][off : off + nbytes]
             out.append(raw.view(dtype).view(tuple(int(s) for s in shape)))
         self._needs[owner] = (", ".join(sorted(sizes)), sum(sizes.values()))
         self._held[owner] = [self._blocks[d] for d in sizes]
@@ -95,7 +96,7 @@ class OutputArena:
         return len(self._needs)
 
     @property
-    def bytes_needed(self) -> List[int]:
+    def bytes_needed(self) -> list[int]:
         """Bytes each live owner needs (with alignment), in no particular order."""
         return [n for _, n in self._needs.values()]
 
@@ -117,18 +118,27 @@ class OutputArena:
         """One line: owners, bytes held, what separate buffers would hold, and any outgrown block."""
         from graphrunner.report import format_bytes
 
-        line = (f"output arena {self.name!r}: {self.owners} runner output buffers share "
-                f"{format_bytes(self.bytes_held)} (separate buffers would hold {format_bytes(self.bytes_if_separate)})")
+        line = (
+            f"output arena {self.name!r}: {self.owners} runner output buffers share "
+            f"{format_bytes(self.bytes_held)} (separate buffers would hold {format_bytes(self.bytes_if_separate)})"
+        )
         if self.bytes_held > max(self.bytes_needed, default=0):
-            line += ("; a block was outgrown after an earlier runner captured: capture the runner with the "
-                     "largest outputs first to hold only the largest")
+            line += (
+                "; a block was outgrown after an earlier runner captured: capture the runner with the "
+                "largest outputs first to hold only the largest"
+            )
         return line
 
-    def facts(self) -> Dict[str, Any]:
+    def facts(self) -> dict[str, Any]:
         """What a capture report says of the arena: ``name``, ``owners``, ``bytes_held``,
         ``bytes_if_separate`` and the :meth:`summary` line."""
-        return {"name": self.name, "owners": self.owners, "bytes_held": self.bytes_held,
-                "bytes_if_separate": self.bytes_if_separate, "summary": self.summary()}
+        return {
+            "name": self.name,
+            "owners": self.owners,
+            "bytes_held": self.bytes_held,
+            "bytes_if_separate": self.bytes_if_separate,
+            "summary": self.summary(),
+        }
 
     def __repr__(self) -> str:
         return f"OutputArena(name={self.name!r}, owners={self.owners}, bytes_held={self.bytes_held})"

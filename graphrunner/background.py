@@ -56,17 +56,24 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
-from graphrunner.recording.hooks import CaptureHook
 from graphrunner.errors import CaptureError
+from graphrunner.recording.hooks import CaptureHook
 
-__all__ = ["BackgroundCapture", "PutBack", "start_background", "settle_background", "wait_background",
-           "hold_background"]
+__all__ = [
+    "BackgroundCapture",
+    "PutBack",
+    "start_background",
+    "settle_background",
+    "wait_background",
+    "hold_background",
+]
 
 logger = logging.getLogger("graphrunner")
 
-Sizes = Tuple[int, ...]
+Sizes = tuple[int, ...]
 
 #: Seconds garbage collection or interpreter exit waits for the key being captured before failing the group.
 END_GRACE = 5.0
@@ -87,10 +94,17 @@ class BackgroundCapture:
     docstring).
     """
 
-    def __init__(self, keys: List[Sizes], capture_key: Callable[[Sizes], None], session: Callable[[], Any],
-                 finish: Callable[[], Any], shared: bool, gate: Optional[threading.Event] = None,
-                 fail: Optional[Callable[[BaseException, str, bool], BaseException]] = None,
-                 deadline: float = 60.0) -> None:
+    def __init__(
+        self,
+        keys: list[Sizes],
+        capture_key: Callable[[Sizes], None],
+        session: Callable[[], Any],
+        finish: Callable[[], Any],
+        shared: bool,
+        gate: threading.Event | None = None,
+        fail: Callable[[BaseException, str, bool], BaseException] | None = None,
+        deadline: float = 60.0,
+    ) -> None:
         self.keys = list(keys)
         self._capture_key, self._session, self._finish = capture_key, session, finish
         #: ``fail(exc, where, alone) -> error``: what a failure on this rank becomes (several ranks:
@@ -103,16 +117,16 @@ class BackgroundCapture:
         #: Held by a key's capture and by every call of the runner.
         self.mutex = threading.RLock()  # re-entrant: a call inside hold(), or a step calling its runner (refused)
         #: Keys captured on this rank, in capture order.
-        self.done: List[Sizes] = []
+        self.done: list[Sizes] = []
         #: How many of :attr:`done` replay: every rank had captured them at a call's agreement.
         self.agreed = 0
         #: The capture's error, once one failed (the background capture then stops).
-        self.error: Optional[BaseException] = None
+        self.error: BaseException | None = None
         self._raised = False
         #: Calls per key (agreed keys, identical on every rank): the capture order after the first key.
-        self.hits: Dict[Sizes, int] = {}
+        self.hits: dict[Sizes, int] = {}
         self.report: Any = None
-        self._grants: "queue.Queue[Any]" = queue.Queue()
+        self._grants: queue.Queue[Any] = queue.Queue()
         self._stop = threading.Event()
         self._waiting, self._waiting_lock = 0, threading.Lock()  # calls waiting for the mutex
         self._settled = threading.Condition()  # a granted key captured (or failed): the next call may run
@@ -148,7 +162,7 @@ class BackgroundCapture:
         finally:
             self.mutex.release()
 
-    def _capture_next(self, key: Optional[Sizes] = None) -> None:
+    def _capture_next(self, key: Sizes | None = None) -> None:
         while self._waiting and not self._stop.is_set():  # calls first: serving is never starved by capture
             time.sleep(0.0002)
         with self.mutex:
@@ -164,8 +178,12 @@ class BackgroundCapture:
         if not self.shared:
             return
         with self._settled:
-            while (self._granted > len(self.done) and self.error is None and not self._stop.is_set()
-                   and self._thread.is_alive()):
+            while (
+                self._granted > len(self.done)
+                and self.error is None
+                and not self._stop.is_set()
+                and self._thread.is_alive()
+            ):
                 self._settled.wait(0.05)
 
     def _main(self) -> None:
@@ -208,12 +226,14 @@ class BackgroundCapture:
         """True when the thread ended: every key captured, or a capture failed."""
         return self._finished.is_set()
 
-    def vector(self) -> List[int]:
+    def vector(self) -> list[int]:
         """What this rank adds to a call's agreement: ``[-captured keys, failed]`` (the max over the
         ranks gives the smallest count and whether any rank failed)."""
         return [-len(self.done), 1 if self.error is not None else 0]
 
-    def after_agreement(self, extra: Optional[List[int]], call_key: Optional[Sizes]) -> Tuple[List[Sizes], Optional[CaptureError]]:
+    def after_agreement(
+        self, extra: list[int] | None, call_key: Sizes | None
+    ) -> tuple[list[Sizes], CaptureError | None]:
         """Called by a call under :attr:`mutex` after its agreement (``extra``: the agreed
         :meth:`vector`, None on one rank) with the key it runs (``None``: none). Returns the keys
         that start replaying at this call, and the error this call must raise (once, on every rank
@@ -225,7 +245,7 @@ class BackgroundCapture:
             agreed, failed = len(self.done), self.error is not None
         else:
             agreed, failed = -int(extra[0]), bool(extra[1])
-        new = self.done[self.agreed:agreed]
+        new = self.done[self.agreed : agreed]
         self.agreed = max(self.agreed, agreed)
         if failed:
             if self._raised:
@@ -233,16 +253,20 @@ class BackgroundCapture:
             self._raised = True
             self._stop.set()
             self._grants.put(_STOP)
-            err = self.error or CaptureError("GraphRunner: another rank's background capture failed (see its "
-                                             "error); every rank stops capturing and serves eagerly")
-            return new, CaptureError(f"GraphRunner: background capture failed, this call was not served (retry it; "
-                                     f"later calls are served, eagerly for the keys not captured): {err}")
+            err = self.error or CaptureError(
+                "GraphRunner: another rank's background capture failed (see its "
+                "error); every rank stops capturing and serves eagerly"
+            )
+            return new, CaptureError(
+                f"GraphRunner: background capture failed, this call was not served (retry it; "
+                f"later calls are served, eagerly for the keys not captured): {err}"
+            )
         if self.shared and len(self.done) == agreed == self._granted and agreed < len(self.keys):
             self._granted += 1
             self._grants.put(self._next_key())  # captured right after this call returns
         return new, None
 
-    def wait(self, timeout: Optional[float] = None) -> bool:
+    def wait(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds (None: for ever) for the thread; True when it finished.
         Several ranks: first grants every remaining key (every rank must call it, at the same
         point between calls, so that their captures pair)."""
@@ -252,7 +276,7 @@ class BackgroundCapture:
         self._thread.join(timeout)
         return self.finished
 
-    def stop(self, timeout: Optional[float] = None) -> None:
+    def stop(self, timeout: float | None = None) -> None:
         """Stop the thread after the key it is capturing and wait up to ``timeout`` s for it (cleanup)."""
         self._stop.set()
         self._grants.put(_STOP)
@@ -261,7 +285,7 @@ class BackgroundCapture:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
-    def end(self, why: str, grace: Optional[float] = None) -> None:
+    def end(self, why: str, grace: float | None = None) -> None:
         """The runner is gone (``why``: garbage collected, interpreter exit): stop the thread, waiting up
         to ``grace`` s for the key it is capturing; a thread still inside a collective then (its peers
         are not in it) fails the group (reported, the process group aborted), which ends that
@@ -270,10 +294,17 @@ class BackgroundCapture:
         grace = END_GRACE if grace is None else float(grace)
         self.stop(grace)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            logger.error("GraphRunner: %s while its background capture was still inside a collective after %gs; "
-                         "failing the group so that the collective ends", why, grace)
-            self._fail(RuntimeError(f"{why} while its background capture was inside a collective"),
-                       "(its runner went away)", True)
+            logger.error(
+                "GraphRunner: %s while its background capture was still inside a collective after %gs; "
+                "failing the group so that the collective ends",
+                why,
+                grace,
+            )
+            self._fail(
+                RuntimeError(f"{why} while its background capture was inside a collective"),
+                "(its runner went away)",
+                True,
+            )
             # the group's own collectives end at once; one inside the step ends when its peer's side closes,
             # at the latest at the group's deadline
             self._thread.join(self.deadline + END_GRACE)
@@ -296,7 +327,9 @@ def start_background(server: Any, run: Any, backend: Any, gate: Any = None) -> N
     from graphrunner.tape.rng import shared_generators
 
     begun: list[bool] = []
-    executes = isinstance(getattr(backend, "device", None), TapeDevice)  # a tape capture computes; a CUDA capture only records
+    executes = isinstance(
+        getattr(backend, "device", None), TapeDevice
+    )  # a tape capture computes; a CUDA capture only records
     staging = server.inputs
 
     def capture_key(key: Sizes) -> None:
@@ -327,9 +360,16 @@ def start_background(server: Any, run: Any, backend: Any, gate: Any = None) -> N
 
     group = server.group
     agreement = server.agreement
-    bg = BackgroundCapture(run.order, capture_key, session, run.finish, agreement.shared, gate,
-                           lambda exc, where, alone: fail_ranks(group, exc, where, alone),
-                           float(getattr(group, "timeout", 60.0) or 60.0))
+    bg = BackgroundCapture(
+        run.order,
+        capture_key,
+        session,
+        run.finish,
+        agreement.shared,
+        gate,
+        lambda exc, where, alone: fail_ranks(group, exc, where, alone),
+        float(getattr(group, "timeout", 60.0) or 60.0),
+    )
     if agreement.shared:
         agreement.extra = bg.vector
     server.serve_in_background(bg)
@@ -365,7 +405,7 @@ class PutBack(CaptureHook):
 
         self.staging = staging
         self.guard, self.executes = WriteGuard(list(staging.buffers.values())), bool(executes_capture)
-        self._kept: Optional[Dict[str, Any]] = None
+        self._kept: dict[str, Any] | None = None
         self._filled: Any = None
 
     def begin(self, cap: Any) -> None:
@@ -413,6 +453,7 @@ class PutBack(CaptureHook):
         def recorded() -> Any:
             with OpRecorder([self.guard]):
                 return hook()
+
         return recorded
 
     def end(self, cap: Any) -> None:
@@ -428,7 +469,7 @@ class PutBack(CaptureHook):
             self.staging.filled = self._filled
 
 
-def settle_background(server: Any, rows: Optional[Sizes]) -> None:
+def settle_background(server: Any, rows: Sizes | None) -> None:
     """In a call of ``server`` (:class:`graphrunner.serving.Server`), after its agreement (``rows``:
     its agreed sizes; None outside a call, one rank): the keys every rank has captured start
     replaying now; on several ranks the next key is granted; a failed capture raises here, on
@@ -447,7 +488,7 @@ def settle_background(server: Any, rows: Optional[Sizes]) -> None:
             agreement.extra = list
 
 
-def wait_background(server: Any, bg: Any, timeout: Optional[float]) -> Any:
+def wait_background(server: Any, bg: Any, timeout: float | None) -> Any:
     """``runner.wait_captured(timeout)`` for ``server``'s background capture ``bg``: its report, or
     None (timed out, failed)."""
     done = bg.wait(timeout) and bg.error is None

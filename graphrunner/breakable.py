@@ -28,8 +28,9 @@ import contextlib
 import functools
 import inspect
 import logging
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import torch
 
@@ -39,19 +40,25 @@ from graphrunner.errors import CaptureError
 from graphrunner.recording.ops import mark_no_graph_code
 from graphrunner.tape.state import alias_of
 
-__all__ = ["BreakableGraph", "BreakableCUDAGraph", "breakable_graph", "no_graph", "force_no_graph",
-           "is_in_breakable_graph"]
+__all__ = [
+    "BreakableGraph",
+    "BreakableCUDAGraph",
+    "breakable_graph",
+    "no_graph",
+    "force_no_graph",
+    "is_in_breakable_graph",
+]
 
 logger = logging.getLogger("graphrunner")
 
-_ACTIVE: ContextVar["_Capture | None"] = ContextVar("graphrunner_breakable_capture", default=None)
+_ACTIVE: ContextVar[_Capture | None] = ContextVar("graphrunner_breakable_capture", default=None)
 
 
 def _fn_name(fn: Callable) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
 
-def _bind_error(f: Callable, params: "list[inspect.Parameter] | None" = None) -> str | None:
+def _bind_error(f: Callable, params: list[inspect.Parameter] | None = None) -> str | None:
     """Why ``f`` cannot be called with ``params`` (the required parameters of
     another function; none when None), or None if it can or its signature
     cannot be read (a C function)."""
@@ -75,7 +82,7 @@ def _bind_error(f: Callable, params: "list[inspect.Parameter] | None" = None) ->
     return None
 
 
-def _params(fn: Callable) -> "list[inspect.Parameter] | None":
+def _params(fn: Callable) -> list[inspect.Parameter] | None:
     """The parameters of ``fn``, or None if its signature cannot be read."""
     try:
         return list(inspect.signature(fn).parameters.values())
@@ -131,13 +138,14 @@ class _EagerStep:
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.name = _fn_name(fn)
         try:
-            self.spec, self.leaves = flatten(result, f"the result of @no_graph function {self.name}",
-                                             scalars=True)
+            self.spec, self.leaves = flatten(result, f"the result of @no_graph function {self.name}", scalars=True)
         except TypeError as exc:
             raise CaptureError(str(exc)) from None
         if any(type(t) is torch.Tensor and _overlaps(t) for t in self.leaves):
-            self.leaves = [t.clone(memory_format=torch.contiguous_format)
-                           if type(t) is torch.Tensor and _overlaps(t) else t for t in self.leaves]
+            self.leaves = [
+                t.clone(memory_format=torch.contiguous_format) if type(t) is torch.Tensor and _overlaps(t) else t
+                for t in self.leaves
+            ]
             result = unflatten(self.spec, self.leaves)
         self.result = result
         # The common case (one tensor, or nothing) skips the tree walk at replay.
@@ -149,8 +157,12 @@ class _EagerStep:
             old = self.leaves[0] if self.leaves else None
             if fresh is old:
                 return
-            if (old is not None and type(fresh) is torch.Tensor
-                    and fresh.shape == old.shape and fresh.dtype == old.dtype):
+            if (
+                old is not None
+                and type(fresh) is torch.Tensor
+                and fresh.shape == old.shape
+                and fresh.dtype == old.dtype
+            ):
                 old.copy_(fresh)
                 return
             # Anything else falls through to the general check and its error.
@@ -195,8 +207,9 @@ class BreakableGraph:
     ``reset()`` empties it for a new capture.
     """
 
-    def __init__(self, pool: Any = None, device: Any = None, trace: Any = None,
-                 key: Any = None, backend: str = "breakable") -> None:
+    def __init__(
+        self, pool: Any = None, device: Any = None, trace: Any = None, key: Any = None, backend: str = "breakable"
+    ) -> None:
         self.device = get_device(device if device is not None else "auto")
         self._pool = pool
         self.trace, self.key, self.backend = trace, key, backend
@@ -211,7 +224,7 @@ class BreakableGraph:
         return len(self._graphs)
 
     @property
-    def num_ops(self) -> Optional[int]:
+    def num_ops(self) -> int | None:
         """Aten ops recorded over all segments when every segment is a tape
         graph (:attr:`TapeGraph.num_ops`), else ``None`` (CUDA graphs do not count them)."""
         counts = [getattr(g, "num_ops", None) for g in self._graphs]
@@ -231,8 +244,10 @@ class BreakableGraph:
         """Run every segment and eager step in capture order, with autograd off
         (under ``inference_mode`` if the capture was). No synchronization."""
         if not self._steps:
-            raise CaptureError("replay() of a BreakableGraph that holds no capture; capture it "
-                               "with `with breakable_graph(graph): ...` first")
+            raise CaptureError(
+                "replay() of a BreakableGraph that holds no capture; capture it "
+                "with `with breakable_graph(graph): ...` first"
+            )
         # Eager steps run with autograd off, under the grad mode of the capture.
         with torch.inference_mode() if self._inference_mode else torch.no_grad():
             for step in self._steps:
@@ -268,16 +283,17 @@ class _Capture:
         g = self.graph.device.new_graph()
         # pool=None unless the graph overrides it: the device's own shared pool, which the device
         # renews when every graph it captured there released it (a CUDA pool cannot be reused then).
-        ctx = self.graph.device.capture(g, stream=self.stream, capture_error_mode=self.mode,
-                                        pool=self.graph._pool)
+        ctx = self.graph.device.capture(g, stream=self.stream, capture_error_mode=self.mode, pool=self.graph._pool)
         self.graph._record("segment_begin", segment=len(self.graph._graphs))
         ctx.__enter__()
         self.segment = (g, ctx)
 
     def close_segment(self, exc_info=(None, None, None)) -> None:
         if self.segment is None:
-            raise CaptureError("breakable_graph: no segment is open to end (the capture's segments and eager "
-                               "breaks went out of step); reset the graph and capture again")
+            raise CaptureError(
+                "breakable_graph: no segment is open to end (the capture's segments and eager "
+                "breaks went out of step); reset the graph and capture again"
+            )
         g, ctx = self.segment
         self.segment = None
         ctx.__exit__(*exc_info)
@@ -297,11 +313,14 @@ class _Capture:
         # The body runs eagerly with no segment open, so no_graph calls nested
         # in it are plain calls.
         trace = self.graph.trace
-        span = (trace.span("eager_break", key=self.graph.key, backend=self.graph.backend,
-                           fn=_fn_name(fn)) if trace is not None else contextlib.nullcontext())
+        span = (
+            trace.span("eager_break", key=self.graph.key, backend=self.graph.backend, fn=_fn_name(fn))
+            if trace is not None
+            else contextlib.nullcontext()
+        )
         # A device may watch the body (a check's op recorder: RecordingDevice.eager_break_context).
         watch = getattr(self.graph.device, "eager_break_context", None)
-        with span, (watch() if watch is not None else contextlib.nullcontext()):
+        with span, watch() if watch is not None else contextlib.nullcontext():
             result = (stub or fn)(*args, **kwargs)
         step = _EagerStep(fn, args, kwargs, result, getattr(self.graph.device, "owns_memory", None))
         self.graph._steps.append(step)
@@ -311,9 +330,14 @@ class _Capture:
 
 
 @contextlib.contextmanager
-def breakable_graph(graph: BreakableGraph | None = None, stream: Any = None, capture_error_mode: str = "global",
-                    barrier_fn: Callable[[], None] | None = None, *,
-                    cuda_graph: BreakableGraph | None = None) -> Iterator[BreakableGraph]:
+def breakable_graph(
+    graph: BreakableGraph | None = None,
+    stream: Any = None,
+    capture_error_mode: str = "global",
+    barrier_fn: Callable[[], None] | None = None,
+    *,
+    cuda_graph: BreakableGraph | None = None,
+) -> Iterator[BreakableGraph]:
     """Capture the block into ``graph``, breaking it at every :func:`no_graph` call.
 
     ``graph`` is a :class:`BreakableGraph` (alias :data:`BreakableCUDAGraph`);
@@ -331,23 +355,33 @@ def breakable_graph(graph: BreakableGraph | None = None, stream: Any = None, cap
     """
     if cuda_graph is not None:
         if graph is not None:
-            raise TypeError("breakable_graph() got both graph and cuda_graph (a synonym, for Meta's "
-                            "breakable_cuda_graphs); pass the BreakableGraph once")
+            raise TypeError(
+                "breakable_graph() got both graph and cuda_graph (a synonym, for Meta's "
+                "breakable_cuda_graphs); pass the BreakableGraph once"
+            )
         graph = cuda_graph
     if not isinstance(graph, BreakableGraph):
-        raise TypeError("breakable_graph() needs a BreakableGraph (graph= or cuda_graph=), got "
-                        f"{type(graph).__name__}; make one with graphrunner.BreakableGraph()")
+        raise TypeError(
+            "breakable_graph() needs a BreakableGraph (graph= or cuda_graph=), got "
+            f"{type(graph).__name__}; make one with graphrunner.BreakableGraph()"
+        )
     if barrier_fn is not None and not callable(barrier_fn):
-        raise TypeError(f"breakable_graph(): barrier_fn must be callable (called with no arguments before "
-                        f"each eager break) or None, got {type(barrier_fn).__name__}")
+        raise TypeError(
+            f"breakable_graph(): barrier_fn must be callable (called with no arguments before "
+            f"each eager break) or None, got {type(barrier_fn).__name__}"
+        )
     if barrier_fn is not None:
         why = _bind_error(barrier_fn)
         if why is not None:
-            raise TypeError(f"breakable_graph(): barrier_fn {_fn_name(barrier_fn)} is called with no arguments "
-                            f"before each eager break, but cannot be: {why}")
+            raise TypeError(
+                f"breakable_graph(): barrier_fn {_fn_name(barrier_fn)} is called with no arguments "
+                f"before each eager break, but cannot be: {why}"
+            )
     if _ACTIVE.get() is not None:
-        raise CaptureError("breakable_graph() inside another breakable_graph capture: nesting is not "
-                           "supported; end the outer capture first")
+        raise CaptureError(
+            "breakable_graph() inside another breakable_graph capture: nesting is not "
+            "supported; end the outer capture first"
+        )
     if graph.captured:
         raise CaptureError("this BreakableGraph already holds a capture; call graph.reset() first")
     state = _Capture(graph, stream, capture_error_mode, barrier_fn)
@@ -376,8 +410,7 @@ def breakable_graph(graph: BreakableGraph | None = None, stream: Any = None, cap
         graph._steps.append(lambda: None)
 
 
-def no_graph(fn: Callable | None = None, *, enable: bool = True,
-             capture_stub: Callable | None = None):
+def no_graph(fn: Callable | None = None, *, enable: bool = True, capture_stub: Callable | None = None):
     """Mark a function (or bound method) as an eager break.
 
     Use as ``@no_graph`` or ``@no_graph(enable=..., capture_stub=...)``.
@@ -409,9 +442,11 @@ def no_graph(fn: Callable | None = None, *, enable: bool = True,
         params = _params(fn)
         why = _bind_error(capture_stub, params) if params is not None else None
         if why is not None:
-            raise TypeError(f"no_graph({_fn_name(fn)}): capture_stub {_fn_name(capture_stub)} is called with the "
-                            f"same arguments as the function during capture, but cannot take them: {why}. "
-                            "Give it the function's parameters (or *args, **kwargs)")
+            raise TypeError(
+                f"no_graph({_fn_name(fn)}): capture_stub {_fn_name(capture_stub)} is called with the "
+                f"same arguments as the function during capture, but cannot take them: {why}. "
+                "Give it the function's parameters (or *args, **kwargs)"
+            )
     if not enable:
         return fn
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Iterable, List, Optional, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 __all__ = ["default_buckets", "validate_buckets", "bucket_table"]
 
@@ -20,7 +21,7 @@ __all__ = ["default_buckets", "validate_buckets", "bucket_table"]
 MAX_LADDER_BATCH = 1 << 24
 
 
-def default_buckets(max_batch: int) -> List[int]:
+def default_buckets(max_batch: int) -> list[int]:
     """Return the default bucket ladder up to ``max_batch`` (inclusive).
 
     vLLM's current default capture sizes: ``[1, 2, 4]``, then every multiple
@@ -43,9 +44,11 @@ def default_buckets(max_batch: int) -> List[int]:
     if max_batch < 1:
         raise ValueError(f"default_buckets(max_batch): max_batch must be >= 1, got {max_batch}")
     if max_batch > MAX_LADDER_BATCH:
-        raise ValueError(f"default_buckets(max_batch): max_batch={max_batch:,} is above {MAX_LADDER_BATCH:,}: the "
-                         f"ladder would hold about {max_batch // 16:,} buckets, one graph each. Pass the largest batch "
-                         "you serve, or list the buckets you need (gr.plan_buckets plans them from traffic)")
+        raise ValueError(
+            f"default_buckets(max_batch): max_batch={max_batch:,} is above {MAX_LADDER_BATCH:,}: the "
+            f"ladder would hold about {max_batch // 16:,} buckets, one graph each. Pass the largest batch "
+            "you serve, or list the buckets you need (gr.plan_buckets plans them from traffic)"
+        )
     ladder = [b for b in (1, 2, 4) if b <= max_batch] + list(range(8, min(max_batch + 1, 256), 8))
     ladder += list(range(256, max_batch + 1, 16))
     if ladder[-1] != max_batch:
@@ -65,7 +68,7 @@ def as_int(value: Any, what: str, expected: str) -> int:
         raise TypeError(f"{what} is a {type(value).__name__} ({value!r}); {expected}") from None
 
 
-def validate_buckets(buckets: Iterable[int]) -> List[int]:
+def validate_buckets(buckets: Iterable[int]) -> list[int]:
     """Return ``buckets`` as a list of ints, or raise a clear error.
 
     Buckets must be a non-empty, strictly increasing sequence of positive
@@ -75,7 +78,7 @@ def validate_buckets(buckets: Iterable[int]) -> List[int]:
     """
     if isinstance(buckets, (str, bytes)) or not hasattr(buckets, "__iter__"):
         raise TypeError(f"buckets must be a list of ints such as [1, 2, 4, 8], got {type(buckets).__name__}")
-    out: List[int] = []
+    out: list[int] = []
     for i, b in enumerate(buckets):
         b = as_int(b, f"buckets[{i}]", "buckets must be ints")
         if b <= 0:
@@ -85,7 +88,9 @@ def validate_buckets(buckets: Iterable[int]) -> List[int]:
         raise ValueError("buckets is empty; pass at least one batch size, e.g. gr.default_buckets(max_batch)")
     for i in range(1, len(out)):
         if out[i] == out[i - 1]:
-            raise ValueError(f"buckets has the duplicate {out[i]} (positions {i - 1} and {i}); list each batch size once")
+            raise ValueError(
+                f"buckets has the duplicate {out[i]} (positions {i - 1} and {i}); list each batch size once"
+            )
         if out[i] < out[i - 1]:
             raise ValueError(
                 f"buckets must be sorted in increasing order: {out[i - 1]} at position {i - 1} comes before "
@@ -94,7 +99,7 @@ def validate_buckets(buckets: Iterable[int]) -> List[int]:
     return out
 
 
-def bucket_table(buckets: Sequence[int], max_padding_ratio: Optional[float]) -> List[Optional[int]]:
+def bucket_table(buckets: Sequence[int], max_padding_ratio: float | None) -> list[int | None]:
     """Return ``table`` with ``table[n]`` = the bucket a batch of ``n`` rows replays.
 
     ``table[n]`` is the smallest bucket ``>= n``, or ``None`` when padding to
@@ -102,7 +107,7 @@ def bucket_table(buckets: Sequence[int], max_padding_ratio: Optional[float]) -> 
     the batch must fall back. ``table[0]`` is ``None``; the table has
     ``buckets[-1] + 1`` entries (larger batches always fall back).
     """
-    table: List[Optional[int]] = [None] * (buckets[-1] + 1)
+    table: list[int | None] = [None] * (buckets[-1] + 1)
     j = 0
     for n in range(1, buckets[-1] + 1):
         while buckets[j] < n:
@@ -115,7 +120,7 @@ def bucket_table(buckets: Sequence[int], max_padding_ratio: Optional[float]) -> 
     return table
 
 
-def _check_ratio(r) -> Optional[float]:
+def _check_ratio(r) -> float | None:
     if r is None:
         return None
     if isinstance(r, bool) or not isinstance(r, (int, float)):

@@ -33,7 +33,8 @@ from __future__ import annotations
 import operator
 import sys
 import time
-from typing import Any, Callable, List, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from graphrunner.errors import CaptureError
 from graphrunner.report import CaptureReport, format_bytes
@@ -79,20 +80,24 @@ class MemoryBudget:
             try:
                 budget = operator.index(budget)
             except TypeError:
-                raise TypeError(f"memory_budget must be a number of bytes (an int >= 0, e.g. 2 << 30) or None, "
-                                f"got {type(budget).__name__} ({budget!r})") from None
+                raise TypeError(
+                    f"memory_budget must be a number of bytes (an int >= 0, e.g. 2 << 30) or None, "
+                    f"got {type(budget).__name__} ({budget!r})"
+                ) from None
             if budget < 0:
                 raise ValueError(f"memory_budget must be >= 0 bytes, got {budget}; use None for no budget")
             if world_size > 1:
-                raise ValueError(f"memory_budget={budget} is supported on one rank only (this runner has "
-                                 f"{world_size}): ranks could leave different keys out; pass keys= to choose "
-                                 "the captured keys on every rank, or memory_budget=None")
+                raise ValueError(
+                    f"memory_budget={budget} is supported on one rank only (this runner has "
+                    f"{world_size}): ranks could leave different keys out; pass keys= to choose "
+                    "the captured keys on every rank, or memory_budget=None"
+                )
         #: The budget in bytes, or ``None``.
-        self.budget: Optional[int] = budget
+        self.budget: int | None = budget
         #: Keys (external form) left to eager by the last capture, largest first.
-        self.left_out: List[Any] = []
+        self.left_out: list[Any] = []
 
-    def keep(self, order: Sequence[Any], external: Callable[[Any], Any]) -> List[Any]:
+    def keep(self, order: Sequence[Any], external: Callable[[Any], Any]) -> list[Any]:
         """``order`` (internal keys, largest first) without the keys left out so far. The first key
         kept allocates the output buffer every key shares, so a key larger than it in some dim (named
         dims, once a larger key was left out) cannot be captured either: it is left out too (its
@@ -105,7 +110,7 @@ class MemoryBudget:
             kept = [k for k in kept if k not in over]
         return kept
 
-    def append(self, key: Any, reports: List[Any], report: Any) -> None:
+    def append(self, key: Any, reports: list[Any], report: Any) -> None:
         """After ``key``'s capture: append its ``report`` to ``reports``, then raise
         :class:`OverBudget` when the pool now exceeds the budget (``CaptureError`` when the
         device does not measure its graph memory)."""
@@ -114,8 +119,10 @@ class MemoryBudget:
             return
         sizes = [r.graph_pool_bytes for r in reports]
         if any(s is None for s in sizes):
-            raise CaptureError(f"memory_budget={self.budget}: the device does not report its graph memory "
-                               "(no memory_reserved()), so the budget cannot be applied; use memory_budget=None")
+            raise CaptureError(
+                f"memory_budget={self.budget}: the device does not report its graph memory "
+                "(no memory_reserved()), so the budget cannot be applied; use memory_budget=None"
+            )
         total = sum(sizes)
         if total > self.budget:
             raise OverBudget(key, total)

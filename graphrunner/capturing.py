@@ -18,14 +18,15 @@ import functools
 import logging
 import math
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from graphrunner.agreement import config_digest, config_fields, make_agreement
 from graphrunner.budget import MemoryBudget, one_time_imports
-from graphrunner.checks import contracts, fingerprint
 from graphrunner.channel import fail_ranks
+from graphrunner.checks import contracts, fingerprint
 from graphrunner.checks.lint import first_unsafe_op
 from graphrunner.errors import RankFailedError, add_note
 from graphrunner.layout import user_error
@@ -36,7 +37,7 @@ __all__ = ["Capturer", "CaptureRun"]
 
 logger = logging.getLogger("graphrunner")
 
-Sizes = Tuple[int, ...]
+Sizes = tuple[int, ...]
 
 
 class CaptureRun:
@@ -50,21 +51,23 @@ class CaptureRun:
     :class:`CaptureReport`. ``collect`` (``graphrunner check``) puts the hooks in collect mode
     and turns a key's error into findings. ``agree``: agree the key across ranks per call."""
 
-    def __init__(self, capturer: "Capturer", order: List[Sizes], agree: bool, collect: Any = None) -> None:
+    def __init__(self, capturer: Capturer, order: list[Sizes], agree: bool, collect: Any = None) -> None:
         self.capturer, self.server, self.order, self.collect = capturer, capturer.server, list(order), collect
         server = self.server
         self.bar = CaptureProgress(len(order), enabled=capturer.progress and server.rank == 0)
-        self.reports: List[BucketReport] = []
+        self.reports: list[BucketReport] = []
         self.started = 0  # keys begun
         self.t0 = time.perf_counter()
         shared = agree and server.world_size > 1
-        agreement = make_agreement(server.group, agree, config_digest(capturer.config()) if shared else 0,
-                                   verdicts=server.verify_every > 0)
+        agreement = make_agreement(
+            server.group, agree, config_digest(capturer.config()) if shared else 0, verdicts=server.verify_every > 0
+        )
         externals = None
         if server.debug:
             space = server.space
-            externals = contracts.ExternalsCheck(server.step, server.inputs.storages,
-                                                 lambda k: server.key_text(space.internal(k)))
+            externals = contracts.ExternalsCheck(
+                server.step, server.inputs.storages, lambda k: server.key_text(space.internal(k))
+            )
         server.install(agreement, externals)
         self.extra = {"lead_dims": server.layout.lead} if server.layout.lead > 1 else {}
         self.writes = contracts.InputWritesCheck(server.inputs.storage_names())  # one for every key
@@ -75,8 +78,13 @@ class CaptureRun:
         if c.checks.fingerprint and self.server.world_size > 1:
             fingerprint.check(self.server.group, c.config(), "configurations", key="config")
 
-    def key(self, key: Sizes, report: Optional[Any] = None, extra_hooks: Sequence[Any] = (),
-            around_hook: Optional[Callable[[Callable[[], Any]], Callable[[], Any]]] = None) -> None:
+    def key(
+        self,
+        key: Sizes,
+        report: Any | None = None,
+        extra_hooks: Sequence[Any] = (),
+        around_hook: Callable[[Callable[[], Any]], Callable[[], Any]] | None = None,
+    ) -> None:
         """Capture ``key`` through the backend's protocol with the checks as hooks, and add its
         :class:`BucketReport` (through ``report(ext, reports, bucket_report)`` when given, e.g. the
         memory budget's ``append``; ``extra_hooks``: more capture hooks for this key;
@@ -92,13 +100,29 @@ class CaptureRun:
         if hook is not None and around_hook is not None:
             hook = around_hook(hook)
         forward = layout.forward(server.step, key, views, f"GraphRunner.step[{ext}]")
-        hooks = c.checks.key_hooks(space, key, server.key_text(key), inputs.key_inputs(views), server.step,
-                                   layout.leaf_dims, server.group, server.externals, self.writes) + list(extra_hooks)
+        hooks = c.checks.key_hooks(
+            space,
+            key,
+            server.key_text(key),
+            inputs.key_inputs(views),
+            server.step,
+            layout.leaf_dims,
+            server.group,
+            server.externals,
+            self.writes,
+        ) + list(extra_hooks)
         layout.capturing = True
         layout.explain = first_unsafe_op  # an output shape it cannot slice: the op and line behind it
         try:
-            c.backend.capture_one(ext, forward, capture_inputs=views, post_warmup_hook=hook, hooks=hooks,
-                                  findings=None if self.collect is None else self.collect.findings, **self.extra)
+            c.backend.capture_one(
+                ext,
+                forward,
+                capture_inputs=views,
+                post_warmup_hook=hook,
+                hooks=hooks,
+                findings=None if self.collect is None else self.collect.findings,
+                **self.extra,
+            )
         except Exception as exc:
             if self.collect is None:
                 raise
@@ -126,11 +150,23 @@ class CaptureRun:
         """The capture report (also the capturer's :attr:`Capturer.report`)."""
         c, server = self.capturer, self.server
         externals = server.externals
-        c.report = CaptureReport.of(c.backend, server.rank, server.world_size, self.reports,
-                                    time.perf_counter() - self.t0, server.inputs.nbytes, c.output_arena,
-                                    None if externals is None else externals.guard.written())
-        logger.info("GraphRunner captured %d keys (%s) in %.3fs on rank %d", len(self.reports),
-                    c.report.backend, c.report.total_seconds, server.rank)
+        c.report = CaptureReport.of(
+            c.backend,
+            server.rank,
+            server.world_size,
+            self.reports,
+            time.perf_counter() - self.t0,
+            server.inputs.nbytes,
+            c.output_arena,
+            None if externals is None else externals.guard.written(),
+        )
+        logger.info(
+            "GraphRunner captured %d keys (%s) in %.3fs on rank %d",
+            len(self.reports),
+            c.report.backend,
+            c.report.total_seconds,
+            server.rank,
+        )
         return c.report
 
 
@@ -151,15 +187,23 @@ class Capturer:
             reference to the runner, so a background capture's thread does not keep it alive).
     """
 
-    def __init__(self, server: Any, backend: Any, checks: Any, post_warmup_hook: Optional[Callable[[Any], Any]],
-                 progress: bool, memory_budget: MemoryBudget, output_arena: Any,
-                 config: Optional[Callable[[], Dict[str, Any]]] = None) -> None:
+    def __init__(
+        self,
+        server: Any,
+        backend: Any,
+        checks: Any,
+        post_warmup_hook: Callable[[Any], Any] | None,
+        progress: bool,
+        memory_budget: MemoryBudget,
+        output_arena: Any,
+        config: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
         self.server, self.backend, self.checks = server, backend, checks
         self.post_warmup_hook, self.progress, self.budget = post_warmup_hook, bool(progress), memory_budget
         self.output_arena = output_arena
-        self.config: Callable[[], Dict[str, Any]] = config or (lambda: config_fields(self.server, self.checks))
+        self.config: Callable[[], dict[str, Any]] = config or (lambda: config_fields(self.server, self.checks))
         #: The last capture's :class:`CaptureReport` (``None`` before one, after ``cleanup()``).
-        self.report: Optional[CaptureReport] = None
+        self.report: CaptureReport | None = None
         #: Tests: a ``threading.Event`` the background thread waits for before its first key.
         self.background_gate: Any = None
 
@@ -191,8 +235,11 @@ class Capturer:
                 raise failed from exc  # a peer failed alone: its error, on every rank
             err = user_error(exc)
             if failed is not exc:  # this rank failed alone: reported, the group aborted; its own error
-                add_note(err, f"GraphRunner: rank {self.server.rank} failed alone; it told the other ranks out of "
-                              f"band and aborted the process group, so they raise RankFailedError: {failed}")
+                add_note(
+                    err,
+                    f"GraphRunner: rank {self.server.rank} failed alone; it told the other ranks out of "
+                    f"band and aborted the process group, so they raise RankFailedError: {failed}",
+                )
             if err is exc:
                 raise
             raise err from None
@@ -200,16 +247,16 @@ class Capturer:
             run.close(ok)
         return run.finish()
 
-    def _budget_finding(self, collect: Any) -> Callable[[Any, List[BucketReport], BucketReport], None]:
+    def _budget_finding(self, collect: Any) -> Callable[[Any, list[BucketReport], BucketReport], None]:
         """In collect mode (``graphrunner check``): the memory budget as one finding (the first key
         over it), instead of the restart a capture makes."""
         from graphrunner.budget import OverBudget
-        from graphrunner.report import format_bytes
         from graphrunner.recording.hooks import Finding
+        from graphrunner.report import format_bytes
 
-        over_at: List[Any] = []  # one finding: the first key over the budget
+        over_at: list[Any] = []  # one finding: the first key over the budget
 
-        def report(ext: Any, reports: List[BucketReport], bucket: BucketReport) -> None:
+        def report(ext: Any, reports: list[BucketReport], bucket: BucketReport) -> None:
             try:
                 self.budget.append(ext, reports, bucket)
             except OverBudget as over:
@@ -219,11 +266,20 @@ class Capturer:
                 if over_at:
                     return
                 over_at.append(ext)
-                collect.findings.append(Finding(
-                    "memory-budget", f"memory_budget={format_bytes(limit)}: with key {ext!r} the "
-                    f"graph pool holds {format_bytes(over.total)}, over the budget: a capture leaves this key "
-                    "(and any that do not fit after it) to eager", None, None, None,
-                    fix="raise memory_budget, or capture fewer keys (buckets=, keys=)", bucket=ext))
+                collect.findings.append(
+                    Finding(
+                        "memory-budget",
+                        f"memory_budget={format_bytes(limit)}: with key {ext!r} the "
+                        f"graph pool holds {format_bytes(over.total)}, over the budget: a capture leaves this key "
+                        "(and any that do not fit after it) to eager",
+                        None,
+                        None,
+                        None,
+                        fix="raise memory_budget, or capture fewer keys (buckets=, keys=)",
+                        bucket=ext,
+                    )
+                )
+
         return report
 
     def capture_in_background(self, agree: bool) -> None:
@@ -231,8 +287,10 @@ class Capturer:
         from graphrunner.background import start_background
 
         if self.budget.budget is not None:
-            raise ValueError("GraphRunner.capture(background=True) does not apply memory_budget (it measures each "
-                             "key's graph after the capture); capture in the foreground, or drop memory_budget")
+            raise ValueError(
+                "GraphRunner.capture(background=True) does not apply memory_budget (it measures each "
+                "key's graph after the capture); capture in the foreground, or drop memory_budget"
+            )
         run = CaptureRun(self, self.server.space.capture_order(), agree)  # sets the server's agreement up
         start_background(self.server, run, self.backend, self.background_gate)
 
@@ -254,7 +312,7 @@ class Capturer:
         self.report = None
         server.stop_serving()
 
-    def wait(self, timeout: Optional[float]) -> Optional[CaptureReport]:
+    def wait(self, timeout: float | None) -> CaptureReport | None:
         """``runner.wait_captured(timeout)`` (:func:`graphrunner.background.wait_background`).
         ``timeout``: seconds >= 0, ``None`` or ``math.inf`` to wait until done; ``ValueError`` for a
         negative or NaN one, ``TypeError`` for a non-number (nothing is waited for then)."""
@@ -270,17 +328,21 @@ class Capturer:
         return report
 
 
-def wait_seconds(timeout: Any) -> Optional[float]:
+def wait_seconds(timeout: Any) -> float | None:
     """``wait_captured(timeout=)`` as seconds for ``Thread.join`` (``None``: wait until done, for
     ``None`` and ``math.inf``); ``ValueError`` for a negative or NaN timeout, ``TypeError`` for
     anything but a real number."""
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"wait_captured(timeout=...) must be seconds (a number >= 0) or None, got "
-                        f"{type(timeout).__name__} ({timeout!r})")
+        raise TypeError(
+            f"wait_captured(timeout=...) must be seconds (a number >= 0) or None, got "
+            f"{type(timeout).__name__} ({timeout!r})"
+        )
     t = float(timeout)
     if math.isnan(t) or t < 0:
-        raise ValueError(f"wait_captured(timeout=...) must be >= 0 seconds (None or math.inf: until the capture "
-                         f"is done), got {timeout!r}")
+        raise ValueError(
+            f"wait_captured(timeout=...) must be >= 0 seconds (None or math.inf: until the capture "
+            f"is done), got {timeout!r}"
+        )
     return None if math.isinf(t) else t

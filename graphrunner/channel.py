@@ -59,7 +59,8 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
+from collections.abc import Callable, Hashable
+from typing import Any
 
 from graphrunner.errors import AgreementError, PaddingLeakError, RankFailedError, RanksDisagreeError, RankTimeoutError
 
@@ -81,8 +82,21 @@ PAYLOAD = FRAME - HEADER
 #: The collectives' kinds (2 bits of the tag).
 KINDS = ("barrier", "all_max", "all_min", "all_max_vector")
 #: The phases graphrunner names, with fixed ids (a phase not listed gets an id from its hash).
-PHASES = ("", "warmup", "pre_capture", "runner_agree", "runner_replayable", "fingerprint", "fingerprint_values",
-          "leak_check", "shadow_verify", "dp_step", "capture", "config", "capture_break")
+PHASES = (
+    "",
+    "warmup",
+    "pre_capture",
+    "runner_agree",
+    "runner_replayable",
+    "fingerprint",
+    "fingerprint_values",
+    "leak_check",
+    "shadow_verify",
+    "dp_step",
+    "capture",
+    "config",
+    "capture_break",
+)
 _PHASE_BITS = 12  # phase id; then 2 bits of kind; the rest of the tag is the sequence number
 _CODE_BITS = _PHASE_BITS + 2
 _SEQ_LIMIT = 1 << (62 - _CODE_BITS)
@@ -109,22 +123,28 @@ class Channel:
         #: How many collectives this rank made on the channel (the next one's sequence number).
         self.seq = 0
         self._lock = threading.Lock()
-        self._names: Dict[int, str] = {phase_id(p): p for p in PHASES}
+        self._names: dict[int, str] = {phase_id(p): p for p in PHASES}
         #: The process group aborted when a rank fails (``None``: nothing to abort), and the
         #: rendezvous store the failure is reported through (``None``: this process only).
         self._pg = _weak(process_group)  # never keeps the process group alive past destroy_process_group()
         self.store = store
         #: Set once a rank of the group failed alone (this one or a peer): every collective then
         #: raises it again, sending nothing.
-        self.failure: Optional[RankFailedError] = None
+        self.failure: RankFailedError | None = None
         #: Failures every rank raised alike so far (the store keys of the next one carry it).
         self.generation = 0
         #: Seconds a failed rank waits for its peers' reports of the same failure (:meth:`fail`).
         self.window = FAIL_WINDOW
         self._fail_lock = threading.Lock()  # not _lock: a thread may be inside a collective holding it
 
-    def exchange(self, send: Callable[[List[int]], List[int]], kind: str, values: List[int], phase: str = "",
-                 key: Optional[Hashable] = None) -> List[int]:
+    def exchange(
+        self,
+        send: Callable[[list[int]], list[int]],
+        kind: str,
+        values: list[int],
+        phase: str = "",
+        key: Hashable | None = None,
+    ) -> list[int]:
         """The element-wise max of ``values`` over the ranks, as one collective of ``kind`` (one of
         :data:`KINDS`) in ``phase`` (``key`` names it in errors). Raises
         :class:`~graphrunner.errors.AgreementError` on every rank when the ranks' collectives differ."""
@@ -133,14 +153,14 @@ class Channel:
         self._names.setdefault(pid, phase)
         code = (pid << 2) | KINDS.index(kind)
         n = len(values)
-        out: List[int] = []
+        out: list[int] = []
         with self._lock:
             if self.failure is not None:  # a rank failed alone: nothing more is sent on this group
                 raise self.again()
             seq = self.seq
             self.seq += 1
             for start in range(0, max(n, 1), PAYLOAD):
-                chunk = list(values[start:start + PAYLOAD])
+                chunk = list(values[start : start + PAYLOAD])
                 tag = ((seq % _SEQ_LIMIT) << _CODE_BITS) | code
                 try:
                     got = send([tag, -tag, n, -n] + chunk + [0] * (PAYLOAD - len(chunk)))
@@ -150,13 +170,15 @@ class Channel:
                         raise self.again() from exc
                     raise
                 if len(got) != FRAME:
-                    raise AgreementError(f"rank {self.rank}: the group's reduction returned {len(got)} values for a "
-                                         f"frame of {FRAME}; it must return one per element")
+                    raise AgreementError(
+                        f"rank {self.rank}: the group's reduction returned {len(got)} values for a "
+                        f"frame of {FRAME}; it must return one per element"
+                    )
                 hi, lo, n_hi, n_lo = int(got[0]), -int(got[1]), int(got[2]), -int(got[3])
                 if hi != lo or n_hi != n_lo:
                     self.seq = max(self.seq, (hi >> _CODE_BITS) + 1)  # past every rank's: later collectives pair
                     raise self._mismatch(seq, code, n, key, (lo, n_lo), (hi, n_hi))
-                out.extend(int(v) for v in got[HEADER:HEADER + len(chunk)])
+                out.extend(int(v) for v in got[HEADER : HEADER + len(chunk)])
         return out
 
     # ------------------------------------------------------------- a rank that fails alone
@@ -165,7 +187,7 @@ class Channel:
         """The process group a failure aborts (``None``: none, or no longer alive)."""
         return self._pg()
 
-    def fail(self, cause: BaseException, where: str, alone: bool = False) -> Optional[RankFailedError]:
+    def fail(self, cause: BaseException, where: str, alone: bool = False) -> RankFailedError | None:
         """This rank's capture or step raised ``cause`` (``where``: e.g. ``"in its background capture"``)
         while its peers may be inside the step's own collectives. Sends nothing on the group.
 
@@ -201,11 +223,17 @@ class Channel:
                         time.sleep(0.005)
                     if together:
                         report = "together"
-                verdict = _text(store.compare_set(decision, "", "failed\n" + report if report != "together"
-                                                  else report))
+                verdict = _text(
+                    store.compare_set(decision, "", "failed\n" + report if report != "together" else report)
+                )
             except Exception as exc:  # noqa: BLE001 - the abort below still ends the peers' collectives
-                logger.error("GraphRunner: rank %d could not report its failure to the store (%s: %s); "
-                             "its peers will raise RankTimeoutError", self.rank, type(exc).__name__, exc)
+                logger.error(
+                    "GraphRunner: rank %d could not report its failure to the store (%s: %s); "
+                    "its peers will raise RankTimeoutError",
+                    self.rank,
+                    type(exc).__name__,
+                    exc,
+                )
                 verdict = "failed\n" + report
             if verdict == "together":  # every rank failed here alike: in step, nothing aborted
                 self.generation += 1
@@ -215,7 +243,7 @@ class Channel:
         self._abort()
         return self.failure
 
-    def peer_failure(self) -> Optional[RankFailedError]:
+    def peer_failure(self) -> RankFailedError | None:
         """The failure a rank of the group reported as failed alone (:meth:`fail`), or ``None``: read
         from the store without waiting. Once found, this rank aborts its process group too (any
         collective still pending on it ends) and every later collective raises it."""
@@ -254,7 +282,9 @@ class Channel:
             "rank: every later call raises this error. To go on, fix the cause on that rank, then on every "
             "rank destroy the process group (torch.distributed.destroy_process_group()), initialise a new one, "
             "build and capture a new GraphRunner; or let the processes exit",
-            int(rank) if rank.lstrip("-").isdigit() else -1, text)
+            int(rank) if rank.lstrip("-").isdigit() else -1,
+            text,
+        )
 
     def _abort(self) -> None:
         """Abort the process group (its pending collectives fail at once, on every rank)."""
@@ -270,10 +300,15 @@ class Channel:
 
                 _abort_process_group(pg)
         except Exception as exc:  # noqa: BLE001 - a failed abort leaves the peers to their timeout
-            logger.error("GraphRunner: rank %d could not abort its process group (%s: %s); its peers' pending "
-                         "collectives end at their timeout", self.rank, type(exc).__name__, exc)
+            logger.error(
+                "GraphRunner: rank %d could not abort its process group (%s: %s); its peers' pending "
+                "collectives end at their timeout",
+                self.rank,
+                type(exc).__name__,
+                exc,
+            )
 
-    def _describe(self, tag: int, n: int) -> Tuple[int, str]:
+    def _describe(self, tag: int, n: int) -> tuple[int, str]:
         seq, code = tag >> _CODE_BITS, tag & ((1 << _CODE_BITS) - 1)
         pid, kind = code >> 2, KINDS[code & 3]
         name = self._names.get(pid)
@@ -281,8 +316,9 @@ class Channel:
         size = f" of {n} values" if kind == "all_max_vector" else ""
         return seq, f"collective #{seq} ({kind}{size} in {where})"
 
-    def _mismatch(self, seq: int, code: int, n: int, key: Any, lo: Tuple[int, int], hi: Tuple[int, int]
-                  ) -> AgreementError:
+    def _mismatch(
+        self, seq: int, code: int, n: int, key: Any, lo: tuple[int, int], hi: tuple[int, int]
+    ) -> AgreementError:
         own = self._describe((seq << _CODE_BITS) | code, n)[1]
         lo_seq, low = self._describe(*lo)
         hi_seq, high = self._describe(*hi)
@@ -294,10 +330,11 @@ class Channel:
             "repeated a step). Nothing ran on any rank for this collective, and every rank raised this error. "
             "Every rank must make the same calls in the same order: capture(), wait_captured(), cleanup() "
             "and every call of the runner on every rank alike",
-            collectives=(seq, lo_seq, hi_seq))
+            collectives=(seq, lo_seq, hi_seq),
+        )
 
 
-_CHANNELS: "weakref.WeakKeyDictionary[Any, Channel]" = weakref.WeakKeyDictionary()
+_CHANNELS: weakref.WeakKeyDictionary[Any, Channel] = weakref.WeakKeyDictionary()
 _CHANNELS_LOCK = threading.Lock()
 
 
@@ -330,7 +367,7 @@ def _text(value: Any) -> str:
 
 
 def _chain_has(exc: BaseException, cls: type) -> bool:
-    e: Optional[BaseException] = exc
+    e: BaseException | None = exc
     for _ in range(8):
         if e is None:
             return False
@@ -344,7 +381,7 @@ def _together(exc: BaseException) -> bool:
     """``exc`` (or what it wraps) is an error every rank raised together, in step: the channel's or the
     agreement's :class:`AgreementError`, the fingerprint's ``RanksDisagreeError``, an agreed padding leak."""
     seen = 0
-    e: Optional[BaseException] = exc
+    e: BaseException | None = exc
     while e is not None and seen < 8:
         if isinstance(e, (RanksDisagreeError, PaddingLeakError)) or (isinstance(e, AgreementError) and e.unpaired):
             return True

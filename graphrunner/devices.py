@@ -21,7 +21,8 @@ import copy
 import os
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -87,7 +88,7 @@ class Device:
         self._pool = None
         self._pool_graphs = []
 
-    def with_own_pool(self) -> "Device":
+    def with_own_pool(self) -> Device:
         """A device like this one (same torch device, settings and capture stream) whose graphs
         share a memory pool of their own, not this device's (optional device method).
 
@@ -135,10 +136,14 @@ class TapeDevice(Device):
 
     kind = "tape"
 
-    def __init__(self, torch_device: str | torch.device = "cpu",
-                 poison_captured_values: bool | None = None, jit_replay: bool | None = None) -> None:
-        from graphrunner.tape import _resolve_poison
+    def __init__(
+        self,
+        torch_device: str | torch.device = "cpu",
+        poison_captured_values: bool | None = None,
+        jit_replay: bool | None = None,
+    ) -> None:
         from graphrunner.tape.jit import jit_default
+        from graphrunner.tape.survivors import _resolve_poison
 
         self.torch_device = torch.device(torch_device)
         #: Whether the graphs this device makes poison their survivors at capture end.
@@ -160,7 +165,7 @@ class TapeDevice(Device):
             torch.cuda.synchronize(self.torch_device)
 
     # -- streams (graphrunner.tape.streams: torch.cuda's API on the tape) ----
-    def new_stream(self, priority: int = 0, name: "str | None" = None):
+    def new_stream(self, priority: int = 0, name: str | None = None):
         """A new :class:`~graphrunner.tape.TapeStream` (``torch.cuda.Stream()``)."""
         from graphrunner.tape.streams import TapeStream
 
@@ -244,7 +249,7 @@ class TapeDevice(Device):
         stream, made current for the capture and joined back after it (also
         when the block raises), as :class:`CudaDevice` does with its capture
         stream."""
-        from graphrunner.tape import _capturing
+        from graphrunner.tape.graph import _capturing
 
         if pool is None:
             pool = self.graph_pool()
@@ -256,8 +261,8 @@ class TapeDevice(Device):
 
     @contextlib.contextmanager
     def _capture_on(self, graph, stream, capture_error_mode: str, pool) -> Iterator[None]:
-        from graphrunner.tape import _capturing
         from graphrunner.tape import streams
+        from graphrunner.tape.graph import _capturing
 
         current = streams.current_stream()
         stream.wait_stream(current)
@@ -276,19 +281,21 @@ class TapeDevice(Device):
 #: Set once a CUDA capture could not be ended (an invalidated capture): the caching allocator
 #: still believes that capture is underway, for the rest of the process (torch 2.13's
 #: ``CUDAGraph::capture_end`` throws before ``endAllocateToPool``). ``None`` while healthy.
-_ALLOCATOR_MID_CAPTURE: "str | None" = None
+_ALLOCATOR_MID_CAPTURE: str | None = None
 
-_RESTART = ("The CUDA caching allocator is left mid-capture for the rest of this process (torch's "
-            "CUDAGraph::capture_end threw before it told the allocator that the capture ended): "
-            "torch.cuda.empty_cache() and any out-of-memory retry would fail an INTERNAL ASSERT, and no further "
-            "capture is safe. Restart the process, after fixing the cause above")
+_RESTART = (
+    "The CUDA caching allocator is left mid-capture for the rest of this process (torch's "
+    "CUDAGraph::capture_end threw before it told the allocator that the capture ended): "
+    "torch.cuda.empty_cache() and any out-of-memory retry would fail an INTERNAL ASSERT, and no further "
+    "capture is safe. Restart the process, after fixing the cause above"
+)
 
 
-def _collective_in(exc: BaseException) -> "str | None":
+def _collective_in(exc: BaseException) -> str | None:
     """The torch.distributed function an exception was raised in (walking its traceback and
     its chain), or None: a collective that failed inside a CUDA graph capture."""
     seen = set()
-    e: "BaseException | None" = exc
+    e: BaseException | None = exc
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         tb = e.__traceback__
@@ -369,7 +376,7 @@ class CudaDevice(Device):
         self._pool_graphs = []  # graphs captured into the current pool
         self._pool_begun = False  # a capture began in the current pool: the allocator registered it
         self._stream: torch.cuda.Stream | None = None
-        self._empty_graphs: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+        self._empty_graphs: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
     def __repr__(self) -> str:
         return f"CudaDevice({str(self.cuda_device)!r})"
@@ -378,7 +385,7 @@ class CudaDevice(Device):
         """``torch.cuda.synchronize`` on this GPU."""
         torch.cuda.synchronize(self.cuda_device)
 
-    def new_graph(self) -> "torch.cuda.CUDAGraph":
+    def new_graph(self) -> torch.cuda.CUDAGraph:
         """Return a new, empty ``torch.cuda.CUDAGraph``."""
         return torch.cuda.CUDAGraph()
 
@@ -401,7 +408,7 @@ class CudaDevice(Device):
         """Whether a graph captured into this device's pool still holds it (:meth:`Device.pool_in_use`)."""
         return self._pool is not None and any(_holds_pool(ref()) for ref in self._pool_graphs)
 
-    def with_own_pool(self) -> "CudaDevice":
+    def with_own_pool(self) -> CudaDevice:
         """A ``CudaDevice`` on the same GPU, capturing on the same side stream, whose graphs share
         a pool of their own (:meth:`Device.with_own_pool`): its pool bookkeeping starts empty."""
         self.capture_stream()  # made now, so that the twin captures on the same stream
@@ -435,14 +442,14 @@ class CudaDevice(Device):
                 self.release_pool()
         return self.graph_pool()
 
-    def capture_stream(self) -> "torch.cuda.Stream":
+    def capture_stream(self) -> torch.cuda.Stream:
         """Return the side stream every capture of this device runs on (made on first use)."""
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self.cuda_device)
         return self._stream
 
     @contextlib.contextmanager
-    def _on_capture_stream(self, stream=None) -> Iterator["torch.cuda.Stream"]:
+    def _on_capture_stream(self, stream=None) -> Iterator[torch.cuda.Stream]:
         stream = stream if stream is not None else self.capture_stream()
         current = torch.cuda.current_stream(self.cuda_device)
         stream.wait_stream(current)
@@ -458,19 +465,19 @@ class CudaDevice(Device):
         return self._on_capture_stream()
 
     # -- streams: the same names as TapeDevice's, over torch.cuda -------------
-    def new_stream(self, priority: int = 0, name: "str | None" = None) -> "torch.cuda.Stream":
+    def new_stream(self, priority: int = 0, name: str | None = None) -> torch.cuda.Stream:
         """A new ``torch.cuda.Stream`` on this GPU (``name`` is accepted for parity with the tape)."""
         return torch.cuda.Stream(device=self.cuda_device, priority=priority)
 
-    def new_event(self, enable_timing: bool = False) -> "torch.cuda.Event":
+    def new_event(self, enable_timing: bool = False) -> torch.cuda.Event:
         """A new ``torch.cuda.Event``."""
         return torch.cuda.Event(enable_timing=enable_timing)
 
-    def current_stream(self) -> "torch.cuda.Stream":
+    def current_stream(self) -> torch.cuda.Stream:
         """``torch.cuda.current_stream`` of this GPU."""
         return torch.cuda.current_stream(self.cuda_device)
 
-    def default_stream(self) -> "torch.cuda.Stream":
+    def default_stream(self) -> torch.cuda.Stream:
         """``torch.cuda.default_stream`` of this GPU."""
         return torch.cuda.default_stream(self.cuda_device)
 
@@ -490,7 +497,7 @@ class CudaDevice(Device):
         """Bytes the caching allocator holds on this GPU (``torch.cuda.memory_reserved``)."""
         return int(torch.cuda.memory_reserved(self.cuda_device))
 
-    def mem_get_info(self) -> "tuple[int, int]":
+    def mem_get_info(self) -> tuple[int, int]:
         """``(free, total)`` bytes of this GPU (``torch.cuda.mem_get_info``)."""
         free, total = torch.cuda.mem_get_info(self.cuda_device)
         return int(free), int(total)
@@ -500,8 +507,10 @@ class CudaDevice(Device):
         if _ALLOCATOR_MID_CAPTURE is not None:
             from graphrunner.errors import CaptureError
 
-            raise CaptureError(f"no CUDA capture is possible in this process any more: an earlier capture failed "
-                               f"({_ALLOCATOR_MID_CAPTURE}). {_RESTART}.")
+            raise CaptureError(
+                f"no CUDA capture is possible in this process any more: an earlier capture failed "
+                f"({_ALLOCATOR_MID_CAPTURE}). {_RESTART}."
+            )
 
     @contextlib.contextmanager
     def capture(self, graph, stream=None, capture_error_mode: str = "global", pool=None) -> Iterator[None]:
@@ -543,11 +552,14 @@ class CudaDevice(Device):
                 with contextlib.suppress(Exception):
                     graph.reset()
                 collective = _collective_in(exc) if isinstance(exc, Exception) else None
-                what = (f"torch.distributed.{collective} failed inside a CUDA graph capture: only NCCL collectives "
-                        "can be captured (a gloo or MPI collective on CUDA tensors synchronizes the device, which "
-                        "stream capture forbids). Use an NCCL process group for collectives inside the step, or "
-                        "call them in a @no_graph function with the breakable backend"
-                        if collective is not None else None)
+                what = (
+                    f"torch.distributed.{collective} failed inside a CUDA graph capture: only NCCL collectives "
+                    "can be captured (a gloo or MPI collective on CUDA tensors synchronizes the device, which "
+                    "stream capture forbids). Use an NCCL process group for collectives inside the step, or "
+                    "call them in a @no_graph function with the breakable backend"
+                    if collective is not None
+                    else None
+                )
                 if end_error is not None:
                     global _ALLOCATOR_MID_CAPTURE
                     cause = what or f"{type(exc).__name__}: {str(exc).strip()[:600]}"
@@ -586,7 +598,7 @@ _DEVICE_METHODS = ("synchronize", "new_graph", "graph_pool", "capture_stream", "
 DEVICE_ENV_VAR = "GRAPHRUNNER_DEVICE"
 
 
-def get_device(kind: "str | Device | None" = "auto") -> Device:
+def get_device(kind: str | Device | None = "auto") -> Device:
     """Return a device.
 
     ``"auto"`` (or ``None``) gives a :class:`CudaDevice` when CUDA is
@@ -613,8 +625,10 @@ def get_device(kind: "str | Device | None" = "auto") -> Device:
     if kind == "auto":
         env = os.environ.get(DEVICE_ENV_VAR, "auto").strip().lower() or "auto"
         if env not in _KINDS:
-            raise ValueError(f"${DEVICE_ENV_VAR} is {os.environ.get(DEVICE_ENV_VAR)!r}: expected one of {_KINDS} "
-                             "(or unset); it says what device='auto' means")
+            raise ValueError(
+                f"${DEVICE_ENV_VAR} is {os.environ.get(DEVICE_ENV_VAR)!r}: expected one of {_KINDS} "
+                "(or unset); it says what device='auto' means"
+            )
         if env != "auto":
             return get_device(env)
         return CudaDevice() if torch.cuda.is_available() else TapeDevice("cpu")

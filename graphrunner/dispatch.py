@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, Callable, Dict, Hashable, Optional, Protocol, Sequence, Set, Tuple
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from graphrunner.backends.base import GraphBackend
 from graphrunner.errors import GraphRunnerError
@@ -37,7 +38,7 @@ IDLE = "idle"
 #: step runs eagerly on the inputs padded to the key, as its graph will (``capture(background=True)``).
 CAPTURING = "capturing"
 
-Sizes = Tuple[int, ...]
+Sizes = tuple[int, ...]
 
 
 class ReplayBackend(Protocol):
@@ -66,7 +67,7 @@ class Route:
     when it does not replay (the agreed sizes, or the key's for :data:`CAPTURING`; ``()`` when it
     replays); ``reason``: why it does not replay (``""`` when it does)."""
 
-    key: Optional[Sizes]
+    key: Sizes | None
     ext: Key = ()
     replay: Callable[[], None] = _no_replay
     #: The step's static outputs (a pytree of the user's step, or a :class:`FreshOutputs` box).
@@ -81,15 +82,16 @@ class Routes:
     ``backend``, ``layout`` (its :class:`~graphrunner.layout.OutputLayout`: which outputs an idle
     call leaves empty) and ``replayable`` (``{key: every rank can replay it}``, from the agreement)."""
 
-    def __init__(self, space: KeySpace, backend: ReplayBackend, layout: OutputLayout,
-                 replayable: Optional[Dict[Sizes, bool]] = None) -> None:
+    def __init__(
+        self, space: KeySpace, backend: ReplayBackend, layout: OutputLayout, replayable: dict[Sizes, bool] | None = None
+    ) -> None:
         self.space, self.backend, self.layout = space, backend, layout
-        self.replayable: Dict[Sizes, bool] = replayable or {}
+        self.replayable: dict[Sizes, bool] = replayable or {}
         #: Keys a background capture will still capture: their calls run eagerly, padded to the key.
-        self.pending: Set[Sizes] = set()
-        self._routes: Dict[Sizes, Route] = {}
+        self.pending: set[Sizes] = set()
+        self._routes: dict[Sizes, Route] = {}
         #: The replaying route of each key: the sizes a key serves share one (varlen sizes rarely repeat).
-        self._by_key: Dict[Sizes, Route] = {}
+        self._by_key: dict[Sizes, Route] = {}
         #: The route of ``rows`` if already known, else ``None`` (the hot path's one lookup).
         self.get = self._routes.get
 
@@ -158,4 +160,5 @@ class Routes:
 
             def replay(b=self.backend, k=ext, box=outputs) -> None:
                 box.value = b.replay(k)
+
         return Route(key, ext, replay, outputs, math.prod(key))

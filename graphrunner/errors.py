@@ -6,7 +6,7 @@ classes below, with a message that names what was wrong and what to do.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any
 
 
 def add_note(exc: BaseException, note: str) -> BaseException:
@@ -104,10 +104,14 @@ class AgreementError(GraphRunnerError):
     the group returned an agreement that cannot be right (an agreed size below this rank's own in
     some dim: a broken group implementation). Nothing was replayed."""
 
-    def __init__(self, message: str, calls: Optional[Tuple[int, int, int]] = None,
-                 digests: Optional[Tuple[int, int, int]] = None,
-                 collectives: Optional[Tuple[int, int, int]] = None,
-                 steps: Optional[Tuple[int, int, int]] = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        calls: tuple[int, int, int] | None = None,
+        digests: tuple[int, int, int] | None = None,
+        collectives: tuple[int, int, int] | None = None,
+        steps: tuple[int, int, int] | None = None,
+    ) -> None:
         super().__init__(message)
         #: ``(this rank's call number, lowest, highest over the ranks)`` when the call numbers differ.
         self.calls = calls
@@ -134,7 +138,7 @@ class RankTimeoutError(GraphRunnerError):
     message names this rank, the phase and the shape key."""
 
     @classmethod
-    def from_step(cls, exc: BaseException, group: Any, phase: str, key: Any) -> Optional["RankTimeoutError"]:
+    def from_step(cls, exc: BaseException, group: Any, phase: str, key: Any) -> RankTimeoutError | None:
         """The error for ``exc``, raised by the step (warmup, capture, replay,
         eager break or fallback) of a multi-rank ``group``, if ``exc`` is a
         failed collective (gloo/NCCL/c10d report a dead or stuck peer as a
@@ -151,9 +155,18 @@ class RankTimeoutError(GraphRunnerError):
             f"rank {int(getattr(group, 'rank', 0))} of {size}: a collective inside the step did not complete{within} "
             f"in phase {phase!r} for shape key {key!r} (a peer rank died, raised, or is stuck): "
             f"{type(exc).__name__}: {text.strip()[:300]}. The process group is no longer usable: let this process "
-            "exit")
+            "exit"
+        )
 
 
 #: Words in a ``RuntimeError`` that mark a failed collective (gloo, NCCL, c10d).
-_COLLECTIVE_FAILURES = ("Timed out", "timed out", "Connection closed", "Connection reset", "gloo", "NCCL",
-                        "ProcessGroup", "c10d")
+_COLLECTIVE_FAILURES = (
+    "Timed out",
+    "timed out",
+    "Connection closed",
+    "Connection reset",
+    "gloo",
+    "NCCL",
+    "ProcessGroup",
+    "c10d",
+)

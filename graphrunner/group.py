@@ -30,7 +30,8 @@ import datetime
 import logging
 import operator
 import time
-from typing import Any, Hashable, List, Optional
+from collections.abc import Hashable
+from typing import Any
 
 import torch
 
@@ -57,7 +58,7 @@ def _check_int(value: Any, what: str) -> int:
     raise TypeError(f"{what} expects a Python int, got {type(value).__name__} ({value!r})")
 
 
-def _check_ints(values: Any, what: str) -> List[int]:
+def _check_ints(values: Any, what: str) -> list[int]:
     """``values`` as a non-empty list of ints; TypeError/ValueError otherwise."""
     if isinstance(values, (str, bytes, torch.Tensor)) or not hasattr(values, "__iter__"):
         raise TypeError(f"{what} expects a list of Python ints, got {type(values).__name__} ({values!r:.60})")
@@ -75,8 +76,13 @@ def _bound_timeout(process_group: Any, seconds: float) -> None:
 
         _set_pg_timeout(datetime.timedelta(seconds=seconds), process_group)
     except Exception as exc:  # noqa: BLE001 - a missing private API must not stop the run
-        logger.warning("TorchDistGroup: could not set the process group's timeout to %gs (%s: %s); collectives "
-                       "inside the step keep the process group's own timeout", seconds, type(exc).__name__, exc)
+        logger.warning(
+            "TorchDistGroup: could not set the process group's timeout to %gs (%s: %s); collectives "
+            "inside the step keep the process group's own timeout",
+            seconds,
+            type(exc).__name__,
+            exc,
+        )
 
 
 def _group_store(process_group: Any) -> Any:
@@ -101,18 +107,18 @@ class LocalGroup:
     rank: int = 0
     size: int = 1
 
-    def barrier(self, phase: str = "", key: Optional[Hashable] = None) -> None:
+    def barrier(self, phase: str = "", key: Hashable | None = None) -> None:
         """Return immediately (there is no other rank to wait for)."""
 
-    def all_max(self, value: int, phase: str = "", key: Optional[Hashable] = None) -> int:
+    def all_max(self, value: int, phase: str = "", key: Hashable | None = None) -> int:
         """Return ``value`` (the maximum over a single rank)."""
         return _check_int(value, "all_max")
 
-    def all_min(self, value: int, phase: str = "", key: Optional[Hashable] = None) -> int:
+    def all_min(self, value: int, phase: str = "", key: Hashable | None = None) -> int:
         """Return ``value`` (the minimum over a single rank)."""
         return _check_int(value, "all_min")
 
-    def all_max_vector(self, values, phase: str = "", key: Optional[Hashable] = None) -> List[int]:
+    def all_max_vector(self, values, phase: str = "", key: Hashable | None = None) -> list[int]:
         """Return ``values`` as a list of ints (the element-wise maximum over a single rank)."""
         return _check_ints(values, "all_max_vector")
 
@@ -188,14 +194,16 @@ class TorchDistGroup:
         self.channel = channel_for(pg, self.rank, self.size, _group_store(pg))
 
     def __repr__(self) -> str:
-        return f"TorchDistGroup(rank={self.rank}, size={self.size}, backend={self.backend_name!r}, timeout={self.timeout})"
+        return (
+            f"TorchDistGroup(rank={self.rank}, size={self.size}, backend={self.backend_name!r}, timeout={self.timeout})"
+        )
 
-    def _exchange(self, kind: str, values: List[int], phase: str, key: Optional[Hashable]) -> List[int]:
+    def _exchange(self, kind: str, values: list[int], phase: str, key: Hashable | None) -> list[int]:
         """``values``' element-wise max over the ranks, as one collective of the group's channel."""
         where = f"{kind} in phase {phase or '<unnamed>'!r} for shape key {key!r}"
         return self.channel.exchange(lambda frame: self._all_reduce_max(frame, where), kind, values, phase, key)
 
-    def _all_reduce_max(self, values: List[int], where: str) -> List[int]:
+    def _all_reduce_max(self, values: list[int], where: str) -> list[int]:
         """One element-wise max of ``values`` over the ranks (one channel frame), with the deadline."""
         dist = self._dist
         t = torch.tensor(values, dtype=torch.int64, device=self._device)
@@ -245,7 +253,7 @@ class TorchDistGroup:
             if self.channel.failure is not None:
                 raise RuntimeError(f"the process group was aborted: {self.channel.failure}")
 
-    def barrier(self, phase: str = "", key: Optional[Hashable] = None) -> None:
+    def barrier(self, phase: str = "", key: Hashable | None = None) -> None:
         """Block until every rank of the group reached this barrier.
 
         Raises ``RankTimeoutError`` (naming this rank, ``phase`` and ``key``)
@@ -253,21 +261,21 @@ class TorchDistGroup:
         """
         self._exchange("barrier", [], phase, key)
 
-    def all_max(self, value: int, phase: str = "", key: Optional[Hashable] = None) -> int:
+    def all_max(self, value: int, phase: str = "", key: Hashable | None = None) -> int:
         """Return the maximum of ``value`` over all ranks (a collective).
 
         Raises ``RankTimeoutError`` like :meth:`barrier`.
         """
         return self._exchange("all_max", [_check_int(value, "all_max")], phase, key)[0]
 
-    def all_min(self, value: int, phase: str = "", key: Optional[Hashable] = None) -> int:
+    def all_min(self, value: int, phase: str = "", key: Hashable | None = None) -> int:
         """Return the minimum of ``value`` over all ranks (a collective).
 
         Raises ``RankTimeoutError`` like :meth:`barrier`.
         """
         return -self._exchange("all_min", [-_check_int(value, "all_min")], phase, key)[0]
 
-    def all_max_vector(self, values, phase: str = "", key: Optional[Hashable] = None) -> List[int]:
+    def all_max_vector(self, values, phase: str = "", key: Hashable | None = None) -> list[int]:
         """Return the element-wise maximum of the int list ``values`` over all
         ranks, in ONE collective (every rank passes a list of the same length).
 

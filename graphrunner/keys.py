@@ -16,35 +16,48 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from typing import TYPE_CHECKING, Any, Dict, Hashable, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
+from collections.abc import Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from graphrunner.buckets import _check_ratio, validate_buckets
-from graphrunner.errors import AgreementError, GraphRunnerError
+from graphrunner.errors import AgreementError
 
 if TYPE_CHECKING:
     from graphrunner.inputs import BatchInput
 
-__all__ = ["KeySpace", "BATCH_DIM", "agree", "agreement_vector", "all_max_vector", "AgreementError",
-           "check_dims", "region", "padding_regions", "slice_leaves", "count_leaves", "resolve_input_dims",
-           "resolve_output_dims"]
+__all__ = [
+    "KeySpace",
+    "BATCH_DIM",
+    "agree",
+    "agreement_vector",
+    "all_max_vector",
+    "AgreementError",
+    "check_dims",
+    "region",
+    "padding_regions",
+    "slice_leaves",
+    "count_leaves",
+    "resolve_input_dims",
+    "resolve_output_dims",
+]
 
 #: The name of the one dim of a runner built with ``buckets=[...]``.
 BATCH_DIM = "batch"
 
-Sizes = Tuple[int, ...]
+Sizes = tuple[int, ...]
 #: A key as users, backends, stats and traces name it (:meth:`KeySpace.external`): an int with
 #: ``buckets=[...]``, else the tuple.
-Key = Union[int, Sizes]
+Key = int | Sizes
 #: A call's sizes as users give them (``key_for``): an int (one dim), a tuple in dims order, or ``{dim: size}``.
-Batch = Union[int, Sequence[int], Mapping[str, int]]
+Batch = int | Sequence[int] | Mapping[str, int]
 #: ``buckets=``: a list of sizes (one dim, the batch) or ``{dim: [sizes...]}``.
-Buckets = Union[Sequence[int], Mapping[str, Sequence[int]]]
+Buckets = Sequence[int] | Mapping[str, Sequence[int]]
 #: ``outputs=``: the outputs' leading dims (a dims tuple, or ``{dict output key: dims}``), or ``None``.
-OutputDims = Union[None, Sequence[str], Mapping[Hashable, Sequence[str]]]
+OutputDims = None | Sequence[str] | Mapping[Hashable, Sequence[str]]
 #: The index of a leading region of a tensor (:func:`region`).
-Index = Union[slice, Tuple[slice, ...]]
+Index = slice | tuple[slice, ...]
 
 
 class Group(Protocol):
@@ -58,11 +71,11 @@ class Group(Protocol):
     @property
     def size(self) -> int: ...
 
-    def barrier(self, phase: str = "", key: Optional[Hashable] = None) -> None: ...
+    def barrier(self, phase: str = "", key: Hashable | None = None) -> None: ...
 
-    def all_max(self, value: int, phase: str = "", key: Optional[Hashable] = None) -> int: ...
+    def all_max(self, value: int, phase: str = "", key: Hashable | None = None) -> int: ...
 
-    def all_min(self, value: int, phase: str = "", key: Optional[Hashable] = None) -> int: ...
+    def all_min(self, value: int, phase: str = "", key: Hashable | None = None) -> int: ...
 
 
 #: Why a call falls back (``RunnerStats.fallback_reasons``).
@@ -89,15 +102,16 @@ class KeySpace:
     buckets or keys.
     """
 
-    def __init__(self, buckets: Buckets, keys: Optional[Sequence[Key]] = None,
-                 max_padding_ratio: Optional[float] = None) -> None:
+    def __init__(
+        self, buckets: Buckets, keys: Sequence[Key] | None = None, max_padding_ratio: float | None = None
+    ) -> None:
         #: True for ``buckets=[...]`` (a list): one dim, :data:`BATCH_DIM`, int keys, and messages that
         #: speak of the batch; False for ``{dim: [sizes...]}`` (tuple keys, even with one dim).
         self.one_batch_dim = not isinstance(buckets, Mapping)
         if isinstance(buckets, Mapping):
             if not buckets:
                 raise ValueError("buckets is an empty dict; pass {dim: [sizes...]}, e.g. {'reqs': [1, 2, 4]}")
-            self.buckets: Dict[str, List[int]] = {}
+            self.buckets: dict[str, list[int]] = {}
             for dim, bl in buckets.items():
                 if not isinstance(dim, str) or not dim.isidentifier():
                     raise ValueError(f"buckets: dim name {dim!r} must be an identifier such as 'reqs'")
@@ -107,32 +121,34 @@ class KeySpace:
                     raise type(exc)(f"buckets[{dim!r}]: {exc}") from None
         else:
             self.buckets = {BATCH_DIM: validate_buckets(buckets)}
-        self.dims: Tuple[str, ...] = tuple(self.buckets)
+        self.dims: tuple[str, ...] = tuple(self.buckets)
         self.max_padding_ratio = _check_ratio(max_padding_ratio)
         self.explicit = keys is not None
         if keys is None:
             grid = itertools.product(*self.buckets.values())
-            self.keys: List[Sizes] = sorted(grid, key=_order)
+            self.keys: list[Sizes] = sorted(grid, key=_order)
         else:
             self.keys = self._validate_keys(keys)
         #: The largest key (it covers every other key): the static buffers' leading shape.
         self.maxes: Sizes = self.keys[-1]
-        self._memo: Dict[Sizes, Tuple[Optional[Sizes], Optional[str]]] = {}
+        self._memo: dict[Sizes, tuple[Sizes | None, str | None]] = {}
         #: The choice per tuple of per-dim buckets (:meth:`bucket_of`): without a padding ratio every
         #: size a dim's bucket covers is served by the same key, so varlen sizes share one entry.
-        self._by_bucket: Dict[Sizes, Tuple[Optional[Sizes], Optional[str]]] = {}
+        self._by_bucket: dict[Sizes, tuple[Sizes | None, str | None]] = {}
         self._lists = tuple(self.buckets[d] for d in self.dims)
 
-    def _validate_keys(self, keys: Any) -> List[Sizes]:
+    def _validate_keys(self, keys: Any) -> list[Sizes]:
         if isinstance(keys, (str, bytes)) or not hasattr(keys, "__iter__"):
             raise TypeError(f"keys must be a list of key tuples such as [(1, 1), (4, 2)], got {type(keys).__name__}")
-        out: List[Sizes] = []
+        out: list[Sizes] = []
         for i, k in enumerate(keys):
             t = self.internal(k, what=f"keys[{i}]")
             for d, v in zip(self.dims, t):
                 if v not in self.buckets[d]:
-                    raise ValueError(f"keys[{i}] = {k!r}: {v} is not a bucket of dim {d!r} "
-                                     f"{self.buckets[d]}; every key holds one bucket per dim")
+                    raise ValueError(
+                        f"keys[{i}] = {k!r}: {v} is not a bucket of dim {d!r} "
+                        f"{self.buckets[d]}; every key holds one bucket per dim"
+                    )
             if t in out:
                 raise ValueError(f"keys[{i}] = {k!r} is listed twice; list each key once")
             out.append(t)
@@ -140,8 +156,10 @@ class KeySpace:
             raise ValueError("keys is empty; list at least one key, or pass keys=None to capture every combination")
         top = tuple(max(k[i] for k in out) for i in range(len(self.dims)))
         if top not in out:
-            raise ValueError(f"keys must include the key {self.external(top)!r} that covers every other listed key "
-                             "in every dim: the static buffers and the shared output buffer are allocated at it")
+            raise ValueError(
+                f"keys must include the key {self.external(top)!r} that covers every other listed key "
+                "in every dim: the static buffers and the shared output buffer are allocated at it"
+            )
         return sorted(out, key=_order)
 
     # --------------------------------------------------------- conversion
@@ -172,12 +190,12 @@ class KeySpace:
         """The key as users, backends, stats and traces see it: an int with ``buckets=[...]``, else the tuple."""
         return key[0] if self.one_batch_dim else key
 
-    def capture_order(self) -> List[Sizes]:
+    def capture_order(self) -> list[Sizes]:
         """The keys to capture, largest (by volume, then lexicographically) first."""
         return list(reversed(self.keys))
 
     # -------------------------------------------------------------- choice
-    def choose(self, sizes: Sizes) -> Tuple[Optional[Sizes], Optional[str]]:
+    def choose(self, sizes: Sizes) -> tuple[Sizes | None, str | None]:
         """``(key, None)`` for the key that serves ``sizes``, or ``(None, reason)``
         with ``reason`` ``"over_max_bucket"`` (no captured key covers it) or
         ``"padding_ratio"`` (every covering key pads some dim too much)."""
@@ -200,7 +218,7 @@ class KeySpace:
             self._memo[sizes] = hit
         return hit
 
-    def bucket_of(self, sizes: Sizes) -> Optional[Sizes]:
+    def bucket_of(self, sizes: Sizes) -> Sizes | None:
         """The smallest bucket of each dim that covers ``sizes`` (a tuple in :attr:`dims` order), or
         ``None`` when some size exceeds its dim's largest bucket."""
         out = []
@@ -217,7 +235,7 @@ class KeySpace:
         rule the dispatcher and ``GraphRunner.key_for`` share."""
         return sizes if min(sizes) >= 1 else tuple(max(n, 1) for n in sizes)
 
-    def _choose(self, sizes: Sizes) -> Tuple[Optional[Sizes], Optional[str]]:
+    def _choose(self, sizes: Sizes) -> tuple[Sizes | None, str | None]:
         ratio = self.max_padding_ratio
         covered = False
         for k in self.keys:  # sorted smallest first
@@ -243,21 +261,30 @@ class KeySpace:
                 return f"{where} exceeds the largest bucket {self.maxes[0]}"
             if reason == PADDING:
                 b = next(x for x in self.buckets[BATCH_DIM] if x >= r)
-                return (f"{where} would pad bucket {b} with {b - r} rows, more than max_padding_ratio="
-                        f"{self.max_padding_ratio}")
+                return (
+                    f"{where} would pad bucket {b} with {b - r} rows, more than max_padding_ratio="
+                    f"{self.max_padding_ratio}"
+                )
             return f"bucket for {where} cannot be replayed on every rank"
-        where = (f"the agreed sizes ({space.describe(rows)}; max over ranks; this rank has {space.describe(sizes)})"
-                 if rows != sizes else f"sizes ({space.describe(sizes)})")
+        where = (
+            f"the agreed sizes ({space.describe(rows)}; max over ranks; this rank has {space.describe(sizes)})"
+            if rows != sizes
+            else f"sizes ({space.describe(sizes)})"
+        )
         if reason == OVER_MAX:
             return f"no captured key covers {where} (keys: {[self.external(k) for k in self.keys]})"
         if reason == PADDING:
             return f"every captured key covering {where} pads some dim by more than max_padding_ratio={self.max_padding_ratio}"
         return f"the key for {where} cannot be replayed on every rank"
 
-    def fingerprint(self) -> Dict[str, Any]:
+    def fingerprint(self) -> dict[str, Any]:
         """The configuration ranks must share: dims, bucket lists, keys, padding ratio."""
-        return {"dims": list(self.dims), "buckets": {d: list(b) for d, b in self.buckets.items()},
-                "keys": [list(k) for k in self.keys], "max_padding_ratio": self.max_padding_ratio}
+        return {
+            "dims": list(self.dims),
+            "buckets": {d: list(b) for d, b in self.buckets.items()},
+            "keys": [list(k) for k in self.keys],
+            "max_padding_ratio": self.max_padding_ratio,
+        }
 
 
 #: Entries :meth:`KeySpace.choose` (and the dispatcher's routes, the static inputs' views and re-pad
@@ -266,16 +293,18 @@ class KeySpace:
 _MEMO_LIMIT = 4096
 
 
-def _order(key: Sizes) -> Tuple[int, Sizes]:
+def _order(key: Sizes) -> tuple[int, Sizes]:
     return (math.prod(key), key)
 
 
 # ------------------------------------------------------ named dims of inputs and outputs
-def check_dims(dims: Any, what: str, allow_empty: bool = False) -> Tuple[str, ...]:
+def check_dims(dims: Any, what: str, allow_empty: bool = False) -> tuple[str, ...]:
     """``dims`` as a tuple of distinct dim names, or a clear error."""
     if isinstance(dims, str):
-        raise TypeError(f"{what} must be a tuple of dim names such as ('reqs', 'draft'), got the string {dims!r} "
-                        f"(write ({dims!r},) for one dim)")
+        raise TypeError(
+            f"{what} must be a tuple of dim names such as ('reqs', 'draft'), got the string {dims!r} "
+            f"(write ({dims!r},) for one dim)"
+        )
     try:
         t = tuple(dims)
     except TypeError:
@@ -290,26 +319,30 @@ def check_dims(dims: Any, what: str, allow_empty: bool = False) -> Tuple[str, ..
     return t
 
 
-def region(sizes: Sequence[int], didx: Tuple[int, ...]) -> Index:
+def region(sizes: Sequence[int], didx: tuple[int, ...]) -> Index:
     """The index of the leading region ``sizes`` (runner-dim order) of a tensor whose leading dims are ``didx``."""
     if len(didx) == 1:
         return slice(0, sizes[didx[0]])
     return tuple(slice(0, sizes[d]) for d in didx)
 
 
-def padding_regions(sizes: Sequence[int], key: Sequence[int], didx: Tuple[int, ...]) -> List[Index]:
+def padding_regions(sizes: Sequence[int], key: Sequence[int], didx: tuple[int, ...]) -> list[Index]:
     """Indices that together cover ``key`` minus ``sizes`` on a tensor with leading dims ``didx``:
     one region per dim (``[:n0, ..., n_j:k_j, :k_{j+1}, ...]``), empty ones left out."""
-    out: List[Index] = []
+    out: list[Index] = []
     for j, d in enumerate(didx):
         if sizes[d] >= key[d]:
             continue
-        idx = [slice(0, sizes[e]) for e in didx[:j]] + [slice(sizes[d], key[d])] + [slice(0, key[e]) for e in didx[j + 1:]]
+        idx = (
+            [slice(0, sizes[e]) for e in didx[:j]]
+            + [slice(sizes[d], key[d])]
+            + [slice(0, key[e]) for e in didx[j + 1 :]]
+        )
         out.append(idx[0] if len(idx) == 1 else tuple(idx))
     return out
 
 
-def slice_leaves(leaves: List[torch.Tensor], idx: List[Tuple[int, ...]], sizes: Sequence[int]) -> List[torch.Tensor]:
+def slice_leaves(leaves: list[torch.Tensor], idx: list[tuple[int, ...]], sizes: Sequence[int]) -> list[torch.Tensor]:
     """Every tensor leaf sliced to ``sizes`` on its leading dims ``idx[i]`` (0-dim leaves and ``()`` dims whole)."""
     out = []
     for t, didx in zip(leaves, idx):
@@ -330,33 +363,40 @@ def count_leaves(spec: tuple) -> int:
     return sum(count_leaves(c) for c in spec[-1])
 
 
-def resolve_input_dims(inputs: Mapping[str, BatchInput], space: KeySpace) -> Dict[str, Tuple[int, ...]]:
+def resolve_input_dims(inputs: Mapping[str, BatchInput], space: KeySpace) -> dict[str, tuple[int, ...]]:
     """``{input name: indices of its leading dims in space.dims}``; every dim used by some input."""
-    out: Dict[str, Tuple[int, ...]] = {}
+    out: dict[str, tuple[int, ...]] = {}
     for name, spec in inputs.items():
         dims = spec.dims
         if dims is None:
             if len(space.dims) != 1:
-                raise ValueError(f"inputs[{name!r}] must declare its leading dims, e.g. gr.BatchInput(..., dims="
-                                 f"{space.dims!r}): the runner has several dims {space.dims}")
+                raise ValueError(
+                    f"inputs[{name!r}] must declare its leading dims, e.g. gr.BatchInput(..., dims="
+                    f"{space.dims!r}): the runner has several dims {space.dims}"
+                )
             dims = space.dims
         unknown = [d for d in dims if d not in space.dims]
         if unknown:
-            raise ValueError(f"inputs[{name!r}].dims = {dims!r} names {unknown}, which buckets does not list "
-                             f"(dims: {space.dims}); add them to buckets={{dim: [...]}} or fix the name")
+            raise ValueError(
+                f"inputs[{name!r}].dims = {dims!r} names {unknown}, which buckets does not list "
+                f"(dims: {space.dims}); add them to buckets={{dim: [...]}} or fix the name"
+            )
         out[name] = tuple(space.dims.index(d) for d in dims)
     unused = [d for i, d in enumerate(space.dims) if not any(i in v for v in out.values())]
     if unused:
-        raise ValueError(f"buckets names dim(s) {unused} that no input declares in dims=: a call's size in them "
-                         "would be unknown; declare them on an input or drop them from buckets")
+        raise ValueError(
+            f"buckets names dim(s) {unused} that no input declares in dims=: a call's size in them "
+            "would be unknown; declare them on an input or drop them from buckets"
+        )
     return out
 
 
-def resolve_output_dims(outputs: OutputDims, default: Tuple[int, ...], space: KeySpace
-                         ) -> Tuple[Tuple[int, ...], Dict[Hashable, Tuple[int, ...]]]:
+def resolve_output_dims(
+    outputs: OutputDims, default: tuple[int, ...], space: KeySpace
+) -> tuple[tuple[int, ...], dict[Hashable, tuple[int, ...]]]:
     """``(default leading dims, {dict output key: leading dims})`` as runner-dim indices."""
 
-    def idx(dims: Any, what: str) -> Tuple[int, ...]:
+    def idx(dims: Any, what: str) -> tuple[int, ...]:
         t = check_dims(dims, what, allow_empty=True)
         unknown = [d for d in t if d not in space.dims]
         if unknown:
@@ -379,16 +419,18 @@ _SIZE_BITS, _CALL_BITS, _DIGEST_BITS = 32, 16, 14
 _CALL_MOD, _DIGEST_MOD = 1 << _CALL_BITS, 1 << _DIGEST_BITS
 
 #: What a rank must do after its calls were found unpaired (the end of every such message).
-RESYNC = ("every rank must call the runner the same number of times. Nothing was replayed on any rank, and this "
-           "runner now refuses every call on every rank (without a collective): re-synchronise the ranks' steps and "
-           "build a new GraphRunner on every rank (or let the processes exit)")
+RESYNC = (
+    "every rank must call the runner the same number of times. Nothing was replayed on any rank, and this "
+    "runner now refuses every call on every rank (without a collective): re-synchronise the ranks' steps and "
+    "build a new GraphRunner on every rank (or let the processes exit)"
+)
 
 
 def _tag(call: int, digest: int) -> int:
     return (call % _CALL_MOD) * _DIGEST_MOD + digest % _DIGEST_MOD
 
 
-def agreement_vector(sizes: Sizes, invalid: bool, call: int, digest: int = 0) -> List[int]:
+def agreement_vector(sizes: Sizes, invalid: bool, call: int, digest: int = 0) -> list[int]:
     """The int vector one rank contributes to a call's agreement, one element per dim plus one:
     ``[n0 - tag * 2**32, n1, ..., n_last, tag * 2 + invalid]`` with ``tag`` the call number
     (modulo ``2**16``) and the configuration digest (modulo ``2**14``). The element-wise max
@@ -405,14 +447,15 @@ def _near(own: int, low_bits: int) -> int:
     return own + (d - _CALL_MOD if d >= _CALL_MOD // 2 else d)
 
 
-def agree(group: Group, sizes: Sizes, invalid: bool, call: int, digest: int = 0) -> Tuple[Sizes, bool]:
+def agree(group: Group, sizes: Sizes, invalid: bool, call: int, digest: int = 0) -> tuple[Sizes, bool]:
     """:func:`agree_extra` without extra elements: ``(agreed_sizes, any_invalid)``."""
     agreed, bad, _ = agree_extra(group, sizes, invalid, call, digest)
     return agreed, bad
 
 
-def agree_extra(group: Group, sizes: Sizes, invalid: bool, call: int, digest: int = 0,
-                extra: Sequence[int] = ()) -> Tuple[Sizes, bool, List[int]]:
+def agree_extra(
+    group: Group, sizes: Sizes, invalid: bool, call: int, digest: int = 0, extra: Sequence[int] = ()
+) -> tuple[Sizes, bool, list[int]]:
     """The one collective of a multi-rank call: the element-wise max of
     :func:`agreement_vector` over the ranks (``group.all_max_vector``), which carries the
     sizes, an "invalid" flag, and the call number and configuration digest as both max and min.
@@ -436,16 +479,20 @@ def agree_extra(group: Group, sizes: Sizes, invalid: bool, call: int, digest: in
     vector = agreement_vector(sizes if not huge else (0,) * n, invalid or bool(huge), call, digest) + list(extra)
     out = all_max_vector(group, vector, "runner_agree", call)
     if len(out) != len(vector):
-        raise AgreementError(f"the group's all_max_vector returned {len(out)} values for {len(vector)} "
-                             f"({list(out)!r}); it must return one per element")
-    extra_max = [int(v) for v in out[n + 1:]]
+        raise AgreementError(
+            f"the group's all_max_vector returned {len(out)} values for {len(vector)} "
+            f"({list(out)!r}); it must return one per element"
+        )
+    extra_max = [int(v) for v in out[n + 1 :]]
     first, last = int(out[0]), int(out[n])
     hi, lo = last >> 1, -(first >> _SIZE_BITS)
     if hi != lo:
         _unpaired(group, call, digest, hi, lo)
     if huge:
-        raise ValueError(f"GraphRunner: size {sizes[0]} in the first dim is too large to agree across ranks "
-                         f"(at most {(1 << _SIZE_BITS) - 1}); every rank skipped this call")
+        raise ValueError(
+            f"GraphRunner: size {sizes[0]} in the first dim is too large to agree across ranks "
+            f"(at most {(1 << _SIZE_BITS) - 1}); every rank skipped this call"
+        )
     agreed = (first + (lo << _SIZE_BITS), *map(int, out[1:n]))
     bad = bool(last & 1)
     if not invalid and any(a < s for a, s in zip(agreed, sizes)):
@@ -453,7 +500,8 @@ def agree_extra(group: Group, sizes: Sizes, invalid: bool, call: int, digest: in
         raise AgreementError(
             f"rank {getattr(group, 'rank', '?')}: the agreement of call {call} returned sizes {list(agreed)} "
             f"below this rank's own {list(sizes)} in position(s) {low}: the group's all_max_vector is not an "
-            "element-wise max over the ranks; nothing was replayed")
+            "element-wise max over the ranks; nothing was replayed"
+        )
     return agreed, bad, extra_max
 
 
@@ -469,7 +517,9 @@ def _unpaired(group: Group, call: int, digest: int, hi: int, lo: int) -> None:
             f"rank {rank} (call {call} of a runner whose configuration digest is {own_d:#x}) met a call of a runner "
             f"with another configuration on another rank (digests {min(lo_d, hi_d):#x} to {max(lo_d, hi_d):#x} "
             f"over the {size} ranks): the ranks called different runners over one group, so their calls are not "
-            "paired; " + RESYNC, digests=(own_d, min(lo_d, hi_d), max(lo_d, hi_d)))
+            "paired; " + RESYNC,
+            digests=(own_d, min(lo_d, hi_d), max(lo_d, hi_d)),
+        )
     if call == last:
         other = f"another rank is at call {first}"
     elif call == first:
@@ -480,10 +530,11 @@ def _unpaired(group: Group, call: int, digest: int, hi: int, lo: int) -> None:
         f"rank {rank} is at call {call} but {other} (lowest {first}, highest {last} over the {size} ranks): a rank "
         "skipped or added a call (one of its calls raised or was interrupted before it reached the agreement, or "
         "the ranks crossed calls of different runners on one group), so the ranks' calls are not paired; " + RESYNC,
-        calls=(call, first, last))
+        calls=(call, first, last),
+    )
 
 
-def all_max_vector(group: Group, values: List[int], phase: str, key: Hashable) -> List[int]:
+def all_max_vector(group: Group, values: list[int], phase: str, key: Hashable) -> list[int]:
     """``group.all_max_vector(values)``; for a group without it, one ``all_max`` per element
     (correct, but one collective per element: add ``all_max_vector`` to such a group)."""
     fn = getattr(group, "all_max_vector", None)

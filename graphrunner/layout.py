@@ -10,7 +10,8 @@ slice of an eager fallback's fresh outputs.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple, Union
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 
@@ -20,7 +21,7 @@ from graphrunner.keys import _MEMO_LIMIT, count_leaves, slice_leaves
 
 __all__ = ["OutputLayout", "StepOutputError", "FreshOutputs", "clone_outputs", "user_error"]
 
-Sizes = Tuple[int, ...]
+Sizes = tuple[int, ...]
 
 
 class StepOutputError(TypeError):
@@ -33,8 +34,14 @@ class OutputLayout:
     as indices into ``dims``; ``one_batch_dim``: built with ``buckets=[...]`` (one dim, the batch);
     ``key_text(key)`` names a key."""
 
-    def __init__(self, *, out_dims: Tuple[Tuple[int, ...], Dict[Hashable, Tuple[int, ...]]], dims: Tuple[str, ...],
-                 one_batch_dim: bool, key_text: Callable[[Sizes], str]) -> None:
+    def __init__(
+        self,
+        *,
+        out_dims: tuple[tuple[int, ...], dict[Hashable, tuple[int, ...]]],
+        dims: tuple[str, ...],
+        one_batch_dim: bool,
+        key_text: Callable[[Sizes], str],
+    ) -> None:
         self.default, self.per_key = out_dims
         self.dims, self.one_batch_dim, self.key_text = dims, one_batch_dim, key_text
         #: How many leading dims of an output may be smaller than the shared buffer's.
@@ -43,11 +50,12 @@ class OutputLayout:
         self.capturing = False
         #: ``explain(forward) -> str | None``: names the op and line behind an output shape the runner
         #: cannot slice (set by the capturer: :func:`graphrunner.checks.lint.first_unsafe_op`).
-        self.explain: Optional[Callable[[Callable[[], Any]], Optional[str]]] = None
+        self.explain: Callable[[Callable[[], Any]], str | None] | None = None
         self.reset()
 
-    def forward(self, step: Callable[..., Any], key: Sizes, views: Dict[str, torch.Tensor],
-                name: str) -> Callable[[], Any]:
+    def forward(
+        self, step: Callable[..., Any], key: Sizes, views: dict[str, torch.Tensor], name: str
+    ) -> Callable[[], Any]:
         """``forward()``: ``step(**views)`` for ``key`` (the backend's forward_fn), its output
         checked by :meth:`check` while :attr:`capturing` (an eager backend's replays are not)."""
 
@@ -63,7 +71,8 @@ class OutputLayout:
                     raise StepOutputError(
                         f"{exc} The likely cause: the step ran {why}, which a device graph cannot hold. Move that code into a function decorated with "
                         "@no_graph (it runs eagerly between graph segments), or rewrite it with static "
-                        "shapes (torch.where(mask, x, 0) instead of x[mask])") from None
+                        "shapes (torch.where(mask, x, 0) instead of x[mask])"
+                    ) from None
             return out
 
         forward.__qualname__ = name
@@ -81,20 +90,22 @@ class OutputLayout:
 
     def reset(self) -> None:
         """Forget what the captures taught (trailing shapes, cached views)."""
-        self._trailing: Optional[List[Tuple[int, ...]]] = None
+        self._trailing: list[tuple[int, ...]] | None = None
         #: ``{sizes: the output views}``: the one tensor, or the list of tensor leaves when :attr:`_spec` is set.
-        self._views: Dict[Sizes, Union[torch.Tensor, List[torch.Tensor]]] = {}
-        self._spec: Optional[tuple] = None
+        self._views: dict[Sizes, torch.Tensor | list[torch.Tensor]] = {}
+        self._spec: tuple | None = None
 
-    def fingerprint(self) -> Dict[str, Any]:
+    def fingerprint(self) -> dict[str, Any]:
         """The layout as the cross-rank configuration check compares it."""
-        return {"default": [self.dims[d] for d in self.default],
-                "per_key": {str(k): [self.dims[d] for d in v] for k, v in self.per_key.items()}}
+        return {
+            "default": [self.dims[d] for d in self.default],
+            "per_key": {str(k): [self.dims[d] for d in v] for k, v in self.per_key.items()},
+        }
 
-    def leaf_dims(self, spec: tuple, n_leaves: int) -> List[Tuple[int, ...]]:
+    def leaf_dims(self, spec: tuple, n_leaves: int) -> list[tuple[int, ...]]:
         """The runner-dim indices of the leading dims of every tensor leaf of an output with ``spec``."""
         if self.per_key and spec[0] == "dict":
-            idx: List[Tuple[int, ...]] = []
+            idx: list[tuple[int, ...]] = []
             for k, child in zip(spec[2], spec[3]):
                 idx.extend([self.per_key.get(k, self.default)] * count_leaves(child))
             return idx
@@ -110,25 +121,27 @@ class OutputLayout:
             raise StepOutputError(
                 f"step returned something that is not a pytree of tensors for {self.key_text(key)}: {exc}"
             ) from None
-        trailing: List[Tuple[int, ...]] = []
+        trailing: list[tuple[int, ...]] = []
         for i, (t, dims) in enumerate(zip(leaves, self.leaf_dims(spec, len(leaves)))):
             want = tuple(key[d] for d in dims)
             if t.dim() == 0:
                 trailing.append(())
                 continue
-            if tuple(t.shape[:len(want)]) != want:
+            if tuple(t.shape[: len(want)]) != want:
                 if self.one_batch_dim:
                     raise StepOutputError(
                         f"step output tensor {i} has shape {list(t.shape)} for bucket {key[0]}: every output tensor "
                         f"must be batch-major (dim 0 == the {key[0]} input rows) or 0-dim, so the runner can slice "
                         "it to the real batch. Return per-row results, or compute batch-independent values outside "
-                        "step.")
+                        "step."
+                    )
                 names = tuple(self.dims[d] for d in dims)
                 raise StepOutputError(
                     f"step output tensor {i} has shape {list(t.shape)} for {self.key_text(key)}: its leading dims "
                     f"{names} (from outputs=) must be {list(want)}, so the runner can slice it to the real sizes. "
-                    "Declare each output's leading dims with outputs= (a dims tuple, or {key: dims} for a dict).")
-            trailing.append(tuple(t.shape[len(want):]))
+                    "Declare each output's leading dims with outputs= (a dims tuple, or {key: dims} for a dict)."
+                )
+            trailing.append(tuple(t.shape[len(want) :]))
         if self._trailing is None:
             self._trailing = trailing
             return
@@ -137,7 +150,8 @@ class OutputLayout:
                 raise StepOutputError(
                     f"step output tensor {i} has trailing shape {list(b)} after its leading dims for "
                     f"{self.key_text(key)}, but {list(a)} for the first key captured: only the dims declared "
-                    "in outputs= may change between keys. Declare that dim in outputs=")
+                    "in outputs= may change between keys. Declare that dim in outputs="
+                )
 
     def replayed(self, result: Any, sizes: Sizes) -> Any:
         """The outputs of a call of ``sizes`` from a replay's ``result`` (views of the shared

@@ -9,7 +9,6 @@ own runner). It never blocks: serializing calls is the caller's decision.
 from __future__ import annotations
 
 import threading
-from typing import Optional
 
 from graphrunner.errors import GraphRunnerError
 
@@ -24,7 +23,7 @@ class CallOwner:
         #: then set :attr:`thread`).
         self.lock = threading.Lock()
         #: The owning thread's ident while held.
-        self.thread: Optional[int] = None
+        self.thread: int | None = None
 
     def enter(self, what: str) -> None:
         """Take ownership for ``what`` (``"run()"``, ``"capture()"``), or raise
@@ -39,11 +38,13 @@ class CallOwner:
         if owner == me:
             raise GraphRunnerError(
                 f"GraphRunner.{what} called re-entrantly (from inside step or a hook of the same runner): "
-                "its static buffers hold the batch in progress; do not call a runner from its own step")
+                "its static buffers hold the batch in progress; do not call a runner from its own step"
+            )
         raise GraphRunnerError(
             f"GraphRunner.{what} called from thread {threading.current_thread().name} (id {me}) while thread "
             f"id {owner} is inside a call of the same runner: one runner serves one call at a time (its static "
-            "buffers hold one batch). Use one runner per thread, or serialize the calls with a lock")
+            "buffers hold one batch). Use one runner per thread, or serialize the calls with a lock"
+        )
 
     def leave(self) -> None:
         """Give ownership back."""

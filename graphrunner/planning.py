@@ -48,7 +48,8 @@ bar on a terminal's stderr (``progress=False``: never).
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -70,8 +71,9 @@ def _counts(observed: Any, what: str) -> Counter:
     non-int, a bool, a negative size or no size >= 1. A list of plain ints is
     counted in one C-level pass; anything else is checked entry by entry."""
     if isinstance(observed, (str, bytes)) or isinstance(observed, Mapping) or not hasattr(observed, "__iter__"):
-        raise TypeError(f"{what} must be a list of observed batch sizes (ints >= 0, one per call), "
-                        f"got {type(observed).__name__}")
+        raise TypeError(
+            f"{what} must be a list of observed batch sizes (ints >= 0, one per call), got {type(observed).__name__}"
+        )
     if isinstance(observed, torch.Tensor) or (hasattr(observed, "tolist") and hasattr(observed, "reshape")):
         observed = observed.reshape(-1).tolist()  # a tensor or a NumPy array: Python scalars
     elif not isinstance(observed, (list, tuple)):
@@ -98,8 +100,10 @@ def _counts_checked(observed: Sequence[Any], what: str) -> Counter:
 
 def _nonempty(counts: Counter, what: str) -> Counter:
     if not counts:
-        raise ValueError(f"{what} holds no batch size >= 1; pass the batch size of each served call "
-                         "(e.g. the loadtest's per-step schedule)")
+        raise ValueError(
+            f"{what} holds no batch size >= 1; pass the batch size of each served call "
+            "(e.g. the loadtest's per-step schedule)"
+        )
     return counts
 
 
@@ -119,7 +123,7 @@ def _numpy() -> Any:
     return numpy
 
 
-def _tables(sizes: List[int], calls: List[int]) -> Tuple[Any, Any, Any, Any]:
+def _tables(sizes: list[int], calls: list[int]) -> tuple[Any, Any, Any, Any]:
     """``(U, C, S, F1)``: arrays of ``m + 1`` entries over the sorted distinct ``sizes`` (entry 0: none):
     ``U[j] = v_j - v_1`` (the cost is the same for sizes shifted by ``v_1``), ``C[j]`` the calls and
     ``S[j]`` the shifted rows of the sizes up to ``v_j``, ``F1[j] = f[1][j] = U[j] * C[j] - S[j]``.
@@ -134,7 +138,7 @@ def _tables(sizes: List[int], calls: List[int]) -> Tuple[Any, Any, Any, Any]:
     return U, C, S, U * C - S
 
 
-def _segment_argmin(val: Any, i: Any, starts: Any, lengths: Any) -> Tuple[Any, Any]:
+def _segment_argmin(val: Any, i: Any, starts: Any, lengths: Any) -> tuple[Any, Any]:
     """For the contiguous segments ``val[starts[s]: starts[s] + lengths[s]]`` (none empty):
     ``(the least value, the candidate i of its first occurrence)`` per segment."""
     np = _numpy()
@@ -143,7 +147,7 @@ def _segment_argmin(val: Any, i: Any, starts: Any, lengths: Any) -> Tuple[Any, A
     return best, i[hits[np.searchsorted(hits, starts)]]
 
 
-def _layer(f_prev: Any, tables: Tuple[Any, Any, Any, Any], k: int) -> Tuple[Any, Any]:
+def _layer(f_prev: Any, tables: tuple[Any, Any, Any, Any], k: int) -> tuple[Any, Any]:
     """``(f[k], opt[k])`` from ``f[k-1]`` (arrays of ``m + 1``; rows below ``k`` are 0, unused).
 
     Divide and conquer over the rows ``j`` in ``k..m``, every range of one
@@ -154,7 +158,7 @@ def _layer(f_prev: Any, tables: Tuple[Any, Any, Any, Any], k: int) -> Tuple[Any,
     np = _numpy()
     U, C, S, F1 = tables
     m = len(U) - 1
-    a = f_prev + S                       # f[k-1][i] + cost(i, j) = a[i] - U[j] * C[i] + F1[j]
+    a = f_prev + S  # f[k-1][i] + cost(i, j) = a[i] - U[j] * C[i] + F1[j]
     f = np.zeros(m + 1, dtype=U.dtype)
     opt = np.zeros(m + 1, dtype=np.int32 if m < 1 << 31 else np.int64)
     ranges = np.array([[k], [m], [k - 1], [m - 1]], dtype=np.int64)  # rows lo, hi, olo, ohi; one range a column
@@ -182,7 +186,7 @@ def _halves(ranges: Any, mid: Any, at: Any) -> Any:
     return out[:, out[0] <= out[1]]
 
 
-def _plan_1d(counts: Counter, k_max: int, progress: bool = True, what: str = "observed_sizes") -> List[int]:
+def _plan_1d(counts: Counter, k_max: int, progress: bool = True, what: str = "observed_sizes") -> list[int]:
     """The dynamic program of the module docstring: the optimal list, of ``min(k_max, m)`` buckets.
 
     That is also the optimal list with the fewest buckets: below ``m``
@@ -194,8 +198,13 @@ def _plan_1d(counts: Counter, k_max: int, progress: bool = True, what: str = "ob
         return sizes
     tables = _tables(sizes, [counts[s] for s in sizes])
     f, opts = tables[3], []
-    bar = TaskProgress(k_max, f"graphrunner plan_buckets ({what}: {m} distinct sizes)", unit="buckets",
-                       enabled=progress, after=_PROGRESS_AFTER_S)
+    bar = TaskProgress(
+        k_max,
+        f"graphrunner plan_buckets ({what}: {m} distinct sizes)",
+        unit="buckets",
+        enabled=progress,
+        after=_PROGRESS_AFTER_S,
+    )
     try:
         for k in range(2, k_max + 1):
             f, opt = _layer(f, tables, k)
@@ -206,7 +215,7 @@ def _plan_1d(counts: Counter, k_max: int, progress: bool = True, what: str = "ob
     return _trace(sizes, opts, k_max)
 
 
-def _trace(sizes: List[int], opts: List[Any], k: int) -> List[int]:
+def _trace(sizes: list[int], opts: list[Any], k: int) -> list[int]:
     """The ``k`` buckets ending at the largest size, following ``opts[kk - 2][j]`` (``opt`` of layer ``kk``)."""
     out, j = [sizes[-1]], len(sizes)
     for kk in range(k, 1, -1):
@@ -215,8 +224,7 @@ def _trace(sizes: List[int], opts: List[Any], k: int) -> List[int]:
     return out[::-1]
 
 
-def plan_buckets(observed_sizes: Any, max_graphs: Any, *, progress: bool = True
-                 ) -> Union[List[int], Dict[str, List[int]]]:
+def plan_buckets(observed_sizes: Any, max_graphs: Any, *, progress: bool = True) -> list[int] | dict[str, list[int]]:
     """The bucket list with the fewest padded rows over ``observed_sizes`` for at most ``max_graphs`` graphs.
 
     ``observed_sizes``: the batch size of every served call (a list, tuple,
@@ -255,12 +263,16 @@ def plan_buckets(observed_sizes: Any, max_graphs: Any, *, progress: bool = True
         if not observed_sizes:
             raise ValueError("observed_sizes is an empty dict; pass {dim: [sizes...]} or a list of sizes")
         if not isinstance(max_graphs, Mapping):
-            raise TypeError(f"observed_sizes names dims {list(observed_sizes)}: give max_graphs per dim, e.g. "
-                            f"{ {d: 4 for d in observed_sizes} } (the runner captures the product of the counts)")
+            raise TypeError(
+                f"observed_sizes names dims {list(observed_sizes)}: give max_graphs per dim, e.g. "
+                f"{ {d: 4 for d in observed_sizes} } (the runner captures the product of the counts)"
+            )
         if set(max_graphs) != set(observed_sizes):
-            raise ValueError(f"max_graphs names dims {sorted(max_graphs)} but observed_sizes names "
-                             f"{sorted(observed_sizes)}; give one limit per observed dim")
-        out: Dict[str, List[int]] = {}
+            raise ValueError(
+                f"max_graphs names dims {sorted(max_graphs)} but observed_sizes names "
+                f"{sorted(observed_sizes)}; give one limit per observed dim"
+            )
+        out: dict[str, list[int]] = {}
         for d, sizes in observed_sizes.items():
             if not isinstance(d, str) or not d.isidentifier():
                 raise ValueError(f"observed_sizes: dim name {d!r} must be an identifier such as 'reqs'")
@@ -268,12 +280,14 @@ def plan_buckets(observed_sizes: Any, max_graphs: Any, *, progress: bool = True
             out[d] = _plan_1d(_counts(sizes, what), _limit(max_graphs[d], f"max_graphs[{d!r}]"), progress, what)
         return out
     if isinstance(max_graphs, Mapping):
-        raise TypeError("max_graphs is a dict but observed_sizes is a list: pass an int, or observed_sizes="
-                        "{dim: [sizes...]} to plan named dims")
+        raise TypeError(
+            "max_graphs is a dict but observed_sizes is a list: pass an int, or observed_sizes="
+            "{dim: [sizes...]} to plan named dims"
+        )
     return _plan_1d(_counts(observed_sizes, "observed_sizes"), _limit(max_graphs, "max_graphs"), progress)
 
 
-def padding_of(observed_sizes: Any, buckets: Sequence[int]) -> Dict[str, Any]:
+def padding_of(observed_sizes: Any, buckets: Sequence[int]) -> dict[str, Any]:
     """What ``buckets`` (a strictly increasing list) do to ``observed_sizes`` (as in :func:`plan_buckets`).
 
     Returns ``{"graphs", "calls", "real_rows", "padded_rows", "padded_fraction",
@@ -298,5 +312,11 @@ def padding_of(observed_sizes: Any, buckets: Sequence[int]) -> Dict[str, Any]:
             continue
         padded += c * (bl[j] - n)
         replayed_rows += c * bl[j]
-    return {"graphs": len(bl), "calls": sum(counts.values()), "real_rows": real, "padded_rows": padded,
-            "padded_fraction": padded / replayed_rows if replayed_rows else 0.0, "eager_calls": eager}
+    return {
+        "graphs": len(bl),
+        "calls": sum(counts.values()),
+        "real_rows": real,
+        "padded_rows": padded,
+        "padded_fraction": padded / replayed_rows if replayed_rows else 0.0,
+        "eager_calls": eager,
+    }

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Optional, TextIO
+from typing import Any, TextIO
+
 from graphrunner.report import key_text
 
 __all__ = ["CaptureProgress", "StatusLine", "TaskProgress", "is_terminal"]
@@ -39,7 +40,7 @@ class StatusLine:
     that fails to write disables the line instead of raising.
     """
 
-    def __init__(self, stream: Optional[TextIO] = None) -> None:
+    def __init__(self, stream: TextIO | None = None) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.tty = is_terminal(self.stream)
         self.enabled = True
@@ -74,8 +75,15 @@ class CaptureProgress:
     the ``gr.hf`` self-test).
     """
 
-    def __init__(self, total: int, enabled: bool = True, stream: Optional[TextIO] = None,
-                 desc: str = "graphrunner capture", use_tqdm: Optional[bool] = None, label: str = "bucket") -> None:
+    def __init__(
+        self,
+        total: int,
+        enabled: bool = True,
+        stream: TextIO | None = None,
+        desc: str = "graphrunner capture",
+        use_tqdm: bool | None = None,
+        label: str = "bucket",
+    ) -> None:
         self.total = total
         self.label = label
         self.enabled = bool(enabled)
@@ -135,8 +143,16 @@ class TaskProgress:
     terminal (a log file, a pipe, a captured stderr), writes nothing at all.
     """
 
-    def __init__(self, total: int, desc: str, unit: str = "steps", enabled: bool = True,
-                 stream: Optional[TextIO] = None, after: float = 1.0, every: float = 0.1) -> None:
+    def __init__(
+        self,
+        total: int,
+        desc: str,
+        unit: str = "steps",
+        enabled: bool = True,
+        stream: TextIO | None = None,
+        after: float = 1.0,
+        every: float = 0.1,
+    ) -> None:
         self.total, self.desc, self.unit = max(1, int(total)), desc, unit
         self.after, self.every = after, every
         self.t0 = time.perf_counter()
@@ -163,5 +179,4 @@ class TaskProgress:
         self.enabled = False
 
     def _text(self, done: int, now: float) -> str:
-        return (f"{self.desc}: {done}/{self.total} {self.unit} ({done / self.total:.0%}) "
-                f"{now - self.t0:.1f}s")
+        return f"{self.desc}: {done}/{self.total} {self.unit} ({done / self.total:.0%}) {now - self.t0:.1f}s"

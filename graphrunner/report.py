@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any, Dict, Hashable, List, Optional
+from typing import Any
 
 from graphrunner.trace import jsonable
 
@@ -54,22 +55,27 @@ class BucketReport:
     num_segments: int
     num_breaks: int
     bytes_held: int
-    info: Dict[str, Any] = field(default_factory=dict, repr=False)
-    graph_pool_bytes: Optional[int] = None
+    info: dict[str, Any] = field(default_factory=dict, repr=False)
+    graph_pool_bytes: int | None = None
     checks_seconds: float = 0.0
 
     @classmethod
-    def from_info(cls, bucket: Any, info: Dict[str, Any]) -> "BucketReport":
+    def from_info(cls, bucket: Any, info: dict[str, Any]) -> BucketReport:
         """The report of ``bucket`` from the backend's ``info(bucket)`` dict."""
         info = dict(info)
-        return cls(bucket=bucket, capture_seconds=float(info.get("capture_seconds", 0.0)),
-                   graph_capture_seconds=float(info.get("graph_capture_seconds", 0.0)),
-                   num_segments=int(info.get("num_segments", 0)), num_breaks=int(info.get("num_breaks", 0)),
-                   bytes_held=int(info.get("bytes_held", 0)), info=info,
-                   graph_pool_bytes=None if info.get("graph_pool_bytes") is None else int(info["graph_pool_bytes"]),
-                   checks_seconds=float(info.get("checks_seconds", 0.0)))
+        return cls(
+            bucket=bucket,
+            capture_seconds=float(info.get("capture_seconds", 0.0)),
+            graph_capture_seconds=float(info.get("graph_capture_seconds", 0.0)),
+            num_segments=int(info.get("num_segments", 0)),
+            num_breaks=int(info.get("num_breaks", 0)),
+            bytes_held=int(info.get("bytes_held", 0)),
+            info=info,
+            graph_pool_bytes=None if info.get("graph_pool_bytes") is None else int(info["graph_pool_bytes"]),
+            checks_seconds=float(info.get("checks_seconds", 0.0)),
+        )
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (``info`` included, values made JSON-safe)."""
         return {
             "bucket": list(self.bucket) if isinstance(self.bucket, tuple) else self.bucket,
@@ -113,22 +119,22 @@ class CaptureReport:
     device: str
     rank: int
     world_size: int
-    buckets: List[BucketReport]
+    buckets: list[BucketReport]
     total_seconds: float
     static_input_bytes: int
     output_buffer_bytes: int
     #: With ``GraphRunner(output_arena=...)``: the arena's ``name``, ``owners``,
     #: ``bytes_held``, ``bytes_if_separate`` and one-line ``summary`` at capture end.
-    output_arena: Optional[Dict[str, Any]] = None
-    externals_written: Optional[List[Dict[str, Any]]] = None
+    output_arena: dict[str, Any] | None = None
+    externals_written: list[dict[str, Any]] | None = None
     one_time_seconds: float = 0.0
     one_time_what: str = ""
-    memory_budget: Optional[int] = None
-    left_to_eager: List[Any] = field(default_factory=list)
-    after_capture: List[Dict[str, Any]] = field(default_factory=list)
+    memory_budget: int | None = None
+    left_to_eager: list[Any] = field(default_factory=list)
+    after_capture: list[dict[str, Any]] = field(default_factory=list)
 
     @property
-    def graph_pool_bytes(self) -> Optional[int]:
+    def graph_pool_bytes(self) -> int | None:
         """The graphs' pool: the sum of the keys' ``graph_pool_bytes`` (``None`` if not measured)."""
         sizes = [b.graph_pool_bytes for b in self.buckets]
         measured = [s for s in sizes if s is not None]
@@ -157,18 +163,32 @@ class CaptureReport:
         raise KeyError(f"bucket {size} is not in this report (buckets: {[b.bucket for b in self.buckets]})")
 
     @classmethod
-    def of(cls, backend: Any, rank: int, world_size: int, buckets: List["BucketReport"], total_seconds: float,
-           static_input_bytes: int, output_arena: Any = None,
-           externals_written: Optional[List[Dict[str, Any]]] = None) -> "CaptureReport":
+    def of(
+        cls,
+        backend: Any,
+        rank: int,
+        world_size: int,
+        buckets: list[BucketReport],
+        total_seconds: float,
+        static_input_bytes: int,
+        output_arena: Any = None,
+        externals_written: list[dict[str, Any]] | None = None,
+    ) -> CaptureReport:
         """The report of a runner's capture with ``backend`` (its name, device and output buffer)."""
-        return cls(backend=str(getattr(backend, "name", type(backend).__name__)),
-                   device=str(getattr(backend.device, "kind", backend.device)), rank=rank, world_size=world_size,
-                   buckets=buckets, total_seconds=total_seconds, static_input_bytes=static_input_bytes,
-                   output_buffer_bytes=max((int(r.info.get("output_buffer_bytes", 0)) for r in buckets), default=0),
-                   output_arena=None if output_arena is None else output_arena.facts(),
-                   externals_written=externals_written)
+        return cls(
+            backend=str(getattr(backend, "name", type(backend).__name__)),
+            device=str(getattr(backend.device, "kind", backend.device)),
+            rank=rank,
+            world_size=world_size,
+            buckets=buckets,
+            total_seconds=total_seconds,
+            static_input_bytes=static_input_bytes,
+            output_buffer_bytes=max((int(r.info.get("output_buffer_bytes", 0)) for r in buckets), default=0),
+            output_arena=None if output_arena is None else output_arena.facts(),
+            externals_written=externals_written,
+        )
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict with every field and one entry per bucket."""
         return {
             "backend": self.backend,
@@ -207,30 +227,41 @@ class CaptureReport:
         line names the keys left to eager; each ``after_capture`` step gets a
         line with its time. The last line is the legend.
         """
-        head = (f"graphrunner capture: backend={self.backend} device={self.device} "
-                f"rank={self.rank}/{self.world_size} buckets={self.num_buckets} wall={self.total_seconds:.3f}s")
+        head = (
+            f"graphrunner capture: backend={self.backend} device={self.device} "
+            f"rank={self.rank}/{self.world_size} buckets={self.num_buckets} wall={self.total_seconds:.3f}s"
+        )
         if self.one_time_seconds:
             head += f" (+{self.one_time_seconds:.2f}s one-time before the first key: {self.one_time_what})"
-        cols = (f"{'bucket':>7} {'capture_s':>10} {'checks_s':>9} {'graph_s':>9} {'segments':>9} {'breaks':>7} "
-                f"{'graph_pool':>11}")
+        cols = (
+            f"{'bucket':>7} {'capture_s':>10} {'checks_s':>9} {'graph_s':>9} {'segments':>9} {'breaks':>7} "
+            f"{'graph_pool':>11}"
+        )
         lines = [head, cols, "-" * len(cols)]
         for b in self.buckets:
-            lines.append(f"{key_text(b.bucket):>7} {b.capture_seconds:>10.4f} {b.checks_seconds:>9.4f} "
-                         f"{b.graph_capture_seconds:>9.4f} "
-                         f"{b.num_segments:>9} {b.num_breaks:>7} {_bytes_cell(b.graph_pool_bytes):>11}")
+            lines.append(
+                f"{key_text(b.bucket):>7} {b.capture_seconds:>10.4f} {b.checks_seconds:>9.4f} "
+                f"{b.graph_capture_seconds:>9.4f} "
+                f"{b.num_segments:>9} {b.num_breaks:>7} {_bytes_cell(b.graph_pool_bytes):>11}"
+            )
         lines.append("-" * len(cols))
-        lines.append(f"{'total':>7} {sum(b.capture_seconds for b in self.buckets):>10.4f} "
-                     f"{sum(b.checks_seconds for b in self.buckets):>9.4f} "
-                     f"{sum(b.graph_capture_seconds for b in self.buckets):>9.4f} "
-                     f"{sum(b.num_segments for b in self.buckets):>9} {sum(b.num_breaks for b in self.buckets):>7} "
-                     f"{_bytes_cell(self.graph_pool_bytes):>11}")
-        rest = (f"static inputs {format_bytes(self.static_input_bytes)} + output buffer "
-                f"{format_bytes(self.output_buffer_bytes)}")
+        lines.append(
+            f"{'total':>7} {sum(b.capture_seconds for b in self.buckets):>10.4f} "
+            f"{sum(b.checks_seconds for b in self.buckets):>9.4f} "
+            f"{sum(b.graph_capture_seconds for b in self.buckets):>9.4f} "
+            f"{sum(b.num_segments for b in self.buckets):>9} {sum(b.num_breaks for b in self.buckets):>7} "
+            f"{_bytes_cell(self.graph_pool_bytes):>11}"
+        )
+        rest = (
+            f"static inputs {format_bytes(self.static_input_bytes)} + output buffer "
+            f"{format_bytes(self.output_buffer_bytes)}"
+        )
         if self.graph_pool_bytes is None:
             lines.append(f"memory: {rest} = {format_bytes(self.total_bytes_held)} (graph pool not measured)")
         else:
-            lines.append(f"memory: graph pool {format_bytes(self.graph_pool_bytes)} + {rest} = "
-                         f"{format_bytes(self.total_bytes)}")
+            lines.append(
+                f"memory: graph pool {format_bytes(self.graph_pool_bytes)} + {rest} = {format_bytes(self.total_bytes)}"
+            )
         if self.memory_budget is not None:
             left = ", ".join(key_text(k) for k in self.left_to_eager) or "none"
             lines.append(f"memory_budget {format_bytes(self.memory_budget)}: left to eager: {left}")
@@ -249,11 +280,13 @@ class CaptureReport:
 
 
 #: The last line of :meth:`CaptureReport.table`.
-LEGEND = ("legend: capture_s = warmups + checks + capture; checks_s = the checks' part; graph_s = capture alone; "
-          "graph_pool = pool memory the key added")
+LEGEND = (
+    "legend: capture_s = warmups + checks + capture; checks_s = the checks' part; graph_s = capture alone; "
+    "graph_pool = pool memory the key added"
+)
 
 
-def _bytes_cell(n: Optional[int]) -> str:
+def _bytes_cell(n: int | None) -> str:
     return "-" if n is None else format_bytes(n)
 
 
@@ -279,19 +312,21 @@ class RunnerStats:
     (invalid inputs, ``fallback="error"``) are not counted.
     """
 
-    replays: Dict[Hashable, int] = field(default_factory=dict)  # int keys, or tuples with dims
+    replays: dict[Hashable, int] = field(default_factory=dict)  # int keys, or tuples with dims
     fallbacks: int = 0
-    fallback_reasons: Dict[str, int] = field(default_factory=dict)
+    fallback_reasons: dict[str, int] = field(default_factory=dict)
     padding_rows: int = 0
     real_rows: int = 0
-    last_bucket: Optional[Hashable] = None
+    last_bucket: Hashable | None = None
 
-    def count(self, bucket: Any, sizes: Any, rows: Any, reason: Optional[str] = None) -> None:
+    def count(self, bucket: Any, sizes: Any, rows: Any, reason: str | None = None) -> None:
         """Count one call of real ``sizes`` computed at ``rows`` (a key, or the padded fallback):
         a replay of ``bucket``, or with ``bucket=None`` a fallback for ``reason``."""
         if bucket is None and reason is None:
-            raise ValueError("RunnerStats.count: a fallback (bucket=None) is counted under its reason; "
-                             "pass reason= (e.g. 'over_max_bucket')")
+            raise ValueError(
+                "RunnerStats.count: a fallback (bucket=None) is counted under its reason; "
+                "pass reason= (e.g. 'over_max_bucket')"
+            )
         real = math.prod(sizes)
         self.padding_rows += math.prod(rows) - real
         self.real_rows += real
@@ -318,7 +353,7 @@ class RunnerStats:
         self.real_rows = 0
         self.last_bucket = None
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """A JSON-ready copy of the counters."""
         return {
             "calls": self.calls,

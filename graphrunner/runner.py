@@ -20,23 +20,34 @@ import dataclasses
 import functools
 import logging
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Dict, List, Mapping, Optional, Sequence, Tuple
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from graphrunner.agreement import config_fields
 from graphrunner.backends import make_backend
 from graphrunner.background import hold_background
-from graphrunner.budget import MemoryBudget
 from graphrunner.buckets import default_buckets
+from graphrunner.budget import MemoryBudget
 from graphrunner.capturing import Capturer
 from graphrunner.checks import contracts, resolve_checks
 from graphrunner.checks.verify import verify_every_setting
 from graphrunner.errors import CaptureError
 from graphrunner.group import LocalGroup
 from graphrunner.inputs import BatchInput, check_config, check_step, positional_error
-from graphrunner.keys import (BATCH_DIM, Batch, Buckets, Group, Key, KeySpace, OutputDims, resolve_input_dims,
-                              resolve_output_dims)
+from graphrunner.keys import (
+    BATCH_DIM,
+    Batch,
+    Buckets,
+    Group,
+    Key,
+    KeySpace,
+    OutputDims,
+    resolve_input_dims,
+    resolve_output_dims,
+)
 from graphrunner.layout import OutputLayout
 from graphrunner.report import CaptureReport, RunnerStats
 from graphrunner.serving import Server
@@ -124,35 +135,59 @@ class GraphRunner:
     #: Agree the key across ranks on every call (set False before capture() only in tests: UNSAFE).
     agree_bucket = True
 
-    def __init__(self, step: Callable[..., Any], inputs: Mapping[str, BatchInput], buckets: Buckets,
-                 backend: Any = "breakable", device: Any = "auto", group: Optional[Group] = None, warmups: int = 2,
-                 post_warmup_hook: Optional[Callable[[Any], Any]] = None, max_padding_ratio: Optional[float] = None,
-                 fallback: str = "eager", trace: Optional[Trace] = None, *, keys: Optional[Sequence[Key]] = None,
-                 outputs: OutputDims = None, checks: Any = None, debug: Optional[bool] = None,
-                 verify_every: Optional[int] = None, memory_budget: Optional[int] = None,
-                 copy_outputs: Optional[bool] = None, output_arena: Optional[OutputArena] = None,
-                 progress: bool = True) -> None:
+    def __init__(
+        self,
+        step: Callable[..., Any],
+        inputs: Mapping[str, BatchInput],
+        buckets: Buckets,
+        backend: Any = "breakable",
+        device: Any = "auto",
+        group: Group | None = None,
+        warmups: int = 2,
+        post_warmup_hook: Callable[[Any], Any] | None = None,
+        max_padding_ratio: float | None = None,
+        fallback: str = "eager",
+        trace: Trace | None = None,
+        *,
+        keys: Sequence[Key] | None = None,
+        outputs: OutputDims = None,
+        checks: Any = None,
+        debug: bool | None = None,
+        verify_every: int | None = None,
+        memory_budget: int | None = None,
+        copy_outputs: bool | None = None,
+        output_arena: OutputArena | None = None,
+        progress: bool = True,
+    ) -> None:
         check_config(step, inputs, fallback, post_warmup_hook, output_arena)
         space = KeySpace(buckets, keys=keys, max_padding_ratio=max_padding_ratio)
         # The public keys and buckets below take the form the caller chose with ``buckets=`` (ints and a
         # list, or tuples and a dict), which the caller knows: ``Any``, not a union every caller would
         # have to narrow again (``Key`` and ``Buckets`` in graphrunner.keys name both forms).
         #: ``buckets`` as given: a list (one dim, int keys) or ``{dim: [sizes...]}`` (tuple keys).
-        self.buckets: Any = (space.buckets[BATCH_DIM] if space.one_batch_dim else
-                             {d: list(v) for d, v in space.buckets.items()})
+        self.buckets: Any = (
+            space.buckets[BATCH_DIM] if space.one_batch_dim else {d: list(v) for d, v in space.buckets.items()}
+        )
         #: The runner's dim names, in key order (``("batch",)`` with ``buckets=[...]``).
-        self.dims: Tuple[str, ...] = space.dims
+        self.dims: tuple[str, ...] = space.dims
         #: Every key captured, smallest first (ints with ``buckets=[...]``, else tuples).
-        self.keys: List[Any] = [space.external(k) for k in space.keys]
+        self.keys: list[Any] = [space.external(k) for k in space.keys]
         self.max_padding_ratio = space.max_padding_ratio
         #: The largest bucket of the first dim (the batch with ``buckets=[...]``).
         self.max_batch = space.maxes[0]
         checks_set = resolve_checks(checks)
         debug = contracts.debug_enabled(debug)
         self.inputs, self.output_arena = dict(inputs), output_arena
-        made = make_backend(backend, device=device, group=group, warmups=warmups, trace=trace,
-                            drift_check=None if checks is None else checks_set.drift, output_arena=output_arena,
-                            own_pool=memory_budget is not None)
+        made = make_backend(
+            backend,
+            device=device,
+            group=group,
+            warmups=warmups,
+            trace=trace,
+            drift_check=None if checks is None else checks_set.drift,
+            output_arena=output_arena,
+            own_pool=memory_budget is not None,
+        )
         #: The backend (a :class:`~graphrunner.backends.base.GraphBackend`, or an instance given that
         #: has its methods); the capturer captures with it, the server replays it.
         self.backend: ReplayBackend = made
@@ -165,38 +200,70 @@ class GraphRunner:
         self.torch_device = torch.device(getattr(self.device, "torch_device", torch.device("cpu")))
         in_dims = resolve_input_dims(inputs, space)
         key_text = functools.partial(_key_text, space)
-        staging = StaticInputs(specs=inputs, in_dims=in_dims, dims=space.dims, maxes=space.maxes,
-                               one_batch_dim=space.one_batch_dim, device=self.torch_device)
-        layout = OutputLayout(out_dims=resolve_output_dims(outputs, in_dims[next(iter(inputs))], space),
-                              dims=space.dims, one_batch_dim=space.one_batch_dim, key_text=key_text)
+        staging = StaticInputs(
+            specs=inputs,
+            in_dims=in_dims,
+            dims=space.dims,
+            maxes=space.maxes,
+            one_batch_dim=space.one_batch_dim,
+            device=self.torch_device,
+        )
+        layout = OutputLayout(
+            out_dims=resolve_output_dims(outputs, in_dims[next(iter(inputs))], space),
+            dims=space.dims,
+            one_batch_dim=space.one_batch_dim,
+            key_text=key_text,
+        )
         # views into a shared arena are overwritten by any runner on it: copies unless asked otherwise
         copy = (output_arena is not None) if copy_outputs is None else bool(copy_outputs)
         #: The server part (:class:`graphrunner.serving.Server`): a call and the state it owns.
-        self.server = Server(step=step, space=space, inputs=staging, layout=layout, backend=self.backend,
-                             group=self.group, fallback=fallback, debug=debug,
-                             verify_every=verify_every_setting(verify_every, debug), copy_outputs=copy,
-                             key_text=key_text)
+        self.server = Server(
+            step=step,
+            space=space,
+            inputs=staging,
+            layout=layout,
+            backend=self.backend,
+            group=self.group,
+            fallback=fallback,
+            debug=debug,
+            verify_every=verify_every_setting(verify_every, debug),
+            copy_outputs=copy,
+            key_text=key_text,
+        )
         #: The capturer part (:class:`graphrunner.capturing.Capturer`): a capture, its checks and budget.
-        self.capturer = Capturer(server=self.server, backend=self.backend, checks=checks_set,
-                                 post_warmup_hook=post_warmup_hook, progress=progress,
-                                 memory_budget=MemoryBudget(memory_budget, world_size=self.world_size),
-                                 output_arena=output_arena)
+        self.capturer = Capturer(
+            server=self.server,
+            backend=self.backend,
+            checks=checks_set,
+            post_warmup_hook=post_warmup_hook,
+            progress=progress,
+            memory_budget=MemoryBudget(memory_budget, world_size=self.world_size),
+            output_arena=output_arena,
+        )
 
     # ----------------------------------------------------------- the parts' settings, as attributes
     step = _part_attr("server", "step", "The step (``step(**static_inputs)``).")
-    fallback = _part_attr("server", "fallback", "``\"eager\"`` or ``\"error\"``: what a call no key serves does.", True)
-    debug = _part_attr("server", "debug", "Debug mode (``debug=`` or ``GRAPHRUNNER_DEBUG=1``): see "
-                       ":mod:`graphrunner.checks.contracts`.", True)
-    verify_every = _part_attr("server", "verify_every", "Shadow verification of every N-th replayed call (0: "
-                              "off; :mod:`graphrunner.checks.verify`).", True)
+    fallback = _part_attr("server", "fallback", '``"eager"`` or ``"error"``: what a call no key serves does.', True)
+    debug = _part_attr(
+        "server",
+        "debug",
+        "Debug mode (``debug=`` or ``GRAPHRUNNER_DEBUG=1``): see :mod:`graphrunner.checks.contracts`.",
+        True,
+    )
+    verify_every = _part_attr(
+        "server",
+        "verify_every",
+        "Shadow verification of every N-th replayed call (0: off; :mod:`graphrunner.checks.verify`).",
+        True,
+    )
     copy_outputs = _part_attr("server", "copy_outputs", "Return clones instead of views by default.")
     stats = _part_attr("server", "stats", "Per-call statistics (:class:`~graphrunner.report.RunnerStats`).", True)
-    checks = _part_attr("capturer", "checks", "The checks run at capture (:class:`~graphrunner.checks.CheckSet`).",
-                        True)
+    checks = _part_attr(
+        "capturer", "checks", "The checks run at capture (:class:`~graphrunner.checks.CheckSet`).", True
+    )
     post_warmup_hook = _part_attr("capturer", "post_warmup_hook", "``hook(key)`` after each warmup forward.")
     progress = _part_attr("capturer", "progress", "Draw a capture progress bar on rank 0.")
-    report = _part_attr("capturer", "report", "The last capture's :class:`CaptureReport` (``None`` before one).",
-                        True)
+    report = _part_attr("capturer", "report", "The last capture's :class:`CaptureReport` (``None`` before one).", True)
 
     @property
     def captured(self) -> bool:
@@ -204,7 +271,7 @@ class GraphRunner:
         return self.server.serving
 
     @property
-    def static_inputs(self) -> Dict[str, torch.Tensor]:
+    def static_inputs(self) -> dict[str, torch.Tensor]:
         """The static input buffers ``{name: (*largest key on its dims, *trailing)}``; do not write them."""
         return dict(self.server.inputs.buffers)
 
@@ -219,16 +286,18 @@ class GraphRunner:
     key_for = bucket_for
 
     def __repr__(self) -> str:
-        return (f"GraphRunner(backend={getattr(self.backend, 'name', type(self.backend).__name__)!r}, buckets="
-                f"{self.buckets}, inputs={list(self.inputs)}, rank={self.rank}/{self.world_size}, "
-                f"captured={self.captured})")
+        return (
+            f"GraphRunner(backend={getattr(self.backend, 'name', type(self.backend).__name__)!r}, buckets="
+            f"{self.buckets}, inputs={list(self.inputs)}, rank={self.rank}/{self.world_size}, "
+            f"captured={self.captured})"
+        )
 
-    def _config_fields(self) -> Dict[str, Any]:
+    def _config_fields(self) -> dict[str, Any]:
         """What every rank must configure alike (:func:`graphrunner.agreement.config_fields`)."""
         return config_fields(self.server, self.capturer.checks)
 
     # -------------------------------------------------------------- capture
-    def capture(self, background: bool = False) -> Optional[CaptureReport]:
+    def capture(self, background: bool = False) -> CaptureReport | None:
         """Capture every key, largest first, inside one ``backend.capture_session()`` under
         ``torch.inference_mode()``, and return a :class:`CaptureReport`. Every rank must call it.
         On any error the backend is cleaned up, the runner stays uncaptured and the error
@@ -252,14 +321,14 @@ class GraphRunner:
         finally:
             owner.leave()
 
-    def wait_captured(self, timeout: Optional[float] = None) -> Optional[CaptureReport]:
+    def wait_captured(self, timeout: float | None = None) -> CaptureReport | None:
         """After ``capture(background=True)``: wait up to ``timeout`` s (None: until done) for every
         key; the report, or ``None`` when it timed out or failed (the next call raises the error).
         On several ranks every rank must call it: it captures the remaining keys now, and they
         replay from the next call (whose agreement tells every rank that every rank has them)."""
         return self.capturer.wait(timeout)
 
-    def hold(self) -> ContextManager[None]:
+    def hold(self) -> AbstractContextManager[None]:
         """``with runner.hold():`` keeps a background capture from starting a key while the body
         runs (a no-op otherwise): wrap code outside the runner's calls that writes state the step
         reads (a prefill writing the KV cache, a cache reset), since a key's capture puts back what it
@@ -267,7 +336,7 @@ class GraphRunner:
         return hold_background(self.server)
 
     @property
-    def capture_error(self) -> Optional[BaseException]:
+    def capture_error(self) -> BaseException | None:
         """The error that stopped a background capture (``None`` while it runs, after it succeeded,
         or without one); the next call raises it as well."""
         server = self.server
@@ -275,7 +344,7 @@ class GraphRunner:
         return None if bg is None else bg.error
 
     @property
-    def captured_keys(self) -> List[Any]:
+    def captured_keys(self) -> list[Any]:
         """The keys that replay (every key after a blocking capture; during a background one, those
         captured on every rank so far)."""
         server = self.server
@@ -312,8 +381,7 @@ class GraphRunner:
             return server.run(inputs, None, None)
         return self.run(inputs)
 
-    def run(self, inputs: Mapping[str, torch.Tensor], copy_outputs: Optional[bool] = None,
-            step: Optional[int] = None) -> Any:
+    def run(self, inputs: Mapping[str, torch.Tensor], copy_outputs: bool | None = None, step: int | None = None) -> Any:
         """Serve one batch: validate, agree, copy + pad, replay (or fall back), slice.
 
         ``inputs``: every declared name, a tensor of the declared dtype and trailing shape
@@ -337,6 +405,6 @@ class GraphRunner:
         return server.run(inputs, copy_outputs, step)
 
 
-def _key_text(space: KeySpace, key: Tuple[int, ...]) -> str:
+def _key_text(space: KeySpace, key: tuple[int, ...]) -> str:
     """How messages name internal ``key`` of ``space``."""
     return f"bucket {key[0]}" if space.one_batch_dim else f"key {key} ({space.describe(key)})"

@@ -15,17 +15,24 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from graphrunner.agreement import LocalAgreement, RankAgreement
+from graphrunner.channel import fail_ranks
 from graphrunner.checks import contracts
 from graphrunner.checks.verify import shadow_reference, shadow_verify
 from graphrunner.dispatch import CAPTURING, IDLE, ReplayBackend, Route, Routes
-from graphrunner.channel import fail_ranks
-from graphrunner.errors import (AgreementError, CaptureError, GraphRunnerError, RankFailedError, RankTimeoutError,
-                               add_note)
+from graphrunner.errors import (
+    AgreementError,
+    CaptureError,
+    GraphRunnerError,
+    RankFailedError,
+    RankTimeoutError,
+    add_note,
+)
 from graphrunner.layout import clone_outputs
 from graphrunner.ownership import CallOwner
 from graphrunner.report import RunnerStats
@@ -40,9 +47,9 @@ __all__ = ["Server"]
 
 logger = logging.getLogger("graphrunner")
 
-Sizes = Tuple[int, ...]
+Sizes = tuple[int, ...]
 #: How a call's sizes are agreed: by this rank alone, or with its peers (:mod:`graphrunner.agreement`).
-Agreement = Union[LocalAgreement, RankAgreement]
+Agreement = LocalAgreement | RankAgreement
 
 _get_ident = threading.get_ident
 
@@ -62,9 +69,21 @@ class Server:
         key_text: ``key_text(internal key) -> str`` for messages.
     """
 
-    def __init__(self, *, step: Callable[..., Any], space: KeySpace, inputs: StaticInputs, layout: OutputLayout,
-                 backend: ReplayBackend, group: Group, fallback: str, debug: bool, verify_every: int,
-                 copy_outputs: bool, key_text: Callable[[Sizes], str]) -> None:
+    def __init__(
+        self,
+        *,
+        step: Callable[..., Any],
+        space: KeySpace,
+        inputs: StaticInputs,
+        layout: OutputLayout,
+        backend: ReplayBackend,
+        group: Group,
+        fallback: str,
+        debug: bool,
+        verify_every: int,
+        copy_outputs: bool,
+        key_text: Callable[[Sizes], str],
+    ) -> None:
         self.step, self.space, self.inputs, self.layout = step, space, inputs, layout
         self.backend, self.group, self.fallback = backend, group, fallback
         self.rank, self.world_size = int(getattr(group, "rank", 0)), int(getattr(group, "size", 1))
@@ -94,18 +113,18 @@ class Server:
         #: The agreement across ranks (:mod:`graphrunner.agreement`).
         self.agreement: Agreement = LocalAgreement()
         #: Debug mode's check of the tensors the graphs read (:class:`~graphrunner.checks.contracts.ExternalsCheck`).
-        self.externals: Optional[contracts.ExternalsCheck] = None
+        self.externals: contracts.ExternalsCheck | None = None
         #: A background capture while its keys are not all replaying (:mod:`graphrunner.background`).
-        self.background: Optional[BackgroundCapture] = None
+        self.background: BackgroundCapture | None = None
         #: The background capture after every key replays (its thread may still build the report).
-        self.last_background: Optional[BackgroundCapture] = None
+        self.last_background: BackgroundCapture | None = None
         self.serving = False
 
-    def install(self, agreement: Agreement, externals: Optional[contracts.ExternalsCheck]) -> None:
+    def install(self, agreement: Agreement, externals: contracts.ExternalsCheck | None) -> None:
         """A capture starts: its agreement and debug mode's externals check serve the calls from now on."""
         self.agreement, self.externals = agreement, externals
 
-    def serve(self, replayable: Dict[Sizes, bool]) -> None:
+    def serve(self, replayable: dict[Sizes, bool]) -> None:
         """A blocking capture ended: ``replayable`` (``{key: every rank can replay it}``) keys replay
         from the next call on, their routes and views prepared now."""
         self.routes.replayable = dict(replayable)
@@ -120,7 +139,7 @@ class Server:
         self.background = background
         self.serving, self.cleaned_up = True, False
 
-    def enable(self, keys: List[Sizes]) -> None:
+    def enable(self, keys: list[Sizes]) -> None:
         """Keys a background capture has captured on every rank replay from now on."""
         self.routes.enable(keys, self.inputs)
         self.inputs.warm()
@@ -134,7 +153,7 @@ class Server:
         """Every key of the background capture replays on every rank: calls are plain calls again."""
         self.background, self.last_background = None, self.background
 
-    def key_for(self, batch: Batch) -> Optional[Key]:
+    def key_for(self, batch: Batch) -> Key | None:
         """``GraphRunner.key_for``: the key a local call of ``batch`` replays (see there)."""
         space = self.space
         sizes = space.sizes_of(batch, what="key_for")
@@ -144,7 +163,7 @@ class Server:
         return None if key is None else space.external(key)
 
     # ------------------------------------------------------------------------ a call
-    def run(self, inputs: Mapping[str, torch.Tensor], copy_outputs: Optional[bool], step: Optional[int]) -> Any:
+    def run(self, inputs: Mapping[str, torch.Tensor], copy_outputs: bool | None, step: int | None) -> Any:
         """One call (``GraphRunner.run``; its docstring is the contract)."""
         lock, owner = self.owner.lock, self.owner
         if not lock.acquire(blocking=False):
@@ -152,9 +171,12 @@ class Server:
         owner.thread = _get_ident()
         try:
             if not self.serving:
-                raise CaptureError("GraphRunner called after cleanup(): its graphs were released; call runner."
-                                   "capture() again before serving" if self.cleaned_up else
-                                   "GraphRunner called before capture(): call runner.capture() once first")
+                raise CaptureError(
+                    "GraphRunner called after cleanup(): its graphs were released; call runner."
+                    "capture() again before serving"
+                    if self.cleaned_up
+                    else "GraphRunner called before capture(): call runner.capture() once first"
+                )
             self.calls += 1
             staging = self.inputs
             try:
@@ -190,8 +212,9 @@ class Server:
             except Exception as exc:  # a failed collective (RankTimeoutError), else the user's error, noted
                 if self.step_failed(exc, "replay", route.ext):
                     raise
-                note = contracts.step_note(exc, "replay", self.key_text(key), staging.bounded, staging.names,
-                                           tensors, self.debug)
+                note = contracts.step_note(
+                    exc, "replay", self.key_text(key), staging.bounded, staging.names, tensors, self.debug
+                )
                 if note is not None:
                     add_note(exc, note)
                 raise
@@ -199,9 +222,11 @@ class Server:
                 staging.written_by_step(key)
             stats, real = self.stats, (sizes[0] if len(sizes) == 1 else math.prod(sizes))
             stats.replays[route.ext] += 1
-            stats.real_rows, stats.padding_rows, stats.last_bucket = (stats.real_rows + real,
-                                                                      stats.padding_rows + route.volume - real,
-                                                                      route.ext)
+            stats.real_rows, stats.padding_rows, stats.last_bucket = (
+                stats.real_rows + real,
+                stats.padding_rows + route.volume - real,
+                route.ext,
+            )
             out = self.layout.replayed(route.outputs, sizes)
             if ref is not None:
                 shadow_verify(self, ref, tensors, sizes, key, out)
@@ -210,7 +235,7 @@ class Server:
             owner.thread = None
             lock.release()
 
-    def _agree(self, sizes: Sizes, step: Optional[int], invalid: bool = False) -> Sizes:
+    def _agree(self, sizes: Sizes, step: int | None, invalid: bool = False) -> Sizes:
         """The call's one collective (:mod:`graphrunner.agreement`). A call whose collective met
         another kind of collective on some rank (:class:`~graphrunner.errors.AgreementError` with
         ``collectives`` set: the ranks were out of step, e.g. one waiting for a background capture)
@@ -235,21 +260,25 @@ class Server:
         its type here, with a note (returns True: the caller raises it as it is; False: the group is
         fine, the caller adds its own note)."""
         err = RankTimeoutError.from_step(exc, self.group, phase, ext)
-        where = (f"in the step's replay of key {ext!r}" if phase == "replay"
-                 else f"in the step's eager {phase} at {ext!r}")
+        where = (
+            f"in the step's replay of key {ext!r}" if phase == "replay" else f"in the step's eager {phase} at {ext!r}"
+        )
         if err is not None:
             failed = fail_ranks(self.group, err, where)
             raise failed from exc
         if self.world_size > 1:
             failed = fail_ranks(self.group, exc, where)
             if isinstance(failed, RankFailedError):
-                add_note(exc, f"GraphRunner: the step raised on rank {self.rank} alone, while its peers may be "
-                              "inside the step's own collectives; it told them out of band and aborted the process "
-                              f"group, so every rank raises RankFailedError and the runner stops: {failed}")
+                add_note(
+                    exc,
+                    f"GraphRunner: the step raised on rank {self.rank} alone, while its peers may be "
+                    "inside the step's own collectives; it told them out of band and aborted the process "
+                    f"group, so every rank raises RankFailedError and the runner stops: {failed}",
+                )
                 return True
         return False
 
-    def fall_back(self, tensors: List[torch.Tensor], sizes: Sizes, route: Route, copy_outputs: bool) -> Any:
+    def fall_back(self, tensors: list[torch.Tensor], sizes: Sizes, route: Route, copy_outputs: bool) -> Any:
         """Serve a call of local ``sizes`` whose route does not replay: :data:`~graphrunner.dispatch.IDLE`
         returns the empty outputs, anything else runs the step eagerly on the inputs padded to the
         route's sizes (the key's, for :data:`~graphrunner.dispatch.CAPTURING`; ``fallback='error'``:
@@ -260,9 +289,11 @@ class Server:
             out = self.layout.replayed(route.outputs, sizes)
             return clone_outputs(out) if copy_outputs else out
         if self.fallback == "error" and reason != CAPTURING:
-            raise ValueError(f"GraphRunner(fallback='error'): {space.why(sizes, run, reason)}; "
-                             + ("add a bucket" if space.one_batch_dim else "add a bucket or key")
-                             + ", raise max_padding_ratio, or use fallback='eager'")
+            raise ValueError(
+                f"GraphRunner(fallback='error'): {space.why(sizes, run, reason)}; "
+                + ("add a bucket" if space.one_batch_dim else "add a bucket or key")
+                + ", raise max_padding_ratio, or use fallback='eager'"
+            )
         staging = self.inputs
         kwargs = staging.padded(tensors, sizes, run)
         try:
@@ -271,14 +302,22 @@ class Server:
         except Exception as exc:  # a failed collective (RankTimeoutError), else the user's error, noted
             if self.step_failed(exc, "fallback", space.external(run)):
                 raise
-            note = contracts.step_note(exc, "eager fallback", f"sizes ({space.describe(run)})", staging.bounded,
-                                       staging.names, tensors, self.debug)
+            note = contracts.step_note(
+                exc,
+                "eager fallback",
+                f"sizes ({space.describe(run)})",
+                staging.bounded,
+                staging.names,
+                tensors,
+                self.debug,
+            )
             if note is not None:
                 add_note(exc, note)
             raise
         if run != sizes:
             out = self.layout.slice(out, sizes)
         self.stats.count(None, sizes, run, reason)
-        logger.debug("GraphRunner: eager fallback (%s) for %s (padded to %s)", reason, space.describe(sizes),
-                     space.describe(run))
+        logger.debug(
+            "GraphRunner: eager fallback (%s) for %s (padded to %s)", reason, space.describe(sizes), space.describe(run)
+        )
         return clone_outputs(out) if copy_outputs else out

@@ -18,7 +18,8 @@ and the bytes needed, before or instead of the allocator's own error.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -30,7 +31,7 @@ __all__ = ["StaticInputs"]
 
 _set_grad_enabled = torch._C._set_grad_enabled
 
-Sizes = Tuple[int, ...]
+Sizes = tuple[int, ...]
 _Tensor = torch.Tensor
 
 
@@ -43,23 +44,36 @@ class StaticInputs:
     built with ``buckets=[...]``, one dim, the batch (messages speak of the batch).
     """
 
-    def __init__(self, *, specs: Mapping[str, BatchInput], in_dims: Mapping[str, Tuple[int, ...]],
-                 dims: Tuple[str, ...], maxes: Tuple[int, ...], one_batch_dim: bool, device: torch.device) -> None:
-        self.specs: Dict[str, BatchInput] = dict(specs)
-        self.in_dims: Dict[str, Tuple[int, ...]] = dict(in_dims)
+    def __init__(
+        self,
+        *,
+        specs: Mapping[str, BatchInput],
+        in_dims: Mapping[str, tuple[int, ...]],
+        dims: tuple[str, ...],
+        maxes: tuple[int, ...],
+        one_batch_dim: bool,
+        device: torch.device,
+    ) -> None:
+        self.specs: dict[str, BatchInput] = dict(specs)
+        self.in_dims: dict[str, tuple[int, ...]] = dict(in_dims)
         self.dims, self.maxes, self.one_batch_dim, self.device = dims, tuple(maxes), one_batch_dim, device
         #: ``{name: (*largest size of each of its dims, *trailing)}``.
-        self.buffers: Dict[str, torch.Tensor] = self._allocate()
+        self.buffers: dict[str, torch.Tensor] = self._allocate()
         self.names = tuple(self.specs)
         #: Some input is ``BatchInput(state=True)``: the step writes it, so its padding is re-padded
         #: after every call (:meth:`written_by_step`).
         self.stateful = any(s.state for s in self.specs.values())
         #: ``(position, name, (lo, hi), leading dims)`` of every input with ``BatchInput(bounds=...)``.
-        self.bounded = tuple((i, n, s.bounds, len(self.in_dims[n])) for i, (n, s) in enumerate(self.specs.items())
-                             if s.bounds is not None)
+        self.bounded = tuple(
+            (i, n, s.bounds, len(self.in_dims[n]))
+            for i, (n, s) in enumerate(self.specs.items())
+            if s.bounds is not None
+        )
         self._n = len(self.names)
-        self._checks = tuple((s.dtype, s.trailing, len(s.trailing) + len(self.in_dims[n]), len(self.in_dims[n]),
-                              self.in_dims[n]) for n, s in self.specs.items())
+        self._checks = tuple(
+            (s.dtype, s.trailing, len(s.trailing) + len(self.in_dims[n]), len(self.in_dims[n]), self.in_dims[n])
+            for n, s in self.specs.items()
+        )
         self.dim_idx = tuple(self.in_dims[n] for n in self.names)
         self._pads = tuple((self.buffers[n], s.pad) for n, s in self.specs.items())
         # [start, end) byte address of every buffer: an input that starts inside
@@ -70,34 +84,40 @@ class StaticInputs:
         # every input is (rows, *trailing) of one dim: the fast validation (shapes cached per row count)
         self._rows_only = len(dims) == 1 and all(self.in_dims[n] == (0,) for n in self.names)
         self._fast = tuple(zip((s.dtype for s in self.specs.values()), self._own, self.names))
-        self._shapes: Dict[int, Tuple[torch.Size, ...]] = {}
+        self._shapes: dict[int, tuple[torch.Size, ...]] = {}
         self.zero: Sizes = (0,) * len(dims)
         self._one_dim = len(dims) == 1
         self.filled: Sizes = self.zero  # outside [:filled[0], :filled[1], ...] every buffer holds its pad value
         # The views a call of given sizes copies into (and re-pads), cached per sizes (and key) and
         # started over at keys._MEMO_LIMIT entries: varlen sizes rarely repeat.
-        self._views: Dict[Sizes, List[torch.Tensor]] = {}
+        self._views: dict[Sizes, list[torch.Tensor]] = {}
         #: ``{(sizes, key): (views whose pad is +0, [(view, pad) for the other views])}``: what pad_to resets.
-        self._pad_views: Dict[Tuple[Sizes, Sizes], Tuple[List[torch.Tensor], List[Tuple[torch.Tensor, Pad]]]] = {}
+        self._pad_views: dict[tuple[Sizes, Sizes], tuple[list[torch.Tensor], list[tuple[torch.Tensor, Pad]]]] = {}
 
-    def _allocate(self) -> Dict[str, torch.Tensor]:
+    def _allocate(self) -> dict[str, torch.Tensor]:
         """One buffer per input at the largest key, filled with its pad value; a ``ValueError``
         naming the largest bucket and the bytes needed when they cannot be allocated."""
         shapes = {n: (*(self.maxes[d] for d in self.in_dims[n]), *s.trailing) for n, s in self.specs.items()}
-        sizes = {n: math.prod(shape) * torch.empty((), dtype=self.specs[n].dtype).element_size()
-                 for n, shape in shapes.items()}
+        sizes = {
+            n: math.prod(shape) * torch.empty((), dtype=self.specs[n].dtype).element_size()
+            for n, shape in shapes.items()
+        }
         need, dev = sum(sizes.values()), torch.device(self.device)
         total = _memory_of(dev)
 
         def error(what: str) -> ValueError:
             biggest = max(sizes, key=sizes.__getitem__)
-            where = (f"bucket {self.maxes[0]}" if self.one_batch_dim else
-                     f"key ({', '.join(f'{d}={n}' for d, n in zip(self.dims, self.maxes))})")
+            where = (
+                f"bucket {self.maxes[0]}"
+                if self.one_batch_dim
+                else f"key ({', '.join(f'{d}={n}' for d, n in zip(self.dims, self.maxes))})"
+            )
             return ValueError(
                 f"buckets: the largest {where} needs {need:,} bytes of static input buffers on {dev} (input "
                 f"{biggest!r}: {list(shapes[biggest])} {self.specs[biggest].dtype}, {sizes[biggest]:,} bytes), and "
                 f"{what}. The largest bucket sets the leading size of every static input: use smaller buckets, "
-                "e.g. gr.default_buckets(max_batch) with the largest batch you serve")
+                "e.g. gr.default_buckets(max_batch) with the largest batch you serve"
+            )
 
         if total is not None and need > total:
             raise error(f"the device has {total:,} bytes in all")
@@ -109,7 +129,7 @@ class StaticInputs:
 
     # ------------------------------------------------------------ facts
     @property
-    def storages(self) -> List[int]:
+    def storages(self) -> list[int]:
         """The storage keys of the buffers (they are inputs, not externals, to the checks)."""
         return [b.untyped_storage().data_ptr() for b in self.buffers.values()]
 
@@ -118,17 +138,24 @@ class StaticInputs:
         """Bytes held by the buffers."""
         return sum(t.numel() * t.element_size() for t in self.buffers.values())
 
-    def key_inputs(self, views: Dict[str, torch.Tensor]) -> List[Tuple[str, torch.Tensor, Tuple[int, ...], BatchInput]]:
+    def key_inputs(self, views: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor, tuple[int, ...], BatchInput]]:
         """``(name, its view in views, leading-dim indices, BatchInput)`` of every input: what the
         padding check fills."""
         return [(n, views[n], self.in_dims[n], s) for n, s in self.specs.items()]
 
-    def fingerprint(self) -> Dict[str, Any]:
+    def fingerprint(self) -> dict[str, Any]:
         """The inputs as the cross-rank configuration check compares them."""
-        return {n: {"dims": [self.dims[d] for d in self.in_dims[n]], "trailing": list(s.trailing),
-                    "dtype": str(s.dtype), "pad": s.pad} for n, s in self.specs.items()}
+        return {
+            n: {
+                "dims": [self.dims[d] for d in self.in_dims[n]],
+                "trailing": list(s.trailing),
+                "dtype": str(s.dtype),
+                "pad": s.pad,
+            }
+            for n, s in self.specs.items()
+        }
 
-    def key_views(self, key: Sizes) -> Dict[str, torch.Tensor]:
+    def key_views(self, key: Sizes) -> dict[str, torch.Tensor]:
         """``{name: the key's region of its buffer}``: what the step reads for ``key``."""
         return {name: buf[region(key, self.in_dims[name])] for name, buf in self.buffers.items()}
 
@@ -170,9 +197,8 @@ class StaticInputs:
         """True when ``sizes`` fit the buffers (every size at most the dim's largest)."""
         return all(n <= m for n, m in zip(sizes, self.maxes))
 
-
     # ----------------------------------------------------------- per call
-    def validate(self, inputs: Mapping[str, Any]) -> Tuple[List[torch.Tensor], Sizes]:
+    def validate(self, inputs: Mapping[str, Any]) -> tuple[list[torch.Tensor], Sizes]:
         """``(tensors in declaration order, sizes per dim)`` of valid call ``inputs``; raises the
         ``ValueError``/``TypeError`` naming the input otherwise (nothing is written)."""
         if self._rows_only:
@@ -189,8 +215,7 @@ class StaticInputs:
                 raise KeyError
             tensors = [inputs[name] for name in self.names]
             lo_all, hi_all = self._span
-            for name, t, (dtype, trailing, ndim, lead, didx), own in zip(self.names, tensors, self._checks,
-                                                                          self._own):
+            for name, t, (dtype, trailing, ndim, lead, didx), own in zip(self.names, tensors, self._checks, self._own):
                 shape = t.shape
                 if t.dtype != dtype or len(shape) != ndim or shape[lead:] != trailing or not isinstance(t, _Tensor):
                     raise KeyError
@@ -207,7 +232,7 @@ class StaticInputs:
             raise self.error(inputs) from None
         return tensors, tuple(sizes)
 
-    def _validate_rows(self, inputs: Mapping[str, Any]) -> Optional[Tuple[List[torch.Tensor], Sizes]]:
+    def _validate_rows(self, inputs: Mapping[str, Any]) -> tuple[list[torch.Tensor], Sizes] | None:
         """:meth:`validate` when every input is ``(rows, *trailing)``: one shape comparison per
         input against the shapes expected for the first input's row count (cached per count).
         ``None`` for a row count outside ``1..largest`` (the generic path decides)."""
@@ -245,10 +270,10 @@ class StaticInputs:
         """The error for invalid call ``inputs`` (slow path): names the input and what was expected."""
         return diagnose(inputs, self.specs, self.in_dims, self.dims, self.one_batch_dim, self._alias_error)
 
-    def _alias_error(self, name: str, t: torch.Tensor) -> Optional[Exception]:
+    def _alias_error(self, name: str, t: torch.Tensor) -> Exception | None:
         return alias_error(self._ranges, self.names, name, t)
 
-    def stage(self, tensors: List[torch.Tensor], sizes: Sizes) -> bool:
+    def stage(self, tensors: list[torch.Tensor], sizes: Sizes) -> bool:
         """Copy the (validated) inputs into the leading region ``sizes`` of the buffers; ``False``
         (nothing written) when ``sizes`` do not fit them. If a copy fails, every buffer is reset
         to its pad value (no half-written cells stay behind) and :class:`GraphRunnerError` names
@@ -259,8 +284,7 @@ class StaticInputs:
                 return False
             if len(self._views) >= _MEMO_LIMIT:  # varlen sizes rarely repeat: start over, never grow unbounded
                 self._views.clear()
-            views = self._views[sizes] = [buf[region(sizes, didx)] for (buf, _), didx in
-                                          zip(self._pads, self.dim_idx)]
+            views = self._views[sizes] = [buf[region(sizes, didx)] for (buf, _), didx in zip(self._pads, self.dim_idx)]
         i = 0
         # Grad off for the copies: a copy from a tensor that requires grad would chain an
         # autograd history onto the static buffer at every call.
@@ -272,7 +296,7 @@ class StaticInputs:
                 try:  # one dispatch for every input; a failure is redone one by one to name the input
                     torch._foreach_copy_(views, tensors)
                 except Exception:  # noqa: BLE001
-                    for i, (v, t) in enumerate(zip(views, tensors)):
+                    for v, t in zip(views, tensors):
                         v.copy_(t)
             else:
                 views[0].copy_(tensors[0])
@@ -305,8 +329,11 @@ class StaticInputs:
             return
         pv = self._pad_views.get((sizes, key))
         if pv is None:
-            views = [(buf[r], pad) for (buf, pad), didx in zip(self._pads, self.dim_idx)
-                     for r in padding_regions(sizes, key, didx)]
+            views = [
+                (buf[r], pad)
+                for (buf, pad), didx in zip(self._pads, self.dim_idx)
+                for r in padding_regions(sizes, key, didx)
+            ]
             zeros = [v for v, pad in views if _is_zero(pad)]
             if len(self._pad_views) >= _MEMO_LIMIT:  # one entry per (sizes, key): bounded as in stage()
                 self._pad_views.clear()
@@ -325,12 +352,12 @@ class StaticInputs:
         now hold data, so the next call re-pads what it does not fill."""
         self.filled = tuple(map(max, self.filled, key))
 
-    def storage_names(self) -> Dict[int, Tuple[str, bool]]:
+    def storage_names(self) -> dict[int, tuple[str, bool]]:
         """``{storage key of a buffer: (input name, declared state)}``: how a check tells which
         input an op writes."""
         return {b.untyped_storage().data_ptr(): (n, self.specs[n].state) for n, b in self.buffers.items()}
 
-    def restore_pads(self, extent: Optional[Sizes] = None) -> None:
+    def restore_pads(self, extent: Sizes | None = None) -> None:
         """Set the leading region ``extent`` (default: all that may hold data) of every buffer to
         its pad value."""
         extent = self.filled if extent is None else extent
@@ -338,10 +365,10 @@ class StaticInputs:
             buf[region(extent, didx)].fill_(pad)
         self.filled = self.zero
 
-    def padded(self, tensors: List[torch.Tensor], sizes: Sizes, rows: Sizes) -> Dict[str, torch.Tensor]:
+    def padded(self, tensors: list[torch.Tensor], sizes: Sizes, rows: Sizes) -> dict[str, torch.Tensor]:
         """The step's keyword inputs for an eager run of ``tensors`` (sizes ``sizes``) padded to
         ``rows`` with each input's pad value (fresh tensors on the runner's device)."""
-        kwargs: Dict[str, torch.Tensor] = {}
+        kwargs: dict[str, torch.Tensor] = {}
         dev = self.device
         for (name, spec), t, didx in zip(self.specs.items(), tensors, self.dim_idx):
             if rows != sizes:
@@ -356,7 +383,7 @@ class StaticInputs:
         return kwargs
 
 
-def _memory_of(device: torch.device) -> Optional[int]:
+def _memory_of(device: torch.device) -> int | None:
     """The total memory of ``device`` in bytes (CUDA: the GPU's; CPU and tape: the machine's RAM), or
     ``None`` when unknown. A buffer larger than this cannot be allocated: the runner says so before
     trying (an over-committed CPU allocation could succeed and then be killed while it is filled)."""

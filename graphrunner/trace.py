@@ -26,8 +26,9 @@ import itertools
 import json
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Iterator, List, Optional
+from typing import Any
 
 __all__ = [
     "EventKind",
@@ -94,7 +95,7 @@ _LAYER = {
 _LAYER_TID = {"backend": 1, "device": 2, "group": 3, "breakable": 4, "runner": 5, "other": 9}
 
 
-def layer_of(event: "Event") -> str:
+def layer_of(event: Event) -> str:
     """The layer an event belongs to: ``data["layer"]`` if set, else derived
     from its kind (``backend``, ``device``, ``group`` or ``breakable``)."""
     layer = event.data.get("layer") if event.data else None
@@ -120,10 +121,10 @@ class Event:
     kind: str
     key: Any = None
     rank: int = 0
-    backend: Optional[str] = None
+    backend: str | None = None
     t_begin_ns: int = 0
-    t_end_ns: Optional[int] = None
-    data: Dict[str, Any] = field(default_factory=dict)
+    t_end_ns: int | None = None
+    data: dict[str, Any] = field(default_factory=dict)
     seq: int = field(default_factory=lambda: next(_SEQ))
 
     @property
@@ -131,7 +132,7 @@ class Event:
         """``t_end_ns``, or ``t_begin_ns`` for a span that never closed."""
         return self.t_end_ns if self.t_end_ns is not None else self.t_begin_ns
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """The JSONL record of this event (see ``docs/protocol.md``)."""
         return {
             "kind": self.kind,
@@ -146,7 +147,7 @@ class Event:
         }
 
     @classmethod
-    def from_dict(cls, d: Dict[str, Any]) -> "Event":
+    def from_dict(cls, d: dict[str, Any]) -> Event:
         """Inverse of :meth:`to_dict`; JSON lists in ``key`` become tuples."""
         return cls(
             kind=d["kind"],
@@ -204,11 +205,11 @@ class Trace:
 
     enabled = True
 
-    def __init__(self, rank: int = 0, max_replay_events: Optional[int] = DEFAULT_MAX_REPLAY_EVENTS):
+    def __init__(self, rank: int = 0, max_replay_events: int | None = DEFAULT_MAX_REPLAY_EVENTS):
         if max_replay_events is not None and int(max_replay_events) < 0:
             raise ValueError(f"max_replay_events must be >= 0 or None, got {max_replay_events}")
         self.rank = int(rank)
-        self.events: List[Event] = []
+        self.events: list[Event] = []
         self.max_replay_events = None if max_replay_events is None else int(max_replay_events)
         self.replays_recorded = 0
         self.replay_events_dropped = 0
@@ -225,7 +226,7 @@ class Trace:
         dropped = f", replay_events_dropped={self.replay_events_dropped}" if self.replay_events_dropped else ""
         return f"Trace(rank={self.rank}, events={len(self.events)}{dropped})"
 
-    def _new(self, kind: str, key: Any, backend: Optional[str], rank: Optional[int], data: Dict[str, Any]) -> Event:
+    def _new(self, kind: str, key: Any, backend: str | None, rank: int | None, data: dict[str, Any]) -> Event:
         ev = Event(
             kind=kind,
             key=key,
@@ -253,7 +254,7 @@ class Trace:
         if drop <= 0:
             self._replays_kept = replays
             return
-        kept: List[Event] = []
+        kept: list[Event] = []
         for e in self.events:
             if e.kind == EventKind.REPLAY and drop > 0:
                 drop -= 1
@@ -263,14 +264,18 @@ class Trace:
         self.events[:] = kept
         self._replays_kept = keep
 
-    def record(self, kind: str, key: Any = None, backend: Optional[str] = None, rank: Optional[int] = None, **data: Any) -> Event:
+    def record(
+        self, kind: str, key: Any = None, backend: str | None = None, rank: int | None = None, **data: Any
+    ) -> Event:
         """Record an instant event of ``kind`` now and return it."""
         ev = self._new(kind, key, backend, rank, data)
         ev.t_end_ns = ev.t_begin_ns
         return ev
 
     @contextlib.contextmanager
-    def span(self, kind: str, key: Any = None, backend: Optional[str] = None, rank: Optional[int] = None, **data: Any) -> Iterator[Event]:
+    def span(
+        self, kind: str, key: Any = None, backend: str | None = None, rank: int | None = None, **data: Any
+    ) -> Iterator[Event]:
         """Record a span of ``kind`` around the ``with`` body; yields the
         :class:`Event` (``t_begin_ns`` set on entry, ``t_end_ns`` on exit)."""
         ev = self._new(kind, key, backend, rank, data)
@@ -282,7 +287,7 @@ class Trace:
         finally:
             ev.t_end_ns = time.monotonic_ns()
 
-    def of(self, kind: Optional[str] = None, key: Any = ..., rank: Optional[int] = None) -> List[Event]:
+    def of(self, kind: str | None = None, key: Any = ..., rank: int | None = None) -> list[Event]:
         """Events filtered by ``kind``, ``key`` (``...`` = any) and ``rank``."""
         return [
             e
@@ -306,7 +311,7 @@ class Trace:
                 f.write(json.dumps(ev.to_dict()) + "\n")
 
     @classmethod
-    def from_jsonl(cls, path: str) -> "Trace":
+    def from_jsonl(cls, path: str) -> Trace:
         """Load a trace written by :meth:`to_jsonl` (its rank is that of the
         first event, or 0)."""
         events = []
@@ -319,14 +324,14 @@ class Trace:
         t.events = events
         return t
 
-    def to_chrome_dict(self) -> Dict[str, Any]:
+    def to_chrome_dict(self) -> dict[str, Any]:
         """The Chrome trace-event JSON object (``{"traceEvents": [...]}``):
         complete events (``ph="X"``, ``ts``/``dur`` in microseconds since the
         first event) with ``pid`` = rank and ``tid`` = layer, plus metadata
         events naming each process ``rank N`` and each thread by its layer."""
         events = sorted(self.events, key=lambda e: (e.t_begin_ns, e.seq))
         t0 = events[0].t_begin_ns if events else 0
-        out: List[Dict[str, Any]] = []
+        out: list[dict[str, Any]] = []
         seen_pid = set()
         seen_tid = set()
         for ev in events:
@@ -334,8 +339,12 @@ class Trace:
             tid = _LAYER_TID.get(layer, _LAYER_TID["other"])
             if ev.rank not in seen_pid:
                 seen_pid.add(ev.rank)
-                out.append({"name": "process_name", "ph": "M", "pid": ev.rank, "tid": 0, "args": {"name": f"rank {ev.rank}"}})
-                out.append({"name": "process_sort_index", "ph": "M", "pid": ev.rank, "tid": 0, "args": {"sort_index": ev.rank}})
+                out.append(
+                    {"name": "process_name", "ph": "M", "pid": ev.rank, "tid": 0, "args": {"name": f"rank {ev.rank}"}}
+                )
+                out.append(
+                    {"name": "process_sort_index", "ph": "M", "pid": ev.rank, "tid": 0, "args": {"sort_index": ev.rank}}
+                )
             if (ev.rank, tid) not in seen_tid:
                 seen_tid.add((ev.rank, tid))
                 out.append({"name": "thread_name", "ph": "M", "pid": ev.rank, "tid": tid, "args": {"name": layer}})
@@ -363,7 +372,7 @@ class Trace:
             json.dump(self.to_chrome_dict(), f)
 
     @staticmethod
-    def merge(traces: Iterable["Trace"]) -> "Trace":
+    def merge(traces: Iterable[Trace]) -> Trace:
         """One trace holding every event of ``traces`` (e.g. one per rank,
         loaded with :meth:`from_jsonl`), sorted by begin time. Events keep
         their own ``rank``."""
@@ -387,12 +396,16 @@ class NullTrace(Trace):
     def __bool__(self) -> bool:
         return False
 
-    def record(self, kind: str, key: Any = None, backend: Optional[str] = None, rank: Optional[int] = None, **data: Any) -> None:  # type: ignore[override]  # records nothing: no Event
+    def record(  # type: ignore[override]  # records nothing: no Event
+        self, kind: str, key: Any = None, backend: str | None = None, rank: int | None = None, **data: Any
+    ) -> None:
         """Do nothing."""
         return None
 
     @contextlib.contextmanager
-    def span(self, kind: str, key: Any = None, backend: Optional[str] = None, rank: Optional[int] = None, **data: Any) -> Iterator[None]:  # type: ignore[override]  # records nothing: no Event
+    def span(  # type: ignore[override]  # records nothing: no Event
+        self, kind: str, key: Any = None, backend: str | None = None, rank: int | None = None, **data: Any
+    ) -> Iterator[None]:
         """Run the body; record nothing."""
         yield None
 
@@ -400,6 +413,6 @@ class NullTrace(Trace):
 NULL_TRACE = NullTrace()
 
 
-def as_trace(trace: Optional[Trace]) -> Trace:
+def as_trace(trace: Trace | None) -> Trace:
     """``trace`` itself, or the shared :data:`NULL_TRACE` when ``None``."""
     return NULL_TRACE if trace is None else trace

@@ -42,8 +42,9 @@ import platform
 import sys
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -78,8 +79,15 @@ __all__ = [
 
 #: The scripts of the suite, in the order they run (``bench/<name>.py``).
 #: ``capture_vs_compile`` runs last: torch.compile leaves compiled state behind.
-SUITE = ("tape_vs_eager", "runner_overhead", "latency_vs_batch", "loadtest_sweep", "hf_generate",
-         "capture_vs_compile", "hf_capture_vs_compile")
+SUITE = (
+    "tape_vs_eager",
+    "runner_overhead",
+    "latency_vs_batch",
+    "loadtest_sweep",
+    "hf_generate",
+    "capture_vs_compile",
+    "hf_capture_vs_compile",
+)
 
 #: Default merged JSON path and plot file name: ``results/bench.json`` inside the
 #: benchmark directory (``<repo>/bench/results/bench.json``, wherever the command runs),
@@ -89,7 +97,7 @@ DEFAULT_PLOT = os.path.join("bench", "results", "latency_vs_batch.png")
 
 # Quick-mode arguments for scripts that have no ``--quick`` flag of their own
 # (used only when the script's source does not mention "--quick").
-_QUICK_FALLBACK: Dict[str, List[str]] = {
+_QUICK_FALLBACK: dict[str, list[str]] = {
     "tape_vs_eager": ["--batches", "1,8", "--reps", "3", "--inner", "5"],
     "runner_overhead": ["--calls", "40", "--reps", "2"],
 }
@@ -111,7 +119,7 @@ class BenchDirNotFoundError(FileNotFoundError):
 
 
 # --------------------------------------------------------------------------- helpers for scripts
-def _positive_ints(text: str) -> List[int]:
+def _positive_ints(text: str) -> list[int]:
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -121,13 +129,13 @@ def _positive_ints(text: str) -> List[int]:
     return vals
 
 
-def parse_int_list(text: str) -> List[int]:
+def parse_int_list(text: str) -> list[int]:
     """Parse ``"1,2,4"`` into sorted, distinct positive ints; raise
     ``argparse.ArgumentTypeError`` naming the text otherwise (for ``type=``)."""
     return sorted(set(_positive_ints(text)))
 
 
-def parse_buckets(text: str) -> List[int]:
+def parse_buckets(text: str) -> list[int]:
     """Parse a bucket list such as ``"1,2,4"`` (for ``type=``): positive ints,
     strictly increasing as written. Raise ``argparse.ArgumentTypeError`` naming
     the text for anything else: ``"4,2"`` or ``"2,2"`` is a mistake, not
@@ -135,11 +143,12 @@ def parse_buckets(text: str) -> List[int]:
     vals = _positive_ints(text)
     if any(a >= b for a, b in zip(vals, vals[1:])):
         raise argparse.ArgumentTypeError(
-            f"buckets must be strictly increasing (no duplicates), such as 1,2,4,8; got {text!r}")
+            f"buckets must be strictly increasing (no duplicates), such as 1,2,4,8; got {text!r}"
+        )
     return vals
 
 
-def target_note(value: Optional[float], target: float, at_most: bool = True) -> str:
+def target_note(value: float | None, target: float, at_most: bool = True) -> str:
     """``"target <= 3x: met"`` or ``"target <= 3x: MISSED"`` (``at_most=False``: ``>=``) for a ratio ``value``
     (``"target <= 3x: not measured"`` for ``None``). Every bench line that names a target says which."""
     sign = "<=" if at_most else ">="
@@ -155,14 +164,14 @@ def sync_device(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def decode_inputs(vocab_size: Optional[int] = None, max_seq_len: Optional[int] = None) -> Dict[str, Any]:
+def decode_inputs(vocab_size: int | None = None, max_seq_len: int | None = None) -> dict[str, Any]:
     """The :class:`~graphrunner.runner.BatchInput` spec of the demo decoder's decode step:
     ``input_ids`` and ``positions``, both long ``[B]`` padded with 0, with the ``bounds`` of their real
     values when ``vocab_size`` / ``max_seq_len`` are given (the padding check then draws real token
     ids and positions from them, and says nothing about missing bounds)."""
     from graphrunner.runner import BatchInput
 
-    def bounds(n: Optional[int]) -> Any:
+    def bounds(n: int | None) -> Any:
         return None if n is None else (0, int(n) - 1)
 
     return {
@@ -185,11 +194,18 @@ def decode_runner(model: Any, backend: str, device: str, buckets: Sequence[int],
         return model.decode_step(input_ids, positions)
 
     cfg = model.config
-    return GraphRunner(step, inputs=decode_inputs(cfg.vocab_size, cfg.max_seq_len), buckets=list(buckets),
-                       backend=backend, device=device, warmups=warmups, progress=False)
+    return GraphRunner(
+        step,
+        inputs=decode_inputs(cfg.vocab_size, cfg.max_seq_len),
+        buckets=list(buckets),
+        backend=backend,
+        device=device,
+        warmups=warmups,
+        progress=False,
+    )
 
 
-def cpu_model() -> Optional[str]:
+def cpu_model() -> str | None:
     """The CPU's model name (``/proc/cpuinfo``'s ``model name``; ``platform.processor()`` elsewhere), or None."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -201,7 +217,7 @@ def cpu_model() -> Optional[str]:
     return platform.processor() or None
 
 
-def environment() -> Dict[str, Any]:
+def environment() -> dict[str, Any]:
     """Facts about this process that make numbers comparable: versions, CPU, threads, GPU."""
     import graphrunner
 
@@ -221,7 +237,7 @@ def environment() -> Dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- finding and loading
-def find_bench_dir(bench_dir: Optional[str | os.PathLike] = None) -> Path:
+def find_bench_dir(bench_dir: str | os.PathLike | None = None) -> Path:
     """Return the directory holding the benchmark scripts.
 
     Order: ``bench_dir`` if given, else ``$GRAPHRUNNER_BENCH_DIR``, else
@@ -239,7 +255,8 @@ def find_bench_dir(bench_dir: Optional[str | os.PathLike] = None) -> Path:
         if not path.is_dir():
             raise BenchDirNotFoundError(
                 f"benchmark directory {str(path)!r} does not exist or is not a directory; pass --bench-dir "
-                "(or set GRAPHRUNNER_BENCH_DIR) to the bench/ directory of a graphrunner checkout")
+                "(or set GRAPHRUNNER_BENCH_DIR) to the bench/ directory of a graphrunner checkout"
+            )
         return path
     import graphrunner_tools
 
@@ -247,16 +264,20 @@ def find_bench_dir(bench_dir: Optional[str | os.PathLike] = None) -> Path:
     path = pkg.parent / "bench"
     if path.is_dir() and any((path / f"{name}.py").is_file() for name in SUITE):
         return path
-    found = ("it is not there" if not path.is_dir()
-             else f"it holds none of the suite's scripts ({', '.join(f'{n}.py' for n in SUITE)})")
+    found = (
+        "it is not there"
+        if not path.is_dir()
+        else f"it holds none of the suite's scripts ({', '.join(f'{n}.py' for n in SUITE)})"
+    )
     raise BenchDirNotFoundError(
         f"the benchmark scripts were not found: looked for {str(path)!r}, the bench/ directory next to the "
         f"graphrunner_tools package at {str(pkg)!r}, and {found}. bench/ is part of the source repository, "
         "not of an installed wheel: run from a clone installed with `pip install -e .`, or pass --bench-dir PATH "
-        "(or set GRAPHRUNNER_BENCH_DIR) to a checkout's bench/ directory")
+        "(or set GRAPHRUNNER_BENCH_DIR) to a checkout's bench/ directory"
+    )
 
 
-def load_script(path: str | os.PathLike, name: Optional[str] = None) -> Any:
+def load_script(path: str | os.PathLike, name: str | None = None) -> Any:
     """Import the script at ``path`` as a fresh module (``graphrunner_bench_<name>``) and return it.
 
     The module is registered in ``sys.modules`` while it executes (dataclasses
@@ -280,7 +301,7 @@ def load_script(path: str | os.PathLike, name: Optional[str] = None) -> Any:
     return module
 
 
-def _quick_args(name: str, path: Path) -> List[str]:
+def _quick_args(name: str, path: Path) -> list[str]:
     try:
         source = path.read_text()
     except OSError:
@@ -292,16 +313,16 @@ def _quick_args(name: str, path: Path) -> List[str]:
 
 # --------------------------------------------------------------------------- the suite
 def run_suite(
-    out: Optional[str | os.PathLike] = None,
-    plot: Optional[str | os.PathLike] = "auto",
+    out: str | os.PathLike | None = None,
+    plot: str | os.PathLike | None = "auto",
     quick: bool = False,
-    only: Optional[Sequence[str]] = None,
+    only: Sequence[str] | None = None,
     skip: Sequence[str] = (),
-    bench_dir: Optional[str | os.PathLike] = None,
-    extra_args: Optional[Dict[str, List[str]]] = None,
-    echo: Optional[Callable[[str], Any]] = None,
-    threads: Optional[int] = None,
-) -> Dict[str, Any]:
+    bench_dir: str | os.PathLike | None = None,
+    extra_args: dict[str, list[str]] | None = None,
+    echo: Callable[[str], Any] | None = None,
+    threads: int | None = None,
+) -> dict[str, Any]:
     """Run the benchmark scripts in this process and write the merged JSON (and the plot).
 
     Args:
@@ -341,13 +362,22 @@ def run_suite(
     """
     bdir = find_bench_dir(bench_dir)
     with torch_threads(threads or torch.get_num_threads()) as n:
-        return _run_suite(bdir, out, plot, quick, only, skip, dict(extra_args or {}), echo or progress_line,
-                          n if threads else None)
+        return _run_suite(
+            bdir, out, plot, quick, only, skip, dict(extra_args or {}), echo or progress_line, n if threads else None
+        )
 
 
-def _run_suite(bdir: Path, out: Optional[str | os.PathLike], plot: Any, quick: bool,
-               only: Optional[Sequence[str]], skip: Sequence[str], extra_args: Dict[str, List[str]],
-               echo: Callable[[str], Any], threads: Optional[int]) -> Dict[str, Any]:
+def _run_suite(
+    bdir: Path,
+    out: str | os.PathLike | None,
+    plot: Any,
+    quick: bool,
+    only: Sequence[str] | None,
+    skip: Sequence[str],
+    extra_args: dict[str, list[str]],
+    echo: Callable[[str], Any],
+    threads: int | None,
+) -> dict[str, Any]:
     names = list(SUITE)
     for label, given in (("only", only or ()), ("skip", skip)):
         unknown = [n for n in given if n not in SUITE]
@@ -362,7 +392,7 @@ def _run_suite(bdir: Path, out: Optional[str | os.PathLike], plot: Any, quick: b
     if isinstance(plot, str) and plot == "auto":
         plot = results_dir / "latency_vs_batch.png"
     results_dir.mkdir(parents=True, exist_ok=True)
-    merged: Dict[str, Any] = {
+    merged: dict[str, Any] = {
         "schema": 1,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "quick": bool(quick),
@@ -416,8 +446,9 @@ def _run_suite(bdir: Path, out: Optional[str | os.PathLike], plot: Any, quick: b
                 # Scripts that only write their JSON: read it back.
                 result = json.loads(script_out.read_text())
             if not isinstance(result, dict):
-                raise TypeError(f"{name}.main(argv) returned {type(result).__name__}, expected a dict "
-                                f"(or None after writing --out)")
+                raise TypeError(
+                    f"{name}.main(argv) returned {type(result).__name__}, expected a dict (or None after writing --out)"
+                )
             merged["results"][name] = result
         except SystemExit as exc:  # argparse errors
             merged["errors"][name] = f"SystemExit({exc.code!r}) from {name}.main({argv})"
@@ -473,7 +504,7 @@ def progress_line(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def write_json(path: "str | os.PathLike", obj: Dict[str, Any], announce: bool = False) -> None:
+def write_json(path: str | os.PathLike, obj: dict[str, Any], announce: bool = False) -> None:
     """Write ``obj`` as JSON to ``path`` atomically (a run killed while writing
     leaves the previous complete file), creating its folder; with
     ``announce``, print ``wrote <path>`` to stderr. Every bench script writes through it."""
@@ -486,7 +517,7 @@ def write_json(path: "str | os.PathLike", obj: Dict[str, Any], announce: bool = 
         progress_line(f"wrote {path}")
 
 
-def skipped_without_transformers(result: Dict[str, Any], out: "str | os.PathLike") -> bool:
+def skipped_without_transformers(result: dict[str, Any], out: str | os.PathLike) -> bool:
     """``True`` (after recording ``result["skipped"]``, printing the reason under ``result["benchmark"]``
     and writing ``result`` to ``out``) when transformers is not installed: a bench script of ``gr.hf``
     then returns ``result`` as it is. ``False`` when it is installed."""
@@ -508,7 +539,7 @@ def _json_default(v: Any) -> Any:
     return repr(v)
 
 
-def summarize(results: Dict[str, Any]) -> Dict[str, Any]:
+def summarize(results: dict[str, Any]) -> dict[str, Any]:
     """The headline numbers of a suite run, from each script's result dict.
 
     Keys (present when the script ran):
@@ -534,12 +565,22 @@ def summarize(results: Dict[str, Any]) -> Dict[str, Any]:
       ``model.generate``'s ms / ``DecodeRunner.generate``'s), ``equal`` (tokens equal at every batch)
       and ``ms_per_call``.
     """
-    s: Dict[str, Any] = {}
+    s: dict[str, Any] = {}
     cvc = results.get("capture_vs_compile")
     if isinstance(cvc, dict):
-        s["capture_vs_compile"] = {k: cvc.get(k) for k in (
-            "ratio", "target_ratio", "meets_target", "capture_seconds_all_buckets", "capture_seconds_same_buckets",
-            "compile_seconds", "compile_buckets", "compile_skipped")}
+        s["capture_vs_compile"] = {
+            k: cvc.get(k)
+            for k in (
+                "ratio",
+                "target_ratio",
+                "meets_target",
+                "capture_seconds_all_buckets",
+                "capture_seconds_same_buckets",
+                "compile_seconds",
+                "compile_buckets",
+                "compile_skipped",
+            )
+        }
     lat = results.get("latency_vs_batch")
     if isinstance(lat, dict):
         methods = lat.get("methods") or {}
@@ -552,23 +593,25 @@ def summarize(results: Dict[str, Any]) -> Dict[str, Any]:
     ro = results.get("runner_overhead")
     if isinstance(ro, dict):
         tiny = ro.get("tiny_two_inputs") or {}
-        s["runner_overhead"] = {"ratio_runner_over_minimal": ro.get("ratio_runner_over_minimal"),
-                                "target_ratio": ro.get("target_ratio"),
-                                "overhead_us": ro.get("overhead_us"),
-                                "tiny_per_call_us": tiny.get("per_call_us"),
-                                "tiny_ratio_runner_over_eager": tiny.get("ratio_runner_over_eager"),
-                                "tiny_ratio_runner_over_minimal": tiny.get("ratio_runner_over_minimal"),
-                                "tiny_target_ratio": tiny.get("target_ratio"),
-                                "first_over_steady_max": tiny.get("first_over_steady_max"),
-                                "first_target": tiny.get("first_target"),
-                                "first_call": tiny.get("first_call"),
-                                "first_over_steady_later_max": tiny.get("first_over_steady_later_max"),
-                                "first_over_steady_bucket1": (tiny.get("first_over_steady") or [None])[0],
-                                "first_extra_us": tiny.get("first_extra_us"),
-                                "steps": ro.get("steps") or {}}
+        s["runner_overhead"] = {
+            "ratio_runner_over_minimal": ro.get("ratio_runner_over_minimal"),
+            "target_ratio": ro.get("target_ratio"),
+            "overhead_us": ro.get("overhead_us"),
+            "tiny_per_call_us": tiny.get("per_call_us"),
+            "tiny_ratio_runner_over_eager": tiny.get("ratio_runner_over_eager"),
+            "tiny_ratio_runner_over_minimal": tiny.get("ratio_runner_over_minimal"),
+            "tiny_target_ratio": tiny.get("target_ratio"),
+            "first_over_steady_max": tiny.get("first_over_steady_max"),
+            "first_target": tiny.get("first_target"),
+            "first_call": tiny.get("first_call"),
+            "first_over_steady_later_max": tiny.get("first_over_steady_later_max"),
+            "first_over_steady_bucket1": (tiny.get("first_over_steady") or [None])[0],
+            "first_extra_us": tiny.get("first_extra_us"),
+            "steps": ro.get("steps") or {},
+        }
     tve = results.get("tape_vs_eager")
     if isinstance(tve, dict):
-        t: Dict[str, Any] = {}
+        t: dict[str, Any] = {}
         for key, rows_key in (("speedup", "rows"), ("speedup_inline", "rows_inline")):
             rows = tve.get(rows_key)
             if isinstance(rows, list) and rows:
@@ -576,31 +619,57 @@ def summarize(results: Dict[str, Any]) -> Dict[str, Any]:
         s["tape_vs_eager"] = t
     hg = results.get("hf_generate")
     if isinstance(hg, dict) and not hg.get("skipped"):
-        s["hf_generate"] = {"batches": hg.get("batches"), "new": hg.get("new"), "prompt": hg.get("prompt"),
-                            "archs": {r["arch"]: {"speedup": r.get("speedup"), "equal": all((r.get("equal") or {}).values()),
-                                                  "ms_per_call": r.get("ms_per_call")}
-                                      for r in hg.get("results") or [] if isinstance(r, dict) and "arch" in r}}
+        s["hf_generate"] = {
+            "batches": hg.get("batches"),
+            "new": hg.get("new"),
+            "prompt": hg.get("prompt"),
+            "archs": {
+                r["arch"]: {
+                    "speedup": r.get("speedup"),
+                    "equal": all((r.get("equal") or {}).values()),
+                    "ms_per_call": r.get("ms_per_call"),
+                }
+                for r in hg.get("results") or []
+                if isinstance(r, dict) and "arch" in r
+            },
+        }
     sweep = results.get("loadtest_sweep")
     if isinstance(sweep, dict):
         s["loadtest_sweep"] = {
-            "levels": [{k: lv.get(k) for k in ("concurrency", "tokens_per_s", "eager_tokens_per_s", "speedup",
-                                                "p99_step_ms", "eager_p99_step_ms")}
-                       for lv in sweep.get("levels") or [] if isinstance(lv, dict)],
-            "failures": sweep.get("failures")}
+            "levels": [
+                {
+                    k: lv.get(k)
+                    for k in (
+                        "concurrency",
+                        "tokens_per_s",
+                        "eager_tokens_per_s",
+                        "speedup",
+                        "p99_step_ms",
+                        "eager_p99_step_ms",
+                    )
+                }
+                for lv in sweep.get("levels") or []
+                if isinstance(lv, dict)
+            ],
+            "failures": sweep.get("failures"),
+        }
     return s
 
 
-def loadtest_table(levels: Sequence[Dict[str, Any]]) -> List[str]:
+def loadtest_table(levels: Sequence[dict[str, Any]]) -> list[str]:
     """The loadtest sweep as text rows: concurrency, graph and eager tokens/s, their ratio,
     graph and eager p99 decode-step ms (``-`` where not measured)."""
+
     def cell(v: Any, fmt: str) -> str:
         return format(v, fmt) if isinstance(v, (int, float)) else "-"
 
     rows = [f"{'C':>6} {'graph tok/s':>12} {'eager tok/s':>12} {'ratio':>6} {'graph p99 ms':>13} {'eager p99 ms':>13}"]
     for lv in levels:
-        rows.append(f"{lv.get('concurrency')!s:>6} {cell(lv.get('tokens_per_s'), ',.0f'):>12} "
-                    f"{cell(lv.get('eager_tokens_per_s'), ',.0f'):>12} {cell(lv.get('speedup'), '.2f'):>6} "
-                    f"{cell(lv.get('p99_step_ms'), '.2f'):>13} {cell(lv.get('eager_p99_step_ms'), '.2f'):>13}")
+        rows.append(
+            f"{lv.get('concurrency')!s:>6} {cell(lv.get('tokens_per_s'), ',.0f'):>12} "
+            f"{cell(lv.get('eager_tokens_per_s'), ',.0f'):>12} {cell(lv.get('speedup'), '.2f'):>6} "
+            f"{cell(lv.get('p99_step_ms'), '.2f'):>13} {cell(lv.get('eager_p99_step_ms'), '.2f'):>13}"
+        )
     return rows
 
 
@@ -616,7 +685,7 @@ def _save_figure(fig: Any, path: str | os.PathLike) -> Path:
     return path
 
 
-def plot_loadtest(sweep: Dict[str, Any], path: str | os.PathLike) -> Optional[Path]:
+def plot_loadtest(sweep: dict[str, Any], path: str | os.PathLike) -> Path | None:
     """Draw a ``loadtest_sweep`` result: tokens/s (left) and p99 decode-step ms (right) against
     concurrency, graph and eager engines side by side; save a PNG. Returns the path, or
     ``None`` when matplotlib is not installed."""
@@ -630,10 +699,17 @@ def plot_loadtest(sweep: Dict[str, Any], path: str | os.PathLike) -> Optional[Pa
     levels = [lv for lv in sweep.get("levels") or [] if isinstance(lv, dict)]
     cs = [lv["concurrency"] for lv in levels]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), dpi=110)
-    for ax, (g, e, label) in zip(axes, (("tokens_per_s", "eager_tokens_per_s", "generated tokens/s"),
-                                        ("p99_step_ms", "eager_p99_step_ms", "p99 decode step (ms)"))):
-        for key, name, style in ((g, "graph", dict(color="tab:orange", marker="^")),
-                                 (e, "eager", dict(color="black", marker="o"))):
+    for ax, (g, e, label) in zip(
+        axes,
+        (
+            ("tokens_per_s", "eager_tokens_per_s", "generated tokens/s"),
+            ("p99_step_ms", "eager_p99_step_ms", "p99 decode step (ms)"),
+        ),
+    ):
+        for key, name, style in (
+            (g, "graph", dict(color="tab:orange", marker="^")),
+            (e, "eager", dict(color="black", marker="o")),
+        ):
             pts = [(c, lv.get(key)) for c, lv in zip(cs, levels) if lv.get(key) is not None]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, **style)
         ax.set_xscale("log", base=2)
@@ -644,12 +720,15 @@ def plot_loadtest(sweep: Dict[str, Any], path: str | os.PathLike) -> Optional[Pa
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     cfg = sweep.get("config") or {}
-    fig.suptitle(f"loadtest sweep: {cfg.get('ranks', '?')} rank(s), backend {cfg.get('backend', '?')}, "
-                 f"{cfg.get('requests', '?')} requests per level", fontsize=10)
+    fig.suptitle(
+        f"loadtest sweep: {cfg.get('ranks', '?')} rank(s), backend {cfg.get('backend', '?')}, "
+        f"{cfg.get('requests', '?')} requests per level",
+        fontsize=10,
+    )
     return _save_figure(fig, path)
 
 
-def plot_latency(latency: Dict[str, Any], path: str | os.PathLike) -> Optional[Path]:
+def plot_latency(latency: dict[str, Any], path: str | os.PathLike) -> Path | None:
     """Draw per-call latency against batch size from a ``latency_vs_batch`` result and save a PNG.
 
     One line per method in ``latency["methods"]`` (``latency_us`` aligned
@@ -684,8 +763,10 @@ def plot_latency(latency: Dict[str, Any], path: str | os.PathLike) -> Optional[P
     env = latency.get("environment") or {}
     cfg = latency.get("config") or {}
     title = "demo decoder step: latency vs batch"
-    sub = (f"{cfg.get('num_layers', '?')} layers, hidden {cfg.get('hidden_size', '?')}; "
-           f"torch {env.get('torch', '?')}, {env.get('torch_threads', '?')} threads")
+    sub = (
+        f"{cfg.get('num_layers', '?')} layers, hidden {cfg.get('hidden_size', '?')}; "
+        f"torch {env.get('torch', '?')}, {env.get('torch_threads', '?')} threads"
+    )
     ax.set_title(f"{title}\n{sub}", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
@@ -705,7 +786,7 @@ def _at(batches: Sequence[Any], values: Sequence[Any], b: int) -> Any:
     return None
 
 
-def speed_lines(merged: Dict[str, Any]) -> List[str]:
+def speed_lines(merged: dict[str, Any]) -> list[str]:
     """The speed table that opens the summary (and the README quotes): the machine and date, then per call at
     batch 1, 8 and 32 (``-`` where not measured): the demo decoder step eagerly, the breakable and the full
     backend against eager, ``DecodeRunner.generate`` against ``model.generate`` (static cache) per
@@ -716,61 +797,82 @@ def speed_lines(merged: Dict[str, Any]) -> List[str]:
         return []
     env = merged.get("environment") or {}
     gpu = env.get("cuda_device") or "no GPU: graphs are the CPU tape; GPU figures not yet measured"
-    rows = [f"[bench] speed, {str(merged.get('created', '?'))[:10]}: {env.get('cpu_model') or env.get('machine')}, "
-            f"{env.get('cpu_count')} cores, torch {env.get('torch')}, {merged.get('threads')} thread(s); {gpu}"
-            + (" (--quick: few rounds, smaller sizes)" if merged.get("quick") else ""),
-            f"  {'per call (median of interleaved rounds)':<58}" + "".join(f"{f'b{b}':>9}" for b in SPEED_BATCHES)]
+    rows = [
+        f"[bench] speed, {str(merged.get('created', '?'))[:10]}: {env.get('cpu_model') or env.get('machine')}, "
+        f"{env.get('cpu_count')} cores, torch {env.get('torch')}, {merged.get('threads')} thread(s); {gpu}"
+        + (" (--quick: few rounds, smaller sizes)" if merged.get("quick") else ""),
+        f"  {'per call (median of interleaved rounds)':<58}" + "".join(f"{f'b{b}':>9}" for b in SPEED_BATCHES),
+    ]
 
-    def row(label: str, cells: List[Any], fmt: str, unit: str = "") -> None:
+    def row(label: str, cells: list[Any], fmt: str, unit: str = "") -> None:
         rows.append(f"  {label:<58}" + "".join(f"{format(c, fmt) + unit if c is not None else '-':>9}" for c in cells))
 
     if lat:
         bs, us, sp = lat.get("batches") or [], lat.get("latency_us") or {}, lat.get("speedup") or {}
         if us.get("eager"):
             row("demo decoder step, eager (us)", [_at(bs, us["eager"], b) for b in SPEED_BATCHES], ".0f")
-        for m, label in (("tape_breakable", "  breakable (attention an eager break) vs eager"),
-                         ("tape_full", "  full (one graph, masked attention) vs eager masked"),
-                         ("cuda_breakable", "  CUDA breakable vs CUDA eager"), ("cuda_full", "  CUDA full vs CUDA eager")):
+        for m, label in (
+            ("tape_breakable", "  breakable (attention an eager break) vs eager"),
+            ("tape_full", "  full (one graph, masked attention) vs eager masked"),
+            ("cuda_breakable", "  CUDA breakable vs CUDA eager"),
+            ("cuda_full", "  CUDA full vs CUDA eager"),
+        ):
             if sp.get(m):
                 row(label, [_at(bs, sp[m], b) for b in SPEED_BATCHES], ".2f", "x")
     if hg:
         for arch, r in (hg.get("archs") or {}).items():
             sp = r.get("speedup") or {}
-            row(f"DecodeRunner.generate vs model.generate(static), {arch}", [sp.get(str(b)) for b in SPEED_BATCHES],
-                ".2f", "x")
+            row(
+                f"DecodeRunner.generate vs model.generate(static), {arch}",
+                [sp.get(str(b)) for b in SPEED_BATCHES],
+                ".2f",
+                "x",
+            )
             if not r.get("equal"):
                 rows[-1] += "  TOKENS DIFFER"
     if ro and ro.get("overhead_us") is not None:
         steps, tiny = ro.get("steps") or {}, ro.get("tiny_per_call_us") or {}
         parts = []
         if tiny.get("runner") is not None and tiny.get("minimal") is not None:
-            parts.append(f"{tiny['runner'] - tiny['minimal']:+.1f} us on the {steps.get('tiny', 'tiny step')} "
-                         f"({tiny['runner']:.1f} vs {tiny['minimal']:.1f} us)")
+            parts.append(
+                f"{tiny['runner'] - tiny['minimal']:+.1f} us on the {steps.get('tiny', 'tiny step')} "
+                f"({tiny['runner']:.1f} vs {tiny['minimal']:.1f} us)"
+            )
         parts.append(f"{ro['overhead_us']:+.1f} us on the {steps.get('main', 'demo-like step')}")
         rows.append("  host cost of a GraphRunner call over a hand-written replay loop: " + "; ".join(parts))
         if tiny.get("eager") is not None:
-            rows.append(f"  slower than eager: {steps.get('tiny', 'a tiny step')}: eager "
-                        f"{tiny['eager']:.1f} us, runner {tiny['runner']:.1f} us "
-                        f"({ro.get('tiny_ratio_runner_over_eager') or 0:.2f}x eager's time)")
+            rows.append(
+                f"  slower than eager: {steps.get('tiny', 'a tiny step')}: eager "
+                f"{tiny['eager']:.1f} us, runner {tiny['runner']:.1f} us "
+                f"({ro.get('tiny_ratio_runner_over_eager') or 0:.2f}x eager's time)"
+            )
     rows.append("  (ratios: eager time / graph time; above 1.00x the graphs are faster)")
     return rows
 
 
-def summary_lines(merged: Dict[str, Any]) -> List[str]:
+def summary_lines(merged: dict[str, Any]) -> list[str]:
     """The suite's summary as text lines: each headline figure once, labelled as the script's own table
     labels it and with the same value, each target marked ``met`` or ``MISSED``; then what was skipped,
     what failed and where the numbers are."""
     s = merged.get("summary", {})
     env = merged.get("environment") or {}
     speed = speed_lines(merged)
-    lines = speed + ([""] if speed else []) + [f"[bench] summary: torch threads {merged.get('threads')}, load average "
-             f"{', '.join(f'{x:.2f}' for x in env.get('load_average') or [])} (a shared machine is noisy; every "
-             f"ratio is measured side by side in one run)"]
+    lines = (
+        speed
+        + ([""] if speed else [])
+        + [
+            f"[bench] summary: torch threads {merged.get('threads')}, load average "
+            f"{', '.join(f'{x:.2f}' for x in env.get('load_average') or [])} (a shared machine is noisy; every "
+            f"ratio is measured side by side in one run)"
+        ]
+    )
     cvc = s.get("capture_vs_compile")
     if cvc:
         if cvc.get("ratio") is not None:
-            lines.append(f"  capture vs torch.compile, buckets {cvc.get('compile_buckets')}: {cvc['ratio']:.1f}x faster "
-                         f"({target_note(cvc['ratio'], cvc.get('target_ratio') or 0, at_most=False)})")
+            lines.append(
+                f"  capture vs torch.compile, buckets {cvc.get('compile_buckets')}: {cvc['ratio']:.1f}x faster "
+                f"({target_note(cvc['ratio'], cvc.get('target_ratio') or 0, at_most=False)})"
+            )
         else:
             lines.append(f"  capture vs torch.compile: compile side skipped ({cvc.get('compile_skipped')})")
     lat = s.get("latency_vs_batch")
@@ -782,26 +884,37 @@ def summary_lines(merged: Dict[str, Any]) -> List[str]:
     ro = s.get("runner_overhead")
     if ro and ro.get("ratio_runner_over_minimal") is not None:
         steps = ro.get("steps") or {}
-        for key, ratio, target in (("main", "ratio_runner_over_minimal", "target_ratio"),
-                                   ("tiny", "tiny_ratio_runner_over_minimal", "tiny_target_ratio")):
+        for key, ratio, target in (
+            ("main", "ratio_runner_over_minimal", "target_ratio"),
+            ("tiny", "tiny_ratio_runner_over_minimal", "tiny_target_ratio"),
+        ):
             if ro.get(ratio) is not None:
-                lines.append(f"  runner vs minimal loop, {steps.get(key, key)}: {ro[ratio]:.3f}x "
-                             f"({target_note(ro[ratio], ro.get(target) or 0)})")
+                lines.append(
+                    f"  runner vs minimal loop, {steps.get(key, key)}: {ro[ratio]:.3f}x "
+                    f"({target_note(ro[ratio], ro.get(target) or 0)})"
+                )
         if ro.get("first_over_steady_max") is not None:
-            lines.append(f"  first call of a bucket vs a steady one, {steps.get('tiny', 'tiny')}: max "
-                         f"{ro['first_over_steady_max']:.2f}x ({target_note(ro['first_over_steady_max'], ro.get('first_target') or 0)})")
+            lines.append(
+                f"  first call of a bucket vs a steady one, {steps.get('tiny', 'tiny')}: max "
+                f"{ro['first_over_steady_max']:.2f}x ({target_note(ro['first_over_steady_max'], ro.get('first_target') or 0)})"
+            )
             if ro.get("first_over_steady_later_max") is not None:
                 # the one definition (bench/runner_overhead.py FIRST_CALL), and where the max comes from
                 b1, later = ro.get("first_over_steady_bucket1") or 0.0, ro["first_over_steady_later_max"]
-                where = (f"the max is bucket 1's, the runner's first call after capture: nothing is built lazily, it "
-                         f"pays {ro.get('first_extra_us') or 0:.0f} us once for CPU caches the capture left cold"
-                         if b1 >= later else "the max is a later bucket's")
+                where = (
+                    f"the max is bucket 1's, the runner's first call after capture: nothing is built lazily, it "
+                    f"pays {ro.get('first_extra_us') or 0:.0f} us once for CPU caches the capture left cold"
+                    if b1 >= later
+                    else "the max is a later bucket's"
+                )
                 lines.append(f"    ({ro.get('first_call')}; {where}; the other buckets' first calls: max {later:.2f}x)")
     tve = s.get("tape_vs_eager")
     for key, model in (("speedup", "llama"), ("speedup_inline", "inline")):
         if tve and tve.get(key):
-            lines.append(f"  tape_vs_eager, TapeGraph replay vs eager, model {model}: " +
-                         ", ".join(f"b{b}: {x:.2f}x" for b, x in tve[key].items() if x is not None))
+            lines.append(
+                f"  tape_vs_eager, TapeGraph replay vs eager, model {model}: "
+                + ", ".join(f"b{b}: {x:.2f}x" for b, x in tve[key].items() if x is not None)
+            )
     sweep = s.get("loadtest_sweep")
     if sweep and sweep.get("levels"):
         lines.append("  loadtest sweep (graph vs eager engine, same requests and batches):")
@@ -813,12 +926,14 @@ def summary_lines(merged: Dict[str, Any]) -> List[str]:
         lines.append(f"  FAILED {name} (traceback in the JSON under errors.{name})")
     if merged.get("plot_note") and merged["plot_note"] != "no plot requested":
         lines.append(f"  no plot: {merged['plot_note']}")
-    lines.append(f"[bench] every figure, per round, in {merged.get('out')}"
-                 + (f"; plot {merged['plot']}" if merged.get("plot") else ""))
+    lines.append(
+        f"[bench] every figure, per round, in {merged.get('out')}"
+        + (f"; plot {merged['plot']}" if merged.get("plot") else "")
+    )
     return lines
 
 
-def _print_summary(merged: Dict[str, Any], out: Path) -> None:
+def _print_summary(merged: dict[str, Any], out: Path) -> None:
     print()
     for line in summary_lines({**merged, "out": str(out)}):
         print(line)
@@ -833,48 +948,82 @@ def _compile_buckets(text: str) -> str:
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     add_threads_argument(p)
-    p.add_argument("--out", default=None,
-                   help=f"merged JSON path; per-script JSON files go next to it (default: {DEFAULT_OUT} "
-                        "in the repository, wherever the command runs)")
-    p.add_argument("--plot", default="auto",
-                   help="latency plot PNG path (default: latency_vs_batch.png next to --out)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help=f"merged JSON path; per-script JSON files go next to it (default: {DEFAULT_OUT} "
+        "in the repository, wherever the command runs)",
+    )
+    p.add_argument("--plot", default="auto", help="latency plot PNG path (default: latency_vs_batch.png next to --out)")
     p.add_argument("--no-plot", action="store_true", help="do not draw the plot")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: few sizes and repetitions, torch.compile skipped (seconds, not minutes)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: few sizes and repetitions, torch.compile skipped (seconds, not minutes)",
+    )
     p.add_argument("--only", default="", help=f"comma-separated subset of {','.join(SUITE)}")
     p.add_argument("--skip", default="", help="comma-separated benchmarks not to run")
-    p.add_argument("--bench-dir", default=None,
-                   help="directory holding the bench scripts (default: bench/ of the source checkout "
-                        "next to the graphrunner_tools package; an installed wheel has none)")
-    p.add_argument("--compile-buckets", default=None, type=_compile_buckets,
-                   help="capture_vs_compile: bucket sizes torch.compile compiles, strictly increasing, "
-                        "e.g. 1,2,4,8, or 'all' or 'none' (default there: 1,2,4,8; with --quick: skipped)")
-    p.add_argument("--device", default=None, choices=["cpu", "cuda"],
-                   help="capture_vs_compile: device of the comparison (default cpu)")
-    p.add_argument("--step", default=None, metavar="TARGET",
-                   help="time your own step instead of the suite: FILE_OR_MODULE:FACTORY returning an uncaptured "
-                        "GraphRunner, or FILE_OR_MODULE:STEP with --inputs NAME; prints, per batch size, the eager "
-                        "step against the runner call (median us, speedup, max |graph - eager|)")
-    p.add_argument("--inputs", default=None, metavar="NAME",
-                   help="--step with a step: its example inputs, a dict of tensors (batch on dim 0) next to it or "
-                        "FILE_OR_MODULE:NAME")
-    p.add_argument("--batches", type=parse_int_list, default=None,
-                   help="--step: batch sizes to time, e.g. 1,8,32 (default: the runner's buckets; with --inputs "
-                        "they are the buckets)")
-    p.add_argument("--backend", default=None, choices=["full", "breakable", "eager"],
-                   help="--step with --inputs: the runner's backend (default full)")
+    p.add_argument(
+        "--bench-dir",
+        default=None,
+        help="directory holding the bench scripts (default: bench/ of the source checkout "
+        "next to the graphrunner_tools package; an installed wheel has none)",
+    )
+    p.add_argument(
+        "--compile-buckets",
+        default=None,
+        type=_compile_buckets,
+        help="capture_vs_compile: bucket sizes torch.compile compiles, strictly increasing, "
+        "e.g. 1,2,4,8, or 'all' or 'none' (default there: 1,2,4,8; with --quick: skipped)",
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        choices=["cpu", "cuda"],
+        help="capture_vs_compile: device of the comparison (default cpu)",
+    )
+    p.add_argument(
+        "--step",
+        default=None,
+        metavar="TARGET",
+        help="time your own step instead of the suite: FILE_OR_MODULE:FACTORY returning an uncaptured "
+        "GraphRunner, or FILE_OR_MODULE:STEP with --inputs NAME; prints, per batch size, the eager "
+        "step against the runner call (median us, speedup, max |graph - eager|)",
+    )
+    p.add_argument(
+        "--inputs",
+        default=None,
+        metavar="NAME",
+        help="--step with a step: its example inputs, a dict of tensors (batch on dim 0) next to it or "
+        "FILE_OR_MODULE:NAME",
+    )
+    p.add_argument(
+        "--batches",
+        type=parse_int_list,
+        default=None,
+        help="--step: batch sizes to time, e.g. 1,8,32 (default: the runner's buckets; with --inputs "
+        "they are the buckets)",
+    )
+    p.add_argument(
+        "--backend",
+        default=None,
+        choices=["full", "breakable", "eager"],
+        help="--step with --inputs: the runner's backend (default full)",
+    )
 
 
-_DESCRIPTION = ("Run the graphrunner benchmark suite (bench/*.py) in one process; write one merged JSON "
-                "file and a latency-vs-batch plot. stdout: each script's tables, then the speed table (machine, date; "
-                "per call at batch 1/8/32: the demo decoder eager, breakable and full, DecodeRunner.generate vs "
-                "model.generate, a runner call's host cost; docs/speed.md), then a summary repeating the "
-                "headline figures under the same labels, every target marked met or MISSED; progress on stderr; "
-                "every figure (per round too) in the JSON. Timings are never assertions. --step TARGET times your "
-                "own step instead: its GraphRunner call against the step eagerly, per batch size (docs/speed.md).")
+_DESCRIPTION = (
+    "Run the graphrunner benchmark suite (bench/*.py) in one process; write one merged JSON "
+    "file and a latency-vs-batch plot. stdout: each script's tables, then the speed table (machine, date; "
+    "per call at batch 1/8/32: the demo decoder eager, breakable and full, DecodeRunner.generate vs "
+    "model.generate, a runner call's host cost; docs/speed.md), then a summary repeating the "
+    "headline figures under the same labels, every target marked met or MISSED; progress on stderr; "
+    "every figure (per round too) in the JSON. Timings are never assertions. --step TARGET times your "
+    "own step instead: its GraphRunner call against the step eagerly, per batch size (docs/speed.md)."
+)
 
 
-def _split(s: str) -> List[str]:
+def _split(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
@@ -901,18 +1050,28 @@ def _run_from_args(args: argparse.Namespace) -> int:
     if args.step is not None:
         return _run_step(args)
     if args.inputs is not None or args.batches is not None or args.backend is not None:
-        print("graphrunner: error: --inputs, --batches and --backend go with --step TARGET (see 'graphrunner "
-              "bench --help')", file=sys.stderr)
+        print(
+            "graphrunner: error: --inputs, --batches and --backend go with --step TARGET (see 'graphrunner "
+            "bench --help')",
+            file=sys.stderr,
+        )
         return 2
-    extra: Dict[str, List[str]] = {}
+    extra: dict[str, list[str]] = {}
     if args.compile_buckets is not None:
         extra.setdefault("capture_vs_compile", []).extend(["--compile-buckets", args.compile_buckets])
     if args.device is not None:
         extra.setdefault("capture_vs_compile", []).extend(["--device", args.device])
     try:
-        merged = run_suite(out=args.out, plot=None if args.no_plot else args.plot, quick=args.quick,
-                           only=_split(args.only) or None, skip=_split(args.skip), bench_dir=args.bench_dir,
-                           extra_args=extra, threads=args.threads)
+        merged = run_suite(
+            out=args.out,
+            plot=None if args.no_plot else args.plot,
+            quick=args.quick,
+            only=_split(args.only) or None,
+            skip=_split(args.skip),
+            bench_dir=args.bench_dir,
+            extra_args=extra,
+            threads=args.threads,
+        )
     except (BenchDirNotFoundError, ValueError) as exc:
         print(f"graphrunner: error: {exc}", file=sys.stderr)
         return 2
@@ -935,14 +1094,15 @@ def add_bench_subparser(subparsers: Any) -> argparse.ArgumentParser:
     exit code (0 ok, 1 a script failed, 2 bad options or no ``bench/``).
     Returns the new subparser.
     """
-    p = subparsers.add_parser("bench", help="run the benchmark suite; write JSON and a latency plot",
-                              description=_DESCRIPTION)
+    p = subparsers.add_parser(
+        "bench", help="run the benchmark suite; write JSON and a latency plot", description=_DESCRIPTION
+    )
     _add_arguments(p)
     p.set_defaults(func=_run_from_args)
     return p
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m graphrunner_tools.bench``; returns the exit code."""
     args = build_parser().parse_args(None if argv is None else list(argv))
     return args.func(args)

@@ -37,13 +37,22 @@ import subprocess
 import sys
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 BATCHES = (1, 8, 32)
-SCENARIOS = ("break_first", "debug_eager", "reset_recapture", "retry_after_failure", "sync_in_capture",
-             "gloo_collective_in_capture", "empty_full_graph", "gpu_per_rank")
+SCENARIOS = (
+    "break_first",
+    "debug_eager",
+    "reset_recapture",
+    "retry_after_failure",
+    "sync_in_capture",
+    "gloo_collective_in_capture",
+    "empty_full_graph",
+    "gpu_per_rank",
+)
 
 
 def _device():
@@ -63,14 +72,14 @@ def _decoder(dev, attention: str, max_batch: int):
     return build_model(config, seed=0, device=dev.torch_device), config
 
 
-def _inputs(dev, config, b: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def _inputs(dev, config, b: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, config.vocab_size, (b,), generator=g).to(dev.torch_device)
     pos = torch.randint(0, config.max_seq_len // 2, (b,), generator=g).to(dev.torch_device)
     return ids, pos
 
 
-def _timed(fn: Callable[[], Any], n: int) -> Tuple[float, float]:
+def _timed(fn: Callable[[], Any], n: int) -> tuple[float, float]:
     """(device ms per call from CUDA events, host ms per call issuing them)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
@@ -84,7 +93,7 @@ def _timed(fn: Callable[[], Any], n: int) -> Tuple[float, float]:
     return start.elapsed_time(end) / n, host
 
 
-def check_perf(out: str) -> Tuple[bool, str, Dict[str, Any]]:
+def check_perf(out: str) -> tuple[bool, str, dict[str, Any]]:
     from graphrunner.backends import BreakableGraphBackend, FullGraphBackend
 
     dev = _device()
@@ -98,7 +107,7 @@ def check_perf(out: str) -> Tuple[bool, str, Dict[str, Any]]:
             with backend.capture_session():
                 for b in sorted(BATCHES, reverse=True):
                     ids, pos = statics[b]
-                    backend.capture_one(b, lambda ids=ids, pos=pos: model.decode_step(ids, pos), (ids, pos))
+                    backend.capture_one(b, lambda ids=ids, pos=pos: model.decode_step(ids, pos), (ids, pos))  # noqa: B023 - called in this iteration, before the variable moves on
             for b in BATCHES:
                 ids, pos = statics[b]
                 fresh = _inputs(dev, config, b, 100 + b)
@@ -110,23 +119,34 @@ def check_perf(out: str) -> Tuple[bool, str, Dict[str, Any]]:
                 exact = bool(torch.equal(graph, eager))
                 close = exact or bool(torch.allclose(graph, eager, atol=1e-4, rtol=1e-4))
                 ok &= close
-                eager_dev, eager_host = _timed(lambda: model.decode_step(ids, pos), n)
-                graph_dev, graph_host = _timed(lambda: backend.replay(b), n)
-                rows.append({"backend": backend.name, "batch": b, "bit_exact": exact, "allclose": close,
-                             "max_abs_diff": float((graph - eager).abs().max()),
-                             "eager_device_ms": eager_dev, "graph_device_ms": graph_dev,
-                             "eager_host_ms": eager_host, "graph_host_ms": graph_host,
-                             "speedup_device": eager_dev / graph_dev if graph_dev > 0 else None,
-                             "speedup_host": eager_host / graph_host if graph_host > 0 else None,
-                             "segments": backend.info(b)["num_segments"]})
+                eager_dev, eager_host = _timed(lambda: model.decode_step(ids, pos), n)  # noqa: B023 - called in this iteration, before the variable moves on
+                graph_dev, graph_host = _timed(lambda: backend.replay(b), n)  # noqa: B023 - called in this iteration, before the variable moves on
+                rows.append(
+                    {
+                        "backend": backend.name,
+                        "batch": b,
+                        "bit_exact": exact,
+                        "allclose": close,
+                        "max_abs_diff": float((graph - eager).abs().max()),
+                        "eager_device_ms": eager_dev,
+                        "graph_device_ms": graph_dev,
+                        "eager_host_ms": eager_host,
+                        "graph_host_ms": graph_host,
+                        "speedup_device": eager_dev / graph_dev if graph_dev > 0 else None,
+                        "speedup_host": eager_host / graph_host if graph_host > 0 else None,
+                        "segments": backend.info(b)["num_segments"],
+                    }
+                )
         backend.cleanup()
-    line = "; ".join(f"{r['backend']}@{r['batch']}: {r['speedup_device'] or 0:.2f}x dev "
-                     f"{r['speedup_host'] or 0:.2f}x host {'exact' if r['bit_exact'] else 'close' if r['allclose'] else 'DIFF'}"
-                     for r in rows)
+    line = "; ".join(
+        f"{r['backend']}@{r['batch']}: {r['speedup_device'] or 0:.2f}x dev "
+        f"{r['speedup_host'] or 0:.2f}x host {'exact' if r['bit_exact'] else 'close' if r['allclose'] else 'DIFF'}"
+        for r in rows
+    )
     return ok, line, {"calls": n, "rows": rows}
 
 
-def check_memory(out: str) -> Tuple[bool, str, Dict[str, Any]]:
+def check_memory(out: str) -> tuple[bool, str, dict[str, Any]]:
     from graphrunner.backends import FullGraphBackend
 
     dev = _device()
@@ -140,22 +160,37 @@ def check_memory(out: str) -> Tuple[bool, str, Dict[str, Any]]:
         for b in sorted(BATCHES, reverse=True):
             ids, pos = _inputs(dev, config, b, b)
             backend.capture_one(b, lambda ids=ids, pos=pos: model.decode_step(ids, pos), (ids, pos))
-            per_bucket.append({"batch": b, "reserved_bytes": torch.cuda.memory_reserved(dev.cuda_device),
-                               "graph_pool_bytes": backend.info(b).get("graph_pool_bytes")})
+            per_bucket.append(
+                {
+                    "batch": b,
+                    "reserved_bytes": torch.cuda.memory_reserved(dev.cuda_device),
+                    "graph_pool_bytes": backend.info(b).get("graph_pool_bytes"),
+                }
+            )
     backend.cleanup()
     after_cleanup = torch.cuda.memory_reserved(dev.cuda_device)
     torch.cuda.empty_cache()
     after_empty = torch.cuda.memory_reserved(dev.cuda_device)
     free, total = torch.cuda.mem_get_info(dev.cuda_device)
     ok = after_empty <= max(r["reserved_bytes"] for r in per_bucket)
-    data = {"baseline_reserved": base, "per_bucket": per_bucket, "after_cleanup": after_cleanup,
-            "after_empty_cache": after_empty, "free": free, "total": total}
-    line = (f"reserved {base} -> " + ", ".join(f"b{r['batch']}={r['reserved_bytes']}" for r in per_bucket)
-            + f" -> cleanup {after_cleanup} -> empty_cache {after_empty} bytes")
+    data = {
+        "baseline_reserved": base,
+        "per_bucket": per_bucket,
+        "after_cleanup": after_cleanup,
+        "after_empty_cache": after_empty,
+        "free": free,
+        "total": total,
+    }
+    line = (
+        f"reserved {base} -> "
+        + ", ".join(f"b{r['batch']}={r['reserved_bytes']}" for r in per_bucket)
+        + f" -> cleanup {after_cleanup} -> empty_cache {after_empty} bytes"
+    )
     return ok, line, data
 
 
 # ----------------------------------------------------------------------------- defect scenarios
+
 
 def _scenario(name: str) -> str:
     """Run one scenario in this process; return what happened (raise on a failed expectation)."""
@@ -234,6 +269,7 @@ def _scenario(name: str) -> str:
         replays_right(b, dense, x)
         return "failed once, retried, replayed bit-exact"
     if name == "sync_in_capture":
+
         def syncing(t):
             y = dense(t)
             torch.cuda.synchronize()
@@ -250,12 +286,13 @@ def _scenario(name: str) -> str:
                 if "Restart the process" in str(again):
                     return "CaptureError says restart; the next capture is refused"
                 raise
-            raise AssertionError("a capture after the stranded one was not refused")
+            raise AssertionError("a capture after the stranded one was not refused") from exc
         raise AssertionError("a synchronize inside the capture did not fail it")
     if name == "gloo_collective_in_capture":
         import tempfile
 
         import torch.distributed as dist
+
         import graphrunner as gr
 
         class TwoRanks(gr.LocalGroup):
@@ -298,22 +335,29 @@ def _scenario(name: str) -> str:
     raise ValueError(f"unknown scenario {name!r}; one of {SCENARIOS}")
 
 
-def check_defects(out: str) -> Tuple[bool, str, Dict[str, Any]]:
+def check_defects(out: str) -> tuple[bool, str, dict[str, Any]]:
     results, ok = {}, True
     for name in SCENARIOS:
         t0 = time.perf_counter()
-        p = subprocess.run([sys.executable, "-m", "graphrunner_tools.cuda_check", "scenario", name],
-                           capture_output=True, text=True, timeout=180)
+        p = subprocess.run(
+            [sys.executable, "-m", "graphrunner_tools.cuda_check", "scenario", name],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
         passed = p.returncode == 0
         ok &= passed
-        results[name] = {"ok": passed, "seconds": round(time.perf_counter() - t0, 2),
-                         "result": p.stdout.strip().splitlines()[-1] if p.stdout.strip() else "",
-                         "stderr_tail": p.stderr.strip()[-2000:] if not passed else ""}
+        results[name] = {
+            "ok": passed,
+            "seconds": round(time.perf_counter() - t0, 2),
+            "result": p.stdout.strip().splitlines()[-1] if p.stdout.strip() else "",
+            "stderr_tail": p.stderr.strip()[-2000:] if not passed else "",
+        }
     line = ", ".join(f"{k}={'ok' if v['ok'] else 'FAIL'}" for k, v in results.items())
     return ok, line, results
 
 
-def check_hf(out: str) -> Tuple[bool, str, Dict[str, Any]]:
+def check_hf(out: str) -> tuple[bool, str, dict[str, Any]]:
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -326,20 +370,27 @@ def check_hf(out: str) -> Tuple[bool, str, Dict[str, Any]]:
     # architecture -> {name: generate arguments}: one runner each; bart with its own generation_config (forced
     # EOS), greedy and sampled (the global CUDA generator on both sides); llama with a repetition penalty and an
     # n-gram ban too
-    cases = {"llama": {"llama": {}, "llama+processors": {"repetition_penalty": 1.3, "no_repeat_ngram_size": 2}},
-             "qwen2": {"qwen2": {}}, "mistral": {"mistral": {}},
-             "bart": {"bart": {}, "bart+sampling": {"do_sample": True}}}
+    cases = {
+        "llama": {"llama": {}, "llama+processors": {"repetition_penalty": 1.3, "no_repeat_ngram_size": 2}},
+        "qwen2": {"qwen2": {}},
+        "mistral": {"mistral": {}},
+        "bart": {"bart": {}, "bart+sampling": {"do_sample": True}},
+    }
     for arch, variants in cases.items():
         try:
             model = build_tiny(arch, seed=0).to(dev.torch_device)
             ids = torch.randint(3, 128, (3, 5), generator=torch.Generator().manual_seed(1)).to(dev.torch_device)
-            runner = gr.hf.DecodeRunner(model, max_batch=4, max_cache_len=16, buckets=[1, 2, 4], device=dev,
-                                        progress=False)
+            runner = gr.hf.DecodeRunner(
+                model, max_batch=4, max_cache_len=16, buckets=[1, 2, 4], device=dev, progress=False
+            )
             runner.capture()
         except Exception as exc:  # noqa: BLE001 - reported per architecture
             for name in variants:
-                results[name] = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:500]}",
-                                 "traceback": traceback.format_exc()[-3000:]}
+                results[name] = {
+                    "ok": False,
+                    "error": f"{type(exc).__name__}: {str(exc)[:500]}",
+                    "traceback": traceback.format_exc()[-3000:],
+                }
             ok = False
             continue
         for name, kwargs in variants.items():
@@ -347,16 +398,18 @@ def check_hf(out: str) -> Tuple[bool, str, Dict[str, Any]]:
                 kw = {"max_new_tokens": 5, "do_sample": False, **kwargs}
                 torch.manual_seed(7)
                 with torch.inference_mode():
-                    ref = model.generate(ids, attention_mask=torch.ones_like(ids), cache_implementation="static",
-                                         **kw)
+                    ref = model.generate(ids, attention_mask=torch.ones_like(ids), cache_implementation="static", **kw)
                 torch.manual_seed(7)
                 got = runner.generate(ids, **kw)
                 same = bool(torch.equal(torch.as_tensor(got).to(ref.device), ref))
                 results[name] = {"ok": same}
                 ok &= same
             except Exception as exc:  # noqa: BLE001 - reported per case
-                results[name] = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:500]}",
-                                 "traceback": traceback.format_exc()[-3000:]}
+                results[name] = {
+                    "ok": False,
+                    "error": f"{type(exc).__name__}: {str(exc)[:500]}",
+                    "traceback": traceback.format_exc()[-3000:],
+                }
                 ok = False
     return ok, ", ".join(f"{a}={'ok' if r['ok'] else 'FAIL'}" for a, r in results.items()), results
 
@@ -364,7 +417,7 @@ def check_hf(out: str) -> Tuple[bool, str, Dict[str, Any]]:
 CHECKS = {"perf": check_perf, "memory": check_memory, "defects": check_defects, "hf": check_hf}
 
 
-def main(argv: List[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m graphrunner_tools.cuda_check", description=__doc__.split("\n")[0])
     p.add_argument("check", choices=sorted(CHECKS) + ["scenario"])
     p.add_argument("name", nargs="?", help="the scenario (with 'scenario')")
@@ -381,9 +434,16 @@ def main(argv: List[str] | None = None) -> int:
         ok, line, data = False, f"{type(exc).__name__}: {str(exc)[:300]}", {"traceback": traceback.format_exc()}
     from graphrunner.testing.cuda_standin import installed_standin
 
-    data = {"check": args.check, "ok": ok, "summary": line, "seconds": round(time.perf_counter() - t0, 2),
-            "standin": installed_standin() is not None, "torch": torch.__version__,
-            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "data": data}
+    data = {
+        "check": args.check,
+        "ok": ok,
+        "summary": line,
+        "seconds": round(time.perf_counter() - t0, 2),
+        "standin": installed_standin() is not None,
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "data": data,
+    }
     with open(os.path.join(args.out, f"{args.check}.json"), "w") as f:
         json.dump(data, f, indent=1, default=str)
     print(f"{'PASS' if ok else 'FAIL'} {args.check}: {line}")

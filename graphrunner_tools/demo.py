@@ -25,8 +25,9 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, TextIO
+from typing import Any, TextIO
 
 import torch
 
@@ -59,18 +60,22 @@ class DemoResult:
     max_abs_diff_padded: float
     max_abs_diff_unpadded: float
     fallbacks: int
-    violations: List[str]
-    latency: Dict[str, Dict[str, float]] = field(default_factory=dict)
-    trace_files: List[str] = field(default_factory=list)
+    violations: list[str]
+    latency: dict[str, dict[str, float]] = field(default_factory=dict)
+    trace_files: list[str] = field(default_factory=list)
     threads: int = 0  #: torch intra-op threads the steps ran with
     #: Why the trace files could not be written (``None`` when they were, or none was asked for).
-    trace_error: Optional[str] = None
+    trace_error: str | None = None
 
     @property
     def ok(self) -> bool:
         """True when every call matched eager, the capture protocol held and the trace was written."""
-        return (self.graph_mismatches == 0 and self.padding_mismatches == 0 and not self.violations
-                and self.trace_error is None)
+        return (
+            self.graph_mismatches == 0
+            and self.padding_mismatches == 0
+            and not self.violations
+            and self.trace_error is None
+        )
 
 
 def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -79,22 +84,34 @@ def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
-def _ms(samples: List[float]) -> float:
+def _ms(samples: list[float]) -> float:
     return statistics.median(samples) * 1e3 if samples else float("nan")
 
 
 def _legend(backend: str, reps: int) -> str:
     """The one line under the latency table that explains its columns (the capture report has its own)."""
     if backend == "eager":
-        return (f"columns: eager_ms = the eager step, runner_ms = the whole runner call (no graph); medians of "
-                f"{reps} interleaved calls")
-    return (f"columns: eager_ms = eager step, graph_ms = runner call (copy in, pad, replay, slice), "
-            f"speedup = eager_ms / graph_ms; medians of {reps} interleaved calls")
+        return (
+            f"columns: eager_ms = the eager step, runner_ms = the whole runner call (no graph); medians of "
+            f"{reps} interleaved calls"
+        )
+    return (
+        f"columns: eager_ms = eager step, graph_ms = runner call (copy in, pad, replay, slice), "
+        f"speedup = eager_ms / graph_ms; medians of {reps} interleaved calls"
+    )
 
 
-def _latency_table(runner: GraphRunner, model, dev, buckets: List[int], config: LlamaConfig,
-                   gen: torch.Generator, out: TextIO, graphed: bool = True,
-                   reps: int = LATENCY_REPS) -> Dict[str, Dict[str, float]]:
+def _latency_table(
+    runner: GraphRunner,
+    model,
+    dev,
+    buckets: list[int],
+    config: LlamaConfig,
+    gen: torch.Generator,
+    out: TextIO,
+    graphed: bool = True,
+    reps: int = LATENCY_REPS,
+) -> dict[str, dict[str, float]]:
     """Time, per bucket, a full-bucket runner call against the eager step on
     the same inputs, interleaved call by call; print and return the medians.
 
@@ -102,13 +119,13 @@ def _latency_table(runner: GraphRunner, model, dev, buckets: List[int], config: 
     ``graph_ms`` and ``speedup``; ``graphed=False`` (the eager backend: no
     graph) gives ``runner_ms`` and no speedup."""
     call_col = "graph_ms" if graphed else "runner_ms"
-    latency: Dict[str, Dict[str, float]] = {}
+    latency: dict[str, dict[str, float]] = {}
     print(f"\n{'bucket':>7} {'eager_ms':>9} {call_col:>9}" + (f" {'speedup':>8}" if graphed else ""), file=out)
     for b in buckets:
         ids = torch.randint(0, config.vocab_size, (b,), generator=gen).to(dev.torch_device)
         pos = torch.randint(0, config.max_seq_len, (b,), generator=gen).to(dev.torch_device)
-        eager_s: List[float] = []
-        call_s: List[float] = []
+        eager_s: list[float] = []
+        call_s: list[float] = []
         for _ in range(reps):
             dev.synchronize()
             t0 = time.perf_counter()
@@ -130,7 +147,7 @@ def _latency_table(runner: GraphRunner, model, dev, buckets: List[int], config: 
     return latency
 
 
-def _write_trace(trace: Trace, prefix: str, files: List[str]) -> Optional[str]:
+def _write_trace(trace: Trace, prefix: str, files: list[str]) -> str | None:
     """Write ``<prefix>.jsonl`` and ``<prefix>.chrome.json``, appending each written path to
     ``files``; return ``None``, or one line saying why a file could not be written (its folder
     removed or replaced by a file during the run, a full disk, no permission)."""
@@ -149,16 +166,27 @@ def _write_trace(trace: Trace, prefix: str, files: List[str]) -> Optional[str]:
         why = exc.strerror or type(exc).__name__
         if os.path.exists(folder) and not os.path.isdir(folder):
             why = f"{folder!r} is a file now, not a folder"
-        return (f"cannot write the trace file {path!r} ({why}); the run itself finished: pass another "
-                "--trace-out prefix, or '' to write none")
+        return (
+            f"cannot write the trace file {path!r} ({why}); the run itself finished: pass another "
+            "--trace-out prefix, or '' to write none"
+        )
     return None
 
 
-def run_demo(backend: str = "breakable", device: str = "auto", steps: int = 200,
-             buckets: Sequence[int] = (1, 2, 4, 8, 16, 32), max_batch: int = 40, seed: int = 0,
-             layers: int = 4, trace_out: Optional[str] = "graphrunner-demo-trace",
-             progress: bool = True, out: Optional[TextIO] = None, drift_check: bool = True,
-             checks: Any = None) -> DemoResult:
+def run_demo(
+    backend: str = "breakable",
+    device: str = "auto",
+    steps: int = 200,
+    buckets: Sequence[int] = (1, 2, 4, 8, 16, 32),
+    max_batch: int = 40,
+    seed: int = 0,
+    layers: int = 4,
+    trace_out: str | None = "graphrunner-demo-trace",
+    progress: bool = True,
+    out: TextIO | None = None,
+    drift_check: bool = True,
+    checks: Any = None,
+) -> DemoResult:
     """Run the demo and return its :class:`DemoResult` (see the module docstring).
 
     ``max_batch`` is the largest batch size drawn; batches above
@@ -179,21 +207,30 @@ def run_demo(backend: str = "breakable", device: str = "auto", steps: int = 200,
     # A full graph cannot hold the varlen attention break (it reads lengths on
     # the host); the masked attention computes the same thing capturably.
     attention = "masked" if backend == "full" else "varlen"
-    config = LlamaConfig.demo(num_layers=layers, attention=attention,
-                              max_batch_size=max(64, max_batch, max(buckets)))
+    config = LlamaConfig.demo(num_layers=layers, attention=attention, max_batch_size=max(64, max_batch, max(buckets)))
     model = build_model(config, seed=seed, device=torch_device)
-    print(f"graphrunner demo: Llama-style decoder ({config.num_layers} layers, hidden {config.hidden_size}, "
-          f"{config.num_heads}/{config.num_kv_heads} heads, {attention} attention), backend={backend}, "
-          f"device={dev.kind} ({torch_device}), buckets={list(buckets)}, {steps} steps with batch 1..{max_batch}, "
-          f"threads={torch.get_num_threads()}", file=out)
+    print(
+        f"graphrunner demo: Llama-style decoder ({config.num_layers} layers, hidden {config.hidden_size}, "
+        f"{config.num_heads}/{config.num_kv_heads} heads, {attention} attention), backend={backend}, "
+        f"device={dev.kind} ({torch_device}), buckets={list(buckets)}, {steps} steps with batch 1..{max_batch}, "
+        f"threads={torch.get_num_threads()}",
+        file=out,
+    )
 
     trace = Trace()
     runner = GraphRunner(
         lambda input_ids, positions: model.decode_step(input_ids, positions),
-        inputs={"input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, config.vocab_size - 1)),
-                "positions": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, config.max_seq_len - 1))},
-        buckets=list(buckets), backend=backend, device=dev, trace=trace, progress=progress,
-        checks=checks if checks is not None else None if drift_check else ("padding", "fingerprint"))
+        inputs={
+            "input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, config.vocab_size - 1)),
+            "positions": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, config.max_seq_len - 1)),
+        },
+        buckets=list(buckets),
+        backend=backend,
+        device=dev,
+        trace=trace,
+        progress=progress,
+        checks=checks if checks is not None else None if drift_check else ("padding", "fingerprint"),
+    )
     report = runner.capture()
     # The warmup forwards wrote K/V of the capture inputs into the cache; start
     # serving from a clean cache, zeroed in place (graphs hold its address).
@@ -229,21 +266,35 @@ def run_demo(backend: str = "breakable", device: str = "auto", steps: int = 200,
         if not torch.allclose(got, ref, atol=UNPADDED_ATOL, rtol=UNPADDED_RTOL):
             pad_bad += 1
         if status is not None and ((i + 1) % every == 0 or i + 1 == steps):
-            status.write(f"serving: step {i + 1}/{steps}, {time.perf_counter() - t_start:.1f}s, "
-                         f"mismatches {graph_bad + pad_bad}", final=i + 1 == steps)
+            status.write(
+                f"serving: step {i + 1}/{steps}, {time.perf_counter() - t_start:.1f}s, "
+                f"mismatches {graph_bad + pad_bad}",
+                final=i + 1 == steps,
+            )
 
     stats = runner.stats
-    print(f"\nfallbacks: {stats.fallbacks} of {stats.calls} calls {dict(stats.fallback_reasons) or ''}; "
-          f"padding rows computed: {stats.padding_rows} for {stats.real_rows} real rows", file=out)
+    print(
+        f"\nfallbacks: {stats.fallbacks} of {stats.calls} calls {dict(stats.fallback_reasons) or ''}; "
+        f"padding rows computed: {stats.padding_rows} for {stats.real_rows} real rows",
+        file=out,
+    )
     latency = _latency_table(runner, model, dev, list(buckets), config, gen, out, graphed=backend != "eager")
     print(_legend(backend, LATENCY_REPS), file=out)
     if backend == "breakable":
-        print("note: breakable runs attention eagerly at every replay, so it gains little; --backend full "
-              "captures the whole step, the faster one (docs/speed.md)", file=out)
-    print(f"graph vs eager on the padded batch: {steps - graph_bad}/{steps} bit-exact "
-          f"(max |diff| {max_padded:.3g})", file=out)
-    print(f"graph vs eager on the real batch: {steps - pad_bad}/{steps} within atol={UNPADDED_ATOL} "
-          f"rtol={UNPADDED_RTOL} (max |diff| {max_unpadded:.3g})", file=out)
+        print(
+            "note: breakable runs attention eagerly at every replay, so it gains little; --backend full "
+            "captures the whole step, the faster one (docs/speed.md)",
+            file=out,
+        )
+    print(
+        f"graph vs eager on the padded batch: {steps - graph_bad}/{steps} bit-exact (max |diff| {max_padded:.3g})",
+        file=out,
+    )
+    print(
+        f"graph vs eager on the real batch: {steps - pad_bad}/{steps} within atol={UNPADDED_ATOL} "
+        f"rtol={UNPADDED_RTOL} (max |diff| {max_unpadded:.3g})",
+        file=out,
+    )
 
     violations = check_capture_order(trace)
     keys = len({e.key for e in trace.events if e.kind == "capture_forward"})
@@ -252,23 +303,38 @@ def run_demo(backend: str = "breakable", device: str = "auto", steps: int = 200,
         for v in violations:
             print(f"  - {v}", file=out)
     else:
-        print(f"trace checker: capture protocol held for all {keys} keys "
-              f"(warmups, hook, sync, barrier, construct, one capture; nothing synced in replay)", file=out)
+        print(
+            f"trace checker: capture protocol held for all {keys} keys "
+            f"(warmups, hook, sync, barrier, construct, one capture; nothing synced in replay)",
+            file=out,
+        )
 
-    files: List[str] = []
+    files: list[str] = []
     trace_error = None
     if trace_out:
         trace_error = _write_trace(trace, trace_out, files)
         if trace_error is None:
-            print(f"trace: {len(trace.events)} events -> {files[0]}, {files[1]} "
-                  f"(open the .chrome.json in https://ui.perfetto.dev or chrome://tracing)", file=out)
+            print(
+                f"trace: {len(trace.events)} events -> {files[0]}, {files[1]} "
+                f"(open the .chrome.json in https://ui.perfetto.dev or chrome://tracing)",
+                file=out,
+            )
         else:
             print(f"graphrunner demo: error: {trace_error}", file=sys.stderr)
     runner.cleanup()
 
-    result = DemoResult(steps=steps, graph_mismatches=graph_bad, padding_mismatches=pad_bad,
-                        max_abs_diff_padded=max_padded, max_abs_diff_unpadded=max_unpadded,
-                        fallbacks=stats.fallbacks, violations=violations, latency=latency, trace_files=files,
-                        threads=threads, trace_error=trace_error)
+    result = DemoResult(
+        steps=steps,
+        graph_mismatches=graph_bad,
+        padding_mismatches=pad_bad,
+        max_abs_diff_padded=max_padded,
+        max_abs_diff_unpadded=max_unpadded,
+        fallbacks=stats.fallbacks,
+        violations=violations,
+        latency=latency,
+        trace_files=files,
+        threads=threads,
+        trace_error=trace_error,
+    )
     print("demo: OK" if result.ok else "demo: FAILED (see above)", file=out)
     return result

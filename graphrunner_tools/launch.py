@@ -46,8 +46,9 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any
 
 __all__ = ["PartialResult", "RankOutcome", "TorchrunEnv", "bind_gpu", "launch_ranks", "run_joined", "torchrun_env"]
 
@@ -82,9 +83,9 @@ class RankOutcome:
     rank: int
     ok: bool = False
     value: Any = None
-    error: Optional[str] = None
-    traceback: Optional[str] = None
-    exitcode: Optional[int] = None
+    error: str | None = None
+    traceback: str | None = None
+    exitcode: int | None = None
     timed_out: bool = False
 
 
@@ -95,12 +96,14 @@ def _died(code: int) -> str:
             name = signal.Signals(-code).name
         except ValueError:
             name = f"signal {-code}"
-        return (f"killed by {name} without reporting (gloo aborts a process on a collective whose sizes differ "
-                "between ranks: see the other ranks' errors)")
+        return (
+            f"killed by {name} without reporting (gloo aborts a process on a collective whose sizes differ "
+            "between ranks: see the other ranks' errors)"
+        )
     return f"exited with code {code} without reporting"
 
 
-def bind_gpu(rank: int) -> "int | None":
+def bind_gpu(rank: int) -> int | None:
     """Make GPU ``rank % device_count()`` this process's current CUDA device (``torch.cuda.set_device``)
     when CUDA is available, so that ranks on one machine do not all land on ``cuda:0`` (pass the
     local rank: ``LOCAL_RANK`` under torchrun); return its index, or ``None`` without CUDA. Under
@@ -136,7 +139,7 @@ class TorchrunEnv:
     master_port: int
 
 
-def torchrun_env(environ: Optional[Mapping[str, str]] = None) -> Optional[TorchrunEnv]:
+def torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv | None:
     """This process's :class:`TorchrunEnv` when its environment (default ``os.environ``) says it is
     a torchrun worker (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` all set), else
     ``None``. ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` default to the rank and the world size (one node).
@@ -148,24 +151,30 @@ def torchrun_env(environ: Optional[Mapping[str, str]] = None) -> Optional[Torchr
         return None
     if len(present) < len(TORCHRUN_VARS):
         missing = [k for k in TORCHRUN_VARS if k not in present]
-        raise ValueError(f"the environment sets {', '.join(present)} but not {', '.join(missing)}: a torchrun worker "
-                         f"has all of {', '.join(TORCHRUN_VARS)}; run the command under torchrun, or unset "
-                         f"{', '.join(present)} to run it on its own (--ranks N starts its own ranks)")
+        raise ValueError(
+            f"the environment sets {', '.join(present)} but not {', '.join(missing)}: a torchrun worker "
+            f"has all of {', '.join(TORCHRUN_VARS)}; run the command under torchrun, or unset "
+            f"{', '.join(present)} to run it on its own (--ranks N starts its own ranks)"
+        )
     try:
         rank, world, port = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["MASTER_PORT"])
         local_rank = int(env.get("LOCAL_RANK", rank))
         local_world = int(env.get("LOCAL_WORLD_SIZE", world))
     except ValueError as exc:
-        raise ValueError(f"a torchrun variable is not an integer ({exc}): RANK={env.get('RANK')!r}, WORLD_SIZE="
-                         f"{env.get('WORLD_SIZE')!r}, MASTER_PORT={env.get('MASTER_PORT')!r}, LOCAL_RANK="
-                         f"{env.get('LOCAL_RANK')!r}; run the command under torchrun, or unset them") from None
+        raise ValueError(
+            f"a torchrun variable is not an integer ({exc}): RANK={env.get('RANK')!r}, WORLD_SIZE="
+            f"{env.get('WORLD_SIZE')!r}, MASTER_PORT={env.get('MASTER_PORT')!r}, LOCAL_RANK="
+            f"{env.get('LOCAL_RANK')!r}; run the command under torchrun, or unset them"
+        ) from None
     if world < 1 or not 0 <= rank < world:
-        raise ValueError(f"RANK={rank} is not in [0, WORLD_SIZE={world}): run the command under torchrun, or unset "
-                         "RANK and WORLD_SIZE")
+        raise ValueError(
+            f"RANK={rank} is not in [0, WORLD_SIZE={world}): run the command under torchrun, or unset "
+            "RANK and WORLD_SIZE"
+        )
     return TorchrunEnv(rank, world, local_rank, local_world, env["MASTER_ADDR"], port)
 
 
-def _join(backend: str, local_rank: int, threads: Optional[int], init_timeout: float) -> None:
+def _join(backend: str, local_rank: int, threads: int | None, init_timeout: float) -> None:
     """Join torchrun's (or the elastic launcher's) group from the environment (``env://``)."""
     import torch
     import torch.distributed as dist
@@ -178,7 +187,7 @@ def _join(backend: str, local_rank: int, threads: Optional[int], init_timeout: f
         dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=init_timeout))
 
 
-def _failure(exc: BaseException) -> Tuple[str, str, Any]:
+def _failure(exc: BaseException) -> tuple[str, str, Any]:
     """``(error, traceback, partial value)`` of a rank's exception (the value only when picklable)."""
     partial = exc.value if isinstance(exc, PartialResult) else None
     try:
@@ -188,9 +197,15 @@ def _failure(exc: BaseException) -> Tuple[str, str, Any]:
     return f"{type(exc).__name__}: {exc}", traceback.format_exc(), partial
 
 
-def run_joined(fn: Callable[..., Any], args: Sequence[Any] = (), backend: str = "gloo", init_timeout: float = 60.0,
-               threads: Optional[int] = None, env: Optional[TorchrunEnv] = None,
-               exchange_timeout: float = 60.0) -> Tuple[TorchrunEnv, List[RankOutcome]]:
+def run_joined(
+    fn: Callable[..., Any],
+    args: Sequence[Any] = (),
+    backend: str = "gloo",
+    init_timeout: float = 60.0,
+    threads: int | None = None,
+    env: TorchrunEnv | None = None,
+    exchange_timeout: float = 60.0,
+) -> tuple[TorchrunEnv, list[RankOutcome]]:
     """This torchrun worker's part of a multi-rank run: join torchrun's group (``env://``, ``backend``,
     ``init_timeout`` bounding the rendezvous and every collective of the default group), run
     ``fn(rank, world_size, *args)``, and exchange the ranks' outcomes; returns ``(env, outcomes)``,
@@ -205,8 +220,10 @@ def run_joined(fn: Callable[..., Any], args: Sequence[Any] = (), backend: str = 
     the environment is not a torchrun worker's (:func:`torchrun_env`)."""
     env = env or torchrun_env()
     if env is None:
-        raise ValueError(f"run_joined: not a torchrun worker ({', '.join(TORCHRUN_VARS)} are not set); run it under "
-                         "torchrun, or start ranks with launch_ranks")
+        raise ValueError(
+            f"run_joined: not a torchrun worker ({', '.join(TORCHRUN_VARS)} are not set); run it under "
+            "torchrun, or start ranks with launch_ranks"
+        )
     import torch.distributed as dist
 
     _join(backend, env.local_rank, threads, init_timeout)
@@ -226,13 +243,13 @@ def run_joined(fn: Callable[..., Any], args: Sequence[Any] = (), backend: str = 
     return env, outcomes
 
 
-def _exchange(mine: RankOutcome, env: TorchrunEnv, timeout: float) -> List[RankOutcome]:
+def _exchange(mine: RankOutcome, env: TorchrunEnv, timeout: float) -> list[RankOutcome]:
     """Every rank's outcome, through the default group's store (no collective: none can be left in
     flight at exit, and a rank whose group failed can still report)."""
     import torch.distributed as dist
 
     prefix = f"graphrunner/outcome/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    outcomes: List[Optional[RankOutcome]] = [None] * env.world_size
+    outcomes: list[RankOutcome | None] = [None] * env.world_size
     outcomes[env.rank] = mine
     try:
         store = dist.distributed_c10d._get_default_store()
@@ -253,16 +270,19 @@ def _exchange(mine: RankOutcome, env: TorchrunEnv, timeout: float) -> List[RankO
                 others = [k for k in others if not store.check([k])]
                 if others:
                     time.sleep(0.05)
-        why = (f"never reported: rank {env.rank} waited {timeout:g}s for its outcome after finishing; the rank is "
-               "gone (its node's torchrun reports why) or stuck")
+        why = (
+            f"never reported: rank {env.rank} waited {timeout:g}s for its outcome after finishing; the rank is "
+            "gone (its node's torchrun reports why) or stuck"
+        )
     except Exception as exc:  # noqa: BLE001 - the store is gone with its host
         why = f"not gathered: the store of torchrun's group failed on rank {env.rank} ({type(exc).__name__}: {exc})"
     return [o if o is not None else RankOutcome(rank=r, error=f"rank {r} {why}") for r, o in enumerate(outcomes)]
 
 
 # --------------------------------------------------------------------------- ranks through elastic_launch
-def _rank_main(fn: Callable[..., Any], args: tuple, report_dir: str, backend: str, threads: int,
-               init_timeout: float) -> None:
+def _rank_main(
+    fn: Callable[..., Any], args: tuple, report_dir: str, backend: str, threads: int, init_timeout: float
+) -> None:
     """One rank started by :func:`launch_ranks` (a worker of ``elastic_launch``, environment as under torchrun)."""
     rank = int(os.environ["RANK"])
     _write(report_dir, f"rank{rank}.pid", os.getpid())
@@ -271,7 +291,7 @@ def _rank_main(fn: Callable[..., Any], args: tuple, report_dir: str, backend: st
         _join(backend, int(os.environ.get("LOCAL_RANK", rank)), threads, init_timeout)
         value = fn(rank, int(os.environ["WORLD_SIZE"]), *args)
         pickle.dumps(value)  # an unpicklable result is this rank's error, reported below
-        report: Tuple[Any, ...] = ("ok", value)
+        report: tuple[Any, ...] = ("ok", value)
         ok = True
     except BaseException as exc:  # noqa: BLE001 - report everything, SystemExit included
         report = ("err",) + _failure(exc)
@@ -320,11 +340,11 @@ class _Deadline:
 
     def __init__(self, report_dir: str, world_size: int, timeout: float) -> None:
         self.report_dir, self.world_size, self.timeout = report_dir, world_size, timeout
-        self.killed: List[int] = []
+        self.killed: list[int] = []
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="graphrunner-launch-deadline", daemon=True)
 
-    def __enter__(self) -> "_Deadline":
+    def __enter__(self) -> _Deadline:
         self._thread.start()
         return self
 
@@ -354,7 +374,7 @@ class _QuietElastic:
     SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
     def __enter__(self) -> None:
-        self.levels: Dict[str, int] = {}
+        self.levels: dict[str, int] = {}
         for name in list(logging.root.manager.loggerDict):
             if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")):
                 log = logging.getLogger(name)
@@ -377,8 +397,15 @@ class _QuietElastic:
                 signal.signal(getattr(signal, s), handler)
 
 
-def launch_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout: float = 600.0,
-                 init_timeout: float = 60.0, threads: int = 1, backend: str = "gloo") -> List[RankOutcome]:
+def launch_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    timeout: float = 600.0,
+    init_timeout: float = 60.0,
+    threads: int = 1,
+    backend: str = "gloo",
+) -> list[RankOutcome]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes started by torch's elastic
     launcher; one :class:`RankOutcome` per rank (module docstring).
 
@@ -403,14 +430,24 @@ def launch_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     report_dir = tempfile.mkdtemp(prefix="graphrunner-launch-")
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=f"graphrunner-{uuid.uuid4().hex}",
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1",
-                          rdzv_configs={"timeout": int(max(init_timeout, 1))}, max_restarts=0, start_method="spawn",
-                          monitor_interval=0.1, shutdown_timeout=STOP_GRACE)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world_size,
+        run_id=f"graphrunner-{uuid.uuid4().hex}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        local_addr="127.0.0.1",
+        rdzv_configs={"timeout": int(max(init_timeout, 1))},
+        max_restarts=0,
+        start_method="spawn",
+        monitor_interval=0.1,
+        shutdown_timeout=STOP_GRACE,
+    )
     outcomes = [RankOutcome(rank=r) for r in range(world_size)]
-    failures: Dict[int, Any] = {}
-    launch_error: Optional[str] = None
-    interrupted: Optional[BaseException] = None
+    failures: dict[int, Any] = {}
+    launch_error: str | None = None
+    interrupted: BaseException | None = None
     t0 = time.monotonic()
     try:
         with _QuietElastic(), _Deadline(report_dir, world_size, timeout) as deadline:
@@ -442,8 +479,7 @@ def launch_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = 
                 out.error = f"rank {r} {_died(failure.exitcode)}"
             else:
                 first = ", ".join(map(str, sorted(failures))) or "another rank"
-                out.error = (f"rank {r} was stopped by torch's launcher before it reported, after rank {first} "
-                             "failed")
+                out.error = f"rank {r} was stopped by torch's launcher before it reported, after rank {first} failed"
     finally:
         shutil.rmtree(report_dir, ignore_errors=True)
     if interrupted is not None:

@@ -68,8 +68,9 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
+from typing import Any, TextIO
 
 import torch
 
@@ -113,9 +114,24 @@ FAULT_STEP = 2
 #: ``schedule`` is rank 0's graph-engine batch size per step (``graphrunner plan`` reads it);
 #: ``first_decode_s`` (first level only) rank 0's seconds from the start of the graph runner's capture
 #: to its first decode step served (blocking capture, or ``--background-capture``).
-LEVEL_KEYS = ("concurrency", "requests", "completed", "faults", "mismatches", "generated_tokens", "tokens_per_s",
-              "eager_tokens_per_s", "replays", "fallbacks", "p50_step_ms", "p99_step_ms", "tier_replays",
-              "idle_rank_steps", "schedule", "first_decode_s")
+LEVEL_KEYS = (
+    "concurrency",
+    "requests",
+    "completed",
+    "faults",
+    "mismatches",
+    "generated_tokens",
+    "tokens_per_s",
+    "eager_tokens_per_s",
+    "replays",
+    "fallbacks",
+    "p50_step_ms",
+    "p99_step_ms",
+    "tier_replays",
+    "idle_rank_steps",
+    "schedule",
+    "first_decode_s",
+)
 #: Probability that a draft token is the model's greedy token (otherwise a random one).
 DRAFT_HIT = 0.6
 
@@ -129,12 +145,17 @@ class Request:
     """One request: ``prompt`` token ids and the number of tokens to generate (``output_len >= 1``)."""
 
     rid: int
-    prompt: Tuple[int, ...]
+    prompt: tuple[int, ...]
     output_len: int
 
 
-def make_requests(count: int, vocab_size: int, prompt_len: Tuple[int, int] = (4, 32),
-                  output_len: Tuple[int, int] = (2, 32), seed: int = 0) -> List[Request]:
+def make_requests(
+    count: int,
+    vocab_size: int,
+    prompt_len: tuple[int, int] = (4, 32),
+    output_len: tuple[int, int] = (2, 32),
+    seed: int = 0,
+) -> list[Request]:
     """``count`` requests with prompt and output lengths drawn uniformly from the inclusive
     ``(min, max)`` ranges and prompt tokens uniformly from ``[0, vocab_size)``, all from a
     private generator seeded with ``seed``: the same arguments give the same requests on every
@@ -147,8 +168,10 @@ def make_requests(count: int, vocab_size: int, prompt_len: Tuple[int, int] = (4,
     gen = torch.Generator().manual_seed(int(seed))
     p_lens = torch.randint(prompt_len[0], prompt_len[1] + 1, (count,), generator=gen).tolist()
     o_lens = torch.randint(output_len[0], output_len[1] + 1, (count,), generator=gen).tolist()
-    return [Request(i, tuple(torch.randint(0, vocab_size, (p,), generator=gen).tolist()), o)
-            for i, (p, o) in enumerate(zip(p_lens, o_lens))]
+    return [
+        Request(i, tuple(torch.randint(0, vocab_size, (p,), generator=gen).tolist()), o)
+        for i, (p, o) in enumerate(zip(p_lens, o_lens))
+    ]
 
 
 @dataclass
@@ -158,11 +181,11 @@ class EngineRun:
     requests), ``schedule`` (the batch size of every decode step), ``step_s`` (wall seconds of
     every decode step), ``seconds`` (the whole run: prefills and decode steps)."""
 
-    tokens: Dict[int, List[int]] = field(default_factory=dict)
-    schedule: List[int] = field(default_factory=list)
-    step_s: List[float] = field(default_factory=list)
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+    schedule: list[int] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
     seconds: float = 0.0
-    first_step_s: Optional[float] = None  # from the start of serve() to the end of its first decode step
+    first_step_s: float | None = None  # from the start of serve() to the end of its first decode step
 
     @property
     def generated_tokens(self) -> int:
@@ -178,12 +201,12 @@ class Drafter:
     ``[0, vocab_size)``. The draws come from a generator seeded with ``(seed, rid, done)``:
     two engines in the same state propose the same drafts, whatever their schedules."""
 
-    def __init__(self, greedy: Dict[int, List[int]], k: int, vocab_size: int, seed: int = 0) -> None:
+    def __init__(self, greedy: dict[int, list[int]], k: int, vocab_size: int, seed: int = 0) -> None:
         if k < 1:
             raise ValueError(f"Drafter: k must be >= 1, got {k}")
         self.greedy, self.k, self.vocab_size, self.seed = greedy, k, vocab_size, int(seed)
 
-    def __call__(self, rid: int, done: int) -> List[int]:
+    def __call__(self, rid: int, done: int) -> list[int]:
         import random
 
         rng = random.Random((self.seed * 1_000_003 + rid) * 10_007 + done)
@@ -200,7 +223,7 @@ class _Running:
     req: Request
     slot: int
     pos: int  # position of the next input token
-    out: List[int]
+    out: list[int]
 
 
 class Engine:
@@ -232,17 +255,24 @@ class Engine:
     accepted tokens: engines that generate the same tokens make the same decisions.
     """
 
-    def __init__(self, model: Any, decode: Optional[Callable[..., torch.Tensor]], max_running: int,
-                 after_decode: Optional[Callable[[int, torch.Tensor], None]] = None,
-                 on_progress: Optional[Callable[[int, int], None]] = None,
-                 verify: Optional[Callable[..., torch.Tensor]] = None,
-                 drafter: Optional[Callable[[int, int], List[int]]] = None,
-                 hold: Optional[Callable[[], Any]] = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        decode: Callable[..., torch.Tensor] | None,
+        max_running: int,
+        after_decode: Callable[[int, torch.Tensor], None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+        verify: Callable[..., torch.Tensor] | None = None,
+        drafter: Callable[[int, int], list[int]] | None = None,
+        hold: Callable[[], Any] | None = None,
+    ) -> None:
         rows = model.config.max_batch_size
         if max_running < 1 or max_running >= rows:
-            raise ValueError(f"Engine: max_running must be in [1, {rows - 1}]: the KV cache has {rows} rows and "
-                             "one beyond the requests' slots is the padding slot; build the model with "
-                             "LlamaConfig(max_batch_size=max_running + 1) or more")
+            raise ValueError(
+                f"Engine: max_running must be in [1, {rows - 1}]: the KV cache has {rows} rows and "
+                "one beyond the requests' slots is the padding slot; build the model with "
+                "LlamaConfig(max_batch_size=max_running + 1) or more"
+            )
         if (verify is None) != (drafter is None) or (verify is None and decode is None):
             raise ValueError("Engine: pass decode, or verify together with drafter")
         self.model = model
@@ -256,8 +286,12 @@ class Engine:
         self.device = next(model.parameters()).device
         self.last = EngineRun()
 
-    def serve(self, requests: Sequence[Request], arrival: Optional[Sequence[int]] = None,
-              sync: Optional[Callable[[bool, int], bool]] = None) -> EngineRun:
+    def serve(
+        self,
+        requests: Sequence[Request],
+        arrival: Sequence[int] | None = None,
+        sync: Callable[[bool, int], bool] | None = None,
+    ) -> EngineRun:
         """Serve every request to completion; return the :class:`EngineRun` (also ``self.last``).
 
         Data parallel: ``arrival[i]`` is the step from which ``requests[i]`` may be admitted, and
@@ -273,7 +307,7 @@ class Engine:
         t_start = time.perf_counter()
         pending = list(reversed(requests))
         free = list(range(self.max_running))  # a heap: the lowest free slot first
-        running: List[_Running] = []
+        running: list[_Running] = []
         step = 0
         with torch.inference_mode():
             while pending or running:
@@ -286,15 +320,16 @@ class Engine:
         run.seconds = time.perf_counter() - t_start
         return run
 
-    def _serve_lockstep(self, requests: Sequence[Request], arrival: Sequence[int],
-                        sync: Callable[[bool, int], bool]) -> EngineRun:
+    def _serve_lockstep(
+        self, requests: Sequence[Request], arrival: Sequence[int], sync: Callable[[bool, int], bool]
+    ) -> EngineRun:
         run = self.last = EngineRun()
         if self.verify is not None:
             self._check_scratch(requests)
         t_start = time.perf_counter()
         pending = sorted(zip(arrival, range(len(requests))), reverse=True)  # pop(): the earliest first
         free = list(range(self.max_running))
-        running: List[_Running] = []
+        running: list[_Running] = []
         step = 0
         with torch.inference_mode():
             while sync(bool(pending or running), step):
@@ -305,7 +340,7 @@ class Engine:
         run.seconds = time.perf_counter() - t_start
         return run
 
-    def _start(self, req: Request, run: EngineRun, free: List[int], running: List[_Running]) -> None:
+    def _start(self, req: Request, run: EngineRun, free: list[int], running: list[_Running]) -> None:
         """Admit ``req`` into the lowest free slot; finished at once (output length 1) or appended to ``running``."""
         r = self._admit(req, heapq.heappop(free))
         if len(r.out) >= r.req.output_len:
@@ -313,8 +348,9 @@ class Engine:
         else:
             running.append(r)
 
-    def _step(self, step: int, running: List[_Running], run: EngineRun, free: List[int], total: int,
-              t_start: float) -> List[_Running]:
+    def _step(
+        self, step: int, running: list[_Running], run: EngineRun, free: list[int], total: int, t_start: float
+    ) -> list[_Running]:
         """One engine step over ``running`` (decode, or verify with ``--spec``): record its time, extend each
         request's output, finish the complete ones; returns the requests still running."""
         t0 = time.perf_counter()
@@ -328,7 +364,7 @@ class Engine:
             run.first_step_s = time.perf_counter() - t_start
         still = []
         for r, toks in zip(running, tokens):
-            r.out.extend(toks[:r.req.output_len - len(r.out)])
+            r.out.extend(toks[: r.req.output_len - len(r.out)])
             r.pos += len(toks)
             if len(r.out) >= r.req.output_len:
                 self._finish(r, run, free)
@@ -347,14 +383,16 @@ class Engine:
             logits = self.model.prefill(ids, slot_ids=slots)[:, -1]
         return _Running(req, slot, len(req.prompt), self._tokens(logits, "prefill"))
 
-    def _decode_plan(self, running: Sequence[_Running]) -> Dict[str, torch.Tensor]:
+    def _decode_plan(self, running: Sequence[_Running]) -> dict[str, torch.Tensor]:
         """The inputs of one decode step: each running request's last token, position and slot."""
         dev = self.device
-        return {"input_ids": torch.tensor([r.out[-1] for r in running], dtype=torch.long, device=dev),
-                "positions": torch.tensor([r.pos for r in running], dtype=torch.long, device=dev),
-                "slot_ids": torch.tensor([r.slot for r in running], dtype=torch.long, device=dev)}
+        return {
+            "input_ids": torch.tensor([r.out[-1] for r in running], dtype=torch.long, device=dev),
+            "positions": torch.tensor([r.pos for r in running], dtype=torch.long, device=dev),
+            "slot_ids": torch.tensor([r.slot for r in running], dtype=torch.long, device=dev),
+        }
 
-    def _decode_step(self, step: int, running: Sequence[_Running]) -> List[int]:
+    def _decode_step(self, step: int, running: Sequence[_Running]) -> list[int]:
         logits = self.decode(**self._decode_plan(running))
         if self.after_decode is not None:
             self.after_decode(step, logits)
@@ -369,29 +407,38 @@ class Engine:
         scratch = self.model.config.max_seq_len - 1
         top = max(len(r.prompt) + r.output_len - 2 + k for r in requests)
         if top >= scratch:
-            raise ValueError(f"Engine: a verify cell may use position {top}, but position {scratch} "
-                             f"(max_seq_len - 1) is the padding cells' scratch position; build the model "
-                             f"with max_seq_len >= {top + 2} (longest prompt + output + k)")
+            raise ValueError(
+                f"Engine: a verify cell may use position {top}, but position {scratch} "
+                f"(max_seq_len - 1) is the padding cells' scratch position; build the model "
+                f"with max_seq_len >= {top + 2} (longest prompt + output + k)"
+            )
 
-    def _verify_plan(self, running: Sequence[_Running], drafts: List[List[int]]) -> Dict[str, torch.Tensor]:
+    def _verify_plan(self, running: Sequence[_Running], drafts: list[list[int]]) -> dict[str, torch.Tensor]:
         """The inputs of one verify step: ``[R, 1 + max drafts]`` cells (last token, then the
         drafts, at consecutive positions; 0 at position 0 beyond), ``lens`` and ``slots``."""
         dev = self.device
         if not running:  # an idle data-parallel rank: 0 requests and 0 cells
             empty = torch.zeros((0, 0), dtype=torch.long, device=dev)
-            return {"tokens": empty, "positions": empty.clone(), "lens": torch.zeros(0, dtype=torch.long, device=dev),
-                    "slots": torch.zeros(0, dtype=torch.long, device=dev)}
+            return {
+                "tokens": empty,
+                "positions": empty.clone(),
+                "lens": torch.zeros(0, dtype=torch.long, device=dev),
+                "slots": torch.zeros(0, dtype=torch.long, device=dev),
+            }
         width = 1 + max(len(d) for d in drafts)
         tokens = [[r.out[-1]] + d + [0] * (width - 1 - len(d)) for r, d in zip(running, drafts)]
-        positions = [list(range(r.pos, r.pos + 1 + len(d))) + [0] * (width - 1 - len(d))
-                     for r, d in zip(running, drafts)]
+        positions = [
+            list(range(r.pos, r.pos + 1 + len(d))) + [0] * (width - 1 - len(d)) for r, d in zip(running, drafts)
+        ]
         dev = self.device
-        return {"tokens": torch.tensor(tokens, dtype=torch.long, device=dev),
-                "positions": torch.tensor(positions, dtype=torch.long, device=dev),
-                "lens": torch.tensor([1 + len(d) for d in drafts], dtype=torch.long, device=dev),
-                "slots": torch.tensor([r.slot for r in running], dtype=torch.long, device=dev)}
+        return {
+            "tokens": torch.tensor(tokens, dtype=torch.long, device=dev),
+            "positions": torch.tensor(positions, dtype=torch.long, device=dev),
+            "lens": torch.tensor([1 + len(d) for d in drafts], dtype=torch.long, device=dev),
+            "slots": torch.tensor([r.slot for r in running], dtype=torch.long, device=dev),
+        }
 
-    def _verify_step(self, step: int, running: Sequence[_Running]) -> List[List[int]]:
+    def _verify_step(self, step: int, running: Sequence[_Running]) -> list[list[int]]:
         from graphrunner_tools.spec import accept
 
         assert self.verify is not None and self.drafter is not None
@@ -400,16 +447,16 @@ class Engine:
         if self.after_decode is not None:
             self.after_decode(step, logits)
         for i, d in enumerate(drafts):
-            if not bool(torch.isfinite(logits[i, :1 + len(d)]).all()):
+            if not bool(torch.isfinite(logits[i, : 1 + len(d)]).all()):
                 raise NonFiniteLogitsError(f"verify step {step} produced NaN/inf logits")
         return [accept(logits[i], d) for i, d in enumerate(drafts)]
 
-    def _tokens(self, logits: torch.Tensor, where: str) -> List[int]:
+    def _tokens(self, logits: torch.Tensor, where: str) -> list[int]:
         if not bool(torch.isfinite(logits).all()):
             raise NonFiniteLogitsError(f"{where} produced NaN/inf logits")
         return logits.argmax(-1).tolist()
 
-    def _finish(self, r: _Running, run: EngineRun, free: List[int]) -> None:
+    def _finish(self, r: _Running, run: EngineRun, free: list[int]) -> None:
         run.tokens[r.req.rid] = r.out
         heapq.heappush(free, r.slot)
 
@@ -431,15 +478,15 @@ class LoadtestConfig:
 
     ranks: int = 1
     requests: int = DEFAULT_REQUESTS
-    concurrency: Tuple[int, ...] = DEFAULT_CONCURRENCY
+    concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
     backend: str = "breakable"
     device: str = "auto"
     layers: int = 2
     seed: int = 0
-    prompt_len: Tuple[int, int] = (4, 32)
-    output_len: Tuple[int, int] = (2, 32)
+    prompt_len: tuple[int, int] = (4, 32)
+    output_len: tuple[int, int] = (2, 32)
     timeout: float = 30.0
-    inject_fault: Optional[str] = None
+    inject_fault: str | None = None
     threads: int = 1
     progress: bool = True
     spec: int = 0
@@ -453,8 +500,9 @@ class LoadtestConfig:
 
     def __post_init__(self) -> None:
         if self.dp < 1 or self.ranks % self.dp:
-            raise ValueError(f"dp must be >= 1 and divide ranks (ranks = dp * tp), got dp={self.dp}, "
-                             f"ranks={self.ranks}")
+            raise ValueError(
+                f"dp must be >= 1 and divide ranks (ranks = dp * tp), got dp={self.dp}, ranks={self.ranks}"
+            )
         if self.spec < 0:
             raise ValueError(f"spec must be 0 (off) or K >= 1 drafts per request, got {self.spec}")
         if self.backend not in ("full", "breakable"):
@@ -482,44 +530,48 @@ class LevelResult:
     faults: int = 0
     mismatches: int = 0
     generated_tokens: int = 0
-    tokens_per_s: Optional[float] = None
-    eager_tokens_per_s: Optional[float] = None
+    tokens_per_s: float | None = None
+    eager_tokens_per_s: float | None = None
     replays: int = 0
     fallbacks: int = 0
-    p50_step_ms: Optional[float] = None
-    p99_step_ms: Optional[float] = None
-    tier_replays: Dict[str, int] = field(default_factory=dict)
+    p50_step_ms: float | None = None
+    p99_step_ms: float | None = None
+    tier_replays: dict[str, int] = field(default_factory=dict)
     idle_rank_steps: int = 0
-    schedule: List[int] = field(default_factory=list)
-    first_decode_s: Optional[float] = None
-    eager_p50_step_ms: Optional[float] = None
-    eager_p99_step_ms: Optional[float] = None
-    errors: List[str] = field(default_factory=list)
-    mismatched: List[int] = field(default_factory=list)
-    tokens: Dict[int, List[int]] = field(default_factory=dict, repr=False)
+    schedule: list[int] = field(default_factory=list)
+    first_decode_s: float | None = None
+    eager_p50_step_ms: float | None = None
+    eager_p99_step_ms: float | None = None
+    errors: list[str] = field(default_factory=list)
+    mismatched: list[int] = field(default_factory=list)
+    tokens: dict[int, list[int]] = field(default_factory=dict, repr=False)
 
     @property
     def ok(self) -> bool:
         """Every request completed, no fault, no mismatch."""
         return self.completed == self.requests and self.faults == 0 and self.mismatches == 0
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         """The level's entry of the JSON file: exactly :data:`LEVEL_KEYS`."""
         d = asdict(self)
         return {k: d[k] for k in LEVEL_KEYS}
 
     def line(self) -> str:
         """``C16: 400/400 requests, 0 faults, 0 mismatches, 1,234 tok/s (eager 987 tok/s, 1.25x)``."""
-        head = (f"C{self.concurrency}: {self.completed}/{self.requests} requests, {self.faults} faults, "
-                f"{self.mismatches} mismatches")
+        head = (
+            f"C{self.concurrency}: {self.completed}/{self.requests} requests, {self.faults} faults, "
+            f"{self.mismatches} mismatches"
+        )
         if self.idle_rank_steps:
             head += f", {self.idle_rank_steps} idle-rank steps"
         if self.first_decode_s is not None:
             head += f", first decode step {self.first_decode_s * 1000:,.0f} ms after the capture began"
         if self.tokens_per_s is None or self.eager_tokens_per_s is None:
             return head + ", not measured"
-        return (head + f", {self.tokens_per_s:,.0f} tok/s (eager {self.eager_tokens_per_s:,.0f} tok/s, "
-                f"{self.tokens_per_s / self.eager_tokens_per_s:.2f}x)")
+        return (
+            head + f", {self.tokens_per_s:,.0f} tok/s (eager {self.eager_tokens_per_s:,.0f} tok/s, "
+            f"{self.tokens_per_s / self.eager_tokens_per_s:.2f}x)"
+        )
 
 
 @dataclass
@@ -531,24 +583,30 @@ class LoadtestResult:
     JSON), ``None`` otherwise."""
 
     config: LoadtestConfig
-    levels: List[LevelResult]
-    errors: List[str] = field(default_factory=list)
+    levels: list[LevelResult]
+    errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
-    dist_backend: Optional[str] = None
-    rank: Optional[int] = None
+    dist_backend: str | None = None
+    rank: int | None = None
 
     @property
     def ok(self) -> bool:
         """True when every level is clean and nothing else failed."""
         return not self.errors and all(lv.ok for lv in self.levels)
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         """``{"ranks", "dp", "tp", "backend", "dist_backend", "spec", "background_capture", "levels": [...]}``:
         the file ``--json`` writes."""
-        return {"ranks": self.config.ranks, "dp": self.config.dp, "tp": self.config.tp, "backend": self.config.backend,
-                "dist_backend": self.dist_backend, "spec": self.config.spec,
-                "background_capture": self.config.background_capture,
-                "levels": [lv.to_json() for lv in self.levels]}
+        return {
+            "ranks": self.config.ranks,
+            "dp": self.config.dp,
+            "tp": self.config.tp,
+            "backend": self.config.backend,
+            "dist_backend": self.dist_backend,
+            "spec": self.config.spec,
+            "background_capture": self.config.background_capture,
+            "levels": [lv.to_json() for lv in self.levels],
+        }
 
 
 # --------------------------------------------------------------------------- one rank
@@ -583,7 +641,7 @@ class _StallOnce:
         return out
 
 
-def _buckets(max_running: int) -> List[int]:
+def _buckets(max_running: int) -> list[int]:
     out, b = [], 1
     while b < max_running:
         out.append(b)
@@ -591,19 +649,25 @@ def _buckets(max_running: int) -> List[int]:
     return out + [max_running]
 
 
-def _percentile(samples: List[float], q: float) -> Optional[float]:
+def _percentile(samples: list[float], q: float) -> float | None:
     if not samples:
         return None
     s = sorted(samples)
     return s[max(0, math.ceil(q * len(s)) - 1)] * 1e3
 
 
-def _summary(run: EngineRun, stats: Any) -> Dict[str, Any]:
-    return {"tokens": run.tokens, "schedule": run.schedule, "seconds": run.seconds,
-            "generated_tokens": run.generated_tokens,
-            "p50_step_ms": _percentile(run.step_s, 0.50), "p99_step_ms": _percentile(run.step_s, 0.99),
-            "replays": sum(stats.replays.values()), "fallbacks": stats.fallbacks,
-            "tier_replays": {_tier(k): n for k, n in stats.replays.items() if n}}
+def _summary(run: EngineRun, stats: Any) -> dict[str, Any]:
+    return {
+        "tokens": run.tokens,
+        "schedule": run.schedule,
+        "seconds": run.seconds,
+        "generated_tokens": run.generated_tokens,
+        "p50_step_ms": _percentile(run.step_s, 0.50),
+        "p99_step_ms": _percentile(run.step_s, 0.99),
+        "replays": sum(stats.replays.values()),
+        "fallbacks": stats.fallbacks,
+        "tier_replays": {_tier(k): n for k, n in stats.replays.items() if n},
+    }
 
 
 def _tier(key: Any) -> str:
@@ -637,7 +701,7 @@ class _Progress:
             self.status.stream.flush()
 
 
-def run_requests(cfg: LoadtestConfig, vocab_size: int) -> List[Request]:
+def run_requests(cfg: LoadtestConfig, vocab_size: int) -> list[Request]:
     """The requests every level of a run serves (:func:`make_requests` from ``cfg.seed + 1``)."""
     return make_requests(cfg.requests, vocab_size, cfg.prompt_len, cfg.output_len, cfg.seed + 1)
 
@@ -653,9 +717,9 @@ class DataParallelMLP(torch.nn.Module):
     each rank) it runs the whole MLP locally, with no collective."""
 
     def __init__(self, full: torch.nn.Module, rank: int, world: int) -> None:
-        from graphrunner_tools.models.tp import _ShardedMLP
-
         import warnings
+
+        from graphrunner_tools.models.tp import _ShardedMLP
 
         # torch 2.9 deprecates the name in favour of all_gather_single (absent from older torch)
         warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
@@ -671,7 +735,7 @@ class DataParallelMLP(torch.nn.Module):
         n = x.shape[0]
         everyone = x.new_empty((self.world * n, *x.shape[1:]))
         dist.all_gather_into_tensor(everyone, x.contiguous())
-        return self.shard(everyone)[self.rank * n:(self.rank + 1) * n]
+        return self.shard(everyone)[self.rank * n : (self.rank + 1) * n]
 
 
 class _gathering:
@@ -689,17 +753,17 @@ class _gathering:
             m.gather = False
 
 
-def dp_schedule(requests: Sequence[Request], dp: int, seed: int) -> List[Tuple[List[Request], List[int]]]:
+def dp_schedule(requests: Sequence[Request], dp: int, seed: int) -> list[tuple[list[Request], list[int]]]:
     """``[(requests, arrival steps)]`` of each data-parallel group: a seeded, uneven split (group
     ``g`` draws weight ``2**g``) and per request a seeded arrival step in ``[0, len(requests) // 4]``,
     so at the same step the groups run different batch sizes, some none."""
     import random
 
     rng = random.Random(seed * 7919 + dp)
-    out: List[Tuple[List[Request], List[int]]] = [([], []) for _ in range(dp)]
+    out: list[tuple[list[Request], list[int]]] = [([], []) for _ in range(dp)]
     spread = max(1, len(requests) // 4)
     for req in requests:
-        g = rng.choices(range(dp), weights=[2 ** i for i in range(dp)])[0]
+        g = rng.choices(range(dp), weights=[2**i for i in range(dp)])[0]
         out[g][0].append(req)
         out[g][1].append(rng.randrange(spread + 1))
     return out
@@ -716,9 +780,12 @@ def build_decoder(cfg: LoadtestConfig, rank: int = 0, world: int = 1, device: An
     from graphrunner_tools.models import LlamaConfig, build_model
     from graphrunner_tools.models.tp import shard_tensor_parallel
 
-    config = LlamaConfig.demo(num_layers=cfg.layers, attention="masked" if cfg.backend == "full" else "varlen",
-                              max_batch_size=max(cfg.concurrency) + 1,
-                              max_seq_len=cfg.prompt_len[1] + cfg.output_len[1] + cfg.spec)
+    config = LlamaConfig.demo(
+        num_layers=cfg.layers,
+        attention="masked" if cfg.backend == "full" else "varlen",
+        max_batch_size=max(cfg.concurrency) + 1,
+        max_seq_len=cfg.prompt_len[1] + cfg.output_len[1] + cfg.spec,
+    )
     model = build_model(config, seed=cfg.seed, device=device)
     if world > 1 and cfg.dp > 1:
         import torch.distributed as dist
@@ -737,7 +804,7 @@ def build_decoder(cfg: LoadtestConfig, rank: int = 0, world: int = 1, device: An
     return model
 
 
-def decode_runner(model: Any, backend: Any, max_running: int, pad_slot: Optional[int] = None, **runner_kwargs: Any) -> Any:
+def decode_runner(model: Any, backend: Any, max_running: int, pad_slot: int | None = None, **runner_kwargs: Any) -> Any:
     """A :class:`~graphrunner.GraphRunner` over ``model.decode_step(input_ids, positions, slot_ids)``
     with buckets ``1, 2, 4, ..., max_running`` (powers of two, then ``max_running``). Padding
     rows are token 0 at position 0 in cache row ``pad_slot`` (default: ``max_running``, the
@@ -748,9 +815,11 @@ def decode_runner(model: Any, backend: Any, max_running: int, pad_slot: Optional
     pad_slot = max_running if pad_slot is None else pad_slot
     cfg = model.config
     # bounds: the real values (the padding check draws real cells from them); the pad slot lies outside
-    inputs = {"input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, cfg.vocab_size - 1)),
-              "positions": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, cfg.max_seq_len - 1)),
-              "slot_ids": BatchInput(trailing=(), dtype=torch.long, pad=pad_slot, bounds=(0, max_running - 1))}
+    inputs = {
+        "input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, cfg.vocab_size - 1)),
+        "positions": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, cfg.max_seq_len - 1)),
+        "slot_ids": BatchInput(trailing=(), dtype=torch.long, pad=pad_slot, bounds=(0, max_running - 1)),
+    }
 
     def step(input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
         if not getattr(model, "dp_layers", None):
@@ -761,12 +830,19 @@ def decode_runner(model: Any, backend: Any, max_running: int, pad_slot: Optional
     return GraphRunner(step, inputs, _buckets(max_running), backend=backend, **runner_kwargs)
 
 
-def _draft_buckets(k: int) -> List[int]:
+def _draft_buckets(k: int) -> list[int]:
     return [b for b in _buckets(k + 1) if b >= 2]
 
 
-def verify_runner(model: Any, backend: Any, max_running: int, k: int, pad_slot: Optional[int] = None,
-                  mask: bool = True, **runner_kwargs: Any) -> Any:
+def verify_runner(
+    model: Any,
+    backend: Any,
+    max_running: int,
+    k: int,
+    pad_slot: int | None = None,
+    mask: bool = True,
+    **runner_kwargs: Any,
+) -> Any:
     """A :class:`~graphrunner.GraphRunner` over :func:`graphrunner_tools.spec.verify_step_fn` of
     ``model`` (``step(tokens, positions, lens, slots) -> logits [reqs, draft, vocab]``), keyed
     by ``(reqs, draft)``: ``reqs`` buckets as :func:`decode_runner`, ``draft`` (cells per
@@ -780,10 +856,12 @@ def verify_runner(model: Any, backend: Any, max_running: int, k: int, pad_slot: 
 
     pad_slot = max_running if pad_slot is None else pad_slot
     dims = ("reqs", "draft")
-    inputs = {"tokens": BatchInput(dtype=torch.long, pad=0, dims=dims),
-              "positions": BatchInput(dtype=torch.long, pad=0, dims=dims),
-              "lens": BatchInput(dtype=torch.long, pad=0, dims=("reqs",)),
-              "slots": BatchInput(dtype=torch.long, pad=pad_slot, dims=("reqs",))}
+    inputs = {
+        "tokens": BatchInput(dtype=torch.long, pad=0, dims=dims),
+        "positions": BatchInput(dtype=torch.long, pad=0, dims=dims),
+        "lens": BatchInput(dtype=torch.long, pad=0, dims=("reqs",)),
+        "slots": BatchInput(dtype=torch.long, pad=pad_slot, dims=("reqs",)),
+    }
     # The padding check does not apply: the real cells of a verify step are ragged (``lens`` per
     # request), and padded cells share one scratch position, so no bounds describe them; the
     # loadtest compares every token with the eager engine instead.
@@ -795,12 +873,18 @@ def verify_runner(model: Any, backend: Any, max_running: int, k: int, pad_slot: 
         def fn(tokens: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor, slots: torch.Tensor) -> Any:
             with _gathering(model):  # data parallel: the MLP spans every rank
                 return inner(tokens=tokens, positions=positions, lens=lens, slots=slots)
-    return GraphRunner(fn, inputs,
-                       {"reqs": _buckets(max_running), "draft": _draft_buckets(k)}, outputs=dims,
-                       backend=backend, **runner_kwargs)
+
+    return GraphRunner(
+        fn,
+        inputs,
+        {"reqs": _buckets(max_running), "draft": _draft_buckets(k)},
+        outputs=dims,
+        backend=backend,
+        **runner_kwargs,
+    )
 
 
-def serve_levels(rank: int, world: int, cfg: LoadtestConfig) -> Dict[str, Any]:
+def serve_levels(rank: int, world: int, cfg: LoadtestConfig) -> dict[str, Any]:
     """One rank's whole run (torch.distributed initialised; a rank of :func:`~graphrunner_tools.launch.launch_ranks`
     or of torchrun): :func:`serve_rank`, and on a fault raise
     :class:`~graphrunner_tools.launch.PartialResult` carrying its result, so the launcher reports
@@ -814,7 +898,7 @@ def serve_levels(rank: int, world: int, cfg: LoadtestConfig) -> Dict[str, Any]:
     return res
 
 
-def serve_rank(rank: int, world: int, cfg: LoadtestConfig) -> Dict[str, Any]:
+def serve_rank(rank: int, world: int, cfg: LoadtestConfig) -> dict[str, Any]:
     """One rank's whole run: build (and shard) the decoder, capture both runners, serve every
     level through graphs then eager. Returns ``{"levels": [...], "error": str|None}``; an
     exception stops the run (after it the process group may be unusable) and is reported in
@@ -822,7 +906,7 @@ def serve_rank(rank: int, world: int, cfg: LoadtestConfig) -> Dict[str, Any]:
     from graphrunner.devices import get_device
     from graphrunner.group import LocalGroup, TorchDistGroup
 
-    levels: List[Dict[str, Any]] = []
+    levels: list[dict[str, Any]] = []
     progress = _Progress(cfg.progress and rank == 0)
     try:
         dev = get_device(cfg.device)
@@ -833,21 +917,27 @@ def serve_rank(rank: int, world: int, cfg: LoadtestConfig) -> Dict[str, Any]:
         if cfg.inject_fault == "stall" and rank == world - 1:
             group = stall = _StallOnce(group, after=FAULT_STEP + 1, seconds=2 * cfg.timeout + 1)
         if cfg.spec:
-            runners = {kind: verify_runner(model, backend, max_c, cfg.spec, device=dev, group=group, progress=False)
-                       for kind, backend in (("graph", cfg.backend), ("eager", "eager"))}
+            runners = {
+                kind: verify_runner(model, backend, max_c, cfg.spec, device=dev, group=group, progress=False)
+                for kind, backend in (("graph", cfg.backend), ("eager", "eager"))
+            }
         else:
-            runners = {kind: decode_runner(model, backend, max_c, device=dev, group=group, progress=False)
-                       for kind, backend in (("graph", cfg.backend), ("eager", "eager"))}
+            runners = {
+                kind: decode_runner(model, backend, max_c, device=dev, group=group, progress=False)
+                for kind, backend in (("graph", cfg.backend), ("eager", "eager"))
+            }
         t_capture = time.perf_counter()
         runners["eager"].capture()
         runners["graph"].capture(background=cfg.background_capture)  # background: serving starts at once
         requests = run_requests(cfg, model.config.vocab_size)
-        serve_kw: Dict[str, Any] = {}
+        serve_kw: dict[str, Any] = {}
         if cfg.dp > 1:  # this rank's DP group's share, in lockstep with every rank
             requests, arrival = dp_schedule(requests, cfg.dp, cfg.seed)[rank // cfg.tp]
             steps = TorchDistGroup(timeout=cfg.timeout)
-            serve_kw = {"arrival": arrival,
-                        "sync": lambda more, step: bool(steps.all_max(int(more), phase="dp_step", key=step))}
+            serve_kw = {
+                "arrival": arrival,
+                "sync": lambda more, step: bool(steps.all_max(int(more), phase="dp_step", key=step)),
+            }
         drafter = None
         if cfg.spec:
             # the drafts' greedy tokens: one eager decode run (every rank runs it: the TP collectives)
@@ -869,7 +959,7 @@ def serve_rank(rank: int, world: int, cfg: LoadtestConfig) -> Dict[str, Any]:
 
     try:
         for i, c in enumerate(cfg.concurrency):
-            level: Dict[str, Any] = {"concurrency": c, "error": None}
+            level: dict[str, Any] = {"concurrency": c, "error": None}
             levels.append(level)
             for kind in ("graph", "eager"):
                 runner = runners[kind]
@@ -882,11 +972,20 @@ def serve_rank(rank: int, world: int, cfg: LoadtestConfig) -> Dict[str, Any]:
                 with runners["graph"].hold():
                     model.reset_cache()
                 if drafter is not None:
-                    engine = Engine(model, None, c, after_decode=hook, on_progress=progress.update,
-                                    verify=runner, drafter=drafter, hold=runners["graph"].hold)
+                    engine = Engine(
+                        model,
+                        None,
+                        c,
+                        after_decode=hook,
+                        on_progress=progress.update,
+                        verify=runner,
+                        drafter=drafter,
+                        hold=runners["graph"].hold,
+                    )
                 else:
-                    engine = Engine(model, runner, c, after_decode=hook, on_progress=progress.update,
-                                    hold=runners["graph"].hold)
+                    engine = Engine(
+                        model, runner, c, after_decode=hook, on_progress=progress.update, hold=runners["graph"].hold
+                    )
                 started = time.perf_counter() - t_capture
                 try:
                     engine.serve(requests, **serve_kw)
@@ -902,12 +1001,12 @@ def serve_rank(rank: int, world: int, cfg: LoadtestConfig) -> Dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- combining the ranks
-def _combine(cfg: LoadtestConfig, per_rank: List[Optional[Dict[str, Any]]], rank_errors: List[str]) -> LoadtestResult:
+def _combine(cfg: LoadtestConfig, per_rank: list[dict[str, Any] | None], rank_errors: list[str]) -> LoadtestResult:
     """Build the levels from every rank's :func:`serve_levels` result (``None``: the rank
     never reported; ``rank_errors`` says why). Tokens and schedules are compared within each
     data-parallel group (all ranks when ``cfg.dp == 1``): graph vs eager, and across its ranks."""
     errors = [r["error"] for r in per_rank if r is not None and r.get("error")]  # before the first level
-    levels: List[LevelResult] = []
+    levels: list[LevelResult] = []
     tp = max(1, len(per_rank) // cfg.dp)
     for i, c in enumerate(cfg.concurrency):
         lv = LevelResult(concurrency=c, requests=cfg.requests)
@@ -918,7 +1017,7 @@ def _combine(cfg: LoadtestConfig, per_rank: List[Optional[Dict[str, Any]]], rank
         if len(done) == len(ranks):
             g_tokens = e_tokens = 0
             for g in range(cfg.dp):
-                group = done[g * tp:(g + 1) * tp]
+                group = done[g * tp : (g + 1) * tp]
                 complete = None
                 for x in group:
                     ids = set(x["graph"]["tokens"]) & set(x["eager"]["tokens"])
@@ -933,8 +1032,10 @@ def _combine(cfg: LoadtestConfig, per_rank: List[Optional[Dict[str, Any]]], rank
                 for x in group:
                     # verify steps: the schedule follows the accepted tokens, so a token mismatch
                     # may change it; with equal tokens a different schedule is an engine bug
-                    if (not cfg.spec or not bad) and (x["graph"]["schedule"] != x["eager"]["schedule"]
-                                                      or x["graph"]["schedule"] != group[0]["graph"]["schedule"]):
+                    if (not cfg.spec or not bad) and (
+                        x["graph"]["schedule"] != x["eager"]["schedule"]
+                        or x["graph"]["schedule"] != group[0]["graph"]["schedule"]
+                    ):
                         lv.errors.append(f"C{c}: the engines' schedules differ (engine bug)")
                         lv.faults += 1
                 lv.mismatched += sorted(bad)
@@ -973,7 +1074,7 @@ def _on_cuda(device: str) -> bool:
     return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
-def rank_backend(cfg: LoadtestConfig, local_ranks: Optional[int] = None) -> str:
+def rank_backend(cfg: LoadtestConfig, local_ranks: int | None = None) -> str:
     """The ``torch.distributed`` backend of ``cfg``'s ranks: ``"nccl"`` when they run on CUDA
     (``device`` ``"cuda"``, or ``"auto"`` with CUDA available) with one GPU each, ``"gloo"`` on
     the CPU tape (and for one rank, which makes no process group). ``local_ranks``: the ranks
@@ -987,17 +1088,20 @@ def rank_backend(cfg: LoadtestConfig, local_ranks: Optional[int] = None) -> str:
 
     gpus = torch.cuda.device_count()
     local = cfg.ranks if local_ranks is None else local_ranks
-    why = ("it captures an all_reduce inside the tensor-parallel step, which only an NCCL collective allows (one "
-           "process per GPU)")
+    why = (
+        "it captures an all_reduce inside the tensor-parallel step, which only an NCCL collective allows (one "
+        "process per GPU)"
+    )
     fix = "run fewer --ranks, or --device tape (the ranks on the CPU tape, over gloo)"
     if gpus < local:
         what = f"--ranks {cfg.ranks}" if local_ranks is None else f"{local} torchrun ranks on this node"
-        raise ValueError(f"{what} on CUDA needs {local} GPUs, one per rank, and this machine has "
-                         f"{gpus}: {why}; {fix}")
+        raise ValueError(f"{what} on CUDA needs {local} GPUs, one per rank, and this machine has {gpus}: {why}; {fix}")
     if not dist.is_nccl_available():
-        raise ValueError(f"--ranks {cfg.ranks} on CUDA needs NCCL, and this torch has none "
-                         f"(torch.distributed.is_nccl_available() is False): {why}; install a CUDA build of "
-                         f"PyTorch with NCCL, or {fix}")
+        raise ValueError(
+            f"--ranks {cfg.ranks} on CUDA needs NCCL, and this torch has none "
+            f"(torch.distributed.is_nccl_available() is False): {why}; install a CUDA build of "
+            f"PyTorch with NCCL, or {fix}"
+        )
     return "nccl"
 
 
@@ -1024,28 +1128,47 @@ def run_loadtest(cfg: LoadtestConfig, launch_timeout: float = 3600.0) -> Loadtes
 
     env = torchrun_env()
     if env is not None and env.world_size > 1 and cfg.ranks != env.world_size:
-        raise ValueError(f"ranks={cfg.ranks}, but this process is rank {env.rank} of a torchrun job of WORLD_SIZE="
-                         f"{env.world_size}: under torchrun the ranks are torchrun's; pass ranks={env.world_size} "
-                         "(on the command line: drop --ranks, or pass --dp/--tp whose product is WORLD_SIZE)")
+        raise ValueError(
+            f"ranks={cfg.ranks}, but this process is rank {env.rank} of a torchrun job of WORLD_SIZE="
+            f"{env.world_size}: under torchrun the ranks are torchrun's; pass ranks={env.world_size} "
+            "(on the command line: drop --ranks, or pass --dp/--tp whose product is WORLD_SIZE)"
+        )
     joined = env is not None and env.world_size > 1
     backend = rank_backend(cfg, env.local_world_size if joined and env is not None else None)
     t0 = time.perf_counter()
-    rank_errors: List[str] = []
+    rank_errors: list[str] = []
     if cfg.ranks == 1:
         with torch_threads(cfg.threads):
-            per_rank: List[Optional[Dict[str, Any]]] = [serve_rank(0, 1, cfg)]
+            per_rank: list[dict[str, Any] | None] = [serve_rank(0, 1, cfg)]
     else:
         if joined:
             # the ranks step in lockstep: a peer that failed too reports within a group timeout of this
             # rank's end; one that has not by then is gone or stuck (torchrun stops its node's ranks)
-            env, outcomes = run_joined(serve_levels, (cfg,), backend=backend, init_timeout=INIT_TIMEOUT,
-                                       threads=cfg.threads, env=env, exchange_timeout=cfg.timeout + 10)
+            env, outcomes = run_joined(
+                serve_levels,
+                (cfg,),
+                backend=backend,
+                init_timeout=INIT_TIMEOUT,
+                threads=cfg.threads,
+                env=env,
+                exchange_timeout=cfg.timeout + 10,
+            )
         else:
-            outcomes = launch_ranks(serve_levels, cfg.ranks, args=(cfg,), timeout=launch_timeout,
-                                    init_timeout=INIT_TIMEOUT, threads=cfg.threads, backend=backend)
+            outcomes = launch_ranks(
+                serve_levels,
+                cfg.ranks,
+                args=(cfg,),
+                timeout=launch_timeout,
+                init_timeout=INIT_TIMEOUT,
+                threads=cfg.threads,
+                backend=backend,
+            )
         per_rank = [o.value for o in outcomes]  # a failed rank's partial result, or None
-        rank_errors = [o.error if o.error.startswith(f"rank {o.rank} ") else f"rank {o.rank}: {o.error}"
-                       for o in outcomes if o.value is None and o.error]
+        rank_errors = [
+            o.error if o.error.startswith(f"rank {o.rank} ") else f"rank {o.rank}: {o.error}"
+            for o in outcomes
+            if o.value is None and o.error
+        ]
     result = _combine(cfg, per_rank, rank_errors)
     result.seconds = time.perf_counter() - t0
     result.dist_backend = backend if cfg.ranks > 1 else None
@@ -1053,7 +1176,7 @@ def run_loadtest(cfg: LoadtestConfig, launch_timeout: float = 3600.0) -> Loadtes
     return result
 
 
-def report(result: LoadtestResult, out: Optional[TextIO] = None) -> None:
+def report(result: LoadtestResult, out: TextIO | None = None) -> None:
     """Print one line per level, then every error and the first mismatched requests."""
     out = sys.stdout if out is None else out
     cfg = result.config
@@ -1062,10 +1185,14 @@ def report(result: LoadtestResult, out: Optional[TextIO] = None) -> None:
         ranks += " over NCCL, one GPU each"
     elif result.dist_backend:
         ranks += f" over {result.dist_backend}"
-    print(f"graphrunner loadtest: {ranks}, backend={cfg.backend}, {cfg.requests} requests per level, "
-          f"prompt {cfg.prompt_len[0]}-{cfg.prompt_len[1]} / output {cfg.output_len[0]}-{cfg.output_len[1]} tokens, "
-          f"{cfg.layers} layers" + (f", verify steps with 1-{cfg.spec} drafts per request" if cfg.spec else "")
-          + (f", injected fault: {cfg.inject_fault}" if cfg.inject_fault else ""), file=out)
+    print(
+        f"graphrunner loadtest: {ranks}, backend={cfg.backend}, {cfg.requests} requests per level, "
+        f"prompt {cfg.prompt_len[0]}-{cfg.prompt_len[1]} / output {cfg.output_len[0]}-{cfg.output_len[1]} tokens, "
+        f"{cfg.layers} layers"
+        + (f", verify steps with 1-{cfg.spec} drafts per request" if cfg.spec else "")
+        + (f", injected fault: {cfg.inject_fault}" if cfg.inject_fault else ""),
+        file=out,
+    )
     for lv in result.levels:
         print(lv.line(), file=out)
     for lv in result.levels:
@@ -1073,8 +1200,11 @@ def report(result: LoadtestResult, out: Optional[TextIO] = None) -> None:
             print(f"  C{lv.concurrency} fault: {e}", file=out)
         if lv.mismatched:
             shown = ", ".join(map(str, lv.mismatched[:10])) + (" ..." if len(lv.mismatched) > 10 else "")
-            print(f"  C{lv.concurrency} mismatch: generated tokens differ (graph vs eager, or across ranks) for "
-                  f"request(s) {shown}", file=out)
+            print(
+                f"  C{lv.concurrency} mismatch: generated tokens differ (graph vs eager, or across ranks) for "
+                f"request(s) {shown}",
+                file=out,
+            )
         if lv.completed < lv.requests and not lv.errors:
             print(f"  C{lv.concurrency}: {lv.requests - lv.completed} request(s) lost", file=out)
     for e in result.errors:
@@ -1083,7 +1213,7 @@ def report(result: LoadtestResult, out: Optional[TextIO] = None) -> None:
 
 
 # --------------------------------------------------------------------------- command line
-def _range(text: str) -> Tuple[int, int]:
+def _range(text: str) -> tuple[int, int]:
     import argparse
 
     parts = text.split(",")
@@ -1114,11 +1244,24 @@ def _run_from_args(args: Any) -> int:
     env = torchrun_env()
     if env is not None and env.rank != 0:  # a torchrun rank other than 0: no progress line
         args.no_progress = True
-    cfg = LoadtestConfig(ranks=args.ranks, dp=args.dp or 1, requests=args.requests, concurrency=tuple(args.concurrency),
-                         backend=args.backend, device=args.device, layers=args.layers, seed=args.seed,
-                         prompt_len=args.prompt_len, output_len=args.output_len, timeout=args.timeout,
-                         inject_fault=args.inject_fault, threads=args.threads, progress=not args.no_progress,
-                         spec=args.spec, background_capture=args.background_capture)
+    cfg = LoadtestConfig(
+        ranks=args.ranks,
+        dp=args.dp or 1,
+        requests=args.requests,
+        concurrency=tuple(args.concurrency),
+        backend=args.backend,
+        device=args.device,
+        layers=args.layers,
+        seed=args.seed,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        timeout=args.timeout,
+        inject_fault=args.inject_fault,
+        threads=args.threads,
+        progress=not args.no_progress,
+        spec=args.spec,
+        background_capture=args.background_capture,
+    )
     result = run_loadtest(cfg)
     if result.rank not in (None, 0):  # torchrun: rank 0 prints the summary; another rank only its own fault
         for e in result.errors + [e for lv in result.levels for e in lv.errors]:
@@ -1146,16 +1289,22 @@ def check_args(parser: Any, args: Any) -> None:
         parser.error(str(exc))
     world = env.world_size if env is not None else None
     if world is not None and args.ranks not in (None, world):
-        parser.error(f"argument --ranks: {args.ranks}, but this process is a torchrun worker of WORLD_SIZE={world}, "
-                     "and under torchrun the ranks are torchrun's; drop --ranks (or pass --ranks "
-                     f"{world})")
+        parser.error(
+            f"argument --ranks: {args.ranks}, but this process is a torchrun worker of WORLD_SIZE={world}, "
+            "and under torchrun the ranks are torchrun's; drop --ranks (or pass --ranks "
+            f"{world})"
+        )
     if args.dp is not None or args.tp is not None:
         ranks = (args.dp or 1) * (args.tp or 1)
         if world is not None and ranks != world:
-            parser.error(f"argument --dp/--tp: --dp x --tp = {ranks}, but torchrun started WORLD_SIZE={world} "
-                         f"ranks; pass --dp and --tp whose product is {world}")
+            parser.error(
+                f"argument --dp/--tp: --dp x --tp = {ranks}, but torchrun started WORLD_SIZE={world} "
+                f"ranks; pass --dp and --tp whose product is {world}"
+            )
         if args.ranks not in (None, 1, ranks):
-            parser.error(f"argument --ranks: {args.ranks} is not --dp x --tp = {ranks}; pass --dp and --tp, or --ranks alone")
+            parser.error(
+                f"argument --ranks: {args.ranks} is not --dp x --tp = {ranks}; pass --dp and --tp, or --ranks alone"
+            )
         args.ranks, args.dp = ranks, args.dp or 1
     else:
         args.ranks = world or args.ranks or 1
@@ -1163,19 +1312,25 @@ def check_args(parser: Any, args: Any) -> None:
     if args.inject_fault == "stall" and args.ranks < 2:
         parser.error("argument --inject-fault: stall stalls one rank while the others wait; it needs --ranks 2 or more")
     try:  # on CUDA: one GPU per rank and NCCL, found before any process is started
-        rank_backend(LoadtestConfig(ranks=args.ranks, dp=args.dp, device=args.device),
-                     env.local_world_size if env is not None and env.world_size > 1 else None)
+        rank_backend(
+            LoadtestConfig(ranks=args.ranks, dp=args.dp, device=args.device),
+            env.local_world_size if env is not None and env.world_size > 1 else None,
+        )
     except ValueError as exc:
         parser.error(f"argument --ranks: {exc}")
     from graphrunner_tools.models import LlamaConfig
 
     cfg = LlamaConfig.demo()
     tp = args.ranks // args.dp
-    for what, n, over in (("intermediate_size", cfg.intermediate_size, args.ranks),
-                          ("num_heads * head_dim", cfg.hidden_size, tp)):
+    for what, n, over in (
+        ("intermediate_size", cfg.intermediate_size, args.ranks),
+        ("num_heads * head_dim", cfg.hidden_size, tp),
+    ):
         if n % over:
-            parser.error(f"argument --ranks: the decoder's {what} ({n}) is split over {over} ranks and must be "
-                         f"divisible by it; use powers of two (--ranks, or --dp x --tp, up to {cfg.hidden_size})")
+            parser.error(
+                f"argument --ranks: the decoder's {what} ({n}) is split over {over} ranks and must be "
+                f"divisible by it; use powers of two (--ranks, or --dp x --tp, up to {cfg.hidden_size})"
+            )
     if args.json:
         import tempfile
 
@@ -1195,65 +1350,110 @@ def add_loadtest_subparser(subparsers: Any) -> Any:
     from graphrunner_tools.threads import add_threads_argument, positive_int
 
     p = subparsers.add_parser(
-        "loadtest", help="serve seeded requests with continuous batching through graphs and eager, on N ranks; "
-                         "compare every token",
+        "loadtest",
+        help="serve seeded requests with continuous batching through graphs and eager, on N ranks; compare every token",
         description="For each concurrency level, serve the same seeded requests (per-request prompt and output "
-                    "lengths) with a continuous-batching engine over the demo decoder, once through GraphRunner "
-                    "(decode graphs per batch bucket, a padding slot in the KV cache) and once through an eager "
-                    "engine with the same scheduling decisions, and compare every generated token. --spec K makes every "
-                    "step a speculative verify step (1..K seeded drafts per request, verify graphs per (reqs, "
-                    "draft) tier, greedy acceptance) instead of a decode step. --ranks N runs "
-                    "N processes with a tensor-parallel decoder (an all_reduce inside the captured step): gloo on the "
-                    "CPU tape; on CUDA NCCL with one GPU per rank (fewer GPUs than ranks is refused before anything "
-                    "starts); the processes are started by torch's elastic launcher, and the first that fails ends "
-                    "the run on every rank. Run under torchrun (one node or several: torchrun --nnodes 2 ... "
-                    "graphrunner loadtest ...), every process runs its own rank in torchrun's group (env://) and "
-                    "rank 0 prints the summary and writes --json. "
-                    "--dp D --tp T runs D*T processes serving data-parallel: a seeded uneven scheduler splits the "
-                    "requests over D groups (ranks run different batch sizes at the same step, some 0 rows), "
-                    "attention split over a group's T ranks, the MLP spanning all ranks like an MoE layer. "
-                    "Prints one line per level; exits 1 on a lost request, a fault (an exception on any rank, a "
-                    "timeout, NaN/inf logits) or a mismatch, 2 (one line on stderr) for a bad command line.")
-    p.add_argument("--ranks", type=positive_int, default=None,
-                   help="ranks: 1 in process, N > 1 processes started by torch's elastic launcher (gloo on the tape; "
-                        "on CUDA NCCL, one GPU per rank: N GPUs needed) (default: 1; under torchrun: torchrun's "
-                        "WORLD_SIZE, each process running its own rank)")
-    p.add_argument("--dp", type=positive_int, default=None,
-                   help="data-parallel groups D (DP attention; needs --tp or defaults it to 1): D*T processes, each "
-                        "group serving its own share of the requests; --concurrency is per group (default: off)")
-    p.add_argument("--tp", type=positive_int, default=None,
-                   help="tensor-parallel ranks T per data-parallel group (with --dp; default: 1)")
-    p.add_argument("--requests", type=positive_int, default=DEFAULT_REQUESTS,
-                   help=f"requests served per level (default: {DEFAULT_REQUESTS})")
-    p.add_argument("--concurrency", type=parse_int_list, default=list(DEFAULT_CONCURRENCY),
-                   help="comma-separated levels: the most requests running together "
-                        f"(default: {','.join(map(str, DEFAULT_CONCURRENCY))})")
-    p.add_argument("--backend", default="breakable", choices=["full", "breakable"],
-                   help="breakable: attention is an eager break (default); full: one graph per bucket (masked "
-                        "attention)")
-    p.add_argument("--device", default="auto", choices=["auto", "tape", "cuda"],
-                   help="graph kind: cuda when available, else tape (default: auto)")
+        "lengths) with a continuous-batching engine over the demo decoder, once through GraphRunner "
+        "(decode graphs per batch bucket, a padding slot in the KV cache) and once through an eager "
+        "engine with the same scheduling decisions, and compare every generated token. --spec K makes every "
+        "step a speculative verify step (1..K seeded drafts per request, verify graphs per (reqs, "
+        "draft) tier, greedy acceptance) instead of a decode step. --ranks N runs "
+        "N processes with a tensor-parallel decoder (an all_reduce inside the captured step): gloo on the "
+        "CPU tape; on CUDA NCCL with one GPU per rank (fewer GPUs than ranks is refused before anything "
+        "starts); the processes are started by torch's elastic launcher, and the first that fails ends "
+        "the run on every rank. Run under torchrun (one node or several: torchrun --nnodes 2 ... "
+        "graphrunner loadtest ...), every process runs its own rank in torchrun's group (env://) and "
+        "rank 0 prints the summary and writes --json. "
+        "--dp D --tp T runs D*T processes serving data-parallel: a seeded uneven scheduler splits the "
+        "requests over D groups (ranks run different batch sizes at the same step, some 0 rows), "
+        "attention split over a group's T ranks, the MLP spanning all ranks like an MoE layer. "
+        "Prints one line per level; exits 1 on a lost request, a fault (an exception on any rank, a "
+        "timeout, NaN/inf logits) or a mismatch, 2 (one line on stderr) for a bad command line.",
+    )
+    p.add_argument(
+        "--ranks",
+        type=positive_int,
+        default=None,
+        help="ranks: 1 in process, N > 1 processes started by torch's elastic launcher (gloo on the tape; "
+        "on CUDA NCCL, one GPU per rank: N GPUs needed) (default: 1; under torchrun: torchrun's "
+        "WORLD_SIZE, each process running its own rank)",
+    )
+    p.add_argument(
+        "--dp",
+        type=positive_int,
+        default=None,
+        help="data-parallel groups D (DP attention; needs --tp or defaults it to 1): D*T processes, each "
+        "group serving its own share of the requests; --concurrency is per group (default: off)",
+    )
+    p.add_argument(
+        "--tp",
+        type=positive_int,
+        default=None,
+        help="tensor-parallel ranks T per data-parallel group (with --dp; default: 1)",
+    )
+    p.add_argument(
+        "--requests",
+        type=positive_int,
+        default=DEFAULT_REQUESTS,
+        help=f"requests served per level (default: {DEFAULT_REQUESTS})",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=parse_int_list,
+        default=list(DEFAULT_CONCURRENCY),
+        help="comma-separated levels: the most requests running together "
+        f"(default: {','.join(map(str, DEFAULT_CONCURRENCY))})",
+    )
+    p.add_argument(
+        "--backend",
+        default="breakable",
+        choices=["full", "breakable"],
+        help="breakable: attention is an eager break (default); full: one graph per bucket (masked attention)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "tape", "cuda"],
+        help="graph kind: cuda when available, else tape (default: auto)",
+    )
     p.add_argument("--json", default="", help="write the results as JSON to this path")
     p.add_argument("--layers", type=positive_int, default=2, help="decoder layers (default: 2)")
     p.add_argument("--prompt-len", type=_range, default=(4, 32), help="prompt length range MIN,MAX (default: 4,32)")
-    p.add_argument("--output-len", type=_range, default=(2, 32),
-                   help="generated tokens per request, range MIN,MAX (default: 2,32)")
+    p.add_argument(
+        "--output-len", type=_range, default=(2, 32), help="generated tokens per request, range MIN,MAX (default: 2,32)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the requests (default: 0)")
-    p.add_argument("--timeout", type=_seconds, default=30.0,
-                   help="the rank group's timeout in seconds: a rank stuck longer makes the others raise "
-                        "RankTimeoutError (default: 30)")
-    p.add_argument("--inject-fault", default=None, choices=list(FAULTS),
-                   help="test-only: 'mismatch' perturbs one replayed output (must exit 1 with a mismatch); 'stall' "
-                        "stalls the last rank inside a step (must exit 1 with RankTimeoutError)")
-    p.add_argument("--spec", type=int, default=0, metavar="K",
-                   help="verify steps instead of decode steps: every running request proposes 1..K seeded draft "
-                        "tokens per step, served by verify graphs per (reqs, draft) tier and greedy acceptance "
-                        "(default: 0, off)")
-    p.add_argument("--background-capture", action="store_true",
-                   help="capture the graph runner with capture(background=True): the first level is served from "
-                        "its first step (eagerly, padded, until each bucket is captured); every token is still "
-                        "compared with the eager engine. The first level's line shows when its first decode step "
-                        "was served, counted from the start of the capture")
+    p.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=30.0,
+        help="the rank group's timeout in seconds: a rank stuck longer makes the others raise "
+        "RankTimeoutError (default: 30)",
+    )
+    p.add_argument(
+        "--inject-fault",
+        default=None,
+        choices=list(FAULTS),
+        help="test-only: 'mismatch' perturbs one replayed output (must exit 1 with a mismatch); 'stall' "
+        "stalls the last rank inside a step (must exit 1 with RankTimeoutError)",
+    )
+    p.add_argument(
+        "--spec",
+        type=int,
+        default=0,
+        metavar="K",
+        help="verify steps instead of decode steps: every running request proposes 1..K seeded draft "
+        "tokens per step, served by verify graphs per (reqs, draft) tier and greedy acceptance "
+        "(default: 0, off)",
+    )
+    p.add_argument(
+        "--background-capture",
+        action="store_true",
+        help="capture the graph runner with capture(background=True): the first level is served from "
+        "its first step (eagerly, padded, until each bucket is captured); every token is still "
+        "compared with the eager engine. The first level's line shows when its first decode step "
+        "was served, counted from the start of the capture",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress line (drawn on a terminal only)")
     add_threads_argument(p)
     p.set_defaults(func=_run_from_args, check=check_args)

@@ -21,7 +21,8 @@ import bisect
 import json
 import json.decoder
 import json.scanner
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
+from typing import Any
 
 from graphrunner.buckets import MAX_LADDER_BATCH
 
@@ -34,8 +35,10 @@ __all__ = ["PlanInputError", "load_sizes", "MAX_SIZE"]
 MAX_SIZE = MAX_LADDER_BATCH
 
 _WHAT = "one batch size per served call: ints >= 0 (0 is an idle step)"
-_FORMATS = ("one int per line, a JSON list of ints, {\"schedule\": [...]}, a loadtest JSON with per-level "
-            "schedules, or {dim: [sizes...]}")
+_FORMATS = (
+    'one int per line, a JSON list of ints, {"schedule": [...]}, a loadtest JSON with per-level '
+    "schedules, or {dim: [sizes...]}"
+)
 
 
 class PlanInputError(ValueError):
@@ -46,14 +49,14 @@ class PlanInputError(ValueError):
 class _Located(list):
     """A JSON array with the line of each element (``lines``) and of its opening bracket (``line``)."""
 
-    lines: List[int]
+    lines: list[int]
     line: int
 
 
 class _LocatedDict(dict):
     """A JSON object with the line of each key's value (``lines``) and of its opening brace (``line``)."""
 
-    lines: Dict[str, int]
+    lines: dict[str, int]
     line: int
 
 
@@ -71,8 +74,8 @@ def _parse_json(text: str, lines: _Lines) -> Any:
     """``json.loads(text)``, where every array and object also carries the lines of its elements."""
     decoder = json.JSONDecoder()
 
-    def parse_array(s_and_end: Tuple[str, int], scan_once: Any) -> Tuple[list, int]:
-        starts: List[int] = []
+    def parse_array(s_and_end: tuple[str, int], scan_once: Any) -> tuple[list, int]:
+        starts: list[int] = []
 
         def scan(s: str, idx: int) -> Any:
             starts.append(idx)
@@ -83,9 +86,15 @@ def _parse_json(text: str, lines: _Lines) -> Any:
         out.lines, out.line = [lines(i) for i in starts], lines(s_and_end[1] - 1)
         return out, end
 
-    def parse_object(s_and_end: Tuple[str, int], strict: bool, scan_once: Any, object_hook: Any,
-                     object_pairs_hook: Any, memo: Any = None) -> Tuple[dict, int]:
-        starts: List[int] = []
+    def parse_object(
+        s_and_end: tuple[str, int],
+        strict: bool,
+        scan_once: Any,
+        object_hook: Any,
+        object_pairs_hook: Any,
+        memo: Any = None,
+    ) -> tuple[dict, int]:
+        starts: list[int] = []
 
         def scan(s: str, idx: int) -> Any:
             starts.append(idx)
@@ -121,13 +130,15 @@ def _size(path: str, line: int, where: str, value: Any) -> int:
     if value < 0:
         raise PlanInputError(f"{path}:{line}: {where}{value} is negative; a batch size is >= 0 (0 is an idle step)")
     if value > MAX_SIZE:
-        raise PlanInputError(f"{path}:{line}: {where}{value:,} is above {MAX_SIZE:,}, the largest batch size "
-                             "graphrunner plan accepts (gr.default_buckets builds vLLM's ladder up to it for the "
-                             "comparison); is it a token count or an id rather than a batch size?")
+        raise PlanInputError(
+            f"{path}:{line}: {where}{value:,} is above {MAX_SIZE:,}, the largest batch size "
+            "graphrunner plan accepts (gr.default_buckets builds vLLM's ladder up to it for the "
+            "comparison); is it a token count or an id rather than a batch size?"
+        )
     return value
 
 
-def _sizes(path: str, values: Any, where: str, line: int) -> List[int]:
+def _sizes(path: str, values: Any, where: str, line: int) -> list[int]:
     """A JSON array of sizes (``where`` names it), each validated, at least one >= 1."""
     name = where or "the list"
     if not isinstance(values, list):
@@ -135,8 +146,9 @@ def _sizes(path: str, values: Any, where: str, line: int) -> List[int]:
     out = [_size(path, _line_of(values, i, line), f"{where}[{i}] = ", v) for i, v in enumerate(values)]
     if not any(out):
         what = "empty" if not out else "all 0 (idle steps)"
-        raise PlanInputError(f"{path}:{line}: {name} is {what}: no batch size >= 1 to plan for; pass the batch "
-                             "size of each served call")
+        raise PlanInputError(
+            f"{path}:{line}: {name} is {what}: no batch size >= 1 to plan for; pass the batch size of each served call"
+        )
     return out
 
 
@@ -160,17 +172,20 @@ def _read(path: str) -> str:
     except IsADirectoryError:
         raise PlanInputError(f"{path}: is a directory; pass a file of batch sizes ({_FORMATS})") from None
     except OSError as exc:
-        raise PlanInputError(f"{path}: cannot read it ({exc.strerror or exc}); pass a readable file of batch "
-                             "sizes") from None
+        raise PlanInputError(
+            f"{path}: cannot read it ({exc.strerror or exc}); pass a readable file of batch sizes"
+        ) from None
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
-        raise PlanInputError(f"{path}:{line}: not UTF-8 text (byte {exc.start}: {raw[exc.start]:#04x}); pass a "
-                             f"text or JSON file of batch sizes ({_FORMATS})") from None
+        raise PlanInputError(
+            f"{path}:{line}: not UTF-8 text (byte {exc.start}: {raw[exc.start]:#04x}); pass a "
+            f"text or JSON file of batch sizes ({_FORMATS})"
+        ) from None
 
 
-def load_sizes(path: str, level: Optional[int] = None) -> Union[List[int], Dict[str, List[int]]]:
+def load_sizes(path: str, level: int | None = None) -> list[int] | dict[str, list[int]]:
     """The observed sizes in ``path`` (see the module docstring): a list of ints, or ``{dim: [...]}``
     for named dims. ``level``: a loadtest JSON's level of that concurrency only.
 
@@ -188,14 +203,15 @@ def load_sizes(path: str, level: Optional[int] = None) -> Union[List[int], Dict[
     try:
         data = _parse_json(text, lines)
     except json.JSONDecodeError as exc:
-        raise PlanInputError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg}, column {exc.colno}); expected "
-                             f"{_FORMATS}") from None
+        raise PlanInputError(
+            f"{path}:{exc.lineno}: not valid JSON ({exc.msg}, column {exc.colno}); expected {_FORMATS}"
+        ) from None
     except RecursionError:
         raise PlanInputError(f"{path}:1: JSON nested too deeply; expected {_FORMATS}") from None
     return _json_sizes(path, data, level)
 
 
-def _text_sizes(path: str, text: str) -> List[int]:
+def _text_sizes(path: str, text: str) -> list[int]:
     out = []
     for no, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
@@ -204,17 +220,20 @@ def _text_sizes(path: str, text: str) -> List[int]:
         try:
             n = int(line, 10)
         except ValueError:
-            raise PlanInputError(f"{path}:{no}: {line!r} is not an int; the file holds one batch size per line "
-                                 "(or a JSON list)") from None
+            raise PlanInputError(
+                f"{path}:{no}: {line!r} is not an int; the file holds one batch size per line (or a JSON list)"
+            ) from None
         out.append(_size(path, no, "", n))
     if not any(out):
         what = "holds only blank lines and comments" if not out else "holds only 0s (idle steps)"
-        raise PlanInputError(f"{path}:{len(text.splitlines())}: the file {what}: no batch size >= 1 to plan for; "
-                             "pass the batch size of each served call, one per line")
+        raise PlanInputError(
+            f"{path}:{len(text.splitlines())}: the file {what}: no batch size >= 1 to plan for; "
+            "pass the batch size of each served call, one per line"
+        )
     return out
 
 
-def _json_sizes(path: str, data: Any, level: Optional[int]) -> Union[List[int], Dict[str, List[int]]]:
+def _json_sizes(path: str, data: Any, level: int | None) -> list[int] | dict[str, list[int]]:
     top = getattr(data, "line", 1)
     is_loadtest = isinstance(data, dict) and "levels" in data
     if level is not None and not is_loadtest:
@@ -226,45 +245,53 @@ def _json_sizes(path: str, data: Any, level: Optional[int]) -> Union[List[int], 
     if isinstance(data, dict) and "schedule" in data:
         return _sizes(path, data["schedule"], "schedule", _line_of(data, "schedule", top))
     if isinstance(data, dict) and data:
-        out: Dict[str, List[int]] = {}
+        out: dict[str, list[int]] = {}
         for dim, values in data.items():
             line = _line_of(data, dim, top)
             if not dim.isidentifier():
-                raise PlanInputError(f"{path}:{line}: {dim!r} is not a dim name (an identifier such as 'reqs'); "
-                                     f"expected {_FORMATS}")
+                raise PlanInputError(
+                    f"{path}:{line}: {dim!r} is not a dim name (an identifier such as 'reqs'); expected {_FORMATS}"
+                )
             out[dim] = _sizes(path, values, dim, line)
         return out
-    raise PlanInputError(f"{path}:{top}: the JSON is {_kind(data)}{' with nothing in it' if not data else ''}; "
-                         f"expected {_FORMATS}")
+    raise PlanInputError(
+        f"{path}:{top}: the JSON is {_kind(data)}{' with nothing in it' if not data else ''}; expected {_FORMATS}"
+    )
 
 
-def _loadtest_sizes(path: str, data: Dict[str, Any], level: Optional[int]) -> List[int]:
+def _loadtest_sizes(path: str, data: dict[str, Any], level: int | None) -> list[int]:
     top = getattr(data, "line", 1)
     levels = data["levels"]
     where = _line_of(data, "levels", top)
     if not isinstance(levels, list) or not all(isinstance(lv, dict) for lv in levels):
-        raise PlanInputError(f"{path}:{where}: 'levels' must be a list of objects "
-                             "({\"concurrency\": C, \"schedule\": [...]}), as a loadtest JSON writes it")
-    chosen: Sequence[Tuple[int, Dict[str, Any]]] = list(enumerate(levels))
+        raise PlanInputError(
+            f"{path}:{where}: 'levels' must be a list of objects "
+            '({"concurrency": C, "schedule": [...]}), as a loadtest JSON writes it'
+        )
+    chosen: Sequence[tuple[int, dict[str, Any]]] = list(enumerate(levels))
     if level is not None:
         chosen = [(i, lv) for i, lv in chosen if lv.get("concurrency") == level]
         if not chosen:
             have = [lv.get("concurrency") for lv in levels]
             raise PlanInputError(f"{path}:{where}: --level {level}: no level of concurrency {level} (levels: {have})")
     if not any("schedule" in lv for _, lv in chosen):
-        raise PlanInputError(f"{path}:{where}: a loadtest JSON without per-step schedules (levels[].schedule); "
-                             "pass a file of sizes (one per line) or a JSON list instead")
-    out: List[int] = []
+        raise PlanInputError(
+            f"{path}:{where}: a loadtest JSON without per-step schedules (levels[].schedule); "
+            "pass a file of sizes (one per line) or a JSON list instead"
+        )
+    out: list[int] = []
     for i, lv in chosen:
         if "schedule" not in lv:
             continue
         line = _line_of(lv, "schedule", _line_of(levels, i, where))
         sched = lv["schedule"]
         if not isinstance(sched, list):
-            raise PlanInputError(f"{path}:{line}: levels[{i}].schedule is {_kind(sched)}; expected a list of batch "
-                                 f"sizes ({_WHAT})")
-        out.extend(_size(path, _line_of(sched, j, line), f"levels[{i}].schedule[{j}] = ", v)
-                   for j, v in enumerate(sched))
+            raise PlanInputError(
+                f"{path}:{line}: levels[{i}].schedule is {_kind(sched)}; expected a list of batch sizes ({_WHAT})"
+            )
+        out.extend(
+            _size(path, _line_of(sched, j, line), f"levels[{i}].schedule[{j}] = ", v) for j, v in enumerate(sched)
+        )
     if not any(out):
         raise PlanInputError(f"{path}:{where}: the schedules hold no batch size >= 1 to plan for")
     return out

@@ -32,7 +32,7 @@ import logging
 import os
 import signal
 import sys
-from typing import Any, Dict, Optional
+from typing import Any
 
 __all__ = ["ServerProcess", "add_serve_subparser", "build_app", "serve", "tiny_model_dir"]
 
@@ -60,26 +60,33 @@ _SCALARS = (
     ("gauge", "graphrunner_kv_cache_blocks", "cache_blocks", "blocks of the paged KV cache"),
     ("gauge", "graphrunner_kv_cache_free_blocks", "cache_free_blocks", "free blocks of the paged KV cache"),
     ("gauge", "graphrunner_kv_cache_held_blocks", "cache_held_blocks", "blocks running requests hold"),
-    ("gauge", "graphrunner_kv_cache_cached_blocks", "cache_cached_blocks",
-     "blocks the prefix cache keeps for a later prompt (reclaimable)"),
+    (
+        "gauge",
+        "graphrunner_kv_cache_cached_blocks",
+        "cache_cached_blocks",
+        "blocks the prefix cache keeps for a later prompt (reclaimable)",
+    ),
 )
 
 
-def _metrics_text(engine: Dict[str, Any], http: Dict[tuple, int], model_id: str) -> bytes:
+def _metrics_text(engine: dict[str, Any], http: dict[tuple, int], model_id: str) -> bytes:
     """The Prometheus exposition of ``engine`` (:func:`engine_metrics`) and ``http`` ((path, status) -> count)."""
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     class Snapshot:
         def collect(self) -> Any:
-            steps = CounterMetricFamily("graphrunner_steps", "continuous-batching steps served, by path",
-                                        labels=["model", "path"])
+            steps = CounterMetricFamily(
+                "graphrunner_steps", "continuous-batching steps served, by path", labels=["model", "path"]
+            )
             steps.add_metric([model_id, "replayed"], engine.get("replayed", 0))
             steps.add_metric([model_id, "eager"], engine.get("eager_steps", 0))
             yield steps
-            fb = CounterMetricFamily("graphrunner_fallbacks", "calls the graphs did not serve, by reason "
-                                     "(over_max_bucket: no key covers the step; not captured yet)",
-                                     labels=["model", "reason"])
+            fb = CounterMetricFamily(
+                "graphrunner_fallbacks",
+                "calls the graphs did not serve, by reason (over_max_bucket: no key covers the step; not captured yet)",
+                labels=["model", "reason"],
+            )
             for reason, n in sorted(engine.get("fallbacks", {}).items()):
                 fb.add_metric([model_id, str(reason)], n)
             yield fb
@@ -87,8 +94,9 @@ def _metrics_text(engine: Dict[str, Any], http: Dict[tuple, int], model_id: str)
                 family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=["model"])
                 family.add_metric([model_id], float(engine.get(key, 0)))
                 yield family
-            req = CounterMetricFamily("graphrunner_http_requests", "HTTP requests answered, by path and status",
-                                      labels=["path", "status"])
+            req = CounterMetricFamily(
+                "graphrunner_http_requests", "HTTP requests answered, by path and status", labels=["path", "status"]
+            )
             for (path, status), n in sorted(http.items()):
                 req.add_metric([path, str(status)], n)
             yield req
@@ -108,8 +116,14 @@ def _checked(handler: Any) -> Any:
             out = super()._build_generation_kwargs(body, model_generation_config)
             n = out.get("max_new_tokens")
             if n is not None and int(n) < 1:
-                field = next((f for f in ("max_completion_tokens", "max_tokens", "max_output_tokens")
-                              if body.get(f) is not None), "max_tokens")
+                field = next(
+                    (
+                        f
+                        for f in ("max_completion_tokens", "max_tokens", "max_output_tokens")
+                        if body.get(f) is not None
+                    ),
+                    "max_tokens",
+                )
                 raise ValueError(f"{field} must be at least 1 (the tokens to generate), got {n}")
             return out
 
@@ -131,16 +145,23 @@ def build_app(serve: Any, model_manager: Any) -> Any:
     state, kwargs = serve.generation_state, serve.chat_template_kwargs
     app = build_server(
         model_manager,
-        _checked(ChatCompletionHandler)(model_manager=model_manager, generation_state=state,
-                                        chat_template_kwargs=kwargs),
+        _checked(ChatCompletionHandler)(
+            model_manager=model_manager, generation_state=state, chat_template_kwargs=kwargs
+        ),
         completion_handler=_checked(CompletionHandler)(model_manager=model_manager, generation_state=state),
-        response_handler=_checked(ResponseHandler)(model_manager=model_manager, generation_state=state,
-                                                   chat_template_kwargs=kwargs),
+        response_handler=_checked(ResponseHandler)(
+            model_manager=model_manager, generation_state=state, chat_template_kwargs=kwargs
+        ),
         transcription_handler=TranscriptionHandler(model_manager),
-        systemone_handler=SystemOneHandler(model_manager=model_manager, generation_state=state,
-                                           chat_template_kwargs=kwargs, decision_config=serve.decision_config),
-        enable_cors=serve.enable_cors)
-    http: Dict[tuple, int] = {}
+        systemone_handler=SystemOneHandler(
+            model_manager=model_manager,
+            generation_state=state,
+            chat_template_kwargs=kwargs,
+            decision_config=serve.decision_config,
+        ),
+        enable_cors=serve.enable_cors,
+    )
+    http: dict[tuple, int] = {}
 
     @app.middleware("http")
     async def count(request: Request, call_next: Any) -> Any:
@@ -171,7 +192,6 @@ def serve(args: argparse.Namespace) -> int:
     from transformers.cli.serve import Serve
     from transformers.cli.serving.model_manager import ModelManager
     from transformers.cli.serving.utils import GenerationState, freeze_garbage_collector, set_serve_log_level
-
     from transformers.utils import logging as hf_logging
 
     model = os.path.abspath(args.model or tiny_model_dir(args.tiny_dir))
@@ -192,18 +212,28 @@ def serve(args: argparse.Namespace) -> int:
     options = None if args.eager else _graph_options(args)
     srv = Serve.__new__(Serve)  # its settings, without its __init__ (which would run transformers' own server)
     srv.log_level, srv.enable_log_requests = level, False
-    srv.generation_state = GenerationState(continuous_batching=True, cb_config=cb_config, seed=args.default_seed,
-                                           max_model_len=max_model_len)
+    srv.generation_state = GenerationState(
+        continuous_batching=True, cb_config=cb_config, seed=args.default_seed, max_model_len=max_model_len
+    )
     from graphrunner_tools.serve_engine import GraphModelLoader
 
-    srv.loader = GraphModelLoader(options, device=args.device, dtype=args.dtype, trust_remote_code=False,
-                                  attn_implementation=args.attn_implementation, quantization=None,
-                                  continuous_batching=True)
+    srv.loader = GraphModelLoader(
+        options,
+        device=args.device,
+        dtype=args.dtype,
+        trust_remote_code=False,
+        attn_implementation=args.attn_implementation,
+        quantization=None,
+        continuous_batching=True,
+    )
     srv.chat_template_kwargs, srv.decision_config = {}, None
     srv.force_model, srv.model_timeout, srv.enable_cors = model, -1, False
     srv.host, srv.port = args.host, args.port
-    print(f"graphrunner serve: loading {model} ({'eager: no graphs' if options is None else 'graphs: ' + json.dumps(options)})",
-          file=sys.stderr, flush=True)
+    print(
+        f"graphrunner serve: loading {model} ({'eager: no graphs' if options is None else 'graphs: ' + json.dumps(options)})",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         model_manager = ModelManager(srv.loader, srv.generation_state, model_timeout=-1, force_model=model)
     except RuntimeError as exc:  # the model's process failed to load it: transformers' message says why
@@ -215,16 +245,25 @@ def serve(args: argparse.Namespace) -> int:
         if model_manager.is_dead:
             server.should_exit = True
 
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                            callback_notify=stop_if_the_engine_died, timeout_notify=5,
-                            timeout_graceful_shutdown=args.shutdown_timeout)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        callback_notify=stop_if_the_engine_died,
+        timeout_notify=5,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
     server = uvicorn.Server(config)
     # uvicorn stops on SIGTERM / Ctrl+C, then raises the signal again for the handler found before it:
     # this one, so the process ends as a clean stop (exit 0), not killed by the signal
     for stop_signal in (signal.SIGINT, signal.SIGTERM):
         signal.signal(stop_signal, lambda *_: None)
-    print(f"graphrunner serve: http://{args.host}:{args.port}/v1 (model {model!r}; GET /metrics)", file=sys.stderr,
-          flush=True)
+    print(
+        f"graphrunner serve: http://{args.host}:{args.port}/v1 (model {model!r}; GET /metrics)",
+        file=sys.stderr,
+        flush=True,
+    )
     freeze_garbage_collector()
     try:
         server.run()
@@ -234,8 +273,8 @@ def serve(args: argparse.Namespace) -> int:
     return 1 if model_manager.is_dead else 0
 
 
-def _graph_options(args: argparse.Namespace) -> Dict[str, Any]:
-    options: Dict[str, Any] = {"backend": args.backend, "device": args.graph_device, "replan_every": args.replan_every}
+def _graph_options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {"backend": args.backend, "device": args.graph_device, "replan_every": args.replan_every}
     if args.buckets is not None:
         options["buckets"] = args.buckets
     if args.max_graphs is not None:
@@ -243,14 +282,15 @@ def _graph_options(args: argparse.Namespace) -> Dict[str, Any]:
     return options
 
 
-def tiny_model_dir(folder: Optional[str] = None) -> str:
+def tiny_model_dir(folder: str | None = None) -> str:
     """A directory holding the built-in tiny chat model, made once (random weights, seeded; a
     character tokenizer with a chat template, built locally; nothing downloaded): a Llama of 2
     layers, hidden 64, 99 tokens (the 95 printable ASCII characters, newline, ``<|im_start|>``,
     ``<|im_end|>``, ``<|pad|>``), 2048 positions. ``folder``: where (default ``$GRAPHRUNNER_CACHE`` or ``~/.cache/graphrunner``,
     then ``tiny-chat-3``); an existing complete one is reused."""
-    root = folder or os.path.join(os.environ.get("GRAPHRUNNER_CACHE") or os.path.expanduser("~/.cache/graphrunner"),
-                                  "tiny-chat-3")
+    root = folder or os.path.join(
+        os.environ.get("GRAPHRUNNER_CACHE") or os.path.expanduser("~/.cache/graphrunner"), "tiny-chat-3"
+    )
     done = os.path.join(root, ".complete")
     if os.path.exists(done):
         return root
@@ -268,17 +308,30 @@ def tiny_model_dir(folder: Optional[str] = None) -> str:
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one token a character
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(specials)
-    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                   pad_token="<|pad|>")
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|pad|>"
+    )
     fast.chat_template = template
     fast.save_pretrained(tmp)
     eos, pad = fast.convert_tokens_to_ids("<|im_end|>"), fast.convert_tokens_to_ids("<|pad|>")
-    config = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         eos_token_id=eos, pad_token_id=pad, bos_token_id=fast.bos_token_id, tie_word_embeddings=False,
-                         initializer_range=0.2)  # untied, wide: greedy answers vary with the prompt
+    config = LlamaConfig(
+        vocab_size=len(fast),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        bos_token_id=fast.bos_token_id,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    )  # untied, wide: greedy answers vary with the prompt
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = LlamaForCausalLM(config).eval()
@@ -295,14 +348,15 @@ def tiny_model_dir(folder: Optional[str] = None) -> str:
     return root
 
 
-def _dims_buckets(text: str) -> Dict[str, list]:
+def _dims_buckets(text: str) -> dict[str, list]:
     """``tokens=8,32,64;kv=128,512;reqs=4,8`` -> ``{"tokens": [8, 32, 64], ...}``."""
-    out: Dict[str, list] = {}
+    out: dict[str, list] = {}
     for part in text.split(";"):
         name, _, sizes = part.partition("=")
         if not name.strip() or not sizes:
-            raise argparse.ArgumentTypeError(f"expected dim=size,size;... such as 'tokens=8,64;kv=256;reqs=8', "
-                                             f"got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"expected dim=size,size;... such as 'tokens=8,64;kv=256;reqs=8', got {text!r}"
+            )
         try:
             out[name.strip()] = sorted(int(v) for v in sizes.split(","))
         except ValueError:
@@ -310,7 +364,7 @@ def _dims_buckets(text: str) -> Dict[str, list]:
     return out
 
 
-def _dims_counts(text: str) -> Dict[str, int]:
+def _dims_counts(text: str) -> dict[str, int]:
     """``--max-graphs``: ``tokens=4,kv=4,reqs=2`` (``graphrunner plan``'s syntax), or ``4`` for every dim."""
     from graphrunner_tools.plan import parse_max_graphs
 
@@ -324,50 +378,95 @@ def _dims_counts(text: str) -> Dict[str, int]:
 def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``graphrunner serve`` to ``subparsers``."""
     p = subparsers.add_parser(
-        "serve", help="serve a transformers model over an OpenAI-compatible HTTP API, its steps replayed from graphs",
+        "serve",
+        help="serve a transformers model over an OpenAI-compatible HTTP API, its steps replayed from graphs",
         description="transformers' own server (transformers serve --continuous-batching: /v1/chat/completions, "
-                    "/v1/completions, /v1/responses, streaming) with its continuous-batching steps replayed from "
-                    "graphrunner graphs, captured in the background from the first request; GET /metrics in "
-                    "Prometheus' format. MODEL_DIR: a local transformers model directory (omit it for a tiny "
-                    "built-in model with random weights). Needs the serve extra: pip install -e '.[serve]'. "
-                    "SIGTERM or Ctrl+C stops it (exit 0). See docs/serving.md.")
-    p.add_argument("model", metavar="MODEL_DIR", nargs="?", default=None,
-                   help="a local model directory (config, weights, tokenizer with a chat template); default: the "
-                        "built-in tiny model")
+        "/v1/completions, /v1/responses, streaming) with its continuous-batching steps replayed from "
+        "graphrunner graphs, captured in the background from the first request; GET /metrics in "
+        "Prometheus' format. MODEL_DIR: a local transformers model directory (omit it for a tiny "
+        "built-in model with random weights). Needs the serve extra: pip install -e '.[serve]'. "
+        "SIGTERM or Ctrl+C stops it (exit 0). See docs/serving.md.",
+    )
+    p.add_argument(
+        "model",
+        metavar="MODEL_DIR",
+        nargs="?",
+        default=None,
+        help="a local model directory (config, weights, tokenizer with a chat template); default: the "
+        "built-in tiny model",
+    )
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
     p.add_argument("--device", default="auto", help="the model's torch device, as transformers serve (default auto)")
     p.add_argument("--dtype", default="auto", help="the model's dtype, as transformers serve (default auto)")
-    p.add_argument("--attn-implementation", default="sdpa",
-                   help="attention implementation (default sdpa; graphs need a masked one: sdpa or eager)")
+    p.add_argument(
+        "--attn-implementation",
+        default="sdpa",
+        help="attention implementation (default sdpa; graphs need a masked one: sdpa or eager)",
+    )
     p.add_argument("--cb-block-size", type=int, default=16, help="KV cache block size in tokens (default 16)")
-    p.add_argument("--cb-num-blocks", type=int, default=256,
-                   help="KV cache blocks (default 256: 4,096 tokens; 0: transformers sizes the cache from free "
-                        "memory, most of a CPU machine's RAM)")
+    p.add_argument(
+        "--cb-num-blocks",
+        type=int,
+        default=256,
+        help="KV cache blocks (default 256: 4,096 tokens; 0: transformers sizes the cache from free "
+        "memory, most of a CPU machine's RAM)",
+    )
     p.add_argument("--cb-max-batch-tokens", type=int, default=256, help="most query tokens in one step (default 256)")
     p.add_argument("--cb-max-memory-percent", type=float, default=None, help="most memory for the KV cache (0-1)")
     p.add_argument("--cb-max-requests", type=int, default=64, help="most requests in one step (default 64)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="longest request, prompt and answer, in tokens (default: the model's context, or the paged "
-                        "cache's blocks x block size when both are given); a longer prompt is a 400")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest request, prompt and answer, in tokens (default: the model's context, or the paged "
+        "cache's blocks x block size when both are given); a longer prompt is a 400",
+    )
     p.add_argument("--default-seed", type=int, default=None, help="torch seed of the model's process")
     p.add_argument("--log-level", default="warning", help="log level of the server (default warning)")
-    p.add_argument("--eager", action="store_true",
-                   help="serve without graphs: transformers' own engine, everything else the same (the reference)")
-    p.add_argument("--backend", default="full", choices=("full", "breakable", "eager"),
-                   help="graphrunner backend (default full: the whole forward in one graph)")
-    p.add_argument("--graph-device", default="auto", choices=("auto", "cuda", "tape"),
-                   help="graphs: CUDA graphs on a GPU, the CPU tape otherwise (default auto)")
-    p.add_argument("--buckets", type=_dims_buckets, default=None,
-                   help="fixed buckets per dim, e.g. 'tokens=8,64;kv=256,1024;reqs=8' (default: a ladder up to the "
-                        "configured sizes, re-planned from the steps served)")
-    p.add_argument("--max-graphs", type=_dims_counts, default=None,
-                   help="buckets per dim of the ladder and of a re-plan, e.g. 'tokens=5,kv=4,reqs=3'")
-    p.add_argument("--replan-every", type=int, default=2048,
-                   help="re-plan the keys from the steps served every N steps when that cuts the padding to 60%% "
-                        "or less (0: never; default 2048: each re-plan captures its keys beside the serving)")
-    p.add_argument("--shutdown-timeout", type=float, default=5.0,
-                   help="seconds SIGTERM waits for requests in flight before cancelling them (default 5)")
+    p.add_argument(
+        "--eager",
+        action="store_true",
+        help="serve without graphs: transformers' own engine, everything else the same (the reference)",
+    )
+    p.add_argument(
+        "--backend",
+        default="full",
+        choices=("full", "breakable", "eager"),
+        help="graphrunner backend (default full: the whole forward in one graph)",
+    )
+    p.add_argument(
+        "--graph-device",
+        default="auto",
+        choices=("auto", "cuda", "tape"),
+        help="graphs: CUDA graphs on a GPU, the CPU tape otherwise (default auto)",
+    )
+    p.add_argument(
+        "--buckets",
+        type=_dims_buckets,
+        default=None,
+        help="fixed buckets per dim, e.g. 'tokens=8,64;kv=256,1024;reqs=8' (default: a ladder up to the "
+        "configured sizes, re-planned from the steps served)",
+    )
+    p.add_argument(
+        "--max-graphs",
+        type=_dims_counts,
+        default=None,
+        help="buckets per dim of the ladder and of a re-plan, e.g. 'tokens=5,kv=4,reqs=3'",
+    )
+    p.add_argument(
+        "--replan-every",
+        type=int,
+        default=2048,
+        help="re-plan the keys from the steps served every N steps when that cuts the padding to 60%% "
+        "or less (0: never; default 2048: each re-plan captures its keys beside the serving)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=5.0,
+        help="seconds SIGTERM waits for requests in flight before cancelling them (default 5)",
+    )
     p.add_argument("--tiny-dir", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=serve, check=_check)
     return p
@@ -378,9 +477,11 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if missing:
         parser.error(f"graphrunner serve needs {', '.join(missing)}: pip install -e '.[serve]'")
     if args.model is not None and not os.path.isdir(args.model):
-        parser.error(f"MODEL_DIR {args.model!r} is not a directory holding a transformers model (config.json, "
-                     "weights, tokenizer): graphrunner serve loads local models only, or none for the built-in tiny "
-                     "model")
+        parser.error(
+            f"MODEL_DIR {args.model!r} is not a directory holding a transformers model (config.json, "
+            "weights, tokenizer): graphrunner serve loads local models only, or none for the built-in tiny "
+            "model"
+        )
     if args.replan_every < 0:
         parser.error(f"argument --replan-every: must be >= 0 (0: never), got {args.replan_every}")
     if not 0 < args.port < 65536:
@@ -402,8 +503,9 @@ class ServerProcess:
     :attr:`url` is its base URL; :meth:`metrics` parses ``/metrics``; :meth:`stop` sends SIGTERM
     and returns the exit code (killed after ``timeout`` seconds)."""
 
-    def __init__(self, flags: Any, log_path: str, start_timeout: float = 180.0,
-                 env: Optional[Dict[str, str]] = None) -> None:
+    def __init__(
+        self, flags: Any, log_path: str, start_timeout: float = 180.0, env: dict[str, str] | None = None
+    ) -> None:
         import socket
         import subprocess
         import time
@@ -415,9 +517,12 @@ class ServerProcess:
             self.port = s.getsockname()[1]
         self.log_path = log_path
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "graphrunner_tools", "serve", "--port", str(self.port),
-                                      *flags], stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "graphrunner_tools", "serve", "--port", str(self.port), *flags],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + start_timeout
         while True:
@@ -440,13 +545,13 @@ class ServerProcess:
         with open(self.log_path) as f:
             return f.read()[-tail:]
 
-    def metrics(self) -> Dict[str, float]:
+    def metrics(self) -> dict[str, float]:
         """``GET /metrics`` as ``{"name{labels}": value}``."""
         import urllib.request
 
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
             text = r.read().decode()
-        out: Dict[str, float] = {}
+        out: dict[str, float] = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
                 name, _, value = line.rpartition(" ")
@@ -457,7 +562,7 @@ class ServerProcess:
         """The sum of metric ``name`` over its labels."""
         return sum(v for k, v in self.metrics().items() if k == name or k.startswith(name + "{"))
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> Optional[int]:
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int | None:
         """Send ``sig`` and wait up to ``timeout`` s (then kill); the exit code."""
         import subprocess
 

@@ -10,7 +10,7 @@ code (the ``serve`` extra).
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 from transformers.cli.serving.model_manager import ModelLoader
 
@@ -19,7 +19,8 @@ __all__ = ["GraphModelLoader", "engine_metrics", "install_graphs"]
 #: The attribute of a served model that holds its current manager.
 _MANAGER = "_graphrunner_serving_manager"
 
-def install_graphs(model: Any, options: Optional[Dict[str, Any]]) -> None:
+
+def install_graphs(model: Any, options: dict[str, Any] | None) -> None:
     """Make ``model.init_continuous_batching(...)`` (what transformers' serving engine calls) return a
     manager with :func:`graphrunner.hf.init_continuous_batching`'s graphs, ``autocapture=True`` plus
     ``options`` (``backend``, ``device``, ``buckets``, ``max_graphs``, ``replan_every``), or, with
@@ -29,18 +30,24 @@ def install_graphs(model: Any, options: Optional[Dict[str, Any]]) -> None:
 
     cls_init = type(model).init_continuous_batching
 
-    def init(generation_config: Any = None, continuous_batching_config: Any = None, workload_hints: Any = None,
-             **kwargs: Any) -> Any:
+    def init(
+        generation_config: Any = None, continuous_batching_config: Any = None, workload_hints: Any = None, **kwargs: Any
+    ) -> Any:
         if options is None:
-            manager = cls_init(model, generation_config=generation_config,
-                               continuous_batching_config=continuous_batching_config, workload_hints=workload_hints,
-                               **kwargs)
+            manager = cls_init(
+                model,
+                generation_config=generation_config,
+                continuous_batching_config=continuous_batching_config,
+                workload_hints=workload_hints,
+                **kwargs,
+            )
         else:
             # graphrunner's entry point calls model.init_continuous_batching: the class's, not this one
             del model.init_continuous_batching
             try:
-                manager = grhf.init_continuous_batching(model, generation_config, continuous_batching_config,
-                                                        workload_hints, autocapture=True, **options)
+                manager = grhf.init_continuous_batching(
+                    model, generation_config, continuous_batching_config, workload_hints, autocapture=True, **options
+                )
             finally:
                 model.init_continuous_batching = init
         setattr(model, _MANAGER, manager)
@@ -55,7 +62,7 @@ class GraphModelLoader(ModelLoader):
     ``GraphModelLoader(graph_options, **ModelLoader's arguments)``; picklable (it crosses to the model's
     process)."""
 
-    def __init__(self, graph_options: Optional[Dict[str, Any]] = None, **kwargs: Any) -> None:
+    def __init__(self, graph_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.graph_options = graph_options
 
@@ -66,37 +73,52 @@ class GraphModelLoader(ModelLoader):
         return model, processor
 
 
-def engine_metrics(model: Any, processor: Any = None) -> Dict[str, Any]:
+def engine_metrics(model: Any, processor: Any = None) -> dict[str, Any]:
     """What ``/metrics`` shows of the engine, read in the model's process (transformers'
     ``EngineClient.submit`` runs it there): the graphs' :class:`~graphrunner.hf.batching.BatchingStats`
     (steps replayed and eager, graphs planned and captured, capture seconds, padding, re-plans,
     fallbacks by reason), the requests the manager runs and holds, and the paged cache's blocks: free,
     held by requests, kept by the prefix cache."""
     manager = getattr(model, _MANAGER, None)
-    out: Dict[str, Any] = {"graphs_on": False}
+    out: dict[str, Any] = {"graphs_on": False}
     if manager is None:
         return out
     hook = getattr(manager, "graphs", None)
     if hook is not None:
         s = hook.stats
         runner = hook.runner
-        out.update(graphs_on=True, steps=s.steps, replayed=s.replayed, eager_steps=s.eager_steps,
-                   real_tokens=s.real_tokens, padded_tokens=s.padded_tokens, real_keys=s.real_keys,
-                   padded_keys=s.padded_keys, graphs_planned=0 if runner is None else len(runner.keys),
-                   graphs_captured=hook.captured(), capture_seconds=s.capture_seconds, replans=s.replans,
-                   fallbacks=dict(runner.stats.fallback_reasons) if runner is not None else {})
+        out.update(
+            graphs_on=True,
+            steps=s.steps,
+            replayed=s.replayed,
+            eager_steps=s.eager_steps,
+            real_tokens=s.real_tokens,
+            padded_tokens=s.padded_tokens,
+            real_keys=s.real_keys,
+            padded_keys=s.padded_keys,
+            graphs_planned=0 if runner is None else len(runner.keys),
+            graphs_captured=hook.captured(),
+            capture_seconds=s.capture_seconds,
+            replans=s.replans,
+            fallbacks=dict(runner.stats.fallback_reasons) if runner is not None else {},
+        )
     bp = getattr(manager, "batch_processor", None)
     if bp is not None:
         sched = bp.scheduler
         cache = bp.cache
         held, cached = _request_blocks(cache)
-        out.update(requests_active=len(sched.active_requests), requests_waiting=len(sched.waiting_requests),
-                   cache_blocks=int(cache.num_blocks), cache_free_blocks=_free_blocks(cache),
-                   cache_held_blocks=held, cache_cached_blocks=cached)
+        out.update(
+            requests_active=len(sched.active_requests),
+            requests_waiting=len(sched.waiting_requests),
+            cache_blocks=int(cache.num_blocks),
+            cache_free_blocks=_free_blocks(cache),
+            cache_held_blocks=held,
+            cache_cached_blocks=cached,
+        )
     return out
 
 
-def _request_blocks(cache: Any) -> Tuple[int, int]:
+def _request_blocks(cache: Any) -> tuple[int, int]:
     """``(blocks requests hold, blocks the prefix cache keeps)`` over the cache's allocators: a block a
     finished request wrote in full is kept for a later prompt that starts the same (reclaimable), the
     blocks of running requests are held. Read beside the engine's thread: retried if a table changes
@@ -119,5 +141,3 @@ def _free_blocks(cache: Any) -> int:
         return int(round(float(cache.compute_free_capacity()) * int(cache.num_blocks)))
     except Exception:  # noqa: BLE001 - a transformers without this method: report none
         return -1
-
-

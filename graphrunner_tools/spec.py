@@ -38,8 +38,9 @@ from __future__ import annotations
 import os
 import random
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
+from typing import Any, TextIO
 
 import torch
 from torch import nn
@@ -81,9 +82,9 @@ class SpecResult:
     tokens: int
     drafted: int
     accepted: int
-    replays: Dict[str, int] = field(default_factory=dict)
+    replays: dict[str, int] = field(default_factory=dict)
     fallbacks: int = 0
-    fallback_reasons: Dict[str, int] = field(default_factory=dict)
+    fallback_reasons: dict[str, int] = field(default_factory=dict)
     logit_mismatches: int = 0
     token_mismatches: int = 0
     key_mismatches: int = 0
@@ -134,31 +135,31 @@ def mask_padding(positions: torch.Tensor, lens: torch.Tensor, scratch: int) -> t
     return positions.masked_fill(cells[None, :] >= lens[:, None], scratch)
 
 
-def _budget_padding(rank: int, step: int) -> Tuple[int, int]:
+def _budget_padding(rank: int, step: int) -> tuple[int, int]:
     """Extra (reqs, draft) cells rank ``rank`` pads step ``step`` to: its own local tier."""
     return (rank + step) % 2, (rank * (step + 1)) % 3
 
 
-def _local_sizes(rank: int, step: int, real: Tuple[int, int]) -> Tuple[int, int]:
+def _local_sizes(rank: int, step: int, real: tuple[int, int]) -> tuple[int, int]:
     """This rank's local sizes for ``real`` (reqs, draft) sizes: its budget's padding added
     (above the largest bucket, every rank falls back together)."""
     er, ed = _budget_padding(rank, step)
     return real[0] + er, real[1] + ed
 
 
-def _pad2(t: torch.Tensor, shape: Tuple[int, ...], value: int) -> torch.Tensor:
+def _pad2(t: torch.Tensor, shape: tuple[int, ...], value: int) -> torch.Tensor:
     out = t.new_full(shape, value)
     out[tuple(slice(0, n) for n in t.shape)] = t
     return out
 
 
-def _greedy(model: nn.Module, prompts: List[List[int]], max_new: int) -> Tuple[List[List[int]], List[List[float]]]:
+def _greedy(model: nn.Module, prompts: list[list[int]], max_new: int) -> tuple[list[list[int]], list[list[float]]]:
     """Plain greedy decoding of every prompt (eager); the tokens and each token's top-2 logit margin."""
     model.reset_cache()
     first = [model.prefill(torch.tensor([p]), slot_ids=torch.tensor([i]))[0, -1] for i, p in enumerate(prompts)]
     logits = torch.stack(first)
-    toks: List[List[int]] = [[] for _ in prompts]
-    margins: List[List[float]] = [[] for _ in prompts]
+    toks: list[list[int]] = [[] for _ in prompts]
+    margins: list[list[float]] = [[] for _ in prompts]
     slots = torch.arange(len(prompts))
     for j in range(max_new):
         top = logits.topk(2, dim=-1)
@@ -172,7 +173,7 @@ def _greedy(model: nn.Module, prompts: List[List[int]], max_new: int) -> Tuple[L
     return toks, margins
 
 
-def accept(logits: torch.Tensor, drafts: List[int]) -> List[int]:
+def accept(logits: torch.Tensor, drafts: list[int]) -> list[int]:
     """Greedy acceptance of one request's verify logits ``[cells, vocab]`` (cell 0: the last
     accepted token, then one cell per draft; extra padded cells are ignored): the longest
     prefix of ``drafts`` equal to the argmax of the cell before each, then the bonus token
@@ -184,12 +185,23 @@ def accept(logits: torch.Tensor, drafts: List[int]) -> List[int]:
     return drafts[:n] + [best[n]]
 
 
-
-def run_spec(requests: int = 6, max_new: int = 16, k: int = 4, reqs_buckets: Sequence[int] = (1, 2, 4, 8),
-             draft_buckets: Sequence[int] = (2, 4, 6), backend: str = "breakable",
-             seed: int = 0, layers: int = 2, rank: int = 0, world: int = 1, agree: bool = True,
-             group_timeout: float = 30.0, plant_mismatch: bool = False, progress: bool = True,
-             out: Optional[TextIO] = None) -> SpecResult:
+def run_spec(
+    requests: int = 6,
+    max_new: int = 16,
+    k: int = 4,
+    reqs_buckets: Sequence[int] = (1, 2, 4, 8),
+    draft_buckets: Sequence[int] = (2, 4, 6),
+    backend: str = "breakable",
+    seed: int = 0,
+    layers: int = 2,
+    rank: int = 0,
+    world: int = 1,
+    agree: bool = True,
+    group_timeout: float = 30.0,
+    plant_mismatch: bool = False,
+    progress: bool = True,
+    out: TextIO | None = None,
+) -> SpecResult:
     """Run the verify loop on this rank and return its :class:`SpecResult` (module docstring).
 
     ``draft_buckets`` bucket the cells per request (last token + drafts, ``2..k+1``):
@@ -209,9 +221,13 @@ def run_spec(requests: int = 6, max_new: int = 16, k: int = 4, reqs_buckets: Seq
         raise ValueError(f"requests, max_new and k must be >= 1, got {requests}, {max_new}, {k}")
     if max(reqs_buckets) < requests:
         raise ValueError(f"the largest reqs bucket ({max(reqs_buckets)}) must hold all {requests} requests")
-    config = LlamaConfig.tiny(num_layers=layers, attention="masked" if backend == "full" else "varlen",
-                              max_seq_len=6 + max_new + k + 2, max_batch_size=requests + 1,
-                              intermediate_size=MLP_WIDTH)
+    config = LlamaConfig.tiny(
+        num_layers=layers,
+        attention="masked" if backend == "full" else "varlen",
+        max_seq_len=6 + max_new + k + 2,
+        max_batch_size=requests + 1,
+        intermediate_size=MLP_WIDTH,
+    )
     vocab = config.vocab_size
     rng = random.Random(seed)  # the same draws on every rank: same prompts and drafts
     prompts = [[rng.randrange(1, vocab) for _ in range(rng.randint(2, 6))] for _ in range(requests)]
@@ -224,21 +240,31 @@ def run_spec(requests: int = 6, max_new: int = 16, k: int = 4, reqs_buckets: Seq
     dims = ("reqs", "draft")
     runner = gr.GraphRunner(
         verify_step_fn(graph_model),
-        inputs={"tokens": BatchInput(dtype=torch.long, pad=0, dims=dims),
-                "positions": BatchInput(dtype=torch.long, pad=0, dims=dims),
-                "lens": BatchInput(dtype=torch.long, pad=0, dims=("reqs",)),
-                "slots": BatchInput(dtype=torch.long, pad=scratch_slot, dims=("reqs",))},
-        buckets={"reqs": list(reqs_buckets), "draft": list(draft_buckets)}, outputs=dims,
-        backend=backend, device="tape", group=group, progress=progress and rank == 0,
+        inputs={
+            "tokens": BatchInput(dtype=torch.long, pad=0, dims=dims),
+            "positions": BatchInput(dtype=torch.long, pad=0, dims=dims),
+            "lens": BatchInput(dtype=torch.long, pad=0, dims=("reqs",)),
+            "slots": BatchInput(dtype=torch.long, pad=scratch_slot, dims=("reqs",)),
+        },
+        buckets={"reqs": list(reqs_buckets), "draft": list(draft_buckets)},
+        outputs=dims,
+        backend=backend,
+        device="tape",
+        group=group,
+        progress=progress and rank == 0,
         # no padding check: a verify step's real cells are ragged (lens per request) and its padded cells
         # share one scratch position; every accepted token is compared with the eager oracle instead
-        checks=("drift", "fingerprint"))
+        checks=("drift", "fingerprint"),
+    )
     runner.agree_bucket = agree  # False: UNSAFE, test only
     talk = rank == 0
     if talk:
-        print(f"graphrunner verify: {requests} requests x {max_new} new tokens, 1..{k} drafts per request and "
-              f"step, buckets reqs={list(reqs_buckets)} draft={list(draft_buckets)} (cells = last token + drafts), "
-              f"backend={backend}, {world} rank(s){' (tensor-parallel MLP)' if world > 1 else ''}", file=out)
+        print(
+            f"graphrunner verify: {requests} requests x {max_new} new tokens, 1..{k} drafts per request and "
+            f"step, buckets reqs={list(reqs_buckets)} draft={list(draft_buckets)} (cells = last token + drafts), "
+            f"backend={backend}, {world} rank(s){' (tensor-parallel MLP)' if world > 1 else ''}",
+            file=out,
+        )
     report = runner.capture()
     if talk:
         print(report.table(), file=out)
@@ -248,7 +274,7 @@ def run_spec(requests: int = 6, max_new: int = 16, k: int = 4, reqs_buckets: Seq
         oracle, margins = _greedy(eager_model, prompts, max_new)
     for m in models:
         m.reset_cache()  # capture and the greedy run wrote K/V: start from clean caches (addresses kept)
-    gen: List[List[int]] = []
+    gen: list[list[int]] = []
     with torch.inference_mode():
         for i, p in enumerate(prompts):
             first = [m.prefill(torch.tensor([p]), slot_ids=torch.tensor([i]))[0, -1].argmax() for m in models]
@@ -266,8 +292,10 @@ def run_spec(requests: int = 6, max_new: int = 16, k: int = 4, reqs_buckets: Seq
         drafts = []
         for i in active:
             base = len(gen[i]) - 1
-            d = [oracle[i][base + j] if base + j < max_new and rng.random() < DRAFT_HIT else rng.randrange(vocab)
-                 for j in range(1, rng.randint(1, k) + 1)]
+            d = [
+                oracle[i][base + j] if base + j < max_new and rng.random() < DRAFT_HIT else rng.randrange(vocab)
+                for j in range(1, rng.randint(1, k) + 1)
+            ]
             drafts.append(d)
         real = (len(active), 1 + max(len(d) for d in drafts))
         tokens = torch.zeros(real, dtype=torch.long)
@@ -276,22 +304,26 @@ def run_spec(requests: int = 6, max_new: int = 16, k: int = 4, reqs_buckets: Seq
         slots = torch.tensor(active)
         for r, (i, d) in enumerate(zip(active, drafts)):
             start = len(prompts[i]) + len(gen[i]) - 1
-            tokens[r, :1 + len(d)] = torch.tensor([gen[i][-1]] + d)
-            positions[r, :1 + len(d)] = torch.arange(start, start + 1 + len(d))
+            tokens[r, : 1 + len(d)] = torch.tensor([gen[i][-1]] + d)
+            positions[r, : 1 + len(d)] = torch.arange(start, start + 1 + len(d))
         local = _local_sizes(rank, step, real)
         agreed = tuple(max(_local_sizes(q, step, real)[a] for q in range(world)) for a in range(2))
         want = runner.key_for(agreed)
         shape = want if want is not None else agreed
 
-        def padded(to):
-            return dict(tokens=_pad2(tokens, to, 0), positions=_pad2(positions, to, 0),
-                        lens=_pad2(lens, to[:1], 0), slots=_pad2(slots, to[:1], scratch_slot))
+        def padded(to, tokens=tokens, positions=positions, lens=lens, slots=slots):
+            return dict(
+                tokens=_pad2(tokens, to, 0),
+                positions=_pad2(positions, to, 0),
+                lens=_pad2(lens, to[:1], 0),
+                slots=_pad2(slots, to[:1], scratch_slot),
+            )
 
-        got = runner(**padded(local))[:real[0], :real[1]].clone()
+        got = runner(**padded(local))[: real[0], : real[1]].clone()
         if runner.stats.last_bucket != want:
             res.key_mismatches += 1
         with torch.inference_mode():
-            ref = eager_step(**padded(shape))[:real[0], :real[1]]
+            ref = eager_step(**padded(shape))[: real[0], : real[1]]
         if not torch.equal(got, ref):
             res.logit_mismatches += 1
         for r, (i, d) in enumerate(zip(active, drafts)):
@@ -305,8 +337,10 @@ def run_spec(requests: int = 6, max_new: int = 16, k: int = 4, reqs_buckets: Seq
             graph_model.kv_cache_tensors()[0][0, :, 0] += 1.0  # the graph's cache drifts from eager's
         step += 1
         if status is not None:
-            status.write(f"verify: step {step}, {sum(min(len(g), max_new) for g in gen)}/{requests * max_new} "
-                         f"tokens, mismatches {res.mismatches}")
+            status.write(
+                f"verify: step {step}, {sum(min(len(g), max_new) for g in gen)}/{requests * max_new} "
+                f"tokens, mismatches {res.mismatches}"
+            )
     if status is not None:
         status.write(f"verify: {step} steps done", final=True)
 
@@ -314,7 +348,7 @@ def run_spec(requests: int = 6, max_new: int = 16, k: int = 4, reqs_buckets: Seq
         mine = gen[i][:max_new]
         diff = next((j for j in range(max_new) if mine[j] != oracle[i][j]), None)
         if diff is not None:
-            if any(m < NEAR_TIE for m in margins[i][:diff + 1]):
+            if any(m < NEAR_TIE for m in margins[i][: diff + 1]):
                 res.near_ties += 1
             else:
                 res.greedy_mismatches += 1
@@ -330,21 +364,25 @@ def run_spec(requests: int = 6, max_new: int = 16, k: int = 4, reqs_buckets: Seq
 
 def summary(res: SpecResult) -> str:
     """The verify run's report: requests, steps, tokens, replays per tier, fallbacks, mismatches, verdict."""
-    tiers = ", ".join(f"{k}: {v}" for k, v in sorted(res.replays.items(), key=lambda kv: tuple(
-        map(int, kv[0].split("x"))))) or "none"
-    return "\n".join([
-        f"requests: {res.requests}, steps: {res.steps}, tokens: {res.tokens}, drafts: {res.drafted} proposed, "
-        f"{res.accepted} accepted ({res.accepted / max(res.drafted, 1):.0%})",
-        f"replays per tier (reqs x draft): {tiers}",
-        f"fallbacks: {res.fallbacks} {res.fallback_reasons or ''}".rstrip(),
-        f"mismatches: {res.mismatches} (graph vs eager logits {res.logit_mismatches}, accept decisions "
-        f"{res.token_mismatches}, agreed key {res.key_mismatches}, vs plain greedy {res.greedy_mismatches}; "
-        f"near-ties not counted: {res.near_ties})",
-        "verify: OK" if res.ok else "verify: FAILED (see above)",
-    ])
+    tiers = (
+        ", ".join(f"{k}: {v}" for k, v in sorted(res.replays.items(), key=lambda kv: tuple(map(int, kv[0].split("x")))))
+        or "none"
+    )
+    return "\n".join(
+        [
+            f"requests: {res.requests}, steps: {res.steps}, tokens: {res.tokens}, drafts: {res.drafted} proposed, "
+            f"{res.accepted} accepted ({res.accepted / max(res.drafted, 1):.0%})",
+            f"replays per tier (reqs x draft): {tiers}",
+            f"fallbacks: {res.fallbacks} {res.fallback_reasons or ''}".rstrip(),
+            f"mismatches: {res.mismatches} (graph vs eager logits {res.logit_mismatches}, accept decisions "
+            f"{res.token_mismatches}, agreed key {res.key_mismatches}, vs plain greedy {res.greedy_mismatches}; "
+            f"near-ties not counted: {res.near_ties})",
+            "verify: OK" if res.ok else "verify: FAILED (see above)",
+        ]
+    )
 
 
-def _spec_rank(rank: int, world: int, kwargs: Dict[str, Any]) -> SpecResult:
+def _spec_rank(rank: int, world: int, kwargs: dict[str, Any]) -> SpecResult:
     """One spawned rank of :func:`run_spec_ranks`: :func:`run_spec` (only rank 0 prints)."""
     if rank == 0:
         return run_spec(rank=rank, world=world, **kwargs)
@@ -352,7 +390,7 @@ def _spec_rank(rank: int, world: int, kwargs: Dict[str, Any]) -> SpecResult:
         return run_spec(rank=rank, world=world, out=out, **kwargs)
 
 
-def run_spec_ranks(ranks: int, timeout: float = 300.0, threads: int = 1, **kwargs: Any) -> List[RankOutcome]:
+def run_spec_ranks(ranks: int, timeout: float = 300.0, threads: int = 1, **kwargs: Any) -> list[RankOutcome]:
     """Run :func:`run_spec` on ``ranks`` gloo processes (``threads`` torch threads each) started
     by torch's elastic launcher (:func:`graphrunner_tools.launch.launch_ranks`); one
     :class:`~graphrunner_tools.launch.RankOutcome` per rank (``value``: its :class:`SpecResult`
@@ -361,7 +399,7 @@ def run_spec_ranks(ranks: int, timeout: float = 300.0, threads: int = 1, **kwarg
     return launch_ranks(_spec_rank, ranks, args=(kwargs,), timeout=timeout, threads=threads)
 
 
-def run_spec_joined(threads: int = 1, **kwargs: Any) -> "tuple[int, List[RankOutcome]]":
+def run_spec_joined(threads: int = 1, **kwargs: Any) -> tuple[int, list[RankOutcome]]:
     """This torchrun worker's rank of :func:`run_spec` in torchrun's group (gloo, ``env://``:
     :func:`graphrunner_tools.launch.run_joined`); returns ``(rank, outcomes)``, every rank's
     :class:`~graphrunner_tools.launch.RankOutcome` as after :func:`run_spec_ranks` (a rank that

@@ -18,18 +18,19 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 __all__ = ["random_inputs", "time_runner", "runner_for_target", "step_table"]
 
 
-def random_inputs(runner: Any, batch: int, gen: torch.Generator) -> Dict[str, torch.Tensor]:
+def random_inputs(runner: Any, batch: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """``{name: tensor}`` of ``batch`` rows for each of ``runner.inputs`` (its ``BatchInput`` declarations) on
     the runner's device: floats from ``randn``, integers uniform inside ``bounds`` (the pad value, which every
     step must accept, when the input declares none), booleans False."""
-    out: Dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     for name, spec in runner.inputs.items():
         shape = (batch, *tuple(spec.trailing))
         dtype = spec.dtype
@@ -59,8 +60,9 @@ def _max_diff(a: Any, b: Any) -> float:
     return 0.0
 
 
-def time_runner(runner: Any, batches: Optional[Sequence[int]] = None, rounds: int = 5, calls: int = 20,
-                seed: int = 0) -> Dict[str, Any]:
+def time_runner(
+    runner: Any, batches: Sequence[int] | None = None, rounds: int = 5, calls: int = 20, seed: int = 0
+) -> dict[str, Any]:
     """Capture ``runner`` (if not yet) and time it against ``runner.step`` eagerly; the figures as a dict.
 
     ``batches``: the batch sizes (default: the runner's buckets; it must be keyed by one batch dim).
@@ -71,8 +73,10 @@ def time_runner(runner: Any, batches: Optional[Sequence[int]] = None, rounds: in
     from graphrunner.checks.lint import CheckUsageError
 
     if len(runner.dims) != 1:
-        raise CheckUsageError(f"the runner is keyed by several dims {list(runner.dims)}; --step times runners "
-                              "keyed by one batch dim (buckets=[...])")
+        raise CheckUsageError(
+            f"the runner is keyed by several dims {list(runner.dims)}; --step times runners "
+            "keyed by one batch dim (buckets=[...])"
+        )
     batches = list(batches or runner.keys)
     t0 = time.perf_counter()
     if not runner.captured:
@@ -80,19 +84,19 @@ def time_runner(runner: Any, batches: Optional[Sequence[int]] = None, rounds: in
     capture_s = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(seed)
     dev = runner.device
-    rows: List[Dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
     for b in batches:
         x = random_inputs(runner, b, gen)
         with torch.inference_mode():
             graph = _clone(runner(**{k: v.clone() for k, v in x.items()}))  # a view the next call overwrites
             eager = runner.step(**{k: v.clone() for k, v in x.items()})
             diff = _max_diff(graph, eager)
-            times: Dict[str, List[float]] = {"eager": [], "runner": []}
-            fns = {"eager": lambda: runner.step(**x), "runner": lambda: runner(**x)}
+            times: dict[str, list[float]] = {"eager": [], "runner": []}
+            fns = {"eager": lambda: runner.step(**x), "runner": lambda: runner(**x)}  # noqa: B023 - called in this iteration, before the variable moves on
             for fn in fns.values():
                 fn()
             for r in range(rounds):
-                for name in (("eager", "runner") if r % 2 == 0 else ("runner", "eager")):
+                for name in ("eager", "runner") if r % 2 == 0 else ("runner", "eager"):
                     dev.synchronize()
                     t = time.perf_counter()
                     for _ in range(calls):
@@ -100,11 +104,24 @@ def time_runner(runner: Any, batches: Optional[Sequence[int]] = None, rounds: in
                     dev.synchronize()
                     times[name].append((time.perf_counter() - t) / calls * 1e6)
         e, g = statistics.median(times["eager"]), statistics.median(times["runner"])
-        rows.append({"batch": b, "bucket": runner.bucket_for(b), "eager_us": e, "runner_us": g,
-                     "speedup": e / g, "max_abs_diff": diff,
-                     "rounds_us": {k: v for k, v in times.items()}})
-    return {"backend": type(runner.backend).__name__, "device": type(dev).__name__,
-            "capture_seconds": capture_s, "threads": torch.get_num_threads(), "rows": rows}
+        rows.append(
+            {
+                "batch": b,
+                "bucket": runner.bucket_for(b),
+                "eager_us": e,
+                "runner_us": g,
+                "speedup": e / g,
+                "max_abs_diff": diff,
+                "rounds_us": {k: v for k, v in times.items()},
+            }
+        )
+    return {
+        "backend": type(runner.backend).__name__,
+        "device": type(dev).__name__,
+        "capture_seconds": capture_s,
+        "threads": torch.get_num_threads(),
+        "rows": rows,
+    }
 
 
 def _clone(out: Any) -> Any:
@@ -118,8 +135,9 @@ def _clone(out: Any) -> Any:
     return out
 
 
-def runner_for_target(target: str, inputs: Optional[str] = None, batches: Optional[Sequence[int]] = None,
-                      backend: Optional[str] = None) -> Any:
+def runner_for_target(
+    target: str, inputs: str | None = None, batches: Sequence[int] | None = None, backend: str | None = None
+) -> Any:
     """The uncaptured runner ``TARGET`` names: a factory's runner (``inputs`` None; ``batches`` and ``backend``
     then must be None: the factory configures its runner), or one built from a step and the example inputs
     ``inputs`` names (an attribute next to the step, or ``FILE_OR_MODULE:NAME``), with buckets ``batches``
@@ -130,22 +148,28 @@ def runner_for_target(target: str, inputs: Optional[str] = None, batches: Option
 
     if inputs is None:
         if backend is not None:
-            raise CheckUsageError("--backend configures a step timed with --inputs; a factory configures its "
-                                  "GraphRunner itself (drop --backend, or pass --inputs NAME)")
+            raise CheckUsageError(
+                "--backend configures a step timed with --inputs; a factory configures its "
+                "GraphRunner itself (drop --backend, or pass --inputs NAME)"
+            )
         factory = load_factory(target)
         from graphrunner.checks.lint import required_parameters
 
         needed = required_parameters(factory)
         if needed:
-            raise CheckUsageError(f"{target} takes ({', '.join(needed)}): a step needs example inputs, --inputs "
-                                  "NAME (a dict of tensors next to it); a factory takes no arguments")
+            raise CheckUsageError(
+                f"{target} takes ({', '.join(needed)}): a step needs example inputs, --inputs "
+                "NAME (a dict of tensors next to it); a factory takes no arguments"
+            )
         try:
             runner = factory()
         except Exception as exc:
             raise CheckUsageError(f"{target}() raised {type(exc).__name__}: {exc}") from exc
         if not isinstance(runner, GraphRunner):
-            raise CheckUsageError(f"{target}() returned {type(runner).__name__}; --step needs a factory returning "
-                                  "an uncaptured gr.GraphRunner, or a step with --inputs NAME")
+            raise CheckUsageError(
+                f"{target}() returned {type(runner).__name__}; --step needs a factory returning "
+                "an uncaptured gr.GraphRunner, or a step with --inputs NAME"
+            )
         return runner
     module, step = load_target(target)
     if not callable(step):
@@ -154,21 +178,29 @@ def runner_for_target(target: str, inputs: Optional[str] = None, batches: Option
         examples = load_target(inputs)[1]
     else:
         if not hasattr(module, inputs):
-            raise CheckUsageError(f"argument --inputs: {target.rpartition(':')[0]!r} has no attribute {inputs!r}; "
-                                  "name a dict of example tensors defined next to the step, or FILE_OR_MODULE:NAME")
+            raise CheckUsageError(
+                f"argument --inputs: {target.rpartition(':')[0]!r} has no attribute {inputs!r}; "
+                "name a dict of example tensors defined next to the step, or FILE_OR_MODULE:NAME"
+            )
         examples = getattr(module, inputs)
     return runner_from_examples(step, examples, batches, backend or "full", what=f"--inputs {inputs}")
 
 
-def step_table(target: str, result: Dict[str, Any]) -> List[str]:
+def step_table(target: str, result: dict[str, Any]) -> list[str]:
     """The printed table of :func:`time_runner`'s ``result`` for ``target``."""
-    lines = [f"graphrunner bench --step {target}: {result['backend']} on {result['device']}, capture "
-             f"{result['capture_seconds']:.2f}s, {result['threads']} thread(s)",
-             f"  {'batch':>6} {'bucket':>7} {'eager us':>10} {'runner us':>10} {'speedup':>8}  max |graph - eager|"]
+    lines = [
+        f"graphrunner bench --step {target}: {result['backend']} on {result['device']}, capture "
+        f"{result['capture_seconds']:.2f}s, {result['threads']} thread(s)",
+        f"  {'batch':>6} {'bucket':>7} {'eager us':>10} {'runner us':>10} {'speedup':>8}  max |graph - eager|",
+    ]
     for r in result["rows"]:
         bucket = "eager" if r["bucket"] is None else str(r["bucket"])
-        lines.append(f"  {r['batch']:>6} {bucket:>7} {r['eager_us']:>10.1f} {r['runner_us']:>10.1f} "
-                     f"{r['speedup']:>7.2f}x  {r['max_abs_diff']:.3g}")
-    lines.append("  (runner: the whole call, copy in, replay, slice; medians of interleaved rounds; above 1.00x "
-                 "the runner is faster)")
+        lines.append(
+            f"  {r['batch']:>6} {bucket:>7} {r['eager_us']:>10.1f} {r['runner_us']:>10.1f} "
+            f"{r['speedup']:>7.2f}x  {r['max_abs_diff']:.3g}"
+        )
+    lines.append(
+        "  (runner: the whole call, copy in, replay, slice; medians of interleaved rounds; above 1.00x "
+        "the runner is faster)"
+    )
     return lines

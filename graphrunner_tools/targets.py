@@ -15,7 +15,8 @@ import importlib.util
 import inspect
 import os
 import sys
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -42,7 +43,8 @@ def _load_module(source: str, target: str) -> Any:
         if not importable:
             raise CheckUsageError(
                 f"{source!r} is a directory, not a Python file: name a .py file inside it "
-                f"({os.path.join(source, 'model.py')}:FACTORY) or an importable module (package.module:FACTORY)")
+                f"({os.path.join(source, 'model.py')}:FACTORY) or an importable module (package.module:FACTORY)"
+            )
         looks_like_file = False
     elif looks_like_file or os.path.exists(source):
         path = os.path.abspath(source)
@@ -61,8 +63,9 @@ def _load_module(source: str, target: str) -> Any:
             spec.loader.exec_module(module)
         except SystemExit as exc:
             sys.modules.pop(name, None)
-            raise CheckUsageError(f"loading {source!r} {exit_text(exc)}; guard the module's script code with "
-                                  "if __name__ == '__main__':") from None
+            raise CheckUsageError(
+                f"loading {source!r} {exit_text(exc)}; guard the module's script code with if __name__ == '__main__':"
+            ) from None
         except Exception as exc:
             sys.modules.pop(name, None)
             raise CheckUsageError(f"loading {source!r} raised {type(exc).__name__}: {exc}") from exc
@@ -73,13 +76,15 @@ def _load_module(source: str, target: str) -> Any:
     try:
         return importlib.import_module(source)
     except SystemExit as exc:
-        raise CheckUsageError(f"importing module {source!r} {exit_text(exc)}; guard the module's script code "
-                              "with if __name__ == '__main__':") from None
+        raise CheckUsageError(
+            f"importing module {source!r} {exit_text(exc)}; guard the module's script code "
+            "with if __name__ == '__main__':"
+        ) from None
     except Exception as exc:
         raise CheckUsageError(f"cannot import module {source!r}: {type(exc).__name__}: {exc}") from exc
 
 
-def _split(target: Any) -> Tuple[str, str]:
+def _split(target: Any) -> tuple[str, str]:
     if not isinstance(target, str) or ":" not in target:
         raise CheckUsageError(f"expected {_FORM}, got {target!r}")
     source, _, attr = target.rpartition(":")
@@ -97,7 +102,7 @@ def _attribute(module: Any, source: str, attr: str) -> Any:
     return obj
 
 
-def load_target(target: str) -> Tuple[Any, Any]:
+def load_target(target: str) -> tuple[Any, Any]:
     """Resolve ``FILE_OR_MODULE:NAME`` to ``(module, object)``.
 
     ``FILE`` is a path to a ``.py`` file (loaded as a fresh module, its
@@ -117,14 +122,16 @@ def load_factory(target: str) -> Callable[..., Any]:
     :class:`CheckUsageError` when it is not callable."""
     obj = load_target(target)[1]
     if isinstance(obj, GraphRunner):
-        raise CheckUsageError(f"{target} is a GraphRunner object; check needs {EXPECTED}: point at a function "
-                              "that builds and returns the runner uncaptured")
+        raise CheckUsageError(
+            f"{target} is a GraphRunner object; check needs {EXPECTED}: point at a function "
+            "that builds and returns the runner uncaptured"
+        )
     if not callable(obj):
         raise CheckUsageError(f"{target} is {type(obj).__name__}, not callable; check needs {EXPECTED}")
     return obj
 
 
-def _example_inputs(inputs: Any, what: str) -> Dict[str, Any]:
+def _example_inputs(inputs: Any, what: str) -> dict[str, Any]:
     if callable(inputs) and not isinstance(inputs, Mapping):
         try:
             inputs = inputs()
@@ -133,19 +140,27 @@ def _example_inputs(inputs: Any, what: str) -> Dict[str, Any]:
         except Exception as exc:
             raise CheckUsageError(f"{what}() raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(inputs, Mapping) or not inputs:
-        raise CheckUsageError(f"{what} is {type(inputs).__name__}; expected a non-empty dict {{argument name: "
-                              "example tensor (batch on dim 0) or gr.BatchInput}, or a zero-argument function "
-                              "returning one")
+        raise CheckUsageError(
+            f"{what} is {type(inputs).__name__}; expected a non-empty dict {{argument name: "
+            "example tensor (batch on dim 0) or gr.BatchInput}, or a zero-argument function "
+            "returning one"
+        )
     for k, v in inputs.items():
         if not isinstance(v, (torch.Tensor, BatchInput)) or (isinstance(v, torch.Tensor) and v.dim() == 0):
             got = "a 0-dim tensor" if isinstance(v, torch.Tensor) else type(v).__name__
-            raise CheckUsageError(f"{what}[{k!r}] is {got}; expected an example tensor with the batch on dim 0 "
-                                  "(or a gr.BatchInput)")
+            raise CheckUsageError(
+                f"{what}[{k!r}] is {got}; expected an example tensor with the batch on dim 0 (or a gr.BatchInput)"
+            )
     return dict(inputs)
 
 
-def runner_from_examples(step: Callable[..., Any], inputs: Any, buckets: Optional[Sequence[int]] = None,
-                         backend: str = "breakable", what: str = "inputs") -> Any:
+def runner_from_examples(
+    step: Callable[..., Any],
+    inputs: Any,
+    buckets: Sequence[int] | None = None,
+    backend: str = "breakable",
+    what: str = "inputs",
+) -> Any:
     """An uncaptured :class:`~graphrunner.GraphRunner` of ``step`` declared from example inputs.
 
     ``inputs``: ``{argument: example tensor}`` (the batch on dim 0; each
@@ -160,15 +175,20 @@ def runner_from_examples(step: Callable[..., Any], inputs: Any, buckets: Optiona
         missing = [r for r in required if r not in examples]
         params = inspect.signature(step).parameters
         if not params:
-            raise CheckUsageError("the step takes no arguments: a zero-argument function is checked as a factory "
-                                  "(returning an uncaptured GraphRunner); drop --inputs, or name the step")
-        extra = ([] if any(p.kind == p.VAR_KEYWORD for p in params.values())
-                 else [k for k in examples if k not in params])
+            raise CheckUsageError(
+                "the step takes no arguments: a zero-argument function is checked as a factory "
+                "(returning an uncaptured GraphRunner); drop --inputs, or name the step"
+            )
+        extra = (
+            [] if any(p.kind == p.VAR_KEYWORD for p in params.values()) else [k for k in examples if k not in params]
+        )
         if missing or extra:
             raise CheckUsageError(
                 f"{what} names {sorted(examples)} but the step takes ({', '.join(params)})"
-                + (f": missing {missing}" if missing else "") + (f": unknown {extra}" if extra else "")
-                + "; give one example per argument, keyed by the argument's name")
+                + (f": missing {missing}" if missing else "")
+                + (f": unknown {extra}" if extra else "")
+                + "; give one example per argument, keyed by the argument's name"
+            )
     decl, sizes = {}, set()
     for k, v in examples.items():
         if isinstance(v, BatchInput):
@@ -181,8 +201,10 @@ def runner_from_examples(step: Callable[..., Any], inputs: Any, buckets: Optiona
         decl[k] = BatchInput(trailing=tuple(v.shape[1:]), dtype=v.dtype, bounds=bounds)
     if buckets is None:
         if len(sizes) != 1:
-            raise CheckUsageError(f"{what} has examples of batch sizes {sorted(sizes) or 'unknown'}; give "
-                                  "tensors of one batch size on dim 0, or pass --buckets")
+            raise CheckUsageError(
+                f"{what} has examples of batch sizes {sorted(sizes) or 'unknown'}; give "
+                "tensors of one batch size on dim 0, or pass --buckets"
+            )
         buckets = [sizes.pop()]
     try:
         return GraphRunner(step, decl, buckets=list(buckets), backend=backend, progress=False)
@@ -190,8 +212,14 @@ def runner_from_examples(step: Callable[..., Any], inputs: Any, buckets: Optiona
         raise CheckUsageError(f"cannot build a GraphRunner from the step and {what}: {exc}") from exc
 
 
-def check_step(step: Callable[..., Any], inputs: Any, buckets: Optional[Sequence[int]] = None,
-               backend: str = "breakable", target: str = "", what: str = "inputs") -> CheckReport:
+def check_step(
+    step: Callable[..., Any],
+    inputs: Any,
+    buckets: Sequence[int] | None = None,
+    backend: str = "breakable",
+    target: str = "",
+    what: str = "inputs",
+) -> CheckReport:
     """Lint ``step`` with example ``inputs`` (see :func:`runner_from_examples`; ``what`` names
     them in errors): the runner a :func:`~graphrunner.checks.lint.check_factory` would get,
     declared from the examples; a :class:`~graphrunner.checks.lint.CheckReport`."""

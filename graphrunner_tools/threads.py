@@ -23,7 +23,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -57,7 +58,8 @@ def thread_count(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"{value} threads is more than {THREADS_PER_CORE} per core this process may use ({usable_cores()} "
             f"cores: at most {top}); pass --threads {top} or less (threads beyond the {usable_cores()} cores "
-            "only busy-wait)")
+            "only busy-wait)"
+        )
     return value
 
 
@@ -76,10 +78,13 @@ def positive_int(text: str) -> int:
 def add_threads_argument(parser: argparse.ArgumentParser) -> None:
     """Add ``--threads N`` (1..:func:`max_threads`, default :data:`DEFAULT_CLI_THREADS`) to ``parser``."""
     parser.add_argument(
-        "--threads", type=thread_count, default=DEFAULT_CLI_THREADS,
+        "--threads",
+        type=thread_count,
+        default=DEFAULT_CLI_THREADS,
         help=f"torch intra-op CPU threads for this run, 1 to {THREADS_PER_CORE} per usable core (default: "
-             f"{DEFAULT_CLI_THREADS}; the workloads are small, and more threads than free cores busy-wait: see "
-             "docs/troubleshooting.md)")
+        f"{DEFAULT_CLI_THREADS}; the workloads are small, and more threads than free cores busy-wait: see "
+        "docs/troubleshooting.md)",
+    )
 
 
 @contextlib.contextmanager
@@ -90,8 +95,10 @@ def torch_threads(n: int) -> Iterator[int]:
     if n < 1:
         raise ValueError(f"thread count must be >= 1, got {n}")
     if n > max_threads():
-        raise ValueError(f"thread count {n} is more than {THREADS_PER_CORE} per usable core (at most "
-                         f"{max_threads()} here); pass fewer threads")
+        raise ValueError(
+            f"thread count {n} is more than {THREADS_PER_CORE} per usable core (at most "
+            f"{max_threads()} here); pass fewer threads"
+        )
     previous = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
@@ -105,5 +112,7 @@ def thread_facts() -> dict[str, Any]:
     average ``None`` where the OS has none): what makes a timing comparable."""
     import os
 
-    return {"torch_threads": torch.get_num_threads(),
-            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+    return {
+        "torch_threads": torch.get_num_threads(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }

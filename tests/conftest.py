@@ -16,7 +16,6 @@ import os
 
 import pytest
 import torch
-
 from extras_util import missing, skip_reason
 
 os.environ.setdefault("GRAPHRUNNER_DEVICE", "tape")
@@ -28,8 +27,11 @@ _STANDIN_FIXTURES = ("cuda_device", "cuda_standin")
 def pytest_collection_modifyitems(config, items):
     no_hf = missing("transformers")
     for item in items:
-        if "cuda" in item.keywords and not _REAL_GPU and \
-                not any(f in getattr(item, "fixturenames", ()) for f in _STANDIN_FIXTURES):
+        if (
+            "cuda" in item.keywords
+            and not _REAL_GPU
+            and not any(f in getattr(item, "fixturenames", ()) for f in _STANDIN_FIXTURES)
+        ):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         elif no_hf and item.get_closest_marker("hf") is not None:
             item.add_marker(pytest.mark.skip(reason=skip_reason("transformers")))
@@ -49,9 +51,8 @@ def cuda_standin():
     skips on a machine with a real GPU, where the stand-in would hide it."""
     if _REAL_GPU:
         pytest.skip("the CUDA stand-in is for machines without a GPU")
-    from graphrunner.testing.cuda_standin import CudaStandin
-
     import graphrunner.devices as devices
+    from graphrunner.testing.cuda_standin import CudaStandin
 
     standin = CudaStandin(num_devices=2)
     saved = devices._ALLOCATOR_MID_CAPTURE

@@ -22,12 +22,19 @@ import inspect
 import pytest
 
 #: optional module -> the extra of pyproject.toml that installs it
-EXTRAS = {"transformers": "hf", "matplotlib": "bench", "fastapi": "serve", "uvicorn": "serve",
-          "prometheus_client": "serve", "openai": "serve"}
+EXTRAS = {
+    "transformers": "hf",
+    "matplotlib": "bench",
+    "fastapi": "serve",
+    "uvicorn": "serve",
+    "prometheus_client": "serve",
+    "openai": "serve",
+}
 
 # pytest >= 8.2 can skip on ModuleNotFoundError only: a module that is there but raises on import fails the test
-_ONLY_NOT_FOUND = ({"exc_type": ModuleNotFoundError}
-                   if "exc_type" in inspect.signature(pytest.importorskip).parameters else {})
+_ONLY_NOT_FOUND = (
+    {"exc_type": ModuleNotFoundError} if "exc_type" in inspect.signature(pytest.importorskip).parameters else {}
+)
 
 
 def missing(module: str) -> bool:

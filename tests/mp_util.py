@@ -32,15 +32,16 @@ from __future__ import annotations
 
 import os
 import pickle
-import sys
 import queue as queue_mod
 import shutil
 import socket
+import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -65,15 +66,15 @@ class RankResult:
     rank: int
     ok: bool = False
     value: Any = None
-    exc_type: Optional[str] = None
-    exc_message: Optional[str] = None
-    traceback: Optional[str] = None
-    exception: Optional[BaseException] = None
-    exitcode: Optional[int] = None
+    exc_type: str | None = None
+    exc_message: str | None = None
+    traceback: str | None = None
+    exception: BaseException | None = None
+    exitcode: int | None = None
     timed_out: bool = False
     reported: bool = False
-    seconds: Optional[float] = None
-    exit_seconds: Optional[float] = None
+    seconds: float | None = None
+    exit_seconds: float | None = None
 
 
 def free_port() -> int:
@@ -86,7 +87,7 @@ def free_port() -> int:
 _PRELOAD = ["torch", "torch.distributed", "graphrunner", "graphrunner.backends"]
 
 
-def _context(start_method: Optional[str]):
+def _context(start_method: str | None):
     import multiprocessing
 
     if start_method is None:
@@ -115,7 +116,10 @@ def _entry(fn, rank, world_size, port, store_file, backend, init, init_timeout, 
             import torch.distributed as dist
 
             dist.init_process_group(
-                backend, init_method=f"file://{store_file}", rank=rank, world_size=world_size,
+                backend,
+                init_method=f"file://{store_file}",
+                rank=rank,
+                world_size=world_size,
                 timeout=datetime.timedelta(seconds=init_timeout),
             )
         value = fn(rank, world_size, *args, **kwargs)
@@ -154,13 +158,13 @@ def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
     args: Sequence[Any] = (),
-    kwargs: Optional[dict] = None,
+    kwargs: dict | None = None,
     timeout: float = 60.0,
     backend: str = "gloo",
     init: bool = True,
     init_timeout: float = 30.0,
-    start_method: Optional[str] = None,
-) -> List[RankResult]:
+    start_method: str | None = None,
+) -> list[RankResult]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned
     processes and return one :class:`RankResult` per rank (index = rank).
 
@@ -180,8 +184,7 @@ def run_ranks(
     for r in range(world_size):
         p = ctx.Process(
             target=_entry,
-            args=(fn, r, world_size, port, store_file, backend, init, init_timeout, tuple(args),
-                  dict(kwargs or {}), q),
+            args=(fn, r, world_size, port, store_file, backend, init, init_timeout, tuple(args), dict(kwargs or {}), q),
             daemon=True,
         )
         p.start()
@@ -231,7 +234,7 @@ def run_ranks(
     return results
 
 
-def _store(results: List[RankResult], status: str, rank: int, payload: Any, secs: float) -> None:
+def _store(results: list[RankResult], status: str, rank: int, payload: Any, secs: float) -> None:
     res = results[rank]
     res.reported = True
     res.seconds = secs

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mp_util import CountingGroup, run_ranks
 
 import graphrunner as gr
-from mp_util import CountingGroup, run_ranks
 
 TIMEOUT = 20.0
 D = 4
@@ -27,8 +27,16 @@ class Scaled:
 def _verdict_worker(rank, world, verify_every):
     step = Scaled()
     group = CountingGroup(gr.TorchDistGroup(timeout=TIMEOUT))
-    runner = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(D,))}, [1, 2, 4], device="tape", group=group,
-                            warmups=1, progress=False, verify_every=verify_every)
+    runner = gr.GraphRunner(
+        step,
+        {"x": gr.BatchInput(trailing=(D,))},
+        [1, 2, 4],
+        device="tape",
+        group=group,
+        warmups=1,
+        progress=False,
+        verify_every=verify_every,
+    )
     runner.capture()
     outcome, wrong = [], 0
     for call in range(1, 6):
@@ -73,8 +81,15 @@ def test_negative_control_without_verification_rank_1_serves_wrong_results_silen
 
 
 def _step_worker(rank, world, with_steps):
-    runner = gr.GraphRunner(lambda x: x + 1.0, {"x": gr.BatchInput(trailing=(D,))}, [1, 2, 4], device="tape",
-                            group=gr.TorchDistGroup(timeout=TIMEOUT), warmups=1, progress=False)
+    runner = gr.GraphRunner(
+        lambda x: x + 1.0,
+        {"x": gr.BatchInput(trailing=(D,))},
+        [1, 2, 4],
+        device="tape",
+        group=gr.TorchDistGroup(timeout=TIMEOUT),
+        warmups=1,
+        progress=False,
+    )
     runner.capture()
     outcome = []
     engine_step = 0
@@ -114,8 +129,9 @@ def test_negative_control_without_step_numbers_the_skipped_step_pairs_silently()
 
 
 def test_step_must_be_an_int():
-    runner = gr.GraphRunner(lambda x: x + 1.0, {"x": gr.BatchInput(trailing=(D,))}, [1, 2], device="tape",
-                            progress=False)
+    runner = gr.GraphRunner(
+        lambda x: x + 1.0, {"x": gr.BatchInput(trailing=(D,))}, [1, 2], device="tape", progress=False
+    )
     runner.capture()
     x = torch.ones(1, D)
     assert torch.equal(runner.run({"x": x}, step=7), x + 1.0)  # one rank: accepted, nothing to agree

@@ -138,7 +138,9 @@ def run_capture(cls, keys=(8,), with_break=False, warmups=2, **kw):
     x = torch.randn(8, 6)
     with torch.inference_mode(), backend.capture_session():
         for k in keys:
-            backend.capture_one(k, make_forward(log, x, k, with_break), capture_inputs=x, post_warmup_hook=lambda: log.append("hook"))
+            backend.capture_one(
+                k, make_forward(log, x, k, with_break), capture_inputs=x, post_warmup_hook=lambda: log.append("hook")
+            )
     return backend, log, trace, x, grp
 
 
@@ -146,7 +148,7 @@ def assert_protocol_order(log, warmups=2):
     """The order of real calls for one key: what the issue requires."""
     warm = ["sync", "barrier", "forward", "hook"] * warmups
     assert log[: len(warm)] == warm, log
-    rest = log[len(warm):]
+    rest = log[len(warm) :]
     last_hook = len(warm) - 1
     # final hook < synchronize < barrier < graph construction
     assert rest[:3] == ["sync", "barrier", "new_graph"], f"after the last hook (index {last_hook}): {rest}"
@@ -238,7 +240,7 @@ def test_protocol_order_several_keys_and_zero_warmups():
     backend, log, trace, _, _ = run_capture(FullGraphBackend, keys=(8, 4, 2))
     per_key = len(log) // 3
     for i in range(3):
-        assert_protocol_order(log[i * per_key:(i + 1) * per_key])
+        assert_protocol_order(log[i * per_key : (i + 1) * per_key])
     assert check_capture_order(trace) == []
     backend, log, trace, _, _ = run_capture(FullGraphBackend, keys=(8,), warmups=0)
     assert log == ["sync", "barrier", "new_graph", "forward"]

@@ -41,7 +41,9 @@ class Tiny(nn.Module):
 def _capture(backend, model, static_x, static_scale, keys=KEYS):
     with torch.inference_mode(), backend.capture_session():
         for k in keys:
-            backend.capture_one(k, lambda k=k: model(static_x[:k], static_scale), capture_inputs=(static_x, static_scale))
+            backend.capture_one(
+                k, lambda k=k: model(static_x[:k], static_scale), capture_inputs=(static_x, static_scale)
+            )
 
 
 def _check_steps(backend, model, static_x, static_scale, steps=6, seed=1):

@@ -57,8 +57,14 @@ class Step:
 
 
 def make_runner(step, trace=None, backend="full"):
-    return gr.GraphRunner(step, inputs={"x": gr.BatchInput(trailing=(D,), dtype=torch.float32)}, buckets=BUCKETS,
-                          backend=backend, progress=False, trace=trace)
+    return gr.GraphRunner(
+        step,
+        inputs={"x": gr.BatchInput(trailing=(D,), dtype=torch.float32)},
+        buckets=BUCKETS,
+        backend=backend,
+        progress=False,
+        trace=trace,
+    )
 
 
 def batches(n, seed=1):
@@ -165,8 +171,13 @@ def _all_reduce_runner(fail_key=None):
         return y
 
     backend = gr.backends.FullGraphBackend(group=TorchDistGroup(timeout=20.0), trace=gr.Trace())
-    runner = gr.GraphRunner(step, inputs={"x": gr.BatchInput(trailing=(D,), dtype=torch.float32)},
-                            buckets=BUCKETS, backend=backend, progress=False)
+    runner = gr.GraphRunner(
+        step,
+        inputs={"x": gr.BatchInput(trailing=(D,), dtype=torch.float32)},
+        buckets=BUCKETS,
+        backend=backend,
+        progress=False,
+    )
     return runner, w, backend
 
 
@@ -238,8 +249,14 @@ def test_background_capture_on_cuda_captures_thread_local_and_equals_eager(cuda_
     """On CUDA (the stand-in on this machine, enforcing CUDAGraph.cpp's rules): the background thread
     captures every key in ``thread_local`` mode, calls are served meanwhile, and results equal eager."""
     step = Step()
-    runner = gr.GraphRunner(step, inputs={"x": gr.BatchInput(trailing=(D,), dtype=torch.float32)},
-                            buckets=BUCKETS, backend=backend, device=cuda_device, progress=False)
+    runner = gr.GraphRunner(
+        step,
+        inputs={"x": gr.BatchInput(trailing=(D,), dtype=torch.float32)},
+        buckets=BUCKETS,
+        backend=backend,
+        device=cuda_device,
+        progress=False,
+    )
     modes = []
     real = cuda_device.capture
 
@@ -278,9 +295,17 @@ class RowCache:
 
 def _serve_row_cache(monkeypatch=None):
     step, ref = RowCache(), RowCache()
-    runner = gr.GraphRunner(step, inputs={"tok": gr.BatchInput(trailing=(), dtype=torch.float32, pad=1.0),
-                                          "pos": gr.BatchInput(trailing=(), dtype=torch.long, bounds=(0, 15))},
-                            buckets=BUCKETS, backend="full", progress=False, checks=("drift",))
+    runner = gr.GraphRunner(
+        step,
+        inputs={
+            "tok": gr.BatchInput(trailing=(), dtype=torch.float32, pad=1.0),
+            "pos": gr.BatchInput(trailing=(), dtype=torch.long, bounds=(0, 15)),
+        },
+        buckets=BUCKETS,
+        backend="full",
+        progress=False,
+        checks=("drift",),
+    )
     gate = threading.Event()
     runner.capturer.background_gate = gate  # the requests' first tokens land before any capture
     runner.capture(background=True)
@@ -327,9 +352,17 @@ def _write_during_a_capture(use_hold: bool) -> float:
             release.wait(5)
         return out
 
-    runner = gr.GraphRunner(slow_step, inputs={"tok": gr.BatchInput(trailing=(), dtype=torch.float32, pad=1.0),
-                                               "pos": gr.BatchInput(trailing=(), dtype=torch.long, bounds=(0, 15))},
-                            buckets=BUCKETS, backend="full", progress=False, checks=("drift",))
+    runner = gr.GraphRunner(
+        slow_step,
+        inputs={
+            "tok": gr.BatchInput(trailing=(), dtype=torch.float32, pad=1.0),
+            "pos": gr.BatchInput(trailing=(), dtype=torch.long, bounds=(0, 15)),
+        },
+        buckets=BUCKETS,
+        backend="full",
+        progress=False,
+        checks=("drift",),
+    )
     runner.capture(background=True)
     assert inside.wait(10)
 

@@ -7,10 +7,10 @@ import time
 
 import pytest
 import torch
+from mp_util import run_ranks
 
 import graphrunner as gr
 from graphrunner.errors import AgreementError
-from mp_util import run_ranks
 
 D, TIMEOUT = 4, 20.0
 W = torch.randn(D, D, generator=torch.Generator().manual_seed(0)) / 3

@@ -23,8 +23,7 @@ def _sampled(background, calls=40, seed=1234):
     def step(x):  # no randomness in the step
         return torch.softmax(x @ w, dim=-1)
 
-    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(H,))}, [1, 2, 4, 8, 16], device="tape",
-                       progress=False)
+    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(H,))}, [1, 2, 4, 8, 16], device="tape", progress=False)
     torch.manual_seed(seed)
     if background:
         r.capture(background=True)
@@ -171,8 +170,13 @@ def _sampling_loop(background, steps=120, redirect=True, monkeypatch=None):
         gumbel = -torch.log(-torch.log(torch.rand(logits.shape).clamp_min(1e-9)))
         return (logits + gumbel).argmax(-1), torch.softmax(logits, -1)
 
-    r = gr.GraphRunner(step, {"ids": gr.BatchInput(dtype=torch.long, pad=0, bounds=(0, VOCAB - 1))},
-                       [1, 2, 4, 8], device="tape", progress=False)
+    r = gr.GraphRunner(
+        step,
+        {"ids": gr.BatchInput(dtype=torch.long, pad=0, bounds=(0, VOCAB - 1))},
+        [1, 2, 4, 8],
+        device="tape",
+        progress=False,
+    )
     gate = threading.Event()
     if background:
         r.capturer.background_gate = gate
@@ -221,8 +225,9 @@ def test_verify_every_counts_replayed_calls_only():
             return x * self.scale
 
     step = Scaled()
-    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(3,))}, [1, 2, 4], device="tape", progress=False,
-                       verify_every=2)
+    r = gr.GraphRunner(
+        step, {"x": gr.BatchInput(trailing=(3,))}, [1, 2, 4], device="tape", progress=False, verify_every=2
+    )
     r.capture()
     step.scale = 3.0  # every replay is wrong from now on
     caught = 0
@@ -241,8 +246,9 @@ def test_a_step_with_its_own_generator_is_verified_like_with_like():
     def step(x):
         return x + torch.rand(x.shape, generator=gen)
 
-    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(3,))}, [1, 2, 4], device="tape", progress=False,
-                       verify_every=1)
+    r = gr.GraphRunner(
+        step, {"x": gr.BatchInput(trailing=(3,))}, [1, 2, 4], device="tape", progress=False, verify_every=1
+    )
     r.capture()
     gen.manual_seed(3)
     ref = torch.Generator().manual_seed(3)
@@ -255,8 +261,9 @@ def _random_step_runner():
     def step(x):
         return x + torch.rand(x.shape)  # the default generator
 
-    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(3,))}, [1, 2, 4], device="tape", progress=False,
-                       verify_every=1)
+    r = gr.GraphRunner(
+        step, {"x": gr.BatchInput(trailing=(3,))}, [1, 2, 4], device="tape", progress=False, verify_every=1
+    )
     r.capture()
     return r
 
@@ -288,11 +295,13 @@ def test_negative_control_without_stand_in_generators_verification_fails(monkeyp
 def test_shadow_verification_under_a_background_capture_draws_what_eager_draws():
     """verify_every=1 while keys are captured on another thread: the engine's numbers as without
     a runner (the reference draws from copies, the capture from its own generators)."""
+
     def step(x):
         return x + torch.rand(x.shape)
 
-    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(3,))}, [1, 2, 4], device="tape", progress=False,
-                       verify_every=1)
+    r = gr.GraphRunner(
+        step, {"x": gr.BatchInput(trailing=(3,))}, [1, 2, 4], device="tape", progress=False, verify_every=1
+    )
     gate = threading.Event()
     r.capturer.background_gate = gate
     r.capture(background=True)
@@ -311,6 +320,7 @@ def test_compare_draws_nothing_from_the_engines_generator_and_compares_like_with
     """runner.compare (after a background capture) on a step that draws from the default generator,
     between two of the engine's draws: equal (both runs draw from one copy of the generator), and
     the engine's numbers are as if compare had not run (it never drew from, nor set, the generator)."""
+
     def step(x):
         return x + torch.rand(x.shape)
 

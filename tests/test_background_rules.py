@@ -17,8 +17,9 @@ def _runner(step=lambda x: x * 2.0, inputs=None, buckets=(1, 2, 4, 8)):
     return gr.GraphRunner(step, inputs, list(buckets), device="tape", progress=False)
 
 
-@pytest.mark.parametrize("timeout, error", [(float("nan"), ValueError), (-1, ValueError), ("1", TypeError),
-                                            (True, TypeError)])
+@pytest.mark.parametrize(
+    "timeout, error", [(float("nan"), ValueError), (-1, ValueError), ("1", TypeError), (True, TypeError)]
+)
 def test_wait_captured_refuses_a_bad_timeout_and_the_capture_goes_on(timeout, error):
     r = _runner()
     r.capture(background=True)
@@ -111,8 +112,7 @@ def test_a_step_that_calls_its_own_runner_during_a_background_capture_is_refused
             box["refused"] = True
         return x * 2.0
 
-    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(3,))}, [1, 2, 4], device="tape", progress=False,
-                       checks=())
+    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(3,))}, [1, 2, 4], device="tape", progress=False, checks=())
     gate = threading.Event()
     r.capturer.background_gate = gate
     r.capture(background=True)
@@ -171,8 +171,7 @@ class _Engine:
 def _live_rows_after_background_capture():
     e = _Engine()
     inputs = {"x": gr.BatchInput(trailing=(3,)), "slot": gr.BatchInput(dtype=torch.long, pad=7, bounds=(0, 6))}
-    r = gr.GraphRunner(e.step, inputs, [1, 2, 4], device="tape", progress=False, post_warmup_hook=e.hook,
-                       checks=())
+    r = gr.GraphRunner(e.step, inputs, [1, 2, 4], device="tape", progress=False, post_warmup_hook=e.hook, checks=())
     gate = threading.Event()
     r.capturer.background_gate = gate  # the real requests' rows land before any key is captured
     r.capture(background=True)
@@ -200,8 +199,14 @@ def test_negative_control_without_putting_back_the_hooks_writes_live_rows_are_wi
 # ------------------------------------------------------------------ memory budget (issue 34 item 7)
 def _named_dims_runner(budget):
     x2 = {"x": gr.BatchInput(trailing=(64,), dims=("r", "d"))}
-    return gr.GraphRunner(lambda x: x * 2.0 + 1.0, x2, {"r": [1, 2, 4], "d": [1, 8, 16]}, device="tape",
-                          progress=False, memory_budget=budget)
+    return gr.GraphRunner(
+        lambda x: x * 2.0 + 1.0,
+        x2,
+        {"r": [1, 2, 4], "d": [1, 8, 16]},
+        device="tape",
+        progress=False,
+        memory_budget=budget,
+    )
 
 
 def test_a_budget_that_leaves_out_the_largest_named_key_keeps_every_call_servable():

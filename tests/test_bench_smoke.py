@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from extras_util import missing, require
 
 import graphrunner_tools
 from graphrunner_tools import bench as grbench
-from extras_util import missing, require
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH_DIR = REPO / "bench"
@@ -41,12 +41,31 @@ def test_quick_suite_writes_json_and_png(tmp_path):
     # cwd is tmp_path: the driver must find bench/ from the package, not from the cwd.
     proc = subprocess.run(
         [sys.executable, "-m", "graphrunner_tools.bench", "--quick", "--out", str(out), "--plot", str(png)],
-        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
 
-    for key in ("schema", "created", "quick", "environment", "bench_dir", "results", "seconds", "argv",
-                "skipped", "errors", "summary", "plot", "plot_note", "out"):
+    for key in (
+        "schema",
+        "created",
+        "quick",
+        "environment",
+        "bench_dir",
+        "results",
+        "seconds",
+        "argv",
+        "skipped",
+        "errors",
+        "summary",
+        "plot",
+        "plot_note",
+        "out",
+    ):
         assert key in data, key
     assert data["quick"] is True and data["out"] == str(out)
     assert data["errors"] == {}
@@ -72,8 +91,12 @@ def test_quick_suite_writes_json_and_png(tmp_path):
     assert lat["methods"]["tape_full"]["reference"] == "eager_masked"
     assert lat["methods"]["tape_breakable"]["reference"] == "eager"
     for m in ("tape_full", "tape_breakable"):
-        want = [r / x for r, x in zip(lat["methods"][lat["methods"][m]["reference"]]["latency_us"],
-                                      lat["methods"][m]["latency_us"])]
+        want = [
+            r / x
+            for r, x in zip(
+                lat["methods"][lat["methods"][m]["reference"]]["latency_us"], lat["methods"][m]["latency_us"]
+            )
+        ]
         assert lat["speedup"][m] == pytest.approx(want)
 
     cvc = data["results"]["capture_vs_compile"]
@@ -103,11 +126,13 @@ def _check_output(stdout: str, stderr: str, data: dict) -> None:
         assert "bounds=(lo, hi)" not in text and "padding check:" not in text, text[:3000]
     for line in stdout.splitlines():
         if "target" in line and ("<=" in line or ">=" in line):
-            assert line.rstrip().endswith((": met", ": MISSED", ": met)", ": MISSED)")) or \
-                "target: <=" in line, line
+            assert line.rstrip().endswith((": met", ": MISSED", ": met)", ": MISSED)")) or "target: <=" in line, line
     ro = data["results"]["runner_overhead"]
     body, summary = stdout.split("[bench] summary")
-    for key, ratio in (("main", ro["ratio_runner_over_minimal"]), ("tiny", ro["tiny_two_inputs"]["ratio_runner_over_minimal"])):
+    for key, ratio in (
+        ("main", ro["ratio_runner_over_minimal"]),
+        ("tiny", ro["tiny_two_inputs"]["ratio_runner_over_minimal"]),
+    ):
         label = ro["steps"][key]
         (row,) = [ln for ln in body.splitlines() if ln.strip().startswith(label)]
         (line,) = [ln for ln in summary.splitlines() if f"runner vs minimal loop, {label}:" in ln]
@@ -126,17 +151,40 @@ def test_target_note_says_met_or_missed():
 
 
 def _runner_overhead_result(first_max: float) -> dict:
-    tiny = {"per_call_us": {"minimal": 20.0, "runner": 21.08}, "ratio_runner_over_minimal": 1.054,
-            "target_ratio": 1.10, "first_replay_us": [237.6, 40, 40, 40, 40, 40], "steady_replay_us": [20.0] * 6,
-            "first_over_steady": [first_max, 2, 2, 2, 2, 2], "first_over_steady_max": first_max, "first_target": 3.0}
-    return {"backend": "full", "device": "tape", "rounds": 7, "hidden": 256,
-            "per_call_us": {"minimal": 500.0, "runner": 501.5}, "ratio_runner_over_minimal": 1.003,
-            "target_ratio": 1.25, "tiny_two_inputs": tiny,
-            "steps": {"main": "demo-like step (2 layers, hidden 256)", "tiny": "tiny 2-input step (x * w + y)"},
-            "debug_mode": {"per_call_us_on": 900.0, "ratio_on_over_off": 1.8, "externals_checked_per_replay": 3,
-                           "capture_seconds_off": 1.0, "capture_seconds_on": 1.1},
-            "leak_check": {"capture_seconds_with": 1.0, "capture_seconds_without": 0.9, "leak_check_seconds": 0.05,
-                           "keys_checked": 4}}
+    tiny = {
+        "per_call_us": {"minimal": 20.0, "runner": 21.08},
+        "ratio_runner_over_minimal": 1.054,
+        "target_ratio": 1.10,
+        "first_replay_us": [237.6, 40, 40, 40, 40, 40],
+        "steady_replay_us": [20.0] * 6,
+        "first_over_steady": [first_max, 2, 2, 2, 2, 2],
+        "first_over_steady_max": first_max,
+        "first_target": 3.0,
+    }
+    return {
+        "backend": "full",
+        "device": "tape",
+        "rounds": 7,
+        "hidden": 256,
+        "per_call_us": {"minimal": 500.0, "runner": 501.5},
+        "ratio_runner_over_minimal": 1.003,
+        "target_ratio": 1.25,
+        "tiny_two_inputs": tiny,
+        "steps": {"main": "demo-like step (2 layers, hidden 256)", "tiny": "tiny 2-input step (x * w + y)"},
+        "debug_mode": {
+            "per_call_us_on": 900.0,
+            "ratio_on_over_off": 1.8,
+            "externals_checked_per_replay": 3,
+            "capture_seconds_off": 1.0,
+            "capture_seconds_on": 1.1,
+        },
+        "leak_check": {
+            "capture_seconds_with": 1.0,
+            "capture_seconds_without": 0.9,
+            "leak_check_seconds": 0.05,
+            "keys_checked": 4,
+        },
+    }
 
 
 def test_runner_overhead_body_and_summary_print_one_figure_per_ratio_and_flag_missed_targets(capsys):
@@ -147,16 +195,21 @@ def test_runner_overhead_body_and_summary_print_one_figure_per_ratio_and_flag_mi
     result = _runner_overhead_result(11.88)
     module.print_tables(result, argparse.Namespace(calls=300, reps=7))
     body = capsys.readouterr().out
-    summary = "\n".join(grbench.summary_lines({"summary": grbench.summarize({"runner_overhead": result}),
-                                                "out": "b.json"}))
-    for label, ratio, target in (("demo-like step (2 layers, hidden 256)", "1.003x", "target <= 1.25x: met"),
-                                 ("tiny 2-input step (x * w + y)", "1.054x", "target <= 1.1x: met")):
+    summary = "\n".join(
+        grbench.summary_lines({"summary": grbench.summarize({"runner_overhead": result}), "out": "b.json"})
+    )
+    for label, ratio, target in (
+        ("demo-like step (2 layers, hidden 256)", "1.003x", "target <= 1.25x: met"),
+        ("tiny 2-input step (x * w + y)", "1.054x", "target <= 1.1x: met"),
+    ):
         (row,) = [ln for ln in body.splitlines() if ln.strip().startswith(label)]
         (line,) = [ln for ln in summary.splitlines() if f"runner vs minimal loop, {label}: " in ln]
         assert ratio in row and target in row and f"{label}: {ratio} ({target})" in line
     assert "11.88x  target <= 3x: MISSED" in body
-    assert "first call of a bucket vs a steady one, tiny 2-input step (x * w + y): max 11.88x " \
-           "(target <= 3x: MISSED)" in summary
+    assert (
+        "first call of a bucket vs a steady one, tiny 2-input step (x * w + y): max 11.88x "
+        "(target <= 3x: MISSED)" in summary
+    )
     # control: within the target, the same lines say met
     module.print_tables(_runner_overhead_result(2.5), argparse.Namespace(calls=300, reps=7))
     assert "2.50x  target <= 3x: met" in capsys.readouterr().out
@@ -165,24 +218,37 @@ def test_runner_overhead_body_and_summary_print_one_figure_per_ratio_and_flag_mi
 def test_speed_table_quotes_the_scripts_own_figures_at_batch_1_8_32():
     """The table that opens the summary (and that the README quotes): the machine and date, then each figure
     exactly as the scripts measured it, at batch 1, 8 and 32, '-' where a batch was not measured."""
-    lat = {"batches": [1, 2, 8, 32],
-           "methods": {"eager": {"latency_us": [2000.0, 2100.0, 2500.0, 4000.0]},
-                       "eager_masked": {"latency_us": [2200.0, 2300.0, 2600.0, 4100.0]},
-                       "tape_full": {"latency_us": [1100.0, 1200.0, 1300.0, 2050.0], "reference": "eager_masked"},
-                       "tape_breakable": {"latency_us": [1600.0, 1700.0, 2400.0, 4100.0], "reference": "eager"}},
-           "speedup": {"tape_full": [2.0, 1.92, 2.0, 2.0], "tape_breakable": [1.25, 1.24, 1.0417, 0.9756]}}
-    hg = {"batches": [1, 8], "new": 16, "prompt": 8,
-          "results": [{"arch": "llama", "speedup": {"1": 4.71, "8": 3.02}, "equal": {"1": True, "8": True},
-                       "ms_per_call": {}},
-                      {"arch": "gpt2", "speedup": {"1": 3.5, "8": 2.5}, "equal": {"1": True, "8": False},
-                       "ms_per_call": {}}]}
+    lat = {
+        "batches": [1, 2, 8, 32],
+        "methods": {
+            "eager": {"latency_us": [2000.0, 2100.0, 2500.0, 4000.0]},
+            "eager_masked": {"latency_us": [2200.0, 2300.0, 2600.0, 4100.0]},
+            "tape_full": {"latency_us": [1100.0, 1200.0, 1300.0, 2050.0], "reference": "eager_masked"},
+            "tape_breakable": {"latency_us": [1600.0, 1700.0, 2400.0, 4100.0], "reference": "eager"},
+        },
+        "speedup": {"tape_full": [2.0, 1.92, 2.0, 2.0], "tape_breakable": [1.25, 1.24, 1.0417, 0.9756]},
+    }
+    hg = {
+        "batches": [1, 8],
+        "new": 16,
+        "prompt": 8,
+        "results": [
+            {"arch": "llama", "speedup": {"1": 4.71, "8": 3.02}, "equal": {"1": True, "8": True}, "ms_per_call": {}},
+            {"arch": "gpt2", "speedup": {"1": 3.5, "8": 2.5}, "equal": {"1": True, "8": False}, "ms_per_call": {}},
+        ],
+    }
     ro = _runner_overhead_result(2.0)
     ro["overhead_us"] = 1.5
     ro["tiny_two_inputs"]["per_call_us"]["eager"] = 4.0
     ro["tiny_two_inputs"]["ratio_runner_over_eager"] = 21.08 / 4.0
-    merged = {"summary": grbench.summarize({"latency_vs_batch": lat, "hf_generate": hg, "runner_overhead": ro}),
-              "created": "2026-12-04T15:00:00+00:00", "threads": 1, "quick": False, "out": "b.json",
-              "environment": {"cpu_model": "AMD EPYC", "cpu_count": 2, "torch": "2.13.0+cpu", "cuda_device": None}}
+    merged = {
+        "summary": grbench.summarize({"latency_vs_batch": lat, "hf_generate": hg, "runner_overhead": ro}),
+        "created": "2026-12-04T15:00:00+00:00",
+        "threads": 1,
+        "quick": False,
+        "out": "b.json",
+        "environment": {"cpu_model": "AMD EPYC", "cpu_count": 2, "torch": "2.13.0+cpu", "cuda_device": None},
+    }
     lines = grbench.speed_lines(merged)
     text = "\n".join(lines)
     assert lines[0].startswith("[bench] speed, 2026-12-04: AMD EPYC, 2 cores, torch 2.13.0+cpu, 1 thread(s); no GPU")
@@ -198,11 +264,13 @@ def test_speed_table_quotes_the_scripts_own_figures_at_batch_1_8_32():
     assert cells("DecodeRunner.generate vs model.generate(static), llama") == ["4.71x", "3.02x", "-"]
     (gpt2,) = [ln for ln in lines if "model.generate(static), gpt2" in ln]
     assert gpt2.endswith("TOKENS DIFFER")  # a run whose tokens differ says so next to its figure
-    assert ("host cost of a GraphRunner call over a hand-written replay loop: +1.1 us on the tiny 2-input step "
-            "(x * w + y) (21.1 vs 20.0 us); +1.5 us on the demo-like step (2 layers, hidden 256)") in text
+    assert (
+        "host cost of a GraphRunner call over a hand-written replay loop: +1.1 us on the tiny 2-input step "
+        "(x * w + y) (21.1 vs 20.0 us); +1.5 us on the demo-like step (2 layers, hidden 256)"
+    ) in text
     assert "eager 4.0 us, runner 21.1 us (5.27x eager's time)" in text
     # the summary opens with the table; nothing to show: no table
-    assert grbench.summary_lines(merged)[:len(lines)] == lines
+    assert grbench.summary_lines(merged)[: len(lines)] == lines
     assert grbench.speed_lines({"summary": {}}) == []
 
 
@@ -223,8 +291,10 @@ def test_hf_generate_script_times_decode_runner_against_model_generate(tmp_path)
 
 
 def test_summary_marks_capture_vs_compile_target():
-    merged = {"summary": {"capture_vs_compile": {"ratio": 4.0, "target_ratio": 5, "compile_buckets": [1, 2]}},
-              "out": "b.json"}
+    merged = {
+        "summary": {"capture_vs_compile": {"ratio": 4.0, "target_ratio": 5, "compile_buckets": [1, 2]}},
+        "out": "b.json",
+    }
     assert "4.0x faster (target >= 5x: MISSED)" in "\n".join(grbench.summary_lines(merged))
 
 
@@ -245,13 +315,19 @@ def test_decode_runner_declares_bounds_so_the_padding_check_warns_nothing(caplog
     assert spec["input_ids"].bounds == (0, model.config.vocab_size - 1)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="graphrunner"):
-        gr.GraphRunner(lambda input_ids, positions: model.decode_step(input_ids, positions), grbench.decode_inputs(),
-                       [1, 2, 4], backend="full", device="tape", progress=False).capture()
+        gr.GraphRunner(
+            lambda input_ids, positions: model.decode_step(input_ids, positions),
+            grbench.decode_inputs(),
+            [1, 2, 4],
+            backend="full",
+            device="tape",
+            progress=False,
+        ).capture()
     assert [r for r in caplog.records if "bounds" in r.getMessage()]
 
 
 # ----------------------------------------------------------------------------- driver behaviour
-_GOOD_LATENCY = '''
+_GOOD_LATENCY = """
 import json, sys
 def main(argv):
     out = argv[argv.index("--out") + 1]
@@ -260,20 +336,20 @@ def main(argv):
            "argv": list(argv)}
     json.dump(res, open(out, "w"))
     return res
-'''
+"""
 
-_FAILING = '''
+_FAILING = """
 def main(argv):
     raise RuntimeError("boom from the fake benchmark")
-'''
+"""
 
 _NO_MAIN = "X = 1\n"
 
-_WRITES_ONLY = '''
+_WRITES_ONLY = """
 import json
 def main(argv):
     json.dump({"rows": [{"batch": 1, "speedup": 1.5}]}, open(argv[argv.index("--out") + 1], "w"))
-'''
+"""
 
 
 def _fake_bench(tmp_path: Path, **scripts: str) -> Path:
@@ -285,11 +361,15 @@ def _fake_bench(tmp_path: Path, **scripts: str) -> Path:
 
 
 def test_driver_records_failures_missing_and_mainless_scripts(tmp_path, capsys):
-    d = _fake_bench(tmp_path, latency_vs_batch=_GOOD_LATENCY, capture_vs_compile=_FAILING,
-                    runner_overhead=_NO_MAIN, tape_vs_eager=_WRITES_ONLY)
+    d = _fake_bench(
+        tmp_path,
+        latency_vs_batch=_GOOD_LATENCY,
+        capture_vs_compile=_FAILING,
+        runner_overhead=_NO_MAIN,
+        tape_vs_eager=_WRITES_ONLY,
+    )
     out = tmp_path / "r" / "bench.json"
-    rc = grbench.main(["--bench-dir", str(d), "--out", str(out), "--plot", str(tmp_path / "r" / "p.png"),
-                       "--quick"])
+    rc = grbench.main(["--bench-dir", str(d), "--out", str(out), "--plot", str(tmp_path / "r" / "p.png"), "--quick"])
     assert rc == 1  # a script raised
     data = json.loads(out.read_text())
     assert "boom from the fake benchmark" in data["errors"]["capture_vs_compile"]
@@ -343,6 +423,7 @@ def test_unknown_names_and_missing_bench_dir_are_clear_errors(tmp_path, monkeypa
         grbench.find_bench_dir()
     # The CLI: the same one line, exit 2.
     from graphrunner_tools.cli import main as cli_main
+
     assert cli_main(["bench", "--out", str(tmp_path / "b.json")]) == 2
     msg = capsys.readouterr().err
     assert msg.startswith("graphrunner: error: ") and "--bench-dir" in msg and "Traceback" not in msg
@@ -356,17 +437,23 @@ def test_plot_skipped_with_message_without_matplotlib(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     lat = {"batches": [1, 2], "methods": {"eager": {"latency_us": [1.0, 2.0]}}}
     assert grbench.plot_latency(lat, tmp_path / "x.png") is None
-    merged = grbench.run_suite(out=tmp_path / "b.json", plot=tmp_path / "p.png", only=["latency_vs_batch"],
-                               bench_dir=d, echo=lambda s: None)
+    merged = grbench.run_suite(
+        out=tmp_path / "b.json", plot=tmp_path / "p.png", only=["latency_vs_batch"], bench_dir=d, echo=lambda s: None
+    )
     assert merged["plot"] is None and "matplotlib is not installed" in merged["plot_note"]
     assert not (tmp_path / "p.png").exists()
 
 
 def test_plot_draws_png(tmp_path):
     require("matplotlib")
-    lat = {"batches": [1, 2, 4], "methods": {"eager": {"latency_us": [10.0, 12.0, 15.0]},
-                                             "tape_full": {"latency_us": [8.0, None, 11.0]},
-                                             "other": {"latency_us": [9.0, 9.5, 9.9]}}}
+    lat = {
+        "batches": [1, 2, 4],
+        "methods": {
+            "eager": {"latency_us": [10.0, 12.0, 15.0]},
+            "tape_full": {"latency_us": [8.0, None, 11.0]},
+            "other": {"latency_us": [9.0, 9.5, 9.9]},
+        },
+    }
     path = grbench.plot_latency(lat, tmp_path / "sub" / "p.png")
     assert path == tmp_path / "sub" / "p.png"
     assert path.read_bytes()[:8] == PNG_MAGIC
@@ -392,17 +479,16 @@ def test_every_public_name_has_a_docstring():
 def test_thread_count_restored_after_each_script(tmp_path):
     import torch
 
-    pins = '''
+    pins = """
 import torch
 def main(argv):
     torch.set_num_threads(torch.get_num_threads() + 1)
     return {"ok": True}
-'''
+"""
     d = _fake_bench(tmp_path, tape_vs_eager=pins)
     before = torch.get_num_threads()
     try:
-        grbench.run_suite(out=tmp_path / "b.json", plot=None, only=["tape_vs_eager"], bench_dir=d,
-                          echo=lambda s: None)
+        grbench.run_suite(out=tmp_path / "b.json", plot=None, only=["tape_vs_eager"], bench_dir=d, echo=lambda s: None)
         assert torch.get_num_threads() == before
     finally:
         torch.set_num_threads(before)

@@ -181,10 +181,10 @@ def test_breaks_at_start_end_and_back_to_back():
     x = torch.zeros(4)
 
     def step():
-        a = inc(x)          # break at the very start
-        b = inc(inc(a))     # back to back
+        a = inc(x)  # break at the very start
+        b = inc(inc(a))  # back to back
         c = b * 3
-        return inc(c)       # break at the very end
+        return inc(c)  # break at the very end
 
     graph, out = capture(step)
     assert graph.num_breaks == 4
@@ -239,7 +239,7 @@ def test_exception_mid_capture_cleans_up_and_next_capture_works():
 
     with pytest.raises(ValueError, match="inside segment"):
         with breakable_graph(graph):
-            y = x + 1
+            x + 1  # noqa: B018 - an op recorded into the segment before the error
             raise ValueError("inside segment")
     assert not is_tape_capturing() and not graph.captured
 
@@ -362,6 +362,7 @@ def test_public_names_are_exported():
         assert name not in gr.__all__ and hasattr(gr.breakable, name), name
     # Meta's alias stays in its module, not in the top-level API
     import graphrunner.breakable as breakable_mod
+
     assert "BreakableCUDAGraph" not in gr.__all__ and breakable_mod.BreakableCUDAGraph is BreakableGraph
 
 
@@ -458,13 +459,14 @@ def test_cuda_breakable_replay_equals_eager():
 
 # -- overlapping (expanded, stride-0) break results ---------------------------
 
+
 def _sdpa_like_step(x, b, q, k):
     """A step whose break returns an expanded (stride-0) mask, as Gemma3's
     sdpa mask does, read by the next segment."""
 
     @no_graph
     def make_mask(t):
-        keep = (t.sum(dim=(0, 1)) > 0).to(t.dtype)          # (k,), depends on the input
+        keep = (t.sum(dim=(0, 1)) > 0).to(t.dtype)  # (k,), depends on the input
         return keep.view(1, 1, k).expand(b, q, k)
 
     def step():

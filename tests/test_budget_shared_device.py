@@ -59,8 +59,9 @@ BUCKETS = (1, 2, 4, 8)
 
 
 def make(dev, t, backend="full", **kw):
-    return gr.GraphRunner(chain, {"x": gr.BatchInput(trailing=(t,))}, list(BUCKETS), backend=backend, device=dev,
-                          progress=False, **kw)
+    return gr.GraphRunner(
+        chain, {"x": gr.BatchInput(trailing=(t,))}, list(BUCKETS), backend=backend, device=dev, progress=False, **kw
+    )
 
 
 def served_right(r, t, left=()):
@@ -176,8 +177,14 @@ def test_with_own_pool_gives_a_twin_with_a_pool_of_its_own():
     assert not twin.pool_in_use() and twin.pool_bytes() == 0
     # only a runner with a budget takes a twin; a backend instance keeps its device
     assert make(dev, 16).device is dev and make(dev, 16, memory_budget=1 << 20).device is not dev
-    inst = gr.GraphRunner(chain, {"x": gr.BatchInput(trailing=(16,))}, list(BUCKETS), progress=False,
-                          backend=gr.backends.FullGraphBackend(device=dev), memory_budget=1 << 20)
+    inst = gr.GraphRunner(
+        chain,
+        {"x": gr.BatchInput(trailing=(16,))},
+        list(BUCKETS),
+        progress=False,
+        backend=gr.backends.FullGraphBackend(device=dev),
+        memory_budget=1 << 20,
+    )
     assert inst.device is dev
 
 
@@ -216,14 +223,14 @@ def test_a_budget_on_a_shared_cuda_device_counts_its_own_pool(cuda_device, scena
     a.cleanup()
 
 
-BUDGET_TARGET = '''
+BUDGET_TARGET = """
 import graphrunner as gr
 
 def make():
     x2 = {"x": gr.BatchInput(trailing=(64,), dims=("r", "d"))}
     return gr.GraphRunner(lambda x: x * 2.0 + 1.0, x2, {"r": [1, 2, 4], "d": [1, 8, 16]}, device="tape",
                           progress=False, memory_budget=BUDGET)
-'''
+"""
 
 
 @pytest.mark.parametrize("budget", [20000, None])
@@ -244,6 +251,8 @@ def test_graphrunner_check_reports_a_budget_in_one_finding_line(tmp_path, capsys
         assert rc == 0 and found == []
         return
     assert rc == 1 and len(found) == 1
-    assert found[0].strip() == ("found: memory_budget=19.5 KiB: with key (4, 16) the graph pool holds 32.0 KiB, over "
-                                "the budget: a capture leaves this key (and any that do not fit after it) to eager")
+    assert found[0].strip() == (
+        "found: memory_budget=19.5 KiB: with key (4, 16) the graph pool holds 32.0 KiB, over "
+        "the budget: a capture leaves this key (and any that do not fit after it) to eager"
+    )
     assert 2 * (4 * 16 * 64 * F32) == 32 * 1024

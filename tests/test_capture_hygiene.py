@@ -146,8 +146,14 @@ def test_warmups_and_hooks_run_in_the_device_warmup_context_and_capture_does_not
 def test_cleanup_releases_the_pool_and_the_runner_captures_again():
     dev = PoolRecordingDevice()
     w = torch.randn(4, 4)
-    runner = gr.GraphRunner(lambda x: x @ w, inputs={"x": gr.BatchInput(trailing=(4,), dtype=torch.float32)},
-                            buckets=[1, 2], backend="full", device=dev, progress=False)
+    runner = gr.GraphRunner(
+        lambda x: x @ w,
+        inputs={"x": gr.BatchInput(trailing=(4,), dtype=torch.float32)},
+        buckets=[1, 2],
+        backend="full",
+        device=dev,
+        progress=False,
+    )
     runner.capture()
     first_pool = dev.graph_pool()
     runner.cleanup()
@@ -177,8 +183,14 @@ def test_capture_session_keeps_a_callers_gc_freeze():
 
 def test_inputs_that_require_grad_do_not_chain_autograd_onto_static_buffers():
     w = torch.randn(3, 3)
-    runner = gr.GraphRunner(lambda x: x @ w, inputs={"x": gr.BatchInput(trailing=(3,), dtype=torch.float32)},
-                            buckets=[2, 4], backend="full", device="tape", progress=False)
+    runner = gr.GraphRunner(
+        lambda x: x @ w,
+        inputs={"x": gr.BatchInput(trailing=(3,), dtype=torch.float32)},
+        buckets=[2, 4],
+        backend="full",
+        device="tape",
+        progress=False,
+    )
     runner.capture()
     for _ in range(3):
         x = torch.randn(3, 3, requires_grad=True)

@@ -12,11 +12,11 @@ import time
 
 import pytest
 import torch
+from mp_util import run_ranks
 
 import graphrunner as gr
 from graphrunner.channel import FRAME, HEADER, PAYLOAD, Channel
 from graphrunner.errors import AgreementError
-from mp_util import run_ranks
 
 
 class _Reduction:
@@ -41,6 +41,7 @@ class _Reduction:
             out = list(self.out)
             self.read.wait(timeout=10)  # every rank read it before the next frame
             return out
+
         return send
 
 
@@ -52,8 +53,9 @@ def _ranks(*programs):
 def test_values_are_the_elementwise_max_over_ranks_and_long_payloads_go_in_frames():
     a = list(range(30))
     b = [60 - v for v in range(30)]
-    results, red, chans = _ranks(lambda ch, s: ch.exchange(s, "all_max_vector", a, "v"),
-                                 lambda ch, s: ch.exchange(s, "all_max_vector", b, "v"))
+    results, red, chans = _ranks(
+        lambda ch, s: ch.exchange(s, "all_max_vector", a, "v"), lambda ch, s: ch.exchange(s, "all_max_vector", b, "v")
+    )
     expect = [max(x, y) for x, y in zip(a, b)]  # the hand computation
     assert results == [("ok", expect), ("ok", expect)]
     assert len(red.sent) == -(-30 // PAYLOAD)  # three frames for 30 values
@@ -66,6 +68,7 @@ def test_every_kind_of_collective_is_one_frame_of_the_same_size():
         def p(ch, s):
             ch.exchange(s, "barrier", [], "warmup", key=8)
             return ch.exchange(s, "all_max", [v], "x")[0], -ch.exchange(s, "all_min", [-v], "x")[0]
+
         return p
 
     results, red, _ = _ranks(prog(3), prog(5))
@@ -123,8 +126,10 @@ def _ranks_from(chans, *programs):
 
 
 def test_payloads_of_different_lengths_raise_on_every_rank():
-    results, _, _ = _ranks(lambda ch, s: ch.exchange(s, "all_max_vector", [1] * 3, "fingerprint"),
-                           lambda ch, s: ch.exchange(s, "all_max_vector", [1] * 4, "fingerprint"))
+    results, _, _ = _ranks(
+        lambda ch, s: ch.exchange(s, "all_max_vector", [1] * 3, "fingerprint"),
+        lambda ch, s: ch.exchange(s, "all_max_vector", [1] * 4, "fingerprint"),
+    )
     assert all(r[0] == "raised" and isinstance(r[1], AgreementError) for r in results), results
     assert "of 3 values" in str(results[0][1]) and "of 4 values" in str(results[0][1])
 
@@ -133,6 +138,7 @@ def test_negative_control_without_the_header_a_barrier_pairs_with_a_vector_silen
     """REVIEW item 4: the real channel, its frames' headers blanked on the wire (what the group sent before
     the channel: values only). The pair that raises on every rank with headers now pairs silently: rank 0's
     barrier returns, and rank 1 takes its agreement from a barrier."""
+
     def blank(send):
         return lambda frame: send([0] * HEADER + list(frame[HEADER:]))
 
@@ -169,8 +175,9 @@ def _recapture_worker(rank, world, raw):
             return self._all_reduce_max(values or [0], where)
 
     group = (RawGroup if raw else TorchDistGroup)(timeout=TIMEOUT)
-    runner = gr.GraphRunner(_step, {"x": gr.BatchInput(trailing=(4,))}, [1, 2, 4], device="tape", group=group,
-                            warmups=1, progress=False)
+    runner = gr.GraphRunner(
+        _step, {"x": gr.BatchInput(trailing=(4,))}, [1, 2, 4], device="tape", group=group, warmups=1, progress=False
+    )
     runner.capture()
     x = torch.arange(12.0).reshape(3, 4)
     assert torch.equal(runner(x=x), _step(x))  # both ranks serve one call, in step

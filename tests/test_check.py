@@ -8,23 +8,22 @@ off, while the lint still names its line.
 """
 
 import json
-import textwrap
-
 import re
+import textwrap
 
 import pytest
 import torch
+from extras_util import require
 
 import graphrunner as gr
 from graphrunner.checks.lint import CheckUsageError, check_factory
+from graphrunner.errors import CaptureError, CaptureUnsafeOpError
 from graphrunner_tools.cli import main
 from graphrunner_tools.targets import load_factory
-from graphrunner.errors import CaptureError, CaptureUnsafeOpError
-from extras_util import require
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-THREE = textwrap.dedent('''
+THREE = textwrap.dedent("""
     import torch
     import graphrunner as gr
 
@@ -45,9 +44,9 @@ THREE = textwrap.dedent('''
 
     def make():
         return gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(8,))}, buckets=[1, 2], progress=False)
-''')
+""")
 
-CLEAN = textwrap.dedent('''
+CLEAN = textwrap.dedent("""
     import torch
     import graphrunner as gr
 
@@ -74,9 +73,9 @@ CLEAN = textwrap.dedent('''
 
     def not_a_runner():
         return 42
-''')
+""")
 
-COUNTER = textwrap.dedent('''
+COUNTER = textwrap.dedent("""
     import torch
     import graphrunner as gr
 
@@ -94,10 +93,10 @@ COUNTER = textwrap.dedent('''
         return gr.GraphRunner(Counter().step, {"x": gr.BatchInput(trailing=(4,))}, buckets=[2], backend="full",
                               progress=False,
                               checks=None if drift_check is None else ("padding", "fingerprint"))
-''')
+""")
 
 
-COUNTED_LEAK = textwrap.dedent('''
+COUNTED_LEAK = textwrap.dedent("""
     import torch
     import graphrunner as gr
 
@@ -113,7 +112,7 @@ COUNTED_LEAK = textwrap.dedent('''
     def make():
         return gr.GraphRunner(Step(), {"x": gr.BatchInput(trailing=(4,))}, buckets=[1, 2, 4], device="tape",
                               progress=False)
-''')
+""")
 
 
 def _line(source: str, marker: str) -> int:
@@ -199,11 +198,14 @@ def test_python_counter_drift_is_located(target):
     assert runner.step.__self__.calls == frozen
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["check", "no_colon"], "expected FILE_OR_MODULE:FACTORY"),
-    (["check", "/nonexistent/model.py:make"], "does not exist"),
-    (["check", "graphrunner_no_such_module:make"], "cannot import module"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["check", "no_colon"], "expected FILE_OR_MODULE:FACTORY"),
+        (["check", "/nonexistent/model.py:make"], "does not exist"),
+        (["check", "graphrunner_no_such_module:make"], "cannot import module"),
+    ],
+)
 def test_usage_errors_are_one_line_exit_2(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -226,11 +228,11 @@ def test_a_factory_result_without_the_runner_surface_is_not_a_runner(target):
     """The lint knows a runner by its public surface, not its class (it sits below the runner)."""
     for bad in (None, torch.nn.Linear(2, 2), gr.GraphRunner):
         with pytest.raises(CheckUsageError, match="must return an uncaptured graphrunner.GraphRunner"):
-            check_factory(lambda: bad)
+            check_factory(lambda: bad)  # noqa: B023 - called in this iteration, before the variable moves on
     assert check_factory(load_factory(f"{target(CLEAN, 'clean')}:make")).ok  # negative control: a runner is one
 
 
-OPT = textwrap.dedent('''
+OPT = textwrap.dedent("""
     import torch
     import transformers
     import graphrunner as gr
@@ -246,7 +248,7 @@ OPT = textwrap.dedent('''
         cache = make_static_cache(model, 2, 16)
         return gr.GraphRunner(make_decode_step(model, cache), decode_inputs(), buckets=[2],
                               backend="full", progress=False)
-''')
+""")
 
 
 @pytest.mark.hf
@@ -278,13 +280,18 @@ def test_demo_decoder_has_no_findings(backend, attention):
     def make():
         config = LlamaConfig.demo(num_layers=2, attention=attention, max_batch_size=8)
         model = build_model(config, seed=0, device=torch.device("cpu"))
-        return gr.GraphRunner(lambda input_ids, positions: model.decode_step(input_ids, positions),
-                              inputs={"input_ids": gr.BatchInput(dtype=torch.long), "positions": gr.BatchInput(
-                                  dtype=torch.long)}, buckets=[1, 4], backend=backend, progress=False)
+        return gr.GraphRunner(
+            lambda input_ids, positions: model.decode_step(input_ids, positions),
+            inputs={"input_ids": gr.BatchInput(dtype=torch.long), "positions": gr.BatchInput(dtype=torch.long)},
+            buckets=[1, 4],
+            backend=backend,
+            progress=False,
+        )
 
     report = check_factory(make)
     assert report.ok, report.table()
     if backend == "breakable":  # negative control: the same decoder on a full graph has unsafe ops
+
         def make_full():
             runner = make()
             return gr.GraphRunner(runner.step, runner.inputs, buckets=[1, 4], backend="full", progress=False)
@@ -309,8 +316,13 @@ def test_factory_is_called_once_and_a_padding_leak_is_a_finding(target):
 
     def leaky():
         calls.append(1)
-        return gr.GraphRunner(lambda x: x - x.mean(0, keepdim=True), {"x": gr.BatchInput(trailing=(4,))},
-                              buckets=[2, 4], device="tape", progress=False)
+        return gr.GraphRunner(
+            lambda x: x - x.mean(0, keepdim=True),
+            {"x": gr.BatchInput(trailing=(4,))},
+            buckets=[2, 4],
+            device="tape",
+            progress=False,
+        )
 
     calls.clear()
     report = check_factory(leaky)
@@ -327,18 +339,25 @@ def test_step_writing_its_input_is_a_finding():
         return state * 2
 
     def make():
-        return gr.GraphRunner(accumulate, {"state": gr.BatchInput(trailing=(4,)), "delta": gr.BatchInput(trailing=(4,))},
-                              buckets=[2, 4], device="tape", progress=False)
+        return gr.GraphRunner(
+            accumulate,
+            {"state": gr.BatchInput(trailing=(4,)), "delta": gr.BatchInput(trailing=(4,))},
+            buckets=[2, 4],
+            device="tape",
+            progress=False,
+        )
 
     report = check_factory(make)
     kinds = [f.kind for f in report.findings]
-    assert "input-write" in kinds and "writes into its input 'state'" in report.findings[kinds.index("input-write")].what
+    assert (
+        "input-write" in kinds and "writes into its input 'state'" in report.findings[kinds.index("input-write")].what
+    )
     with pytest.raises(gr.CaptureError, match="writes into its input 'state'"):  # the plain capture refuses it too
         make().capture()
 
 
 # ------------------------------------------------------------ @no_graph functions that return Python values
-TRAP = textwrap.dedent('''
+TRAP = textwrap.dedent("""
     import torch
     import graphrunner as gr
 
@@ -417,7 +436,7 @@ TRAP = textwrap.dedent('''
 
 
     EXAMPLE = {"x": torch.randn(2, 4, generator=torch.Generator().manual_seed(1)), "lens": torch.tensor([3, 9])}
-''')
+""")
 
 
 def test_item_advice_leads_to_a_break_that_returns_a_tensor(target):
@@ -436,7 +455,8 @@ def test_no_graph_returning_a_number_is_a_frozen_return_finding(target, capsys):
     # the frozen number also reaches the mul after the break: a drift between the last warmup (the padding
     # check's run A, on real data) and the capture (on the padding)
     assert [(f.kind, f.file, f.line, f.function) for f in report.findings if f.kind != "drift"] == [
-        ("frozen-return", path, _line(TRAP, "frozen"), "longest_of")]
+        ("frozen-return", path, _line(TRAP, "frozen"), "longest_of")
+    ]
     f = [f for f in report.findings if f.kind != "drift"][0]
     assert "returned 0 at capture" in f.what and "frozen" in f.what
     assert f.fix.startswith("return a tensor") and "keep the consumer inside the break" in f.fix
@@ -504,12 +524,15 @@ def test_a_step_with_example_inputs_is_checked(target, capsys):
     assert torch.equal(runner(**ex), ex["x"] * 9)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["{path}:make_fixed", "--inputs", "EXAMPLE"], "the step takes no arguments"),
-    (["{path}:literal", "--inputs", "NOPE"], "argument --inputs: "),
-    (["{path}:make_fixed", "--buckets", "1,2"], "--buckets and --backend configure a step"),
-    (["{path}:INPUTS"], "is dict, not callable"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["{path}:make_fixed", "--inputs", "EXAMPLE"], "the step takes no arguments"),
+        (["{path}:literal", "--inputs", "NOPE"], "argument --inputs: "),
+        (["{path}:make_fixed", "--buckets", "1,2"], "--buckets and --backend configure a step"),
+        (["{path}:INPUTS"], "is dict, not callable"),
+    ],
+)
 def test_step_mode_usage_errors(target, capsys, argv, message):
     path = target(TRAP + "\nBAD = {'x': torch.zeros(2, 4)}\n", "trap")
     assert main(["check"] + [a.format(path=path) for a in argv]) == 2
@@ -524,7 +547,7 @@ def test_example_names_must_match_the_step(target, capsys):
     assert "missing ['lens']" in err and err.count("\n") == 1
 
 
-EXITS = textwrap.dedent('''
+EXITS = textwrap.dedent("""
     import sys
     import torch
     import graphrunner as gr
@@ -548,15 +571,18 @@ EXITS = textwrap.dedent('''
 
     def raises():
         raise RuntimeError("model weights not found")
-''')
+""")
 
 
-@pytest.mark.parametrize("name, message", [
-    ("exits", "exits() called sys.exit(0) instead of returning a runner"),
-    ("quits", "quits() called sys.exit(3)"),
-    ("make_step_exits", "called sys.exit(0) during its capture"),
-    ("raises", "raises() raised RuntimeError: model weights not found"),
-])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("exits", "exits() called sys.exit(0) instead of returning a runner"),
+        ("quits", "quits() called sys.exit(3)"),
+        ("make_step_exits", "called sys.exit(0) during its capture"),
+        ("raises", "raises() raised RuntimeError: model weights not found"),
+    ],
+)
 def test_a_target_that_exits_or_raises_is_exit_2_not_a_pass(target, capsys, name, message):
     path = target(EXITS, "exits")
     assert main(["check", f"{path}:{name}"]) == 2

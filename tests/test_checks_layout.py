@@ -13,15 +13,25 @@ def _late_attributes(source: str) -> dict:
     ``__init__`` (neither set there nor a class attribute)."""
     out = {}
     for cls in [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)]:
-        declared = {t.id for n in cls.body if isinstance(n, (ast.Assign, ast.AnnAssign))
-                    for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+        declared = {
+            t.id
+            for n in cls.body
+            if isinstance(n, (ast.Assign, ast.AnnAssign))
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+            if isinstance(t, ast.Name)
+        }
         init, other = set(), {}
         for m in cls.body:
             if not isinstance(m, ast.FunctionDef):
                 continue
             for n in ast.walk(m):
-                targets = n.targets if isinstance(n, ast.Assign) else \
-                    [n.target] if isinstance(n, (ast.AnnAssign, ast.AugAssign)) else []
+                targets = (
+                    n.targets
+                    if isinstance(n, ast.Assign)
+                    else [n.target]
+                    if isinstance(n, (ast.AnnAssign, ast.AugAssign))
+                    else []
+                )
                 for t in targets:
                     for e in ast.walk(t):
                         if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self":
@@ -52,6 +62,8 @@ def test_every_attribute_of_the_checks_classes_is_first_set_in_init():
 
 
 def test_negative_control_an_attribute_first_set_in_a_method_is_found():
-    src = ("class Check:\n    name = 'x'\n    def __init__(self):\n        self.a = 1\n"
-           "    def run(self):\n        self.a = 2\n        self.name = 'y'\n        self.later = 3\n")
+    src = (
+        "class Check:\n    name = 'x'\n    def __init__(self):\n        self.a = 1\n"
+        "    def run(self):\n        self.a = 2\n        self.name = 'y'\n        self.later = 3\n"
+    )
     assert _late_attributes(src) == {"Check": {"later": "run"}}

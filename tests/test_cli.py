@@ -22,14 +22,16 @@ def test_version_prints_the_package_version(capsys):
 
 
 def test_version_from_the_module_entry_point():
-    proc = subprocess.run([sys.executable, "-m", "graphrunner_tools.cli", "--version"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "graphrunner_tools.cli", "--version"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == f"graphrunner {graphrunner.__version__}"
 
 
 def test_all_lists_the_public_api():
-    public = {n for n in dir(graphrunner) if not n.startswith("_") and
-              type(getattr(graphrunner, n)).__name__ != "module"}
+    public = {
+        n for n in dir(graphrunner) if not n.startswith("_") and type(getattr(graphrunner, n)).__name__ != "module"
+    }
     assert public <= set(graphrunner.__all__)
     assert all(hasattr(graphrunner, n) for n in graphrunner.__all__)
 
@@ -37,22 +39,48 @@ def test_all_lists_the_public_api():
 #: The public API (issue 20, item 6): about 30 names; everything else stays in its submodule.
 PUBLIC_API = {
     "__version__",
-    "CaptureError", "CaptureUnsafeOpError", "ContractError", "GraphRunnerError", "PaddingLeakError", "RankTimeoutError",
-    "CudaDevice", "TapeDevice", "get_device",
-    "BreakableGraph", "breakable_graph", "no_graph",
-    "LocalGroup", "TorchDistGroup", "Trace",
-    "GraphRunner", "BatchInput", "default_buckets", "plan_buckets", "CaptureReport", "OutputArena", "PaddingCheck",
-    "check_factory", "CompareReport",
+    "CaptureError",
+    "CaptureUnsafeOpError",
+    "ContractError",
+    "GraphRunnerError",
+    "PaddingLeakError",
+    "RankTimeoutError",
+    "CudaDevice",
+    "TapeDevice",
+    "get_device",
+    "BreakableGraph",
+    "breakable_graph",
+    "no_graph",
+    "LocalGroup",
+    "TorchDistGroup",
+    "Trace",
+    "GraphRunner",
+    "BatchInput",
+    "default_buckets",
+    "plan_buckets",
+    "CaptureReport",
+    "OutputArena",
+    "PaddingCheck",
+    "check_factory",
+    "CompareReport",
 }
 
 #: Internals that are not public (issue 45): each lives in its module only.
 INTERNAL = {
-    "Device": "graphrunner.devices", "TapeGraph": "graphrunner.tape", "TapePool": "graphrunner.tape",
-    "tape_graph": "graphrunner.tape", "Event": "graphrunner.trace", "NullTrace": "graphrunner.trace",
-    "FullGraphBackend": "graphrunner.backends", "BreakableGraphBackend": "graphrunner.backends",
-    "EagerBackend": "graphrunner.backends", "GraphBackend": "graphrunner.backends",
-    "force_no_graph": "graphrunner.breakable", "is_in_breakable_graph": "graphrunner.breakable",
-    "BucketReport": "graphrunner.report", "RunnerStats": "graphrunner.report",
+    "Device": "graphrunner.devices",
+    "TapeGraph": "graphrunner.tape",
+    "TapePool": "graphrunner.tape",
+    "tape_graph": "graphrunner.tape",
+    "Event": "graphrunner.trace",
+    "NullTrace": "graphrunner.trace",
+    "FullGraphBackend": "graphrunner.backends",
+    "BreakableGraphBackend": "graphrunner.backends",
+    "EagerBackend": "graphrunner.backends",
+    "GraphBackend": "graphrunner.backends",
+    "force_no_graph": "graphrunner.breakable",
+    "is_in_breakable_graph": "graphrunner.breakable",
+    "BucketReport": "graphrunner.report",
+    "RunnerStats": "graphrunner.report",
     "check_capture_order": "graphrunner.backends.protocol",
 }
 
@@ -99,7 +127,7 @@ def test_public_names_import_and_others_raise_attribute_error():
     from graphrunner import GraphRunner, check_factory, no_graph  # noqa: F401  (test_hf: gr.hf is lazy)
 
     with pytest.raises(AttributeError, match="no attribute 'NotAName'"):
-        graphrunner.NotAName
+        graphrunner.NotAName  # noqa: B018 - the attribute access is what raises
 
 
 def test_pyproject_ships_py_typed_and_an_spdx_license():
@@ -122,13 +150,16 @@ def _one_error_line(capsys) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("argv", [
-    ["demo", "--steps", "0"],
-    ["demo", "--buckets", "a,b"],
-    ["demo", "--backend", "nope"],
-    ["demo", "--bogus"],
-    [],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["demo", "--steps", "0"],
+        ["demo", "--buckets", "a,b"],
+        ["demo", "--backend", "nope"],
+        ["demo", "--bogus"],
+        [],
+    ],
+)
 def test_bad_arguments_are_one_line_and_exit_2(capsys, argv):
     assert main(argv) == 2
     _one_error_line(capsys)
@@ -157,8 +188,13 @@ def test_device_cuda_without_cuda_is_one_line_and_exit_2(capsys, argv):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available: --device cuda is not an error")
 def test_device_cuda_without_cuda_from_the_console(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "graphrunner_tools.cli", "demo", "--device", "cuda"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "graphrunner_tools.cli", "demo", "--device", "cuda"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("graphrunner: error: "), proc.stderr
     assert proc.stdout == ""
@@ -166,13 +202,31 @@ def test_device_cuda_without_cuda_from_the_console(tmp_path):
 
 # --------------------------------------------------------------------------- progress output
 
-TINY_DEMO = ["demo", "--device", "tape", "--steps", "3", "--layers", "1", "--buckets", "1,2", "--max-batch", "3",
-             "--trace-out", ""]
+TINY_DEMO = [
+    "demo",
+    "--device",
+    "tape",
+    "--steps",
+    "3",
+    "--layers",
+    "1",
+    "--buckets",
+    "1,2",
+    "--max-batch",
+    "3",
+    "--trace-out",
+    "",
+]
 
 
 def test_progress_to_a_redirected_stderr_has_no_carriage_returns(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "graphrunner_tools.cli", *TINY_DEMO], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-m", "graphrunner_tools.cli", *TINY_DEMO],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "\r" not in proc.stderr and "\r" not in proc.stdout
     lines = proc.stderr.splitlines()
@@ -218,8 +272,12 @@ def test_unwritable_trace_out_is_one_line_before_any_work(tmp_path, capsys):
 
 def test_closed_stdout_pipe_is_a_quiet_exit(tmp_path):
     """`graphrunner demo | head -1`: the reader leaves early; no BrokenPipeError traceback."""
-    proc = subprocess.Popen([sys.executable, "-m", "graphrunner_tools.cli", *TINY_DEMO, "--no-progress"], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "graphrunner_tools.cli", *TINY_DEMO, "--no-progress"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     proc.stdout.readline()
     proc.stdout.close()  # like head after its first line
     err = proc.stderr.read().decode()
@@ -227,10 +285,17 @@ def test_closed_stdout_pipe_is_a_quiet_exit(tmp_path):
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
 
 
-@pytest.mark.parametrize("argv, over, fit", [
-    (["--requests", "1", "--concurrency", "100000"], "level 100000 exceeds --requests 1", "--concurrency 1,"),
-    (["--requests", "10"], "levels 16,64 exceed --requests 10", "--concurrency 4,10,"),  # the default levels 4,16,64
-])
+@pytest.mark.parametrize(
+    "argv, over, fit",
+    [
+        (["--requests", "1", "--concurrency", "100000"], "level 100000 exceeds --requests 1", "--concurrency 1,"),
+        (
+            ["--requests", "10"],
+            "levels 16,64 exceed --requests 10",
+            "--concurrency 4,10,",
+        ),  # the default levels 4,16,64
+    ],
+)
 def test_loadtest_concurrency_above_requests_is_one_line(capsys, argv, over, fit):
     assert main(["loadtest"] + argv) == 2
     err = capsys.readouterr().err

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import graphrunner as gr
-from graphrunner.recording.ops import WriteGuard
 from graphrunner.errors import CaptureError
+from graphrunner.recording.ops import WriteGuard
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -54,8 +54,9 @@ class Cached(nn.Module):
 
 
 def _runner(step, trailing=8, backend="full", buckets=(2, 4)):
-    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(trailing,))}, buckets=list(buckets), backend=backend,
-                       progress=False)
+    r = gr.GraphRunner(
+        step, {"x": gr.BatchInput(trailing=(trailing,))}, buckets=list(buckets), backend=backend, progress=False
+    )
     r.capture()
     return r
 
@@ -166,8 +167,13 @@ def test_compare_on_a_named_dims_runner_localises_the_stale_value():
     def step(tokens):  # (reqs, draft, 4) -> same; the Python float is frozen at capture
         return (tokens @ w) * box["scale"]  # stale scale
 
-    r = gr.GraphRunner(step, {"tokens": gr.BatchInput(trailing=(4,), dims=("reqs", "draft"))},
-                       buckets={"reqs": [2, 4], "draft": [1, 3]}, device="tape", progress=False)
+    r = gr.GraphRunner(
+        step,
+        {"tokens": gr.BatchInput(trailing=(4,), dims=("reqs", "draft"))},
+        buckets={"reqs": [2, 4], "draft": [1, 3]},
+        device="tape",
+        progress=False,
+    )
     r.capture()
     x = torch.randn(3, 2, 4)
     rep = r.compare(tokens=x)
@@ -176,7 +182,7 @@ def test_compare_on_a_named_dims_runner_localises_the_stale_value():
     rep = r.compare(tokens=x)
     want = (x @ w) * 3.0
     got = r(tokens=x)
-    assert not torch.equal(got, want)                                   # the silent wrong result compare explains
+    assert not torch.equal(got, want)  # the silent wrong result compare explains
     assert rep.max_abs_diff == pytest.approx(float((got - want).abs().max()), rel=1e-6)
     assert rep.op is not None and rep.where[1] == _line(step, "stale scale")
     # the runner's static buffers and its padding are as before: the next call still equals the graph's math

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from extras_util import require
 
 import graphrunner as gr
 from graphrunner.checks.contracts import debug_enabled
-from extras_util import require
 
 H, SLOTS = 4, 8
 
@@ -19,7 +19,7 @@ class Decoder(torch.nn.Module):
         self.proj = torch.nn.Linear(H, H)
         with torch.no_grad():
             self.proj.weight.copy_(torch.randn(H, H, generator=g))
-        self.cache = torch.zeros(SLOTS, H)        # a plain tensor attribute, not a buffer
+        self.cache = torch.zeros(SLOTS, H)  # a plain tensor attribute, not a buffer
 
     def step(self, x, slot):
         self.cache.index_copy_(0, slot, x)
@@ -33,10 +33,17 @@ class Decoder(torch.nn.Module):
 
 
 def _runner(m, **kw):
-    return gr.GraphRunner(m.step, inputs={"x": gr.BatchInput(trailing=(H,), pad=0.0),
-                                          "slot": gr.BatchInput(dtype=torch.long, pad=SLOTS - 1,
-                                                                bounds=(0, SLOTS - 1))},
-                          buckets=[2, 4], device="tape", progress=False, **kw)
+    return gr.GraphRunner(
+        m.step,
+        inputs={
+            "x": gr.BatchInput(trailing=(H,), pad=0.0),
+            "slot": gr.BatchInput(dtype=torch.long, pad=SLOTS - 1, bounds=(0, SLOTS - 1)),
+        },
+        buckets=[2, 4],
+        device="tape",
+        progress=False,
+        **kw,
+    )
 
 
 def _batch(seed=1):
@@ -92,8 +99,8 @@ def test_out_of_bounds_index_raises_before_replay_naming_input_row_value():
     before = m.cache.clone()
     with pytest.raises(ValueError, match=r"input 'slot' row 1 holds 9, outside its bounds \[0, 7\]"):
         r(x=x, slot=torch.tensor([0, 9, 2]))
-    assert r.stats.replays == replays and torch.equal(m.cache, before)   # nothing ran
-    torch.testing.assert_close(r(x=x, slot=slot), m.eager(x, slot))     # still usable
+    assert r.stats.replays == replays and torch.equal(m.cache, before)  # nothing ran
+    torch.testing.assert_close(r(x=x, slot=slot), m.eager(x, slot))  # still usable
 
 
 def test_lookup_index_bounds_and_negative_control():
@@ -103,18 +110,24 @@ def test_lookup_index_bounds_and_negative_control():
         return table[ids] * 2
 
     def build(debug):
-        r = gr.GraphRunner(step, inputs={"ids": gr.BatchInput(dtype=torch.long, pad=0, bounds=(0, 9))},
-                           buckets=[4], device="tape", progress=False, debug=debug)
+        r = gr.GraphRunner(
+            step,
+            inputs={"ids": gr.BatchInput(dtype=torch.long, pad=0, bounds=(0, 9))},
+            buckets=[4],
+            device="tape",
+            progress=False,
+            debug=debug,
+        )
         r.capture()
         return r
 
     ids = torch.tensor([1, -1, 2])
     with pytest.raises(ValueError, match=r"input 'ids' row 1 holds -1"):
         build(True)(ids=ids)
-    out = build(False)(ids=ids)                       # without debug: no error ...
+    out = build(False)(ids=ids)  # without debug: no error ...
     torch.testing.assert_close(out[1], table[9] * 2)  # ... row 1 silently reads the last row of the table
     with pytest.raises((IndexError, RuntimeError)) as ei:  # past the end: the engine's own error, its own type,
-        build(False)(ids=torch.tensor([1, 10, 2]))   # explained in a note (issue 33, 42): the input, the row, debug mode
+        build(False)(ids=torch.tensor([1, 10, 2]))  # explained in a note (issue 33, 42): the input, the row, debug mode
     notes = "\n".join(getattr(ei.value, "__notes__", []))
     assert "input 'ids' row 1 holds 10" in notes and "debug=True" in notes
     assert not isinstance(ei.value, gr.GraphRunnerError)
@@ -124,8 +137,14 @@ def test_multi_dim_bounds_name_the_index_tuple():
     def step(ids):
         return ids.float() * 2
 
-    r = gr.GraphRunner(step, inputs={"ids": gr.BatchInput(dtype=torch.long, pad=0, bounds=(0, 5), dims=("r", "d"))},
-                       buckets={"r": [2], "d": [3]}, device="tape", progress=False, debug=True)
+    r = gr.GraphRunner(
+        step,
+        inputs={"ids": gr.BatchInput(dtype=torch.long, pad=0, bounds=(0, 5), dims=("r", "d"))},
+        buckets={"r": [2], "d": [3]},
+        device="tape",
+        progress=False,
+        debug=True,
+    )
     r.capture()
     with pytest.raises(ValueError, match=r"input 'ids' row \(1, 2\) holds 6"):
         r(ids=torch.tensor([[0, 1, 2], [3, 4, 6]]))
@@ -144,8 +163,8 @@ def test_rebound_weight_raises_naming_module_path_and_control():
     r2 = _runner(m2, debug=False)
     r2.capture()
     m2.proj.weight = torch.nn.Parameter(torch.randn(H, H))
-    out = r2(x=x, slot=slot)                                    # no error ...
-    assert (out - m2.eager(x, slot)).abs().max() > 0.1          # ... and silently the old weight
+    out = r2(x=x, slot=slot)  # no error ...
+    assert (out - m2.eager(x, slot)).abs().max() > 0.1  # ... and silently the old weight
 
 
 def test_reallocated_cache_raises_and_control():
@@ -156,7 +175,7 @@ def test_reallocated_cache_raises_and_control():
     assert "self.proj.weight" not in str(rep.externals_written)
     assert "externals the graphs write (debug): self.cache [8, 4] float32" in rep.table()
     x, slot = _batch()
-    m.cache = torch.zeros(2 * SLOTS, H)                         # "grow the cache"
+    m.cache = torch.zeros(2 * SLOTS, H)  # "grow the cache"
     with pytest.raises(gr.ContractError, match=r"self\.cache \(\[8, 4\].*now \[16, 4\]"):
         r(x=x, slot=slot)
 
@@ -165,7 +184,7 @@ def test_reallocated_cache_raises_and_control():
     r2.capture()
     m2.cache = torch.zeros(2 * SLOTS, H)
     r2(x=x, slot=slot)
-    assert torch.equal(m2.cache, torch.zeros(2 * SLOTS, H))     # the graph silently wrote the old cache
+    assert torch.equal(m2.cache, torch.zeros(2 * SLOTS, H))  # the graph silently wrote the old cache
 
 
 def test_cache_resized_in_place_is_caught():
@@ -183,12 +202,13 @@ def test_closure_and_global_tensors_are_named():
     def step(x):
         return x @ w
 
-    r = gr.GraphRunner(step, inputs={"x": gr.BatchInput(trailing=(H,))}, buckets=[2], device="tape",
-                       progress=False, debug=True)
+    r = gr.GraphRunner(
+        step, inputs={"x": gr.BatchInput(trailing=(H,))}, buckets=[2], device="tape", progress=False, debug=True
+    )
     r.capture()
     assert [e.path for e in r.server.externals.guard.per_key[2]] == ["w"]
     with torch.no_grad():
-        w.copy_(torch.randn(H, H))                              # in place: allowed, and replays see it
+        w.copy_(torch.randn(H, H))  # in place: allowed, and replays see it
     x = torch.randn(2, H)
     torch.testing.assert_close(r(x=x), x @ w)
 
@@ -208,8 +228,9 @@ def test_hf_decode_runner_in_debug_mode_names_weights_and_cache(monkeypatch):
     def build(debug):
         monkeypatch.setenv("GRAPHRUNNER_DEBUG", "1" if debug else "0")
         model = build_model("llama")
-        runner = gr.hf.DecodeRunner(model, max_batch=MAX_BATCH, max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS,
-                                    backend="full", device="auto")
+        runner = gr.hf.DecodeRunner(
+            model, max_batch=MAX_BATCH, max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS, backend="full", device="auto"
+        )
         return model, runner, runner.capture()
 
     model, runner, rep = build(True)
@@ -224,7 +245,7 @@ def test_hf_decode_runner_in_debug_mode_names_weights_and_cache(monkeypatch):
     with pytest.raises(gr.ContractError, match=r"model\.model\.layers\.0\.mlp\.down_proj\.weight"):
         runner.generate(ids, max_new_tokens=NEW_TOKENS)
 
-    model, runner, rep = build(False)                  # negative control: debug off
+    model, runner, rep = build(False)  # negative control: debug off
     assert rep.externals_written is None
     layer = model.model.layers[0].mlp.down_proj
     layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight) * 10)
@@ -249,8 +270,14 @@ def test_nan_in_a_bounded_float_input_is_out_of_bounds_and_negative_control(monk
         return x * 2 + 1
 
     def build():
-        r = gr.GraphRunner(step, inputs={"x": gr.BatchInput(trailing=(H,), pad=0.0, bounds=(-10.0, 10.0))},
-                           buckets=[4], device="tape", progress=False, debug=True)
+        r = gr.GraphRunner(
+            step,
+            inputs={"x": gr.BatchInput(trailing=(H,), pad=0.0, bounds=(-10.0, 10.0))},
+            buckets=[4],
+            device="tape",
+            progress=False,
+            debug=True,
+        )
         r.capture()
         return r
 
@@ -259,15 +286,15 @@ def test_nan_in_a_bounded_float_input_is_out_of_bounds_and_negative_control(monk
     # the function itself: NaN lies in no range
     err = contracts.bounds_error("x", x, (-10.0, 10.0), 1)
     assert err is not None and "input 'x' row 1 (cell (1, 2)) holds nan" in str(err)
-    assert contracts.bounds_error("x", x, (None, None), 1) is None          # no bounds declared: not checked
+    assert contracts.bounds_error("x", x, (None, None), 1) is None  # no bounds declared: not checked
     assert contracts.bounds_error("x", torch.randn(3, H), (-10.0, 10.0), 1) is None
     r = build()
     replays = dict(r.stats.replays)
     with pytest.raises(ValueError, match=r"input 'x' row 1 \(cell \(1, 2\)\) holds nan, outside its bounds"):
         r(x=x)
-    assert r.stats.replays == replays                                      # nothing ran
+    assert r.stats.replays == replays  # nothing ran
     ok = torch.randn(3, H)
-    torch.testing.assert_close(r(x=ok), step(ok))                          # still usable
+    torch.testing.assert_close(r(x=ok), step(ok))  # still usable
     # negative control: the old comparisons (t < lo, t > hi) let the NaN through into the graph
     monkeypatch.setattr(contracts, "bounds_error", _bounds_error_without_nan)
     out = build()(x=x)

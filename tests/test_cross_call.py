@@ -49,7 +49,7 @@ def _line(obj, marker):
 
 
 def _weights(seed=0):
-    return torch.randn(H, H, generator=torch.Generator().manual_seed(seed)) / H ** 0.5
+    return torch.randn(H, H, generator=torch.Generator().manual_seed(seed)) / H**0.5
 
 
 def _calls(seed=1, n=CALLS):
@@ -59,7 +59,7 @@ def _calls(seed=1, n=CALLS):
     out = []
     for _ in range(n):
         b = int(torch.randint(1, SLOTS, (1,), generator=g))
-        slots = torch.cat([torch.zeros(1, dtype=torch.long), torch.randperm(SLOTS - 1, generator=g)[:b - 1] + 1])
+        slots = torch.cat([torch.zeros(1, dtype=torch.long), torch.randperm(SLOTS - 1, generator=g)[: b - 1] + 1])
         out.append({"x": torch.randn(b, H, generator=g), "slots": slots})
     return out
 
@@ -97,8 +97,7 @@ def _served(make_model, pad, checks=None, calls=None):
     """Capture a runner over ``make_model()`` and serve ``calls``; an eager twin serves the same calls
     from the same starting state. Returns ``(graph outputs, eager outputs)``."""
     model, twin = make_model(), make_model()
-    r = gr.GraphRunner(model, _slot_inputs(pad), BUCKETS, backend="full", device="tape", progress=False,
-                       checks=checks)
+    r = gr.GraphRunner(model, _slot_inputs(pad), BUCKETS, backend="full", device="tape", progress=False, checks=checks)
     r.capture()
     with torch.inference_mode():
         model.state.copy_(twin.state)  # what the capture's warmups wrote at the pad slot: gone
@@ -111,8 +110,8 @@ def test_repro1_pad_slot_that_is_a_real_slot_is_refused_naming_the_input_the_sta
         gr.GraphRunner(SlotState(), _slot_inputs(0), BUCKETS, backend="full", device="tape", progress=False).capture()
     msg = str(info.value)
     assert "in a call after a padded call" in msg
-    assert "slots (pad 0, also a real value: bounds (0, 7))" in msg      # the input whose padding did it
-    assert "the padding rows wrote SlotState.state[0, :]" in msg         # the written tensor and its cells
+    assert "slots (pad 0, also a real value: bounds (0, 7))" in msg  # the input whose padding did it
+    assert "the padding rows wrote SlotState.state[0, :]" in msg  # the written tensor and its cells
     assert "Pad 'slots' with a scratch index outside the real range" in msg
 
 
@@ -137,11 +136,14 @@ def test_repro1_fix_a_scratch_slot_replays_exactly_like_eager_for_20_calls():
 
 def _with_reset_hook(model, pad):
     """A runner whose post-warmup hook resets the state (a cache reset: the hook's documented use)."""
+
     def reset(_bucket):
         with torch.inference_mode():
             model.state.zero_()
-    return gr.GraphRunner(model, _slot_inputs(pad), BUCKETS, backend="full", device="tape", progress=False,
-                          post_warmup_hook=reset)
+
+    return gr.GraphRunner(
+        model, _slot_inputs(pad), BUCKETS, backend="full", device="tape", progress=False, post_warmup_hook=reset
+    )
 
 
 def test_repro1_with_a_post_warmup_hook_that_resets_the_state_it_is_still_refused():
@@ -189,14 +191,15 @@ class Rebound(SlotState):
 
 
 def test_repro2_rebound_state_is_refused_naming_the_attribute_the_line_and_the_remedy():
-    r = gr.GraphRunner(Rebound(SLOTS + 1), _slot_inputs(SLOTS), BUCKETS, backend="full", device="tape",
-                       progress=False)
+    r = gr.GraphRunner(Rebound(SLOTS + 1), _slot_inputs(SLOTS), BUCKETS, backend="full", device="tape", progress=False)
     with pytest.raises(gr.CaptureError) as info:
         r.capture()
     msg = str(info.value)
     assert "is kept in Rebound.state after it" in msg
-    assert f"assigned at {__file__}:{_line(Rebound, 're-bound')} in forward: " \
-           "`self.state = self.state.index_copy(0, slots, h)  # re-bound`" in msg
+    assert (
+        f"assigned at {__file__}:{_line(Rebound, 're-bound')} in forward: "
+        "`self.state = self.state.index_copy(0, slots, h)  # re-bound`" in msg
+    )
     assert "self.state.index_copy_(0, slots, h)" in msg and "or return the tensor as an output" in msg
     assert not r.captured
 
@@ -212,11 +215,12 @@ def test_repro2_the_breakable_backend_and_the_cuda_stand_in_refuse_it_too(cuda_s
     recorder: a breakable graph's segments, and a CUDA capture (here the stand-in's)."""
     for device, backend in (("tape", "breakable"), ("cuda", "full")):
         with pytest.raises(gr.CaptureError, match=r"is kept in Rebound\.state after it \(assigned at"):
-            gr.GraphRunner(Rebound(SLOTS + 1), _slot_inputs(SLOTS), [2, 4], backend=backend, device=device,
-                           progress=False).capture()
+            gr.GraphRunner(
+                Rebound(SLOTS + 1), _slot_inputs(SLOTS), [2, 4], backend=backend, device=device, progress=False
+            ).capture()
 
 
-CHECKED = textwrap.dedent('''
+CHECKED = textwrap.dedent("""
     import torch
     import graphrunner as gr
 
@@ -235,7 +239,7 @@ CHECKED = textwrap.dedent('''
         return gr.GraphRunner(Rebound(), {"x": gr.BatchInput(trailing=(4,)),
                                           "slots": gr.BatchInput(dtype=torch.long, pad=8, bounds=(0, 7))},
                               buckets=[2, 4], progress=False)
-''')
+""")
 
 
 def test_repro2_graphrunner_check_reports_it_as_a_finding(tmp_path, capsys):
@@ -305,18 +309,29 @@ def _scorer(pad_row_wins):
 
 def _id_calls(n=CALLS, seed=4):
     g = torch.Generator().manual_seed(seed)
-    return [{"ids": torch.randperm(9, generator=g)[:int(torch.randint(1, 8, (1,), generator=g))] + 1}
-            for _ in range(n)]  # real ids 1..9: never the winner 0
+    return [
+        {"ids": torch.randperm(9, generator=g)[: int(torch.randint(1, 8, (1,), generator=g))] + 1} for _ in range(n)
+    ]  # real ids 1..9: never the winner 0
 
 
 def _id_runner(step, pad, **kw):
-    return gr.GraphRunner(step, {"ids": gr.BatchInput(dtype=torch.long, pad=pad, bounds=(0, 9))}, BUCKETS,
-                          backend="full", device="tape", progress=False, **kw)
+    return gr.GraphRunner(
+        step,
+        {"ids": gr.BatchInput(dtype=torch.long, pad=pad, bounds=(0, 9))},
+        BUCKETS,
+        backend="full",
+        device="tape",
+        progress=False,
+        **kw,
+    )
 
 
 def test_repro3_the_pad_value_as_the_winner_is_refused():
-    with pytest.raises(gr.PaddingLeakError, match=r"against eager PyTorch on the same real batch without padding.*"
-                                                  r"wins a max.*ids \(pad 0\)"):
+    with pytest.raises(
+        gr.PaddingLeakError,
+        match=r"against eager PyTorch on the same real batch without padding.*"
+        r"wins a max.*ids \(pad 0\)",
+    ):
         _id_runner(_scorer(True), 0).capture()
 
 
@@ -358,14 +373,20 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
 def _x_runner(step, dtype, **kw):
-    return gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(H,), dtype=dtype, pad=0.0)}, BUCKETS,
-                          backend="full", device="tape", progress=False, **kw)
+    return gr.GraphRunner(
+        step,
+        {"x": gr.BatchInput(trailing=(H,), dtype=dtype, pad=0.0)},
+        BUCKETS,
+        backend="full",
+        device="tape",
+        progress=False,
+        **kw,
+    )
 
 
 def _x_calls(dtype, n=CALLS, seed=5):
     g = torch.Generator().manual_seed(seed)
-    return [{"x": torch.randn(int(torch.randint(1, 8, (1,), generator=g)), H, generator=g).to(dtype)}
-            for _ in range(n)]
+    return [{"x": torch.randn(int(torch.randint(1, 8, (1,), generator=g)), H, generator=g).to(dtype)} for _ in range(n)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -447,8 +468,9 @@ def _findings(step):
     from graphrunner.checks.lint import check_factory
 
     def make():
-        return gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(H,))}, [2, 4], backend="full", device="tape",
-                              progress=False)
+        return gr.GraphRunner(
+            step, {"x": gr.BatchInput(trailing=(H,))}, [2, 4], backend="full", device="tape", progress=False
+        )
 
     return {f.kind for f in check_factory(make).findings}, make
 
@@ -485,8 +507,9 @@ class Bumping:
 
 def _counter_after_capture(checks):
     step = Bumping()
-    gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(H,))}, [2, 4], backend="full", device="tape",
-                   progress=False, checks=checks).capture()
+    gr.GraphRunner(
+        step, {"x": gr.BatchInput(trailing=(H,))}, [2, 4], backend="full", device="tape", progress=False, checks=checks
+    ).capture()
     return step.n
 
 
@@ -511,7 +534,9 @@ def test_the_docs_table_of_what_the_check_catches_names_tests_that_exist():
 
     root = pathlib.Path(__file__).resolve().parents[1]
     doc = (root / "docs" / "checks.md").read_text()
-    section = doc.split("### What the padding check catches, and what it cannot", 1)[1].split("What it cannot see", 1)[0]
+    section = doc.split("### What the padding check catches, and what it cannot", 1)[1].split("What it cannot see", 1)[
+        0
+    ]
     rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| a step")]
     assert len(rows) >= 8
     here = pathlib.Path(__file__).read_text()

@@ -26,8 +26,9 @@ def test_the_script_without_cuda_and_without_dry_run_exits_2(tmp_path):
         pytest.skip("has a GPU")
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
     env.pop("GRAPHRUNNER_CUDA_STANDIN", None)
-    p = subprocess.run(["bash", os.path.join(REPO, "scripts", "cuda-check.sh")], env=env, capture_output=True,
-                       text=True, timeout=120)
+    p = subprocess.run(
+        ["bash", os.path.join(REPO, "scripts", "cuda-check.sh")], env=env, capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 2, p.stdout + p.stderr
     assert "--dry-run" in (tmp_path / "summary.txt").read_text()
 
@@ -42,20 +43,34 @@ def test_memory_check_on_the_standin(cuda_standin, tmp_path):
 
 
 def test_demo_on_a_cuda_device(cuda_standin, one_torch_thread, tmp_path):
-    from graphrunner_tools.demo import run_demo
-
     import io
 
+    from graphrunner_tools.demo import run_demo
+
     out = io.StringIO()
-    result = run_demo(backend="breakable", device="cuda", steps=12, buckets=(1, 2, 4), max_batch=6, layers=2,
-                      progress=False, trace_out=str(tmp_path / "trace"), out=out)
+    result = run_demo(
+        backend="breakable",
+        device="cuda",
+        steps=12,
+        buckets=(1, 2, 4),
+        max_batch=6,
+        layers=2,
+        progress=False,
+        trace_out=str(tmp_path / "trace"),
+        out=out,
+    )
     assert result.ok, out.getvalue()
     assert "device=cuda" in out.getvalue()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("devices,words", [("1", "--ranks 2 on CUDA needs 2 GPUs, one per rank, and this machine has 1"),
-                                           ("2", "--ranks 2 on CUDA needs NCCL")])
+@pytest.mark.parametrize(
+    "devices,words",
+    [
+        ("1", "--ranks 2 on CUDA needs 2 GPUs, one per rank, and this machine has 1"),
+        ("2", "--ranks 2 on CUDA needs NCCL"),
+    ],
+)
 def test_loadtest_two_ranks_on_cuda_is_refused_before_spawning(devices, words):
     """A tensor-parallel step on CUDA captures an all_reduce, which only NCCL allows, one GPU per rank: on the
     stand-in with 1 GPU, and with 2 but a CPU torch without NCCL, the command says so at once (exit 2, one
@@ -64,9 +79,31 @@ def test_loadtest_two_ranks_on_cuda_is_refused_before_spawning(devices, words):
         pytest.skip("on a GPU this is the loadtest-ranks step of scripts/cuda-check.sh")
     env = {**os.environ, "PYTHONPATH": REPO, "GRAPHRUNNER_CUDA_STANDIN_DEVICES": devices}
     env.pop("GRAPHRUNNER_DEVICE", None)
-    p = subprocess.run([sys.executable, "-m", "graphrunner.testing.cuda_standin", "graphrunner_tools", "loadtest",
-                        "--device", "cuda", "--ranks", "2", "--requests", "4", "--concurrency", "2", "--layers", "1",
-                        "--no-progress"], env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "graphrunner.testing.cuda_standin",
+            "graphrunner_tools",
+            "loadtest",
+            "--device",
+            "cuda",
+            "--ranks",
+            "2",
+            "--requests",
+            "4",
+            "--concurrency",
+            "2",
+            "--layers",
+            "1",
+            "--no-progress",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert p.returncode == 2 and p.stdout == "", p.stdout + p.stderr
     assert p.stderr.count("\n") == 1 and words in p.stderr, p.stderr
 
@@ -82,8 +119,9 @@ def test_decode_runner_on_a_cuda_device(cuda_standin, one_torch_thread):
     model = build_tiny("llama", seed=0)
     ids = torch.randint(3, 128, (3, 5), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
-        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
-                             cache_implementation="static")
+        ref = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, cache_implementation="static"
+        )
     runner = gr.hf.DecodeRunner(model, max_batch=4, max_cache_len=16, buckets=[1, 2, 4], device=dev)
     got = runner.generate(ids, max_new_tokens=4)
     assert torch.equal(torch.as_tensor(got), ref)

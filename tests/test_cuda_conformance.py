@@ -387,7 +387,8 @@ def _all_reduce_step(t):
 
 @pytest.mark.parametrize("backend_cls", [FullGraphBackend, BreakableGraphBackend])
 def test_a_gloo_collective_in_a_cuda_capture_is_a_capture_error_not_a_rank_timeout(
-        cuda_standin, gloo_world_of_one, backend_cls):
+    cuda_standin, gloo_world_of_one, backend_cls
+):
     """Defect 4: the capture error of a gloo collective was classified as RankTimeoutError
     because its text names the process group."""
     dev = CudaDevice()

@@ -42,11 +42,11 @@ def test_tokens_equal_the_eager_twin(backend):
     res = ex.run(backend, device="tape")
     requests = ex.make_requests()
     assert [len(t) for t in res.eager_tokens] == [n for _, n in requests]
-    assert res.graph_tokens == res.eager_tokens            # token for token, every request
-    assert res.padded_equal == res.steps                   # torch.equal on the padded batch, every step
-    assert res.max_real_diff < 1e-4                        # real rows against the unpadded engine
-    assert res.padded_steps >= 5                           # padding really happened ...
-    assert all(res.replays[b] > 0 for b in ex.BUCKETS)     # ... and every bucket was replayed
+    assert res.graph_tokens == res.eager_tokens  # token for token, every request
+    assert res.padded_equal == res.steps  # torch.equal on the padded batch, every step
+    assert res.max_real_diff < 1e-4  # real rows against the unpadded engine
+    assert res.padded_steps >= 5  # padding really happened ...
+    assert all(res.replays[b] > 0 for b in ex.BUCKETS)  # ... and every bucket was replayed
     assert res.ok and res.summary().endswith("OK")
 
 
@@ -56,7 +56,7 @@ def test_padding_rows_in_a_real_slot_change_a_real_request():
     on the same padded batch at every step: that comparison cannot see a broken padding rule."""
     res = ex.run("breakable", pad_slot=0, device="tape", checks=NO_PADDING_CHECK)
     assert res.graph_tokens != res.eager_tokens
-    assert res.graph_tokens[0] != res.eager_tokens[0]      # request 0 owns slot 0 from the first step
+    assert res.graph_tokens[0] != res.eager_tokens[0]  # request 0 owns slot 0 from the first step
     assert res.padded_equal == res.steps
     assert res.max_real_diff > 1e-2
     assert not res.ok and res.summary().endswith("MISMATCH")
@@ -83,7 +83,7 @@ def test_capture_writes_only_the_scratch_slot():
     as the pad, capture writes slot 0."""
     model = ex.TinyDecoder("masked")
     ex.make_runner(model, "full", device="tape").capture()
-    assert not model.k_cache[:, :ex.NUM_SLOTS].any() and not model.v_cache[:, :ex.NUM_SLOTS].any()
+    assert not model.k_cache[:, : ex.NUM_SLOTS].any() and not model.v_cache[:, : ex.NUM_SLOTS].any()
     assert model.k_cache[:, ex.SCRATCH].any()
 
     bad = ex.TinyDecoder("masked")

@@ -4,8 +4,8 @@
 original one)."""
 
 import pytest
-
 from extras_util import require
+
 from tests.test_docs_examples import ROOT, python_blocks, run_block
 
 pytestmark = pytest.mark.hf

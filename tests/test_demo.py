@@ -8,11 +8,10 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import graphrunner as gr
-from graphrunner.errors import CaptureError
 import graphrunner_tools.demo as demo
+from graphrunner.errors import CaptureError
 from graphrunner_tools.cli import main
 
 
@@ -20,8 +19,17 @@ from graphrunner_tools.cli import main
 @pytest.mark.parametrize("backend", ["breakable", "full", "eager"])
 def test_demo_serves_steps_equal_to_eager(backend, tmp_path):
     out = io.StringIO()
-    result = demo.run_demo(backend=backend, device="tape", steps=12, buckets=(1, 2, 4), max_batch=6,
-                           layers=2, trace_out=str(tmp_path / "trace"), progress=False, out=out)
+    result = demo.run_demo(
+        backend=backend,
+        device="tape",
+        steps=12,
+        buckets=(1, 2, 4),
+        max_batch=6,
+        layers=2,
+        trace_out=str(tmp_path / "trace"),
+        progress=False,
+        out=out,
+    )
     text = out.getvalue()
     assert result.ok, text
     assert result.graph_mismatches == 0 and result.padding_mismatches == 0 and result.violations == []
@@ -54,11 +62,22 @@ def test_demo_reports_a_graph_that_differs_from_eager(monkeypatch, tmp_path, cap
         return model
 
     monkeypatch.setattr(demo, "build_model", build_drifting_model)
-    kw = dict(backend="breakable", device="tape", steps=4, buckets=(1, 2), max_batch=2, layers=1, trace_out=None,
-              progress=False)
+    kw = dict(
+        backend="breakable",
+        device="tape",
+        steps=4,
+        buckets=(1, 2),
+        max_batch=2,
+        layers=1,
+        trace_out=None,
+        progress=False,
+    )
     # The drift check refuses the capture, naming the line ...
-    with pytest.raises(CaptureError, match=r"argument 2 of aten.add was 2.0 at warmup 2 and 3.0 at capture.*"
-                                           r"test_demo.py:\d+ in drifting"):
+    with pytest.raises(
+        CaptureError,
+        match=r"argument 2 of aten.add was 2.0 at warmup 2 and 3.0 at capture.*"
+        r"test_demo.py:\d+ in drifting",
+    ):
         demo.run_demo(out=io.StringIO(), **kw)
     # ... and without it the graph replays the frozen value: the demo's eager comparison fails.
     out = io.StringIO()
@@ -67,10 +86,30 @@ def test_demo_reports_a_graph_that_differs_from_eager(monkeypatch, tmp_path, cap
     assert "demo: FAILED" in out.getvalue()
     # the command line stops at the capture too (each main() builds a fresh drifting model):
     # one line on stderr naming the error, exit 1, no traceback
-    rc = main(["demo", "--device", "tape", "--steps", "4", "--buckets", "1,2", "--max-batch", "2",
-               "--layers", "1", "--no-progress", "--trace-out", ""])
+    rc = main(
+        [
+            "demo",
+            "--device",
+            "tape",
+            "--steps",
+            "4",
+            "--buckets",
+            "1,2",
+            "--max-batch",
+            "2",
+            "--layers",
+            "1",
+            "--no-progress",
+            "--trace-out",
+            "",
+        ]
+    )
     err = capsys.readouterr().err
-    assert rc == 1 and err.startswith("graphrunner demo: CaptureError: ") and "drift between warmup 2 and the capture" in err
+    assert (
+        rc == 1
+        and err.startswith("graphrunner demo: CaptureError: ")
+        and "drift between warmup 2 and the capture" in err
+    )
     assert "Traceback" not in err
 
 
@@ -83,13 +122,21 @@ def test_demo_reports_a_protocol_violation(monkeypatch):
     monkeypatch.setattr(GraphBackend, "_final_barrier", lambda self, key: None)
     monkeypatch.setattr(GraphBackend, "_final_sync", lambda self, key: None)
     out = io.StringIO()
-    result = demo.run_demo(backend="breakable", device="tape", steps=3, buckets=(1, 2), max_batch=2,
-                           layers=1, trace_out=None, progress=False, out=out)
+    result = demo.run_demo(
+        backend="breakable",
+        device="tape",
+        steps=3,
+        buckets=(1, 2),
+        max_batch=2,
+        layers=1,
+        trace_out=None,
+        progress=False,
+        out=out,
+    )
     assert result.graph_mismatches == 0 and result.padding_mismatches == 0  # values are fine ...
     assert not result.ok and result.violations  # ... the protocol is not
     assert any("no barrier between the last warmup/hook and graph construction" in v for v in result.violations)
-    assert any("no synchronize between the last warmup/hook and graph construction" in v
-               for v in result.violations)
+    assert any("no synchronize between the last warmup/hook and graph construction" in v for v in result.violations)
     assert "protocol violation" in out.getvalue() and "demo: FAILED" in out.getvalue()
 
 
@@ -114,12 +161,31 @@ def test_demo_reports_padding_that_leaks_into_real_rows(monkeypatch):
     out = io.StringIO()
     # the padding check catches it at capture ...
     with pytest.raises(gr.PaddingLeakError, match="bucket 4"):
-        demo.run_demo(backend="breakable", device="tape", steps=4, buckets=(4,), max_batch=3,
-                      layers=1, trace_out=None, progress=False, out=io.StringIO())
+        demo.run_demo(
+            backend="breakable",
+            device="tape",
+            steps=4,
+            buckets=(4,),
+            max_batch=3,
+            layers=1,
+            trace_out=None,
+            progress=False,
+            out=io.StringIO(),
+        )
     # ... and with it off, the demo's own comparison with eager on the real batch does
     # bucket 4 only, batches of 1..3: every call is padded
-    result = demo.run_demo(backend="breakable", device="tape", steps=4, buckets=(4,), max_batch=3,
-                           layers=1, trace_out=None, progress=False, out=out, checks=("drift", "fingerprint"))
+    result = demo.run_demo(
+        backend="breakable",
+        device="tape",
+        steps=4,
+        buckets=(4,),
+        max_batch=3,
+        layers=1,
+        trace_out=None,
+        progress=False,
+        out=out,
+        checks=("drift", "fingerprint"),
+    )
     assert result.padding_mismatches == 4 and not result.ok
     assert result.fallbacks == 0 and result.violations == []
     assert "demo: FAILED" in out.getvalue()
@@ -134,13 +200,34 @@ def test_demo_rejects_bad_arguments():
 @pytest.mark.slow
 def test_cli_demo_exit_code_and_help(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "graphrunner_tools.cli", "demo", "--device", "tape", "--steps", "6", "--buckets", "1,2",
-         "--max-batch", "3", "--layers", "1", "--no-progress", "--trace-out", str(tmp_path / "t")],
-        capture_output=True, text=True, timeout=240)
+        [
+            sys.executable,
+            "-m",
+            "graphrunner_tools.cli",
+            "demo",
+            "--device",
+            "tape",
+            "--steps",
+            "6",
+            "--buckets",
+            "1,2",
+            "--max-batch",
+            "3",
+            "--layers",
+            "1",
+            "--no-progress",
+            "--trace-out",
+            str(tmp_path / "t"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "demo: OK" in proc.stdout
-    helptext = subprocess.run([sys.executable, "-m", "graphrunner_tools.cli", "demo", "--help"],
-                              capture_output=True, text=True, timeout=120).stdout
+    helptext = subprocess.run(
+        [sys.executable, "-m", "graphrunner_tools.cli", "demo", "--help"], capture_output=True, text=True, timeout=120
+    ).stdout
     for flag in ("--backend", "--device", "--steps", "--trace-out"):
         assert flag in helptext
 
@@ -150,7 +237,7 @@ def _table_rows(text: str):
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["bucket", "capture_s"])
     rows, total = [], None
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         cells = line.split()
         if cells and cells[0] == "total":
             total = cells
@@ -163,11 +250,14 @@ def _table_rows(text: str):
 def test_capture_report_totals_are_sums_of_its_rows():
     from graphrunner.report import BucketReport, CaptureReport
 
-    rows = [BucketReport(4, 0.5, 0.25, 3, 2, 4096, checks_seconds=0.125),
-            BucketReport(2, 0.125, 0.0625, 3, 2, 2048, checks_seconds=0.0625),
-            BucketReport(1, 0.0625, 0.03125, 3, 2, 1024)]
-    report = CaptureReport("breakable", "tape", 0, 1, rows, total_seconds=1.0, static_input_bytes=64,
-                           output_buffer_bytes=4096)
+    rows = [
+        BucketReport(4, 0.5, 0.25, 3, 2, 4096, checks_seconds=0.125),
+        BucketReport(2, 0.125, 0.0625, 3, 2, 2048, checks_seconds=0.0625),
+        BucketReport(1, 0.0625, 0.03125, 3, 2, 1024),
+    ]
+    report = CaptureReport(
+        "breakable", "tape", 0, 1, rows, total_seconds=1.0, static_input_bytes=64, output_buffer_bytes=4096
+    )
     printed, total = _table_rows(report.table())
     assert len(printed) == 3
     # 0.5+0.125+0.0625, checks 0.125+0.0625+0, graph 0.25+0.0625+0.03125, 3*3, 3*2
@@ -179,8 +269,17 @@ def test_capture_report_totals_are_sums_of_its_rows():
 def _tiny_demo(backend: str):
     """``(result, stdout)`` of a 3-step demo run that passed."""
     out = io.StringIO()
-    result = demo.run_demo(backend=backend, device="tape", steps=3, buckets=(1, 2), max_batch=3, layers=1,
-                           trace_out=None, progress=False, out=out)
+    result = demo.run_demo(
+        backend=backend,
+        device="tape",
+        steps=3,
+        buckets=(1, 2),
+        max_batch=3,
+        layers=1,
+        trace_out=None,
+        progress=False,
+        out=out,
+    )
     assert result.ok, out.getvalue()
     return result, out.getvalue()
 
@@ -226,8 +325,22 @@ def test_trace_folder_replaced_by_a_file_mid_run_is_one_line(tmp_path, monkeypat
         return real(trace)
 
     monkeypatch.setattr(demo, "check_capture_order", replace_folder_then_check)
-    argv = ["demo", "--device", "tape", "--steps", "2", "--buckets", "1,2", "--max-batch", "2", "--layers", "1",
-            "--no-progress", "--trace-out", str(folder / "t")]
+    argv = [
+        "demo",
+        "--device",
+        "tape",
+        "--steps",
+        "2",
+        "--buckets",
+        "1,2",
+        "--max-batch",
+        "2",
+        "--layers",
+        "1",
+        "--no-progress",
+        "--trace-out",
+        str(folder / "t"),
+    ]
     assert main(argv) == 1
     captured = capsys.readouterr()
     assert captured.err.count("\n") == 1 and "Traceback" not in captured.err

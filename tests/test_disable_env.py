@@ -48,8 +48,16 @@ class Scaled:
 
 def _runner(step, backend="breakable", trace=None):
     device = CountingTape()
-    runner = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(4,))}, buckets=[2, 4], backend=backend,
-                            device=device, trace=trace, checks=(), progress=False)
+    runner = gr.GraphRunner(
+        step,
+        {"x": gr.BatchInput(trailing=(4,))},
+        buckets=[2, 4],
+        backend=backend,
+        device=device,
+        trace=trace,
+        checks=(),
+        progress=False,
+    )
     return runner, device
 
 
@@ -103,8 +111,14 @@ def test_a_backend_instance_is_disabled_too_and_keeps_its_configuration(monkeypa
     model = Scaled()
     device = CountingTape()
     backend = gr.backends.BreakableGraphBackend(device=device, warmups=3, drift_check=False)
-    runner = gr.GraphRunner(model.step_with_break, {"x": gr.BatchInput(trailing=(4,))}, buckets=[2],
-                            backend=backend, checks=(), progress=False)
+    runner = gr.GraphRunner(
+        model.step_with_break,
+        {"x": gr.BatchInput(trailing=(4,))},
+        buckets=[2],
+        backend=backend,
+        checks=(),
+        progress=False,
+    )
     assert isinstance(runner.backend, EnvDisabledBackend) and runner.backend.requested == "BreakableGraphBackend"
     assert runner.backend.device is device and runner.backend.warmups == 3
     runner.capture()
@@ -126,8 +140,10 @@ def test_bad_values_are_errors_naming_the_variable(monkeypatch):
 
 def test_check_refuses_to_call_a_disabled_runner_clean(monkeypatch, tmp_path, capsys):
     path = tmp_path / "model.py"
-    path.write_text("import graphrunner as gr\n\ndef make():\n    return gr.GraphRunner(lambda x: x * 2, "
-                    "{'x': gr.BatchInput(trailing=(4,))}, buckets=[2], progress=False)\n")
+    path.write_text(
+        "import graphrunner as gr\n\ndef make():\n    return gr.GraphRunner(lambda x: x * 2, "
+        "{'x': gr.BatchInput(trailing=(4,))}, buckets=[2], progress=False)\n"
+    )
     monkeypatch.setenv("GRAPHRUNNER_DISABLE", "1")
     assert main(["check", f"{path}:make"]) == 2
     err = capsys.readouterr().err

@@ -15,10 +15,9 @@ import pathlib
 import re
 import subprocess
 import sys
-from typing import List, NamedTuple, Optional
+from typing import NamedTuple
 
 import pytest
-
 from extras_util import missing, skip_reason
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -33,12 +32,12 @@ class Block(NamedTuple):
     fragment: bool
 
 
-def python_blocks(text: str, doc: str = "<text>") -> List[Block]:
+def python_blocks(text: str, doc: str = "<text>") -> list[Block]:
     """The fenced ```python blocks of a markdown text, each with whether the
     line just above its fence is the fragment marker."""
     blocks = []
     for m in re.finditer(r"^```python\n(.*?)^```", text, flags=re.S | re.M):
-        before = text[:m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
         blocks.append(Block(doc, text.count("\n", 0, m.start()) + 1, m.group(1), before.strip() == FRAGMENT))
     return blocks
 
@@ -46,17 +45,15 @@ def python_blocks(text: str, doc: str = "<text>") -> List[Block]:
 def run_block(code: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
     """Run ``code`` as a script in a fresh interpreter in ``cwd`` (this
     checkout first on the path, one torch thread)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=120)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
 #: what a block may import -> the optional module it needs (a key of extras_util.EXTRAS)
 OPTIONAL = {"transformers": "transformers", "matplotlib": "matplotlib", "graphrunner.hf": "transformers"}
 
 
-def needed_modules(code: str) -> List[str]:
+def needed_modules(code: str) -> list[str]:
     """The optional modules that the imports of ``code`` need, sorted: a module
     of :data:`OPTIONAL` or a submodule of one, imported (``import``, ``from ...
     import``) or reached as an attribute of an imported name (``gr.hf`` after
@@ -81,11 +78,12 @@ def needed_modules(code: str) -> List[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
             names.add(f"{aliases[node.value.id]}.{node.attr}")
-    return sorted({need for name in names for mod, need in OPTIONAL.items()
-                   if name == mod or name.startswith(mod + ".")})
+    return sorted(
+        {need for name in names for mod, need in OPTIONAL.items() if name == mod or name.startswith(mod + ".")}
+    )
 
 
-def missing_extra(code: str) -> Optional[str]:
+def missing_extra(code: str) -> str | None:
     """The skip reason of a block that needs an optional module which is not
     installed (``needs transformers: pip install -e '.[hf]'``), else ``None``."""
     return next((skip_reason(m) for m in needed_modules(code) if missing(m)), None)
@@ -101,8 +99,10 @@ def test_python_block_runs_as_pasted(block, tmp_path):
     if reason:
         pytest.skip(reason)
     proc = run_block(block.code, tmp_path)
-    assert proc.returncode == 0, (f"{block.doc}:{block.line} fails when pasted (mark it {FRAGMENT} on the line "
-                                  f"above if it is not meant to run):\n{proc.stderr[-3000:]}")
+    assert proc.returncode == 0, (
+        f"{block.doc}:{block.line} fails when pasted (mark it {FRAGMENT} on the line "
+        f"above if it is not meant to run):\n{proc.stderr[-3000:]}"
+    )
 
 
 def test_blocks_are_found_and_most_run():
@@ -113,9 +113,11 @@ def test_blocks_are_found_and_most_run():
 def test_fragment_marker_only_applies_to_the_line_just_above():
     """Negative control of the extractor: a marker further up, or none, leaves
     the block runnable, and a failing runnable block is reported as failing."""
-    text = (f"{FRAGMENT}\n```python\nundefined_name\n```\n\n"
-            f"{FRAGMENT}\n\ntext\n```python\nraise SystemExit(3)\n```\n"
-            "```python\nprint('ok')\n```\n")
+    text = (
+        f"{FRAGMENT}\n```python\nundefined_name\n```\n\n"
+        f"{FRAGMENT}\n\ntext\n```python\nraise SystemExit(3)\n```\n"
+        "```python\nprint('ok')\n```\n"
+    )
     blocks = python_blocks(text)
     assert [b.fragment for b in blocks] == [True, False, False]
     assert [b.line for b in blocks] == [2, 9, 12]
@@ -143,11 +145,13 @@ def test_needed_modules_reads_the_imports():
     assert needed_modules("import graphrunner as gr\nr = gr.hf.DecodeRunner\n") == ["transformers"]
     assert needed_modules("import graphrunner\ngraphrunner.hf.DecodeRunner\n") == ["transformers"]
     assert needed_modules("import transformers, matplotlib\n") == ["matplotlib", "transformers"]
-    for code in ("import torch\nimport graphrunner as gr\ngr.GraphRunner\n",
-                 "print('import transformers')  # import matplotlib\n",
-                 "import transformers_stub\nimport graphrunner.tape\n",
-                 "hf = object()\nhf.x\n",
-                 "this is not python (\n"):
+    for code in (
+        "import torch\nimport graphrunner as gr\ngr.GraphRunner\n",
+        "print('import transformers')  # import matplotlib\n",
+        "import transformers_stub\nimport graphrunner.tape\n",
+        "hf = object()\nhf.x\n",
+        "this is not python (\n",
+    ):
         assert needed_modules(code) == [], code
 
 
@@ -188,7 +192,7 @@ def heading_anchors(text: str) -> set:
     return anchors
 
 
-def relative_links(text: str) -> List[str]:
+def relative_links(text: str) -> list[str]:
     """The relative link targets ``[text](target)`` of a markdown text outside fenced code (no ``http``,
     no ``mailto``)."""
     out, fenced = [], False

@@ -9,18 +9,19 @@ tiny random-weight transformers models of the architectures issue 9 lists.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 
 import pytest
 import torch
+from extras_util import require
 
 import graphrunner as gr
+from graphrunner.backends import BreakableGraphBackend, FullGraphBackend
 from graphrunner.checks import drift
-from graphrunner.recording import ops
-from graphrunner.backends import BreakableGraphBackend, EagerBackend, FullGraphBackend
 from graphrunner.errors import CaptureError
-from extras_util import require
+from graphrunner.recording import ops
 
 X = {"x": gr.BatchInput(trailing=(3,), dtype=torch.float32)}
 
@@ -83,8 +84,11 @@ def test_python_value_in_a_tensor_literal_is_caught():
         n["v"] += 1
         return x + torch.tensor(n["v"])  # a graph holds the literal as a constant
 
-    with pytest.raises(CaptureError, match=r"argument 1 of aten.lift_fresh was a int64 tensor of shape \(\) "
-                                           r"holding 2 at warmup 2 and a int64 tensor of shape \(\) holding 3"):
+    with pytest.raises(
+        CaptureError,
+        match=r"argument 1 of aten.lift_fresh was a int64 tensor of shape \(\) "
+        r"holding 2 at warmup 2 and a int64 tensor of shape \(\) holding 3",
+    ):
         _runner(step).capture()
 
 
@@ -106,8 +110,11 @@ def test_a_different_path_is_caught():
         n["v"] += 1
         return x.exp() if n["v"] % 2 else x.sin()
 
-    with pytest.raises(CaptureError, match=r"op 1 was aten.sin at warmup 2 .* but aten.exp at capture .*"
-                                           r"the step took a different path"):
+    with pytest.raises(
+        CaptureError,
+        match=r"op 1 was aten.sin at warmup 2 .* but aten.exp at capture .*"
+        r"the step took a different path",
+    ):
         _runner(step).capture()
 
 
@@ -116,11 +123,11 @@ def test_backend_level_opt_out_and_validation():
     for cls in (FullGraphBackend, BreakableGraphBackend):
         backend = cls(device="tape", drift_check=False)
         with torch.inference_mode(), backend.capture_session():
-            backend.capture_one(2, lambda c=Counter(): c(x), capture_inputs=x)
+            backend.capture_one(2, functools.partial(Counter(), x), capture_inputs=x)
         assert backend.can_run(2)
         with pytest.raises(CaptureError, match="drift between warmup 2"):
             with torch.inference_mode(), cls(device="tape").capture_session() as b:
-                b.capture_one(2, lambda c=Counter(): c(x), capture_inputs=x)
+                b.capture_one(2, functools.partial(Counter(), x), capture_inputs=x)
     with pytest.raises(TypeError, match="drift_check must be True or False"):
         FullGraphBackend(device="tape", drift_check=1)
     instance = FullGraphBackend(device="tape", drift_check=False)
@@ -204,6 +211,7 @@ def test_no_graph_body_is_not_compared_on_breakable_but_is_on_full():
 def test_one_hot_is_one_op_on_both_sides(monkeypatch):
     """The runner captures in inference mode, where eager CPU runs F.one_hot as one aten.one_hot; a
     tape capture runs it as zeros + scatter_: one F.one_hot record each."""
+
     def step(t):
         return torch.nn.functional.one_hot(t, 5).float()
 
@@ -284,20 +292,36 @@ def test_find_drift_on_hand_built_streams():
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["full", "breakable"])
 def test_no_false_alarm_on_the_demo_decoder(backend):
-    from graphrunner_tools.demo import run_demo
-
     import io
 
-    result = run_demo(backend=backend, device="tape", steps=6, buckets=(1, 2, 4), max_batch=4, layers=2,
-                      trace_out=None, progress=False, out=io.StringIO())
+    from graphrunner_tools.demo import run_demo
+
+    result = run_demo(
+        backend=backend,
+        device="tape",
+        steps=6,
+        buckets=(1, 2, 4),
+        max_batch=4,
+        layers=2,
+        trace_out=None,
+        progress=False,
+        out=io.StringIO(),
+    )
     assert result.ok and result.graph_mismatches == 0
 
 
 # --------------------------------------------------------------------------- transformers
 
 V = 128
-_C = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-          num_key_value_heads=2, max_position_embeddings=64)
+_C = dict(
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 _MOE = dict(num_experts_per_tok=2)
 
 #: model_type -> (config class, model class, config kwargs): tiny, random weights, nothing downloaded.
@@ -309,34 +333,95 @@ HF_ARCHS = {
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {**_C, "head_dim": 16}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {**_C, "pad_token_id": 0}),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=64)),
-    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM",
-                 dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      intermediate_size=128, max_position_embeddings=64)),
-    "falcon": ("FalconConfig", "FalconForCausalLM",
-               dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)),
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        dict(
+            vocab_size=V,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=64,
+        ),
+    ),
+    "falcon": (
+        "FalconConfig",
+        "FalconForCausalLM",
+        dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4),
+    ),
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", _C),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", _C),
     "cohere": ("CohereConfig", "CohereForCausalLM", _C),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {**_C, **_MOE, "num_local_experts": 4, "sliding_window": None}),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-                  {**_C, **_MOE, "num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  {**_C, **_MOE, "num_experts": 4, "moe_intermediate_size": 32, "head_dim": 16}),
-    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
-                    {**_C, **_MOE, "num_key_value_heads": 4, "n_routed_experts": 4, "moe_intermediate_size": 32,
-                     "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
-                     "v_head_dim": 16, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
-                     "n_shared_experts": 1}),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        {**_C, **_MOE, "num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {**_C, **_MOE, "num_experts": 4, "moe_intermediate_size": 32, "head_dim": 16},
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {
+            **_C,
+            **_MOE,
+            "num_key_value_heads": 4,
+            "n_routed_experts": 4,
+            "moe_intermediate_size": 32,
+            "kv_lora_rank": 16,
+            "q_lora_rank": 32,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 16,
+            "n_group": 1,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "n_shared_experts": 1,
+        },
+    ),
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", {**_C, **_MOE, "num_local_experts": 4}),
     "mamba": ("MambaConfig", "MambaForCausalLM", dict(vocab_size=V, hidden_size=64, state_size=8, num_hidden_layers=2)),
-    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM",
-               dict(vocab_size=V, hidden_size=64, state_size=8, num_hidden_layers=2, num_heads=4, head_dim=32,
-                    n_groups=1, chunk_size=8)),
+    "mamba2": (
+        "Mamba2Config",
+        "Mamba2ForCausalLM",
+        dict(
+            vocab_size=V,
+            hidden_size=64,
+            state_size=8,
+            num_hidden_layers=2,
+            num_heads=4,
+            head_dim=32,
+            n_groups=1,
+            chunk_size=8,
+        ),
+    ),
 }
 #: More model types, built by ``graphrunner_tools.models.hf_tiny.build_tiny`` (the tiny configs of
 #: bench/hf_architectures.py): with HF_ARCHS, 36 architectures.
-HF_TINY_ARCHS = ("phi", "starcoder2", "granite", "olmo", "helium", "glm", "smollm3", "arcee", "seed_oss", "nemotron",
-                 "persimmon", "ernie4_5", "hunyuan_v1_dense", "apertus", "bitnet", "codegen", "gptj")
+HF_TINY_ARCHS = (
+    "phi",
+    "starcoder2",
+    "granite",
+    "olmo",
+    "helium",
+    "glm",
+    "smollm3",
+    "arcee",
+    "seed_oss",
+    "nemotron",
+    "persimmon",
+    "ernie4_5",
+    "hunyuan_v1_dense",
+    "apertus",
+    "bitnet",
+    "codegen",
+    "gptj",
+)
 #: Recurrent models keep no StaticCache: their no-cache forward over a fixed length is captured.
 _NO_STATIC_CACHE = ("mamba", "mamba2")
 B, PROMPT, CACHE_LEN = 2, 4, 16
@@ -377,14 +462,15 @@ def test_no_false_alarm_on_transformers_architectures(arch):
     with torch.inference_mode():
         if arch in _NO_STATIC_CACHE:
             cache, hook = None, None
+
             def step(input_ids):
                 return model(input_ids=input_ids, use_cache=False).logits
+
             spec = {"input_ids": gr.BatchInput(trailing=(6,), dtype=torch.long, pad=0)}
         else:
             cache, step, hook, snap = _decode_setup(model)
             spec = decode_inputs()
-        runner = gr.GraphRunner(step, inputs=spec, buckets=[B], backend="full", progress=False,
-                                post_warmup_hook=hook)
+        runner = gr.GraphRunner(step, inputs=spec, buckets=[B], backend="full", progress=False, post_warmup_hook=hook)
         runner.capture()  # drift check on (the default): must not raise
         for i in range(2):
             if cache is None:
@@ -400,9 +486,17 @@ def test_no_false_alarm_on_transformers_architectures(arch):
 
 def _gemma2():
     transformers = require("transformers")
-    cfg = transformers.Gemma2Config(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                    max_position_embeddings=64, sliding_window=4)
+    cfg = transformers.Gemma2Config(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        sliding_window=4,
+    )
     torch.manual_seed(0)
     return transformers.Gemma2ForCausalLM(cfg).eval()
 
@@ -417,14 +511,18 @@ def test_gemma2_sliding_window_cache_is_caught(backend):
     with torch.inference_mode():
         cache, step, hook, _ = _decode_setup(model)
         assert any(type(layer).__name__ == "StaticSlidingWindowLayer" for layer in cache.layers)
-        runner = gr.GraphRunner(step, inputs=decode_inputs(), buckets=[B], backend=backend, progress=False,
-                                post_warmup_hook=hook)
+        runner = gr.GraphRunner(
+            step, inputs=decode_inputs(), buckets=[B], backend=backend, progress=False, post_warmup_hook=hook
+        )
         with pytest.raises(CaptureError) as info:
             runner.capture()
     msg = str(info.value)
     # The cache layer's Python length (cumulative_length_int) moved on between warmup 2 and the capture.
-    assert re.search(r"drift between warmup 2 and the capture of shape key 2: argument \d+ of aten\.\w+ was \d+ "
-                     r"at warmup 2 and \d+ at capture, at \S*transformers\S*\.py:\d+ in \w+", msg), msg
+    assert re.search(
+        r"drift between warmup 2 and the capture of shape key 2: argument \d+ of aten\.\w+ was \d+ "
+        r"at warmup 2 and \d+ at capture, at \S*transformers\S*\.py:\d+ in \w+",
+        msg,
+    ), msg
 
 
 @pytest.mark.hf
@@ -438,8 +536,14 @@ def test_gemma2_negative_control_graph_differs_from_eager_without_the_check():
         # Captured after a 6-token prompt (past the window of 4: the layer's rolling path) ...
         cache = make_static_cache(model, B, CACHE_LEN)
         prefill(model, cache, torch.randint(3, V, (B, 6), generator=torch.Generator().manual_seed(1)))
-        runner = gr.GraphRunner(make_decode_step(model, cache), inputs=decode_inputs(), buckets=[B],
-                                backend="full", progress=False, checks=("padding", "fingerprint"))
+        runner = gr.GraphRunner(
+            make_decode_step(model, cache),
+            inputs=decode_inputs(),
+            buckets=[B],
+            backend="full",
+            progress=False,
+            checks=("padding", "fingerprint"),
+        )
         runner.capture()  # no error: the cache length of the capture is frozen silently
         # ... then serving a new 2-token prompt; the eager reference is a fresh cache with that prompt.
         twin = make_static_cache(model, B, CACHE_LEN)

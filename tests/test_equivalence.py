@@ -21,8 +21,9 @@ NO_PADDING_CHECK = ("drift", "fingerprint")
 
 
 def _runner(step, inputs, checks=None, buckets=(2, 4, 8), **kw):
-    return gr.GraphRunner(step, inputs, list(buckets), backend="full", device="tape", progress=False, checks=checks,
-                          **kw)
+    return gr.GraphRunner(
+        step, inputs, list(buckets), backend="full", device="tape", progress=False, checks=checks, **kw
+    )
 
 
 def _line(fn, marker):
@@ -103,12 +104,12 @@ def test_the_last_two_warmups_are_the_padded_sequence_and_one_warmup_runs_it_apa
     # follow-up unpadded (after D), capture; bucket 2's after
     key4 = seen[:5]
     assert [len(t) for t in key4] == [4, 4, 3, 3, 4]
-    assert key4[0][3] == 0 and 0 not in key4[0][:3].tolist()              # warmup 1: run A, 3 real rows (none at
+    assert key4[0][3] == 0 and 0 not in key4[0][:3].tolist()  # warmup 1: run A, 3 real rows (none at
     #                                                                       the pad) + the padding row
-    assert key4[1][3] == 0 and key4[1][0] == 0                            # warmup 2: the follow-up, a real row at the pad
-    assert torch.equal(key4[2], key4[0][:3])                               # D: A's real rows, unpadded
-    assert torch.equal(key4[3], key4[1][:3])                               # ... the follow-up's rows unpadded after D
-    assert not torch.equal(key4[4][:3], key4[0][:3])                      # the capture is not on A's data
+    assert key4[1][3] == 0 and key4[1][0] == 0  # warmup 2: the follow-up, a real row at the pad
+    assert torch.equal(key4[2], key4[0][:3])  # D: A's real rows, unpadded
+    assert torch.equal(key4[3], key4[1][:3])  # ... the follow-up's rows unpadded after D
+    assert not torch.equal(key4[4][:3], key4[0][:3])  # the capture is not on A's data
     assert rep.buckets[0].info["leak_check_forwards"] == 2
     one = gr.GraphRunner(step, inputs, [2, 4], backend="full", device="tape", progress=False, warmups=1).capture()
     assert one.buckets[0].info["leak_check_forwards"] == 4
@@ -129,8 +130,10 @@ class SlotDecoder:
 
 def test_pad_slot_that_is_a_real_slot_is_caught():
     """pad=0 on the slot input: padding rows overwrite slot 0, which a real request uses."""
-    inputs = {"ids": gr.BatchInput(dtype=torch.long, pad=0, bounds=(0, 15)),
-              "slots": gr.BatchInput(dtype=torch.long, pad=0, bounds=(0, 7))}
+    inputs = {
+        "ids": gr.BatchInput(dtype=torch.long, pad=0, bounds=(0, 15)),
+        "slots": gr.BatchInput(dtype=torch.long, pad=0, bounds=(0, 7)),
+    }
     with pytest.raises(gr.PaddingLeakError, match=r"a real row holds the pad value.*slots \(pad 0, also a real value"):
         _runner(SlotDecoder(8), inputs).capture()
     dec = SlotDecoder(8)
@@ -145,8 +148,10 @@ def test_pad_slot_that_is_a_real_slot_is_caught():
 def test_scratch_pad_slot_outside_the_real_range_passes():
     """The fix: a dedicated padding slot (8, outside the real slots 0..7) never meets a real row."""
     dec = SlotDecoder(9)
-    inputs = {"ids": gr.BatchInput(dtype=torch.long, pad=0, bounds=(0, 15)),
-              "slots": gr.BatchInput(dtype=torch.long, pad=8, bounds=(0, 7))}
+    inputs = {
+        "ids": gr.BatchInput(dtype=torch.long, pad=0, bounds=(0, 15)),
+        "slots": gr.BatchInput(dtype=torch.long, pad=8, bounds=(0, 7)),
+    }
     r = _runner(dec, inputs)
     r.capture()
     ids, slots = torch.tensor([3, 5, 7]), torch.tensor([0, 1, 2])
@@ -155,8 +160,10 @@ def test_scratch_pad_slot_outside_the_real_range_passes():
 
 def test_check_restores_the_cache_it_writes():
     dec = SlotDecoder(9)
-    inputs = {"ids": gr.BatchInput(dtype=torch.long, pad=0, bounds=(0, 15)),
-              "slots": gr.BatchInput(dtype=torch.long, pad=8, bounds=(0, 7))}
+    inputs = {
+        "ids": gr.BatchInput(dtype=torch.long, pad=0, bounds=(0, 15)),
+        "slots": gr.BatchInput(dtype=torch.long, pad=8, bounds=(0, 7)),
+    }
     r = _runner(dec, inputs, warmups=1)
     before = dec.cache.clone()
     dec_calls = []
@@ -177,7 +184,9 @@ def test_step_writing_its_input_is_refused_naming_input_and_line():
     with pytest.raises(gr.CaptureError) as info:
         _runner(accumulate, inputs).capture()
     msg = str(info.value)
-    assert "writes into its input 'state'" in msg and f"test_equivalence.py:{_line(accumulate, 'writes its input')}" in msg
+    assert (
+        "writes into its input 'state'" in msg and f"test_equivalence.py:{_line(accumulate, 'writes its input')}" in msg
+    )
     assert "BatchInput(state=True)" in msg
 
 
@@ -202,8 +211,8 @@ def test_input_declared_as_state_captures_and_never_writes_the_callers_tensor():
         state, delta = torch.randn(n, H), torch.randn(n, H)
         keep = state.clone()
         out = r(state=state, delta=delta)
-        assert torch.equal(state, keep)                               # the caller's tensor is never written
-        assert torch.equal(out, accumulate(keep.clone(), delta))      # the same values as eager on a copy
+        assert torch.equal(state, keep)  # the caller's tensor is never written
+        assert torch.equal(out, accumulate(keep.clone(), delta))  # the same values as eager on a copy
     # the step wrote the padding rows of its state buffer: they are re-padded before the next call
     assert torch.equal(r.static_inputs["state"][1:4], torch.zeros(3, H)) or r.server.inputs.filled != (1,)
 
@@ -231,8 +240,8 @@ def test_python_value_changed_after_capture_is_caught_by_shadow_verification(mon
     r = _runner(step, inputs, verify_every=1)
     r.capture()
     x = torch.randn(3, H)
-    assert torch.equal(r(x=x), step(x))          # verified, equal
-    cfg["scale"] = 3.0                              # changed after capture
+    assert torch.equal(r(x=x), step(x))  # verified, equal
+    cfg["scale"] = 3.0  # changed after capture
     with pytest.raises(gr.ContractError, match=r"shadow verification of call 2.*bucket 4") as info:
         r(x=x)
     assert f"test_equivalence.py:{_line(step, 'a Python value')}" in str(info.value)  # from compare: the line
@@ -262,7 +271,7 @@ def test_rebound_recurrent_state_is_caught_every_second_call():
     r = _runner(Recurrent(), inputs, checks=("padding", "fingerprint"), verify_every=2, buckets=(2,))
     r.capture()
     x = torch.randn(2, H)
-    r(x=x)                                          # call 1: not verified
+    r(x=x)  # call 1: not verified
     with pytest.raises(gr.ContractError, match="shadow verification of call 2"):
         r(x=x)
 
@@ -285,7 +294,9 @@ def test_debug_mode_verifies_every_call_and_the_env_sets_the_period(monkeypatch)
     r.capture()
     snap = cache.clone()
     out = r(x=torch.ones(3, H))
-    assert torch.equal(cache[:4], snap[:4] + torch.cat([torch.ones(3, H), torch.zeros(1, H)]))  # one write: the replay's
+    assert torch.equal(
+        cache[:4], snap[:4] + torch.cat([torch.ones(3, H), torch.zeros(1, H)])
+    )  # one write: the replay's
     assert torch.equal(out, cache[:3])
 
 
@@ -312,8 +323,7 @@ def test_run_a_at_a_lazy_first_warmup_is_confirmed_before_a_finding(caplog):
     no false alarm and the output is checked (no "cannot be checked" warning), and the replay equals
     eager (the reference)."""
     step = LazyScale()
-    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(H,))}, [2, 4], backend="full", device="tape",
-                       progress=False)
+    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(H,))}, [2, 4], backend="full", device="tape", progress=False)
     with caplog.at_level("WARNING", logger="graphrunner"):
         r.capture()
     assert UNCHECKABLE not in caplog.text
@@ -333,13 +343,20 @@ def test_run_a_at_a_lazy_first_warmup_negative_control_without_the_confirmation(
 
     monkeypatch.setattr(LeakCheck, "before_warmup", unconfirmed)
     with caplog.at_level("WARNING", logger="graphrunner"):
-        gr.GraphRunner(LazyScale(), {"x": gr.BatchInput(trailing=(H,))}, [2, 4], backend="full", device="tape",
-                       progress=False).capture()
+        gr.GraphRunner(
+            LazyScale(), {"x": gr.BatchInput(trailing=(H,))}, [2, 4], backend="full", device="tape", progress=False
+        ).capture()
     assert UNCHECKABLE in caplog.text
 
 
 def test_the_confirmation_does_not_hide_a_leak():
     """A leak found with run A at the first warmup is still reported after run A is run again."""
     with pytest.raises(gr.PaddingLeakError, match="bucket 4"):
-        gr.GraphRunner(lambda x: x - x.mean(0), {"x": gr.BatchInput(trailing=(H,))}, [2, 4], backend="full",
-                       device="tape", progress=False).capture()
+        gr.GraphRunner(
+            lambda x: x - x.mean(0),
+            {"x": gr.BatchInput(trailing=(H,))},
+            [2, 4],
+            backend="full",
+            device="tape",
+            progress=False,
+        ).capture()

@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from extras_util import EXTRAS, missing, require, skip_reason
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,11 +42,32 @@ def test_require_skips_only_a_missing_module(monkeypatch):
 
 def test_hf_tests_skip_with_the_reason_when_the_extras_are_missing(tmp_path):
     (tmp_path / "hide_extras.py").write_text(_HIDE.format(names=tuple(EXTRAS)))
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "hide_extras", "-p", "no:cacheprovider", "-q", "-rs", "-m", "hf",
-         "tests"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "hide_extras",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-rs",
+            "-m",
+            "hf",
+            "tests",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     summary = out.strip().splitlines()[-1]

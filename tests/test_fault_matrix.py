@@ -60,8 +60,16 @@ def _fault_worker(rank, world, where):
     import torch._dynamo  # noqa: F401
 
     group = gr.TorchDistGroup(timeout=TIMEOUT)
-    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(4,))}, buckets=[1, 2, 4], backend="breakable",
-                       device="tape", group=group, post_warmup_hook=hook, progress=False)
+    r = gr.GraphRunner(
+        step,
+        {"x": gr.BatchInput(trailing=(4,))},
+        buckets=[1, 2, 4],
+        backend="breakable",
+        device="tape",
+        group=group,
+        post_warmup_hook=hook,
+        progress=False,
+    )
     t0 = time.monotonic()
     wrong = 0
     try:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import threading
 
-from graphrunner.errors import CaptureError
 from graphrunner.checks.fingerprint import check
+from graphrunner.errors import CaptureError
 
 
 class ThreadGroup:
@@ -69,8 +69,9 @@ def test_differing_field_every_rank_names_field_ranks_and_values():
     errors, calls = run([a, b, a])
     assert calls == ["fingerprint", "fingerprint_values"]
     for r, e in enumerate(errors):
-        assert e.startswith(f"rank {r} of 3: the ranks' configurations differ: 'buckets' differs "
-                            "(ranks 0, 2: [1,2,4]; rank 1: [1,3,4])"), e
+        assert e.startswith(
+            f"rank {r} of 3: the ranks' configurations differ: 'buckets' differs (ranks 0, 2: [1,2,4]; rank 1: [1,3,4])"
+        ), e
         assert "'warmups'" not in e
 
 

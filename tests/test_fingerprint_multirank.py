@@ -47,9 +47,17 @@ def _worker(rank, world, case):
 
     group = gr.TorchDistGroup(timeout=TIMEOUT)
     off = case.startswith("off_")  # the negative control: no fingerprint check
-    runner = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=trailing)}, buckets, backend="breakable",
-                            device="tape", group=group, warmups=1, progress=False,
-                            checks=("drift", "padding") if off else None)
+    runner = gr.GraphRunner(
+        step,
+        {"x": gr.BatchInput(trailing=trailing)},
+        buckets,
+        backend="breakable",
+        device="tape",
+        group=group,
+        warmups=1,
+        progress=False,
+        checks=("drift", "padding") if off else None,
+    )
     t0 = time.monotonic()
     try:
         runner.capture()
@@ -85,13 +93,19 @@ def _assert_all_raise(values, *needles):
 
 
 def test_bucket_values_mismatch_raises_on_every_rank():
-    _assert_all_raise(_run("bucket_values"), "'buckets' differs", "ranks 0, 2: {\"batch\":[1,2,4,8]}",
-                      "rank 1: {\"batch\":[1,3,4,8]}", "'keys' differs")
+    _assert_all_raise(
+        _run("bucket_values"),
+        "'buckets' differs",
+        'ranks 0, 2: {"batch":[1,2,4,8]}',
+        'rank 1: {"batch":[1,3,4,8]}',
+        "'keys' differs",
+    )
 
 
 def test_bucket_count_mismatch_raises_on_every_rank():
-    _assert_all_raise(_run("bucket_count"), "'buckets' differs", "rank 1: {\"batch\":[1,2,4]}",
-                      "ranks 0, 2: {\"batch\":[1,2,4,8]}")
+    _assert_all_raise(
+        _run("bucket_count"), "'buckets' differs", 'rank 1: {"batch":[1,2,4]}', 'ranks 0, 2: {"batch":[1,2,4,8]}'
+    )
 
 
 def test_input_spec_mismatch_raises_on_every_rank():

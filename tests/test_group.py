@@ -6,10 +6,10 @@ import os
 import time
 
 import pytest
+from mp_util import assert_all_ok, format_results, run_ranks
 
 from graphrunner.errors import RankTimeoutError
 from graphrunner.group import LocalGroup, TorchDistGroup
-from mp_util import assert_all_ok, format_results, run_ranks
 
 
 def test_local_group():

@@ -34,9 +34,24 @@ MAX_CACHE_LEN = 16
 #: model_type -> config overrides on top of the tiny config.
 # initializer_range 0.5: at the default a tiny random Mamba repeats one token, which would hide a wrong state.
 ARCHS = {
-    "llama": {}, "qwen2": {}, "qwen3": {}, "qwen3_moe": {}, "mistral": {}, "phi3": {"pad_token_id": 0},
-    "mixtral": {}, "gemma": {}, "gemma2": {}, "gemma3_text": {}, "gpt2": {}, "falcon": {}, "deepseek_v3": {},
-    "olmo2": {}, "qwen3_next": {}, "gpt_oss": {}, "lfm3": {}, "mamba": {"initializer_range": 0.5},
+    "llama": {},
+    "qwen2": {},
+    "qwen3": {},
+    "qwen3_moe": {},
+    "mistral": {},
+    "phi3": {"pad_token_id": 0},
+    "mixtral": {},
+    "gemma": {},
+    "gemma2": {},
+    "gemma3_text": {},
+    "gpt2": {},
+    "falcon": {},
+    "deepseek_v3": {},
+    "olmo2": {},
+    "qwen3_next": {},
+    "gpt_oss": {},
+    "lfm3": {},
+    "mamba": {"initializer_range": 0.5},
     "mamba2": {"initializer_range": 0.5},
 }
 #: Architectures whose state is a conv/recurrent state (no K/V): model.generate's default cache is their own.
@@ -63,8 +78,9 @@ def reference(model, ids: torch.Tensor, n: int = NEW_TOKENS, **kwargs) -> torch.
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_generate_equals_model_generate(arch):
     model = build_model(arch)
-    runner = gr.hf.DecodeRunner(model, max_batch=MAX_BATCH, max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS,
-                                backend="full", device="auto")
+    runner = gr.hf.DecodeRunner(
+        model, max_batch=MAX_BATCH, max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS, backend="full", device="auto"
+    )
     report = runner.capture()
     assert isinstance(report, gr.CaptureReport)
     assert sorted(b.bucket for b in report.buckets) == BUCKETS
@@ -91,8 +107,9 @@ def test_negative_control_without_cache_reset(monkeypatch, arch):
     monkeypatch.setattr(gr.hf.DecodeRunner, "_reset_cache", lambda self: None)
     with pytest.raises(CaptureError, match="differs from the model's own eager decode"):
         gr.hf.DecodeRunner(model, max_batch=MAX_BATCH, max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS).capture()
-    runner = gr.hf.DecodeRunner(model, max_batch=MAX_BATCH, max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS,
-                                self_test=False)
+    runner = gr.hf.DecodeRunner(
+        model, max_batch=MAX_BATCH, max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS, self_test=False
+    )
     runner.capture()
     ids = prompts(MAX_BATCH, seed=4)
     got = runner.generate(ids, max_new_tokens=NEW_TOKENS)
@@ -156,7 +173,7 @@ def _fill_rows_after_prefill(monkeypatch, runner, rows):
     def prefill_then_fill(self, input_ids, attention_mask=None):
         logits = prefill(self, input_ids, attention_mask)
         noise = torch.Generator().manual_seed(0)
-        for name, t in cache_tensors(runner.cache).items():
+        for t in cache_tensors(runner.cache).values():
             if t.is_floating_point() and t.dim() > 1:
                 block = t[rows(input_ids.shape[0])]
                 block.copy_(torch.randn(block.shape, generator=noise, dtype=t.dtype) * 10)
@@ -212,15 +229,19 @@ def test_input_validation():
         runner.generate(ids, 2)
     with pytest.raises(ValueError, match="inputs or input_ids, not both"):
         runner.generate(ids, input_ids=ids, max_new_tokens=2)
-    assert torch.equal(runner.generate(input_ids=ids, max_new_tokens=2, attention_mask=torch.ones_like(ids)),
-                       reference(model, ids, 2))
+    assert torch.equal(
+        runner.generate(input_ids=ids, max_new_tokens=2, attention_mask=torch.ones_like(ids)), reference(model, ids, 2)
+    )
 
 
 def test_import_graphrunner_does_not_import_transformers():
     import subprocess
     import sys
-    code = ("import sys, graphrunner; assert 'transformers' not in sys.modules, 'eager import'; "
-            "assert 'graphrunner.hf' not in sys.modules; graphrunner.hf; assert 'transformers' in sys.modules")
+
+    code = (
+        "import sys, graphrunner; assert 'transformers' not in sys.modules, 'eager import'; "
+        "assert 'graphrunner.hf' not in sys.modules; graphrunner.hf; assert 'transformers' in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -292,12 +313,18 @@ def test_negative_control_sliding_window_needs_the_window_mask(monkeypatch):
 
     model = build_model("mistral", sliding_window=2)
     real = masks.plan_masks
-    monkeypatch.setattr(hf_decode, "plan_masks", lambda cfg: masks.MaskPlan(
-        "explicit", layers={k: "causal" for k in real(cfg).layers}, keyed=real(cfg).keyed, window=2))
+    monkeypatch.setattr(
+        hf_decode,
+        "plan_masks",
+        lambda cfg: masks.MaskPlan(
+            "explicit", layers={k: "causal" for k in real(cfg).layers}, keyed=real(cfg).keyed, window=2
+        ),
+    )
     with pytest.raises(CaptureError, match=r"'mistral' differs from the model's own eager decode"):
         gr.hf.DecodeRunner(model, max_batch=MAX_BATCH, max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS).capture()
-    runner = gr.hf.DecodeRunner(model, max_batch=MAX_BATCH, max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS,
-                                self_test=False)
+    runner = gr.hf.DecodeRunner(
+        model, max_batch=MAX_BATCH, max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS, self_test=False
+    )
     ids = prompts(3, seed=3)
     assert not torch.equal(runner.generate(ids, max_new_tokens=10), reference(model, ids, n=10))
 
@@ -321,8 +348,9 @@ def test_ragged_prompts_equal_model_generate(arch):
     ids, mask = _ragged(3, seed=7)
     got = runner.generate(ids, max_new_tokens=8, attention_mask=mask)
     with torch.inference_mode():
-        want = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
-                              cache_implementation="static", pad_token_id=0)
+        want = model.generate(
+            ids, attention_mask=mask, max_new_tokens=8, do_sample=False, cache_implementation="static", pad_token_id=0
+        )
     assert torch.equal(got, want), f"{arch}:\n{got}\n{want}"
     # control: the same prompts without the mask (pad tokens read as real ones) decode other tokens
     assert not torch.equal(runner.generate(ids, max_new_tokens=8), want)
@@ -348,8 +376,9 @@ def test_seeded_sampling_equals_model_generate(arch):
     got = runner.generate(ids, max_new_tokens=8, generator=torch.Generator().manual_seed(11), **kw)
     torch.manual_seed(11)
     with torch.inference_mode():
-        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
-                              cache_implementation="static", **kw)
+        want = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, cache_implementation="static", **kw
+        )
     assert torch.equal(got, want), f"{got}\n{want}"
     other = runner.generate(ids, max_new_tokens=8, generator=torch.Generator().manual_seed(12), **kw)
     assert not torch.equal(other, want)  # control: another seed draws other tokens
@@ -414,23 +443,36 @@ def _plant_state_bug(model, marked=True):
 
 
 def test_a_rebound_state_is_refused_by_the_stashed_state_check():
-    with pytest.raises(CaptureError, match=r"kept in LlamaRMSNorm\.carry after it \(assigned at .*test_hf\.py:\d+ "
-                                           r"in hook: `mod\.carry = "):
-        gr.hf.DecodeRunner(_plant_state_bug(build_model("llama"), marked=False), max_batch=MAX_BATCH,
-                           max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS).capture()
+    with pytest.raises(
+        CaptureError,
+        match=r"kept in LlamaRMSNorm\.carry after it \(assigned at .*test_hf\.py:\d+ "
+        r"in hook: `mod\.carry = ",
+    ):
+        gr.hf.DecodeRunner(
+            _plant_state_bug(build_model("llama"), marked=False),
+            max_batch=MAX_BATCH,
+            max_cache_len=MAX_CACHE_LEN,
+            buckets=BUCKETS,
+        ).capture()
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_self_test_refuses_a_planted_state_bug():
     with pytest.raises(CaptureError, match=r"'llama' differs from the model's own eager decode at batch 1"):
-        gr.hf.DecodeRunner(_plant_state_bug(build_model("llama")), max_batch=MAX_BATCH,
-                           max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS).capture()
+        gr.hf.DecodeRunner(
+            _plant_state_bug(build_model("llama")), max_batch=MAX_BATCH, max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS
+        ).capture()
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_negative_control_without_the_self_test_the_planted_bug_replays_wrong_tokens():
-    runner = gr.hf.DecodeRunner(_plant_state_bug(build_model("llama")), max_batch=MAX_BATCH,
-                                max_cache_len=MAX_CACHE_LEN, buckets=BUCKETS, self_test=False)
+    runner = gr.hf.DecodeRunner(
+        _plant_state_bug(build_model("llama")),
+        max_batch=MAX_BATCH,
+        max_cache_len=MAX_CACHE_LEN,
+        buckets=BUCKETS,
+        self_test=False,
+    )
     runner.capture()  # every capture check passes
     ids = prompts(3, seed=3)
     got = runner.generate(ids, max_new_tokens=8)

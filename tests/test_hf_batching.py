@@ -12,9 +12,8 @@ bug changes the tokens when the check is off. Skipped without ``transformers``.
 """
 
 import dataclasses
-import threading
-
 import math
+import threading
 
 import pytest
 from extras_util import require
@@ -41,8 +40,13 @@ pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_torch_thread")]
 
 #: model_type -> config overrides: sliding windows of 12 tokens, shorter than the longer prompts
 ARCHS = {
-    "llama": {}, "qwen3": {}, "mistral": {"sliding_window": 12}, "qwen3_moe": {}, "gemma2": {"sliding_window": 12},
-    "olmo2": {}, "gpt_oss": {"sliding_window": 12},
+    "llama": {},
+    "qwen3": {},
+    "mistral": {"sliding_window": 12},
+    "qwen3_moe": {},
+    "gemma2": {"sliding_window": 12},
+    "olmo2": {},
+    "gpt_oss": {"sliding_window": 12},
 }
 
 
@@ -56,25 +60,32 @@ def prompts(n=12, seed=1):
 
 
 def cb_config(seed=5, logprobs=False):
-    return ContinuousBatchingConfig(page_size=16, num_blocks=64, max_batch_tokens=64, max_requests_per_batch=8,
-                                    seed=seed, return_logprobs=logprobs)
+    return ContinuousBatchingConfig(
+        page_size=16, num_blocks=64, max_batch_tokens=64, max_requests_per_batch=8, seed=seed, return_logprobs=logprobs
+    )
 
 
 def gen_config(sample=False, eos=-1, new=8):
     if sample:
-        return GenerationConfig(max_new_tokens=new, do_sample=True, temperature=0.9, top_k=20, eos_token_id=eos,
-                                pad_token_id=0)
+        return GenerationConfig(
+            max_new_tokens=new, do_sample=True, temperature=0.9, top_k=20, eos_token_id=eos, pad_token_id=0
+        )
     return GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=eos, pad_token_id=0)
 
 
 def eager(model, inputs, gc, logprobs=False):
-    return model.generate_batch(inputs=inputs, generation_config=gc, continuous_batching_config=cb_config(logprobs=logprobs))
+    return model.generate_batch(
+        inputs=inputs, generation_config=gc, continuous_batching_config=cb_config(logprobs=logprobs)
+    )
 
 
 def logprob_gap(ref, out):
     """The largest difference of a sampled token's log-probability (requests whose tokens agree)."""
-    gaps = [max(abs(a - b) for a, b in zip(ref[k].logprobs, out[k].logprobs)) for k in ref
-            if ref[k].generated_tokens == out[k].generated_tokens]
+    gaps = [
+        max(abs(a - b) for a, b in zip(ref[k].logprobs, out[k].logprobs))
+        for k in ref
+        if ref[k].generated_tokens == out[k].generated_tokens
+    ]
     return max(gaps) if gaps else float("inf")
 
 
@@ -130,8 +141,9 @@ def test_declared_buckets_and_steps_beyond_them_run_eagerly():
     model, inputs, gc = model_of("llama"), prompts(), gen_config()
     ref = eager(model, inputs, gc)
     st = {}
-    out = gr.hf.generate_batch(model, inputs, gc, cb_config(), device="tape", stats=st,
-                               buckets={"tokens": [8, 32], "kv": [128], "reqs": [8]})
+    out = gr.hf.generate_batch(
+        model, inputs, gc, cb_config(), device="tape", stats=st, buckets={"tokens": [8, 32], "kv": [128], "reqs": [8]}
+    )
     assert mismatches(ref, out) == []
     s = st["stats"]
     assert s.graphs == 2 and s.eager_steps > 0 and s.replayed > 0 and s.replayed + s.eager_steps == s.steps
@@ -241,8 +253,9 @@ def test_the_options_are_one_frozen_keyword_only_dataclass():
         opts.device = "auto"
     with pytest.raises(ValueError, match="replan_every must be a number of steps"):
         gr.hf.BatchingOptions(replan_every=-1)
-    assert gr.hf.BatchingOptions.of(opts, debug=True) == gr.hf.BatchingOptions(device="tape", buckets=ONE_KEY,
-                                                                             debug=True)
+    assert gr.hf.BatchingOptions.of(opts, debug=True) == gr.hf.BatchingOptions(
+        device="tape", buckets=ONE_KEY, debug=True
+    )
     model, inputs, gc = model_of("llama"), prompts(n=4), gen_config()
     with pytest.raises(TypeError, match="unknown continuous batching option"):
         gr.hf.init_continuous_batching(model, gc, cb_config(), devise="tape")
@@ -253,17 +266,28 @@ def test_the_options_are_one_frozen_keyword_only_dataclass():
     assert mismatches(ref, gr.hf.generate_batch(model, inputs, gc, cb_config(), options=opts, stats=st)) == []
     first = st["hook"]
     assert first.options == opts and st["stats"].replayed > 0
-    assert mismatches(ref, gr.hf.generate_batch(model, inputs, gc, cb_config(), device="tape", buckets=ONE_KEY,
-                                                stats=st)) == []
+    assert (
+        mismatches(ref, gr.hf.generate_batch(model, inputs, gc, cb_config(), device="tape", buckets=ONE_KEY, stats=st))
+        == []
+    )
     assert st["hook"] is first, "the same options as keywords: the kept manager and graphs serve again"
     assert gr.hf.release(model)
 
 
 def test_every_public_name_has_a_docstring():
-    for module, name in ((entrypoints, "generate_batch"), (entrypoints, "init_continuous_batching"),
-                         (batching, "GraphBatching"), (batching, "BatchingStats"), (metadata, "MetadataError"),
-                         (refusals, "refusal"), (metadata, "step_feeds"), (batch_step, "step_inputs"),
-                         (batch_step, "make_step"), (planning, "plan_keys"), (metadata, "check_trash")):
+    for module, name in (
+        (entrypoints, "generate_batch"),
+        (entrypoints, "init_continuous_batching"),
+        (batching, "GraphBatching"),
+        (batching, "BatchingStats"),
+        (metadata, "MetadataError"),
+        (refusals, "refusal"),
+        (metadata, "step_feeds"),
+        (batch_step, "step_inputs"),
+        (batch_step, "make_step"),
+        (planning, "plan_keys"),
+        (metadata, "check_trash"),
+    ):
         obj = getattr(module, name)
         assert obj.__doc__ and len(obj.__doc__.strip()) > 40, name
     for name in ("install", "compute_batch", "plan", "capture"):
@@ -293,13 +317,19 @@ def padding_writes_a_real_slot(monkeypatch):
 
 
 def test_padding_write_into_a_real_slot_is_refused_at_capture(padding_writes_a_real_slot):
-    with pytest.raises(CaptureError, match=r"'llama'.*padding tokens .* would write cache slot \d+, which is not in the write-trash sector"):
+    with pytest.raises(
+        CaptureError,
+        match=r"'llama'.*padding tokens .* would write cache slot \d+, which is not in the write-trash sector",
+    ):
         gr.hf.generate_batch(model_of("llama"), prompts(), gen_config(), cb_config(), device="tape")
 
 
 def test_padding_write_into_a_real_slot_is_caught_by_the_equivalence_check(monkeypatch, padding_writes_a_real_slot):
     monkeypatch.setattr(batching, "check_trash", lambda cache, groups: None)  # the static check off
-    with pytest.raises(CaptureError, match="or the step after it, differs from the eager steps on the same valid batches without padding"):
+    with pytest.raises(
+        CaptureError,
+        match="or the step after it, differs from the eager steps on the same valid batches without padding",
+    ):
         gr.hf.generate_batch(model_of("llama"), prompts(), gen_config(), cb_config(), device="tape")
 
 
@@ -311,8 +341,9 @@ def test_negative_control_padding_write_into_a_real_slot_changes_results(monkeyp
     assert mismatches(ref, good) == [] and logprob_gap(ref, good) < 1e-4
     _plant_real_write_trash(monkeypatch)
     monkeypatch.setattr(batching, "check_trash", lambda cache, groups: None)
-    out = gr.hf.generate_batch(model, inputs, gc, cb_config(logprobs=True), device="tape", equivalence=False,
-                               buckets=ONE_KEY)
+    out = gr.hf.generate_batch(
+        model, inputs, gc, cb_config(logprobs=True), device="tape", equivalence=False, buckets=ONE_KEY
+    )
     # without the checks the padding tokens overwrite a real request's K/V: its later tokens see another key
     assert mismatches(ref, out) or logprob_gap(ref, out) > 1e-3
 
@@ -333,13 +364,14 @@ def _single_call_comparison(monkeypatch):
     monkeypatch.setattr(equivalence.EquivalenceCheck, "_follow_up", lambda self, plan, gen: made["feeds"])
 
 
-def test_only_the_follow_up_step_catches_a_padding_write_its_step_does_not_read(monkeypatch, padding_writes_a_real_slot):
+def test_only_the_follow_up_step_catches_a_padding_write_its_step_does_not_read(
+    monkeypatch, padding_writes_a_real_slot
+):
     """Sliding layers read a step's own new keys through the sentinel, not back from the cache: a padding token
     that overwrites a new token's slot changes nothing in that step, only in the next one that reads the slot."""
     monkeypatch.setattr(batching, "check_trash", lambda cache, groups: None)  # the static check off
     with pytest.raises(CaptureError, match="or the step after it, differs from the eager steps"):
-        gr.hf.generate_batch(model_of("mistral"), prompts(), gen_config(), cb_config(), device="tape",
-                             buckets=ONE_KEY)
+        gr.hf.generate_batch(model_of("mistral"), prompts(), gen_config(), cb_config(), device="tape", buckets=ONE_KEY)
 
 
 def test_negative_control_a_single_call_comparison_accepts_that_padding_write(monkeypatch):
@@ -375,8 +407,11 @@ def test_each_attention_type_gets_its_own_keys_dim():
     st = {}
     out = gr.hf.generate_batch(model, inputs, gc, cb_config(), device="tape", stats=st, buckets=ONE_KEY)
     assert mismatches(ref, out) == [] and st["stats"].keys == [(64, 256, 256, 8)]
-    with pytest.raises(ValueError, match=r"max_graphs names unknown dims \['kv_full'\]; the dims are "
-                                         r"\['tokens', 'kv', 'kv_sliding', 'reqs'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"max_graphs names unknown dims \['kv_full'\]; the dims are "
+        r"\['tokens', 'kv', 'kv_sliding', 'reqs'\]",
+    ):
         gr.hf.generate_batch(model, inputs, gc, cb_config(), device="tape", max_graphs={"kv_full": 2})
 
 
@@ -404,8 +439,11 @@ def _plant_stale_cu_seq_lens_q(monkeypatch):
 
 def test_stale_cu_seq_lens_is_raised_at_the_call(monkeypatch):
     _plant_stale_cu_seq_lens_q(monkeypatch)
-    with pytest.raises(gr.hf.MetadataError, match=r"cu_seq_lens_q .*(stale or inconsistent|logits_indices)|"
-                                                  r"logits_indices .* do not point"):
+    with pytest.raises(
+        gr.hf.MetadataError,
+        match=r"cu_seq_lens_q .*(stale or inconsistent|logits_indices)|"
+        r"logits_indices .* do not point",
+    ):
         gr.hf.generate_batch(model_of("llama"), prompts(), gen_config(), cb_config(), device="tape")
 
 
@@ -430,10 +468,27 @@ def test_bench_quick_run_writes_its_table(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "cb.json"
-    proc = subprocess.run([sys.executable, os.path.join(root, "bench", "hf_continuous_batching.py"), "--quick",
-                           "--only", "llama,qwen3_next", "--repeat", "1", "--device", "tape",
-                           "--max-graphs", "tokens=4,kv=4,reqs=2", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(root, "bench", "hf_continuous_batching.py"),
+            "--quick",
+            "--only",
+            "llama,qwen3_next",
+            "--repeat",
+            "1",
+            "--device",
+            "tape",
+            "--max-graphs",
+            "tokens=4,kv=4,reqs=2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = {r["arch"]: r for r in json.loads(out.read_text())["rows"]}
     llama = rows["llama"]
@@ -448,8 +503,9 @@ def test_example_runs_and_matches():
     import importlib.util
     import os
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
-                        "hf_continuous_batching.py")
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "hf_continuous_batching.py"
+    )
     spec = importlib.util.spec_from_file_location("graphrunner_example_hf_cb", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
@@ -513,15 +569,31 @@ def test_the_generic_padding_check_misreads_the_varlen_step():
     gr.hf.generate_batch(model, prompts(), gen_config(), cb_config(), device="tape", stats=st, reuse=False)
     planned = st["stats"].keys
     largest = max(planned, key=lambda k: (math.prod(k), k))  # captured first, so checked first
-    with pytest.raises(CaptureError, match=rf"padding leaks into real results at key \({', '.join(map(str, largest))}\)"):
+    with pytest.raises(
+        CaptureError, match=rf"padding leaks into real results at key \({', '.join(map(str, largest))}\)"
+    ):
         gr.hf.generate_batch(model, prompts(), gen_config(), cb_config(), device="tape", checks=None)
 
 
 # ---------------------------------------------------------------- every metadata check of step_feeds, one breach each
 
-_IO_FIELDS = ("num_request_in_batch", "total_seqlen_q", "input_ids", "position_ids", "cumulative_seqlens_q",
-              "cumulative_seqlens_k", "total_seqlen_k", "logits_indices", "max_kv_read", "write_index_storage",
-              "read_index_storage", "true_write_sizes", "true_read_sizes", "requests_in_batch", "attention_mask")
+_IO_FIELDS = (
+    "num_request_in_batch",
+    "total_seqlen_q",
+    "input_ids",
+    "position_ids",
+    "cumulative_seqlens_q",
+    "cumulative_seqlens_k",
+    "total_seqlen_k",
+    "logits_indices",
+    "max_kv_read",
+    "write_index_storage",
+    "read_index_storage",
+    "true_write_sizes",
+    "true_read_sizes",
+    "requests_in_batch",
+    "attention_mask",
+)
 
 
 def _copy_io(io):
@@ -539,15 +611,18 @@ def real_step():
     original = batching.step_feeds
 
     def spy(io, cache, groups, **kw):
-        if "io" not in taken and int(io.num_request_in_batch) >= 3 and int(io.max_kv_read) > 0 and \
-                int(io.total_seqlen_q) > int(io.num_request_in_batch):
+        if (
+            "io" not in taken
+            and int(io.num_request_in_batch) >= 3
+            and int(io.max_kv_read) > 0
+            and int(io.total_seqlen_q) > int(io.num_request_in_batch)
+        ):
             taken.update(io=_copy_io(io), cache=cache, groups=list(groups))
         return original(io, cache, groups, **kw)
 
     batching.step_feeds = spy
     try:
-        gr.hf.generate_batch(model_of("llama"), prompts(), gen_config(), cb_config(), device="tape",
-                             buckets=ONE_KEY)
+        gr.hf.generate_batch(model_of("llama"), prompts(), gen_config(), cb_config(), device="tape", buckets=ONE_KEY)
     finally:
         batching.step_feeds = original
     assert "io" in taken, "the workload has a mixed step that reads the cache"
@@ -576,12 +651,14 @@ def _breach(io, what, g):
     return io
 
 
-BREACHES = {"cu_seq_lens_q": r"cu_seq_lens_q .* stale or inconsistent",
-            "positions": r"positions are not consecutive inside a request",
-            "logits_indices": r"logits_indices .* do not point at the last token",
-            "cu_seq_lens_k": r"cu_seq_lens_k\['full_attention'\] .* stale or inconsistent",
-            "read_index": r"read_index\[0\] has \d+ entries, cu_seq_lens_k",
-            "write_index": r"write_index\[0\] \(full_attention\) holds .* never a trash slot"}
+BREACHES = {
+    "cu_seq_lens_q": r"cu_seq_lens_q .* stale or inconsistent",
+    "positions": r"positions are not consecutive inside a request",
+    "logits_indices": r"logits_indices .* do not point at the last token",
+    "cu_seq_lens_k": r"cu_seq_lens_k\['full_attention'\] .* stale or inconsistent",
+    "read_index": r"read_index\[0\] has \d+ entries, cu_seq_lens_k",
+    "write_index": r"write_index\[0\] \(full_attention\) holds .* never a trash slot",
+}
 
 
 @pytest.mark.parametrize("what", sorted(BREACHES))
@@ -600,8 +677,9 @@ def test_negative_control_without_the_checks_each_breach_feeds_the_graph_silentl
     io, cache, groups = real_step["io"], real_step["cache"], real_step["groups"]
     good = metadata.step_feeds(_copy_io(io), cache, groups)
     bad = metadata.step_feeds(_breach(_copy_io(io), what, groups[0]), cache, groups, validate=False)
-    assert any(not torch.equal(good[k], bad[k]) for k in good if good[k].shape == bad[k].shape) or \
-        any(good[k].shape != bad[k].shape for k in good)
+    assert any(not torch.equal(good[k], bad[k]) for k in good if good[k].shape == bad[k].shape) or any(
+        good[k].shape != bad[k].shape for k in good
+    )
 
 
 class _MaskSpy:
@@ -650,17 +728,29 @@ def test_the_step_builds_the_reference_mask(max_requests):
     padding key; a padding query sees every key. -inf where masked, 0 where allowed; random metadata, full and
     sliding layers; int32 and int64 codes. Negative control: the reference with an off-by-one differs."""
     gen = torch.Generator().manual_seed(7)
-    groups = [batch_step.CacheGroup(0, "full_attention", "kv", 0, 0, 0, 0, 0, 0, None),
-              batch_step.CacheGroup(1, "sliding_attention", "kv_sliding", 0, 0, 0, 0, 0, 0, 3)]
+    groups = [
+        batch_step.CacheGroup(0, "full_attention", "kv", 0, 0, 0, 0, 0, 0, None),
+        batch_step.CacheGroup(1, "sliding_attention", "kv_sliding", 0, 0, 0, 0, 0, 0, 3),
+    ]
     spy = _MaskSpy()
     step = batch_step.make_step(spy, None, groups, use_logits_to_keep=True, max_position=64, max_requests=max_requests)
     for _ in range(20):
         tok_req, pos, key_req, key_pos = _mask_case(gen)
-        feeds = {"input_ids": torch.zeros_like(tok_req), "position_ids": pos, "tok_req": tok_req,
-                 "logits_indices": torch.zeros(2, dtype=torch.int32)}
+        feeds = {
+            "input_ids": torch.zeros_like(tok_req),
+            "position_ids": pos,
+            "tok_req": tok_req,
+            "logits_indices": torch.zeros(2, dtype=torch.int32),
+        }
         for g in groups:
-            feeds.update({f"read_index_{g.index}": torch.zeros_like(key_req), f"write_index_{g.index}": tok_req,
-                          f"key_req_{g.index}": key_req, f"key_pos_{g.index}": key_pos})
+            feeds.update(
+                {
+                    f"read_index_{g.index}": torch.zeros_like(key_req),
+                    f"write_index_{g.index}": tok_req,
+                    f"key_req_{g.index}": key_req,
+                    f"key_pos_{g.index}": key_pos,
+                }
+            )
         step(**feeds)
         for g in groups:
             mask = spy.masks[g.layer_type][0, 0]

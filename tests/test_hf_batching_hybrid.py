@@ -44,8 +44,9 @@ def gen_config():
 
 
 def cb_config():
-    return ContinuousBatchingConfig(use_cuda_graph=False, page_size=16, num_blocks=64, max_batch_tokens=64,
-                                    max_requests_per_batch=8)
+    return ContinuousBatchingConfig(
+        use_cuda_graph=False, page_size=16, num_blocks=64, max_batch_tokens=64, max_requests_per_batch=8
+    )
 
 
 def reference(model):
@@ -53,9 +54,12 @@ def reference(model):
     out = []
     with torch.no_grad():
         for p in PROMPTS:
-            ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 generation_config=gen_config())
-            out.append(ids[0, len(p):].tolist())
+            ids = model.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                generation_config=gen_config(),
+            )
+            out.append(ids[0, len(p) :].tolist())
     return out
 
 
@@ -66,9 +70,14 @@ def batched(model):
     return [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.rsplit("_", 1)[-1]))]
 
 
-@pytest.mark.parametrize("arch, kind", [("mamba", r"its linear_attention layers \(mamba state-space\)"),
-                                        ("falcon_h1", r"its hybrid layers \(mamba state-space\)")],
-                         ids=["mamba", "falcon_h1"])
+@pytest.mark.parametrize(
+    "arch, kind",
+    [
+        ("mamba", r"its linear_attention layers \(mamba state-space\)"),
+        ("falcon_h1", r"its hybrid layers \(mamba state-space\)"),
+    ],
+    ids=["mamba", "falcon_h1"],
+)
 def test_state_space_layers_are_refused_and_transformers_cannot_batch_them(arch, kind):
     model = build_tiny(arch, seed=0)
     why = refusal(model)
@@ -110,6 +119,13 @@ def test_served_architectures_are_not_refused():
     assert batched(model) == reference(model)
     conv = build_tiny("lfm2", seed=0, layer_types=["conv", "full_attention"])
     assert "its conv layers (short-convolution) keep a recurrent state" in refusal(conv)
-    for arch, extra in [("llama", {}), ("qwen3", {}), ("qwen3_moe", {}), ("mistral", {"sliding_window": 12}),
-                        ("gemma2", {"sliding_window": 12}), ("gpt_oss", {"sliding_window": 12}), ("olmo2", {})]:
+    for arch, extra in [
+        ("llama", {}),
+        ("qwen3", {}),
+        ("qwen3_moe", {}),
+        ("mistral", {"sliding_window": 12}),
+        ("gemma2", {"sliding_window": 12}),
+        ("gpt_oss", {"sliding_window": 12}),
+        ("olmo2", {}),
+    ]:
         assert refusal(build_tiny(arch, seed=0, **extra)) is None, arch

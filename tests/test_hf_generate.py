@@ -24,8 +24,11 @@ import graphrunner as gr  # noqa: E402
 from graphrunner.hf.generation import GenerationSetup, resolve  # noqa: E402
 from graphrunner_tools.models.hf_tiny import build_tiny  # noqa: E402
 
-pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_torch_thread"),
-              pytest.mark.filterwarnings("ignore::UserWarning")]
+pytestmark = [
+    pytest.mark.hf,
+    pytest.mark.usefixtures("one_torch_thread"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+]
 
 VOCAB = 128
 BUCKETS = [1, 2, 4]
@@ -45,8 +48,9 @@ def reference(model, ids, mask=None, seed=None, **kwargs):
     if seed is not None:
         torch.manual_seed(seed)
     with torch.inference_mode():
-        return model.generate(ids, attention_mask=torch.ones_like(ids) if mask is None else mask,
-                              cache_implementation="static", **kwargs)
+        return model.generate(
+            ids, attention_mask=torch.ones_like(ids) if mask is None else mask, cache_implementation="static", **kwargs
+        )
 
 
 def ours(runner, ids, mask=None, seed=None, **kwargs):
@@ -109,11 +113,15 @@ def llama():
     return model, runner_for(model, max_cache_len=32)
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"repetition_penalty": 1.5},
-    {"no_repeat_ngram_size": 2},
-    {"repetition_penalty": 1.3, "no_repeat_ngram_size": 3},
-], ids=["repetition_penalty", "no_repeat_ngram_size", "both"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"repetition_penalty": 1.5},
+        {"no_repeat_ngram_size": 2},
+        {"repetition_penalty": 1.3, "no_repeat_ngram_size": 3},
+    ],
+    ids=["repetition_penalty", "no_repeat_ngram_size", "both"],
+)
 def test_llama_repetition_penalty_and_no_repeat_ngram_size(llama, kwargs):
     """Greedy and seeded sampling, equal-length and left-padded prompts (the penalty ignores the pad slots, as
     model.generate's does): equal to model.generate; control: without the arguments the greedy tokens differ."""
@@ -131,7 +139,7 @@ def test_llama_repetition_penalty_and_no_repeat_ngram_size(llama, kwargs):
 
 
 def _first_tokens(model, ids, n=6):
-    return reference(model, ids, max_new_tokens=n, do_sample=False)[:, ids.shape[1]:]
+    return reference(model, ids, max_new_tokens=n, do_sample=False)[:, ids.shape[1] :]
 
 
 def test_llama_more_processors_equal_model_generate(llama):
@@ -163,7 +171,7 @@ def test_llama_more_processors_equal_model_generate(llama):
         assert torch.equal(got, want), f"{kwargs}:\n{got}\n{want}"
         if not kwargs.get("do_sample"):
             control = plain if x is ids else _first_tokens(model, x)
-            assert not torch.equal(got[:, x.shape[1]:], control), f"{kwargs} changed nothing: a weak case"
+            assert not torch.equal(got[:, x.shape[1] :], control), f"{kwargs} changed nothing: a weak case"
 
 
 def test_eos_and_pad_ids_as_arguments(llama):
@@ -173,8 +181,11 @@ def test_eos_and_pad_ids_as_arguments(llama):
     ids = prompts(3, seed=8)
     plain = _first_tokens(model, ids, n=10)
     eos = int(plain[1, 2])  # row 1 meets it at its third new token
-    for kwargs in ({"eos_token_id": eos, "pad_token_id": 0}, {"eos_token_id": [127, eos], "pad_token_id": 0},
-                   {"eos_token_id": eos, "pad_token_id": 0, "min_new_tokens": 6}):
+    for kwargs in (
+        {"eos_token_id": eos, "pad_token_id": 0},
+        {"eos_token_id": [127, eos], "pad_token_id": 0},
+        {"eos_token_id": eos, "pad_token_id": 0, "min_new_tokens": 6},
+    ):
         got = ours(runner, ids, max_new_tokens=10, **kwargs)
         want = reference(model, ids, max_new_tokens=10, do_sample=False, **kwargs)
         assert torch.equal(got, want), f"{kwargs}:\n{got}\n{want}"
@@ -183,7 +194,7 @@ def test_eos_and_pad_ids_as_arguments(llama):
             assert eos not in new[:6]
         else:
             stop = new.index(eos)
-            assert stop <= 2 and all(t == 0 for t in new[stop + 1:])  # finished: padded with pad_token_id=0
+            assert stop <= 2 and all(t == 0 for t in new[stop + 1 :])  # finished: padded with pad_token_id=0
 
 
 def test_an_eos_criterion_without_a_pad_id_is_refused_before_decoding():
@@ -233,8 +244,9 @@ def test_sampling_defaults_resolve_as_model_generate(llama):
     # the model's generation_config is read at every call, as model.generate reads it
     model.generation_config.do_sample, model.generation_config.top_k = True, 5
     try:
-        assert torch.equal(ours(runner, ids, seed=13, max_new_tokens=6),
-                           reference(model, ids, seed=13, max_new_tokens=6))
+        assert torch.equal(
+            ours(runner, ids, seed=13, max_new_tokens=6), reference(model, ids, seed=13, max_new_tokens=6)
+        )
     finally:
         model.generation_config.do_sample, model.generation_config.top_k = False, None
 
@@ -274,8 +286,12 @@ def test_streamer_custom_processors_and_criteria(llama):
     def allowed(batch_id, sent):
         return list(range(3, 60))
 
-    kw = dict(max_new_tokens=6, logits_processor=transformers.LogitsProcessorList([Ban()]),
-              stopping_criteria=transformers.StoppingCriteriaList([StopAt()]), prefix_allowed_tokens_fn=allowed)
+    kw = dict(
+        max_new_tokens=6,
+        logits_processor=transformers.LogitsProcessorList([Ban()]),
+        stopping_criteria=transformers.StoppingCriteriaList([StopAt()]),
+        prefix_allowed_tokens_fn=allowed,
+    )
     got = runner.generate(ids, **kw)
     assert got.shape[1] == 8 and got[0, 5] != want[0, 5] and bool((got[0, 5:] < 60).all())
     assert torch.equal(got, reference(model, ids, do_sample=False, **kw))
@@ -284,19 +300,28 @@ def test_streamer_custom_processors_and_criteria(llama):
 # ---------------------------------------------------------------- refusals
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"num_beams": 2}, r"beam_search \(num_beams=2\).*num_beams=1"),
-    ({"num_return_sequences": 2, "do_sample": True}, r"num_return_sequences=2 \(passed to generate\).*repeat_interleave"),
-    ({"return_dict_in_generate": True, "output_scores": True}, "return_dict_in_generate=True.*token tensor only"),
-    ({"guidance_scale": 1.5}, "guidance_scale=1.5.*unconditional forward"),
-    ({"penalty_alpha": 0.6, "top_k": 4}, r"contrastive_search.*penalty_alpha=0.6"),
-    ({"cache_implementation": "dynamic"}, "cache_implementation='dynamic'.*own StaticCache"),
-    ({"past_key_values": object()}, r"does not take past_key_values=.*only input_ids and attention_mask"),
-    ({"max_new_token": 3}, r"does not take max_new_token=.*check the spelling"),
-    ({"synced_gpus": True}, "synced_gpus=True"),
-    ({"assistant_model": "m"}, "assistant_model='m'.*assisted decoding"),
-    ({"negative_prompt_ids": torch.ones((1, 2), dtype=torch.long)}, r"negative_prompt_ids=<tensor of shape \[1, 2\]>"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"num_beams": 2}, r"beam_search \(num_beams=2\).*num_beams=1"),
+        (
+            {"num_return_sequences": 2, "do_sample": True},
+            r"num_return_sequences=2 \(passed to generate\).*repeat_interleave",
+        ),
+        ({"return_dict_in_generate": True, "output_scores": True}, "return_dict_in_generate=True.*token tensor only"),
+        ({"guidance_scale": 1.5}, "guidance_scale=1.5.*unconditional forward"),
+        ({"penalty_alpha": 0.6, "top_k": 4}, r"contrastive_search.*penalty_alpha=0.6"),
+        ({"cache_implementation": "dynamic"}, "cache_implementation='dynamic'.*own StaticCache"),
+        ({"past_key_values": object()}, r"does not take past_key_values=.*only input_ids and attention_mask"),
+        ({"max_new_token": 3}, r"does not take max_new_token=.*check the spelling"),
+        ({"synced_gpus": True}, "synced_gpus=True"),
+        ({"assistant_model": "m"}, "assistant_model='m'.*assisted decoding"),
+        (
+            {"negative_prompt_ids": torch.ones((1, 2), dtype=torch.long)},
+            r"negative_prompt_ids=<tensor of shape \[1, 2\]>",
+        ),
+    ],
+)
 def test_unsupported_arguments_are_refused_by_name(llama, kwargs, match):
     """Refused before anything runs, naming the argument and what to do instead."""
     _, runner = llama
@@ -342,14 +367,15 @@ class _Terminal(io.StringIO):
         return True
 
 
-@pytest.mark.parametrize("stream,progress,shown", [(_Terminal, True, True), (_Terminal, False, False),
-                                                  (io.StringIO, True, False)],
-                         ids=["terminal", "terminal-progress-off", "pipe"])
+@pytest.mark.parametrize(
+    "stream,progress,shown",
+    [(_Terminal, True, True), (_Terminal, False, False), (io.StringIO, True, False)],
+    ids=["terminal", "terminal-progress-off", "pipe"],
+)
 def test_progress_bars_on_a_terminal_only(monkeypatch, stream, progress, shown):
     err = stream()
     monkeypatch.setattr(sys, "stderr", err)
-    runner = gr.hf.DecodeRunner(build_tiny("llama"), max_batch=2, max_cache_len=16, buckets=[1, 2],
-                                progress=progress)
+    runner = gr.hf.DecodeRunner(build_tiny("llama"), max_batch=2, max_cache_len=16, buckets=[1, 2], progress=progress)
     runner.capture()
     text = err.getvalue()
     assert ("graphrunner capture" in text and "gr.hf self-test" in text) is shown, text

@@ -37,8 +37,6 @@ def _load_example():
 hf = _load_example()
 
 
-
-
 @pytest.mark.parametrize("backend,batch", [("breakable", 1), ("full", 1), ("breakable", 2)])
 def test_twenty_decode_steps_equal_model_generate(backend, batch):
     result = hf.run(steps=20, batch=batch, backend=backend, device="auto")
@@ -65,8 +63,14 @@ def test_warmup_writes_are_caught_without_the_cache_restore():
 
 
 def test_cache_helpers_snapshot_restore_in_place():
-    from graphrunner.hf.cache import (cache_tensors, compare_caches, make_static_cache, restore_cache, snapshot_cache,
-                                      zero_cache)
+    from graphrunner.hf.cache import (
+        cache_tensors,
+        compare_caches,
+        make_static_cache,
+        restore_cache,
+        snapshot_cache,
+        zero_cache,
+    )
     from graphrunner.hf.steps import make_decode_step, prefill
 
     with torch.inference_mode():

@@ -29,13 +29,15 @@ NEW = 12
 def qwen2():
     """The issue's model: vocab 256, hidden 64, 2 layers, 4 heads, 2 kv heads."""
     torch.manual_seed(0)
-    return build_tiny("qwen2", vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2)
+    return build_tiny(
+        "qwen2", vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
 
 
 def cb_config(seed=None):
-    return ContinuousBatchingConfig(page_size=16, num_blocks=64, max_batch_tokens=64, max_requests_per_batch=8,
-                                    seed=seed)
+    return ContinuousBatchingConfig(
+        page_size=16, num_blocks=64, max_batch_tokens=64, max_requests_per_batch=8, seed=seed
+    )
 
 
 def prompts(n=10, seed=1):
@@ -45,8 +47,9 @@ def prompts(n=10, seed=1):
 
 def gen_config(sample=False):
     if sample:
-        return GenerationConfig(max_new_tokens=NEW, do_sample=True, temperature=0.9, top_k=20, eos_token_id=-1,
-                                pad_token_id=0)
+        return GenerationConfig(
+            max_new_tokens=NEW, do_sample=True, temperature=0.9, top_k=20, eos_token_id=-1, pad_token_id=0
+        )
     return GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=-1, pad_token_id=0)
 
 
@@ -121,8 +124,7 @@ def test_autocapture_serves_from_the_first_step_and_equals_transformers():
     model, gc = qwen2(), gen_config()
     a = prompts()
     ref = reference(model, a, gc)
-    manager = gr.hf.init_continuous_batching(model, gc, cb_config(), device="tape", autocapture=True,
-                                             replan_every=0)
+    manager = gr.hf.init_continuous_batching(model, gc, cb_config(), device="tape", autocapture=True, replan_every=0)
     try:
         first = session(manager, a)  # capture runs on a thread from the first step
         hook = manager.graphs
@@ -160,8 +162,7 @@ def test_a_replan_swaps_keys_without_a_wrong_token():
     model, gc = qwen2(), gen_config()
     a, b = prompts(n=16, seed=4), prompts(n=16, seed=5)
     ref_a, ref_b = reference(model, a, gc), reference(model, b, gc)
-    manager = gr.hf.init_continuous_batching(model, gc, cb_config(), device="tape", autocapture=True,
-                                             replan_every=8)
+    manager = gr.hf.init_continuous_batching(model, gc, cb_config(), device="tape", autocapture=True, replan_every=8)
     try:
         hook = manager.graphs
         first = session(manager, a)
@@ -185,8 +186,9 @@ def test_ladder_and_replan_by_hand():
     assert ladder.ladder(1024, 4, low=16) == [16, 64, 256, 1024]
     with pytest.raises(ValueError, match="top >= 1"):
         ladder.ladder(0, 3)
-    buckets, keys = ladder.ladder_keys({"tokens": 8, "kv": 64, "reqs": 16}, ("tokens", "kv", "reqs"),
-                                       {"tokens": 2, "kv": 2, "reqs": 2})
+    buckets, keys = ladder.ladder_keys(
+        {"tokens": 8, "kv": 64, "reqs": 16}, ("tokens", "kv", "reqs"), {"tokens": 2, "kv": 2, "reqs": 2}
+    )
     assert buckets == {"tokens": [1, 8], "kv": [16, 64], "reqs": [1, 8]}, "reqs capped at the tokens"
     assert keys == [(1, 16, 1), (1, 64, 1), (8, 16, 1), (8, 16, 8), (8, 64, 1), (8, 64, 8)]
     # a step (3 tokens, 20 keys) lands on (8, 64, 8): 8*64 - 3*20 = 452 padded cells (by hand)

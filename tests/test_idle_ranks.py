@@ -24,8 +24,17 @@ def make(backend, **kw):
         hits.add_(1)  # captured: every replay (and every eager run) counts once
         return torch.tanh(x @ w)
 
-    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(D,))}, [1, 2, 4], backend=backend, device="tape",
-                       warmups=1, progress=False, checks=(), **kw)
+    r = gr.GraphRunner(
+        step,
+        {"x": gr.BatchInput(trailing=(D,))},
+        [1, 2, 4],
+        backend=backend,
+        device="tape",
+        warmups=1,
+        progress=False,
+        checks=(),
+        **kw,
+    )
     r.capture()
     return r, hits, (lambda x: torch.tanh(x @ w))
 
@@ -57,8 +66,16 @@ def test_zero_rows_with_copy_outputs_and_dict_outputs():
         hits.add_(1)
         return {"y": x * 2.0, "z": x.sum(-1)}
 
-    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(D,))}, [2, 4], backend="full", device="tape",
-                       warmups=1, progress=False, copy_outputs=True)
+    r = gr.GraphRunner(
+        step,
+        {"x": gr.BatchInput(trailing=(D,))},
+        [2, 4],
+        backend="full",
+        device="tape",
+        warmups=1,
+        progress=False,
+        copy_outputs=True,
+    )
     r.capture()
     before = int(hits)
     out = r(x=torch.zeros(0, D))
@@ -74,8 +91,16 @@ def test_a_zero_dim_output_makes_the_idle_call_run_the_smallest_bucket():
         hits.add_(1)
         return x * 3.0, (x + 1.0).sum()
 
-    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(D,), pad=0.0)}, [2, 4], backend="full",
-                       device="tape", warmups=1, progress=False, checks=())
+    r = gr.GraphRunner(
+        step,
+        {"x": gr.BatchInput(trailing=(D,), pad=0.0)},
+        [2, 4],
+        backend="full",
+        device="tape",
+        warmups=1,
+        progress=False,
+        checks=(),
+    )
     r.capture()
     before = int(hits)
     rows, total = r(x=torch.zeros(0, D))
@@ -111,9 +136,9 @@ def test_a_positional_call_names_the_keyword_inputs():
 
 def test_a_bucket_too_big_to_allocate_is_a_value_error_naming_bucket_and_bytes():
     with pytest.raises(ValueError) as info:
-        gr.GraphRunner(lambda x: x, {"x": gr.BatchInput(trailing=(64,))}, [1, 2 ** 30], progress=False)
+        gr.GraphRunner(lambda x: x, {"x": gr.BatchInput(trailing=(64,))}, [1, 2**30], progress=False)
     msg = str(info.value)
-    need = 2 ** 30 * 64 * 4
+    need = 2**30 * 64 * 4
     assert "bucket 1073741824" in msg and f"{need:,} bytes" in msg and "smaller buckets" in msg
 
 
@@ -129,9 +154,17 @@ def test_an_allocator_failure_is_a_value_error_naming_the_key(monkeypatch):
 
     monkeypatch.setattr(torch, "full", failing_full)
     with pytest.raises(ValueError, match=r"key \(reqs=8, draft=2\).*allocating them failed.*RuntimeError"):
-        gr.GraphRunner(lambda x: x, {"x": gr.BatchInput(trailing=(3,), dims=("reqs", "draft"))},
-                       {"reqs": [8], "draft": [2]}, progress=False)
+        gr.GraphRunner(
+            lambda x: x,
+            {"x": gr.BatchInput(trailing=(3,), dims=("reqs", "draft"))},
+            {"reqs": [8], "draft": [2]},
+            progress=False,
+        )
     monkeypatch.undo()
     # Negative control: the same runner builds when the allocator works.
-    gr.GraphRunner(lambda x: x, {"x": gr.BatchInput(trailing=(3,), dims=("reqs", "draft"))},
-                   {"reqs": [8], "draft": [2]}, progress=False)
+    gr.GraphRunner(
+        lambda x: x,
+        {"x": gr.BatchInput(trailing=(3,), dims=("reqs", "draft"))},
+        {"reqs": [8], "draft": [2]},
+        progress=False,
+    )

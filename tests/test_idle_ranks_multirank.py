@@ -81,8 +81,9 @@ def _worker(rank, world):
     result = {}
     for name, cls in (("full", FullGraphBackend), ("breakable", BreakableGraphBackend)):
         group = TorchDistGroup(timeout=60)
-        runner = GraphRunner(tp_mlp, inputs, BUCKETS, backend=cls(device="tape", group=group, warmups=1),
-                             group=group, progress=False)
+        runner = GraphRunner(
+            tp_mlp, inputs, BUCKETS, backend=cls(device="tape", group=group, warmups=1), group=group, progress=False
+        )
         runner.capture()
         rows = []
         for step in range(STEPS):
@@ -94,8 +95,9 @@ def _worker(rank, world):
             # negative control for the reference: this rank's partial product alone differs (when a
             # peer has rows; by chance a peer's relu may zero its contribution: counted, not required)
             others = any(batch(step, q).shape[0] for q in range(world) if q != rank)
-            alone = bool(x.shape[0] and others and not torch.allclose(torch.relu(x @ w1) @ w2, ref, rtol=1e-5,
-                                                                       atol=1e-6))
+            alone = bool(
+                x.shape[0] and others and not torch.allclose(torch.relu(x @ w1) @ w2, ref, rtol=1e-5, atol=1e-6)
+            )
             ran = runner.stats.calls - calls  # 1 when this call replayed or fell back (the step ran)
             rows.append((x.shape[0], tuple(out.shape), runner.stats.last_bucket, ran, bool(ok), alone, others))
         result[name] = rows
@@ -110,8 +112,14 @@ def _worker(rank, world):
         return part
 
     group = TorchDistGroup(timeout=60)
-    runner = GraphRunner(lonely, inputs, BUCKETS, backend=FullGraphBackend(device="tape", group=group, warmups=1),
-                         group=group, progress=False)
+    runner = GraphRunner(
+        lonely,
+        inputs,
+        BUCKETS,
+        backend=FullGraphBackend(device="tape", group=group, warmups=1),
+        group=group,
+        progress=False,
+    )
     runner.agree_bucket = False
     runner.capture()
     x = torch.zeros(0, D) if rank == 2 else torch.ones(2, D)
@@ -153,8 +161,7 @@ def test_idle_ranks_join_the_padded_step_and_peers_match_eager(results, backend)
             want = next((b for b in BUCKETS if b >= max(ns)), None)
             assert buckets == {want}, (s, ns, buckets)
     # the schedule did what it claims: an idle rank among active ones, a long idle run, joint fallbacks
-    idle_joins = [(r, s) for r in range(WORLD) for s in range(STEPS)
-                  if per_rank[r][s][0] == 0 and s != ALL_IDLE]
+    idle_joins = [(r, s) for r in range(WORLD) for s in range(STEPS) if per_rank[r][s][0] == 0 and s != ALL_IDLE]
     assert (2, 0) in idle_joins and all((1, s) in idle_joins for s in range(10, 30))
     assert any(per_rank[0][s][2] is None and s != ALL_IDLE for s in range(STEPS))
 

@@ -33,8 +33,8 @@ def verify_step(ids, x, ctx):
     Elementwise ops and reductions only (no BLAS blocking that depends on the shape)."""
     h = EMB[ids] + x * GATE + ctx[:, None, :]
     h = host_norm(torch.tanh(h))
-    logits = (h[:, :, None, :] * W).sum(-1)          # [reqs, draft, V]
-    pooled = h.sum(1) * 0.5 + ctx                     # [reqs, H]: reads the padded draft cells too
+    logits = (h[:, :, None, :] * W).sum(-1)  # [reqs, draft, V]
+    pooled = h.sum(1) * 0.5 + ctx  # [reqs, H]: reads the padded draft cells too
     return {"logits": logits, "pooled": pooled, "count": ids.sum() * 0}
 
 
@@ -49,13 +49,16 @@ VERIFY_BUCKETS = {"reqs": [1, 2, 4], "draft": [1, 3]}
 
 def verify_inputs(r, d, seed):
     g = torch.Generator().manual_seed(seed)
-    return {"ids": torch.randint(1, VOCAB, (r, d), generator=g), "x": torch.randn(r, d, H, generator=g),
-            "ctx": torch.randn(r, H, generator=g)}
+    return {
+        "ids": torch.randint(1, VOCAB, (r, d), generator=g),
+        "x": torch.randn(r, d, H, generator=g),
+        "ctx": torch.randn(r, H, generator=g),
+    }
 
 
 def pad_to(t, shape, value):
-    out = torch.full((*shape, *t.shape[len(shape):]), value, dtype=t.dtype)
-    out[tuple(slice(0, n) for n in t.shape[:len(shape)])] = t
+    out = torch.full((*shape, *t.shape[len(shape) :]), value, dtype=t.dtype)
+    out[tuple(slice(0, n) for n in t.shape[: len(shape)])] = t
     return out
 
 
@@ -77,9 +80,10 @@ def assert_bit_exact(out, ref, where):
 def verify_runner(backend, **kw):
     kw.setdefault("buckets", VERIFY_BUCKETS)
     kw.setdefault("outputs", VERIFY_OUTPUTS)
-    kw.setdefault("checks", ["drift", gr.PaddingCheck(exempt=("pooled",)), "fingerprint"])  # pooled reads the padded draft cells on purpose
-    return gr.GraphRunner(verify_step, VERIFY_INPUTS, backend=backend, device="tape", warmups=1,
-                          progress=False, **kw)
+    kw.setdefault(
+        "checks", ["drift", gr.PaddingCheck(exempt=("pooled",)), "fingerprint"]
+    )  # pooled reads the padded draft cells on purpose
+    return gr.GraphRunner(verify_step, VERIFY_INPUTS, backend=backend, device="tape", warmups=1, progress=False, **kw)
 
 
 # ------------------------------------------------------------------ KeySpace
@@ -91,7 +95,7 @@ def test_keyspace_choice_full_grid_and_explicit_keys():
     assert s.choose((9, 1)) == (None, "over_max_bucket") and s.choose((1, 5)) == (None, "over_max_bucket")
     assert s.capture_order()[0] == (8, 4)
     k = KeySpace({"reqs": [1, 2, 4, 8], "draft": [1, 2, 4]}, keys=[(8, 4), (2, 4), (4, 1)])
-    assert k.choose((2, 2)) == ((2, 4), None)            # (2, 2) not captured: smallest covering key
+    assert k.choose((2, 2)) == ((2, 4), None)  # (2, 2) not captured: smallest covering key
     assert k.choose((3, 1)) == ((4, 1), None)
     assert k.choose((3, 2)) == ((8, 4), None)
     # per-dim padding ratio: (3, 1) -> (4, 1) pads reqs by 1/4 <= 0.3; (1, 1) -> (2, 4) pads draft by 3/4
@@ -102,14 +106,17 @@ def test_keyspace_choice_full_grid_and_explicit_keys():
     assert batch.one_batch_dim and batch.dims == ("batch",) and batch.external((4,)) == 4
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(buckets={"reqs": [1, 2], "draft": [2, 1]}), r"buckets\['draft'\].*sorted"),
-    (dict(buckets={}), "empty dict"),
-    (dict(buckets={"reqs": [1, 2]}, keys=[(2, 1)]), "one int per dim"),
-    (dict(buckets={"reqs": [1, 2], "d": [1, 2]}, keys=[(2, 3)]), "3 is not a bucket of dim 'd'"),
-    (dict(buckets={"reqs": [1, 2], "d": [1, 2]}, keys=[(2, 1), (1, 2)]), r"must include the key \(2, 2\)"),
-    (dict(buckets={"reqs": [1, 2], "d": [1, 2]}, keys=[(2, 2), (2, 2)]), "listed twice"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(buckets={"reqs": [1, 2], "draft": [2, 1]}), r"buckets\['draft'\].*sorted"),
+        (dict(buckets={}), "empty dict"),
+        (dict(buckets={"reqs": [1, 2]}, keys=[(2, 1)]), "one int per dim"),
+        (dict(buckets={"reqs": [1, 2], "d": [1, 2]}, keys=[(2, 3)]), "3 is not a bucket of dim 'd'"),
+        (dict(buckets={"reqs": [1, 2], "d": [1, 2]}, keys=[(2, 1), (1, 2)]), r"must include the key \(2, 2\)"),
+        (dict(buckets={"reqs": [1, 2], "d": [1, 2]}, keys=[(2, 2), (2, 2)]), "listed twice"),
+    ],
+)
 def test_keyspace_errors(kw, match):
     with pytest.raises((ValueError, TypeError), match=match):
         KeySpace(**kw)
@@ -119,11 +126,16 @@ def test_configuration_errors_name_the_input_and_dim():
     with pytest.raises(ValueError, match=r"inputs\['ids'\] must declare its leading dims"):
         gr.GraphRunner(verify_step, {"ids": gr.BatchInput(dtype=torch.long)}, VERIFY_BUCKETS, device="tape")
     with pytest.raises(ValueError, match=r"names \['drafts'\], which buckets does not list"):
-        gr.GraphRunner(verify_step, {"ids": gr.BatchInput(dtype=torch.long, dims=("reqs", "drafts"))},
-                       VERIFY_BUCKETS, device="tape")
+        gr.GraphRunner(
+            verify_step,
+            {"ids": gr.BatchInput(dtype=torch.long, dims=("reqs", "drafts"))},
+            VERIFY_BUCKETS,
+            device="tape",
+        )
     with pytest.raises(ValueError, match=r"dim\(s\) \['draft'\] that no input declares"):
-        gr.GraphRunner(verify_step, {"ids": gr.BatchInput(dtype=torch.long, dims=("reqs",))},
-                       VERIFY_BUCKETS, device="tape")
+        gr.GraphRunner(
+            verify_step, {"ids": gr.BatchInput(dtype=torch.long, dims=("reqs",))}, VERIFY_BUCKETS, device="tape"
+        )
     with pytest.raises(ValueError, match=r"outputs\['logits'\].*\['tok'\]"):
         verify_runner("full", outputs={"logits": ("tok",)})
     with pytest.raises(TypeError, match="got the string 'reqs'"):
@@ -136,7 +148,9 @@ def test_wrong_output_dims_fail_at_capture_naming_the_output():
     r = verify_runner("full", outputs={"pooled": ("reqs",), "count": ()})  # logits defaults to ("reqs", "draft")
     r.capture()
     # draft undeclared (the leak check would report logits' padded draft cells first: off to reach the dims error)
-    bad = verify_runner("full", outputs={"logits": ("reqs",), "pooled": ("reqs",), "count": ()}, checks=("drift", "fingerprint"))
+    bad = verify_runner(
+        "full", outputs={"logits": ("reqs",), "pooled": ("reqs",), "count": ()}, checks=("drift", "fingerprint")
+    )
     with pytest.raises(TypeError, match="only the dims declared in outputs= may change"):
         bad.capture()
     worse = verify_runner("full", outputs={"pooled": ("reqs", "draft"), "count": ()})
@@ -171,7 +185,7 @@ def test_negative_control_without_the_refill_stale_cells_leak():
     r.capture()
     r.server.inputs.pad_to = lambda sizes, key: None
     r(**verify_inputs(4, 3, seed=1))
-    inp = verify_inputs(3, 2, seed=2)               # key (4, 3): cells [3:4, :] and [:3, 2:3] are padding
+    inp = verify_inputs(3, 2, seed=2)  # key (4, 3): cells [3:4, :] and [:3, 2:3] are padding
     out = r(**inp)
     assert not torch.equal(out["pooled"], verify_reference(inp, (4, 3))["pooled"])
 
@@ -198,19 +212,19 @@ def test_explicit_keys_smallest_covering_key_and_fallback():
 def test_padding_ratio_applies_per_dim():
     r = verify_runner("full", max_padding_ratio=0.5)
     r.capture()
-    inp = verify_inputs(3, 1, seed=0)                 # reqs 3 -> 4 pads 1/4: replays
+    inp = verify_inputs(3, 1, seed=0)  # reqs 3 -> 4 pads 1/4: replays
     assert_bit_exact(r(**inp), verify_reference(inp, (4, 1)), "ok")
     inp = verify_inputs(4, 1, seed=1)
     r(**inp)
     inp = verify_inputs(1, 1, seed=2)
     assert r(**inp) is not None and r.stats.last_bucket == (1, 1)
-    inp = verify_inputs(2, 1, seed=3)                 # draft 1 -> 1, reqs 2 -> 2: fine
+    inp = verify_inputs(2, 1, seed=3)  # draft 1 -> 1, reqs 2 -> 2: fine
     r(**inp)
-    inp = verify_inputs(4, 2, seed=4)                 # draft 2 -> 3 pads 1/3 <= 0.5
+    inp = verify_inputs(4, 2, seed=4)  # draft 2 -> 3 pads 1/3 <= 0.5
     assert_bit_exact(r(**inp), verify_reference(inp, (4, 3)), "draft")
     r3 = verify_runner("full", max_padding_ratio=0.2)
     r3.capture()
-    inp = verify_inputs(4, 2, seed=5)                 # draft pads 1/3 > 0.2: falls back
+    inp = verify_inputs(4, 2, seed=5)  # draft pads 1/3 > 0.2: falls back
     assert_bit_exact(r3(**inp), verify_reference(inp, (4, 2)), "fallback")
     assert r3.stats.fallback_reasons == {"padding_ratio": 1}
 
@@ -259,16 +273,26 @@ def cube_step(a, b):
     return {"y": h.sum(-1) + b[:, None, :], "z": h.sum(1)}
 
 
-CUBE_INPUTS = {"a": gr.BatchInput(trailing=(H,), pad=0.0, dims=("p", "q", "s")),
-               "b": gr.BatchInput(pad=0.0, dims=("p", "s"))}
+CUBE_INPUTS = {
+    "a": gr.BatchInput(trailing=(H,), pad=0.0, dims=("p", "q", "s")),
+    "b": gr.BatchInput(pad=0.0, dims=("p", "s")),
+}
 CUBE_BUCKETS = {"p": [1, 2], "q": [1, 3], "s": [2, 4]}
 
 
 @pytest.mark.parametrize("backend", ["full", "breakable"])
 def test_three_dims_bit_exact_for_every_size_combination(backend):
-    r = gr.GraphRunner(cube_step, CUBE_INPUTS, CUBE_BUCKETS, backend=backend, device="tape", warmups=1,
-                       outputs={"z": ("p", "s")}, progress=False,  # "y" takes the default: a's dims
-                       checks=["drift", gr.PaddingCheck(exempt=("z",)), "fingerprint"])  # z sums over the padded q cells on purpose
+    r = gr.GraphRunner(
+        cube_step,
+        CUBE_INPUTS,
+        CUBE_BUCKETS,
+        backend=backend,
+        device="tape",
+        warmups=1,
+        outputs={"z": ("p", "s")},
+        progress=False,  # "y" takes the default: a's dims
+        checks=["drift", gr.PaddingCheck(exempt=("z",)), "fingerprint"],
+    )  # z sums over the padded q cells on purpose
     assert len(r.capture().buckets) == 8
     combos = list(itertools.product(range(1, 3), range(1, 4), range(1, 5)))
     order = combos[::-1] + random.Random(1).sample(combos, len(combos))
@@ -293,14 +317,40 @@ def _key_for_runners():
     x1 = {"x": gr.BatchInput(trailing=(3,))}
     x2 = {"x": gr.BatchInput(trailing=(3,), dims=("r", "d"))}
     yield "int keys", gr.GraphRunner(lambda x: x * 2.0, x1, [1, 2, 4, 8], device="tape", progress=False), 1
-    yield "named dims", gr.GraphRunner(lambda x: x * 2.0, x2, {"r": [1, 2, 4], "d": [1, 8, 16]}, device="tape",
-                                       progress=False), 2
-    yield "keys=", gr.GraphRunner(lambda x: x * 2.0, x2, {"r": [1, 2, 4], "d": [1, 8, 16]},
-                                  keys=[(1, 16), (2, 8), (4, 16)], device="tape", progress=False), 2
-    yield "output on one dim", gr.GraphRunner(lambda x: x[:, 0] * 2.0, x2, {"r": [1, 2, 4], "d": [1, 8, 16]},
-                                              outputs=("r",), device="tape", progress=False), 2
-    yield "0-dim output", gr.GraphRunner(lambda x: (x * 2.0, x.sum() * 0.0), x1, [1, 2, 4], device="tape",
-                                         progress=False), 1
+    yield (
+        "named dims",
+        gr.GraphRunner(lambda x: x * 2.0, x2, {"r": [1, 2, 4], "d": [1, 8, 16]}, device="tape", progress=False),
+        2,
+    )
+    yield (
+        "keys=",
+        gr.GraphRunner(
+            lambda x: x * 2.0,
+            x2,
+            {"r": [1, 2, 4], "d": [1, 8, 16]},
+            keys=[(1, 16), (2, 8), (4, 16)],
+            device="tape",
+            progress=False,
+        ),
+        2,
+    )
+    yield (
+        "output on one dim",
+        gr.GraphRunner(
+            lambda x: x[:, 0] * 2.0,
+            x2,
+            {"r": [1, 2, 4], "d": [1, 8, 16]},
+            outputs=("r",),
+            device="tape",
+            progress=False,
+        ),
+        2,
+    )
+    yield (
+        "0-dim output",
+        gr.GraphRunner(lambda x: (x * 2.0, x.sum() * 0.0), x1, [1, 2, 4], device="tape", progress=False),
+        1,
+    )
 
 
 @pytest.mark.parametrize("kind", ["int keys", "named dims", "keys=", "output on one dim", "0-dim output"])
@@ -309,8 +359,9 @@ def test_key_for_is_the_key_a_call_replays_for_random_sizes_zeros_included(kind)
     runner.capture()
     g = torch.Generator().manual_seed(11)
     maxes = [max(v) for v in runner.buckets.values()] if isinstance(runner.buckets, dict) else [runner.max_batch]
-    cases = [tuple(0 for _ in range(ndims))] + [tuple(int(torch.randint(0, m + 2, (1,), generator=g))
-                                                      for m in maxes) for _ in range(40)]
+    cases = [tuple(0 for _ in range(ndims))] + [
+        tuple(int(torch.randint(0, m + 2, (1,), generator=g)) for m in maxes) for _ in range(40)
+    ]
     for sizes in cases:
         batch = sizes[0] if ndims == 1 else sizes
         replays = sum(runner.stats.replays.values())

@@ -69,8 +69,16 @@ def _worker(rank, world):
     result = {}
     for backend in ("full", "breakable"):
         group = CountingGroup(gr.TorchDistGroup(timeout=30))
-        runner = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(H,), dims=("reqs", "draft"))}, BUCKETS,
-                                backend=backend, device="tape", group=group, warmups=1, progress=False)
+        runner = gr.GraphRunner(
+            step,
+            {"x": gr.BatchInput(trailing=(H,), dims=("reqs", "draft"))},
+            BUCKETS,
+            backend=backend,
+            device="tape",
+            group=group,
+            warmups=1,
+            progress=False,
+        )
         runner.capture()
         before = dict(group.counts)
         rows = []
@@ -87,10 +95,14 @@ def _worker(rank, world):
             ok = out.shape == ref.shape and torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
             # Negative control of the reference: this rank's own part alone is not it.
             ok = ok and not torch.allclose(torch.tanh(x * shards[rank]), ref, rtol=1e-5, atol=1e-6)
-            rows.append((tuple(x.shape[:2]), runner.stats.last_bucket, runner.key_for(tuple(x.shape[:2])), agreed,
-                         bool(ok)))
-        result[backend] = {"rows": rows, "traffic": {k: group.counts[k] - before[k] for k in group.counts},
-                           "fallbacks": runner.stats.fallbacks}
+            rows.append(
+                (tuple(x.shape[:2]), runner.stats.last_bucket, runner.key_for(tuple(x.shape[:2])), agreed, bool(ok))
+            )
+        result[backend] = {
+            "rows": rows,
+            "traffic": {k: group.counts[k] - before[k] for k in group.counts},
+            "fallbacks": runner.stats.fallbacks,
+        }
     dist.barrier()
     return result
 

@@ -132,8 +132,14 @@ def test_launch_ranks_refuses_bad_arguments():
 
 
 # --------------------------------------------------------------------------- torchrun's environment
-FULL = {"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "LOCAL_RANK": "1",
-        "LOCAL_WORLD_SIZE": "2"}
+FULL = {
+    "RANK": "3",
+    "WORLD_SIZE": "4",
+    "MASTER_ADDR": "10.0.0.1",
+    "MASTER_PORT": "29500",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+}
 
 
 def test_torchrun_env_reads_a_workers_environment():
@@ -145,11 +151,14 @@ def test_torchrun_env_reads_a_workers_environment():
     assert (one_node.local_rank, one_node.local_world_size) == (3, 4)
 
 
-@pytest.mark.parametrize("env, words", [
-    ({"RANK": "0", "WORLD_SIZE": "2"}, "sets RANK, WORLD_SIZE but not MASTER_ADDR, MASTER_PORT"),
-    (dict(FULL, RANK="x"), "is not an integer"),
-    (dict(FULL, RANK="4"), "RANK=4 is not in [0, WORLD_SIZE=4)"),
-])
+@pytest.mark.parametrize(
+    "env, words",
+    [
+        ({"RANK": "0", "WORLD_SIZE": "2"}, "sets RANK, WORLD_SIZE but not MASTER_ADDR, MASTER_PORT"),
+        (dict(FULL, RANK="x"), "is not an integer"),
+        (dict(FULL, RANK="4"), "RANK=4 is not in [0, WORLD_SIZE=4)"),
+    ],
+)
 def test_torchrun_env_refuses_a_half_set_environment(env, words):
     with pytest.raises(ValueError) as info:
         torchrun_env(env)
@@ -164,10 +173,13 @@ def _set(monkeypatch, env):
 
 
 @pytest.mark.parametrize("command", ["loadtest", "verify"])
-@pytest.mark.parametrize("env, argv, words", [
-    ({"RANK": "0", "WORLD_SIZE": "2"}, [], "sets RANK, WORLD_SIZE but not MASTER_ADDR"),
-    (dict(FULL, RANK="0"), ["--ranks", "2"], "--ranks: 2, but this process is a torchrun worker of WORLD_SIZE=4"),
-])
+@pytest.mark.parametrize(
+    "env, argv, words",
+    [
+        ({"RANK": "0", "WORLD_SIZE": "2"}, [], "sets RANK, WORLD_SIZE but not MASTER_ADDR"),
+        (dict(FULL, RANK="0"), ["--ranks", "2"], "--ranks: 2, but this process is a torchrun worker of WORLD_SIZE=4"),
+    ],
+)
 def test_cli_under_a_torchrun_environment_refuses_what_cannot_run(monkeypatch, capsys, command, env, argv, words):
     """Nothing starts: the usage error comes before the group is joined (which would wait for peers)."""
     from graphrunner_tools.cli import main
@@ -193,7 +205,6 @@ def test_run_loadtest_refuses_ranks_other_than_torchruns(monkeypatch):
     _set(monkeypatch, dict(FULL, RANK="0"))
     with pytest.raises(ValueError, match="ranks=2, but this process is rank 0 of a torchrun job of WORLD_SIZE=4"):
         lt.run_loadtest(lt.LoadtestConfig(ranks=2, requests=2, concurrency=(1,), progress=False))
-
 
 
 def test_every_row_of_the_failure_table_names_a_test_that_exists():

@@ -17,34 +17,65 @@ from __future__ import annotations
 import ast
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 
 #: The layers, bottom up: (name, module prefixes). A module is in the layer of its longest prefix.
-LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
-    ("foundation", ("graphrunner._aten", "graphrunner._env", "graphrunner._frames", "graphrunner._pytree",
-                    "graphrunner.errors", "graphrunner.trace", "graphrunner.report", "graphrunner.progress")),
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    (
+        "foundation",
+        (
+            "graphrunner._aten",
+            "graphrunner._env",
+            "graphrunner._frames",
+            "graphrunner._pytree",
+            "graphrunner.errors",
+            "graphrunner.trace",
+            "graphrunner.report",
+            "graphrunner.progress",
+        ),
+    ),
     ("tape", ("graphrunner.tape",)),
     ("devices", ("graphrunner.devices", "graphrunner.testing")),
     ("group", ("graphrunner.group", "graphrunner.channel")),
     ("recording", ("graphrunner.recording",)),
     ("breakable", ("graphrunner.breakable",)),
     ("backends", ("graphrunner.backends", "graphrunner.arena")),
-    ("keys/inputs/staging/layout", ("graphrunner.keys", "graphrunner.buckets", "graphrunner.inputs",
-                                    "graphrunner.staging", "graphrunner.layout", "graphrunner.planning")),
+    (
+        "keys/inputs/staging/layout",
+        (
+            "graphrunner.keys",
+            "graphrunner.buckets",
+            "graphrunner.inputs",
+            "graphrunner.staging",
+            "graphrunner.layout",
+            "graphrunner.planning",
+        ),
+    ),
     ("checks", ("graphrunner.checks",)),
-    ("server/capturer", ("graphrunner.serving", "graphrunner.server", "graphrunner.agreement", "graphrunner.dispatch",
-                         "graphrunner.ownership", "graphrunner.capturing", "graphrunner.capturer",
-                         "graphrunner.background", "graphrunner.budget")),
+    (
+        "server/capturer",
+        (
+            "graphrunner.serving",
+            "graphrunner.server",
+            "graphrunner.agreement",
+            "graphrunner.dispatch",
+            "graphrunner.ownership",
+            "graphrunner.capturing",
+            "graphrunner.capturer",
+            "graphrunner.background",
+            "graphrunner.budget",
+        ),
+    ),
     ("runner", ("graphrunner.runner", "graphrunner")),  # the package itself is the facade over the runner
     ("hf", ("graphrunner.hf",)),
     ("tools", ("graphrunner_tools",)),
 ]
 
-def layer_of(module: str) -> Optional[int]:
+
+def layer_of(module: str) -> int | None:
     """The index in :data:`LAYERS` of ``module`` (its longest matching prefix), or None."""
-    best: Tuple[int, Optional[int]] = (-1, None)
+    best: tuple[int, int | None] = (-1, None)
     for i, (_, prefixes) in enumerate(LAYERS):
         for p in prefixes:
             if (module == p or module.startswith(p + ".")) and len(p) > best[0]:
@@ -58,7 +89,7 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports_of(path: Path, module: str) -> List[Tuple[int, str]]:
+def imports_of(path: Path, module: str) -> list[tuple[int, str]]:
     """``(line, imported module)`` of every ``graphrunner*`` import in the file, relative ones resolved."""
     package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
     out = []
@@ -66,7 +97,7 @@ def imports_of(path: Path, module: str) -> List[Tuple[int, str]]:
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = package[:len(package) - node.level + 1] if node.level else []
+            base = package[: len(package) - node.level + 1] if node.level else []
             names = [".".join(base + ([node.module] if node.module else []))]
         else:
             continue
@@ -74,7 +105,7 @@ def imports_of(path: Path, module: str) -> List[Tuple[int, str]]:
     return out
 
 
-def upward_imports(root: Path = ROOT) -> Tuple[List[Tuple[str, int, str, str, str]], List[str]]:
+def upward_imports(root: Path = ROOT) -> tuple[list[tuple[str, int, str, str, str]], list[str]]:
     """``(upward, unplaced)``: every import of a module from a layer above its own, as
     ``(module, line, imported, its layer, imported layer)``, and the modules in no layer."""
     upward, unplaced = [], []
@@ -116,7 +147,7 @@ def test_the_walk_sees_an_upward_import(tmp_path):
     assert layer_of("graphrunner.backends.base") < layer_of("graphrunner.checks.drift") < layer_of("graphrunner.runner")
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     """Print the imports that run up a layer in the checkout ``argv[0]`` (default: this one)."""
     upward, unplaced = upward_imports(Path(argv[0]).resolve() if argv else ROOT)
     for module, line, imported, mine, theirs in upward:

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import graphrunner as gr
-from graphrunner.tape import is_tape_capturing
-from graphrunner.keys import KeySpace
 from graphrunner.checks.padding import check_sizes
+from graphrunner.keys import KeySpace
+from graphrunner.tape import is_tape_capturing
 
 H = 4
 
@@ -19,14 +19,21 @@ def _sum_step():
     b = _bias()
 
     def step(h):
-        y = torch.tanh(h + b)          # padding rows (h = 0) give tanh(b) != 0
+        y = torch.tanh(h + b)  # padding rows (h = 0) give tanh(b) != 0
         return {"rows": y, "total": y.sum()}
+
     return step
 
 
 def _runner(step, **kw):
-    return gr.GraphRunner(step, inputs={"h": gr.BatchInput(trailing=(H,), pad=0.0)}, buckets=[1, 2, 4, 8],
-                          device="tape", progress=False, **kw)
+    return gr.GraphRunner(
+        step,
+        inputs={"h": gr.BatchInput(trailing=(H,), pad=0.0)},
+        buckets=[1, 2, 4, 8],
+        device="tape",
+        progress=False,
+        **kw,
+    )
 
 
 def test_sum_over_batch_is_caught_naming_output_and_key():
@@ -47,9 +54,9 @@ def test_negative_control_check_off_returns_padding_in_the_sum():
     x = torch.randn(3, H, generator=torch.Generator().manual_seed(2))
     out = r(h=x)
     eager = step(x)
-    torch.testing.assert_close(out["rows"], eager["rows"])           # real rows are right ...
-    assert abs(float(out["total"]) - float(eager["total"])) > 0.1     # ... the 0-dim sum silently is not
-    padded = torch.cat([x, torch.zeros(1, H)])                         # it is the sum over bucket 4
+    torch.testing.assert_close(out["rows"], eager["rows"])  # real rows are right ...
+    assert abs(float(out["total"]) - float(eager["total"])) > 0.1  # ... the 0-dim sum silently is not
+    padded = torch.cat([x, torch.zeros(1, H)])  # it is the sum over bucket 4
     torch.testing.assert_close(out["total"], step(padded)["total"])
 
 
@@ -68,11 +75,13 @@ def test_exempting_one_output_still_checks_the_others():
 
     def step(h):
         y = torch.tanh(h + b)
-        return {"total": y.sum(), "mean_rows": y - y.mean(0)}   # mean_rows leaks too
+        return {"total": y.sum(), "mean_rows": y - y.mean(0)}  # mean_rows leaks too
 
     with pytest.raises(gr.PaddingLeakError, match=r"output\['mean_rows'\]"):
         _runner(step, checks=["drift", gr.PaddingCheck(exempt=("total",)), "fingerprint"]).capture()
-    _runner(step, checks=["drift", gr.PaddingCheck(exempt=("total", "output['mean_rows']")), "fingerprint"]).capture()   # paths work too
+    _runner(
+        step, checks=["drift", gr.PaddingCheck(exempt=("total", "output['mean_rows']")), "fingerprint"]
+    ).capture()  # paths work too
     with pytest.raises(TypeError, match=r"PaddingCheck\(exempt=...\) entries"):
         _runner(step, checks=["drift", gr.PaddingCheck(exempt=(1,)), "fingerprint"])
 
@@ -83,10 +92,11 @@ def test_row_independent_step_passes_and_matches_eager():
     def step(h):
         y = torch.tanh(h @ w)
         return y, (y * 2).amax(-1)
+
     r = _runner(step)
     rep = r.capture()
     checked = {b.bucket: b.info.get("leak_check_sizes") for b in rep.buckets}
-    assert checked == {8: [5], 4: [3], 2: None, 1: None}   # bucket 2: previous bucket 1 + 1 = 2, no padding
+    assert checked == {8: [5], 4: [3], 2: None, 1: None}  # bucket 2: previous bucket 1 + 1 = 2, no padding
     x = torch.randn(3, H)
     a, m = r(h=x)
     torch.testing.assert_close(a, torch.tanh(x @ w))
@@ -106,18 +116,25 @@ def test_integer_inputs_vary_within_bounds_and_keep_their_pad_without(caplog):
         return emb[ids] + h
 
     def build(bounds):
-        return gr.GraphRunner(step, inputs={"ids": gr.BatchInput(dtype=torch.long, pad=0, bounds=bounds),
-                                            "h": gr.BatchInput(trailing=(H,), pad=0.0)},
-                              buckets=[2, 4], device="tape", progress=False,
-                              checks=("padding", "fingerprint"))  # the step branches on the capture on purpose
+        return gr.GraphRunner(
+            step,
+            inputs={
+                "ids": gr.BatchInput(dtype=torch.long, pad=0, bounds=bounds),
+                "h": gr.BatchInput(trailing=(H,), pad=0.0),
+            },
+            buckets=[2, 4],
+            device="tape",
+            progress=False,
+            checks=("padding", "fingerprint"),
+        )  # the step branches on the capture on purpose
 
     build((0, 9)).capture()
     varied = [t for t in seen if int(t.max()) > 0]
     assert varied and all(0 <= int(t.min()) and int(t.max()) <= 9 for t in seen)
     # the pad is a real value: no real cell of runs A to D holds it (a padding row alone at the pad), one
     # real cell of the follow-up does (a real request at the padding rows' index)
-    assert any(t.shape[0] == 3 and 0 not in t.tolist() for t in varied)           # D, unpadded
-    assert any(t.shape[0] == 3 and int(t[0]) == 0 for t in varied)                # the follow-up, unpadded
+    assert any(t.shape[0] == 3 and 0 not in t.tolist() for t in varied)  # D, unpadded
+    assert any(t.shape[0] == 3 and int(t[0]) == 0 for t in varied)  # the follow-up, unpadded
     assert any(t.shape[0] == 4 and int(t[3]) == 0 and int(t[:3].max()) > 0 for t in varied)  # padding = pad
     seen.clear()
     with caplog.at_level("WARNING", logger="graphrunner.checks.padding"):
@@ -137,7 +154,7 @@ def test_state_the_step_writes_is_put_back_around_the_checks_forwards(caplog, mo
     counter = torch.zeros(())
 
     def step(h):
-        counter.add_(1)                 # state the step writes
+        counter.add_(1)  # state the step writes
         return h * 2 + counter
 
     hooks = []
@@ -174,15 +191,21 @@ def test_stateful_and_leaking_outputs_are_told_apart():
 def test_multi_dim_leak_in_one_dim_is_caught_and_control():
     def verify(ids, hidden):
         h = torch.tanh(hidden + 0.5 + ids[..., None].float())
-        return {"logits": h, "state": h.sum(1)}          # a sum over the draft dim: padding drafts leak
+        return {"logits": h, "state": h.sum(1)}  # a sum over the draft dim: padding drafts leak
 
     def build(**kw):
         return gr.GraphRunner(
             verify,
-            inputs={"ids": gr.BatchInput(dtype=torch.long, pad=0, dims=("reqs", "draft")),
-                    "hidden": gr.BatchInput(trailing=(H,), pad=0.0, dims=("reqs", "draft"))},
+            inputs={
+                "ids": gr.BatchInput(dtype=torch.long, pad=0, dims=("reqs", "draft")),
+                "hidden": gr.BatchInput(trailing=(H,), pad=0.0, dims=("reqs", "draft")),
+            },
             buckets={"reqs": [1, 2, 4], "draft": [1, 2, 4]},
-            outputs={"logits": ("reqs", "draft"), "state": ("reqs",)}, device="tape", progress=False, **kw)
+            outputs={"logits": ("reqs", "draft"), "state": ("reqs",)},
+            device="tape",
+            progress=False,
+            **kw,
+        )
 
     with pytest.raises(gr.PaddingLeakError) as ei:
         build().capture()
@@ -195,7 +218,7 @@ def test_multi_dim_leak_in_one_dim_is_caught_and_control():
     out = r(ids=ids, hidden=hid)
     ref = verify(ids, hid)
     torch.testing.assert_close(out["logits"], ref["logits"])
-    assert (out["state"] - ref["state"]).abs().max() > 0.1              # silently wrong
+    assert (out["state"] - ref["state"]).abs().max() > 0.1  # silently wrong
 
 
 def test_multi_dim_row_independent_passes():
@@ -205,11 +228,16 @@ def test_multi_dim_row_independent_passes():
 
     r = gr.GraphRunner(
         verify,
-        inputs={"ids": gr.BatchInput(dtype=torch.long, pad=0, dims=("reqs", "draft")),
-                "hidden": gr.BatchInput(trailing=(H,), pad=0.0, dims=("reqs", "draft")),
-                "ctx": gr.BatchInput(trailing=(H,), pad=0.0, dims=("reqs",))},
+        inputs={
+            "ids": gr.BatchInput(dtype=torch.long, pad=0, dims=("reqs", "draft")),
+            "hidden": gr.BatchInput(trailing=(H,), pad=0.0, dims=("reqs", "draft")),
+            "ctx": gr.BatchInput(trailing=(H,), pad=0.0, dims=("reqs",)),
+        },
         buckets={"reqs": [1, 2, 4], "draft": [1, 2, 4]},
-        outputs={"logits": ("reqs", "draft"), "state": ("reqs",)}, device="tape", progress=False)
+        outputs={"logits": ("reqs", "draft"), "state": ("reqs",)},
+        device="tape",
+        progress=False,
+    )
     rep = r.capture()
     assert rep.bucket((4, 4)).info["leak_check_sizes"] == [3, 3]
     ids, hid, ctx = torch.zeros(3, 2, dtype=torch.long), torch.randn(3, 2, H), torch.randn(3, H)
@@ -227,10 +255,10 @@ def test_check_sizes_follow_the_key_choice():
     for k in listed.keys:
         s = check_sizes(listed, k)
         if s is not None:
-            assert listed.choose(s)[0] == k and s != k   # a smaller call that really replays k
-    assert check_sizes(listed, (2, 2)) == (1, 2)         # (1, 2) is not captured: it replays (2, 2)
+            assert listed.choose(s)[0] == k and s != k  # a smaller call that really replays k
+    assert check_sizes(listed, (2, 2)) == (1, 2)  # (1, 2) is not captured: it replays (2, 2)
     ratio = KeySpace([1, 2, 4, 8], None, 0.25)
-    assert check_sizes(ratio, (8,)) == (6,)              # 5 would pad more than 25%: it falls back
+    assert check_sizes(ratio, (8,)) == (6,)  # 5 would pad more than 25%: it falls back
 
 
 def test_only_unbounded_integer_inputs_run_no_forward_and_bounds_make_it_check(caplog):
@@ -240,11 +268,16 @@ def test_only_unbounded_integer_inputs_run_no_forward_and_bounds_make_it_check(c
     table = torch.randn(10, 3)
 
     def step(ids):
-        return table[ids] + table[ids].sum(0)       # the sum reads the padding rows
+        return table[ids] + table[ids].sum(0)  # the sum reads the padding rows
 
     def runner(bounds):
-        return gr.GraphRunner(step, inputs={"ids": gr.BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=bounds)},
-                              buckets=[1, 4], device="tape", progress=False)
+        return gr.GraphRunner(
+            step,
+            inputs={"ids": gr.BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=bounds)},
+            buckets=[1, 4],
+            device="tape",
+            progress=False,
+        )
 
     with caplog.at_level("WARNING", logger="graphrunner.checks.padding"):
         rep = runner(None).capture()

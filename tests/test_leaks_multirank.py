@@ -30,10 +30,18 @@ def _worker(rank, world, check):
         return y.sum(0, keepdim=True).expand_as(y).contiguous() if rank == 1 else y * 2  # rank 1 leaks
 
     group = gr.TorchDistGroup(timeout=TIMEOUT)
-    runner = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(3,))}, [2, 4], backend="full", device="tape",
-                            group=group, warmups=1, progress=False,
-                            # no fingerprint: the ranks' graphs differ on purpose; this test is about the leak verdict
-                            checks=("drift", "padding") if check else ("drift",))
+    runner = gr.GraphRunner(
+        step,
+        {"x": gr.BatchInput(trailing=(3,))},
+        [2, 4],
+        backend="full",
+        device="tape",
+        group=group,
+        warmups=1,
+        progress=False,
+        # no fingerprint: the ranks' graphs differ on purpose; this test is about the leak verdict
+        checks=("drift", "padding") if check else ("drift",),
+    )
     t0 = time.monotonic()
     try:
         runner.capture()
@@ -55,7 +63,7 @@ def test_a_leak_on_one_rank_raises_on_every_rank_and_control():
     res = run_ranks(_worker, world_size=2, args=(False,), timeout=90)
     assert_all_ok(res)
     assert res[0].value == {"raised": None, "diff": 0.0}
-    assert res[1].value["raised"] is None and res[1].value["diff"] > 0.1   # silently includes padding
+    assert res[1].value["raised"] is None and res[1].value["diff"] > 0.1  # silently includes padding
 
 
 def _debug_worker(rank, world):
@@ -65,8 +73,17 @@ def _debug_worker(rank, world):
 
     table = torch.arange(10.0)[:, None].expand(10, 2).contiguous()
     group = gr.TorchDistGroup(timeout=TIMEOUT)
-    runner = gr.GraphRunner(lambda ids: table[ids] * 2, {"ids": gr.BatchInput(dtype=torch.long, bounds=(0, 9))},
-                            [2, 4], backend="full", device="tape", group=group, warmups=1, progress=False, debug=True)
+    runner = gr.GraphRunner(
+        lambda ids: table[ids] * 2,
+        {"ids": gr.BatchInput(dtype=torch.long, bounds=(0, 9))},
+        [2, 4],
+        backend="full",
+        device="tape",
+        group=group,
+        warmups=1,
+        progress=False,
+        debug=True,
+    )
     runner.capture()
     ids = torch.tensor([1, 12, 2]) if rank == 1 else torch.tensor([1, 2, 3])
     t0 = time.monotonic()
@@ -75,7 +92,7 @@ def _debug_worker(rank, world):
         raised = None
     except (ValueError, gr.GraphRunnerError) as exc:
         raised = f"{type(exc).__name__}: {exc}"
-    ok = runner(ids=torch.tensor([4, 5]))          # both ranks still usable, in step
+    ok = runner(ids=torch.tensor([4, 5]))  # both ranks still usable, in step
     return {"raised": raised, "seconds": time.monotonic() - t0, "ok": ok[:, 0].tolist()}
 
 

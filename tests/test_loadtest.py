@@ -83,11 +83,15 @@ def test_padding_rows_in_a_real_slot_corrupt_requests():
     # refuses it at capture (its call sequences: a later call of the request in slot 0 reads what the
     # padding rows wrote, also where the warmups left the same values); served with the check off:
     model, reqs = _tiny(), _requests()
-    with pytest.raises(gr.PaddingLeakError, match=r"slot_ids \(pad 0, also a real value.*"
-                                                  r"self_attn\.k_cache\[0, :, 0, :\]"):
+    with pytest.raises(
+        gr.PaddingLeakError,
+        match=r"slot_ids \(pad 0, also a real value.*"
+        r"self_attn\.k_cache\[0, :, 0, :\]",
+    ):
         lt.decode_runner(_tiny(), "breakable", 8, pad_slot=0, device="tape", progress=False).capture()
-    runner = lt.decode_runner(model, "breakable", 8, pad_slot=0, device="tape", progress=False,
-                              checks=("drift", "fingerprint"))
+    runner = lt.decode_runner(
+        model, "breakable", 8, pad_slot=0, device="tape", progress=False, checks=("drift", "fingerprint")
+    )
     runner.capture()
     run = lt.Engine(model, runner, 6).serve(reqs)
     assert runner.stats.padding_rows > 0
@@ -160,8 +164,11 @@ def test_verify_engine_tokens_match_eager_and_the_uncached_reference():
     assert {len(d) for *_, d in proposed} == {1, 2, 3}  # ragged draft lengths: padded cells in real rows
     assert runner.stats.padding_rows > 0
     # drafts were accepted (fewer steps than plain decoding) and rejected (not every draft kept)
-    accepted = sum(next((j for j, t in enumerate(d) if t != run.tokens[rid][done + j]), len(d))
-                   for rid, done, d in proposed if done + len(d) <= len(run.tokens[rid]))
+    accepted = sum(
+        next((j for j, t in enumerate(d) if t != run.tokens[rid][done + j]), len(d))
+        for rid, done, d in proposed
+        if done + len(d) <= len(run.tokens[rid])
+    )
     drafted = sum(len(d) for rid, done, d in proposed if done + len(d) <= len(run.tokens[rid]))
     assert 0 < accepted < drafted and len(run.schedule) < len(greedy.schedule)
     # the eager engine with the same decisions generates the same tokens, step for step
@@ -192,8 +199,16 @@ def test_verify_engine_refuses_a_scratch_position_a_real_cell_uses():
 
 # --------------------------------------------------------------------------- the sweep
 def _cfg(**kw):
-    base = dict(requests=10, concurrency=(3, 6), layers=1, prompt_len=(2, 8), output_len=(1, 8), seed=2,
-                progress=False, timeout=20.0)
+    base = dict(
+        requests=10,
+        concurrency=(3, 6),
+        layers=1,
+        prompt_len=(2, 8),
+        output_len=(1, 8),
+        seed=2,
+        progress=False,
+        timeout=20.0,
+    )
     base.update(kw)
     return lt.LoadtestConfig(**base)
 
@@ -405,20 +420,23 @@ def _cli(capsys, *args):
     return code, cap.out, cap.err
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--ranks", "0"], "--ranks"),
-    (["--concurrency", "4,x"], "--concurrency"),
-    (["--inject-fault", "stall"], "needs --ranks 2"),
-    (["--inject-fault", "crash"], "--inject-fault"),
-    (["--ranks", "3"], "split over 3 ranks"),
-    (["--dp", "3"], "split over 3 ranks"),
-    (["--dp", "2", "--tp", "2", "--ranks", "3"], "--dp x --tp = 4"),
-    (["--prompt-len", "5,2"], "--prompt-len"),
-    (["--timeout", "0"], "--timeout"),
-    (["--backend", "eager"], "--backend"),
-    (["--spec", "-1"], "--spec"),
-    (["--json", "/proc/nope/out.json"], "--json"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--ranks", "0"], "--ranks"),
+        (["--concurrency", "4,x"], "--concurrency"),
+        (["--inject-fault", "stall"], "needs --ranks 2"),
+        (["--inject-fault", "crash"], "--inject-fault"),
+        (["--ranks", "3"], "split over 3 ranks"),
+        (["--dp", "3"], "split over 3 ranks"),
+        (["--dp", "2", "--tp", "2", "--ranks", "3"], "--dp x --tp = 4"),
+        (["--prompt-len", "5,2"], "--prompt-len"),
+        (["--timeout", "0"], "--timeout"),
+        (["--backend", "eager"], "--backend"),
+        (["--spec", "-1"], "--spec"),
+        (["--json", "/proc/nope/out.json"], "--json"),
+    ],
+)
 def test_cli_usage_errors_are_one_line_exit_2(capsys, args, words):
     code, out, err = _cli(capsys, *args)
     assert code == 2, err
@@ -429,8 +447,19 @@ def test_cli_usage_errors_are_one_line_exit_2(capsys, args, words):
 
 def test_cli_passes_writes_json_and_exits_1_on_a_planted_mismatch(capsys, tmp_path):
     out = tmp_path / "lt.json"
-    small = ["--requests", "6", "--concurrency", "2,4", "--layers", "1", "--prompt-len", "2,6",
-             "--output-len", "1,6", "--no-progress"]
+    small = [
+        "--requests",
+        "6",
+        "--concurrency",
+        "2,4",
+        "--layers",
+        "1",
+        "--prompt-len",
+        "2,6",
+        "--output-len",
+        "1,6",
+        "--no-progress",
+    ]
     code, stdout, err = _cli(capsys, *small, "--json", str(out))
     assert code == 0, stdout + err
     lines = [x for x in stdout.splitlines() if x.startswith("C")]
@@ -447,6 +476,7 @@ def test_cli_passes_writes_json_and_exits_1_on_a_planted_mismatch(capsys, tmp_pa
         assert lv["schedule"] and max(lv["schedule"]) <= lv["concurrency"]
         assert sum(lv["schedule"]) == lv["generated_tokens"] - lv["completed"]
     from graphrunner_tools.cli import main  # graphrunner plan reads it
+
     assert main(["plan", str(out), "--max-graphs", "2"]) == 0
     import re
 
@@ -460,8 +490,9 @@ def test_cli_passes_writes_json_and_exits_1_on_a_planted_mismatch(capsys, tmp_pa
 def test_bench_sweep_script_reports_graph_and_eager_per_level(tmp_path, capsys):
     from graphrunner_tools import bench as grbench
 
-    merged = grbench.run_suite(out=tmp_path / "bench.json", plot=None, quick=True, only=["loadtest_sweep"],
-                               echo=lambda s: None)
+    merged = grbench.run_suite(
+        out=tmp_path / "bench.json", plot=None, quick=True, only=["loadtest_sweep"], echo=lambda s: None
+    )
     assert merged["errors"] == {}
     sweep = merged["results"]["loadtest_sweep"]
     assert sweep["failures"] == [] and [lv["concurrency"] for lv in sweep["levels"]] == [2, 8]
@@ -469,8 +500,20 @@ def test_bench_sweep_script_reports_graph_and_eager_per_level(tmp_path, capsys):
         assert lv["speedup"] == pytest.approx(lv["tokens_per_s"] / lv["eager_tokens_per_s"])
         assert lv["p99_step_ms"] > 0 and lv["eager_p99_step_ms"] > 0
     rows = grbench.loadtest_table(merged["summary"]["loadtest_sweep"]["levels"])
-    assert rows[0].split() == ["C", "graph", "tok/s", "eager", "tok/s", "ratio", "graph", "p99", "ms", "eager",
-                               "p99", "ms"]
+    assert rows[0].split() == [
+        "C",
+        "graph",
+        "tok/s",
+        "eager",
+        "tok/s",
+        "ratio",
+        "graph",
+        "p99",
+        "ms",
+        "eager",
+        "p99",
+        "ms",
+    ]
     assert [r.split()[0] for r in rows[1:]] == ["2", "8"]
     assert grbench.loadtest_table([{"concurrency": 4}])[1].split() == ["4", "-", "-", "-", "-", "-"]
 
@@ -480,8 +523,21 @@ def test_background_capture_serves_every_token_equal_to_eager(capsys, tmp_path, 
     """``--background-capture``: the graph runner captures while the first level is served (its prefills
     held off the capture with ``runner.hold()``); every token equals the eager engine's."""
     out = tmp_path / "bg.json"
-    code, stdout, err = _cli(capsys, "--requests", "12", "--concurrency", "4,8", "--layers", "1", "--backend", backend,
-                             "--background-capture", "--no-progress", "--json", str(out))
+    code, stdout, err = _cli(
+        capsys,
+        "--requests",
+        "12",
+        "--concurrency",
+        "4,8",
+        "--layers",
+        "1",
+        "--backend",
+        backend,
+        "--background-capture",
+        "--no-progress",
+        "--json",
+        str(out),
+    )
     assert code == 0, stdout + err
     doc = json.loads(out.read_text())
     assert doc["background_capture"] is True
@@ -489,4 +545,3 @@ def test_background_capture_serves_every_token_equal_to_eager(capsys, tmp_path, 
     assert first["mismatches"] == second["mismatches"] == 0 and first["completed"] == second["completed"] == 12
     assert first["first_decode_s"] > 0 and second["first_decode_s"] is None
     assert "first decode step" in stdout and second["replays"] > 0  # captured by the second level
-

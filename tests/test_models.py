@@ -10,9 +10,8 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from extras_util import require
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphrunner_tools.models import (
     LlamaConfig,
@@ -55,14 +54,17 @@ def test_config_presets_and_derived_sizes():
     assert tiny.replace(vocab_size=50).vocab_size == 50
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(hidden_size=60, num_heads=8), "divisible by num_heads"),
-    (dict(num_heads=6, num_kv_heads=4, hidden_size=48), "divisible by num_kv_heads"),
-    (dict(hidden_size=12, num_heads=4, num_kv_heads=2), "must be even"),
-    (dict(num_layers=0), "num_layers"),
-    (dict(vocab_size=1.5), "vocab_size"),
-    (dict(attention="flash"), "attention"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(hidden_size=60, num_heads=8), "divisible by num_heads"),
+        (dict(num_heads=6, num_kv_heads=4, hidden_size=48), "divisible by num_kv_heads"),
+        (dict(hidden_size=12, num_heads=4, num_kv_heads=2), "must be even"),
+        (dict(num_layers=0), "num_layers"),
+        (dict(vocab_size=1.5), "vocab_size"),
+        (dict(attention="flash"), "attention"),
+    ],
+)
 def test_config_rejects_bad_values(kw, match):
     with pytest.raises(ValueError, match=match):
         LlamaConfig(**kw)
@@ -113,12 +115,12 @@ def test_rotary_identity_at_zero_preserves_norm_and_is_relative():
     torch.manual_seed(0)
     q, k = torch.randn(d), torch.randn(d)
     cos0, sin0 = rope(torch.tensor([0]))
-    torch.testing.assert_close(apply_rotary(q, cos0[0], sin0[0]), q)           # position 0: identity
+    torch.testing.assert_close(apply_rotary(q, cos0[0], sin0[0]), q)  # position 0: identity
     pos = torch.arange(64)
     cos, sin = rope(pos)
     rq = apply_rotary(q.expand(64, d), cos, sin)
     torch.testing.assert_close(rq.norm(dim=-1), q.norm().expand(64), atol=1e-5, rtol=1e-5)
-    assert not torch.allclose(rq[3], q, atol=1e-3)                             # it does rotate
+    assert not torch.allclose(rq[3], q, atol=1e-3)  # it does rotate
     # <R_p q, R_s k> depends only on p - s
     rk = apply_rotary(k.expand(64, d), cos, sin)
     dots = [float(rq[p] @ rk[p - 4]) for p in (4, 10, 37, 63)]
@@ -143,7 +145,7 @@ def test_gqa_shapes_and_repeat_kv_mapping():
     x = torch.arange(2).float().view(1, 2, 1, 1).expand(1, 2, 3, d)
     r = repeat_kv(x, 2)
     assert r.shape == (1, 4, 3, d)
-    assert r[0, :, 0, 0].tolist() == [0.0, 0.0, 1.0, 1.0]   # kv head h serves q heads 2h, 2h+1
+    assert r[0, :, 0, 0].tolist() == [0.0, 0.0, 1.0, 1.0]  # kv head h serves q heads 2h, 2h+1
 
 
 def test_gqa_equals_mha_with_repeated_kv_weights():
@@ -232,11 +234,11 @@ def test_forward_full_does_not_touch_cache_and_reset_keeps_addresses():
     m.forward_full(_tokens(2, 5, 128))
     assert all(t.abs().sum() == 0 for t in m.kv_cache_tensors())
     _decode_all(m, _tokens(2, 5, 128))
-    assert any(t.abs().sum() > 0 for t in m.kv_cache_tensors())          # decode wrote the cache
+    assert any(t.abs().sum() > 0 for t in m.kv_cache_tensors())  # decode wrote the cache
     m.prefill(_tokens(3, 4, 128))
     m.reset_cache()
     assert all(t.abs().sum() == 0 for t in m.kv_cache_tensors())
-    assert [t.data_ptr() for t in m.kv_cache_tensors()] == ptrs          # written in place only
+    assert [t.data_ptr() for t in m.kv_cache_tensors()] == ptrs  # written in place only
 
 
 # --------------------------------------------------------------------------- padding rows
@@ -264,9 +266,8 @@ def test_padding_rows_do_not_affect_real_rows(attention):
     zero_pad, zero_caches = run(0, 0)
     junk_pad, junk_caches = run(97, 5)
     torch.testing.assert_close(zero_pad, unpadded, atol=ATOL, rtol=RTOL)
-    torch.testing.assert_close(junk_pad, zero_pad, atol=0, rtol=0)        # rows independent
-    for c0, cu, cj in zip(zero_caches, [c[:real] for c in unpadded_model.kv_cache_tensors()],
-                          junk_caches):
+    torch.testing.assert_close(junk_pad, zero_pad, atol=0, rtol=0)  # rows independent
+    for c0, cu, cj in zip(zero_caches, [c[:real] for c in unpadded_model.kv_cache_tensors()], junk_caches):
         torch.testing.assert_close(c0, cu, atol=ATOL, rtol=RTOL)
         torch.testing.assert_close(cj, c0, atol=0, rtol=0)
     # negative control: padding rows pointed at a real request's slot (slot 0) corrupt it
@@ -287,8 +288,11 @@ class _UnsafeOpGuard(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         tags = getattr(func, "tags", ())
-        unsafe = (torch.Tag.data_dependent_output in tags or torch.Tag.dynamic_output_shape in tags
-                  or func.overloadpacket in (torch.ops.aten.nonzero, torch.ops.aten._local_scalar_dense))
+        unsafe = (
+            torch.Tag.data_dependent_output in tags
+            or torch.Tag.dynamic_output_shape in tags
+            or func.overloadpacket in (torch.ops.aten.nonzero, torch.ops.aten._local_scalar_dense)
+        )
         if unsafe and not self.paused:
             raise RuntimeError(f"capture-unsafe op {func}")
         return func(*args, **(kwargs or {}))
@@ -300,7 +304,7 @@ def test_everything_but_the_attention_break_is_capture_safe(monkeypatch):
     ids, pos = torch.tensor([1, 2, 3]), torch.tensor([0, 4, 2])
     guard = _UnsafeOpGuard()
     with guard:
-        m_masked.decode_step(ids, pos)            # whole step safe: fits a full graph
+        m_masked.decode_step(ids, pos)  # whole step safe: fits a full graph
     # negative control: the varlen core reads lengths on the host
     with pytest.raises(RuntimeError, match="capture-unsafe"):
         with _UnsafeOpGuard():
@@ -385,9 +389,8 @@ def test_seed_determinism():
     before = torch.rand(3)
     torch.manual_seed(123)
     a, b, c = build_model(cfg, seed=7), build_model(cfg, seed=7), build_model(cfg, seed=8)
-    assert torch.equal(torch.rand(3), before)                             # global RNG untouched
-    for (na, pa), (nb, pb), (_, pc) in zip(a.state_dict().items(), b.state_dict().items(),
-                                           c.state_dict().items()):
+    assert torch.equal(torch.rand(3), before)  # global RNG untouched
+    for (na, pa), (nb, pb), (_, pc) in zip(a.state_dict().items(), b.state_dict().items(), c.state_dict().items()):
         assert na == nb and torch.equal(pa, pb)
         if "norm" not in na:
             assert not torch.equal(pa, pc), na
@@ -399,18 +402,24 @@ def test_hf_style_parameter_names_and_inference_mode():
     m = build_model(LlamaConfig.tiny(num_layers=1))
     names = set(m.state_dict())
     assert names == {
-        "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
-        "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
-        "model.layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.o_proj.weight",
-        "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight",
-        "model.layers.0.mlp.down_proj.weight", "model.layers.0.input_layernorm.weight",
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight",
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.0.input_layernorm.weight",
         "model.layers.0.post_attention_layernorm.weight",
     }
     assert not m.training and not any(p.requires_grad for p in m.parameters())
     with torch.inference_mode():
         m2 = build_model(LlamaConfig.tiny(num_layers=1))
     assert not m2.kv_cache_tensors()[0].is_inference()  # built under inference_mode, still a normal tensor
-    m2.reset_cache()                                    # cache is a normal tensor, writable anywhere
+    m2.reset_cache()  # cache is a normal tensor, writable anywhere
 
 
 def test_bfloat16_runs_and_tracks_float32():
@@ -452,11 +461,18 @@ def test_matches_hugging_face_llama_with_same_weights():
     cfg = LlamaConfig.tiny()
     ours = build_model(cfg, seed=6)
     hf_cfg = transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=cfg.rope_theta, tie_word_embeddings=False, attention_bias=False)
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=False,
+        attention_bias=False,
+    )
     hf_cfg._attn_implementation = "eager"
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
     missing, unexpected = hf.load_state_dict(ours.state_dict(), strict=False)

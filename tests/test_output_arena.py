@@ -31,18 +31,34 @@ def verify(x):  # [reqs, draft, H] -> logits [reqs, draft, V], hidden [reqs, dra
 
 
 def _runners(arena, device, backend="full", **kw):
-    dec = gr.GraphRunner(decode, inputs={"x": gr.BatchInput(trailing=(H,))}, buckets=[1, 2, 4],
-                         backend=backend, device=device, progress=False, output_arena=arena, **kw)
-    ver = gr.GraphRunner(verify, inputs={"x": gr.BatchInput(trailing=(H,), dims=("reqs", "draft"))},
-                         buckets={"reqs": [1, 2, 4], "draft": [1, 3]}, backend=backend, device=device,
-                         progress=False, output_arena=arena, outputs=("reqs", "draft"), **kw)
+    dec = gr.GraphRunner(
+        decode,
+        inputs={"x": gr.BatchInput(trailing=(H,))},
+        buckets=[1, 2, 4],
+        backend=backend,
+        device=device,
+        progress=False,
+        output_arena=arena,
+        **kw,
+    )
+    ver = gr.GraphRunner(
+        verify,
+        inputs={"x": gr.BatchInput(trailing=(H,), dims=("reqs", "draft"))},
+        buckets={"reqs": [1, 2, 4], "draft": [1, 3]},
+        backend=backend,
+        device=device,
+        progress=False,
+        output_arena=arena,
+        outputs=("reqs", "draft"),
+        **kw,
+    )
     return dec, ver
 
 
 def _padded(t, *sizes):
     """``t`` zero-padded to ``sizes`` on its leading dims (what the graph of that key computes on)."""
-    out = torch.zeros(*sizes, *t.shape[len(sizes):])
-    out[tuple(slice(0, n) for n in t.shape[:len(sizes)])] = t
+    out = torch.zeros(*sizes, *t.shape[len(sizes) :])
+    out[tuple(slice(0, n) for n in t.shape[: len(sizes)])] = t
     return out
 
 
@@ -112,7 +128,9 @@ def test_smaller_runner_first_outgrows_the_block_and_says_so():
     assert arena.bytes_held == arena.bytes_if_separate  # both blocks alive: no saving
     assert "capture the runner with the largest outputs first" in rv.table()
     x = torch.randn(2, H)
-    assert torch.equal(dec(x=x)["logits"], decode(x)["logits"])  # bucket 2 = the batch; still correct, on its own old block
+    assert torch.equal(
+        dec(x=x)["logits"], decode(x)["logits"]
+    )  # bucket 2 = the batch; still correct, on its own old block
 
 
 def test_cleanup_releases_the_claim():
@@ -132,5 +150,10 @@ def test_bad_output_arena_is_a_type_error():
         gr.GraphRunner(decode, inputs={"x": gr.BatchInput(trailing=(H,))}, buckets=[1], output_arena=object())
     backend = gr.backends.FullGraphBackend(device="tape")
     with pytest.raises(ValueError, match="output_arena= was given together with a backend instance"):
-        gr.GraphRunner(decode, inputs={"x": gr.BatchInput(trailing=(H,))}, buckets=[1], backend=backend,
-                       output_arena=gr.OutputArena())
+        gr.GraphRunner(
+            decode,
+            inputs={"x": gr.BatchInput(trailing=(H,))},
+            buckets=[1],
+            backend=backend,
+            output_arena=gr.OutputArena(),
+        )

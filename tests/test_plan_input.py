@@ -29,7 +29,7 @@ BAD = [
     ("float.txt", "1\n2.5\n", 2, r"'2\.5' is not an int"),
     ("negative.txt", "4\n\n# idle\n-3\n", 4, r"-3 is negative; a batch size is >= 0"),
     ("over.txt", f"1\n{MAX_SIZE + 1}\n", 2, rf"{MAX_SIZE + 1:,} is above {MAX_SIZE:,}, the largest batch size"),
-    ("huge.txt", f"1\n5\n{2 ** 60}\n", 3, rf"{2 ** 60:,} is above {MAX_SIZE:,}"),
+    ("huge.txt", f"1\n5\n{2**60}\n", 3, rf"{2**60:,} is above {MAX_SIZE:,}"),
     ("trillion.json", "[1,\n 5,\n 1000000000000]", 3, r"\[2\] = 1,000,000,000,000 is above"),
     ("string.json", '[1,\n 2,\n "x"]', 3, r'\[2\] = "x" is not an int'),
     ("bool.json", "[1,\n true]", 2, r"\[1\] = true is not an int"),
@@ -44,10 +44,18 @@ BAD = [
     ("schedule.json", '{\n "schedule": 5}', 2, r"schedule is a number \(5\); expected a list of batch sizes"),
     ("sched_bad.json", '{"schedule": [1,\n 2,\n null]}', 3, r"schedule\[2\] = null is not an int"),
     ("levels.json", '{\n "levels": 3}', 2, r"'levels' must be a list of objects"),
-    ("lt_neg.json", '{"levels": [\n {"concurrency": 1,\n  "schedule": [1,\n   -2]}]}', 4,
-     r"levels\[0\]\.schedule\[1\] = -2 is negative"),
-    ("lt_str.json", '{"levels": [{"concurrency": 1,\n "schedule": "1 2"}]}', 2,
-     r'levels\[0\]\.schedule is a string \("1 2"\); expected a list'),
+    (
+        "lt_neg.json",
+        '{"levels": [\n {"concurrency": 1,\n  "schedule": [1,\n   -2]}]}',
+        4,
+        r"levels\[0\]\.schedule\[1\] = -2 is negative",
+    ),
+    (
+        "lt_str.json",
+        '{"levels": [{"concurrency": 1,\n "schedule": "1 2"}]}',
+        2,
+        r'levels\[0\]\.schedule is a string \("1 2"\); expected a list',
+    ),
     ("lt_none.json", '{"levels": [{"concurrency": 1,\n "tier_replays": {}}]}', 1, r"without per-step schedules"),
     ("dims.json", '{"reqs": [1, 2],\n "draft": [1, 2.5]}', 2, r"draft\[1\] = 2\.5 is not an int"),
     ("dims_empty.json", '{"reqs": [1, 2],\n "draft": []}', 2, r"draft is empty"),
@@ -98,8 +106,11 @@ def test_good_files_read_exactly_what_they_hold(tmp_path):
     sched.write_text(json.dumps({"schedule": [4, 2]}))
     assert load_sizes(str(sched)) == [4, 2]
     lt = tmp_path / "lt.json"
-    lt.write_text(json.dumps({"levels": [{"concurrency": 2, "schedule": [2, 1]},
-                                         {"concurrency": 4, "schedule": [4, 0, 3]}]}, indent=1))
+    lt.write_text(
+        json.dumps(
+            {"levels": [{"concurrency": 2, "schedule": [2, 1]}, {"concurrency": 4, "schedule": [4, 0, 3]}]}, indent=1
+        )
+    )
     assert load_sizes(str(lt)) == [2, 1, 4, 0, 3] and load_sizes(str(lt), level=4) == [4, 0, 3]
     dims = tmp_path / "dims.json"
     dims.write_text(json.dumps({"reqs": [1, 2], "draft": [3]}))
@@ -118,14 +129,14 @@ def test_the_line_numbers_follow_the_json_layout(tmp_path):
 
 def test_default_buckets_refuses_a_ladder_too_long_to_build():
     with pytest.raises(ValueError, match=r"max_batch=1,000,000,000,000 is above 16,777,216.*62,500,000,000 buckets"):
-        gr.default_buckets(10 ** 12)
+        gr.default_buckets(10**12)
     with pytest.raises(ValueError, match="above"):
         gr.default_buckets(MAX_LADDER_BATCH + 1)
     # control: the largest accepted builds the ladder of the docstring's rule
     ladder = gr.default_buckets(MAX_LADDER_BATCH)
     assert ladder[:4] == [1, 2, 4, 8] and ladder[-1] == MAX_LADDER_BATCH
     assert len(ladder) == 3 + 31 + (MAX_LADDER_BATCH - 256) // 16 + 1
-    assert plan_input.MAX_SIZE == MAX_LADDER_BATCH < 2 ** 32
+    assert plan_input.MAX_SIZE == MAX_LADDER_BATCH < 2**32
 
 
 def test_plan_buckets_with_any_max_graphs_gives_every_distinct_size():
@@ -133,11 +144,11 @@ def test_plan_buckets_with_any_max_graphs_gives_every_distinct_size():
     the fewest buckets doing so), answered without the dynamic program (it ran ``m`` layers:
     seconds for 5,000 sizes); the same answer as the program at ``max_graphs = m - 1`` plus the size
     it leaves out."""
-    sizes = [7, 1, 3, 3, 9, 1, 2 ** 60, 2 ** 60 - 1]
+    sizes = [7, 1, 3, 3, 9, 1, 2**60, 2**60 - 1]
     distinct = sorted(set(sizes))
-    for k in (len(distinct), len(distinct) + 1, 2 ** 62, 10 ** 30):
+    for k in (len(distinct), len(distinct) + 1, 2**62, 10**30):
         assert gr.plan_buckets(sizes, max_graphs=k) == distinct
     assert padding_of(sizes, distinct)["padded_rows"] == 0
     fewer = gr.plan_buckets(sizes, max_graphs=len(distinct) - 1)
     assert len(fewer) == len(distinct) - 1 and padding_of(sizes, fewer)["padded_rows"] > 0
-    assert gr.plan_buckets(range(1, 5001), max_graphs=2 ** 62) == list(range(1, 5001))
+    assert gr.plan_buckets(range(1, 5001), max_graphs=2**62) == list(range(1, 5001))

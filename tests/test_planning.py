@@ -83,28 +83,32 @@ def test_named_dims_are_planned_per_dim():
     assert got == {"reqs": plan_buckets(reqs, 2), "draft": plan_buckets(draft, 2)}
     assert got["draft"] == [2, 6] and padding(reqs, got["reqs"]) == brute_force(reqs, 2)[0]
     # usable as GraphRunner(buckets=...) with named dims
-    r = gr.GraphRunner(lambda x: x * 2, {"x": gr.BatchInput(trailing=(), dims=("reqs", "draft"))}, got,
-                       device="tape", progress=False)
+    r = gr.GraphRunner(
+        lambda x: x * 2, {"x": gr.BatchInput(trailing=(), dims=("reqs", "draft"))}, got, device="tape", progress=False
+    )
     assert r.buckets == got
 
 
-@pytest.mark.parametrize("sizes,k,exc,match", [
-    ([], 2, ValueError, r"observed_sizes holds no batch size >= 1"),
-    ([0, 0], 2, ValueError, r"observed_sizes holds no batch size >= 1"),
-    ([1, -3], 2, ValueError, r"observed_sizes\[1\] is -3"),
-    ([1, 2.5], 2, TypeError, r"observed_sizes\[1\] is a float"),
-    ([1, True], 2, TypeError, r"observed_sizes\[1\] is a bool"),
-    ("1,2,3", 2, TypeError, r"observed_sizes must be a list of observed batch sizes"),
-    (7, 2, TypeError, r"observed_sizes must be a list"),
-    ([1, 2], 0, ValueError, r"max_graphs must be >= 1"),
-    ([1, 2], 2.0, TypeError, r"max_graphs is a float \(2.0\); it must be an int >= 1"),
-    ([1, 2], {"reqs": 2}, TypeError, r"max_graphs is a dict but observed_sizes is a list"),
-    ({"reqs": [1, 2]}, 2, TypeError, r"give max_graphs per dim"),
-    ({"reqs": [1, 2]}, {"draft": 2}, ValueError, r"max_graphs names dims \['draft'\]"),
-    ({"reqs": [1, -1]}, {"reqs": 2}, ValueError, r"observed_sizes\['reqs'\]\[1\] is -1"),
-    ({"reqs": [1]}, {"reqs": 0}, ValueError, r"max_graphs\['reqs'\] must be >= 1"),
-    ({}, {}, ValueError, r"observed_sizes is an empty dict"),
-])
+@pytest.mark.parametrize(
+    "sizes,k,exc,match",
+    [
+        ([], 2, ValueError, r"observed_sizes holds no batch size >= 1"),
+        ([0, 0], 2, ValueError, r"observed_sizes holds no batch size >= 1"),
+        ([1, -3], 2, ValueError, r"observed_sizes\[1\] is -3"),
+        ([1, 2.5], 2, TypeError, r"observed_sizes\[1\] is a float"),
+        ([1, True], 2, TypeError, r"observed_sizes\[1\] is a bool"),
+        ("1,2,3", 2, TypeError, r"observed_sizes must be a list of observed batch sizes"),
+        (7, 2, TypeError, r"observed_sizes must be a list"),
+        ([1, 2], 0, ValueError, r"max_graphs must be >= 1"),
+        ([1, 2], 2.0, TypeError, r"max_graphs is a float \(2.0\); it must be an int >= 1"),
+        ([1, 2], {"reqs": 2}, TypeError, r"max_graphs is a dict but observed_sizes is a list"),
+        ({"reqs": [1, 2]}, 2, TypeError, r"give max_graphs per dim"),
+        ({"reqs": [1, 2]}, {"draft": 2}, ValueError, r"max_graphs names dims \['draft'\]"),
+        ({"reqs": [1, -1]}, {"reqs": 2}, ValueError, r"observed_sizes\['reqs'\]\[1\] is -1"),
+        ({"reqs": [1]}, {"reqs": 0}, ValueError, r"max_graphs\['reqs'\] must be >= 1"),
+        ({}, {}, ValueError, r"observed_sizes is an empty dict"),
+    ],
+)
 def test_bad_input_is_an_error_naming_the_input(sizes, k, exc, match):
     with pytest.raises(exc, match=match):
         plan_buckets(sizes, max_graphs=k)
@@ -220,8 +224,8 @@ def test_sizes_near_2_60_are_exact_where_int64_overflowed():
 def test_the_int64_path_holds_up_to_its_bound_and_python_ints_take_over_above():
     # calls * (largest - smallest size) bounds every value the program forms: int64 below 2**63, Python ints at it
     span = 2**60
-    below = [5] * 3 + [5 + span // 3] * 2 + [5 + span] * 2          # 7 calls: 7 * span < 2**63
-    at = below + [5]                                              # 8 calls: 8 * span == 2**63
+    below = [5] * 3 + [5 + span // 3] * 2 + [5 + span] * 2  # 7 calls: 7 * span < 2**63
+    at = below + [5]  # 8 calls: 8 * span == 2**63
     for sizes, dtype in ((below, "int64"), (at, "object")):
         counts = Counter(sizes)
         tables = planning._tables(sorted(counts), [counts[x] for x in sorted(counts)])
@@ -264,12 +268,15 @@ class _Terminal(io.StringIO):
         return True
 
 
-@pytest.mark.parametrize("progress,stream,after,drawn", [
-    (True, "terminal", 0.0, True),     # a terminal, past the delay: the bar
-    (True, "terminal", 60.0, False),   # a short planning: nothing
-    (True, "pipe", 0.0, False),        # not a terminal: nothing, even past the delay
-    (False, "terminal", 0.0, False),   # progress=False: nothing
-])
+@pytest.mark.parametrize(
+    "progress,stream,after,drawn",
+    [
+        (True, "terminal", 0.0, True),  # a terminal, past the delay: the bar
+        (True, "terminal", 60.0, False),  # a short planning: nothing
+        (True, "pipe", 0.0, False),  # not a terminal: nothing, even past the delay
+        (False, "terminal", 0.0, False),  # progress=False: nothing
+    ],
+)
 def test_progress_bar_only_on_a_terminal_past_the_delay(monkeypatch, progress, stream, after, drawn):
     out = _Terminal() if stream == "terminal" else io.StringIO()
     monkeypatch.setattr("sys.stderr", out)
@@ -323,8 +330,14 @@ def test_padding_of_counts_padded_rows_and_eager_calls():
     sizes = [1, 2, 3, 5, 9, 9, 12]
     got = padding_of(sizes, [2, 4, 9])
     # 1->2 (1), 2->2 (0), 3->4 (1), 5->9 (4), 9->9 (0) x2; 12 is above 9: eager
-    assert got == {"graphs": 3, "calls": 7, "real_rows": 41, "padded_rows": 6,
-                   "padded_fraction": 6 / (2 + 2 + 4 + 9 + 9 + 9), "eager_calls": 1}
+    assert got == {
+        "graphs": 3,
+        "calls": 7,
+        "real_rows": 41,
+        "padded_rows": 6,
+        "padded_fraction": 6 / (2 + 2 + 4 + 9 + 9 + 9),
+        "eager_calls": 1,
+    }
     with pytest.raises(ValueError, match="buckets must be sorted"):
         padding_of(sizes, [4, 2])
 
@@ -347,8 +360,9 @@ def test_planned_buckets_serve_calls_equal_to_eager():
     def step(x):
         return torch.tanh(x * 3 + 1)
 
-    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(4,))}, buckets, backend="full", device="tape",
-                       progress=False)
+    r = gr.GraphRunner(
+        step, {"x": gr.BatchInput(trailing=(4,))}, buckets, backend="full", device="tape", progress=False
+    )
     r.capture()
     for n in sizes:
         x = torch.randn(n, 4)
@@ -383,8 +397,9 @@ def test_cli_plan_reads_text_json_and_loadtest_files(tmp_path, capsys):
     out = capsys.readouterr().out
     assert re.search(r"planned +4 +0\.00%  1,3,7,8\n", out) and re.search(r"vLLM's ladder +4 +[0-9.]+%  1,2,4,8\n", out)
     lt = tmp_path / "loadtest.json"
-    lt.write_text(json.dumps({"levels": [{"concurrency": 4, "schedule": [4, 4, 3, 0]},
-                                         {"concurrency": 2, "schedule": [2, 1]}]}))
+    lt.write_text(
+        json.dumps({"levels": [{"concurrency": 4, "schedule": [4, 4, 3, 0]}, {"concurrency": 2, "schedule": [2, 1]}]})
+    )
     assert main(["plan", str(lt), "--max-graphs", "1", "--level", "4", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["planned_padding"]["calls"] == 3  # the idle step (0) left out
     assert main(["plan", str(lt), "--max-graphs", "2", "--json"]) == 0
@@ -416,23 +431,27 @@ def test_cli_plan_compares_with_the_ladder_at_the_same_number_of_graphs(tmp_path
     assert re.search(rf"planned +4 +{pp:.2%}  ", out) and f"planned padded rows: {pp / lp:.2f}x the ladder's" in out
     assert main(["plan", str(f), "--max-graphs", "20"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"vLLM's ladder +8 +[0-9.]+%  1,2,4,8,16,24,32,37\n  \(vLLM's ladder up to 37 has only 8 sizes\)",
-                     out), out
+    assert re.search(
+        r"vLLM's ladder +8 +[0-9.]+%  1,2,4,8,16,24,32,37\n  \(vLLM's ladder up to 37 has only 8 sizes\)", out
+    ), out
     assert ladder_with(37, 1) == [37] and ladder_with(8, 9) == gr.default_buckets(8)
 
 
-@pytest.mark.parametrize("content,args,message", [
-    ("1\nx\n", [], r"sizes\.txt:2: 'x' is not an int"),
-    ("[1, -2]", [], r"sizes\.txt:1: \[1\] = -2 is negative"),
-    ("[]", [], r"sizes\.txt:1: the list is empty: no batch size >= 1"),
-    ('{"levels": [{"concurrency": 4, "tier_replays": {"4": 9}}]}', [], r"without per-step schedules"),
-    ('{"levels": [{"concurrency": 4, "schedule": [1]}]}', ["--level", "8"], r"no level of concurrency 8"),
-    ("[1, 2]", ["--level", "8"], r"sizes\.txt:1: --level 8 needs a loadtest JSON"),
-    ('{"reqs": [1, 2]}', [], r"names dims \['reqs'\]: pass --max-graphs reqs=K"),
-    ("[1, 2]", ["--max-graphs", "reqs=2"], r"--max-graphs names dims"),
-    ("[1, 2]", ["--max-graphs", "0"], r"max_graphs must be >= 1"),
-    ('"text"', [], r"sizes\.txt:1: '\"text\"' is not an int"),
-])
+@pytest.mark.parametrize(
+    "content,args,message",
+    [
+        ("1\nx\n", [], r"sizes\.txt:2: 'x' is not an int"),
+        ("[1, -2]", [], r"sizes\.txt:1: \[1\] = -2 is negative"),
+        ("[]", [], r"sizes\.txt:1: the list is empty: no batch size >= 1"),
+        ('{"levels": [{"concurrency": 4, "tier_replays": {"4": 9}}]}', [], r"without per-step schedules"),
+        ('{"levels": [{"concurrency": 4, "schedule": [1]}]}', ["--level", "8"], r"no level of concurrency 8"),
+        ("[1, 2]", ["--level", "8"], r"sizes\.txt:1: --level 8 needs a loadtest JSON"),
+        ('{"reqs": [1, 2]}', [], r"names dims \['reqs'\]: pass --max-graphs reqs=K"),
+        ("[1, 2]", ["--max-graphs", "reqs=2"], r"--max-graphs names dims"),
+        ("[1, 2]", ["--max-graphs", "0"], r"max_graphs must be >= 1"),
+        ('"text"', [], r"sizes\.txt:1: '\"text\"' is not an int"),
+    ],
+)
 def test_cli_plan_bad_input_is_one_line_exit_2(tmp_path, capsys, content, args, message):
     from graphrunner_tools.cli import main
 

@@ -75,8 +75,16 @@ def test_masking_inside_a_segment_is_read_as_garbage_by_the_attention_break():
 
 
 def test_breakable_loadtest_under_poison():
-    cfg = LoadtestConfig(requests=4, concurrency=(2,), backend="breakable", device="tape", layers=1,
-                         prompt_len=(2, 6), output_len=(2, 5), progress=False)
+    cfg = LoadtestConfig(
+        requests=4,
+        concurrency=(2,),
+        backend="breakable",
+        device="tape",
+        layers=1,
+        prompt_len=(2, 6),
+        output_len=(2, 5),
+        progress=False,
+    )
     res = run_loadtest(cfg)
     assert res.ok, res
 

@@ -12,15 +12,14 @@ import time
 
 import pytest
 import torch
+from mp_util import assert_all_ok, format_results, run_ranks
 
 from graphrunner.backends import BreakableGraphBackend, FullGraphBackend
 from graphrunner.backends.protocol import check_capture_order
 from graphrunner.breakable import no_graph
 from graphrunner.devices import TapeDevice
-from graphrunner.errors import RankTimeoutError
 from graphrunner.group import TorchDistGroup
 from graphrunner.trace import EventKind, Trace
-from mp_util import assert_all_ok, format_results, run_ranks
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]  # slow: spawns rank processes (-m "not slow" skips it)
 
@@ -51,8 +50,8 @@ def _slow_hook_worker(rank, world_size, backend_names, outdir):
         warm = {"n": 0}
 
         def hook():
-            warm["n"] += 1
-            if rank == SLOW_RANK and warm["n"] % backend.warmups == 0:
+            warm["n"] += 1  # noqa: B023 - called in this iteration, before the variable moves on
+            if rank == SLOW_RANK and warm["n"] % backend.warmups == 0:  # noqa: B023 - called in this iteration, before the variable moves on
                 time.sleep(HOOK_SLEEP)  # the last hook of every key is slow on this rank
 
         @no_graph
@@ -78,7 +77,11 @@ def _merged(results, name):
 
 def _construct_vs_slow_hook(merged, key):
     """(earliest graph_construct begin over fast ranks, end of the slow rank's last hook) for key."""
-    cons = [e.t_begin_ns for e in merged.events if e.kind == EventKind.GRAPH_CONSTRUCT and e.key == key and e.rank != SLOW_RANK]
+    cons = [
+        e.t_begin_ns
+        for e in merged.events
+        if e.kind == EventKind.GRAPH_CONSTRUCT and e.key == key and e.rank != SLOW_RANK
+    ]
     hooks = [e.end for e in merged.events if e.kind == EventKind.HOOK and e.key == key and e.rank == SLOW_RANK]
     return min(cons), max(hooks)
 

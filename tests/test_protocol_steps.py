@@ -61,8 +61,18 @@ def test_a_capture_records_the_steps_in_the_order_of_step():
 
 def test_step_order_is_the_documented_one():
     assert [s.name for s in Step] == [
-        "BEGIN", "WARMUP_SYNC", "WARMUP_BARRIER", "WARMUP_FORWARD", "POST_WARMUP_HOOK", "AFTER_WARMUPS",
-        "FINAL_SYNC", "FINAL_BARRIER", "GRAPH_CONSTRUCT", "CAPTURE_FORWARD", "AFTER_CAPTURE", "END",
+        "BEGIN",
+        "WARMUP_SYNC",
+        "WARMUP_BARRIER",
+        "WARMUP_FORWARD",
+        "POST_WARMUP_HOOK",
+        "AFTER_WARMUPS",
+        "FINAL_SYNC",
+        "FINAL_BARRIER",
+        "GRAPH_CONSTRUCT",
+        "CAPTURE_FORWARD",
+        "AFTER_CAPTURE",
+        "END",
     ]
 
 
@@ -73,7 +83,10 @@ def test_a_capture_error_names_its_step():
 
     x = torch.ones(2)
     backend = NoBarrier(device="tape", warmups=1)
-    with backend.capture_session(), pytest.raises(CaptureError, match=f"during {Step.FINAL_BARRIER.value}: RuntimeError"):
+    with (
+        backend.capture_session(),
+        pytest.raises(CaptureError, match=f"during {Step.FINAL_BARRIER.value}: RuntimeError"),
+    ):
         backend.capture_one(2, lambda: x * 2)
     # negative control: the same backend without the broken step captures
     ok = FullGraphBackend(device="tape", warmups=1)

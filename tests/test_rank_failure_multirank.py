@@ -25,8 +25,9 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-import graphrunner as gr  # noqa: E402
 from mp_util import format_results, run_ranks  # noqa: E402
+
+import graphrunner as gr  # noqa: E402
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]  # slow: spawns rank processes
 
@@ -96,10 +97,13 @@ def test_negative_control_without_the_report_and_the_abort_a_process_dies_or_han
     # or, where the sizes happen to pair, a rank waits out its deadline: never every rank raising alike
     res = run_ranks(_fail_in_background, world_size=2, args=(True,), timeout=60)
     died = [r.rank for r in res if r.timed_out or (r.exitcode is not None and r.exitcode < 0)]
-    same = all(r.ok for r in res) and res[0].value["log"] == res[1].value["log"] and all(
-        "RankFailedError" in r.value["log"] for r in res)
+    same = (
+        all(r.ok for r in res)
+        and res[0].value["log"] == res[1].value["log"]
+        and all("RankFailedError" in r.value["log"] for r in res)
+    )
     assert died or not same, format_results(res)
-    assert died, ("expected gloo to abort a process or a rank to hang on the old path:\n" + format_results(res))
+    assert died, "expected gloo to abort a process or a rank to hang on the old path:\n" + format_results(res)
 
 
 # ------------------------------------------------------------------------- item 4: never outlive the runner
@@ -271,8 +275,10 @@ if __name__ == "__main__":  # the issue's "20 runs in a row", by hand: python te
     bad = 0
     for i in range(n):
         t0 = time.monotonic()
-        for name in ("test_a_rank_whose_background_capture_fails_alone_makes_every_rank_raise_and_exit_normally",
-                     "test_wait_captured_on_one_rank_raises_on_both_and_both_processes_exit_normally"):
+        for name in (
+            "test_a_rank_whose_background_capture_fails_alone_makes_every_rank_raise_and_exit_normally",
+            "test_wait_captured_on_one_rank_raises_on_both_and_both_processes_exit_normally",
+        ):
             try:
                 globals()[name]()
                 ok = "ok"

@@ -65,8 +65,12 @@ def test_a_grad_mode_capture_replays_with_grad_off_and_gives_grad_mode_back():
 
 def test_serving_warms_the_copies_without_writing_the_static_buffers():
     w = torch.randn(8)
-    runner = gr.GraphRunner(lambda x, y: x * w + y, {"x": gr.BatchInput(trailing=(8,)), "y": gr.BatchInput(trailing=(8,))},
-                            buckets=[1, 2, 4], progress=False)
+    runner = gr.GraphRunner(
+        lambda x, y: x * w + y,
+        {"x": gr.BatchInput(trailing=(8,)), "y": gr.BatchInput(trailing=(8,))},
+        buckets=[1, 2, 4],
+        progress=False,
+    )
     runner.capture()
     staging = runner.server.inputs
     before = {n: b.clone() for n, b in staging.buffers.items()}

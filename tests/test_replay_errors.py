@@ -25,8 +25,9 @@ class SlotState:
 
 def _runner(bounds=(0, 7), fallback="eager", **kw):
     inputs = {"h": gr.BatchInput(trailing=(4,)), "slots": gr.BatchInput(dtype=torch.long, pad=0, bounds=bounds)}
-    r = gr.GraphRunner(SlotState(), inputs, [1, 2, 4], device="tape", progress=False, checks=(), fallback=fallback,
-                       **kw)
+    r = gr.GraphRunner(
+        SlotState(), inputs, [1, 2, 4], device="tape", progress=False, checks=(), fallback=fallback, **kw
+    )
     r.capture()
     return r
 
@@ -67,6 +68,7 @@ def test_the_eager_fallback_names_the_cause_too():
 
 def test_debug_mode_refuses_the_call_before_anything_runs():
     """REVIEW item 5: nothing ran (the step, the state), and the message names the value and the bounds."""
+
     class Counting(SlotState):
         calls = 0
 
@@ -107,8 +109,7 @@ def _guarded_step(x):
 
 
 def _guarded_runner():
-    r = gr.GraphRunner(_guarded_step, {"x": gr.BatchInput(trailing=(3,))}, [1, 2, 4], device="tape",
-                       progress=False)
+    r = gr.GraphRunner(_guarded_step, {"x": gr.BatchInput(trailing=(3,))}, [1, 2, 4], device="tape", progress=False)
     r.capture()
     return r
 

@@ -30,8 +30,9 @@ def chain(x):
 
 
 def make(t: int = 100, buckets=(1, 2, 4, 8), backend: str = "full", **kw) -> gr.GraphRunner:
-    return gr.GraphRunner(chain, {"x": gr.BatchInput(trailing=(t,))}, list(buckets), backend=backend,
-                          device="tape", progress=False, **kw)
+    return gr.GraphRunner(
+        chain, {"x": gr.BatchInput(trailing=(t,))}, list(buckets), backend=backend, device="tape", progress=False, **kw
+    )
 
 
 def pool_need(b: int, t: int) -> int:
@@ -57,9 +58,11 @@ def test_graph_pool_bytes_per_key_match_a_hand_computation(backend, t):
     assert [b["graph_pool_bytes"] for b in d["buckets"]] == [pool_need(8, t), 0, 0, 0]
     table = rep.table()
     mem = next(line for line in table.splitlines() if line.startswith("memory:"))
-    assert mem == (f"memory: graph pool {gr.report.format_bytes(pool_need(8, t))} + static inputs "
-                   f"{gr.report.format_bytes(8 * t * F32)} + output buffer 32 B = "
-                   f"{gr.report.format_bytes(rep.total_bytes)}")
+    assert mem == (
+        f"memory: graph pool {gr.report.format_bytes(pool_need(8, t))} + static inputs "
+        f"{gr.report.format_bytes(8 * t * F32)} + output buffer 32 B = "
+        f"{gr.report.format_bytes(rep.total_bytes)}"
+    )
     r.cleanup()
 
 
@@ -76,15 +79,18 @@ def _eager(x):
         return chain(x)
 
 
-@pytest.mark.parametrize("budget,left,pool", [
-    (None, [], pool_need(8, 100)),
-    (pool_need(8, 100), [], pool_need(8, 100)),              # exactly the need: fits
-    (pool_need(8, 100) - 1, [8], pool_need(4, 100)),          # one byte short: 8 left to eager
-    (pool_need(4, 100), [8], pool_need(4, 100)),
-    (pool_need(4, 100) - 1, [8, 4], pool_need(2, 100)),
-    (pool_need(1, 100), [8, 4, 2], pool_need(1, 100)),
-    (pool_need(1, 100) - 1, [8, 4, 2, 1], 0),                 # nothing fits: every call eager
-])
+@pytest.mark.parametrize(
+    "budget,left,pool",
+    [
+        (None, [], pool_need(8, 100)),
+        (pool_need(8, 100), [], pool_need(8, 100)),  # exactly the need: fits
+        (pool_need(8, 100) - 1, [8], pool_need(4, 100)),  # one byte short: 8 left to eager
+        (pool_need(4, 100), [8], pool_need(4, 100)),
+        (pool_need(4, 100) - 1, [8, 4], pool_need(2, 100)),
+        (pool_need(1, 100), [8, 4, 2], pool_need(1, 100)),
+        (pool_need(1, 100) - 1, [8, 4, 2, 1], 0),  # nothing fits: every call eager
+    ],
+)
 def test_memory_budget_leaves_exactly_the_keys_that_do_not_fit(budget, left, pool):
     r = make(100, memory_budget=budget)
     rep = r.capture()
@@ -143,8 +149,18 @@ def test_report_without_pool_figures_says_so_and_prints_no_sum():
 
 def test_one_time_cost_is_labelled_once_and_the_legend_is_short():
     rows = [BucketReport(4, 0.5, 0.25, 1, 0, 0, graph_pool_bytes=2048)]
-    rep = CaptureReport("full", "tape", 0, 1, rows, total_seconds=0.5, static_input_bytes=64, output_buffer_bytes=64,
-                        one_time_seconds=1.4, one_time_what="torch._dynamo import, once per process")
+    rep = CaptureReport(
+        "full",
+        "tape",
+        0,
+        1,
+        rows,
+        total_seconds=0.5,
+        static_input_bytes=64,
+        output_buffer_bytes=64,
+        one_time_seconds=1.4,
+        one_time_what="torch._dynamo import, once per process",
+    )
     head = rep.table().splitlines()[0]
     assert head.endswith("wall=0.500s (+1.40s one-time before the first key: torch._dynamo import, once per process)")
     assert rep.table().splitlines()[-1] == LEGEND and len(LEGEND) <= 160
@@ -200,5 +216,9 @@ def test_runner_stats_count_a_fallback_only_under_its_reason():
     # a fallback without its reason is refused before any counter moves (it would be filed under None)
     with pytest.raises(ValueError, match="pass reason="):
         stats.count(None, (2,), (2,))
-    assert (stats.fallbacks, stats.fallback_reasons, stats.real_rows, stats.last_bucket) == (1, {"over_max_bucket": 1},
-                                                                                              12, 4)
+    assert (stats.fallbacks, stats.fallback_reasons, stats.real_rows, stats.last_bucket) == (
+        1,
+        {"over_max_bucket": 1},
+        12,
+        4,
+    )

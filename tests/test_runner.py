@@ -121,7 +121,11 @@ def test_replay_equals_eager_for_every_batch_size(backend):
         expected_padding += (want - n) if want else 0
     assert r.stats.replays == {1: 1, 2: 1, 4: 2, 8: 4, 16: 8}
     assert r.stats.fallbacks == 4 and r.stats.fallback_reasons == {"over_max_bucket": 4}
-    assert r.stats.padding_rows == expected_padding == sum(b - n for n in range(1, 17) for b in [min(x for x in BUCKETS if x >= n)])
+    assert (
+        r.stats.padding_rows
+        == expected_padding
+        == sum(b - n for n in range(1, 17) for b in [min(x for x in BUCKETS if x >= n)])
+    )
     assert r.stats.calls == BUCKETS[-1] + 4
     r.cleanup()
 
@@ -176,14 +180,17 @@ def test_padding_rows_hold_pad_values(breakable_runner):
 
 def test_pad_values_are_used_for_padding_rows():
     # A non-row-independent step (sums over the batch) sees exactly the pad rows.
-    inputs = {"x": BatchInput(trailing=(2,), dtype=torch.float32, pad=-1.5),
-              "i": BatchInput(trailing=(), dtype=torch.int32, pad=7)}
+    inputs = {
+        "x": BatchInput(trailing=(2,), dtype=torch.float32, pad=-1.5),
+        "i": BatchInput(trailing=(), dtype=torch.int32, pad=7),
+    }
 
     def total(x, i):
         return (x.sum(0, keepdim=True).expand(x.shape[0], 2) + i.sum().float()).contiguous()
 
-    r = GraphRunner(total, inputs, [4], backend="full", device="tape", warmups=1, progress=False,
-                    checks=("drift", "fingerprint"))  # deliberately leaky: it shows which pad values the graph sees
+    r = GraphRunner(
+        total, inputs, [4], backend="full", device="tape", warmups=1, progress=False, checks=("drift", "fingerprint")
+    )  # deliberately leaky: it shows which pad values the graph sees
     r.capture()
     x = torch.ones(4, 2)
     r(x=x, i=torch.ones(4, dtype=torch.int32))
@@ -229,8 +236,9 @@ def test_single_tensor_and_tuple_outputs():
         return (x + 1, None, x.sum(-1))
 
     for fn in (f, g):
-        r = GraphRunner(fn, {"x": BatchInput(trailing=(3,))}, [2, 4], backend="full", device="tape",
-                        warmups=1, progress=False)
+        r = GraphRunner(
+            fn, {"x": BatchInput(trailing=(3,))}, [2, 4], backend="full", device="tape", warmups=1, progress=False
+        )
         r.capture()
         for n in (1, 2, 3, 4, 5):
             x = torch.randn(n, 3)
@@ -321,30 +329,36 @@ def test_max_padding_ratio_falls_back():
 # --------------------------------------------------------------------------- configuration
 
 
-@pytest.mark.parametrize("buckets,exc,needle", [
-    ([], ValueError, "empty"),
-    ([4, 2], ValueError, "sorted"),
-    ([1, 2, 2], ValueError, "duplicate"),
-    ([0, 1], ValueError, ">= 1"),
-    ([-2, 1], ValueError, ">= 1"),
-    ([1, 2.5], TypeError, "int"),
-    ([True, 2], TypeError, "bool"),
-    ("1,2", TypeError, "list"),
-])
+@pytest.mark.parametrize(
+    "buckets,exc,needle",
+    [
+        ([], ValueError, "empty"),
+        ([4, 2], ValueError, "sorted"),
+        ([1, 2, 2], ValueError, "duplicate"),
+        ([0, 1], ValueError, ">= 1"),
+        ([-2, 1], ValueError, ">= 1"),
+        ([1, 2.5], TypeError, "int"),
+        ([True, 2], TypeError, "bool"),
+        ("1,2", TypeError, "list"),
+    ],
+)
 def test_bad_buckets(buckets, exc, needle):
     with pytest.raises(exc, match=needle):
         make_runner("full", buckets=buckets)
 
 
-@pytest.mark.parametrize("kw,exc,needle", [
-    ({"backend": "cudagraph"}, ValueError, "unknown backend"),
-    ({"backend": object()}, TypeError, "backend"),
-    ({"fallback": "skip"}, ValueError, "fallback"),
-    ({"max_padding_ratio": 1.0}, ValueError, "max_padding_ratio"),
-    ({"max_padding_ratio": -0.1}, ValueError, "max_padding_ratio"),
-    ({"warmups": -1}, ValueError, "warmups"),
-    ({"post_warmup_hook": 3}, TypeError, "post_warmup_hook"),
-])
+@pytest.mark.parametrize(
+    "kw,exc,needle",
+    [
+        ({"backend": "cudagraph"}, ValueError, "unknown backend"),
+        ({"backend": object()}, TypeError, "backend"),
+        ({"fallback": "skip"}, ValueError, "fallback"),
+        ({"max_padding_ratio": 1.0}, ValueError, "max_padding_ratio"),
+        ({"max_padding_ratio": -0.1}, ValueError, "max_padding_ratio"),
+        ({"warmups": -1}, ValueError, "warmups"),
+        ({"post_warmup_hook": 3}, TypeError, "post_warmup_hook"),
+    ],
+)
 def test_bad_configuration(kw, exc, needle):
     with pytest.raises(exc, match=needle):
         make_runner(**{"backend": "full", **kw})
@@ -363,14 +377,18 @@ def test_bad_input_declarations():
         GraphRunner(None, INPUTS, [1])
 
 
-@pytest.mark.parametrize("bad_out,needle", [
-    (lambda x: {"y": x, "n": 3}, "pytree of tensors"),
-    (lambda x: "text", "pytree of tensors"),
-    (lambda x: x.sum(0, keepdim=True).expand(5, 3), "batch-major"),
-])
+@pytest.mark.parametrize(
+    "bad_out,needle",
+    [
+        (lambda x: {"y": x, "n": 3}, "pytree of tensors"),
+        (lambda x: "text", "pytree of tensors"),
+        (lambda x: x.sum(0, keepdim=True).expand(5, 3), "batch-major"),
+    ],
+)
 def test_step_output_not_a_pytree_of_tensors(bad_out, needle):
-    r = GraphRunner(bad_out, {"x": BatchInput(trailing=(3,))}, [2, 4], backend="breakable", device="tape",
-                    progress=False)
+    r = GraphRunner(
+        bad_out, {"x": BatchInput(trailing=(3,))}, [2, 4], backend="breakable", device="tape", progress=False
+    )
     with pytest.raises(TypeError, match=needle):
         r.capture()
     assert not r.captured and r.backend.keys() == []  # nothing was captured
@@ -387,8 +405,39 @@ def test_default_buckets():
 
 def test_default_buckets_follow_vllm_ladder_above_256():
     # vLLM's ladder written out by hand: 1, 2, 4, multiples of 8 below 256, then multiples of 16.
-    eights = [8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128, 136, 144, 152, 160, 168, 176,
-              184, 192, 200, 208, 216, 224, 232, 240, 248]
+    eights = [
+        8,
+        16,
+        24,
+        32,
+        40,
+        48,
+        56,
+        64,
+        72,
+        80,
+        88,
+        96,
+        104,
+        112,
+        120,
+        128,
+        136,
+        144,
+        152,
+        160,
+        168,
+        176,
+        184,
+        192,
+        200,
+        208,
+        216,
+        224,
+        232,
+        240,
+        248,
+    ]
     sixteens = [256, 272, 288, 304, 320, 336, 352, 368, 384, 400, 416, 432, 448, 464, 480, 496, 512]
     assert default_buckets(512) == [1, 2, 4] + eights + sixteens
     assert len(default_buckets(512)) == 51
@@ -402,8 +451,9 @@ def test_default_buckets_follow_vllm_ladder_above_256():
 # --------------------------------------------------------------------------- capture report
 
 
-@pytest.mark.parametrize("backend,segments,breaks", [
-    ("breakable", STEP_SEGMENTS, STEP_BREAKS), ("full", 1, 0), ("eager", 0, 1)])
+@pytest.mark.parametrize(
+    "backend,segments,breaks", [("breakable", STEP_SEGMENTS, STEP_BREAKS), ("full", 1, 0), ("eager", 0, 1)]
+)
 def test_capture_report_matches_backend_info(backend, segments, breaks):
     r = make_runner(backend, buckets=[2, 4, 8])
     report = r.capture()
@@ -424,8 +474,11 @@ def test_capture_report_matches_backend_info(backend, segments, breaks):
     table = str(report)
     assert "segments" in table and "breaks" in table
     rows = [line.split() for line in table.splitlines() if line.split() and line.split()[0] in {"8", "4", "2"}]
-    assert [(int(x[0]), int(x[4]), int(x[5])) for x in rows] == [(8, segments, breaks), (4, segments, breaks),
-                                                                  (2, segments, breaks)]
+    assert [(int(x[0]), int(x[4]), int(x[5])) for x in rows] == [
+        (8, segments, breaks),
+        (4, segments, breaks),
+        (2, segments, breaks),
+    ]
     batch = make_batch(7)
     assert_same(r(**batch), eager(batch))
 
@@ -437,8 +490,16 @@ def test_capture_is_gc_frozen_and_hooks_see_the_bucket():
         frozen.append(gc.get_freeze_count() > 0)
         return x + 1
 
-    r = GraphRunner(f, {"x": BatchInput(trailing=(2,))}, [1, 4], backend="breakable", device="tape", warmups=2,
-                    post_warmup_hook=hooks.append, progress=False)
+    r = GraphRunner(
+        f,
+        {"x": BatchInput(trailing=(2,))},
+        [1, 4],
+        backend="breakable",
+        device="tape",
+        warmups=2,
+        post_warmup_hook=hooks.append,
+        progress=False,
+    )
     before = gc.get_freeze_count()
     rep = r.capture()
     # 2 warmups + 1 capture per bucket, + the padding check's forwards for bucket 4 (the last warmup is its
@@ -546,7 +607,7 @@ class ScalarOnlyGroup:
 
 def _digest(runner):
     """The configuration digest a multi-rank runner's per-call agreement carries (graphrunner.agreement)."""
-    from graphrunner.agreement import config_digest, config_fields
+    from graphrunner.agreement import config_digest
 
     return config_digest(runner._config_fields())
 
@@ -579,7 +640,9 @@ def test_multirank_agreement_makes_exactly_one_collective_per_call():
     batch = make_batch(2)
     out = r(**batch)
     # The peer has 7 rows: both replay bucket 8, this rank's outputs are sliced to its 2 rows.
-    assert g.calls == [("all_max_vector", "runner_agree", agreement_vector((2,), False, 1, digest=_digest(r)))]  # batch 2, call 1
+    assert g.calls == [
+        ("all_max_vector", "runner_agree", agreement_vector((2,), False, 1, digest=_digest(r)))
+    ]  # batch 2, call 1
     assert r.stats.last_bucket == 8 and r.stats.padding_rows == 6
     assert_same(out, eager(batch))
 
@@ -600,7 +663,9 @@ def test_multirank_agreement_makes_exactly_one_collective_per_call():
     g.peer_invalid = 0
     with pytest.raises(ValueError, match="missing"):
         r(input_ids=batch["input_ids"], hidden=batch["hidden"])
-    assert g.calls == [("all_max_vector", "runner_agree", agreement_vector((0,), True, 4, digest=_digest(r)))]  # call 4, invalid
+    assert g.calls == [
+        ("all_max_vector", "runner_agree", agreement_vector((0,), True, 4, digest=_digest(r)))
+    ]  # call 4, invalid
 
 
 def test_multirank_peer_that_cannot_replay_a_key_makes_every_rank_fall_back_for_it():
@@ -725,9 +790,9 @@ def test_agreement_vector_packs_the_call_number_as_max_and_min_without_growing()
     from graphrunner.keys import agree
 
     # One element per dim plus one, as before the call number: [n0 - tag * 2**32, n1, ..., tag * 2 + invalid].
-    tag = 7 * 2 ** 14 + 5
-    assert agreement_vector((3, 2), False, 7, digest=5) == [3 - tag * 2 ** 32, 2, tag * 2]
-    assert agreement_vector((0,), True, 7, digest=5) == [-tag * 2 ** 32, tag * 2 + 1]
+    tag = 7 * 2**14 + 5
+    assert agreement_vector((3, 2), False, 7, digest=5) == [3 - tag * 2**32, 2, tag * 2]
+    assert agreement_vector((0,), True, 7, digest=5) == [-tag * 2**32, tag * 2 + 1]
 
     class Peers:  # ranks at the same call with other sizes and flags: the max decodes to the agreed sizes
         rank, size = 0, 3
@@ -772,8 +837,11 @@ def test_unpaired_call_numbers_raise_agreement_error_and_the_runner_refuses_late
     orig = r.step
     r.step = lambda **kw: (seen.append(1), orig(**kw))[1]
     replays = dict(r.stats.replays)
-    with pytest.raises(AgreementError, match=r"rank 0 is at call 2 but another rank is at call 1 \(lowest 1, "
-                       r"highest 2 over the 2 ranks\): a rank skipped or added a call") as ei:
+    with pytest.raises(
+        AgreementError,
+        match=r"rank 0 is at call 2 but another rank is at call 1 \(lowest 1, "
+        r"highest 2 over the 2 ranks\): a rank skipped or added a call",
+    ) as ei:
         r(**batch)
     assert ei.value.calls == (2, 1, 2) and ei.value.unpaired
     assert "every rank must call the runner the same number of times" in str(ei.value)
@@ -805,8 +873,11 @@ def test_the_lowest_and_highest_call_numbers_are_named_on_a_rank_in_between():
             peers = agreement_vector((2,), False, 6), agreement_vector((2,), False, 8)
             return [max(col) for col in zip(v, *peers)]
 
-    with pytest.raises(AgreementError, match=r"rank 1 is at call 7 but other ranks are at calls 6 and 8 "
-                                             r"\(lowest 6, highest 8 over the 3 ranks\)") as ei:
+    with pytest.raises(
+        AgreementError,
+        match=r"rank 1 is at call 7 but other ranks are at calls 6 and 8 "
+        r"\(lowest 6, highest 8 over the 3 ranks\)",
+    ) as ei:
         agree(ThreeRanks(), (2,), False, 7)
     assert ei.value.calls == (7, 6, 8)
 
@@ -822,7 +893,11 @@ def test_invalid_inputs_on_an_unpaired_call_raise_agreement_error_on_that_rank_t
     with pytest.raises(AgreementError, match="rank 0 is at call 1 but another rank is at call 2") as ei:
         r(input_ids=batch["input_ids"], hidden=batch["hidden"])  # missing 'positions'
     assert isinstance(ei.value.__context__, ValueError) and "missing" in str(ei.value.__context__)
-    assert g.calls[-1] == ("all_max_vector", "runner_agree", agreement_vector((0,), True, 1, digest=_digest(r)))  # it took part
+    assert g.calls[-1] == (
+        "all_max_vector",
+        "runner_agree",
+        agreement_vector((0,), True, 1, digest=_digest(r)),
+    )  # it took part
 
 
 def test_configuration_digests_that_differ_raise_agreement_error():
@@ -831,10 +906,10 @@ def test_configuration_digests_that_differ_raise_agreement_error():
 
     r = _group_runner(RecordingGroup(size=2))
     d1 = config_digest(r._config_fields())
-    assert d1 == config_digest(r._config_fields()) and 0 < d1 < 2 ** 62
+    assert d1 == config_digest(r._config_fields()) and 0 < d1 < 2**62
     other = GraphRunner(step, INPUTS, [2, 4], backend="breakable", device="tape", progress=False)
     d2 = config_digest(other._config_fields())
-    m1, m2 = d1 % 2 ** 14, d2 % 2 ** 14  # the vector carries the digest modulo 2**14
+    m1, m2 = d1 % 2**14, d2 % 2**14  # the vector carries the digest modulo 2**14
     assert m1 != m2
     same = RankAgreement(PeerAtCall(peer_digest=d1), digest=d1)
     assert same.agree((3,), 1) == (3,)
@@ -855,8 +930,11 @@ def test_sparse_input_is_invalid_input_named_and_agreed_as_invalid(make):
     batch = make_batch(3)
     bad = dict(batch, hidden=make(batch["hidden"]))
     layout = bad["hidden"].layout
-    with pytest.raises(ValueError, match=rf"input 'hidden' is a sparse tensor \(layout {layout}\); pass a dense "
-                                         r"\(strided\) tensor, e.g. hidden.to_dense\(\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"input 'hidden' is a sparse tensor \(layout {layout}\); pass a dense "
+        r"\(strided\) tensor, e.g. hidden.to_dense\(\)",
+    ):
         r(**bad)
     # It took part in the call's one collective as invalid (never a skipped collective).
     assert g.calls == [("all_max_vector", "runner_agree", agreement_vector((0,), True, 1, digest=_digest(r)))]
@@ -894,6 +972,6 @@ def test_a_first_dim_size_too_large_to_pack_takes_part_as_invalid():
             return [max(a, b) for a, b in zip(v, agreement_vector((1,), False, 3))]
 
     with pytest.raises(ValueError, match="size 4294967296 in the first dim is too large to agree"):
-        agree(Peer(), (2 ** 32,), False, 3)
+        agree(Peer(), (2**32,), False, 3)
     assert Peer.sent == [agreement_vector((0,), True, 3)]  # the peers see an invalid rank, nothing hangs
-    assert agree(Peer(), (2 ** 32 - 1,), False, 3) == ((2 ** 32 - 1,), False)
+    assert agree(Peer(), (2**32 - 1,), False, 3) == ((2**32 - 1,), False)

@@ -123,8 +123,7 @@ def _worker(rank, world, steps):
         out = runner(x=torch.full((n, D), float(n)))
         assert torch.equal(out, torch.full((n, D), 2.0 * n))
         chosen.append(runner.stats.last_bucket)
-    result["unagreed"] = {"chosen": chosen,
-                          "traffic": {k: group.counts[k] - before[k] for k in group.counts}}
+    result["unagreed"] = {"chosen": chosen, "traffic": {k: group.counts[k] - before[k] for k in group.counts}}
     dist.barrier()
     return result
 
@@ -230,8 +229,14 @@ def _pair_runner(tp_mlp, timeout=20.0, counting=False):
     if counting:
         group = CountingGroup(group)
     backend = FullGraphBackend(device="tape", group=group, warmups=1)
-    runner = GraphRunner(tp_mlp, {"x": BatchInput(trailing=(D,), dtype=torch.float32, pad=0.0)}, PAIR_BUCKETS,
-                         backend=backend, group=group, progress=False)
+    runner = GraphRunner(
+        tp_mlp,
+        {"x": BatchInput(trailing=(D,), dtype=torch.float32, pad=0.0)},
+        PAIR_BUCKETS,
+        backend=backend,
+        group=group,
+        progress=False,
+    )
     runner.capture()
     return runner, group
 
@@ -313,9 +318,17 @@ def _lost_call_worker(rank, world, lost, steps):
     def at(q, k):  # the step of rank q's k-th collective
         return k if q != 1 or k < lost else k + 1
 
-    log["unseq"] = [(r[0], r[1], _close(r[2], reference([r[1]] * world, rank)),
-                     _close(r[2], reference([at(q, k) for q in range(world)], rank)))
-                    if r[0] == "ok" else r[:2] for k, r in enumerate(served)]
+    log["unseq"] = [
+        (
+            r[0],
+            r[1],
+            _close(r[2], reference([r[1]] * world, rank)),
+            _close(r[2], reference([at(q, k) for q in range(world)], rank)),
+        )
+        if r[0] == "ok"
+        else r[:2]
+        for k, r in enumerate(served)
+    ]
     dist.barrier()
     return log
 
@@ -341,8 +354,10 @@ def test_a_lost_call_raises_agreement_error_on_every_rank_naming_the_call_number
         assert first[1] == (lost + 1 if rank == 1 else lost)
         assert first[3] == (own, lost + 1, lost + 2)
         other = lost + 1 if rank == 1 else lost + 2
-        assert (f"rank {rank} is at call {own} but another rank is at call {other} (lowest {lost + 1}, "
-                f"highest {lost + 2} over the 3 ranks): a rank skipped or added a call") in first[2]
+        assert (
+            f"rank {rank} is at call {own} but another rank is at call {other} (lowest {lost + 1}, "
+            f"highest {lost + 2} over the 3 ranks): a rank skipped or added a call"
+        ) in first[2]
         assert "every rank must call the runner the same number of times" in first[2]
         assert first[4] < 10, "the mismatch must be seen at once, not after a timeout"
         # Afterwards the runner refuses every call on every rank, without a collective.
@@ -396,8 +411,7 @@ def _sparse_worker(rank, world, bad, steps):
     # 1. Today: the sparse input is invalid input on rank 1, agreed as such.
     runner, _ = _pair_runner(tp_mlp)
     rows = serve(runner, range(steps))
-    log["fixed"] = [(r[0], r[1], _close(r[2], reference([r[1]] * world, rank))) if r[0] == "ok" else r
-                    for r in rows]
+    log["fixed"] = [(r[0], r[1], _close(r[2], reference([r[1]] * world, rank))) if r[0] == "ok" else r for r in rows]
 
     def old_validation(r):  # the RuntimeError of data_ptr() escapes before the agreement, as before
         validate = r.server.inputs.validate
@@ -406,6 +420,7 @@ def _sparse_worker(rank, world, bad, steps):
             for t in inputs.values():
                 t.data_ptr()
             return validate(inputs)
+
         r.server.inputs.validate = patched
 
     # 2. Negative control, call numbers on: the escaped RuntimeError still cannot mispair calls.
@@ -421,9 +436,15 @@ def _sparse_worker(rank, world, bad, steps):
         old_validation(runner3)
     rows = serve(runner3, range(steps + 1) if rank == 1 else range(steps))
     served = [r for r in rows if r[0] == "ok"]  # the k-th: rank 0's step k, rank 1's step k (k+1 from bad on)
-    log["old_validation_unseq"] = [(r[0], r[1], _close(r[2], reference([r[1]] * world, rank)),
-                                    _close(r[2], reference([k, k if k < bad else k + 1], rank)))
-                                   for k, r in enumerate(served)]
+    log["old_validation_unseq"] = [
+        (
+            r[0],
+            r[1],
+            _close(r[2], reference([r[1]] * world, rank)),
+            _close(r[2], reference([k, k if k < bad else k + 1], rank)),
+        )
+        for k, r in enumerate(served)
+    ]
     log["old_validation_unseq_errors"] = [r[:3] for r in rows if r[0] != "ok"]
     dist.barrier()
     return log
@@ -442,8 +463,14 @@ def test_a_sparse_input_on_one_rank_is_invalid_input_on_every_rank_and_all_conti
         rows = log["fixed"]
         err = rows[bad]
         if rank == 1:
-            assert err[0] == "ValueError" and ("input 'x' is a sparse tensor (layout torch.sparse_coo); pass a "
-                                               "dense (strided) tensor, e.g. x.to_dense()") in err[2], err
+            assert (
+                err[0] == "ValueError"
+                and (
+                    "input 'x' is a sparse tensor (layout torch.sparse_coo); pass a "
+                    "dense (strided) tensor, e.g. x.to_dense()"
+                )
+                in err[2]
+            ), err
         else:
             assert err[0] == "GraphRunnerError" and "another rank passed invalid inputs at call 3" in err[2], err
         others = [r for i, r in enumerate(rows) if i != bad]

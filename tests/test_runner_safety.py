@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import graphrunner as gr
+from graphrunner.errors import CaptureError, GraphRunnerError
 from graphrunner.ownership import CallOwner
 from graphrunner.staging import StaticInputs
-from graphrunner.errors import CaptureError, GraphRunnerError
 
 sys.path.insert(0, os.path.dirname(__file__))
 from mp_util import assert_all_ok, run_ranks  # noqa: E402
@@ -27,9 +27,17 @@ def _step(x, y):
 
 
 def _runner(backend="full", step=_step, buckets=(1, 2, 4)):
-    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(D,), dtype=torch.float32, pad=0.0),
-                              "y": gr.BatchInput(trailing=(D,), dtype=torch.float32, pad=0.0)},
-                       buckets=list(buckets), backend=backend, device="tape", progress=False)
+    r = gr.GraphRunner(
+        step,
+        {
+            "x": gr.BatchInput(trailing=(D,), dtype=torch.float32, pad=0.0),
+            "y": gr.BatchInput(trailing=(D,), dtype=torch.float32, pad=0.0),
+        },
+        buckets=list(buckets),
+        backend=backend,
+        device="tape",
+        progress=False,
+    )
     r.capture()
     return r
 
@@ -125,7 +133,10 @@ def _blocking_runner():
 
 def _call_in_thread(r, x, y, box):
     try:
-        box["out"] = r(x=x, y=y, ).clone()
+        box["out"] = r(
+            x=x,
+            y=y,
+        ).clone()
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         box["err"] = exc
 
@@ -221,8 +232,13 @@ def test_call_after_cleanup_says_so():
     r.cleanup()
     with pytest.raises(CaptureError, match="after cleanup"):
         r(x=torch.ones(1, D), y=torch.ones(1, D))
-    fresh = gr.GraphRunner(_step, {"x": gr.BatchInput(trailing=(D,)), "y": gr.BatchInput(trailing=(D,))},
-                           buckets=[1], device="tape", progress=False)
+    fresh = gr.GraphRunner(
+        _step,
+        {"x": gr.BatchInput(trailing=(D,)), "y": gr.BatchInput(trailing=(D,))},
+        buckets=[1],
+        device="tape",
+        progress=False,
+    )
     with pytest.raises(CaptureError, match="before capture"):
         fresh(x=torch.ones(1, D), y=torch.ones(1, D))
 
@@ -238,9 +254,15 @@ def _copy_fails_worker(rank, world):
         dist.all_reduce(out)  # a collective inside the captured step
         return out
 
-    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(D,)), "y": gr.BatchInput(trailing=(D,))},
-                       buckets=[1, 2, 4], backend="full", device="tape", group=TorchDistGroup(),
-                       progress=False)
+    r = gr.GraphRunner(
+        step,
+        {"x": gr.BatchInput(trailing=(D,)), "y": gr.BatchInput(trailing=(D,))},
+        buckets=[1, 2, 4],
+        backend="full",
+        device="tape",
+        group=TorchDistGroup(),
+        progress=False,
+    )
     r.capture()
     x, y = torch.ones(2, D), torch.ones(2, D)
     try:
@@ -280,8 +302,11 @@ def test_boolean_mask_indexing_is_refused_naming_the_op_and_the_line():
     with pytest.raises(TypeError) as ei:
         r.capture()
     msg = str(ei.value)
-    line = next(i for i, text in enumerate(inspect.getsource(step).splitlines(), inspect.getsourcelines(step)[1])
-                if "MASK_LINE" in text)
+    line = next(
+        i
+        for i, text in enumerate(inspect.getsource(step).splitlines(), inspect.getsourcelines(step)[1])
+        if "MASK_LINE" in text
+    )
     assert "has shape [0, 64]" in msg  # what the runner found ...
     assert "boolean-mask indexing" in msg and "aten.index.Tensor" in msg  # ... and the op behind it
     assert f"test_runner_safety.py:{line} in step" in msg and "@no_graph" in msg

@@ -42,17 +42,25 @@ class Server(ServerProcess):
     def __init__(self, tmp, *flags):
         log = os.path.join(tmp, f"serve-{len(os.listdir(tmp))}.log")
         try:
-            super().__init__([*ENGINE, *flags], log, START,
-                             env={"GRAPHRUNNER_CACHE": os.path.join(os.path.dirname(tmp), "cache"),
-                                  "OMP_NUM_THREADS": "1"})
+            super().__init__(
+                [*ENGINE, *flags],
+                log,
+                START,
+                env={"GRAPHRUNNER_CACHE": os.path.join(os.path.dirname(tmp), "cache"), "OMP_NUM_THREADS": "1"},
+            )
         except RuntimeError as exc:
             raise AssertionError(str(exc)) from None
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
         self.model = self.client.models.list().data[0].id
 
     def chat(self, content, max_tokens=12, **kw):
-        r = self.client.chat.completions.create(model=self.model, messages=[{"role": "user", "content": content}],
-                                                max_tokens=max_tokens, temperature=0, **kw)
+        r = self.client.chat.completions.create(
+            model=self.model,
+            messages=[{"role": "user", "content": content}],
+            max_tokens=max_tokens,
+            temperature=0,
+            **kw,
+        )
         return r.choices[0].message.content
 
 
@@ -70,8 +78,16 @@ def servers(tmp_path_factory):
     assert codes == (0, 0), f"SIGTERM: both servers exit 0, got {codes}\n{graphs.output()}\n{eager.output()}"
 
 
-PROMPTS = ["hello there", "what is a graph?", "x", "count: 1 2 3 4 5 6 7 8 9", "tell me a story about a cat " * 3,
-           "ok", "The quick brown fox jumps over the lazy dog.", "?" * 40]
+PROMPTS = [
+    "hello there",
+    "what is a graph?",
+    "x",
+    "count: 1 2 3 4 5 6 7 8 9",
+    "tell me a story about a cat " * 3,
+    "ok",
+    "The quick brown fox jumps over the lazy dog.",
+    "?" * 40,
+]
 
 
 def test_greedy_chat_completions_equal_the_eager_server(servers):
@@ -86,8 +102,9 @@ def test_greedy_chat_completions_equal_the_eager_server(servers):
 def test_streaming_equals_non_streaming(servers):
     graphs, _ = servers
     for p in PROMPTS[:4]:
-        stream = graphs.client.chat.completions.create(model=graphs.model, messages=[{"role": "user", "content": p}],
-                                                       max_tokens=12, temperature=0, stream=True)
+        stream = graphs.client.chat.completions.create(
+            model=graphs.model, messages=[{"role": "user", "content": p}], max_tokens=12, temperature=0, stream=True
+        )
         text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert text == graphs.chat(p)
 
@@ -113,15 +130,18 @@ def test_sixteen_concurrent_clients_are_all_answered_and_equal(servers):
     assert errors == [] and got == want
     steps = graphs.metric("graphrunner_steps_total") - before
     assert 16 <= steps < 16 * 16 + 16, "the 16 requests were batched together (fewer steps than one per token each)"
-    assert graphs.metrics()['graphrunner_steps_total{model="%s",path="replayed"}' % graphs.model] > 0
+    assert graphs.metrics()[f'graphrunner_steps_total{{model="{graphs.model}",path="replayed"}}'] > 0
 
 
-@pytest.mark.parametrize("bad, status, words", [
-    ({"model": "no-such-model"}, 400, "no-such-model"),
-    ({"max_tokens": 0}, 400, "max_tokens must be at least 1"),
-    ({"max_tokens": -3}, 400, "got -3"),
-    ({"messages": [{"role": "user", "content": "y" * 2000}]}, 400, "at most 1024"),
-])
+@pytest.mark.parametrize(
+    "bad, status, words",
+    [
+        ({"model": "no-such-model"}, 400, "no-such-model"),
+        ({"max_tokens": 0}, 400, "max_tokens must be at least 1"),
+        ({"max_tokens": -3}, 400, "got -3"),
+        ({"messages": [{"role": "user", "content": "y" * 2000}]}, 400, "at most 1024"),
+    ],
+)
 def test_bad_input_is_a_4xx_naming_it_and_the_next_request_is_right(servers, bad, status, words):
     graphs, eager = servers
     body = {"model": graphs.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, **bad}
@@ -134,8 +154,9 @@ def test_bad_input_is_a_4xx_naming_it_and_the_next_request_is_right(servers, bad
 def test_malformed_json_is_a_422_and_the_next_request_is_right(servers):
     graphs, eager = servers
     for raw in (b'{"model": ', b"[1, 2]"):
-        req = urllib.request.Request(graphs.url + "/v1/chat/completions", data=raw,
-                                     headers={"content-type": "application/json"})
+        req = urllib.request.Request(
+            graphs.url + "/v1/chat/completions", data=raw, headers={"content-type": "application/json"}
+        )
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(req, timeout=30)
         assert err.value.code == 422
@@ -156,8 +177,9 @@ def _wait_for(server, name, predicate, timeout=30):
 def test_a_client_that_disconnects_mid_stream_frees_its_cache_blocks(servers):
     graphs, _ = servers
     assert _wait_for(graphs, "graphrunner_kv_cache_held_blocks", lambda v: v == 0) == 0
-    stream = graphs.client.chat.completions.create(model=graphs.model, messages=[{"role": "user", "content": "go"}],
-                                                   max_tokens=900, temperature=0, stream=True)
+    stream = graphs.client.chat.completions.create(
+        model=graphs.model, messages=[{"role": "user", "content": "go"}], max_tokens=900, temperature=0, stream=True
+    )
     chunks = iter(stream)
     for _ in range(3):
         next(chunks)
@@ -168,7 +190,10 @@ def test_a_client_that_disconnects_mid_stream_frees_its_cache_blocks(servers):
     assert _wait_for(graphs, "graphrunner_kv_cache_held_blocks", lambda v: v == 0) == 0
     assert graphs.metric("graphrunner_requests_active") == 0
     total = graphs.metric("graphrunner_kv_cache_blocks")
-    free, cached = graphs.metric("graphrunner_kv_cache_free_blocks"), graphs.metric("graphrunner_kv_cache_cached_blocks")
+    free, cached = (
+        graphs.metric("graphrunner_kv_cache_free_blocks"),
+        graphs.metric("graphrunner_kv_cache_cached_blocks"),
+    )
     assert free + cached == total, "every block is free or kept by the prefix cache for a later prompt"
 
 
@@ -179,8 +204,12 @@ def test_sigterm_with_a_request_in_flight_exits_0_within_seconds(tmp_path):
     def ask():
         try:
             stream = server.client.chat.completions.create(
-                model=server.model, messages=[{"role": "user", "content": "long"}], max_tokens=900, temperature=0,
-                stream=True)
+                model=server.model,
+                messages=[{"role": "user", "content": "long"}],
+                max_tokens=900,
+                temperature=0,
+                stream=True,
+            )
             done.append(sum(1 for _ in stream))
         except Exception as exc:  # noqa: BLE001 - the server went away: expected
             done.append(exc)
@@ -201,9 +230,17 @@ def test_metrics_show_graphs_steps_and_requests(servers):
     graphs, _ = servers
     m = graphs.metrics()
     names = {k.partition("{")[0] for k in m}
-    for name in ("graphrunner_steps_total", "graphrunner_graphs_planned", "graphrunner_graphs_captured",
-                 "graphrunner_capture_seconds", "graphrunner_padded_tokens_total", "graphrunner_fallbacks_total",
-                 "graphrunner_replans_total", "graphrunner_kv_cache_free_blocks", "graphrunner_http_requests_total"):
+    for name in (
+        "graphrunner_steps_total",
+        "graphrunner_graphs_planned",
+        "graphrunner_graphs_captured",
+        "graphrunner_capture_seconds",
+        "graphrunner_padded_tokens_total",
+        "graphrunner_fallbacks_total",
+        "graphrunner_replans_total",
+        "graphrunner_kv_cache_free_blocks",
+        "graphrunner_http_requests_total",
+    ):
         assert name in names or name == "graphrunner_fallbacks_total", name
     planned = graphs.metric("graphrunner_graphs_planned")
     graphs.chat("one more call")  # a background capture's keys start replaying at a call

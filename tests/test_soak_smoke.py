@@ -21,8 +21,13 @@ def test_soak_smoke(tmp_path):
     # A subprocess: the spawned ranks import the script as the main module.
     out = tmp_path / "soak.json"
     env = dict(os.environ, PYTHONPATH=str(SOAK.parent.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, str(SOAK), "--ranks", "2", "--steps", "60", "--out", str(out)],
-                          capture_output=True, text=True, timeout=180, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(SOAK), "--ranks", "2", "--steps", "60", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "soak: OK" in proc.stdout
     data = json.loads(out.read_text())
@@ -47,7 +52,7 @@ def test_soak_reference_is_the_all_reduced_sum():
     for r in range(2):
         x = soak._batch(7, r)
         rows = torch.zeros(n, soak.D)
-        rows[:min(n, x.shape[0])] = x[:n]
+        rows[: min(n, x.shape[0])] = x[:n]
         half = slice(r * soak.H // 2, (r + 1) * soak.H // 2)
         want += torch.relu(rows @ w1[:, half]) @ w2[half]
     assert torch.allclose(soak._reference(7, 0, 2, n, w1, w2), want, atol=1e-5)

@@ -25,8 +25,21 @@ sys.path.insert(0, os.path.dirname(__file__))
 from mp_util import assert_all_ok, format_results, run_ranks  # noqa: E402
 
 SMALL = dict(requests=3, max_new=6, k=3, reqs_buckets=(1, 2, 4), draft_buckets=(2, 4), layers=1, progress=False)
-SMALL_CLI = ["--requests", "3", "--max-new", "6", "--k", "3", "--reqs-buckets", "1,2,4", "--draft-buckets", "2,4",
-             "--layers", "1", "--no-progress"]
+SMALL_CLI = [
+    "--requests",
+    "3",
+    "--max-new",
+    "6",
+    "--k",
+    "3",
+    "--reqs-buckets",
+    "1,2,4",
+    "--draft-buckets",
+    "2,4",
+    "--layers",
+    "1",
+    "--no-progress",
+]
 
 
 @pytest.mark.slow
@@ -66,8 +79,9 @@ def test_verify_step_equals_one_token_at_a_time_decoding():
     pos = torch.arange(len(prompt), len(prompt) + len(cells))
     with torch.inference_mode():
         got = spec.verify_step_fn(model)(torch.tensor([cells]), pos[None], torch.tensor([4]), torch.tensor([0]))[0]
-        want = torch.stack([ref.decode_step(torch.tensor([c]), p[None], torch.tensor([0]))[0]
-                            for c, p in zip(cells, pos)])
+        want = torch.stack(
+            [ref.decode_step(torch.tensor([c]), p[None], torch.tensor([0]))[0] for c, p in zip(cells, pos)]
+        )
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
@@ -104,8 +118,7 @@ def test_padded_draft_cells_do_not_change_real_cells(mask):
 
 
 def _ranks_worker(rank, world, agree, timeout):
-    res = spec.run_spec(rank=rank, world=world, agree=agree, group_timeout=timeout,
-                        out=io.StringIO(), **SMALL)
+    res = spec.run_spec(rank=rank, world=world, agree=agree, group_timeout=timeout, out=io.StringIO(), **SMALL)
     return res
 
 
@@ -131,8 +144,9 @@ def test_without_agreement_the_run_fails_clearly_not_hangs():
     text = format_results(results)
     assert not any(r.timed_out for r in results), text
     assert not any(r.ok for r in results), text
-    assert any(r.exc_type == "RankTimeoutError" and "collective inside the step" in r.exc_message
-               for r in results), text
+    assert any(r.exc_type == "RankTimeoutError" and "collective inside the step" in r.exc_message for r in results), (
+        text
+    )
 
 
 @pytest.mark.slow
@@ -143,11 +157,14 @@ def test_cli_verify_on_two_ranks(capsys):
     assert "verify on 2 ranks: OK" in out and "rank 1: 0 mismatches" in out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--requests", "5", "--reqs-buckets", "1,2,4"], "must hold all 5 requests"),
-    (["--ranks", "5"], "does not divide the MLP width"),
-    (["--draft-buckets", "4,2"], "strictly increasing"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--requests", "5", "--reqs-buckets", "1,2,4"], "must hold all 5 requests"),
+        (["--ranks", "5"], "does not divide the MLP width"),
+        (["--draft-buckets", "4,2"], "strictly increasing"),
+    ],
+)
 def test_cli_verify_usage_errors(argv, message, capsys):
     assert main(["verify", *argv]) == 2
     err = capsys.readouterr().err
@@ -181,8 +198,10 @@ def test_mlp_only_shards_sum_to_the_whole_mlp_and_leave_o_proj():
     assert type(both.model.layers[0].self_attn.o_proj) is not nn.Linear
     x = torch.randn(3, config.hidden_size)
     with torch.no_grad():
-        parts = [F.linear(F.silu(F.linear(x, m.gate)) * F.linear(x, m.up), m.down)
-                 for m in (s.model.layers[0].mlp for s in shards)]
+        parts = [
+            F.linear(F.silu(F.linear(x, m.gate)) * F.linear(x, m.up), m.down)
+            for m in (s.model.layers[0].mlp for s in shards)
+        ]
         want = full.model.layers[0].mlp(x)
     assert torch.allclose(parts[0] + parts[1], want, atol=1e-5)
     assert not torch.allclose(parts[0], want, atol=1e-3)  # one shard alone is not the MLP

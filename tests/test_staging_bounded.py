@@ -36,9 +36,12 @@ def one_dim_step(x):
 
 def _two_dim():
     """A (reqs, tokens) runner (re-padding a pad of 0 and one of 1) and CALLS distinct sizes."""
-    runner = GraphRunner(two_dim_step, {"x": BatchInput(dims=("reqs", "tokens")),
-                                        "y": BatchInput(dims=("reqs",), pad=1.0)},
-                         buckets={"reqs": [8, 64], "tokens": [16, 128]}, progress=False)
+    runner = GraphRunner(
+        two_dim_step,
+        {"x": BatchInput(dims=("reqs", "tokens")), "y": BatchInput(dims=("reqs",), pad=1.0)},
+        buckets={"reqs": [8, 64], "tokens": [16, 128]},
+        progress=False,
+    )
     sizes = [(r, t) for r in range(1, 65) for t in range(1, 129)]
     random.Random(0).shuffle(sizes)
 
@@ -78,9 +81,14 @@ def _serve(make):
 def test_varlen_sizes_keep_every_per_sizes_cache_bounded_and_outputs_equal_eager(make):
     server = _serve(make)
     staging, layout = server.inputs, server.layout
-    sizes_caches = {"staging views": staging._views, "staging re-pad views": staging._pad_views,
-                    "staging shapes": staging._shapes, "output views": layout._views,
-                    "routes": server.routes._routes, "key choices": server.space._memo}
+    sizes_caches = {
+        "staging views": staging._views,
+        "staging re-pad views": staging._pad_views,
+        "staging shapes": staging._shapes,
+        "output views": layout._views,
+        "routes": server.routes._routes,
+        "key choices": server.space._memo,
+    }
     assert {k: len(v) for k, v in sizes_caches.items() if len(v) > LIMIT} == {}
     # the caches were in use (each started over at least once where it is keyed per sizes)
     assert len(staging._views) > 0 and len(layout._views) > 0
@@ -88,8 +96,8 @@ def test_varlen_sizes_keep_every_per_sizes_cache_bounded_and_outputs_equal_eager
 
 @pytest.mark.parametrize("make", [_two_dim, _one_dim], ids=["reqs_tokens", "rows"])
 def test_negative_control_without_the_cap_the_caches_grow_past_it(make, monkeypatch):
-    monkeypatch.setattr(staging_mod, "_MEMO_LIMIT", 10 ** 9)
-    monkeypatch.setattr(layout_mod, "_MEMO_LIMIT", 10 ** 9)
+    monkeypatch.setattr(staging_mod, "_MEMO_LIMIT", 10**9)
+    monkeypatch.setattr(layout_mod, "_MEMO_LIMIT", 10**9)
     server = _serve(make)
     staging = server.inputs
     assert len(staging._views) > LIMIT and len(server.layout._views) > LIMIT

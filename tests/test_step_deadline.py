@@ -41,8 +41,15 @@ def _stall_worker(rank, world, backend, bound, rows=2, stall=STALL):
         return h + 1
 
     group = gr.TorchDistGroup(timeout=TIMEOUT, bound_process_group=bound)
-    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(4,))}, buckets=[1, 2, 4], backend=backend,
-                       device="tape", group=group, progress=False)
+    r = gr.GraphRunner(
+        step,
+        {"x": gr.BatchInput(trailing=(4,))},
+        buckets=[1, 2, 4],
+        backend=backend,
+        device="tape",
+        group=group,
+        progress=False,
+    )
     r.capture()
     outcome = None
     for i in range(1, STALL_CALL + 1):
@@ -59,8 +66,9 @@ def _stall_worker(rank, world, backend, bound, rows=2, stall=STALL):
     return outcome
 
 
-@pytest.mark.parametrize("backend, rows, phase", [("breakable", 2, "replay"), ("eager", 2, "replay"),
-                                                  ("breakable", 6, "fallback")])  # 6 > the largest bucket
+@pytest.mark.parametrize(
+    "backend, rows, phase", [("breakable", 2, "replay"), ("eager", 2, "replay"), ("breakable", 6, "fallback")]
+)  # 6 > the largest bucket
 def test_survivor_raises_within_the_group_timeout(backend, rows, phase):
     # spawn: each rank ends with a full interpreter shutdown (sys.exit, atexit handlers).
     res = run_ranks(_stall_worker, world_size=2, args=(backend, True, rows), timeout=90, start_method="spawn")

@@ -36,9 +36,9 @@ def test_unjoined_side_write_is_invisible_until_a_join(dev):
     with dev.stream(side) as s:
         assert s is side and dev.current_stream() is side
         y.copy_(x * 2)
-        assert torch.equal(y, x * 2)           # a stream sees its own writes
+        assert torch.equal(y, x * 2)  # a stream sees its own writes
     assert dev.current_stream() is cur
-    assert torch.equal(y, torch.zeros(3))      # the default stream has not waited: the value from before
+    assert torch.equal(y, torch.zeros(3))  # the default stream has not waited: the value from before
     assert not side.query()
     cur.wait_stream(side)
     assert torch.equal(y, x * 2) and side.query()
@@ -53,8 +53,12 @@ def test_every_kind_of_join_lands_the_write(dev, join):
         y.add_(5)
         ev = side.record_event()
     assert torch.equal(y, torch.zeros(4)) and not ev.query()
-    {"event_wait": lambda: dev.current_stream().wait_event(ev), "stream_sync": side.synchronize,
-     "event_sync": ev.synchronize, "device_sync": dev.synchronize}[join]()
+    {
+        "event_wait": lambda: dev.current_stream().wait_event(ev),
+        "stream_sync": side.synchronize,
+        "event_sync": ev.synchronize,
+        "device_sync": dev.synchronize,
+    }[join]()
     assert torch.equal(y, torch.full((4,), 5.0)) and ev.query()
 
 
@@ -65,7 +69,7 @@ def test_event_join_lands_only_work_recorded_before_it(dev):
         a.fill_(1)
         ev = TapeEvent()
         ev.record()
-        b.fill_(2)                      # after the event: a wait on it does not cover this
+        b.fill_(2)  # after the event: a wait on it does not cover this
     ev.wait()
     assert torch.equal(a, torch.ones(2)) and torch.equal(b, torch.zeros(2))
     dev.synchronize()
@@ -77,7 +81,7 @@ def test_other_streams_writes_to_the_same_storage_survive_the_join(dev):
     buf = torch.zeros(4)
     with dev.stream(side):
         buf[2:].fill_(7)
-    buf[:2].fill_(1)                    # the default stream writes the other half meanwhile
+    buf[:2].fill_(1)  # the default stream writes the other half meanwhile
     dev.current_stream().wait_stream(side)
     assert torch.equal(buf, torch.tensor([1.0, 1.0, 7.0, 7.0]))
 
@@ -112,11 +116,11 @@ def test_clocks_follow_waits_and_events():
     assert not CLOCKS.knows(b.id, a.id, t)
     b.wait_stream(a)
     assert CLOCKS.knows(b.id, a.id, t) and not CLOCKS.knows(c.id, a.id, t)
-    c.wait_stream(b)                    # transitively
+    c.wait_stream(b)  # transitively
     assert CLOCKS.knows(c.id, a.id, t)
     t2 = CLOCKS.note_op(a.id)
     assert not CLOCKS.knows(c.id, a.id, t2)
-    a.synchronize()                     # the host waited: every stream's later work is ordered after it
+    a.synchronize()  # the host waited: every stream's later work is ordered after it
     assert CLOCKS.knows(c.id, a.id, t2)
     with pytest.raises(TypeError, match="TapeStream"):
         a.wait_stream(object())
@@ -141,8 +145,11 @@ def test_ops_record_their_stream_in_a_capture(dev):
             z = y * 2
         dev.current_stream().wait_stream(side)
         out = z + y
-    assert Streams.seen == [("aten::add", dev.default_stream()), ("aten::mul", side),
-                            ("aten::add", dev.default_stream())]
+    assert Streams.seen == [
+        ("aten::add", dev.default_stream()),
+        ("aten::mul", side),
+        ("aten::add", dev.default_stream()),
+    ]
     x.fill_(2)
     g.replay()
     assert torch.equal(out, (x + 1) * 3)
@@ -159,7 +166,7 @@ def test_fork_inside_a_full_capture_must_be_joined_before_it_ends(dev):
         h = x + 1
         side.wait_stream(dev.current_stream())
         with dev.stream(side):
-            h.mul_(2)                 # forked, never joined
+            h.mul_(2)  # forked, never joined
         return h
 
     b = gr.backends.FullGraphBackend(device=dev, warmups=1)
@@ -199,7 +206,7 @@ def test_full_capture_late_join_is_a_hazard_naming_both_lines(dev):
         side.wait_stream(dev.current_stream())
         with dev.stream(side):
             acc.copy_(x * 2)
-        out = acc + 1                # read before the join
+        out = acc + 1  # read before the join
         dev.current_stream().wait_stream(side)
         return out
 
@@ -243,7 +250,7 @@ def test_fork_join_across_a_break_replays_equal_to_eager(dev):
     assert b.info(4)["num_breaks"] == 1
     for xs in (torch.arange(4.0), torch.randn(4)):
         x.copy_(xs)
-        ref = (xs + 1) + (xs + 1) * 2        # eager, no streams
+        ref = (xs + 1) + (xs + 1) * 2  # eager, no streams
         assert torch.equal(b.replay(4), ref)
 
 
@@ -262,10 +269,10 @@ def test_unjoined_fork_in_a_break_is_refused_with_names(dev):
         with b.capture_session():
             b.capture_one(4, forward)
     msg = str(ei.value)
-    assert "stream ownership" in msg and "'alltoall'" in msg          # the stream
-    assert "reads meta ((4,) float32)" in msg                          # the tensor, by its name in the step
-    assert "meta.copy_(h * 2)" in msg and "return h + meta" in msg    # the lines of the write and the read
-    assert "in eager break" in msg and "wait_stream" in msg            # where, and what to do
+    assert "stream ownership" in msg and "'alltoall'" in msg  # the stream
+    assert "reads meta ((4,) float32)" in msg  # the tensor, by its name in the step
+    assert "meta.copy_(h * 2)" in msg and "return h + meta" in msg  # the lines of the write and the read
+    assert "in eager break" in msg and "wait_stream" in msg  # where, and what to do
     assert not b.can_run(4)
 
 
@@ -285,7 +292,7 @@ def test_negative_control_check_off_replays_the_stale_value(dev):
     with b.capture_session():
         b.capture_one(4, forward)
     dev.synchronize()
-    meta.fill_(4.0)                            # a known value (under GRAPHRUNNER_TAPE_POISON the capture left NaN)
+    meta.fill_(4.0)  # a known value (under GRAPHRUNNER_TAPE_POISON the capture left NaN)
     dev.synchronize()
     before = meta.clone()
     assert torch.equal(before, torch.full((4,), 4.0))
@@ -294,7 +301,7 @@ def test_negative_control_check_off_replays_the_stale_value(dev):
     ref = (x + 1) + (x + 1) * 2
     assert not torch.equal(out, ref)
     assert torch.equal(out, (x + 1) + before)  # the stale read
-    dev.synchronize()                          # the side stream's write lands at the next join
+    dev.synchronize()  # the side stream's write lands at the next join
     assert torch.equal(meta, (x + 1) * 2)
 
 
@@ -317,7 +324,7 @@ def test_side_stream_never_joined_and_never_read_is_refused_at_capture_end(dev):
     with pytest.raises(CaptureError, match=r"'prefetch'.*still runs unjoined work.*scratch.copy_\(h\)"):
         with b.capture_session():
             b.capture_one(4, forward)
-    b2 = gr.backends.BreakableGraphBackend(device=dev)       # negative control: without the check it captures
+    b2 = gr.backends.BreakableGraphBackend(device=dev)  # negative control: without the check it captures
     with b2.capture_session():
         b2.capture_one(4, forward)
     x.fill_(3)
@@ -330,7 +337,7 @@ def test_side_stream_reading_segment_output_without_waiting_is_a_hazard(dev):
 
     @gr.no_graph
     def consume(h):
-        with dev.stream(side):            # no side.wait_stream(current): reads h racing its producer
+        with dev.stream(side):  # no side.wait_stream(current): reads h racing its producer
             out.copy_(h * 2)
         dev.current_stream().wait_stream(side)
 
@@ -372,8 +379,16 @@ def _runner_step(dev, side, join):
 @pytest.mark.parametrize("how", [{"checks": ("drift", "streams")}, {"debug": True}])
 def test_runner_refuses_an_unjoined_fork_by_name_or_in_debug_mode(dev, how):
     side = dev.new_stream(name="side")
-    r = gr.GraphRunner(_runner_step(dev, side, join=False), {"x": gr.BatchInput(trailing=(3,))}, [4],
-                       backend="breakable", device=dev, warmups=1, progress=False, **how)
+    r = gr.GraphRunner(
+        _runner_step(dev, side, join=False),
+        {"x": gr.BatchInput(trailing=(3,))},
+        [4],
+        backend="breakable",
+        device=dev,
+        warmups=1,
+        progress=False,
+        **how,
+    )
     with pytest.raises(CaptureError, match=r"stream ownership.*'side'"):
         r.capture()
 
@@ -381,8 +396,16 @@ def test_runner_refuses_an_unjoined_fork_by_name_or_in_debug_mode(dev, how):
 def test_runner_with_a_joined_fork_matches_eager(dev):
     side = dev.new_stream()
     step = _runner_step(dev, side, join=True)
-    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(3,))}, [4], backend="breakable", device=dev,
-                       warmups=1, progress=False, checks=("drift", "streams"))
+    r = gr.GraphRunner(
+        step,
+        {"x": gr.BatchInput(trailing=(3,))},
+        [4],
+        backend="breakable",
+        device=dev,
+        warmups=1,
+        progress=False,
+        checks=("drift", "streams"),
+    )
     r.capture()
     assert "streams" in gr.checks.resolve_checks(("streams",)).names()
     for n in (4, 3):
@@ -430,8 +453,11 @@ def test_cuda_streams_checked_through_torch_cuda(cuda_device, join, backend):
 
         from graphrunner.checks.stream_use import _CudaLedger
 
-        with pytest.raises(CaptureError, match=rf"stream ownership: CUDA stream \S+ reads meta .*meta.copy_.*"
-                                               rf"ran on {re.escape(_CudaLedger.name(side.cuda_stream))},"):
+        with pytest.raises(
+            CaptureError,
+            match=rf"stream ownership: CUDA stream \S+ reads meta .*meta.copy_.*"
+            rf"ran on {re.escape(_CudaLedger.name(side.cuda_stream))},",
+        ):
             with b.capture_session():
                 b.capture_one(4, forward)
         return

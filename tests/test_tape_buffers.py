@@ -14,8 +14,8 @@ from graphrunner.tape import TapeGraph, codegen, tape_graph
 
 
 def _step(x, w):
-    a = x * 2                   # live across the next three ops
-    b = torch.matmul(a, w)      # same shape as a: a free buffer of a's kind would do
+    a = x * 2  # live across the next three ops
+    b = torch.matmul(a, w)  # same shape as a: a free buffer of a's kind would do
     c = b + 1
     d = torch.matmul(c, w) * a  # reads a after b and c were computed
     e = d.view(4, 2, 4).transpose(1, 2)  # a view of a planned buffer
@@ -57,8 +57,11 @@ def test_buffers_are_reused_only_after_the_last_reader():
     x, w = torch.randn(4, 8), torch.randn(8, 8)
     g, out = _capture(x, w)
     # five (4, 8) float results, at most three live at once: buffers are shared
-    same_kind = [v for k, v in g._env.items() if k.startswith("b") and isinstance(v, torch.Tensor)
-                 and v.shape == (4, 8) and v._base is None]
+    same_kind = [
+        v
+        for k, v in g._env.items()
+        if k.startswith("b") and isinstance(v, torch.Tensor) and v.shape == (4, 8) and v._base is None
+    ]
     assert 1 < len(same_kind) < 5
     assert _replays_match(g, out, x, w)
 
@@ -77,7 +80,7 @@ def test_survivor_written_in_place_and_refreshed():
     with torch.inference_mode():
         g = TapeGraph()
         with tape_graph(g):
-            h = torch.matmul(x * 2, w)   # a survivor produced by an out= capable op
+            h = torch.matmul(x * 2, w)  # a survivor produced by an out= capable op
             out = h + 1
     src = g.source.split("_replay():", 1)[1]
     # both survivors written directly (by name, or through a view a collapsed matmul writes)

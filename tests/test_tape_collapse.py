@@ -47,10 +47,10 @@ def _kernels(g) -> set:
 
 def _decoder_like(x, w1, w2, k, v):
     """Linear layers on a [B, 1, K] input and a 4-d attention matmul pair."""
-    h = torch.nn.functional.linear(x * 2, w1)           # matmul(x, w1.t()) -> mm
-    q = h.view(2, 1, 4, 8).transpose(1, 2)                # [2, 4, 1, 8]
-    s = torch.matmul(q * 1.5, k.transpose(-1, -2))       # -> bmm on views of the cache
-    o = torch.matmul(s.softmax(-1) * 1.0, v)             # -> bmm
+    h = torch.nn.functional.linear(x * 2, w1)  # matmul(x, w1.t()) -> mm
+    q = h.view(2, 1, 4, 8).transpose(1, 2)  # [2, 4, 1, 8]
+    s = torch.matmul(q * 1.5, k.transpose(-1, -2))  # -> bmm on views of the cache
+    o = torch.matmul(s.softmax(-1) * 1.0, v)  # -> bmm
     return torch.nn.functional.linear(o.transpose(1, 2).reshape(2, 1, 32) + 0.5, w2)
 
 
@@ -108,8 +108,13 @@ def test_negative_control_without_the_views_only_check_and_the_proof_replay_read
 
 def test_collapse_matches_the_composite_on_any_data():
     """The rewrite found once is the composite's own kernel: equal on fresh data too."""
-    cases = [((1, 1, 16), (16, 16), True), ((5, 3, 16), (16, 16), True),
-             ((2, 3, 16), (16, 16), False), ((1, 2, 4, 8), (1, 2, 8, 16), False), ((4, 16), (16, 8), False)]
+    cases = [
+        ((1, 1, 16), (16, 16), True),
+        ((5, 3, 16), (16, 16), True),
+        ((2, 3, 16), (16, 16), False),
+        ((1, 2, 4, 8), (1, 2, 8, 16), False),
+        ((4, 16), (16, 8), False),
+    ]
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for xs, ws, transpose_w in cases:
@@ -126,8 +131,10 @@ def test_collapse_matches_the_composite_on_any_data():
                 assert torch.equal(out, torch.matmul(x, w)), (xs, ws)
         # not collapsible: a vector operand (mv path), and the broadcast batch above
         assert collapse.collapse(_VF.matmul, [torch.randn(2, 4, 8), torch.randn(8)], torch.empty(2, 4)) is None
-        assert collapse.collapse(_VF.matmul, [torch.randn(3, 1, 4, 8), torch.randn(2, 8, 5)],
-                                 torch.empty(3, 2, 4, 5)) is None
+        assert (
+            collapse.collapse(_VF.matmul, [torch.randn(3, 1, 4, 8), torch.randn(2, 8, 5)], torch.empty(3, 2, 4, 5))
+            is None
+        )
 
 
 # --- issue 21 item 4: a rewrite is kept only when proven bit-equal -----------------------------------
@@ -212,7 +219,7 @@ def test_a_genuinely_equal_rewrite_still_happens_and_is_proven():
     g, out = _capture_in(torch.inference_mode, _decode_linear, x, w)
     after = proof.stats.snapshot()
     assert _VF.mm in _kernels(g) and _VF.matmul not in _kernels(g)  # collapsed
-    assert after[0] > before[0] and after[1] == before[1]            # proven, nothing refused
+    assert after[0] > before[0] and after[1] == before[1]  # proven, nothing refused
     assert g.rewrite_proofs[0] == after[0] - before[0] and g.rewrite_proofs[1] == 0
     assert all(_replays_vs_eager(g, out, _decode_linear, [x, w], torch.inference_mode))
 

@@ -26,6 +26,7 @@ def _run_threads(targets):
                 fn()
             except BaseException as exc:  # reported to the main thread
                 errors.append(exc)
+
         return run
 
     threads = [threading.Thread(target=wrap(fn), name=f"capturer-{i}") for i, fn in enumerate(targets)]
@@ -50,11 +51,12 @@ def test_concurrent_captures_in_two_threads_replay_equal_to_eager(mode):
             g = TapeGraph()
             with torch.inference_mode():
                 with tape_graph(g, capture_error_mode=mode):
-                    barrier.wait()        # both threads are inside a capture now
+                    barrier.wait()  # both threads are inside a capture now
                     out = _step(static_x, w)
-                    barrier.wait()        # and stay in it until both recorded their op
+                    barrier.wait()  # and stay in it until both recorded their op
                     assert is_tape_capturing()
             results[i] = (g, static_x, w, out)
+
         return run
 
     errors = _run_threads([capturer(0), capturer(1)])
@@ -89,6 +91,7 @@ def test_concurrent_breakable_captures_in_two_threads_thread_local():
                 out = brk(static_x @ w) + 1
                 barrier.wait()
             results[i] = (graph, static_x, w, out)
+
         return run
 
     assert _run_threads([capturer(0), capturer(1)]) == []

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from mp_util import assert_all_ok, format_results, run_ranks
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]  # slow: spawns rank processes (-m "not slow" skips it)
@@ -38,9 +37,7 @@ def _worker(rank, world):
             g.replay()
             got = (out.clone(), inplace.clone(), gathered.clone())
             ref = step()  # eager, same inputs
-            results.append(
-                torch.equal(got[0], ref) and torch.equal(got[1], inplace) and torch.equal(got[2], gathered)
-            )
+            results.append(torch.equal(got[0], ref) and torch.equal(got[1], inplace) and torch.equal(got[2], gathered))
             # negative control: the reduced result differs from the local one
             results.append(not torch.equal(got[1], x[0]))
     return ok_undo, results

@@ -30,7 +30,7 @@ def _cases():
     big = torch.arange(1 << 14, dtype=torch.int32)
     yield big.view(128, 128), big.clone().view(128, 128).t().contiguous().t()  # equal values, other strides
     yield big.view(128, 128), big.view(128, 128).t()  # other values: a transposed view
-    yield big.view(128, 128), big.view(16384)[:128 * 128].view(128, 128)
+    yield big.view(128, 128), big.view(16384)[: 128 * 128].view(128, 128)
     yield big, big.to(torch.int64)  # other dtype
     yield big.view(2, 8192), big.view(8192, 2)  # other shape, same bytes
     yield torch.zeros(5000, dtype=torch.bool), torch.zeros(5000, dtype=torch.bool)

@@ -40,8 +40,9 @@ def _check(fn, inputs, refill, *, mode=torch.inference_mode):
     return g
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32,
-                                   torch.int64])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
+)
 def test_python_scalars_bit_exact_all_dtypes(dtype):
     gen = torch.Generator().manual_seed(0)
 
@@ -71,16 +72,16 @@ def test_cse_reuses_repeated_pure_ops_only_when_safe():
     def fn():
         outs = []
         for _ in range(3):
-            m = torch.arange(8) > pos[:, None]   # same value in every "layer"
+            m = torch.arange(8) > pos[:, None]  # same value in every "layer"
             outs.append(x.masked_fill(m, 0.0))
         a = x * 2
-        b = x * 2                                 # same op, but `a` is written below
+        b = x * 2  # same op, but `a` is written below
         a.add_(1)
         return outs + [a, b]
 
     g = _check(fn, [x, pos], lambda: (x.copy_(torch.randn(8)), pos.fill_(5)))
-    assert _calls(g, torch.gt) == 1            # the mask is computed once
-    assert _calls(g, torch.mul) == 2           # x * 2 twice: `a` is written after, so no reuse
+    assert _calls(g, torch.gt) == 1  # the mask is computed once
+    assert _calls(g, torch.mul) == 2  # x * 2 twice: `a` is written after, so no reuse
 
 
 def test_cse_respects_writes_between_repeats():
@@ -88,7 +89,7 @@ def test_cse_respects_writes_between_repeats():
 
     def fn():
         a = x.sin()
-        x.add_(1)        # x written between the two sin() calls
+        x.add_(1)  # x written between the two sin() calls
         b = x.sin()
         x.sub_(1)
         return a, b
@@ -101,8 +102,8 @@ def test_alias_elimination_with_inplace_metadata_change():
 
     def fn():
         y = x * 1.5
-        v = y.view(2, 3)         # same metadata as y: replaced by y at replay
-        y.unsqueeze_(0)          # ... unless metadata changes in place (then kept)
+        v = y.view(2, 3)  # same metadata as y: replaced by y at replay
+        y.unsqueeze_(0)  # ... unless metadata changes in place (then kept)
         return v + 1, y * 2
 
     _check(fn, [x], lambda: x.copy_(torch.randn(2, 3)))
@@ -113,8 +114,8 @@ def test_alias_and_slices_without_inplace_metadata_change():
 
     def fn():
         y = x + 1
-        a = y[:, :]              # full slice: same metadata
-        b = y[:, 2:5]            # slice -> narrow
+        a = y[:, :]  # full slice: same metadata
+        b = y[:, 2:5]  # slice -> narrow
         c = y.view(4, 6)
         return a * 2, b * 3, c - 1
 
@@ -127,7 +128,7 @@ def test_linear_rewrite_external_and_internal_weight():
     F = torch.nn.functional
 
     def fn():
-        w2 = w * 2                   # internal weight: no capture-time w2.t() may be kept
+        w2 = w * 2  # internal weight: no capture-time w2.t() may be kept
         return F.linear(x, w), F.linear(x, w2), F.linear(x, w, torch.ones(8))
 
     g = _check(fn, [x, w], lambda: (x.copy_(torch.randn(2, 1, 16)), w.copy_(torch.randn(8, 16))))
@@ -184,8 +185,8 @@ def test_view_chains_collapse_and_writes_through_views():
 
     def fn():
         y = x * 2
-        v = y.view(2, 3, 2, 4).transpose(1, 2).reshape(2, 2, 12)[:, 1]   # a chain of views of y
-        v.add_(1)                                                          # writes y through the chain
+        v = y.view(2, 3, 2, 4).transpose(1, 2).reshape(2, 2, 12)[:, 1]  # a chain of views of y
+        v.add_(1)  # writes y through the chain
         w = y.narrow(2, 2, 3).unsqueeze(0)
         return v * 3, y + 0, w.sum(-1)
 
@@ -201,7 +202,7 @@ def test_survivor_view_refreshed():
         g = TapeGraph()
         with tape_graph(g):
             y = x + 1
-            v = y.t()[1:3]           # only a view of y is kept
+            v = y.t()[1:3]  # only a view of y is kept
         del y
         x.copy_(torch.randn(4, 4))
         g.replay()

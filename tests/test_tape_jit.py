@@ -29,10 +29,10 @@ def _trace_small_programs(monkeypatch):
 
 
 def _step(x, w, cache, pos, idx):
-    h = torch.nn.functional.linear(x * 2, w)                 # a weight matmul
-    cache.index_put_((idx, pos), h)                           # a cache write at a runtime index
-    rows = cache.index_select(0, idx)                        # reads it back
-    return torch.softmax(rows @ w, -1) + h.sum()             # a list-held index, a reduction
+    h = torch.nn.functional.linear(x * 2, w)  # a weight matmul
+    cache.index_put_((idx, pos), h)  # a cache write at a runtime index
+    rows = cache.index_select(0, idx)  # reads it back
+    return torch.softmax(rows @ w, -1) + h.sum()  # a list-held index, a reduction
 
 
 def _make():
@@ -55,7 +55,7 @@ def _replays_match(g, out, args, n=4) -> bool:
     x, w, cache, pos, idx = args
     gen = torch.Generator().manual_seed(1)
     ok = True
-    for i in range(n):
+    for _ in range(n):
         x.copy_(torch.randn(x.shape, generator=gen))
         pos.copy_(torch.randint(0, 4, (3,), generator=gen))
         idx.copy_(torch.randperm(6, generator=gen)[:3])
@@ -80,8 +80,11 @@ def test_traced_at_capture_end_and_replays_bit_exact_with_nothing_frozen(monkeyp
     monkeypatch.setattr(torch.jit, "trace", _no_tracing)  # the first replay does not trace
     assert _replays_match(g, out, args)
     assert g.replay_engine == "jit"
-    consts = [n for n in g._jit._trace.graph.nodes()
-              if n.kind() == "prim::Constant" and n.output().type().kind() == "TensorType"]
+    consts = [
+        n
+        for n in g._jit._trace.graph.nodes()
+        if n.kind() == "prim::Constant" and n.output().type().kind() == "TensorType"
+    ]
     assert consts == []  # every tensor, the index list's included, is a parameter
 
 
@@ -281,8 +284,12 @@ def _kv_step(x, w, cache, pos):
 
 def _kv_make():
     gen = torch.Generator().manual_seed(5)
-    return (torch.randn(2, 8, generator=gen), torch.randn(8, 8, generator=gen),
-            torch.randn(12, 8, generator=gen), torch.tensor([0, 1]))
+    return (
+        torch.randn(2, 8, generator=gen),
+        torch.randn(8, 8, generator=gen),
+        torch.randn(12, 8, generator=gen),
+        torch.tensor([0, 1]),
+    )
 
 
 def _kv_capture(args, **kw):

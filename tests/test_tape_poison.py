@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import graphrunner as gr
+import graphrunner_tools.demo as demo
 from graphrunner.devices import TapeDevice, get_device
 from graphrunner.tape import POISON_ENV_VAR, TapeGraph, poison_default, poison_value, tape_graph
-import graphrunner_tools.demo as demo
 from graphrunner_tools.models import llama
 
 
@@ -38,10 +38,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _step(x, w):
     """A step with float, int, bool survivors, a survivor view and a constant."""
     h = x @ w
-    idx = (x.abs() * 3).long()               # int64 survivor
-    big = h > 0                              # bool survivor
-    row = h[1]                               # a view: poisons (and refreshes) its base h
-    ar = torch.arange(4)                     # a constant the tape computes once at capture
+    idx = (x.abs() * 3).long()  # int64 survivor
+    big = h > 0  # bool survivor
+    row = h[1]  # a view: poisons (and refreshes) its base h
+    ar = torch.arange(4)  # a constant the tape computes once at capture
     return h, idx, big, row, ar
 
 
@@ -103,7 +103,7 @@ def test_externals_are_never_poisoned():
     with torch.inference_mode(), tape_graph(g):
         h = x @ w
         cache.copy_(h)  # a write to an external: undone at capture end, as before
-        view = x[1:]    # a view of an external survives with the external's storage
+        view = x[1:]  # a view of an external survives with the external's storage
     assert torch.equal(w, w0) and torch.equal(x, x0) and torch.equal(cache, cache0)
     assert torch.equal(view, x0[1:])
     assert torch.isnan(h).all()
@@ -164,8 +164,8 @@ def _lookup(idx):
 
 
 def _index_step(x):
-    idx = (x * 2).long()       # segment: an int64 result read by the break
-    return _lookup(idx) * 3    # break, then a segment
+    idx = (x * 2).long()  # segment: an int64 result read by the break
+    return _lookup(idx) * 3  # break, then a segment
 
 
 @pytest.mark.parametrize("poison", [True, False])
@@ -194,9 +194,9 @@ def _double(h):
 
 
 def _reuse_step(x, table):
-    idx = (x + 1).long()                          # segment 1
-    h = _double(table.index_select(0, idx))       # break: reads poison (floats), harmless
-    return h + table.index_select(0, idx)         # segment 2 indexes with idx again
+    idx = (x + 1).long()  # segment 1
+    h = _double(table.index_select(0, idx))  # break: reads poison (floats), harmless
+    return h + table.index_select(0, idx)  # segment 2 indexes with idx again
 
 
 def test_later_segment_captures_compute_on_real_values():
@@ -221,9 +221,18 @@ def test_later_segment_captures_compute_on_real_values():
 
 def _run_demo(poison: bool, **kw):
     out = io.StringIO()
-    result = demo.run_demo(backend="breakable", device=TapeDevice(poison_captured_values=poison), steps=6,
-                           buckets=(1, 2, 4), max_batch=5, layers=kw.pop("layers", 1), trace_out=None,
-                           progress=False, out=out, **kw)
+    result = demo.run_demo(
+        backend="breakable",
+        device=TapeDevice(poison_captured_values=poison),
+        steps=6,
+        buckets=(1, 2, 4),
+        max_batch=5,
+        layers=kw.pop("layers", 1),
+        trace_out=None,
+        progress=False,
+        out=out,
+        **kw,
+    )
     return result, out.getvalue()
 
 
@@ -290,7 +299,7 @@ def test_demo_kv_written_in_break_is_garbage_until_reset(monkeypatch):
     seen = _write_kv_in_break(monkeypatch)
     result, text = _run_demo(True)
     assert seen["nan_in_cache_after_capture"]  # the break wrote poisoned K/V, as garbage on a GPU
-    assert result.ok, text                     # reset_cache() after capture: replays equal eager
+    assert result.ok, text  # reset_cache() after capture: replays equal eager
 
 
 def test_demo_kv_written_in_break_without_reset_reports_mismatches(monkeypatch):

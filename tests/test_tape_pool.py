@@ -224,6 +224,7 @@ def test_memory_a_capture_still_reads_is_not_reused_before_that_read():
 
 def _misregistered() -> list:
     from graphrunner.tape.state import _OURS
+
     return [k for k, s in list(_OURS.items()) for t in list(s) if id(t.untyped_storage()) != k]
 
 

@@ -73,9 +73,11 @@ def test_another_signature_is_proven_afresh():
         c = [0]
         x = torch.randn(4, 8)
         assert _prove(x, torch.empty(4, 8), c)
-        for other in (x.t().contiguous().t(),             # strides
-                      torch.randn(4, 8, dtype=torch.float64),  # dtype
-                      torch.randn(5, 8)):                  # shape
+        for other in (
+            x.t().contiguous().t(),  # strides
+            torch.randn(4, 8, dtype=torch.float64),  # dtype
+            torch.randn(5, 8),
+        ):  # shape
             n = c[0]
             _prove(other, torch.empty(other.shape, dtype=other.dtype), c)
             assert c[0] == n + 2
@@ -109,6 +111,7 @@ def test_negative_control_a_signature_blind_to_shapes_takes_a_wrong_verdict(monk
 def _memo_key_with(sig):
     def key(memo, inputs, outputs, inference, tls):
         return (sig((inputs, outputs, memo), {}), inference, torch.get_num_threads())
+
     return key
 
 

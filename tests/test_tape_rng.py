@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 import graphrunner as gr
 from graphrunner import tape as tape_mod
-from graphrunner.tape import tape_graph
 from graphrunner.errors import CaptureError
+from graphrunner.tape import tape_graph
 
 SEED = 1234
 STEPS = 4
@@ -132,7 +132,7 @@ def test_failed_capture_restores_the_generator():
     with pytest.raises(ZeroDivisionError):
         with torch.no_grad(), tape_graph(gr.tape.TapeGraph()):
             torch.randn(100)
-            1 / 0
+            1 / 0  # noqa: B018 - raises ZeroDivisionError inside the capture
     assert torch.equal(torch.get_rng_state(), before)
 
 

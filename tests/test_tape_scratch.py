@@ -46,9 +46,9 @@ def test_out_check_prefills_reused_scratch(monkeypatch):
     out = torch.tanh(x)
     v = _verifier()
     with reuse_snapshot_buffers():
-        assert v._out_ok(torch.tanh, [x], {}, out)      # the real kernel: its bits land in the scratch
-        assert state._SCRATCH_FREE                       # given back, holding tanh(x)
-        assert not v._out_ok(_lazy, [x], {}, out)        # same memory, prefilled: writing nothing is caught
+        assert v._out_ok(torch.tanh, [x], {}, out)  # the real kernel: its bits land in the scratch
+        assert state._SCRATCH_FREE  # given back, holding tanh(x)
+        assert not v._out_ok(_lazy, [x], {}, out)  # same memory, prefilled: writing nothing is caught
 
 
 def test_negative_control_without_the_prefill_a_lazy_kernel_passes(monkeypatch):

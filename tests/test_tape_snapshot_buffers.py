@@ -17,6 +17,7 @@ def _trace_small_programs(monkeypatch):
     size from which a graph is traced by default (jit.JIT_MIN_OPS)."""
     monkeypatch.setattr(tape_jit, "JIT_MIN_OPS", 0)
 
+
 N = 1 << 19  # float32: 2 MiB, above the size whose snapshot buffers are reused
 
 
@@ -59,6 +60,7 @@ def test_captures_in_a_session_put_externals_back_and_replay_as_eager(jit, monke
 def test_stale_snapshot_buffer_is_caught(monkeypatch):
     """Negative control: a reused buffer handed out without the copy (it holds an earlier capture's bytes)
     puts the cache back wrong, and the test above fails."""
+
     def stale(b):
         free = _BUF_FREE.get((b.numel(), b.device))
         return free.pop() if free else b.clone()

@@ -26,8 +26,7 @@ STASH: dict = {}
 class Step(torch.nn.Module):
     def __init__(self, keep="attr"):
         super().__init__()
-        self.w = torch.nn.Parameter(torch.randn(H, H, generator=torch.Generator().manual_seed(0)),
-                                    requires_grad=False)
+        self.w = torch.nn.Parameter(torch.randn(H, H, generator=torch.Generator().manual_seed(0)), requires_grad=False)
         self.keep = keep
 
     def forward(self, x):
@@ -54,8 +53,15 @@ def _capture(step, x):
     return g, out
 
 
-@pytest.mark.parametrize("keep,name", [("attr", r"Step\.last"), ("list", r"Step\.history\[0\]"),
-                                       ("buffer", r"Step\.state"), ("global", r"test_tape_stashed\.STASH\['h'\]")])
+@pytest.mark.parametrize(
+    "keep,name",
+    [
+        ("attr", r"Step\.last"),
+        ("list", r"Step\.history\[0\]"),
+        ("buffer", r"Step\.state"),
+        ("global", r"test_tape_stashed\.STASH\['h'\]"),
+    ],
+)
 def test_a_tensor_kept_on_self_and_not_returned_warns_naming_the_attribute(keep, name):
     s = Step(keep)
     with pytest.warns(StashedTensorWarning, match=name + r" after it and is not among the capture's outputs"):
@@ -66,14 +72,15 @@ def test_a_tensor_kept_on_self_and_not_returned_warns_naming_the_attribute(keep,
 def test_no_warning_for_outputs_and_for_steps_that_keep_nothing():
     with warnings.catch_warnings():
         warnings.simplefilter("error", EscapedTensorWarning)
-        g, out = _capture(Step("returned"), torch.randn(2, H))   # kept on self, but an output too
+        g, out = _capture(Step("returned"), torch.randn(2, H))  # kept on self, but an output too
         g, out = _capture(Step("none"), torch.randn(2, H))
         g.replay()
 
 
 def _runner(step, **kw):
-    r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(H,))}, [2, 4], backend="full", device="tape",
-                       progress=False, **kw)
+    r = gr.GraphRunner(
+        step, {"x": gr.BatchInput(trailing=(H,))}, [2, 4], backend="full", device="tape", progress=False, **kw
+    )
     return r
 
 
@@ -95,8 +102,11 @@ def test_runner_capture_refuses_naming_self_last_and_the_line():
     r = _runner(s)
     with warnings.catch_warnings():
         warnings.simplefilter("error", EscapedTensorWarning)
-        with pytest.raises(gr.CaptureError, match=r"kept in Step\.last after it \(assigned at .*test_tape_stashed"
-                                                  r"\.py:\d+ in forward: `self\.last = h`\)"):
+        with pytest.raises(
+            gr.CaptureError,
+            match=r"kept in Step\.last after it \(assigned at .*test_tape_stashed"
+            r"\.py:\d+ in forward: `self\.last = h`\)",
+        ):
             r.capture()
 
 

@@ -30,29 +30,42 @@ UNSAFE = {
     "print": (lambda: print(X), "printing / repr()", "Tensor.__repr__"),
     "fstring": (lambda: f"{X}", "formatting a tensor", "Tensor.__format__"),
     "nonzero": (lambda: torch.nonzero(X), "torch.nonzero", _NONZERO),
-    "where1": (lambda: torch.where(M), "1-argument torch.where",
-               {"inference_mode": "aten.where.default", "no_grad": _NONZERO}),
-    "argwhere": (lambda: torch.argwhere(X), {"inference_mode": "torch.argwhere", "no_grad": "torch.nonzero"},
-                 {"inference_mode": "aten.argwhere.default", "no_grad": _NONZERO}),
+    "where1": (
+        lambda: torch.where(M),
+        "1-argument torch.where",
+        {"inference_mode": "aten.where.default", "no_grad": _NONZERO},
+    ),
+    "argwhere": (
+        lambda: torch.argwhere(X),
+        {"inference_mode": "torch.argwhere", "no_grad": "torch.nonzero"},
+        {"inference_mode": "aten.argwhere.default", "no_grad": _NONZERO},
+    ),
     "mask_index": (lambda: X[M], "boolean-mask indexing", "aten.index.Tensor"),
     "uint8_mask_index": (lambda: X[M.to(torch.uint8)], "boolean-mask indexing", "aten.index.Tensor"),
     "mask_assign": (lambda: X.clone().__setitem__(M, 0.0), "boolean-mask assignment", "aten.index_put_.default"),
     "masked_select": (lambda: torch.masked_select(X, M), "torch.masked_select", "aten.masked_select.default"),
     "unique": (lambda: torch.unique(X), "torch.unique (", "aten._unique2.default"),
     "unique_dim": (lambda: torch.unique(X, dim=0), "torch.unique", "aten.unique_dim.default"),
-    "unique_consecutive": (lambda: torch.unique_consecutive(X), "torch.unique_consecutive",
-                           "aten.unique_consecutive.default"),
-    "repeat_interleave": (lambda: torch.repeat_interleave(X, torch.tensor([1, 2, 1, 1])),
-                          "torch.repeat_interleave with tensor repeats",
-                          {"inference_mode": "aten.repeat_interleave.self_Tensor",
-                           "no_grad": "aten.repeat_interleave.Tensor"}),
+    "unique_consecutive": (
+        lambda: torch.unique_consecutive(X),
+        "torch.unique_consecutive",
+        "aten.unique_consecutive.default",
+    ),
+    "repeat_interleave": (
+        lambda: torch.repeat_interleave(X, torch.tensor([1, 2, 1, 1])),
+        "torch.repeat_interleave with tensor repeats",
+        {"inference_mode": "aten.repeat_interleave.self_Tensor", "no_grad": "aten.repeat_interleave.Tensor"},
+    ),
     "bincount": (lambda: torch.bincount(torch.tensor([0, 1, 1])), "torch.bincount", "aten.bincount.default"),
     "equal": (lambda: torch.equal(X, X), "torch.equal", "aten.equal.default"),
     "method_equal": (lambda: X.equal(X), "Tensor.equal", "TensorBase.equal"),
     "allclose": (lambda: torch.allclose(X, X), "torch.allclose", "aten.allclose.default"),
     "one_hot": (lambda: F.one_hot(torch.tensor([0, 2])), "F.one_hot without num_classes", "one_hot"),
-    "one_hot_minus1": (lambda: F.one_hot(torch.tensor([0, 2]), num_classes=-1), "F.one_hot without num_classes",
-                       "one_hot"),
+    "one_hot_minus1": (
+        lambda: F.one_hot(torch.tensor([0, 2]), num_classes=-1),
+        "F.one_hot without num_classes",
+        "one_hot",
+    ),
 }
 
 # The message: "capture-unsafe operation during tape capture: <what> [op: <op>] at <file>:<line> ...: `<source>`".
@@ -96,9 +109,9 @@ def test_negative_control_generic_description_fails_the_field_check(monkeypatch)
     # Without its friendly name, torch.unique is reported by its aten name.
     # The quoted source line still says "torch.unique", so a match on the whole
     # message would pass; the field check of the test above does not.
-    import graphrunner.tape as tape
+    from graphrunner.tape import unsafe
 
-    monkeypatch.delitem(tape._FRIENDLY, "_unique2", raising=False)
+    monkeypatch.delitem(unsafe._FRIENDLY, "_unique2", raising=False)
     g = TapeGraph()
     with torch.inference_mode(), pytest.raises(CaptureUnsafeOpError) as ei:
         with tape_graph(g):
@@ -161,8 +174,12 @@ def test_repeat_interleave_with_int_repeats_is_safe(ctx):
     def refill(seed):
         x.copy_(torch.randn(4, generator=torch.Generator().manual_seed(seed)))
 
-    _capture_and_check(ctx, lambda: [torch.repeat_interleave(x, 2), x.repeat_interleave(3)], refill,
-                       lambda: [torch.repeat_interleave(x, 2), x.repeat_interleave(3)])
+    _capture_and_check(
+        ctx,
+        lambda: [torch.repeat_interleave(x, 2), x.repeat_interleave(3)],
+        refill,
+        lambda: [torch.repeat_interleave(x, 2), x.repeat_interleave(3)],
+    )
 
 
 @pytest.mark.parametrize("ctx", [torch.inference_mode, torch.no_grad])
@@ -185,10 +202,10 @@ def test_copies_of_externals_are_replayed_not_hoisted(ctx):
     x = torch.randn(3, 4)
 
     def build():
-        xt = x.t()                      # a view: hoisting is fine
-        a = xt.reshape(-1) * 1          # reshape of a non-contiguous view: a copy
-        b = xt.flatten()                # likewise a copy
-        c = x.to(torch.float64)         # dtype conversion: a copy
+        xt = x.t()  # a view: hoisting is fine
+        a = xt.reshape(-1) * 1  # reshape of a non-contiguous view: a copy
+        b = xt.flatten()  # likewise a copy
+        c = x.to(torch.float64)  # dtype conversion: a copy
         return [a, b, c]
 
     def refill(seed):

@@ -15,8 +15,22 @@ from graphrunner_tools import bench as grbench
 from graphrunner_tools.cli import main
 from graphrunner_tools.threads import DEFAULT_CLI_THREADS, torch_threads
 
-TINY_DEMO = ["demo", "--device", "tape", "--steps", "2", "--layers", "1", "--buckets", "1,2",
-             "--max-batch", "2", "--trace-out", "", "--no-progress"]
+TINY_DEMO = [
+    "demo",
+    "--device",
+    "tape",
+    "--steps",
+    "2",
+    "--layers",
+    "1",
+    "--buckets",
+    "1,2",
+    "--max-batch",
+    "2",
+    "--trace-out",
+    "",
+    "--no-progress",
+]
 
 
 @pytest.fixture
@@ -64,8 +78,9 @@ def test_run_demo_in_a_library_call_keeps_the_callers_threads(caller_threads):
     count, so the steps run with the caller's."""
     import io
 
-    result = demo.run_demo(device="tape", steps=2, layers=1, buckets=(1, 2), max_batch=2, trace_out=None,
-                           progress=False, out=io.StringIO())
+    result = demo.run_demo(
+        device="tape", steps=2, layers=1, buckets=(1, 2), max_batch=2, trace_out=None, progress=False, out=io.StringIO()
+    )
     assert result.threads == caller_threads == torch.get_num_threads()
 
 
@@ -89,8 +104,14 @@ def test_torch_threads_restores_on_error(caller_threads):
 @pytest.mark.parametrize("backend", ["full", "breakable", "eager"])
 def test_runner_never_changes_the_callers_threads(backend, caller_threads):
     w = torch.randn(8, 8)
-    runner = gr.GraphRunner(lambda x: x @ w, {"x": gr.BatchInput(trailing=(8,), dtype=torch.float32)},
-                            buckets=[1, 2], backend=backend, device="tape", progress=False)
+    runner = gr.GraphRunner(
+        lambda x: x @ w,
+        {"x": gr.BatchInput(trailing=(8,), dtype=torch.float32)},
+        buckets=[1, 2],
+        backend=backend,
+        device="tape",
+        progress=False,
+    )
     runner.capture()
     x = torch.randn(2, 8)
     assert torch.equal(runner(x=x), x @ w)
@@ -98,20 +119,20 @@ def test_runner_never_changes_the_callers_threads(backend, caller_threads):
     assert torch.get_num_threads() == caller_threads
 
 
-_RECORDS_THREADS = '''
+_RECORDS_THREADS = """
 import json
 def main(argv):  # takes --threads
     import torch
     res = {"argv": list(argv), "torch_threads_seen": torch.get_num_threads()}
     json.dump(res, open(argv[argv.index("--out") + 1], "w"))
     return res
-'''
+"""
 
-_NO_THREADS_OPTION = '''
+_NO_THREADS_OPTION = """
 def main(argv):
     import torch
     return {"argv": list(argv), "torch_threads_seen": torch.get_num_threads()}
-'''
+"""
 
 
 def test_bench_threads_reach_every_script_and_its_json(tmp_path, caller_threads, capsys):
@@ -120,8 +141,22 @@ def test_bench_threads_reach_every_script_and_its_json(tmp_path, caller_threads,
     (d / "latency_vs_batch.py").write_text(_RECORDS_THREADS)
     (d / "runner_overhead.py").write_text(_NO_THREADS_OPTION)
     out = tmp_path / "bench.json"
-    assert grbench.main(["--bench-dir", str(d), "--out", str(out), "--no-plot", "--threads", "2",
-                         "--only", "latency_vs_batch,runner_overhead"]) == 0
+    assert (
+        grbench.main(
+            [
+                "--bench-dir",
+                str(d),
+                "--out",
+                str(out),
+                "--no-plot",
+                "--threads",
+                "2",
+                "--only",
+                "latency_vs_batch,runner_overhead",
+            ]
+        )
+        == 0
+    )
     data = json.loads(out.read_text())
     lat, ovh = data["results"]["latency_vs_batch"], data["results"]["runner_overhead"]
     assert lat["argv"][-2:] == ["--threads", "2"] and lat["torch_threads_seen"] == 2
@@ -181,7 +216,11 @@ def test_huge_thread_count_in_a_real_process_is_exit_2_not_a_crash():
     import sys
 
     for command in ("demo", "loadtest"):
-        proc = subprocess.run([sys.executable, "-m", "graphrunner_tools", command, "--threads", "100000"],
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-m", "graphrunner_tools", command, "--threads", "100000"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 2, (proc.returncode, proc.stderr)  # was 139 (segfault in the OpenMP runtime)
         assert proc.stderr.count("\n") == 1 and "--threads" in proc.stderr and "Traceback" not in proc.stderr

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from extras_util import missing
 
 import graphrunner as gr
 from graphrunner._frames import is_internal, user_frame
 from graphrunner.tape import tape_graph
-from extras_util import missing
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,8 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_import_graphrunner_does_not_load_the_tools():
     # graphrunner.hf imports transformers (the hf extra): checked too when it is installed
     hf = "" if missing("transformers") else "graphrunner.hf, "
-    code = (f"import sys, graphrunner, {hf}graphrunner.checks.lint; "
-            "print([m for m in sys.modules if m.startswith('graphrunner_tools')])")
+    code = (
+        f"import sys, graphrunner, {hf}graphrunner.checks.lint; "
+        "print([m for m in sys.modules if m.startswith('graphrunner_tools')])"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
@@ -34,10 +36,16 @@ def test_no_runtime_module_imports_the_tools():
     offenders = []
     for path in sorted((ROOT / "graphrunner").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            offenders += [f"{path.relative_to(ROOT)}:{node.lineno}" for n in names
-                          if n.split(".")[0] == "graphrunner_tools"]
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            offenders += [
+                f"{path.relative_to(ROOT)}:{node.lineno}" for n in names if n.split(".")[0] == "graphrunner_tools"
+            ]
     assert offenders == []
     # Negative control: the walk does see an import of the tools.
     tree = ast.parse("from graphrunner_tools.models import build_model")
@@ -47,8 +55,9 @@ def test_no_runtime_module_imports_the_tools():
 def test_the_runtime_names_no_tool_module():
     # The runtime neither special-cases the demo models nor points at the moved modules.
     pattern = re.compile(r"graphrunner[./](models|demo|cli|bench|loadtest|spec|launch|threads)\b")
-    hits = [f"{p.relative_to(ROOT)}" for p in sorted((ROOT / "graphrunner").rglob("*.py"))
-            if pattern.search(p.read_text())]
+    hits = [
+        f"{p.relative_to(ROOT)}" for p in sorted((ROOT / "graphrunner").rglob("*.py")) if pattern.search(p.read_text())
+    ]
     assert hits == []
     assert not (ROOT / "graphrunner" / "models").exists()
 
@@ -62,8 +71,9 @@ def test_console_script_and_packages_in_pyproject():
 
 
 def test_python_dash_m_graphrunner_tools_is_the_cli():
-    proc = subprocess.run([sys.executable, "-m", "graphrunner_tools", "--version"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "graphrunner_tools", "--version"], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"graphrunner {gr.__version__}"
 

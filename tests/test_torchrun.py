@@ -25,8 +25,19 @@ import pytest
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SMALL = ["--requests", "6", "--concurrency", "3", "--layers", "1", "--prompt-len", "2,8", "--output-len", "1,8",
-         "--no-progress"]
+SMALL = [
+    "--requests",
+    "6",
+    "--concurrency",
+    "3",
+    "--layers",
+    "1",
+    "--prompt-len",
+    "2,8",
+    "--output-len",
+    "1,8",
+    "--no-progress",
+]
 TIMINGS = {"tokens_per_s", "eager_tokens_per_s", "p50_step_ms", "p99_step_ms", "first_decode_s"}
 
 
@@ -80,14 +91,19 @@ def _run(cmd, mark, timeout=300):
 
 def test_loadtest_under_torchrun_equals_ranks_n(tmp_path):
     mark = uuid.uuid4().hex
-    ref, out = _run([sys.executable, *_tool("loadtest", "--ranks", "2", *SMALL, "--json", str(tmp_path / "r.json"))],
-                    mark)
+    ref, out = _run(
+        [sys.executable, *_tool("loadtest", "--ranks", "2", *SMALL, "--json", str(tmp_path / "r.json"))], mark
+    )
     assert ref.returncode == 0, out[-3000:]
     # the console script as a user types it (torchrun --no-python graphrunner ...), where it is installed
     script = pathlib.Path(sys.executable).parent / "graphrunner"
     tool = ["--no-python", str(script)] if script.exists() else _tool()
-    run, out = _run(_torchrun("--standalone", "--nproc-per-node", "2",
-                              *tool, "loadtest", *SMALL, "--json", str(tmp_path / "t.json")), mark)
+    run, out = _run(
+        _torchrun(
+            "--standalone", "--nproc-per-node", "2", *tool, "loadtest", *SMALL, "--json", str(tmp_path / "t.json")
+        ),
+        mark,
+    )
     assert run.returncode == 0, out[-3000:]
     assert run.stdout.count("graphrunner loadtest: 2 rank(s) over gloo") == 1  # rank 0 alone prints the summary
     assert run.stdout.count("PASS in") == 1 and "C3: 6/6 requests, 0 faults, 0 mismatches" in run.stdout
@@ -100,8 +116,10 @@ def test_a_mismatch_under_torchrun_fails_every_rank(tmp_path):
     """Negative control of the run above: a planted mismatch on rank 0 is reported once, and torchrun
     exits 1 (every rank exits 1: rank 1's own tokens were fine)."""
     mark = uuid.uuid4().hex
-    run, out = _run(_torchrun("--standalone", "--nproc-per-node", "2",
-                              *_tool("loadtest", *SMALL, "--inject-fault", "mismatch")), mark)
+    run, out = _run(
+        _torchrun("--standalone", "--nproc-per-node", "2", *_tool("loadtest", *SMALL, "--inject-fault", "mismatch")),
+        mark,
+    )
     assert run.returncode == 1, out[-3000:]
     assert "C3: 6/6 requests, 0 faults, 1 mismatches" in run.stdout and run.stdout.count("FAIL in") == 1
     assert _marked(mark) == []
@@ -111,15 +129,34 @@ def test_loadtest_spec_on_two_torchrun_nodes(tmp_path):
     """Two torchrun "nodes" on 127.0.0.1 (one worker each), verify steps (``--spec 2``): equal to
     ``--ranks 2 --spec 2``."""
     mark, port = uuid.uuid4().hex, _free_port()
-    ref, out = _run([sys.executable, *_tool("loadtest", "--ranks", "2", "--spec", "2", *SMALL,
-                                            "--json", str(tmp_path / "r.json"))], mark)
+    ref, out = _run(
+        [sys.executable, *_tool("loadtest", "--ranks", "2", "--spec", "2", *SMALL, "--json", str(tmp_path / "r.json"))],
+        mark,
+    )
     assert ref.returncode == 0, out[-3000:]
-    procs = [subprocess.Popen(_torchrun("--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1",
-                                        "--master-addr", "127.0.0.1", "--master-port", str(port),
-                                        *_tool("loadtest", "--spec", "2", *SMALL,
-                                               "--json", str(tmp_path / f"n{n}.json"))),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(mark),
-                              cwd=str(ROOT)) for n in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            _torchrun(
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(n),
+                "--nproc-per-node",
+                "1",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                *_tool("loadtest", "--spec", "2", *SMALL, "--json", str(tmp_path / f"n{n}.json")),
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=_env(mark),
+            cwd=str(ROOT),
+        )
+        for n in (0, 1)
+    ]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
     assert "PASS in" in outs[0] and "PASS in" not in outs[1]  # rank 0 (node 0) prints and writes the JSON
@@ -134,12 +171,31 @@ def test_loadtest_spec_on_two_torchrun_nodes(tmp_path):
 
 def test_loadtest_dp2_tp2_under_torchrun(tmp_path):
     mark = uuid.uuid4().hex
-    args = ["--dp", "2", "--tp", "2", "--requests", "8", "--concurrency", "2", "--layers", "1", "--prompt-len", "2,8",
-            "--output-len", "1,8", "--no-progress"]
+    args = [
+        "--dp",
+        "2",
+        "--tp",
+        "2",
+        "--requests",
+        "8",
+        "--concurrency",
+        "2",
+        "--layers",
+        "1",
+        "--prompt-len",
+        "2,8",
+        "--output-len",
+        "1,8",
+        "--no-progress",
+    ]
     ref, out = _run([sys.executable, *_tool("loadtest", *args, "--json", str(tmp_path / "r.json"))], mark)
     assert ref.returncode == 0, out[-3000:]
-    run, out = _run(_torchrun("--standalone", "--nproc-per-node", "4",
-                              *_tool("loadtest", *args, "--json", str(tmp_path / "t.json"))), mark)
+    run, out = _run(
+        _torchrun(
+            "--standalone", "--nproc-per-node", "4", *_tool("loadtest", *args, "--json", str(tmp_path / "t.json"))
+        ),
+        mark,
+    )
     assert run.returncode == 0, out[-3000:]
     got = _levels(tmp_path / "t.json")
     assert got == _levels(tmp_path / "r.json")
@@ -170,11 +226,29 @@ def test_killing_one_nodes_worker_ends_the_other_node():
     node 1's torchrun exits non-zero; no process is left."""
     mark, port = uuid.uuid4().hex, _free_port()
     args = ["--requests", "400", "--concurrency", "4,8", "--layers", "1", "--timeout", "5", "--no-progress"]
-    procs = [subprocess.Popen(_torchrun("--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1",
-                                        "--master-addr", "127.0.0.1", "--master-port", str(port),
-                                        *_tool("loadtest", *args)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(mark),
-                              cwd=str(ROOT)) for n in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            _torchrun(
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(n),
+                "--nproc-per-node",
+                "1",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                *_tool("loadtest", *args),
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=_env(mark),
+            cwd=str(ROOT),
+        )
+        for n in (0, 1)
+    ]
     try:
         victim = None
         deadline = time.monotonic() + 120

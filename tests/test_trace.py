@@ -279,7 +279,15 @@ def test_checker_ignores_barriers_nested_in_the_capture_forward():
     b = _Builder().good(replay=False)
     cap = b.trace.events[-1]
     cap.t_end_ns = cap.t_begin_ns + 100
-    b.trace.events.append(Event(K.BARRIER, key=8, t_begin_ns=cap.t_begin_ns + 10, t_end_ns=cap.t_begin_ns + 20, data={"phase": "capture_break"}))
+    b.trace.events.append(
+        Event(
+            K.BARRIER,
+            key=8,
+            t_begin_ns=cap.t_begin_ns + 10,
+            t_end_ns=cap.t_begin_ns + 20,
+            data={"phase": "capture_break"},
+        )
+    )
     assert check_capture_order(b.trace) == []
 
 
@@ -300,7 +308,9 @@ def test_checker_cross_rank_early_construction_reported():
         ev(K.GRAPH_CONSTRUCT, rank, hook_end + 5, hook_end + 6, warmups=1)
         ev(K.CAPTURE_FORWARD, rank, hook_end + 7, hook_end + 8)
     v = check_capture_order(tr)
-    assert len(v) == 1 and "rank 0 began graph construction" in v[0] and "rank 1 finished its last warmup/hook" in v[0], v
+    assert (
+        len(v) == 1 and "rank 0 began graph construction" in v[0] and "rank 1 finished its last warmup/hook" in v[0]
+    ), v
     # positive: shift rank 0's construction past rank 1's hook end
     for e in tr.events:
         if e.rank == 0 and e.kind in (K.GRAPH_CONSTRUCT, K.CAPTURE_FORWARD):

@@ -16,8 +16,15 @@ BUCKETS = [1, 2, 4]
 
 
 def _serve(trace, calls):
-    r = gr.GraphRunner(lambda x: x * 2, {"x": gr.BatchInput(trailing=(3,))}, buckets=BUCKETS,
-                       backend="full", device="tape", trace=trace, progress=False)
+    r = gr.GraphRunner(
+        lambda x: x * 2,
+        {"x": gr.BatchInput(trailing=(3,))},
+        buckets=BUCKETS,
+        backend="full",
+        device="tape",
+        trace=trace,
+        progress=False,
+    )
     r.capture()
     keys = []
     for i in range(calls):
@@ -33,7 +40,7 @@ def test_replay_events_are_a_ring_and_capture_events_are_kept():
     keys = _serve(t, 1000)
     replays = t.of(EventKind.REPLAY)
     assert 50 <= len(replays) <= 2 * 50 + 64
-    assert [e.key for e in replays] == keys[-len(replays):]  # the most recent ones, in order
+    assert [e.key for e in replays] == keys[-len(replays) :]  # the most recent ones, in order
     assert t.replays_recorded == 1000
     assert t.replay_events_dropped == 1000 - len(replays)
     assert len(t.of(EventKind.CAPTURE_FORWARD)) == len(BUCKETS)

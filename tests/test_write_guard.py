@@ -29,12 +29,12 @@ def test_index_put_cells_are_put_back_and_other_cells_are_left_alone():
 
     guard = WriteGuard()
     _run(step, guard)
-    assert cache[1, 4] == 6.0 and cache[3, 9] == 7.0          # the step wrote (control)
-    cache[0, 0] = 42.0                                        # a write outside the recording
+    assert cache[1, 4] == 6.0 and cache[3, 9] == 7.0  # the step wrote (control)
+    cache[0, 0] = 42.0  # a write outside the recording
     guard.restore()
     want = before.clone()
     want[0, 0] = 42.0
-    assert torch.equal(cache, want)                           # the step's cells back, the outside write kept
+    assert torch.equal(cache, want)  # the step's cells back, the outside write kept
     assert guard._undo == []
 
 
@@ -59,10 +59,10 @@ def test_in_place_on_views_and_out_arguments_are_put_back_in_reverse_order():
     before, out_before = state.clone(), out.clone()
 
     def step():
-        state[1].mul_(3)                      # a view, in place
-        state[:, 2].add_(state[1, 2])         # overlaps the first write
+        state[1].mul_(3)  # a view, in place
+        state[:, 2].add_(state[1, 2])  # overlaps the first write
         torch.add(torch.ones(5), 2, out=out)  # an out= argument: its storage whole
-        state.zero_()                         # the whole tensor, after the partial writes
+        state.zero_()  # the whole tensor, after the partial writes
 
     guard = WriteGuard()
     _run(step, guard)
@@ -75,9 +75,9 @@ def test_inputs_and_tensors_the_step_creates_are_not_put_back():
     inp, counter = torch.zeros(4), torch.zeros(())
 
     def step():
-        inp.add_(1)                           # a static input: the caller's business
+        inp.add_(1)  # a static input: the caller's business
         tmp = torch.zeros(4)
-        tmp.add_(2)                           # created by the step
+        tmp.add_(2)  # created by the step
         counter.add_(1)
         return tmp
 
@@ -105,8 +105,8 @@ def test_a_guard_restores_each_run_and_leaves_the_generator_alone():
         guard.restore()
         assert float(counter) == 0.0
     torch.default_generator.set_state(state)
-    expected = [float(torch.rand(())) for _ in range(3)]      # the same three draws, no guard
-    assert draws == expected                                  # each run drew the engine's next number: no rewind
+    expected = [float(torch.rand(())) for _ in range(3)]  # the same three draws, no guard
+    assert draws == expected  # each run drew the engine's next number: no rewind
 
 
 def test_negative_control_undoing_oldest_first_leaves_overlapping_writes_wrong():
@@ -129,7 +129,7 @@ def test_negative_control_undoing_oldest_first_leaves_overlapping_writes_wrong()
     _run(step, guard)
     guard.restore()
     assert not torch.equal(state, before)
-    assert torch.equal(state[1], before[1] * 3)   # the zero_ entry logged the mul_'s result
+    assert torch.equal(state[1], before[1] * 3)  # the zero_ entry logged the mul_'s result
 
 
 def test_writes_through_aliases_are_put_back_and_fresh_results_are_the_steps_own():
@@ -140,17 +140,17 @@ def test_writes_through_aliases_are_put_back_and_fresh_results_are_the_steps_own
     before = state.clone()
 
     def step():
-        state.reshape(-1).add_(1)          # an alias of the state: logged
-        state.contiguous()[0].mul_(2)      # contiguous already: the state itself, logged
-        state.view(3, 2)[1].sub_(5)        # a view: logged
-        fresh = state.t().reshape(-1)      # a copy (not contiguous): the step's own tensor
+        state.reshape(-1).add_(1)  # an alias of the state: logged
+        state.contiguous()[0].mul_(2)  # contiguous already: the state itself, logged
+        state.view(3, 2)[1].sub_(5)  # a view: logged
+        fresh = state.t().reshape(-1)  # a copy (not contiguous): the step's own tensor
         fresh.add_(100)
-        (state * 1).add_(7)                # a fresh result
+        (state * 1).add_(7)  # a fresh result
         return fresh
 
     guard = WriteGuard()
     _run(step, guard)
     assert not torch.equal(state, before)
-    assert len(guard._undo) == 3           # the three writes that reach the state, none of the fresh ones
+    assert len(guard._undo) == 3  # the three writes that reach the state, none of the fresh ones
     guard.restore()
     assert torch.equal(state, before)

@@ -18,16 +18,24 @@ graphs, whatever backend was asked for.
 
 import logging
 import os
-from typing import Any, Dict, Optional
+from typing import Any
 
 from graphrunner._env import env_flag
 from graphrunner.backends.base import GraphBackend
-from graphrunner.backends.segmented import BreakableGraphBackend
 from graphrunner.backends.eager import EagerBackend
 from graphrunner.backends.full import FullGraphBackend
+from graphrunner.backends.segmented import BreakableGraphBackend
 
-__all__ = ["GraphBackend", "FullGraphBackend", "BreakableGraphBackend", "EagerBackend", "EnvDisabledBackend",
-           "make_backend", "graphs_disabled", "DISABLE_ENV_VAR"]
+__all__ = [
+    "GraphBackend",
+    "FullGraphBackend",
+    "BreakableGraphBackend",
+    "EagerBackend",
+    "EnvDisabledBackend",
+    "make_backend",
+    "graphs_disabled",
+    "DISABLE_ENV_VAR",
+]
 
 logger = logging.getLogger("graphrunner")
 
@@ -41,8 +49,9 @@ def graphs_disabled() -> bool:
     """Whether ``GRAPHRUNNER_DISABLE`` turns graphs off: ``1``/``true``/``yes``/``on`` (any case)
     yes; unset, empty, ``0``/``false``/``no``/``off`` no; anything else is a ``ValueError``
     (:func:`graphrunner._env.env_flag`)."""
-    return env_flag(DISABLE_ENV_VAR, "set it to 1 to serve every runner eagerly (no graphs), or 0 / unset it to "
-                                     "capture graphs")
+    return env_flag(
+        DISABLE_ENV_VAR, "set it to 1 to serve every runner eagerly (no graphs), or 0 / unset it to capture graphs"
+    )
 
 
 class EnvDisabledBackend(EagerBackend):
@@ -62,14 +71,22 @@ class EnvDisabledBackend(EagerBackend):
         self.disabled_by = f"{DISABLE_ENV_VAR}={os.environ.get(DISABLE_ENV_VAR, '1').strip()}"
         self.name = f"eager (graphs disabled by {self.disabled_by}; {requested} requested)"
 
-    def _graph_stats(self, graph: Any) -> Dict[str, Any]:
-        stats: Dict[str, Any] = dict(super()._graph_stats(graph))
+    def _graph_stats(self, graph: Any) -> dict[str, Any]:
+        stats: dict[str, Any] = dict(super()._graph_stats(graph))
         stats.update(graphs_disabled=self.disabled_by, requested_backend=self.requested)
         return stats
 
 
-def make_backend(backend: Any, device: Any = "auto", group: Any = None, warmups: int = 2, trace: Any = None,
-                 drift_check: Optional[bool] = None, output_arena: Any = None, own_pool: bool = False) -> Any:
+def make_backend(
+    backend: Any,
+    device: Any = "auto",
+    group: Any = None,
+    warmups: int = 2,
+    trace: Any = None,
+    drift_check: bool | None = None,
+    output_arena: Any = None,
+    own_pool: bool = False,
+) -> Any:
     """The backend a :class:`~graphrunner.GraphRunner` captures with: a new one for a name
     (``"full"``, ``"breakable"``, ``"eager"``) configured with the other arguments, or the given
     instance, which must not be contradicted by them (configure an instance on itself).
@@ -86,8 +103,13 @@ def make_backend(backend: Any, device: Any = "auto", group: Any = None, warmups:
     call runs eagerly through the same runner."""
     disabled = graphs_disabled()
     if not disabled or not isinstance(backend, str):
-        if own_pool and isinstance(backend, str) and device is not None and not isinstance(device, str) \
-                and callable(getattr(device, "with_own_pool", None)):
+        if (
+            own_pool
+            and isinstance(backend, str)
+            and device is not None
+            and not isinstance(device, str)
+            and callable(getattr(device, "with_own_pool", None))
+        ):
             device = device.with_own_pool()
         chosen = _make_backend(backend, device, group, warmups, trace, drift_check, output_arena)
         if not disabled:
@@ -98,14 +120,24 @@ def make_backend(backend: Any, device: Any = "auto", group: Any = None, warmups:
     elif backend not in _BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: expected one of {_BACKENDS} or a backend instance")
     requested = backend if isinstance(backend, str) else type(backend).__name__
-    logger.warning("%s: serving eagerly through the runner, no graphs captured (backend %s requested)",
-                   f"{DISABLE_ENV_VAR}={os.environ.get(DISABLE_ENV_VAR, '').strip()}", requested)
-    return EnvDisabledBackend(requested, device=device, group=group, warmups=warmups, trace=trace,
-                              drift_check=True if drift_check is None else drift_check)
+    logger.warning(
+        "%s: serving eagerly through the runner, no graphs captured (backend %s requested)",
+        f"{DISABLE_ENV_VAR}={os.environ.get(DISABLE_ENV_VAR, '').strip()}",
+        requested,
+    )
+    return EnvDisabledBackend(
+        requested,
+        device=device,
+        group=group,
+        warmups=warmups,
+        trace=trace,
+        drift_check=True if drift_check is None else drift_check,
+    )
 
 
-def _make_backend(backend: Any, device: Any, group: Any, warmups: int, trace: Any, drift_check: Optional[bool],
-                  output_arena: Any) -> Any:
+def _make_backend(
+    backend: Any, device: Any, group: Any, warmups: int, trace: Any, drift_check: bool | None, output_arena: Any
+) -> Any:
     if isinstance(backend, str):
         classes = {"full": FullGraphBackend, "breakable": BreakableGraphBackend, "eager": EagerBackend}
         if backend not in classes:
@@ -113,13 +145,19 @@ def _make_backend(backend: Any, device: Any, group: Any, warmups: int, trace: An
         drift = True if drift_check is None else drift_check
         if backend == "eager":  # no graphs, no output buffer: the arena has nothing to hold
             return classes[backend](device=device, group=group, warmups=warmups, trace=trace, drift_check=drift)
-        return classes[backend](device=device, group=group, warmups=warmups, trace=trace, drift_check=drift,
-                                output_arena=output_arena)
+        return classes[backend](
+            device=device, group=group, warmups=warmups, trace=trace, drift_check=drift, output_arena=output_arena
+        )
     if output_arena is not None and output_arena is not getattr(backend, "output_arena", None):
-        raise ValueError("output_arena= was given together with a backend instance that does not use it; "
-                         "pass output_arena= to the backend instead")
-    missing = [m for m in ("capture_session", "capture_one", "replay", "can_run", "cleanup", "info")
-               if not callable(getattr(backend, m, None))]
+        raise ValueError(
+            "output_arena= was given together with a backend instance that does not use it; "
+            "pass output_arena= to the backend instead"
+        )
+    missing = [
+        m
+        for m in ("capture_session", "capture_one", "replay", "can_run", "cleanup", "info")
+        if not callable(getattr(backend, m, None))
+    ]
     if missing:
         raise TypeError(
             f"backend must be one of {_BACKENDS} or a backend instance (a graphrunner.backends.GraphBackend); "
@@ -128,11 +166,14 @@ def _make_backend(backend: Any, device: Any, group: Any, warmups: int, trace: An
     if device not in ("auto", None) and device is not getattr(backend, "device", None):
         raise ValueError("device= was given together with a backend instance; configure the device on the backend")
     if group is not None and group is not getattr(backend, "group", None):
-        raise ValueError("group= differs from the backend instance's group; the runner must agree buckets over the "
-                         "group the backend captures with: pass the same object, or configure it on the backend only")
+        raise ValueError(
+            "group= differs from the backend instance's group; the runner must agree buckets over the "
+            "group the backend captures with: pass the same object, or configure it on the backend only"
+        )
     if trace is not None:
         raise ValueError("trace= was given together with a backend instance; configure the trace on the backend")
     if drift_check is not None and drift_check != getattr(backend, "drift_check", drift_check):
-        raise ValueError("checks= asks for the drift check but the backend instance has drift_check=False (or the other way round); configure it on the backend")
+        raise ValueError(
+            "checks= asks for the drift check but the backend instance has drift_check=False (or the other way round); configure it on the backend"
+        )
     return backend
-

@@ -46,8 +46,9 @@ import contextlib
 import gc
 import logging
 import time
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Hashable, Iterator, List, NoReturn, Optional, Sequence
+from typing import Any, NoReturn
 
 import torch
 
@@ -74,18 +75,18 @@ class _Entry:
     forward_fn: Callable[[], Any]
     capture_inputs: Any
     spec: tuple
-    views: List[torch.Tensor]
+    views: list[torch.Tensor]
     capture_seconds: float = 0.0
     warmup_seconds: float = 0.0
     graph_capture_seconds: float = 0.0
     capture_input_bytes: int = 0
-    extra: Dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
     replay_hooks: tuple = ()
 
 
-def _find_rank_timeout(exc: BaseException) -> Optional[RankTimeoutError]:
+def _find_rank_timeout(exc: BaseException) -> RankTimeoutError | None:
     seen = set()
-    e: Optional[BaseException] = exc
+    e: BaseException | None = exc
     while e is not None and id(e) not in seen:
         if isinstance(e, RankTimeoutError):
             return e
@@ -142,10 +143,19 @@ class GraphBackend:
     #: What the drift check compares: ``"all"`` ops of the step, ``"segments"``
     #: (ops outside ``@no_graph`` bodies, which run eagerly at replay), or
     #: ``None`` (nothing: the backend freezes no Python state).
-    _drift_scope: Optional[str] = "all"
+    _drift_scope: str | None = "all"
 
-    def __init__(self, device: Any = None, group: Any = None, warmups: int = 2, trace: Optional[Trace] = None,
-                 drift_check: bool = True, *, output_arena: Any = None, hooks: Any = ()):
+    def __init__(
+        self,
+        device: Any = None,
+        group: Any = None,
+        warmups: int = 2,
+        trace: Trace | None = None,
+        drift_check: bool = True,
+        *,
+        output_arena: Any = None,
+        hooks: Any = (),
+    ):
         if isinstance(warmups, bool) or not isinstance(warmups, int):
             raise TypeError(f"warmups must be an int >= 0, got {type(warmups).__name__} ({warmups!r})")
         if warmups < 0:
@@ -164,13 +174,13 @@ class GraphBackend:
             # One trace per process; every event carries the trace's rank, so
             # in a multi-rank group it must be this process's rank.
             self.trace.rank = self.rank
-        self._entries: Dict[Hashable, _Entry] = {}
+        self._entries: dict[Hashable, _Entry] = {}
         self.output_arena = output_arena
         self._out = OutputBuffer(output_arena)
         self._in_session = False
-        self._capturing: Optional[Any] = None
+        self._capturing: Any | None = None
         #: The capture hooks run for every key (the drift check first, when on).
-        self.hooks: List[CaptureHook] = []
+        self.hooks: list[CaptureHook] = []
         if drift_check and self._drift_scope is not None:
             self.hooks.append(provided_check("drift"))  # graphrunner.checks provides it
         for h in hooks:
@@ -194,7 +204,7 @@ class GraphBackend:
 
     # ------------------------------------------------------------- session
     @contextlib.contextmanager
-    def capture_session(self) -> Iterator["GraphBackend"]:
+    def capture_session(self) -> Iterator[GraphBackend]:
         """Context manager around a batch of :meth:`capture_one` calls.
 
         On entry: ``gc.collect()`` then ``gc.freeze()`` (objects that exist
@@ -228,9 +238,16 @@ class GraphBackend:
             self.trace.record(EventKind.SESSION_END, backend=self.name)
 
     # ------------------------------------------------------------- protocol
-    def capture_one(self, key: Hashable, forward_fn: Callable[[], Any], capture_inputs: Any = None,
-                    post_warmup_hook: Optional[Callable[[], Any]] = None, lead_dims: int = 1,
-                    hooks: Sequence[CaptureHook] = (), findings: Optional[list] = None) -> None:
+    def capture_one(
+        self,
+        key: Hashable,
+        forward_fn: Callable[[], Any],
+        capture_inputs: Any = None,
+        post_warmup_hook: Callable[[], Any] | None = None,
+        lead_dims: int = 1,
+        hooks: Sequence[CaptureHook] = (),
+        findings: list | None = None,
+    ) -> None:
         """Warm up and capture ``forward_fn`` for ``key``: THE capture protocol.
 
         Steps (:class:`~graphrunner.backends.protocol.Step`), in this order and
@@ -274,19 +291,26 @@ class GraphBackend:
         """
         run = self._start(key, forward_fn, capture_inputs, post_warmup_hook, lead_dims, hooks, findings)
         try:
-            out = self._warmups(run)        # BEGIN, WARMUP_* and POST_WARMUP_HOOK, AFTER_WARMUPS
-            self._pre_capture(run)          # FINAL_SYNC, FINAL_BARRIER
+            out = self._warmups(run)  # BEGIN, WARMUP_* and POST_WARMUP_HOOK, AFTER_WARMUPS
+            self._pre_capture(run)  # FINAL_SYNC, FINAL_BARRIER
             self._bind_outputs(run, out)
-            del out                         # not held through the capture
-            self._capture(run)              # GRAPH_CONSTRUCT, CAPTURE_FORWARD
-            self._after_capture(run)        # AFTER_CAPTURE
+            del out  # not held through the capture
+            self._capture(run)  # GRAPH_CONSTRUCT, CAPTURE_FORWARD
+            self._after_capture(run)  # AFTER_CAPTURE
         except BaseException as exc:
-            self._fail(run, exc)            # END; discards the key, raises
-        self._end(run)                      # END
+            self._fail(run, exc)  # END; discards the key, raises
+        self._end(run)  # END
 
-    def _start(self, key: Hashable, forward_fn: Callable[[], Any], capture_inputs: Any,
-               post_warmup_hook: Optional[Callable[[], Any]], lead_dims: int, hooks: Sequence[CaptureHook],
-               findings: Optional[list]) -> KeyCapture:
+    def _start(
+        self,
+        key: Hashable,
+        forward_fn: Callable[[], Any],
+        capture_inputs: Any,
+        post_warmup_hook: Callable[[], Any] | None,
+        lead_dims: int,
+        hooks: Sequence[CaptureHook],
+        findings: list | None,
+    ) -> KeyCapture:
         """Check :meth:`capture_one`'s arguments; the key's :class:`KeyCapture` (``key`` is now capturing)."""
         if not self._in_session:
             raise CaptureError(
@@ -296,13 +320,21 @@ class GraphBackend:
         if not self._hashable(key):
             raise TypeError(f"shape key must be hashable (an int or a tuple), got {type(key).__name__} {key!r}")
         if key in self._entries:
-            raise CaptureError(f"shape key {key!r} is already captured by this {type(self).__name__}; call cleanup() to re-capture")
+            raise CaptureError(
+                f"shape key {key!r} is already captured by this {type(self).__name__}; call cleanup() to re-capture"
+            )
         if not callable(forward_fn):
             raise TypeError(f"forward_fn must be callable with no arguments, got {type(forward_fn).__name__}")
         if post_warmup_hook is not None and not callable(post_warmup_hook):
             raise TypeError(f"post_warmup_hook must be callable or None, got {type(post_warmup_hook).__name__}")
-        cap = Capture(key=key, backend=self, forward_fn=forward_fn, post_warmup_hook=post_warmup_hook,
-                      freezes=self._drift_scope, findings=findings)
+        cap = Capture(
+            key=key,
+            backend=self,
+            forward_fn=forward_fn,
+            post_warmup_hook=post_warmup_hook,
+            freezes=self._drift_scope,
+            findings=findings,
+        )
         bound = BoundForward(forward_fn, key, lead_dims, self._out, self._recording_capture)
         self._capturing = key
         return KeyCapture(key, cap, [*self.hooks, *hooks], bound, capture_inputs)
@@ -378,10 +410,17 @@ class GraphBackend:
         if pool_before is not None and pool_after is not None:
             run.cap.info["graph_pool_bytes"] = max(0, pool_after - pool_before)
         self._entries[key] = _Entry(
-            key=key, graph=run.graph, forward_fn=bound.forward_fn, capture_inputs=run.capture_inputs,
-            spec=bound.spec, views=bound.views, capture_seconds=run.t_end - run.t0,
-            warmup_seconds=run.t_warm - run.t0, graph_capture_seconds=run.t_end - run.t_cap,
-            capture_input_bytes=tensor_bytes(run.capture_inputs), extra=run.cap.info,
+            key=key,
+            graph=run.graph,
+            forward_fn=bound.forward_fn,
+            capture_inputs=run.capture_inputs,
+            spec=bound.spec,
+            views=bound.views,
+            capture_seconds=run.t_end - run.t0,
+            warmup_seconds=run.t_warm - run.t0,
+            graph_capture_seconds=run.t_end - run.t_cap,
+            capture_input_bytes=tensor_bytes(run.capture_inputs),
+            extra=run.cap.info,
             replay_hooks=tuple(h for h in run.hooks if h.replay_check),
         )
 
@@ -428,8 +467,10 @@ class GraphBackend:
         """What the unsafe-op error's "@no_graph" advice means on this backend (the full backend
         captures a @no_graph function like any code: only a breakable graph runs it eagerly)."""
         if self.name == "full" and type(exc).__name__ == "CaptureUnsafeOpError" and "no_graph" in str(exc):
-            return (" (on the full backend a @no_graph function is captured like any code: use "
-                    "backend='breakable' for an eager break, or a capturable rewrite)")
+            return (
+                " (on the full backend a @no_graph function is captured like any code: use "
+                "backend='breakable' for an eager break, or a capturable rewrite)"
+            )
         return ""
 
     def _end_hooks(self, hooks: Sequence[CaptureHook], cap: Capture) -> None:
@@ -442,7 +483,7 @@ class GraphBackend:
             except Exception:  # noqa: BLE001
                 logger.exception("%s: the %s check's end() failed for key %r", self.name, h.name, cap.key)
 
-    def _pool_bytes(self) -> Optional[int]:
+    def _pool_bytes(self) -> int | None:
         """The bytes of the device's graph pool now: ``device.pool_bytes()`` (that pool alone), else
         ``device.memory_reserved()`` (a custom device's whole reserved memory), else None."""
         measure = getattr(self.device, "pool_bytes", None) or getattr(self.device, "memory_reserved", None)
@@ -471,8 +512,10 @@ class GraphBackend:
 
     def _warmup_forward(self, key: Any, forward_fn: Callable[[], Any], i: int) -> Any:
         """``WARMUP_FORWARD``: warmup forward ``i`` (eager); returns its output."""
-        with self.trace.span(EventKind.WARMUP_FORWARD, key=key, backend=self.name, i=i, warmups=self.warmups), \
-                self._warmup_context():
+        with (
+            self.trace.span(EventKind.WARMUP_FORWARD, key=key, backend=self.name, i=i, warmups=self.warmups),
+            self._warmup_context(),
+        ):
             return forward_fn()
 
     def _post_warmup_hook(self, key: Any, hook: Callable[[], Any], i: int) -> None:
@@ -541,7 +584,7 @@ class GraphBackend:
         """Capture ``fn()`` into ``graph``, calling it exactly once."""
         raise NotImplementedError
 
-    def _graph_stats(self, graph: Any) -> Dict[str, int]:
+    def _graph_stats(self, graph: Any) -> dict[str, int]:
         """``{"num_segments": n, "num_breaks": m}`` of a captured graph."""
         raise NotImplementedError
 
@@ -553,7 +596,7 @@ class GraphBackend:
         except TypeError:
             return False
 
-    def keys(self) -> List[Hashable]:
+    def keys(self) -> list[Hashable]:
         """The captured keys, in capture order."""
         return list(self._entries)
 
@@ -569,7 +612,7 @@ class GraphBackend:
         self._replay_entry(entry)
         return unflatten(entry.spec, entry.views)
 
-    def replayer(self, key: Hashable) -> "tuple[Callable[[], None], Any]":
+    def replayer(self, key: Hashable) -> tuple[Callable[[], None], Any]:
         """``(replay, outputs)`` of a captured key, for a caller that replays it many times:
         ``replay()`` does what :meth:`replay` does (debug hooks, trace span, the graph) without
         rebuilding the output pytree, and ``outputs`` is that pytree (the same views at every
@@ -607,7 +650,7 @@ class GraphBackend:
             return False
 
     # --------------------------------------------------------------- info
-    def info(self, key: Hashable) -> Dict[str, Any]:
+    def info(self, key: Hashable) -> dict[str, Any]:
         """Report data for a captured key (raises ``KeyError`` otherwise):
 
         ``key``, ``backend``, ``rank``, ``capture_seconds`` (whole
@@ -627,9 +670,11 @@ class GraphBackend:
         """
         entry = self._entries.get(key) if self._hashable(key) else None
         if entry is None:
-            raise KeyError(f"shape key {key!r} is not captured by this {type(self).__name__} (captured: {list(self._entries)})")
+            raise KeyError(
+                f"shape key {key!r} is not captured by this {type(self).__name__} (captured: {list(self._entries)})"
+            )
         out_bytes = sum(v.numel() * v.element_size() for v in entry.views)
-        d: Dict[str, Any] = {
+        d: dict[str, Any] = {
             "key": key,
             "backend": self.name,
             "rank": self.rank,

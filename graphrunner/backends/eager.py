@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -17,7 +18,7 @@ class _EagerGraph:
     under the grad mode it was captured in."""
 
     def __init__(self) -> None:
-        self.fn: Optional[Callable[[], None]] = None
+        self.fn: Callable[[], None] | None = None
         self.inference = False
         self.grad = False
 
@@ -70,5 +71,5 @@ class EagerBackend(GraphBackend):
     def _capture_into(self, graph: Any, key: Any, fn: Callable[[], None]) -> None:
         graph.capture(fn)
 
-    def _graph_stats(self, graph: Any) -> Dict[str, int]:
+    def _graph_stats(self, graph: Any) -> dict[str, int]:
         return {"num_segments": 0, "num_breaks": 1}

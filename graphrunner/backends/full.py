@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+from collections.abc import Callable
+from typing import Any
 
 from graphrunner.backends.base import GraphBackend
 from graphrunner.errors import CaptureError
@@ -36,12 +37,13 @@ class FullGraphBackend(GraphBackend):
         is_empty = getattr(self.device, "is_empty", None)
         if is_empty is not None and is_empty(graph):
             raise CaptureError(
-                f"the full graph of shape key {key!r} captured no work (torch: \"The CUDA Graph is empty. This "
-                "usually means that the graph was attempted to be captured on wrong device or stream.\"); its "
+                f'the full graph of shape key {key!r} captured no work (torch: "The CUDA Graph is empty. This '
+                'usually means that the graph was attempted to be captured on wrong device or stream."); its '
                 "replay would do nothing. Run the step's work on the current stream and device inside the "
-                "capture (no torch.cuda.stream(...) or device switch of its own), and make it return a tensor")
+                "capture (no torch.cuda.stream(...) or device switch of its own), and make it return a tensor"
+            )
 
-    def _graph_stats(self, graph: Any) -> Dict[str, int]:
+    def _graph_stats(self, graph: Any) -> dict[str, int]:
         d = {"num_segments": 1, "num_breaks": 0}
         ops = getattr(graph, "num_ops", None)  # tape graphs count their recorded aten ops
         if isinstance(ops, int):

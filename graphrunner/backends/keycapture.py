@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterator, List, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -35,15 +36,21 @@ class BoundForward:
 
     __slots__ = ("forward_fn", "key", "lead_dims", "buffer", "recording", "recorder", "spec", "views")
 
-    def __init__(self, forward_fn: Callable[[], Any], key: Hashable, lead_dims: int, buffer: OutputBuffer,
-                 recording: Callable[[OpRecorder], Any]) -> None:
+    def __init__(
+        self,
+        forward_fn: Callable[[], Any],
+        key: Hashable,
+        lead_dims: int,
+        buffer: OutputBuffer,
+        recording: Callable[[OpRecorder], Any],
+    ) -> None:
         self.forward_fn, self.key, self.lead_dims, self.buffer = forward_fn, key, lead_dims, buffer
         self.recording = recording
         #: The hooks' op recorder of the capture, or ``None`` (no hook watches it, or it is over).
-        self.recorder: Optional[OpRecorder] = None
+        self.recorder: OpRecorder | None = None
         self.spec: Any = None
         #: The key's views of the shared output buffer, once bound.
-        self.views: Optional[List[torch.Tensor]] = None
+        self.views: list[torch.Tensor] | None = None
 
     def bind(self, out: Any) -> list[torch.Tensor]:
         """Bind the key's views for output ``out`` (the first key allocates the shared buffer);
@@ -77,7 +84,7 @@ class KeyCapture:
 
     key: Hashable
     cap: Capture
-    hooks: List[CaptureHook]
+    hooks: list[CaptureHook]
     bound: BoundForward
     capture_inputs: Any
     step: str = "start"
@@ -87,7 +94,7 @@ class KeyCapture:
     t_cap: float = 0.0
     t_end: float = 0.0
 
-    def call_hooks(self, point: str, *args: Any, step: Optional[str] = None) -> None:
+    def call_hooks(self, point: str, *args: Any, step: str | None = None) -> None:
         """Every hook's ``point`` method on ``(cap, *args)``, timed as the checks'; ``step``
         (``"{} check"``) names each hook's call as the step that runs."""
         for h in self.hooks:
@@ -96,7 +103,7 @@ class KeyCapture:
             with self.cap.timing():
                 getattr(h, point)(self.cap, *args)
 
-    def new_recorder(self, consumers: Sequence[Any]) -> Optional[OpRecorder]:
+    def new_recorder(self, consumers: Sequence[Any]) -> OpRecorder | None:
         """The one op recorder feeding ``consumers`` (``None`` for none); the frames above the
         forward are not the user's."""
         if not consumers:

@@ -18,13 +18,12 @@ one buffer, allocated at the first captured key (which must be the largest):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional, Tuple
+from typing import Any
 
 import torch
 
-from graphrunner.errors import CaptureError
-
 from graphrunner._pytree import describe, flatten, unflatten  # noqa: F401 (re-exported)
+from graphrunner.errors import CaptureError
 
 
 class OutputBuffer:
@@ -38,8 +37,8 @@ class OutputBuffer:
     """
 
     def __init__(self, arena: Any = None) -> None:
-        self.spec: Optional[tuple] = None
-        self.leaves: List[torch.Tensor] = []
+        self.spec: tuple | None = None
+        self.leaves: list[torch.Tensor] = []
         self.first_key: Any = None
         self.arena = arena
 
@@ -71,7 +70,7 @@ class OutputBuffer:
         self.leaves = []
         self.first_key = None
 
-    def views(self, out: Any, key: Any, lead: int = 1) -> Tuple[tuple, List[torch.Tensor]]:
+    def views(self, out: Any, key: Any, lead: int = 1) -> tuple[tuple, list[torch.Tensor]]:
         """Validate ``out`` against the buffer and return ``(spec, views)``.
 
         The first ``lead`` dims of a tensor leaf (rows, and with several
@@ -96,7 +95,12 @@ class OutputBuffer:
         views = []
         for i, (t, b) in enumerate(zip(leaves, self.leaves)):
             k = min(lead, t.dim())
-            if t.dtype != b.dtype or t.device != b.device or t.dim() != b.dim() or tuple(t.shape[k:]) != tuple(b.shape[k:]):
+            if (
+                t.dtype != b.dtype
+                or t.device != b.device
+                or t.dim() != b.dim()
+                or tuple(t.shape[k:]) != tuple(b.shape[k:])
+            ):
                 which = "only dim 0 (rows) may differ" if lead == 1 else f"only the leading {lead} dims may differ"
                 raise CaptureError(
                     f"forward for shape key {key!r}: output tensor {i} is {list(t.shape)} {t.dtype} on {t.device}, "
@@ -108,8 +112,11 @@ class OutputBuffer:
                 continue
             for d in range(k):
                 if t.shape[d] > b.shape[d]:
-                    what = f"{t.shape[0]} rows, more than the {b.shape[0]} rows" if d == 0 else \
-                        f"{t.shape[d]} in dim {d}, more than the {b.shape[d]}"
+                    what = (
+                        f"{t.shape[0]} rows, more than the {b.shape[0]} rows"
+                        if d == 0
+                        else f"{t.shape[d]} in dim {d}, more than the {b.shape[d]}"
+                    )
                     raise CaptureError(
                         f"forward for shape key {key!r}: output tensor {i} has {what} of the shared output buffer "
                         f"allocated at shape key {self.first_key!r}; capture the largest key first"
@@ -123,7 +130,7 @@ class OutputBuffer:
         return spec, views
 
     @staticmethod
-    def copy_into(views: List[torch.Tensor], out: Any) -> None:
+    def copy_into(views: list[torch.Tensor], out: Any) -> None:
         """Copy the tensor leaves of ``out`` into ``views`` (no autograd)."""
         _, leaves = flatten(out)
         with torch.no_grad():

@@ -11,8 +11,9 @@ and returns the violations of that order; an empty list means it held.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from enum import Enum
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any
 
 from graphrunner.trace import Event, EventKind, Trace
 
@@ -81,12 +82,12 @@ class Step(Enum):
     END = "end"
 
     @property
-    def event(self) -> Optional[str]:
+    def event(self) -> str | None:
         """The :class:`~graphrunner.trace.EventKind` span this step records, or ``None``."""
         return _EVENTS.get(self)
 
 
-_EVENTS: Dict[Step, str] = {
+_EVENTS: dict[Step, str] = {
     Step.WARMUP_SYNC: EventKind.SYNCHRONIZE,
     Step.WARMUP_BARRIER: EventKind.BARRIER,
     Step.WARMUP_FORWARD: EventKind.WARMUP_FORWARD,
@@ -111,22 +112,25 @@ _PROTOCOL_KINDS = {
 }
 
 
-def _order(e: Event) -> Tuple[int, int]:
+def _order(e: Event) -> tuple[int, int]:
     return (e.t_begin_ns, e.seq)
 
 
 def _inside(inner: Event, outer: Event) -> bool:
-    return inner is not outer and inner.rank == outer.rank and outer.t_begin_ns <= inner.t_begin_ns <= outer.end and (
-        inner.t_begin_ns > outer.t_begin_ns or inner.seq > outer.seq
+    return (
+        inner is not outer
+        and inner.rank == outer.rank
+        and outer.t_begin_ns <= inner.t_begin_ns <= outer.end
+        and (inner.t_begin_ns > outer.t_begin_ns or inner.seq > outer.seq)
     )
 
 
-def _enclosed(events: Sequence[Event], outer_kind: str, inner_kinds: Any) -> Iterator[Tuple[Event, Event]]:
+def _enclosed(events: Sequence[Event], outer_kind: str, inner_kinds: Any) -> Iterator[tuple[Event, Event]]:
     """``(inner, outer)`` for every event of ``inner_kinds`` that begins inside
     a span of ``outer_kind`` on the same rank (see :func:`_inside`), in one
     pass over ``events`` (sorted by :func:`_order`): per rank, the open outer
     span that ends last is the one to test against."""
-    open_outer: Dict[int, Event] = {}
+    open_outer: dict[int, Event] = {}
     for e in events:
         if e.kind == outer_kind:
             cur = open_outer.get(e.rank)
@@ -138,16 +142,23 @@ def _enclosed(events: Sequence[Event], outer_kind: str, inner_kinds: Any) -> Ite
                 yield e, cur
 
 
-def _episodes(events: Sequence[Event]) -> List[List[Event]]:
+def _episodes(events: Sequence[Event]) -> list[list[Event]]:
     """Split one (rank, key)'s protocol events into capture attempts: an
     attempt ends with its ``capture_forward`` (or its ``graph_construct`` if
     the capture forward never started); a later warmup/sync/barrier starts a
     new one."""
-    episodes: List[List[Event]] = []
-    cur: List[Event] = []
+    episodes: list[list[Event]] = []
+    cur: list[Event] = []
     closed = False
     for e in events:
-        if closed and e.kind in (EventKind.WARMUP_FORWARD, EventKind.HOOK, EventKind.CHECK, EventKind.SYNCHRONIZE, EventKind.BARRIER, EventKind.GRAPH_CONSTRUCT):
+        if closed and e.kind in (
+            EventKind.WARMUP_FORWARD,
+            EventKind.HOOK,
+            EventKind.CHECK,
+            EventKind.SYNCHRONIZE,
+            EventKind.BARRIER,
+            EventKind.GRAPH_CONSTRUCT,
+        ):
             episodes.append(cur)
             cur, closed = [], False
         cur.append(e)
@@ -158,8 +169,8 @@ def _episodes(events: Sequence[Event]) -> List[List[Event]]:
     return episodes
 
 
-def _check_episode(rank: int, key: Any, ev: List[Event], warmups: Optional[int], tag: str) -> List[str]:
-    v: List[str] = []
+def _check_episode(rank: int, key: Any, ev: list[Event], warmups: int | None, tag: str) -> list[str]:
+    v: list[str] = []
     where = f"rank {rank} key {key!r}{tag}"
     warm = [e for e in ev if e.kind == EventKind.WARMUP_FORWARD]
     hooks = [e for e in ev if e.kind == EventKind.HOOK]
@@ -191,7 +202,11 @@ def _check_episode(rank: int, key: Any, ev: List[Event], warmups: Optional[int],
             v.append(f"{where}: warmup forward {i} not preceded by a barrier")
         elif s and not any(x.t_begin_ns >= min(y.end for y in s) for x in b):
             v.append(f"{where}: warmup forward {i}: barrier did not follow the synchronize")
-        ends = [w.end] + [h.end for h in hooks if h.t_begin_ns >= w.end and (i + 1 >= len(warm) or h.t_begin_ns < warm[i + 1].t_begin_ns)]
+        ends = [w.end] + [
+            h.end
+            for h in hooks
+            if h.t_begin_ns >= w.end and (i + 1 >= len(warm) or h.t_begin_ns < warm[i + 1].t_begin_ns)
+        ]
         prev_end = max(ends)
 
     # Hooks: only after a warmup forward, at most one per warmup, never
@@ -205,7 +220,9 @@ def _check_episode(rank: int, key: Any, ev: List[Event], warmups: Optional[int],
         if any(c.t_begin_ns <= h.t_begin_ns for c in cons + caps):
             v.append(f"{where}: post-warmup hook ran after graph construction / during capture")
     for i, w in enumerate(warm):
-        hs = [h for h in hooks if h.t_begin_ns >= w.end and (i + 1 >= len(warm) or h.t_begin_ns < warm[i + 1].t_begin_ns)]
+        hs = [
+            h for h in hooks if h.t_begin_ns >= w.end and (i + 1 >= len(warm) or h.t_begin_ns < warm[i + 1].t_begin_ns)
+        ]
         if len(hs) > 1:
             v.append(f"{where}: {len(hs)} hooks after warmup forward {i}")
 
@@ -232,7 +249,9 @@ def _check_episode(rank: int, key: Any, ev: List[Event], warmups: Optional[int],
         if final_syncs and fb:
             first_sync_end = min(s.end for s in final_syncs)
             if not any(b.t_begin_ns >= first_sync_end for b in fb):
-                v.append(f"{where}: final barrier began before the final synchronize ended (expected synchronize, then barrier)")
+                v.append(
+                    f"{where}: final barrier began before the final synchronize ended (expected synchronize, then barrier)"
+                )
         for w in warm + hooks + checks:
             if w.t_begin_ns > c.t_begin_ns:
                 v.append(f"{where}: {w.kind} ran after graph construction began")
@@ -246,7 +265,7 @@ def _check_episode(rank: int, key: Any, ev: List[Event], warmups: Optional[int],
     return v
 
 
-def check_capture_order(trace: Trace, warmups: Optional[int] = None) -> List[str]:
+def check_capture_order(trace: Trace, warmups: int | None = None) -> list[str]:
     """Return the violations of the capture protocol found in ``trace``.
 
     ``trace`` may hold one rank's events or several ranks' merged with
@@ -277,7 +296,7 @@ def check_capture_order(trace: Trace, warmups: Optional[int] = None) -> List[str
     events (after one sort), plus the per-key capture checks.
     """
     events = sorted(trace.events, key=_order)
-    violations: List[str] = []
+    violations: list[str] = []
 
     # No synchronize or barrier inside a replay.
     for e, span in _enclosed(events, EventKind.REPLAY, (EventKind.SYNCHRONIZE, EventKind.BARRIER)):
@@ -291,7 +310,7 @@ def check_capture_order(trace: Trace, warmups: Optional[int] = None) -> List[str
         if e.kind != EventKind.BARRIER:
             violations.append(f"rank {c.rank} key {c.key!r}: {e.kind} ran inside the capture forward")
 
-    groups: Dict[Tuple[int, Any], List[Event]] = {}
+    groups: dict[tuple[int, Any], list[Event]] = {}
     for e in events:
         if e.kind in _PROTOCOL_KINDS and e.key is not None and id(e) not in nested:
             try:
@@ -300,15 +319,20 @@ def check_capture_order(trace: Trace, warmups: Optional[int] = None) -> List[str
                 groups.setdefault((e.rank, repr(e.key)), []).append(e)
 
     # last warmup activity and construction begin, per (key, rank), per episode index
-    last_activity: Dict[Any, Dict[int, List[int | None]]] = {}
-    construct: Dict[Any, Dict[int, List[int | None]]] = {}
+    last_activity: dict[Any, dict[int, list[int | None]]] = {}
+    construct: dict[Any, dict[int, list[int | None]]] = {}
     for (rank, key), evs in sorted(groups.items(), key=lambda kv: (kv[0][0], repr(kv[0][1]))):
         eps = _episodes(evs)
         for n, ep in enumerate(eps):
             tag = f" (capture #{n + 1})" if len(eps) > 1 else ""
             violations.extend(_check_episode(rank, key, ep, warmups, tag))
             cons = [e for e in ep if e.kind == EventKind.GRAPH_CONSTRUCT]
-            act = [e.end for e in ep if e.kind in (EventKind.WARMUP_FORWARD, EventKind.HOOK, EventKind.CHECK) and (not cons or e.t_begin_ns <= cons[0].t_begin_ns)]
+            act = [
+                e.end
+                for e in ep
+                if e.kind in (EventKind.WARMUP_FORWARD, EventKind.HOOK, EventKind.CHECK)
+                and (not cons or e.t_begin_ns <= cons[0].t_begin_ns)
+            ]
             last_activity.setdefault(key, {}).setdefault(rank, []).append(max(act) if act else None)
             construct.setdefault(key, {}).setdefault(rank, []).append(cons[0].t_begin_ns if cons else None)
 

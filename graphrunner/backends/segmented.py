@@ -4,7 +4,8 @@ the graph it makes, :class:`~graphrunner.breakable.BreakableGraph`, is in :mod:`
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, Optional
+from collections.abc import Callable
+from typing import Any
 
 from graphrunner.backends.base import GraphBackend
 from graphrunner.recording.ops import RecordingDevice
@@ -41,11 +42,27 @@ class BreakableGraphBackend(GraphBackend):
     #: check compares only the ops the segments hold.
     _drift_scope: str | None = "segments"
 
-    def __init__(self, device: Any = None, group: Any = None, warmups: int = 2, trace: Optional[Trace] = None,
-                 debug_eager: bool = False, drift_check: bool = True, *, output_arena: Any = None,
-                 hooks: Any = ()):
-        super().__init__(device=device, group=group, warmups=warmups, trace=trace, drift_check=drift_check,
-                         output_arena=output_arena, hooks=hooks)
+    def __init__(
+        self,
+        device: Any = None,
+        group: Any = None,
+        warmups: int = 2,
+        trace: Trace | None = None,
+        debug_eager: bool = False,
+        drift_check: bool = True,
+        *,
+        output_arena: Any = None,
+        hooks: Any = (),
+    ):
+        super().__init__(
+            device=device,
+            group=group,
+            warmups=warmups,
+            trace=trace,
+            drift_check=drift_check,
+            output_arena=output_arena,
+            hooks=hooks,
+        )
         self.debug_eager = bool(debug_eager)
         if self.debug_eager:
             self.name = "breakable_debug_eager"
@@ -54,8 +71,7 @@ class BreakableGraphBackend(GraphBackend):
     def _make_graph(self, key: Any) -> Any:
         from graphrunner.breakable import BreakableGraph
 
-        return BreakableGraph(device=self.device, trace=self.trace if self.trace else None, key=key,
-                              backend=self.name)
+        return BreakableGraph(device=self.device, trace=self.trace if self.trace else None, key=key, backend=self.name)
 
     def _break_barrier(self, key: Any, *args: Any, **kwargs: Any) -> None:
         """The barrier before each eager break during capture."""
@@ -69,8 +85,12 @@ class BreakableGraphBackend(GraphBackend):
         if recorder is not None:
             graph.device = RecordingDevice(self.device, recorder)  # records inside each segment
         try:
-            with breakable_graph(graph, stream=self.device.capture_stream(), capture_error_mode=self.capture_error_mode,
-                                 barrier_fn=functools.partial(self._break_barrier, key)):
+            with breakable_graph(
+                graph,
+                stream=self.device.capture_stream(),
+                capture_error_mode=self.capture_error_mode,
+                barrier_fn=functools.partial(self._break_barrier, key),
+            ):
                 body()
         finally:
             graph.device = self.device  # drop the hooks' RecordingDevice: replay and pool() need the real one
@@ -80,7 +100,7 @@ class BreakableGraphBackend(GraphBackend):
         # around the whole step they would break the segments' mode nesting.
         return recorder.recording()
 
-    def _graph_stats(self, graph: Any) -> Dict[str, int]:
+    def _graph_stats(self, graph: Any) -> dict[str, int]:
         d = {"num_segments": int(graph.num_segments), "num_breaks": int(graph.num_breaks)}
         ops = getattr(graph, "num_ops", None)
         if isinstance(ops, int):

@@ -13,8 +13,9 @@ the backends below (:func:`~graphrunner.recording.hooks.provide_check`).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any
 
 from graphrunner.checks.drift import DriftCheck
 from graphrunner.checks.padding import PaddingCheck
@@ -54,14 +55,22 @@ class CheckSet:
     """
 
     drift: bool
-    padding: Optional[PaddingCheck]
+    padding: PaddingCheck | None
     fingerprint: bool
     streams: bool = False
 
-    def key_hooks(self, space: KeySpace, key: Tuple[int, ...], key_text: str, inputs: Sequence[KeyInput],
-                  step: Callable[..., Any], leaf_dims: Callable[[tuple, int], List[Tuple[int, ...]]], group: Any,
-                  externals: Optional[CaptureHook] = None,
-                  input_writes: Optional[InputWritesCheck] = None) -> List[CaptureHook]:
+    def key_hooks(
+        self,
+        space: KeySpace,
+        key: tuple[int, ...],
+        key_text: str,
+        inputs: Sequence[KeyInput],
+        step: Callable[..., Any],
+        leaf_dims: Callable[[tuple, int], list[tuple[int, ...]]],
+        group: Any,
+        externals: CaptureHook | None = None,
+        input_writes: InputWritesCheck | None = None,
+    ) -> list[CaptureHook]:
         """The capture hooks of a runner's ``key`` (the drift check is the backend's: ``drift`` says
         what the backend was made with, see :func:`provide_check` above):
         ``input_writes`` (:class:`~graphrunner.checks.contracts.InputWritesCheck`, always given by
@@ -72,14 +81,26 @@ class CheckSet:
         from graphrunner.checks.leak_check import LeakCheck
         from graphrunner.checks.padding import check_sizes, second_sizes
 
-        hooks: List[CaptureHook] = [] if input_writes is None else [input_writes]
+        hooks: list[CaptureHook] = [] if input_writes is None else [input_writes]
         multi = int(getattr(group, "size", 1)) > 1
         padding = self.padding
         sizes = check_sizes(space, key) if padding is not None else None
         if padding is not None and sizes is not None:
-            hooks.append(LeakCheck(key, key_text, sizes, second_sizes(space, key, sizes), inputs, step, leaf_dims,
-                                   padding.exempt, group=group if multi else None,
-                                   phase_key=space.external(key), warned=padding.warned))
+            hooks.append(
+                LeakCheck(
+                    key,
+                    key_text,
+                    sizes,
+                    second_sizes(space, key, sizes),
+                    inputs,
+                    step,
+                    leaf_dims,
+                    padding.exempt,
+                    group=group if multi else None,
+                    phase_key=space.external(key),
+                    warned=padding.warned,
+                )
+            )
         if self.fingerprint and multi:
             hooks.append(FingerprintCheck())
         if externals is not None:
@@ -93,8 +114,16 @@ class CheckSet:
 
     def names(self) -> list:
         """The checks' names, in :data:`DEFAULT_CHECKS` order."""
-        return [n for n, on in (("drift", self.drift), ("padding", self.padding is not None),
-                                ("fingerprint", self.fingerprint), ("streams", self.streams)) if on]
+        return [
+            n
+            for n, on in (
+                ("drift", self.drift),
+                ("padding", self.padding is not None),
+                ("fingerprint", self.fingerprint),
+                ("streams", self.streams),
+            )
+            if on
+        ]
 
 
 def resolve_checks(checks: Any) -> CheckSet:
@@ -110,15 +139,18 @@ def resolve_checks(checks: Any) -> CheckSet:
     if checks is None:
         checks = DEFAULT_CHECKS
     if isinstance(checks, (str, PaddingCheck)):
-        raise TypeError(f"checks must be a sequence such as {list(DEFAULT_CHECKS)}, got {checks!r}; "
-                        f"wrap a single check in a list")
+        raise TypeError(
+            f"checks must be a sequence such as {list(DEFAULT_CHECKS)}, got {checks!r}; wrap a single check in a list"
+        )
     try:
         items = list(checks)
     except TypeError:
-        raise TypeError(f"checks must be a sequence of check names {list(_NAMES)} or gr.PaddingCheck(...), "
-                        f"got {type(checks).__name__}") from None
+        raise TypeError(
+            f"checks must be a sequence of check names {list(_NAMES)} or gr.PaddingCheck(...), "
+            f"got {type(checks).__name__}"
+        ) from None
     drift = fingerprint = streams = False
-    padding: Optional[PaddingCheck] = None
+    padding: PaddingCheck | None = None
     for c in items:
         if isinstance(c, PaddingCheck):
             padding = c
@@ -132,6 +164,7 @@ def resolve_checks(checks: Any) -> CheckSet:
         elif c == "streams":
             streams = True
         elif c != "padding":
-            raise ValueError(f"unknown check {c!r} in checks=: expected names from {list(_NAMES)} or "
-                             "gr.PaddingCheck(exempt=...)")
+            raise ValueError(
+                f"unknown check {c!r} in checks=: expected names from {list(_NAMES)} or gr.PaddingCheck(exempt=...)"
+            )
     return CheckSet(drift=drift, padding=padding, fingerprint=fingerprint, streams=streams)

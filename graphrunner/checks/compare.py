@@ -40,39 +40,61 @@ the serving path. On a multi-rank runner every rank must call it together
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, List, Mapping, Optional, Tuple
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from graphrunner._frames import where
 from graphrunner._pytree import flatten
-from graphrunner.recording.ops import OpConsumer, OpEvent, OpRecorder, WriteGuard, tensors_in
-from graphrunner.tape.rng import OwnedGenerators
 from graphrunner.errors import CaptureError
 from graphrunner.keys import region
+from graphrunner.recording.ops import OpConsumer, OpEvent, OpRecorder, WriteGuard, tensors_in
+from graphrunner.tape.rng import OwnedGenerators
 
 __all__ = ["CompareReport", "compare_runner"]
 
 #: Aliasing ops: they compute nothing, and a graph drops or hoists them.
-_SKIP = frozenset(("aten::detach", "aten::alias", "aten::view", "aten::_unsafe_view", "aten::as_strided",
-                   "aten::t", "aten::transpose", "aten::permute", "aten::expand", "aten::slice", "aten::select",
-                   "aten::unsqueeze", "aten::squeeze", "aten::reshape", "aten::lift_fresh",
-                   # data movement: a graph adds copies (into survivors, eager-break results, its output
-                   # buffer); a difference they carry shows in the next op that computes
-                   "aten::copy_", "aten::clone", "aten::_to_copy",
-                   # uninitialised memory
-                   "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
-                   "aten::new_empty_strided"))
+_SKIP = frozenset(
+    (
+        "aten::detach",
+        "aten::alias",
+        "aten::view",
+        "aten::_unsafe_view",
+        "aten::as_strided",
+        "aten::t",
+        "aten::transpose",
+        "aten::permute",
+        "aten::expand",
+        "aten::slice",
+        "aten::select",
+        "aten::unsqueeze",
+        "aten::squeeze",
+        "aten::reshape",
+        "aten::lift_fresh",
+        # data movement: a graph adds copies (into survivors, eager-break results, its output
+        # buffer); a difference they carry shows in the next op that computes
+        "aten::copy_",
+        "aten::clone",
+        "aten::_to_copy",
+        # uninitialised memory
+        "aten::empty",
+        "aten::empty_like",
+        "aten::empty_strided",
+        "aten::new_empty",
+        "aten::new_empty_strided",
+    )
+)
 
 
 @dataclass
 class _OpValue:
-    op: str                       # overload packet, e.g. "aten.addmm"
-    outs: Tuple[torch.Tensor, ...]
-    where: Optional[Tuple[str, int, str]]
-    context: str                  # "graph segment 1" / "eager break add_pos"
+    op: str  # overload packet, e.g. "aten.addmm"
+    outs: tuple[torch.Tensor, ...]
+    where: tuple[str, int, str] | None
+    context: str  # "graph segment 1" / "eager break add_pos"
 
     def signature(self) -> tuple:
         return (self.op, tuple((tuple(t.shape), t.dtype) for t in self.outs))
@@ -99,12 +121,12 @@ class CompareReport:
     bucket: Any
     batch: int
     max_abs_diff: float = 0.0
-    output: Optional[str] = None
-    op: Optional[str] = None
-    where: Optional[Tuple[str, int, str]] = None
-    op_diff: Optional[float] = None
-    context: Optional[str] = None
-    restored: List[str] = field(default_factory=list)
+    output: str | None = None
+    op: str | None = None
+    where: tuple[str, int, str] | None = None
+    op_diff: float | None = None
+    context: str | None = None
+    restored: list[str] = field(default_factory=list)
 
     @property
     def location(self) -> str:
@@ -115,22 +137,29 @@ class CompareReport:
         head = f"bucket {self.bucket} (batch {self.batch})"
         if self.equal:
             return f"equal: the graph and eager PyTorch agree on {head}"
-        text = (f"differ: on {head} the graph and eager PyTorch differ by up to {self.max_abs_diff:.6g} "
-                f"(at {self.output})")
+        text = (
+            f"differ: on {head} the graph and eager PyTorch differ by up to {self.max_abs_diff:.6g} (at {self.output})"
+        )
         if self.op is not None:
-            text += (f"; the first op whose output differs is {self.op} at {where(self.where)} "
-                     f"(max abs diff {self.op_diff:.6g}), in {self.context}")
+            text += (
+                f"; the first op whose output differs is {self.op} at {where(self.where)} "
+                f"(max abs diff {self.op_diff:.6g}), in {self.context}"
+            )
         elif self.context is not None:
             text += f"; the difference starts in {self.context}"
         if self.context and self.context.startswith("eager break"):
-            hint = ("the eager break reruns at every replay, but the Python code of the graph segments around it "
-                    "ran only at capture: a value it reads that segment code sets (a Python attribute, a "
-                    "counter) is the capture-time one. Pass it to the break as a tensor argument, or move the "
-                    "code that sets it into the break")
+            hint = (
+                "the eager break reruns at every replay, but the Python code of the graph segments around it "
+                "ran only at capture: a value it reads that segment code sets (a Python attribute, a "
+                "counter) is the capture-time one. Pass it to the break as a tensor argument, or move the "
+                "code that sets it into the break"
+            )
         else:
-            hint = ("the graph reads what it read at capture: a module tensor re-bound since (layer.weight = "
-                    "nn.Parameter(...)), a resized cache or a Python number is stale. Update tensors in place "
-                    "(.copy_()), or re-capture (runner.cleanup(); runner.capture()), or make the value an input")
+            hint = (
+                "the graph reads what it read at capture: a module tensor re-bound since (layer.weight = "
+                "nn.Parameter(...)), a resized cache or a Python number is stale. Update tensors in place "
+                "(.copy_()), or re-capture (runner.cleanup(); runner.capture()), or make the value an input"
+            )
         return f"{text}. Likely cause: {hint}. See docs/debugging.md"
 
 
@@ -140,7 +169,7 @@ class _Recorder(OpConsumer):
     def __init__(self, state: WriteGuard, locate: bool):
         self.state, self.locate = state, locate
         self.generators = state.generators  # the recorder redirects the run's draws to them
-        self.ops: List[_OpValue] = []
+        self.ops: list[_OpValue] = []
         self._segment = 1
         self._in_break = False
 
@@ -185,7 +214,7 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.long() - b.long()).abs().max()) if a.dtype != torch.bool else float((a != b).any())
 
 
-def _first_divergence(graph_ops: List[_OpValue], eager_ops: List[_OpValue], atol: float):
+def _first_divergence(graph_ops: list[_OpValue], eager_ops: list[_OpValue], atol: float):
     j = 0
     for g in graph_ops:
         sig = g.signature()
@@ -200,7 +229,7 @@ def _first_divergence(graph_ops: List[_OpValue], eager_ops: List[_OpValue], atol
     return None
 
 
-def _paths(out: Any) -> List[str]:
+def _paths(out: Any) -> list[str]:
     spec, leaves = flatten(out)
     if isinstance(out, torch.Tensor):
         return ["output"]
@@ -234,14 +263,16 @@ def compare_runner(server: Any, inputs: Mapping[str, torch.Tensor], atol: float 
     key = space.choose(sizes)[0] if staging.fits(sizes) else None
     ext = None if key is None else space.external(key)
     if key is None or not backend.can_run(ext):
-        raise ValueError(f"runner.compare(): {space.describe(sizes)} falls back to eager (no captured key "
-                         "replays it): there is no graph to compare; pass sizes that fit a key")
+        raise ValueError(
+            f"runner.compare(): {space.describe(sizes)} falls back to eager (no captured key "
+            "replays it): there is no graph to compare; pass sizes that fit a key"
+        )
     saved_static = {k: v.clone() for k, v in staging.buffers.items()}
     saved_filled = staging.filled
     staging.stage(tensors, sizes)
     staging.pad_to(sizes, key)
     static = staging.key_views(key)
-    padded = {k: v.clone() for k, v in static.items()}   # the eager reference's own copy of the padded inputs
+    padded = {k: v.clone() for k, v in static.items()}  # the eager reference's own copy of the padded inputs
     # both runs draw from copies of the engine's generators (the tape's replay too: it replays
     # under the recorder), reset between them: the engine's generators are never drawn from nor set
     state = WriteGuard(list(padded.values()) + list(static.values()), generators=OwnedGenerators())
@@ -275,9 +306,14 @@ def compare_runner(server: Any, inputs: Mapping[str, torch.Tensor], atol: float 
         diff = _max_diff(e, g)
         if diff > worst:
             worst, at = diff, path
-    report = CompareReport(equal=worst <= atol, bucket=ext, batch=sizes[0] if space.one_batch_dim else sizes,
-                           max_abs_diff=worst, output=at,
-                           restored=list(state.snapshots.values()))
+    report = CompareReport(
+        equal=worst <= atol,
+        bucket=ext,
+        batch=sizes[0] if space.one_batch_dim else sizes,
+        max_abs_diff=worst,
+        output=at,
+        restored=list(state.snapshots.values()),
+    )
     if report.equal:
         return report
     found = _first_divergence(graph_rec.ops, eager_rec.ops, atol)

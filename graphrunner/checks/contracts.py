@@ -30,23 +30,35 @@ check attaches to capture as the hook :class:`ExternalsCheck`.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
 
 from graphrunner._env import env_flag
 from graphrunner.checks.findings import finding_at
+from graphrunner.errors import CaptureError, ContractError, GraphRunnerError
 from graphrunner.recording.hooks import Capture, CaptureHook
 from graphrunner.recording.ops import OpConsumer, OpEvent, storage_key
-from graphrunner.errors import CaptureError, ContractError, GraphRunnerError
 
-__all__ = ["debug_enabled", "bounds_error", "check_bounds", "check_call", "ExternalRecorder", "named_tensors",
-           "External", "ExternalGuard", "ExternalsCheck", "InputWritesCheck", "externals_of"]
+__all__ = [
+    "debug_enabled",
+    "bounds_error",
+    "check_bounds",
+    "check_call",
+    "ExternalRecorder",
+    "named_tensors",
+    "External",
+    "ExternalGuard",
+    "ExternalsCheck",
+    "InputWritesCheck",
+    "externals_of",
+]
 
 
-def debug_enabled(debug: Optional[bool]) -> bool:
+def debug_enabled(debug: bool | None) -> bool:
     """``debug`` if given, else ``GRAPHRUNNER_DEBUG`` read as every ``GRAPHRUNNER_*`` switch is
     (:func:`graphrunner._env.env_flag`): ``1``/``true``/``yes``/``on`` on, unset/``0``/``false``/``no``/
     ``off`` off, anything else (``2``, ``debug``, ``enabled``) a ``ValueError`` saying what to set."""
@@ -54,12 +66,15 @@ def debug_enabled(debug: Optional[bool]) -> bool:
         if not isinstance(debug, bool):
             raise TypeError(f"debug must be True, False or None (read GRAPHRUNNER_DEBUG), got {debug!r}")
         return debug
-    return env_flag("GRAPHRUNNER_DEBUG", "set it to 1 (or true/yes/on) to check every call of every runner "
-                    "(debug mode), or 0 / unset it for none; GraphRunner(debug=...) overrides it per runner")
+    return env_flag(
+        "GRAPHRUNNER_DEBUG",
+        "set it to 1 (or true/yes/on) to check every call of every runner "
+        "(debug mode), or 0 / unset it for none; GraphRunner(debug=...) overrides it per runner",
+    )
 
 
 # ----------------------------------------------------------------- bounds
-def bounds_error(name: str, t: torch.Tensor, bounds: Tuple[Any, Any], lead: int) -> Optional[ValueError]:
+def bounds_error(name: str, t: torch.Tensor, bounds: tuple[Any, Any], lead: int) -> ValueError | None:
     """``None`` if every cell of ``t`` lies in ``[lo, hi]`` (inclusive; ``None`` is unbounded),
     else the ``ValueError`` naming input ``name``, the first offending row (an index tuple with
     several leading dims ``lead``), its cell and value. A NaN cell of a floating input lies in no
@@ -86,10 +101,11 @@ def bounds_error(name: str, t: torch.Tensor, bounds: Tuple[Any, Any], lead: int)
         f"GraphRunner (debug): input {name!r} row {row}{cell} holds {value!r}, outside its bounds {want} "
         f"(BatchInput(bounds=...); {n_bad} cell(s) out of bounds). Nothing was copied or replayed: an "
         "out-of-range index would read or write outside its table inside the graph. Fix the value, or "
-        "widen the bounds if it is valid")
+        "widen the bounds if it is valid"
+    )
 
 
-def check_bounds(bounded: Sequence[Tuple[int, str, Tuple[Any, Any], int]], tensors: Sequence[torch.Tensor]) -> None:
+def check_bounds(bounded: Sequence[tuple[int, str, tuple[Any, Any], int]], tensors: Sequence[torch.Tensor]) -> None:
     """Raise the :func:`bounds_error` of the first bounded input out of its bounds; ``bounded``:
     ``(position in tensors, name, bounds, leading dims)`` of every input with bounds."""
     for i, name, bounds, lead in bounded:
@@ -98,8 +114,11 @@ def check_bounds(bounded: Sequence[Tuple[int, str, Tuple[Any, Any], int]], tenso
             raise err
 
 
-def check_call(bounded: Sequence[Tuple[int, str, Tuple[Any, Any], int]], tensors: Sequence[torch.Tensor],
-               externals: Optional["ExternalsCheck"] = None) -> None:
+def check_call(
+    bounded: Sequence[tuple[int, str, tuple[Any, Any], int]],
+    tensors: Sequence[torch.Tensor],
+    externals: ExternalsCheck | None = None,
+) -> None:
     """Debug mode's per-call checks, before anything is written: :func:`check_bounds`, then, when
     ``externals`` is given (a multi-rank runner, which must not raise after its peers agreed),
     every key's externals."""
@@ -126,7 +145,7 @@ class ExternalRecorder(OpConsumer):
         self.inputs = set(input_storages)
         self.produced: set = set()
         self.ext_storage: set = set()
-        self.externals: Dict[int, torch.Tensor] = {}
+        self.externals: dict[int, torch.Tensor] = {}
         self.written: set = set()
         self.made: set = set()  # ids of tensors the forward's ops returned (views of externals included)
 
@@ -152,10 +171,10 @@ class ExternalRecorder(OpConsumer):
                     self.produced.add(s)
 
 
-Step = Tuple[str, Any]  # ("attr", name) or ("item", key)
+Step = tuple[str, Any]  # ("attr", name) or ("item", key)
 
 
-def _roots(step: Callable[..., Any]) -> Iterator[Tuple[str, Callable[[], Any]]]:
+def _roots(step: Callable[..., Any]) -> Iterator[tuple[str, Callable[[], Any]]]:
     """``(name, get_value)`` of what the step can reach: ``self`` of a bound method, closure
     variables and referenced globals (of the function and of functions it closes over, one level)."""
     import functools
@@ -190,8 +209,9 @@ def _roots(step: Callable[..., Any]) -> Iterator[Tuple[str, Callable[[], Any]]]:
                 yield name, functools.partial(g.get, name)
 
 
-def _walk(obj: Any, steps: Tuple[Step, ...], out: List[Tuple[Tuple[Step, ...], torch.Tensor]], seen: set,
-          depth: int) -> None:
+def _walk(
+    obj: Any, steps: tuple[Step, ...], out: list[tuple[tuple[Step, ...], torch.Tensor]], seen: set, depth: int
+) -> None:
     if isinstance(obj, torch.Tensor):
         out.append((steps, obj))
         return
@@ -206,9 +226,17 @@ def _walk(obj: Any, steps: Tuple[Step, ...], out: List[Tuple[Tuple[Step, ...], t
         for mn, m in obj.named_modules(remove_duplicate=False):
             pre = steps + tuple(("attr", x) for x in mn.split(".") if mn)
             for k, v in vars(m).items():
-                if not k.startswith("_") and isinstance(v, (torch.Tensor, list, tuple, dict)) or (
-                        not k.startswith("_") and hasattr(v, "__dict__") and not callable(v)
-                        and not isinstance(v, torch.nn.Module) and type(v).__module__ != "builtins"):
+                if (
+                    not k.startswith("_")
+                    and isinstance(v, (torch.Tensor, list, tuple, dict))
+                    or (
+                        not k.startswith("_")
+                        and hasattr(v, "__dict__")
+                        and not callable(v)
+                        and not isinstance(v, torch.nn.Module)
+                        and type(v).__module__ != "builtins"
+                    )
+                ):
                     _walk(v, pre + (("attr", k),), out, seen, depth + 1)
         return
     if isinstance(obj, (list, tuple)):
@@ -227,30 +255,31 @@ def _walk(obj: Any, steps: Tuple[Step, ...], out: List[Tuple[Tuple[Step, ...], t
                 _walk(v, steps + (("attr", k),), out, seen, depth + 1)
 
 
-def _path_text(root: str, steps: Tuple[Step, ...]) -> str:
+def _path_text(root: str, steps: tuple[Step, ...]) -> str:
     return root + "".join(f".{k}" if kind == "attr" else f"[{k!r}]" for kind, k in steps)
 
 
-def _resolver(get_root: Callable[[], Any], steps: Tuple[Step, ...]) -> Callable[[], Any]:
+def _resolver(get_root: Callable[[], Any], steps: tuple[Step, ...]) -> Callable[[], Any]:
     def resolve() -> Any:
         v = get_root()
         for kind, k in steps:
             v = getattr(v, k) if kind == "attr" else v[k]
         return v
+
     return resolve
 
 
-def named_tensors(step: Callable[..., Any]) -> Dict[int, Tuple[str, Callable[[], Any], torch.Tensor]]:
+def named_tensors(step: Callable[..., Any]) -> dict[int, tuple[str, Callable[[], Any], torch.Tensor]]:
     """``{id(tensor): (path, resolve, tensor)}`` for the tensors reachable from ``step``: parameters and
     buffers of the modules it reaches (``named_parameters``/``named_buffers``), plain tensor
     attributes, list/dict items. ``resolve()`` re-reads the path (to see a re-bound attribute)."""
-    found: Dict[int, Tuple[str, Callable[[], Any], torch.Tensor]] = {}
+    found: dict[int, tuple[str, Callable[[], Any], torch.Tensor]] = {}
     for root, get in _roots(step):
         try:
             obj = get()
         except Exception:  # noqa: BLE001
             continue
-        hits: List[Tuple[Tuple[Step, ...], torch.Tensor]] = []
+        hits: list[tuple[tuple[Step, ...], torch.Tensor]] = []
         _walk(obj, (), hits, set(), 0)
         for steps, t in hits:
             if id(t) not in found:
@@ -262,40 +291,42 @@ def named_tensors(step: Callable[..., Any]) -> Dict[int, Tuple[str, Callable[[],
 class External:
     """One tensor a captured graph reads that is not a runner input."""
 
-    path: str                               #: module/closure path, or ``"an unnamed tensor"``
-    tensor: torch.Tensor                     #: the object the graph read (kept alive in debug mode)
+    path: str  #: module/closure path, or ``"an unnamed tensor"``
+    tensor: torch.Tensor  #: the object the graph read (kept alive in debug mode)
     ptr: int
-    shape: Tuple[int, ...]
-    stride: Tuple[int, ...]
-    resolve: Optional[Callable[[], Any]]     #: re-reads ``path``; ``None`` when unnamed
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    resolve: Callable[[], Any] | None  #: re-reads ``path``; ``None`` when unnamed
     written: bool = False
 
-    def describe(self) -> Dict[str, Any]:
+    def describe(self) -> dict[str, Any]:
         """JSON-ready ``{"path", "shape", "dtype"}``."""
         return {"path": self.path, "shape": list(self.shape), "dtype": str(self.tensor.dtype).replace("torch.", "")}
 
 
-def externals_of(rec: ExternalRecorder,
-                 names: Dict[int, Tuple[str, Callable[[], Any], torch.Tensor]]) -> List[External]:
+def externals_of(
+    rec: ExternalRecorder, names: dict[int, tuple[str, Callable[[], Any], torch.Tensor]]
+) -> list[External]:
     """The :class:`External` list of one recorded forward, named from :func:`named_tensors`.
 
     A tensor not named itself but sharing the storage of a named one is "a view [shape] of
     <path>"; the named tensor with the most elements on an external's storage (its base, e.g.
     the whole cache) is checked as well, so re-binding the base is caught too."""
-    by_storage: Dict[Optional[int], Tuple[str, Callable[[], Any], torch.Tensor]] = {}
+    by_storage: dict[int | None, tuple[str, Callable[[], Any], torch.Tensor]] = {}
     for path, res, t in names.values():  # per storage the named tensor with the most elements: the base
         sp = storage_key(t)
         if sp not in by_storage or t.numel() > by_storage[sp][2].numel():
             by_storage[sp] = (path, res, t)
-    out: List[External] = []
+    out: list[External] = []
     seen = set()
 
-    def add(path: str, t: torch.Tensor, res: Optional[Callable[[], Any]]) -> None:
+    def add(path: str, t: torch.Tensor, res: Callable[[], Any] | None) -> None:
         if id(t) in seen:
             return
         seen.add(id(t))
-        out.append(External(path, t, t.data_ptr(), tuple(t.shape), tuple(t.stride()), res,
-                            storage_key(t) in rec.written))
+        out.append(
+            External(path, t, t.data_ptr(), tuple(t.shape), tuple(t.stride()), res, storage_key(t) in rec.written)
+        )
 
     for i, t in enumerate(rec.externals.values()):
         named = names.get(id(t))
@@ -315,9 +346,9 @@ def externals_of(rec: ExternalRecorder,
 class _InputWrites(OpConsumer):
     """Records the first op of a forward that writes each static input buffer."""
 
-    def __init__(self, storages: Dict[int, Tuple[str, bool]]) -> None:
+    def __init__(self, storages: dict[int, tuple[str, bool]]) -> None:
         self.storages = storages
-        self.found: Dict[str, Any] = {}
+        self.found: dict[str, Any] = {}
 
     def before(self, ev: OpEvent) -> None:
         for t in ev.written:
@@ -332,7 +363,7 @@ class _LastWarmupRecording(CaptureHook):
     :meth:`_consumer`, kept in ``self._rec[key]`` until the hook's own step reads it or ``end``."""
 
     def __init__(self) -> None:
-        self._rec: Dict[Any, Any] = {}
+        self._rec: dict[Any, Any] = {}
 
     def _consumer(self) -> OpConsumer:
         raise NotImplementedError
@@ -361,7 +392,7 @@ class InputWritesCheck(_LastWarmupRecording):
 
     name = "input-writes"
 
-    def __init__(self, storages: Dict[int, Tuple[str, bool]]) -> None:
+    def __init__(self, storages: dict[int, tuple[str, bool]]) -> None:
         super().__init__()
         self.storages = storages
 
@@ -375,15 +406,23 @@ class InputWritesCheck(_LastWarmupRecording):
         from graphrunner._frames import where as where_text
 
         name, (op, loc) = next(iter(rec.found.items()))
-        msg = (f"the step writes into its input {name!r} ({op} at {where_text(loc)}) at the capture of shape key "
-               f"{cap.key!r}: a graph writes the runner's static buffer, never your tensor, so every call would "
-               "start again from the tensor you pass (eager would have updated it) and the padding cells would "
-               "drift. Return the new value as an output instead, or declare "
-               f"BatchInput(state=True) for {name!r} if the write is scratch the step does not need to see again "
-               "(the runner then re-pads it after every call and never writes your tensor)")
-        cap.fail(CaptureError(msg), finding_at("input-write", msg, loc,
-                                               fix=f"return the new value of {name!r} as an output, or declare "
-                                                "BatchInput(state=True)"))
+        msg = (
+            f"the step writes into its input {name!r} ({op} at {where_text(loc)}) at the capture of shape key "
+            f"{cap.key!r}: a graph writes the runner's static buffer, never your tensor, so every call would "
+            "start again from the tensor you pass (eager would have updated it) and the padding cells would "
+            "drift. Return the new value as an output instead, or declare "
+            f"BatchInput(state=True) for {name!r} if the write is scratch the step does not need to see again "
+            "(the runner then re-pads it after every call and never writes your tensor)"
+        )
+        cap.fail(
+            CaptureError(msg),
+            finding_at(
+                "input-write",
+                msg,
+                loc,
+                fix=f"return the new value of {name!r} as an output, or declare BatchInput(state=True)",
+            ),
+        )
 
 
 class ExternalsCheck(_LastWarmupRecording):
@@ -403,8 +442,7 @@ class ExternalsCheck(_LastWarmupRecording):
     name = "externals"
     replay_check = True
 
-    def __init__(self, step: Callable[..., Any], input_storages: Sequence[int],
-                 key_text: Callable[[Any], str]) -> None:
+    def __init__(self, step: Callable[..., Any], input_storages: Sequence[int], key_text: Callable[[Any], str]) -> None:
         self.step = step
         self.inputs = list(input_storages)
         self.guard = ExternalGuard({}, key_text)
@@ -433,7 +471,7 @@ class ExternalGuard:
     messages. :class:`ExternalsCheck` calls :meth:`check` before each replay.
     """
 
-    def __init__(self, per_key: Dict[Any, List[External]], key_text: Callable[[Any], str]) -> None:
+    def __init__(self, per_key: dict[Any, list[External]], key_text: Callable[[Any], str]) -> None:
         self.per_key = per_key
         self.key_text = key_text
 
@@ -446,23 +484,30 @@ class ExternalGuard:
                 try:
                     cur = e.resolve()
                 except Exception as exc:  # noqa: BLE001 - the path no longer resolves
-                    raise ContractError(self._msg(e, key, f"no longer resolves ({type(exc).__name__}: {exc})")) from None
+                    raise ContractError(
+                        self._msg(e, key, f"no longer resolves ({type(exc).__name__}: {exc})")
+                    ) from None
             if not isinstance(cur, torch.Tensor):
                 raise ContractError(self._msg(e, key, f"was re-bound to a {type(cur).__name__}"))
             if cur.data_ptr() != e.ptr or tuple(cur.shape) != e.shape or tuple(cur.stride()) != e.stride:
                 how = "was re-bound to another tensor" if cur is not e.tensor else "changed in place"
-                raise ContractError(self._msg(e, key, f"{how}: now {list(cur.shape)} stride {list(cur.stride())} "
-                                                      f"at 0x{cur.data_ptr():x}"))
+                raise ContractError(
+                    self._msg(
+                        e, key, f"{how}: now {list(cur.shape)} stride {list(cur.stride())} at 0x{cur.data_ptr():x}"
+                    )
+                )
 
     def _msg(self, e: External, key: Any, change: str) -> str:
-        return (f"GraphRunner (debug): before replaying {self.key_text(key)}: the graph reads {e.path} "
-                f"({list(e.shape)} stride {list(e.stride)} at 0x{e.ptr:x} at capture), which {change}. The graph "
-                "still reads the memory it was captured with, so this replay would silently use stale (or freed) "
-                "data. Update captured tensors in place (`with torch.no_grad(): param.copy_(new)`, "
-                "`cache.zero_()`), allocate caches at their final size before capture, or call "
-                "runner.cleanup() and runner.capture() again")
+        return (
+            f"GraphRunner (debug): before replaying {self.key_text(key)}: the graph reads {e.path} "
+            f"({list(e.shape)} stride {list(e.stride)} at 0x{e.ptr:x} at capture), which {change}. The graph "
+            "still reads the memory it was captured with, so this replay would silently use stale (or freed) "
+            "data. Update captured tensors in place (`with torch.no_grad(): param.copy_(new)`, "
+            "`cache.zero_()`), allocate caches at their final size before capture, or call "
+            "runner.cleanup() and runner.capture() again"
+        )
 
-    def written(self) -> List[Dict[str, Any]]:
+    def written(self) -> list[dict[str, Any]]:
         """The externals any key's graph writes, once each: ``[{"path", "shape", "dtype"}]``."""
         seen, out = set(), []
         for exts in self.per_key.values():
@@ -474,8 +519,15 @@ class ExternalGuard:
 
 
 # -------------------------------------------------------------- a failed call, explained
-def step_note(exc: BaseException, where: str, key_text: str, bounded: Sequence[Tuple[int, str, Tuple[Any, Any], int]],
-              names: Sequence[str], tensors: Sequence[torch.Tensor], debug: bool) -> Optional[str]:
+def step_note(
+    exc: BaseException,
+    where: str,
+    key_text: str,
+    bounded: Sequence[tuple[int, str, tuple[Any, Any], int]],
+    names: Sequence[str],
+    tensors: Sequence[torch.Tensor],
+    debug: bool,
+) -> str | None:
     """The note (PEP 678, :func:`~graphrunner.errors.add_note`) graphrunner adds to ``exc``, raised by a
     call's ``where`` (``"replay"`` or ``"eager fallback"``) of ``key_text``, which reaches the caller
     with its own type: it names the call's input whose value lies outside its
@@ -494,9 +546,14 @@ def step_note(exc: BaseException, where: str, key_text: str, bounded: Sequence[T
     if cause is None:
         declared = {name for _, name, _, _ in bounded}
         free = [n for n in names if n not in declared]
-        cause = ("every input with bounds= lies within them" + (f"; inputs without bounds=: {free} (declare "
-                 "BatchInput(bounds=(lo, hi)) for index inputs so that a value out of range is named)" if free else ""))
-    check = ("" if debug else "; GraphRunner(debug=True) checks every call's inputs against bounds= before anything "
-             "runs")
-    return (f"GraphRunner: raised by the {where} of {key_text} ({cause}{check}); the runner is still usable "
-            "for the next call")
+        cause = "every input with bounds= lies within them" + (
+            f"; inputs without bounds=: {free} (declare "
+            "BatchInput(bounds=(lo, hi)) for index inputs so that a value out of range is named)"
+            if free
+            else ""
+        )
+    check = "" if debug else "; GraphRunner(debug=True) checks every call's inputs against bounds= before anything runs"
+    return (
+        f"GraphRunner: raised by the {where} of {key_text} ({cause}{check}); the runner is still usable "
+        "for the next call"
+    )

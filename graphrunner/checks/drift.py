@@ -26,8 +26,9 @@ holds as constants.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, Hashable, List, Literal, Optional, Sequence, Tuple
+from typing import Any, Literal
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -35,9 +36,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 from graphrunner._frames import is_library, library_name
 from graphrunner._frames import where as _where_of
 from graphrunner.checks.findings import finding_at
+from graphrunner.errors import CaptureError
 from graphrunner.recording.hooks import Capture, CaptureHook, Finding
 from graphrunner.recording.ops import OpConsumer, OpEvent, OpRecorder
-from graphrunner.errors import CaptureError
 
 __all__ = ["OpRecord", "OpStream", "DriftCheck", "find_drift", "drift_error", "drift_finding"]
 
@@ -51,6 +52,7 @@ _FRESH_MAX_NUMEL = 64
 #: capture's modes dispatch an extra ``detach``), so they are not recorded.
 _IGNORED_OPS = frozenset(("aten::detach", "aten::detach_", "aten::alias"))
 
+
 class _Tensor:
     """A tensor argument as the drift check compares it: shape, dtype, and
     for tensors built from Python data the values."""
@@ -61,8 +63,12 @@ class _Tensor:
         self.shape, self.dtype, self.values = tuple(t.shape), t.dtype, values
 
     def __eq__(self, other) -> bool:
-        return (isinstance(other, _Tensor) and self.shape == other.shape and self.dtype == other.dtype
-                and _same(self.values, other.values))
+        return (
+            isinstance(other, _Tensor)
+            and self.shape == other.shape
+            and self.dtype == other.dtype
+            and _same(self.values, other.values)
+        )
 
     def __hash__(self) -> int:
         return hash((self.shape, self.dtype))
@@ -119,7 +125,7 @@ class OpRecord:
 
     op: str
     args: tuple
-    where: Optional[Tuple[str, int, str]]
+    where: tuple[str, int, str] | None
 
     @property
     def short_op(self) -> str:
@@ -151,10 +157,10 @@ class OpStream(OpConsumer):
     def __init__(self, label: str, skip_eager_breaks: bool = False):
         self.label = label
         self.skip_eager_breaks = bool(skip_eager_breaks)
-        self.ops: List[OpRecord] = []
+        self.ops: list[OpRecord] = []
         self._call: Any = None  # the atomic call the last op belonged to
 
-    def _where(self, ev: OpEvent) -> "Tuple[str, int, str] | None | Literal[False]":
+    def _where(self, ev: OpEvent) -> tuple[str, int, str] | None | Literal[False]:
         if self.skip_eager_breaks and ev.in_eager_break:
             return False
         return ev.where
@@ -204,7 +210,7 @@ _IGNORED, _ONE_HOT_OP, _FRESH, _SCATTER, _PLAIN = "ignored", "one_hot", "fresh",
 _KINDS: dict = {}  # op overload -> (its name as records spell it, how OpStream treats it)
 
 
-def _kind(func: Any) -> Tuple[str, str]:
+def _kind(func: Any) -> tuple[str, str]:
     name, op = func._schema.name, str(func)
     if name in _IGNORED_OPS:
         return op, _IGNORED
@@ -216,11 +222,16 @@ def _kind(func: Any) -> Tuple[str, str]:
 
 
 #: The ops eager CPU runs ``F.one_hot(t, n)`` as with autograd on, before its ``scatter_``.
-_ONE_HOT_DECOMPOSED = ("aten.aminmax.default", "aten._local_scalar_dense.default",
-                       "aten._local_scalar_dense.default", "aten.zeros.default", "aten.unsqueeze.default")
+_ONE_HOT_DECOMPOSED = (
+    "aten.aminmax.default",
+    "aten._local_scalar_dense.default",
+    "aten._local_scalar_dense.default",
+    "aten.zeros.default",
+    "aten.unsqueeze.default",
+)
 
 
-def _ends_decomposed_one_hot(ops: List[OpRecord]) -> bool:
+def _ends_decomposed_one_hot(ops: list[OpRecord]) -> bool:
     return len(ops) >= 5 and tuple(r.op for r in ops[-5:]) == _ONE_HOT_DECOMPOSED
 
 
@@ -249,7 +260,7 @@ class DriftCheck(CaptureHook):
     def __init__(self) -> None:
         from graphrunner.checks.stash import StashCheck
 
-        self._streams: Dict[Hashable, Tuple[OpStream, OpStream]] = {}  # key -> (last warmup, capture)
+        self._streams: dict[Hashable, tuple[OpStream, OpStream]] = {}  # key -> (last warmup, capture)
         #: The stashed-state check (:mod:`graphrunner.checks.stash`): Python state the graph freezes
         #: by re-binding an attribute, reported after the drift.
         self.stash = StashCheck()
@@ -281,11 +292,11 @@ class DriftCheck(CaptureHook):
         self.stash.end(cap)
 
 
-def _where(rec: Optional[OpRecord]) -> str:
+def _where(rec: OpRecord | None) -> str:
     return _where_of(rec.where if rec is not None else None)
 
 
-def _arg_diff(a: OpRecord, b: OpRecord) -> Tuple[str, Any, Any]:
+def _arg_diff(a: OpRecord, b: OpRecord) -> tuple[str, Any, Any]:
     """The first argument that differs between two records of the same op."""
     da, db = dict(a.args), dict(b.args)
     for label in list(da) + [k for k in db if k not in da]:
@@ -296,25 +307,34 @@ def _arg_diff(a: OpRecord, b: OpRecord) -> Tuple[str, Any, Any]:
     return "the arguments", a.args, b.args
 
 
-def _first_difference(warmup: OpStream, capture: OpStream) -> Optional[Tuple[str, OpRecord]]:
+def _first_difference(warmup: OpStream, capture: OpStream) -> tuple[str, OpRecord] | None:
     wa, ca = warmup.ops, capture.ops
     for i, (a, b) in enumerate(zip(wa, ca)):
         if a.op != b.op:
-            return (f"op {i + 1} was {a.short_op} at {warmup.label} (at {_where(a)}) but {b.short_op} at "
-                    f"{capture.label} (at {_where(b)}): the step took a different path", b)
+            return (
+                f"op {i + 1} was {a.short_op} at {warmup.label} (at {_where(a)}) but {b.short_op} at "
+                f"{capture.label} (at {_where(b)}): the step took a different path",
+                b,
+            )
         if a.args != b.args and not _same(a.args, b.args):  # == first: fast, and NaN-blind only one way
             name, va, vb = _arg_diff(a, b)
-            return (f"{name} of {b.short_op} was {va!r} at {warmup.label} and {vb!r} at {capture.label}, "
-                    f"at {_where(b)} (op {i + 1} of the step)", b)
+            return (
+                f"{name} of {b.short_op} was {va!r} at {warmup.label} and {vb!r} at {capture.label}, "
+                f"at {_where(b)} (op {i + 1} of the step)",
+                b,
+            )
     if len(wa) != len(ca):
         n = min(len(wa), len(ca))
         longer, other, extra = (warmup, capture, wa[n]) if len(wa) > len(ca) else (capture, warmup, ca[n])
-        return (f"{longer.label} ran {max(len(wa), len(ca))} ops and {other.label} {n}; the first extra op is "
-                f"{extra.short_op} at {_where(extra)}: the step took a different path", extra)
+        return (
+            f"{longer.label} ran {max(len(wa), len(ca))} ops and {other.label} {n}; the first extra op is "
+            f"{extra.short_op} at {_where(extra)}: the step took a different path",
+            extra,
+        )
     return None
 
 
-def find_drift(warmup: OpStream, capture: OpStream) -> Optional[str]:
+def find_drift(warmup: OpStream, capture: OpStream) -> str | None:
     """Compare two recorded op streams; ``None`` when they agree, else one
     sentence naming the first op that differs, its source line and both
     values (the body of the :func:`drift_error` message)."""
@@ -322,7 +342,7 @@ def find_drift(warmup: OpStream, capture: OpStream) -> Optional[str]:
     return None if found is None else found[0]
 
 
-def drift_error(key: Any, warmup: OpStream, capture: OpStream, warmups: int) -> Optional[CaptureError]:
+def drift_error(key: Any, warmup: OpStream, capture: OpStream, warmups: int) -> CaptureError | None:
     """The :class:`CaptureError` for a drift between ``warmup`` and
     ``capture`` of shape key ``key``, or ``None`` when their op streams agree.
     The message names the op, the line and both values, and what to do."""
@@ -332,34 +352,46 @@ def drift_error(key: Any, warmup: OpStream, capture: OpStream, warmups: int) -> 
     what, rec = found
     hint = ""
     if warmups == 1:
-        hint = (" With warmups=1 the only warmup may be lazy initialisation (a cache built on the first call): "
-                "if so, capture with warmups >= 2.")
+        hint = (
+            " With warmups=1 the only warmup may be lazy initialisation (a cache built on the first call): "
+            "if so, capture with warmups >= 2."
+        )
     fn = f" ({rec.where[2]})" if rec.where is not None else ""
     return CaptureError(
         f"drift between {warmup.label} and the capture of shape key {key!r}: {what}. The step depends on "
         "state that changes between calls (a Python counter, a length kept in a Python int, a value read "
         "from a tensor), and the graph would replay the capture-time value at every call. Make the value "
         f"a tensor input (or a tensor the step updates in place), or @no_graph the enclosing function{fn} "
-        "and use the breakable backend so it runs eagerly at every replay." + hint +
-        " If the difference is harmless, leave \"drift\" out of GraphRunner(checks=...) (drift_check=False on a "
+        "and use the breakable backend so it runs eagerly at every replay."
+        + hint
+        + ' If the difference is harmless, leave "drift" out of GraphRunner(checks=...) (drift_check=False on a '
         "backend)."
     )
 
 
-def drift_finding(text: str, rec: Optional[OpRecord], backend: str, key: Any = None) -> Finding:
+def drift_finding(text: str, rec: OpRecord | None, backend: str, key: Any = None) -> Finding:
     """The ``"drift"`` :class:`~graphrunner.recording.hooks.Finding` for a difference ``text`` at
     op ``rec`` (collect mode, ``graphrunner check``), with the fix for its line."""
     loc = rec.where if rec is not None else None
     breakable = "" if backend == "breakable" else " and use backend='breakable'"
     if loc is not None and is_library(loc[0]):
-        fix = (f"make it an input: the value is Python state inside {library_name(loc[0])}, which @no_graph "
-               "cannot wrap; keep it in a tensor (an input, or a buffer the step updates in place) instead of a "
-               "Python number, or use a cache/model configuration that does")
+        fix = (
+            f"make it an input: the value is Python state inside {library_name(loc[0])}, which @no_graph "
+            "cannot wrap; keep it in a tensor (an input, or a buffer the step updates in place) instead of a "
+            "Python number, or use a cache/model configuration that does"
+        )
     elif loc is not None:
-        fix = (f"make the value a tensor input (or a tensor the step updates in place), or @no_graph the "
-               f"enclosing function {loc[2]}{breakable} so it runs eagerly at every replay")
+        fix = (
+            f"make the value a tensor input (or a tensor the step updates in place), or @no_graph the "
+            f"enclosing function {loc[2]}{breakable} so it runs eagerly at every replay"
+        )
     else:
         fix = "make the value a tensor input"
-    return finding_at("drift", f"{text}: the step reads Python state that changes between calls, which the "
-                      "graph freezes", loc, fix=fix, bucket=key,
-                      in_library=bool(loc and is_library(loc[0])))
+    return finding_at(
+        "drift",
+        f"{text}: the step reads Python state that changes between calls, which the graph freezes",
+        loc,
+        fix=fix,
+        bucket=key,
+        in_library=bool(loc and is_library(loc[0])),
+    )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from graphrunner.recording.hooks import Finding
 from graphrunner.recording.ops import Where
@@ -10,8 +10,9 @@ from graphrunner.recording.ops import Where
 __all__ = ["finding_at"]
 
 
-def finding_at(kind: str, what: str, where: Optional[Where], fix: str, bucket: Any = None,
-               in_library: bool = False) -> Finding:
+def finding_at(
+    kind: str, what: str, where: Where | None, fix: str, bucket: Any = None, in_library: bool = False
+) -> Finding:
     """The :class:`~graphrunner.recording.hooks.Finding` ``kind`` at ``where`` (``(file, line,
     function)`` of the user's source line, or ``None`` when unknown)."""
     file, line, function = where if where is not None else (None, None, None)

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Dict, List, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from graphrunner.recording.hooks import Capture, CaptureHook
 from graphrunner.errors import RanksDisagreeError
 from graphrunner.keys import all_max_vector
+from graphrunner.recording.hooks import Capture, CaptureHook
 
 __all__ = ["check", "canonical", "FingerprintCheck"]
 
@@ -57,7 +58,7 @@ def check(group: Any, fields: Mapping[str, Any], what: str, key: Any = None) -> 
     texts = [canonical(fields[n]) for n in names]
     hashes = [_hash(t) for t in texts]
     out = all_max_vector(group, hashes + [-h for h in hashes], "fingerprint", key)
-    hi, lo = out[:len(names)], [-v for v in out[len(names):]]
+    hi, lo = out[: len(names)], [-v for v in out[len(names) :]]
     bad = [i for i in range(len(names)) if hi[i] != lo[i]]
     if not bad:
         return
@@ -65,19 +66,21 @@ def check(group: Any, fields: Mapping[str, Any], what: str, key: Any = None) -> 
     rank = int(getattr(group, "rank", 0))
     parts = []
     for j, i in enumerate(bad):
-        by_value: Dict[str, List[int]] = {}
+        by_value: dict[str, list[int]] = {}
         for r in range(size):
             by_value.setdefault(values[r][j], []).append(r)
-        groups = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {v}"
-                           for v, rs in by_value.items())
+        groups = "; ".join(
+            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {v}" for v, rs in by_value.items()
+        )
         parts.append(f"{names[i]!r} differs ({groups})")
     raise RanksDisagreeError(
         f"rank {rank} of {size}: the ranks' {what} differ: " + "; and ".join(parts) + ". Every rank must build "
         "the runner with the same buckets, keys, inputs, outputs, backend and warmups (and its step must capture "
-        "the same graph), or ranks replay mismatched graphs; nothing was replayed")
+        "the same graph), or ranks replay mismatched graphs; nothing was replayed"
+    )
 
 
-def _gather_texts(group: Any, texts: List[str], key: Any) -> List[List[str]]:
+def _gather_texts(group: Any, texts: list[str], key: Any) -> list[list[str]]:
     """Every rank's ``texts`` (the same number on every rank), through one element-wise max
     in which each rank fills only its own slot."""
     size, rank = int(group.size), int(group.rank)
@@ -89,7 +92,7 @@ def _gather_texts(group: Any, texts: List[str], key: Any) -> List[List[str]]:
         base = rank * slot + j * width
         vec[base] = len(b)
         for c in range(0, len(b), _CHUNK):
-            vec[base + 1 + c // _CHUNK] = int.from_bytes(b[c:c + _CHUNK], "little")
+            vec[base + 1 + c // _CHUNK] = int.from_bytes(b[c : c + _CHUNK], "little")
     out = all_max_vector(group, vec, "fingerprint_values", key)
     result = []
     for r in range(size):
@@ -118,6 +121,14 @@ class FingerprintCheck(CaptureHook):
 
         info = cap.backend.info(cap.key)
         spec, views = cap.outputs
-        check(group, {"output": describe(spec, views), "num_segments": info.get("num_segments"),
-                      "num_breaks": info.get("num_breaks"), "tape_ops": info.get("num_ops")},
-              f"captures of key {cap.key!r}", key=cap.key)
+        check(
+            group,
+            {
+                "output": describe(spec, views),
+                "num_segments": info.get("num_segments"),
+                "num_breaks": info.get("num_breaks"),
+                "tape_ops": info.get("num_ops"),
+            },
+            f"captures of key {cap.key!r}",
+            key=cap.key,
+        )

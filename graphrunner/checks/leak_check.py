@@ -10,7 +10,8 @@ extra forwards and compares their real cells (:func:`~graphrunner.checks.toleran
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Hashable, List, Optional, Sequence, Set, Tuple
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 
@@ -30,7 +31,7 @@ from graphrunner.recording.ops import OpConsumer
 __all__ = ["LeakCheck"]
 
 #: The leading-dim indices of an output leaf.
-Dims = Tuple[int, ...]
+Dims = tuple[int, ...]
 
 
 class LeakCheck(CaptureHook):
@@ -96,10 +97,20 @@ class LeakCheck(CaptureHook):
 
     name = "padding"
 
-    def __init__(self, key: Sizes, key_text: str, sizes: Sizes, sizes2: Optional[Sizes],
-                 inputs: Sequence[KeyInput], step: Callable[..., Any],
-                 leaf_dims: Callable[[tuple, int], List[Dims]], exempt: Tuple[str, ...],
-                 group: Any = None, phase_key: Optional[Hashable] = None, warned: Optional[PerRunner] = None) -> None:
+    def __init__(
+        self,
+        key: Sizes,
+        key_text: str,
+        sizes: Sizes,
+        sizes2: Sizes | None,
+        inputs: Sequence[KeyInput],
+        step: Callable[..., Any],
+        leaf_dims: Callable[[tuple, int], list[Dims]],
+        exempt: tuple[str, ...],
+        group: Any = None,
+        phase_key: Hashable | None = None,
+        warned: PerRunner | None = None,
+    ) -> None:
         self.key, self.key_text, self.sizes, self.sizes2 = key, key_text, sizes, sizes2
         self.inputs = list(inputs)
         self.floats = [(n, v, d) for n, v, d, spec in self.inputs if spec.dtype.is_floating_point]
@@ -113,7 +124,7 @@ class LeakCheck(CaptureHook):
         #: Eager forwards it ran.
         self.forwards = 0
         #: The check's runs, from its preparation (before run A) to its end; ``None`` outside.
-        self._runs: Optional[LeakRuns] = None
+        self._runs: LeakRuns | None = None
         self._work = OpWork()  # run A's matmuls, for the tolerance
         #: Run A was the key's first warmup, which may initialise lazily: a finding is confirmed.
         self._a_first = False
@@ -217,8 +228,10 @@ class LeakCheck(CaptureHook):
         cap.info["leak_check_forwards"] = self.forwards
         if leaked:
             msg = leak_message(self._subject, found, self._explained)
-            cap.fail(PaddingLeakError(msg), Finding("padding-leak", msg, None, None, None,
-                                                    fix=leak_fix(self._subject, found, self._explained)))
+            cap.fail(
+                PaddingLeakError(msg),
+                Finding("padding-leak", msg, None, None, None, fix=leak_fix(self._subject, found, self._explained)),
+            )
 
     def end(self, cap: Capture) -> None:
         """After an error between the last warmup and the check: its writes and the static buffers
@@ -240,8 +253,14 @@ class LeakCheck(CaptureHook):
             runs.finish()
 
     # ------------------------------------------------------------ the runs
-    def _run(self, cap: Capture, runs: LeakRuns, fn: Callable[[], Any], restore: bool = True,
-             consumers: Sequence[OpConsumer] = ()) -> Leaves:
+    def _run(
+        self,
+        cap: Capture,
+        runs: LeakRuns,
+        fn: Callable[[], Any],
+        restore: bool = True,
+        consumers: Sequence[OpConsumer] = (),
+    ) -> Leaves:
         """One eager forward of the check (:meth:`LeakRuns.run`), counted."""
         self.forwards += 1
         return runs.run(cap, fn, restore=restore, consumers=consumers)
@@ -300,8 +319,12 @@ class LeakCheck(CaptureHook):
             ref = self._run(cap, runs, lambda: self.step(**unpadded), restore=False)
         except Exception as exc:  # noqa: BLE001 - a step that only runs at its keys' sizes
             runs.put_back()
-            logger.info("padding check of %s: the step did not run on the unpadded batch (%s: %s); compared "
-                        "padded runs only", self.key_text, type(exc).__name__, exc)
+            logger.info(
+                "padding check of %s: the step did not run on the unpadded batch (%s: %s); compared padded runs only",
+                self.key_text,
+                type(exc).__name__,
+                exc,
+            )
             if self.sizes2 is not None:  # C: without D, the padded count varied at least
                 runs.fill(data, self.sizes2)
                 compare("count", a, self._run(cap, runs, cap.forward_fn))
@@ -328,8 +351,12 @@ class LeakCheck(CaptureHook):
         try:
             f_unpadded = self._follow(cap, runs, padded=False)
         except Exception as exc:  # noqa: BLE001 - a step that only runs at its keys' sizes
-            logger.info("padding check of %s: the follow-up call did not run without padding (%s: %s); "
-                        "sequences not compared", self.key_text, type(exc).__name__, exc)
+            logger.info(
+                "padding check of %s: the follow-up call did not run without padding (%s: %s); sequences not compared",
+                self.key_text,
+                type(exc).__name__,
+                exc,
+            )
             return
         finally:
             runs.put_back()
@@ -340,8 +367,9 @@ class LeakCheck(CaptureHook):
     def _noise(self, d: Dims) -> Noise:
         return Noise(lead=len(d), reduction=self._work.reduction, matmuls=self._work.matmuls)
 
-    def _control(self, cap: Capture, runs: LeakRuns, a: Leaves, found: Found, paths: List[str],
-                 dims: List[Dims]) -> Found:
+    def _control(
+        self, cap: Capture, runs: LeakRuns, a: Leaves, found: Found, paths: list[str], dims: list[Dims]
+    ) -> Found:
         """``found`` without the outputs that also move between two identical runs (warned about);
         for a sequence finding, what it needs to name its cause."""
         if not found:
@@ -351,24 +379,30 @@ class LeakCheck(CaptureHook):
         # leak, and not checkable this way.
         runs.fill(runs.data, self.sizes)
         again = self._run(cap, runs, cap.forward_fn)
-        unstable = {p for p, x, y, d in zip(paths, a, again, dims)
-                    if x is not None and y is not None and difference(x, y) is not None}
+        unstable = {
+            p
+            for p, x, y, d in zip(paths, a, again, dims)
+            if x is not None and y is not None and difference(x, y) is not None
+        }
         if any(k == "sequence" for k, _, _ in found):
             unstable |= self._sequence_control(cap, runs, paths)
         if unstable:
             logger.warning(
                 "padding check of %s: %s changed between two identical calls (the step's output depends "
                 "on state it keeps in Python: a counter, or an attribute re-bound to a new tensor), so padding "
-                "leaks into it cannot be checked", self.key_text, ", ".join(sorted(unstable)))
+                "leaks into it cannot be checked",
+                self.key_text,
+                ", ".join(sorted(unstable)),
+            )
         found = [f for f in found if f[1] not in unstable]
         if any(k == "sequence" for k, _, _ in found):
             self._explain_sequence(cap, runs, dims)
         return found
 
-    def _sequence_control(self, cap: Capture, runs: LeakRuns, paths: List[str]) -> Set[str]:
+    def _sequence_control(self, cap: Capture, runs: LeakRuns, paths: list[str]) -> set[str]:
         """The unpadded sequence again: the outputs of its follow-up that move between two identical
         sequences (state the step keeps in Python)."""
-        unstable: Set[str] = set()
+        unstable: set[str] = set()
         again = self._sequence_again(cap, runs, padded_first=False)
         if again is None:
             return set(paths)
@@ -377,7 +411,7 @@ class LeakCheck(CaptureHook):
                 unstable.add(p)
         return unstable
 
-    def _sequence_again(self, cap: Capture, runs: LeakRuns, padded_first: bool) -> Optional[Leaves]:
+    def _sequence_again(self, cap: Capture, runs: LeakRuns, padded_first: bool) -> Leaves | None:
         """[A, F] (``padded_first``) or [D, F] with the unpadded follow-up, as the check ran it; every
         write put back."""
         data, sizes = runs.data, self.sizes
@@ -398,7 +432,7 @@ class LeakCheck(CaptureHook):
             if pert is not None:
                 pert.restore()
 
-    def _explain_sequence(self, cap: Capture, runs: LeakRuns, dims: List[Dims]) -> None:
+    def _explain_sequence(self, cap: Capture, runs: LeakRuns, dims: list[Dims]) -> None:
         """What a sequence finding needs to name its cause: the follow-up rows that changed and the
         inputs whose pad they hold, whether the earlier padded call did it (its padding rows' writes)
         or the follow-up's own padding, the written tensors and cells."""
@@ -415,14 +449,15 @@ class LeakCheck(CaptureHook):
         again = self._sequence_again(cap, runs, padded_first=True)
         earlier = again is not None and any(
             x is not None and y is not None and difference(x, y, tolerant=self._noise(d)) is not None
-            for x, y, d in zip(again, fu, dims))
+            for x, y, d in zip(again, fu, dims)
+        )
         named = named_cells(self.step, seq.cells) if earlier else []
         self._explained = SequenceCause(rows=rows, inputs=by_input, earlier=earlier, named=named)
 
-    def _changed_rows(self, padded: Leaves, unpadded: Leaves, dims: List[Dims]) -> Set[int]:
+    def _changed_rows(self, padded: Leaves, unpadded: Leaves, dims: list[Dims]) -> set[int]:
         """The rows of the follow-up's real cells where the padded sequence's differs from the
         unpadded one's beyond the tolerance."""
-        rows: Set[int] = set()
+        rows: set[int] = set()
         for x, y, d in zip(padded, unpadded, dims):
             if x is None or y is None or not d:
                 continue
@@ -445,12 +480,13 @@ class _Comparisons:
     on row counts: an MoE expert's rows change when padding rows become real, which moves the
     last bits). Called as ``compare(kind, got, other)``; what moved is in :attr:`found`."""
 
-    def __init__(self, paths: List[str], dims: List[Dims], sizes: Sizes, noise: Callable[[Dims], Noise]) -> None:
+    def __init__(self, paths: list[str], dims: list[Dims], sizes: Sizes, noise: Callable[[Dims], Noise]) -> None:
         self.paths, self.dims, self.sizes, self.noise = paths, dims, sizes, noise
         self.found: Found = []
 
-    def __call__(self, kind: str, got: Leaves, other: Leaves, got_sliced: bool = False,
-                 other_sliced: bool = False) -> None:
+    def __call__(
+        self, kind: str, got: Leaves, other: Leaves, got_sliced: bool = False, other_sliced: bool = False
+    ) -> None:
         for p, x, y, d in zip(self.paths, got, other, self.dims):
             if x is None or y is None:
                 continue

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import TYPE_CHECKING
 
 from graphrunner.checks.padding import Sizes
 
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 __all__ = ["Found", "LeakSubject", "SequenceCause", "leak_fix", "leak_message"]
 
 #: ``[(which comparison, output path, max abs diff)]`` of the outputs that moved.
-Found = List[Tuple[str, str, float]]
+Found = list[tuple[str, str, float]]
 
 
 @dataclass(frozen=True)
@@ -29,9 +29,9 @@ class LeakSubject:
 
     key_text: str
     sizes: Sizes
-    sizes2: Optional[Sizes]
-    floats: List[str]
-    shared: List[Tuple[str, BatchInput]]
+    sizes2: Sizes | None
+    floats: list[str]
+    shared: list[tuple[str, BatchInput]]
 
 
 @dataclass(frozen=True)
@@ -42,42 +42,48 @@ class SequenceCause:
     padding; the cells the padding rows wrote, ``named`` (``"SlotState.state[0, :]"``). The
     defaults: not explained (another rank's finding)."""
 
-    rows: List[int] = field(default_factory=list)
-    inputs: List[Tuple[str, BatchInput, List[int]]] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    inputs: list[tuple[str, BatchInput, list[int]]] = field(default_factory=list)
     earlier: bool = True
-    named: List[str] = field(default_factory=list)
+    named: list[str] = field(default_factory=list)
 
 
 def leak_message(s: LeakSubject, found: Found, cause: SequenceCause) -> str:
     """The :class:`~graphrunner.errors.PaddingLeakError` of ``found`` (empty: another rank's finding)."""
     if not found:
-        return (f"padding check of {s.key_text}: another rank found padding leaking into a real "
-                "output (see its error); every rank stops the capture")
+        return (
+            f"padding check of {s.key_text}: another rank found padding leaking into a real "
+            "output (see its error); every rank stops the capture"
+        )
     real = ", ".join(map(str, s.sizes))
     what = {
-        "padding": "when only the padding cells of the floating-point input(s) "
-                   f"{list(s.floats)} were changed",
+        "padding": f"when only the padding cells of the floating-point input(s) {list(s.floats)} were changed",
         "count": f"when the cells after the real ones held real data instead of padding (real sizes "
-                 f"({', '.join(map(str, s.sizes2 or ()))}) against ({real}))",
+        f"({', '.join(map(str, s.sizes2 or ()))}) against ({real}))",
         "eager": f"against eager PyTorch on the same real batch without padding (real sizes ({real})): the step "
-                 "depends on the padded size (x.shape[0], arange, a mean or norm over the batch) or a pad value "
-                 "reaches real rows (a padding row's value wins a max or a sort over the batch)" + _pad_hint(s),
+        "depends on the padded size (x.shape[0], arange, a mean or norm over the batch) or a pad value "
+        "reaches real rows (a padding row's value wins a max or a sort over the batch)" + _pad_hint(s),
         "sequence": _sequence_text(s, cause),
     }
     single = [f for f in found if f[0] != "sequence"]
     parts = "; ".join(f"{p} changed (max abs diff {d:.4g}) {what[k]}" for k, p, d in found)
     if not single:
-        return (f"padding leaks into real results at {s.key_text}: {parts}. The graph computes the padding "
-                "rows too, their writes included, and a call replays with whatever they left behind. "
-                + _sequence_fix(s, cause) + '; leaving "padding" out of GraphRunner(checks=...) turns the check off.')
+        return (
+            f"padding leaks into real results at {s.key_text}: {parts}. The graph computes the padding "
+            "rows too, their writes included, and a call replays with whatever they left behind. "
+            + _sequence_fix(s, cause)
+            + '; leaving "padding" out of GraphRunner(checks=...) turns the check off.'
+        )
     first = single[0][1]
     m = re.fullmatch(r"output\[('[^']*')\]", first)
     optout = f"checks=[..., gr.PaddingCheck(exempt=({m.group(1) if m else repr(first)},))]"
-    return (f"padding leaks into real results at {s.key_text}: {parts}. The graph computes the padding "
-            "cells too, so at replay these outputs would include them. Make the step row-independent (e.g. "
-            "reduce over the real rows only, with the count or a mask as an input; use the real count, not "
-            f"the padded shape); if the output is meant to cover the whole padded batch, declare {optout}; "
-            'leaving "padding" out of GraphRunner(checks=...) turns the check off.')
+    return (
+        f"padding leaks into real results at {s.key_text}: {parts}. The graph computes the padding "
+        "cells too, so at replay these outputs would include them. Make the step row-independent (e.g. "
+        "reduce over the real rows only, with the count or a mask as an input; use the real count, not "
+        f"the padded shape); if the output is meant to cover the whole padded batch, declare {optout}; "
+        'leaving "padding" out of GraphRunner(checks=...) turns the check off.'
+    )
 
 
 def leak_fix(s: LeakSubject, found: Found, cause: SequenceCause) -> str:
@@ -87,8 +93,7 @@ def leak_fix(s: LeakSubject, found: Found, cause: SequenceCause) -> str:
         return "see the other rank's finding"
     if not single:
         return _sequence_fix(s, cause)
-    return (f"make the step row-independent, or exempt {single[0][1]} if it is meant to cover the whole "
-            "padded batch")
+    return f"make the step row-independent, or exempt {single[0][1]} if it is meant to cover the whole padded batch"
 
 
 def _sequence_text(s: LeakSubject, cause: SequenceCause) -> str:
@@ -96,20 +101,29 @@ def _sequence_text(s: LeakSubject, cause: SequenceCause) -> str:
     rows = cause.rows
     shown = ", ".join(map(str, rows[:6])) + (", ..." if len(rows) > 6 else "")
     if cause.earlier:
-        head = ("in a call after a padded call, against the same call after the same first call without "
-                f"padding (real sizes ({real}) in both)")
+        head = (
+            "in a call after a padded call, against the same call after the same first call without "
+            f"padding (real sizes ({real}) in both)"
+        )
     else:
-        head = ("in a padded call where a real row holds the pad value, against the same call without "
-                f"padding (real sizes ({real}))")
+        head = (
+            "in a padded call where a real row holds the pad value, against the same call without "
+            f"padding (real sizes ({real}))"
+        )
     text = f"{head}: rows [{shown}] of that call changed" if rows else head
     ins = cause.inputs
     if ins:
         text += "; they hold the pad of integer input(s) " + ", ".join(
-            f"{n} (pad {spec.pad!r}, also a real value: bounds {tuple(spec.bounds or ())})" for n, spec, _ in ins)
+            f"{n} (pad {spec.pad!r}, also a real value: bounds {tuple(spec.bounds or ())})" for n, spec, _ in ins
+        )
     named = cause.named
     if named:
-        text += ("; the padding rows wrote " + ", ".join(named[:3]) + (", ..." if len(named) > 3 else "")
-                 + ", which a real request reads later")
+        text += (
+            "; the padding rows wrote "
+            + ", ".join(named[:3])
+            + (", ..." if len(named) > 3 else "")
+            + ", which a real request reads later"
+        )
     elif cause.earlier:
         text += "; the padding rows wrote state that a later real request reads"
     else:
@@ -121,17 +135,23 @@ def _sequence_fix(s: LeakSubject, cause: SequenceCause) -> str:
     ins = cause.inputs or [(n, spec, []) for n, spec in s.shared]
     if ins:
         names = ", ".join(repr(n) for n, _, _ in ins)
-        return (f"Pad {names} with a scratch index outside the real range (e.g. a dedicated cache slot no "
-                f"request owns: one more slot, pad=num_slots, bounds=(0, num_slots - 1)), so that padding rows "
-                "only write where no real request reads")
-    return ("Make padding rows write only where no real request reads (a scratch slot outside the real range "
-            "as their pad, or a mask that skips their writes)")
+        return (
+            f"Pad {names} with a scratch index outside the real range (e.g. a dedicated cache slot no "
+            f"request owns: one more slot, pad=num_slots, bounds=(0, num_slots - 1)), so that padding rows "
+            "only write where no real request reads"
+        )
+    return (
+        "Make padding rows write only where no real request reads (a scratch slot outside the real range "
+        "as their pad, or a mask that skips their writes)"
+    )
 
 
 def _pad_hint(s: LeakSubject) -> str:
     shared = [f"{n} (pad {spec.pad!r})" for n, spec in s.shared]
     if not shared:
         return ""
-    return (f" (integer input(s) {', '.join(shared)}: the pad is also a real value, so padding rows write or "
-            "read what a real row uses, or win against it; pad with a scratch index outside the real range, "
-            "e.g. a dedicated cache slot, and declare bounds= as the real range)")
+    return (
+        f" (integer input(s) {', '.join(shared)}: the pad is also a real value, so padding rows write or "
+        "read what a real row uses, or win against it; pad with a scratch index outside the real range, "
+        "e.g. a dedicated cache slot, and declare bounds= as the real range)"
+    )

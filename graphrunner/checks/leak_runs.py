@@ -13,8 +13,9 @@ from __future__ import annotations
 import enum
 import logging
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,19 +36,19 @@ __all__ = ["KeyInput", "Leaves", "LeakRuns", "Phase", "SequenceRuns", "real_data
 logger = logging.getLogger("graphrunner.checks.padding")  # the padding check's logger, in all its modules
 
 #: ``(name, the key's view of its static buffer, leading-dim indices, BatchInput)`` of one input.
-KeyInput = Tuple[str, torch.Tensor, Tuple[int, ...], "BatchInput"]
+KeyInput = tuple[str, torch.Tensor, tuple[int, ...], "BatchInput"]
 #: The output leaves of one run, cloned (``None`` for exempt ones).
-Leaves = List[Optional[torch.Tensor]]
+Leaves = list[torch.Tensor | None]
 #: A ``BatchInput``'s pad value.
-Pad = Union[bool, int, float]
+Pad = bool | int | float
 
 
 class Phase(enum.Enum):
     """Which of the check's runs the warmup now running is (with ``warmups >= 2`` the last two
     warmups are run A and the padded follow-up)."""
 
-    NONE = "none"            # no warmup runs as one of the check's runs
-    RUN_A = "run A"          # the warmup running is run A, on the check's data
+    NONE = "none"  # no warmup runs as one of the check's runs
+    RUN_A = "run A"  # the warmup running is run A, on the check's data
     FOLLOW_UP = "follow-up"  # the last warmup is running as the padded follow-up, after run A
 
 
@@ -57,7 +58,7 @@ class SequenceRuns:
     call wrote (``(a tensor on the storage, storage offsets)``), which it gave other values."""
 
     unpadded: Leaves
-    cells: List[Tuple[torch.Tensor, torch.Tensor]]
+    cells: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class LeakRuns:
@@ -71,8 +72,15 @@ class LeakRuns:
         warned: what the runner's padding checks share (:class:`~graphrunner.checks.padding.PerRunner`).
     """
 
-    def __init__(self, inputs: Sequence[KeyInput], step: Callable[..., Any], sizes: Sizes,
-                 sizes2: Optional[Sizes], exempt: Tuple[str, ...], warned: PerRunner) -> None:
+    def __init__(
+        self,
+        inputs: Sequence[KeyInput],
+        step: Callable[..., Any],
+        sizes: Sizes,
+        sizes2: Sizes | None,
+        exempt: tuple[str, ...],
+        warned: PerRunner,
+    ) -> None:
         self.inputs = inputs
         self.exempt = exempt
         #: The static buffers as they were before the check filled them.
@@ -86,25 +94,25 @@ class LeakRuns:
         self.numbers = PythonNumbers(step)
         self.numbers0: Snapshot = self.numbers.snapshot()
         #: The numbers after the last warmup: what the capture sees (``None``: as before the runs).
-        self.numbers_last: Optional[Snapshot] = None
+        self.numbers_last: Snapshot | None = None
         #: The seeded real data of every input (runs A to D); ``blind``: an integer input has no
         #: bounds (its real cells keep the pad).
         self.data, self.blind = real_data(inputs, 0x6C65616B, sizes2 or sizes, False, warned)
         #: The follow-up's real data (the pad among it), ``None`` when blind.
         self.follow_data = None if self.blind else real_data(inputs, 0x666F6C6C, sizes, True, warned)[0]
         self.phase = Phase.NONE
-        self.a: Optional[Leaves] = None  # run A's output leaves
-        self.a_log: List[LogEntry] = []  # what run A wrote (the guard's log)
-        self.f_padded: Optional[Leaves] = None  # the follow-up's output leaves after A (padded through the key)
+        self.a: Leaves | None = None  # run A's output leaves
+        self.a_log: list[LogEntry] = []  # what run A wrote (the guard's log)
+        self.f_padded: Leaves | None = None  # the follow-up's output leaves after A (padded through the key)
         self.spec: tuple = ()  # the output structure of the last run (:func:`~graphrunner._pytree.flatten`)
-        self.seq: Optional[SequenceRuns] = None  # the unpadded sequence, once it ran
+        self.seq: SequenceRuns | None = None  # the unpadded sequence, once it ran
 
     def checkable(self, floats: Sequence[object]) -> bool:
         """False when there is nothing to vary: only integer inputs (no ``floats``), some without
         bounds (the warning says so)."""
         return not (self.blind and not floats)
 
-    def follow(self) -> Dict[str, torch.Tensor]:
+    def follow(self) -> dict[str, torch.Tensor]:
         """The follow-up's data (it runs only when there is some: not blind)."""
         assert self.follow_data is not None, "the follow-up runs only with its data (not blind)"
         return self.follow_data
@@ -114,7 +122,7 @@ class LeakRuns:
         assert self.seq is not None, "a sequence finding comes from the unpadded sequence"
         return self.seq
 
-    def fill(self, data: Dict[str, torch.Tensor], sizes: Sizes, random_float_padding: bool = False) -> None:
+    def fill(self, data: dict[str, torch.Tensor], sizes: Sizes, random_float_padding: bool = False) -> None:
         """Real cells ``sizes`` of every key view from ``data``, the rest the pad value (floats
         random with ``random_float_padding``)."""
         g = torch.Generator().manual_seed(0x70616464)
@@ -126,12 +134,13 @@ class LeakRuns:
             r = region(sizes, didx)
             view[r].copy_(data[name][r])
 
-    def unpadded(self, data: Dict[str, torch.Tensor], sizes: Sizes) -> Dict[str, torch.Tensor]:
+    def unpadded(self, data: dict[str, torch.Tensor], sizes: Sizes) -> dict[str, torch.Tensor]:
         """The real cells ``sizes`` of ``data``, per input: a call without padding."""
         return {name: data[name][region(sizes, didx)].clone() for name, _, didx, _ in self.inputs}
 
-    def run(self, cap: Capture, fn: Callable[[], Any], restore: bool = True,
-            consumers: Sequence[OpConsumer] = ()) -> Leaves:
+    def run(
+        self, cap: Capture, fn: Callable[[], Any], restore: bool = True, consumers: Sequence[OpConsumer] = ()
+    ) -> Leaves:
         """``fn()`` eagerly, what it wrote outside itself logged (and put back, with ``restore``);
         its output leaves cloned (``None`` for exempt ones). The output's structure is kept in
         :attr:`spec`."""
@@ -149,7 +158,7 @@ class LeakRuns:
         skip = [is_exempt(p, self.exempt) for p in leaf_paths(self.spec)]
         return [None if s else t.detach().clone() for t, s in zip(leaves, skip)]
 
-    def log(self) -> List[LogEntry]:
+    def log(self) -> list[LogEntry]:
         """What the runs wrote since the last put-back (the guard's log, oldest first)."""
         return list(self.guard._undo)
 
@@ -166,8 +175,9 @@ class LeakRuns:
             v.copy_(old)
 
 
-def real_data(inputs: Sequence[KeyInput], seed: int, top: Sizes, pad_cell: bool,
-              warned: PerRunner) -> Tuple[Dict[str, torch.Tensor], bool]:
+def real_data(
+    inputs: Sequence[KeyInput], seed: int, top: Sizes, pad_cell: bool, warned: PerRunner
+) -> tuple[dict[str, torch.Tensor], bool]:
     """Seeded random real cells of every input at sizes ``top``; with ``pad_cell`` one real
     cell of each integer input at its pad (where the pad is a real value), else none. Also
     whether an integer input has no bounds (its real cells keep the pad: one warning per runner)."""
@@ -175,7 +185,7 @@ def real_data(inputs: Sequence[KeyInput], seed: int, top: Sizes, pad_cell: bool,
     blind = False
     data = {}
     forced = 0  # integer inputs whose pad is a real value: each meets the padding at its own cell
-    unbounded: List[str] = []
+    unbounded: list[str] = []
     for name, view, didx, spec in inputs:
         shape = (*(top[d] for d in didx), *spec.trailing)
         dt = spec.dtype
@@ -204,7 +214,8 @@ def real_data(inputs: Sequence[KeyInput], seed: int, top: Sizes, pad_cell: bool,
             "integer inputs, nor a dependence on the padded count, nor what padding rows leave for later "
             "calls); declare the range of their real values, e.g. bounds=(0, vocab_size - 1) for token ids "
             "or (0, num_slots - 1) for cache slots (the pad may lie outside: a scratch index)",
-            ", ".join(repr(n) for n in unbounded))
+            ", ".join(repr(n) for n in unbounded),
+        )
     return data, blind
 
 
@@ -216,8 +227,9 @@ def shared_pad(spec: BatchInput) -> bool:
     return lo is not None and hi is not None and lo <= spec.pad <= hi
 
 
-def _follow_ints(lo: int, hi: int, shape: Tuple[int, ...], pad: Pad, at: int, name: str, shared: PerRunner,
-                 seed: int) -> torch.Tensor:
+def _follow_ints(
+    lo: int, hi: int, shape: tuple[int, ...], pad: Pad, at: int, name: str, shared: PerRunner, seed: int
+) -> torch.Tensor:
     """The follow-up's integers: cell ``at`` (flat, modulo the size) at ``pad`` when it lies in
     ``[lo, hi]``, the others the next values of a runner-wide permutation of the range without the
     pad (all different where the range allows), continuing where the runner's previous key stopped."""
@@ -250,8 +262,9 @@ def _follow_ints(lo: int, hi: int, shape: Tuple[int, ...], pad: Pad, at: int, na
     return t.reshape(shape)
 
 
-def _distinct_ints(lo: int, hi: int, shape: Tuple[int, ...], pad: Pad, g: torch.Generator,
-                   at: Optional[int] = 0) -> torch.Tensor:
+def _distinct_ints(
+    lo: int, hi: int, shape: tuple[int, ...], pad: Pad, g: torch.Generator, at: int | None = 0
+) -> torch.Tensor:
     """Random integers in ``[lo, hi]`` of ``shape``, all different where the range allows (real
     requests use different cache slots; two real rows at one slot would be a collision the runner
     never makes), none at ``pad`` (while other values exist) except cell ``at`` (flat, modulo the

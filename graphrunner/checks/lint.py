@@ -52,19 +52,30 @@ import contextlib
 import json
 import os
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import torch
 
 from graphrunner._frames import is_internal, is_library, library_name, where
 from graphrunner.checks.findings import finding_at
+from graphrunner.errors import CaptureError, CaptureUnsafeOpError, GraphRunnerError
 from graphrunner.recording.hooks import Capture, CaptureHook, Finding
 from graphrunner.recording.ops import OpConsumer, OpEvent
-from graphrunner.errors import CaptureError, CaptureUnsafeOpError, GraphRunnerError
 
-__all__ = ["Finding", "CheckReport", "CheckUsageError", "UnsafeOpLint", "EXPECTED", "exit_text", "required_parameters",
-           "check_factory", "check_runner", "first_unsafe_op"]
+__all__ = [
+    "Finding",
+    "CheckReport",
+    "CheckUsageError",
+    "UnsafeOpLint",
+    "EXPECTED",
+    "exit_text",
+    "required_parameters",
+    "check_factory",
+    "check_runner",
+    "first_unsafe_op",
+]
 
 #: Finding kinds, in the order the table lists them.
 KINDS = ("unsafe-op", "frozen-return", "drift", "padding-leak", "input-write", "step-error", "capture-error")
@@ -86,8 +97,8 @@ class CheckReport:
 
     target: str
     backend: str
-    buckets: List[Any]
-    findings: List[Finding] = field(default_factory=list)
+    buckets: list[Any]
+    findings: list[Finding] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -97,8 +108,17 @@ class CheckReport:
     def to_json(self) -> str:
         """The report as a JSON object: ``target``, ``backend``, ``buckets``,
         ``ok`` and ``findings`` (each :meth:`Finding.to_dict`)."""
-        return json.dumps({"target": self.target, "backend": self.backend, "buckets": list(self.buckets),
-                           "ok": self.ok, "findings": [f.to_dict() for f in self.findings]}, indent=2, default=str)
+        return json.dumps(
+            {
+                "target": self.target,
+                "backend": self.backend,
+                "buckets": list(self.buckets),
+                "ok": self.ok,
+                "findings": [f.to_dict() for f in self.findings],
+            },
+            indent=2,
+            default=str,
+        )
 
     def table(self) -> str:
         """The human-readable report: one row per finding (number, kind,
@@ -133,8 +153,10 @@ def _short(path: str) -> str:
 
 # ------------------------------------------------------------------ the runner to check
 #: What ``graphrunner check`` needs (said by every error about a target that is not that).
-EXPECTED = ("a zero-argument factory returning an uncaptured graphrunner.GraphRunner, or a step with example "
-            "inputs (graphrunner check FILE:STEP --inputs NAME, NAME a dict {argument: example tensor})")
+EXPECTED = (
+    "a zero-argument factory returning an uncaptured graphrunner.GraphRunner, or a step with example "
+    "inputs (graphrunner check FILE:STEP --inputs NAME, NAME a dict {argument: example tensor})"
+)
 
 #: What the lint uses of a runner (``GraphRunner``'s public surface; its ``capturer`` captures in
 #: collect mode): a factory's result without all of it is not a runner.
@@ -146,7 +168,7 @@ def exit_text(exc: SystemExit) -> str:
     return f"called sys.exit({exc.code!r})" if exc.code is not None else "called sys.exit()"
 
 
-def required_parameters(fn: Callable[..., Any]) -> Optional[List[str]]:
+def required_parameters(fn: Callable[..., Any]) -> list[str] | None:
     """The names of ``fn``'s parameters without a default (``*args``/``**kwargs`` excluded), or
     ``None`` when its signature cannot be read."""
     import inspect
@@ -166,17 +188,21 @@ def _make_runner(factory: Callable[[], Any], target: str) -> Any:
             f"{target} takes {len(required)} required argument{'s' if len(required) != 1 else ''} "
             f"({', '.join(required)}): that is a step, not a factory; pass --inputs NAME (a dict "
             f"{{{', '.join(f'{r!r}: tensor' for r in required)}}} of example tensors, or a zero-argument function "
-            "returning one), or point at a zero-argument function that returns an uncaptured GraphRunner")
+            "returning one), or point at a zero-argument function that returns an uncaptured GraphRunner"
+        )
     try:
         runner = factory()
     except SystemExit as exc:
-        raise CheckUsageError(f"{target}() {exit_text(exc)} instead of returning a runner; check needs "
-                              f"{EXPECTED}") from None
+        raise CheckUsageError(
+            f"{target}() {exit_text(exc)} instead of returning a runner; check needs {EXPECTED}"
+        ) from None
     except Exception as exc:
         raise CheckUsageError(f"{target}() raised {type(exc).__name__}: {exc}") from exc
     if isinstance(runner, type) or not all(hasattr(runner, a) for a in _RUNNER_SURFACE):
-        raise CheckUsageError(f"{target}() returned {type(runner).__name__}; the factory must return an "
-                              f"uncaptured graphrunner.GraphRunner (check needs {EXPECTED})")
+        raise CheckUsageError(
+            f"{target}() returned {type(runner).__name__}; the factory must return an "
+            f"uncaptured graphrunner.GraphRunner (check needs {EXPECTED})"
+        )
     if runner.captured:
         raise CheckUsageError(f"{target}() returned a captured GraphRunner; return it before runner.capture()")
     runner.progress = False
@@ -184,7 +210,7 @@ def _make_runner(factory: Callable[[], Any], target: str) -> Any:
 
 
 # ------------------------------------------------------------------ fixes
-def _fix_for(frames: List[Tuple[Any, int]], step_code: Any, backend: str) -> Tuple[str, bool]:
+def _fix_for(frames: list[tuple[Any, int]], step_code: Any, backend: str) -> tuple[str, bool]:
     """The suggested fix for a finding whose user-side stack (innermost
     first, internal frames removed) is ``frames`` of ``(frame, lineno)``;
     returns ``(fix, in_library)``."""
@@ -197,11 +223,15 @@ def _fix_for(frames: List[Tuple[Any, int]], step_code: Any, backend: str) -> Tup
         mine = next(((f, n) for f, n in frames if not is_library(f.f_code.co_filename)), None)
         tail = ""
         if mine is not None and mine[0].f_code is not step_code:
-            tail = (f", or @no_graph your function {_qualname(mine[0])} ({_short(mine[0].f_code.co_filename)}:"
-                    f"{mine[0].f_code.co_firstlineno}) that calls into it{breakable}")
-        return (f"make it an input: this line is inside {lib}, which @no_graph cannot wrap; compute the value "
-                "outside the step and pass it as a tensor input (or keep it in a tensor the step updates in "
-                "place, e.g. a cache object that holds its length as a tensor)" + tail), True
+            tail = (
+                f", or @no_graph your function {_qualname(mine[0])} ({_short(mine[0].f_code.co_filename)}:"
+                f"{mine[0].f_code.co_firstlineno}) that calls into it{breakable}"
+            )
+        return (
+            f"make it an input: this line is inside {lib}, which @no_graph cannot wrap; compute the value "
+            "outside the step and pass it as a tensor input (or keep it in a tensor the step updates in "
+            "place, e.g. a cache object that holds its length as a tensor)" + tail
+        ), True
     return _no_graph_fix(f0, step_code, breakable), False
 
 
@@ -214,23 +244,31 @@ def _no_graph_fix(frame: Any, step_code: Any, breakable: str) -> str:
     code = frame.f_code
     loc = f"{_short(code.co_filename)}:{code.co_firstlineno}"
     if code is step_code:
-        return ("move this line, and the code that uses its value, into a small function decorated with "
-                f"@no_graph that returns tensors (it is in the step function itself){breakable}; {_RETURNS}; "
-                "or make the value a tensor input")
+        return (
+            "move this line, and the code that uses its value, into a small function decorated with "
+            f"@no_graph that returns tensors (it is in the step function itself){breakable}; {_RETURNS}; "
+            "or make the value a tensor input"
+        )
     if code.co_name == "<module>":
         return f"move this code into a function decorated with @no_graph that returns tensors{breakable}"
     self_obj = frame.f_locals.get("self")
     if isinstance(self_obj, torch.nn.Module) and code.co_name == "forward":
-        return (f"@no_graph the forward of module {type(self_obj).__name__} ({loc}) so it runs eagerly at "
-                f"every replay{breakable}; {_RETURNS}; or make the value a tensor input")
-    return (f"@no_graph the enclosing function {_qualname(frame)} ({loc}){breakable}; {_RETURNS}; or make the "
-            "value a tensor input")
+        return (
+            f"@no_graph the forward of module {type(self_obj).__name__} ({loc}) so it runs eagerly at "
+            f"every replay{breakable}; {_RETURNS}; or make the value a tensor input"
+        )
+    return (
+        f"@no_graph the enclosing function {_qualname(frame)} ({loc}){breakable}; {_RETURNS}; or make the "
+        "value a tensor input"
+    )
 
 
 #: The part of a "@no_graph it" fix that keeps it from the frozen-return trap.
-_RETURNS = ("it must return tensors, not the Python value it reads (a number a break returns is frozen into the "
-            "graph after it: return lens.max(), not lens.max().item(), or keep the code that uses the number "
-            "inside the break)")
+_RETURNS = (
+    "it must return tensors, not the Python value it reads (a number a break returns is frozen into the "
+    "graph after it: return lens.max(), not lens.max().item(), or keep the code that uses the number "
+    "inside the break)"
+)
 
 
 # ------------------------------------------------------------------ the lint hook
@@ -238,7 +276,7 @@ class _FirstUnsafe(OpConsumer):
     """Keeps the first op of a forward that a device graph cannot hold, with the user's line."""
 
     def __init__(self) -> None:
-        self.found: Optional[str] = None
+        self.found: str | None = None
 
     def before(self, ev: OpEvent) -> None:
         if self.found is not None or ev.atomic or ev.func.namespace == "c10d" or ev.in_eager_break:
@@ -251,7 +289,7 @@ class _FirstUnsafe(OpConsumer):
             self.found = f"{reason[0]} [op: {reason[1]}] at {where_text(ev.where)}"
 
 
-def first_unsafe_op(forward: Callable[[], Any]) -> Optional[str]:
+def first_unsafe_op(forward: Callable[[], Any]) -> str | None:
     """Run ``forward`` once more, eagerly, and describe its first capture-unsafe op (``"boolean-mask
     indexing ... [op: aten::index.Tensor] at step.py:12 in step"``), or ``None`` when it has none
     (or fails before one). What it writes outside itself is put back
@@ -276,7 +314,7 @@ class _UnsafeOps(OpConsumer):
 
     functions = True
 
-    def __init__(self, lint: "UnsafeOpLint", cap: Capture, skip_eager_breaks: bool):
+    def __init__(self, lint: UnsafeOpLint, cap: Capture, skip_eager_breaks: bool):
         self.lint, self.cap, self.skip = lint, cap, skip_eager_breaks
 
     def before(self, ev: OpEvent) -> None:
@@ -309,12 +347,12 @@ class _BreakReturns:
     finding at the ``return`` line of the function. Calls nested inside a break are plain
     calls, consumed by the break itself: not findings."""
 
-    def __init__(self, lint: "UnsafeOpLint", cap: Capture) -> None:
+    def __init__(self, lint: UnsafeOpLint, cap: Capture) -> None:
         from graphrunner.recording.ops import no_graph_code
 
         self.lint, self.cap = lint, cap
         self.wrapper = no_graph_code()
-        self.codes: Dict[Any, Tuple[str, int]] = {}  # the wrapped functions' code -> last return line
+        self.codes: dict[Any, tuple[str, int]] = {}  # the wrapped functions' code -> last return line
         self.active = False
 
     def start(self) -> None:
@@ -352,7 +390,7 @@ class _BreakReturns:
             spec, leaves = flatten(value, "result", scalars=True)
         except TypeError:
             return  # any other object: the capture itself refuses it (a capture-error finding)
-        values: List[Any] = []
+        values: list[Any] = []
         _scalars(spec, values)
         if not values:
             return
@@ -362,21 +400,37 @@ class _BreakReturns:
         file, line = self.codes.get(fcode, (None, None)) if fcode is not None else (None, None)
         shown = ", ".join(repr(v) for v in values[:3]) + (", ..." if len(values) > 3 else "")
         segments = self.cap.freezes == "segments"
-        what = (f"@no_graph function {name} returned {describe(spec, leaves)} at capture: the Python "
-                f"value{'s' if len(values) != 1 else ''} {shown} "
-                + ("is frozen into the graph segments after the break (a replay where it returns another "
-                   "value raises CaptureError)" if segments else
-                   "is frozen into the graph (a full graph does not break at @no_graph: a replay reuses it "
-                   "silently)"))
-        fix = ("return a tensor (e.g. lens.max(), not lens.max().item()), or keep the consumer inside the break "
-               "(the code that uses the value moves into the @no_graph function)"
-               + ("" if segments else "; and use backend='breakable' (a full graph does not break)"))
-        self.lint.add(self.cap.findings, Finding("frozen-return", what, file, line, name, fix=fix,
-                                                 bucket=self.cap.key,
-                                                 in_library=bool(file and is_library(file))))
+        what = (
+            f"@no_graph function {name} returned {describe(spec, leaves)} at capture: the Python "
+            f"value{'s' if len(values) != 1 else ''} {shown} "
+            + (
+                "is frozen into the graph segments after the break (a replay where it returns another "
+                "value raises CaptureError)"
+                if segments
+                else "is frozen into the graph (a full graph does not break at @no_graph: a replay reuses it silently)"
+            )
+        )
+        fix = (
+            "return a tensor (e.g. lens.max(), not lens.max().item()), or keep the consumer inside the break "
+            "(the code that uses the value moves into the @no_graph function)"
+            + ("" if segments else "; and use backend='breakable' (a full graph does not break)")
+        )
+        self.lint.add(
+            self.cap.findings,
+            Finding(
+                "frozen-return",
+                what,
+                file,
+                line,
+                name,
+                fix=fix,
+                bucket=self.cap.key,
+                in_library=bool(file and is_library(file)),
+            ),
+        )
 
 
-def _scalars(spec: tuple, out: List[Any]) -> None:
+def _scalars(spec: tuple, out: list[Any]) -> None:
     """Append the Python scalars of a pytree ``spec`` (``("S", value)`` entries) to ``out``."""
     tag = spec[0]
     if tag == "S":
@@ -409,9 +463,9 @@ class UnsafeOpLint(CaptureHook):
         self.step_code, self.backend = step_code, backend
         self.seen: set = set()
         #: ``{key: kinds reported for it}`` (also those not added again as repeats of an earlier key's).
-        self.reported: Dict[Any, set] = {}
-        self._streams: Dict[Any, Tuple[Any, Any]] = {}
-        self._breaks: Optional[_BreakReturns] = None
+        self.reported: dict[Any, set] = {}
+        self._streams: dict[Any, tuple[Any, Any]] = {}
+        self._breaks: _BreakReturns | None = None
 
     def warmup_consumers(self, cap: Capture, i: int) -> Sequence[Any]:
         if cap.freezes is None or cap.warmups < 2 or i < cap.warmups - 2:
@@ -454,15 +508,14 @@ class UnsafeOpLint(CaptureHook):
         if breaks is not None:
             breaks.stop()
 
-    def report(self, findings: Optional[List[Finding]], key: Any, what: str, stack: List[Tuple[Any, int]]) -> None:
+    def report(self, findings: list[Finding] | None, key: Any, what: str, stack: list[tuple[Any, int]]) -> None:
         """Record an ``"unsafe-op"`` finding of shape key ``key`` at the innermost frame of ``stack`` (in
         ``findings``, collect mode's list; ``None``: only noted as reported)."""
         loc = (stack[0][0].f_code.co_filename, stack[0][1], stack[0][0].f_code.co_name) if stack else None
         fix, lib = _fix_for(stack, self.step_code, self.backend)
-        self.add(findings, finding_at("unsafe-op", f"{what} at {where(loc)}", loc,
-                                      fix=fix, bucket=key, in_library=lib))
+        self.add(findings, finding_at("unsafe-op", f"{what} at {where(loc)}", loc, fix=fix, bucket=key, in_library=lib))
 
-    def add(self, findings: Optional[List[Finding]], f: Finding) -> None:
+    def add(self, findings: list[Finding] | None, f: Finding) -> None:
         """Append ``f`` unless a finding of its kind was recorded at its line (and, for unsafe
         ops, with its text) before."""
         key = _dedupe_key(f)
@@ -478,9 +531,9 @@ class _Collector:
 
     def __init__(self, lint: UnsafeOpLint) -> None:
         self.lint = lint
-        self.findings: List[Finding] = []
+        self.findings: list[Finding] = []
 
-    def dedupe(self) -> List[Finding]:
+    def dedupe(self) -> list[Finding]:
         """The findings, each kind and line once (the backend's drift check repeats the lint's)."""
         out, seen = [], set()
         for f in self.findings:
@@ -501,16 +554,33 @@ class _Collector:
             self.lint.report(self.findings, key, f"the tape capture raised {type(cause).__name__}", stack)
             return
         if isinstance(cause, GraphRunnerError) or cause is exc:
-            self.findings.append(Finding("capture-error", f"the tape capture raised {type(exc).__name__}: {exc}",
-                                         None, None, None, fix="see the message", bucket=key))
+            self.findings.append(
+                Finding(
+                    "capture-error",
+                    f"the tape capture raised {type(exc).__name__}: {exc}",
+                    None,
+                    None,
+                    None,
+                    fix="see the message",
+                    bucket=key,
+                )
+            )
             return
         # the step itself raised (in a warmup or the capture): locate it in the traceback
         stack = _traceback_stack(cause)
         loc = (stack[0][0].f_code.co_filename, stack[0][1], stack[0][0].f_code.co_name) if stack else None
-        self.lint.add(self.findings, finding_at(
-            "step-error", f"the step raised {type(cause).__name__}: {cause}", loc,
-            fix="fix the step so that it runs eagerly on the bucket's static inputs (the lint could not "
-                "capture this bucket past the error)", bucket=key, in_library=bool(loc and is_library(loc[0]))))
+        self.lint.add(
+            self.findings,
+            finding_at(
+                "step-error",
+                f"the step raised {type(cause).__name__}: {cause}",
+                loc,
+                fix="fix the step so that it runs eagerly on the bucket's static inputs (the lint could not "
+                "capture this bucket past the error)",
+                bucket=key,
+                in_library=bool(loc and is_library(loc[0])),
+            ),
+        )
 
 
 def _dedupe_key(f: Finding) -> tuple:
@@ -519,7 +589,7 @@ def _dedupe_key(f: Finding) -> tuple:
     return (f.kind, (f.file, f.line), None if f.kind in ("drift", "step-error", "frozen-return") else f.what)
 
 
-def _traceback_stack(exc: BaseException) -> List[Tuple[Any, int]]:
+def _traceback_stack(exc: BaseException) -> list[tuple[Any, int]]:
     """The non-internal frames of ``exc``'s traceback, innermost first."""
     frames = []
     tb = exc.__traceback__
@@ -548,8 +618,10 @@ def check_runner(runner: Any, target: str) -> CheckReport:
     runner.progress = False
     backend = runner.backend
     if getattr(backend, "disabled_by", None):
-        raise CheckUsageError(f"{backend.disabled_by} is set: every runner serves eagerly and captures no graph, "
-                              "so there is nothing to check; unset it for graphrunner check")
+        raise CheckUsageError(
+            f"{backend.disabled_by} is set: every runner serves eagerly and captures no graph, "
+            "so there is nothing to check; unset it for graphrunner check"
+        )
     name = str(getattr(backend, "name", type(backend).__name__))
     buckets = list(runner.buckets)
     lint = UnsafeOpLint(getattr(runner.step, "__code__", None), name)
@@ -561,8 +633,10 @@ def check_runner(runner: Any, target: str) -> CheckReport:
     try:
         runner.capturer.capture(runner.agree_bucket, collector)
     except SystemExit as exc:
-        raise CheckUsageError(f"the step of {target} {exit_text(exc)} during its capture; a step must return "
-                              "its outputs (check needs a runner whose step runs)") from None
+        raise CheckUsageError(
+            f"the step of {target} {exit_text(exc)} during its capture; a step must return "
+            "its outputs (check needs a runner whose step runs)"
+        ) from None
     finally:
         if hooks is not None:
             lint._stop_watching()

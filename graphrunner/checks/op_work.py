@@ -7,7 +7,6 @@ padding check counts its run A with an :class:`OpWork` consumer on the op record
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Union
 
 import torch
 
@@ -16,14 +15,25 @@ from graphrunner.recording.ops import OpConsumer, OpEvent
 __all__ = ["MATMUL_ARG", "OpWork", "work_kind"]
 
 #: Matmul-like aten ops: the argument whose last dim is the reduction (``K``).
-MATMUL_ARG: Dict[str, int] = {
-    "aten::mm": 0, "aten::addmm": 1, "aten::bmm": 0, "aten::baddbmm": 1, "aten::addbmm": 1,
-    "aten::mv": 0, "aten::addmv": 1, "aten::dot": 0, "aten::vdot": 0, "aten::matmul": 0,
-    "aten::linear": 0, "aten::_scaled_mm": 0, "aten::_int_mm": 0}
+MATMUL_ARG: dict[str, int] = {
+    "aten::mm": 0,
+    "aten::addmm": 1,
+    "aten::bmm": 0,
+    "aten::baddbmm": 1,
+    "aten::addbmm": 1,
+    "aten::mv": 0,
+    "aten::addmv": 1,
+    "aten::dot": 0,
+    "aten::vdot": 0,
+    "aten::matmul": 0,
+    "aten::linear": 0,
+    "aten::_scaled_mm": 0,
+    "aten::_int_mm": 0,
+}
 #: How an op reads its reduction length: the index of the argument whose last dim it is, ``"sdpa"``
 #: (attention: the head dim or the key count), ``"conv"`` (the kernel's cells), or ``None`` (no matmul).
-WorkKind = Optional[Union[int, str]]
-_WORK_KINDS: Dict[object, WorkKind] = {}  # op overload -> how to read its reduction length
+WorkKind = int | str | None
+_WORK_KINDS: dict[object, WorkKind] = {}  # op overload -> how to read its reduction length
 
 
 def work_kind(func: torch._ops.OpOverload) -> WorkKind:

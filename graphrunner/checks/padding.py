@@ -50,8 +50,9 @@ The check in modules (none knows about graphs; the runner builds one check per k
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -60,10 +61,18 @@ from graphrunner.keys import region
 if TYPE_CHECKING:
     from graphrunner.keys import KeySpace
 
-__all__ = ["PaddingCheck", "PerRunner", "FollowValues", "exempt_prefixes", "is_exempt", "check_sizes", "second_sizes",
-           "real_cells"]
+__all__ = [
+    "PaddingCheck",
+    "PerRunner",
+    "FollowValues",
+    "exempt_prefixes",
+    "is_exempt",
+    "check_sizes",
+    "second_sizes",
+    "real_cells",
+]
 
-Sizes = Tuple[int, ...]
+Sizes = tuple[int, ...]
 
 
 class PaddingCheck:
@@ -78,7 +87,7 @@ class PaddingCheck:
 
     name = "padding"
 
-    def __init__(self, exempt: Union[str, Sequence[str]] = ()) -> None:
+    def __init__(self, exempt: str | Sequence[str] = ()) -> None:
         self.exempt = exempt_prefixes(exempt)
         #: Integer inputs already warned about (no bounds): one warning per runner; it also carries
         #: the follow-up values the runner's keys have drawn (:class:`PerRunner`).
@@ -88,7 +97,7 @@ class PaddingCheck:
         return f"PaddingCheck(exempt={self.exempt!r})"
 
 
-class PerRunner(Set[str]):
+class PerRunner(set[str]):
     """What the padding checks of one runner's keys share: the names of the integer inputs already
     warned about (the set), and per integer input the follow-up values drawn so far
     (:attr:`follow`: ``name -> (permutation of its real values but the pad, next offset)``), so the
@@ -96,7 +105,7 @@ class PerRunner(Set[str]):
 
     def __init__(self) -> None:
         super().__init__()
-        self.follow: Dict[str, FollowValues] = {}
+        self.follow: dict[str, FollowValues] = {}
 
 
 @dataclass
@@ -108,7 +117,7 @@ class FollowValues:
     offset: int = 0
 
 
-def exempt_prefixes(exempt: Union[str, Sequence[str]]) -> Tuple[str, ...]:
+def exempt_prefixes(exempt: str | Sequence[str]) -> tuple[str, ...]:
     """``PaddingCheck(exempt=...)`` as leaf-path prefixes.
 
     Each entry is a dict output key (``"total"`` -> ``output['total']``) or a
@@ -120,21 +129,25 @@ def exempt_prefixes(exempt: Union[str, Sequence[str]]) -> Tuple[str, ...]:
     try:
         items = tuple(exempt)
     except TypeError:
-        raise TypeError(f"PaddingCheck(exempt=...) must be a tuple of output names such as ('total',), got {exempt!r}") from None
-    out: List[str] = []
+        raise TypeError(
+            f"PaddingCheck(exempt=...) must be a tuple of output names such as ('total',), got {exempt!r}"
+        ) from None
+    out: list[str] = []
     for e in items:
         if not isinstance(e, str) or not e:
-            raise TypeError(f"PaddingCheck(exempt=...) entries must be dict output keys or output paths (strings), got {e!r}")
+            raise TypeError(
+                f"PaddingCheck(exempt=...) entries must be dict output keys or output paths (strings), got {e!r}"
+            )
         out.append(e if e == "output" or e.startswith("output[") or e.startswith("output.") else f"output[{e!r}]")
     return tuple(out)
 
 
-def is_exempt(path: str, prefixes: Tuple[str, ...]) -> bool:
+def is_exempt(path: str, prefixes: tuple[str, ...]) -> bool:
     """Whether output leaf ``path`` is one of ``prefixes`` (:func:`exempt_prefixes`) or inside one."""
     return any(path == p or path.startswith(p + "[") or path.startswith(p + ".") for p in prefixes)
 
 
-def check_sizes(space: KeySpace, key: Sizes) -> Optional[Sizes]:
+def check_sizes(space: KeySpace, key: Sizes) -> Sizes | None:
     """The real sizes the leak check of ``key`` uses, or ``None`` when no smaller call replays ``key``.
 
     Dim by dim, in key order: the smallest size that still replays ``key``
@@ -154,14 +167,14 @@ def check_sizes(space: KeySpace, key: Sizes) -> Optional[Sizes]:
         for n in sorted(cands):
             if n >= key[j]:
                 break
-            trial = tuple(sizes[:j] + [n] + sizes[j + 1:])
+            trial = tuple(sizes[:j] + [n] + sizes[j + 1 :])
             if space.choose(trial)[0] == key:
                 sizes[j] = n
                 break
     return None if tuple(sizes) == key else tuple(sizes)
 
 
-def second_sizes(space: KeySpace, key: Sizes, sizes: Sizes) -> Optional[Sizes]:
+def second_sizes(space: KeySpace, key: Sizes, sizes: Sizes) -> Sizes | None:
     """Real sizes between ``sizes`` (:func:`check_sizes`) and ``key`` that still pad and still
     replay ``key`` (``key - 1`` in every dim that pads), or ``None`` when there are none: the
     padding check's second real size, so that the padded count varies."""
@@ -171,7 +184,6 @@ def second_sizes(space: KeySpace, key: Sizes, sizes: Sizes) -> Optional[Sizes]:
     return s2
 
 
-def real_cells(t: torch.Tensor, didx: Tuple[int, ...], sizes: Sizes) -> torch.Tensor:
+def real_cells(t: torch.Tensor, didx: tuple[int, ...], sizes: Sizes) -> torch.Tensor:
     """The real cells ``sizes`` of output leaf ``t`` on its leading dims ``didx`` (a 0-dim leaf whole)."""
     return t if t.dim() == 0 or not didx else t[region(sizes, didx)]
-

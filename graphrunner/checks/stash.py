@@ -42,20 +42,21 @@ import os
 import re
 import types
 import weakref
-from typing import Any, Collection, Dict, List, Literal, Optional, Sequence, Set, Tuple
+from collections.abc import Collection, Sequence
+from typing import Any, Literal
 
 import torch
 
 from graphrunner._aten import storage_key, tensors_in
 from graphrunner._frames import is_library
+from graphrunner.errors import CaptureError
 from graphrunner.recording.hooks import Capture, CaptureHook, Finding
 from graphrunner.recording.ops import _FRESH_RETURNS as _FRESH
 from graphrunner.recording.ops import _UNKNOWN, OpConsumer, OpEvent, _fresh_returns
-from graphrunner.errors import CaptureError
 
 __all__ = ["StashCheck", "StashWatch", "attribute_names", "captured_cache"]
 
-Where = Tuple[str, int, str]
+Where = tuple[str, int, str]
 
 
 def captured_cache(t: torch.Tensor) -> torch.Tensor:
@@ -77,10 +78,10 @@ class StashWatch(OpConsumer):
     memory (not constants), with the user's line that made each."""
 
     def __init__(self) -> None:
-        self.made: List[Tuple[weakref.ref, Optional[Where]]] = []
+        self.made: list[tuple[weakref.ref, Where | None]] = []
         self.created: set = set()  # storages the capture's ops made
         self.const: set = set()  # ... of those, the ones made from constants only
-        self.files: Set[str] = set()  # the user's source files the ops ran in
+        self.files: set[str] = set()  # the user's source files the ops ran in
 
     def after(self, ev: OpEvent) -> None:
         out = ev.out
@@ -133,7 +134,7 @@ class StashWatch(OpConsumer):
                         self.files.add(where[0])
                 self.made.append((weakref.ref(t), where))
 
-    def alive(self) -> List[Tuple[torch.Tensor, Optional[Where]]]:
+    def alive(self) -> list[tuple[torch.Tensor, Where | None]]:
         """The tensors it saw made that are still alive (not constants), each once."""
         out, seen = [], set()
         for w, where in self.made:
@@ -158,8 +159,8 @@ class StashCheck(CaptureHook):
     name = "stash"
 
     def __init__(self) -> None:
-        self._watch: Dict[Any, StashWatch] = {}
-        self._tokens: Dict[Any, Any] = {}
+        self._watch: dict[Any, StashWatch] = {}
+        self._tokens: dict[Any, Any] = {}
 
     def capture_consumers(self, cap: Capture) -> Sequence[Any]:
         if cap.freezes is None:
@@ -204,13 +205,14 @@ class StashCheck(CaptureHook):
             except ValueError:  # set in another context (a hook run elsewhere): leave it
                 stash_reported_elsewhere.set(False)
 
-    def _report(self, cap: Capture, t: torch.Tensor, attr: str, made: Optional[Where],
-                site: Optional[Tuple[str, int, str, str]]) -> None:
+    def _report(
+        self, cap: Capture, t: torch.Tensor, attr: str, made: Where | None, site: tuple[str, int, str, str] | None
+    ) -> None:
         desc = f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
         if site is not None:
             file, line, func, text = site
             at = f"assigned at {file}:{line} in {func}: `{text}`"
-            loc: Optional[Where] = (file, line, func)
+            loc: Where | None = (file, line, func)
         elif made is not None:
             at = f"made at {made[0]}:{made[1]} in {made[2]}"
             loc = made
@@ -222,17 +224,30 @@ class StashCheck(CaptureHook):
         on_module = m is not None and m.group("owner") in sys.modules
         short = (m.group("attr") + m.group("rest")) if m else attr
         short = short if on_module else f"self.{short}"
-        what = (f"a tensor made during the capture of shape key {cap.key!r} ({desc}) is kept in {attr} after it "
-                f"({at}). A graph does not run Python at replay, so {attr} is never re-bound: every later call, "
-                "replayed or eager, of any bucket, reads the tensor this capture left there, and the tensor the "
-                "graph updates is not the one the next call reads: state kept this way replays stale")
-        fix = (f"write the state in place into a tensor allocated before capture ({short}.copy_(new), "
-               f"{short}.index_copy_(0, slots, h), {short}[slots] = h), or return the tensor as an "
-               f"output; if it is a deliberate cache read only inside the step, mark it: "
-               f"graphrunner.checks.captured_cache(tensor)")
-        cap.fail(CaptureError(f"{what}. Fix: {fix}."),
-                 Finding("stashed-state", what, loc[0] if loc else None, loc[1] if loc else None,
-                         loc[2] if loc else None, fix=fix, in_library=bool(loc and is_library(loc[0]))))
+        what = (
+            f"a tensor made during the capture of shape key {cap.key!r} ({desc}) is kept in {attr} after it "
+            f"({at}). A graph does not run Python at replay, so {attr} is never re-bound: every later call, "
+            "replayed or eager, of any bucket, reads the tensor this capture left there, and the tensor the "
+            "graph updates is not the one the next call reads: state kept this way replays stale"
+        )
+        fix = (
+            f"write the state in place into a tensor allocated before capture ({short}.copy_(new), "
+            f"{short}.index_copy_(0, slots, h), {short}[slots] = h), or return the tensor as an "
+            f"output; if it is a deliberate cache read only inside the step, mark it: "
+            f"graphrunner.checks.captured_cache(tensor)"
+        )
+        cap.fail(
+            CaptureError(f"{what}. Fix: {fix}."),
+            Finding(
+                "stashed-state",
+                what,
+                loc[0] if loc else None,
+                loc[1] if loc else None,
+                loc[2] if loc else None,
+                fix=fix,
+                in_library=bool(loc and is_library(loc[0])),
+            ),
+        )
 
 
 # ----------------------------------------------------------------- which attribute keeps it
@@ -243,7 +258,9 @@ _CONTAINER_DEPTH = 3
 _MAX_OBJECTS = 50_000
 
 
-def attribute_names(tensors: Dict[int, torch.Tensor], roots: Sequence[Any], files: Collection[str] = ()) -> Dict[int, List[str]]:
+def attribute_names(
+    tensors: dict[int, torch.Tensor], roots: Sequence[Any], files: Collection[str] = ()
+) -> dict[int, list[str]]:
     """``{id(tensor): ["Owner.attr", "Owner.attr[0]['k']", "module.NAME", ...]}``: where each of
     ``tensors`` is kept, looked for from ``roots`` down (a callable's closure cells, bound object and
     wrapped function; objects' attributes, ``nn.Module`` buffers, parameters and submodules, lists,
@@ -268,10 +285,10 @@ class _AttributeWalk:
     """One walk of :func:`attribute_names`: the names ``found`` so far, the objects ``seen``, and
     the ``budget`` of objects left to visit."""
 
-    def __init__(self, tensors: Dict[int, torch.Tensor]) -> None:
+    def __init__(self, tensors: dict[int, torch.Tensor]) -> None:
         self.tensors = tensors
-        self.found: Dict[int, List[str]] = {}
-        self.seen: Set[int] = set()
+        self.found: dict[int, list[str]] = {}
+        self.seen: set[int] = set()
         self.budget = _MAX_OBJECTS
 
     def add(self, t: Any, path: str) -> None:
@@ -339,17 +356,17 @@ class _AttributeWalk:
             self.value(v, f"{label}.{k}", depth, 0)
 
 
-_BY_FILE: List[Any] = [-1, {}]  # [len(sys.modules) when built, {absolute source path: [module]}]
+_BY_FILE: list[Any] = [-1, {}]  # [len(sys.modules) when built, {absolute source path: [module]}]
 
 
-def _modules_by_file() -> Dict[str, List[Any]]:
+def _modules_by_file() -> dict[str, list[Any]]:
     """``{absolute source path: [module]}`` of the imported modules (not graphrunner's own), rebuilt
     only when the number of imported modules changed: a scan of ``sys.modules`` (thousands of
     modules with torch and transformers) per captured key cost ~10 ms."""
     import sys
 
     if _BY_FILE[0] != len(sys.modules):
-        table: Dict[str, List[Any]] = {}
+        table: dict[str, list[Any]] = {}
         for m in list(sys.modules.values()):
             f = getattr(m, "__file__", None)
             name = getattr(m, "__name__", "") or ""
@@ -366,10 +383,10 @@ def _ours(o: Any) -> bool:
 
 # ----------------------------------------------------------------- where the attribute is assigned
 _ATTR = re.compile(r"^(?P<owner>.*)\.(?P<attr>[A-Za-z_]\w*)(?P<rest>(?:\[[^\]]*\])*)$")
-_TREES: Dict[str, Tuple[float, Optional[ast.AST], List[str]]] = {}
+_TREES: dict[str, tuple[float, ast.AST | None, list[str]]] = {}
 
 
-def _tree(file: str) -> Tuple[Optional[ast.AST], List[str]]:
+def _tree(file: str) -> tuple[ast.AST | None, list[str]]:
     try:
         mtime = os.path.getmtime(file)
     except OSError:
@@ -380,7 +397,7 @@ def _tree(file: str) -> Tuple[Optional[ast.AST], List[str]]:
     try:
         with open(file, encoding="utf-8") as fh:
             src = fh.read()
-        tree: Optional[ast.AST] = ast.parse(src)
+        tree: ast.AST | None = ast.parse(src)
     except (OSError, SyntaxError, ValueError):
         tree, src = None, ""
     lines = src.splitlines()
@@ -388,7 +405,7 @@ def _tree(file: str) -> Tuple[Optional[ast.AST], List[str]]:
     return tree, lines
 
 
-def _assignment(attr: str, made: Optional[Where], segments: bool) -> "Optional[Tuple[str, int, str, str]] | Literal[False]":
+def _assignment(attr: str, made: Where | None, segments: bool) -> tuple[str, int, str, str] | None | Literal[False]:
     """``(file, line, function, source)`` of the assignment of ``attr`` (``"Owner.name[...]"``) in
     the file the tensor was made in, nearest after that line in the same function first; ``None``
     when not found; ``False`` when ``segments`` and it lies in a ``@no_graph`` function."""
@@ -399,7 +416,7 @@ def _assignment(attr: str, made: Optional[Where], segments: bool) -> "Optional[T
     tree, lines = _tree(made[0])
     if tree is None:
         return None
-    sites: List[Tuple[int, str, bool]] = []  # (line, function, inside a @no_graph function)
+    sites: list[tuple[int, str, bool]] = []  # (line, function, inside a @no_graph function)
 
     def visit(node: ast.AST, func: str, in_break: bool) -> None:
         for child in ast.iter_child_nodes(node):
@@ -425,7 +442,7 @@ def _assignment(attr: str, made: Optional[Where], segments: bool) -> "Optional[T
 def _assigns(node: ast.AST, name: str) -> bool:
     """``node`` binds attribute or global ``name``: ``x.name = ...`` (also augmented, annotated,
     through a subscript), ``name[...] = ...``, ``setattr(x, "name", ...)``, ``x.register_buffer("name", ...)``."""
-    targets: List[ast.AST] = []
+    targets: list[ast.AST] = []
     if isinstance(node, ast.Assign):
         targets = list(node.targets)
     elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):

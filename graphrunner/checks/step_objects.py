@@ -9,7 +9,8 @@ attributes they re-bind, so that the check's extra runs all start from the same 
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Set, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -18,14 +19,14 @@ from graphrunner._aten import storage_key
 __all__ = ["PythonNumbers", "Snapshot", "named_cells", "step_objects", "tensor_attributes"]
 
 #: ``[(object or class, attribute, value)]``: the attributes :class:`PythonNumbers` keeps.
-Snapshot = List[Tuple[Any, str, Any]]
+Snapshot = list[tuple[Any, str, Any]]
 
 
-def named_cells(step: Callable[..., Any], cells: List[Tuple[torch.Tensor, torch.Tensor]]) -> List[str]:
+def named_cells(step: Callable[..., Any], cells: list[tuple[torch.Tensor, torch.Tensor]]) -> list[str]:
     """``["SlotState.state[0, :]", ...]``: the tensors (by attribute, when the step's objects hold
     them) and the cells only the padded call wrote."""
     named = tensor_attributes(step)
-    out: List[str] = []
+    out: list[str] = []
     for t, offs in cells:
         k = storage_key(t)
         hit = next(((n, v) for n, v in named if storage_key(v) == k and v.dtype == t.dtype), None)
@@ -46,7 +47,7 @@ def _cells_text(v: torch.Tensor, offs: torch.Tensor) -> str:
     rel = rel[(rel >= 0) & (rel < v.numel())]
     if not rel.numel():
         return ""
-    parts: List[Any] = []  # a dim's value, or its text
+    parts: list[Any] = []  # a dim's value, or its text
     for size, stride in zip(v.shape, v.stride()):
         vals = torch.unique((rel // stride) % size).tolist()
         if len(vals) == size and size > 1:
@@ -58,13 +59,13 @@ def _cells_text(v: torch.Tensor, offs: torch.Tensor) -> str:
     return "[" + ", ".join(map(str, parts)) + "]"
 
 
-def step_objects(step: Callable[..., Any]) -> List[Tuple[str, Any]]:
+def step_objects(step: Callable[..., Any]) -> list[tuple[str, Any]]:
     """``[(label, object)]`` the step reaches: the step, the object of a bound method, a closure's
     cells; ``nn.Module`` children by attribute (``TinyDecoder.layers``), plain objects' attributes
     one level down. What :func:`tensor_attributes` and :class:`PythonNumbers` look in."""
-    roots: List[Any] = []
-    seen: Set[int] = set()
-    out: List[Tuple[str, Any]] = []
+    roots: list[Any] = []
+    seen: set[int] = set()
+    out: list[tuple[str, Any]] = []
     for r in (step, getattr(step, "__self__", None), getattr(step, "func", None)):
         if r is not None:
             roots.append(r)
@@ -85,21 +86,29 @@ def step_objects(step: Callable[..., Any]) -> List[Tuple[str, Any]]:
         for n, v in list(attrs.items()):
             if isinstance(v, torch.nn.Module) and not n.startswith("_"):
                 visit(v, f"{label}.{n}", depth + 1)
-            elif depth == 0 and hasattr(v, "__dict__") and not callable(v) and not isinstance(v, type) \
-                    and not isinstance(v, torch.Tensor):
+            elif (
+                depth == 0
+                and hasattr(v, "__dict__")
+                and not callable(v)
+                and not isinstance(v, type)
+                and not isinstance(v, torch.Tensor)
+            ):
                 visit(v, f"{label}.{n}", depth + 1)
 
     for r in roots:
-        if isinstance(r, (torch.nn.Module,)) or (hasattr(r, "__dict__") and not callable(r)) or \
-                (callable(r) and hasattr(r, "__dict__") and not isinstance(r, type) and not hasattr(r, "__code__")):
+        if (
+            isinstance(r, (torch.nn.Module,))
+            or (hasattr(r, "__dict__") and not callable(r))
+            or (callable(r) and hasattr(r, "__dict__") and not isinstance(r, type) and not hasattr(r, "__code__"))
+        ):
             visit(r, type(r).__name__, 0)
     return out
 
 
-def tensor_attributes(step: Callable[..., Any]) -> List[Tuple[str, torch.Tensor]]:
+def tensor_attributes(step: Callable[..., Any]) -> list[tuple[str, torch.Tensor]]:
     """``[(name, tensor)]`` of the tensors the step's objects hold (:func:`step_objects`);
     ``nn.Module`` buffers and parameters by their path (``TinyDecoder.layers.0.k_cache``)."""
-    out: List[Tuple[str, torch.Tensor]] = []
+    out: list[tuple[str, torch.Tensor]] = []
     for label, obj in step_objects(step):
         if isinstance(obj, torch.nn.Module):
             for n, t in list(obj.named_buffers()) + list(obj.named_parameters()):
@@ -128,11 +137,12 @@ class PythonNumbers:
 
     def __init__(self, step: Callable[..., Any]) -> None:
         reached = [obj for _, obj in step_objects(step)]
-        self.objects: List[Any] = [obj for obj in reached
-                        if isinstance(getattr(obj, "__dict__", None), dict) and not isinstance(obj, type)]
+        self.objects: list[Any] = [
+            obj for obj in reached if isinstance(getattr(obj, "__dict__", None), dict) and not isinstance(obj, type)
+        ]
         # the user's classes of those objects (and their bases): a counter kept in a class attribute
         # (``Step.calls += 1``) is Python state the step re-binds just like ``self.calls``
-        classes: List[type] = []
+        classes: list[type] = []
         for obj in reached:
             for cls in getattr(obj if isinstance(obj, type) else type(obj), "__mro__", ()):
                 mod = getattr(cls, "__module__", "") or ""
@@ -143,11 +153,15 @@ class PythonNumbers:
 
     def snapshot(self) -> Snapshot:
         """``[(object or class, attribute, value)]`` of every number and tensor attribute now."""
-        return [(obj, n, v) for obj in self.objects for n, v in list(vars(obj).items())
-                if type(v) in (int, float, bool) or isinstance(v, torch.Tensor)]
+        return [
+            (obj, n, v)
+            for obj in self.objects
+            for n, v in list(vars(obj).items())
+            if type(v) in (int, float, bool) or isinstance(v, torch.Tensor)
+        ]
 
     @staticmethod
-    def put(snapshot: Optional[Snapshot]) -> None:
+    def put(snapshot: Snapshot | None) -> None:
         """Write ``snapshot``'s values back where they changed."""
         for obj, n, v in snapshot or ():
             if vars(obj).get(n, v) is v:

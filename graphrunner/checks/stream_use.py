@@ -40,23 +40,26 @@ untouched.
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from graphrunner._aten import storage_key, tensors_in
 from graphrunner._frames import where as where_text
 from graphrunner.checks.findings import finding_at
+from graphrunner.errors import CaptureError
 from graphrunner.recording.hooks import Capture, CaptureHook
 from graphrunner.recording.ops import OpConsumer, OpEvent
-from graphrunner.errors import CaptureError
 from graphrunner.tape.streams import CLOCKS, StreamClocks
 
 __all__ = ["StreamCheck", "cuda_clocks"]
 
-_JOIN = ("join the side stream back before the data is used: current_stream().wait_stream(side) right after "
-         "the side-stream work (inside the eager break, so before the next graph segment), or record an event "
-         "on the side stream after the work and wait on it")
+_JOIN = (
+    "join the side stream back before the data is used: current_stream().wait_stream(side) right after "
+    "the side-stream work (inside the eager break, so before the next graph segment), or record an event "
+    "on the side stream after the work and wait on it"
+)
 
 
 # ----------------------------------------------------------------- ledgers
@@ -83,7 +86,7 @@ class _TapeLedger:
         pass
 
 
-_CUDA_LEDGERS: "List[StreamClocks]" = []
+_CUDA_LEDGERS: list[StreamClocks] = []
 _CUDA_LOCK = threading.Lock()
 _REGISTERED = False
 
@@ -92,6 +95,7 @@ def _each(method: str):
     def cb(*args: Any) -> None:
         for c in list(_CUDA_LEDGERS):
             getattr(c, method)(*args)
+
     return cb
 
 
@@ -172,11 +176,11 @@ class _Watch(OpConsumer):
 
     eager_breaks = True  # see the bodies of eager breaks too (RecordingDevice.eager_break_context)
 
-    def __init__(self, check: "StreamCheck", cap: Capture, ledger: Any) -> None:
+    def __init__(self, check: StreamCheck, cap: Capture, ledger: Any) -> None:
         self.check, self.cap, self.ledger = check, cap, ledger
-        self.writes: Dict[int, _Write] = {}
+        self.writes: dict[int, _Write] = {}
         self.main = ledger.current()
-        self.side: Dict[int, _Write] = {}  # stream -> its last write (streams other than the main one)
+        self.side: dict[int, _Write] = {}  # stream -> its last write (streams other than the main one)
         self._now = (self.main, 0)
 
     def before(self, ev: OpEvent) -> None:
@@ -226,16 +230,17 @@ class StreamCheck(CaptureHook):
 
     name = "streams"
 
-    def __init__(self, names: Optional[Dict[int, str]] = None, step: Any = None) -> None:
+    def __init__(self, names: dict[int, str] | None = None, step: Any = None) -> None:
         self.names = dict(names or {})
         self.step = step
         self._ledger: Any = None
-        self._watch: Optional[_Watch] = None
-        self._paths: Optional[Dict[int, str]] = None
+        self._watch: _Watch | None = None
+        self._paths: dict[int, str] | None = None
 
     def begin(self, cap: Capture) -> None:
-        self._ledger = _CudaLedger(cap.backend.device) if getattr(cap.backend.device, "kind", "") == "cuda" \
-            else _TapeLedger()
+        self._ledger = (
+            _CudaLedger(cap.backend.device) if getattr(cap.backend.device, "kind", "") == "cuda" else _TapeLedger()
+        )
         self._paths = None
 
     def capture_consumers(self, cap: Capture) -> Sequence[Any]:
@@ -253,10 +258,12 @@ class StreamCheck(CaptureHook):
             if s != now and not w.reported and not led.clocks.knows(now, s, w.t):
                 w.reported = True
                 what = self._tensor(cap, None, w)
-                msg = (f"stream ownership: {led.name(s)} still runs unjoined work when the capture of shape key "
-                       f"{cap.key!r} ends: its last write ({w.op} into {what} at {where_text(w.where)}"
-                       f"{self._in_break(w.brk)}) was never waited for by {led.name(now)}, so the next replay, "
-                       f"and whatever reads {what} after it, races that write. To fix: {_JOIN}.")
+                msg = (
+                    f"stream ownership: {led.name(s)} still runs unjoined work when the capture of shape key "
+                    f"{cap.key!r} ends: its last write ({w.op} into {what} at {where_text(w.where)}"
+                    f"{self._in_break(w.brk)}) was never waited for by {led.name(now)}, so the next replay, "
+                    f"and whatever reads {what} after it, races that write. To fix: {_JOIN}."
+                )
                 cap.fail(CaptureError(msg), finding_at("stream-unjoined", msg, w.where, fix=_JOIN))
 
     def end(self, cap: Capture) -> None:
@@ -270,7 +277,7 @@ class StreamCheck(CaptureHook):
     def _in_break(fn: Any) -> str:
         return f", in eager break {_fn_name(fn)}" if fn is not None else ""
 
-    def _tensor(self, cap: Capture, x: Optional[torch.Tensor], w: _Write) -> str:
+    def _tensor(self, cap: Capture, x: torch.Tensor | None, w: _Write) -> str:
         k = storage_key(x) if x is not None else None
         if k is None:
             k = next((key for key, ww in (self._watch.writes.items() if self._watch else ()) if ww is w), None)
@@ -292,13 +299,20 @@ class StreamCheck(CaptureHook):
 
     def _hazard(self, cap: Capture, led: Any, ev: OpEvent, x: torch.Tensor, w: _Write, reader: int) -> None:
         what = self._tensor(cap, x, w)
-        place = (f"in eager break {_fn_name(ev.break_fn)}" if ev.in_eager_break
-                 else "in a graph segment" if cap.freezes is not None else "in the step")
+        place = (
+            f"in eager break {_fn_name(ev.break_fn)}"
+            if ev.in_eager_break
+            else "in a graph segment"
+            if cap.freezes is not None
+            else "in the step"
+        )
         verb = "writes" if any(storage_key(t) == storage_key(x) for t in ev.written) else "reads"
-        msg = (f"stream ownership: {led.name(reader)} {verb} {what} ({ev.op} at {where_text(ev.where)}, {place}) "
-               f"but its last write ({w.op} at {where_text(w.where)}{self._in_break(w.brk)}) ran on "
-               f"{led.name(w.stream)}, with no join in between (wait_stream, or a wait on an event recorded after "
-               f"the write), at the capture of shape key {cap.key!r}. On a GPU this read races the write and may "
-               "see the value from before it (silent corruption under load; the tape shows that stale value when "
-               f"this check is off). To fix: {_JOIN}.")
+        msg = (
+            f"stream ownership: {led.name(reader)} {verb} {what} ({ev.op} at {where_text(ev.where)}, {place}) "
+            f"but its last write ({w.op} at {where_text(w.where)}{self._in_break(w.brk)}) ran on "
+            f"{led.name(w.stream)}, with no join in between (wait_stream, or a wait on an event recorded after "
+            f"the write), at the capture of shape key {cap.key!r}. On a GPU this read races the write and may "
+            "see the value from before it (silent corruption under load; the tape shows that stale value when "
+            f"this check is off). To fix: {_JOIN}."
+        )
         cap.fail(CaptureError(msg), finding_at("stream-hazard", msg, ev.where, fix=_JOIN))

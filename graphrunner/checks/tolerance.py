@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -43,10 +42,10 @@ STORAGE_ULPS = 2.0
 #: step adds its own.
 ACCUMULATION_ULPS = 16.0
 #: ``reduction * matmuls`` assumed when a comparison does not know them.
-UNKNOWN_WORK = 2 ** 20
+UNKNOWN_WORK = 2**20
 
 
-def admitted(b: torch.Tensor, noise: "Noise | None" = None) -> torch.Tensor:
+def admitted(b: torch.Tensor, noise: Noise | None = None) -> torch.Tensor:
     """Per element of ``b`` (the reference), the absolute difference a tolerant comparison admits,
     as float64::
 
@@ -74,7 +73,7 @@ def admitted(b: torch.Tensor, noise: "Noise | None" = None) -> torch.Tensor:
     return (mag + torch.maximum(col, whole / 8)) * factor
 
 
-def difference(a: torch.Tensor, b: torch.Tensor, tolerant: "bool | Noise" = False) -> Optional[float]:
+def difference(a: torch.Tensor, b: torch.Tensor, tolerant: bool | Noise = False) -> float | None:
     """``None`` if equal (NaN equals NaN), else the max abs difference (inf for a shape or dtype change).
 
     ``tolerant`` (``True`` or a :class:`Noise` saying where the tensors come from): floating-point

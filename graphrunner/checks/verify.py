@@ -27,19 +27,19 @@ snapshot of what it writes; nothing on the other calls.
 from __future__ import annotations
 
 import os
-from typing import Any, List, Optional, Tuple
+from typing import Any
 
 import torch
 
 from graphrunner._pytree import flatten
+from graphrunner.errors import ContractError
 from graphrunner.recording.ops import OpRecorder, WriteGuard
 from graphrunner.tape.rng import OwnedGenerators
-from graphrunner.errors import ContractError
 
 __all__ = ["verify_every_setting", "shadow_reference", "shadow_verify"]
 
 
-def verify_every_setting(verify_every: Optional[int], debug: bool) -> int:
+def verify_every_setting(verify_every: int | None, debug: bool) -> int:
     """``GraphRunner(verify_every=...)`` as an int (0: off): the argument, else
     ``$GRAPHRUNNER_VERIFY_EVERY``, else 1 in debug mode, else 0. Raises ``ValueError``/``TypeError``
     for anything but an int >= 0."""
@@ -59,7 +59,7 @@ def verify_every_setting(verify_every: Optional[int], debug: bool) -> int:
     return verify_every
 
 
-def shadow_reference(server: Any, sizes: Tuple[int, ...], key: Tuple[int, ...]) -> List[torch.Tensor]:
+def shadow_reference(server: Any, sizes: tuple[int, ...], key: tuple[int, ...]) -> list[torch.Tensor]:
     """The eager reference of a call about to replay ``key`` with real ``sizes``: the step on a copy of
     the key's padded static inputs, run BEFORE the replay (so state the step updates, a counter or
     an accumulator, is seen as the replay will see it) and with everything it writes outside
@@ -81,15 +81,21 @@ def shadow_reference(server: Any, sizes: Tuple[int, ...], key: Tuple[int, ...]) 
         guard.restore()
 
 
-def shadow_verify(server: Any, ref_leaves: List[torch.Tensor], tensors: List[torch.Tensor],
-                  sizes: Tuple[int, ...], key: Tuple[int, ...], out: Any) -> None:
+def shadow_verify(
+    server: Any,
+    ref_leaves: list[torch.Tensor],
+    tensors: list[torch.Tensor],
+    sizes: tuple[int, ...],
+    key: tuple[int, ...],
+    out: Any,
+) -> None:
     """Compare a replayed call's ``out`` (sliced to ``sizes``) with its :func:`shadow_reference`.
     Raises :class:`ContractError` naming the key, the output and (from :func:`compare_runner
     <graphrunner.checks.compare.compare_runner>`) the first differing op and line."""
     from graphrunner.checks.tolerance import difference
 
     _, got = flatten(out)
-    worst: Optional[Tuple[int, float]] = None
+    worst: tuple[int, float] | None = None
     for i, (a, b) in enumerate(zip(got, ref_leaves)):
         d = difference(a.detach(), b, tolerant=True)
         if d is not None and (worst is None or d > worst[1]):
@@ -99,8 +105,10 @@ def shadow_verify(server: Any, ref_leaves: List[torch.Tensor], tensors: List[tor
     call = server.calls
     server.agreement.verification_failed(call)  # every rank refuses the next call (its agreement)
     ext = server.space.external(key)
-    where = (" The other ranks raise ContractError at their next call. (Localising the difference replays the "
-             "step, whose collectives the other ranks would not join: run runner.compare(...) on a one-rank runner.)")
+    where = (
+        " The other ranks raise ContractError at their next call. (Localising the difference replays the "
+        "step, whose collectives the other ranks would not join: run runner.compare(...) on a one-rank runner.)"
+    )
     if server.world_size == 1:
         try:
             from graphrunner.checks.compare import compare_runner
@@ -115,4 +123,5 @@ def shadow_verify(server: Any, ref_leaves: List[torch.Tensor], tensors: List[tor
         f"{worst[0]}: the graph replays something the step no longer computes (a Python value changed after "
         "capture, an attribute re-bound to a new tensor, state kept outside tensors the graph holds). Re-capture "
         "after such changes (runner.cleanup(); runner.capture()), or make the value a tensor input or a tensor "
-        f"updated in place.{where}")
+        f"updated in place.{where}"
+    )

@@ -9,7 +9,8 @@ writes) other values for the unpadded call sequence of the padding check, and pu
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -19,9 +20,9 @@ from graphrunner.recording import ops
 __all__ = ["MAX_CELLS", "PerturbedCells", "index_offsets", "no_modes", "strided_offsets", "written"]
 
 #: One entry of a :class:`~graphrunner.recording.ops.WriteGuard` log: ``(put-back function, its arguments)``.
-LogEntry = Tuple[Any, tuple]
+LogEntry = tuple[Any, tuple]
 #: ``(storage key, dtype)`` -> ``(a tensor on that storage, element offsets written)``.
-Written = Dict[Tuple[Optional[int], torch.dtype], Tuple[torch.Tensor, torch.Tensor]]
+Written = dict[tuple[int | None, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
 
 #: Written cells of one logged write larger than this are not followed (a whole KV cache).
 MAX_CELLS = 1 << 24
@@ -35,10 +36,10 @@ def strided_offsets(shape: Sequence[int], stride: Sequence[int], offset: int, de
     return off.reshape(-1)
 
 
-def index_offsets(t: torch.Tensor, index: Sequence[Any]) -> Optional[torch.Tensor]:
+def index_offsets(t: torch.Tensor, index: Sequence[Any]) -> torch.Tensor | None:
     """Element offsets (in ``t``'s storage) of the cells ``t[index] = ...`` writes (``None`` entries
     are whole dims, as ``index_put_`` takes them); ``None`` when they cannot be told."""
-    adv: List[Tuple[int, torch.Tensor]] = []  # (dim, index) of the advanced indices
+    adv: list[tuple[int, torch.Tensor]] = []  # (dim, index) of the advanced indices
     d = 0
     for i in index:
         if i is None:
@@ -69,7 +70,7 @@ def written(log: Sequence[LogEntry]) -> Written:
     """``{(storage, dtype): (a tensor on it, element offsets written)}`` of a
     :class:`~graphrunner.recording.ops.WriteGuard` log (writes of whole storages, ``out=``, are not
     followed)."""
-    parts: Dict[Tuple[Optional[int], torch.dtype], Tuple[torch.Tensor, List[torch.Tensor]]] = {}
+    parts: dict[tuple[int | None, torch.dtype], tuple[torch.Tensor, list[torch.Tensor]]] = {}
     with torch.inference_mode():
         for put, args in log:
             t = args[0]
@@ -94,7 +95,7 @@ class PerturbedCells:
 
     def __init__(self, a_log: Sequence[LogEntry], d_log: Sequence[LogEntry]) -> None:
         #: ``[(a tensor on the storage, flat typed view, offsets, old values)]``
-        self.cells: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.cells: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         wa, wd = written(a_log), written(d_log)
         g = torch.Generator().manual_seed(0x73657121)
         with no_modes(), torch.inference_mode():
@@ -106,8 +107,9 @@ class PerturbedCells:
                 if not offs.numel():
                     continue
                 st = t.untyped_storage()
-                flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(st, 0, (st.nbytes() // t.element_size(),),
-                                                                           (1,))
+                flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                    st, 0, (st.nbytes() // t.element_size(),), (1,)
+                )
                 offs = offs[offs < flat.numel()]
                 old = flat[offs].clone()
                 mag = torch.nan_to_num(old.abs().to(torch.float32), nan=0.0, posinf=0.0).pow(2).mean().sqrt()

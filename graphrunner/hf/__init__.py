@@ -44,8 +44,9 @@ from __future__ import annotations
 try:
     import transformers  # noqa: F401  (the extra is required)
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError("graphrunner.hf needs transformers: pip install 'graphrunner[hf]' "
-                      "(or pip install transformers)") from exc
+    raise ImportError(
+        "graphrunner.hf needs transformers: pip install 'graphrunner[hf]' (or pip install transformers)"
+    ) from exc
 
 from graphrunner.hf.batching import BatchingStats, GraphBatching
 from graphrunner.hf.decode import KNOWN_BAD, DecodeRunner, DecodeStats

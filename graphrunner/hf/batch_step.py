@@ -11,8 +11,9 @@ attention masks in the graph from integer coordinates.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,8 +24,17 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
-__all__ = ["DIMS", "KEY_PAD_REQUEST", "TOKEN_PAD_REQUEST", "CacheGroup", "batch_dims", "cache_groups", "kv_dim",
-           "make_step", "step_inputs"]
+__all__ = [
+    "DIMS",
+    "KEY_PAD_REQUEST",
+    "TOKEN_PAD_REQUEST",
+    "CacheGroup",
+    "batch_dims",
+    "cache_groups",
+    "kv_dim",
+    "make_step",
+    "step_inputs",
+]
 
 #: Pad of ``tok_req`` (a padding query's request): no key carries it.
 TOKEN_PAD_REQUEST = -1
@@ -43,7 +53,7 @@ def kv_dim(layer_type: str, layer_types: Sequence[str]) -> str:
     return "kv_" + layer_type.replace("_attention", "")
 
 
-def batch_dims(model: PreTrainedModel) -> Tuple[str, ...]:
+def batch_dims(model: PreTrainedModel) -> tuple[str, ...]:
     """The step's dims for ``model``: ``("tokens", <one keys dim per attention type>, "reqs")``, the keys dims
     as :func:`kv_dim` names them, ``kv`` first. Each attention type reads its own keys (a sliding
     layer only its window), so each is padded to its own bucket. ``DIMS`` for a model transformers'
@@ -61,7 +71,7 @@ def batch_dims(model: PreTrainedModel) -> Tuple[str, ...]:
     return ("tokens", *sorted({kv_dim(t, types) for t in types}, key=_kv_order), "reqs")
 
 
-def _kv_order(dim: str) -> Tuple[bool, str]:
+def _kv_order(dim: str) -> tuple[bool, str]:
     """The order of the keys dims in a key: ``kv`` first, then by name."""
     return dim != "kv", dim
 
@@ -79,29 +89,42 @@ class CacheGroup:
     first_real: int
     last_index: int
     write_sector: int
-    window: Optional[int]
+    window: int | None
 
 
-def cache_groups(cache: PagedAttentionCache) -> List[CacheGroup]:
+def cache_groups(cache: PagedAttentionCache) -> list[CacheGroup]:
     """The cache's allocators: their trash, sentinel and real index ranges, and sliding windows."""
     out = []
     types = list(cache.cache_allocators)
     for layer_type, alloc in cache.cache_allocators.items():
         views = list(getattr(alloc, "_kv_token_views", {}).values())
         if not views:
-            raise CaptureError(f"cache allocator {type(alloc).__name__} ({layer_type}) keeps no per-token K/V views: "
-                               "not an index-based paged cache")
+            raise CaptureError(
+                f"cache allocator {type(alloc).__name__} ({layer_type}) keeps no per-token K/V views: "
+                "not an index-based paged cache"
+            )
         last = min(min(k.shape[0], v.shape[0]) for k, v in views) - 1
         sector = int(alloc.block_physical_stride) * int(alloc.blocks_per_sector)  # slots of one sector
-        out.append(CacheGroup(index=alloc.index, layer_type=layer_type, dim=kv_dim(layer_type, types),
-                          write_trash=int(alloc.write_trash_index), read_trash=int(alloc.read_trash_index), sentinel=int(alloc.sentinel_index),
-                          first_real=2 * sector, last_index=int(last), write_sector=sector,
-                          window=getattr(alloc, "sliding_window", None) if layer_type == "sliding_attention" else None))
+        out.append(
+            CacheGroup(
+                index=alloc.index,
+                layer_type=layer_type,
+                dim=kv_dim(layer_type, types),
+                write_trash=int(alloc.write_trash_index),
+                read_trash=int(alloc.read_trash_index),
+                sentinel=int(alloc.sentinel_index),
+                first_real=2 * sector,
+                last_index=int(last),
+                write_sector=sector,
+                window=getattr(alloc, "sliding_window", None) if layer_type == "sliding_attention" else None,
+            )
+        )
     return sorted(out, key=lambda g: _kv_order(g.dim))
 
 
-def step_inputs(groups: Sequence[CacheGroup], vocab_size: int, max_position: int, max_requests: int,
-                max_tokens: int) -> Dict[str, BatchInput]:
+def step_inputs(
+    groups: Sequence[CacheGroup], vocab_size: int, max_position: int, max_requests: int, max_tokens: int
+) -> dict[str, BatchInput]:
     """The :class:`~graphrunner.BatchInput` of every metadata tensor of the step, with bounds and pads.
 
     ``tokens`` dim: ``input_ids``, ``position_ids``, ``tok_req`` (each query token's request) and
@@ -120,18 +143,27 @@ def step_inputs(groups: Sequence[CacheGroup], vocab_size: int, max_position: int
         lo_read = g.sentinel if g.window is not None else g.first_real
         lo_write = g.write_sector if g.window is not None else g.first_real
         kv = (g.dim,)
-        spec[f"write_index_{g.index}"] = BatchInput(dtype=torch.int64, dims=tokens, pad=g.write_trash,
-                                                    bounds=(lo_write, g.last_index))
-        spec[f"read_index_{g.index}"] = BatchInput(dtype=torch.int64, dims=kv, pad=g.read_trash,
-                                                   bounds=(lo_read, g.last_index))
-        spec[f"key_req_{g.index}"] = BatchInput(dtype=torch.int32, dims=kv, pad=KEY_PAD_REQUEST,
-                                                bounds=(0, max_requests - 1))
+        spec[f"write_index_{g.index}"] = BatchInput(
+            dtype=torch.int64, dims=tokens, pad=g.write_trash, bounds=(lo_write, g.last_index)
+        )
+        spec[f"read_index_{g.index}"] = BatchInput(
+            dtype=torch.int64, dims=kv, pad=g.read_trash, bounds=(lo_read, g.last_index)
+        )
+        spec[f"key_req_{g.index}"] = BatchInput(
+            dtype=torch.int32, dims=kv, pad=KEY_PAD_REQUEST, bounds=(0, max_requests - 1)
+        )
         spec[f"key_pos_{g.index}"] = BatchInput(dtype=torch.int32, dims=kv, pad=0, bounds=(0, max_position - 1))
     return spec
 
 
-def make_step(model: PreTrainedModel, cache: Optional[PagedAttentionCache], groups: Sequence[CacheGroup], use_logits_to_keep: bool, max_position: int = 1 << 20,
-              max_requests: int = 1024):
+def make_step(
+    model: PreTrainedModel,
+    cache: PagedAttentionCache | None,
+    groups: Sequence[CacheGroup],
+    use_logits_to_keep: bool,
+    max_position: int = 1 << 20,
+    max_requests: int = 1024,
+):
     """Return ``step(**metadata) -> logits [reqs, vocab]``: one varlen forward of ``model`` over the paged ``cache``.
 
     The attention mask of each attention type is built in the step: query token
@@ -154,14 +186,14 @@ def make_step(model: PreTrainedModel, cache: Optional[PagedAttentionCache], grou
     single = len(groups) == 1
     big = int(max_position) + 1
     # 2 * code and lo + hi must fit too: twice the largest code below 2**31
-    code_dtype = torch.int32 if 2 * (int(max_requests) + 2) * big < 2 ** 31 else torch.int64
+    code_dtype = torch.int32 if 2 * (int(max_requests) + 2) * big < 2**31 else torch.int64
     lowest, highest = KEY_PAD_REQUEST * big, (int(max_requests) + 1) * big  # below / above every key's code
     by_index = sorted(groups, key=lambda g: g.index)
     if [g.index for g in by_index] != list(range(len(groups))):
         raise CaptureError(f"the cache's allocator indices {[g.index for g in by_index]} are not 0..{len(groups) - 1}")
 
     def step(input_ids, position_ids, tok_req, logits_indices, **per_group):
-        masks: Dict[str, torch.Tensor] = {}
+        masks: dict[str, torch.Tensor] = {}
         # transformers indexes read_index / write_index by the allocator's index
         read = [per_group[f"read_index_{g.index}"] for g in by_index]
         write = [per_group[f"write_index_{g.index}"] for g in by_index]
@@ -172,8 +204,10 @@ def make_step(model: PreTrainedModel, cache: Optional[PagedAttentionCache], grou
         zero = torch.zeros((), dtype=dtype, device=input_ids.device)
         masked = torch.full((), float("-inf"), dtype=dtype, device=input_ids.device)
         for g in groups:
-            k_code2 = ((per_group[f"key_req_{g.index}"].to(code_dtype) * big
-                        + per_group[f"key_pos_{g.index}"].to(code_dtype)) * 2)[None, :]
+            k_code2 = (
+                (per_group[f"key_req_{g.index}"].to(code_dtype) * big + per_group[f"key_pos_{g.index}"].to(code_dtype))
+                * 2
+            )[None, :]
             lo = q_base if g.window is None else torch.maximum(q_base, q_base + q_pos - (g.window - 1))
             lo = torch.where(pad_query, lowest, lo)[:, None]
             # lo <= code <= hi  <=>  |2 code - (lo + hi)| <= hi - lo  (integers: exact)
@@ -185,13 +219,20 @@ def make_step(model: PreTrainedModel, cache: Optional[PagedAttentionCache], grou
         logits_indices = logits_indices.clamp(0, n_tok - 1)
         placeholder = torch.zeros(logits_indices.shape[0] + 1, dtype=torch.int32, device=input_ids.device)
         kwargs = dict(
-            input_ids=input_ids[None], position_ids=position_ids[None],
+            input_ids=input_ids[None],
+            position_ids=position_ids[None],
             attention_mask=next(iter(masks.values())) if single else masks,
-            cu_seq_lens_q=placeholder, max_length_q=n_tok,
+            cu_seq_lens_q=placeholder,
+            max_length_q=n_tok,
             cu_seq_lens_k={g.layer_type: placeholder for g in groups},
             max_length_k={g.layer_type: per_group[f"read_index_{g.index}"].shape[0] for g in groups},
-            read_index=read, write_index=write, logits_indices=logits_indices, cache=cache,
-            block_table=None, use_cache=False, is_causal=False,
+            read_index=read,
+            write_index=write,
+            logits_indices=logits_indices,
+            cache=cache,
+            block_table=None,
+            use_cache=False,
+            is_causal=False,
         )
         if use_logits_to_keep:
             kwargs["logits_to_keep"] = logits_indices

@@ -31,6 +31,7 @@ The parts: :mod:`~graphrunner.hf.refusals` (which models are served),
 and :mod:`~graphrunner.hf.entrypoints` (``generate_batch``,
 ``init_continuous_batching``, ``release``); this module holds the hook and its stats.
 """
+
 from __future__ import annotations
 
 import collections
@@ -38,8 +39,9 @@ import contextlib
 import itertools
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -55,8 +57,10 @@ from graphrunner.runner import GraphRunner
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-    from transformers.generation.continuous_batching.continuous_api import (ContinuousBatchingManager,
-                                                                             ContinuousBatchProcessor)
+    from transformers.generation.continuous_batching.continuous_api import (
+        ContinuousBatchingManager,
+        ContinuousBatchProcessor,
+    )
     from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
     from transformers.generation.continuous_batching.model_runner import ModelRunner
 
@@ -66,7 +70,7 @@ __all__ = ["BatchingStats", "GraphBatching"]
 
 logger = logging.getLogger("graphrunner")
 
-Keys = Tuple[Dict[str, List[int]], List[Tuple[int, ...]]]
+Keys = tuple[dict[str, list[int]], list[tuple[int, ...]]]
 
 
 @dataclass
@@ -91,19 +95,28 @@ class BatchingStats:
     graphs: int = 0
     capture_seconds: float = 0.0
     dry_run_seconds: float = 0.0
-    step_sizes: List[Tuple[int, ...]] = field(default_factory=list)
-    engine_sizes: List[Tuple[int, int, Tuple[int, ...]]] = field(default_factory=list)
-    keys: List[Tuple[int, ...]] = field(default_factory=list)
+    step_sizes: list[tuple[int, ...]] = field(default_factory=list)
+    engine_sizes: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
+    keys: list[tuple[int, ...]] = field(default_factory=list)
     equivalence_checked: int = 0
     replans: int = 0
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """The counters as plain Python values (for JSON)."""
-        return {"steps": self.steps, "replayed": self.replayed, "eager_steps": self.eager_steps,
-                "real_tokens": self.real_tokens, "padded_tokens": self.padded_tokens, "real_keys": self.real_keys,
-                "padded_keys": self.padded_keys, "graphs": self.graphs,
-                "capture_seconds": self.capture_seconds, "dry_run_seconds": self.dry_run_seconds,
-                "keys": [list(k) for k in self.keys], "equivalence_checked": self.equivalence_checked}
+        return {
+            "steps": self.steps,
+            "replayed": self.replayed,
+            "eager_steps": self.eager_steps,
+            "real_tokens": self.real_tokens,
+            "padded_tokens": self.padded_tokens,
+            "real_keys": self.real_keys,
+            "padded_keys": self.padded_keys,
+            "graphs": self.graphs,
+            "capture_seconds": self.capture_seconds,
+            "dry_run_seconds": self.dry_run_seconds,
+            "keys": [list(k) for k in self.keys],
+            "equivalence_checked": self.equivalence_checked,
+        }
 
 
 def _sync_io(bp: ContinuousBatchProcessor) -> ContinuousBatchingIOs:
@@ -112,32 +125,40 @@ def _sync_io(bp: ContinuousBatchProcessor) -> ContinuousBatchingIOs:
 
     io = bp.inputs_and_outputs
     if not isinstance(io, ContinuousBatchingIOs):
-        raise CaptureError("asynchronous batching double-buffers the step's inputs; run it with "
-                           "use_async_batching=False")
+        raise CaptureError(
+            "asynchronous batching double-buffers the step's inputs; run it with use_async_batching=False"
+        )
     return io
 
 
-def _declared(dims: Tuple[str, ...], opts: BatchingOptions
-              ) -> Tuple[Optional[Dict[str, List[int]]], Optional[List[Tuple[int, ...]]]]:
+def _declared(
+    dims: tuple[str, ...], opts: BatchingOptions
+) -> tuple[dict[str, list[int]] | None, list[tuple[int, ...]] | None]:
     """``(buckets, keys)`` as declared in ``opts`` for the model's ``dims`` (``kv`` given for every keys dim it
     stands for), ``None`` where they are planned; ``ValueError`` for ``buckets``, ``keys`` or ``max_graphs``
     that do not name ``dims``."""
     names = set(dims) | {"kv"}
     buckets, keys, max_graphs = opts.buckets, opts.keys, opts.max_graphs
     if buckets is not None:
-        missing = [d for d in dims if d not in buckets and not (d.startswith("kv") and "kv" in buckets)
-                   ] if isinstance(buckets, dict) else list(dims)
+        missing = (
+            [d for d in dims if d not in buckets and not (d.startswith("kv") and "kv" in buckets)]
+            if isinstance(buckets, dict)
+            else list(dims)
+        )
         if not isinstance(buckets, dict) or set(buckets) - names or missing:
-            raise ValueError(f"buckets must be a dict with the dims {list(dims)} (kv stands for a keys dim "
-                             f"not named), got {buckets!r}")
+            raise ValueError(
+                f"buckets must be a dict with the dims {list(dims)} (kv stands for a keys dim "
+                f"not named), got {buckets!r}"
+            )
     if max_graphs is not None:
         unknown = set(max_graphs) - names
         if unknown:
             raise ValueError(f"max_graphs names unknown dims {sorted(unknown)}; the dims are {list(dims)}")
     if keys is not None and any(len(k) != len(dims) for k in keys):
         raise ValueError(f"keys must be tuples of one size per dim {list(dims)}, got {list(keys)!r}")
-    planned = None if buckets is None else {d: sorted(int(b) for b in buckets[d if d in buckets else "kv"])
-                                           for d in dims}
+    planned = (
+        None if buckets is None else {d: sorted(int(b) for b in buckets[d if d in buckets else "kv"]) for d in dims}
+    )
     return planned, None if keys is None else [tuple(int(v) for v in k) for k in keys]
 
 
@@ -174,7 +195,7 @@ class GraphBatching:
     :meth:`install` for a model :func:`~graphrunner.hf.refusals.refusal` refuses
     and at capture for padding tokens that would write a real cache slot."""
 
-    def __init__(self, model: PreTrainedModel, options: Optional[BatchingOptions] = None) -> None:
+    def __init__(self, model: PreTrainedModel, options: BatchingOptions | None = None) -> None:
         opts = BatchingOptions() if options is None else options
         #: The step's dims: ``tokens``, one keys dim per attention type, ``reqs``
         #: (:func:`~graphrunner.hf.batch_step.batch_dims`).
@@ -185,27 +206,27 @@ class GraphBatching:
         #: The declared buckets per dim (``kv`` given for every keys dim it stands for), or ``None``: planned.
         self.buckets, self.keys = _declared(self.dims, opts)
         # the recent step sizes a re-plan reads (autocapture)
-        self._window: Deque[Tuple[int, ...]] = collections.deque(maxlen=4 * max(opts.replan_every, 256))
+        self._window: collections.deque[tuple[int, ...]] = collections.deque(maxlen=4 * max(opts.replan_every, 256))
         self._since_plan = 0
         self._replan_due = False
-        self._capture_began: Optional[float] = None
+        self._capture_began: float | None = None
         #: A re-plan's runner while its keys are captured (the current one serves meanwhile).
-        self._pending: Optional[GraphRunner] = None
+        self._pending: GraphRunner | None = None
         self._pending_began = 0.0
         self.mode = "eager"  # "record" (dry run: no forward), "eager", "graph"
-        self.runner: Optional[GraphRunner] = None
-        self.report: Optional[CaptureReport] = None
+        self.runner: GraphRunner | None = None
+        self.report: CaptureReport | None = None
         self.stats = BatchingStats()
         #: The manager's batch processor, once the manager created it (:attr:`processor` raises before).
-        self.batch_processor: Optional[ContinuousBatchProcessor] = None
-        self.manager: Optional[ContinuousBatchingManager] = None
-        self.groups: List[CacheGroup] = []
+        self.batch_processor: ContinuousBatchProcessor | None = None
+        self.manager: ContinuousBatchingManager | None = None
+        self.groups: list[CacheGroup] = []
         self.record_token = 0
-        self._original_compute: Optional[Callable[..., None]] = None
-        self._step_fn: Optional[Callable[..., torch.Tensor]] = None
-        self._eos: List[int] = []
+        self._original_compute: Callable[..., None] | None = None
+        self._step_fn: Callable[..., torch.Tensor] | None = None
+        self._eos: list[int] = []
         #: The first exception the step raised inside transformers' generation thread (re-raised by generate_batch).
-        self.error: Optional[BaseException] = None
+        self.error: BaseException | None = None
 
     # ----------------------------------------------------------------- installation
     def install(self, manager: ContinuousBatchingManager) -> None:
@@ -251,20 +272,26 @@ class GraphBatching:
         created it (it runs once first)."""
         bp = self.batch_processor
         if bp is None:
-            raise GraphRunnerError("the manager's batch processor does not exist yet: run the manager once first "
-                                   "(gr.hf.generate_batch does a dry run of the scheduler)")
+            raise GraphRunnerError(
+                "the manager's batch processor does not exist yet: run the manager once first "
+                "(gr.hf.generate_batch does a dry run of the scheduler)"
+            )
         return bp
 
     def _attach(self, bp: ContinuousBatchProcessor) -> None:
         self.batch_processor = bp
         mr = bp.model_runner
         if mr.pad_inputs:
-            raise CaptureError("the manager pads its inputs for its own CUDA graphs or torch.compile: build it with "
-                               "use_cuda_graph=False and no compile config (graphrunner captures the step)")
+            raise CaptureError(
+                "the manager pads its inputs for its own CUDA graphs or torch.compile: build it with "
+                "use_cuda_graph=False and no compile config (graphrunner captures the step)"
+            )
         self.groups = cache_groups(bp.cache)
         if tuple(g.dim for g in self.groups) != self.dims[1:-1]:
-            raise CaptureError(f"the cache's attention types {[g.layer_type for g in self.groups]} do not match the "
-                               f"model config's keys dims {list(self.dims[1:-1])}")
+            raise CaptureError(
+                f"the cache's attention types {[g.layer_type for g in self.groups]} do not match the "
+                f"model config's keys dims {list(self.dims[1:-1])}"
+            )
         io = _sync_io(bp)
         if not self.options.debug and io.attention_mask is not None:
             # the step builds its masks from the metadata: transformers' host-side [tokens, kv] mask fill
@@ -286,6 +313,7 @@ class GraphBatching:
         """``fn`` run while no background key capture runs (``runner.hold()`` of the runner serving and
         of a re-plan's runner being captured); a re-plan found due by a step is started after it,
         outside the holds, and a re-plan's runner takes over once every key of it is captured."""
+
         def run(*args: Any, **kwargs: Any) -> Any:
             with contextlib.ExitStack() as held:
                 for runner in (self.runner, self._pending):
@@ -298,6 +326,7 @@ class GraphBatching:
                 self._replan_due = False
                 self._replan()
             return out
+
         return run
 
     def _max_position(self) -> int:
@@ -318,7 +347,7 @@ class GraphBatching:
         return int(getattr(emb, "num_embeddings", None) or self.model.config.get_text_config().vocab_size)
 
     # ----------------------------------------------------------------- the substituted method
-    def compute_batch(self, model: PreTrainedModel, batch_data: Dict[str, Any]) -> None:
+    def compute_batch(self, model: PreTrainedModel, batch_data: dict[str, Any]) -> None:
         """``ModelRunner.compute_batch`` served by the graphs: forward (replayed), then transformers' own
         logits processing and sampling into the output tensor."""
         try:
@@ -328,7 +357,7 @@ class GraphBatching:
                 self.error = exc
             raise
 
-    def _compute_batch(self, model: PreTrainedModel, batch_data: Dict[str, Any]) -> None:
+    def _compute_batch(self, model: PreTrainedModel, batch_data: dict[str, Any]) -> None:
         bp = self.processor
         io = _sync_io(bp)
         mr = bp.model_runner
@@ -339,8 +368,11 @@ class GraphBatching:
                 raise GraphRunnerError("the hook serves a step before it was attached to the batch processor")
             return self._original_compute(model, batch_data)
         feeds = step_feeds(io, bp.cache, self.groups, debug=self.options.debug, validate=self.options.validate)
-        size = (int(io.total_seqlen_q), *(int(feeds[f"read_index_{g.index}"].shape[0]) for g in self.groups),
-                int(io.num_request_in_batch))
+        size = (
+            int(io.total_seqlen_q),
+            *(int(feeds[f"read_index_{g.index}"].shape[0]) for g in self.groups),
+            int(io.num_request_in_batch),
+        )
         self._record(size, io)
         if self.mode == "record":
             io.output_ids[0, : size[-1]].fill_(self.record_token)
@@ -365,7 +397,7 @@ class GraphBatching:
         self._sample(mr, batch_data, logits, io)
         return None
 
-    def _record(self, size: Tuple[int, ...], io: ContinuousBatchingIOs) -> None:
+    def _record(self, size: tuple[int, ...], io: ContinuousBatchingIOs) -> None:
         """Count a step of ``size`` (and transformers' own sizes of it) in ``stats``; ``autocapture``: in
         the window a re-plan reads, a re-plan due every ``replan_every`` steps."""
         self.stats.step_sizes.append(size)
@@ -373,16 +405,17 @@ class GraphBatching:
             self._window.append(size)
             keep = self._window.maxlen or 0  # set at construction: never None
             if len(self.stats.step_sizes) > 2 * keep:  # a server runs for ever: keep the recent ones
-                del self.stats.step_sizes[: -keep]
-                del self.stats.engine_sizes[: -keep]
+                del self.stats.step_sizes[:-keep]
+                del self.stats.engine_sizes[:-keep]
             self._since_plan += 1
             if self.options.replan_every and self._since_plan >= self.options.replan_every:
                 self._since_plan = 0
                 self._replan_due = True
         self.stats.engine_sizes.append((size[0], int(io.max_kv_read), tuple(int(v) for v in io.max_length_k.values())))
 
-    def _sample(self, mr: ModelRunner, batch_data: Dict[str, Any], logits: torch.Tensor,
-                io: ContinuousBatchingIOs) -> None:
+    def _sample(
+        self, mr: ModelRunner, batch_data: dict[str, Any], logits: torch.Tensor, io: ContinuousBatchingIOs
+    ) -> None:
         """transformers' ``_forward_process_and_sample`` after the forward, on the step's logits."""
         logits = logits.unsqueeze(0).float()  # [1, num_logits, vocab]
         if mr.logit_processor.do_processing:
@@ -399,8 +432,14 @@ class GraphBatching:
         """The step's forward (:func:`~graphrunner.hf.batch_step.make_step`), built once."""
         if self._step_fn is None:
             bp = self.processor
-            self._step_fn = make_step(self.model, bp.cache, self.groups, bp.model_runner.supports_logits_to_keep(self.model),
-                                      self._max_position(), self._max_requests())
+            self._step_fn = make_step(
+                self.model,
+                bp.cache,
+                self.groups,
+                bp.model_runner.supports_logits_to_keep(self.model),
+                self._max_position(),
+                self._max_requests(),
+            )
         return self._step_fn
 
     # ----------------------------------------------------------------- planning and capture
@@ -416,7 +455,7 @@ class GraphBatching:
             return ladder_keys(self._maxima(), self.dims, self.options.max_graphs)
         return plan_keys(self.stats.step_sizes, self.options.max_graphs, self.dims)
 
-    def _maxima(self) -> Dict[str, int]:
+    def _maxima(self) -> dict[str, int]:
         """The largest size of each dim the configured cache and batch allow."""
         bp = self.processor
         cache = bp.cache
@@ -426,16 +465,27 @@ class GraphBatching:
             out[g.dim] = int(cache.max_tokens_read) + tokens
         return out
 
-    def _new_runner(self, buckets: Dict[str, List[int]], keys: Sequence[Tuple[int, ...]]) -> GraphRunner:
+    def _new_runner(self, buckets: dict[str, list[int]], keys: Sequence[tuple[int, ...]]) -> GraphRunner:
         """A runner of the step over ``keys``, not captured yet."""
         bp = self.processor
-        spec = step_inputs(self.groups, self._vocab(), self._max_position(),
-                           self._max_requests(), int(bp.cache.max_batch_tokens))
-        return GraphRunner(self._step(), inputs=spec, buckets=buckets, keys=keys, outputs=("reqs",),
-                           backend=self.options.backend, device=self.options.device, progress=False,
-                           checks=self.options.checks, debug=self.options.debug, fallback="eager")
+        spec = step_inputs(
+            self.groups, self._vocab(), self._max_position(), self._max_requests(), int(bp.cache.max_batch_tokens)
+        )
+        return GraphRunner(
+            self._step(),
+            inputs=spec,
+            buckets=buckets,
+            keys=keys,
+            outputs=("reqs",),
+            backend=self.options.backend,
+            device=self.options.device,
+            progress=False,
+            checks=self.options.checks,
+            debug=self.options.debug,
+            fallback="eager",
+        )
 
-    def _background(self, buckets: Dict[str, List[int]], keys: Sequence[Tuple[int, ...]]) -> None:
+    def _background(self, buckets: dict[str, list[int]], keys: Sequence[tuple[int, ...]]) -> None:
         """Serve through a new runner over ``keys`` at once, its keys captured on a thread."""
         runner = self._new_runner(buckets, keys)
         runner.capture(background=True)  # puts back what each key's capture writes: no cache reset
@@ -471,13 +521,17 @@ class GraphBatching:
         plan = replan(list(self._window), [tuple(k) for k in old.keys], self.dims, self.options.max_graphs)
         if plan is None:
             return
-        logger.info("gr.hf: re-planning the keys from %d recent steps: %d keys -> %d", len(self._window),
-                    len(old.keys), len(plan[1]))
+        logger.info(
+            "gr.hf: re-planning the keys from %d recent steps: %d keys -> %d",
+            len(self._window),
+            len(old.keys),
+            len(plan[1]),
+        )
         self._pending = self._new_runner(*plan)
         self._pending.capture(background=True)
         self._pending_began = time.perf_counter()
 
-    def wait_captured(self, timeout: Optional[float] = None) -> bool:
+    def wait_captured(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` s (each) for the background capture of :attr:`runner`'s keys and of a
         re-plan's keys (which take over at the step after); True when both are done."""
         done = True
@@ -493,8 +547,10 @@ class GraphBatching:
         if pending is None:
             return
         if pending.capture_error is not None:
-            logger.warning("gr.hf: the re-planned keys' capture failed, serving on with the current keys: %s",
-                           pending.capture_error)
+            logger.warning(
+                "gr.hf: the re-planned keys' capture failed, serving on with the current keys: %s",
+                pending.capture_error,
+            )
             self._pending = None
             pending.cleanup()
             return
@@ -507,7 +563,7 @@ class GraphBatching:
         if old is not None:
             old.cleanup()
 
-    def capture(self) -> Optional[CaptureReport]:
+    def capture(self) -> CaptureReport | None:
         """Build :attr:`runner` over the planned keys and capture it (blocking); return GraphRunner's report
         (``None`` with ``background=True``: the capture runs on a thread, ``runner.wait_captured()`` waits).
 
@@ -521,8 +577,10 @@ class GraphBatching:
         :class:`~graphrunner.errors.CaptureError` naming the architecture and the reason."""
         bp = self.batch_processor
         if bp is None:
-            raise GraphRunnerError("capture() needs the manager's batch processor: run the manager once first "
-                                   "(gr.hf.generate_batch does a dry run of the scheduler)")
+            raise GraphRunnerError(
+                "capture() needs the manager's batch processor: run the manager once first "
+                "(gr.hf.generate_batch does a dry run of the scheduler)"
+            )
         try:
             check_trash(bp.cache, self.groups)
         except CaptureError as exc:
@@ -557,6 +615,13 @@ class GraphBatching:
     def _equivalence(self, runner: GraphRunner) -> EquivalenceCheck:
         """The equivalence check of ``runner``'s keys over this manager's cache."""
         bp = self.processor
-        return EquivalenceCheck(runner=runner, step=self._step(), dims=self.dims, groups=self.groups,
-                                cache=bp.cache.cache_tensor, vocab=self._vocab(),
-                                device=_sync_io(bp).input_ids.device, model=self.model)
+        return EquivalenceCheck(
+            runner=runner,
+            step=self._step(),
+            dims=self.dims,
+            groups=self.groups,
+            cache=bp.cache.cache_tensor,
+            vocab=self._vocab(),
+            device=_sync_io(bp).input_ids.device,
+            model=self.model,
+        )

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 
@@ -43,7 +43,7 @@ def make_static_cache(model, batch_size: int, max_cache_len: int):
     from transformers import StaticCache
 
     params = inspect.signature(StaticCache.__init__).parameters
-    kwargs: Dict[str, Any] = {"config": model.config, "max_cache_len": max_cache_len}
+    kwargs: dict[str, Any] = {"config": model.config, "max_cache_len": max_cache_len}
     if "max_batch_size" in params:
         kwargs["max_batch_size"] = batch_size
     elif "batch_size" in params:
@@ -55,7 +55,7 @@ def make_static_cache(model, batch_size: int, max_cache_len: int):
     return StaticCache(**kwargs)
 
 
-def cache_tensors(cache) -> Dict[str, torch.Tensor]:
+def cache_tensors(cache) -> dict[str, torch.Tensor]:
     """Return every tensor a ``StaticCache`` holds, by a readable name.
 
     On ``transformers`` >= 4.56 these are the tensor attributes of each layer
@@ -66,7 +66,7 @@ def cache_tensors(cache) -> Dict[str, torch.Tensor]:
     ``value_cache`` lists. Raises ``ValueError`` if the cache holds none
     (not yet allocated: prefill it first).
     """
-    out: Dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     layers = getattr(cache, "layers", None)
     if layers is not None:
         for i, layer in enumerate(layers):
@@ -87,12 +87,12 @@ def cache_tensors(cache) -> Dict[str, torch.Tensor]:
     return out
 
 
-def snapshot_cache(cache) -> Dict[str, torch.Tensor]:
+def snapshot_cache(cache) -> dict[str, torch.Tensor]:
     """Return clones of every cache tensor (see :func:`cache_tensors`)."""
     return {name: t.clone() for name, t in cache_tensors(cache).items()}
 
 
-def restore_cache(cache, snapshot: Dict[str, torch.Tensor]) -> None:
+def restore_cache(cache, snapshot: dict[str, torch.Tensor]) -> None:
     """Copy ``snapshot`` back into the cache tensors *in place*.
 
     In place matters: a captured graph holds the cache tensors themselves;
@@ -130,7 +130,7 @@ def zero_tensors(cache) -> None:
         t.zero_()
 
 
-def compare_caches(got, want) -> List[str]:
+def compare_caches(got, want) -> list[str]:
     """Return one line per cache tensor of ``got`` that is not ``torch.equal`` to ``want``'s (empty: equal)."""
     g, w = cache_tensors(got), cache_tensors(want)
     if g.keys() != w.keys():
@@ -138,13 +138,14 @@ def compare_caches(got, want) -> List[str]:
     bad = []
     for name in g:
         if not torch.equal(g[name], w[name]):
-            diff = ((g[name].double() - w[name].double()).abs().max().item()
-                    if g[name].shape == w[name].shape else "shape")
+            diff = (
+                (g[name].double() - w[name].double()).abs().max().item() if g[name].shape == w[name].shape else "shape"
+            )
             bad.append(f"{name}: max abs diff {diff}")
     return bad
 
 
-def row_view_cache(cache, rows: int, batch: Optional[int] = None):
+def row_view_cache(cache, rows: int, batch: int | None = None):
     """A shallow copy of an allocated ``StaticCache`` whose layers see rows ``[0, rows)`` of ``cache``'s tensors.
 
     Every per-row tensor of a layer (a tensor attribute, or a tensor in a
@@ -197,7 +198,7 @@ def widen_sliding_layers(cache, max_cache_len: int) -> int:
     return replaced
 
 
-def layer_problem(layer: Any, batch: int) -> Optional[str]:
+def layer_problem(layer: Any, batch: int) -> str | None:
     """Why a graph cannot hold this allocated cache layer's state in place, or None when it can.
 
     Checked: linear-attention layers that record their past (their conv
@@ -209,18 +210,25 @@ def layer_problem(layer: Any, batch: int) -> Optional[str]:
     """
     name = type(layer).__name__
     if getattr(layer, "record_past", False):
-        return ("a linear-attention cache layer records its past (activate_past_recording), so its conv state grows "
-                "and is reassigned instead of updated in place; a graph would write a stale tensor. Do not record "
-                "the past")
+        return (
+            "a linear-attention cache layer records its past (activate_past_recording), so its conv state grows "
+            "and is reassigned instead of updated in place; a graph would write a stale tensor. Do not record "
+            "the past"
+        )
     if hasattr(layer, "cumulative_length_int"):
-        return (f"cache layer {name} keeps a Python write counter (cumulative_length_int) that a graph would "
-                f"freeze")
-    states = [t for attr in _STATE_DICTS for idx, t in (getattr(layer, attr, None) or {}).items()
-              if t is not None or getattr(layer, f"is_{attr}_initialized", {}).get(idx, True)]
+        return f"cache layer {name} keeps a Python write counter (cumulative_length_int) that a graph would freeze"
+    states = [
+        t
+        for attr in _STATE_DICTS
+        for idx, t in (getattr(layer, attr, None) or {}).items()
+        if t is not None or getattr(layer, f"is_{attr}_initialized", {}).get(idx, True)
+    ]
     # (a state a layer never initialises, e.g. the recurrent state of a conv-only layer, is None: nothing to hold)
     if states and any(not isinstance(t, torch.Tensor) or t.shape[0] != batch for t in states):
-        return (f"cache layer {name} did not allocate its conv/recurrent states with {batch} rows after a "
-                f"forward; cannot build padded bucket views")
+        return (
+            f"cache layer {name} did not allocate its conv/recurrent states with {batch} rows after a "
+            f"forward; cannot build padded bucket views"
+        )
     keys = getattr(layer, "keys", None)
     if isinstance(keys, torch.Tensor) and keys.shape[0] != batch:
         return f"cache layer {name} holds keys with {keys.shape[0]} rows, not {batch}; cannot build padded bucket views"

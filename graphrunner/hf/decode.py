@@ -11,23 +11,31 @@ architectures whose problem no check can see, each with its reason.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
-
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from graphrunner.buckets import default_buckets, validate_buckets
 from graphrunner.devices import get_device
 from graphrunner.errors import CaptureError, GraphRunnerError
-from graphrunner.hf.cache import (cache_tensors, cache_was_written, layer_problem, make_static_cache, row_view_cache,
-                                  widen_sliding_layers, zero_cache, zero_tensors)
+from graphrunner.hf.cache import (
+    cache_tensors,
+    cache_was_written,
+    layer_problem,
+    make_static_cache,
+    row_view_cache,
+    widen_sliding_layers,
+    zero_cache,
+    zero_tensors,
+)
 from graphrunner.hf.masks import MaskPlan, plan_masks
 from graphrunner.hf.selftest import SelfTestResult, run_self_test
-from graphrunner.progress import is_terminal
 from graphrunner.hf.steps import make_masked_step, masked_inputs, prefill
+from graphrunner.progress import is_terminal
 from graphrunner.runner import GraphRunner
 
 if TYPE_CHECKING:
@@ -39,10 +47,12 @@ VERIFIED_TRANSFORMERS_MAJOR = 5
 
 #: ``config.model_type`` -> why :class:`DecodeRunner` refuses it although every check would pass:
 #: problems that only show beyond the self-test's few steps or outside the decode step.
-KNOWN_BAD: Dict[str, str] = {
-    "gpt_neo": ("its local-attention layers attend a window of config.window_size tokens that neither "
-                "config.layer_types nor config.sliding_window describes, so the step's causal mask ignores it; "
-                "within the window (the self-test's few steps) the tokens agree, past it they differ"),
+KNOWN_BAD: dict[str, str] = {
+    "gpt_neo": (
+        "its local-attention layers attend a window of config.window_size tokens that neither "
+        "config.layer_types nor config.sliding_window describes, so the step's causal mask ignores it; "
+        "within the window (the self-test's few steps) the tokens agree, past it they differ"
+    ),
 }
 
 
@@ -63,9 +73,9 @@ class DecodeStats:
     tokens: int = 0
     replays: int = 0
     eager_steps: int = 0
-    self_test: Optional[SelfTestResult] = None
+    self_test: SelfTestResult | None = None
     masks: str = ""
-    per_bucket: Dict[int, int] = field(default_factory=dict)
+    per_bucket: dict[int, int] = field(default_factory=dict)
 
 
 class DecodeRunner:
@@ -90,8 +100,17 @@ class DecodeRunner:
     ``ValueError`` for bad sizes and for a model in train mode.
     """
 
-    def __init__(self, model, max_batch: int, max_cache_len: int, buckets: Optional[Sequence[int]] = None,
-                 backend: Any = "full", device: Any = "auto", self_test: bool = True, progress: bool = True) -> None:
+    def __init__(
+        self,
+        model,
+        max_batch: int,
+        max_cache_len: int,
+        buckets: Sequence[int] | None = None,
+        backend: Any = "full",
+        device: Any = "auto",
+        self_test: bool = True,
+        progress: bool = True,
+    ) -> None:
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
         if not isinstance(max_cache_len, int) or max_cache_len < 2:
@@ -100,8 +119,10 @@ class DecodeRunner:
             buckets = default_buckets(max_batch)
         buckets = validate_buckets(buckets)  # GraphRunner's rules, checked before anything is built
         if buckets[-1] != max_batch:
-            raise ValueError(f"the largest bucket must equal max_batch={max_batch}, got buckets {buckets}: "
-                             f"add {max_batch} or lower max_batch")
+            raise ValueError(
+                f"the largest bucket must equal max_batch={max_batch}, got buckets {buckets}: "
+                f"add {max_batch} or lower max_batch"
+            )
         self.model = model
         self._check_eval()
         self.max_batch = max_batch
@@ -112,16 +133,22 @@ class DecodeRunner:
         self.device = get_device(device)
         self.cache = None
         self.plan = plan_masks(model.config)
-        self._views: Dict[int, Any] = {}
-        self._report: Optional[CaptureReport] = None
+        self._views: dict[int, Any] = {}
+        self._report: CaptureReport | None = None
         self.stats = DecodeStats(masks="step" if self.plan.explicit else f"model ({self.plan.reason})")
         emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         self.vocab_size = getattr(emb, "num_embeddings", None) or getattr(model.config, "vocab_size", None)
         step = make_masked_step(model, self._view, lambda: self.plan, max_cache_len)
-        self.runner = GraphRunner(step, inputs=masked_inputs(self.vocab_size, max_cache_len), buckets=buckets,
-                                  backend=backend, device=self.device, progress=self.progress,
-                                  fallback="error")
-        self.buckets: List[int] = list(self.runner.buckets)
+        self.runner = GraphRunner(
+            step,
+            inputs=masked_inputs(self.vocab_size, max_cache_len),
+            buckets=buckets,
+            backend=backend,
+            device=self.device,
+            progress=self.progress,
+            fallback="error",
+        )
+        self.buckets: list[int] = list(self.runner.buckets)
 
     # ------------------------------------------------------------------ internals
     def _view(self, rows: int):
@@ -135,18 +162,22 @@ class DecodeRunner:
     def _check_eval(self) -> None:
         """Refuse a model in train mode (``model.training``), naming it."""
         if getattr(self.model, "training", False):
-            raise ValueError(f"gr.hf.DecodeRunner: the model ({type(self.model).__name__}) is in train() mode; "
-                             f"DecodeRunner decodes eval-mode models only (dropout would make each step random, "
-                             f"which neither a graph nor the capture checks can reproduce): call model.eval() first")
+            raise ValueError(
+                f"gr.hf.DecodeRunner: the model ({type(self.model).__name__}) is in train() mode; "
+                f"DecodeRunner decodes eval-mode models only (dropout would make each step random, "
+                f"which neither a graph nor the capture checks can reproduce): call model.eval() first"
+            )
 
     def _check_version(self) -> None:
         version = _transformers_version()
         head = version.split(".")[0]
         if not head.isdigit() or int(head) < VERIFIED_TRANSFORMERS_MAJOR:
-            raise CaptureError(f"gr.hf.DecodeRunner is verified on transformers {VERIFIED_TRANSFORMERS_MAJOR}.x, found "
-                               f"{version}: older versions keep cache state in other objects "
-                               f"(e.g. MambaCache), which the graphs would not reset. Upgrade with "
-                               f"pip install 'graphrunner[hf]', or decode with model.generate()")
+            raise CaptureError(
+                f"gr.hf.DecodeRunner is verified on transformers {VERIFIED_TRANSFORMERS_MAJOR}.x, found "
+                f"{version}: older versions keep cache state in other objects "
+                f"(e.g. MambaCache), which the graphs would not reset. Upgrade with "
+                f"pip install 'graphrunner[hf]', or decode with model.generate()"
+            )
         if self.model_type in KNOWN_BAD:
             raise self._refuse(f"{KNOWN_BAD[self.model_type]} (gr.hf.KNOWN_BAD); decode it with model.generate()")
 
@@ -157,8 +188,10 @@ class DecodeRunner:
         except Exception as exc:  # transformers refuses configs it has no static cache for
             raise self._refuse(f"transformers cannot build a StaticCache for it ({type(exc).__name__}: {exc})") from exc
         if getattr(cache, "layers", None) is None:
-            raise self._refuse("this transformers version's StaticCache has no per-layer objects (transformers "
-                               ">= 4.56 needed for padded buckets); upgrade it")
+            raise self._refuse(
+                "this transformers version's StaticCache has no per-layer objects (transformers "
+                ">= 4.56 needed for padded buckets); upgrade it"
+            )
         widen_sliding_layers(self.cache, self.max_cache_len)
         dev = self.model.device
         try:
@@ -170,9 +203,11 @@ class DecodeRunner:
             if not cache_was_written(self.cache):
                 raise ValueError("no layer's write counter or state flag moved")
         except ValueError as exc:
-            raise self._refuse("the StaticCache stayed empty after a forward: the model keeps no state in it "
-                               "(it ignores past_key_values), so a decode step would recompute nothing; decode "
-                               "it with model.generate()") from exc
+            raise self._refuse(
+                "the StaticCache stayed empty after a forward: the model keeps no state in it "
+                "(it ignores past_key_values), so a decode step would recompute nothing; decode "
+                "it with model.generate()"
+            ) from exc
         for i, layer in enumerate(cache.layers):
             problem = layer_problem(layer, self.max_batch)
             if problem:
@@ -191,11 +226,12 @@ class DecodeRunner:
         try:
             self.runner.step(input_ids=zeros, position_ids=zeros, cache_position=zeros + 1, first_slot=zeros)
         except Exception as exc:  # measured: the forward rejects the masks
-            self.plan = MaskPlan("model", reason=f"its forward does not take 4D attention masks "
-                                                 f"({type(exc).__name__}: {str(exc)[:120]})")
+            self.plan = MaskPlan(
+                "model", reason=f"its forward does not take 4D attention masks ({type(exc).__name__}: {str(exc)[:120]})"
+            )
             self.stats.masks = f"model ({self.plan.reason})"
 
-    def _prefill(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Prefill ``input_ids`` eagerly into rows ``[0, B)`` of the (emptied) cache; return the logits."""
         return prefill(self.model, self._view(input_ids.shape[0]), input_ids, attention_mask)
 
@@ -241,17 +277,28 @@ class DecodeRunner:
                     self.runner.cleanup()
                     raise
                 self.stats.self_test = result
-                report.after_capture.append({"name": "self-test", "seconds": time.perf_counter() - t0,
-                                             "summary": result.summary()})
+                report.after_capture.append(
+                    {"name": "self-test", "seconds": time.perf_counter() - t0, "summary": result.summary()}
+                )
         self._report = report
         return report
 
-    def generate(self, inputs: Optional[torch.Tensor] = None, generation_config: Any = None,
-                 logits_processor: Any = None, stopping_criteria: Any = None, prefix_allowed_tokens_fn: Any = None,
-                 synced_gpus: Optional[bool] = None, assistant_model: Any = None, streamer: Any = None,
-                 negative_prompt_ids: Optional[torch.Tensor] = None,
-                 negative_prompt_attention_mask: Optional[torch.Tensor] = None, custom_generate: Any = None,
-                 generator: Optional[torch.Generator] = None, **kwargs: Any) -> torch.Tensor:
+    def generate(
+        self,
+        inputs: torch.Tensor | None = None,
+        generation_config: Any = None,
+        logits_processor: Any = None,
+        stopping_criteria: Any = None,
+        prefix_allowed_tokens_fn: Any = None,
+        synced_gpus: bool | None = None,
+        assistant_model: Any = None,
+        streamer: Any = None,
+        negative_prompt_ids: torch.Tensor | None = None,
+        negative_prompt_attention_mask: torch.Tensor | None = None,
+        custom_generate: Any = None,
+        generator: torch.Generator | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         """``model.generate`` with the decode step replayed: return ``[B, P + new]`` tokens (prompt, then new ones).
 
         Takes ``model.generate``'s arguments, with its meaning: ``inputs``
@@ -288,13 +335,20 @@ class DecodeRunner:
         """
         from graphrunner.hf.generation import refuse_arguments, resolve
 
-        refuse_arguments({"synced_gpus": synced_gpus, "assistant_model": assistant_model,
-                          "negative_prompt_ids": negative_prompt_ids,
-                          "negative_prompt_attention_mask": negative_prompt_attention_mask,
-                          "custom_generate": custom_generate})
+        refuse_arguments(
+            {
+                "synced_gpus": synced_gpus,
+                "assistant_model": assistant_model,
+                "negative_prompt_ids": negative_prompt_ids,
+                "negative_prompt_attention_mask": negative_prompt_attention_mask,
+                "custom_generate": custom_generate,
+            }
+        )
         if generation_config is not None and not hasattr(generation_config, "to_dict"):
-            raise TypeError(f"generate's second argument is generation_config, as in model.generate, got "
-                            f"{type(generation_config).__name__}: pass max_new_tokens= by keyword")
+            raise TypeError(
+                f"generate's second argument is generation_config, as in model.generate, got "
+                f"{type(generation_config).__name__}: pass max_new_tokens= by keyword"
+            )
         if "input_ids" in kwargs:
             if inputs is not None:
                 raise ValueError("pass the prompt once: inputs or input_ids, not both")
@@ -306,13 +360,23 @@ class DecodeRunner:
         dev = self.model.device
         input_ids = input_ids.to(dev)
         mask = None if mask is None else mask.to(dev)
-        setup = resolve(self.model, input_ids, mask, generation_config, kwargs, logits_processor,
-                        stopping_criteria, prefix_allowed_tokens_fn)
+        setup = resolve(
+            self.model,
+            input_ids,
+            mask,
+            generation_config,
+            kwargs,
+            logits_processor,
+            stopping_criteria,
+            prefix_allowed_tokens_fn,
+        )
         new = setup.max_new_tokens
         if p + new - 1 > self.max_cache_len:
-            raise ValueError(f"prompt_len {p} + {new} new tokens - 1 exceeds max_cache_len {self.max_cache_len} "
-                             f"(max_length {setup.config.max_length}): build the DecodeRunner with a larger "
-                             f"max_cache_len, or pass a smaller max_new_tokens")
+            raise ValueError(
+                f"prompt_len {p} + {new} new tokens - 1 exceeds max_cache_len {self.max_cache_len} "
+                f"(max_length {setup.config.max_length}): build the DecodeRunner with a larger "
+                f"max_cache_len, or pass a smaller max_new_tokens"
+            )
         self.capture()
         self.stats.generate_calls += 1
         with torch.inference_mode():
@@ -328,14 +392,23 @@ class DecodeRunner:
                 f"input_ids has {b} rows (shape {tuple(input_ids.shape)}), more than this DecodeRunner's "
                 f"max_batch={self.max_batch} (its static cache and largest graph hold {self.max_batch} rows): "
                 f"build it with DecodeRunner(model, max_batch={b}, ...) (or larger), or call generate on at "
-                f"most {self.max_batch} rows at a time (input_ids[:{self.max_batch}], then the rest)")
+                f"most {self.max_batch} rows at a time (input_ids[:{self.max_batch}], then the rest)"
+            )
         if b < 1 or p < 1:
-            raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: generate needs at least one row and "
-                             "a prompt of at least one token ([batch >= 1, prompt_len >= 1])")
+            raise ValueError(
+                f"input_ids has shape {tuple(input_ids.shape)}: generate needs at least one row and "
+                "a prompt of at least one token ([batch >= 1, prompt_len >= 1])"
+            )
         return input_ids
 
-    def _decode(self, input_ids: torch.Tensor, mask: Optional[torch.Tensor], setup: GenerationSetup,
-                streamer: Any, generator: Optional[torch.Generator]) -> torch.Tensor:
+    def _decode(
+        self,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor | None,
+        setup: GenerationSetup,
+        streamer: Any,
+        generator: torch.Generator | None,
+    ) -> torch.Tensor:
         """Prefill ``input_ids`` eagerly, then decode up to ``setup.max_new_tokens`` tokens through the graphs."""
         b, p = input_ids.shape
         dev = input_ids.device
@@ -352,8 +425,9 @@ class DecodeRunner:
             if i:
                 positions = positions + 1
                 slot = torch.full((b, 1), p + i - 1, dtype=torch.long, device=dev)
-                logits = self.runner(input_ids=out[:, -1:], position_ids=positions, cache_position=slot,
-                                     first_slot=first)
+                logits = self.runner(
+                    input_ids=out[:, -1:], position_ids=positions, cache_position=slot, first_slot=first
+                )
                 self._count_step(b)
             token = setup.next_tokens(out, logits, generator)
             if setup.pad_finished and setup.pad is not None:  # resolve() refuses a criterion without a pad
@@ -377,7 +451,7 @@ class DecodeRunner:
         self.stats.replays += 1
         self.stats.per_bucket[bucket] = self.stats.per_bucket.get(bucket, 0) + 1
 
-    def _check_mask(self, attention_mask: Optional[torch.Tensor], input_ids: torch.Tensor) -> Optional[torch.Tensor]:
+    def _check_mask(self, attention_mask: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor | None:
         """None for no mask or an all-ones one; else the mask, checked to be left padding with a real last token."""
         if attention_mask is None:
             return None
@@ -389,12 +463,16 @@ class DecodeRunner:
         if not bool(((m == 0) | (m == 1)).all()):
             raise ValueError("attention_mask must hold only 0 and 1")
         if bool((m[:, 1:] < m[:, :-1]).any()) or not bool((m[:, -1] == 1).all()):
-            raise ValueError("attention_mask must be left padding: each row zeros then ones, ending in a real "
-                             "token (pad prompts on the left, tokenizer.padding_side = 'left')")
+            raise ValueError(
+                "attention_mask must be left padding: each row zeros then ones, ending in a real "
+                "token (pad prompts on the left, tokenizer.padding_side = 'left')"
+            )
         if not self.plan.explicit:
-            raise ValueError(f"architecture {self.model_type!r} builds its attention masks itself "
-                             f"({self.plan.reason}), so DecodeRunner supports only equal-length prompts for it: "
-                             f"group prompts by length or use model.generate()")
+            raise ValueError(
+                f"architecture {self.model_type!r} builds its attention masks itself "
+                f"({self.plan.reason}), so DecodeRunner supports only equal-length prompts for it: "
+                f"group prompts by length or use model.generate()"
+            )
         return m
 
     def cleanup(self) -> None:
@@ -402,5 +480,7 @@ class DecodeRunner:
         self.runner.cleanup()
 
     def __repr__(self) -> str:
-        return (f"DecodeRunner(model_type={self.model_type!r}, max_batch={self.max_batch}, "
-                f"max_cache_len={self.max_cache_len}, buckets={self.buckets}, captured={self._report is not None})")
+        return (
+            f"DecodeRunner(model_type={self.model_type!r}, max_batch={self.max_batch}, "
+            f"max_cache_len={self.max_cache_len}, buckets={self.buckets}, captured={self._report is not None})"
+        )

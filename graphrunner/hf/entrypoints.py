@@ -15,8 +15,9 @@ import copy
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,10 +36,16 @@ if TYPE_CHECKING:
 
 __all__ = ["generate_batch", "init_continuous_batching", "release"]
 
-def init_continuous_batching(model: PreTrainedModel, generation_config: Optional[GenerationConfig] = None,
-                             continuous_batching_config: Optional[ContinuousBatchingConfig] = None,
-                             workload_hints: Optional[WorkloadHints] = None, *,
-                             options: Optional[BatchingOptions] = None, **fields: Any) -> ContinuousBatchingManager:
+
+def init_continuous_batching(
+    model: PreTrainedModel,
+    generation_config: GenerationConfig | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    workload_hints: WorkloadHints | None = None,
+    *,
+    options: BatchingOptions | None = None,
+    **fields: Any,
+) -> ContinuousBatchingManager:
     """``model.init_continuous_batching(...)`` with a :class:`GraphBatching` installed: returns the manager,
     its hook as ``manager.graphs``.
 
@@ -66,9 +73,11 @@ def init_continuous_batching(model: PreTrainedModel, generation_config: Optional
     opts = BatchingOptions.of(options, **fields)
     check_served(model, continuous_batching_config, "init_continuous_batching")
     hook = GraphBatching(model, opts)  # checks the options against the model's dims before a manager exists
-    manager = _continuous(model).init_continuous_batching(generation_config=generation_config,
-                                                          continuous_batching_config=continuous_batching_config,
-                                                          workload_hints=workload_hints)
+    manager = _continuous(model).init_continuous_batching(
+        generation_config=generation_config,
+        continuous_batching_config=continuous_batching_config,
+        workload_hints=workload_hints,
+    )
     try:
         hook.install(manager)
     except BaseException:
@@ -97,25 +106,35 @@ def _lend(model: PreTrainedModel, manager: ContinuousBatchingManager) -> None:
     model._cached_continuous_batching_manager = manager  # type: ignore[assignment]
 
 
-def _workload_hints(inputs: Sequence[Sequence[int]], generation_config: GenerationConfig,
-                    max_new_tokens: Optional[int]) -> WorkloadHints:
+def _workload_hints(
+    inputs: Sequence[Sequence[int]], generation_config: GenerationConfig, max_new_tokens: int | None
+) -> WorkloadHints:
     """The workload hints ``model.generate_batch`` sizes its manager by, for these prompts."""
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     n_ret = generation_config.num_return_sequences if generation_config.num_return_sequences is not None else 1
-    return WorkloadHints(max_prompt_length=max(len(x) for x in inputs),
-                         max_generated_length=max_new_tokens if max_new_tokens is not None else 0,
-                         num_requests=len(inputs) * n_ret)
+    return WorkloadHints(
+        max_prompt_length=max(len(x) for x in inputs),
+        max_generated_length=max_new_tokens if max_new_tokens is not None else 0,
+        num_requests=len(inputs) * n_ret,
+    )
 
 
 #: Options of a manager that is never stopped: :func:`init_continuous_batching` takes them, not :func:`generate_batch`.
 _MANAGER_ONLY = ("autocapture", "replan_every")
 
 
-def generate_batch(model: PreTrainedModel, inputs: List[List[int]], generation_config: Optional[GenerationConfig] = None,
-                   continuous_batching_config: Optional[ContinuousBatchingConfig] = None, *,
-                   options: Optional[BatchingOptions] = None, stats: Optional[Dict[str, Any]] = None,
-                   reuse: bool = True, **kwargs: Any) -> Dict[str, Any]:
+def generate_batch(
+    model: PreTrainedModel,
+    inputs: list[list[int]],
+    generation_config: GenerationConfig | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    *,
+    options: BatchingOptions | None = None,
+    stats: dict[str, Any] | None = None,
+    reuse: bool = True,
+    **kwargs: Any,
+) -> dict[str, Any]:
     """``model.generate_batch(inputs, generation_config, continuous_batching_config, **kwargs)`` with the varlen
     steps' forward replayed from graphrunner graphs; returns exactly what it returns.
 
@@ -154,15 +173,17 @@ def generate_batch(model: PreTrainedModel, inputs: List[List[int]], generation_c
         return {}
     opts = _batch_options(options, kwargs)
     check_served(model, continuous_batching_config, "generate_batch")
-    gen_cfg, cb_cfg, hints = _configs(model, inputs, generation_config, continuous_batching_config,
-                                      kwargs.get("max_new_tokens", None))
+    gen_cfg, cb_cfg, hints = _configs(
+        model, inputs, generation_config, continuous_batching_config, kwargs.get("max_new_tokens", None)
+    )
     settings = repr((sorted(gen_cfg.to_dict().items()), sorted(vars(cb_cfg).items()), vars(hints), opts))
     held = _held_for(model, settings, reuse)
     run_kwargs = {**kwargs, "persistent_manager": True}
     if held is None:
         hook = GraphBatching(model, opts)  # checks the options against the model's dims first
-        manager = _continuous(model).init_continuous_batching(generation_config=generation_config,
-                                                              continuous_batching_config=cb_cfg, workload_hints=hints)
+        manager = _continuous(model).init_continuous_batching(
+            generation_config=generation_config, continuous_batching_config=cb_cfg, workload_hints=hints
+        )
     else:
         manager, hook = held.manager, held.hook
     ok = False
@@ -202,9 +223,13 @@ def _check_call(inputs: Any, stats: Any) -> bool:
     return True
 
 
-def _configs(model: PreTrainedModel, inputs: List[List[int]], generation_config: Optional[GenerationConfig],
-             continuous_batching_config: Optional[ContinuousBatchingConfig], max_new_tokens: Optional[int]
-             ) -> Tuple[GenerationConfig, ContinuousBatchingConfig, WorkloadHints]:
+def _configs(
+    model: PreTrainedModel,
+    inputs: list[list[int]],
+    generation_config: GenerationConfig | None,
+    continuous_batching_config: ContinuousBatchingConfig | None,
+    max_new_tokens: int | None,
+) -> tuple[GenerationConfig, ContinuousBatchingConfig, WorkloadHints]:
     """The generation config, a copy of the batching config and the workload hints of a :func:`generate_batch`
     call, as ``model.generate_batch`` resolves them; ``TypeError`` for a generation config of another type."""
     from transformers import GenerationConfig
@@ -214,25 +239,28 @@ def _configs(model: PreTrainedModel, inputs: List[List[int]], generation_config:
     if not isinstance(gen_cfg, GenerationConfig):
         raise TypeError(f"generation_config must be a transformers GenerationConfig, got {type(gen_cfg).__name__}")
     # transformers fills the batching config in when it sizes the cache: it gets a copy, the user's stays as given
-    cb_cfg = ContinuousBatchingConfig() if continuous_batching_config is None else copy.deepcopy(
-        continuous_batching_config)
+    cb_cfg = (
+        ContinuousBatchingConfig() if continuous_batching_config is None else copy.deepcopy(continuous_batching_config)
+    )
     max_new_tokens = gen_cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
     if getattr(model, "_cached_continuous_batching_manager", None) is not None:
-        raise GraphRunnerError("the model holds a persistent continuous batching manager; call "
-                               "model.destroy_cached_continuous_batching_manager() first")
+        raise GraphRunnerError(
+            "the model holds a persistent continuous batching manager; call "
+            "model.destroy_cached_continuous_batching_manager() first"
+        )
     return gen_cfg, cb_cfg, _workload_hints(inputs, gen_cfg, max_new_tokens)
 
 
-def _held_for(model: PreTrainedModel, settings: str, reuse: bool) -> Optional[_Held]:
+def _held_for(model: PreTrainedModel, settings: str, reuse: bool) -> _Held | None:
     """What :func:`generate_batch` kept on ``model`` for a call of ``settings``; anything else kept is released."""
-    held: Optional[_Held] = getattr(model, _HELD, None)
+    held: _Held | None = getattr(model, _HELD, None)
     if held is not None and (held.settings != settings or not reuse):
         release(model)
         return None
     return held
 
 
-def _batch_options(options: Optional[BatchingOptions], kwargs: Dict[str, Any]) -> BatchingOptions:
+def _batch_options(options: BatchingOptions | None, kwargs: dict[str, Any]) -> BatchingOptions:
     """The options of :func:`generate_batch`: ``options`` with the option fields among ``kwargs``
     (taken out of it; the rest are ``model.generate_batch``'s)."""
     names = {f.name for f in dataclasses.fields(BatchingOptions)}
@@ -240,14 +268,22 @@ def _batch_options(options: Optional[BatchingOptions], kwargs: Dict[str, Any]) -
     opts = BatchingOptions.of(options, **given)
     manager_only = [n for n in _MANAGER_ONLY if getattr(opts, n) != getattr(BatchingOptions(), n)]
     if manager_only:
-        raise TypeError(f"generate_batch plans its keys from a dry run of its prompts: {manager_only} are options "
-                        "of a manager that is never stopped (gr.hf.init_continuous_batching)")
+        raise TypeError(
+            f"generate_batch plans its keys from a dry run of its prompts: {manager_only} are options "
+            "of a manager that is never stopped (gr.hf.init_continuous_batching)"
+        )
     return opts
 
 
-def _dry_run(model: PreTrainedModel, hook: GraphBatching, manager: ContinuousBatchingManager, inputs: List[List[int]],
-             generation_config: Optional[GenerationConfig], cb_cfg: ContinuousBatchingConfig,
-             run_kwargs: Dict[str, Any]) -> None:
+def _dry_run(
+    model: PreTrainedModel,
+    hook: GraphBatching,
+    manager: ContinuousBatchingManager,
+    inputs: list[list[int]],
+    generation_config: GenerationConfig | None,
+    cb_cfg: ContinuousBatchingConfig,
+    run_kwargs: dict[str, Any],
+) -> None:
     """Install ``hook`` on ``manager`` and run transformers' scheduler over ``inputs`` without a forward,
     recording the step sizes (``hook.stats.step_sizes``) the keys are planned from."""
     hook.install(manager)
@@ -261,8 +297,9 @@ def _dry_run(model: PreTrainedModel, hook: GraphBatching, manager: ContinuousBat
     hook.mode = "eager"
 
 
-def _keep_or_destroy(model: PreTrainedModel, manager: ContinuousBatchingManager, hook: GraphBatching, settings: str,
-                     keep: bool) -> Optional[GraphRunner]:
+def _keep_or_destroy(
+    model: PreTrainedModel, manager: ContinuousBatchingManager, hook: GraphBatching, settings: str, keep: bool
+) -> GraphRunner | None:
     """After a :func:`generate_batch` call: keep ``manager`` and its graphs on ``model`` for the next call of
     ``settings`` (``keep``), else destroy them; the runner that served, for the stats."""
     if getattr(model, "_cached_continuous_batching_manager", None) is manager:
@@ -310,8 +347,13 @@ def _reraise(hook: GraphBatching) -> None:
         raise err
 
 
-def _quiet_generate(model: PreTrainedModel, inputs: List[List[int]], generation_config: Optional[GenerationConfig],
-                    cb_cfg: ContinuousBatchingConfig, run_kwargs: Dict[str, Any]) -> Dict[str, Any]:
+def _quiet_generate(
+    model: PreTrainedModel,
+    inputs: list[list[int]],
+    generation_config: GenerationConfig | None,
+    cb_cfg: ContinuousBatchingConfig,
+    run_kwargs: dict[str, Any],
+) -> dict[str, Any]:
     """``model.generate_batch`` with transformers' warning about ``persistent_manager=True`` silenced:
     graphrunner passes it, not the user."""
     from transformers.generation.continuous_batching.utils import logger as cb_logger
@@ -319,7 +361,8 @@ def _quiet_generate(model: PreTrainedModel, inputs: List[List[int]], generation_
     level = cb_logger.level
     cb_logger.setLevel(logging.ERROR)
     try:
-        return _continuous(model).generate_batch(inputs=inputs, generation_config=generation_config,
-                                    continuous_batching_config=cb_cfg, **run_kwargs)
+        return _continuous(model).generate_batch(
+            inputs=inputs, generation_config=generation_config, continuous_batching_config=cb_cfg, **run_kwargs
+        )
     finally:
         cb_logger.setLevel(level)

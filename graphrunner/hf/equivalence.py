@@ -13,8 +13,9 @@ back after each comparison. A difference is a :class:`~graphrunner.errors.Captur
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,7 +31,7 @@ __all__ = ["EquivalenceCheck"]
 
 #: A synthetic batch's plan: per request its queries (``lens_q``) and past (``past``), per allocator index
 #: the past each request reads (``read_past``) and the cache slots drawn (``slots``).
-Plan = Dict[str, Any]
+Plan = dict[str, Any]
 
 
 @dataclass
@@ -42,7 +43,7 @@ class EquivalenceCheck:
 
     runner: GraphRunner
     step: Callable[..., torch.Tensor]
-    dims: Tuple[str, ...]
+    dims: tuple[str, ...]
     groups: Sequence[CacheGroup]
     cache: torch.Tensor
     vocab: int
@@ -74,17 +75,20 @@ class EquivalenceCheck:
                     continue
                 checked += 1
                 if not diff <= scale * 1e-4 + 1e-6:
-                    raise refused(self.model,
+                    raise refused(
+                        self.model,
                         f"the replayed step of key {tuple(self.dims)}={tuple(key)}, or the step after it, differs from the eager steps on "
                         f"the same valid batches without padding (real sizes {tuple(sizes)}; max abs diff {diff:.3g} "
                         f"of scale {scale:.3g}): "
                         "padding tokens or keys reach real requests (a padding write into a real cache slot, a mask "
-                        "that lets a real query see a padding key)")
+                        "that lets a real query see a padding key)",
+                    )
                 break
         return checked
 
-    def _compare_once(self, feeds: Dict[str, torch.Tensor], follow: Dict[str, torch.Tensor],
-                      saved: torch.Tensor) -> Tuple[float, float, Optional[Tuple[int, ...]]]:
+    def _compare_once(
+        self, feeds: dict[str, torch.Tensor], follow: dict[str, torch.Tensor], saved: torch.Tensor
+    ) -> tuple[float, float, tuple[int, ...] | None]:
         """Two call sequences from the same cache, ``saved`` (what the cache holds now): ``feeds`` replayed
         (padded to their key) then ``follow`` run eagerly, against both run eagerly without padding; the
         cache put back to ``saved`` after each. ``(max abs diff over both calls, scale, key replayed)``: the
@@ -104,8 +108,9 @@ class EquivalenceCheck:
         scale = max(b.double().abs().max().item() for b in want)
         return diff, scale, None if landed is None else tuple(landed)
 
-    def _synthetic(self, key: Sequence[int], sizes: Sequence[int], gen: torch.Generator
-                   ) -> Optional[Tuple[Dict[str, torch.Tensor], Plan]]:
+    def _synthetic(
+        self, key: Sequence[int], sizes: Sequence[int], gen: torch.Generator
+    ) -> tuple[dict[str, torch.Tensor], Plan] | None:
         """A valid batch of ``sizes`` (one per dim of :attr:`dims`) for full/sliding layers: ``reqs`` requests
         whose queries end each prompt, each attention type reading its keys dim's count of the request's
         most recent keys, every real write a distinct real slot; with its plan (per request queries and
@@ -122,16 +127,20 @@ class EquivalenceCheck:
         extra = max(kv.values()) - n_tok
         cut_e = sorted(torch.randint(0, extra + 1, (n_req - 1,), generator=gen).tolist()) if n_req > 1 else []
         past = [b - a for a, b in zip([0] + cut_e, cut_e + [extra])]
-        pos: List[int] = []
-        treq: List[int] = []
-        logit_idx: List[int] = []
+        pos: list[int] = []
+        treq: list[int] = []
+        logit_idx: list[int] = []
         for r, (q, p) in enumerate(zip(lens_q, past)):
             pos.extend(range(p, p + q))
             treq.extend([r] * q)
             logit_idx.append(len(pos) - 1)
         ids = torch.randint(0, self.vocab, (n_tok,), generator=gen)
-        feeds = {"input_ids": ids.to(torch.int32), "position_ids": torch.tensor(pos, dtype=torch.int32),
-                 "tok_req": torch.tensor(treq, dtype=torch.int32), "logits_indices": torch.tensor(logit_idx, dtype=torch.int32)}
+        feeds = {
+            "input_ids": ids.to(torch.int32),
+            "position_ids": torch.tensor(pos, dtype=torch.int32),
+            "tok_req": torch.tensor(treq, dtype=torch.int32),
+            "logits_indices": torch.tensor(logit_idx, dtype=torch.int32),
+        }
         plan: Plan = {"lens_q": lens_q, "past": past, "read_past": {}, "slots": {}}
         for g in self.groups:
             # this type reads the most recent read_past[r] <= past[r] of each request's past positions
@@ -147,13 +156,13 @@ class EquivalenceCheck:
                 slots[slots == g.write_trash] = slots[first_new].clone()
                 slots[first_new] = g.write_trash
             plan["slots"][g.index], plan["read_past"][g.index] = slots, read_past
-            read: List[int] = []
-            write: List[int] = []
-            kreq: List[int] = []
-            kpos: List[int] = []
+            read: list[int] = []
+            write: list[int] = []
+            kreq: list[int] = []
+            kpos: list[int] = []
             at = 0
             for r, (q, p, rp) in enumerate(zip(lens_q, past, read_past)):
-                s = slots[at: at + rp + q].tolist()
+                s = slots[at : at + rp + q].tolist()
                 at += rp + q
                 # full layers: the new tokens' keys written then read back; sliding: sentinels for the new keys
                 read.extend(s if g.window is None else s[:rp] + [g.sentinel] * q)
@@ -164,27 +173,29 @@ class EquivalenceCheck:
         dev = self.device
         return {k: v.to(dev) for k, v in feeds.items()}, plan
 
-    def _follow_up(self, plan: Plan, gen: torch.Generator) -> Dict[str, torch.Tensor]:
+    def _follow_up(self, plan: Plan, gen: torch.Generator) -> dict[str, torch.Tensor]:
         """The next step after a :meth:`_synthetic` batch: one new token per request, reading every key the
         request wrote or read before (so a real slot a padding token overwrote in that batch is read here)."""
         lens_q, past = plan["lens_q"], plan["past"]
         n_req = len(lens_q)
         dev = self.device
         pos = [p + q for q, p in zip(lens_q, past)]
-        feeds = {"input_ids": torch.randint(0, self.vocab, (n_req,), generator=gen).to(torch.int32),
-                 "position_ids": torch.tensor(pos, dtype=torch.int32),
-                 "tok_req": torch.arange(n_req, dtype=torch.int32),
-                 "logits_indices": torch.arange(n_req, dtype=torch.int32)}
+        feeds = {
+            "input_ids": torch.randint(0, self.vocab, (n_req,), generator=gen).to(torch.int32),
+            "position_ids": torch.tensor(pos, dtype=torch.int32),
+            "tok_req": torch.arange(n_req, dtype=torch.int32),
+            "logits_indices": torch.arange(n_req, dtype=torch.int32),
+        }
         for g in self.groups:
             slots, read_past = plan["slots"][g.index], plan["read_past"][g.index]
             n_kv = sum(read_past) + sum(lens_q)
-            read: List[int] = []
-            write: List[int] = []
-            kreq: List[int] = []
-            kpos: List[int] = []
+            read: list[int] = []
+            write: list[int] = []
+            kreq: list[int] = []
+            kpos: list[int] = []
             at = 0
             for r, (n, rp, q) in enumerate(zip(pos, read_past, lens_q)):
-                old, new = slots[at: at + rp + q].tolist(), int(slots[n_kv + r])
+                old, new = slots[at : at + rp + q].tolist(), int(slots[n_kv + r])
                 at += rp + q
                 read.extend(old + ([new] if g.window is None else [g.sentinel]))
                 write.append(new)
@@ -194,7 +205,7 @@ class EquivalenceCheck:
         return {k: v.to(dev) for k, v in feeds.items()}
 
 
-def _put_group(feeds: Dict[str, torch.Tensor], g: CacheGroup, write, read, key_req, key_pos) -> None:
+def _put_group(feeds: dict[str, torch.Tensor], g: CacheGroup, write, read, key_req, key_pos) -> None:
     """Write allocator ``g``'s four per-key and per-token inputs (Python lists) into ``feeds``."""
     feeds[f"write_index_{g.index}"] = torch.tensor(write, dtype=torch.int64)
     feeds[f"read_index_{g.index}"] = torch.tensor(read, dtype=torch.int64)

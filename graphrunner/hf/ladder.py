@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import itertools
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 from graphrunner.hf.planning import plan_keys
 
@@ -26,10 +26,10 @@ LADDER_GRAPHS = {"tokens": 5, "kv": 4, "reqs": 3}
 #: A re-plan is taken when its keys compute at most this share of the current keys' padding.
 REPLAN_GAIN = 0.6
 
-Sizes = Tuple[int, ...]
+Sizes = tuple[int, ...]
 
 
-def ladder(top: int, count: int, low: int = 1) -> List[int]:
+def ladder(top: int, count: int, low: int = 1) -> list[int]:
     """Up to ``count`` sizes from ``low`` to ``top`` (both included when ``count >= 2``): powers of two
     between them, thinned evenly when there are more, and ``top`` itself. Raises ``ValueError`` for
     ``top < 1`` or ``count < 1``."""
@@ -46,15 +46,16 @@ def ladder(top: int, count: int, low: int = 1) -> List[int]:
     return sorted(picked)
 
 
-def ladder_keys(maxima: Dict[str, int], dims: Sequence[str], counts: Optional[Dict[str, int]] = None
-                ) -> Tuple[Dict[str, List[int]], List[Sizes]]:
+def ladder_keys(
+    maxima: dict[str, int], dims: Sequence[str], counts: dict[str, int] | None = None
+) -> tuple[dict[str, list[int]], list[Sizes]]:
     """``(buckets, keys)`` of the starting ladder: :func:`ladder` per dim up to ``maxima[dim]`` with
     ``counts[dim]`` sizes (default :data:`LADDER_GRAPHS`; a keys dim ``kv_*`` falls back on ``kv``),
     and every key a step can land on: no more requests than tokens (a request has a token in the
     step) and, for the keys dims, at least as many keys as the smallest ladder size of tokens. The
     ``dims`` are ``("tokens", <keys dims>..., "reqs")``."""
     counts = {**LADDER_GRAPHS, **(counts or {})}
-    buckets: Dict[str, List[int]] = {}
+    buckets: dict[str, list[int]] = {}
     for d in dims:
         n = counts.get(d, counts["kv"] if d.startswith("kv") else 4)
         low = 16 if d.startswith("kv") else 1
@@ -64,7 +65,7 @@ def ladder_keys(maxima: Dict[str, int], dims: Sequence[str], counts: Optional[Di
     return buckets, sorted(keys)
 
 
-def padding(sizes: Sequence[Sizes], keys: Sequence[Sizes]) -> Tuple[int, int]:
+def padding(sizes: Sequence[Sizes], keys: Sequence[Sizes]) -> tuple[int, int]:
     """``(padded cells, steps no key covers)`` of serving ``sizes`` on ``keys``: each step lands on
     the key the runner chooses (the covering key of the smallest product); its padding is that
     key's cells (the product of its sizes but ``reqs``: tokens x keys) minus the step's."""
@@ -84,9 +85,13 @@ def _cells(key: Sizes) -> int:
     return math.prod(int(v) for v in key[:-1])
 
 
-def replan(sizes: Sequence[Sizes], keys: Sequence[Sizes], dims: Sequence[str],
-           max_graphs: Optional[Dict[str, int]] = None, gain: float = REPLAN_GAIN
-           ) -> Optional[Tuple[Dict[str, List[int]], List[Sizes]]]:
+def replan(
+    sizes: Sequence[Sizes],
+    keys: Sequence[Sizes],
+    dims: Sequence[str],
+    max_graphs: dict[str, int] | None = None,
+    gain: float = REPLAN_GAIN,
+) -> tuple[dict[str, list[int]], list[Sizes]] | None:
     """New ``(buckets, keys)`` for the steps ``sizes`` served so far on ``keys``, or ``None`` when they
     would not cut the padding to ``gain`` of today's (:func:`padding`) or would leave a step uncovered
     that today's keys cover. The plan is :func:`graphrunner.hf.planning.plan_keys` over ``sizes``

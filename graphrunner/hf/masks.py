@@ -30,7 +30,7 @@ compares the replayed steps with the model's own eager decode at capture.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 import torch
 
@@ -44,7 +44,7 @@ _KIND_BY_CREATOR = {
 _IMPLEMENTATIONS = ("sdpa", "eager")
 
 
-def _creator_kind(fn: Any) -> Optional[str]:
+def _creator_kind(fn: Any) -> str | None:
     """The mask kind a ``masking_utils`` creator (or a ``functools.partial`` of one) builds, else None."""
     fn = getattr(fn, "func", fn)
     return _KIND_BY_CREATOR.get(getattr(fn, "__name__", ""))
@@ -63,9 +63,9 @@ class MaskPlan:
 
     kind: str
     reason: str = ""
-    layers: Dict[str, str] = field(default_factory=dict)
+    layers: dict[str, str] = field(default_factory=dict)
     keyed: bool = False
-    window: Optional[int] = None
+    window: int | None = None
     implementation: str = "sdpa"
 
     @property
@@ -73,8 +73,7 @@ class MaskPlan:
         """True when the step builds the masks (ragged prompts and sliding windows are supported)."""
         return self.kind == "explicit"
 
-    def build(self, cache_position: torch.Tensor, first_slot: torch.Tensor, length: int,
-              dtype: torch.dtype) -> Any:
+    def build(self, cache_position: torch.Tensor, first_slot: torch.Tensor, length: int, dtype: torch.dtype) -> Any:
         """The ``attention_mask`` argument for one step: a 4D mask ``[B, 1, 1, length]`` or a dict of them.
 
         ``cache_position`` and ``first_slot`` are ``[B, 1]`` long tensors;
@@ -84,10 +83,10 @@ class MaskPlan:
         kv = torch.arange(length, device=cache_position.device).unsqueeze(0)
         own = kv == cache_position
         causal = ((kv >= first_slot) & (kv <= cache_position)) | own
-        built: Dict[str, torch.Tensor] = {}
+        built: dict[str, torch.Tensor] = {}
         window = self.window
 
-        def mask(kind: str) -> Optional[torch.Tensor]:
+        def mask(kind: str) -> torch.Tensor | None:
             if kind == "none":
                 return None
             if kind not in built:
@@ -128,14 +127,15 @@ def plan_masks(config: Any) -> MaskPlan:
     window = getattr(text, "sliding_window", None)
     mapping = getattr(masking_utils, "LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING", {})
     layer_types = getattr(text, "layer_types", None)
-    layers: Dict[str, str] = {}
+    layers: dict[str, str] = {}
     if layer_types is not None:
         for pattern in sorted(set(layer_types)):
             creators = mapping.get(pattern)
             if creators is None:
                 return MaskPlan("model", reason=f"layer type {pattern!r} has no mask creator in transformers")
-            items: Tuple[Tuple[str, Any], ...] = (tuple(creators.items()) if isinstance(creators, dict)
-                                                  else ((pattern, creators),))
+            items: tuple[tuple[str, Any], ...] = (
+                tuple(creators.items()) if isinstance(creators, dict) else ((pattern, creators),)
+            )
             for key, fn in items:
                 kind = _creator_kind(fn)
                 if kind is None:

@@ -10,8 +10,9 @@ request owns.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Sequence, Tuple
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,11 +40,17 @@ def check_trash(cache: PagedAttentionCache, groups: Sequence[CacheGroup]) -> Non
                 f"padding tokens of the {g.layer_type} layers would write cache slot {g.write_trash}, which is not "
                 f"in the write-trash sector (slots {g.write_sector}..{g.first_real - 1}; real slots start at "
                 f"{g.first_real}): a padding token would overwrite a real request's K/V. The allocator's "
-                "write_trash_index must point into the write-trash sector")
+                "write_trash_index must point into the write-trash sector"
+            )
 
 
-def step_feeds(io: ContinuousBatchingIOs, cache: PagedAttentionCache, groups: Sequence[CacheGroup],
-               debug: bool = False, validate: bool = True) -> Dict[str, torch.Tensor]:
+def step_feeds(
+    io: ContinuousBatchingIOs,
+    cache: PagedAttentionCache,
+    groups: Sequence[CacheGroup],
+    debug: bool = False,
+    validate: bool = True,
+) -> dict[str, torch.Tensor]:
     """The step's inputs for the batch transformers prepared in ``io`` (a ``ContinuousBatchingIOs``), checked.
 
     Reads what ``prepare_batch_tensors`` wrote (``input_ids``, ``position_ids``,
@@ -59,8 +66,12 @@ def step_feeds(io: ContinuousBatchingIOs, cache: PagedAttentionCache, groups: Se
     derived coordinates and compares it (cost: one ``[tokens, kv]`` pass per type).
     ``validate=False`` skips the checks (unsafe: a stale ``cu_seq_lens`` then builds wrong masks silently)."""
     q = _queries(io, validate)
-    feeds: Dict[str, torch.Tensor] = {"input_ids": q.input_ids, "position_ids": q.position_ids,
-                                      "tok_req": q.tok_req, "logits_indices": io.logits_indices[:q.n_req]}
+    feeds: dict[str, torch.Tensor] = {
+        "input_ids": q.input_ids,
+        "position_ids": q.position_ids,
+        "tok_req": q.tok_req,
+        "logits_indices": io.logits_indices[: q.n_req],
+    }
     for g in groups:
         write, read, key_req, key_pos = _group_feeds(io, cache, g, q, validate)
         feeds[f"write_index_{g.index}"] = write  # each attention type's keys: its own dim, its own length
@@ -78,7 +89,7 @@ class _Queries:
 
     n_req: int
     n_tok: int
-    lens_q: List[int]  # query tokens per request
+    lens_q: list[int]  # query tokens per request
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     req_ids: torch.Tensor  # 0..n_req-1
@@ -99,38 +110,53 @@ def _queries(io: ContinuousBatchingIOs, validate: bool) -> _Queries:
     cq = cu_q.tolist()
     lq = [b - a for a, b in zip(cq, cq[1:])]
     if validate and (cq[0] != 0 or min(lq) < 1 or cq[-1] != n_tok):
-        raise MetadataError(f"cu_seq_lens_q {cq} is stale or inconsistent: it must start at 0, grow by at "
-                            f"least 1 per request ({n_req} requests) and end at the step's {n_tok} query tokens")
+        raise MetadataError(
+            f"cu_seq_lens_q {cq} is stale or inconsistent: it must start at 0, grow by at "
+            f"least 1 per request ({n_req} requests) and end at the step's {n_tok} query tokens"
+        )
     position_ids = io.position_ids[:n_tok]
     req_ids = torch.arange(n_req, dtype=torch.int32, device=dev)
     tok_req = torch.repeat_interleave(req_ids, torch.tensor(lq, device=dev), output_size=n_tok)
     starts = cu_q[:-1].long()
     first_q = position_ids[starts]  # each request's first query position
-    if validate and not torch.equal(position_ids.long(),
-                                    (first_q - starts)[tok_req] + torch.arange(n_tok, device=dev)):
-        raise MetadataError("cu_seq_lens_q is stale or inconsistent with position_ids: positions are not consecutive "
-                            f"inside a request (cu_seq_lens_q {cq})")
+    if validate and not torch.equal(position_ids.long(), (first_q - starts)[tok_req] + torch.arange(n_tok, device=dev)):
+        raise MetadataError(
+            "cu_seq_lens_q is stale or inconsistent with position_ids: positions are not consecutive "
+            f"inside a request (cu_seq_lens_q {cq})"
+        )
     expected = [cq[i + 1] - 1 for i, fs in enumerate(io.requests_in_batch) if fs.has_new_token]
     if validate and io.logits_indices[: len(expected)].tolist() != expected:
-        raise MetadataError(f"logits_indices {io.logits_indices[:n_req].tolist()} do not point at the last token of "
-                            f"each sampled request (expected {expected} from cu_seq_lens_q)")
-    return _Queries(n_req=n_req, n_tok=n_tok, lens_q=lq, input_ids=io.input_ids[:n_tok], position_ids=position_ids,
-                    req_ids=req_ids, tok_req=tok_req, first_q=first_q)
+        raise MetadataError(
+            f"logits_indices {io.logits_indices[:n_req].tolist()} do not point at the last token of "
+            f"each sampled request (expected {expected} from cu_seq_lens_q)"
+        )
+    return _Queries(
+        n_req=n_req,
+        n_tok=n_tok,
+        lens_q=lq,
+        input_ids=io.input_ids[:n_tok],
+        position_ids=position_ids,
+        req_ids=req_ids,
+        tok_req=tok_req,
+        first_q=first_q,
+    )
 
 
-def _group_feeds(io: ContinuousBatchingIOs, cache: PagedAttentionCache, g: CacheGroup, q: _Queries, validate: bool
-                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _group_feeds(
+    io: ContinuousBatchingIOs, cache: PagedAttentionCache, g: CacheGroup, q: _Queries, validate: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(write_index, read_index, key_req, key_pos)`` of allocator ``g``'s layers, checked (``validate``)."""
     n_req, n_tok, lq, dev = q.n_req, q.n_tok, q.lens_q, q.input_ids.device
     cu_k = io.cumulative_seqlens_k[g.layer_type][: n_req + 1]
     ck = cu_k.tolist()
     lk = [b - a for a, b in zip(ck, ck[1:])]
     n_key = ck[-1]
-    if validate and (ck[0] != 0 or any(k < n for k, n in zip(lk, lq))
-                     or n_key != int(io.total_seqlen_k[g.layer_type])):
-        raise MetadataError(f"cu_seq_lens_k[{g.layer_type!r}] {ck} is stale or inconsistent: it must "
-                            "start at 0, give each request at least its query tokens and end at the keys read "
-                            f"({io.total_seqlen_k[g.layer_type]})")
+    if validate and (ck[0] != 0 or any(k < n for k, n in zip(lk, lq)) or n_key != int(io.total_seqlen_k[g.layer_type])):
+        raise MetadataError(
+            f"cu_seq_lens_k[{g.layer_type!r}] {ck} is stale or inconsistent: it must "
+            "start at 0, give each request at least its query tokens and end at the keys read "
+            f"({io.total_seqlen_k[g.layer_type]})"
+        )
     write = io.write_index_storage[g.index, :n_tok]
     if validate and int(io.true_write_sizes[g.index]) != n_tok:
         raise MetadataError(f"write_index[{g.index}] has {io.true_write_sizes[g.index]} entries for {n_tok} tokens")
@@ -145,39 +171,51 @@ def _group_feeds(io: ContinuousBatchingIOs, cache: PagedAttentionCache, g: Cache
         lo = g.write_sector if g.window is not None else g.first_real
         w_lo, w_hi = (int(v) for v in torch.aminmax(write))
         if w_lo < lo or w_hi > g.last_index:
-            raise MetadataError(f"write_index[{g.index}] ({g.layer_type}) holds {write.tolist()}: a real token must "
-                                f"write a slot in {lo}..{g.last_index}, never a trash slot (sliding layers: the "
-                                "write trash only) or outside the cache")
+            raise MetadataError(
+                f"write_index[{g.index}] ({g.layer_type}) holds {write.tolist()}: a real token must "
+                f"write a slot in {lo}..{g.last_index}, never a trash slot (sliding layers: the "
+                "write trash only) or outside the cache"
+            )
     return write, read, key_req, key_pos
 
 
-def _read_index(io: ContinuousBatchingIOs, cache: PagedAttentionCache, g: CacheGroup, q: _Queries, n_key: int,
-                validate: bool) -> torch.Tensor:
+def _read_index(
+    io: ContinuousBatchingIOs, cache: PagedAttentionCache, g: CacheGroup, q: _Queries, n_key: int, validate: bool
+) -> torch.Tensor:
     """The slots allocator ``g``'s layers read: transformers' ``read_index``, or, in a step that reads no
     past (all first prefill chunks), the step's own keys as the allocator indexes them."""
     if int(io.max_kv_read) > 0:
         if validate and int(io.true_read_sizes[g.index]) != n_key:
-            raise MetadataError(f"read_index[{g.index}] has {io.true_read_sizes[g.index]} entries, cu_seq_lens_k "
-                                f"[{g.layer_type!r}] says {n_key}")
+            raise MetadataError(
+                f"read_index[{g.index}] has {io.true_read_sizes[g.index]} entries, cu_seq_lens_k "
+                f"[{g.layer_type!r}] says {n_key}"
+            )
         return io.read_index_storage[g.index, :n_key]
     # no request reads its past: read the step's own keys back, as the allocator would index them (full
     # layers: the written slots; sliding layers: sentinels)
     if validate and any(q.first_q.tolist()):
-        raise MetadataError("a step without cache reads (max_kv_read 0) holds a request that does not start "
-                            "at position 0")
+        raise MetadataError(
+            "a step without cache reads (max_kv_read 0) holds a request that does not start at position 0"
+        )
     alloc = cache.cache_allocators[g.layer_type]
-    idx: List[int] = []
+    idx: list[int] = []
     for fs in io.requests_in_batch:
         idx.extend(alloc.get_read_indices(fs.state.request_id, 0, fs.query_length))
     read = torch.tensor(idx, dtype=torch.int64, device=q.input_ids.device)
     if validate and read.shape[0] != n_key:
-        raise MetadataError(f"{read.shape[0]} keys rebuilt for the {g.layer_type} layers, cu_seq_lens_k says "
-                            f"{n_key}")
+        raise MetadataError(f"{read.shape[0]} keys rebuilt for the {g.layer_type} layers, cu_seq_lens_k says {n_key}")
     return read
 
 
-def _compare_mask(io: ContinuousBatchingIOs, g: CacheGroup, tok_req: torch.Tensor, pos: torch.Tensor,
-                  key_req: torch.Tensor, key_pos: torch.Tensor, n_tok: int) -> None:
+def _compare_mask(
+    io: ContinuousBatchingIOs,
+    g: CacheGroup,
+    tok_req: torch.Tensor,
+    pos: torch.Tensor,
+    key_req: torch.Tensor,
+    key_pos: torch.Tensor,
+    n_tok: int,
+) -> None:
     """Debug: the mask the step builds must allow exactly what transformers' own mask allows."""
     theirs = io.attention_mask[g.layer_type][0, 0, :n_tok]
     n_key = int(io.total_seqlen_k[g.layer_type])
@@ -188,5 +226,7 @@ def _compare_mask(io: ContinuousBatchingIOs, g: CacheGroup, tok_req: torch.Tenso
         ours &= kp > pos[:, None] - g.window
     if not torch.equal(ours, theirs):
         bad = (ours != theirs).nonzero()[0].tolist()
-        raise MetadataError(f"the attention mask derived from cu_seq_lens differs from transformers' own mask for the "
-                            f"{g.layer_type} layers at (query, key) {tuple(bad)}: stale cu_seq_lens")
+        raise MetadataError(
+            f"the attention mask derived from cu_seq_lens differs from transformers' own mask for the "
+            f"{g.layer_type} layers at (query, key) {tuple(bad)}: stale cu_seq_lens"
+        )

@@ -10,8 +10,9 @@ checked by :class:`~graphrunner.hf.batching.GraphBatching`, which knows them.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any
 
 __all__ = ["BatchingOptions"]
 
@@ -42,9 +43,9 @@ class BatchingOptions:
     every ``replan_every`` steps (0: never) from the recent step sizes.
     Raises ``ValueError`` for a ``replan_every`` that is no number of steps >= 0."""
 
-    buckets: Optional[Mapping[str, Sequence[int]]] = None
-    keys: Optional[Sequence[Sequence[int]]] = None
-    max_graphs: Optional[Dict[str, int]] = None
+    buckets: Mapping[str, Sequence[int]] | None = None
+    keys: Sequence[Sequence[int]] | None = None
+    max_graphs: dict[str, int] | None = None
     backend: Any = "full"  # a backend name or object, as GraphRunner(backend=) takes
     device: Any = "auto"  # a device name or object, as GraphRunner(device=) takes
     debug: bool = False
@@ -61,12 +62,14 @@ class BatchingOptions:
             raise ValueError(f"replan_every must be a number of steps >= 0 (0: never re-plan), got {every!r}")
 
     @classmethod
-    def of(cls, options: Optional[BatchingOptions] = None, **fields: Any) -> BatchingOptions:
+    def of(cls, options: BatchingOptions | None = None, **fields: Any) -> BatchingOptions:
         """``options`` (default: the defaults) with ``fields`` replaced; ``TypeError`` naming an unknown field."""
         unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
-            raise TypeError(f"unknown continuous batching option(s) {unknown}; the options are "
-                            f"{[f.name for f in dataclasses.fields(cls)]}")
+            raise TypeError(
+                f"unknown continuous batching option(s) {unknown}; the options are "
+                f"{[f.name for f in dataclasses.fields(cls)]}"
+            )
         base = cls() if options is None else options
         if not isinstance(base, cls):
             raise TypeError(f"options must be a {cls.__name__}, got {type(base).__name__}")

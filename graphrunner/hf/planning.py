@@ -8,7 +8,7 @@ through :func:`plan_keys`.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 from graphrunner.hf.batch_step import DIMS
 from graphrunner.planning import plan_buckets
@@ -28,7 +28,7 @@ def _covering(buckets: Sequence[int], n: int) -> int:
     raise ValueError(f"no bucket of {list(buckets)} holds {n}")
 
 
-def dim_limits(dims: Sequence[str], max_graphs: Optional[Dict[str, int]] = None) -> Dict[str, int]:
+def dim_limits(dims: Sequence[str], max_graphs: dict[str, int] | None = None) -> dict[str, int]:
     """Graphs per dim: ``max_graphs[dim]``, else (a keys dim) ``max_graphs["kv"]``, else
     :data:`DEFAULT_MAX_GRAPHS`'s."""
     given = dict(max_graphs or {})
@@ -39,8 +39,9 @@ def dim_limits(dims: Sequence[str], max_graphs: Optional[Dict[str, int]] = None)
     return out
 
 
-def plan_keys(step_sizes: Sequence[Tuple[int, ...]], max_graphs: Optional[Dict[str, int]] = None,
-              dims: Sequence[str] = DIMS) -> Tuple[Dict[str, List[int]], List[Tuple[int, ...]]]:
+def plan_keys(
+    step_sizes: Sequence[tuple[int, ...]], max_graphs: dict[str, int] | None = None, dims: Sequence[str] = DIMS
+) -> tuple[dict[str, list[int]], list[tuple[int, ...]]]:
     """``(buckets, keys)`` for ``step_sizes`` (a size per dim of ``dims`` per step; by default
     ``(tokens, kv, reqs)``).
 
@@ -56,8 +57,9 @@ def plan_keys(step_sizes: Sequence[Tuple[int, ...]], max_graphs: Optional[Dict[s
     bad = [s for s in sizes if len(s) != len(dims)]
     if bad:
         raise ValueError(f"step size {bad[0]} does not give one size per dim {list(dims)}")
-    buckets = plan_buckets({d: [s[i] for s in sizes] for i, d in enumerate(dims)},
-                           max_graphs=dim_limits(dims, max_graphs), progress=False)
+    buckets = plan_buckets(
+        {d: [s[i] for s in sizes] for i, d in enumerate(dims)}, max_graphs=dim_limits(dims, max_graphs), progress=False
+    )
     if not isinstance(buckets, dict):  # plan_buckets returns a dict for a dict of sizes
         raise TypeError(f"plan_buckets returned {type(buckets).__name__} for sizes per dim")
     keys = {tuple(_covering(buckets[d], s[i]) for i, d in enumerate(dims)) for s in sizes}

@@ -10,7 +10,7 @@ raise; :func:`refused` words every later refusal (a capture or equivalence failu
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from graphrunner.errors import CaptureError
 
@@ -33,8 +33,9 @@ def refused(model: Any, why: object, entry: str = "generate_batch") -> CaptureEr
     return CaptureError(f"gr.hf.{entry} cannot serve architecture {model_type(model)!r}: {why}")
 
 
-def check_served(model: Any, continuous_batching_config: Optional[ContinuousBatchingConfig] = None,
-                 entry: str = "generate_batch") -> None:
+def check_served(
+    model: Any, continuous_batching_config: ContinuousBatchingConfig | None = None, entry: str = "generate_batch"
+) -> None:
     """Raise :func:`refused`'s :class:`CaptureError` when :func:`refusal` refuses ``model`` under
     ``continuous_batching_config``; ``entry`` names the entry point in the message."""
     why = refusal(model, continuous_batching_config)
@@ -42,7 +43,7 @@ def check_served(model: Any, continuous_batching_config: Optional[ContinuousBatc
         raise refused(model, why, entry)
 
 
-def refusal(model: Any, continuous_batching_config: Optional[ContinuousBatchingConfig] = None) -> Optional[str]:
+def refusal(model: Any, continuous_batching_config: ContinuousBatchingConfig | None = None) -> str | None:
     """Why :func:`generate_batch` cannot serve ``model`` through graphs, or ``None`` when it can.
 
     Served: models whose continuous batching runs transformers' index-based paged
@@ -64,9 +65,14 @@ def refusal(model: Any, continuous_batching_config: Optional[ContinuousBatchingC
         return f"{type(model).__name__} is not a transformers generation model (no config / generate_batch)"
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     model_type = str(getattr(text, "model_type", "") or getattr(config, "model_type", ""))
-    declared = next((list(map(str, v)) for v in (getattr(text, n, None) for n in
-                                                  ("layer_types", "layers_block_type", "block_types"))
-                     if isinstance(v, (list, tuple)) and v), [])
+    declared = next(
+        (
+            list(map(str, v))
+            for v in (getattr(text, n, None) for n in ("layer_types", "layers_block_type", "block_types"))
+            if isinstance(v, (list, tuple)) and v
+        ),
+        [],
+    )
     stateful = r"mamba|ssm|linear|conv|recurrent|rwkv|lstm|hybrid|lru|delta|state"
     kinds = sorted({k for k in declared if k not in ("full_attention", "sliding_attention") and re.search(stateful, k)})
     if not declared and re.search(r"mamba|rwkv|lstm|ssm|recurrent", model_type):
@@ -77,27 +83,48 @@ def refusal(model: Any, continuous_batching_config: Optional[ContinuousBatchingC
         groups, no_allocator = None, exc
     if kinds:
         names = " ".join(list(getattr(text, "__dict__", {})) + [model_type])
-        family = next((label for pattern, label in (
-            (r"mamba|ssm_", "mamba state-space"), (r"rwkv", "RWKV recurrent"), (r"lstm", "xLSTM recurrent"),
-            (r"(^|\s)linear_", "linear-attention"), (r"(^|\s)lru_", "RG-LRU recurrent"),
-            (r"conv_L_cache|conv_kernel|conv_states", "short-convolution")) if re.search(pattern, names)), "recurrent")
-        why = (f"its {'/'.join(kinds)} layers ({family}) keep a recurrent state per request that transformers' paged "
-               "cache does not hold (it pages attention keys and values only)")
+        family = next(
+            (
+                label
+                for pattern, label in (
+                    (r"mamba|ssm_", "mamba state-space"),
+                    (r"rwkv", "RWKV recurrent"),
+                    (r"lstm", "xLSTM recurrent"),
+                    (r"(^|\s)linear_", "linear-attention"),
+                    (r"(^|\s)lru_", "RG-LRU recurrent"),
+                    (r"conv_L_cache|conv_kernel|conv_states", "short-convolution"),
+                )
+                if re.search(pattern, names)
+            ),
+            "recurrent",
+        )
+        why = (
+            f"its {'/'.join(kinds)} layers ({family}) keep a recurrent state per request that transformers' paged "
+            "cache does not hold (it pages attention keys and values only)"
+        )
         if no_allocator is not None:
-            return (f"{why}: the paged cache has no allocator for its layer types {sorted(set(declared))} "
-                    f"({no_allocator}), so continuous batching itself cannot run it")
-        return (f"{why}: continuous batching takes them for full-attention layers, so it cannot build their cache "
-                "or (given head counts) restarts that state at every step and returns wrong tokens without an error")
+            return (
+                f"{why}: the paged cache has no allocator for its layer types {sorted(set(declared))} "
+                f"({no_allocator}), so continuous batching itself cannot run it"
+            )
+        return (
+            f"{why}: continuous batching takes them for full-attention layers, so it cannot build their cache "
+            "or (given head counts) restarts that state at every step and returns wrong tokens without an error"
+        )
     impl = getattr(config, "_attn_implementation", None)
     if impl not in MASKED_IMPLEMENTATIONS:
-        return (f"its attention implementation {impl!r} is not mask-based: flash varlen attention takes "
-                "max_length_q/k as Python ints a graph would freeze (and a block table on its decode fast path); "
-                "load the model with attn_implementation='sdpa' or 'eager' (a half-precision model also needs "
-                "ContinuousBatchingConfig(auto_switch_to_flash=False): transformers switches it to flash otherwise)")
+        return (
+            f"its attention implementation {impl!r} is not mask-based: flash varlen attention takes "
+            "max_length_q/k as Python ints a graph would freeze (and a block table on its decode fast path); "
+            "load the model with attn_implementation='sdpa' or 'eager' (a half-precision model also needs "
+            "ContinuousBatchingConfig(auto_switch_to_flash=False): transformers switches it to flash otherwise)"
+        )
     if no_allocator is not None:
         layer_types = sorted(set(getattr(text, "layer_types", None) or []))
-        return (f"transformers' paged cache has no allocator for its layer types {layer_types} ({no_allocator}): "
-                "continuous batching itself cannot run it")
+        return (
+            f"transformers' paged cache has no allocator for its layer types {layer_types} ({no_allocator}): "
+            "continuous batching itself cannot run it"
+        )
     if getattr(text, "kv_lora_rank", None) is not None:
         return "its latent (MLA) attention cache is not one of the index-based caches the step is written for"
     cb = continuous_batching_config

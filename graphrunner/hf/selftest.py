@@ -18,7 +18,7 @@ afterwards.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Tuple
+from typing import Any
 
 import torch
 
@@ -34,7 +34,7 @@ class SelfTestResult:
     """What the self-test compared: the batch ``sizes``, ``steps`` replayed per size, and the worst
     absolute logit difference seen (``0.0``: every step bit-equal to the model's own eager decode)."""
 
-    sizes: Tuple[int, ...]
+    sizes: tuple[int, ...]
     steps: int
     worst: float
 
@@ -49,7 +49,7 @@ class SelfTestResult:
         return f"batches {', '.join(map(str, self.sizes))} x {self.steps} decode steps vs eager, {close}"
 
 
-def self_test_sizes(buckets: List[int]) -> Tuple[int, ...]:
+def self_test_sizes(buckets: list[int]) -> tuple[int, ...]:
     """Every bucket, plus the largest bucket minus one (a padded replay) when that is not a bucket itself."""
     sizes = list(buckets)
     if buckets[-1] - 1 >= 1 and buckets[-1] - 1 not in buckets:
@@ -90,7 +90,7 @@ def run_self_test(dr: Any, steps: int = 3, seed: int = 0, progress: bool = False
     return SelfTestResult(sizes=sizes, steps=replays, worst=worst)
 
 
-def _compare(dr: Any, sizes: Tuple[int, ...], prompt: int, replays: int, g: torch.Generator, bar: Any) -> float:
+def _compare(dr: Any, sizes: tuple[int, ...], prompt: int, replays: int, g: torch.Generator, bar: Any) -> float:
     """The self-test's comparisons (prompts of ``prompt`` tokens drawn from ``g``, ``replays`` steps per size);
     returns the worst exact difference."""
     model, dev, names = dr.model, dr.model.device, forward_names(dr.model)
@@ -113,11 +113,13 @@ def _compare(dr: Any, sizes: Tuple[int, ...], prompt: int, replays: int, g: torc
             positions = positions + 1
             slot = prompt + i
             mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=dev)], dim=1)
-            want = _reference_step(model, names, ref_cache, tokens, mask if dr.plan.explicit else None,
-                                   positions, slot)
-            got = dr.runner(input_ids=tokens, position_ids=positions,
-                            cache_position=torch.full((n, 1), slot, dtype=torch.long, device=dev),
-                            first_slot=first)
+            want = _reference_step(model, names, ref_cache, tokens, mask if dr.plan.explicit else None, positions, slot)
+            got = dr.runner(
+                input_ids=tokens,
+                position_ids=positions,
+                cache_position=torch.full((n, 1), slot, dtype=torch.long, device=dev),
+                first_slot=first,
+            )
             diff = difference(got.float(), want.float(), tolerant=True)
             exact = difference(got.float(), want.float())
             worst = max(worst, exact or 0.0)
@@ -127,7 +129,8 @@ def _compare(dr: Any, sizes: Tuple[int, ...], prompt: int, replays: int, g: torc
                     f"gr.hf.DecodeRunner: the replayed decode step of architecture {dr.model_type!r} differs "
                     f"from the model's own eager decode at batch {n} (bucket {dr.runner.bucket_for(n)}), "
                     f"decode step {i + 1}: max abs logit difference {diff:.3g} ({_plan_text(dr.plan)}); a "
-                    f"graph would give wrong tokens. Decode this model with model.generate()")
+                    f"graph would give wrong tokens. Decode this model with model.generate()"
+                )
     return worst
 
 

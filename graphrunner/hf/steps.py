@@ -12,14 +12,15 @@ attention mask inside the step (sliding windows, left-padded prompts).
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from graphrunner.runner import BatchInput
 
 
-def forward_names(model) -> Dict[str, Any]:
+def forward_names(model) -> dict[str, Any]:
     """The names ``model.forward`` takes: ``{"cache": "past_key_values" or "cache", "cache_position": bool}``."""
     params = inspect.signature(model.forward).parameters
     return {
@@ -34,7 +35,7 @@ def prompt_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return positions.masked_fill(attention_mask == 0, 1)
 
 
-def prefill(model, cache, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+def prefill(model, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Run the prompt ``input_ids`` ``[B, P]`` eagerly through ``model``, writing ``cache``; return logits ``[B, P, V]``.
 
     Without ``attention_mask`` every row is at positions ``0..P-1``
@@ -45,7 +46,7 @@ def prefill(model, cache, input_ids: torch.Tensor, attention_mask: Optional[torc
     names = forward_names(model)
     b, p = input_ids.shape
     slots = torch.arange(p, device=input_ids.device)
-    kwargs: Dict[str, Any] = {names["cache"]: cache, "use_cache": True}
+    kwargs: dict[str, Any] = {names["cache"]: cache, "use_cache": True}
     if attention_mask is None:
         kwargs["position_ids"] = slots.unsqueeze(0).expand(b, p)
     else:
@@ -100,10 +101,14 @@ def make_masked_step(model, cache, plan, length: int) -> Callable[..., torch.Ten
     dtype = model.dtype
     get_plan = plan if callable(plan) else (lambda: plan)
 
-    def step(input_ids: torch.Tensor, position_ids: torch.Tensor, cache_position: torch.Tensor,
-             first_slot: torch.Tensor) -> torch.Tensor:
-        kwargs: Dict[str, Any] = {names["cache"]: pick(input_ids.shape[0]), "position_ids": position_ids,
-                                  "use_cache": True}
+    def step(
+        input_ids: torch.Tensor, position_ids: torch.Tensor, cache_position: torch.Tensor, first_slot: torch.Tensor
+    ) -> torch.Tensor:
+        kwargs: dict[str, Any] = {
+            names["cache"]: pick(input_ids.shape[0]),
+            "position_ids": position_ids,
+            "use_cache": True,
+        }
         if names["cache_position"]:
             kwargs["cache_position"] = cache_position[0]
         current = get_plan()
@@ -114,11 +119,11 @@ def make_masked_step(model, cache, plan, length: int) -> Callable[..., torch.Ten
     return step
 
 
-def _long_input(upper: Optional[int]) -> BatchInput:
+def _long_input(upper: int | None) -> BatchInput:
     return BatchInput(trailing=(1,), dtype=torch.long, pad=0, bounds=None if upper is None else (0, int(upper) - 1))
 
 
-def decode_inputs(vocab_size: Optional[int] = None, max_cache_len: Optional[int] = None) -> Dict[str, Any]:
+def decode_inputs(vocab_size: int | None = None, max_cache_len: int | None = None) -> dict[str, Any]:
     """Return the GraphRunner input spec of :func:`make_decode_step`: ``input_ids`` and ``position_ids``, ``[B, 1]`` long.
 
     ``vocab_size`` and ``max_cache_len``, when given, become the inputs' ``bounds`` (the padding
@@ -126,9 +131,12 @@ def decode_inputs(vocab_size: Optional[int] = None, max_cache_len: Optional[int]
     return {"input_ids": _long_input(vocab_size), "position_ids": _long_input(max_cache_len)}
 
 
-def masked_inputs(vocab_size: Optional[int], max_cache_len: int) -> Dict[str, Any]:
+def masked_inputs(vocab_size: int | None, max_cache_len: int) -> dict[str, Any]:
     """The GraphRunner input spec of :func:`make_masked_step`: four ``[B, 1]`` long inputs, padded with 0.
 
     A padding row decodes token 0 at position 0 into slot 0 and attends slot 0 only: finite."""
-    return {**decode_inputs(vocab_size, max_cache_len),
-            "cache_position": _long_input(max_cache_len), "first_slot": _long_input(max_cache_len)}
+    return {
+        **decode_inputs(vocab_size, max_cache_len),
+        "cache_position": _long_input(max_cache_len),
+        "first_slot": _long_input(max_cache_len),
+    }

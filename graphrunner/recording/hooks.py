@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any
 
 __all__ = ["Capture", "CaptureHook", "Finding", "provide_check", "provided_check"]
 
@@ -53,9 +54,9 @@ class Finding:
 
     kind: str
     what: str
-    file: Optional[str]
-    line: Optional[int]
-    function: Optional[str]
+    file: str | None
+    line: int | None
+    function: str | None
     fix: str
     bucket: Any = None
     in_library: bool = False
@@ -65,7 +66,7 @@ class Finding:
         """``file:line`` (``"-"`` when unknown)."""
         return "-" if self.file is None else f"{self.file}:{self.line}"
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of the fields."""
         from dataclasses import asdict
 
@@ -95,12 +96,12 @@ class Capture:
     key: Any
     backend: Any
     forward_fn: Callable[[], Any]
-    post_warmup_hook: Optional[Callable[[], Any]]
-    freezes: Optional[str]
-    findings: Optional[List[Finding]] = None
+    post_warmup_hook: Callable[[], Any] | None
+    freezes: str | None
+    findings: list[Finding] | None = None
     last_output: Any = None
     outputs: Any = None
-    info: Dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
     check_seconds: float = 0.0
 
     @property
@@ -129,14 +130,15 @@ class Capture:
         with make() if make is not None else contextlib.nullcontext():
             return fn()
 
-    def fail(self, error: BaseException, finding: Optional[Finding] = None) -> None:
+    def fail(self, error: BaseException, finding: Finding | None = None) -> None:
         """Report a problem: raise ``error``, or in collect mode append ``finding`` (built from
         the error's text when not given) and return."""
         if self.findings is None:
             raise error
         if finding is None:
-            finding = Finding("capture-error", f"{type(error).__name__}: {error}", None, None, None,
-                              fix="see the message")
+            finding = Finding(
+                "capture-error", f"{type(error).__name__}: {error}", None, None, None, fix="see the message"
+            )
         if finding.bucket is None:
             finding.bucket = self.key
         self.findings.append(finding)
@@ -190,7 +192,7 @@ class CaptureHook:
 
 #: Factories of the checks a backend attaches by its own switch, by name (``"drift"``: a
 #: backend's ``drift_check=True``), registered by :mod:`graphrunner.checks` (:func:`provide_check`).
-_PROVIDED: Dict[str, Callable[[], CaptureHook]] = {}
+_PROVIDED: dict[str, Callable[[], CaptureHook]] = {}
 
 
 def provide_check(name: str, make: Callable[[], CaptureHook]) -> None:
@@ -205,6 +207,8 @@ def provided_check(name: str) -> CaptureHook:
     nothing provided it."""
     make = _PROVIDED.get(name)
     if make is None:
-        raise RuntimeError(f"no {name!r} check is provided to the backends: import graphrunner (or "
-                           "graphrunner.checks, which provides it) before making a backend")
+        raise RuntimeError(
+            f"no {name!r} check is provided to the backends: import graphrunner (or "
+            "graphrunner.checks, which provides it) before making a backend"
+        )
     return make()

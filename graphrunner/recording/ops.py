@@ -43,8 +43,9 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Iterator, Sequence
 from time import perf_counter
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -56,10 +57,23 @@ from graphrunner.tape.rng import OwnedGenerators, redirect, redirected, stand_in
 from graphrunner.tape.state import _capture_here, storage_bytes
 from graphrunner.tape.unsafe import atomic_call
 
-__all__ = ["OpEvent", "FunctionEvent", "op_stream", "OpConsumer", "OpRecorder", "RecordingDevice", "WriteGuard", "storage_key",
-           "written_tensors", "tensors_in", "no_graph_code", "mark_no_graph_code", "ATOMIC_FUNCTIONS"]
+__all__ = [
+    "OpEvent",
+    "FunctionEvent",
+    "op_stream",
+    "OpConsumer",
+    "OpRecorder",
+    "RecordingDevice",
+    "WriteGuard",
+    "storage_key",
+    "written_tensors",
+    "tensors_in",
+    "no_graph_code",
+    "mark_no_graph_code",
+    "ATOMIC_FUNCTIONS",
+]
 
-Where = Tuple[str, int, str]
+Where = tuple[str, int, str]
 
 #: Torch functions seen as one op (their aten ops carry ``atomic=True``): the
 #: tape runs ``F.one_hot(t, num_classes)`` at capture as zeros + scatter (as
@@ -92,10 +106,10 @@ class _Frames:
     def __init__(self, frame: Any, stop: Any = None):
         self.frame, self.stop = frame, stop
         self._walked_where = self._walked_break = False
-        self._where: Optional[Where] = None
+        self._where: Where | None = None
         self._break: Any = None
 
-    def where(self) -> Optional[Where]:
+    def where(self) -> Where | None:
         if not self._walked_where:
             self._walked_where = True
             f, stop = self.frame, self.stop
@@ -122,7 +136,7 @@ class _Frames:
                 f = f.f_back
         return self._break
 
-    def user_stack(self) -> List[Tuple[Any, int]]:
+    def user_stack(self) -> list[tuple[Any, int]]:
         """The non-internal frames up to ``stop`` (included), innermost first, as ``(frame, lineno)``."""
         out, f = [], self.frame
         while f is not None:
@@ -148,11 +162,11 @@ class OpEvent:
 
     __slots__ = ("func", "args", "kwargs", "out", "atomic_call", "_frames", "_written", "_stream")
 
-    def __init__(self, func: Any, args: tuple, kwargs: dict, frames: _Frames, atomic_call: Optional[tuple]):
+    def __init__(self, func: Any, args: tuple, kwargs: dict, frames: _Frames, atomic_call: tuple | None):
         self.func, self.args, self.kwargs, self.atomic_call = func, args, kwargs, atomic_call
         self.out: Any = None
         self._frames = frames
-        self._written: Optional[List[torch.Tensor]] = None
+        self._written: list[torch.Tensor] | None = None
         self._stream: Any = None
 
     @property
@@ -178,14 +192,14 @@ class OpEvent:
         return str(self.func)
 
     @property
-    def written(self) -> List[torch.Tensor]:
+    def written(self) -> list[torch.Tensor]:
         """The tensors this op writes."""
         if self._written is None:
             self._written = written_tensors(self.func, self.args, self.kwargs)
         return self._written
 
     @property
-    def where(self) -> Optional[Where]:
+    def where(self) -> Where | None:
         """``(file, line, function)`` of the user's frame, or ``None``."""
         return self._frames.where()
 
@@ -200,7 +214,7 @@ class OpEvent:
         f = self._frames.eager_break()
         return None if f is None else f.f_locals.get("fn")
 
-    def user_stack(self) -> List[Tuple[Any, int]]:
+    def user_stack(self) -> list[tuple[Any, int]]:
         """The user's frames above the op, innermost first."""
         return self._frames.user_stack()
 
@@ -261,7 +275,7 @@ class OpConsumer:
 
 
 class _Dispatch(TorchDispatchMode):
-    def __init__(self, rec: "OpRecorder"):
+    def __init__(self, rec: OpRecorder):
         super().__init__()
         self.rec = rec
 
@@ -294,7 +308,7 @@ class _Dispatch(TorchDispatchMode):
 
 
 class _Function(TorchFunctionMode):
-    def __init__(self, rec: "OpRecorder"):
+    def __init__(self, rec: OpRecorder):
         super().__init__()
         self.rec = rec
 
@@ -356,7 +370,7 @@ class OpRecorder:
         self._before = [(c, c.before) for c in self.consumers if type(c).before is not base.before]
         self._after = [(c, c.after) for c in self.consumers if type(c).after is not base.after]
         self._functions = [(c, c.function) for c in self.consumers if c.functions]
-        self._redirect: Optional[OwnedGenerators] = None  # a consumer's stand-in generators, while recording
+        self._redirect: OwnedGenerators | None = None  # a consumer's stand-in generators, while recording
 
     @contextlib.contextmanager
     def modes(self) -> Iterator[None]:
@@ -367,11 +381,17 @@ class OpRecorder:
             yield
 
     @contextlib.contextmanager
-    def recording(self) -> Iterator["OpRecorder"]:
+    def recording(self) -> Iterator[OpRecorder]:
         """Record (set :attr:`on`) for the block, through modes installed by :meth:`modes`."""
         was, self.on = self.on, True
-        owned = next((g for g in reversed([getattr(c, "generators", None) for c in self.consumers])
-                      if isinstance(g, OwnedGenerators)), None)
+        owned = next(
+            (
+                g
+                for g in reversed([getattr(c, "generators", None) for c in self.consumers])
+                if isinstance(g, OwnedGenerators)
+            ),
+            None,
+        )
         try:
             with redirect(owned) if owned is not None else contextlib.nullcontext():
                 self._redirect = owned
@@ -380,7 +400,7 @@ class OpRecorder:
             self.on = was
             self._redirect = None
 
-    def __enter__(self) -> "OpRecorder":
+    def __enter__(self) -> OpRecorder:
         self._stack = contextlib.ExitStack()
         try:
             self._stack.enter_context(self.modes())
@@ -450,12 +470,12 @@ class WriteGuard(OpConsumer):
     key of every storage put back to a description of the tensor written.
     """
 
-    def __init__(self, inputs: Sequence[torch.Tensor] = (), generators: Optional[OwnedGenerators] = None):
-        self.created: set = set()                       # storages made by the recorded code
+    def __init__(self, inputs: Sequence[torch.Tensor] = (), generators: OwnedGenerators | None = None):
+        self.created: set = set()  # storages made by the recorded code
         self.inputs = {storage_key(t) for t in inputs}
         self.snapshots: dict = {}
-        self._undo: list = []                           # (restore function, its argument), oldest first
-        self._whole: set = set()                        # storages logged whole since the last restore
+        self._undo: list = []  # (restore function, its argument), oldest first
+        self._whole: set = set()  # storages logged whole since the last restore
         #: Generators standing in for the step's while it is recorded with this guard (None: the
         #: step draws from its own; the guard never sets a generator it does not own).
         self.generators = generators
@@ -527,7 +547,7 @@ _FRESH_RETURNS: dict = {}  # op overload -> True (every return fresh), False (no
 _UNKNOWN = object()  # not in _FRESH_RETURNS yet
 
 
-def _fresh_returns(func: Any) -> Optional[bool]:
+def _fresh_returns(func: Any) -> bool | None:
     """``True`` when every return of aten op ``func`` is a fresh tensor (no alias annotation),
     ``False`` when none can be (a view kernel, an in-place or ``out=`` op whose returns are all
     annotated), ``None`` when it depends (a composite view such as ``reshape``, which copies when
@@ -539,8 +559,9 @@ def _fresh_returns(func: Any) -> Optional[bool]:
     annotated = [r.alias_info is not None for r in rets]
     if func.is_view and all(annotated):
         # a composite view (reshape, flatten) copies when it cannot view: look
-        return None if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd") \
-            else False
+        return (
+            None if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd") else False
+        )
     if not any(annotated):
         return True
     if all(r.alias_info.is_write for r in rets):
@@ -551,8 +572,20 @@ def _fresh_returns(func: Any) -> Optional[bool]:
 #: In-place ops that index their ``self`` with a list of index tensors (``self[indices] = values``).
 _INDEX_PUT = frozenset(("aten::index_put_", "aten::_index_put_impl_"))
 #: In-place ops that may change their ``self``'s shape or storage: put back whole.
-_RESHAPING = frozenset(("aten::resize_", "aten::resize_as_", "aten::set_", "aten::squeeze_", "aten::unsqueeze_",
-                        "aten::transpose_", "aten::t_", "aten::as_strided_", "aten::swapdims_", "aten::swapaxes_"))
+_RESHAPING = frozenset(
+    (
+        "aten::resize_",
+        "aten::resize_as_",
+        "aten::set_",
+        "aten::squeeze_",
+        "aten::unsqueeze_",
+        "aten::transpose_",
+        "aten::t_",
+        "aten::as_strided_",
+        "aten::swapdims_",
+        "aten::swapaxes_",
+    )
+)
 
 
 def _put_index(t: torch.Tensor, index: list, old: torch.Tensor) -> None:

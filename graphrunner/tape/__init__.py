@@ -89,14 +89,17 @@ Modules (each owns one job; see its docstring):
   side stream until it is joined (the emulation of an unjoined stream).
 """
 
+from .graph import EMPTY_GRAPH_MESSAGE, TapeGraph, tape_graph
 from .pool import TapePool, graph_pool_handle
-from .graph import EMPTY_GRAPH_MESSAGE, TapeGraph, _capturing, tape_graph
-from .recording import _Capture, _Recorder
 from .state import is_tape_capturing
 from .streams import TapeEvent, TapeStream
-from .survivors import (POISON_ENV_VAR, EscapedTensorWarning, StashedTensorWarning, _resolve_poison, poison_default,
-                        poison_value)
-from .unsafe import _EXPLICIT_UNSAFE, _FRIENDLY, _UNSAFE_FUNCTIONS, _check_safe
+from .survivors import (
+    POISON_ENV_VAR,
+    EscapedTensorWarning,
+    StashedTensorWarning,
+    poison_default,
+    poison_value,
+)
 
 __all__ = [
     "TapeGraph",

@@ -13,7 +13,8 @@ composite's ``out=`` form) must also be proven equal on random data
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -104,17 +105,27 @@ def _same_result(ref, got, ref_in: list, got_in: list) -> bool:
     if isinstance(ref, torch.Tensor):
         if type(got) is not type(ref):
             return False
-        if (got.dtype != ref.dtype or got.device != ref.device or got.layout != ref.layout
-                or ref.layout != torch.strided or got.shape != ref.shape or got.stride() != ref.stride()
-                or got.storage_offset() != ref.storage_offset() or got.is_inference() != ref.is_inference()
-                or got.requires_grad != ref.requires_grad):
+        if (
+            got.dtype != ref.dtype
+            or got.device != ref.device
+            or got.layout != ref.layout
+            or ref.layout != torch.strided
+            or got.shape != ref.shape
+            or got.stride() != ref.stride()
+            or got.storage_offset() != ref.storage_offset()
+            or got.is_inference() != ref.is_inference()
+            or got.requires_grad != ref.requires_grad
+        ):
             return False
         if _alias_index(ref, ref_in) != _alias_index(got, got_in):
             return False
         return _bits_equal(ref, got)
     if isinstance(ref, (list, tuple)):
-        return (isinstance(got, (list, tuple)) and len(got) == len(ref)
-                and all(_same_result(r, g, ref_in, got_in) for r, g in zip(ref, got)))
+        return (
+            isinstance(got, (list, tuple))
+            and len(got) == len(ref)
+            and all(_same_result(r, g, ref_in, got_in) for r, g in zip(ref, got))
+        )
     return type(got) is type(ref) and got == ref
 
 
@@ -150,8 +161,10 @@ def _linear_as_matmul(args, kwargs, out):
 
 # Ops without a public binding of their own name: functions returning
 # [(binding, args, kwargs)] to try first (verified like the others).
-_REWRITES: dict[Any, Callable] = {torch.ops.aten.slice.Tensor: _slice_as_narrow,
-                                  torch.ops.aten.linear.default: _linear_as_matmul}
+_REWRITES: dict[Any, Callable] = {
+    torch.ops.aten.slice.Tensor: _slice_as_narrow,
+    torch.ops.aten.linear.default: _linear_as_matmul,
+}
 # rewrites that take a view of an argument at capture: only when that argument is external
 _REWRITE_NEEDS_EXTERNAL = {torch.ops.aten.linear.default: 1}
 
@@ -160,7 +173,7 @@ class _Verifier:
     """Prepared before an aten op runs (copies of the storages it writes), then
     asked after it ran for the fastest binding computing the same thing."""
 
-    def __init__(self, cap: "_Capture", func, args, kwargs, written: list, fresh: dict):
+    def __init__(self, cap: _Capture, func, args, kwargs, written: list, fresh: dict):
         self.ok = False
         self.out_ok = False  # the picked binding also takes a preplanned out= buffer (see _out_ok)
         self.twin_st: dict[int, tuple] = {}  # storage key -> (storage, its bytes before the op)
@@ -189,7 +202,8 @@ class _Verifier:
                 return v
             with torch.inference_mode(v.is_inference()), torch.no_grad():
                 return torch.empty(0, dtype=v.dtype, device=v.device).set_(
-                    work.untyped_storage(), v.storage_offset(), v.size(), v.stride())
+                    work.untyped_storage(), v.storage_offset(), v.size(), v.stride()
+                )
         if isinstance(v, (list, tuple)):
             return type(v)(self._twin(x) for x in v)
         if isinstance(v, dict):
@@ -205,7 +219,7 @@ class _Verifier:
                     return False
         return True
 
-    def pick(self, cap: "_Capture", func, args, kwargs, out):
+    def pick(self, cap: _Capture, func, args, kwargs, out):
         """Return (binding, args, kwargs) verified equal to ``func`` on this data, or None."""
         if not self.ok:
             return None
@@ -229,8 +243,9 @@ class _Verifier:
             dt = res.dtype
             if dt in (torch.float16, torch.bfloat16):
                 dt = torch.float32
-            if dt.is_floating_point or (not dt.is_complex and dt != torch.bool
-                                         and all(isinstance(v, int) for _, v in slots)):
+            if dt.is_floating_point or (
+                not dt.is_complex and dt != torch.bool and all(isinstance(v, int) for _, v in slots)
+            ):
                 dtypes.append(dt)
         if slots:
             dtypes += [None]  # None: float64 / int64, like a wrapped scalar
@@ -279,15 +294,19 @@ class _Verifier:
                 got_all = _flat_tensors((ca, ck), [])
                 got_in = [t for t in got_all if id(t) not in scalar_ids]
                 if len(got_in) != len(got_all) and any(
-                        _alias_index(o, [t for t in got_all if id(t) in scalar_ids])
-                        for o in _flat_tensors(got, [])):
+                    _alias_index(o, [t for t in got_all if id(t) in scalar_ids]) for o in _flat_tensors(got, [])
+                ):
                     continue
                 if not _same_result(out, got, ref_in, got_in):
                     continue
                 if not self._same_writes():
                     continue
-                if (i_try < n_rewrites and isinstance(out, torch.Tensor) and not _alias_index(out, ref_in)
-                        and not self._proven_rewrite(cap, func, args, kwargs, fn, ca, ck, ref_in)):
+                if (
+                    i_try < n_rewrites
+                    and isinstance(out, torch.Tensor)
+                    and not _alias_index(out, ref_in)
+                    and not self._proven_rewrite(cap, func, args, kwargs, fn, ca, ck, ref_in)
+                ):
                     continue
             except Exception:
                 continue
@@ -299,14 +318,22 @@ class _Verifier:
     def _proven_rewrite(self, cap, func, args, kwargs, fn, ca, ck, ref_in) -> bool:
         """A rewrite computing values (not a view), equal to the aten op on
         the capture's data (just compared), proven equal on random data too."""
+
         def recorded(tw):
             return func(*tw(args), **tw(kwargs))
 
         def rewritten(tw):
             return fn(*tw(ca), **tw(ck))
 
-        return proven(recorded, rewritten, ref_in, capture=False, inference=cap.inference, tls=cap.tls,
-                      memo=("rewrite", func, fn, args, kwargs, ca, ck))
+        return proven(
+            recorded,
+            rewritten,
+            ref_in,
+            capture=False,
+            inference=cap.inference,
+            tls=cap.tls,
+            memo=("rewrite", func, fn, args, kwargs, ca, ck),
+        )
 
     def _proven_out(self, fn, ca, ck, out, cap) -> bool:
         """``fn(..., out=buf)`` of a composite ``fn``, equal to ``fn(...)`` on the
@@ -321,8 +348,16 @@ class _Verifier:
             fn(*tw(ca), **tw(ck), out=tw(buf))
             return tw(buf)
 
-        return proven(functional, into_buffer, _flat_tensors((ca, ck), []), [buf], capture=False,
-                      inference=cap.inference, tls=cap.tls, memo=("out", fn, ca, ck, buf))
+        return proven(
+            functional,
+            into_buffer,
+            _flat_tensors((ca, ck), []),
+            [buf],
+            capture=False,
+            inference=cap.inference,
+            tls=cap.tls,
+            memo=("out", fn, ca, ck, buf),
+        )
 
     def _out_ok(self, fn, ca, ck, out) -> bool:
         """``fn(*ca, **ck, out=buf)`` writes ``out``'s bits into a preplanned
@@ -330,10 +365,19 @@ class _Verifier:
         reading its output is caught), keeping ``buf`` where it is.  Only for
         functions of the torch / torch._C._nn namespaces, ops writing nothing,
         and a plain strided tensor result that owns its storage from offset 0."""
-        if (self.twin_st or "out" in ck or not isinstance(out, torch.Tensor) or type(out) is not torch.Tensor
-                or out.layout != torch.strided or out.requires_grad or out.storage_offset() != 0
-                or out.is_conj() or out.is_neg() or out.is_quantized
-                or not _is_function(fn)):
+        if (
+            self.twin_st
+            or "out" in ck
+            or not isinstance(out, torch.Tensor)
+            or type(out) is not torch.Tensor
+            or out.layout != torch.strided
+            or out.requires_grad
+            or out.storage_offset() != 0
+            or out.is_conj()
+            or out.is_neg()
+            or out.is_quantized
+            or not _is_function(fn)
+        ):
             return False
         # buf's memory: scratch reused within a capture session (no page faults), prefilled all the same
         st = scratch_storage(_extent_bytes(out), out.device)
@@ -347,8 +391,13 @@ class _Verifier:
             ptr, size, stride = buf.data_ptr(), buf.size(), buf.stride()
             with torch._C.DisableTorchFunction():
                 got = fn(*ca, **ck, out=buf)
-            ok = (got is buf and buf.data_ptr() == ptr and buf.size() == size and buf.stride() == stride
-                  and _bits_equal(buf, out))
+            ok = (
+                got is buf
+                and buf.data_ptr() == ptr
+                and buf.size() == size
+                and buf.stride() == stride
+                and _bits_equal(buf, out)
+            )
         except Exception:
             ok = False
         got = buf = None
@@ -391,7 +440,8 @@ def _composite(func) -> bool:
     got = _COMPOSITE.get(func)
     if got is None:
         got = _COMPOSITE[func] = torch._C._dispatch_has_kernel_for_dispatch_key(
-            func.name(), "CompositeImplicitAutograd")
+            func.name(), "CompositeImplicitAutograd"
+        )
     return got
 
 

@@ -11,7 +11,8 @@ function with its bound values as closure cells (:func:`generate`,
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -137,8 +138,7 @@ def generate(cap, consts: dict, survivors: dict, spills: dict | None = None, scr
         by_meta: dict[tuple, str] = {}
         for n, t in consts.items():
             if type(t) is torch.Tensor and t.layout == torch.strided and cap.skey.get(n) is not None:
-                mk = (cap.skey[n], t.dtype, t.device, tuple(t.shape), t.stride(), t.storage_offset(),
-                      t.is_inference())
+                mk = (cap.skey[n], t.dtype, t.device, tuple(t.shape), t.stride(), t.storage_offset(), t.is_inference())
                 unify(n, by_meta.setdefault(mk, n))
         # Hoisted ops repeating an earlier hoisted op (the same constant
         # factory, e.g. `torch.arange(L)` in every layer, or the same view)
@@ -168,8 +168,7 @@ def generate(cap, consts: dict, survivors: dict, spills: dict | None = None, scr
             continue
         refs = [r.name for _, r in _ref_paths(op.outs)]
         if refs != op.new or any(
-            k is None or k in surv_storages or (k in cap.internal_storages and k in cap.written)
-            for k in op.out_skeys
+            k is None or k in surv_storages or (k in cap.internal_storages and k in cap.written) for k in op.out_skeys
         ):
             continue
         try:
@@ -255,14 +254,22 @@ def generate(cap, consts: dict, survivors: dict, spills: dict | None = None, scr
             direct = planned.direct.get(i)
             if direct is not None:  # the one kernel the composite reaches, on its views
                 kfn, kargs, kout = direct
-                prog.lines.append(f"{prog.const(kfn, 'f')}(" + ", ".join(
-                    [prog.const(t, "m") for t in kargs] + [f"out={prog.const(kout, 'm')}"]) + ")")
+                prog.lines.append(
+                    f"{prog.const(kfn, 'f')}("
+                    + ", ".join([prog.const(t, "m") for t in kargs] + [f"out={prog.const(kout, 'm')}"])
+                    + ")"
+                )
             else:
                 assert op.out_ok, "a functional composite is planned only as its kernel"
                 f = prog.const(op.call, "f")
                 cargs, ckwargs = op.cargs
-                prog.lines.append(f"{f}(" + ", ".join(
-                    [expr(a) for a in cargs] + [f"{k}={expr(v)}" for k, v in ckwargs.items()] + [f"out={b}"]) + ")")
+                prog.lines.append(
+                    f"{f}("
+                    + ", ".join(
+                        [expr(a) for a in cargs] + [f"{k}={expr(v)}" for k, v in ckwargs.items()] + [f"out={b}"]
+                    )
+                    + ")"
+                )
             ref_expr[n] = b
             dead = [cn(m) for m in set(op.in_names) if last_use.get(cn(m)) == i and ref_expr.get(cn(m)) == cn(m)]
             if dead:
@@ -275,9 +282,7 @@ def generate(cap, consts: dict, survivors: dict, spills: dict | None = None, scr
             f = prog.const(op.func._op, "f")
             prog.labels[f] = str(op.func)
             cargs, ckwargs = op.args, op.kwargs
-        call = f"{f}(" + ", ".join(
-            [expr(a) for a in cargs] + [f"{k}={expr(v)}" for k, v in ckwargs.items()]
-        ) + ")"
+        call = f"{f}(" + ", ".join([expr(a) for a in cargs] + [f"{k}={expr(v)}" for k, v in ckwargs.items()]) + ")"
         lines = prog.lines
         newset = set(op.new)
         paths = list(_ref_paths(op.outs))
@@ -337,8 +342,9 @@ class _Plan:
         self.allocated = 0  # distinct temporary buffers allocated (the next one's scratch index)
 
 
-def plan_buffers(cap, ops, keep, cn, survivors: dict, surv_storages: set, spills: dict,
-                 consts: dict | None = None, scratch=None) -> _Plan:
+def plan_buffers(
+    cap, ops, keep, cn, survivors: dict, surv_storages: set, spills: dict, consts: dict | None = None, scratch=None
+) -> _Plan:
     """Give each replayed op whose binding was verified with ``out=``
     (``op.out_ok``) a buffer allocated once, so that replay does no allocator
     traffic, and turn views of those buffers (``op.view``) into constants.
@@ -376,8 +382,12 @@ def plan_buffers(cap, ops, keep, cn, survivors: dict, surv_storages: set, spills
         """{id(arg): value it held at capture, or None} for the temporaries
         among ``targs`` (their buffers hold nothing yet), for the proof."""
         kept = op.seen or {}
-        return {id(t): kept.get(a.name) for a, t in zip(op.cargs[0], targs)
-                if isinstance(a, _Ref) and cap.kind.get(a.name) == "int"}
+        return {
+            id(t): kept.get(a.name)
+            for a, t in zip(op.cargs[0], targs)
+            if isinstance(a, _Ref) and cap.kind.get(a.name) == "int"
+        }
+
     last: dict[int, int] = {}  # storage key -> index of the last kept op using it
     for i, op in enumerate(ops):
         if keep[i]:
@@ -397,8 +407,12 @@ def plan_buffers(cap, ops, keep, cn, survivors: dict, surv_storages: set, spills
             with torch.inference_mode(cap.inference):
                 v = plan.views[base][op.new[0]] = held[k][1].as_strided(size, stride, offset)
             fixed[op.new[0]] = v
-        elif ((op.out_ok or op.call in COLLAPSIBLE_FUNCTIONAL) and op.call is not None and not op.collective
-              and isinstance(op.outs, _Ref)):
+        elif (
+            (op.out_ok or op.call in COLLAPSIBLE_FUNCTIONAL)
+            and op.call is not None
+            and not op.collective
+            and isinstance(op.outs, _Ref)
+        ):
             n = op.outs.name
             k = cap.skey.get(n)
             meta = cap.alloc_meta.get(n)
@@ -408,8 +422,15 @@ def plan_buffers(cap, ops, keep, cn, survivors: dict, surv_storages: set, spills
                 functional = targs and collapse_functional(op.call, targs, cap.inference, seen(op, targs), cap.tls)
                 if not functional:
                     meta = None
-            if (n in op.new and k is not None and cap.internal_storages.get(k) == n and meta is not None
-                    and meta[4] == 0 and n not in spills and cap.alloc_bytes[n] == _extent(meta)):
+            if (
+                n in op.new
+                and k is not None
+                and cap.internal_storages.get(k) == n
+                and meta is not None
+                and meta[4] == 0
+                and n not in spills
+                and cap.alloc_bytes[n] == _extent(meta)
+            ):
                 if n in survivors:
                     t = survivors[n]
                     if (t.dtype, t.device, tuple(t.shape), t.stride(), t.storage_offset()) == meta:

@@ -80,8 +80,13 @@ def _storage_ptr(t: torch.Tensor):
 
 def _whole(t: torch.Tensor, base: torch.Tensor) -> bool:
     """``t`` covers all of contiguous ``base``, in its memory order."""
-    return (t.is_contiguous() and base.is_contiguous() and t.numel() == base.numel()
-            and _storage_ptr(t) == _storage_ptr(base) and t.storage_offset() == base.storage_offset())
+    return (
+        t.is_contiguous()
+        and base.is_contiguous()
+        and t.numel() == base.numel()
+        and _storage_ptr(t) == _storage_ptr(base)
+        and t.storage_offset() == base.storage_offset()
+    )
 
 
 def _run_logged(call, args: list, inference: bool, out=None):
@@ -148,14 +153,21 @@ def collapse(call, args: list, out: torch.Tensor, seen: dict | None = None, tls:
         kfn(*tw(kargs), out=tw(kout))
         return tw(out)
 
-    if not proven(composite, direct, args, [out], seen, inference=out.is_inference(), tls=tls,
-                  memo=("collapse", call, args, out, kfn, kargs, kout)):
+    if not proven(
+        composite,
+        direct,
+        args,
+        [out],
+        seen,
+        inference=out.is_inference(),
+        tls=tls,
+        memo=("collapse", call, args, out, kfn, kargs, kout),
+    ):
         return None
     return kfn, kargs, kout
 
 
-def collapse_functional(call, args: list, inference: bool, seen: dict | None = None,
-                        tls: tuple | None = None):
+def collapse_functional(call, args: list, inference: bool, seen: dict | None = None, tls: tuple | None = None):
     """The direct kernel call that ``res = call(*args)`` amounts to:
     ``(binding, args, result)`` such that ``binding(*args, out=b)``, with
     ``b`` of the metadata of ``result`` (:func:`view_like` of a buffer of
@@ -186,8 +198,16 @@ def collapse_functional(call, args: list, inference: bool, seen: dict | None = N
         kfn(*tw(kargs), out=tw(kout))
         return tw(buf)
 
-    if not proven(composite, direct, args, [buf], seen, inference=inference, tls=tls,
-                  memo=("collapse_functional", call, args, kfn, kargs, buf, kout)):
+    if not proven(
+        composite,
+        direct,
+        args,
+        [buf],
+        seen,
+        inference=inference,
+        tls=tls,
+        memo=("collapse_functional", call, args, kfn, kargs, buf, kout),
+    ):
         return None
     return kernel
 

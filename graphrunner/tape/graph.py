@@ -18,25 +18,35 @@ import contextlib
 import logging
 import warnings
 import weakref
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from graphrunner.errors import CaptureError
 
-from .bindings import _NO_TORCH_FUNCTION
-from .pool import TRACING, TapePool, graph_pool_handle, place
-from .codegen import generate, hoist
 from . import jit
+from .bindings import _NO_TORCH_FUNCTION
+from .codegen import generate, hoist
 from .jit import JitReplay, eligible, jit_default
+from .pool import TRACING, TapePool, place
 from .proof import stats as proof_stats
 from .recording import _Capture, _Recorder
-from .streams import unjoined_error
 from .rng import _reseed_guard
 from .state import _ACTIVE, _ACTIVE_LOCK, _CAPTURE_ERROR_MODES, alias_of
-from .survivors import (_SURVIVORS, EscapedTensorWarning, _Poisoned, _resolve_poison, find_survivors,
-                        forget_poisoned, poison_survivors, unpoison, warn_stashed)
+from .streams import unjoined_error
+from .survivors import (
+    _SURVIVORS,
+    EscapedTensorWarning,
+    _Poisoned,
+    _resolve_poison,
+    find_survivors,
+    forget_poisoned,
+    poison_survivors,
+    unpoison,
+    warn_stashed,
+)
 from .unsafe import _Guard
 
 # the replay's C entry points, bound once (one attribute lookup less each per replay)
@@ -426,8 +436,11 @@ class TapeGraph:
                 why = f"it replays {n_ops} ops (< JIT_MIN_OPS = {jit.JIT_MIN_OPS}: the Python replay is faster)"
             if why is None:
                 # (an nn.Parameter too: a trace at capture end must give back what it writes)
-                written = [t for n, t in consts.items() if cap.kind.get(n) == "ext" and isinstance(t, torch.Tensor)
-                           and cap.skey.get(n) in cap.written]
+                written = [
+                    t
+                    for n, t in consts.items()
+                    if cap.kind.get(n) == "ext" and isinstance(t, torch.Tensor) and cap.skey.get(n) in cap.written
+                ]
                 self._jit = self._fn = JitReplay(prog.fn, prog.lines, prog.env, written)
             else:
                 logger.debug("tape replay in Python: %s", why)
@@ -447,8 +460,13 @@ class TapeGraph:
         logger.debug(
             "tape capture: %d ops recorded, %d replayed, %d survivors, %d externals; %d rewrites proven "
             "(%d dropped) in %.1f ms",
-            len(cap.ops), n_ops, len(survivors), sum(1 for k in cap.kind.values() if k == "ext"),
-            self.rewrite_proofs[0] - self.rewrite_proofs[1], self.rewrite_proofs[1], self.rewrite_proofs[2] * 1e3,
+            len(cap.ops),
+            n_ops,
+            len(survivors),
+            sum(1 for k in cap.kind.values() if k == "ext"),
+            self.rewrite_proofs[0] - self.rewrite_proofs[1],
+            self.rewrite_proofs[1],
+            self.rewrite_proofs[2] * 1e3,
         )
 
     def _prepare_jit(self, keep: list, generators: list) -> None:
@@ -477,8 +495,11 @@ class TapeGraph:
         # the next holder sets its own mark waits rather than raising.
         pool._replaying = TRACING
         try:
-            with _disable_current_modes(), _NO_TORCH_FUNCTION(), (
-                    torch.inference_mode() if self._inference else torch.no_grad()):
+            with (
+                _disable_current_modes(),
+                _NO_TORCH_FUNCTION(),
+                torch.inference_mode() if self._inference else torch.no_grad(),
+            ):
                 jit_.prepare(keep, generators)
         finally:
             pool._replay_lock.release()
@@ -509,8 +530,10 @@ class TapeGraph:
     def __repr__(self) -> str:
         if self._fn is None:
             return f"<TapeGraph at {id(self):#x}: empty>"
-        return (f"<TapeGraph at {id(self):#x}: capture #{self._pool_index} of pool {id(self._pool):#x}, "
-                f"{self._num_ops} ops>")
+        return (
+            f"<TapeGraph at {id(self):#x}: capture #{self._pool_index} of pool {id(self._pool):#x}, "
+            f"{self._num_ops} ops>"
+        )
 
     @property
     def num_replayed_ops(self) -> int:
@@ -520,7 +543,7 @@ class TapeGraph:
 
 def tape_graph(
     graph: TapeGraph, pool: TapePool | None = None, stream: Any = None, capture_error_mode: str = "global"
-) -> "contextlib.AbstractContextManager[TapeGraph]":
+) -> contextlib.AbstractContextManager[TapeGraph]:
     """Capture the body into ``graph`` (mirrors ``torch.cuda.graph``).
 
     ``stream`` is accepted for API parity and ignored.  If the body raises, the
@@ -533,8 +556,9 @@ def tape_graph(
 
 
 @contextlib.contextmanager
-def _capturing(graph: TapeGraph, pool: TapePool | None, capture_error_mode: str,
-               warn_empty: bool) -> Iterator[TapeGraph]:
+def _capturing(
+    graph: TapeGraph, pool: TapePool | None, capture_error_mode: str, warn_empty: bool
+) -> Iterator[TapeGraph]:
     """:func:`tape_graph`; ``warn_empty=False`` for callers that drop empty
     captures themselves (a device capturing breakable-graph segments)."""
     if not isinstance(graph, TapeGraph):

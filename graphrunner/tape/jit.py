@@ -52,7 +52,8 @@ import logging
 import os
 import re
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -142,8 +143,11 @@ class JitReplay:
                     else:
                         parts.append(f"_lit_{name}_{j}")
                         glob[f"_lit_{name}_{j}"] = x
-                inline[name] = ("[" + ", ".join(parts) + "]") if isinstance(v, list) else (
-                    "(" + "".join(p + ", " for p in parts) + ")")
+                inline[name] = (
+                    ("[" + ", ".join(parts) + "]")
+                    if isinstance(v, list)
+                    else ("(" + "".join(p + ", " for p in parts) + ")")
+                )
             else:
                 glob[name] = v
         body = list(lines) or ["pass"]
@@ -153,8 +157,11 @@ class JitReplay:
         # The trace needs an output: the first tensor parameter (every op that
         # writes a parameter is kept, since parameters may alias each other).
         ret = params[0] if params else "None"
-        src = (f"def _replay_traced({', '.join(params)}):\n" + "\n".join("    " + ln for ln in body)
-               + f"\n    return {ret}\n")
+        src = (
+            f"def _replay_traced({', '.join(params)}):\n"
+            + "\n".join("    " + ln for ln in body)
+            + f"\n    return {ret}\n"
+        )
         self.source = src
         glob["__name__"] = __name__
         exec(compile(src, "<tape replay (traced)>", "exec"), glob)
@@ -253,8 +260,9 @@ class JitReplay:
 
 def _tensor_constants(trace) -> str | None:
     """Why a trace cannot be used (it froze a tensor into a constant), or None."""
-    consts = [n for n in trace.graph.nodes()
-              if n.kind() == "prim::Constant" and n.output().type().kind() == "TensorType"]
+    consts = [
+        n for n in trace.graph.nodes() if n.kind() == "prim::Constant" and n.output().type().kind() == "TensorType"
+    ]
     return f"the trace holds {len(consts)} tensor constant(s)" if consts else None
 
 

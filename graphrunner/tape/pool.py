@@ -48,6 +48,7 @@ _USE_COUNT = torch._C._storage_Use_Count
 def _rounded(nbytes: int) -> int:
     return max(_ROUND, -(-nbytes // _ROUND) * _ROUND)
 
+
 def user_refs(st) -> int:
     """Tensors outside the tape that refer to storage ``st``."""
     s = _OURS.get(id(st))
@@ -96,25 +97,34 @@ class TapePool:
     host memory of many graphs is then their largest graph's temporaries, not
     their sum. ``scratch_bytes``: the bytes of the current scratch storages."""
 
-    __slots__ = ("__weakref__", "_lock", "_replay_lock", "_replaying", "_free", "_used", "bytes_held", "_captures",
-                 "_scratch")
+    __slots__ = (
+        "__weakref__",
+        "_lock",
+        "_replay_lock",
+        "_replaying",
+        "_free",
+        "_used",
+        "bytes_held",
+        "_captures",
+        "_scratch",
+    )
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()         # arena bookkeeping (captures in several threads)
+        self._lock = threading.Lock()  # arena bookkeeping (captures in several threads)
         self._replay_lock = threading.Lock()  # one replay at a time among the pool's graphs
-        self._replaying: object = None        # weakref to the graph replaying now, or TRACING
-        self._free: list[tuple] = []          # sorted (size, seq, block)
-        self._used: list[_Block] = []         # blocks holding survivors
+        self._replaying: object = None  # weakref to the graph replaying now, or TRACING
+        self._free: list[tuple] = []  # sorted (size, seq, block)
+        self._used: list[_Block] = []  # blocks holding survivors
         #: Estimated bytes of graph memory this pool holds (sum of its blocks).
         self.bytes_held = 0
         self._captures = 0
-        self._scratch: dict = {}               # (device, j) -> untyped storage of the graphs' j-th temporary buffer
+        self._scratch: dict = {}  # (device, j) -> untyped storage of the graphs' j-th temporary buffer
         _POOLS.add(self)
 
     def __repr__(self) -> str:
         return f"<TapePool at {id(self):#x}: {self._captures} captures, {self.bytes_held} bytes>"
 
-    def scratch(self, j: int, nbytes: int, device) -> "torch.UntypedStorage":
+    def scratch(self, j: int, nbytes: int, device) -> torch.UntypedStorage:
         """The storage of the ``j``-th planned temporary buffer of this pool's graphs on ``device``, at least
         ``nbytes`` long. A larger request replaces it with a larger storage (graphs already viewing the
         smaller one keep it alive; captures run largest key first, so this is rare)."""
@@ -122,7 +132,9 @@ class TapePool:
         with self._lock:
             st = self._scratch.get(key)
             if st is None or st.nbytes() < nbytes:
-                st = self._scratch[key] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device).untyped_storage()
+                st = self._scratch[key] = torch.empty(
+                    max(nbytes, 1), dtype=torch.uint8, device=device
+                ).untyped_storage()
             return st
 
     @property
@@ -154,7 +166,7 @@ class TapePool:
         return _Block(size)
 
 
-_POOLS: "weakref.WeakSet[TapePool]" = weakref.WeakSet()  # every live pool (what memory_reserved() counts)
+_POOLS: weakref.WeakSet[TapePool] = weakref.WeakSet()  # every live pool (what memory_reserved() counts)
 
 
 def pools_bytes() -> int:

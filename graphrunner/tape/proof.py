@@ -44,7 +44,8 @@ import ctypes
 import struct
 import threading
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -63,8 +64,11 @@ _SEED = 0x7A9E
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-_PY_KEYS = tuple(getattr(torch._C.DispatchKey, k) for k in ("Python", "PythonTLSSnapshot", "PreDispatch")
-                 if hasattr(torch._C.DispatchKey, k))
+_PY_KEYS = tuple(
+    getattr(torch._C.DispatchKey, k)
+    for k in ("Python", "PythonTLSSnapshot", "PreDispatch")
+    if hasattr(torch._C.DispatchKey, k)
+)
 
 
 def eager_tls() -> tuple:
@@ -77,7 +81,7 @@ def eager_tls() -> tuple:
     return inc, torch._C._dispatch_tls_local_exclude_set()
 
 
-def eager_context(tls: "tuple | None"):
+def eager_context(tls: tuple | None):
     """Run in dispatch-key state ``tls`` (from :func:`eager_tls`), e.g. from
     inside a dispatch mode's handler, where the keys above Python are off."""
     return torch._C._ForceDispatchKeyGuard(*tls) if tls is not None else contextlib.nullcontext()
@@ -118,11 +122,21 @@ def equal_ints(a: torch.Tensor, b: torch.Tensor) -> bool:
     contiguous tensors of the same shape and dtype, a ``memcmp`` of their bytes (3-9x faster than
     ``torch.equal``'s element loop on large tensors; the capture compares every op's results
     this way); otherwise ``torch.equal`` itself."""
-    if (_MEMCMP is not None and a.dtype == b.dtype and not a.dtype.is_floating_point and not a.is_complex()
-            and a.dtype != torch.bool and a.device.type == "cpu" and b.device.type == "cpu"
-            and a.shape == b.shape and a.layout == torch.strided and b.layout == torch.strided
-            and not (a.is_neg() or b.is_neg() or a.is_conj() or b.is_conj())
-            and a.is_contiguous() and b.is_contiguous()):
+    if (
+        _MEMCMP is not None
+        and a.dtype == b.dtype
+        and not a.dtype.is_floating_point
+        and not a.is_complex()
+        and a.dtype != torch.bool
+        and a.device.type == "cpu"
+        and b.device.type == "cpu"
+        and a.shape == b.shape
+        and a.layout == torch.strided
+        and b.layout == torch.strided
+        and not (a.is_neg() or b.is_neg() or a.is_conj() or b.is_conj())
+        and a.is_contiguous()
+        and b.is_contiguous()
+    ):
         n = a.numel() * a.element_size()
         if n >= _MEMCMP_MIN_BYTES:
             return _MEMCMP(a.data_ptr(), b.data_ptr(), n) == 0
@@ -222,7 +236,7 @@ def _fill_random(flat: torch.Tensor, salt: int) -> bool:
             return False
         _POOL[key] = pool
     off = (salt * 2731) % _SPREAD
-    flat.copy_(pool[off:off + n])
+    flat.copy_(pool[off : off + n])
     return True
 
 
@@ -244,8 +258,12 @@ def _storages(tensors: Iterable) -> dict:
 
 def _same(a, b) -> bool:
     if isinstance(a, torch.Tensor):
-        return (isinstance(b, torch.Tensor) and a.stride() == b.stride()
-                and a.storage_offset() == b.storage_offset() and bits_equal(a, b))
+        return (
+            isinstance(b, torch.Tensor)
+            and a.stride() == b.stride()
+            and a.storage_offset() == b.storage_offset()
+            and bits_equal(a, b)
+        )
     if isinstance(a, (list, tuple)):
         return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     return type(a) is type(b) and a == b
@@ -278,9 +296,21 @@ def _sig(v, stores: dict):
             raise _NoMemo
         k = _key(v)
         st = _storage(v)
-        return ("T", stores.setdefault(k, len(stores)) if k is not None else -1,
-                st.nbytes() if st is not None else 0, v.dtype, v.device, tuple(v.shape), v.stride(),
-                v.storage_offset(), v.requires_grad, v.is_inference(), v.is_neg(), v.is_conj(), type(v))
+        return (
+            "T",
+            stores.setdefault(k, len(stores)) if k is not None else -1,
+            st.nbytes() if st is not None else 0,
+            v.dtype,
+            v.device,
+            tuple(v.shape),
+            v.stride(),
+            v.storage_offset(),
+            v.requires_grad,
+            v.is_inference(),
+            v.is_neg(),
+            v.is_conj(),
+            type(v),
+        )
     if isinstance(v, (list, tuple)):
         return (type(v).__name__,) + tuple(_sig(x, stores) for x in v)
     if isinstance(v, dict):
@@ -289,8 +319,7 @@ def _sig(v, stores: dict):
         return ("F", struct.pack("<d", v))  # its bits: -0.0 != 0.0, NaN payloads told apart
     if isinstance(v, _SIG_LITERALS):
         return (type(v).__name__, v)
-    if type(v).__name__ in ("builtin_function_or_method", "method_descriptor") or isinstance(
-            v, torch._ops.OpOverload):
+    if type(v).__name__ in ("builtin_function_or_method", "method_descriptor") or isinstance(v, torch._ops.OpOverload):
         return ("C", v)
     raise _NoMemo
 
@@ -302,13 +331,29 @@ def _memo_key(memo, inputs: list, outputs: list, inference: bool, tls) -> tuple 
     except _NoMemo:
         return None
     tls_s = (repr(tls[0]), repr(tls[1])) if tls is not None else None
-    return (sig, inference, tls_s, torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
-            ENABLED, RANDOM_TRIALS)
+    return (
+        sig,
+        inference,
+        tls_s,
+        torch.get_num_threads(),
+        torch.are_deterministic_algorithms_enabled(),
+        ENABLED,
+        RANDOM_TRIALS,
+    )
 
 
-def proven(ref: Callable[[_Twins], Any], test: Callable[[_Twins], Any], inputs: Iterable, outputs: Iterable = (),
-           seen: "dict | None" = None, *, capture: bool = True, inference: bool = False,
-           tls: "tuple | None" = None, memo: Any = None) -> bool:
+def proven(
+    ref: Callable[[_Twins], Any],
+    test: Callable[[_Twins], Any],
+    inputs: Iterable,
+    outputs: Iterable = (),
+    seen: dict | None = None,
+    *,
+    capture: bool = True,
+    inference: bool = False,
+    tls: tuple | None = None,
+    memo: Any = None,
+) -> bool:
     """True when ``test`` (the rewrite) leaves the same bits as ``ref`` (the
     call it replaces) on the capture's data and on :data:`RANDOM_TRIALS`
     draws of random data (always True when :data:`ENABLED` is off).
@@ -346,8 +391,13 @@ def proven(ref: Callable[[_Twins], Any], test: Callable[[_Twins], Any], inputs: 
     known = None
     inputs, outputs = list(inputs), list(outputs)
     try:
-        with _disable_current_modes(), torch._C.DisableTorchFunction(), torch.inference_mode(inference), \
-                torch.no_grad(), eager_context(tls):  # as replay runs
+        with (
+            _disable_current_modes(),
+            torch._C.DisableTorchFunction(),
+            torch.inference_mode(inference),
+            torch.no_grad(),
+            eager_context(tls),
+        ):  # as replay runs
             key = _memo_key(memo, inputs, outputs, inference, tls) if memo is not None and in_session() else None
             gen = _POOL_GEN
             known = _MEMO.get((key, gen)) if key is not None else None

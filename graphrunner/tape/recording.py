@@ -25,9 +25,10 @@ from graphrunner.errors import CaptureError
 
 from .bindings import _Verifier
 from .collapse import COLLAPSIBLE, COLLAPSIBLE_FUNCTIONAL
-from .proof import eager_tls, stats as proof_stats
+from .proof import eager_tls
+from .proof import stats as proof_stats
 from .rng import _op_generator, redirected, stand_in_op
-from .state import _storage, snapshot_copy, release_snapshot, storage_bytes
+from .state import _storage, release_snapshot, snapshot_copy, storage_bytes
 from .streams import CLOCKS, current_stream
 from .survivors import _POISONED, _SURVIVORS, EscapedTensorWarning, _Poisoned
 from .unsafe import _check_safe, _user_frame
@@ -51,23 +52,43 @@ class _Ref:
 class _Op:
     """One recorded aten op: callable, argument templates, output names."""
 
-    __slots__ = ("func", "args", "kwargs", "outs", "new", "in_names", "writes", "pure", "collective", "seeded",
-                 "out_skeys", "in_skeys", "fast", "call", "cargs", "in_vers", "alias", "view",
-                 "out_ok", "seen", "stream")
+    __slots__ = (
+        "func",
+        "args",
+        "kwargs",
+        "outs",
+        "new",
+        "in_names",
+        "writes",
+        "pure",
+        "collective",
+        "seeded",
+        "out_skeys",
+        "in_skeys",
+        "fast",
+        "call",
+        "cargs",
+        "in_vers",
+        "alias",
+        "view",
+        "out_ok",
+        "seen",
+        "stream",
+    )
 
     # set by _Recorder when it records the op (__init__ leaves them unset)
     func: torch._ops.OpOverload
-    args: tuple                          # argument templates (_Ref for tensors)
+    args: tuple  # argument templates (_Ref for tensors)
     kwargs: dict[str, Any]
-    outs: Any                            # output template: a _Ref, a list/tuple of them, or None
-    new: list[str]                       # names of the tensors this op created
+    outs: Any  # output template: a _Ref, a list/tuple of them, or None
+    new: list[str]  # names of the tensors this op created
     in_names: list[str]
-    in_vers: tuple[int, ...]             # writes so far to each input's storage (for CSE)
+    in_vers: tuple[int, ...]  # writes so far to each input's storage (for CSE)
     writes: list[str]
     collective: bool
     seeded: bool
     pure: bool
-    in_skeys: set[int | None]            # storage keys (None: a tensor without storage)
+    in_skeys: set[int | None]  # storage keys (None: a tensor without storage)
     out_skeys: list[int | None]
     # set in __init__, changed by the recorder or codegen
     fast: str | None
@@ -89,7 +110,7 @@ class _Op:
         self.call = None
         self.cargs = None
         self.alias = None  # for "alias": (output name, input name)
-        self.view = None   # a view of an internal storage: (base name, size, stride, offset)
+        self.view = None  # a view of an internal storage: (base name, size, stride, offset)
         self.out_ok = False  # ``call`` verified to write its result into a preplanned buffer (out=)
         # for a call a rewrite may replace at capture end (a composite collapsed to its kernel):
         # {input name: the value that temporary held here}, for the rewrite's proof
@@ -100,36 +121,36 @@ class _Op:
 class _Capture:
     """Mutable state of one capture in progress (dropped at capture end)."""
 
-    def __init__(self, graph: "TapeGraph", mode: str = "global"):
+    def __init__(self, graph: TapeGraph, mode: str = "global"):
         self.graph = graph
-        self.mode = mode                           # capture_error_mode
-        self.thread = threading.get_ident()        # the capturing thread
+        self.mode = mode  # capture_error_mode
+        self.thread = threading.get_ident()  # the capturing thread
         self.thread_name = threading.current_thread().name
-        self.names: dict[int, str] = {}            # id(tensor) -> name
+        self.names: dict[int, str] = {}  # id(tensor) -> name
         self.strong: dict[str, torch.Tensor] = {}  # name -> tensor (keeps ids unique during capture)
-        self.kind: dict[str, str] = {}             # name -> "ext" | "int"
-        self.skey: dict[str, int | None] = {}      # name -> storage key (None: a tensor without storage)
-        self.storages: dict[int, Any] = {}         # storage key -> storage (strong, during capture)
+        self.kind: dict[str, str] = {}  # name -> "ext" | "int"
+        self.skey: dict[str, int | None] = {}  # name -> storage key (None: a tensor without storage)
+        self.storages: dict[int, Any] = {}  # storage key -> storage (strong, during capture)
         self.internal_storages: dict[int, str] = {}  # storage key -> name of the allocating tensor
-        self.alloc_meta: dict[str, tuple] = {}     # allocating name -> (dtype, device, size, stride, offset)
-        self.alloc_bytes: dict[str, int] = {}      # allocating name -> bytes of its storage
+        self.alloc_meta: dict[str, tuple] = {}  # allocating name -> (dtype, device, size, stride, offset)
+        self.alloc_bytes: dict[str, int] = {}  # allocating name -> bytes of its storage
         self.user_tensors: dict[str, torch.Tensor] = {}  # at capture end: internal tensors the user still holds
-        self.written: set[int] = set()             # storage keys written by recorded ops
-        self.ext_storages: set[int] = set()        # storage keys of externals
-        self.snapshots: dict[int, tuple] = {}      # external storage key -> (storage, byte copy)
+        self.written: set[int] = set()  # storage keys written by recorded ops
+        self.ext_storages: set[int] = set()  # storage keys of externals
+        self.snapshots: dict[int, tuple] = {}  # external storage key -> (storage, byte copy)
         self.ops: list[_Op] = []
         self.n = 0
         self.failed: BaseException | None = None
         self.inference = torch.is_inference_mode_enabled()
-        self.tls = eager_tls()                     # dispatch-key state eager runs in (for rewrites' proofs)
+        self.tls = eager_tls()  # dispatch-key state eager runs in (for rewrites' proofs)
         self.proofs_before = proof_stats.snapshot()  # this thread's proof counters at capture begin
         self.warned: set[int] = set()
-        self.wcount: dict[int | None, int] = {}    # storage key -> writes so far (for CSE)
+        self.wcount: dict[int | None, int] = {}  # storage key -> writes so far (for CSE)
         self.scalars: dict[tuple, torch.Tensor] = {}  # Python scalar -> shared 0-dim tensor
-        self.meta_mutated = False                  # an inplace_view op (t_, unsqueeze_, ...) ran
-        self.lifted: list[_Poisoned] = []          # other graphs' poisoned survivors lifted for this capture
-        self.generators: dict[int, tuple] = {}     # id(generator) -> (generator, state, initial seed) at first use
-        self.drawn_from: list = []                 # at capture end: the generators tracked (restored)
+        self.meta_mutated = False  # an inplace_view op (t_, unsqueeze_, ...) ran
+        self.lifted: list[_Poisoned] = []  # other graphs' poisoned survivors lifted for this capture
+        self.generators: dict[int, tuple] = {}  # id(generator) -> (generator, state, initial seed) at first use
+        self.drawn_from: list = []  # at capture end: the generators tracked (restored)
         #: Seeded ops that drew from a stand-in (a :func:`~graphrunner.tape.rng.redirect` was active).
         self.redirected_draws = 0
         if redirected() is None:  # redirected: the capture draws from stand-ins only, tracked at first use
@@ -267,12 +288,12 @@ class _Capture:
                 )
 
     # -- generators ---------------------------------------------------------
-    def track_generator(self, g: "torch.Generator | None") -> None:
+    def track_generator(self, g: torch.Generator | None) -> None:
         """Save ``g``'s state before the capture first draws from it."""
         if g is not None and id(g) not in self.generators:
             self.generators[id(g)] = (g, g.get_state(), g.initial_seed())
 
-    def restore_generators(self) -> "CaptureError | None":
+    def restore_generators(self) -> CaptureError | None:
         """Put every tracked generator back in its state before the capture
         (the capture consumed nothing); return an error for one re-seeded
         during the capture (``Generator.manual_seed`` called directly)."""
@@ -311,10 +332,19 @@ def _kept_values(cap: _Capture, templates, values) -> dict:
     """{name: copy} of the temporaries (recorded outputs) among ``values``, as they are now."""
     kept = {}
     for a, v in zip(templates, values):
-        if (isinstance(a, _Ref) and cap.kind.get(a.name) == "int" and type(v) is torch.Tensor
-                and v.layout == torch.strided and v.numel() * v.element_size() <= _KEEP_SEEN_BYTES):
-            with _disable_current_modes(), torch._C.DisableTorchFunction(), \
-                    torch.inference_mode(v.is_inference()), torch.no_grad():
+        if (
+            isinstance(a, _Ref)
+            and cap.kind.get(a.name) == "int"
+            and type(v) is torch.Tensor
+            and v.layout == torch.strided
+            and v.numel() * v.element_size() <= _KEEP_SEEN_BYTES
+        ):
+            with (
+                _disable_current_modes(),
+                torch._C.DisableTorchFunction(),
+                torch.inference_mode(v.is_inference()),
+                torch.no_grad(),
+            ):
                 kept[a.name] = v.clone()
     return kept
 
@@ -345,7 +375,11 @@ class _Recorder(TorchDispatchMode):
                         )
             tags = func.tags
             seeded = torch.Tag.nondeterministic_seeded in tags
-            if torch.Tag.inplace_view in tags or func._schema.name in ("aten::set_", "aten::resize_", "aten::resize_as_"):
+            if torch.Tag.inplace_view in tags or func._schema.name in (
+                "aten::set_",
+                "aten::resize_",
+                "aten::resize_as_",
+            ):
                 cap.meta_mutated = True
             # which arguments does the op write?
             mutable = collective or schema.is_mutable
@@ -396,21 +430,38 @@ class _Recorder(TorchDispatchMode):
             # A pure op returning a tensor with exactly its single tensor
             # input's storage and metadata (view to the same shape, full slice,
             # alias, detach, ...) can be replaced by that input at replay.
-            if (op.pure and len(set(in_names)) == 1 and isinstance(op.outs, _Ref) and op.new
-                    and isinstance(out, torch.Tensor)):
+            if (
+                op.pure
+                and len(set(in_names)) == 1
+                and isinstance(op.outs, _Ref)
+                and op.new
+                and isinstance(out, torch.Tensor)
+            ):
                 src = cap.strong[in_names[0]]
-                if (_storage(out) is not None and _storage(src) is not None
-                        and _storage(out).data_ptr() == _storage(src).data_ptr()
-                        and out.dtype == src.dtype and out.shape == src.shape and out.stride() == src.stride()
-                        and out.storage_offset() == src.storage_offset()):
+                if (
+                    _storage(out) is not None
+                    and _storage(src) is not None
+                    and _storage(out).data_ptr() == _storage(src).data_ptr()
+                    and out.dtype == src.dtype
+                    and out.shape == src.shape
+                    and out.stride() == src.stride()
+                    and out.storage_offset() == src.storage_offset()
+                ):
                     op.alias = (op.new[0], in_names[0])
             # Any other view of an internal storage is replayable as one
             # as_strided call on the tensor that allocated that storage: it is
             # cheaper than view / narrow / transpose, and the intermediate
             # views of a chain (view -> transpose -> reshape) become dead code.
-            if (op.alias is None and op.pure and len(set(in_names)) == 1 and isinstance(op.outs, _Ref)
-                    and op.new and isinstance(out, torch.Tensor) and out.layout == torch.strided
-                    and not (out.is_conj() or out.is_neg() or out.is_quantized)):
+            if (
+                op.alias is None
+                and op.pure
+                and len(set(in_names)) == 1
+                and isinstance(op.outs, _Ref)
+                and op.new
+                and isinstance(out, torch.Tensor)
+                and out.layout == torch.strided
+                and not (out.is_conj() or out.is_neg() or out.is_quantized)
+            ):
                 k = cap.skey.get(op.new[0])
                 base = cap.internal_storages.get(k) if k is not None else None
                 if base is not None and base != op.new[0] and k in op.in_skeys:
@@ -424,8 +475,10 @@ class _Recorder(TorchDispatchMode):
                     op.call = fn
                     op.out_ok = verifier.out_ok
                     scratch: list = []  # 0-dim scalar tensors become externals (constants)
-                    op.cargs = (cap.template_in(cargs, scratch), {k: cap.template_in(v, scratch)
-                                                                  for k, v in ckwargs.items()})
+                    op.cargs = (
+                        cap.template_in(cargs, scratch),
+                        {k: cap.template_in(v, scratch) for k, v in ckwargs.items()},
+                    )
                     if fn in COLLAPSIBLE or fn in COLLAPSIBLE_FUNCTIONAL:
                         op.seen = _kept_values(cap, op.cargs[0], cargs)
             cap.ops.append(op)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -100,11 +101,11 @@ def _reseed_guard() -> Iterator[None]:
 
 
 _RESEED_LOCK = threading.Lock()
-_RESEED_SAVED: list = []   # (module, name, original function) while guarded
-_RESEED_USERS = [0]        # captures using the installation
+_RESEED_SAVED: list = []  # (module, name, original function) while guarded
+_RESEED_USERS = [0]  # captures using the installation
 
 
-def _op_generator(args, kwargs) -> "torch.Generator | None":
+def _op_generator(args, kwargs) -> torch.Generator | None:
     """The generator a seeded op draws from: its explicit generator argument,
     else the default generator of its tensors' (or ``device=``) device."""
     device = kwargs.get("device")
@@ -139,7 +140,7 @@ class OwnedGenerators:
     generator, and the engine's generator is never set). Either way the sources are never drawn
     from nor set."""
 
-    def __init__(self, seed: "int | None" = None) -> None:
+    def __init__(self, seed: int | None = None) -> None:
         self.seed = seed
         self._stand_ins: dict = {}  # id(source) -> (source, stand-in); the source kept alive: ids stay unique
         self._mine: set = set()  # ids of the stand-ins
@@ -161,7 +162,7 @@ class OwnedGenerators:
             self._mine.add(id(g))
         return ent[1]
 
-    def owns(self, g: "torch.Generator | None") -> bool:
+    def owns(self, g: torch.Generator | None) -> bool:
         """True for one of this object's stand-ins."""
         return g is not None and id(g) in self._mine
 
@@ -196,7 +197,7 @@ def redirect(owned: OwnedGenerators) -> Iterator[OwnedGenerators]:
         st.remove(owned)
 
 
-def redirected() -> "OwnedGenerators | None":
+def redirected() -> OwnedGenerators | None:
     """The innermost :func:`redirect` active on this thread, or None."""
     st = getattr(_SHARED, "stack", None)
     return st[-1] if st else None
@@ -228,7 +229,7 @@ _OVERLOADS: dict = {}
 _MISSING = object()
 
 
-def stand_in_op(func: Any, args: tuple, kwargs: dict) -> "tuple[Any, dict]":
+def stand_in_op(func: Any, args: tuple, kwargs: dict) -> tuple[Any, dict]:
     """``(func, kwargs)`` to run seeded op ``func`` with under the active :func:`redirect`: its
     generator argument the stand-in of the generator it would draw from. Unchanged without a
     redirect, for an op that is not seeded, or one without a generator overload (it draws from

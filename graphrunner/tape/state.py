@@ -16,7 +16,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,11 +30,11 @@ _CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 # Like CUDA, captures in different threads may overlap when neither uses
 # capture_error_mode="global"; a global-mode capture is the only one while it
 # lasts.  Changed only under _ACTIVE_LOCK.
-_ACTIVE: "dict[int, _Capture]" = {}
+_ACTIVE: dict[int, _Capture] = {}
 _ACTIVE_LOCK = threading.Lock()
 
 
-def _capture_here() -> "_Capture | None":
+def _capture_here() -> _Capture | None:
     """The capture in progress in the calling thread, if any."""
     return _ACTIVE.get(threading.get_ident())
 
@@ -64,7 +65,7 @@ def storage_bytes(st) -> torch.Tensor:
 # a large storage (a paged KV cache) costs its allocation's page faults, 3-5x
 # the copy itself; inside a session every capture snapshots the same storages.
 _BUF_LOCK = threading.Lock()
-_BUF_FREE: "dict[tuple, list[torch.Tensor]]" = {}
+_BUF_FREE: dict[tuple, list[torch.Tensor]] = {}
 _BUF_DEPTH = 0
 _BUF_MIN_BYTES = 1 << 20  # smaller copies are cheap to allocate
 _BUF_PER_SIZE = 4
@@ -170,7 +171,7 @@ def release_snapshot(buf: torch.Tensor) -> None:
 # Tensors the tape itself holds on some storage: id(storage) -> WeakSet of them.
 # They do not count as references to the memory (a CUDA graph holds
 # addresses, not tensors): see graphrunner.tape.pool.
-_OURS: "dict[int, weakref.WeakSet]" = {}
+_OURS: dict[int, weakref.WeakSet] = {}
 
 
 def ours(t: torch.Tensor) -> torch.Tensor:
@@ -189,5 +190,8 @@ def alias_of(t: torch.Tensor) -> torch.Tensor:
     keeps the storage alive, not the object ``t``, so whether the user still
     refers to the memory can be told.  ``t`` must not require grad."""
     with torch.inference_mode(t.is_inference()), torch.no_grad():
-        return ours(torch.empty(0, dtype=t.dtype, device=t.device).set_(
-            t.untyped_storage(), t.storage_offset(), t.size(), t.stride()))
+        return ours(
+            torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                t.untyped_storage(), t.storage_offset(), t.size(), t.stride()
+            )
+        )

@@ -48,7 +48,8 @@ import itertools
 import sys
 import threading
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -57,8 +58,17 @@ from graphrunner._aten import written_tensors
 
 from .state import _capture_here, _storage, storage_bytes
 
-__all__ = ["TapeStream", "TapeEvent", "StreamClocks", "CLOCKS", "current_stream", "default_stream", "stream",
-           "synchronize", "set_stream"]
+__all__ = [
+    "TapeStream",
+    "TapeEvent",
+    "StreamClocks",
+    "CLOCKS",
+    "current_stream",
+    "default_stream",
+    "stream",
+    "synchronize",
+    "set_stream",
+]
 
 
 class StreamClocks:
@@ -76,22 +86,22 @@ class StreamClocks:
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._v: Dict[int, Dict[int, int]] = {}
-        self._host: Dict[int, int] = {}
-        self._events: Dict[int, Dict[int, int]] = {}
-        self._event_stream: Dict[int, int] = {}
+        self._v: dict[int, dict[int, int]] = {}
+        self._host: dict[int, int] = {}
+        self._events: dict[int, dict[int, int]] = {}
+        self._event_stream: dict[int, int] = {}
         #: stream -> time of the last op noted on it (:meth:`note_op`).
-        self.last_op: Dict[int, int] = {}
+        self.last_op: dict[int, int] = {}
         self._tmp = itertools.count(-1, -1)  # private event ids for wait_stream
 
-    def _vec(self, s: int) -> Dict[int, int]:
+    def _vec(self, s: int) -> dict[int, int]:
         v = self._v.get(s)
         if v is None:
             v = self._v[s] = {s: 0}
         return v
 
     @staticmethod
-    def _merge(into: Dict[int, int], other: Dict[int, int]) -> None:
+    def _merge(into: dict[int, int], other: dict[int, int]) -> None:
         for k, t in other.items():
             if into.get(k, 0) < t:
                 into[k] = t
@@ -108,7 +118,7 @@ class StreamClocks:
             self.last_op[s] = t
             return t
 
-    def record(self, event: int, s: int) -> Dict[int, int]:
+    def record(self, event: int, s: int) -> dict[int, int]:
         """Event ``event`` recorded on stream ``s``; returns its clock."""
         with self._lock:
             v = self._vec(s)
@@ -161,7 +171,7 @@ class StreamClocks:
             self._events.pop(event, None)
             self._event_stream.pop(event, None)
 
-    def event_time(self, event: int) -> Optional[Tuple[int, int]]:
+    def event_time(self, event: int) -> tuple[int, int] | None:
         """``(stream, time)`` the event was last recorded at, or None."""
         with self._lock:
             s = self._event_stream.get(event)
@@ -183,7 +193,7 @@ class StreamClocks:
                     best = max(best, v.get(writer, 0))
             return best
 
-    def clock(self, s: int) -> Dict[int, int]:
+    def clock(self, s: int) -> dict[int, int]:
         """A copy of stream ``s``'s clock."""
         with self._lock:
             return dict(self._vec(s))
@@ -193,7 +203,7 @@ class StreamClocks:
 CLOCKS = StreamClocks()
 
 _ids = itertools.count(1)
-_ALL: "weakref.WeakValueDictionary[int, TapeStream]" = weakref.WeakValueDictionary()
+_ALL: weakref.WeakValueDictionary[int, TapeStream] = weakref.WeakValueDictionary()
 _event_ids = itertools.count(1)
 _local = threading.local()
 _LOCK = threading.RLock()
@@ -206,10 +216,10 @@ class _Pending:
 
     def __init__(self, st: Any) -> None:
         self.st = st
-        self.outside: Optional[torch.Tensor] = None  # while the stream is current: what the others see
-        self.mask: Optional[torch.Tensor] = None     # bytes the stream changed
-        self.vals: Optional[torch.Tensor] = None     # their values (set with mask)
-        self.t = 0                                   # time of the stream's last write into it
+        self.outside: torch.Tensor | None = None  # while the stream is current: what the others see
+        self.mask: torch.Tensor | None = None  # bytes the stream changed
+        self.vals: torch.Tensor | None = None  # their values (set with mask)
+        self.t = 0  # time of the stream's last write into it
 
 
 def _bytes(st: Any) -> torch.Tensor:
@@ -226,15 +236,16 @@ class TapeStream:
     messages.
     """
 
-    def __init__(self, device: Any = None, priority: int = 0, name: Optional[str] = None, *,
-                 _default: bool = False) -> None:
+    def __init__(
+        self, device: Any = None, priority: int = 0, name: str | None = None, *, _default: bool = False
+    ) -> None:
         self.id = 0 if _default else next(_ids)
         self.priority = int(priority)
         self.name = name
         self.is_default = _default
-        self._pending: Dict[int, _Pending] = {}
-        self._active = 0        # threads in which this stream is current
-        self._first: Optional[Tuple[int, Any]] = None  # (time, user frame) of the first unjoined op
+        self._pending: dict[int, _Pending] = {}
+        self._active = 0  # threads in which this stream is current
+        self._first: tuple[int, Any] | None = None  # (time, user frame) of the first unjoined op
         _ALL[self.id] = self
 
     @property
@@ -255,17 +266,17 @@ class TapeStream:
     def __hash__(self) -> int:
         return hash(("tape-stream", self.id))
 
-    def wait_stream(self, stream: "TapeStream") -> None:
+    def wait_stream(self, stream: TapeStream) -> None:
         """Work issued on this stream from now on waits for all work issued on ``stream`` so far."""
         if not isinstance(stream, TapeStream):
             raise TypeError(f"wait_stream expects a TapeStream (from the tape device), got {type(stream).__name__}")
         self.wait_event(stream.record_event())
 
-    def wait_event(self, event: "TapeEvent") -> None:
+    def wait_event(self, event: TapeEvent) -> None:
         """Work issued on this stream from now on waits for ``event``."""
         event.wait(self)
 
-    def record_event(self, event: "TapeEvent | None" = None) -> "TapeEvent":
+    def record_event(self, event: TapeEvent | None = None) -> TapeEvent:
         """Record ``event`` (default: a new one) on this stream and return it."""
         event = event if event is not None else TapeEvent()
         event.record(self)
@@ -281,7 +292,7 @@ class TapeStream:
         return not self._pending
 
     # -- deferral ----------------------------------------------------------
-    def _note(self, t: int, written: List[torch.Tensor]) -> None:
+    def _note(self, t: int, written: list[torch.Tensor]) -> None:
         if self._first is None or self._first[0] <= CLOCKS.known(self.id):
             self._first = (t, _user_where())
         for w in written:
@@ -337,20 +348,20 @@ class TapeEvent:
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
         self.id = next(_event_ids)
-        self.stream: Optional[TapeStream] = None
+        self.stream: TapeStream | None = None
         self.enable_timing = enable_timing
 
     def __repr__(self) -> str:
         where = f" on {self.stream!r}" if self.stream is not None else " (not recorded)"
         return f"<TapeEvent {self.id}{where}>"
 
-    def record(self, stream: Optional[TapeStream] = None) -> None:
+    def record(self, stream: TapeStream | None = None) -> None:
         """Record the work issued on ``stream`` (default: the current stream) so far."""
         stream = stream if stream is not None else current_stream()
         CLOCKS.record(self.id, stream.id)
         self.stream = stream
 
-    def wait(self, stream: Optional[TapeStream] = None) -> None:
+    def wait(self, stream: TapeStream | None = None) -> None:
         """Work issued on ``stream`` (default: the current stream) from now on waits for this event."""
         stream = stream if stream is not None else current_stream()
         CLOCKS.wait(self.id, stream.id)
@@ -376,7 +387,7 @@ class TapeEvent:
 
 
 _DEFAULT = TapeStream(_default=True)
-_STREAMS: "Dict[int, TapeStream]" = {}   # streams with deferred writes, by id (strong while pending)
+_STREAMS: dict[int, TapeStream] = {}  # streams with deferred writes, by id (strong while pending)
 
 
 def default_stream(device: Any = None) -> TapeStream:
@@ -384,7 +395,7 @@ def default_stream(device: Any = None) -> TapeStream:
     return _DEFAULT
 
 
-def _stack() -> List[TapeStream]:
+def _stack() -> list[TapeStream]:
     s = getattr(_local, "stack", None)
     if s is None:
         s = _local.stack = []
@@ -412,13 +423,14 @@ def _land() -> None:
                 _STREAMS.pop(sid, None)
 
 
-def by_id(sid: int) -> Optional[TapeStream]:
+def by_id(sid: int) -> TapeStream | None:
     """The live stream numbered ``sid``, or None."""
     return _DEFAULT if sid == 0 else _ALL.get(sid)
 
 
-def unjoined_forks(capture_stream: "TapeStream | int", t0: int, last_before: Dict[int, int],
-                   clocks: Optional[StreamClocks] = None) -> List[Tuple[int, Any]]:
+def unjoined_forks(
+    capture_stream: TapeStream | int, t0: int, last_before: dict[int, int], clocks: StreamClocks | None = None
+) -> list[tuple[int, Any]]:
     """``(stream id, user frame of its first unjoined op)`` of every stream forked from
     ``capture_stream`` since its time ``t0`` (it waited on it) that did work after ``last_before``
     (:attr:`StreamClocks.last_op` then) which the capture stream has not waited for
@@ -436,7 +448,7 @@ def unjoined_forks(capture_stream: "TapeStream | int", t0: int, last_before: Dic
     return out
 
 
-def unjoined_error(capture_stream: TapeStream, t0: int, last_before: Dict[int, int]) -> "Exception | None":
+def unjoined_error(capture_stream: TapeStream, t0: int, last_before: dict[int, int]) -> Exception | None:
     """The :class:`~graphrunner.errors.CaptureError` a capture on ``capture_stream`` ends with when a
     stream forked from it was not joined back (CUDA's ``cudaErrorStreamCaptureUnjoined``), or None."""
     bad = unjoined_forks(capture_stream, t0, last_before)
@@ -454,7 +466,8 @@ def unjoined_error(capture_stream: TapeStream, t0: int, last_before: Dict[int, i
         "capture stream never waited for, so the capture cannot end (CUDA: cudaErrorStreamCaptureUnjoined). Join "
         "it before the capture ends or the graph segment is cut by an eager break: "
         "current_stream().wait_stream(side) right after the side-stream work (or record an event on the side "
-        f"stream and wait on it). Unjoined side-stream id(s): {[b[0] for b in bad]}")
+        f"stream and wait on it). Unjoined side-stream id(s): {[b[0] for b in bad]}"
+    )
 
 
 def synchronize() -> None:
@@ -510,13 +523,13 @@ def _enter(s: TapeStream) -> None:
 class _StreamContext:
     """``with stream(s):`` (``torch.cuda.stream``): ``s`` is the current stream of this thread in the block."""
 
-    def __init__(self, s: Optional[TapeStream]) -> None:
+    def __init__(self, s: TapeStream | None) -> None:
         if s is not None and not isinstance(s, TapeStream):
             raise TypeError(f"stream() expects a TapeStream (device.new_stream()) or None, got {type(s).__name__}")
         self.s = s
-        self.mode: Optional[_SideMode] = None
+        self.mode: _SideMode | None = None
 
-    def __enter__(self) -> Optional[TapeStream]:
+    def __enter__(self) -> TapeStream | None:
         s = self.s
         if s is None:
             return None
@@ -547,7 +560,7 @@ class _StreamContext:
                 _enter(now)
 
 
-def stream(s: Optional[TapeStream]) -> _StreamContext:
+def stream(s: TapeStream | None) -> _StreamContext:
     """Context manager: make ``s`` the current stream of this thread (``None``: a no-op), as
     ``torch.cuda.stream`` does."""
     return _StreamContext(s)

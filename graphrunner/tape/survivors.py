@@ -55,11 +55,13 @@ def poison_default() -> bool:
     ``ValueError``.  Read each time a graph or device is made without an
     explicit value, so a test suite can set it once for every graph.
     """
-    return env_flag(POISON_ENV_VAR, "set it to 1/true/yes/on to poison the values a capture leaves behind, or "
-                                    "0/false/no/off or unset it not to")
+    return env_flag(
+        POISON_ENV_VAR,
+        "set it to 1/true/yes/on to poison the values a capture leaves behind, or 0/false/no/off or unset it not to",
+    )
 
 
-def poison_value(dtype: torch.dtype) -> "float | int | bool | None":
+def poison_value(dtype: torch.dtype) -> float | int | bool | None:
     """The value a poisoning :class:`TapeGraph` fills survivors of ``dtype`` with.
 
     Floating and complex dtypes: NaN (it propagates through arithmetic);
@@ -76,7 +78,7 @@ def poison_value(dtype: torch.dtype) -> "float | int | bool | None":
         return None
 
 
-def _resolve_poison(flag: "bool | None", who: str) -> bool:
+def _resolve_poison(flag: bool | None, who: str) -> bool:
     if flag is None:
         return poison_default()
     if not isinstance(flag, bool):
@@ -121,8 +123,9 @@ _DELIBERATE: dict[int, weakref.ref] = {}  # id(tensor) -> weakref(tensor) (a Wea
 #: True while something else reports the tensors a capture leaves on objects (the stashed-state
 #: check of :mod:`graphrunner.checks.stash`, which raises naming the assignment): the tape's own
 #: :class:`StashedTensorWarning` is then not issued as well.
-stash_reported_elsewhere: contextvars.ContextVar[bool] = contextvars.ContextVar("stash_reported_elsewhere",
-                                                                               default=False)
+stash_reported_elsewhere: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "stash_reported_elsewhere", default=False
+)
 
 
 def mark_cache(t: torch.Tensor) -> torch.Tensor:
@@ -154,8 +157,9 @@ class _Poisoned:
         with torch.inference_mode():
             self.raw = ours(torch.empty(0, dtype=torch.uint8, device=st.device).set_(st))
             self.real = self.raw.clone()
-            self.typed = ours(torch.empty(0, dtype=dtype, device=st.device).set_(
-                st, 0, (st.nbytes() // dtype.itemsize,), (1,)))  # the contiguous stride set_ defaults to
+            self.typed = ours(
+                torch.empty(0, dtype=dtype, device=st.device).set_(st, 0, (st.nbytes() // dtype.itemsize,), (1,))
+            )  # the contiguous stride set_ defaults to
         self.value = value
         self.once = once  # computed once at capture (a hoisted constant): never refreshed by replay
 
@@ -449,8 +453,9 @@ def warn_stashed(cap, const_storages: set) -> None:
     frames do not hold."""
     if stash_reported_elsewhere.get():
         return
-    cands = [t for n, t in cap.user_tensors.items() if cap.skey.get(n) not in const_storages
-             and not is_deliberate_cache(t)]
+    cands = [
+        t for n, t in cap.user_tensors.items() if cap.skey.get(n) not in const_storages and not is_deliberate_cache(t)
+    ]
     if not cands:
         return
     held = _held_by_frames("graphrunner.tape")

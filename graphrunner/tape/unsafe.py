@@ -31,11 +31,38 @@ _INDEX_OPS = {"index", "_unsafe_index", "index_put", "index_put_", "_index_put_i
 
 # ops returning non-tensors that only read metadata (safe to freeze)
 _METADATA_OPS = {
-    "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size", "stride", "numel", "dim",
-    "is_same_size", "_has_compatible_shallow_copy_type", "is_contiguous", "is_strides_like_format",
-    "is_non_overlapping_and_dense", "is_complex", "is_floating_point", "is_signed", "is_conj", "is_neg",
-    "is_inference", "is_set_to", "_nnz", "output_nr", "_version", "is_leaf", "retains_grad", "storage_offset",
-    "is_coalesced", "dense_dim", "sparse_dim", "_is_zerotensor", "is_pinned", "_debug_has_internal_overlap",
+    "sym_size",
+    "sym_stride",
+    "sym_numel",
+    "sym_storage_offset",
+    "size",
+    "stride",
+    "numel",
+    "dim",
+    "is_same_size",
+    "_has_compatible_shallow_copy_type",
+    "is_contiguous",
+    "is_strides_like_format",
+    "is_non_overlapping_and_dense",
+    "is_complex",
+    "is_floating_point",
+    "is_signed",
+    "is_conj",
+    "is_neg",
+    "is_inference",
+    "is_set_to",
+    "_nnz",
+    "output_nr",
+    "_version",
+    "is_leaf",
+    "retains_grad",
+    "storage_offset",
+    "is_coalesced",
+    "dense_dim",
+    "sparse_dim",
+    "_is_zerotensor",
+    "is_pinned",
+    "_debug_has_internal_overlap",
 }
 
 _FRIENDLY = {
@@ -54,7 +81,7 @@ _FRIENDLY = {
     "unique_consecutive": "torch.unique_consecutive (output shape depends on data)",
     "argwhere": "torch.argwhere (output shape depends on data)",
     "one_hot": "F.one_hot without num_classes (or num_classes=-1: the class count is read on the host; "
-               "pass num_classes, a Python int >= 1, and it is capturable, as on CUDA)",
+    "pass num_classes, a Python int >= 1, and it is capturable, as on CUDA)",
 }
 
 # Composite ops that reach the mode whole under inference_mode, untagged.
@@ -113,7 +140,7 @@ def _returns_only_tensors(schema) -> bool:
     return True
 
 
-def unsafe_reason(func, args, kwargs) -> "tuple[str, str] | None":
+def unsafe_reason(func, args, kwargs) -> tuple[str, str] | None:
     """Why the aten op ``func`` called with ``args``/``kwargs`` cannot be held
     by a device graph, as ``(what, op)`` (a friendly description and the op's
     name), or ``None`` when it can. The predicate behind :func:`_check_safe`,
@@ -125,8 +152,10 @@ def unsafe_reason(func, args, kwargs) -> "tuple[str, str] | None":
     # index makes it so (checked below): no false alarm on long-index indexing.
     # repeat_interleave.Tensor is tagged too, but is static given output_size
     # (also checked below).
-    if name not in _INDEX_OPS and name != "repeat_interleave" and (
-        torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags
+    if (
+        name not in _INDEX_OPS
+        and name != "repeat_interleave"
+        and (torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags)
     ):
         return _FRIENDLY.get(name, f"{name} (output shape or value read on the host)"), str(func)
     if not _returns_only_tensors(func._schema) and name not in _METADATA_OPS:
@@ -156,7 +185,7 @@ def _check_safe(func, args, kwargs) -> None:
         raise _unsafe(*reason)
 
 
-def unsafe_function_reason(func, args, kwargs) -> "tuple[str, str] | None":
+def unsafe_function_reason(func, args, kwargs) -> tuple[str, str] | None:
     """Why the torch function ``func`` (seen by a ``TorchFunctionMode``) reads
     a tensor on the host where a device graph cannot, as ``(what, name)``, or
     ``None``: the host-reading idioms that never reach the dispatcher
@@ -174,7 +203,7 @@ def unsafe_function_reason(func, args, kwargs) -> "tuple[str, str] | None":
 _ONE_HOT = torch.nn.functional.one_hot
 
 
-def _one_hot_static(args, kwargs) -> "torch.Tensor | None":
+def _one_hot_static(args, kwargs) -> torch.Tensor | None:
     """``F.one_hot(t, num_classes)`` as PyTorch runs it on CUDA when
     ``num_classes >= 1`` is given: zeros, then a scatter of ones, with no host
     read of the class values (CUDA relies on the scatter's device assert; on
@@ -208,7 +237,7 @@ class _Guard(TorchFunctionMode):
     """Rejects host-reading Tensor methods that never reach the dispatcher,
     and runs ``F.one_hot`` with ``num_classes`` without its CPU-only host read."""
 
-    def __init__(self, cap: "_Capture"):
+    def __init__(self, cap: _Capture):
         super().__init__()
         self.cap = cap
 
@@ -236,7 +265,7 @@ class _Guard(TorchFunctionMode):
 _substituting = threading.local()
 
 
-def atomic_call() -> "tuple | None":
+def atomic_call() -> tuple | None:
     """The torch function a tape capture on this thread is running as several aten ops right now
     (``F.one_hot`` as zeros + scatter), as ``(name, args, kwargs)``, else ``None``: an op recorder
     marks the ops it dispatches as one call (:class:`graphrunner.recording.ops.OpEvent`)."""

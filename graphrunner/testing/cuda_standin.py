@@ -72,8 +72,8 @@ import os
 import threading
 import time
 import warnings
-import weakref
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -81,16 +81,24 @@ from torch.utils._python_dispatch import TorchDispatchMode
 if TYPE_CHECKING:
     from graphrunner.tape import TapeGraph
 
-__all__ = ["CudaStandin", "check_signatures", "installed_standin", "ENV_VAR", "EMPTY_GRAPH_WARNING",
-           "CAPTURE_UNSUPPORTED", "CAPTURE_INVALIDATED"]
+__all__ = [
+    "CudaStandin",
+    "check_signatures",
+    "installed_standin",
+    "ENV_VAR",
+    "EMPTY_GRAPH_WARNING",
+    "CAPTURE_UNSUPPORTED",
+    "CAPTURE_INVALIDATED",
+]
 
 #: Set (to ``1``) for commands run under the stand-in; ``graphrunner_tools.launch`` installs
 #: the stand-in in every spawned rank when it is set.
 ENV_VAR = "GRAPHRUNNER_CUDA_STANDIN"
 
 #: CUDAGraph.cpp's warning for a capture that recorded no work.
-EMPTY_GRAPH_WARNING = ("The CUDA Graph is empty. This usually means that the graph was attempted to be "
-                       "captured on wrong device or stream.")
+EMPTY_GRAPH_WARNING = (
+    "The CUDA Graph is empty. This usually means that the graph was attempted to be captured on wrong device or stream."
+)
 #: cudaErrorStreamCaptureUnsupported, as torch reports it.
 CAPTURE_UNSUPPORTED = "CUDA error: operation not permitted when stream is capturing"
 #: cudaErrorStreamCaptureInvalidated, as torch reports it (from cudaStreamEndCapture).
@@ -100,13 +108,34 @@ _NOTE = "\n[graphrunner cuda_standin: {}]"
 
 # The real objects, read once at import (before any install), whose signatures every
 # stand-in call is bound to.
-_REAL: Dict[str, Any] = {}
-for _name in ("CUDAGraph", "graph_pool_handle", "Stream", "Event", "current_stream", "default_stream", "stream",
-              "synchronize", "empty_cache", "memory_reserved", "memory_allocated", "max_memory_reserved",
-              "max_memory_allocated", "reset_peak_memory_stats", "memory_stats", "memory_snapshot", "mem_get_info",
-              "is_available",
-              "device_count", "current_device", "set_device", "device", "get_device_name",
-              "is_current_stream_capturing", "graph"):
+_REAL: dict[str, Any] = {}
+for _name in (
+    "CUDAGraph",
+    "graph_pool_handle",
+    "Stream",
+    "Event",
+    "current_stream",
+    "default_stream",
+    "stream",
+    "synchronize",
+    "empty_cache",
+    "memory_reserved",
+    "memory_allocated",
+    "max_memory_reserved",
+    "max_memory_allocated",
+    "reset_peak_memory_stats",
+    "memory_stats",
+    "memory_snapshot",
+    "mem_get_info",
+    "is_available",
+    "device_count",
+    "current_device",
+    "set_device",
+    "device",
+    "get_device_name",
+    "is_current_stream_capturing",
+    "graph",
+):
     _REAL[_name] = getattr(torch.cuda, _name)
 
 
@@ -125,6 +154,7 @@ def _bound(real: Callable, method: bool = False) -> Callable[[Callable], Callabl
     def deco(impl: Callable) -> Callable:
         wrapper: Callable[..., Any]
         if method:
+
             def method_wrapper(self, *args, **kwargs):
                 ba = sig.bind(self, *args, **kwargs)
                 ba.apply_defaults()
@@ -135,8 +165,10 @@ def _bound(real: Callable, method: bool = False) -> Callable[[Callable], Callabl
                     if p.kind is p.VAR_KEYWORD:
                         extra = a.pop(p.name, {})
                 return impl(self, **a, **extra)
+
             wrapper = method_wrapper
         else:
+
             def function_wrapper(*args, **kwargs):
                 ba = sig.bind(*args, **kwargs)
                 ba.apply_defaults()
@@ -146,6 +178,7 @@ def _bound(real: Callable, method: bool = False) -> Callable[[Callable], Callabl
                     if p.kind is p.VAR_KEYWORD:
                         extra = a.pop(p.name, {})
                 return impl(**a, **extra)
+
             wrapper = function_wrapper
         wrapper.__signature__ = sig  # type: ignore[attr-defined]  # inspect.signature reads a function's __signature__
         wrapper.__name__ = impl.__name__
@@ -158,14 +191,16 @@ def _bound(real: Callable, method: bool = False) -> Callable[[Callable], Callabl
 
 
 def _internal_assert(cond: str, where: str) -> RuntimeError:
-    return RuntimeError(f'{cond} INTERNAL ASSERT FAILED at "c10/cuda/CUDACachingAllocator.cpp" ({where}), '
-                        "please report a bug to PyTorch." + _NOTE.format("allocator rule"))
+    return RuntimeError(
+        f'{cond} INTERNAL ASSERT FAILED at "c10/cuda/CUDACachingAllocator.cpp" ({where}), '
+        "please report a bug to PyTorch." + _NOTE.format("allocator rule")
+    )
 
 
 class _PrivatePool:
     __slots__ = ("id", "use_count", "tape_pool")
 
-    def __init__(self, pool_id: Tuple[int, int]) -> None:
+    def __init__(self, pool_id: tuple[int, int]) -> None:
         from graphrunner.tape import TapePool
 
         self.id = pool_id
@@ -177,35 +212,39 @@ class _Allocator:
     """The private-pool bookkeeping of the CUDA caching allocator (one per device)."""
 
     def __init__(self) -> None:
-        self.graph_pools: Dict[Tuple[int, int], _PrivatePool] = {}
+        self.graph_pools: dict[tuple[int, int], _PrivatePool] = {}
         self.freeable: set = set()
-        self.captures_underway: List[Tuple[Tuple[int, int], Any]] = []
+        self.captures_underway: list[tuple[tuple[int, int], Any]] = []
         self.peak_reserved = 0
 
-    def begin_allocate_to_pool(self, pool_id: Tuple[int, int], owner: Any) -> _PrivatePool:
+    def begin_allocate_to_pool(self, pool_id: tuple[int, int], owner: Any) -> _PrivatePool:
         pool = self.graph_pools.get(pool_id)
         if pool is None:
             pool = self.graph_pools[pool_id] = _PrivatePool(pool_id)
         else:
             if not pool.use_count > 0:
-                raise _internal_assert("it->second->use_count > 0", "create_or_incref_pool: a pool whose graphs "
-                                       "were all released is captured into again before empty_cache() freed it")
+                raise _internal_assert(
+                    "it->second->use_count > 0",
+                    "create_or_incref_pool: a pool whose graphs "
+                    "were all released is captured into again before empty_cache() freed it",
+                )
             pool.use_count += 1
         for pid, _ in self.captures_underway:
             if pid == pool_id:
-                raise RuntimeError("beginAllocateToPool: already recording to mempool_id"
-                                   + _NOTE.format("allocator rule"))
+                raise RuntimeError(
+                    "beginAllocateToPool: already recording to mempool_id" + _NOTE.format("allocator rule")
+                )
         self.captures_underway.append((pool_id, owner))
         return pool
 
-    def end_allocate_to_pool(self, pool_id: Tuple[int, int]) -> None:
+    def end_allocate_to_pool(self, pool_id: tuple[int, int]) -> None:
         for i, (pid, _) in enumerate(self.captures_underway):
             if pid == pool_id:
                 del self.captures_underway[i]
                 return
         raise RuntimeError("endAllocatePool: not currently recording to mempool_id" + _NOTE.format("allocator rule"))
 
-    def release_pool(self, pool_id: Tuple[int, int]) -> None:
+    def release_pool(self, pool_id: tuple[int, int]) -> None:
         pool = self.graph_pools.get(pool_id)
         if pool is None:
             raise _internal_assert("it != graph_pools.end()", "get_private_pool")
@@ -217,8 +256,11 @@ class _Allocator:
 
     def empty_cache(self) -> None:
         if self.captures_underway:
-            raise _internal_assert("captures_underway.empty()", "synchronize_and_free_events, called by emptyCache: "
-                                   "a capture is underway, or one was left mid-capture by a failed capture_end")
+            raise _internal_assert(
+                "captures_underway.empty()",
+                "synchronize_and_free_events, called by emptyCache: "
+                "a capture is underway, or one was left mid-capture by a failed capture_end",
+            )
         for pid in list(self.freeable):
             self.graph_pools.pop(pid, None)
         self.freeable.clear()
@@ -230,7 +272,7 @@ class _Allocator:
         return sum(p.tape_pool.bytes_held for p in self.graph_pools.values() if p.use_count > 0)
 
 
-def _device_index(standin: "CudaStandin", device: Any, optional: bool = True) -> int:
+def _device_index(standin: CudaStandin, device: Any, optional: bool = True) -> int:
     """torch.cuda._utils._get_device_index for the stand-in."""
     if device is None:
         if not optional:
@@ -249,15 +291,17 @@ def _device_index(standin: "CudaStandin", device: Any, optional: bool = True) ->
     else:
         raise ValueError(f"Expected a cuda device, but got: {device!r}")
     if not 0 <= index < standin.num_devices:
-        raise RuntimeError(f"CUDA error: invalid device ordinal (device {index} of {standin.num_devices})"
-                           + _NOTE.format("device_count() is " + str(standin.num_devices)))
+        raise RuntimeError(
+            f"CUDA error: invalid device ordinal (device {index} of {standin.num_devices})"
+            + _NOTE.format("device_count() is " + str(standin.num_devices))
+        )
     return index
 
 
 class _StandinStream:
     """Base of the stand-in ``torch.cuda.Stream`` (the class is made per stand-in)."""
 
-    standin: "CudaStandin"
+    standin: CudaStandin
     _ids = itertools.count(1)
 
     def _init(self, device_index: int, priority: int, default: bool = False) -> None:
@@ -265,10 +309,10 @@ class _StandinStream:
         self.priority = priority
         self.is_default = default
         self.stream_id = 0 if default else next(_StandinStream._ids)
-        self.capturing: Optional[Any] = None      # the stand-in CUDAGraph capturing on this stream
+        self.capturing: Any | None = None  # the stand-in CUDAGraph capturing on this stream
         #: Streams this one was made to wait on (``wait_stream``), in order: the stand-in runs work
         #: synchronously, so it records the ordering a GPU would need instead of racing.
-        self.waited_on: List["_StandinStream"] = []
+        self.waited_on: list[_StandinStream] = []
 
     @property
     def device(self) -> torch.device:
@@ -279,8 +323,11 @@ class _StandinStream:
         return self.stream_id
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _StandinStream) and other.stream_id == self.stream_id \
+        return (
+            isinstance(other, _StandinStream)
+            and other.stream_id == self.stream_id
             and other.device_index == self.device_index
+        )
 
     def __hash__(self) -> int:
         return hash((self.device_index, self.stream_id))
@@ -304,7 +351,7 @@ def _trace(registry: str, *args: Any) -> None:
 class _StandinEvent:
     """Base of the stand-in ``torch.cuda.Event``."""
 
-    standin: "CudaStandin"
+    standin: CudaStandin
 
     _ids = itertools.count(1)
 
@@ -312,9 +359,9 @@ class _StandinEvent:
         self.enable_timing = enable_timing
         #: The handle the GPU trace hooks report for this event (torch: the cudaEvent_t).
         self.event_id = next(_StandinEvent._ids)
-        self.t: Optional[float] = None
+        self.t: float | None = None
         self.recorded_in_capture = False
-        self.stream: Optional[_StandinStream] = None
+        self.stream: _StandinStream | None = None
 
 
 class CudaStandin:
@@ -328,7 +375,7 @@ class CudaStandin:
     process does.
     """
 
-    def __init__(self, num_devices: int = 1, total_memory: int = 141 * 2 ** 30, poison: bool = True) -> None:
+    def __init__(self, num_devices: int = 1, total_memory: int = 141 * 2**30, poison: bool = True) -> None:
         if num_devices < 1:
             raise ValueError(f"num_devices must be >= 1, got {num_devices}")
         self.num_devices = num_devices
@@ -340,9 +387,9 @@ class CudaStandin:
         self._uid = itertools.count(1)
         self._capture_ids = itertools.count(1)
         self._local = threading.local()
-        self._saved: Dict[str, Any] = {}
+        self._saved: dict[str, Any] = {}
         #: Every rule violation and notable call, in order: ``(kind, detail)`` (for tests).
-        self.log: List[Tuple[str, str]] = []
+        self.log: list[tuple[str, str]] = []
         self._defaults: dict[int, _StandinStream] = {}
         self._build()
 
@@ -350,7 +397,7 @@ class CudaStandin:
     def current_device(self) -> int:
         return getattr(self._local, "device", 0)
 
-    def _streams(self) -> Dict[int, _StandinStream]:
+    def _streams(self) -> dict[int, _StandinStream]:
         s = getattr(self._local, "streams", None)
         if s is None:
             s = self._local.streams = {}
@@ -367,7 +414,7 @@ class CudaStandin:
     def _current_stream(self, index: int) -> _StandinStream:
         return self._streams().get(index) or self._default_stream(index)
 
-    def capturing_graphs(self, index: Optional[int] = None) -> List[Any]:
+    def capturing_graphs(self, index: int | None = None) -> list[Any]:
         """The stand-in graphs whose capture is underway (on device ``index``, default all)."""
         out: list[Any] = []
         for i, a in enumerate(self.allocators):
@@ -375,7 +422,7 @@ class CudaStandin:
                 out.extend(g for _, g in a.captures_underway if getattr(g, "_capturing", False))
         return out
 
-    def _forbid_sync(self, what: str, index: Optional[int] = None) -> None:
+    def _forbid_sync(self, what: str, index: int | None = None) -> None:
         """A synchronizing call during capture: invalidate the captures and raise as CUDA does."""
         graphs = self.capturing_graphs(index)
         if not graphs:
@@ -383,10 +430,11 @@ class CudaStandin:
         for g in graphs:
             g._invalidate(f"{what} during capture")
         self.log.append(("sync_during_capture", what))
-        raise RuntimeError(f"{CAPTURE_UNSUPPORTED}\nCUDA kernel errors might be asynchronously reported at some "
-                           "other API call, so the stacktrace below might be incorrect."
-                           + _NOTE.format(f"{what} while a CUDA graph capture is underway; the capture is "
-                                          "invalidated"))
+        raise RuntimeError(
+            f"{CAPTURE_UNSUPPORTED}\nCUDA kernel errors might be asynchronously reported at some "
+            "other API call, so the stacktrace below might be incorrect."
+            + _NOTE.format(f"{what} while a CUDA graph capture is underway; the capture is invalidated")
+        )
 
     # ------------------------------------------------------------------ install
     def install(self) -> None:
@@ -409,7 +457,7 @@ class CudaStandin:
             del torch.cuda._graphrunner_standin  # type: ignore[attr-defined]  # our marker: not a torch.cuda name
 
     @contextlib.contextmanager
-    def installed(self) -> Iterator["CudaStandin"]:
+    def installed(self) -> Iterator[CudaStandin]:
         """Context manager: :meth:`install` on entry, :meth:`uninstall` on exit."""
         self.install()
         try:
@@ -514,8 +562,9 @@ class CudaStandin:
                 if self.t is None or end_event.t is None:
                     raise RuntimeError("Both events must be recorded before calculating elapsed time.")
                 if self.recorded_in_capture or end_event.recorded_in_capture:
-                    raise RuntimeError("CUDA error: operation not permitted on an event last recorded in a "
-                                       "capturing stream")
+                    raise RuntimeError(
+                        "CUDA error: operation not permitted on an event last recorded in a capturing stream"
+                    )
                 return (end_event.t - self.t) * 1000.0
 
         Event.__new__.__signature__ = inspect.signature(R["Event"].__new__)  # type: ignore[attr-defined]  # for inspect.signature
@@ -569,34 +618,43 @@ class CudaStandin:
             def _allocator(self) -> _Allocator:
                 """The caching allocator of the device this graph's capture began on."""
                 if self._capture_dev is None:
-                    raise RuntimeError("stand-in CUDAGraph: no capture began on this graph, so it has no device"
-                                       + _NOTE.format("internal state"))
+                    raise RuntimeError(
+                        "stand-in CUDAGraph: no capture began on this graph, so it has no device"
+                        + _NOTE.format("internal state")
+                    )
                 return standin.allocators[self._capture_dev]
 
             @_bound(R["CUDAGraph"].capture_begin, method=True)
             def capture_begin(self, pool=None, capture_error_mode="global", check_input_liveness=False):
                 if capture_error_mode not in ("global", "thread_local", "relaxed"):
-                    raise RuntimeError("Unknown capture error mode. Expected `global`, `thread_local`, or "
-                                       f"`relaxed`, got {capture_error_mode}")
+                    raise RuntimeError(
+                        "Unknown capture error mode. Expected `global`, `thread_local`, or "
+                        f"`relaxed`, got {capture_error_mode}"
+                    )
                 if self._has_graph_exec:
                     standin.log.append(("rule", "already owns a captured graph"))
-                    raise RuntimeError("This CUDAGraph instance already owns a captured graph. To capture a new "
-                                       "graph, create a new instance." + _NOTE.format("CUDAGraph.cpp rule"))
+                    raise RuntimeError(
+                        "This CUDAGraph instance already owns a captured graph. To capture a new "
+                        "graph, create a new instance." + _NOTE.format("CUDAGraph.cpp rule")
+                    )
                 dev = standin.current_device()
                 stream = standin._current_stream(dev)
                 if stream.is_default:
                     standin.log.append(("rule", "default stream"))
-                    raise RuntimeError("CUDA graphs must be captured on a non-default stream. (However, after "
-                                       "capture, it's ok to replay them on the default stream.)"
-                                       + _NOTE.format("CUDAGraph.cpp rule"))
+                    raise RuntimeError(
+                        "CUDA graphs must be captured on a non-default stream. (However, after "
+                        "capture, it's ok to replay them on the default stream.)" + _NOTE.format("CUDAGraph.cpp rule")
+                    )
                 self._capture_stream = stream
                 self._capture_dev = dev
                 if pool is not None:
                     pool = tuple(pool)
                 if pool is not None and (pool[0] != 0 or pool[1] != 0):
                     if pool[0] and pool[1]:
-                        raise RuntimeError("!(pool.first && pool.second) INTERNAL ASSERT FAILED at "
-                                           '"aten/src/ATen/cuda/CUDAGraph.cpp"' + _NOTE.format("pool handle"))
+                        raise RuntimeError(
+                            "!(pool.first && pool.second) INTERNAL ASSERT FAILED at "
+                            '"aten/src/ATen/cuda/CUDAGraph.cpp"' + _NOTE.format("pool handle")
+                        )
                     self._mempool_id = pool
                 else:
                     self._mempool_id = (next(standin._uid), 0)
@@ -604,8 +662,10 @@ class CudaStandin:
                 private = alloc.begin_allocate_to_pool(self._mempool_id, self)  # may raise, as the real one does
                 if stream.capturing is not None:
                     # cudaStreamBeginCapture on a capturing stream; the allocator already began (as in torch).
-                    raise RuntimeError("CUDA error: operation not permitted when stream is capturing"
-                                       + _NOTE.format("cudaStreamBeginCapture on a stream that is capturing"))
+                    raise RuntimeError(
+                        "CUDA error: operation not permitted when stream is capturing"
+                        + _NOTE.format("cudaStreamBeginCapture on a stream that is capturing")
+                    )
                 try:
                     self._tape.capture_begin(pool=private.tape_pool, capture_error_mode=capture_error_mode)
                 except BaseException:
@@ -624,12 +684,16 @@ class CudaStandin:
                 stream = standin._current_stream(standin.current_device())
                 if stream != self._capture_stream:
                     standin.log.append(("rule", "capture_end on another stream"))
-                    raise RuntimeError("Capture must end on the same stream it began on."
-                                       + _NOTE.format("CUDAGraph.cpp rule"))
+                    raise RuntimeError(
+                        "Capture must end on the same stream it began on." + _NOTE.format("CUDAGraph.cpp rule")
+                    )
                 if not self._capturing:
-                    raise RuntimeError("CUDA error: operation not permitted when stream is capturing"
-                                       + _NOTE.format("capture_end() without a capture underway (stream is not "
-                                                      "capturing: cudaErrorIllegalState)"))
+                    raise RuntimeError(
+                        "CUDA error: operation not permitted when stream is capturing"
+                        + _NOTE.format(
+                            "capture_end() without a capture underway (stream is not capturing: cudaErrorIllegalState)"
+                        )
+                    )
                 guard, self._guard = self._guard, None
                 if guard is not None:
                     guard.__exit__(None, None, None)
@@ -646,10 +710,14 @@ class CudaStandin:
                     standin.log.append(("invalidated_capture_end", self._invalidated))
                     # AT_CUDA_CHECK(cudaStreamEndCapture) throws here: the capture id stays registered
                     # and endAllocateToPool is never called, so the allocator stays mid-capture.
-                    raise RuntimeError(f"{CAPTURE_INVALIDATED}\nCUDA kernel errors might be asynchronously "
-                                       "reported at some other API call, so the stacktrace below might be incorrect."
-                                       + _NOTE.format(f"the capture was invalidated ({self._invalidated}); the "
-                                                      "caching allocator is left mid-capture"))
+                    raise RuntimeError(
+                        f"{CAPTURE_INVALIDATED}\nCUDA kernel errors might be asynchronously "
+                        "reported at some other API call, so the stacktrace below might be incorrect."
+                        + _NOTE.format(
+                            f"the capture was invalidated ({self._invalidated}); the "
+                            "caching allocator is left mid-capture"
+                        )
+                    )
                 alloc = self._allocator()
                 alloc.end_allocate_to_pool(self._mempool_id)
                 self._capture_id = 0
@@ -676,8 +744,10 @@ class CudaStandin:
             @_bound(R["CUDAGraph"].replay, method=True)
             def replay(self):
                 if not self._capture_ended:
-                    raise RuntimeError("Called CUDAGraph::replay without a preceding successful capture."
-                                       + _NOTE.format("CUDAGraph.cpp rule"))
+                    raise RuntimeError(
+                        "Called CUDAGraph::replay without a preceding successful capture."
+                        + _NOTE.format("CUDAGraph.cpp rule")
+                    )
                 self._has_graph_exec = True
                 if self._tape.num_ops:
                     self._tape.replay()
@@ -697,8 +767,10 @@ class CudaStandin:
             @_bound(R["CUDAGraph"].pool, method=True)
             def pool(self):
                 if not self._capture_ended:
-                    raise RuntimeError("Called CUDAGraph::pool() without a preceding successful capture."
-                                       + _NOTE.format("CUDAGraph.cpp rule"))
+                    raise RuntimeError(
+                        "Called CUDAGraph::pool() without a preceding successful capture."
+                        + _NOTE.format("CUDAGraph.cpp rule")
+                    )
                 return self._mempool_id
 
             @_bound(R["CUDAGraph"].enable_debug_mode, method=True)
@@ -814,8 +886,12 @@ class CudaStandin:
         @_bound(R["memory_stats"])
         def memory_stats(device=None):
             a = _alloc(device)
-            return {"reserved_bytes.all.current": a.reserved(), "reserved_bytes.all.peak": max_memory_reserved(device),
-                    "allocated_bytes.all.current": a.allocated(), "num_device_alloc": len(a.graph_pools)}
+            return {
+                "reserved_bytes.all.current": a.reserved(),
+                "reserved_bytes.all.peak": max_memory_reserved(device),
+                "allocated_bytes.all.current": a.allocated(),
+                "num_device_alloc": len(a.graph_pools),
+            }
 
         @_bound(R["memory_snapshot"])
         def memory_snapshot(mempool_id=None, include_traces=True):
@@ -828,11 +904,22 @@ class CudaStandin:
                     if want is not None and pid != want:
                         continue
                     size = int(p.tape_pool.bytes_held)
-                    segments.append({"device": index, "address": 0, "total_size": size,
-                                     "allocated_size": size if p.use_count > 0 else 0,
-                                     "active_size": size if p.use_count > 0 else 0, "requested_size": size,
-                                     "stream": 0, "segment_type": "large" if size > (1 << 20) else "small",
-                                     "segment_pool_id": pid, "is_expandable": False, "frames": [], "blocks": []})
+                    segments.append(
+                        {
+                            "device": index,
+                            "address": 0,
+                            "total_size": size,
+                            "allocated_size": size if p.use_count > 0 else 0,
+                            "active_size": size if p.use_count > 0 else 0,
+                            "requested_size": size,
+                            "stream": 0,
+                            "segment_type": "large" if size > (1 << 20) else "small",
+                            "segment_pool_id": pid,
+                            "is_expandable": False,
+                            "frames": [],
+                            "blocks": [],
+                        }
+                    )
             return segments
 
         @_bound(R["mem_get_info"])
@@ -913,17 +1000,32 @@ class CudaStandin:
 
         graph.__init__.__signature__ = inspect.signature(R["graph"].__init__)  # type: ignore[attr-defined]  # for inspect.signature
 
-        self._api: Dict[str, Any] = {
-            "CUDAGraph": CUDAGraph, "graph_pool_handle": graph_pool_handle, "Stream": Stream, "Event": Event,
-            "current_stream": current_stream, "default_stream": default_stream, "stream": stream,
-            "synchronize": synchronize, "empty_cache": empty_cache, "memory_reserved": memory_reserved,
-            "memory_allocated": memory_allocated, "max_memory_reserved": max_memory_reserved,
-            "max_memory_allocated": max_memory_allocated, "reset_peak_memory_stats": reset_peak_memory_stats,
-            "memory_stats": memory_stats, "memory_snapshot": memory_snapshot, "mem_get_info": mem_get_info,
+        self._api: dict[str, Any] = {
+            "CUDAGraph": CUDAGraph,
+            "graph_pool_handle": graph_pool_handle,
+            "Stream": Stream,
+            "Event": Event,
+            "current_stream": current_stream,
+            "default_stream": default_stream,
+            "stream": stream,
+            "synchronize": synchronize,
+            "empty_cache": empty_cache,
+            "memory_reserved": memory_reserved,
+            "memory_allocated": memory_allocated,
+            "max_memory_reserved": max_memory_reserved,
+            "max_memory_allocated": max_memory_allocated,
+            "reset_peak_memory_stats": reset_peak_memory_stats,
+            "memory_stats": memory_stats,
+            "memory_snapshot": memory_snapshot,
+            "mem_get_info": mem_get_info,
             "is_available": is_available,
-            "device_count": device_count, "current_device": current_device, "set_device": set_device,
-            "device": device, "get_device_name": get_device_name,
-            "is_current_stream_capturing": is_current_stream_capturing, "graph": graph,
+            "device_count": device_count,
+            "current_device": current_device,
+            "set_device": set_device,
+            "device": device,
+            "get_device_name": get_device_name,
+            "is_current_stream_capturing": is_current_stream_capturing,
+            "graph": graph,
         }
 
     # ------------------------------------------------------------------ inspection (tests)
@@ -931,7 +1033,7 @@ class CudaStandin:
         """The private-pool bookkeeping of device ``index`` (``graph_pools``, ``captures_underway``, ...)."""
         return self.allocators[index]
 
-    def pool_use_count(self, pool_id: Any, index: int = 0) -> Optional[int]:
+    def pool_use_count(self, pool_id: Any, index: int = 0) -> int | None:
         """The use count of a registered pool, or ``None`` when the pool is not registered."""
         p = self.allocators[index].graph_pools.get(tuple(pool_id))
         return None if p is None else p.use_count
@@ -953,8 +1055,11 @@ class _CollectiveGuard(TorchDispatchMode):
                 self.graph._invalidate(f"a {backend} collective ({func.__name__}) during capture")
                 raise RuntimeError(
                     f"ProcessGroup{backend.capitalize()} {func.__name__}: {CAPTURE_UNSUPPORTED}"
-                    + _NOTE.format(f"a {backend} collective synchronizes the device to copy CUDA tensors to the "
-                                   "host, which stream capture forbids; only NCCL collectives can be captured"))
+                    + _NOTE.format(
+                        f"a {backend} collective synchronizes the device to copy CUDA tensors to the "
+                        "host, which stream capture forbids; only NCCL collectives can be captured"
+                    )
+                )
         return func(*args, **kwargs)
 
 
@@ -977,7 +1082,7 @@ def _backend_of(args: Any, kwargs: Any) -> str:
         return "unknown"
 
 
-def check_signatures(api: Optional[Dict[str, Any]] = None) -> List[str]:
+def check_signatures(api: dict[str, Any] | None = None) -> list[str]:
     """The stand-in names whose signature differs from the installed torch's (empty when all
     conform). For classes the constructor and every public method the stand-in defines are
     compared. ``api`` (default: a fresh stand-in's) is a ``{name: object}`` map."""
@@ -1008,12 +1113,12 @@ def check_signatures(api: Optional[Dict[str, Any]] = None) -> List[str]:
     return bad
 
 
-def installed_standin() -> Optional[CudaStandin]:
+def installed_standin() -> CudaStandin | None:
     """The stand-in installed in ``torch.cuda`` now, or ``None``."""
     return getattr(torch.cuda, "_graphrunner_standin", None)
 
 
-def install_from_env() -> Optional[CudaStandin]:
+def install_from_env() -> CudaStandin | None:
     """Install a stand-in when ``$GRAPHRUNNER_CUDA_STANDIN`` is ``1`` (spawned ranks, commands run
     under :func:`main`) and no GPU is present; return it (or the one already installed)."""
     if os.environ.get(ENV_VAR, "0") != "1":
@@ -1027,7 +1132,7 @@ def install_from_env() -> Optional[CudaStandin]:
     return s
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """``python -m graphrunner.testing.cuda_standin MODULE [ARGS...]``: run ``MODULE`` as
     ``python -m`` would, with the stand-in installed (and ``$GRAPHRUNNER_CUDA_STANDIN=1`` for
     child processes)."""

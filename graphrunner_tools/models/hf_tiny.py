@@ -11,22 +11,62 @@ LM. Used by the ``gr.hf`` tests and ``bench/hf_architectures.py``.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any
 
 #: config attribute -> tiny value (set only where the config has the attribute)
-TINY: Dict[str, Any] = {
-    "vocab_size": 128, "hidden_size": 64, "n_embd": 64, "d_model": 64, "intermediate_size": 128,
-    "ffn_hidden_size": 128, "n_inner": 128, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
-    "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "n_layers": 2,
-    "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "num_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 16, "max_position_embeddings": 64, "n_positions": 64, "n_ctx": 64,
-    "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
-    "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
-    "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
-    "state_size": 8, "expand": 2, "n_groups": 2, "chunk_size": 16, "conv_kernel": 4, "time_step_rank": 8,
-    "rotary_dim": 8, "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_layers": 2,
-    "decoder_layers": 2, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
-    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+TINY: dict[str, Any] = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "n_embd": 64,
+    "d_model": 64,
+    "intermediate_size": 128,
+    "ffn_hidden_size": 128,
+    "n_inner": 128,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "n_layer": 2,
+    "num_layers": 2,
+    "n_layers": 2,
+    "num_attention_heads": 4,
+    "n_head": 4,
+    "n_heads": 4,
+    "num_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 64,
+    "n_positions": 64,
+    "n_ctx": 64,
+    "num_local_experts": 4,
+    "num_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "state_size": 8,
+    "expand": 2,
+    "n_groups": 2,
+    "chunk_size": 16,
+    "conv_kernel": 4,
+    "time_step_rank": 8,
+    "rotary_dim": 8,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
 }
 
 
@@ -64,7 +104,7 @@ def tiny_config(model_type: str, **overrides: Any):
         n = getattr(text, "num_hidden_layers", len(types))
         kept = list(dict.fromkeys(types))[:n]  # one layer of each type first, then the pattern
         try:
-            text.layer_types = (kept + list(types))[:max(n, len(kept))]
+            text.layer_types = (kept + list(types))[: max(n, len(kept))]
             text.num_hidden_layers = len(text.layer_types)
         except AttributeError:  # a derived property (e.g. Mamba2's)
             pass
@@ -101,7 +141,7 @@ def build_tiny(model_type: str, seed: int = 0, **overrides: Any):
     return AutoModelForCausalLM.from_config(cfg).eval()
 
 
-def causal_lm_types() -> List[str]:
+def causal_lm_types() -> list[str]:
     """Every ``model_type`` transformers maps to a causal LM class, sorted."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 

@@ -114,24 +114,32 @@ class LlamaConfig:
     init_std: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size",
-                     "vocab_size", "max_seq_len", "max_batch_size"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "intermediate_size",
+            "vocab_size",
+            "max_seq_len",
+            "max_batch_size",
+        ):
             _check_positive_int(name, getattr(self, name))
         if self.hidden_size % self.num_heads:
             raise ValueError(
-                f"LlamaConfig.hidden_size ({self.hidden_size}) must be divisible by num_heads "
-                f"({self.num_heads})")
+                f"LlamaConfig.hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"LlamaConfig.num_heads ({self.num_heads}) must be divisible by num_kv_heads "
-                f"({self.num_kv_heads}) for grouped-query attention")
+                f"({self.num_kv_heads}) for grouped-query attention"
+            )
         if self.head_dim % 2:
             raise ValueError(
-                f"LlamaConfig head_dim = hidden_size / num_heads = {self.head_dim} must be even "
-                "for rotary embeddings")
+                f"LlamaConfig head_dim = hidden_size / num_heads = {self.head_dim} must be even for rotary embeddings"
+            )
         if self.attention not in _ATTENTION_KINDS:
-            raise ValueError(
-                f"LlamaConfig.attention must be one of {_ATTENTION_KINDS}, got {self.attention!r}")
+            raise ValueError(f"LlamaConfig.attention must be one of {_ATTENTION_KINDS}, got {self.attention!r}")
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
             raise ValueError("LlamaConfig.rope_theta and rms_norm_eps must be > 0")
         if self.init_std is not None and self.init_std <= 0:
@@ -147,20 +155,28 @@ class LlamaConfig:
         """Query heads per KV head, ``num_heads // num_kv_heads``."""
         return self.num_heads // self.num_kv_heads
 
-    def replace(self, **changes) -> "LlamaConfig":
+    def replace(self, **changes) -> LlamaConfig:
         """Return a copy with ``changes`` applied (validated like the constructor)."""
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def tiny(cls, **overrides) -> "LlamaConfig":
+    def tiny(cls, **overrides) -> LlamaConfig:
         """Test size: 2 layers, hidden 64, 4 heads, 2 KV heads, vocab 128, 32 positions, 8 rows."""
-        base = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
-                    intermediate_size=128, vocab_size=128, max_seq_len=32, max_batch_size=8)
+        base = dict(
+            num_layers=2,
+            hidden_size=64,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=128,
+            vocab_size=128,
+            max_seq_len=32,
+            max_batch_size=8,
+        )
         base.update(overrides)
         return cls(**base)
 
     @classmethod
-    def demo(cls, **overrides) -> "LlamaConfig":
+    def demo(cls, **overrides) -> LlamaConfig:
         """Demo size (the dataclass defaults), with ``overrides`` applied."""
         return cls(**overrides)
 
@@ -191,16 +207,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float = 10000.0,
-                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float = 10000.0, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary tables computed from the formula for integer ``positions`` of any shape.
 
     Pair ``(j, j + head_dim/2)`` at position ``p`` is rotated by angle
     ``p * theta ** (-2j / head_dim)``. Returns ``(cos, sin)`` of shape
     ``positions.shape + (head_dim,)`` in ``dtype`` (computed in float32).
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
-                                             dtype=torch.float32) / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
     freqs = positions.to(torch.float32)[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -242,8 +258,7 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None].expand(b, h, n_rep, t, d).reshape(b, h * n_rep, t, d)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            positions: torch.Tensor) -> torch.Tensor:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Grouped-query attention of new tokens against gathered cache rows.
 
     q: ``[B, T, H, D]``; k, v: ``[B, Hkv, L, D]`` (cache positions ``0..L-1``);
@@ -253,27 +268,31 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     b, t, h, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
     g = h // hkv
-    qg = q.transpose(1, 2).reshape(b, hkv, g * t, d)          # [B, Hkv, G*T, D]
+    qg = q.transpose(1, 2).reshape(b, hkv, g * t, d)  # [B, Hkv, G*T, D]
     scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, hkv, g, t, length)
     scores = scores.to(torch.float32) * (1.0 / math.sqrt(d))
     key_pos = torch.arange(length, device=q.device)
-    masked = key_pos > positions[:, None, None, :, None]        # [B, 1, 1, T, L]
+    masked = key_pos > positions[:, None, None, :, None]  # [B, 1, 1, T, L]
     scores = scores.masked_fill(masked, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, hkv, g * t, length)
-    out = torch.matmul(probs, v)                                # [B, Hkv, G*T, D]
+    out = torch.matmul(probs, v)  # [B, Hkv, G*T, D]
     return out.view(b, hkv, g, t, d).reshape(b, h, t, d).transpose(1, 2)
 
 
-def _gather_rows(cache: torch.Tensor, slot_ids: torch.Tensor | None, batch: int,
-                 length: int) -> torch.Tensor:
+def _gather_rows(cache: torch.Tensor, slot_ids: torch.Tensor | None, batch: int, length: int) -> torch.Tensor:
     if slot_ids is None:
         return cache[:batch, :, :length]
     return cache[:, :, :length].index_select(0, slot_ids)
 
 
 @no_graph
-def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     positions: torch.Tensor, slot_ids: torch.Tensor | None) -> torch.Tensor:
+def varlen_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    slot_ids: torch.Tensor | None,
+) -> torch.Tensor:
     """Attention core as an eager break (``@no_graph``): data-dependent by design.
 
     q: ``[B, T, H, D]`` (rotated); k_cache, v_cache: one layer's cache ``[max_batch, Hkv, S, D]``
@@ -297,8 +316,13 @@ def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 @no_graph(enable=False)
-def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     positions: torch.Tensor, slot_ids: torch.Tensor | None) -> torch.Tensor:
+def masked_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    slot_ids: torch.Tensor | None,
+) -> torch.Tensor:
     """Capture-safe attention core: same contract as :func:`varlen_attention`, no host reads.
 
     Attends over all ``S = max_seq_len`` cache positions of each row with a mask, so its shapes
@@ -346,9 +370,16 @@ class LlamaAttention(nn.Module):
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                positions: torch.Tensor, rows: torch.Tensor, slot_ids: torch.Tensor | None,
-                attn_positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        rows: torch.Tensor,
+        slot_ids: torch.Tensor | None,
+        attn_positions: torch.Tensor,
+    ) -> torch.Tensor:
         """Cached attention for new tokens ``x [B, T, hidden]`` at ``positions [B, T]``.
 
         Writes the new keys/values at ``(rows[b], :, positions[b, t])`` with ``index_put_``
@@ -373,13 +404,13 @@ class LlamaAttention(nn.Module):
         """
         b, t, _ = x.shape
         q, k, v = self._project(x, cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # [B, heads, T, D]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
         n_rep = self.num_heads // self.num_kv_heads
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         scores = (q @ k.transpose(-1, -2)).to(torch.float32) / math.sqrt(self.head_dim)
         causal = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
         scores = scores.masked_fill(causal, float("-inf"))
-        out = torch.softmax(scores, dim=-1).to(v.dtype) @ v                  # [B, H, T, D]
+        out = torch.softmax(scores, dim=-1).to(v.dtype) @ v  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
@@ -458,8 +489,13 @@ class LlamaForCausalLM(nn.Module):
             t.zero_()
 
     # ------------------------------------------------------------------ steps
-    def _run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                    slot_ids: torch.Tensor | None, attn_positions: torch.Tensor) -> torch.Tensor:
+    def _run_layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_ids: torch.Tensor | None,
+        attn_positions: torch.Tensor,
+    ) -> torch.Tensor:
         b = input_ids.shape[0]
         rows = slot_ids if slot_ids is not None else torch.arange(b, device=input_ids.device)
         cos, sin = self.rotary_emb(positions)
@@ -481,22 +517,25 @@ class LlamaForCausalLM(nn.Module):
         self._check_ids("input_ids", input_ids, dims)
         self._check_ids("positions", positions, dims)
         if positions.shape != input_ids.shape:
-            raise ValueError(f"positions shape {tuple(positions.shape)} must equal input_ids "
-                             f"shape {tuple(input_ids.shape)}")
+            raise ValueError(
+                f"positions shape {tuple(positions.shape)} must equal input_ids shape {tuple(input_ids.shape)}"
+            )
 
     def _check_slots(self, slot_ids: torch.Tensor | None, batch: int) -> None:
         if slot_ids is None:
             if batch > self.config.max_batch_size:
                 raise ValueError(
                     f"batch size {batch} exceeds max_batch_size={self.config.max_batch_size}; "
-                    "build the model with a larger LlamaConfig.max_batch_size")
+                    "build the model with a larger LlamaConfig.max_batch_size"
+                )
             return
         self._check_ids("slot_ids", slot_ids, 1)
         if slot_ids.shape[0] != batch:
             raise ValueError(f"slot_ids must have shape [{batch}], got {tuple(slot_ids.shape)}")
 
-    def decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                    slot_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def decode_step(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """One decode step for ``B`` requests; returns logits ``[B, vocab_size]``.
 
         Args:
@@ -523,8 +562,9 @@ class LlamaForCausalLM(nn.Module):
 
     forward = decode_step
 
-    def verify_step(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                    slot_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def verify_step(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Several new tokens per row at given positions (a speculative verify step); logits ``[B, T, vocab]``.
 
         Args:
@@ -547,8 +587,9 @@ class LlamaForCausalLM(nn.Module):
         self._check_slots(slot_ids, input_ids.shape[0])
         return self.lm_head(self._run_layers(input_ids, positions, slot_ids, positions))
 
-    def prefill(self, input_ids: torch.Tensor, slot_ids: torch.Tensor | None = None,
-                start_pos: int = 0) -> torch.Tensor:
+    def prefill(
+        self, input_ids: torch.Tensor, slot_ids: torch.Tensor | None = None, start_pos: int = 0
+    ) -> torch.Tensor:
         """Batched eager prefill: write tokens at positions ``start_pos..start_pos+T-1``.
 
         Args:
@@ -570,8 +611,9 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(start_pos, bool) or not isinstance(start_pos, int) or start_pos < 0:
             raise ValueError(f"start_pos must be a non-negative int, got {start_pos!r}")
         if start_pos + t > self.config.max_seq_len:
-            raise ValueError(f"prefill of {t} tokens from start_pos {start_pos} exceeds "
-                             f"max_seq_len={self.config.max_seq_len}")
+            raise ValueError(
+                f"prefill of {t} tokens from start_pos {start_pos} exceeds max_seq_len={self.config.max_seq_len}"
+            )
         positions = (start_pos + torch.arange(t, device=input_ids.device)).expand(b, t)
         h = self._run_layers(input_ids, positions, slot_ids, positions)
         return self.lm_head(h)
@@ -588,14 +630,18 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(tokens)
         pos = torch.arange(t, device=tokens.device)
         cos, sin = rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta, h.dtype)
-        cos, sin = cos[None], sin[None]                                   # [1, T, D]
+        cos, sin = cos[None], sin[None]  # [1, T, D]
         for layer in self.model.layers:
             h = layer.forward_full(h, cos, sin)
         return self.lm_head(self.model.norm(h))
 
 
-def build_model(config: LlamaConfig | None = None, seed: int = 0, device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+def build_model(
+    config: LlamaConfig | None = None,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> LlamaForCausalLM:
     """Build a :class:`LlamaForCausalLM` with random weights drawn from ``seed``.
 
     Weights are drawn on CPU in float32 from a private ``torch.Generator`` (the global RNG is

@@ -17,7 +17,7 @@ sum of the shards equals the unsplit layer up to float rounding (a sum of partia
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,8 +28,10 @@ __all__ = ["RowParallelLinear", "shard_tensor_parallel"]
 
 def _split(n: int, rank: int, world: int, what: str) -> slice:
     if n % world:
-        raise ValueError(f"{what} ({n}) must be divisible by the tensor-parallel size {world}; "
-                         "pick a world size that divides it or another model width")
+        raise ValueError(
+            f"{what} ({n}) must be divisible by the tensor-parallel size {world}; "
+            "pick a world size that divides it or another model width"
+        )
     per = n // world
     return slice(rank * per, (rank + 1) * per)
 
@@ -80,8 +82,9 @@ class _ShardedMLP(nn.Module):
         return y
 
 
-def shard_tensor_parallel(model: nn.Module, rank: int, world_size: int,
-                          process_group: Optional[Any] = None, attention: bool = True) -> nn.Module:
+def shard_tensor_parallel(
+    model: nn.Module, rank: int, world_size: int, process_group: Any | None = None, attention: bool = True
+) -> nn.Module:
     """Replace, in place, each layer's MLP and ``o_proj`` of ``model`` by this rank's shard; return ``model``.
 
     ``attention=False`` splits only the MLP (``o_proj`` stays whole, one ``all_reduce`` per
