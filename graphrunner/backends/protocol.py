@@ -151,14 +151,7 @@ def _episodes(events: Sequence[Event]) -> list[list[Event]]:
     cur: list[Event] = []
     closed = False
     for e in events:
-        if closed and e.kind in (
-            EventKind.WARMUP_FORWARD,
-            EventKind.HOOK,
-            EventKind.CHECK,
-            EventKind.SYNCHRONIZE,
-            EventKind.BARRIER,
-            EventKind.GRAPH_CONSTRUCT,
-        ):
+        if closed and e.kind in _PROTOCOL_KINDS and e.kind != EventKind.CAPTURE_FORWARD:
             episodes.append(cur)
             cur, closed = [], False
         cur.append(e)
