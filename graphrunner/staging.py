@@ -296,7 +296,7 @@ class StaticInputs:
                 try:  # one dispatch for every input; a failure is redone one by one to name the input
                     torch._foreach_copy_(views, tensors)
                 except Exception:  # noqa: BLE001
-                    for v, t in zip(views, tensors):
+                    for i, (v, t) in enumerate(zip(views, tensors)):  # noqa: B007 - i names the input that failed
                         v.copy_(t)
             else:
                 views[0].copy_(tensors[0])

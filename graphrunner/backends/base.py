@@ -52,10 +52,11 @@ from typing import Any, NoReturn
 
 import torch
 
+from graphrunner.backends.failure import raise_capture_failure
 from graphrunner.backends.keycapture import BoundForward, KeyCapture
 from graphrunner.backends.outputs import OutputBuffer, tensor_bytes, unflatten
 from graphrunner.backends.protocol import Step
-from graphrunner.errors import AgreementError, CaptureError, RankFailedError, RanksDisagreeError, RankTimeoutError
+from graphrunner.errors import CaptureError
 from graphrunner.group import LocalGroup
 from graphrunner.recording.hooks import Capture, CaptureHook, provided_check
 from graphrunner.tape.state import reuse_snapshot_buffers
@@ -82,17 +83,6 @@ class _Entry:
     capture_input_bytes: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
     replay_hooks: tuple = ()
-
-
-def _find_rank_timeout(exc: BaseException) -> RankTimeoutError | None:
-    seen = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        if isinstance(e, RankTimeoutError):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
 
 
 class GraphBackend:
@@ -448,30 +438,7 @@ class GraphBackend:
         run.bound.recorder = None
         self._end_hooks(run.hooks, run.cap)
         self._abort(run.key, run.graph)
-        rte = _find_rank_timeout(exc)
-        if rte is not None:
-            if rte is exc:
-                raise exc
-            raise rte from None
-        if not isinstance(exc, Exception) or isinstance(exc, (RanksDisagreeError, AgreementError, RankFailedError)):
-            raise exc  # every rank raises this same error: unchanged
-        collective = RankTimeoutError.from_step(exc, self.group, run.step, run.key)
-        if collective is not None:
-            raise collective from exc
-        raise CaptureError(
-            f"{self.name} backend: capture of shape key {run.key!r} failed on rank {self.rank} during {run.step}: "
-            f"{type(exc).__name__}: {exc}{self._unsafe_hint(exc)}"
-        ) from exc
-
-    def _unsafe_hint(self, exc: BaseException) -> str:
-        """What the unsafe-op error's "@no_graph" advice means on this backend (the full backend
-        captures a @no_graph function like any code: only a breakable graph runs it eagerly)."""
-        if self.name == "full" and type(exc).__name__ == "CaptureUnsafeOpError" and "no_graph" in str(exc):
-            return (
-                " (on the full backend a @no_graph function is captured like any code: use "
-                "backend='breakable' for an eager break, or a capturable rewrite)"
-            )
-        return ""
+        raise_capture_failure(exc, backend=self.name, rank=self.rank, group=self.group, step=run.step, key=run.key)
 
     def _end_hooks(self, hooks: Sequence[CaptureHook], cap: Capture) -> None:
         """Every hook's ``end`` (they drop references); an error there is logged, not raised:
