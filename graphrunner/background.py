@@ -57,10 +57,19 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from graphrunner.agreement import RankAgreement
 from graphrunner.errors import CaptureError
-from graphrunner.recording.hooks import CaptureHook
+from graphrunner.recording.hooks import Capture, CaptureHook
+
+if TYPE_CHECKING:
+    from graphrunner.backends.base import GraphBackend
+    from graphrunner.capturing import CaptureRun
+    from graphrunner.recording.ops import OpConsumer
+    from graphrunner.report import CaptureReport
+    from graphrunner.serving import Server
+    from graphrunner.staging import StaticInputs
 
 __all__ = [
     "BackgroundCapture",
@@ -125,7 +134,7 @@ class BackgroundCapture:
         self._raised = False
         #: Calls per key (agreed keys, identical on every rank): the capture order after the first key.
         self.hits: dict[Sizes, int] = {}
-        self.report: Any = None
+        self.report: CaptureReport | None = None
         self._grants: queue.Queue[Any] = queue.Queue()
         self._stop = threading.Event()
         self._waiting, self._waiting_lock = 0, threading.Lock()  # calls waiting for the mutex
@@ -315,7 +324,9 @@ class BackgroundCapture:
         gc.collect()
 
 
-def start_background(server: Any, run: Any, backend: Any, gate: Any = None) -> None:
+def start_background(
+    server: Server, run: CaptureRun, backend: GraphBackend, gate: threading.Event | None = None
+) -> None:
     """``runner.capture(background=True)``: ``server`` (:class:`graphrunner.serving.Server`) serves
     every call from now on while ``run`` (a :class:`~graphrunner.capturing.CaptureRun`, which
     already set the server's agreement up) captures the keys on a thread through ``backend``;
@@ -370,7 +381,7 @@ def start_background(server: Any, run: Any, backend: Any, gate: Any = None) -> N
         lambda exc, where, alone: fail_ranks(group, exc, where, alone),
         float(getattr(group, "timeout", 60.0) or 60.0),
     )
-    if agreement.shared:
+    if isinstance(agreement, RankAgreement):  # several ranks: the thread's counts ride on every call's collective
         agreement.extra = bg.vector
     server.serve_in_background(bg)
     bg.start()
@@ -400,7 +411,7 @@ class PutBack(CaptureHook):
 
     name = "put-back"
 
-    def __init__(self, staging: Any, executes_capture: bool) -> None:
+    def __init__(self, staging: StaticInputs, executes_capture: bool) -> None:
         from graphrunner.recording.ops import WriteGuard
 
         self.staging = staging
@@ -408,7 +419,7 @@ class PutBack(CaptureHook):
         self._kept: dict[str, Any] | None = None
         self._filled: Any = None
 
-    def begin(self, cap: Any) -> None:
+    def begin(self, cap: Capture) -> None:
         """Keep the static buffers and set every input to its pad value (the key's own inputs)."""
         import torch
 
@@ -429,19 +440,19 @@ class PutBack(CaptureHook):
                 if staging.specs[n].state:
                     b.fill_(staging.specs[n].pad)
 
-    def after_warmup(self, cap: Any, i: int, out: Any) -> None:
+    def after_warmup(self, cap: Capture, i: int, out: Any) -> None:
         """``state=True`` inputs back to their pad value after warmup ``i``."""
         self._state_to_pad()  # the next warmup starts where the first did
 
-    def after_warmups(self, cap: Any) -> None:
+    def after_warmups(self, cap: Capture) -> None:
         """``state=True`` inputs back to their pad value before the capture."""
         self._state_to_pad()  # the capture too (after the checks' runs, which put back their own data)
 
-    def warmup_consumers(self, cap: Any, i: int) -> Sequence[Any]:
+    def warmup_consumers(self, cap: Capture, i: int) -> Sequence[OpConsumer]:
         """The write guard watches every warmup."""
         return [self.guard]
 
-    def capture_consumers(self, cap: Any) -> Sequence[Any]:
+    def capture_consumers(self, cap: Capture) -> Sequence[OpConsumer]:
         """The write guard watches a tape capture (it computes); a CUDA capture only records."""
         return [self.guard] if self.executes else []
 
@@ -456,7 +467,7 @@ class PutBack(CaptureHook):
 
         return recorded
 
-    def end(self, cap: Any) -> None:
+    def end(self, cap: Capture) -> None:
         """Put back what the key wrote outside the step, and the static buffers as the last call left them."""
         import torch
 
@@ -469,26 +480,28 @@ class PutBack(CaptureHook):
             self.staging.filled = self._filled
 
 
-def settle_background(server: Any, rows: Sizes | None) -> None:
+def settle_background(server: Server, rows: Sizes | None) -> None:
     """In a call of ``server`` (:class:`graphrunner.serving.Server`), after its agreement (``rows``:
     its agreed sizes; None outside a call, one rank): the keys every rank has captured start
     replaying now; on several ranks the next key is granted; a failed capture raises here, on
     every rank alike."""
     bg = server.background
+    if bg is None:
+        raise CaptureError("internal error: settle_background() called with no background capture serving")
     agreement = server.agreement
     key = server.space.choose(rows)[0] if rows is not None and min(rows) >= 1 else None
-    new, error = bg.after_agreement(agreement.last_extra if agreement.shared else None, key)
+    new, error = bg.after_agreement(agreement.last_extra if isinstance(agreement, RankAgreement) else None, key)
     if new:
         server.enable(new)
     if error is not None:
         raise error from bg.error
     if bg.agreed == len(bg.keys):  # every key on every rank (agreed: the same call everywhere): plain calls again
         server.settled()
-        if agreement.shared:
+        if isinstance(agreement, RankAgreement):
             agreement.extra = list
 
 
-def wait_background(server: Any, bg: Any, timeout: float | None) -> Any:
+def wait_background(server: Server, bg: BackgroundCapture, timeout: float | None) -> CaptureReport | None:
     """``runner.wait_captured(timeout)`` for ``server``'s background capture ``bg``: its report, or
     None (timed out, failed)."""
     done = bg.wait(timeout) and bg.error is None
@@ -499,7 +512,7 @@ def wait_background(server: Any, bg: Any, timeout: float | None) -> Any:
 
 
 @contextlib.contextmanager
-def hold_background(server: Any) -> Iterator[None]:
+def hold_background(server: Server) -> Iterator[None]:
     """``runner.hold()``: no key starts (or is being captured) while the body runs."""
     bg = server.background
     if bg is None:

@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +32,16 @@ from graphrunner.errors import RankFailedError, add_note
 from graphrunner.layout import user_error
 from graphrunner.progress import CaptureProgress
 from graphrunner.report import BucketReport, CaptureReport
+
+if TYPE_CHECKING:
+    import threading
+
+    from graphrunner.arena import OutputArena
+    from graphrunner.backends.base import GraphBackend
+    from graphrunner.checks import CheckSet
+    from graphrunner.checks.lint import FindingsCollector
+    from graphrunner.recording.hooks import CaptureHook
+    from graphrunner.serving import Server
 
 __all__ = ["Capturer", "CaptureRun"]
 
@@ -51,7 +61,9 @@ class CaptureRun:
     :class:`CaptureReport`. ``collect`` (``graphrunner check``) puts the hooks in collect mode
     and turns a key's error into findings. ``agree``: agree the key across ranks per call."""
 
-    def __init__(self, capturer: Capturer, order: list[Sizes], agree: bool, collect: Any = None) -> None:
+    def __init__(
+        self, capturer: Capturer, order: list[Sizes], agree: bool, collect: FindingsCollector | None = None
+    ) -> None:
         self.capturer, self.server, self.order, self.collect = capturer, capturer.server, list(order), collect
         server = self.server
         self.bar = CaptureProgress(len(order), enabled=capturer.progress and server.rank == 0)
@@ -82,7 +94,7 @@ class CaptureRun:
         self,
         key: Sizes,
         report: Any | None = None,
-        extra_hooks: Sequence[Any] = (),
+        extra_hooks: Sequence[CaptureHook] = (),
         around_hook: Callable[[Callable[[], Any]], Callable[[], Any]] | None = None,
     ) -> None:
         """Capture ``key`` through the backend's protocol with the checks as hooks, and add its
@@ -189,13 +201,13 @@ class Capturer:
 
     def __init__(
         self,
-        server: Any,
-        backend: Any,
-        checks: Any,
+        server: Server,
+        backend: GraphBackend,
+        checks: CheckSet,
         post_warmup_hook: Callable[[Any], Any] | None,
         progress: bool,
         memory_budget: MemoryBudget,
-        output_arena: Any,
+        output_arena: OutputArena | None,
         config: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.server, self.backend, self.checks = server, backend, checks
@@ -205,9 +217,9 @@ class Capturer:
         #: The last capture's :class:`CaptureReport` (``None`` before one, after ``cleanup()``).
         self.report: CaptureReport | None = None
         #: Tests: a ``threading.Event`` the background thread waits for before its first key.
-        self.background_gate: Any = None
+        self.background_gate: threading.Event | None = None
 
-    def capture(self, agree: bool, collect: Any = None) -> CaptureReport:
+    def capture(self, agree: bool, collect: FindingsCollector | None = None) -> CaptureReport:
         """Capture every key the budget keeps, largest first, inside one ``backend.capture_session()``
         under ``torch.inference_mode()`` (restarting without a key that did not fit). On any error
         the backend is cleaned up, the server reset, and the error raised as the user should see
@@ -216,7 +228,7 @@ class Capturer:
             return self._capture_all(agree, collect)
         return self.budget.capture(lambda _: self._capture_all(agree, None), one_time_imports())
 
-    def _capture_all(self, agree: bool, collect: Any) -> CaptureReport:
+    def _capture_all(self, agree: bool, collect: FindingsCollector | None) -> CaptureReport:
         space = self.server.space
         run = CaptureRun(self, self.budget.keep(space.capture_order(), space.external), agree, collect)
         ok = False
@@ -247,7 +259,7 @@ class Capturer:
             run.close(ok)
         return run.finish()
 
-    def _budget_finding(self, collect: Any) -> Callable[[Any, list[BucketReport], BucketReport], None]:
+    def _budget_finding(self, collect: FindingsCollector) -> Callable[[Any, list[BucketReport], BucketReport], None]:
         """In collect mode (``graphrunner check``): the memory budget as one finding (the first key
         over it), instead of the restart a capture makes."""
         from graphrunner.budget import OverBudget

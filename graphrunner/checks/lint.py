@@ -526,7 +526,7 @@ class UnsafeOpLint(CaptureHook):
         findings.append(f)
 
 
-class _Collector:
+class FindingsCollector:
     """Collect mode: the findings list the hooks append to, and a key's capture error as a finding."""
 
     def __init__(self, lint: UnsafeOpLint) -> None:
@@ -625,7 +625,7 @@ def check_runner(runner: Any, target: str) -> CheckReport:
     name = str(getattr(backend, "name", type(backend).__name__))
     buckets = list(runner.buckets)
     lint = UnsafeOpLint(getattr(runner.step, "__code__", None), name)
-    collector = _Collector(lint)
+    collector = FindingsCollector(lint)
     hooks = getattr(backend, "hooks", None)  # None: a backend that is not a GraphBackend, captured as it is
     if hooks is not None:
         hooks.append(lint)
