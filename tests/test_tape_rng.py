@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import graphrunner as gr
-from graphrunner import tape as tape_mod
 from graphrunner.errors import CaptureError
+from graphrunner.tape import recording as tape_recording
 from graphrunner.tape import tape_graph
 
 SEED = 1234
@@ -106,7 +106,7 @@ def test_negative_control_without_restore_the_capture_advances_the_generator(mon
     def forget(self):
         self.generators.clear()
 
-    monkeypatch.setattr(tape_mod._Capture, "restore_generators", forget)
+    monkeypatch.setattr(tape_recording._Capture, "restore_generators", forget)
     assert not torch.equal(_draw_after_capture(), reference)
 
 
