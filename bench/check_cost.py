@@ -46,8 +46,9 @@ from typing import Any
 
 import torch
 
-from graphrunner.runner import BatchInput, GraphRunner
+from graphrunner.runner import GraphRunner
 from graphrunner_tools.bench import environment, parse_buckets, target_note, write_json
+from graphrunner_tools.demo import decode_inputs
 from graphrunner_tools.models import LlamaConfig, build_model
 from graphrunner_tools.threads import torch_threads
 
@@ -72,10 +73,7 @@ def demo_workload(backend: str, layers: int, buckets: list[int], device: str) ->
     def make(checks: Any) -> GraphRunner:
         return GraphRunner(
             lambda input_ids, positions: model.decode_step(input_ids, positions),
-            inputs={
-                "input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, config.vocab_size - 1)),
-                "positions": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, config.max_seq_len - 1)),
-            },
+            inputs=decode_inputs(config),
             buckets=list(buckets),
             backend=backend,
             device=device,

@@ -64,6 +64,7 @@ def mlp_step(seed: int, width: int = 512, layers: int = 3):
 
 
 def demo_step(seed: int):
+    from graphrunner_tools.demo import decode_inputs
     from graphrunner_tools.models.llama import LlamaConfig, build_model
 
     config = LlamaConfig.demo(num_layers=4, attention="masked", max_batch_size=64)
@@ -72,10 +73,7 @@ def demo_step(seed: int):
     def step(input_ids, positions):
         return model.decode_step(input_ids, positions)
 
-    inputs = {
-        "input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, config.vocab_size - 1)),
-        "positions": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, config.max_seq_len - 1)),
-    }
+    inputs = decode_inputs(config)
 
     def make(n, g):
         return {

@@ -78,6 +78,15 @@ class DemoResult:
         )
 
 
+def decode_inputs(config: LlamaConfig) -> dict[str, BatchInput]:
+    """The demo decoder's decode-step inputs as a runner declares them: one token id and one position
+    per row (long, padded with 0, bounded by the vocabulary and the context length)."""
+    return {
+        "input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, config.vocab_size - 1)),
+        "positions": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, config.max_seq_len - 1)),
+    }
+
+
 def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:
     if t.shape[0] == rows:
         return t
@@ -220,10 +229,7 @@ def run_demo(
     trace = Trace()
     runner = GraphRunner(
         lambda input_ids, positions: model.decode_step(input_ids, positions),
-        inputs={
-            "input_ids": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, config.vocab_size - 1)),
-            "positions": BatchInput(trailing=(), dtype=torch.long, pad=0, bounds=(0, config.max_seq_len - 1)),
-        },
+        inputs=decode_inputs(config),
         buckets=list(buckets),
         backend=backend,
         device=dev,
