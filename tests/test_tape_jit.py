@@ -485,3 +485,67 @@ def test_ineligible_or_opted_out_graphs_are_not_traced_at_capture_end(monkeypatc
     assert calls == []
     _capture(args, jit_replay=True)
     assert calls == [1]
+
+
+class _CountingTrace:
+    """A trace whose runs are counted (``fail_runs``: its runs write, then raise, as a failing run could)."""
+
+    def __init__(self, trace, fail_runs=False):
+        self.trace, self.graph, self.runs, self.fail_runs = trace, trace.graph, 0, fail_runs
+
+    def __call__(self, *args):
+        self.runs += 1
+        out = self.trace(*args)
+        if self.fail_runs:
+            raise RuntimeError("planted failure of the trace's run")
+        return out
+
+
+def _counting(monkeypatch, fail_runs=False):
+    made = []
+    make = jit.JitReplay._make_trace
+
+    def counted(self):
+        made.append(_CountingTrace(make(self), fail_runs))
+        return made[-1]
+
+    monkeypatch.setattr(jit.JitReplay, "_make_trace", counted)
+    return made
+
+
+def test_plans_at_first_replay_leave_the_trace_s_first_run_to_the_first_replay(monkeypatch):
+    made = _counting(monkeypatch)
+    args = _make()
+    cache = args[2]
+    before = cache.clone()
+    with jit.plans_at_first_replay():
+        g, out = _capture(args, jit_replay=True)
+    assert g.replay_engine == "jit" and made[0].runs == 0  # traced at capture end, not run again
+    assert torch.equal(cache, before)  # the tracing run rolled back as before
+    assert _replays_match(g, out, args)
+    assert made[0].runs == 4 and g._jit._unrun is None  # every replay ran the trace, the first built its plan
+    made.clear()
+    g2, _ = _capture(_make(), jit_replay=True)  # outside the block: run once more at capture end
+    assert made[0].runs == 1
+
+
+def test_a_deferred_first_run_that_fails_rolls_back_and_replays_in_python(monkeypatch):
+    """The deferred first run keeps capture end's guarantee: a failing run leaves nothing and the graph
+    replays in Python; the negative control without the rollback shows the double write it prevents."""
+    made = _counting(monkeypatch, fail_runs=True)
+    cache, x = torch.zeros(4), torch.randn(4)
+    with jit.plans_at_first_replay():
+        g = _add_graph(cache, x)
+    assert g.replay_engine == "jit" and torch.equal(cache, torch.zeros(4))
+    g.replay()
+    assert made[0].runs == 1 and g.replay_engine == "python" and "planted failure" in g._jit.why_python
+    assert torch.equal(cache, x)  # one write: the failed run's rolled back, the Python replay's
+    g.replay()
+    assert torch.equal(cache, 2 * x) and made[0].runs == 1
+    cache.zero_()
+    with jit.plans_at_first_replay():
+        g = _add_graph(cache, x)
+    assert torch.equal(cache, torch.zeros(4))
+    monkeypatch.setattr(jit, "_restore", lambda saved: None)  # the first run's rollback broken
+    g.replay()
+    assert torch.equal(cache, 2 * x)  # without the rollback: the failed run's write, then the Python replay's
