@@ -54,7 +54,6 @@ from graphrunner.hf.options import BatchingOptions
 from graphrunner.hf.planning import plan_keys
 from graphrunner.hf.refusals import check_served, refused
 from graphrunner.runner import GraphRunner
-from graphrunner.tape.jit import plans_at_first_replay
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -598,12 +597,7 @@ class GraphBatching:
         rng = torch.get_rng_state()
         try:
             runner = self.runner = self._new_runner(buckets, keys)
-            # the equivalence check replays every key right after the capture: that replay, not one more
-            # run at each capture's end, builds the key's replay plan (graphrunner.tape.jit)
-            with (
-                torch.inference_mode(),
-                plans_at_first_replay() if self.options.equivalence else contextlib.nullcontext(),
-            ):
+            with torch.inference_mode():
                 self.report = runner.capture()
                 if self.options.equivalence:
                     self.stats.equivalence_checked = self._equivalence(runner).run()

@@ -18,9 +18,7 @@ replay's.
 The trace is made at capture end (:meth:`JitReplay.prepare`, called by
 ``TapeGraph.capture_end``), so that the first replay costs what a steady
 one does: tracing takes milliseconds, and the trace's first call builds
-TorchScript's execution plan (about 0.7 ms for 160 ops; inside
-:func:`plans_at_first_replay`, for a caller that replays every graph right
-after capturing it, that first call is the first replay's).  Tracing executes the replay once, and
+TorchScript's execution plan.  Tracing executes the replay once, and
 ``prepare`` runs the trace once more to build that plan; both leave no
 trace, as a CUDA capture launches nothing: the bytes of every storage the
 replay writes (the external tensors it writes, the graph's survivors, pool
@@ -50,18 +48,16 @@ that the mode sees every op, and is never the one traced.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
-import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .state import release_snapshot, reuse_snapshot_buffers, snapshot_copy, storage_bytes
+from .state import release_snapshot, snapshot_copy, storage_bytes
 
 logger = logging.getLogger("graphrunner.tape")
 
@@ -82,30 +78,6 @@ _set_optimize = torch._C._set_graph_executor_optimize
 
 _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _LITERAL_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
-
-
-class _Deferred(threading.local):
-    depth = 0
-
-
-_DEFERRED = _Deferred()
-
-
-@contextlib.contextmanager
-def plans_at_first_replay() -> Iterator[None]:
-    """Inside the block (this thread), :meth:`JitReplay.prepare` traces at capture end but leaves
-    the trace's first run, which builds TorchScript's execution plan, to the graph's first replay
-    (:meth:`JitReplay._first_run`: with the same rollback and fallback as at capture end). For a
-    caller that replays every graph right after capturing it (``gr.hf``'s equivalence check): that
-    replay builds the plan, and the capture does not run every program one more time for it.
-    The block is a capture session for the copies those first runs take
-    (:func:`~graphrunner.tape.state.reuse_snapshot_buffers`)."""
-    _DEFERRED.depth += 1
-    try:
-        with reuse_snapshot_buffers():
-            yield
-    finally:
-        _DEFERRED.depth -= 1
 
 
 def jit_default() -> bool:
@@ -151,8 +123,6 @@ class JitReplay:
         self._python = fn
         self._written = written
         self._trace: Any = None
-        #: ``(keep, generators)`` while the trace has not run yet (:func:`plans_at_first_replay`)
-        self._unrun: tuple | None = None
         self.engine = "jit-pending"
         self.why_python: str | None = None
         params: list[str] = []
@@ -208,9 +178,6 @@ class JitReplay:
             return
         trace = self._trace
         if trace is not None:
-            if self._unrun is not None:
-                self._first_run()
-                return
             # torch.jit.optimized_execution(False) without its context manager (a generator,
             # about a microsecond per call): the flag off for the call, put back after
             if _get_optimize():
@@ -236,16 +203,13 @@ class JitReplay:
         Python replay (``engine == "python"``) when tracing fails or the trace
         holds a tensor constant.  Call it where a replay would run (the
         replay's grad / inference mode, torch-function handling off, the
-        pool's replay lock held) with no dispatch mode active.  Inside
-        :func:`plans_at_first_replay` the trace does not run here: its
-        first run is the first replay's (:meth:`_first_run`)."""
+        pool's replay lock held) with no dispatch mode active."""
         saved = _snapshot(list(self._written) + list(keep))
         states = [(g, g.get_state()) for g in generators]
-        defer = _DEFERRED.depth > 0
         try:
             trace = self._make_trace()
             why = _tensor_constants(trace)
-            if why is None and not defer:
+            if why is None:
                 with torch.jit.optimized_execution(False):
                     trace(*self._args)  # builds the execution plan the first replay would
         except Exception as exc:  # noqa: BLE001 - the Python replay is always there
@@ -260,30 +224,6 @@ class JitReplay:
             return
         self._trace = trace
         self.engine = "jit"
-        if defer:
-            self._unrun = (list(keep), list(generators))
-
-    def _first_run(self) -> None:
-        """The first replay of a trace that has not run yet (:func:`plans_at_first_replay`): it builds
-        the execution plan. Guarded as :meth:`prepare` guards that run: should the trace fail, the
-        storages it may have written and the generators get back what they held, the graph replays in
-        Python from now on, and this replay runs in Python."""
-        keep, generators = self._unrun or ([], [])
-        self._unrun = None
-        saved = _snapshot(list(self._written) + keep)
-        states = [(g, g.get_state()) for g in generators]
-        try:
-            with torch.jit.optimized_execution(False):
-                self._trace(*self._args)
-        except Exception as exc:  # noqa: BLE001 - the Python replay is always there
-            _restore(saved)
-            for g, state in states:
-                g.set_state(state)
-            self._trace = None
-            self._fallback(f"the trace's first run failed: {type(exc).__name__}: {str(exc)[:200]}")
-            self._python()
-            return
-        _release(saved)
 
     def _first(self) -> None:
         """Trace at the first replay (only when :meth:`prepare` could not run
@@ -336,12 +276,6 @@ def _snapshot(tensors: list[torch.Tensor]) -> list:
         with torch.inference_mode():
             out.append((st, snapshot_copy(storage_bytes(st))))
     return out
-
-
-def _release(saved: list) -> None:
-    """Give back the copies of a :func:`_snapshot` that is not restored."""
-    for _, copy in saved:
-        release_snapshot(copy)
 
 
 def _restore(saved: list) -> None:
