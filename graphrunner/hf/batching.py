@@ -54,6 +54,7 @@ from graphrunner.hf.options import BatchingOptions
 from graphrunner.hf.planning import plan_keys
 from graphrunner.hf.refusals import check_served, refused
 from graphrunner.runner import GraphRunner
+from graphrunner.tape.jit import traces_at_first_replay
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -597,7 +598,12 @@ class GraphBatching:
         rng = torch.get_rng_state()
         try:
             runner = self.runner = self._new_runner(buckets, keys)
-            with torch.inference_mode():
+            # the equivalence check replays every key right after the capture: that replay traces the
+            # key's replay (graphrunner.tape.jit), not a run of its own at each capture's end
+            with (
+                torch.inference_mode(),
+                traces_at_first_replay() if self.options.equivalence else contextlib.nullcontext(),
+            ):
                 self.report = runner.capture()
                 if self.options.equivalence:
                     self.stats.equivalence_checked = self._equivalence(runner).run()
