@@ -24,7 +24,9 @@ trace, as a CUDA capture launches nothing: the bytes of every storage the
 replay writes (the external tensors it writes, the graph's survivors, pool
 memory it spills to) are copied first and put back after (the same
 rollback a failed trace uses), and the generators the replay draws from
-get their states back.  ``prepare`` runs with the caller's dispatch modes
+get their states back.  Inside :func:`traces_at_first_replay` (a caller that replays
+every graph right after capturing it) the capture end does neither: the
+first replay traces, as below.  ``prepare`` runs with the caller's dispatch modes
 disabled.  Only when the graph cannot be traced at capture end (its pool is
 replaying in another thread, or its capture drew from stand-in generators
 under a :func:`~graphrunner.tape.rng.redirect`, whose trace would draw from
@@ -59,7 +61,7 @@ from typing import Any
 
 import torch
 
-from .state import release_snapshot, reuse_snapshot_buffers, snapshot_copy, storage_bytes
+from .state import release_snapshot, snapshot_copy, storage_bytes
 
 logger = logging.getLogger("graphrunner.tape")
 
@@ -98,12 +100,11 @@ def traces_at_first_replay() -> Iterator[None]:
     tracing fail, then the Python replay). For a caller that replays every graph right after
     capturing it (``gr.hf``'s equivalence check): the capture end does not run each program twice
     (the trace and the run building its execution plan) and put back what they wrote; the second
-    replay builds the plan. The block is a capture session for the copies those first replays take
-    (:func:`~graphrunner.tape.state.reuse_snapshot_buffers`)."""
+    replay builds the plan. (The caller may run those first replays inside
+    :func:`~graphrunner.tape.state.reuse_snapshot_buffers`, for the copies they take.)"""
     _AT_FIRST_REPLAY.depth += 1
     try:
-        with reuse_snapshot_buffers():
-            yield
+        yield
     finally:
         _AT_FIRST_REPLAY.depth -= 1
 
