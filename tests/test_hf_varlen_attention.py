@@ -90,10 +90,69 @@ def worst_gap(op=None):
     return worst
 
 
+SCALE, CAP = 0.25, 50.0
+#: transformers' eager attention forms as varlen_eager_attention chains: paged|eager, gemma2's softcapping,
+#: gpt_oss's sinks (its own and paged|eager's: centred, sink column dropped after the softmax)
+CHAINS = {
+    "paged": f"mul={SCALE!r},mask,softmax=float32,to=float32",
+    "softcap": f"mul={SCALE!r},div={CAP!r},tanh,mul={CAP!r},mask,softmax=float32,to=float32",
+    "sinks": f"mul={SCALE!r},mask,sinks,center,softmax=float32,drop,to=float32",
+}
+
+
+def eager_reference(form, q, k, v, tr, tp, kr, kp, window, sinks):
+    """The dense eager attention of ``form`` in eager PyTorch over the cell-by-cell mask (as :func:`reference`
+    builds it), padding rows zeroed."""
+    t, n = tr.shape[0], kr.shape[0]
+    mask = torch.full((t, n), float("-inf"))
+    for i in range(t):
+        for j in range(n):
+            r, p, kr_j, kp_j = int(tr[i]), int(tp[i]), int(kr[j]), int(kp[j])
+            if r < 0 or (kr_j == r and kp_j <= p and (window is None or kp_j > p - window)):
+                mask[i, j] = 0.0
+    w = q @ k.transpose(2, 3) * SCALE
+    if form == "softcap":
+        w = torch.tanh(w / CAP) * CAP
+    w = w + mask
+    if form == "sinks":
+        w = torch.cat([w, sinks], dim=-1)
+        w = w - w.max(dim=-1, keepdim=True).values
+    p = torch.softmax(w, dim=-1, dtype=torch.float32)
+    if form == "sinks":
+        p = p[..., :-1]
+    return (p @ v).masked_fill((tr < 0)[:, None], 0.0)
+
+
+def worst_eager_gap():
+    """The largest |varlen_eager_attention - eager_reference| over :func:`cases` and every form."""
+    worst = 0.0
+    for _, (q, k, v, tr, tp, kr, kp), window, gqa in cases(n=30):
+        if gqa:  # eager attention repeats the key/value heads first
+            k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+        sinks = torch.randn(1, q.shape[1], 1, 1).expand(1, -1, q.shape[2], -1)
+        for form, chain in CHAINS.items():
+            s = sinks if form == "sinks" else None
+            got = torch.ops.graphrunner.varlen_eager_attention(
+                q, k.transpose(2, 3), v, tr, tp, kr, kp, window, chain, s
+            )
+            want = eager_reference(form, q, k, v, tr, tp, kr, kp, window, sinks)
+            assert got.shape == want.shape and got.dtype == want.dtype
+            worst = max(worst, float((got - want).abs().max()))
+    return worst
+
+
 def test_the_op_equals_dense_masked_attention_on_ragged_layouts():
     """Prefill chunks with a past, decode-only steps, sliding windows, padding rows and keys, GQA: the op's
     values equal the dense masked sdpa's to float32 rounding (different split sizes), padding rows zero."""
     assert worst_gap() < 1e-5
+
+
+def test_the_eager_op_equals_dense_eager_attention_on_ragged_layouts():
+    """The same layouts through the eager op, for transformers' three eager forms (paged|eager, gemma2's
+    softcapping, gpt_oss's sinks): equal to the dense computation to float32 rounding."""
+    assert worst_eager_gap() < 1e-5
+    with pytest.raises(ValueError, match="not an attention chain"):
+        va._parse_chain("mask,tanh,softmax=float32")  # an elementwise step after the mask: not per-request exact
 
 
 def test_the_op_reruns_on_new_metadata_and_keeps_non_contiguous_requests_exact():
@@ -121,14 +180,14 @@ def test_negative_control_an_op_that_crosses_a_request_boundary_fails_the_compar
         return [(r, a, min(b + 1, n)) for r, a, b in runs(ids)]
 
     monkeypatch.setattr(va, "request_runs", one_too_far)
-    assert worst_gap() > 1e-2
+    assert worst_gap() > 1e-2 and worst_eager_gap() > 1e-2
 
 
 def test_negative_control_an_op_that_ignores_the_window_fails_the_comparison(monkeypatch):
     """Planted: the window is not applied (a sliding layer attends its request's whole past)."""
     allowed = va._allowed
     monkeypatch.setattr(va, "_allowed", lambda q_pos, k_pos, window: allowed(q_pos, k_pos, None))
-    assert worst_gap() > 1e-2
+    assert worst_gap() > 1e-2 and worst_eager_gap() > 1e-2
 
 
 def mask_of(tr, tp, kr, kp, window, built=None):
@@ -211,6 +270,68 @@ def test_the_op_replays_from_a_graph_reading_each_calls_metadata():
     assert sum(runner.stats.replays.values()) == 6, "every call replayed the graph"
 
 
+class _FakeCache:
+    """A paged cache's surface for :class:`va.VarlenCache`: ``update`` returns the keys and values it holds."""
+
+    def __init__(self, k, v):
+        self.k, self.v = k, v
+        self.layer_to_allocator = {0: type("Alloc", (), {"layer_type": "full_attention"})()}
+
+    def update(self, key_states, value_states, layer_idx, kwargs=None):
+        return self.k, self.v
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("form", ["paged|eager", "paged|eager+sinks", "gemma2", "gpt_oss", "unknown"])
+def test_transformers_eager_attention_runs_the_eager_op_on_marked_keys(form, monkeypatch):
+    """transformers' own eager attention functions, given the keys and values a VarlenCache marks and the
+    VarlenMask: the output equals the same function on plain tensors and the dense mask (real rows), the op
+    ran and no dense mask was built; an attention with a step the op does not know (a bias added to the
+    scores: ``unknown``) computes densely, the same values, no op."""
+    require("transformers")
+    from transformers.integrations.eager_paged import eager_paged_attention_forward
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager
+
+    gen = torch.Generator().manual_seed(6)
+    q, k, v, tr, tp, kr, kp = layout(gen, 4, window=5, pad_tok=2, pad_key=3, kv_heads=2, d=16)
+    module = type("Attn", (), {"num_key_value_groups": 2, "training": False, "head_dim": 16})()
+    if "sinks" in form or form == "gpt_oss":
+        module.sinks = torch.randn(4, generator=gen)
+    bias = torch.randn(1, 4, tr.shape[0], kr.shape[0], generator=gen)
+
+    def unknown(module, q, k, v, mask, scaling):
+        from transformers.integrations.eager_paged import repeat_kv
+
+        w = torch.matmul(q, repeat_kv(k, 2).transpose(2, 3)) * scaling + bias
+        out = torch.matmul(torch.softmax(w + mask, dim=-1), repeat_kv(v, 2))
+        return out.transpose(1, 2).contiguous(), None
+
+    fn, extra = {
+        "paged|eager": (eager_paged_attention_forward, {}),
+        "paged|eager+sinks": (eager_paged_attention_forward, {}),
+        "gemma2": (gemma2_eager, {"softcap": 50.0}),
+        "gpt_oss": (gpt_oss_eager, {}),
+        "unknown": (unknown, {}),
+    }[form]
+    built: list = []
+    mask = mask_of(tr, tp, kr, kp, 5, built)
+    calls: list = []
+    runs = va.request_runs
+    monkeypatch.setattr(va, "request_runs", lambda ids: calls.append(1) or runs(ids))
+    mk, mv = va.VarlenCache(_FakeCache(k, v), {"full_attention": mask}).update(k, v, 0)
+    with torch.no_grad():
+        got = fn(module, q, mk, mv, mask, scaling=SCALE, **extra)[0]
+        if form != "unknown":
+            assert calls and built == [], "the op ran, no dense mask"
+        else:
+            assert not calls and built == [1], "computed densely"
+        want = fn(module, q, k, v, mask.dense(), scaling=SCALE, **extra)[0]
+    real = tr >= 0
+    assert got.shape == want.shape
+    assert torch.allclose(got[:, real], want[:, real], atol=1e-5)  # [1, tokens, heads, d]: the real rows
+
+
 def cb_run(arch, sample=False, monkeypatch=None):
     """(transformers' eager engine's outputs, graphrunner's on the tape, op calls during the graph session):
     12 prompts of 1..39 tokens, 8 new tokens, 64-token steps of up to 8 requests (chunked prefills, decodes,
@@ -223,7 +344,7 @@ def cb_run(arch, sample=False, monkeypatch=None):
     import graphrunner.hf  # noqa: F401
     from graphrunner_tools.models.hf_tiny import build_tiny
 
-    window = {"mistral": {"sliding_window": 12}}.get(arch, {})
+    window = {"sliding_window": 12} if arch in ("mistral", "gemma2", "gpt_oss") else {}
     model = build_tiny(arch, seed=0, max_position_embeddings=512, **window)
     g = torch.Generator().manual_seed(1)
     inputs = [torch.randint(3, 128, (int(k),), generator=g).tolist() for k in torch.randint(1, 40, (12,), generator=g)]
@@ -251,10 +372,13 @@ def mismatched(ref, out):
 
 
 @pytest.mark.hf
-@pytest.mark.parametrize("arch,sample", [("llama", False), ("mistral", False), ("qwen3", True)])
+@pytest.mark.parametrize(
+    "arch,sample", [("llama", False), ("mistral", False), ("qwen3", True), ("gemma2", False), ("gpt_oss", True)]
+)
 def test_continuous_batching_on_graphs_runs_the_op_and_equals_eager_tokens(arch, sample, monkeypatch):
     """Greedy and sampled tokens equal transformers' eager engine's; every step replays a graph, each key
-    passed the equivalence check, and the op ran (two calls of its run finder per attention layer and step)."""
+    passed the equivalence check, and the op ran (two calls of its run finder per attention layer and step:
+    varlen_sdpa on sdpa models, varlen_eager_attention on gemma2 and gpt_oss's eager attention)."""
     ref, out, stats, calls = cb_run(arch, sample, monkeypatch)
     assert mismatched(ref, out) == []
     assert stats.replayed == stats.steps > 10 and stats.eager_steps == 0

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from graphrunner.errors import CaptureError
-from graphrunner.hf.varlen_attention import VarlenMask
+from graphrunner.hf.varlen_attention import VarlenCache, VarlenMask
 from graphrunner.inputs import BatchInput
 
 if TYPE_CHECKING:
@@ -249,6 +249,16 @@ def make_step(
                 )
             else:  # CUDA (or varlen=False): the varlen op reads the metadata on the host, not capturable there
                 masks[g.layer_type] = dense_mask(g)
+        step_cache: PagedAttentionCache | VarlenCache | None = cache
+        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        if (
+            cache is not None
+            and impl in ("eager", "paged|eager")
+            and all(isinstance(m, VarlenMask) for m in masks.values())
+        ):
+            # eager attention (gemma2, gpt_oss) adds the mask to dense scores: the cache's keys and values are
+            # marked so that its ops run per request (VarlenCache); on any other path, sdpa takes the mask
+            step_cache = VarlenCache(cache, {k: m for k, m in masks.items() if isinstance(m, VarlenMask)})
         n_tok = input_ids.shape[0]
         # a no-op for a validated call; keeps the step total on whatever a background capture's warmup reads
         # (the static buffers still hold a larger call's rows: a logits index past this key's tokens)
@@ -265,7 +275,7 @@ def make_step(
             read_index=read,
             write_index=write,
             logits_indices=logits_indices,
-            cache=cache,
+            cache=step_cache,
             block_table=None,
             use_cache=False,
             is_causal=False,
