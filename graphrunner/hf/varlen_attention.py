@@ -23,10 +23,18 @@ global:
   subclass of the dense mask's shape and dtype that holds the metadata instead
   of the cells. ``F.scaled_dot_product_attention(q, k, v, attn_mask=<it>)`` is
   routed to :func:`varlen_sdpa` where it applies (:meth:`VarlenMask.applies`);
-  every other use of the mask (transformers' ``paged|eager`` attention adding it
-  to the scores, slicing, ``.to``, ...) gets the dense mask, built once per
+  every other use of the mask (slicing, ``.to``, an eager attention adding it
+  to scores it computed densely, ...) gets the dense mask, built once per
   instance by the builder the step hands in (the same ops as before), so every
   model computes the same allowed cells whichever path it takes.
+- :class:`VarlenCache` serves models whose attention is transformers' eager
+  one (``paged|eager``, or a model's own ``eager_attention_forward``: gemma2,
+  gpt_oss): a view of the paged cache whose ``update`` marks the keys and
+  values it returns. The eager attention's ops on them (``repeat_kv``,
+  ``query @ key.T``, scale, softcapping, ``+ mask``, sinks, ``softmax``) are
+  deferred as a chain that ``@ value`` hands to :func:`varlen_eager_attention`,
+  the same per-request kernel with that chain; any other use computes the
+  deferred ops densely.
 """
 
 import functools
