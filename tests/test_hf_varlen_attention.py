@@ -14,13 +14,16 @@ them.
 """
 
 import pytest
+from extras_util import require
+
+transformers = require("transformers")  # graphrunner.hf needs it
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from extras_util import require
 
 import graphrunner.hf.varlen_attention as va  # noqa: E402
 
-pytestmark = [pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_torch_thread")]
 
 TOK_PAD, KEY_PAD = -1, -2
 
@@ -281,14 +284,12 @@ class _FakeCache:
         return self.k, self.v
 
 
-@pytest.mark.hf
 @pytest.mark.parametrize("form", ["paged|eager", "paged|eager+sinks", "gemma2", "gpt_oss", "unknown"])
 def test_transformers_eager_attention_runs_the_eager_op_on_marked_keys(form, monkeypatch):
     """transformers' own eager attention functions, given the keys and values a VarlenCache marks and the
     VarlenMask: the output equals the same function on plain tensors and the dense mask (real rows), the op
     ran and no dense mask was built; an attention with a step the op does not know (a bias added to the
     scores: ``unknown``) computes densely, the same values, no op."""
-    require("transformers")
     from transformers.integrations.eager_paged import eager_paged_attention_forward
     from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager
@@ -336,7 +337,6 @@ def cb_run(arch, sample=False, monkeypatch=None):
     """(transformers' eager engine's outputs, graphrunner's on the tape, op calls during the graph session):
     12 prompts of 1..39 tokens, 8 new tokens, 64-token steps of up to 8 requests (chunked prefills, decodes,
     padded steps); the tiny ``arch`` with a 12-token sliding window where it has one."""
-    require("transformers")
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -371,7 +371,6 @@ def mismatched(ref, out):
     return [k for k in ref if ref[k].generated_tokens != out[k].generated_tokens]
 
 
-@pytest.mark.hf
 @pytest.mark.parametrize(
     "arch,sample", [("llama", False), ("mistral", False), ("qwen3", True), ("gemma2", False), ("gpt_oss", True)]
 )
@@ -386,7 +385,6 @@ def test_continuous_batching_on_graphs_runs_the_op_and_equals_eager_tokens(arch,
     assert calls >= 2 * 2 * stats.steps, "the op ran at every replayed step, in both layers"
 
 
-@pytest.mark.hf
 def test_negative_control_a_window_bug_in_the_op_changes_the_tokens(monkeypatch):
     """Planted: the op ignores the sliding window (mistral, 12-token window, prompts up to 39): the
     equivalence check or the tokens catch it."""
