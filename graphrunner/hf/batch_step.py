@@ -190,9 +190,12 @@ def make_step(
     passed as a :class:`~graphrunner.hf.varlen_attention.VarlenMask`: ``scaled_dot_product_attention`` with
     it computes each request's queries against that request's keys only
     (:func:`~graphrunner.hf.varlen_attention.varlen_sdpa`, which reads the metadata at every call and
-    replay), and any other use of the mask (``paged|eager`` attention adds it to the scores) builds the
-    dense mask above, once per step, in the graph. On CUDA, or with ``varlen=False``, the dense masks are
-    passed: the op reads the metadata on the host, which a CUDA stream capture cannot hold."""
+    replay); for a model on transformers' eager attention (``eager`` / ``paged|eager``: gemma2, gpt_oss)
+    the cache is handed in as a :class:`~graphrunner.hf.varlen_attention.VarlenCache`, whose marked keys
+    and values run that attention per request
+    (:func:`~graphrunner.hf.varlen_attention.varlen_eager_attention`). Any other use of the mask builds
+    the dense mask above, once per step, in the graph. On CUDA, or with ``varlen=False``, the dense masks
+    are passed: the ops read the metadata on the host, which a CUDA stream capture cannot hold."""
     dtype = model.dtype
     single = len(groups) == 1
     big = int(max_position) + 1
