@@ -22,6 +22,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import graphrunner.hf.varlen_attention as va  # noqa: E402
+import graphrunner.hf.varlen_eager as ve  # noqa: E402
 
 pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -155,7 +156,7 @@ def test_the_eager_op_equals_dense_eager_attention_on_ragged_layouts():
     softcapping, gpt_oss's sinks): equal to the dense computation to float32 rounding."""
     assert worst_eager_gap() < 1e-5
     with pytest.raises(ValueError, match="not an attention chain"):
-        va._parse_chain("mask,tanh,softmax=float32")  # an elementwise step after the mask: not per-request exact
+        ve._parse_chain("mask,tanh,softmax=float32")  # an elementwise step after the mask: not per-request exact
 
 
 def test_the_op_reruns_on_new_metadata_and_keeps_non_contiguous_requests_exact():
@@ -274,7 +275,7 @@ def test_the_op_replays_from_a_graph_reading_each_calls_metadata():
 
 
 class _FakeCache:
-    """A paged cache's surface for :class:`va.VarlenCache`: ``update`` returns the keys and values it holds."""
+    """A paged cache's surface for :class:`ve.VarlenCache`: ``update`` returns the keys and values it holds."""
 
     def __init__(self, k, v):
         self.k, self.v = k, v
@@ -320,7 +321,7 @@ def test_transformers_eager_attention_runs_the_eager_op_on_marked_keys(form, mon
     calls: list = []
     runs = va.request_runs
     monkeypatch.setattr(va, "request_runs", lambda ids: calls.append(1) or runs(ids))
-    mk, mv = va.VarlenCache(_FakeCache(k, v), {"full_attention": mask}).update(k, v, 0)
+    mk, mv = ve.VarlenCache(_FakeCache(k, v), {"full_attention": mask}).update(k, v, 0)
     with torch.no_grad():
         got = fn(module, q, mk, mv, mask, scaling=SCALE, **extra)[0]
         if form != "unknown":
@@ -399,8 +400,9 @@ def test_negative_control_a_window_bug_in_the_op_changes_the_tokens(monkeypatch)
 
 
 def test_every_public_name_has_a_docstring_stating_its_contract():
-    for name in va.__all__:
-        obj = getattr(va, name)
-        assert obj.__doc__ and len(obj.__doc__.strip()) > 60, name
+    for module in (va, ve):
+        for name in module.__all__:
+            obj = getattr(module, name)
+            assert obj.__doc__ and len(obj.__doc__.strip()) > 60, name
     for name in ("make", "dense", "applies"):
         assert getattr(va.VarlenMask, name).__doc__, name

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from graphrunner.errors import CaptureError
-from graphrunner.hf.varlen_attention import VarlenCache, VarlenMask
+from graphrunner.hf.varlen_attention import VarlenMask
+from graphrunner.hf.varlen_eager import VarlenCache
 from graphrunner.inputs import BatchInput
 
 if TYPE_CHECKING:
@@ -191,9 +192,9 @@ def make_step(
     it computes each request's queries against that request's keys only
     (:func:`~graphrunner.hf.varlen_attention.varlen_sdpa`, which reads the metadata at every call and
     replay); for a model on transformers' eager attention (``eager`` / ``paged|eager``: gemma2, gpt_oss)
-    the cache is handed in as a :class:`~graphrunner.hf.varlen_attention.VarlenCache`, whose marked keys
+    the cache is handed in as a :class:`~graphrunner.hf.varlen_eager.VarlenCache`, whose marked keys
     and values run that attention per request
-    (:func:`~graphrunner.hf.varlen_attention.varlen_eager_attention`). Any other use of the mask builds
+    (:func:`~graphrunner.hf.varlen_eager.varlen_eager_attention`). Any other use of the mask builds
     the dense mask above, once per step, in the graph. On CUDA, or with ``varlen=False``, the dense masks
     are passed: the ops read the metadata on the host, which a CUDA stream capture cannot hold."""
     dtype = model.dtype
