@@ -11,6 +11,7 @@ attention masks in the graph from integer coordinates.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -18,6 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from graphrunner.errors import CaptureError
+from graphrunner.hf.varlen_attention import VarlenMask
+from graphrunner.hf.varlen_eager import VarlenCache
 from graphrunner.inputs import BatchInput
 
 if TYPE_CHECKING:
@@ -163,6 +166,7 @@ def make_step(
     use_logits_to_keep: bool,
     max_position: int = 1 << 20,
     max_requests: int = 1024,
+    varlen: bool = True,
 ):
     """Return ``step(**metadata) -> logits [reqs, vocab]``: one varlen forward of ``model`` over the paged ``cache``.
 
@@ -181,7 +185,18 @@ def make_step(
     range; a padding query (``TOKEN_PAD_REQUEST``) sees every key, so no row is fully
     masked (its softmax would be ``nan``; nothing reads a padding row).
     ``cu_seq_lens_*`` and ``max_length_*`` are placeholders: mask-based attention does not read them (they are validated at
-    the call instead). ``max_position`` and ``max_requests`` bound the codes."""
+    the call instead). ``max_position`` and ``max_requests`` bound the codes.
+
+    On the CPU (the tape, or the step run eagerly there) and with ``varlen`` (the default), each mask is
+    passed as a :class:`~graphrunner.hf.varlen_attention.VarlenMask`: ``scaled_dot_product_attention`` with
+    it computes each request's queries against that request's keys only
+    (:func:`~graphrunner.hf.varlen_attention.varlen_sdpa`, which reads the metadata at every call and
+    replay); for a model on transformers' eager attention (``eager`` / ``paged|eager``: gemma2, gpt_oss)
+    the cache is handed in as a :class:`~graphrunner.hf.varlen_eager.VarlenCache`, whose marked keys
+    and values run that attention per request
+    (:func:`~graphrunner.hf.varlen_eager.varlen_eager_attention`). Any other use of the mask builds
+    the dense mask above, once per step, in the graph. On CUDA, or with ``varlen=False``, the dense masks
+    are passed: the ops read the metadata on the host, which a CUDA stream capture cannot hold."""
     dtype = model.dtype
     single = len(groups) == 1
     big = int(max_position) + 1
@@ -193,26 +208,61 @@ def make_step(
         raise CaptureError(f"the cache's allocator indices {[g.index for g in by_index]} are not 0..{len(groups) - 1}")
 
     def step(input_ids, position_ids, tok_req, logits_indices, **per_group):
-        masks: dict[str, torch.Tensor] = {}
         # transformers indexes read_index / write_index by the allocator's index
         read = [per_group[f"read_index_{g.index}"] for g in by_index]
         write = [per_group[f"write_index_{g.index}"] for g in by_index]
-        q_pos = position_ids.to(code_dtype)
-        q_base = tok_req.to(code_dtype) * big
-        pad_query = tok_req < 0
-        q_code = torch.where(pad_query, highest, q_base + q_pos)[:, None]
-        zero = torch.zeros((), dtype=dtype, device=input_ids.device)
-        masked = torch.full((), float("-inf"), dtype=dtype, device=input_ids.device)
-        for g in groups:
+        shared: dict[str, torch.Tensor] = {}
+
+        def query_codes() -> dict[str, torch.Tensor]:
+            if not shared:
+                q_pos = position_ids.to(code_dtype)
+                q_base = tok_req.to(code_dtype) * big
+                pad_query = tok_req < 0
+                shared.update(q_pos=q_pos, q_base=q_base, pad_query=pad_query)
+                shared["q_code"] = torch.where(pad_query, highest, q_base + q_pos)[:, None]
+                shared["zero"] = torch.zeros((), dtype=dtype, device=input_ids.device)
+                shared["masked"] = torch.full((), float("-inf"), dtype=dtype, device=input_ids.device)
+            return shared
+
+        def dense_mask(g: CacheGroup) -> torch.Tensor:
+            c = query_codes()
+            q_base, q_pos, q_code = c["q_base"], c["q_pos"], c["q_code"]
             k_code2 = (
                 (per_group[f"key_req_{g.index}"].to(code_dtype) * big + per_group[f"key_pos_{g.index}"].to(code_dtype))
                 * 2
             )[None, :]
             lo = q_base if g.window is None else torch.maximum(q_base, q_base + q_pos - (g.window - 1))
-            lo = torch.where(pad_query, lowest, lo)[:, None]
+            lo = torch.where(c["pad_query"], lowest, lo)[:, None]
             # lo <= code <= hi  <=>  |2 code - (lo + hi)| <= hi - lo  (integers: exact)
             allowed = torch.sub(k_code2, lo + q_code).abs_() <= (q_code - lo)
-            masks[g.layer_type] = torch.where(allowed, zero, masked)[None, None]
+            return torch.where(allowed, c["zero"], c["masked"])[None, None]
+
+        masks: dict[str, torch.Tensor] = {}
+        for g in groups:
+            if varlen and input_ids.device.type == "cpu":
+                # the metadata as the mask: sdpa runs per request (graphrunner.hf.varlen_attention); any other use
+                # of the mask builds the dense one above, in the graph
+                masks[g.layer_type] = VarlenMask.make(
+                    tok_req,
+                    position_ids,
+                    per_group[f"key_req_{g.index}"],
+                    per_group[f"key_pos_{g.index}"],
+                    g.window,
+                    dtype,
+                    functools.partial(dense_mask, g),
+                )
+            else:  # CUDA (or varlen=False): the varlen op reads the metadata on the host, not capturable there
+                masks[g.layer_type] = dense_mask(g)
+        step_cache: PagedAttentionCache | VarlenCache | None = cache
+        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        if (
+            cache is not None
+            and impl in ("eager", "paged|eager")
+            and all(isinstance(m, VarlenMask) for m in masks.values())
+        ):
+            # eager attention (gemma2, gpt_oss) adds the mask to dense scores: the cache's keys and values are
+            # marked so that its ops run per request (VarlenCache); on any other path, sdpa takes the mask
+            step_cache = VarlenCache(cache, {k: m for k, m in masks.items() if isinstance(m, VarlenMask)})
         n_tok = input_ids.shape[0]
         # a no-op for a validated call; keeps the step total on whatever a background capture's warmup reads
         # (the static buffers still hold a larger call's rows: a logits index past this key's tokens)
@@ -229,7 +279,7 @@ def make_step(
             read_index=read,
             write_index=write,
             logits_indices=logits_indices,
-            cache=cache,
+            cache=step_cache,
             block_table=None,
             use_cache=False,
             is_causal=False,
