@@ -485,3 +485,41 @@ def test_ineligible_or_opted_out_graphs_are_not_traced_at_capture_end(monkeypatc
     assert calls == []
     _capture(args, jit_replay=True)
     assert calls == [1]
+
+
+def test_traces_at_first_replay_the_first_replay_is_the_trace_s_run(monkeypatch):
+    """Inside jit.traces_at_first_replay() (gr.hf's capture followed by its equivalence check) the
+    capture end neither traces nor runs the program; the first replay traces, and that run is the
+    replay, bit for bit; outside the block the trace is made at capture end as before."""
+    traced = []
+    trace = torch.jit.trace
+    monkeypatch.setattr(torch.jit, "trace", lambda *a, **k: traced.append(1) or trace(*a, **k))
+    args = _make()
+    cache = args[2]
+    before = cache.clone()
+    with jit.traces_at_first_replay():
+        g, out = _capture(args, jit_replay=True)
+        assert g.replay_engine == "jit-pending" and not traced
+        assert torch.equal(cache, before)
+        assert _replays_match(g, out, args)
+    assert g.replay_engine == "jit" and len(traced) == 1
+    _capture(_make(), jit_replay=True)
+    assert len(traced) == 2  # outside the block: traced at capture end
+
+
+def test_negative_control_traced_at_first_replay_without_the_rollback_the_write_lands_twice(monkeypatch):
+    """The first replay's trace keeps capture end's guarantee: a failed trace leaves one write (the
+    Python replay's) and the graph replays in Python; without the rollback, two."""
+    cache, x = torch.zeros(4), torch.randn(4)
+    monkeypatch.setattr(torch.jit, "trace", _failing_trace)
+    with jit.traces_at_first_replay():
+        g = _add_graph(cache, x)
+        assert g.replay_engine == "jit-pending" and torch.equal(cache, torch.zeros(4))
+        g.replay()
+    assert g.replay_engine == "python" and torch.equal(cache, x)
+    cache.zero_()
+    monkeypatch.setattr(jit, "_restore", lambda saved: None)
+    with jit.traces_at_first_replay():
+        g = _add_graph(cache, x)
+        g.replay()
+    assert torch.equal(cache, 2 * x)

@@ -54,6 +54,8 @@ from graphrunner.hf.options import BatchingOptions
 from graphrunner.hf.planning import plan_keys
 from graphrunner.hf.refusals import check_served, refused
 from graphrunner.runner import GraphRunner
+from graphrunner.tape.jit import traces_at_first_replay
+from graphrunner.tape.state import reuse_snapshot_buffers
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -597,10 +599,15 @@ class GraphBatching:
         rng = torch.get_rng_state()
         try:
             runner = self.runner = self._new_runner(buckets, keys)
+            # the equivalence check replays every key right after the capture: that replay traces the
+            # key's replay (graphrunner.tape.jit), not a run of its own at each capture's end; the
+            # copies those first replays take go to reused buffers (the capture's own are freed by then)
             with torch.inference_mode():
-                self.report = runner.capture()
+                with traces_at_first_replay() if self.options.equivalence else contextlib.nullcontext():
+                    self.report = runner.capture()
                 if self.options.equivalence:
-                    self.stats.equivalence_checked = self._equivalence(runner).run()
+                    with reuse_snapshot_buffers():
+                        self.stats.equivalence_checked = self._equivalence(runner).run()
         except GraphRunnerError as exc:
             if isinstance(exc, CaptureError) and "gr.hf.generate_batch" in str(exc):
                 raise

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .proof import bits_equal, eager_context, equal_ints, proven
 from .state import _storage, give_back_scratch, scratch_storage, storage_bytes
@@ -49,6 +50,10 @@ _TB = torch._C.TensorBase
 _BUILTIN_TYPES = ("builtin_function_or_method", "method_descriptor")
 _BINDINGS: dict[Any, tuple] = {}
 _use_count = getattr(torch._C, "_storage_Use_Count", None)  # tensors holding a storage
+#: Binding candidates answered by :class:`_SameCall` (the binding dispatched the recorded call itself,
+#: nothing computed again) and those computed and compared on the capture's data: ``[same_call, computed]``,
+#: for tests and the capture profile.
+SAME_CALL_STATS = [0, 0]
 # Ops writing a storage larger than this (a KV cache, ...) replay through the
 # aten op: verifying a binding needs a copy of every storage it writes, which
 # would cost more capture time (and memory) than the ~1 us per call it saves.
@@ -169,6 +174,94 @@ _REWRITES: dict[Any, Callable] = {
 _REWRITE_NEEDS_EXTERNAL = {torch.ops.aten.linear.default: 1}
 
 
+class _NotTheCall(Exception):
+    """A binding dispatched something other than the recorded call (see :class:`_SameCall`)."""
+
+
+def _same_value(a, b) -> bool:
+    """``a`` and ``b`` are the same argument: the same tensor object, or equal values of the same type
+    (lists and tuples element by element)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    return a == b
+
+
+def _meta(v):
+    """What a binding could change on a returned tensor without dispatching an op."""
+    if isinstance(v, torch.Tensor):
+        return (v.dtype, v.shape, v.stride(), v.storage_offset(), v.requires_grad, v.is_inference())
+    if isinstance(v, (list, tuple)):
+        return tuple(_meta(x) for x in v)
+    return None
+
+
+def _same_objects(a, b) -> bool:
+    """``b`` is ``a`` itself (a tensor), or the same container of the same objects."""
+    if isinstance(a, (list, tuple)):
+        return type(b) is type(a) and len(a) == len(b) and all(_same_objects(x, y) for x, y in zip(a, b))
+    return a is b
+
+
+class _SameCall(TorchDispatchMode):
+    """Proof that a binding *is* the recorded aten call, without computing it again.
+
+    Active (innermost) around one call of the binding: the first op the binding dispatches must be
+    the recorded ``func`` on the very same arguments (the same tensor objects, equal non-tensor values
+    of the same types), and it is answered with the capture's own result ``out``; any other op, or a
+    second one, raises :class:`_NotTheCall` before anything runs. When the binding then returns
+    ``out`` itself, unchanged, it runs the recorded aten call and nothing else, so at replay it
+    computes what the aten op computes, on any data: the comparison on the capture's data (a second
+    run of the op and a comparison of its bits) would only repeat that."""
+
+    def __init__(self, func, args, kwargs, out):
+        super().__init__()
+        self.func, self.args, self.kwargs, self.out = func, args, kwargs, out
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        if (
+            self.calls == 1
+            and func is self.func
+            and _same_value(tuple(args), tuple(self.args))
+            and _same_value(dict(kwargs or {}), dict(self.kwargs))
+        ):
+            return self.out
+        raise _NotTheCall(func)
+
+
+#: The bytes an op reads and returns from which a binding is first asked to prove itself the recorded
+#: call (:class:`_SameCall`, about 25-50 us) rather than computed again and compared (a few us for a
+#: small op, milliseconds for an attention's scores). Either way decides the same (see ``pick``).
+_SAME_CALL_MIN_BYTES = 128 << 10
+
+
+def _bytes_touched(out, inputs: list) -> int:
+    """The bytes of ``out``'s tensors and of ``inputs`` (their extents: a cost estimate, not memory)."""
+    return sum(t.numel() * t.element_size() for t in _flat_tensors(out, list(inputs)))
+
+
+def _is_same_call(fn, va, vk, func, args, kwargs, out) -> bool:
+    """``fn(*va, **vk)`` dispatches exactly ``func(*args, **kwargs)`` and returns its result ``out`` as
+    it is (:class:`_SameCall`); computes nothing."""
+    if not isinstance(out, (torch.Tensor, list, tuple)):
+        return False
+    before = _meta(out)
+    mode = _SameCall(func, args, kwargs, out)
+    try:
+        with mode, torch._C.DisableTorchFunction():
+            got = fn(*va, **vk)
+    except Exception:  # _NotTheCall, or the binding refused its arguments: not proven this way
+        return False
+    return mode.calls == 1 and _same_objects(out, got) and _meta(out) == before
+
+
 class _Verifier:
     """Prepared before an aten op runs (copies of the storages it writes), then
     asked after it ran for the fastest binding computing the same thing."""
@@ -278,7 +371,22 @@ class _Verifier:
                 pass
         ref_in = _flat_tensors((args, kwargs), [])
         scalar_ids = {id(t) for t in cap.scalars.values()}
+        # the arguments as recorded (the last variant): a binding may be proven to be the recorded call itself,
+        # for an op big enough that running it again costs more than the proof (about 25-50 us)
+        exact = variants[-1] if not self.twin_st and _bytes_touched(out, ref_in) >= _SAME_CALL_MIN_BYTES else None
         for i_try, (fn, va, vk) in enumerate(tries):
+            if (
+                exact is not None
+                and i_try >= n_rewrites
+                and va is exact[0]
+                and vk is exact[1]
+                and _is_same_call(fn, va, vk, func, args, kwargs, out)
+            ):
+                SAME_CALL_STATS[0] += 1
+                self.out_ok = _out_same_kernel(func, fn) and self._out_ok(fn, va, vk, out)
+                self.out_ok = self.out_ok and (not _needs_proof(func, fn) or self._proven_out(fn, va, vk, out, cap))
+                return fn, tuple(va), vk
+            SAME_CALL_STATS[1] += 1
             try:
                 if self.twin_st:
                     # a fresh copy of the written storages, as they were before the op

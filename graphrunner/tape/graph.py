@@ -453,9 +453,10 @@ class TapeGraph:
         self._inference = cap.inference
         self._statics = list(survivors.values())
         self._versioned = versioned
-        if self._jit is not None and not cap.redirected_draws:
+        if self._jit is not None and not cap.redirected_draws and not jit.traced_at_first_replay():
             # (a capture whose draws went to stand-ins: the trace would draw from the engine's own
-            # generators, which replays draw from; it is traced at the first replay, which it is)
+            # generators, which replays draw from; it is traced at the first replay, which it is;
+            # so is one inside jit.traces_at_first_replay(), whose caller replays it right away)
             self._prepare_jit(list(survivors.values()) + list(spills.values()), cap.drawn_from)
         logger.debug(
             "tape capture: %d ops recorded, %d replayed, %d survivors, %d externals; %d rewrites proven "

@@ -24,7 +24,9 @@ trace, as a CUDA capture launches nothing: the bytes of every storage the
 replay writes (the external tensors it writes, the graph's survivors, pool
 memory it spills to) are copied first and put back after (the same
 rollback a failed trace uses), and the generators the replay draws from
-get their states back.  ``prepare`` runs with the caller's dispatch modes
+get their states back.  Inside :func:`traces_at_first_replay` (a caller that replays
+every graph right after capturing it) the capture end does neither: the
+first replay traces, as below.  ``prepare`` runs with the caller's dispatch modes
 disabled.  Only when the graph cannot be traced at capture end (its pool is
 replaying in another thread, or its capture drew from stand-in generators
 under a :func:`~graphrunner.tape.rng.redirect`, whose trace would draw from
@@ -48,11 +50,13 @@ that the mode sees every op, and is never the one traced.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -78,6 +82,36 @@ _set_optimize = torch._C._set_graph_executor_optimize
 
 _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _LITERAL_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+class _AtFirstReplay(threading.local):
+    depth = 0
+
+
+_AT_FIRST_REPLAY = _AtFirstReplay()
+
+
+@contextlib.contextmanager
+def traces_at_first_replay() -> Iterator[None]:
+    """Inside the block (this thread), a graph captured is not traced at its capture end but at its
+    first replay (``engine == "jit-pending"`` until then; :meth:`JitReplay._first`, the path a graph
+    whose pool was replaying at capture end takes): tracing runs the replay once, so that replay *is*
+    the trace's run, guarded as always (the written externals copied first and put back should
+    tracing fail, then the Python replay). For a caller that replays every graph right after
+    capturing it (``gr.hf``'s equivalence check): the capture end does not run each program twice
+    (the trace and the run building its execution plan) and put back what they wrote; the second
+    replay builds the plan. (The caller may run those first replays inside
+    :func:`~graphrunner.tape.state.reuse_snapshot_buffers`, for the copies they take.)"""
+    _AT_FIRST_REPLAY.depth += 1
+    try:
+        yield
+    finally:
+        _AT_FIRST_REPLAY.depth -= 1
+
+
+def traced_at_first_replay() -> bool:
+    """Whether a graph captured now (this thread) is traced at its first replay (:func:`traces_at_first_replay`)."""
+    return _AT_FIRST_REPLAY.depth > 0
 
 
 def jit_default() -> bool:
@@ -238,7 +272,7 @@ class JitReplay:
             self._fallback(f"tracing failed: {type(exc).__name__}: {str(exc)[:200]}")
             self._python()
             return
-        del saved
+        _release(saved)
         why = _tensor_constants(trace)
         if why is not None:  # this replay ran for real; later ones must not read a frozen value
             self._fallback(why)
@@ -276,6 +310,12 @@ def _snapshot(tensors: list[torch.Tensor]) -> list:
         with torch.inference_mode():
             out.append((st, snapshot_copy(storage_bytes(st))))
     return out
+
+
+def _release(saved: list) -> None:
+    """Give back the copies of a :func:`_snapshot` that is not restored."""
+    for _, copy in saved:
+        release_snapshot(copy)
 
 
 def _restore(saved: list) -> None:
