@@ -21,6 +21,7 @@ transformers = require("transformers")  # graphrunner.hf needs it
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import graphrunner as gr  # noqa: E402
 import graphrunner.hf.varlen_attention as va  # noqa: E402
 import graphrunner.hf.varlen_eager as ve  # noqa: E402
 
@@ -386,16 +387,26 @@ def test_continuous_batching_on_graphs_runs_the_op_and_equals_eager_tokens(arch,
     assert calls >= 2 * 2 * stats.steps, "the op ran at every replayed step, in both layers"
 
 
-def test_negative_control_a_window_bug_in_the_op_changes_the_tokens(monkeypatch):
-    """Planted: the op ignores the sliding window (mistral, 12-token window, prompts up to 39): the
-    equivalence check or the tokens catch it."""
+def test_negative_control_a_window_bug_in_the_op_is_refused_at_capture(monkeypatch):
+    """Planted: the op ignores the sliding window (mistral, 12-token window, prompts up to 39). The
+    equivalence check's eager steps build the dense masks, not the op, so it refuses the capture, naming
+    the key, before a step is served."""
     allowed = va._allowed
     monkeypatch.setattr(va, "_allowed", lambda q_pos, k_pos, window: allowed(q_pos, k_pos, None))
-    try:
-        ref, out, _, _ = cb_run("mistral")
-    except Exception as e:  # the equivalence check refuses the key: caught before serving
-        assert "equivalen" in str(e).lower() or "differ" in str(e).lower(), e
-        return
+    with pytest.raises(gr.CaptureError, match=r"differs from the eager steps"):
+        cb_run("mistral")
+
+
+def test_negative_control_with_the_check_off_the_window_bug_changes_the_tokens(monkeypatch):
+    """The same planted bug with the equivalence check's reference swapped for the op itself (what the
+    check compared with before): nothing refuses it, and the tokens differ from transformers' eager ones."""
+    import graphrunner.hf.batching as batching
+
+    allowed = va._allowed
+    monkeypatch.setattr(va, "_allowed", lambda q_pos, k_pos, window: allowed(q_pos, k_pos, None))
+    make = batching.GraphBatching._make_step
+    monkeypatch.setattr(batching.GraphBatching, "_make_step", lambda self, varlen: make(self, True))
+    ref, out, _, _ = cb_run("mistral")
     assert mismatched(ref, out), "the planted window bug changed the tokens"
 
 

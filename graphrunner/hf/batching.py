@@ -433,16 +433,22 @@ class GraphBatching:
     def _step(self) -> Callable[..., torch.Tensor]:
         """The step's forward (:func:`~graphrunner.hf.batch_step.make_step`), built once."""
         if self._step_fn is None:
-            bp = self.processor
-            self._step_fn = make_step(
-                self.model,
-                bp.cache,
-                self.groups,
-                bp.model_runner.supports_logits_to_keep(self.model),
-                self._max_position(),
-                self._max_requests(),
-            )
+            self._step_fn = self._make_step(varlen=True)
         return self._step_fn
+
+    def _make_step(self, varlen: bool) -> Callable[..., torch.Tensor]:
+        """:func:`~graphrunner.hf.batch_step.make_step` over this manager's cache; ``varlen=False``: the
+        dense masks, the equivalence check's reference (independent of the per-request attention ops)."""
+        bp = self.processor
+        return make_step(
+            self.model,
+            bp.cache,
+            self.groups,
+            bp.model_runner.supports_logits_to_keep(self.model),
+            self._max_position(),
+            self._max_requests(),
+            varlen=varlen,
+        )
 
     # ----------------------------------------------------------------- planning and capture
     def plan(self) -> Keys:
@@ -620,11 +626,13 @@ class GraphBatching:
         return self.report
 
     def _equivalence(self, runner: GraphRunner) -> EquivalenceCheck:
-        """The equivalence check of ``runner``'s keys over this manager's cache."""
+        """The equivalence check of ``runner``'s keys over this manager's cache. Its eager steps build the
+        dense masks (``varlen=False``): the replayed per-request attention is compared with the dense masked
+        attention, not with itself, so a bug in those ops is refused at capture."""
         bp = self.processor
         return EquivalenceCheck(
             runner=runner,
-            step=self._step(),
+            step=self._make_step(varlen=False),
             dims=self.dims,
             groups=self.groups,
             cache=bp.cache.cache_tensor,
