@@ -274,7 +274,12 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _graph_options(args: argparse.Namespace) -> dict[str, Any]:
-    options: dict[str, Any] = {"backend": args.backend, "device": args.graph_device, "replan_every": args.replan_every}
+    options: dict[str, Any] = {
+        "backend": args.backend,
+        "device": args.graph_device,
+        "replan_every": args.replan_every,
+        "replan_share": args.replan_share,
+    }
     if args.buckets is not None:
         options["buckets"] = args.buckets
     if args.max_graphs is not None:
@@ -462,6 +467,13 @@ def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
         "or less (0: never; default 2048: each re-plan captures its keys beside the serving)",
     )
     p.add_argument(
+        "--replan-share",
+        type=float,
+        default=0.1,
+        help="the share of the serving time background captures may take: a re-plan waits after the last "
+        "capture until they would take no more (default 0.1: 9x the last capture's seconds; 1: no wait)",
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=float,
         default=5.0,
@@ -484,6 +496,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         )
     if args.replan_every < 0:
         parser.error(f"argument --replan-every: must be >= 0 (0: never), got {args.replan_every}")
+    if not 0 < args.replan_share <= 1:
+        parser.error(f"argument --replan-share: must be in (0, 1], got {args.replan_share}")
     if not 0 < args.port < 65536:
         parser.error(f"argument --port: must be 1..65535, got {args.port}")
 

@@ -23,7 +23,7 @@ _MANAGER = "_graphrunner_serving_manager"
 def install_graphs(model: Any, options: dict[str, Any] | None) -> None:
     """Make ``model.init_continuous_batching(...)`` (what transformers' serving engine calls) return a
     manager with :func:`graphrunner.hf.init_continuous_batching`'s graphs, ``autocapture=True`` plus
-    ``options`` (``backend``, ``device``, ``buckets``, ``max_graphs``, ``replan_every``), or, with
+    ``options`` (``backend``, ``device``, ``buckets``, ``max_graphs``, ``replan_every``, ``replan_share``), or, with
     ``options=None`` (``--eager``), transformers' own manager. Either way the manager is kept on
     the model for :func:`engine_metrics`."""
     import graphrunner.hf as grhf

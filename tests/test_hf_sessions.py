@@ -162,7 +162,9 @@ def test_a_replan_swaps_keys_without_a_wrong_token():
     model, gc = qwen2(), gen_config()
     a, b = prompts(n=16, seed=4), prompts(n=16, seed=5)
     ref_a, ref_b = reference(model, a, gc), reference(model, b, gc)
-    manager = gr.hf.init_continuous_batching(model, gc, cb_config(), device="tape", autocapture=True, replan_every=8)
+    manager = gr.hf.init_continuous_batching(
+        model, gc, cb_config(), device="tape", autocapture=True, replan_every=8, replan_share=1.0
+    )
     try:
         hook = manager.graphs
         first = session(manager, a)
@@ -178,6 +180,45 @@ def test_a_replan_swaps_keys_without_a_wrong_token():
     assert hook.stats.replans >= 1 and keys != ladder_keys
     sizes = hook.stats.step_sizes
     assert ladder.padding(sizes, keys)[0] < ladder.padding(sizes, ladder_keys)[0]
+
+
+@pytest.mark.slow
+def test_a_replan_waits_out_the_rest_its_share_of_the_serving_time_earns():
+    """The same sessions as above with ``replan_share=0.001``: after the ladder's capture (seconds), a
+    re-plan would wait a thousand times as long, so none starts and the ladder's keys serve on (above,
+    with ``replan_share=1``, the same flow re-plans); the tokens are transformers' own."""
+    model, gc = qwen2(), gen_config()
+    a, b = prompts(n=16, seed=4), prompts(n=16, seed=5)
+    ref_a, ref_b = reference(model, a, gc), reference(model, b, gc)
+    manager = gr.hf.init_continuous_batching(
+        model, gc, cb_config(), device="tape", autocapture=True, replan_every=8, replan_share=0.001
+    )
+    try:
+        hook = manager.graphs
+        first = session(manager, a)
+        assert hook.runner.wait_captured(timeout=120) is not None
+        ladder_keys = sorted(tuple(k) for k in hook.runner.keys)
+        second = session(manager, b)
+        assert hook.wait_captured(timeout=120)
+        third = session(manager, a)
+        keys = sorted(tuple(k) for k in hook.runner.keys)
+    finally:
+        manager.destroy()
+    assert (equal(ref_a, first), equal(ref_b, second), equal(ref_a, third)) == (16, 16, 16)
+    assert hook.stats.replans == 0 and keys == ladder_keys and hook.stats.capture_seconds > 0
+
+
+def test_the_rest_after_a_capture_by_hand():
+    assert ladder.rest_after(2.0, 0.1) == pytest.approx(18.0)  # 2 s of capture in every 20 s
+    assert ladder.rest_after(3.0, 0.5) == pytest.approx(3.0) and ladder.rest_after(3.0, 1) == 0.0
+    assert ladder.rest_after(2.0) == pytest.approx(2.0 * (1 - ladder.REPLAN_SHARE) / ladder.REPLAN_SHARE)
+    with pytest.raises(ValueError, match="share must be in"):
+        ladder.rest_after(1.0, 0)
+    for bad in (0, 1.5, -1, True, "0.1"):
+        with pytest.raises(ValueError, match="replan_share must be a share"):
+            gr.hf.BatchingOptions(replan_share=bad)
+    with pytest.raises(TypeError, match="replan_share"):  # a server's option: generate_batch refuses it
+        gr.hf.generate_batch(qwen2(), [[1, 2]], gen_config(), cb_config(), device="tape", replan_share=0.5)
 
 
 def test_ladder_and_replan_by_hand():
@@ -199,6 +240,35 @@ def test_ladder_and_replan_by_hand():
     assert plan is not None and (4, 32, 2) in plan[1] and (8, 64, 8) in plan[1]
     assert ladder.padding([(4, 32, 2)], plan[1]) == (0, 0)
     assert ladder.replan([(8, 64, 8)] * 3, keys, ("tokens", "kv", "reqs")) is None, "nothing to cut"
+
+
+def test_a_replan_weighs_padded_tokens_where_the_attention_skips_padding_keys():
+    """``weigh="tokens"`` (the per-request attention on the CPU): only padded query tokens count, so a plan
+    that cuts only padded keys is not worth a capture; ``"cells"`` (dense attention) takes it."""
+    _, keys = ladder.ladder_keys(
+        {"tokens": 8, "kv": 64, "reqs": 16}, ("tokens", "kv", "reqs"), {"tokens": 2, "kv": 2, "reqs": 2}
+    )
+    dims = ("tokens", "kv", "reqs")
+    # (3 tokens, 20 keys, 2 requests) lands on (8, 64, 8): 8 - 3 = 5 padded tokens (by hand), 452 cells
+    assert ladder.padding([(3, 20, 2)], keys, "tokens") == (5, 0)
+    assert ladder.padding([(3, 20, 2)], keys, "cells") == (452, 0)
+    # steps of 8 tokens and 20 keys on (8, 64, 1): 8*64 - 8*20 = 352 padded cells each, no padded token
+    steps = [(8, 20, 1)] * 10
+    assert ladder.padding(steps, keys, "tokens") == (0, 0)
+    assert ladder.replan(steps, keys, dims, weigh="tokens") is None, "no padded token to cut"
+    plan = ladder.replan(steps, keys, dims, weigh="cells")
+    assert plan is not None and ladder.padding(steps, plan[1], "cells")[0] < 3520
+    # padded tokens to cut: both weighings re-plan
+    assert ladder.replan([(4, 32, 2)] * 10, keys, dims, weigh="tokens") is not None
+    with pytest.raises(ValueError, match="weigh must be one of"):
+        ladder.padding(steps, keys, "rows")
+
+
+def test_the_cpu_step_attends_per_request_and_cuda_graphs_keep_dense_masks():
+    from graphrunner.hf.batch_step import attends_per_request
+
+    assert attends_per_request("cpu") and attends_per_request(torch.device("cpu"))
+    assert not attends_per_request("cuda") and not attends_per_request("meta")
 
 
 @pytest.mark.slow

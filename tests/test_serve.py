@@ -3,7 +3,7 @@
 The reference is the same command with ``--eager`` (transformers' own continuous-batching engine, no
 graphs): greedy answers must be equal, text for text, one request at a time and 16 at once. The
 server under test has small cache and batch settings, so its background capture finishes in
-seconds and its keys are re-planned (``--replan-every 32``) during the tests. Skipped without the
+seconds and its keys are re-planned (``--replan-every 32 --replan-share 1``) during the tests. Skipped without the
 ``serve`` extra (``pip install -e '.[serve]'``).
 """
 
@@ -67,7 +67,7 @@ class Server(ServerProcess):
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("serve"))
-    graphs = Server(tmp, "--replan-every", "32")
+    graphs = Server(tmp, "--replan-every", "32", "--replan-share", "1")  # re-plans without rest: during the tests
     try:
         eager = Server(tmp, "--eager")
     except BaseException:
@@ -277,3 +277,12 @@ def test_a_model_dir_that_is_not_a_directory_is_a_usage_error(tmp_path, capsys):
     assert main(["serve", str(tmp_path / "no-such-model")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no-such-model" in err and "is not a directory" in err
+
+
+@pytest.mark.parametrize("share", ["0", "1.5", "-0.1"])
+def test_a_replan_share_outside_0_1_is_a_usage_error(share, capsys):
+    from graphrunner_tools.cli import main
+
+    assert main(["serve", "--replan-share", share]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--replan-share" in err and "(0, 1]" in err

@@ -32,6 +32,7 @@ __all__ = [
     "KEY_PAD_REQUEST",
     "TOKEN_PAD_REQUEST",
     "CacheGroup",
+    "attends_per_request",
     "batch_dims",
     "cache_groups",
     "kv_dim",
@@ -159,6 +160,14 @@ def step_inputs(
     return spec
 
 
+def attends_per_request(device: torch.device | str) -> bool:
+    """Whether :func:`make_step`'s attention on ``device`` (with ``varlen``, the default) computes each
+    request's queries against its own keys only: on the CPU, where the per-request ops
+    (:mod:`graphrunner.hf.varlen_attention`) may read the metadata on the host. Then a padding key costs
+    the step no attention, only its gather; elsewhere (CUDA graphs) the dense ``[tokens, kv]`` masks."""
+    return torch.device(device).type == "cpu"
+
+
 def make_step(
     model: PreTrainedModel,
     cache: PagedAttentionCache | None,
@@ -239,7 +248,7 @@ def make_step(
 
         masks: dict[str, torch.Tensor] = {}
         for g in groups:
-            if varlen and input_ids.device.type == "cpu":
+            if varlen and attends_per_request(input_ids.device):
                 # the metadata as the mask: sdpa runs per request (graphrunner.hf.varlen_attention); any other use
                 # of the mask builds the dense one above, in the graph
                 masks[g.layer_type] = VarlenMask.make(

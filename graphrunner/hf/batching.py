@@ -46,9 +46,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from graphrunner.errors import CaptureError, GraphRunnerError
-from graphrunner.hf.batch_step import CacheGroup, batch_dims, cache_groups, make_step, step_inputs
+from graphrunner.hf.batch_step import (
+    CacheGroup,
+    attends_per_request,
+    batch_dims,
+    cache_groups,
+    make_step,
+    step_inputs,
+)
 from graphrunner.hf.equivalence import EquivalenceCheck
-from graphrunner.hf.ladder import ladder_keys, replan
+from graphrunner.hf.ladder import ladder_keys, replan, rest_after
 from graphrunner.hf.metadata import check_trash, step_feeds
 from graphrunner.hf.options import BatchingOptions
 from graphrunner.hf.planning import plan_keys
@@ -212,6 +219,9 @@ class GraphBatching:
         self._since_plan = 0
         self._replan_due = False
         self._capture_began: float | None = None
+        #: No re-plan starts before this ``time.perf_counter()``: the rest after the last background
+        #: capture (:func:`graphrunner.hf.ladder.rest_after`, ``replan_share``).
+        self._rest_until = 0.0
         #: A re-plan's runner while its keys are captured (the current one serves meanwhile).
         self._pending: GraphRunner | None = None
         self._pending_began = 0.0
@@ -514,19 +524,30 @@ class GraphBatching:
             return 0
         n = len(runner.captured_keys)
         if self._capture_began is not None and n == len(runner.keys):
-            self.stats.capture_seconds += time.perf_counter() - self._capture_began
+            self._captured_for(time.perf_counter() - self._capture_began)
             self._capture_began = None
         return n
 
+    def _captured_for(self, seconds: float) -> None:
+        """A background capture (the ladder's or a re-plan's) ended after ``seconds``: counted in
+        ``stats.capture_seconds``, and no re-plan starts during the rest it earns (``replan_share``)."""
+        self.stats.capture_seconds += seconds
+        self._rest_until = time.perf_counter() + rest_after(seconds, self.options.replan_share)
+
     def _replan(self) -> None:
-        """``autocapture``: once the current keys are all captured, re-plan them from the recent step
-        sizes (:func:`graphrunner.hf.ladder.replan`) and, when that cuts the padding, capture a runner
+        """``autocapture``: once the current keys are all captured and the last capture's rest is over
+        (``replan_share``), re-plan them from the recent step sizes (:func:`graphrunner.hf.ladder.replan`) and, when that cuts the padding, capture a runner
         over the new keys in the background while the current one serves on; it takes over when all
         its keys are captured (:meth:`_settle_replan`), so a re-plan never serves a step eagerly."""
         old = self.runner
         if old is None or self._pending is not None or self.captured() < len(old.keys) or self.buckets is not None:
             return
-        plan = replan(list(self._window), [tuple(k) for k in old.keys], self.dims, self.options.max_graphs)
+        if time.perf_counter() < self._rest_until:  # the last capture's rest: due again at the next step
+            self._replan_due = True
+            return
+        # the padding that costs: padded query tokens where the attention skips padding keys, else cells
+        weigh = "tokens" if attends_per_request(_sync_io(self.processor).input_ids.device) else "cells"
+        plan = replan(list(self._window), [tuple(k) for k in old.keys], self.dims, self.options.max_graphs, weigh=weigh)
         if plan is None:
             return
         logger.info(
@@ -566,7 +587,7 @@ class GraphBatching:
             return
         old, self._pending = self.runner, None
         self._serve_through(pending)
-        self.stats.capture_seconds += time.perf_counter() - self._pending_began
+        self._captured_for(time.perf_counter() - self._pending_began)
         self.stats.replans += 1
         if old is not None:
             old.cleanup()

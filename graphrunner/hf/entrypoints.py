@@ -65,7 +65,8 @@ def init_continuous_batching(
     to the configured cache and batch sizes and captured in the background
     while the steps are served (eagerly, padded, until their key is captured),
     then re-planned every ``replan_every`` steps from the sizes served when that
-    cuts the padding (``stats.replans``). Options: a
+    cuts the padding (``stats.replans``), its captures taking at most
+    ``replan_share`` of the serving time. Options: a
     :class:`~graphrunner.hf.options.BatchingOptions` (``options=``) and/or its
     fields as keywords (which replace ``options``' own); ``TypeError`` for an
     unknown one. Raises :class:`~graphrunner.errors.CaptureError` for a model
@@ -121,7 +122,7 @@ def _workload_hints(
 
 
 #: Options of a manager that is never stopped: :func:`init_continuous_batching` takes them, not :func:`generate_batch`.
-_MANAGER_ONLY = ("autocapture", "replan_every")
+_MANAGER_ONLY = ("autocapture", "replan_every", "replan_share")
 
 
 def generate_batch(
@@ -161,8 +162,8 @@ def generate_batch(
     nothing and starts from an empty cache, as a new manager does; another
     setting replaces them. :func:`release` frees them (or ``reuse=False``).
     Options: a :class:`~graphrunner.hf.options.BatchingOptions` (``options=``)
-    and/or its fields as keywords, but a server's ``autocapture`` and
-    ``replan_every`` (a ``TypeError``). ``stats``: a dict that receives
+    and/or its fields as keywords, but a server's ``autocapture``,
+    ``replan_every`` and ``replan_share`` (a ``TypeError``). ``stats``: a dict that receives
     :class:`~graphrunner.hf.batching.BatchingStats` (``"stats"``),
     the capture report (``"report"``) and the runner (``"runner"``; released already with ``reuse=False``).
 

@@ -18,13 +18,27 @@ from collections.abc import Sequence
 
 from graphrunner.hf.planning import plan_keys
 
-__all__ = ["LADDER_GRAPHS", "REPLAN_GAIN", "ladder", "ladder_keys", "padding", "replan"]
+__all__ = [
+    "LADDER_GRAPHS",
+    "REPLAN_GAIN",
+    "REPLAN_SHARE",
+    "WEIGHTS",
+    "ladder",
+    "ladder_keys",
+    "padding",
+    "replan",
+    "rest_after",
+]
 
 #: Sizes per dim of the starting ladder (a keys dim not named takes ``kv``'s).
 LADDER_GRAPHS = {"tokens": 5, "kv": 4, "reqs": 3}
 
 #: A re-plan is taken when its keys compute at most this share of the current keys' padding.
 REPLAN_GAIN = 0.6
+
+#: The share of the serving time a server's background captures (the ladder's, then each re-plan's) may
+#: take: a re-plan starts no sooner than :func:`rest_after` the last capture ended.
+REPLAN_SHARE = 0.1
 
 Sizes = tuple[int, ...]
 
@@ -65,16 +79,24 @@ def ladder_keys(
     return buckets, sorted(keys)
 
 
-def padding(sizes: Sequence[Sizes], keys: Sequence[Sizes]) -> tuple[int, int]:
-    """``(padded cells, steps no key covers)`` of serving ``sizes`` on ``keys``: each step lands on
-    the key the runner chooses (the covering key of the smallest product); its padding is that
-    key's cells (the product of its sizes but ``reqs``: tokens x keys) minus the step's."""
+def padding(sizes: Sequence[Sizes], keys: Sequence[Sizes], weigh: str = "cells") -> tuple[int, int]:
+    """``(padding, steps no key covers)`` of serving ``sizes`` on ``keys``: each step lands on the key the
+    runner chooses (the covering key of the smallest product); its padding is, by ``weigh``:
+
+    - ``"cells"``: that key's cells (the product of its sizes but ``reqs``: tokens x keys) minus the
+      step's: what a dense ``[tokens, kv]`` attention computes for padding;
+    - ``"tokens"``: that key's query tokens minus the step's: what a step whose attention skips padding
+      keys (the per-request attention, :mod:`graphrunner.hf.varlen_attention`) computes for padding
+      (its projections and MLP run per token; a padding key only costs its gather)."""
+    if weigh not in WEIGHTS:
+        raise ValueError(f"weigh must be one of {sorted(WEIGHTS)}, got {weigh!r}")
+    size = WEIGHTS[weigh]
     pad, missed = 0, 0
     ordered = sorted((tuple(k) for k in keys), key=lambda k: (math.prod(k), k))  # as the runner chooses
     for s, n in collections.Counter(tuple(s) for s in sizes).items():  # a server's steps repeat their sizes
         for k in ordered:
             if all(a >= b for a, b in zip(k, s)):
-                pad += n * (_cells(k) - _cells(s))
+                pad += n * (size(k) - size(s))
                 break
         else:
             missed += n
@@ -85,15 +107,24 @@ def _cells(key: Sizes) -> int:
     return math.prod(int(v) for v in key[:-1])
 
 
+def _tokens(key: Sizes) -> int:
+    return int(key[0])
+
+
+#: What :func:`padding` counts, by its ``weigh`` argument.
+WEIGHTS = {"cells": _cells, "tokens": _tokens}
+
+
 def replan(
     sizes: Sequence[Sizes],
     keys: Sequence[Sizes],
     dims: Sequence[str],
     max_graphs: dict[str, int] | None = None,
     gain: float = REPLAN_GAIN,
+    weigh: str = "cells",
 ) -> tuple[dict[str, list[int]], list[Sizes]] | None:
     """New ``(buckets, keys)`` for the steps ``sizes`` served so far on ``keys``, or ``None`` when they
-    would not cut the padding to ``gain`` of today's (:func:`padding`) or would leave a step uncovered
+    would not cut the padding (:func:`padding` by ``weigh``) to ``gain`` of today's or would leave a step uncovered
     that today's keys cover. The plan is :func:`graphrunner.hf.planning.plan_keys` over ``sizes``
     with ``max_graphs`` sizes per dim (default :data:`LADDER_GRAPHS`, as many as the ladder: a re-plan
     captures about as many keys as the ladder did), plus the key of today's largest size in every dim, so a step larger than every step seen still
@@ -105,10 +136,20 @@ def replan(
     chosen.add(tuple(max(k[i] for k in chosen) for i in range(len(dims))))  # the key covering every other one
     new = sorted(chosen)
     buckets = {d: sorted({int(k[i]) for k in new}) for i, d in enumerate(dims)}
-    old_pad, old_missed = padding(sizes, keys)
-    new_pad, new_missed = padding(sizes, new)
+    old_pad, old_missed = padding(sizes, keys, weigh)
+    new_pad, new_missed = padding(sizes, new, weigh)
     if new_missed > old_missed or sorted(new) == sorted(tuple(k) for k in keys):
         return None
     if old_pad == 0 or new_pad > gain * old_pad:
         return None
     return buckets, new
+
+
+def rest_after(capture_seconds: float, share: float = REPLAN_SHARE) -> float:
+    """Seconds of serving after a background capture of ``capture_seconds`` before the next re-plan may
+    start, so that captures take at most ``share`` of the time: ``capture_seconds * (1 - share) / share``
+    (a 2 s capture at 0.1: 18 s; ``share=1``: 0). A re-plan's capture holds the engine key by key beside
+    the serving; its padding cut pays back only over the steps served after it."""
+    if not 0 < share <= 1:
+        raise ValueError(f"share must be in (0, 1], got {share!r}")
+    return max(0.0, float(capture_seconds)) * (1.0 - share) / share

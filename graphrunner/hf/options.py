@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from graphrunner.hf.ladder import REPLAN_SHARE
+
 __all__ = ["BatchingOptions"]
 
 
@@ -40,8 +42,12 @@ class BatchingOptions:
     captured; no equivalence check). ``autocapture`` (a manager that is never
     stopped, a server): capture in the background from the first session on,
     the keys from a ladder (:func:`graphrunner.hf.ladder.ladder_keys`), re-planned
-    every ``replan_every`` steps (0: never) from the recent step sizes.
-    Raises ``ValueError`` for a ``replan_every`` that is no number of steps >= 0."""
+    every ``replan_every`` steps (0: never) from the recent step sizes, and no
+    sooner than ``replan_share`` allows: a re-plan's capture (and the ladder's)
+    takes at most that share of the serving time
+    (:func:`graphrunner.hf.ladder.rest_after`; 1: no rest).
+    Raises ``ValueError`` for a ``replan_every`` that is no number of steps >= 0
+    or a ``replan_share`` outside ``(0, 1]``."""
 
     buckets: Mapping[str, Sequence[int]] | None = None
     keys: Sequence[Sequence[int]] | None = None
@@ -55,11 +61,17 @@ class BatchingOptions:
     background: bool = False
     autocapture: bool = False
     replan_every: int = 256
+    replan_share: float = REPLAN_SHARE
 
     def __post_init__(self) -> None:
         every = self.replan_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ValueError(f"replan_every must be a number of steps >= 0 (0: never re-plan), got {every!r}")
+        share = self.replan_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ValueError(
+                f"replan_share must be a share of the serving time in (0, 1] (1: re-plan without rest), got {share!r}"
+            )
 
     @classmethod
     def of(cls, options: BatchingOptions | None = None, **fields: Any) -> BatchingOptions:
