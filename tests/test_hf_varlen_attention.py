@@ -417,3 +417,20 @@ def test_every_public_name_has_a_docstring_stating_its_contract():
             assert obj.__doc__ and len(obj.__doc__.strip()) > 60, name
     for name in ("make", "dense", "applies"):
         assert getattr(va.VarlenMask, name).__doc__, name
+
+
+def test_celless_tensors_are_made_by_their_classmethods_and_never_reach_the_dispatcher():
+    """Both deferred tensors share one base: calling the class is a TypeError, and an op that reaches the
+    dispatcher with one (their torch-function handling switched off here) raises, naming the op."""
+    tr = torch.tensor([0, 0, 1], dtype=torch.int32)
+    kr = torch.tensor([0, 0, 1, 1], dtype=torch.int32)
+    mask = va.VarlenMask.make(tr, tr, kr, kr, None, torch.float32, lambda: torch.zeros(1, 1, 3, 4))
+    assert isinstance(mask, va.CellessTensor) and issubclass(ve._Lazy, va.CellessTensor)
+    assert mask.shape == (1, 1, 3, 4) and mask.dtype == torch.float32  # answered without cells
+    for cls in (va.VarlenMask, ve._Lazy):
+        with pytest.raises(TypeError, match="made by its classmethods"):
+            cls()
+    with pytest.raises(RuntimeError, match=r"VarlenMask reached the dispatcher \(aten\.add"):
+        with torch._C.DisableTorchFunctionSubclass():
+            torch.add(mask, 1)
+    assert torch.equal(mask + 1, torch.ones(1, 1, 3, 4)), "with its handling on, an op gets the dense mask"

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 __all__ = [
+    "CellessTensor",
     "VarlenMask",
     "float_mask",
     "request_runs",
@@ -67,6 +68,30 @@ _METADATA = {
     torch.Tensor.is_floating_point,
     torch.Tensor.__len__,
 }
+
+
+class CellessTensor(torch.Tensor):
+    """A tensor of a shape, dtype and device with no cells of its own: the base of :class:`VarlenMask` and
+    of :mod:`graphrunner.hf.varlen_eager`'s deferred tensors. Made by :meth:`wrap` in a subclass's
+    classmethod (calling the class raises ``TypeError``); its subclass's ``__torch_function__`` decides
+    every torch function (metadata queries, ``_METADATA``, are answered without cells), so one never
+    reaches the dispatcher: if it does, ``RuntimeError`` names the op (a torch function went unhandled)."""
+
+    @staticmethod
+    def __new__(cls, *args: Any, **kwargs: Any) -> "CellessTensor":
+        raise TypeError(f"{cls.__name__} is made by its classmethods (CellessTensor.wrap), not called")
+
+    @classmethod
+    def wrap(cls, shape: Any, dtype: torch.dtype, device: torch.device) -> Any:
+        """A new instance of ``cls`` of ``shape``, ``dtype`` and ``device``, no storage; the caller sets its fields."""
+        return torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        raise RuntimeError(
+            f"a {cls.__name__} reached the dispatcher ({func}): its __torch_function__ should have handed every "
+            "torch function dense tensors (graphrunner.hf.varlen_attention)"
+        )
 
 
 def request_runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
@@ -192,7 +217,7 @@ def varlen_sdpa_reference(
     return out.masked_fill(pad[:, None], 0.0)
 
 
-class VarlenMask(torch.Tensor):
+class VarlenMask(CellessTensor):
     """The step's attention mask of one attention type, as metadata: shape ``[1, 1, tokens, kv]`` and the
     dense mask's dtype and device, no cells of its own.
 
@@ -212,10 +237,6 @@ class VarlenMask(torch.Tensor):
     _dense: torch.Tensor | None
     _lock: threading.Lock
 
-    @staticmethod
-    def __new__(cls, *args: Any, **kwargs: Any) -> "VarlenMask":
-        raise TypeError("VarlenMask is made by VarlenMask.make(...)")
-
     @classmethod
     def make(
         cls,
@@ -232,7 +253,7 @@ class VarlenMask(torch.Tensor):
         ``dtype``; ``dense_fn()`` must return the same mask as a ``[1, 1, tokens, kv]`` tensor of ``dtype``
         (0 / ``-inf``)."""
         shape = (1, 1, int(tok_req.shape[0]), int(key_req.shape[0]))
-        self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=tok_req.device)
+        self = cls.wrap(shape, dtype, tok_req.device)
         self.tok_req, self.tok_pos, self.key_req, self.key_pos = tok_req, tok_pos, key_req, key_pos
         self.window = window
         self._dense_fn, self._dense, self._lock = dense_fn, None, threading.Lock()
@@ -303,13 +324,6 @@ class VarlenMask(torch.Tensor):
         args, kwargs = tree_map(_densify, (args, kwargs))
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
-        raise RuntimeError(
-            f"a VarlenMask reached the dispatcher ({func}): every torch function should have received its dense "
-            "mask (graphrunner.hf.varlen_attention)"
-        )
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"VarlenMask(shape={tuple(self.shape)}, dtype={self.dtype}, window={self.window})"

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
-from graphrunner.hf.varlen_attention import _METADATA, VarlenMask, float_mask, request_slices
+from graphrunner.hf.varlen_attention import _METADATA, CellessTensor, VarlenMask, float_mask, request_slices
 
 __all__ = ["VarlenCache", "varlen_eager_attention"]
 
@@ -114,7 +114,7 @@ def _(query, key_t, value, tok_req, tok_pos, key_req, key_pos, window, chain, si
 _FULL = slice(None)
 
 
-class _Lazy(torch.Tensor):
+class _Lazy(CellessTensor):
     """A deferred tensor of transformers' eager attention over a :class:`VarlenMask`.
 
     ``kind``: ``"kv"`` (a key or value the cache returned, ``held``, its keys axis ``axis``),
@@ -133,10 +133,6 @@ class _Lazy(torch.Tensor):
     #: a VarlenMask among a call's arguments defers to this class's handler
     handles_varlen_masks = True
 
-    @staticmethod
-    def __new__(cls, *args: Any, **kwargs: Any) -> "_Lazy":
-        raise TypeError("made by _Lazy.node(...)")
-
     @classmethod
     def node(
         cls,
@@ -149,7 +145,7 @@ class _Lazy(torch.Tensor):
         axis: int = -1,
         **state: Any,
     ) -> "_Lazy":
-        self = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=mask.device)
+        self = cls.wrap(shape, dtype, mask.device)
         self.kind, self.mask, self.held, self.axis, self.state = kind, mask, held, axis, state
         self.origin, self._value = origin, None
         return self
@@ -172,12 +168,6 @@ class _Lazy(torch.Tensor):
         if got is not None:
             return got
         return _call_dense(func, args, kwargs)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
-        raise RuntimeError(
-            f"a deferred attention tensor reached the dispatcher ({func}): graphrunner.hf.varlen_attention"
-        )
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"_Lazy({self.kind}, shape={tuple(self.shape)}, dtype={self.dtype})"
