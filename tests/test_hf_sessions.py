@@ -157,41 +157,15 @@ def test_autocapture_seeded_sampling_equals_transformers():
     assert ref != reference(model, a, gen_config()), "control: the sampler really sampled"
 
 
-@pytest.mark.slow
-def test_a_replan_swaps_keys_without_a_wrong_token():
+def _three_sessions(replan_share):
+    """A server's manager (autocapture, a re-plan due every 8 steps, ``replan_share``): sessions of prompts
+    a, b (a step after the ladder is captured may start a re-plan's capture), then a again (its first step
+    switches to re-planned keys). ``(tokens equal to transformers' per session, hook, ladder keys, final keys)``."""
     model, gc = qwen2(), gen_config()
     a, b = prompts(n=16, seed=4), prompts(n=16, seed=5)
     ref_a, ref_b = reference(model, a, gc), reference(model, b, gc)
     manager = gr.hf.init_continuous_batching(
-        model, gc, cb_config(), device="tape", autocapture=True, replan_every=8, replan_share=1.0
-    )
-    try:
-        hook = manager.graphs
-        first = session(manager, a)
-        assert hook.runner.wait_captured(timeout=120) is not None
-        ladder_keys = sorted(tuple(k) for k in hook.runner.keys)
-        second = session(manager, b)  # a step after the ladder is captured starts a re-plan's capture
-        assert hook.wait_captured(timeout=120)
-        third = session(manager, a)  # its first step switches to the re-planned keys
-        keys = sorted(tuple(k) for k in hook.runner.keys)
-    finally:
-        manager.destroy()
-    assert (equal(ref_a, first), equal(ref_b, second), equal(ref_a, third)) == (16, 16, 16)
-    assert hook.stats.replans >= 1 and keys != ladder_keys
-    sizes = hook.stats.step_sizes
-    assert ladder.padding(sizes, keys)[0] < ladder.padding(sizes, ladder_keys)[0]
-
-
-@pytest.mark.slow
-def test_a_replan_waits_out_the_rest_its_share_of_the_serving_time_earns():
-    """The same sessions as above with ``replan_share=0.001``: after the ladder's capture (seconds), a
-    re-plan would wait a thousand times as long, so none starts and the ladder's keys serve on (above,
-    with ``replan_share=1``, the same flow re-plans); the tokens are transformers' own."""
-    model, gc = qwen2(), gen_config()
-    a, b = prompts(n=16, seed=4), prompts(n=16, seed=5)
-    ref_a, ref_b = reference(model, a, gc), reference(model, b, gc)
-    manager = gr.hf.init_continuous_batching(
-        model, gc, cb_config(), device="tape", autocapture=True, replan_every=8, replan_share=0.001
+        model, gc, cb_config(), device="tape", autocapture=True, replan_every=8, replan_share=replan_share
     )
     try:
         hook = manager.graphs
@@ -204,7 +178,25 @@ def test_a_replan_waits_out_the_rest_its_share_of_the_serving_time_earns():
         keys = sorted(tuple(k) for k in hook.runner.keys)
     finally:
         manager.destroy()
-    assert (equal(ref_a, first), equal(ref_b, second), equal(ref_a, third)) == (16, 16, 16)
+    return (equal(ref_a, first), equal(ref_b, second), equal(ref_a, third)), hook, ladder_keys, keys
+
+
+@pytest.mark.slow
+def test_a_replan_swaps_keys_without_a_wrong_token():
+    same, hook, ladder_keys, keys = _three_sessions(replan_share=1.0)  # no rest: re-plans at once
+    assert same == (16, 16, 16)
+    assert hook.stats.replans >= 1 and keys != ladder_keys
+    sizes = hook.stats.step_sizes  # on the CPU a re-plan cuts the padded query tokens (weigh="tokens")
+    assert ladder.padding(sizes, keys, "tokens")[0] < ladder.padding(sizes, ladder_keys, "tokens")[0]
+
+
+@pytest.mark.slow
+def test_a_replan_waits_out_the_rest_its_share_of_the_serving_time_earns():
+    """The same sessions with ``replan_share=0.001``: after the ladder's capture (seconds), a re-plan would
+    wait a thousand times as long, so none starts and the ladder's keys serve on (above, with
+    ``replan_share=1``, the same flow re-plans); the tokens are transformers' own."""
+    same, hook, ladder_keys, keys = _three_sessions(replan_share=0.001)
+    assert same == (16, 16, 16)
     assert hook.stats.replans == 0 and keys == ladder_keys and hook.stats.capture_seconds > 0
 
 
