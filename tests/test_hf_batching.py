@@ -733,7 +733,9 @@ def test_the_step_builds_the_reference_mask(max_requests):
         batch_step.CacheGroup(1, "sliding_attention", "kv_sliding", 0, 0, 0, 0, 0, 0, 3),
     ]
     spy = _MaskSpy()
-    step = batch_step.make_step(spy, None, groups, use_logits_to_keep=True, max_position=64, max_requests=max_requests)
+    step = batch_step.make_step(
+        spy, None, groups, use_logits_to_keep=True, max_position=64, max_requests=max_requests, per_request=False
+    )
     for _ in range(20):
         tok_req, pos, key_req, key_pos = _mask_case(gen)
         feeds = {

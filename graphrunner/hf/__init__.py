@@ -28,7 +28,7 @@ its options one :class:`BatchingOptions`; ``docs/continuous-batching.md``);
 ``generate_batch`` keeps for its next call. Their modules:
 :mod:`~graphrunner.hf.entrypoints`, :mod:`~graphrunner.hf.batching` (the hook),
 :mod:`~graphrunner.hf.options`, :mod:`~graphrunner.hf.refusals`,
-:mod:`~graphrunner.hf.batch_step` (with :mod:`~graphrunner.hf.varlen_attention` and :mod:`~graphrunner.hf.varlen_eager`), :mod:`~graphrunner.hf.metadata`,
+:mod:`~graphrunner.hf.batch_step` (with :mod:`~graphrunner.hf.attention`, the attention through transformers' AttentionInterface), :mod:`~graphrunner.hf.internals`, :mod:`~graphrunner.hf.metadata`,
 :mod:`~graphrunner.hf.planning`, :mod:`~graphrunner.hf.ladder`,
 :mod:`~graphrunner.hf.equivalence`.
 

@@ -11,7 +11,7 @@ attention masks in the graph from integer coordinates.
 
 from __future__ import annotations
 
-import functools
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from graphrunner.errors import CaptureError
-from graphrunner.hf.varlen_attention import VarlenMask
-from graphrunner.hf.varlen_eager import VarlenCache
+from graphrunner.hf.attention import per_request_mask, routed
 from graphrunner.inputs import BatchInput
 
 if TYPE_CHECKING:
@@ -160,12 +159,20 @@ def step_inputs(
     return spec
 
 
-def attends_per_request(device: torch.device | str) -> bool:
-    """Whether :func:`make_step`'s attention on ``device`` (with ``varlen``, the default) computes each
-    request's queries against its own keys only: on the CPU, where the per-request ops
-    (:mod:`graphrunner.hf.varlen_attention`) may read the metadata on the host. Then a padding key costs
-    the step no attention, only its gather; elsewhere (CUDA graphs) the dense ``[tokens, kv]`` masks."""
-    return torch.device(device).type == "cpu"
+#: The forms of the step's attention (``BatchingOptions.attention``): ``auto`` is ``per_request`` where the
+#: graphs are the CPU tape and ``dense`` where they are CUDA graphs (a real GPU or the CUDA stand-in).
+ATTENTION_FORMS = ("auto", "per_request", "dense")
+
+
+def attends_per_request(form: str, graphs_on_cuda: bool) -> bool:
+    """Whether the step's attention (``form``: one of :data:`ATTENTION_FORMS`) computes each request's queries
+    against its own keys only (:func:`graphrunner.hf.attention.per_request_mask`), rather than over the dense
+    ``[tokens, kv]`` masks that a CUDA graph replays. ``auto``: per request unless ``graphs_on_cuda`` (the
+    per-request op reads the metadata on the host, which a CUDA stream capture cannot hold). Then a padding key
+    costs the step no attention, only its gather. ``ValueError`` for another form."""
+    if form not in ATTENTION_FORMS:
+        raise ValueError(f"attention must be one of {list(ATTENTION_FORMS)}, got {form!r}")
+    return form == "per_request" or (form == "auto" and not graphs_on_cuda)
 
 
 def make_step(
@@ -175,7 +182,7 @@ def make_step(
     use_logits_to_keep: bool,
     max_position: int = 1 << 20,
     max_requests: int = 1024,
-    varlen: bool = True,
+    per_request: bool = True,
 ):
     """Return ``step(**metadata) -> logits [reqs, vocab]``: one varlen forward of ``model`` over the paged ``cache``.
 
@@ -196,16 +203,13 @@ def make_step(
     ``cu_seq_lens_*`` and ``max_length_*`` are placeholders: mask-based attention does not read them (they are validated at
     the call instead). ``max_position`` and ``max_requests`` bound the codes.
 
-    On the CPU (the tape, or the step run eagerly there) and with ``varlen`` (the default), each mask is
-    passed as a :class:`~graphrunner.hf.varlen_attention.VarlenMask`: ``scaled_dot_product_attention`` with
-    it computes each request's queries against that request's keys only
-    (:func:`~graphrunner.hf.varlen_attention.varlen_sdpa`, which reads the metadata at every call and
-    replay); for a model on transformers' eager attention (``eager`` / ``paged|eager``: gemma2, gpt_oss)
-    the cache is handed in as a :class:`~graphrunner.hf.varlen_eager.VarlenCache`, whose marked keys
-    and values run that attention per request
-    (:func:`~graphrunner.hf.varlen_eager.varlen_eager_attention`). Any other use of the mask builds
-    the dense mask above, once per step, in the graph. On CUDA, or with ``varlen=False``, the dense masks
-    are passed: the ops read the metadata on the host, which a CUDA stream capture cannot hold."""
+    The model's attention runs through :mod:`graphrunner.hf.attention` (transformers' attention dispatch; the
+    model routed to it for the forward), which calls transformers' own function for the model's
+    implementation (:func:`~graphrunner.hf.attention.routed` around the forward). With ``per_request`` each layer type's mask is passed in its per-request form
+    (:func:`~graphrunner.hf.attention.per_request_mask`: the metadata, no cells), and each request's queries
+    are computed against its own keys; without it the dense masks above are passed, built once per step in
+    the graph: what CUDA graphs replay (the per-request op reads the metadata on the host, which a CUDA
+    stream capture cannot hold)."""
     dtype = model.dtype
     single = len(groups) == 1
     big = int(max_position) + 1
@@ -246,32 +250,14 @@ def make_step(
             allowed = torch.sub(k_code2, lo + q_code).abs_() <= (q_code - lo)
             return torch.where(allowed, c["zero"], c["masked"])[None, None]
 
-        masks: dict[str, torch.Tensor] = {}
-        for g in groups:
-            if varlen and attends_per_request(input_ids.device):
-                # the metadata as the mask: sdpa runs per request (graphrunner.hf.varlen_attention); any other use
-                # of the mask builds the dense one above, in the graph
-                masks[g.layer_type] = VarlenMask.make(
-                    tok_req,
-                    position_ids,
-                    per_group[f"key_req_{g.index}"],
-                    per_group[f"key_pos_{g.index}"],
-                    g.window,
-                    dtype,
-                    functools.partial(dense_mask, g),
-                )
-            else:  # CUDA (or varlen=False): the varlen op reads the metadata on the host, not capturable there
-                masks[g.layer_type] = dense_mask(g)
-        step_cache: PagedAttentionCache | VarlenCache | None = cache
-        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-        if (
-            cache is not None
-            and impl in ("eager", "paged|eager")
-            and all(isinstance(m, VarlenMask) for m in masks.values())
-        ):
-            # eager attention (gemma2, gpt_oss) adds the mask to dense scores: the cache's keys and values are
-            # marked so that its ops run per request (VarlenCache); on any other path, sdpa takes the mask
-            step_cache = VarlenCache(cache, {k: m for k, m in masks.items() if isinstance(m, VarlenMask)})
+        masks = {
+            g.layer_type: per_request_mask(
+                tok_req, position_ids, per_group[f"key_req_{g.index}"], per_group[f"key_pos_{g.index}"], g.window
+            )
+            if per_request
+            else dense_mask(g)
+            for g in groups
+        }
         n_tok = input_ids.shape[0]
         # a no-op for a validated call; keeps the step total on whatever a background capture's warmup reads
         # (the static buffers still hold a larger call's rows: a logits index past this key's tokens)
@@ -288,16 +274,18 @@ def make_step(
             read_index=read,
             write_index=write,
             logits_indices=logits_indices,
-            cache=step_cache,
+            cache=cache,
             block_table=None,
             use_cache=False,
             is_causal=False,
         )
         if use_logits_to_keep:
             kwargs["logits_to_keep"] = logits_indices
+        # the dense masks need no routing: the model's own attention function reads them as transformers' do
+        with routed(model) if per_request else contextlib.nullcontext():
             logits = model(**kwargs).logits
-        else:
-            logits = model(**kwargs).logits[:, logits_indices.long(), :]
+        if not use_logits_to_keep:
+            logits = logits[:, logits_indices.long(), :]
         return logits[0]
 
     return step

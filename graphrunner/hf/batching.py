@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from graphrunner.devices import CudaDevice, get_device
 from graphrunner.errors import CaptureError, GraphRunnerError
 from graphrunner.hf.batch_step import (
     CacheGroup,
@@ -54,6 +55,7 @@ from graphrunner.hf.batch_step import (
     make_step,
     step_inputs,
 )
+from graphrunner.hf.attention import routed
 from graphrunner.hf.equivalence import EquivalenceCheck
 from graphrunner.hf.ladder import ladder_keys, replan, rest_after
 from graphrunner.hf.metadata import check_trash, step_feeds
@@ -250,16 +252,16 @@ class GraphBatching:
         self._eos = [eos] if isinstance(eos, int) else list(eos or [])
         vocab = self._vocab()
         self.record_token = next(t for t in range(vocab) if t not in self._eos)
-        original = manager._create_batch_processor
-
-        def create() -> ContinuousBatchProcessor:
-            bp = original()
-            if self.batch_processor is not bp:
-                self._attach(bp)
-            return bp
-
-        # transformers has no hook for its batch processor or its teardown: its methods are wrapped
-        manager._create_batch_processor = create  # type: ignore[method-assign]  # the one seam for the processor
+        self.manager = manager
+        # the batch processor is made now (manager.warmup, public), with the model's attention routed through
+        # graphrunner's so that transformers allocates no host mask it would fill at every step (the step builds
+        # its own), but in debug mode, whose check compares transformers' mask with the step's
+        with routed(self.model) if not self.options.debug else contextlib.nullcontext():
+            manager.warmup()
+        bp = manager.batch_processor
+        if bp is None:
+            raise GraphRunnerError("transformers' manager.warmup() made no batch processor")
+        self._attach(bp)
         destroy = manager.destroy
 
         def destroy_and_release() -> None:
@@ -267,7 +269,6 @@ class GraphBatching:
             self.release()
 
         manager.destroy = destroy_and_release  # type: ignore[method-assign]  # graphs go with their manager
-        self.manager = manager
 
     def release(self) -> None:
         """Stop a background capture and release the graphs (``manager.destroy()`` calls it): a capture
@@ -304,13 +305,7 @@ class GraphBatching:
                 f"the cache's attention types {[g.layer_type for g in self.groups]} do not match the "
                 f"model config's keys dims {list(self.dims[1:-1])}"
             )
-        io = _sync_io(bp)
-        if not self.options.debug and io.attention_mask is not None:
-            # the step builds its masks from the metadata: transformers' host-side [tokens, kv] mask fill
-            # (prepare_batch_tensors) is skipped; debug mode keeps it to compare with
-            # transformers declares the attribute by its first assignment (a dict) and sets it to None itself
-            # for attention that reads no mask (ContinuousBatchingIOs.__init__): None is its own 'no mask'
-            io.attention_mask = None  # type: ignore[assignment]
+        _sync_io(bp)
         self._original_compute = mr.compute_batch
         mr.compute_batch = self.compute_batch  # type: ignore[method-assign,assignment]  # the one method graphs serve; transformers passes its PreTrainedModel
         if self.options.autocapture:
@@ -443,12 +438,18 @@ class GraphBatching:
     def _step(self) -> Callable[..., torch.Tensor]:
         """The step's forward (:func:`~graphrunner.hf.batch_step.make_step`), built once."""
         if self._step_fn is None:
-            self._step_fn = self._make_step(varlen=True)
+            self._step_fn = self._make_step(per_request=self.per_request)
         return self._step_fn
 
-    def _make_step(self, varlen: bool) -> Callable[..., torch.Tensor]:
-        """:func:`~graphrunner.hf.batch_step.make_step` over this manager's cache; ``varlen=False``: the
-        dense masks, the equivalence check's reference (independent of the per-request attention ops)."""
+    @property
+    def per_request(self) -> bool:
+        """Whether the step's attention runs per request (``options.attention``, ``auto`` resolved by where the
+        graphs are: :func:`~graphrunner.hf.batch_step.attends_per_request`)."""
+        return attends_per_request(self.options.attention, isinstance(get_device(self.options.device), CudaDevice))
+
+    def _make_step(self, per_request: bool) -> Callable[..., torch.Tensor]:
+        """:func:`~graphrunner.hf.batch_step.make_step` over this manager's cache; ``per_request=False``: the
+        dense masks (what CUDA graphs replay, and the equivalence check's reference)."""
         bp = self.processor
         return make_step(
             self.model,
@@ -457,7 +458,7 @@ class GraphBatching:
             bp.model_runner.supports_logits_to_keep(self.model),
             self._max_position(),
             self._max_requests(),
-            varlen=varlen,
+            per_request=per_request,
         )
 
     # ----------------------------------------------------------------- planning and capture
@@ -546,7 +547,7 @@ class GraphBatching:
             self._replan_due = True
             return
         # the padding that costs: padded query tokens where the attention skips padding keys, else cells
-        weigh = "tokens" if attends_per_request(_sync_io(self.processor).input_ids.device) else "cells"
+        weigh = "tokens" if self.per_request else "cells"
         plan = replan(list(self._window), [tuple(k) for k in old.keys], self.dims, self.options.max_graphs, weigh=weigh)
         if plan is None:
             return
@@ -648,12 +649,12 @@ class GraphBatching:
 
     def _equivalence(self, runner: GraphRunner) -> EquivalenceCheck:
         """The equivalence check of ``runner``'s keys over this manager's cache. Its eager steps build the
-        dense masks (``varlen=False``): the replayed per-request attention is compared with the dense masked
+        dense masks (``per_request=False``): the replayed per-request attention is compared with the dense masked
         attention, not with itself, so a bug in those ops is refused at capture."""
         bp = self.processor
         return EquivalenceCheck(
             runner=runner,
-            step=self._make_step(varlen=False),
+            step=self._make_step(per_request=False),
             dims=self.dims,
             groups=self.groups,
             cache=bp.cache.cache_tensor,

@@ -86,7 +86,7 @@ def padding(sizes: Sequence[Sizes], keys: Sequence[Sizes], weigh: str = "cells")
     - ``"cells"``: that key's cells (the product of its sizes but ``reqs``: tokens x keys) minus the
       step's: what a dense ``[tokens, kv]`` attention computes for padding;
     - ``"tokens"``: that key's query tokens minus the step's: what a step whose attention skips padding
-      keys (the per-request attention, :mod:`graphrunner.hf.varlen_attention`) computes for padding
+      keys (the per-request attention, :mod:`graphrunner.hf.attention`) computes for padding
       (its projections and MLP run per token; a padding key only costs its gather)."""
     if weigh not in WEIGHTS:
         raise ValueError(f"weigh must be one of {sorted(WEIGHTS)}, got {weigh!r}")

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from graphrunner.hf.batch_step import ATTENTION_FORMS
 from graphrunner.hf.ladder import REPLAN_SHARE
 
 __all__ = ["BatchingOptions"]
@@ -46,7 +47,11 @@ class BatchingOptions:
     sooner than ``replan_share`` allows: a re-plan's capture (and the ladder's)
     takes at most that share of the serving time
     (:func:`graphrunner.hf.ladder.rest_after`; 1: no rest).
-    Raises ``ValueError`` for a ``replan_every`` that is no number of steps >= 0
+    ``attention``: the step's attention form (:data:`graphrunner.hf.batch_step.ATTENTION_FORMS`):
+    ``per_request`` (each request's queries against its own keys, a host-reading op the CPU tape replays),
+    ``dense`` (the ``[tokens, kv]`` masks CUDA graphs replay, on any device), ``auto`` (per request on the
+    tape, dense on CUDA graphs).
+    Raises ``ValueError`` for an unknown ``attention``, for a ``replan_every`` that is no number of steps >= 0
     or a ``replan_share`` outside ``(0, 1]``."""
 
     buckets: Mapping[str, Sequence[int]] | None = None
@@ -62,8 +67,11 @@ class BatchingOptions:
     autocapture: bool = False
     replan_every: int = 256
     replan_share: float = REPLAN_SHARE
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_FORMS:
+            raise ValueError(f"attention must be one of {list(ATTENTION_FORMS)}, got {self.attention!r}")
         every = self.replan_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ValueError(f"replan_every must be a number of steps >= 0 (0: never re-plan), got {every!r}")
