@@ -235,9 +235,9 @@ def run_arch(arch: str, args, reqs) -> dict[str, Any]:
         return row
     hook, eager_mgr = manager.graphs, None
     try:
-        hook.mode = "record"
         t = time.perf_counter()
-        session(manager, reqs, args.waves, args.wave_steps)
+        with hook.recording():
+            session(manager, reqs, args.waves, args.wave_steps)
         row["dry_run_s"] = time.perf_counter() - t
         hook.batch_processor.cache.reset()
         hook.capture()

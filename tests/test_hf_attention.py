@@ -196,7 +196,9 @@ def test_the_per_request_form_replays_from_a_graph_reading_each_calls_metadata()
 
     def step(q, k, v, tok_req, tok_pos, key_req, key_pos):
         mask = att.per_request_mask(tok_req, tok_pos, key_req, key_pos, 3)
-        out, _ = att.step_attention(layer, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, scaling=0.3)
+        out, _ = att.step_attention(
+            layer, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, scaling=0.3
+        )
         return out[0]
 
     tok, kv = ("tokens",), ("kv",)

@@ -258,11 +258,14 @@ def test_a_replan_weighs_padded_tokens_where_the_attention_skips_padding_keys():
         ladder.padding(steps, keys, "rows")
 
 
-def test_the_cpu_step_attends_per_request_and_cuda_graphs_keep_dense_masks():
+def test_auto_attention_is_per_request_on_the_tape_and_dense_on_cuda_graphs():
+    """The form ``auto`` resolves to (both forms replay end to end in tests/test_hf_attention.py)."""
     from graphrunner.hf.batch_step import attends_per_request
 
-    assert attends_per_request("cpu") and attends_per_request(torch.device("cpu"))
-    assert not attends_per_request("cuda") and not attends_per_request("meta")
+    assert attends_per_request("auto", graphs_on_cuda=False) and not attends_per_request("auto", graphs_on_cuda=True)
+    assert attends_per_request("per_request", graphs_on_cuda=True) and not attends_per_request("dense", False)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        attends_per_request("flash", False)
 
 
 @pytest.mark.slow

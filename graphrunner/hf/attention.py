@@ -260,7 +260,11 @@ class _Calls:
         self.calls: list[_Call] = []
 
     def handle(self, inner: str, module: torch.nn.Module, kwargs: dict[str, Any]) -> int:
-        key = (inner, id(module), tuple(sorted((k, id(v) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items())))
+        key = (
+            inner,
+            id(module),
+            tuple(sorted((k, id(v) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items())),
+        )
         with self.lock:
             n = self.by_key.get(key)
             if n is not None and self.calls[n].module() is module:

@@ -39,7 +39,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +47,7 @@ import torch
 
 from graphrunner.devices import CudaDevice, get_device
 from graphrunner.errors import CaptureError, GraphRunnerError
+from graphrunner.hf.attention import routed
 from graphrunner.hf.batch_step import (
     CacheGroup,
     attends_per_request,
@@ -55,10 +56,10 @@ from graphrunner.hf.batch_step import (
     make_step,
     step_inputs,
 )
-from graphrunner.hf.attention import routed
 from graphrunner.hf.equivalence import EquivalenceCheck
 from graphrunner.hf.ladder import ladder_keys, replan, rest_after
 from graphrunner.hf.metadata import check_trash, step_feeds
+from graphrunner.hf.model_runner import GraphModelRunner
 from graphrunner.hf.options import BatchingOptions
 from graphrunner.hf.planning import plan_keys
 from graphrunner.hf.refusals import check_served, refused
@@ -73,7 +74,6 @@ if TYPE_CHECKING:
         ContinuousBatchProcessor,
     )
     from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
-    from transformers.generation.continuous_batching.model_runner import ModelRunner
 
     from graphrunner.report import CaptureReport
 
@@ -227,7 +227,8 @@ class GraphBatching:
         #: A re-plan's runner while its keys are captured (the current one serves meanwhile).
         self._pending: GraphRunner | None = None
         self._pending_began = 0.0
-        self.mode = "eager"  # "record" (dry run: no forward), "eager", "graph"
+        self._recording = False
+        self._logits_to_keep = False
         self.runner: GraphRunner | None = None
         self.report: CaptureReport | None = None
         self.stats = BatchingStats()
@@ -236,7 +237,6 @@ class GraphBatching:
         self.manager: ContinuousBatchingManager | None = None
         self.groups: list[CacheGroup] = []
         self.record_token = 0
-        self._original_compute: Callable[..., None] | None = None
         self._step_fn: Callable[..., torch.Tensor] | None = None
         self._eos: list[int] = []
         #: The first exception the step raised inside transformers' generation thread (re-raised by generate_batch).
@@ -245,7 +245,8 @@ class GraphBatching:
     # ----------------------------------------------------------------- installation
     def install(self, manager: ContinuousBatchingManager) -> None:
         """Hook this object into ``manager`` (a ``ContinuousBatchingManager``, not started): its batch processor,
-        created in the generation thread, runs the forward through :meth:`compute_batch`. Raises
+        made now (``manager.warmup()``), runs the forward through :meth:`forward` (a :class:`GraphModelRunner` on
+        ``bp.model_runner``). Raises
         :class:`~graphrunner.errors.CaptureError` when :func:`~graphrunner.hf.refusals.refusal` refuses the model."""
         check_served(self.model, manager.continuous_batching_config)
         eos = manager.generation_config.eos_token_id
@@ -274,7 +275,6 @@ class GraphBatching:
         """Stop a background capture and release the graphs (``manager.destroy()`` calls it): a capture
         thread must not outlive its manager. The steps run eagerly again until :meth:`capture`."""
         runners, self.runner, self._pending = (self.runner, self._pending), None, None
-        self.mode = "eager"
         for runner in runners:
             if runner is not None:
                 runner.cleanup()
@@ -306,8 +306,8 @@ class GraphBatching:
                 f"model config's keys dims {list(self.dims[1:-1])}"
             )
         _sync_io(bp)
-        self._original_compute = mr.compute_batch
-        mr.compute_batch = self.compute_batch  # type: ignore[method-assign,assignment]  # the one method graphs serve; transformers passes its PreTrainedModel
+        self._logits_to_keep = mr.supports_logits_to_keep(self.model)
+        bp.model_runner = GraphModelRunner(bp, self.forward)  # the one place graphrunner enters the processor
         if self.options.autocapture:
             # transformers writes the cache outside the forward too (prefix-cache forks, offloading) and
             # samples from the default generator after it: a background key capture, which puts back
@@ -353,27 +353,33 @@ class GraphBatching:
         emb = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
         return int(getattr(emb, "num_embeddings", None) or self.model.config.get_text_config().vocab_size)
 
-    # ----------------------------------------------------------------- the substituted method
-    def compute_batch(self, model: PreTrainedModel, batch_data: dict[str, Any]) -> None:
-        """``ModelRunner.compute_batch`` served by the graphs: forward (replayed), then transformers' own
-        logits processing and sampling into the output tensor."""
+    # ----------------------------------------------------------------- the step's forward
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Within the block the steps run no forward: their sizes are recorded (``stats.step_sizes``, what
+        :meth:`plan` reads) and each request is handed a fixed token that is no end-of-sequence one, so a
+        dry run of transformers' scheduler sees every request run its full length."""
+        self._recording = True
         try:
-            return self._compute_batch(model, batch_data)
-        except BaseException as exc:  # transformers' loop turns it into failed requests: keep it to re-raise
+            yield
+        finally:
+            self._recording = False
+
+    def forward(self, batch_data: dict[str, Any]) -> torch.Tensor:
+        """The logits ``[reqs, vocab]`` of one varlen step (the forward :class:`GraphModelRunner` hands
+        transformers): replayed from :attr:`runner`'s graphs once it serves, eagerly before; inside
+        :meth:`recording`, no forward. The first exception is kept in :attr:`error` (transformers' generation
+        thread only logs it and fails the step's requests) and re-raised."""
+        try:
+            return self._forward()
+        except BaseException as exc:
             if self.error is None:
                 self.error = exc
             raise
 
-    def _compute_batch(self, model: PreTrainedModel, batch_data: dict[str, Any]) -> None:
+    def _forward(self) -> torch.Tensor:
         bp = self.processor
         io = _sync_io(bp)
-        mr = bp.model_runner
-        if io.use_block_table:  # the decode fast path (flash attention only): never reached for masked attention
-            self.stats.steps += 1
-            self.stats.eager_steps += 1
-            if self._original_compute is None:
-                raise GraphRunnerError("the hook serves a step before it was attached to the batch processor")
-            return self._original_compute(model, batch_data)
         feeds = step_feeds(io, bp.cache, self.groups, debug=self.options.debug, validate=self.options.validate)
         size = (
             int(io.total_seqlen_q),
@@ -381,12 +387,13 @@ class GraphBatching:
             int(io.num_request_in_batch),
         )
         self._record(size, io)
-        if self.mode == "record":
-            io.output_ids[0, : size[-1]].fill_(self.record_token)
-            return None
+        if self._recording:
+            # every request's only possible token is record_token, whatever transformers' sampling does
+            logits = torch.full((size[-1], self._vocab()), float("-inf"), device=io.input_ids.device)
+            return logits.index_fill_(1, torch.tensor([self.record_token], device=logits.device), 0.0)
         self.stats.steps += 1
         runner = self.runner
-        if self.mode == "graph" and runner is not None:
+        if runner is not None:
             before = runner.stats.fallbacks
             logits = runner(**feeds)
             if runner.stats.fallbacks > before:
@@ -401,8 +408,7 @@ class GraphBatching:
         else:
             self.stats.eager_steps += 1
             logits = self._step()(**feeds)
-        self._sample(mr, batch_data, logits, io)
-        return None
+        return logits
 
     def _record(self, size: tuple[int, ...], io: ContinuousBatchingIOs) -> None:
         """Count a step of ``size`` (and transformers' own sizes of it) in ``stats``; ``autocapture``: in
@@ -419,21 +425,6 @@ class GraphBatching:
                 self._since_plan = 0
                 self._replan_due = True
         self.stats.engine_sizes.append((size[0], int(io.max_kv_read), tuple(int(v) for v in io.max_length_k.values())))
-
-    def _sample(
-        self, mr: ModelRunner, batch_data: dict[str, Any], logits: torch.Tensor, io: ContinuousBatchingIOs
-    ) -> None:
-        """transformers' ``_forward_process_and_sample`` after the forward, on the step's logits."""
-        logits = logits.unsqueeze(0).float()  # [1, num_logits, vocab]
-        if mr.logit_processor.do_processing:
-            _, num_logits, vocab = logits.shape
-            logits_2d = logits.view(num_logits, vocab)
-            sliced = batch_data["input_ids"][0, batch_data["logits_indices"]]
-            logits_2d = mr.logit_processor(sliced, logits_2d, batch_data["logits_processor_args"])
-            scores = logits_2d.view(1, num_logits, vocab)
-        else:
-            scores = logits
-        mr._sample(scores, io.output_ids)
 
     def _step(self) -> Callable[..., torch.Tensor]:
         """The step's forward (:func:`~graphrunner.hf.batch_step.make_step`), built once."""
@@ -455,7 +446,7 @@ class GraphBatching:
             self.model,
             bp.cache,
             self.groups,
-            bp.model_runner.supports_logits_to_keep(self.model),
+            self._logits_to_keep,
             self._max_position(),
             self._max_requests(),
             per_request=per_request,
@@ -513,7 +504,7 @@ class GraphBatching:
 
     def _serve_through(self, runner: GraphRunner) -> None:
         """Every step goes through ``runner`` from now on; its keys in ``stats``."""
-        self.runner, self.mode = runner, "graph"
+        self.runner = runner
         self.stats.graphs = len(runner.keys)
         self.stats.keys = [tuple(k) for k in runner.keys]
 

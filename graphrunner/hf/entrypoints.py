@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ import torch
 
 from graphrunner.errors import GraphRunnerError
 from graphrunner.hf.batching import GraphBatching
+from graphrunner.hf.internals import forget_kept_manager, kept_manager
 from graphrunner.hf.options import BatchingOptions
 from graphrunner.hf.refusals import check_served
 
@@ -101,12 +101,6 @@ def _continuous(model: PreTrainedModel) -> ContinuousMixin:
     return model
 
 
-def _lend(model: PreTrainedModel, manager: ContinuousBatchingManager) -> None:
-    """Make ``manager`` the persistent manager ``model.generate_batch`` runs (transformers' own slot)."""
-    # nn.Module types its attributes as tensors or modules; transformers keeps its manager there as well
-    model._cached_continuous_batching_manager = manager  # type: ignore[assignment]
-
-
 def _workload_hints(
     inputs: Sequence[Sequence[int]], generation_config: GenerationConfig, max_new_tokens: int | None
 ) -> WorkloadHints:
@@ -179,7 +173,7 @@ def generate_batch(
     )
     settings = repr((sorted(gen_cfg.to_dict().items()), sorted(vars(cb_cfg).items()), vars(hints), opts))
     held = _held_for(model, settings, reuse)
-    run_kwargs = {**kwargs, "persistent_manager": True}
+    run_kwargs = dict(kwargs)
     if held is None:
         hook = GraphBatching(model, opts)  # checks the options against the model's dims first
         manager = _continuous(model).init_continuous_batching(
@@ -189,18 +183,15 @@ def generate_batch(
         manager, hook = held.manager, held.hook
     ok = False
     try:
-        _lend(model, manager)
         if held is None:
-            _dry_run(model, hook, manager, inputs, generation_config, cb_cfg, run_kwargs)
+            _dry_run(hook, manager, inputs, gen_cfg, run_kwargs)
         bp = hook.processor
         bp.cache.reset()  # empty, as a new manager's: the dry run's blocks hold no real K/V
         if held is None:
             hook.capture()
         # as transformers seeds a new processor
         bp.distributed_helper.set_tp_seed(cb_cfg.seed, torch.device(bp.cache.device))
-        manager._request_counter = 0  # the same request ids as model.generate_batch
-        _lend(model, manager)
-        out = _quiet_generate(model, inputs, generation_config, cb_cfg, run_kwargs)
+        out = _serve_requests(manager, inputs, gen_cfg, run_kwargs)
         _reraise(hook)
         ok = True
     finally:
@@ -244,7 +235,7 @@ def _configs(
         ContinuousBatchingConfig() if continuous_batching_config is None else copy.deepcopy(continuous_batching_config)
     )
     max_new_tokens = gen_cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
-    if getattr(model, "_cached_continuous_batching_manager", None) is not None:
+    if kept_manager(model) is not None:
         raise GraphRunnerError(
             "the model holds a persistent continuous batching manager; call "
             "model.destroy_cached_continuous_batching_manager() first"
@@ -277,25 +268,65 @@ def _batch_options(options: BatchingOptions | None, kwargs: dict[str, Any]) -> B
 
 
 def _dry_run(
-    model: PreTrainedModel,
     hook: GraphBatching,
     manager: ContinuousBatchingManager,
     inputs: list[list[int]],
-    generation_config: GenerationConfig | None,
-    cb_cfg: ContinuousBatchingConfig,
+    gen_cfg: GenerationConfig,
     run_kwargs: dict[str, Any],
 ) -> None:
     """Install ``hook`` on ``manager`` and run transformers' scheduler over ``inputs`` without a forward,
     recording the step sizes (``hook.stats.step_sizes``) the keys are planned from."""
     hook.install(manager)
     t0 = time.perf_counter()
-    hook.mode = "record"
-    _quiet_generate(model, inputs, generation_config, cb_cfg, {**run_kwargs, "progress_bar": False})
+    with hook.recording():
+        _serve_requests(manager, inputs, gen_cfg, {**run_kwargs, "progress_bar": False})
     _reraise(hook)
     hook.stats.dry_run_seconds = time.perf_counter() - t0
-    if hook.batch_processor is None:
-        raise GraphRunnerError("the dry run did not start transformers' batch processor")
-    hook.mode = "eager"
+
+
+def _serve_requests(
+    manager: ContinuousBatchingManager, inputs: list[list[int]], gen_cfg: GenerationConfig, kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """One session of ``manager`` over ``inputs`` through its public API, as ``model.generate_batch`` runs one:
+    request ids ``req_0``, ... (the children of ``num_return_sequences`` right after their parent), results in
+    the order of the inputs; the manager stopped and kept for the next session, not cached on the model.
+    ``kwargs``: ``max_new_tokens``, ``record_timestamps``, ``progress_bar`` (``TypeError`` for another)."""
+    from tqdm.auto import tqdm
+
+    unknown = sorted(set(kwargs) - {"max_new_tokens", "record_timestamps", "progress_bar"})
+    if unknown:
+        raise TypeError(f"generate_batch got unexpected keyword argument(s) {unknown}")
+    n_ret = gen_cfg.num_return_sequences if gen_cfg.num_return_sequences is not None else 1
+    results: dict[str, Any] = {}
+    manager.start()  # then the requests, as generate_batch adds them (add_requests orders them for prefix sharing)
+    try:
+        ids = manager.add_requests(
+            inputs,
+            max_new_tokens=kwargs.get("max_new_tokens"),
+            record_timestamps=bool(kwargs.get("record_timestamps", False)),
+        )
+        with tqdm(total=len(ids) * n_ret, disable=not kwargs.get("progress_bar"), unit="request") as bar:
+            while len(results) < len(ids) * n_ret:
+                result = manager.get_result(timeout=1)
+                if result is None:
+                    if not manager.is_running():
+                        break  # the generation thread died: the step's error is re-raised by the caller
+                    continue
+                if result.is_finished():
+                    results[result.request_id] = result
+                    bar.update(1)
+    finally:
+        manager.stop(block=True, keep_for_next_session=True)
+        forget_kept_manager(manager.model, manager)
+    # a kept manager counts its request ids on from its last session: each call names them req_0, ... again
+    out = {}
+    for i, rid in enumerate(ids):
+        for k in range(n_ret):
+            theirs = f"{rid}__child#{k}" if k < n_ret - 1 else rid
+            ours = f"req_{i}__child#{k}" if k < n_ret - 1 else f"req_{i}"
+            if theirs in results:
+                out[ours] = dataclasses.replace(results[theirs], request_id=ours)
+    return out
 
 
 def _keep_or_destroy(
@@ -303,8 +334,6 @@ def _keep_or_destroy(
 ) -> GraphRunner | None:
     """After a :func:`generate_batch` call: keep ``manager`` and its graphs on ``model`` for the next call of
     ``settings`` (``keep``), else destroy them; the runner that served, for the stats."""
-    if getattr(model, "_cached_continuous_batching_manager", None) is manager:
-        del model._cached_continuous_batching_manager  # model.generate_batch must not pick our manager up
     if hook.runner is not None and hook.options.background:
         hook.runner.wait_captured()
     runner = hook.runner  # for stats: destroying the manager releases it
@@ -346,24 +375,3 @@ def _reraise(hook: GraphBatching) -> None:
     if hook.error is not None:
         err, hook.error = hook.error, None
         raise err
-
-
-def _quiet_generate(
-    model: PreTrainedModel,
-    inputs: list[list[int]],
-    generation_config: GenerationConfig | None,
-    cb_cfg: ContinuousBatchingConfig,
-    run_kwargs: dict[str, Any],
-) -> dict[str, Any]:
-    """``model.generate_batch`` with transformers' warning about ``persistent_manager=True`` silenced:
-    graphrunner passes it, not the user."""
-    from transformers.generation.continuous_batching.utils import logger as cb_logger
-
-    level = cb_logger.level
-    cb_logger.setLevel(logging.ERROR)
-    try:
-        return _continuous(model).generate_batch(
-            inputs=inputs, generation_config=generation_config, continuous_batching_config=cb_cfg, **run_kwargs
-        )
-    finally:
-        cb_logger.setLevel(level)

@@ -15,7 +15,7 @@ from typing import Any
 
 from graphrunner.errors import GraphRunnerError
 
-__all__ = ["CHECKED_WITH", "INTERNALS", "attention_implementation", "check"]
+__all__ = ["CHECKED_WITH", "INTERNALS", "attention_implementation", "check", "forget_kept_manager", "kept_manager"]
 
 #: The transformers versions these internals were checked on.
 CHECKED_WITH = "5.25"
@@ -25,7 +25,23 @@ INTERNALS = {
     "PretrainedConfig._attn_implementation": (
         "the attention implementation a model runs (no public getter; set_attn_implementation is the setter)"
     ),
+    "ContinuousMixin._cached_continuous_batching_manager": (
+        "where manager.stop(keep_for_next_session=True) keeps a manager for the model's next generate_batch: "
+        "gr.hf keeps its own managers, so it takes them out of that slot"
+    ),
 }
+
+
+def kept_manager(model: Any) -> Any:
+    """The manager transformers keeps on ``model`` for its next ``generate_batch`` (``None``: none)."""
+    return getattr(model, "_cached_continuous_batching_manager", None)
+
+
+def forget_kept_manager(model: Any, manager: Any) -> None:
+    """Take ``manager`` out of the slot where ``manager.stop(keep_for_next_session=True)`` keeps it on ``model``
+    (``model.generate_batch`` and ``model.init_continuous_batching`` would run it); another manager stays."""
+    if kept_manager(model) is manager:
+        del model._cached_continuous_batching_manager
 
 
 def attention_implementation(model: Any) -> str | None:
