@@ -59,9 +59,17 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from graphrunner.agreement import RankAgreement
+from graphrunner.budget import one_time_imports
+from graphrunner.channel import fail_ranks
+from graphrunner.devices import TapeDevice
 from graphrunner.errors import CaptureError
+from graphrunner.layout import user_error
 from graphrunner.recording.hooks import Capture, CaptureHook
+from graphrunner.recording.ops import OpRecorder, WriteGuard
+from graphrunner.tape.rng import shared_generators
 
 if TYPE_CHECKING:
     from graphrunner.backends.base import GraphBackend
@@ -197,8 +205,6 @@ class BackgroundCapture:
 
     def _main(self) -> None:
         try:
-            from graphrunner.budget import one_time_imports
-
             one_time_imports()  # PyTorch's one-time import (~1.4 s), before taking the lock from any call
             if self._gate is not None:
                 self._gate.wait()
@@ -331,11 +337,6 @@ def start_background(
     every call from now on while ``run`` (a :class:`~graphrunner.capturing.CaptureRun`, which
     already set the server's agreement up) captures the keys on a thread through ``backend``;
     ``gate``: tests hold the thread before its first key."""
-    import torch
-
-    from graphrunner.devices import TapeDevice
-    from graphrunner.layout import user_error
-    from graphrunner.tape.rng import shared_generators
 
     begun: list[bool] = []
     executes = isinstance(
@@ -366,8 +367,6 @@ def start_background(
             if mode is not None:
                 backend.capture_error_mode = mode
             run.close(True)
-
-    from graphrunner.channel import fail_ranks
 
     group = server.group
     agreement = server.agreement
@@ -412,7 +411,6 @@ class PutBack(CaptureHook):
     name = "put-back"
 
     def __init__(self, staging: StaticInputs, executes_capture: bool) -> None:
-        from graphrunner.recording.ops import WriteGuard
 
         self.staging = staging
         self.guard, self.executes = WriteGuard(list(staging.buffers.values())), bool(executes_capture)
@@ -421,7 +419,6 @@ class PutBack(CaptureHook):
 
     def begin(self, cap: Capture) -> None:
         """Keep the static buffers and set every input to its pad value (the key's own inputs)."""
-        import torch
 
         staging = self.staging
         with torch.inference_mode():
@@ -432,7 +429,6 @@ class PutBack(CaptureHook):
         staging.filled = staging.zero
 
     def _state_to_pad(self) -> None:
-        import torch
 
         staging = self.staging
         with torch.inference_mode():
@@ -459,7 +455,6 @@ class PutBack(CaptureHook):
     def around(self, hook: Callable[[], Any]) -> Callable[[], Any]:
         """``hook`` (the post-warmup hook) with what it writes logged too: a cache reset in the hook
         must not wipe the rows real requests wrote, so it is put back with the warmups' writes."""
-        from graphrunner.recording.ops import OpRecorder
 
         def recorded() -> Any:
             with OpRecorder([self.guard]):
@@ -469,7 +464,6 @@ class PutBack(CaptureHook):
 
     def end(self, cap: Capture) -> None:
         """Put back what the key wrote outside the step, and the static buffers as the last call left them."""
-        import torch
 
         self.guard.restore()
         kept, self._kept = self._kept, None

@@ -24,14 +24,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from graphrunner.agreement import config_digest, config_fields, make_agreement
-from graphrunner.budget import MemoryBudget, one_time_imports
+from graphrunner.background import start_background, wait_background
+from graphrunner.budget import MemoryBudget, OverBudget, one_time_imports
 from graphrunner.channel import fail_ranks
 from graphrunner.checks import contracts, fingerprint
 from graphrunner.checks.lint import first_unsafe_op
 from graphrunner.errors import RankFailedError, add_note
 from graphrunner.layout import user_error
 from graphrunner.progress import CaptureProgress
-from graphrunner.report import BucketReport, CaptureReport
+from graphrunner.recording.hooks import Finding
+from graphrunner.report import BucketReport, CaptureReport, format_bytes
 
 if TYPE_CHECKING:
     import threading
@@ -262,9 +264,6 @@ class Capturer:
     def _budget_finding(self, collect: FindingsCollector) -> Callable[[Any, list[BucketReport], BucketReport], None]:
         """In collect mode (``graphrunner check``): the memory budget as one finding (the first key
         over it), instead of the restart a capture makes."""
-        from graphrunner.budget import OverBudget
-        from graphrunner.recording.hooks import Finding
-        from graphrunner.report import format_bytes
 
         over_at: list[Any] = []  # one finding: the first key over the budget
 
@@ -296,7 +295,6 @@ class Capturer:
 
     def capture_in_background(self, agree: bool) -> None:
         """Start a background capture (:func:`graphrunner.background.start_background`)."""
-        from graphrunner.background import start_background
 
         if self.budget.budget is not None:
             raise ValueError(
@@ -328,7 +326,6 @@ class Capturer:
         """``runner.wait_captured(timeout)`` (:func:`graphrunner.background.wait_background`).
         ``timeout``: seconds >= 0, ``None`` or ``math.inf`` to wait until done; ``ValueError`` for a
         negative or NaN one, ``TypeError`` for a non-number (nothing is waited for then)."""
-        from graphrunner.background import wait_background
 
         timeout = wait_seconds(timeout)
         bg = self.server.background or self.server.last_background

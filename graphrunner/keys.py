@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from graphrunner.buckets import _check_ratio, validate_buckets
+from graphrunner.buckets import check_ratio, validate_buckets
 from graphrunner.errors import AgreementError
 
 if TYPE_CHECKING:
@@ -122,7 +122,7 @@ class KeySpace:
         else:
             self.buckets = {BATCH_DIM: validate_buckets(buckets)}
         self.dims: tuple[str, ...] = tuple(self.buckets)
-        self.max_padding_ratio = _check_ratio(max_padding_ratio)
+        self.max_padding_ratio = check_ratio(max_padding_ratio)
         self.explicit = keys is not None
         if keys is None:
             grid = itertools.product(*self.buckets.values())
@@ -213,7 +213,7 @@ class KeySpace:
                         hit = self._by_bucket[b] = self._choose(b)
             else:
                 hit = self._choose(sizes)
-            if len(self._memo) >= _MEMO_LIMIT:  # varlen sizes rarely repeat: keep the memo bounded
+            if len(self._memo) >= MEMO_LIMIT:  # varlen sizes rarely repeat: keep the memo bounded
                 self._memo.clear()
             self._memo[sizes] = hit
         return hit
@@ -290,7 +290,7 @@ class KeySpace:
 #: Entries :meth:`KeySpace.choose` (and the dispatcher's routes, the static inputs' views and re-pad
 #: views, the output views) keep per exact sizes before starting over: a server's varlen sizes rarely
 #: repeat, and the per-bucket entries behind them are cheap to reach (a miss costs a few views).
-_MEMO_LIMIT = 4096
+MEMO_LIMIT = 4096
 
 
 def _order(key: Sizes) -> tuple[int, Sizes]:

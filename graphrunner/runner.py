@@ -33,6 +33,7 @@ from graphrunner.buckets import default_buckets
 from graphrunner.budget import MemoryBudget
 from graphrunner.capturing import Capturer
 from graphrunner.checks import contracts, resolve_checks
+from graphrunner.checks.compare import compare_runner
 from graphrunner.checks.verify import verify_every_setting
 from graphrunner.errors import CaptureError
 from graphrunner.group import LocalGroup
@@ -366,7 +367,6 @@ class GraphRunner:
         """Run the graph and an eager reference on ``inputs`` (staged exactly as a call) and
         localise any difference: a :class:`graphrunner.checks.compare.CompareReport`. State the
         step writes is put back. See :func:`graphrunner.checks.compare.compare_runner`."""
-        from graphrunner.checks.compare import compare_runner
 
         return compare_runner(self.server, inputs)
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from graphrunner.agreement import LocalAgreement, RankAgreement
+from graphrunner.background import settle_background
 from graphrunner.channel import fail_ranks
 from graphrunner.checks import contracts
 from graphrunner.checks.verify import shadow_reference, shadow_verify
@@ -195,8 +196,6 @@ class Server:
                     self.calls -= 1
                 raise
             if self.background is not None:
-                from graphrunner.background import settle_background
-
                 settle_background(self, rows)
             route = self.routes.get(rows) or self.routes.route(rows)
             key = route.key
