@@ -63,20 +63,20 @@ import torch
 
 from graphrunner.agreement import RankAgreement
 from graphrunner.budget import one_time_imports
+from graphrunner.capturing import Capturer, CaptureRun, wait_seconds
 from graphrunner.channel import fail_ranks
 from graphrunner.devices import TapeDevice
 from graphrunner.errors import CaptureError
 from graphrunner.layout import user_error
 from graphrunner.recording.hooks import Capture, CaptureHook
 from graphrunner.recording.ops import OpRecorder, WriteGuard
+from graphrunner.serving import Server
 from graphrunner.tape.rng import shared_generators
 
 if TYPE_CHECKING:
     from graphrunner.backends.base import GraphBackend
-    from graphrunner.capturing import CaptureRun
     from graphrunner.recording.ops import OpConsumer
     from graphrunner.report import CaptureReport
-    from graphrunner.serving import Server
     from graphrunner.staging import StaticInputs
 
 __all__ = [
@@ -86,6 +86,8 @@ __all__ = [
     "settle_background",
     "wait_background",
     "hold_background",
+    "capture_in_background",
+    "wait_captured",
 ]
 
 logger = logging.getLogger("graphrunner")
@@ -280,6 +282,11 @@ class BackgroundCapture:
             self._granted += 1
             self._grants.put(self._next_key())  # captured right after this call returns
         return new, None
+
+    def settle(self, server: Server, rows: Sizes | None) -> None:
+        """:func:`settle_background` for this capture, served by ``server`` (the server calls it
+        through :class:`graphrunner.serving.BackgroundWork`, knowing no more of this class)."""
+        settle_background(server, rows)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds (None: for ever) for the thread; True when it finished.
@@ -480,7 +487,7 @@ def settle_background(server: Server, rows: Sizes | None) -> None:
     replaying now; on several ranks the next key is granted; a failed capture raises here, on
     every rank alike."""
     bg = server.background
-    if bg is None:
+    if not isinstance(bg, BackgroundCapture):
         raise CaptureError("internal error: settle_background() called with no background capture serving")
     agreement = server.agreement
     key = server.space.choose(rows)[0] if rows is not None and min(rows) >= 1 else None
@@ -514,3 +521,31 @@ def hold_background(server: Server) -> Iterator[None]:
         return
     with bg.call():
         yield
+
+
+def capture_in_background(capturer: Capturer, agree: bool) -> None:
+    """``runner.capture(background=True)``: start a background capture of ``capturer``'s keys
+    (:func:`start_background`); ``ValueError`` with a memory budget, which it cannot apply."""
+    if capturer.budget.budget is not None:
+        raise ValueError(
+            "GraphRunner.capture(background=True) does not apply memory_budget (it measures each "
+            "key's graph after the capture); capture in the foreground, or drop memory_budget"
+        )
+    run = CaptureRun(capturer, capturer.server.space.capture_order(), agree)  # sets the server's agreement up
+    start_background(capturer.server, run, capturer.backend, capturer.background_gate)
+
+
+def wait_captured(capturer: Capturer, timeout: float | None) -> CaptureReport | None:
+    """``runner.wait_captured(timeout)`` (:func:`wait_background`): the capture's report, kept as
+    ``capturer.report``, or None. ``timeout``: seconds >= 0, ``None`` or ``math.inf`` to wait until
+    done; ``ValueError`` for a negative or NaN one, ``TypeError`` for a non-number (nothing is
+    waited for then)."""
+    timeout = wait_seconds(timeout)
+    server = capturer.server
+    bg = server.background or server.last_background
+    if not isinstance(bg, BackgroundCapture):
+        return capturer.report
+    report = wait_background(server, bg, timeout)
+    if report is not None:
+        capturer.report = report
+    return report

@@ -17,15 +17,12 @@ import bisect
 import itertools
 import math
 from collections.abc import Hashable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from graphrunner.buckets import check_ratio, validate_buckets
 from graphrunner.errors import AgreementError
-
-if TYPE_CHECKING:
-    from graphrunner.inputs import BatchInput
 
 __all__ = [
     "KeySpace",
@@ -363,7 +360,16 @@ def count_leaves(spec: tuple) -> int:
     return sum(count_leaves(c) for c in spec[-1])
 
 
-def resolve_input_dims(inputs: Mapping[str, BatchInput], space: KeySpace) -> dict[str, tuple[int, ...]]:
+class DeclaresDims(Protocol):
+    """What :func:`resolve_input_dims` reads of an input declaration (a
+    :class:`graphrunner.inputs.BatchInput`, which imports this module): its leading dims' names,
+    or None for the batch dim alone."""
+
+    @property
+    def dims(self) -> tuple[str, ...] | None: ...
+
+
+def resolve_input_dims(inputs: Mapping[str, DeclaresDims], space: KeySpace) -> dict[str, tuple[int, ...]]:
     """``{input name: indices of its leading dims in space.dims}``; every dim used by some input."""
     out: dict[str, tuple[int, ...]] = {}
     for name, spec in inputs.items():

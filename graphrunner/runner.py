@@ -28,7 +28,7 @@ import torch
 
 from graphrunner.agreement import config_fields
 from graphrunner.backends import make_backend
-from graphrunner.background import hold_background
+from graphrunner.background import capture_in_background, hold_background, wait_captured
 from graphrunner.buckets import default_buckets
 from graphrunner.budget import MemoryBudget
 from graphrunner.capturing import Capturer
@@ -310,7 +310,7 @@ class GraphRunner:
         if self.captured:
             raise CaptureError("GraphRunner.capture() was already called; call runner.cleanup() before capturing again")
         if background:
-            self.capturer.capture_in_background(self.agree_bucket)
+            capture_in_background(self.capturer, self.agree_bucket)
             bg = self.server.background
             if bg is not None:  # garbage collection and interpreter exit end the thread before the runner is gone
                 weakref.finalize(self, bg.end, "GraphRunner garbage collected or the interpreter exiting")
@@ -327,7 +327,7 @@ class GraphRunner:
         key; the report, or ``None`` when it timed out or failed (the next call raises the error).
         On several ranks every rank must call it: it captures the remaining keys now, and they
         replay from the next call (whose agreement tells every rank that every rank has them)."""
-        return self.capturer.wait(timeout)
+        return wait_captured(self.capturer, timeout)
 
     def hold(self) -> AbstractContextManager[None]:
         """``with runner.hold():`` keeps a background capture from starting a key while the body

@@ -22,7 +22,14 @@ strongly connected component of more than one module. The edges:
 
 * every ``import`` and ``from ... import`` statement counts, at module top or inside a
   function (a function-level import still runs, later: hiding a cycle behind one is what this
-  check exists to refuse), except those under ``if TYPE_CHECKING:``, which never run;
+  check exists to refuse);
+* imports under ``if TYPE_CHECKING:`` never run, so they cannot break an import: the run-time
+  graph (``import_graph(type_checking=False)``) leaves them out. They are still one module
+  knowing another, and the cycles issue 50 counted (``background <-> capturing <-> serving``,
+  ``inputs <-> keys``, the tape's modules) ran through them: the test counts them too
+  (``type_checking=True``, the default), so a lower module names what it needs of a higher one
+  as a ``typing.Protocol`` of its own (``serving.BackgroundWork``, ``tape.state.ActiveCapture``,
+  ``tape.bindings.VerifiedCapture``, ``keys.DeclaresDims``), never by importing it;
 * ``from P import x`` is an edge to the submodule ``P.x`` when ``x`` is one, else to ``P``
   (``x`` is then read from ``P``'s namespace, so ``P``'s ``__init__`` must have bound it:
   re-exports in a package ``__init__`` are edges like any other);
@@ -254,15 +261,15 @@ def edge_targets(record: Import, modules: set[str]) -> set[str]:
     return out
 
 
-def import_graph(root: Path = ROOT) -> dict[str, dict[str, list[int]]]:
+def import_graph(root: Path = ROOT, type_checking: bool = True) -> dict[str, dict[str, list[int]]]:
     """``{module: {imported module: [lines]}}``: the import graph, every edge with its lines
-    (function-level imports included, ``if TYPE_CHECKING:`` imports left out)."""
+    (function-level imports included; ``if TYPE_CHECKING:`` imports unless ``type_checking=False``)."""
     files = source_files(root)
     modules = set(files)
     graph: dict[str, dict[str, list[int]]] = {m: {} for m in files}
     for module, path in files.items():
         for record in import_records(path, module):
-            if record.type_checking:
+            if record.type_checking and not type_checking:
                 continue
             for target in edge_targets(record, modules):
                 if target != module:
@@ -311,9 +318,10 @@ def strongly_connected(graph: dict[str, dict[str, list[int]]]) -> list[list[str]
     return out
 
 
-def import_cycles(root: Path = ROOT) -> list[tuple[tuple[str, ...], list[str]]]:
-    """Every import cycle: ``(its modules, sorted; the edges inside it as "a:line -> b")``."""
-    graph = import_graph(root)
+def import_cycles(root: Path = ROOT, type_checking: bool = True) -> list[tuple[tuple[str, ...], list[str]]]:
+    """Every import cycle: ``(its modules, sorted; the edges inside it as "a:line -> b")``
+    (``type_checking=False``: only the cycles that run, without ``if TYPE_CHECKING:`` imports)."""
+    graph = import_graph(root, type_checking)
     out = []
     for component in strongly_connected(graph):
         if len(component) < 2:
@@ -484,7 +492,8 @@ def _package(root: Path, files: dict[str, str]) -> Path:
 def test_the_walk_sees_a_cycle_through_a_function_level_import(tmp_path):
     """Negative control: two modules importing each other, one of them inside a function, are a
     cycle (and its function-level import and underscore name are found); the same pair with the
-    back import under ``if TYPE_CHECKING:`` is none."""
+    back import under ``if TYPE_CHECKING:`` is a cycle of what the modules know, not one that
+    runs."""
     root = _package(
         tmp_path / "a",
         {
@@ -514,6 +523,10 @@ def test_the_walk_sees_a_cycle_through_a_function_level_import(tmp_path):
             ),
         },
     )
+    assert import_cycles(root, type_checking=False) == []
+    assert [c[0] for c in import_cycles(root)] == [("graphrunner.capturing", "graphrunner.serving")]
+    assert main([str(root)]) == 1
+    (root / "graphrunner" / "capturing.py").write_text("def capture():\n    pass\n")
     assert import_cycles(root) == []
     assert main([str(root)]) == 0
 

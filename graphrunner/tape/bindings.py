@@ -14,7 +14,7 @@ composite's ``out=`` form) must also be proven equal on random data
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -23,8 +23,21 @@ from .proof import bits_equal, eager_context, equal_ints, proven
 from .state import give_back_scratch, scratch_storage, storage_bytes, storage_of
 from .survivors import poison_value
 
-if TYPE_CHECKING:  # recording imports this module
-    from .recording import TapeCapture
+
+class VerifiedCapture(Protocol):
+    """What :class:`Verifier` reads of the capture it verifies a call for
+    (:class:`graphrunner.tape.recording.TapeCapture`, which sits above this module)."""
+
+    names: dict[int, str]  #: id(tensor) -> name
+    kind: dict[str, str]  #: name -> "ext" | "int"
+    scalars: dict[tuple, torch.Tensor]  #: Python scalar -> shared 0-dim tensor
+    inference: bool
+    tls: tuple
+
+    def scalar_tensor(self, v, dtype=None) -> torch.Tensor:
+        """One shared 0-dim tensor per Python scalar and dtype."""
+        ...
+
 
 # Calling an OpOverload from Python (``aten.mul.Tensor._op(x, y)``) costs about
 # 1.5x the public binding (``torch.mul(x, y)``), and a Python scalar argument
@@ -266,7 +279,7 @@ class Verifier:
     """Prepared before an aten op runs (copies of the storages it writes), then
     asked after it ran for the fastest binding computing the same thing."""
 
-    def __init__(self, cap: TapeCapture, func, args, kwargs, written: list, fresh: dict):
+    def __init__(self, cap: VerifiedCapture, func, args, kwargs, written: list, fresh: dict):
         self.ok = False
         self.out_ok = False  # the picked binding also takes a preplanned out= buffer (see _out_ok)
         self.twin_st: dict[int, tuple] = {}  # storage key -> (storage, its bytes before the op)
@@ -312,7 +325,7 @@ class Verifier:
                     return False
         return True
 
-    def pick(self, cap: TapeCapture, func, args, kwargs, out):
+    def pick(self, cap: VerifiedCapture, func, args, kwargs, out):
         """Return (binding, args, kwargs) verified equal to ``func`` on this data, or None."""
         if not self.ok:
             return None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -32,9 +32,6 @@ from .state import release_snapshot, snapshot_copy, storage_bytes, storage_of
 from .streams import CLOCKS, current_stream
 from .survivors import POISONED, SURVIVORS, EscapedTensorWarning, Poisoned
 from .unsafe import check_safe, user_frame
-
-if TYPE_CHECKING:  # graph imports this module: a runtime import would be a cycle
-    from .graph import TapeGraph
 
 
 class Ref:
@@ -121,7 +118,8 @@ class RecordedOp:
 class TapeCapture:
     """Mutable state of one capture in progress (dropped at capture end)."""
 
-    def __init__(self, graph: TapeGraph, mode: str = "global"):
+    def __init__(self, graph: object, mode: str = "global"):
+        # the TapeGraph capturing (graph.py, above this module, makes captures): only told apart by identity
         self.graph = graph
         self.mode = mode  # capture_error_mode
         self.thread = threading.get_ident()  # the capturing thread

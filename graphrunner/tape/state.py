@@ -17,12 +17,21 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:  # (at run time the package's modules import this one, not the reverse)
-    from .recording import TapeCapture
+
+class ActiveCapture(Protocol):
+    """What the modules below the recorder need of a capture in progress
+    (:class:`graphrunner.tape.recording.TapeCapture`, which sits above them): its
+    ``capture_error_mode``, its thread, and where an error the capture must end with is kept."""
+
+    mode: str
+    thread: int
+    thread_name: str
+    failed: BaseException | None
+
 
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 
@@ -30,11 +39,11 @@ CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 # Like CUDA, captures in different threads may overlap when neither uses
 # capture_error_mode="global"; a global-mode capture is the only one while it
 # lasts.  Changed only under ACTIVE_LOCK.
-ACTIVE: dict[int, TapeCapture] = {}
+ACTIVE: dict[int, ActiveCapture] = {}
 ACTIVE_LOCK = threading.Lock()
 
 
-def capture_here() -> TapeCapture | None:
+def capture_here() -> ActiveCapture | None:
     """The capture in progress in the calling thread, if any."""
     return ACTIVE.get(threading.get_ident())
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import TYPE_CHECKING
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -23,9 +22,7 @@ from graphrunner._frames import user_frame as _user_frame_of
 from graphrunner._frames import where as _where
 from graphrunner.errors import CaptureUnsafeOpError
 
-if TYPE_CHECKING:  # recording imports this module: a runtime import would be a cycle
-    from .recording import TapeCapture
-
+from .state import ActiveCapture
 
 _INDEX_OPS = {"index", "_unsafe_index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put"}
 
@@ -237,7 +234,7 @@ class Guard(TorchFunctionMode):
     """Rejects host-reading Tensor methods that never reach the dispatcher,
     and runs ``F.one_hot`` with ``num_classes`` without its CPU-only host read."""
 
-    def __init__(self, cap: TapeCapture):
+    def __init__(self, cap: ActiveCapture):
         super().__init__()
         self.cap = cap
 
