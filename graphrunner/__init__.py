@@ -24,6 +24,8 @@ from graphrunner.errors import (
 )
 
 __version__ = "0.1.0"
+import importlib
+
 from graphrunner.arena import OutputArena
 from graphrunner.breakable import BreakableGraph, breakable_graph, no_graph
 from graphrunner.checks import PaddingCheck
@@ -76,7 +78,5 @@ __all__ = [
 def __getattr__(name):
     """Lazy ``gr.hf``: imports :mod:`graphrunner.hf` (which needs ``transformers``) on first access."""
     if name == "hf":
-        import importlib
-
         return importlib.import_module("graphrunner.hf")
     raise AttributeError(f"module 'graphrunner' has no attribute {name!r}")

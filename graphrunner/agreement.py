@@ -26,6 +26,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from graphrunner.checks.fingerprint import canonical, stable_hash
 from graphrunner.errors import ContractError, GraphRunnerError
 from graphrunner.keys import RESYNC, AgreementError, agree_extra, all_max_vector
 
@@ -53,9 +54,8 @@ def config_fields(server: Any, checks: Any) -> dict[str, Any]:
 def config_digest(fields: Mapping[str, Any]) -> int:
     """A 62-bit digest of a runner's configuration fields (what the capture fingerprint
     compares, :func:`config_fields`), computed once per capture, for :class:`RankAgreement`."""
-    from graphrunner.checks.fingerprint import _hash, canonical
 
-    return _hash(canonical(dict(fields)))
+    return stable_hash(canonical(dict(fields)))
 
 
 class LocalAgreement:

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from graphrunner.report import format_bytes
+
 __all__ = ["OutputArena"]
 
 #: Byte alignment of every tensor carved from a block (covers every dtype's element size).
@@ -116,7 +118,6 @@ class OutputArena:
 
     def summary(self) -> str:
         """One line: owners, bytes held, what separate buffers would hold, and any outgrown block."""
-        from graphrunner.report import format_bytes
 
         line = (
             f"output arena {self.name!r}: {self.owners} runner output buffers share "

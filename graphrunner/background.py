@@ -59,16 +59,24 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from graphrunner.agreement import RankAgreement
+from graphrunner.budget import one_time_imports
+from graphrunner.capturing import Capturer, CaptureRun, wait_seconds
+from graphrunner.channel import fail_ranks
+from graphrunner.devices import TapeDevice
 from graphrunner.errors import CaptureError
+from graphrunner.layout import user_error
 from graphrunner.recording.hooks import Capture, CaptureHook
+from graphrunner.recording.ops import OpRecorder, WriteGuard
+from graphrunner.serving import Server
+from graphrunner.tape.rng import shared_generators
 
 if TYPE_CHECKING:
     from graphrunner.backends.base import GraphBackend
-    from graphrunner.capturing import CaptureRun
     from graphrunner.recording.ops import OpConsumer
     from graphrunner.report import CaptureReport
-    from graphrunner.serving import Server
     from graphrunner.staging import StaticInputs
 
 __all__ = [
@@ -78,6 +86,8 @@ __all__ = [
     "settle_background",
     "wait_background",
     "hold_background",
+    "capture_in_background",
+    "wait_captured",
 ]
 
 logger = logging.getLogger("graphrunner")
@@ -197,8 +207,6 @@ class BackgroundCapture:
 
     def _main(self) -> None:
         try:
-            from graphrunner.budget import one_time_imports
-
             one_time_imports()  # PyTorch's one-time import (~1.4 s), before taking the lock from any call
             if self._gate is not None:
                 self._gate.wait()
@@ -275,6 +283,11 @@ class BackgroundCapture:
             self._grants.put(self._next_key())  # captured right after this call returns
         return new, None
 
+    def settle(self, server: Server, rows: Sizes | None) -> None:
+        """:func:`settle_background` for this capture, served by ``server`` (the server calls it
+        through :class:`graphrunner.serving.BackgroundWork`, knowing no more of this class)."""
+        settle_background(server, rows)
+
     def wait(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds (None: for ever) for the thread; True when it finished.
         Several ranks: first grants every remaining key (every rank must call it, at the same
@@ -331,11 +344,6 @@ def start_background(
     every call from now on while ``run`` (a :class:`~graphrunner.capturing.CaptureRun`, which
     already set the server's agreement up) captures the keys on a thread through ``backend``;
     ``gate``: tests hold the thread before its first key."""
-    import torch
-
-    from graphrunner.devices import TapeDevice
-    from graphrunner.layout import user_error
-    from graphrunner.tape.rng import shared_generators
 
     begun: list[bool] = []
     executes = isinstance(
@@ -366,8 +374,6 @@ def start_background(
             if mode is not None:
                 backend.capture_error_mode = mode
             run.close(True)
-
-    from graphrunner.channel import fail_ranks
 
     group = server.group
     agreement = server.agreement
@@ -412,7 +418,6 @@ class PutBack(CaptureHook):
     name = "put-back"
 
     def __init__(self, staging: StaticInputs, executes_capture: bool) -> None:
-        from graphrunner.recording.ops import WriteGuard
 
         self.staging = staging
         self.guard, self.executes = WriteGuard(list(staging.buffers.values())), bool(executes_capture)
@@ -421,7 +426,6 @@ class PutBack(CaptureHook):
 
     def begin(self, cap: Capture) -> None:
         """Keep the static buffers and set every input to its pad value (the key's own inputs)."""
-        import torch
 
         staging = self.staging
         with torch.inference_mode():
@@ -432,7 +436,6 @@ class PutBack(CaptureHook):
         staging.filled = staging.zero
 
     def _state_to_pad(self) -> None:
-        import torch
 
         staging = self.staging
         with torch.inference_mode():
@@ -459,7 +462,6 @@ class PutBack(CaptureHook):
     def around(self, hook: Callable[[], Any]) -> Callable[[], Any]:
         """``hook`` (the post-warmup hook) with what it writes logged too: a cache reset in the hook
         must not wipe the rows real requests wrote, so it is put back with the warmups' writes."""
-        from graphrunner.recording.ops import OpRecorder
 
         def recorded() -> Any:
             with OpRecorder([self.guard]):
@@ -469,7 +471,6 @@ class PutBack(CaptureHook):
 
     def end(self, cap: Capture) -> None:
         """Put back what the key wrote outside the step, and the static buffers as the last call left them."""
-        import torch
 
         self.guard.restore()
         kept, self._kept = self._kept, None
@@ -486,7 +487,7 @@ def settle_background(server: Server, rows: Sizes | None) -> None:
     replaying now; on several ranks the next key is granted; a failed capture raises here, on
     every rank alike."""
     bg = server.background
-    if bg is None:
+    if not isinstance(bg, BackgroundCapture):
         raise CaptureError("internal error: settle_background() called with no background capture serving")
     agreement = server.agreement
     key = server.space.choose(rows)[0] if rows is not None and min(rows) >= 1 else None
@@ -520,3 +521,31 @@ def hold_background(server: Server) -> Iterator[None]:
         return
     with bg.call():
         yield
+
+
+def capture_in_background(capturer: Capturer, agree: bool) -> None:
+    """``runner.capture(background=True)``: start a background capture of ``capturer``'s keys
+    (:func:`start_background`); ``ValueError`` with a memory budget, which it cannot apply."""
+    if capturer.budget.budget is not None:
+        raise ValueError(
+            "GraphRunner.capture(background=True) does not apply memory_budget (it measures each "
+            "key's graph after the capture); capture in the foreground, or drop memory_budget"
+        )
+    run = CaptureRun(capturer, capturer.server.space.capture_order(), agree)  # sets the server's agreement up
+    start_background(capturer.server, run, capturer.backend, capturer.background_gate)
+
+
+def wait_captured(capturer: Capturer, timeout: float | None) -> CaptureReport | None:
+    """``runner.wait_captured(timeout)`` (:func:`wait_background`): the capture's report, kept as
+    ``capturer.report``, or None. ``timeout``: seconds >= 0, ``None`` or ``math.inf`` to wait until
+    done; ``ValueError`` for a negative or NaN one, ``TypeError`` for a non-number (nothing is
+    waited for then)."""
+    timeout = wait_seconds(timeout)
+    server = capturer.server
+    bg = server.background or server.last_background
+    if not isinstance(bg, BackgroundCapture):
+        return capturer.report
+    report = wait_background(server, bg, timeout)
+    if report is not None:
+        capturer.report = report
+    return report

@@ -120,7 +120,7 @@ def bucket_table(buckets: Sequence[int], max_padding_ratio: float | None) -> lis
     return table
 
 
-def _check_ratio(r) -> float | None:
+def check_ratio(r) -> float | None:
     if r is None:
         return None
     if isinstance(r, bool) or not isinstance(r, (int, float)):

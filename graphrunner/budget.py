@@ -53,7 +53,7 @@ def one_time_imports() -> float:
     if "torch._dynamo" in sys.modules:
         return 0.0
     t0 = time.perf_counter()
-    import torch._dynamo  # noqa: F401
+    import torch._dynamo  # noqa: F401  # heavy and optional: this function times its one-time import
 
     return time.perf_counter() - t0
 

@@ -24,14 +24,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from graphrunner.agreement import config_digest, config_fields, make_agreement
-from graphrunner.budget import MemoryBudget, one_time_imports
+from graphrunner.budget import MemoryBudget, OverBudget, one_time_imports
 from graphrunner.channel import fail_ranks
 from graphrunner.checks import contracts, fingerprint
 from graphrunner.checks.lint import first_unsafe_op
 from graphrunner.errors import RankFailedError, add_note
 from graphrunner.layout import user_error
 from graphrunner.progress import CaptureProgress
-from graphrunner.report import BucketReport, CaptureReport
+from graphrunner.recording.hooks import Finding
+from graphrunner.report import BucketReport, CaptureReport, format_bytes
 
 if TYPE_CHECKING:
     import threading
@@ -262,9 +263,6 @@ class Capturer:
     def _budget_finding(self, collect: FindingsCollector) -> Callable[[Any, list[BucketReport], BucketReport], None]:
         """In collect mode (``graphrunner check``): the memory budget as one finding (the first key
         over it), instead of the restart a capture makes."""
-        from graphrunner.budget import OverBudget
-        from graphrunner.recording.hooks import Finding
-        from graphrunner.report import format_bytes
 
         over_at: list[Any] = []  # one finding: the first key over the budget
 
@@ -294,18 +292,6 @@ class Capturer:
 
         return report
 
-    def capture_in_background(self, agree: bool) -> None:
-        """Start a background capture (:func:`graphrunner.background.start_background`)."""
-        from graphrunner.background import start_background
-
-        if self.budget.budget is not None:
-            raise ValueError(
-                "GraphRunner.capture(background=True) does not apply memory_budget (it measures each "
-                "key's graph after the capture); capture in the foreground, or drop memory_budget"
-            )
-        run = CaptureRun(self, self.server.space.capture_order(), agree)  # sets the server's agreement up
-        start_background(self.server, run, self.backend, self.background_gate)
-
     def abort(self) -> None:
         """After a failed capture: the backend cleaned up (its error logged, never raised over the
         capture's) and the server reset."""
@@ -323,21 +309,6 @@ class Capturer:
         self.backend.cleanup()
         self.report = None
         server.stop_serving()
-
-    def wait(self, timeout: float | None) -> CaptureReport | None:
-        """``runner.wait_captured(timeout)`` (:func:`graphrunner.background.wait_background`).
-        ``timeout``: seconds >= 0, ``None`` or ``math.inf`` to wait until done; ``ValueError`` for a
-        negative or NaN one, ``TypeError`` for a non-number (nothing is waited for then)."""
-        from graphrunner.background import wait_background
-
-        timeout = wait_seconds(timeout)
-        bg = self.server.background or self.server.last_background
-        if bg is None:
-            return self.report
-        report = wait_background(self.server, bg, timeout)
-        if report is not None:
-            self.report = report
-        return report
 
 
 def wait_seconds(timeout: Any) -> float | None:

@@ -296,6 +296,7 @@ class Channel:
             if abort is not None:  # ProcessGroup.abort(): gloo and NCCL (ncclCommAbort)
                 abort()
             else:
+                # a private c10d helper, absent from some PyTorch versions: looked up only on this path
                 from torch.distributed.distributed_c10d import _abort_process_group
 
                 _abort_process_group(pg)

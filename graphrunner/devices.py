@@ -26,6 +26,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from graphrunner.errors import CaptureError
+from graphrunner.tape import TapeGraph, graph_pool_handle, streams
+from graphrunner.tape.graph import capturing_into
+from graphrunner.tape.jit import jit_default
+from graphrunner.tape.pool import pools_bytes
+from graphrunner.tape.streams import TapeEvent, TapeStream, current_stream, default_stream, stream
+from graphrunner.tape.survivors import resolve_poison, survivor_graph
+
 if TYPE_CHECKING:
     from graphrunner.tape import TapePool
 
@@ -142,12 +150,10 @@ class TapeDevice(Device):
         poison_captured_values: bool | None = None,
         jit_replay: bool | None = None,
     ) -> None:
-        from graphrunner.tape.jit import jit_default
-        from graphrunner.tape.survivors import _resolve_poison
 
         self.torch_device = torch.device(torch_device)
         #: Whether the graphs this device makes poison their survivors at capture end.
-        self.poison_captured_values: bool = _resolve_poison(poison_captured_values, "TapeDevice")
+        self.poison_captured_values: bool = resolve_poison(poison_captured_values, "TapeDevice")
         if jit_replay is not None and not isinstance(jit_replay, bool):
             raise TypeError(f"jit_replay must be True, False or None, got {type(jit_replay).__name__}")
         #: Whether the graphs this device makes replay through a TorchScript trace where they can.
@@ -158,7 +164,6 @@ class TapeDevice(Device):
     def synchronize(self) -> None:
         """Wait for queued work (CUDA tensors; CPU work is synchronous) and for every tape
         stream: side-stream writes deferred until a join land (:mod:`graphrunner.tape.streams`)."""
-        from graphrunner.tape import streams
 
         streams.synchronize()
         if self.torch_device.type == "cuda":
@@ -167,46 +172,38 @@ class TapeDevice(Device):
     # -- streams (graphrunner.tape.streams: torch.cuda's API on the tape) ----
     def new_stream(self, priority: int = 0, name: str | None = None):
         """A new :class:`~graphrunner.tape.TapeStream` (``torch.cuda.Stream()``)."""
-        from graphrunner.tape.streams import TapeStream
 
         return TapeStream(priority=priority, name=name)
 
     def new_event(self, enable_timing: bool = False):
         """A new :class:`~graphrunner.tape.TapeEvent` (``torch.cuda.Event()``)."""
-        from graphrunner.tape.streams import TapeEvent
 
         return TapeEvent(enable_timing=enable_timing)
 
     def current_stream(self):
         """This thread's current tape stream (``torch.cuda.current_stream()``)."""
-        from graphrunner.tape.streams import current_stream
 
         return current_stream()
 
     def default_stream(self):
         """The tape's default stream (``torch.cuda.default_stream()``)."""
-        from graphrunner.tape.streams import default_stream
 
         return default_stream()
 
     def stream(self, s):
         """Context manager: ``s`` is this thread's current stream in the block (``torch.cuda.stream(s)``)."""
-        from graphrunner.tape.streams import stream
 
         return stream(s)
 
     def new_graph(self):
         """Return a new, empty :class:`~graphrunner.tape.TapeGraph` (poisoning
         its survivors at capture end when ``poison_captured_values``)."""
-        from graphrunner.tape import TapeGraph
 
         return TapeGraph(poison_captured_values=self.poison_captured_values, jit_replay=self.jit_replay)
 
     def graph_pool(self):
         """Return this device's shared tape pool handle (made on first use)."""
         if self._pool is None:
-            from graphrunner.tape import graph_pool_handle
-
             self._pool = graph_pool_handle()
         return self._pool
 
@@ -215,7 +212,6 @@ class TapeDevice(Device):
         survived a capture and the graph refreshes it at each replay): the
         graph keeps that memory, so holders such as an eager break need not
         keep the tensor object itself (optional device method)."""
-        from graphrunner.tape.survivors import survivor_graph
 
         return survivor_graph(tensor) is not None
 
@@ -224,7 +220,6 @@ class TapeDevice(Device):
         ``memory_reserved()`` counts every pool of the allocator: this device's shared pool and the
         pools of its own that other devices (a runner with ``memory_budget=``, ``with_own_pool()``)
         hold. :meth:`pool_bytes` is this device object's pool alone."""
-        from graphrunner.tape.pool import pools_bytes
 
         return pools_bytes()
 
@@ -249,25 +244,22 @@ class TapeDevice(Device):
         stream, made current for the capture and joined back after it (also
         when the block raises), as :class:`CudaDevice` does with its capture
         stream."""
-        from graphrunner.tape.graph import _capturing
 
         if pool is None:
             pool = self.graph_pool()
             held = [r for r in getattr(self, "_pool_graphs", ()) if r() is not None]
             self._pool_graphs = held + [weakref.ref(graph)]
         if stream is None:
-            return _capturing(graph, pool, capture_error_mode, warn_empty=False)
+            return capturing_into(graph, pool, capture_error_mode, warn_empty=False)
         return self._capture_on(graph, stream, capture_error_mode, pool)
 
     @contextlib.contextmanager
     def _capture_on(self, graph, stream, capture_error_mode: str, pool) -> Iterator[None]:
-        from graphrunner.tape import streams
-        from graphrunner.tape.graph import _capturing
 
         current = streams.current_stream()
         stream.wait_stream(current)
         try:
-            with streams.stream(stream), _capturing(graph, pool, capture_error_mode, warn_empty=False):
+            with streams.stream(stream), capturing_into(graph, pool, capture_error_mode, warn_empty=False):
                 yield
         finally:
             current.wait_stream(stream)  # also when the block raised: later work must not race it
@@ -314,7 +306,6 @@ def _holds_pool(graph: Any) -> bool:
     until ``reset()``; a tape's ``replay_engine`` is ``None`` before a capture and after a reset."""
     if graph is None:
         return False
-    from graphrunner.tape import TapeGraph
 
     if isinstance(graph, TapeGraph):
         return graph.replay_engine is not None
@@ -505,8 +496,6 @@ class CudaDevice(Device):
     @staticmethod
     def _refuse_if_mid_capture() -> None:
         if _ALLOCATOR_MID_CAPTURE is not None:
-            from graphrunner.errors import CaptureError
-
             raise CaptureError(
                 f"no CUDA capture is possible in this process any more: an earlier capture failed "
                 f"({_ALLOCATOR_MID_CAPTURE}). {_RESTART}."
@@ -530,7 +519,6 @@ class CudaDevice(Device):
         :class:`~graphrunner.errors.CaptureError` that says so (the latter: the
         process must be restarted), chaining the original.
         """
-        from graphrunner.errors import CaptureError
 
         self._refuse_if_mid_capture()
         own_pool = pool is None

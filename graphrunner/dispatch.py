@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from graphrunner.backends.base import GraphBackend
 from graphrunner.errors import GraphRunnerError
-from graphrunner.keys import _MEMO_LIMIT, CANNOT, Key, KeySpace
+from graphrunner.keys import CANNOT, MEMO_LIMIT, Key, KeySpace
 from graphrunner.layout import FreshOutputs
 
 if TYPE_CHECKING:
@@ -133,7 +133,7 @@ class Routes:
                 route = Route(None, outputs=route.outputs, run=run, reason=IDLE)
         else:
             route = self._route(rows)
-        if len(self._routes) >= _MEMO_LIMIT:  # bounded: a miss costs a bisect per dim and two lookups
+        if len(self._routes) >= MEMO_LIMIT:  # bounded: a miss costs a bisect per dim and two lookups
             self._routes.clear()
         self._routes[rows] = route
         return route

@@ -72,6 +72,7 @@ def _bound_timeout(process_group: Any, seconds: float) -> None:
     """Set ``process_group``'s own collective timeout to ``seconds`` (torch's
     ``_set_pg_timeout``); warn and go on where this PyTorch has no such call."""
     try:
+        # a private c10d helper, absent from some PyTorch versions (the except below)
         from torch.distributed.distributed_c10d import _set_pg_timeout
 
         _set_pg_timeout(datetime.timedelta(seconds=seconds), process_group)
@@ -89,6 +90,7 @@ def _group_store(process_group: Any) -> Any:
     """``process_group``'s rendezvous store (prefixed per group), where a rank that fails alone reports
     it (:func:`graphrunner.channel.fail_ranks`); ``None`` where this PyTorch does not say."""
     try:
+        # private c10d state, absent from some PyTorch versions (the except below)
         from torch.distributed.distributed_c10d import _world
 
         return _world.pg_map[process_group][1]
@@ -166,6 +168,7 @@ class TorchDistGroup:
     """
 
     def __init__(self, process_group: Any = None, timeout: float = 60.0, bound_process_group: bool = True):
+        # torch.distributed only where a process group is used (absent from some builds)
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():

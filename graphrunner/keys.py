@@ -17,15 +17,12 @@ import bisect
 import itertools
 import math
 from collections.abc import Hashable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
-from graphrunner.buckets import _check_ratio, validate_buckets
+from graphrunner.buckets import check_ratio, validate_buckets
 from graphrunner.errors import AgreementError
-
-if TYPE_CHECKING:
-    from graphrunner.inputs import BatchInput
 
 __all__ = [
     "KeySpace",
@@ -122,7 +119,7 @@ class KeySpace:
         else:
             self.buckets = {BATCH_DIM: validate_buckets(buckets)}
         self.dims: tuple[str, ...] = tuple(self.buckets)
-        self.max_padding_ratio = _check_ratio(max_padding_ratio)
+        self.max_padding_ratio = check_ratio(max_padding_ratio)
         self.explicit = keys is not None
         if keys is None:
             grid = itertools.product(*self.buckets.values())
@@ -213,7 +210,7 @@ class KeySpace:
                         hit = self._by_bucket[b] = self._choose(b)
             else:
                 hit = self._choose(sizes)
-            if len(self._memo) >= _MEMO_LIMIT:  # varlen sizes rarely repeat: keep the memo bounded
+            if len(self._memo) >= MEMO_LIMIT:  # varlen sizes rarely repeat: keep the memo bounded
                 self._memo.clear()
             self._memo[sizes] = hit
         return hit
@@ -290,7 +287,7 @@ class KeySpace:
 #: Entries :meth:`KeySpace.choose` (and the dispatcher's routes, the static inputs' views and re-pad
 #: views, the output views) keep per exact sizes before starting over: a server's varlen sizes rarely
 #: repeat, and the per-bucket entries behind them are cheap to reach (a miss costs a few views).
-_MEMO_LIMIT = 4096
+MEMO_LIMIT = 4096
 
 
 def _order(key: Sizes) -> tuple[int, Sizes]:
@@ -363,7 +360,16 @@ def count_leaves(spec: tuple) -> int:
     return sum(count_leaves(c) for c in spec[-1])
 
 
-def resolve_input_dims(inputs: Mapping[str, BatchInput], space: KeySpace) -> dict[str, tuple[int, ...]]:
+class DeclaresDims(Protocol):
+    """What :func:`resolve_input_dims` reads of an input declaration (a
+    :class:`graphrunner.inputs.BatchInput`, which imports this module): its leading dims' names,
+    or None for the batch dim alone."""
+
+    @property
+    def dims(self) -> tuple[str, ...] | None: ...
+
+
+def resolve_input_dims(inputs: Mapping[str, DeclaresDims], space: KeySpace) -> dict[str, tuple[int, ...]]:
     """``{input name: indices of its leading dims in space.dims}``; every dim used by some input."""
     out: dict[str, tuple[int, ...]] = {}
     for name, spec in inputs.items():

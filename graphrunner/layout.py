@@ -17,7 +17,7 @@ import torch
 
 from graphrunner.backends.outputs import flatten, unflatten
 from graphrunner.errors import CaptureError, PaddingLeakError
-from graphrunner.keys import _MEMO_LIMIT, count_leaves, slice_leaves
+from graphrunner.keys import MEMO_LIMIT, count_leaves, slice_leaves
 
 __all__ = ["OutputLayout", "StepOutputError", "FreshOutputs", "clone_outputs", "user_error"]
 
@@ -155,7 +155,7 @@ class OutputLayout:
 
     def replayed(self, result: Any, sizes: Sizes) -> Any:
         """The outputs of a call of ``sizes`` from a replay's ``result`` (views of the shared
-        output buffer, cached per ``sizes``, at most ``keys._MEMO_LIMIT`` of them; every key's
+        output buffer, cached per ``sizes``, at most ``keys.MEMO_LIMIT`` of them; every key's
         outputs are leading-corner views of one buffer, so the ``sizes`` view is the same whichever
         key replayed). ``result`` may be a
         :class:`FreshOutputs` box holding the output of a backend that is not a
@@ -170,7 +170,7 @@ class OutputLayout:
                 self._spec, out = None, sliced[0]
             else:
                 self._spec, out = spec, sliced
-            if len(self._views) >= _MEMO_LIMIT:  # varlen sizes rarely repeat: start over, never grow unbounded
+            if len(self._views) >= MEMO_LIMIT:  # varlen sizes rarely repeat: start over, never grow unbounded
                 self._views.clear()
             self._views[sizes] = out
         # one branch on the hot path: the cached value is the tensor when _spec is None, else the list of

@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from graphrunner.buckets import as_int
+from graphrunner.buckets import as_int, validate_buckets
 from graphrunner.progress import TaskProgress
 
 __all__ = ["plan_buckets", "padding_of"]
@@ -117,6 +117,7 @@ def _limit(k: Any, what: str) -> int:
 def _numpy() -> Any:
     """NumPy (a dependency of graphrunner, imported on first use), or an ImportError saying what to install."""
     try:
+        # numpy on first use (the ImportError below says what to install)
         import numpy
     except ImportError:  # pragma: no cover - numpy is a declared dependency
         raise ImportError("gr.plan_buckets needs NumPy: pip install numpy") from None
@@ -296,7 +297,6 @@ def padding_of(observed_sizes: Any, buckets: Sequence[int]) -> dict[str, Any]:
     replays (0.0 when none), ``eager_calls`` the calls above the largest bucket
     (the eager fallback, no padding). ``TypeError``/``ValueError`` naming the
     argument for invalid input."""
-    from graphrunner.buckets import validate_buckets
 
     counts = _counts(observed_sizes, "observed_sizes")
     bl = validate_buckets(buckets)

@@ -28,11 +28,12 @@ import torch
 
 from graphrunner.agreement import config_fields
 from graphrunner.backends import make_backend
-from graphrunner.background import hold_background
+from graphrunner.background import capture_in_background, hold_background, wait_captured
 from graphrunner.buckets import default_buckets
 from graphrunner.budget import MemoryBudget
 from graphrunner.capturing import Capturer
 from graphrunner.checks import contracts, resolve_checks
+from graphrunner.checks.compare import compare_runner
 from graphrunner.checks.verify import verify_every_setting
 from graphrunner.errors import CaptureError
 from graphrunner.group import LocalGroup
@@ -309,7 +310,7 @@ class GraphRunner:
         if self.captured:
             raise CaptureError("GraphRunner.capture() was already called; call runner.cleanup() before capturing again")
         if background:
-            self.capturer.capture_in_background(self.agree_bucket)
+            capture_in_background(self.capturer, self.agree_bucket)
             bg = self.server.background
             if bg is not None:  # garbage collection and interpreter exit end the thread before the runner is gone
                 weakref.finalize(self, bg.end, "GraphRunner garbage collected or the interpreter exiting")
@@ -326,7 +327,7 @@ class GraphRunner:
         key; the report, or ``None`` when it timed out or failed (the next call raises the error).
         On several ranks every rank must call it: it captures the remaining keys now, and they
         replay from the next call (whose agreement tells every rank that every rank has them)."""
-        return self.capturer.wait(timeout)
+        return wait_captured(self.capturer, timeout)
 
     def hold(self) -> AbstractContextManager[None]:
         """``with runner.hold():`` keeps a background capture from starting a key while the body
@@ -366,7 +367,6 @@ class GraphRunner:
         """Run the graph and an eager reference on ``inputs`` (staged exactly as a call) and
         localise any difference: a :class:`graphrunner.checks.compare.CompareReport`. State the
         step writes is put back. See :func:`graphrunner.checks.compare.compare_runner`."""
-        from graphrunner.checks.compare import compare_runner
 
         return compare_runner(self.server, inputs)
 

@@ -12,11 +12,12 @@ through :meth:`Server.enable`. Nothing else writes its state.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -38,16 +39,49 @@ from graphrunner.ownership import CallOwner
 from graphrunner.report import RunnerStats
 
 if TYPE_CHECKING:
-    from graphrunner.background import BackgroundCapture
     from graphrunner.keys import Batch, Group, Key, KeySpace
     from graphrunner.layout import OutputLayout
     from graphrunner.staging import StaticInputs
 
-__all__ = ["Server"]
+__all__ = ["Server", "BackgroundWork"]
 
 logger = logging.getLogger("graphrunner")
 
 Sizes = tuple[int, ...]
+
+
+class BackgroundWork(Protocol):
+    """What a server (and the parts above it: the capturer, the runner) needs of a background
+    capture, :class:`graphrunner.background.BackgroundCapture`. The background capture sits
+    above the server (it serves calls through one while it captures), so the server knows it
+    only as this, handed to :meth:`Server.serve_in_background`."""
+
+    @property
+    def error(self) -> BaseException | None:
+        """The error that stopped the capture, or None."""
+        ...
+
+    def settle(self, server: Server, rows: Sizes | None) -> None:
+        """In a call, after its agreement (``rows``: the agreed sizes): captured keys start replaying."""
+        ...
+
+    def before_call(self) -> None:
+        """Before a call: wait for the key being captured."""
+        ...
+
+    def call(self) -> contextlib.AbstractContextManager[None]:
+        """Around a call: no key starts meanwhile."""
+        ...
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop the capture's thread (cleanup)."""
+        ...
+
+    def end(self, why: str, grace: float | None = None) -> None:
+        """End the capture's thread (the runner garbage collected, the interpreter exiting)."""
+        ...
+
+
 #: How a call's sizes are agreed: by this rank alone, or with its peers (:mod:`graphrunner.agreement`).
 Agreement = LocalAgreement | RankAgreement
 
@@ -115,9 +149,9 @@ class Server:
         #: Debug mode's check of the tensors the graphs read (:class:`~graphrunner.checks.contracts.ExternalsCheck`).
         self.externals: contracts.ExternalsCheck | None = None
         #: A background capture while its keys are not all replaying (:mod:`graphrunner.background`).
-        self.background: BackgroundCapture | None = None
+        self.background: BackgroundWork | None = None
         #: The background capture after every key replays (its thread may still build the report).
-        self.last_background: BackgroundCapture | None = None
+        self.last_background: BackgroundWork | None = None
         self.serving = False
 
     def install(self, agreement: Agreement, externals: contracts.ExternalsCheck | None) -> None:
@@ -132,7 +166,7 @@ class Server:
         self.inputs.warm()
         self.serving, self.cleaned_up = True, False
 
-    def serve_in_background(self, background: BackgroundCapture) -> None:
+    def serve_in_background(self, background: BackgroundWork) -> None:
         """A background capture starts: every call is served from now on, eagerly (padded to its
         key) until :meth:`enable` switches a key to its graph."""
         self.routes.pending = set(self.space.keys)
@@ -195,9 +229,7 @@ class Server:
                     self.calls -= 1
                 raise
             if self.background is not None:
-                from graphrunner.background import settle_background
-
-                settle_background(self, rows)
+                self.background.settle(self, rows)
             route = self.routes.get(rows) or self.routes.route(rows)
             key = route.key
             if key is None:

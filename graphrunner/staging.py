@@ -18,6 +18,7 @@ and the bytes needed, before or instead of the allocator's own error.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch
 
 from graphrunner.errors import GraphRunnerError
 from graphrunner.inputs import BatchInput, Pad, alias_error, diagnose
-from graphrunner.keys import _MEMO_LIMIT, padding_regions, region
+from graphrunner.keys import MEMO_LIMIT, padding_regions, region
 
 __all__ = ["StaticInputs"]
 
@@ -89,7 +90,7 @@ class StaticInputs:
         self._one_dim = len(dims) == 1
         self.filled: Sizes = self.zero  # outside [:filled[0], :filled[1], ...] every buffer holds its pad value
         # The views a call of given sizes copies into (and re-pads), cached per sizes (and key) and
-        # started over at keys._MEMO_LIMIT entries: varlen sizes rarely repeat.
+        # started over at keys.MEMO_LIMIT entries: varlen sizes rarely repeat.
         self._views: dict[Sizes, list[torch.Tensor]] = {}
         #: ``{(sizes, key): (views whose pad is +0, [(view, pad) for the other views])}``: what pad_to resets.
         self._pad_views: dict[tuple[Sizes, Sizes], tuple[list[torch.Tensor], list[tuple[torch.Tensor, Pad]]]] = {}
@@ -165,11 +166,11 @@ class StaticInputs:
         if not self.fits(sizes):
             return
         if sizes not in self._views:
-            if len(self._views) >= _MEMO_LIMIT:  # bounded, as in stage()
+            if len(self._views) >= MEMO_LIMIT:  # bounded, as in stage()
                 self._views.clear()
             self._views[sizes] = [buf[region(sizes, didx)] for (buf, _), didx in zip(self._pads, self.dim_idx)]
         if self._rows_only and sizes[0] not in self._shapes:
-            if len(self._shapes) >= _MEMO_LIMIT:
+            if len(self._shapes) >= MEMO_LIMIT:
                 self._shapes.clear()
             self._shapes[sizes[0]] = tuple(torch.Size((sizes[0], *s.trailing)) for s in self.specs.values())
 
@@ -282,7 +283,7 @@ class StaticInputs:
         if views is None:
             if not self.fits(sizes):
                 return False
-            if len(self._views) >= _MEMO_LIMIT:  # varlen sizes rarely repeat: start over, never grow unbounded
+            if len(self._views) >= MEMO_LIMIT:  # varlen sizes rarely repeat: start over, never grow unbounded
                 self._views.clear()
             views = self._views[sizes] = [buf[region(sizes, didx)] for (buf, _), didx in zip(self._pads, self.dim_idx)]
         i = 0
@@ -335,7 +336,7 @@ class StaticInputs:
                 for r in padding_regions(sizes, key, didx)
             ]
             zeros = [v for v, pad in views if _is_zero(pad)]
-            if len(self._pad_views) >= _MEMO_LIMIT:  # one entry per (sizes, key): bounded as in stage()
+            if len(self._pad_views) >= MEMO_LIMIT:  # one entry per (sizes, key): bounded as in stage()
                 self._pad_views.clear()
             pv = self._pad_views[(sizes, key)] = (zeros, [(v, pad) for v, pad in views if not _is_zero(pad)])
         zeros, others = pv
@@ -391,8 +392,6 @@ def _memory_of(device: torch.device) -> int | None:
         if device.type == "cuda":
             return int(torch.cuda.mem_get_info(device)[1])
         if device.type == "cpu":
-            import os
-
             return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, RuntimeError, AttributeError):
         pass

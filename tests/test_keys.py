@@ -405,6 +405,6 @@ def test_the_choice_memo_stays_bounded_for_sizes_that_never_repeat():
     from graphrunner import keys as keys_mod
 
     space = KeySpace({"tokens": [16, 256], "kv": [1024, 8192]})
-    for n in range(1, 3 * keys_mod._MEMO_LIMIT):
+    for n in range(1, 3 * keys_mod.MEMO_LIMIT):
         assert space.choose((n % 256 + 1, n))[0] == space.bucket_of((n % 256 + 1, n))
-    assert len(space._memo) <= keys_mod._MEMO_LIMIT and len(space._by_bucket) <= 4
+    assert len(space._memo) <= keys_mod.MEMO_LIMIT and len(space._by_bucket) <= 4

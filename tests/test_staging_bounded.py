@@ -5,7 +5,7 @@ The static inputs cache the buffer views a call of given sizes copies into
 (``StaticInputs._views``, ``_shapes``) and the views it re-pads (``_pad_views``, per sizes and
 key), the output layout the output views of given sizes (``OutputLayout._views``), the
 dispatcher its routes and the key space its choices: each starts over at
-``keys._MEMO_LIMIT`` entries. Served with more distinct sizes than that, every cache stays at
+``keys.MEMO_LIMIT`` entries. Served with more distinct sizes than that, every cache stays at
 or below it and every output equals eager; with the cap removed (the negative control) the
 static inputs' and the output layout's caches grow past it, one entry per distinct sizes.
 """
@@ -22,7 +22,7 @@ import graphrunner.layout as layout_mod
 import graphrunner.staging as staging_mod
 from graphrunner.runner import BatchInput, GraphRunner
 
-LIMIT = keys_mod._MEMO_LIMIT
+LIMIT = keys_mod.MEMO_LIMIT
 CALLS = LIMIT + 1200  # more distinct sizes than any cache may hold (re-pads: most calls)
 
 
@@ -96,8 +96,8 @@ def test_varlen_sizes_keep_every_per_sizes_cache_bounded_and_outputs_equal_eager
 
 @pytest.mark.parametrize("make", [_two_dim, _one_dim], ids=["reqs_tokens", "rows"])
 def test_negative_control_without_the_cap_the_caches_grow_past_it(make, monkeypatch):
-    monkeypatch.setattr(staging_mod, "_MEMO_LIMIT", 10**9)
-    monkeypatch.setattr(layout_mod, "_MEMO_LIMIT", 10**9)
+    monkeypatch.setattr(staging_mod, "MEMO_LIMIT", 10**9)
+    monkeypatch.setattr(layout_mod, "MEMO_LIMIT", 10**9)
     server = _serve(make)
     staging = server.inputs
     assert len(staging._views) > LIMIT and len(server.layout._views) > LIMIT

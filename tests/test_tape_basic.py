@@ -118,7 +118,7 @@ def test_negative_control_without_the_restore_the_capture_write_stays(monkeypatc
     # (counter 1 after capture, 4 after three replays instead of 3).
     from graphrunner.tape import recording
 
-    monkeypatch.setattr(recording._Capture, "restore", lambda self: None)
+    monkeypatch.setattr(recording.TapeCapture, "restore", lambda self: None)
     step, cache, counter, _, _ = _counter_step()
     with torch.inference_mode():
         g = TapeGraph()

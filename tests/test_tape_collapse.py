@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from graphrunner.tape import TapeGraph, collapse, proof, tape_graph
-from graphrunner.tape.bindings import _VF
+from graphrunner.tape.bindings import VF
 
 
 def _capture(step, *xs):
@@ -42,7 +42,7 @@ def _replays_match(g, out, step, args, varied, n=3) -> bool:
 
 
 def _kernels(g) -> set:
-    return {v for v in g._env.values() if v in (_VF.mm, _VF.bmm, _VF.matmul)}
+    return {v for v in g._env.values() if v in (VF.mm, VF.bmm, VF.matmul)}
 
 
 def _decoder_like(x, w1, w2, k, v):
@@ -58,8 +58,8 @@ def test_matmuls_become_mm_and_bmm_bit_exact():
     x, w1, w2 = torch.randn(2, 1, 16), torch.randn(32, 16), torch.randn(16, 32)
     k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
     g, out = _capture(_decoder_like, x, w1, w2, k, v)
-    assert {_VF.mm, _VF.bmm} <= _kernels(g)
-    assert _VF.matmul not in _kernels(g)
+    assert {VF.mm, VF.bmm} <= _kernels(g)
+    assert VF.matmul not in _kernels(g)
     assert _replays_match(g, out, _decoder_like, [x, w1, w2, k, v], (0, 3, 4))
 
 
@@ -74,7 +74,7 @@ def test_biased_linear_becomes_addmm_into_a_planned_buffer_bit_exact():
     x, w1, b1 = torch.randn(2, 1, 16), torch.randn(32, 16), torch.randn(32)
     w2, b2 = torch.randn(8, 32), torch.randn(8)
     g, out = _capture(_gpt2_like, x, w1, b1, w2, b2)
-    assert _VF.addmm in g._env.values() and torch._C._nn.linear not in g._env.values()
+    assert VF.addmm in g._env.values() and torch._C._nn.linear not in g._env.values()
     assert _replays_match(g, out, _gpt2_like, [x, w1, b1, w2, b2], (0, 2))
 
 
@@ -85,7 +85,7 @@ def _broadcast_batch(x, w):
 def test_a_composite_that_copies_its_input_is_not_collapsed():
     x, w = torch.randn(3, 1, 4, 8), torch.randn(2, 8, 5)
     g, out = _capture(_broadcast_batch, x, w)
-    assert _VF.matmul in _kernels(g) and _VF.bmm not in _kernels(g)
+    assert VF.matmul in _kernels(g) and VF.bmm not in _kernels(g)
     assert _replays_match(g, out, _broadcast_batch, [x, w], (0,))
 
 
@@ -93,7 +93,7 @@ def test_without_the_views_only_check_the_proof_alone_refuses_the_stale_copy(mon
     monkeypatch.setattr(collapse, "ONLY_VIEWS", False)
     x, w = torch.randn(3, 1, 4, 8), torch.randn(2, 8, 5)
     g, out = _capture(_broadcast_batch, x, w)
-    assert _VF.matmul in _kernels(g) and _VF.bmm not in _kernels(g)  # fresh data: the copy stays stale
+    assert VF.matmul in _kernels(g) and VF.bmm not in _kernels(g)  # fresh data: the copy stays stale
     assert _replays_match(g, out, _broadcast_batch, [x, w], (0,))
 
 
@@ -102,7 +102,7 @@ def test_negative_control_without_the_views_only_check_and_the_proof_replay_read
     monkeypatch.setattr(proof, "ENABLED", False)
     x, w = torch.randn(3, 1, 4, 8), torch.randn(2, 8, 5)
     g, out = _capture(_broadcast_batch, x, w)
-    assert _VF.bmm in _kernels(g)  # collapsed onto the copies made at capture end
+    assert VF.bmm in _kernels(g)  # collapsed onto the copies made at capture end
     assert not _replays_match(g, out, _broadcast_batch, [x, w], (0,))
 
 
@@ -122,7 +122,7 @@ def test_collapse_matches_the_composite_on_any_data():
             if transpose_w:
                 w = w.t()
             out = torch.empty(torch.matmul(x, w).shape)
-            got = collapse.collapse(_VF.matmul, [x, w], out)
+            got = collapse.collapse(VF.matmul, [x, w], out)
             assert got is not None, (xs, ws)
             fn, args, out_view = got
             for _ in range(3):
@@ -130,9 +130,9 @@ def test_collapse_matches_the_composite_on_any_data():
                 fn(*args, out=out_view)
                 assert torch.equal(out, torch.matmul(x, w)), (xs, ws)
         # not collapsible: a vector operand (mv path), and the broadcast batch above
-        assert collapse.collapse(_VF.matmul, [torch.randn(2, 4, 8), torch.randn(8)], torch.empty(2, 4)) is None
+        assert collapse.collapse(VF.matmul, [torch.randn(2, 4, 8), torch.randn(8)], torch.empty(2, 4)) is None
         assert (
-            collapse.collapse(_VF.matmul, [torch.randn(3, 1, 4, 8), torch.randn(2, 8, 5)], torch.empty(3, 2, 4, 5))
+            collapse.collapse(VF.matmul, [torch.randn(3, 1, 4, 8), torch.randn(2, 8, 5)], torch.empty(3, 2, 4, 5))
             is None
         )
 
@@ -187,7 +187,7 @@ def test_negative_control_the_b1c_rewrite_without_its_proof_replays_other_bits(m
     gen = torch.Generator().manual_seed(3)
     x, w = torch.randn(B, C, generator=gen), torch.randn(N, C, generator=gen)
     g, out = _capture_in(torch.inference_mode, _jamba_like, x, w)
-    assert _VF.mm in _kernels(g)  # the unproven rewrite
+    assert VF.mm in _kernels(g)  # the unproven rewrite
     got = _replays_vs_eager(g, out, _jamba_like, [x, w], torch.inference_mode)
     assert not all(got)
     with torch.inference_mode():
@@ -201,12 +201,12 @@ def test_b1c_rewrite_is_refused_by_the_proof_itself(monkeypatch):
         xv, wt = x.unsqueeze(-1).transpose(1, 2), w.t()
         out = torch.empty(B, 1, N)
         before = proof.stats.snapshot()
-        assert collapse.collapse(_VF.matmul, [xv, wt], out) is None
+        assert collapse.collapse(VF.matmul, [xv, wt], out) is None
         after = proof.stats.snapshot()
         assert after[0] == before[0] + 1 and after[1] == before[1] + 1  # one proof, refused
         monkeypatch.setattr(proof, "ENABLED", False)
-        fn, _, _ = collapse.collapse(_VF.matmul, [xv, wt], out)  # what the log alone would do
-        assert fn is _VF.mm
+        fn, _, _ = collapse.collapse(VF.matmul, [xv, wt], out)  # what the log alone would do
+        assert fn is VF.mm
 
 
 def _decode_linear(x, w):
@@ -218,7 +218,7 @@ def test_a_genuinely_equal_rewrite_still_happens_and_is_proven():
     before = proof.stats.snapshot()
     g, out = _capture_in(torch.inference_mode, _decode_linear, x, w)
     after = proof.stats.snapshot()
-    assert _VF.mm in _kernels(g) and _VF.matmul not in _kernels(g)  # collapsed
+    assert VF.mm in _kernels(g) and VF.matmul not in _kernels(g)  # collapsed
     assert after[0] > before[0] and after[1] == before[1]  # proven, nothing refused
     assert g.rewrite_proofs[0] == after[0] - before[0] and g.rewrite_proofs[1] == 0
     assert all(_replays_vs_eager(g, out, _decode_linear, [x, w], torch.inference_mode))

@@ -223,9 +223,9 @@ def test_memory_a_capture_still_reads_is_not_reused_before_that_read():
 
 
 def _misregistered() -> list:
-    from graphrunner.tape.state import _OURS
+    from graphrunner.tape.state import OURS
 
-    return [k for k, s in list(_OURS.items()) for t in list(s) if id(t.untyped_storage()) != k]
+    return [k for k, s in list(OURS.items()) for t in list(s) if id(t.untyped_storage()) != k]
 
 
 def test_moved_survivors_stay_registered_under_their_new_memory():

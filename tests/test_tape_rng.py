@@ -106,7 +106,7 @@ def test_negative_control_without_restore_the_capture_advances_the_generator(mon
     def forget(self):
         self.generators.clear()
 
-    monkeypatch.setattr(tape_recording._Capture, "restore_generators", forget)
+    monkeypatch.setattr(tape_recording.TapeCapture, "restore_generators", forget)
     assert not torch.equal(_draw_after_capture(), reference)
 
 

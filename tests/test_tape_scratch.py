@@ -1,6 +1,6 @@
 """Scratch memory of the out= check reused within a capture session (tape.state.scratch_storage).
 
-The out= check (``bindings._Verifier._out_ok``) runs the binding with ``out=`` a
+The out= check (``bindings.Verifier._out_ok``) runs the binding with ``out=`` a
 buffer prefilled with poison and compares.  Inside a session the buffer's
 memory is reused from an earlier check (no page faults): it then holds that
 check's result, which may be the very bits expected.  The prefill must still
@@ -15,7 +15,7 @@ from graphrunner.tape.state import reuse_snapshot_buffers
 
 
 def _verifier():
-    v = bindings._Verifier.__new__(bindings._Verifier)
+    v = bindings.Verifier.__new__(bindings.Verifier)
     v.twin_st = {}
     return v
 

@@ -56,6 +56,7 @@ from graphrunner.backends.failure import raise_capture_failure
 from graphrunner.backends.keycapture import BoundForward, KeyCapture
 from graphrunner.backends.outputs import OutputBuffer, tensor_bytes, unflatten
 from graphrunner.backends.protocol import Step
+from graphrunner.devices import get_device
 from graphrunner.errors import CaptureError
 from graphrunner.group import LocalGroup
 from graphrunner.recording.hooks import Capture, CaptureHook, provided_check
@@ -180,7 +181,6 @@ class GraphBackend:
 
     @staticmethod
     def _resolve_device(device: Any) -> Any:
-        from graphrunner.devices import get_device
 
         return get_device("auto" if device is None else device)
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from graphrunner.backends.base import GraphBackend
+from graphrunner.breakable import BreakableGraph, breakable_graph, no_graph
 from graphrunner.recording.ops import RecordingDevice
 from graphrunner.trace import Trace
 
@@ -69,7 +70,6 @@ class BreakableGraphBackend(GraphBackend):
             self._drift_scope = None  # the whole step is one eager break: nothing is frozen
 
     def _make_graph(self, key: Any) -> Any:
-        from graphrunner.breakable import BreakableGraph
 
         return BreakableGraph(device=self.device, trace=self.trace if self.trace else None, key=key, backend=self.name)
 
@@ -78,7 +78,6 @@ class BreakableGraphBackend(GraphBackend):
         self._barrier(key, "capture_break")
 
     def _capture_into(self, graph: Any, key: Any, fn: Callable[[], None]) -> None:
-        from graphrunner.breakable import breakable_graph, no_graph
 
         body = no_graph(fn) if self.debug_eager else fn
         recorder = getattr(fn, "recorder", None)  # the hooks' recorder of this capture (BoundForward)

@@ -18,8 +18,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from graphrunner.checks.drift import DriftCheck
-from graphrunner.checks.padding import PaddingCheck
+from graphrunner.checks.fingerprint import FingerprintCheck
+from graphrunner.checks.leak_check import LeakCheck
+from graphrunner.checks.padding import PaddingCheck, check_sizes, second_sizes
 from graphrunner.checks.stash import captured_cache  # noqa: F401 - the stashed-state check's opt-out
+from graphrunner.checks.stream_use import StreamCheck
 from graphrunner.recording.hooks import CaptureHook, provide_check
 
 if TYPE_CHECKING:
@@ -77,9 +80,6 @@ class CheckSet:
         the runner) first; the padding check when a smaller call replays ``key`` (``inputs``: ``(name, key view,
         leading-dim indices, BatchInput)`` of every input); the fingerprint with several ranks in
         ``group``; the debug-mode ``externals`` hook when given."""
-        from graphrunner.checks.fingerprint import FingerprintCheck
-        from graphrunner.checks.leak_check import LeakCheck
-        from graphrunner.checks.padding import check_sizes, second_sizes
 
         hooks: list[CaptureHook] = [] if input_writes is None else [input_writes]
         multi = int(getattr(group, "size", 1)) > 1
@@ -106,8 +106,6 @@ class CheckSet:
         if externals is not None:
             hooks.append(externals)
         if self.streams or externals is not None:  # named, or debug mode
-            from graphrunner.checks.stream_use import StreamCheck
-
             names = {k: v[0] for k, v in getattr(input_writes, "storages", {}).items()}
             hooks.append(StreamCheck(names=names, step=step))
         return hooks

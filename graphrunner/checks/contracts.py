@@ -30,6 +30,8 @@ check attaches to capture as the hook :class:`ExternalsCheck`.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +40,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from graphrunner._env import env_flag
+from graphrunner._frames import where as where_text
 from graphrunner.checks.findings import finding_at
 from graphrunner.errors import CaptureError, ContractError, GraphRunnerError
 from graphrunner.recording.hooks import Capture, CaptureHook
@@ -177,8 +180,6 @@ Step = tuple[str, Any]  # ("attr", name) or ("item", key)
 def _roots(step: Callable[..., Any]) -> Iterator[tuple[str, Callable[[], Any]]]:
     """``(name, get_value)`` of what the step can reach: ``self`` of a bound method, closure
     variables and referenced globals (of the function and of functions it closes over, one level)."""
-    import functools
-    import inspect
 
     fn = step
     while isinstance(fn, functools.partial):
@@ -403,7 +404,6 @@ class InputWritesCheck(_LastWarmupRecording):
         rec = self._rec.pop(cap.key, None)
         if rec is None or not rec.found:
             return
-        from graphrunner._frames import where as where_text
 
         name, (op, loc) = next(iter(rec.found.items()))
         msg = (

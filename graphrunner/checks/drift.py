@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from graphrunner._frames import is_library, library_name
 from graphrunner._frames import where as _where_of
 from graphrunner.checks.findings import finding_at
+from graphrunner.checks.stash import StashCheck
 from graphrunner.errors import CaptureError
 from graphrunner.recording.hooks import Capture, CaptureHook, Finding
 from graphrunner.recording.ops import OpConsumer, OpEvent, OpRecorder
@@ -258,7 +259,6 @@ class DriftCheck(CaptureHook):
     name = "drift"
 
     def __init__(self) -> None:
-        from graphrunner.checks.stash import StashCheck
 
         self._streams: dict[Hashable, tuple[OpStream, OpStream]] = {}  # key -> (last warmup, capture)
         #: The stashed-state check (:mod:`graphrunner.checks.stash`): Python state the graph freezes
@@ -281,7 +281,7 @@ class DriftCheck(CaptureHook):
 
     def after_capture(self, cap: Capture) -> None:
         s = self._streams.get(cap.key)
-        found = _first_difference(*s) if s is not None else None
+        found = first_difference(*s) if s is not None else None
         err = drift_error(cap.key, s[0], s[1], cap.warmups) if s is not None and found is not None else None
         if found is not None and err is not None:  # err: the same difference, as the error
             cap.fail(err, drift_finding(found[0], found[1], cap.backend.name))
@@ -307,7 +307,7 @@ def _arg_diff(a: OpRecord, b: OpRecord) -> tuple[str, Any, Any]:
     return "the arguments", a.args, b.args
 
 
-def _first_difference(warmup: OpStream, capture: OpStream) -> tuple[str, OpRecord] | None:
+def first_difference(warmup: OpStream, capture: OpStream) -> tuple[str, OpRecord] | None:
     wa, ca = warmup.ops, capture.ops
     for i, (a, b) in enumerate(zip(wa, ca)):
         if a.op != b.op:
@@ -338,7 +338,7 @@ def find_drift(warmup: OpStream, capture: OpStream) -> str | None:
     """Compare two recorded op streams; ``None`` when they agree, else one
     sentence naming the first op that differs, its source line and both
     values (the body of the :func:`drift_error` message)."""
-    found = _first_difference(warmup, capture)
+    found = first_difference(warmup, capture)
     return None if found is None else found[0]
 
 
@@ -346,7 +346,7 @@ def drift_error(key: Any, warmup: OpStream, capture: OpStream, warmups: int) -> 
     """The :class:`CaptureError` for a drift between ``warmup`` and
     ``capture`` of shape key ``key``, or ``None`` when their op streams agree.
     The message names the op, the line and both values, and what to do."""
-    found = _first_difference(warmup, capture)
+    found = first_difference(warmup, capture)
     if found is None:
         return None
     what, rec = found

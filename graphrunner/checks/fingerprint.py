@@ -22,6 +22,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from graphrunner._pytree import describe
 from graphrunner.errors import RanksDisagreeError
 from graphrunner.keys import all_max_vector
 from graphrunner.recording.hooks import Capture, CaptureHook
@@ -38,7 +39,7 @@ def canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=repr, separators=(",", ":"), ensure_ascii=False)
 
 
-def _hash(text: str) -> int:
+def stable_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & _MASK
 
 
@@ -56,7 +57,7 @@ def check(group: Any, fields: Mapping[str, Any], what: str, key: Any = None) -> 
         return
     names = list(fields)
     texts = [canonical(fields[n]) for n in names]
-    hashes = [_hash(t) for t in texts]
+    hashes = [stable_hash(t) for t in texts]
     out = all_max_vector(group, hashes + [-h for h in hashes], "fingerprint", key)
     hi, lo = out[: len(names)], [-v for v in out[len(names) :]]
     bad = [i for i in range(len(names)) if hi[i] != lo[i]]
@@ -117,7 +118,6 @@ class FingerprintCheck(CaptureHook):
         group = cap.group
         if int(getattr(group, "size", 1)) <= 1:
             return
-        from graphrunner._pytree import describe
 
         info = cap.backend.info(cap.key)
         spec, views = cap.outputs

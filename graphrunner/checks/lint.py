@@ -49,6 +49,7 @@ runner) raises :class:`CheckUsageError`: one line, exit code 2 in the CLI.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import sys
@@ -59,10 +60,14 @@ from typing import Any
 import torch
 
 from graphrunner._frames import is_internal, is_library, library_name, where
+from graphrunner._frames import where as where_text
+from graphrunner._pytree import describe, flatten
+from graphrunner.checks.drift import OpStream, drift_finding, first_difference
 from graphrunner.checks.findings import finding_at
 from graphrunner.errors import CaptureError, CaptureUnsafeOpError, GraphRunnerError
 from graphrunner.recording.hooks import Capture, CaptureHook, Finding
-from graphrunner.recording.ops import OpConsumer, OpEvent
+from graphrunner.recording.ops import OpConsumer, OpEvent, OpRecorder, WriteGuard, no_graph_code
+from graphrunner.tape.unsafe import ONE_HOT, unsafe_function_reason, unsafe_reason
 
 __all__ = [
     "Finding",
@@ -171,7 +176,6 @@ def exit_text(exc: SystemExit) -> str:
 def required_parameters(fn: Callable[..., Any]) -> list[str] | None:
     """The names of ``fn``'s parameters without a default (``*args``/``**kwargs`` excluded), or
     ``None`` when its signature cannot be read."""
-    import inspect
 
     try:
         params = inspect.signature(fn).parameters.values()
@@ -281,8 +285,6 @@ class _FirstUnsafe(OpConsumer):
     def before(self, ev: OpEvent) -> None:
         if self.found is not None or ev.atomic or ev.func.namespace == "c10d" or ev.in_eager_break:
             return
-        from graphrunner._frames import where as where_text
-        from graphrunner.tape.unsafe import unsafe_reason
 
         reason = unsafe_reason(ev.func, ev.args, ev.kwargs)
         if reason is not None:
@@ -296,7 +298,6 @@ def first_unsafe_op(forward: Callable[[], Any]) -> str | None:
     (:class:`~graphrunner.recording.ops.WriteGuard`, the static buffers included). Used when a
     capture's output has a shape the runner cannot slice: a data-dependent shape op is the
     usual cause, and the shape alone names neither the op nor the line."""
-    from graphrunner.recording.ops import OpRecorder, WriteGuard
 
     guard, first = WriteGuard(()), _FirstUnsafe()
     try:
@@ -320,7 +321,6 @@ class _UnsafeOps(OpConsumer):
     def before(self, ev: OpEvent) -> None:
         if ev.atomic or ev.func.namespace == "c10d" or (self.skip and ev.in_eager_break):
             return
-        from graphrunner.tape.unsafe import unsafe_reason
 
         reason = unsafe_reason(ev.func, ev.args, ev.kwargs)
         if reason is not None:
@@ -329,7 +329,6 @@ class _UnsafeOps(OpConsumer):
     # ev is a FunctionEvent; typed Any because FunctionEvent borrows OpEvent's in_eager_break and
     # user_stack (recording/ops.py), which mypy types with an OpEvent self
     def function(self, ev: Any) -> Any:
-        from graphrunner.tape.unsafe import _ONE_HOT, unsafe_function_reason
 
         reason = unsafe_function_reason(ev.func, ev.args, ev.kwargs)
         if reason is not None and not (self.skip and ev.in_eager_break):
@@ -337,7 +336,7 @@ class _UnsafeOps(OpConsumer):
         # Inside a reported host read (and inside F.one_hot, which a tape runs
         # without its CPU-only host read) the ops it dispatches are not
         # findings of their own: they reach before() as atomic.
-        return reason is not None or ev.func is _ONE_HOT
+        return reason is not None or ev.func is ONE_HOT
 
 
 class _BreakReturns:
@@ -348,7 +347,6 @@ class _BreakReturns:
     calls, consumed by the break itself: not findings."""
 
     def __init__(self, lint: UnsafeOpLint, cap: Capture) -> None:
-        from graphrunner.recording.ops import no_graph_code
 
         self.lint, self.cap = lint, cap
         self.wrapper = no_graph_code()
@@ -384,7 +382,6 @@ class _BreakReturns:
             if f.f_code is self.wrapper:
                 return
             f = f.f_back
-        from graphrunner._pytree import describe, flatten
 
         try:
             spec, leaves = flatten(value, "result", scalars=True)
@@ -470,7 +467,6 @@ class UnsafeOpLint(CaptureHook):
     def warmup_consumers(self, cap: Capture, i: int) -> Sequence[Any]:
         if cap.freezes is None or cap.warmups < 2 or i < cap.warmups - 2:
             return ()
-        from graphrunner.checks.drift import OpStream
 
         skip = cap.freezes == "segments"
         if i == cap.warmups - 2:
@@ -482,9 +478,8 @@ class UnsafeOpLint(CaptureHook):
         streams = self._streams.pop(cap.key, None)
         if streams is None:
             return
-        from graphrunner.checks.drift import _first_difference, drift_finding
 
-        found = _first_difference(*streams)
+        found = first_difference(*streams)
         if found is not None:
             self.add(cap.findings, drift_finding(found[0], found[1], self.backend, cap.key))
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import ast
 import os
 import re
+import sys
 import types
 import weakref
 from collections.abc import Collection, Sequence
@@ -51,8 +52,9 @@ from graphrunner._aten import storage_key, tensors_in
 from graphrunner._frames import is_library
 from graphrunner.errors import CaptureError
 from graphrunner.recording.hooks import Capture, CaptureHook, Finding
-from graphrunner.recording.ops import _FRESH_RETURNS as _FRESH
-from graphrunner.recording.ops import _UNKNOWN, OpConsumer, OpEvent, _fresh_returns
+from graphrunner.recording.ops import FRESH_RETURNS as _FRESH
+from graphrunner.recording.ops import UNKNOWN, OpConsumer, OpEvent, fresh_returns
+from graphrunner.tape.survivors import is_deliberate_cache, mark_cache, stash_reported_elsewhere
 
 __all__ = ["StashCheck", "StashWatch", "attribute_names", "captured_cache"]
 
@@ -68,7 +70,6 @@ def captured_cache(t: torch.Tensor) -> torch.Tensor:
     graphs, eager calls and the caller never see it updated, so never use it for state that a later call
     reads (write such state in place into a tensor allocated before capture).
     """
-    from graphrunner.tape.survivors import mark_cache
 
     return mark_cache(t)
 
@@ -108,9 +109,9 @@ class StashWatch(OpConsumer):
                     const.discard(storage_key(t))
         else:
             from_const = not tens
-        fresh = _FRESH.get(func, _UNKNOWN)
-        if fresh is _UNKNOWN:
-            fresh = _FRESH[func] = _fresh_returns(func)
+        fresh = _FRESH.get(func, UNKNOWN)
+        if fresh is UNKNOWN:
+            fresh = _FRESH[func] = fresh_returns(func)
         where = None
         for t in outs:
             k = storage_key(t)
@@ -165,7 +166,6 @@ class StashCheck(CaptureHook):
     def capture_consumers(self, cap: Capture) -> Sequence[Any]:
         if cap.freezes is None:
             return ()
-        from graphrunner.tape.survivors import stash_reported_elsewhere
 
         w = self._watch[cap.key] = StashWatch()
         self._tokens[cap.key] = stash_reported_elsewhere.set(True)
@@ -176,7 +176,6 @@ class StashCheck(CaptureHook):
         w = self._watch.pop(cap.key, None)
         if w is None or not w.made:
             return
-        from graphrunner.tape.survivors import is_deliberate_cache
 
         alive = [(t, where) for t, where in w.alive() if not is_deliberate_cache(t)]
         if not alive:
@@ -198,8 +197,6 @@ class StashCheck(CaptureHook):
     def _reset(self, cap: Capture) -> None:
         token = self._tokens.pop(cap.key, None)
         if token is not None:
-            from graphrunner.tape.survivors import stash_reported_elsewhere
-
             try:
                 stash_reported_elsewhere.reset(token)
             except ValueError:  # set in another context (a hook run elsewhere): leave it
@@ -219,7 +216,6 @@ class StashCheck(CaptureHook):
         else:
             at, loc = "the line is unknown", None
         m = _ATTR.match(attr)
-        import sys
 
         on_module = m is not None and m.group("owner") in sys.modules
         short = (m.group("attr") + m.group("rest")) if m else attr
@@ -363,7 +359,6 @@ def _modules_by_file() -> dict[str, list[Any]]:
     """``{absolute source path: [module]}`` of the imported modules (not graphrunner's own), rebuilt
     only when the number of imported modules changed: a scan of ``sys.modules`` (thousands of
     modules with torch and transformers) per captured key cost ~10 ms."""
-    import sys
 
     if _BY_FILE[0] != len(sys.modules):
         table: dict[str, list[Any]] = {}

@@ -44,14 +44,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.cuda import _gpu_trace as gt
 
 from graphrunner._aten import storage_key, tensors_in
 from graphrunner._frames import where as where_text
+from graphrunner.checks.contracts import named_tensors
 from graphrunner.checks.findings import finding_at
 from graphrunner.errors import CaptureError
 from graphrunner.recording.hooks import Capture, CaptureHook
 from graphrunner.recording.ops import OpConsumer, OpEvent
-from graphrunner.tape.streams import CLOCKS, StreamClocks
+from graphrunner.tape.streams import CLOCKS, StreamClocks, by_id, current_stream
 
 __all__ = ["StreamCheck", "cuda_clocks"]
 
@@ -71,13 +73,11 @@ class _TapeLedger:
 
     @staticmethod
     def current() -> int:
-        from graphrunner.tape.streams import current_stream
 
         return current_stream().id
 
     @staticmethod
     def name(sid: int) -> str:
-        from graphrunner.tape.streams import by_id
 
         s = by_id(sid)
         return repr(s) if s is not None else f"tape stream {sid}"
@@ -106,7 +106,6 @@ def _register_trace() -> None:
     with _CUDA_LOCK:
         if _REGISTERED:
             return
-        from torch.cuda import _gpu_trace as gt
 
         gt.register_callback_for_event_record(_each("record"))
         gt.register_callback_for_event_wait(_each("wait"))
@@ -286,8 +285,6 @@ class StreamCheck(CaptureHook):
         if self._paths is None:
             self._paths = {}
             try:
-                from graphrunner.checks.contracts import named_tensors
-
                 for path, _, t in named_tensors(self.step if self.step is not None else cap.forward_fn).values():
                     sk = storage_key(t)
                     if sk is not None:

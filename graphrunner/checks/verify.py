@@ -32,6 +32,9 @@ from typing import Any
 import torch
 
 from graphrunner._pytree import flatten
+from graphrunner.checks.compare import compare_runner
+from graphrunner.checks.padding import real_cells
+from graphrunner.checks.tolerance import difference
 from graphrunner.errors import ContractError
 from graphrunner.recording.ops import OpRecorder, WriteGuard
 from graphrunner.tape.rng import OwnedGenerators
@@ -64,7 +67,6 @@ def shadow_reference(server: Any, sizes: tuple[int, ...], key: tuple[int, ...]) 
     the key's padded static inputs, run BEFORE the replay (so state the step updates, a counter or
     an accumulator, is seen as the replay will see it) and with everything it writes outside
     itself put back; the real cells of each output leaf."""
-    from graphrunner.checks.padding import real_cells
 
     views = server.inputs.key_views(key)
     padded = {k: v.clone() for k, v in views.items()}
@@ -92,7 +94,6 @@ def shadow_verify(
     """Compare a replayed call's ``out`` (sliced to ``sizes``) with its :func:`shadow_reference`.
     Raises :class:`ContractError` naming the key, the output and (from :func:`compare_runner
     <graphrunner.checks.compare.compare_runner>`) the first differing op and line."""
-    from graphrunner.checks.tolerance import difference
 
     _, got = flatten(out)
     worst: tuple[int, float] | None = None
@@ -111,8 +112,6 @@ def shadow_verify(
     )
     if server.world_size == 1:
         try:
-            from graphrunner.checks.compare import compare_runner
-
             rep = compare_runner(server, dict(zip(server.inputs.names, tensors)), atol=0.0)
             where = f" {rep}" if not rep.equal else ""
         except Exception as exc:  # noqa: BLE001 - the mismatch is the error; localising it is a bonus

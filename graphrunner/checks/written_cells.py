@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from graphrunner._aten import storage_key
 from graphrunner.recording import ops
@@ -127,6 +128,5 @@ class PerturbedCells:
 
 def no_modes() -> contextlib.AbstractContextManager[None]:
     """Run without the active dispatch modes (the op recorder's): the put-backs are not the step's ops."""
-    from torch.utils._python_dispatch import _disable_current_modes
 
     return _disable_current_modes()

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = ["Capture", "CaptureHook", "Finding", "provide_check", "provided_check"]
@@ -68,7 +68,6 @@ class Finding:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of the fields."""
-        from dataclasses import asdict
 
         return asdict(self)
 

@@ -54,7 +54,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from graphrunner._aten import storage_key, tensors_in, written_tensors
 from graphrunner._frames import is_internal
 from graphrunner.tape.rng import OwnedGenerators, redirect, redirected, stand_in_op
-from graphrunner.tape.state import _capture_here, storage_bytes
+from graphrunner.tape.state import capture_here, storage_bytes
+from graphrunner.tape.streams import current_stream
 from graphrunner.tape.unsafe import atomic_call
 
 __all__ = [
@@ -230,7 +231,6 @@ def op_stream(args: Sequence[Any], kwargs: dict) -> Any:
                 return torch.cuda.current_stream(t.device)
     if getattr(torch.cuda, "_graphrunner_standin", None) is not None:
         return torch.cuda.current_stream()
-    from graphrunner.tape.streams import current_stream
 
     return current_stream()
 
@@ -292,7 +292,7 @@ class _Dispatch(TorchDispatchMode):
             if not muted or owner not in muted:
                 c(ev)
         t1 = perf_counter()
-        if redirected() is not None and _capture_here() is None:  # (a tape capture redirects as it records)
+        if redirected() is not None and capture_here() is None:  # (a tape capture redirects as it records)
             run, run_kwargs = stand_in_op(func, args, kwargs)
             out = run(*args, **run_kwargs)
         else:
@@ -511,9 +511,9 @@ class WriteGuard(OpConsumer):
         # own business, not state to put back). The schema says which returns are fresh (no
         # alias annotation); for an op whose returns may alias an argument (reshape, contiguous,
         # an op outside aten), a returned storage that is none of its arguments' is fresh.
-        fresh = _FRESH_RETURNS.get(ev.func, _UNKNOWN)
-        if fresh is _UNKNOWN:
-            fresh = _FRESH_RETURNS[ev.func] = _fresh_returns(ev.func)
+        fresh = FRESH_RETURNS.get(ev.func, UNKNOWN)
+        if fresh is UNKNOWN:
+            fresh = FRESH_RETURNS[ev.func] = fresh_returns(ev.func)
         created = self.created
         if fresh is True:
             for t in tensors_in(ev.out):
@@ -543,11 +543,11 @@ class WriteGuard(OpConsumer):
         self.created.clear()
 
 
-_FRESH_RETURNS: dict = {}  # op overload -> True (every return fresh), False (none), None (look)
-_UNKNOWN = object()  # not in _FRESH_RETURNS yet
+FRESH_RETURNS: dict = {}  # op overload -> True (every return fresh), False (none), None (look)
+UNKNOWN = object()  # not in FRESH_RETURNS yet
 
 
-def _fresh_returns(func: Any) -> bool | None:
+def fresh_returns(func: Any) -> bool | None:
     """``True`` when every return of aten op ``func`` is a fresh tensor (no alias annotation),
     ``False`` when none can be (a view kernel, an in-place or ``out=`` op whose returns are all
     annotated), ``None`` when it depends (a composite view such as ``reshape``, which copies when

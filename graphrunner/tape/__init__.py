@@ -87,6 +87,20 @@ Modules (each owns one job; see its docstring):
 * :mod:`~graphrunner.tape.streams`: streams and events (``torch.cuda``'s
   API), their ordering rules as vector clocks, and the deferred writes of a
   side stream until it is joined (the emulation of an unjoined stream).
+
+Layering (bottom up; a module imports only modules below it, each from its own
+module (``from .state import ...``), never a name from this package, so that
+importing any one of them runs no cycle; ``tests/test_layers.py`` checks it):
+:mod:`~graphrunner.tape.state` -> :mod:`~graphrunner.tape.survivors`,
+:mod:`~graphrunner.tape.unsafe`, :mod:`~graphrunner.tape.streams` ->
+:mod:`~graphrunner.tape.proof`, :mod:`~graphrunner.tape.rng` ->
+:mod:`~graphrunner.tape.bindings` -> :mod:`~graphrunner.tape.collapse` ->
+:mod:`~graphrunner.tape.recording` -> :mod:`~graphrunner.tape.codegen`,
+:mod:`~graphrunner.tape.jit`, :mod:`~graphrunner.tape.pool` ->
+:mod:`~graphrunner.tape.graph` -> this package's ``__init__``.  A lower module
+that handles a capture in progress knows it as a protocol of its own
+(``state.ActiveCapture``, ``bindings.VerifiedCapture``), not by importing the
+recorder's ``TapeCapture``.
 """
 
 from .graph import EMPTY_GRAPH_MESSAGE, TapeGraph, tape_graph

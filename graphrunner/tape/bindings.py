@@ -5,7 +5,7 @@ replay calls: the public C binding (``torch.mul``, ``Tensor.view``, ...) or a
 cheaper rewrite (``slice`` -> ``torch.narrow``, ``linear`` -> ``matmul`` with
 the weight transposed once), with Python scalars as shared 0-dim tensors,
 kept only when its result is bit-identical to the aten op's on the capture's
-data (:class:`_Verifier`).  Anything else replays through the aten op.  A
+data (:class:`Verifier`).  Anything else replays through the aten op.  A
 rewrite that computes values with another call (``linear`` as ``matmul``, a
 composite's ``out=`` form) must also be proven equal on random data
 (:func:`graphrunner.tape.proof.proven`, the gate of every rewrite).
@@ -14,17 +14,30 @@ composite's ``out=`` form) must also be proven equal on random data
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .proof import bits_equal, eager_context, equal_ints, proven
-from .state import _storage, give_back_scratch, scratch_storage, storage_bytes
+from .state import give_back_scratch, scratch_storage, storage_bytes, storage_of
 from .survivors import poison_value
 
-if TYPE_CHECKING:  # recording imports this module
-    from .recording import _Capture
+
+class VerifiedCapture(Protocol):
+    """What :class:`Verifier` reads of the capture it verifies a call for
+    (:class:`graphrunner.tape.recording.TapeCapture`, which sits above this module)."""
+
+    names: dict[int, str]  #: id(tensor) -> name
+    kind: dict[str, str]  #: name -> "ext" | "int"
+    scalars: dict[tuple, torch.Tensor]  #: Python scalar -> shared 0-dim tensor
+    inference: bool
+    tls: tuple
+
+    def scalar_tensor(self, v, dtype=None) -> torch.Tensor:
+        """One shared 0-dim tensor per Python scalar and dtype."""
+        ...
+
 
 # Calling an OpOverload from Python (``aten.mul.Tensor._op(x, y)``) costs about
 # 1.5x the public binding (``torch.mul(x, y)``), and a Python scalar argument
@@ -43,8 +56,8 @@ if TYPE_CHECKING:  # recording imports this module
 # aliasing (and, for ops that write, the same bytes written, checked on a
 # copy of the written storages).  Anything else replays through the aten op.
 
-_NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
-_VF = torch._C._VariableFunctions
+NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
+VF = torch._C._VariableFunctions
 _NN = torch._C._nn
 _TB = torch._C.TensorBase
 _BUILTIN_TYPES = ("builtin_function_or_method", "method_descriptor")
@@ -67,7 +80,7 @@ def _bindings(func) -> tuple:
         name = func._schema.name.split("::", 1)[-1]
         found: list = []
         if func.namespace == "aten":
-            for src in (_TB,) if name.endswith("_") else (_VF, _NN, _TB):
+            for src in (_TB,) if name.endswith("_") else (VF, _NN, _TB):
                 c = getattr(src, name, None)
                 if c is not None and type(c).__name__ in _BUILTIN_TYPES and c not in found:
                     found.append(c)
@@ -92,13 +105,13 @@ def _flat_tensors(v, acc: list) -> list:
 
 def _alias_index(t: torch.Tensor, inputs: list) -> tuple:
     """Indices of the inputs whose storage ``t`` shares."""
-    st = _storage(t)
+    st = storage_of(t)
     if st is None or st.nbytes() == 0:
         return ()
     p = st.data_ptr()
     out = []
     for i, x in enumerate(inputs):
-        xs = _storage(x)
+        xs = storage_of(x)
         if xs is not None and xs.nbytes() and xs.data_ptr() == p:
             out.append(i)
     return tuple(out)
@@ -150,7 +163,7 @@ def _slice_as_narrow(args, kwargs, out):
         return []
     dim %= x.dim()
     start = (out.storage_offset() - x.storage_offset()) // x.stride(dim) if out.numel() and x.stride(dim) else 0
-    return [(_VF.narrow, [x, dim, start, out.size(dim)], {})]
+    return [(VF.narrow, [x, dim, start, out.size(dim)], {})]
 
 
 def _linear_as_matmul(args, kwargs, out):
@@ -161,7 +174,7 @@ def _linear_as_matmul(args, kwargs, out):
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
     if bias is not None or w.dim() != 2:
         return []
-    return [(_VF.matmul, [x, w.t()], {})]
+    return [(VF.matmul, [x, w.t()], {})]
 
 
 # Ops without a public binding of their own name: functions returning
@@ -262,11 +275,11 @@ def _is_same_call(fn, va, vk, func, args, kwargs, out) -> bool:
     return mode.calls == 1 and _same_objects(out, got) and _meta(out) == before
 
 
-class _Verifier:
+class Verifier:
     """Prepared before an aten op runs (copies of the storages it writes), then
     asked after it ran for the fastest binding computing the same thing."""
 
-    def __init__(self, cap: _Capture, func, args, kwargs, written: list, fresh: dict):
+    def __init__(self, cap: VerifiedCapture, func, args, kwargs, written: list, fresh: dict):
         self.ok = False
         self.out_ok = False  # the picked binding also takes a preplanned out= buffer (see _out_ok)
         self.twin_st: dict[int, tuple] = {}  # storage key -> (storage, its bytes before the op)
@@ -274,7 +287,7 @@ class _Verifier:
         if func.namespace != "aten" or not (_bindings(func) or func in _REWRITES):
             return
         for t in written:
-            st = _storage(t)
+            st = storage_of(t)
             if st is None or st.nbytes() > _MAX_TWIN_BYTES:
                 return
             k = id(st)
@@ -289,7 +302,7 @@ class _Verifier:
     def _twin(self, v):
         """``v`` with every tensor on a written storage replaced by the same view of its copy."""
         if isinstance(v, torch.Tensor):
-            st = _storage(v)
+            st = storage_of(v)
             work = self.work.get(id(st)) if st is not None else None
             if work is None:
                 return v
@@ -312,7 +325,7 @@ class _Verifier:
                     return False
         return True
 
-    def pick(self, cap: _Capture, func, args, kwargs, out):
+    def pick(self, cap: VerifiedCapture, func, args, kwargs, out):
         """Return (binding, args, kwargs) verified equal to ``func`` on this data, or None."""
         if not self.ok:
             return None
@@ -524,7 +537,7 @@ def _extent_bytes(t: torch.Tensor) -> int:
 def _is_function(fn) -> bool:
     """``fn`` is a function of torch._C._VariableFunctions or torch._C._nn (these take ``out=``)."""
     name = getattr(fn, "__name__", None)
-    return name is not None and (fn is getattr(_VF, name, None) or fn is getattr(_NN, name, None))
+    return name is not None and (fn is getattr(VF, name, None) or fn is getattr(_NN, name, None))
 
 
 # Composite bindings whose out= variant runs the very kernels of the functional

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from .bindings import _VF
+from .bindings import VF
 from .collapse import COLLAPSIBLE, COLLAPSIBLE_FUNCTIONAL, collapse, collapse_functional, view_like
-from .recording import _Op, _Ref
+from .recording import RecordedOp, Ref
 
 
 def _literal(v) -> str | None:
@@ -143,7 +143,7 @@ def generate(cap, consts: dict, survivors: dict, spills: dict | None = None, scr
         # Hoisted ops repeating an earlier hoisted op (the same constant
         # factory, e.g. `torch.arange(L)` in every layer, or the same view)
         # give equal constants: never written, so one will do.
-        seen_h: dict[tuple, _Op] = {}
+        seen_h: dict[tuple, RecordedOp] = {}
         for op in ops:
             if op.fast != "hoisted":
                 continue
@@ -162,7 +162,7 @@ def generate(cap, consts: dict, survivors: dict, spills: dict | None = None, scr
     # CSE: a pure op repeating an earlier one (same op, same inputs not
     # written in between, same literal arguments) reuses its result, unless
     # a result is written later (then the two differ) or survives.
-    seen: dict[tuple, _Op] = {}
+    seen: dict[tuple, RecordedOp] = {}
     for op in ops:
         if op.fast is not None or not op.pure or not op.new or torch.Tag.nondeterministic_bitwise in op.func.tags:
             continue
@@ -188,8 +188,8 @@ def generate(cap, consts: dict, survivors: dict, spills: dict | None = None, scr
         for op in ops:
             if op.fast is None and op.view is not None:
                 base, size, stride, offset = op.view
-                op.call = _VF.as_strided
-                op.cargs = ((_Ref(base), size, stride, offset), {})
+                op.call = VF.as_strided
+                op.cargs = ((Ref(base), size, stride, offset), {})
                 op.in_names = [base]
 
     # 4. Dead-code elimination: keep ops with effects, ops producing
@@ -225,13 +225,13 @@ def generate(cap, consts: dict, survivors: dict, spills: dict | None = None, scr
                 last_use[cn(n)] = i
 
     def expr(v) -> str:
-        if isinstance(v, _Ref):
+        if isinstance(v, Ref):
             return ref_expr[cn(v.name)]
         lit = _literal(v)
         if lit is not None:
             return lit
         if isinstance(v, (list, tuple)):
-            if v and all(isinstance(x, _Ref) and cn(x.name) in consts for x in v):
+            if v and all(isinstance(x, Ref) and cn(x.name) in consts for x in v):
                 # only constants: build the list once (ops do not modify their list arguments)
                 return prog.const(type(v)(consts[cn(x.name)] for x in v))
             inner = ", ".join(expr(x) for x in v)
@@ -294,10 +294,10 @@ def generate(cap, consts: dict, survivors: dict, spills: dict | None = None, scr
         elif not newset:
             lines.append(call)
             bind_src = None
-        elif isinstance(op.outs, _Ref):
+        elif isinstance(op.outs, Ref):
             lines.append(f"{op.outs.name} = {call}")
             bind_src = None
-        elif isinstance(op.outs, (list, tuple)) and all(isinstance(x, _Ref) for x in op.outs):
+        elif isinstance(op.outs, (list, tuple)) and all(isinstance(x, Ref) for x in op.outs):
             # a flat tuple of tensors: unpack in one statement
             lhs = [x.name if x.name in newset else "_" for x in op.outs]
             lines.append(", ".join(lhs) + (", = " if len(lhs) == 1 else " = ") + call)
@@ -375,7 +375,7 @@ def plan_buffers(
         cargs, ckwargs = op.cargs
         if ckwargs:
             return None
-        got = [fixed.get(cn(a.name)) if isinstance(a, _Ref) else a for a in cargs]
+        got = [fixed.get(cn(a.name)) if isinstance(a, Ref) else a for a in cargs]
         return got if all(isinstance(t, torch.Tensor) for t in got) else None
 
     def seen(op, targs) -> dict:
@@ -385,7 +385,7 @@ def plan_buffers(
         return {
             id(t): kept.get(a.name)
             for a, t in zip(op.cargs[0], targs)
-            if isinstance(a, _Ref) and cap.kind.get(a.name) == "int"
+            if isinstance(a, Ref) and cap.kind.get(a.name) == "int"
         }
 
     last: dict[int, int] = {}  # storage key -> index of the last kept op using it
@@ -411,7 +411,7 @@ def plan_buffers(
             (op.out_ok or op.call in COLLAPSIBLE_FUNCTIONAL)
             and op.call is not None
             and not op.collective
-            and isinstance(op.outs, _Ref)
+            and isinstance(op.outs, Ref)
         ):
             n = op.outs.name
             k = cap.skey.get(n)
@@ -485,7 +485,7 @@ def _extent(meta) -> int:
 def _key(v, cn):
     """Hashable form of an argument template (names through ``cn``); floats by
     repr so that 0.0 / -0.0 and NaNs stay distinct.  TypeError if unhashable."""
-    if isinstance(v, _Ref):
+    if isinstance(v, Ref):
         return ("R", cn(v.name))
     if isinstance(v, float):
         return ("F", repr(v))
@@ -498,7 +498,7 @@ def _key(v, cn):
 
 
 def _ref_paths(v, path=""):
-    if isinstance(v, _Ref):
+    if isinstance(v, Ref):
         yield path, v
     elif isinstance(v, (list, tuple)):
         for i, x in enumerate(v):

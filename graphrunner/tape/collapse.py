@@ -32,16 +32,16 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .bindings import _VF
+from .bindings import VF
 from .proof import proven
-from .state import _storage
+from .state import storage_of
 
 _aten = torch.ops.aten
 # The kernels a collapsed call may reach, and the binding that calls each
 # with out=.
-_KERNELS = {_aten.mm.default: _VF.mm, _aten.bmm.default: _VF.bmm, _aten.addmm.default: _VF.addmm}
+_KERNELS = {_aten.mm.default: VF.mm, _aten.bmm.default: VF.bmm, _aten.addmm.default: VF.addmm}
 # Composite bindings collapsed in their out= form, and in their functional form.
-COLLAPSIBLE = frozenset({_VF.matmul})
+COLLAPSIBLE = frozenset({VF.matmul})
 COLLAPSIBLE_FUNCTIONAL = frozenset({torch._C._nn.linear})
 # ``_unsafe_view`` returns a view without declaring it (no alias annotation).
 _VIEWS = frozenset({_aten._unsafe_view.default})
@@ -74,7 +74,7 @@ class _Log(TorchDispatchMode):
 
 
 def _storage_ptr(t: torch.Tensor):
-    st = _storage(t)
+    st = storage_of(t)
     return st.data_ptr() if st is not None and st.nbytes() else None
 
 

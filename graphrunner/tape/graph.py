@@ -27,27 +27,27 @@ from torch.utils._python_dispatch import _disable_current_modes
 from graphrunner.errors import CaptureError
 
 from . import jit
-from .bindings import _NO_TORCH_FUNCTION
+from .bindings import NO_TORCH_FUNCTION
 from .codegen import generate, hoist
 from .jit import JitReplay, eligible, jit_default
 from .pool import TRACING, TapePool, place
 from .proof import stats as proof_stats
-from .recording import _Capture, _Recorder
-from .rng import _reseed_guard
-from .state import _ACTIVE, _ACTIVE_LOCK, _CAPTURE_ERROR_MODES, alias_of
+from .recording import Recorder, TapeCapture
+from .rng import reseed_guard
+from .state import ACTIVE, ACTIVE_LOCK, CAPTURE_ERROR_MODES, alias_of
 from .streams import unjoined_error
 from .survivors import (
-    _SURVIVORS,
+    SURVIVORS,
     EscapedTensorWarning,
-    _Poisoned,
-    _resolve_poison,
+    Poisoned,
     find_survivors,
     forget_poisoned,
     poison_survivors,
+    resolve_poison,
     unpoison,
     warn_stashed,
 )
-from .unsafe import _Guard
+from .unsafe import Guard
 
 # the replay's C entry points, bound once (one attribute lookup less each per replay)
 _InferenceMode = torch._C._InferenceMode
@@ -120,14 +120,14 @@ class TapeGraph:
     """
 
     def __init__(self, poison_captured_values: bool | None = None, jit_replay: bool | None = None):
-        self.poison_captured_values: bool = _resolve_poison(poison_captured_values, "TapeGraph")
+        self.poison_captured_values: bool = resolve_poison(poison_captured_values, "TapeGraph")
         if jit_replay is not None and not isinstance(jit_replay, bool):
             raise TypeError(f"jit_replay must be True, False or None, got {type(jit_replay).__name__}")
         #: Replay through a TorchScript trace when the program allows (:mod:`~graphrunner.tape.jit`).
         self.jit_replay: bool = jit_default() if jit_replay is None else jit_replay
         self._jit: JitReplay | None = None
         self._pool: TapePool | None = None
-        self._cap: _Capture | None = None
+        self._cap: TapeCapture | None = None
         self._modes: tuple | None = None
         self._fn: Callable[[], None] | None = None
         self._num_ops = 0
@@ -135,7 +135,7 @@ class TapeGraph:
         self._statics: list[torch.Tensor] = []
         self._versioned: list[tuple[weakref.ref, int]] = []
         self._surv_storages: list[tuple] = []  # (storage, dtype, computed once) of each survivor, for poisoning
-        self._poisoned: dict[int, _Poisoned] = {}  # storage key -> survivor poisoned since capture end
+        self._poisoned: dict[int, Poisoned] = {}  # storage key -> survivor poisoned since capture end
         self.source: str | None = None  # generated replay source, for debugging
         #: ``(proofs, refused, seconds)`` of the last capture's rewrite proofs (:mod:`~graphrunner.tape.proof`):
         #: rewrites proven bit-equal to the call they replace, or dropped, and the capture time spent on it.
@@ -154,22 +154,22 @@ class TapeGraph:
         ``capture_error_mode="global"``. As with CUDA, captures in different
         threads may overlap when both use ``"thread_local"`` or ``"relaxed"``;
         only the calling thread's tensor work is recorded."""
-        if capture_error_mode not in _CAPTURE_ERROR_MODES:
-            raise ValueError(f"capture_error_mode must be one of {_CAPTURE_ERROR_MODES}, got {capture_error_mode!r}")
+        if capture_error_mode not in CAPTURE_ERROR_MODES:
+            raise ValueError(f"capture_error_mode must be one of {CAPTURE_ERROR_MODES}, got {capture_error_mode!r}")
         if pool is not None and not isinstance(pool, TapePool):
             raise TypeError(f"pool must be a TapePool from graph_pool_handle() or None, got {type(pool).__name__}")
         if self._cap is not None:
             raise CaptureError("this TapeGraph is already capturing; call capture_end() (or reset()) first")
         if self._fn is not None:
             raise CaptureError("this TapeGraph already holds a capture; call reset() before capturing again")
-        cap = _Capture(self, capture_error_mode)
-        with _ACTIVE_LOCK:
-            if cap.thread in _ACTIVE:
+        cap = TapeCapture(self, capture_error_mode)
+        with ACTIVE_LOCK:
+            if cap.thread in ACTIVE:
                 raise CaptureError(
                     "another TapeGraph capture is active in this thread; tape captures cannot nest. End it "
                     "(capture_end) first."
                 )
-            other = next(iter(_ACTIVE.values()), None)
+            other = next(iter(ACTIVE.values()), None)
             if other is not None and "global" in (capture_error_mode, other.mode):
                 raise CaptureError(
                     f"concurrent capture in another thread: thread {other.thread_name!r} is capturing a "
@@ -177,10 +177,10 @@ class TapeGraph:
                     f"cannot overlap another one (this one asked for {capture_error_mode!r}). Capture one "
                     "after the other, or use capture_error_mode='thread_local' (or 'relaxed') for both."
                 )
-            _ACTIVE[cap.thread] = cap
+            ACTIVE[cap.thread] = cap
         try:
             self._pool = pool if pool is not None else (self._pool or TapePool())
-            modes = (_reseed_guard(), _Guard(cap), _Recorder(cap))
+            modes = (reseed_guard(), Guard(cap), Recorder(cap))
             self._cap = cap
             entered = []
             try:
@@ -194,12 +194,12 @@ class TapeGraph:
                 raise
             self._modes = modes
         except BaseException:
-            with _ACTIVE_LOCK:
-                if _ACTIVE.get(cap.thread) is cap:
-                    del _ACTIVE[cap.thread]
+            with ACTIVE_LOCK:
+                if ACTIVE.get(cap.thread) is cap:
+                    del ACTIVE[cap.thread]
             raise
 
-    def _stop(self, repoison: bool = True) -> _Capture:
+    def _stop(self, repoison: bool = True) -> TapeCapture:
         """Leave the modes, restore externals; return the capture state.
         ``repoison=False`` leaves other graphs' poisoned survivors that the
         capture read with their real values (the caller calls
@@ -208,9 +208,9 @@ class TapeGraph:
         if cap is None:  # (its callers check first)
             raise CaptureError("this TapeGraph is not capturing")
         self._cap = self._modes = None
-        with _ACTIVE_LOCK:
-            if _ACTIVE.get(cap.thread) is cap:
-                del _ACTIVE[cap.thread]
+        with ACTIVE_LOCK:
+            if ACTIVE.get(cap.thread) is cap:
+                del ACTIVE[cap.thread]
         try:
             if modes is not None:
                 for m in reversed(modes):
@@ -228,7 +228,7 @@ class TapeGraph:
         return cap
 
     @staticmethod
-    def _repoison(cap: _Capture) -> None:
+    def _repoison(cap: TapeCapture) -> None:
         for ent in cap.lifted:  # other graphs' survivors: garbage again until those graphs replay
             ent.poison()
         cap.lifted.clear()
@@ -333,14 +333,14 @@ class TapeGraph:
             if self._versioned or self._poisoned:
                 self._run(fn)
             elif self._inference:  # the common case, what _run does in one frame (its checks do nothing here)
-                with _NO_TORCH_FUNCTION():
+                with NO_TORCH_FUNCTION():
                     guard = _InferenceMode(True)
                     try:
                         fn()
                     finally:
                         del guard
             else:
-                with _NO_TORCH_FUNCTION():
+                with NO_TORCH_FUNCTION():
                     prev = _is_grad_enabled()
                     _set_grad_enabled(False)
                     try:
@@ -376,7 +376,7 @@ class TapeGraph:
         # with torch-function handling disabled they go straight to the
         # dispatcher, as the recorded aten ops did (no mode or tensor-subclass
         # __torch_function__ can intercept them).
-        with _NO_TORCH_FUNCTION():
+        with NO_TORCH_FUNCTION():
             if self._inference:
                 guard = torch._C._InferenceMode(True)
                 try:
@@ -407,7 +407,7 @@ class TapeGraph:
                 break
 
     # -- capture end: survivors, hoisting, code generation ---------------------
-    def _finalize(self, cap: _Capture) -> None:
+    def _finalize(self, cap: TapeCapture) -> None:
         const_storages, consts = hoist(cap)
         survivors, versioned, targets = find_survivors(cap, self, const_storages)
         warn_stashed(cap, const_storages)
@@ -416,7 +416,7 @@ class TapeGraph:
         for n, t in consts.items():
             if type(t) is torch.Tensor and not t.requires_grad and t.layout == torch.strided:
                 st = t.untyped_storage()
-                ent = _SURVIVORS.get(id(st))
+                ent = SURVIVORS.get(id(st))
                 if ent is not None and ent[0]() is st:
                     consts[n] = alias_of(t)
         pool = self._pool
@@ -498,7 +498,7 @@ class TapeGraph:
         try:
             with (
                 _disable_current_modes(),
-                _NO_TORCH_FUNCTION(),
+                NO_TORCH_FUNCTION(),
                 torch.inference_mode() if self._inference else torch.no_grad(),
             ):
                 jit_.prepare(keep, generators)
@@ -553,11 +553,11 @@ def tape_graph(
     propagates unchanged; the next capture works normally.  An empty body
     warns as :meth:`TapeGraph.capture_end` does.
     """
-    return _capturing(graph, pool, capture_error_mode, warn_empty=True)
+    return capturing_into(graph, pool, capture_error_mode, warn_empty=True)
 
 
 @contextlib.contextmanager
-def _capturing(
+def capturing_into(
     graph: TapeGraph, pool: TapePool | None, capture_error_mode: str, warn_empty: bool
 ) -> Iterator[TapeGraph]:
     """:func:`tape_graph`; ``warn_empty=False`` for callers that drop empty

@@ -38,7 +38,8 @@ import weakref
 
 import torch
 
-from .state import _OURS, ours
+from .state import OURS, ours
+from .survivors import SURVIVORS
 
 _ROUND = 512  # CUDA caching allocator: every block is a multiple of 512 bytes
 _SEQ = itertools.count()
@@ -51,7 +52,7 @@ def _rounded(nbytes: int) -> int:
 
 def user_refs(st) -> int:
     """Tensors outside the tape that refer to storage ``st``."""
-    s = _OURS.get(id(st))
+    s = OURS.get(id(st))
     # only tensors really on ``st`` (an id can outlive its storage and be reused)
     mine = sum(1 for t in s if t.untyped_storage() is st) if s is not None else 0
     # one count is the storage's Python object (the one we hold to ask)
@@ -191,7 +192,6 @@ def place(pool: TapePool, graph, cap, survivors: dict, targets: list) -> tuple[d
     name -> tensor: the replay writes the value there too).  Returns
     ``(spills, targets, bytes_added)``, ``targets`` with moved storages
     replaced."""
-    from .survivors import _SURVIVORS
 
     spills: dict = {}
     alive = {id(st): st for st, _, _ in targets}
@@ -242,7 +242,7 @@ def place(pool: TapePool, graph, cap, survivors: dict, targets: list) -> tuple[d
                 if old is not None and not b.pinned and _move(cap, survivors, k, st, old):
                     moved[k] = old
                     st = old
-                    _SURVIVORS[id(old)] = (weakref.ref(old), weakref.ref(graph))
+                    SURVIVORS[id(old)] = (weakref.ref(old), weakref.ref(graph))
                 b.storage = weakref.ref(st)
             for k in set(op.in_skeys) | set(op.out_skeys):
                 held = live.get(k)
@@ -292,11 +292,11 @@ def _reregister(st, moved: list) -> None:
     """The tape's own tensors among ``moved`` (now on another storage) are
     registered under that storage, no longer under ``st``'s id (which a later
     storage may get: its user would then look absent)."""
-    was = _OURS.get(id(st))
+    was = OURS.get(id(st))
     if not was:
         return
     mine = {id(t) for t in was}
-    _OURS[id(st)] = weakref.WeakSet([t for t in was if not any(t is m for m in moved)])
+    OURS[id(st)] = weakref.WeakSet([t for t in was if not any(t is m for m in moved)])
     for t in moved:
         if id(t) in mine:
             ours(t)

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .state import _storage, in_session, on_session_end, storage_bytes
+from .state import in_session, on_session_end, storage_bytes, storage_of
 from .survivors import poison_value
 
 # Off only in negative-control tests: every rewrite is then taken on trust.
@@ -158,7 +158,7 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _key(t: torch.Tensor):
-    st = _storage(t)
+    st = storage_of(t)
     if st is None or st.nbytes() == 0:
         return None
     return (st.device, st.data_ptr())
@@ -252,7 +252,7 @@ def _storages(tensors: Iterable) -> dict:
         if isinstance(t, torch.Tensor):
             k = _key(t)
             if k is not None and k not in out:
-                out[k] = (_storage(t), t.dtype)
+                out[k] = (storage_of(t), t.dtype)
     return out
 
 
@@ -295,7 +295,7 @@ def _sig(v, stores: dict):
         if type(v) not in (torch.Tensor, torch.nn.Parameter) or v.layout != torch.strided:
             raise _NoMemo
         k = _key(v)
-        st = _storage(v)
+        st = storage_of(v)
         return (
             "T",
             stores.setdefault(k, len(stores)) if k is not None else -1,

@@ -1,12 +1,12 @@
 """Recording: what happens while a tape capture is in progress.
 
-Owns :class:`_Capture`, the mutable state of one capture (names of the
+Owns :class:`TapeCapture`, the mutable state of one capture (names of the
 tensors seen, externals vs internals, storages, snapshots of externals the
 capture writes -- undone at capture end, since a CUDA capture launches
-nothing --, saved generator states, the recorded :class:`_Op` list), and
-:class:`_Recorder`, the ``TorchDispatchMode`` that checks each aten op
+nothing --, saved generator states, the recorded :class:`RecordedOp` list), and
+:class:`Recorder`, the ``TorchDispatchMode`` that checks each aten op
 against the unsafe-op catalogue, runs it once and records it with argument
-templates (:class:`_Ref` placeholders for tensors).  What the recording is
+templates (:class:`Ref` placeholders for tensors).  What the recording is
 turned into at capture end is :mod:`graphrunner.tape.codegen`'s job.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -23,21 +23,18 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from graphrunner._aten import written_tensors
 from graphrunner.errors import CaptureError
 
-from .bindings import _Verifier
+from .bindings import Verifier
 from .collapse import COLLAPSIBLE, COLLAPSIBLE_FUNCTIONAL
 from .proof import eager_tls
 from .proof import stats as proof_stats
-from .rng import _op_generator, redirected, stand_in_op
-from .state import _storage, release_snapshot, snapshot_copy, storage_bytes
+from .rng import op_generator, redirected, stand_in_op
+from .state import release_snapshot, snapshot_copy, storage_bytes, storage_of
 from .streams import CLOCKS, current_stream
-from .survivors import _POISONED, _SURVIVORS, EscapedTensorWarning, _Poisoned
-from .unsafe import _check_safe, _user_frame
-
-if TYPE_CHECKING:  # graph imports this module: a runtime import would be a cycle
-    from .graph import TapeGraph
+from .survivors import POISONED, SURVIVORS, EscapedTensorWarning, Poisoned
+from .unsafe import check_safe, user_frame
 
 
-class _Ref:
+class Ref:
     """Placeholder for a tensor inside a recorded argument template."""
 
     __slots__ = ("name",)
@@ -49,7 +46,7 @@ class _Ref:
         return self.name
 
 
-class _Op:
+class RecordedOp:
     """One recorded aten op: callable, argument templates, output names."""
 
     __slots__ = (
@@ -76,11 +73,11 @@ class _Op:
         "stream",
     )
 
-    # set by _Recorder when it records the op (__init__ leaves them unset)
+    # set by Recorder when it records the op (__init__ leaves them unset)
     func: torch._ops.OpOverload
-    args: tuple  # argument templates (_Ref for tensors)
+    args: tuple  # argument templates (Ref for tensors)
     kwargs: dict[str, Any]
-    outs: Any  # output template: a _Ref, a list/tuple of them, or None
+    outs: Any  # output template: a Ref, a list/tuple of them, or None
     new: list[str]  # names of the tensors this op created
     in_names: list[str]
     in_vers: tuple[int, ...]  # writes so far to each input's storage (for CSE)
@@ -118,10 +115,11 @@ class _Op:
         self.stream = 0  # id of the stream the op was issued on (graphrunner.tape.streams)
 
 
-class _Capture:
+class TapeCapture:
     """Mutable state of one capture in progress (dropped at capture end)."""
 
-    def __init__(self, graph: TapeGraph, mode: str = "global"):
+    def __init__(self, graph: object, mode: str = "global"):
+        # the TapeGraph capturing (graph.py, above this module, makes captures): only told apart by identity
         self.graph = graph
         self.mode = mode  # capture_error_mode
         self.thread = threading.get_ident()  # the capturing thread
@@ -138,7 +136,7 @@ class _Capture:
         self.written: set[int] = set()  # storage keys written by recorded ops
         self.ext_storages: set[int] = set()  # storage keys of externals
         self.snapshots: dict[int, tuple] = {}  # external storage key -> (storage, byte copy)
-        self.ops: list[_Op] = []
+        self.ops: list[RecordedOp] = []
         self.n = 0
         self.failed: BaseException | None = None
         self.inference = torch.is_inference_mode_enabled()
@@ -148,7 +146,7 @@ class _Capture:
         self.wcount: dict[int | None, int] = {}  # storage key -> writes so far (for CSE)
         self.scalars: dict[tuple, torch.Tensor] = {}  # Python scalar -> shared 0-dim tensor
         self.meta_mutated = False  # an inplace_view op (t_, unsqueeze_, ...) ran
-        self.lifted: list[_Poisoned] = []  # other graphs' poisoned survivors lifted for this capture
+        self.lifted: list[Poisoned] = []  # other graphs' poisoned survivors lifted for this capture
         self.generators: dict[int, tuple] = {}  # id(generator) -> (generator, state, initial seed) at first use
         self.drawn_from: list = []  # at capture end: the generators tracked (restored)
         #: Seeded ops that drew from a stand-in (a :func:`~graphrunner.tape.rng.redirect` was active).
@@ -176,7 +174,7 @@ class _Capture:
 
     # -- naming -----------------------------------------------------------
     def _skey(self, t):
-        st = _storage(t)
+        st = storage_of(t)
         if st is None:
             return None
         k = id(st)
@@ -191,7 +189,7 @@ class _Capture:
         if k is not None and k in self.internal_storages:
             raise CaptureError(
                 "a tensor aliasing memory created inside the capture appeared without being produced by a "
-                f"recorded op (at {_user_frame()}); create views with tensor ops, not with storage APIs"
+                f"recorded op (at {user_frame()}); create views with tensor ops, not with storage APIs"
             )
         n = f"e{self.n}"
         self.n += 1
@@ -200,7 +198,7 @@ class _Capture:
         self.kind[n] = "ext"
         self.skey[n] = k
         if k is not None:
-            if _POISONED and k not in self.ext_storages:
+            if POISONED and k not in self.ext_storages:
                 self.lift_poison(k)
             self.ext_storages.add(k)
         return n
@@ -210,13 +208,13 @@ class _Capture:
         its real values until this capture ends (then it is poisoned again).
         A CUDA capture never computes on it; the tape does, and poison could
         make an op raise (an out-of-range index) where the GPU would not."""
-        w = _POISONED.get(k)
+        w = POISONED.get(k)
         g = w() if w is not None else None
         if g is None:
-            _POISONED.pop(k, None)
+            POISONED.pop(k, None)
             return
         ent = g._poisoned.get(k)
-        if ent is None or _storage(ent.raw) is not self.storages.get(k):
+        if ent is None or storage_of(ent.raw) is not self.storages.get(k):
             return
         ent.lift()
         self.lifted.append(ent)
@@ -243,7 +241,7 @@ class _Capture:
         if isinstance(v, torch.Tensor):
             n = self.name_in(v)
             names.append(n)
-            return _Ref(n)
+            return Ref(n)
         if isinstance(v, (list, tuple)):
             return type(v)(self.template_in(x, names) for x in v)
         return v
@@ -254,7 +252,7 @@ class _Capture:
             allnames.append(n)
             if is_new:
                 new.append(n)
-            return _Ref(n)
+            return Ref(n)
         if isinstance(v, (list, tuple)):
             return type(v)(self.template_out(x, new, allnames) for x in v)
         return None
@@ -273,14 +271,14 @@ class _Capture:
         with torch.inference_mode():
             b = storage_bytes(st)
             self.snapshots[k] = (st, snapshot_copy(b))
-        ent = _SURVIVORS.get(k)
+        ent = SURVIVORS.get(k)
         if ent is not None and ent[0]() is st:
             g = ent[1]()
             if g is not None and g is not self.graph and k not in self.warned:
                 self.warned.add(k)
                 warnings.warn(
                     f"op {func} in this tape capture writes a tensor that was created inside another graph's "
-                    f"capture and survived it (at {_user_frame()}). That graph refreshes the tensor at each of "
+                    f"capture and survived it (at {user_frame()}). That graph refreshes the tensor at each of "
                     "its replays, overwriting what is written here; allocate persistent buffers (caches, "
                     "counters) before capture.",
                     EscapedTensorWarning,
@@ -328,12 +326,12 @@ class _Capture:
 _KEEP_SEEN_BYTES = 1 << 20
 
 
-def _kept_values(cap: _Capture, templates, values) -> dict:
+def _kept_values(cap: TapeCapture, templates, values) -> dict:
     """{name: copy} of the temporaries (recorded outputs) among ``values``, as they are now."""
     kept = {}
     for a, v in zip(templates, values):
         if (
-            isinstance(a, _Ref)
+            isinstance(a, Ref)
             and cap.kind.get(a.name) == "int"
             and type(v) is torch.Tensor
             and v.layout == torch.strided
@@ -349,10 +347,10 @@ def _kept_values(cap: _Capture, templates, values) -> dict:
     return kept
 
 
-class _Recorder(TorchDispatchMode):
+class Recorder(TorchDispatchMode):
     """Records every aten op of a capture (and runs it, once)."""
 
-    def __init__(self, cap: _Capture):
+    def __init__(self, cap: TapeCapture):
         super().__init__()
         self.cap = cap
 
@@ -362,7 +360,7 @@ class _Recorder(TorchDispatchMode):
         collective = func.namespace == "c10d"
         try:
             if not collective:
-                _check_safe(func, args, kwargs)
+                check_safe(func, args, kwargs)
             schema = func._schema
             if torch.is_grad_enabled():
                 for a in list(args) + list(kwargs.values()):
@@ -370,7 +368,7 @@ class _Recorder(TorchDispatchMode):
                     if any(isinstance(t, torch.Tensor) and t.requires_grad for t in ts):
                         raise CaptureError(
                             f"autograd is recording during tape capture: {func} received a tensor that "
-                            f"requires grad while grad mode is enabled (at {_user_frame()}). Graphs are for "
+                            f"requires grad while grad mode is enabled (at {user_frame()}). Graphs are for "
                             "inference: capture under torch.no_grad() or torch.inference_mode()."
                         )
             tags = func.tags
@@ -396,21 +394,21 @@ class _Recorder(TorchDispatchMode):
             # RNG ops would draw twice; collectives are re-issued as recorded.
             verifier = None
             if not collective and not seeded:
-                verifier = _Verifier(cap, func, args, kwargs, written, fresh)
+                verifier = Verifier(cap, func, args, kwargs, written, fresh)
             run, run_kwargs = func, kwargs
             if seeded:  # under a redirect (a background capture) it draws from a stand-in
                 run, run_kwargs = stand_in_op(func, args, kwargs)
                 if run_kwargs is not kwargs:
                     cap.redirected_draws += 1
-                    cap.track_generator(_op_generator(args, run_kwargs))
+                    cap.track_generator(op_generator(args, run_kwargs))
                 elif redirected() is None:
-                    cap.track_generator(_op_generator(args, kwargs))
+                    cap.track_generator(op_generator(args, kwargs))
         except BaseException as e:
             cap.failed = e
             raise
         out = run(*args, **run_kwargs)
         try:
-            op = _Op()
+            op = RecordedOp()
             op.func, op.args, op.kwargs = func, targs, tkwargs
             op.stream = current_stream().id
             op.in_names = in_names
@@ -433,15 +431,15 @@ class _Recorder(TorchDispatchMode):
             if (
                 op.pure
                 and len(set(in_names)) == 1
-                and isinstance(op.outs, _Ref)
+                and isinstance(op.outs, Ref)
                 and op.new
                 and isinstance(out, torch.Tensor)
             ):
                 src = cap.strong[in_names[0]]
                 if (
-                    _storage(out) is not None
-                    and _storage(src) is not None
-                    and _storage(out).data_ptr() == _storage(src).data_ptr()
+                    storage_of(out) is not None
+                    and storage_of(src) is not None
+                    and storage_of(out).data_ptr() == storage_of(src).data_ptr()
                     and out.dtype == src.dtype
                     and out.shape == src.shape
                     and out.stride() == src.stride()
@@ -456,7 +454,7 @@ class _Recorder(TorchDispatchMode):
                 op.alias is None
                 and op.pure
                 and len(set(in_names)) == 1
-                and isinstance(op.outs, _Ref)
+                and isinstance(op.outs, Ref)
                 and op.new
                 and isinstance(out, torch.Tensor)
                 and out.layout == torch.strided

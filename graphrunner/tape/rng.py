@@ -2,13 +2,13 @@
 
 Owns the re-seed guard (``torch.manual_seed`` / ``seed`` / ``set_rng_state``
 raise while a capture is active, as ``manual_seed`` does during a CUDA
-capture), :func:`_op_generator`, the generator a seeded op draws from, and
+capture), :func:`op_generator`, the generator a seeded op draws from, and
 :class:`OwnedGenerators` with :func:`redirect`: the one mechanism by which a
 check, a verification or a background capture draws from generators of its
 own instead of the engine's (the op recorder and the tape capture swap the
 generator of every seeded op they see). Saving and restoring generator states
 around a blocking tape capture is done by the capture itself
-(:meth:`~graphrunner.tape.recording._Capture.track_generator`,
+(:meth:`~graphrunner.tape.recording.TapeCapture.track_generator`,
 ``restore_generators``); under a redirect it only ever sets its stand-ins."""
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.random as trandom
 
 from graphrunner.errors import CaptureError
 
-from .state import _ACTIVE, _capture_here
-from .unsafe import _user_frame
+from .state import ACTIVE, capture_here
+from .unsafe import user_frame
 
 # ---------------------------------------------------------------------------
 # random number generators (TAPE-NOTES item 6)
@@ -44,7 +45,7 @@ _RESEED_FUNCTIONS = ("manual_seed", "seed", "set_rng_state")
 
 def _reseed_error(what: str) -> CaptureError:
     return CaptureError(
-        f"{what} during a tape capture (at {_user_frame()}): a device graph cannot re-seed a generator "
+        f"{what} during a tape capture (at {user_frame()}): a device graph cannot re-seed a generator "
         "(CUDA raises on manual_seed during capture), and the tape restores every generator's state at "
         "capture end, so the new seed would be lost. Seed before capture_begin() (or between replays)."
     )
@@ -54,7 +55,7 @@ def _guarded_reseed(name: str, fn: Callable) -> Callable:
     def guarded(*args, **kwargs):
         # This thread's capture, else a global-mode capture in another thread
         # (CUDA forbids unsafe calls from any thread only in global mode).
-        cap = _capture_here() or next((c for c in list(_ACTIVE.values()) if c.mode == "global"), None)
+        cap = capture_here() or next((c for c in list(ACTIVE.values()) if c.mode == "global"), None)
         if cap is not None:
             err = _reseed_error(f"torch.{name}()")
             cap.failed = err
@@ -62,20 +63,19 @@ def _guarded_reseed(name: str, fn: Callable) -> Callable:
         return fn(*args, **kwargs)
 
     guarded.__wrapped__ = fn  # type: ignore[attr-defined]  # a function attribute mypy's type of a def lacks
-    guarded._graphrunner_reseed_guard = True  # type: ignore[attr-defined]  # likewise (read by _reseed_guard)
+    guarded._graphrunner_reseed_guard = True  # type: ignore[attr-defined]  # likewise (read by reseed_guard)
     guarded.__name__ = guarded.__qualname__ = name
     guarded.__doc__ = fn.__doc__
     return guarded
 
 
 @contextlib.contextmanager
-def _reseed_guard() -> Iterator[None]:
+def reseed_guard() -> Iterator[None]:
     """Make ``torch.manual_seed`` / ``torch.seed`` / ``torch.set_rng_state``
     (and their ``torch.random`` spellings) raise while a capture is active.
     Direct ``Generator.manual_seed`` calls are C methods that cannot be
-    intercepted; :meth:`_Capture.restore_generators` catches those at capture
+    intercepted; :meth:`TapeCapture.restore_generators` catches those at capture
     end by the changed ``initial_seed()``."""
-    import torch.random as trandom
 
     # Concurrent captures (other threads) share one installation: the last
     # capture to end restores the originals.
@@ -105,7 +105,7 @@ _RESEED_SAVED: list = []  # (module, name, original function) while guarded
 _RESEED_USERS = [0]  # captures using the installation
 
 
-def _op_generator(args, kwargs) -> torch.Generator | None:
+def op_generator(args, kwargs) -> torch.Generator | None:
     """The generator a seeded op draws from: its explicit generator argument,
     else the default generator of its tensors' (or ``device=``) device."""
     device = kwargs.get("device")
@@ -240,7 +240,7 @@ def stand_in_op(func: Any, args: tuple, kwargs: dict) -> tuple[Any, dict]:
     target = _generator_overload(func)
     if target is None:
         return func, kwargs
-    source = _op_generator(args, kwargs)
+    source = op_generator(args, kwargs)
     if source is None:
         return func, kwargs
     owned.draws += 1

@@ -1,12 +1,12 @@
 """Process-wide state of the tape: which captures are in progress.
 
-Owns the per-thread registry of active captures (``_ACTIVE``: thread id ->
-capture, at most one per thread, changed only under ``_ACTIVE_LOCK``),
+Owns the per-thread registry of active captures (``ACTIVE``: thread id ->
+capture, at most one per thread, changed only under ``ACTIVE_LOCK``),
 :func:`is_tape_capturing`, the accepted ``capture_error_mode`` values, and
-``_storage`` (a tensor's untyped storage, or None), the key every other tape
+``storage_of`` (a tensor's untyped storage, or None), the key every other tape
 module uses to tell tensors' memory apart, and :func:`alias_of` (a new tensor
 object on the same memory, so holding memory need not hold a user's object)
-with ``_OURS``, the registry of such tensors the tape holds, and the
+with ``OURS``, the registry of such tensors the tape holds, and the
 snapshot buffers reused within a capture session (:func:`reuse_snapshot_buffers`).
 Imports nothing from the package.
 """
@@ -17,36 +17,45 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:  # (at run time the package's modules import this one, not the reverse)
-    from .recording import _Capture
 
-_CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+class ActiveCapture(Protocol):
+    """What the modules below the recorder need of a capture in progress
+    (:class:`graphrunner.tape.recording.TapeCapture`, which sits above them): its
+    ``capture_error_mode``, its thread, and where an error the capture must end with is kept."""
+
+    mode: str
+    thread: int
+    thread_name: str
+    failed: BaseException | None
+
+
+CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 
 # The captures in progress: thread id -> capture (at most one per thread).
 # Like CUDA, captures in different threads may overlap when neither uses
 # capture_error_mode="global"; a global-mode capture is the only one while it
-# lasts.  Changed only under _ACTIVE_LOCK.
-_ACTIVE: dict[int, _Capture] = {}
-_ACTIVE_LOCK = threading.Lock()
+# lasts.  Changed only under ACTIVE_LOCK.
+ACTIVE: dict[int, ActiveCapture] = {}
+ACTIVE_LOCK = threading.Lock()
 
 
-def _capture_here() -> _Capture | None:
+def capture_here() -> ActiveCapture | None:
     """The capture in progress in the calling thread, if any."""
-    return _ACTIVE.get(threading.get_ident())
+    return ACTIVE.get(threading.get_ident())
 
 
 def is_tape_capturing() -> bool:
     """True while any :class:`TapeGraph` capture is active in this process
     (in any thread; with ``capture_error_mode="thread_local"`` or
     ``"relaxed"`` several threads may be capturing at once)."""
-    return bool(_ACTIVE)
+    return bool(ACTIVE)
 
 
-def _storage(t: torch.Tensor):
+def storage_of(t: torch.Tensor):
     try:
         return t.untyped_storage()
     except Exception:  # tensors without storage (sparse, nested, ...)
@@ -171,15 +180,15 @@ def release_snapshot(buf: torch.Tensor) -> None:
 # Tensors the tape itself holds on some storage: id(storage) -> WeakSet of them.
 # They do not count as references to the memory (a CUDA graph holds
 # addresses, not tensors): see graphrunner.tape.pool.
-_OURS: dict[int, weakref.WeakSet] = {}
+OURS: dict[int, weakref.WeakSet] = {}
 
 
 def ours(t: torch.Tensor) -> torch.Tensor:
     """Register ``t`` as a tensor the tape (not its user) holds; returns ``t``."""
     k = id(t.untyped_storage())
-    s = _OURS.get(k)
+    s = OURS.get(k)
     if s is None:
-        s = _OURS[k] = weakref.WeakSet()
+        s = OURS[k] = weakref.WeakSet()
     s.add(t)
     return t
 

@@ -55,8 +55,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from graphrunner._aten import written_tensors
+from graphrunner._frames import user_frame
+from graphrunner._frames import where as where_text
+from graphrunner.errors import CaptureError
 
-from .state import _capture_here, _storage, storage_bytes
+from .state import capture_here, storage_bytes, storage_of
 
 __all__ = [
     "TapeStream",
@@ -296,7 +299,7 @@ class TapeStream:
         if self._first is None or self._first[0] <= CLOCKS.known(self.id):
             self._first = (t, _user_where())
         for w in written:
-            st = _storage(w)
+            st = storage_of(w)
             if st is None or st.nbytes() == 0:
                 continue
             k = id(st)
@@ -409,7 +412,6 @@ def current_stream(device: Any = None) -> TapeStream:
 
 
 def _user_where() -> Any:
-    from graphrunner._frames import user_frame
 
     return user_frame(sys._getframe(2))
 
@@ -454,8 +456,6 @@ def unjoined_error(capture_stream: TapeStream, t0: int, last_before: dict[int, i
     bad = unjoined_forks(capture_stream, t0, last_before)
     if not bad:
         return None
-    from graphrunner._frames import where as where_text
-    from graphrunner.errors import CaptureError
 
     sid, loc = bad[0]
     s = by_id(sid)
@@ -489,7 +489,7 @@ class _SideMode(TorchDispatchMode):
         if current_stream() is not s:
             return func(*args, **kwargs)
         t = CLOCKS.note_op(s.id)
-        if _capture_here() is None:  # a capture records in issue order instead (see the module docstring)
+        if capture_here() is None:  # a capture records in issue order instead (see the module docstring)
             written = written_tensors(func, args, kwargs)
             with _LOCK, _disable_current_modes(), torch.inference_mode():
                 s._note(t, written)

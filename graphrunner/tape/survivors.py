@@ -3,14 +3,14 @@
 Owns the rules for tensors created inside a capture and still referenced
 after it (*survivors*, TAPE-NOTES item 7): :func:`find_survivors` decides per
 storage, at capture end, which internal tensors stay alive (and so are
-refreshed in place by every replay); ``_SURVIVORS`` remembers them so that a
+refreshed in place by every replay); ``SURVIVORS`` remembers them so that a
 write from outside the graph warns (:class:`EscapedTensorWarning`, item 8);
 one kept on an object's attribute and not returned warns at capture end,
 named (:class:`StashedTensorWarning`, :func:`warn_stashed`).
 Also owns poisoning (``poison_captured_values``): filling survivors at
 capture end with :func:`poison_value` as a CUDA graph leaves them holding
 uninitialised pool memory, the ``$GRAPHRUNNER_TAPE_POISON`` default
-(:func:`poison_default`), and ``_POISONED``, the poisoned storages another
+(:func:`poison_default`), and ``POISONED``, the poisoned storages another
 capture may need to read with their real values.
 """
 
@@ -35,12 +35,12 @@ from .state import alias_of, ours
 # replayed since: id(storage) -> weakref(graph); the graph holds the entry
 # (see TapeGraph._poisoned).  Another tape capture that reads one gets its real
 # values while it captures (a CUDA capture runs nothing, so its ops can never
-# fail on the garbage; the tape runs them): see _Capture.lift_poison.
-_POISONED: dict[int, weakref.ref] = {}
+# fail on the garbage; the tape runs them): see TapeCapture.lift_poison.
+POISONED: dict[int, weakref.ref] = {}
 
 # Storages that survived some capture: id(storage) -> (weakref(storage), weakref(graph)).
 # Used to warn when another graph writes a survivor (TAPE-NOTES item 8).
-_SURVIVORS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+SURVIVORS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
 #: Environment variable giving the default of ``poison_captured_values`` for
 #: :class:`TapeGraph` and :class:`~graphrunner.devices.TapeDevice`.
@@ -78,7 +78,7 @@ def poison_value(dtype: torch.dtype) -> float | int | bool | None:
         return None
 
 
-def _resolve_poison(flag: bool | None, who: str) -> bool:
+def resolve_poison(flag: bool | None, who: str) -> bool:
     if flag is None:
         return poison_default()
     if not isinstance(flag, bool):
@@ -147,7 +147,7 @@ def is_deliberate_cache(t: torch.Tensor) -> bool:
     return w is not None and w() is t
 
 
-class _Poisoned:
+class Poisoned:
     """One poisoned survivor storage of a graph: its bytes as a uint8 view, its
     real (capture-time) bytes, a flat view in its dtype and the poison value."""
 
@@ -179,7 +179,7 @@ def survivor_graph(t: torch.Tensor):
         st = t.untyped_storage()
     except Exception:
         return None
-    ent = _SURVIVORS.get(id(st))
+    ent = SURVIVORS.get(id(st))
     if ent is None or ent[0]() is not st:
         return None
     g = ent[1]()
@@ -196,7 +196,7 @@ def find_survivors(cap, graph, const_storages: set) -> tuple[dict, list, list]:
     ``(weakref, _version)`` of one user-visible tensor per survivor storage,
     to detect writes from outside the graph; ``(storage, dtype, computed
     once)`` of every survivor storage, for poisoning.  Registers every
-    survivor in ``_SURVIVORS`` for ``graph``.  Clears ``cap.strong``,
+    survivor in ``SURVIVORS`` for ``graph``.  Clears ``cap.strong``,
     ``cap.storages`` and ``cap.names``."""
     kind = cap.kind
     alloc_w = {n: weakref.ref(cap.strong[n]) for n in cap.alloc_meta}
@@ -215,7 +215,7 @@ def find_survivors(cap, graph, const_storages: set) -> tuple[dict, list, list]:
         if st is None:
             continue
         # every survivor (a hoisted constant too) is registered for item 8
-        _SURVIVORS[k] = (weakref.ref(st), weakref.ref(graph))
+        SURVIVORS[k] = (weakref.ref(st), weakref.ref(graph))
         targets.append((st, cap.alloc_meta[alloc][0], k in const_storages))
         if k in const_storages:
             continue  # computed once at capture, nothing to refresh
@@ -236,8 +236,8 @@ def find_survivors(cap, graph, const_storages: set) -> tuple[dict, list, list]:
                     versioned.append((w, u._version))
                     break
     del st_w, alloc_w
-    for k in [k for k, (w, _) in list(_SURVIVORS.items()) if w() is None]:
-        _SURVIVORS.pop(k, None)
+    for k in [k for k, (w, _) in list(SURVIVORS.items()) if w() is None]:
+        SURVIVORS.pop(k, None)
     return survivors, versioned, targets
 
 
@@ -246,17 +246,17 @@ def poison_survivors(graph, targets: list) -> None:
     dtype (the whole storage: a survivor view's base too), keeping its real
     bytes in ``graph._poisoned`` for later tape captures that read it and for
     constants, which replay never recomputes."""
-    for k in [k for k, w in list(_POISONED.items()) if w() is None]:
-        _POISONED.pop(k, None)  # graphs dropped before their first replay
+    for k in [k for k, w in list(POISONED.items()) if w() is None]:
+        POISONED.pop(k, None)  # graphs dropped before their first replay
     me = weakref.ref(graph)
     for st, dtype, once in targets:
         v = poison_value(dtype)
         if v is None or st.nbytes() < dtype.itemsize:
             continue
-        ent = _Poisoned(st, dtype, v, once)
+        ent = Poisoned(st, dtype, v, once)
         ent.poison()
         graph._poisoned[id(st)] = ent
-        _POISONED[id(st)] = me
+        POISONED[id(st)] = me
 
 
 def unpoison(graph) -> None:
@@ -266,14 +266,14 @@ def unpoison(graph) -> None:
     for k, ent in graph._poisoned.items():
         if ent.once:
             ent.lift()
-        _POISONED.pop(k, None)
+        POISONED.pop(k, None)
     graph._poisoned = {}
 
 
 def forget_poisoned(graph) -> None:
     """``graph`` dropped its recording: its poisoned storages are no longer tracked."""
     for k in graph._poisoned:
-        _POISONED.pop(k, None)
+        POISONED.pop(k, None)
     graph._poisoned = {}
 
 

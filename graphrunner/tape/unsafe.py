@@ -2,19 +2,18 @@
 
 Owns the rules that make a tape capture fail where a CUDA stream capture
 fails (host synchronisation, data-dependent output shapes, host values
-computed from tensor data): :func:`_check_safe` for every recorded aten op,
-the :class:`_Guard` torch-function mode for host-reading idioms that never
+computed from tensor data): :func:`check_safe` for every recorded aten op,
+the :class:`Guard` torch-function mode for host-reading idioms that never
 reach the dispatcher (``tolist``, ``print``, ``.cpu()``, ...), the friendly
 names used in :class:`~graphrunner.errors.CaptureUnsafeOpError` messages,
 ``F.one_hot`` with ``num_classes`` run without its CPU-only host read (as on
-CUDA), and :func:`_user_frame`, the user's source line named in capture errors.
+CUDA), and :func:`user_frame`, the user's source line named in capture errors.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
-from typing import TYPE_CHECKING
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -23,9 +22,7 @@ from graphrunner._frames import user_frame as _user_frame_of
 from graphrunner._frames import where as _where
 from graphrunner.errors import CaptureUnsafeOpError
 
-if TYPE_CHECKING:  # recording imports this module: a runtime import would be a cycle
-    from .recording import _Capture
-
+from .state import ActiveCapture
 
 _INDEX_OPS = {"index", "_unsafe_index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put"}
 
@@ -116,7 +113,7 @@ _UNSAFE_FUNCTIONS = {
 }
 
 
-def _user_frame() -> str:
+def user_frame() -> str:
     """Describe the innermost stack frame outside torch and the graphrunner
     runtime (:mod:`graphrunner._frames`: the one rule for "the user's line")."""
     return _where(_user_frame_of(sys._getframe(1)))
@@ -124,7 +121,7 @@ def _user_frame() -> str:
 
 def _unsafe(what: str, op: str) -> CaptureUnsafeOpError:
     return CaptureUnsafeOpError(
-        f"capture-unsafe operation during tape capture: {what} [op: {op}] at {_user_frame()}. "
+        f"capture-unsafe operation during tape capture: {what} [op: {op}] at {user_frame()}. "
         "A device graph cannot hold a host synchronisation or a data-dependent shape. "
         "Move this code out of the captured region, e.g. into a function decorated with "
         "@no_graph (graphrunner.no_graph) so it runs eagerly between graph segments, "
@@ -143,7 +140,7 @@ def _returns_only_tensors(schema) -> bool:
 def unsafe_reason(func, args, kwargs) -> tuple[str, str] | None:
     """Why the aten op ``func`` called with ``args``/``kwargs`` cannot be held
     by a device graph, as ``(what, op)`` (a friendly description and the op's
-    name), or ``None`` when it can. The predicate behind :func:`_check_safe`,
+    name), or ``None`` when it can. The predicate behind :func:`check_safe`,
     exported for tools that report every unsafe op instead of raising at the
     first (``graphrunner check``)."""
     name = func._schema.name.split("::", 1)[-1]
@@ -178,7 +175,7 @@ def unsafe_reason(func, args, kwargs) -> tuple[str, str] | None:
     return None
 
 
-def _check_safe(func, args, kwargs) -> None:
+def check_safe(func, args, kwargs) -> None:
     """Raise CaptureUnsafeOpError if ``func`` cannot be held by a device graph."""
     reason = unsafe_reason(func, args, kwargs)
     if reason is not None:
@@ -190,17 +187,17 @@ def unsafe_function_reason(func, args, kwargs) -> tuple[str, str] | None:
     a tensor on the host where a device graph cannot, as ``(what, name)``, or
     ``None``: the host-reading idioms that never reach the dispatcher
     (``tolist``, ``print``, ``.cpu()``, ``.item()``, ...) and ``F.one_hot``
-    without ``num_classes``. The predicate behind :class:`_Guard`."""
+    without ``num_classes``. The predicate behind :class:`Guard`."""
     qualname = getattr(func, "__qualname__", None)
     what = _UNSAFE_FUNCTIONS.get(qualname) if qualname is not None else None
     if what is not None:
         return what, qualname or str(func)
-    if func is _ONE_HOT and _one_hot_reads_host(args, kwargs):
+    if func is ONE_HOT and _one_hot_reads_host(args, kwargs):
         return _FRIENDLY["one_hot"], "one_hot"
     return None
 
 
-_ONE_HOT = torch.nn.functional.one_hot
+ONE_HOT = torch.nn.functional.one_hot
 
 
 def _one_hot_static(args, kwargs) -> torch.Tensor | None:
@@ -233,11 +230,11 @@ def _one_hot_reads_host(args, kwargs) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n == -1
 
 
-class _Guard(TorchFunctionMode):
+class Guard(TorchFunctionMode):
     """Rejects host-reading Tensor methods that never reach the dispatcher,
     and runs ``F.one_hot`` with ``num_classes`` without its CPU-only host read."""
 
-    def __init__(self, cap: _Capture):
+    def __init__(self, cap: ActiveCapture):
         super().__init__()
         self.cap = cap
 
@@ -248,7 +245,7 @@ class _Guard(TorchFunctionMode):
             err = _unsafe(*reason)
             self.cap.failed = err
             raise err
-        if func is _ONE_HOT:
+        if func is ONE_HOT:
             _substituting.call = ("F.one_hot", args, kwargs)
             try:
                 out = _one_hot_static(args, kwargs)

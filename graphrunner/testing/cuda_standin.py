@@ -69,6 +69,8 @@ import contextlib
 import inspect
 import itertools
 import os
+import runpy
+import sys
 import threading
 import time
 import warnings
@@ -76,7 +78,10 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.cuda import _gpu_trace
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from graphrunner.tape import TapeGraph, TapePool
 
 if TYPE_CHECKING:
     from graphrunner.tape import TapeGraph
@@ -201,7 +206,6 @@ class _PrivatePool:
     __slots__ = ("id", "use_count", "tape_pool")
 
     def __init__(self, pool_id: tuple[int, int]) -> None:
-        from graphrunner.tape import TapePool
 
         self.id = pool_id
         self.use_count = 1
@@ -341,7 +345,6 @@ def _trace(registry: str, *args: Any) -> None:
     """Fire ``torch.cuda._gpu_trace``'s callbacks as torch's C++ does for a real stream or event call
     (event record / wait: ``(event, stream)`` handles; stream, event and device synchronize), so
     the debug-mode stream bookkeeping (:mod:`graphrunner.checks.stream_use`) sees the stand-in's joins."""
-    from torch.cuda import _gpu_trace
 
     callbacks = getattr(_gpu_trace, registry)
     if callbacks.callback_list:
@@ -592,7 +595,6 @@ class CudaStandin:
                 ba = inspect.signature(R["CUDAGraph"].__new__).bind(cls, *args, **kwargs)
                 ba.apply_defaults()
                 self = object.__new__(cls)
-                from graphrunner.tape import TapeGraph
 
                 self._keep_graph = bool(ba.arguments.get("keep_graph", False))
                 self._tape = TapeGraph(poison_captured_values=standin.poison)
@@ -1065,6 +1067,7 @@ class _CollectiveGuard(TorchDispatchMode):
 
 def _backend_of(args: Any, kwargs: Any) -> str:
     """The backend name of the process group among a c10d op's arguments (default: the world's)."""
+    # torch.distributed only for a collective's backend (absent from some builds)
     import torch.distributed as dist
 
     for a in list(args) + list(kwargs.values()):
@@ -1136,8 +1139,6 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m graphrunner.testing.cuda_standin MODULE [ARGS...]``: run ``MODULE`` as
     ``python -m`` would, with the stand-in installed (and ``$GRAPHRUNNER_CUDA_STANDIN=1`` for
     child processes)."""
-    import runpy
-    import sys
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:
