@@ -24,7 +24,7 @@ require("uvicorn")
 require("prometheus_client")
 openai = require("openai")
 
-from graphrunner_tools.serve import ServerProcess  # noqa: E402
+from serve_util import ServerProcess  # noqa: E402
 
 pytestmark = [pytest.mark.hf, pytest.mark.slow]
 
@@ -36,7 +36,7 @@ START = 180
 
 
 class Server(ServerProcess):
-    """A ``graphrunner serve`` process (:class:`graphrunner_tools.serve.ServerProcess`) with the small
+    """A ``graphrunner serve`` process (:class:`serve_util.ServerProcess`) with the small
     :data:`ENGINE` settings, a tiny model built under the test's temp dir, and an ``openai`` client."""
 
     def __init__(self, tmp, *flags):
