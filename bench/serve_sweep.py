@@ -156,7 +156,8 @@ def sweep(
     """One server (``flags``) through every level; returns its levels and start/stop facts."""
     import openai
 
-    from graphrunner_tools.serve import ServerProcess
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from serve_util import ServerProcess  # the tests' server harness
 
     t0 = time.perf_counter()
     server = ServerProcess([*ENGINE, *flags], log, start_timeout=300, env={"OMP_NUM_THREADS": str(threads)})

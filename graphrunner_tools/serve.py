@@ -4,24 +4,29 @@ What is transformers' and what is ours. The HTTP app, its routes and
 handlers (chat completions, completions, responses, streaming, the OpenAI
 schemas, request validation, cancel on disconnect), the model's process and
 its continuous-batching manager are ``transformers serve --continuous-batching``'s,
-used as they are (:mod:`transformers.cli.serving`). graphrunner adds three
-things and nothing else:
+used as they are, through their public entry points (:mod:`transformers.cli.serving`:
+``ModelManager``, ``ModelLoader``, ``GenerationState``, ``build_server`` and its handlers,
+``EngineClient.submit``). graphrunner adds, and replaces nothing:
 
 - the model loader (:class:`graphrunner_tools.serve_engine.GraphModelLoader`, which runs in the model's
-  process) installs :func:`graphrunner.hf.init_continuous_batching` with
-  ``autocapture=True`` on every manager the model makes: graphs are captured in
-  the background from the first step, keys from a ladder, re-planned from the
-  steps served (``docs/serving.md``). ``--eager`` serves without graphs
-  (transformers' own engine, the same command and flags otherwise);
+  process) hands transformers' engine the model with an ``init_continuous_batching`` of its own
+  (:class:`~graphrunner_tools.serve_engine.ServedModel`): the engine's manager is made by
+  :func:`graphrunner.hf.init_continuous_batching` with ``autocapture=True``: graphs are captured in
+  the background from the first step, keys from a ladder, re-planned from the steps served
+  (``docs/serving.md``). ``--eager`` serves without graphs (transformers' own engine, the same
+  command and flags otherwise);
+- in front of the app, :class:`RefuseNoTokens`: a request for fewer than 1 new token is a 400 naming
+  the field (transformers' engine fails it with a 500);
 - ``GET /metrics``: Prometheus text (``prometheus_client``) of the graphs, the
   engine and the HTTP requests (:func:`~graphrunner_tools.serve_engine.engine_metrics` runs in the model's
-  process through transformers' ``EngineClient.submit``);
+  process through ``EngineClient.submit``; read once at the start, so a transformers whose engine
+  it cannot read fails the start);
 - with no model on the command line, a tiny built-in model
-  (:func:`tiny_model_dir`: random weights, a byte tokenizer with a chat
-  template, built locally), so the server runs on a fresh machine with no
-  download.
+  (:func:`graphrunner_tools.models.tiny_chat.tiny_model_dir`), so the server runs on a fresh
+  machine with no download.
 
-Tested with transformers 5.25 (:data:`graphrunner.hf.decode.VERIFIED_TRANSFORMERS_MAJOR`).
+Tested with transformers 5.25 (:data:`graphrunner.hf.decode.VERIFIED_TRANSFORMERS_MAJOR`); the
+transformers internals it reads are listed in docs/serving.md.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import signal
 import sys
 from typing import Any
 
-__all__ = ["ServerProcess", "add_serve_subparser", "build_app", "serve", "tiny_model_dir"]
+__all__ = ["RefuseNoTokens", "add_serve_subparser", "build_app", "serve"]
 
 logger = logging.getLogger("graphrunner")
 
@@ -106,35 +111,78 @@ def _metrics_text(engine: dict[str, Any], http: dict[tuple, int], model_id: str)
     return generate_latest(registry)
 
 
-def _checked(handler: Any) -> Any:
-    """transformers' endpoint ``handler`` class, refusing a request for fewer than 1 new token as the
-    client's error (``ValueError``: the app answers 400; transformers' engine fails such a request
-    with a 500)."""
-
-    class Checked(handler):  # type: ignore[misc, valid-type]
-        def _build_generation_kwargs(self, body: dict, model_generation_config: Any) -> dict:
-            out = super()._build_generation_kwargs(body, model_generation_config)
-            n = out.get("max_new_tokens")
-            if n is not None and int(n) < 1:
-                field = next(
-                    (
-                        f
-                        for f in ("max_completion_tokens", "max_tokens", "max_output_tokens")
-                        if body.get(f) is not None
-                    ),
-                    "max_tokens",
-                )
-                raise ValueError(f"{field} must be at least 1 (the tokens to generate), got {n}")
-            return out
-
-    Checked.__name__ = Checked.__qualname__ = handler.__name__
-    return Checked
+#: The field that sets the tokens to generate, by route (``max_completion_tokens`` first: transformers' order).
+_TOKEN_FIELDS = {
+    "/v1/chat/completions": ("max_completion_tokens", "max_tokens"),
+    "/v1/completions": ("max_tokens",),
+    "/v1/responses": ("max_output_tokens",),
+}
 
 
-def build_app(serve: Any, model_manager: Any) -> Any:
-    """transformers serve's FastAPI app (its ``build_server`` with its handlers, as ``Serve.run`` builds
-    them) plus ``GET /metrics``. ``serve``: a ``transformers.cli.serve.Serve`` whose settings are set."""
-    from fastapi import Request, Response
+def _token_count_error(path: str, body: bytes) -> tuple[str, str] | None:
+    """``(field, message)`` when the JSON ``body`` of a POST to ``path`` asks for fewer than 1 new token;
+    ``None`` otherwise, a body that is not a JSON object included (transformers' app answers that one)."""
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(request, dict):
+        return None
+    for field in _TOKEN_FIELDS[path]:
+        value = request.get(field)
+        if value is None:
+            continue
+        if not isinstance(value, bool) and isinstance(value, (int, float)) and value < 1:
+            return field, f"{field} must be at least 1 (the tokens to generate), got {value}"
+        return None  # the field transformers reads: what else it holds is transformers' to answer
+    return None
+
+
+class RefuseNoTokens:
+    """ASGI middleware in front of transformers' app: a POST to a generation route that asks for fewer than 1
+    new token (``max_tokens``, ``max_completion_tokens``, ``max_output_tokens``) is answered 400 with an
+    OpenAI error object naming the field (``{"error": {"message", "type", "param", "code"}}``), before it
+    reaches the engine (transformers' engine fails such a request with a 500). Every other request, and
+    the body it read, goes on as it came."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in _TOKEN_FIELDS:
+            await self.app(scope, receive, send)
+            return
+        messages = []
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                break
+        body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
+        error = _token_count_error(scope["path"], body)
+        if error is not None:
+            from starlette.responses import JSONResponse
+
+            field, message_text = error
+            answer = {"message": message_text, "type": "invalid_request_error", "param": field, "code": None}
+            await JSONResponse({"error": answer}, status_code=400)(scope, receive, send)
+            return
+
+        async def replay() -> Any:  # the messages read above, then the client's next ones (a disconnect)
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+
+def build_app(model_manager: Any, generation_state: Any, model_id: str) -> Any:
+    """transformers serve's FastAPI app (its public ``build_server`` with its handlers, as ``Serve.run``
+    builds them, no CORS, no chat template defaults) for ``model_manager`` (a ``ModelManager`` serving
+    ``model_id``), plus :class:`RefuseNoTokens` in front and ``GET /metrics``. Its start reads the engine's
+    state once (:func:`~graphrunner_tools.serve_engine.engine_metrics`): a transformers whose engine
+    ``/metrics`` cannot read fails the start, naming what is missing."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import APIRouter, FastAPI, Request, Response
     from transformers.cli.serving.chat_completion import ChatCompletionHandler
     from transformers.cli.serving.completion import CompletionHandler
     from transformers.cli.serving.response import ResponseHandler
@@ -142,44 +190,48 @@ def build_app(serve: Any, model_manager: Any) -> Any:
     from transformers.cli.serving.systemone import SystemOneHandler
     from transformers.cli.serving.transcription import TranscriptionHandler
 
-    state, kwargs = serve.generation_state, serve.chat_template_kwargs
+    from graphrunner_tools.serve_engine import engine_metrics
+
     app = build_server(
         model_manager,
-        _checked(ChatCompletionHandler)(
-            model_manager=model_manager, generation_state=state, chat_template_kwargs=kwargs
-        ),
-        completion_handler=_checked(CompletionHandler)(model_manager=model_manager, generation_state=state),
-        response_handler=_checked(ResponseHandler)(
-            model_manager=model_manager, generation_state=state, chat_template_kwargs=kwargs
-        ),
+        ChatCompletionHandler(model_manager=model_manager, generation_state=generation_state),
+        completion_handler=CompletionHandler(model_manager=model_manager, generation_state=generation_state),
+        response_handler=ResponseHandler(model_manager=model_manager, generation_state=generation_state),
         transcription_handler=TranscriptionHandler(model_manager),
-        systemone_handler=SystemOneHandler(
-            model_manager=model_manager,
-            generation_state=state,
-            chat_template_kwargs=kwargs,
-            decision_config=serve.decision_config,
-        ),
-        enable_cors=serve.enable_cors,
+        systemone_handler=SystemOneHandler(model_manager=model_manager, generation_state=generation_state),
     )
+    app.add_middleware(RefuseNoTokens)
     http: dict[tuple, int] = {}
 
-    @app.middleware("http")
+    @app.middleware("http")  # outside RefuseNoTokens: its 400s are counted too
     async def count(request: Request, call_next: Any) -> Any:
         response = await call_next(request)
         key = (request.url.path, response.status_code)
         http[key] = http.get(key, 0) + 1
         return response
 
-    @app.get("/metrics")
+    async def engine_stats() -> dict[str, Any]:
+        engine = model_manager.get_engine(None)
+        return await engine.submit(engine_metrics) if engine.process_running else {}
+
+    @asynccontextmanager
+    async def check_engine(_app: FastAPI) -> Any:  # FastAPI runs it after transformers' own start
+        try:
+            await engine_stats()
+        except Exception as exc:
+            print(f"graphrunner serve: {exc}", file=sys.stderr, flush=True)
+            raise
+        yield
+
+    router = APIRouter(lifespan=check_engine)
+
+    @router.get("/metrics")
     async def metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        from graphrunner_tools.serve_engine import engine_metrics
+        return Response(_metrics_text(await engine_stats(), http, model_id), media_type=CONTENT_TYPE_LATEST)
 
-        engine = model_manager.get_engine(None)
-        stats = await engine.submit(engine_metrics) if engine.process_running else {}
-        return Response(_metrics_text(stats, http, serve.force_model), media_type=CONTENT_TYPE_LATEST)
-
+    app.include_router(router)
     return app
 
 
@@ -189,10 +241,11 @@ def serve(args: argparse.Namespace) -> int:
 
     import uvicorn
     from transformers import ContinuousBatchingConfig
-    from transformers.cli.serve import Serve
     from transformers.cli.serving.model_manager import ModelManager
     from transformers.cli.serving.utils import GenerationState, freeze_garbage_collector, set_serve_log_level
     from transformers.utils import logging as hf_logging
+
+    from graphrunner_tools.models.tiny_chat import tiny_model_dir
 
     model = os.path.abspath(args.model or tiny_model_dir(args.tiny_dir))
     level = hf_logging.log_levels[args.log_level.lower()]
@@ -210,14 +263,12 @@ def serve(args: argparse.Namespace) -> int:
         context = getattr(AutoConfig.from_pretrained(model).get_text_config(), "max_position_embeddings", None)
         max_model_len = min(args.cb_num_blocks * args.cb_block_size, context or 1 << 62)
     options = None if args.eager else _graph_options(args)
-    srv = Serve.__new__(Serve)  # its settings, without its __init__ (which would run transformers' own server)
-    srv.log_level, srv.enable_log_requests = level, False
-    srv.generation_state = GenerationState(
+    state = GenerationState(
         continuous_batching=True, cb_config=cb_config, seed=args.default_seed, max_model_len=max_model_len
     )
     from graphrunner_tools.serve_engine import GraphModelLoader
 
-    srv.loader = GraphModelLoader(
+    loader = GraphModelLoader(
         options,
         device=args.device,
         dtype=args.dtype,
@@ -226,20 +277,17 @@ def serve(args: argparse.Namespace) -> int:
         quantization=None,
         continuous_batching=True,
     )
-    srv.chat_template_kwargs, srv.decision_config = {}, None
-    srv.force_model, srv.model_timeout, srv.enable_cors = model, -1, False
-    srv.host, srv.port = args.host, args.port
     print(
         f"graphrunner serve: loading {model} ({'eager: no graphs' if options is None else 'graphs: ' + json.dumps(options)})",
         file=sys.stderr,
         flush=True,
     )
     try:
-        model_manager = ModelManager(srv.loader, srv.generation_state, model_timeout=-1, force_model=model)
+        model_manager = ModelManager(loader, state, model_timeout=-1, force_model=model)
     except RuntimeError as exc:  # the model's process failed to load it: transformers' message says why
         print(f"graphrunner serve: could not load {model!r}: {exc}", file=sys.stderr)
         return 1
-    app = build_app(srv, model_manager)
+    app = build_app(model_manager, state, model)
 
     async def stop_if_the_engine_died() -> None:
         if model_manager.is_dead:
@@ -270,7 +318,7 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         gc.unfreeze()
         model_manager.shutdown()
-    return 1 if model_manager.is_dead else 0
+    return 1 if model_manager.is_dead or not server.started else 0  # not started: the start failed (printed)
 
 
 def _graph_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -285,72 +333,6 @@ def _graph_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.max_graphs is not None:
         options["max_graphs"] = args.max_graphs
     return options
-
-
-def tiny_model_dir(folder: str | None = None) -> str:
-    """A directory holding the built-in tiny chat model, made once (random weights, seeded; a
-    character tokenizer with a chat template, built locally; nothing downloaded): a Llama of 2
-    layers, hidden 64, 99 tokens (the 95 printable ASCII characters, newline, ``<|im_start|>``,
-    ``<|im_end|>``, ``<|pad|>``), 2048 positions. ``folder``: where (default ``$GRAPHRUNNER_CACHE`` or ``~/.cache/graphrunner``,
-    then ``tiny-chat-3``); an existing complete one is reused."""
-    root = folder or os.path.join(
-        os.environ.get("GRAPHRUNNER_CACHE") or os.path.expanduser("~/.cache/graphrunner"), "tiny-chat-3"
-    )
-    done = os.path.join(root, ".complete")
-    if os.path.exists(done):
-        return root
-    import tempfile
-
-    import torch
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    os.makedirs(os.path.dirname(os.path.abspath(root)), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tiny-chat-", dir=os.path.dirname(os.path.abspath(root)))
-    chars = [chr(c) for c in range(32, 127)] + ["\n"]  # printable: any token sequence decodes to text and back
-    specials = ["<|im_start|>", "<|im_end|>", "<|pad|>"]
-    tok = Tokenizer(models.WordLevel(vocab={ch: i for i, ch in enumerate(chars)}, unk_token="?"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one token a character
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(specials)
-    template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|pad|>"
-    )
-    fast.chat_template = template
-    fast.save_pretrained(tmp)
-    eos, pad = fast.convert_tokens_to_ids("<|im_end|>"), fast.convert_tokens_to_ids("<|pad|>")
-    config = LlamaConfig(
-        vocab_size=len(fast),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        eos_token_id=eos,
-        pad_token_id=pad,
-        bos_token_id=fast.bos_token_id,
-        tie_word_embeddings=False,
-        initializer_range=0.2,
-    )  # untied, wide: greedy answers vary with the prompt
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config).eval()
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad, do_sample=False)
-    model.save_pretrained(tmp)
-    with open(os.path.join(tmp, ".complete"), "w") as f:
-        f.write("graphrunner tiny chat model\n")
-    try:
-        os.replace(tmp, root)
-    except OSError:  # another process made it first: use theirs
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    return root
 
 
 def _dims_buckets(text: str) -> dict[str, list]:
@@ -506,86 +488,3 @@ def _importable(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(name) is not None
-
-
-class ServerProcess:
-    """A ``graphrunner serve`` process on a free port of 127.0.0.1 (tests and ``bench/serve_sweep.py``).
-
-    ``ServerProcess(flags, log_path, start_timeout=180, env=None)`` starts ``python -m graphrunner_tools
-    serve --port <free> *flags`` with its output in ``log_path`` and returns once ``/health`` answers
-    200; raises ``RuntimeError`` with the log's tail when it exits or does not listen in time.
-    :attr:`url` is its base URL; :meth:`metrics` parses ``/metrics``; :meth:`stop` sends SIGTERM
-    and returns the exit code (killed after ``timeout`` seconds)."""
-
-    def __init__(
-        self, flags: Any, log_path: str, start_timeout: float = 180.0, env: dict[str, str] | None = None
-    ) -> None:
-        import socket
-        import subprocess
-        import time
-        import urllib.error
-        import urllib.request
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.log_path = log_path
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "graphrunner_tools", "serve", "--port", str(self.port), *flags],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-        )
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + start_timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"graphrunner serve exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"graphrunner serve did not listen within {start_timeout:.0f} s:\n{self.output()}")
-            time.sleep(0.5)
-
-    def output(self, tail: int = 4000) -> str:
-        """The last ``tail`` characters the server printed."""
-        self._log.flush()
-        with open(self.log_path) as f:
-            return f.read()[-tail:]
-
-    def metrics(self) -> dict[str, float]:
-        """``GET /metrics`` as ``{"name{labels}": value}``."""
-        import urllib.request
-
-        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
-            text = r.read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
-
-    def metric(self, name: str) -> float:
-        """The sum of metric ``name`` over its labels."""
-        return sum(v for k, v in self.metrics().items() if k == name or k.startswith(name + "{"))
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int | None:
-        """Send ``sig`` and wait up to ``timeout`` s (then kill); the exit code."""
-        import subprocess
-
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode

@@ -1,11 +1,12 @@
-"""The part of ``graphrunner serve`` that runs in the model's process: the loader that puts graphs on the
-model's continuous-batching managers, and the engine's figures for ``/metrics``.
+"""The part of ``graphrunner serve`` that runs in the model's process: the loader that gives transformers' engine a
+model whose continuous-batching manager has graphs, and the engine's figures for ``/metrics``.
 
-transformers' serving app starts the model in a process of its own and hands it
-the loader (pickled): :class:`GraphModelLoader` loads as transformers does, then
-:func:`install_graphs`. ``/metrics`` asks the process for :func:`engine_metrics`
-through transformers' own ``EngineClient.submit``. Imports transformers' serving
-code (the ``serve`` extra).
+transformers' serving app starts the model in a process of its own and loads it there with the server's
+``ModelLoader`` (pickled; ``ModelManager(loader=...)``). :class:`GraphModelLoader` loads as transformers
+does and hands the engine a :class:`ServedModel`: the model, whose ``init_continuous_batching`` (what the
+engine calls to make its manager) makes the manager with :func:`graphrunner.hf.init_continuous_batching`.
+Nothing of transformers' is replaced or patched. ``/metrics`` asks the process for :func:`engine_metrics`
+through transformers' ``EngineClient.submit``. Imports transformers' serving code (the ``serve`` extra).
 """
 
 from __future__ import annotations
@@ -14,51 +15,55 @@ from typing import Any
 
 from transformers.cli.serving.model_manager import ModelLoader
 
-__all__ = ["GraphModelLoader", "engine_metrics", "install_graphs"]
-
-#: The attribute of a served model that holds its current manager.
-_MANAGER = "_graphrunner_serving_manager"
+__all__ = ["GraphModelLoader", "ServedModel", "engine_metrics"]
 
 
-def install_graphs(model: Any, options: dict[str, Any] | None) -> None:
-    """Make ``model.init_continuous_batching(...)`` (what transformers' serving engine calls) return a
-    manager with :func:`graphrunner.hf.init_continuous_batching`'s graphs, ``autocapture=True`` plus
-    ``options`` (``backend``, ``device``, ``buckets``, ``max_graphs``, ``replan_every``, ``replan_share``), or, with
-    ``options=None`` (``--eager``), transformers' own manager. Either way the manager is kept on
-    the model for :func:`engine_metrics`."""
-    import graphrunner.hf as grhf
+class ServedModel:
+    """A loaded transformers model as :class:`GraphModelLoader` hands it to transformers' serving engine: the
+    model (:attr:`wrapped`; every attribute it does not have itself is the model's), whose
+    :meth:`init_continuous_batching` makes a manager with graphs and keeps it (:attr:`manager`, for
+    :func:`engine_metrics`). It does not own the model or change it: the manager is made on the model
+    itself, by :func:`graphrunner.hf.init_continuous_batching` (or, with ``graph_options=None``,
+    transformers' own ``init_continuous_batching``)."""
 
-    cls_init = type(model).init_continuous_batching
+    def __init__(self, model: Any, graph_options: dict[str, Any] | None) -> None:
+        self.wrapped = model
+        self.graph_options = graph_options
+        self.manager: Any = None
 
-    def init(
-        generation_config: Any = None, continuous_batching_config: Any = None, workload_hints: Any = None, **kwargs: Any
+    def __getattr__(self, name: str) -> Any:  # called only for names this object does not have
+        if name == "wrapped":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self.wrapped, name)
+
+    def init_continuous_batching(
+        self, generation_config: Any = None, continuous_batching_config: Any = None, workload_hints: Any = None
     ) -> Any:
-        if options is None:
-            manager = cls_init(
-                model,
-                generation_config=generation_config,
-                continuous_batching_config=continuous_batching_config,
-                workload_hints=workload_hints,
-                **kwargs,
+        """The model's manager (transformers' ``init_continuous_batching`` signature) with
+        :func:`graphrunner.hf.init_continuous_batching`'s graphs, ``autocapture=True`` plus the options
+        (``backend``, ``device``, ``buckets``, ``max_graphs``, ``replan_every``, ``replan_share``), or, with
+        ``graph_options=None`` (``--eager``), transformers' own."""
+        if self.graph_options is None:
+            self.manager = self.wrapped.init_continuous_batching(
+                generation_config, continuous_batching_config, workload_hints
             )
         else:
-            # graphrunner's entry point calls model.init_continuous_batching: the class's, not this one
-            del model.init_continuous_batching
-            try:
-                manager = grhf.init_continuous_batching(
-                    model, generation_config, continuous_batching_config, workload_hints, autocapture=True, **options
-                )
-            finally:
-                model.init_continuous_batching = init
-        setattr(model, _MANAGER, manager)
-        return manager
+            import graphrunner.hf as grhf
 
-    model.init_continuous_batching = init
+            self.manager = grhf.init_continuous_batching(
+                self.wrapped,
+                generation_config,
+                continuous_batching_config,
+                workload_hints,
+                autocapture=True,
+                **self.graph_options,
+            )
+        return self.manager
 
 
 class GraphModelLoader(ModelLoader):
     """transformers serve's ``ModelLoader`` whose models serve their continuous-batching steps from graphs
-    (:func:`install_graphs` with ``graph_options``; ``None``: transformers' own engine, for ``--eager``).
+    (:class:`ServedModel` with ``graph_options``; ``None``: transformers' own engine, for ``--eager``).
     ``GraphModelLoader(graph_options, **ModelLoader's arguments)``; picklable (it crosses to the model's
     process)."""
 
@@ -67,77 +72,87 @@ class GraphModelLoader(ModelLoader):
         self.graph_options = graph_options
 
     def load_model_and_processor(self, model_id: str, on_progress: Any = None) -> Any:
-        """transformers' loading, then :func:`install_graphs` on the model (in the model's process)."""
+        """transformers' loading, the model handed on as a :class:`ServedModel` (in the model's process)."""
         model, processor = super().load_model_and_processor(model_id, on_progress=on_progress)
-        install_graphs(model, self.graph_options)
-        return model, processor
+        return ServedModel(model, self.graph_options), processor
 
 
 def engine_metrics(model: Any, processor: Any = None) -> dict[str, Any]:
     """What ``/metrics`` shows of the engine, read in the model's process (transformers'
-    ``EngineClient.submit`` runs it there): the graphs' :class:`~graphrunner.hf.batching.BatchingStats`
-    (steps replayed and eager, graphs planned and captured, capture seconds, padding, re-plans,
-    fallbacks by reason), the requests the manager runs and holds, and the paged cache's blocks: free,
-    held by requests, kept by the prefix cache."""
-    manager = getattr(model, _MANAGER, None)
+    ``EngineClient.submit`` runs it there; ``model``: a :class:`ServedModel`): the graphs'
+    :class:`~graphrunner.hf.batching.BatchingStats` (steps replayed and eager, graphs planned and captured,
+    capture seconds, padding, re-plans, fallbacks by reason), and the engine's state
+    (:func:`engine_state`), read with the generation loop paused between two steps (transformers'
+    ``manager.pause()``), so every figure is of the same moment. The server calls it once at its start,
+    where a transformers whose engine :func:`engine_state` cannot read fails it."""
+    manager = getattr(model, "manager", None)
     out: dict[str, Any] = {"graphs_on": False}
     if manager is None:
         return out
-    hook = getattr(manager, "graphs", None)
-    if hook is not None:
-        s = hook.stats
-        runner = hook.runner
-        out.update(
-            graphs_on=True,
-            steps=s.steps,
-            replayed=s.replayed,
-            eager_steps=s.eager_steps,
-            real_tokens=s.real_tokens,
-            padded_tokens=s.padded_tokens,
-            real_keys=s.real_keys,
-            padded_keys=s.padded_keys,
-            graphs_planned=0 if runner is None else len(runner.keys),
-            graphs_captured=hook.captured(),
-            capture_seconds=s.capture_seconds,
-            replans=s.replans,
-            fallbacks=dict(runner.stats.fallback_reasons) if runner is not None else {},
-        )
-    bp = getattr(manager, "batch_processor", None)
-    if bp is not None:
-        sched = bp.scheduler
-        cache = bp.cache
-        held, cached = _request_blocks(cache)
-        out.update(
-            requests_active=len(sched.active_requests),
-            requests_waiting=len(sched.waiting_requests),
-            cache_blocks=int(cache.num_blocks),
-            cache_free_blocks=_free_blocks(cache),
-            cache_held_blocks=held,
-            cache_cached_blocks=cached,
-        )
+    if not manager.is_running():  # its loop is gone (the engine died): nothing to pause, nothing to read
+        return out
+    with manager.pause():
+        hook = getattr(manager, "graphs", None)
+        if hook is not None:
+            s = hook.stats
+            runner = hook.runner
+            out.update(
+                graphs_on=True,
+                steps=s.steps,
+                replayed=s.replayed,
+                eager_steps=s.eager_steps,
+                real_tokens=s.real_tokens,
+                padded_tokens=s.padded_tokens,
+                real_keys=s.real_keys,
+                padded_keys=s.padded_keys,
+                graphs_planned=0 if runner is None else len(runner.keys),
+                graphs_captured=hook.captured(),
+                capture_seconds=s.capture_seconds,
+                replans=s.replans,
+                fallbacks=dict(runner.stats.fallback_reasons) if runner is not None else {},
+            )
+        out.update(engine_state(manager))
     return out
 
 
-def _request_blocks(cache: Any) -> tuple[int, int]:
-    """``(blocks requests hold, blocks the prefix cache keeps)`` over the cache's allocators: a block a
-    finished request wrote in full is kept for a later prompt that starts the same (reclaimable), the
-    blocks of running requests are held. Read beside the engine's thread: retried if a table changes
-    while it is read."""
-    for _ in range(20):
-        try:
-            held = cached = 0
-            for alloc in cache.cache_allocators.values():
-                held += len({b for blocks in list(alloc.block_table.values()) for b in blocks})
-                cached += len(alloc.ledger.cached_blocks)
-            return held, cached
-        except RuntimeError:  # "dictionary changed size during iteration"
-            continue
-    return -1, -1
+def engine_state(manager: Any) -> dict[str, int]:
+    """The requests a continuous-batching ``manager`` runs and holds, and its paged cache's blocks: all, free,
+    held by running requests, kept by the prefix cache for a later prompt (reclaimable). Read it with the
+    manager's loop paused (:func:`engine_metrics`).
 
+    transformers has no public API for these figures; this function is the one place that reads its
+    internals (checked with transformers 5.25; docs/serving.md, "transformers internals the server uses"):
 
-def _free_blocks(cache: Any) -> int:
-    """The paged cache's free blocks (of its first allocator: each attention type has its own)."""
+    1. ``manager.batch_processor.scheduler.active_requests`` / ``.waiting_requests`` and
+       ``.cache.num_blocks`` / ``.cache.compute_free_capacity()``: what ``transformers serve`` reads itself
+       for its stats line (``CBGenerateRunner.state``);
+    2. each of ``cache.cache_allocators``' ``block_table`` (request -> blocks) and
+       ``ledger.cached_blocks``: the blocks requests hold and the prefix cache keeps.
+
+    Raises ``RuntimeError`` naming the attribute for a transformers without one (the server's start
+    fails, not its serving)."""
     try:
-        return int(round(float(cache.compute_free_capacity()) * int(cache.num_blocks)))
-    except Exception:  # noqa: BLE001 - a transformers without this method: report none
-        return -1
+        bp = manager.batch_processor
+        sched, cache = bp.scheduler, bp.cache
+        total = int(cache.num_blocks)
+        held = cached = 0
+        for alloc in cache.cache_allocators.values():
+            held += len({b for blocks in alloc.block_table.values() for b in blocks})
+            cached += len(alloc.ledger.cached_blocks)
+        return {
+            "requests_active": len(sched.active_requests),
+            "requests_waiting": len(sched.waiting_requests),
+            "cache_blocks": total,
+            # of the first allocator: each attention type has its own
+            "cache_free_blocks": int(round(float(cache.compute_free_capacity()) * total)),
+            "cache_held_blocks": held,
+            "cache_cached_blocks": cached,
+        }
+    except AttributeError as exc:
+        import transformers
+
+        raise RuntimeError(
+            f"graphrunner serve reads the continuous-batching engine's state for /metrics from transformers' "
+            f"internals (checked with transformers 5.25); transformers {transformers.__version__} has no {exc.name!r} "
+            f"there ({exc}): use transformers 5.25, or update graphrunner_tools.serve_engine.engine_state"
+        ) from exc

@@ -1,0 +1,92 @@
+"""A ``graphrunner serve`` process for the tests (``tests/test_serve.py``) and ``bench/serve_sweep.py``:
+:class:`ServerProcess`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Any
+
+
+class ServerProcess:
+    """A ``graphrunner serve`` process on a free port of 127.0.0.1.
+
+    ``ServerProcess(flags, log_path, start_timeout=180, env=None)`` starts ``python -m graphrunner_tools
+    serve --port <free> *flags`` with its output in ``log_path`` and returns once ``/health`` answers
+    200; raises ``RuntimeError`` with the log's tail when it exits or does not listen in time.
+    :attr:`url` is its base URL; :meth:`metrics` parses ``/metrics``; :meth:`stop` sends SIGTERM
+    and returns the exit code (killed after ``timeout`` seconds)."""
+
+    def __init__(
+        self, flags: Any, log_path: str, start_timeout: float = 180.0, env: dict[str, str] | None = None
+    ) -> None:
+        import socket
+        import subprocess
+        import time
+        import urllib.error
+        import urllib.request
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "graphrunner_tools", "serve", "--port", str(self.port), *flags],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + start_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"graphrunner serve exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"graphrunner serve did not listen within {start_timeout:.0f} s:\n{self.output()}")
+            time.sleep(0.5)
+
+    def output(self, tail: int = 4000) -> str:
+        """The last ``tail`` characters the server printed."""
+        self._log.flush()
+        with open(self.log_path) as f:
+            return f.read()[-tail:]
+
+    def metrics(self) -> dict[str, float]:
+        """``GET /metrics`` as ``{"name{labels}": value}``."""
+        import urllib.request
+
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def metric(self, name: str) -> float:
+        """The sum of metric ``name`` over its labels."""
+        return sum(v for k, v in self.metrics().items() if k == name or k.startswith(name + "{"))
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int | None:
+        """Send ``sig`` and wait up to ``timeout`` s (then kill); the exit code."""
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
