@@ -233,7 +233,7 @@ def run_arch(arch: str, args, reqs) -> dict[str, Any]:
     except CaptureError as exc:
         row["refused"] = str(exc)
         return row
-    hook, eager_mgr = manager.graphs, None
+    hook, eager_mgr = grhf.graphs_of(manager), None
     try:
         t = time.perf_counter()
         with hook.recording():

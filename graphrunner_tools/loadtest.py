@@ -719,12 +719,12 @@ class DataParallelMLP(torch.nn.Module):
     def __init__(self, full: torch.nn.Module, rank: int, world: int) -> None:
         import warnings
 
-        from graphrunner_tools.models.tp import _ShardedMLP
+        from graphrunner_tools.models.tp import ShardedMLP
 
         # torch 2.9 deprecates the name in favour of all_gather_single (absent from older torch)
         warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
         super().__init__()
-        self.full, self.shard = full, _ShardedMLP(full, rank, world, None)
+        self.full, self.shard = full, ShardedMLP(full, rank, world, None)
         self.rank, self.world, self.gather = rank, world, False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

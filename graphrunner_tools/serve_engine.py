@@ -15,6 +15,8 @@ from typing import Any
 
 from transformers.cli.serving.model_manager import ModelLoader
 
+from graphrunner.hf import graphs_of, init_continuous_batching
+
 __all__ = ["GraphModelLoader", "ServedModel", "engine_metrics"]
 
 
@@ -48,9 +50,7 @@ class ServedModel:
                 generation_config, continuous_batching_config, workload_hints
             )
         else:
-            import graphrunner.hf as grhf
-
-            self.manager = grhf.init_continuous_batching(
+            self.manager = init_continuous_batching(
                 self.wrapped,
                 generation_config,
                 continuous_batching_config,
@@ -92,7 +92,7 @@ def engine_metrics(model: Any, processor: Any = None) -> dict[str, Any]:
     if not manager.is_running():  # its loop is gone (the engine died): nothing to pause, nothing to read
         return out
     with manager.pause():
-        hook = getattr(manager, "graphs", None)
+        hook = graphs_of(manager)
         if hook is not None:
             s = hook.stats
             runner = hook.runner

@@ -175,7 +175,7 @@ def test_manager_form_captures_between_sessions():
     manager = gr.hf.init_continuous_batching(model, gc, cb_config(), device="tape")
     try:
         first = _session(manager, inputs)  # eager through the graph step, recording the step sizes
-        hook = manager.graphs
+        hook = gr.hf.graphs_of(manager)
         assert hook.runner is None and hook.stats.eager_steps == hook.stats.steps > 0
         hook.batch_processor.cache.reset()
         hook.capture()

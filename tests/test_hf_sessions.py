@@ -88,7 +88,7 @@ def test_three_sessions_around_a_capture_equal_transformers_with_prefix_caching(
     try:
         assert manager.continuous_batching_config.allow_block_sharing, "prefix caching is on"
         first = session(manager, a)
-        hook = manager.graphs
+        hook = gr.hf.graphs_of(manager)
         cache = hook.batch_processor.cache.cache_tensor
         before = cache.clone()
         hook.capture()  # no cache reset: the blocks of the first session's prompts are reused next
@@ -111,8 +111,8 @@ def test_negative_control_a_capture_that_spoils_the_cache_gives_wrong_tokens():
     manager = gr.hf.init_continuous_batching(model, gc, cb_config(), device="tape")
     try:
         session(manager, a)
-        manager.graphs.capture()
-        manager.graphs.batch_processor.cache.cache_tensor.zero_()
+        gr.hf.graphs_of(manager).capture()
+        gr.hf.graphs_of(manager).batch_processor.cache.cache_tensor.zero_()
         second = session(manager, a)
     finally:
         manager.destroy()
@@ -127,7 +127,7 @@ def test_autocapture_serves_from_the_first_step_and_equals_transformers():
     manager = gr.hf.init_continuous_batching(model, gc, cb_config(), device="tape", autocapture=True, replan_every=0)
     try:
         first = session(manager, a)  # capture runs on a thread from the first step
-        hook = manager.graphs
+        hook = gr.hf.graphs_of(manager)
         eager_first = hook.stats.eager_steps
         assert hook.runner.wait_captured(timeout=120) is not None
         second = session(manager, a)
@@ -168,7 +168,7 @@ def _three_sessions(replan_share):
         model, gc, cb_config(), device="tape", autocapture=True, replan_every=8, replan_share=replan_share
     )
     try:
-        hook = manager.graphs
+        hook = gr.hf.graphs_of(manager)
         first = session(manager, a)
         assert hook.runner.wait_captured(timeout=120) is not None
         ladder_keys = sorted(tuple(k) for k in hook.runner.keys)

@@ -377,10 +377,7 @@ KNOWN_CYCLES_OUTSIDE_CORE: list[tuple[str, ...]] = []
 
 #: Underscore names imported across modules inside ``graphrunner.hf`` and ``graphrunner_tools``
 #: known when the core's were removed, as ``(module, imported module, name)``. Empty it as they go.
-KNOWN_UNDERSCORE_IMPORTS_OUTSIDE_CORE: list[tuple[str, str, str]] = [
-    ("graphrunner.hf.varlen_eager", "graphrunner.hf.varlen_attention", "_METADATA"),
-    ("graphrunner_tools.loadtest", "graphrunner_tools.models.tp", "_ShardedMLP"),
-]
+KNOWN_UNDERSCORE_IMPORTS_OUTSIDE_CORE: list[tuple[str, str, str]] = []
 
 #: Function-level imports of ``graphrunner*`` modules in ``graphrunner.hf`` and
 #: ``graphrunner_tools``, as ``(module, imported module)``. Empty it as they go.
@@ -418,7 +415,6 @@ KNOWN_FUNCTION_LEVEL_IMPORTS_OUTSIDE_CORE: list[tuple[str, str]] = [
     ("graphrunner_tools.loadtest", "graphrunner_tools.threads"),
     ("graphrunner_tools.serve", "graphrunner_tools.plan"),
     ("graphrunner_tools.serve", "graphrunner_tools.serve_engine"),
-    ("graphrunner_tools.serve_engine", "graphrunner.hf"),
     ("graphrunner_tools.spec", "graphrunner"),
     ("graphrunner_tools.steptime", "graphrunner.checks.lint"),
     ("graphrunner_tools.steptime", "graphrunner.runner"),

@@ -50,7 +50,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from graphrunner.hf.batching import BatchingStats, GraphBatching
 from graphrunner.hf.decode import KNOWN_BAD, DecodeRunner, DecodeStats
-from graphrunner.hf.entrypoints import generate_batch, init_continuous_batching, release
+from graphrunner.hf.entrypoints import generate_batch, graphs_of, init_continuous_batching, release
 from graphrunner.hf.metadata import MetadataError
 from graphrunner.hf.options import BatchingOptions
 from graphrunner.hf.refusals import refusal
@@ -60,6 +60,7 @@ __all__ = [
     "DecodeStats",
     "KNOWN_BAD",
     "generate_batch",
+    "graphs_of",
     "init_continuous_batching",
     "release",
     "refusal",

@@ -12,9 +12,9 @@ attention masks in the graph from integer coordinates.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -34,10 +34,13 @@ __all__ = [
     "attends_per_request",
     "batch_dims",
     "cache_groups",
+    "for_dim",
     "kv_dim",
     "make_step",
     "step_inputs",
 ]
+
+T = TypeVar("T")
 
 #: Pad of ``tok_req`` (a padding query's request): no key carries it.
 TOKEN_PAD_REQUEST = -1
@@ -54,6 +57,19 @@ def kv_dim(layer_type: str, layer_types: Sequence[str]) -> str:
     if len(set(layer_types)) == 1 or layer_type == "full_attention":
         return "kv"
     return "kv_" + layer_type.replace("_attention", "")
+
+
+def for_dim(per_dim: Mapping[str, T], dim: str, default: T | None = None) -> T:
+    """``per_dim[dim]``; for a keys dim not named (``kv_sliding``), ``per_dim["kv"]``: the one rule by which
+    ``kv`` stands for every keys dim an option does not name. ``default`` when neither is there (``KeyError``
+    without one)."""
+    if dim in per_dim:
+        return per_dim[dim]
+    if dim.startswith("kv") and "kv" in per_dim:
+        return per_dim["kv"]
+    if default is None:
+        raise KeyError(dim)
+    return default
 
 
 def batch_dims(model: PreTrainedModel) -> tuple[str, ...]:

@@ -53,6 +53,7 @@ from graphrunner.hf.batch_step import (
     attends_per_request,
     batch_dims,
     cache_groups,
+    for_dim,
     make_step,
     step_inputs,
 )
@@ -112,23 +113,6 @@ class BatchingStats:
     equivalence_checked: int = 0
     replans: int = 0
 
-    def to_dict(self) -> dict[str, Any]:
-        """The counters as plain Python values (for JSON)."""
-        return {
-            "steps": self.steps,
-            "replayed": self.replayed,
-            "eager_steps": self.eager_steps,
-            "real_tokens": self.real_tokens,
-            "padded_tokens": self.padded_tokens,
-            "real_keys": self.real_keys,
-            "padded_keys": self.padded_keys,
-            "graphs": self.graphs,
-            "capture_seconds": self.capture_seconds,
-            "dry_run_seconds": self.dry_run_seconds,
-            "keys": [list(k) for k in self.keys],
-            "equivalence_checked": self.equivalence_checked,
-        }
-
 
 def _sync_io(bp: ContinuousBatchProcessor) -> ContinuousBatchingIOs:
     """``bp``'s inputs and outputs: synchronous batching's (asynchronous batching is refused at install)."""
@@ -151,11 +135,7 @@ def _declared(
     names = set(dims) | {"kv"}
     buckets, keys, max_graphs = opts.buckets, opts.keys, opts.max_graphs
     if buckets is not None:
-        missing = (
-            [d for d in dims if d not in buckets and not (d.startswith("kv") and "kv" in buckets)]
-            if isinstance(buckets, dict)
-            else list(dims)
-        )
+        missing = [d for d in dims if for_dim(buckets, d, ()) == ()] if isinstance(buckets, dict) else list(dims)
         if not isinstance(buckets, dict) or set(buckets) - names or missing:
             raise ValueError(
                 f"buckets must be a dict with the dims {list(dims)} (kv stands for a keys dim "
@@ -167,9 +147,7 @@ def _declared(
             raise ValueError(f"max_graphs names unknown dims {sorted(unknown)}; the dims are {list(dims)}")
     if keys is not None and any(len(k) != len(dims) for k in keys):
         raise ValueError(f"keys must be tuples of one size per dim {list(dims)}, got {list(keys)!r}")
-    planned = (
-        None if buckets is None else {d: sorted(int(b) for b in buckets[d if d in buckets else "kv"]) for d in dims}
-    )
+    planned = None if buckets is None else {d: sorted(int(b) for b in for_dim(buckets, d)) for d in dims}
     return planned, None if keys is None else [tuple(int(v) for v in k) for k in keys]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 
     from graphrunner.runner import GraphRunner
 
-__all__ = ["generate_batch", "init_continuous_batching", "release"]
+__all__ = ["generate_batch", "graphs_of", "init_continuous_batching", "release"]
 
 
 def init_continuous_batching(
@@ -47,12 +48,12 @@ def init_continuous_batching(
     **fields: Any,
 ) -> ContinuousBatchingManager:
     """``model.init_continuous_batching(...)`` with a :class:`GraphBatching` installed: returns the manager,
-    its hook as ``manager.graphs``.
+    its graph step as ``gr.hf.graphs_of(manager)``.
 
     Use the manager as transformers documents it (``start()``, ``add_request(...)``,
     ``get_result()``, ``stop(keep_for_next_session=True)`` between sessions,
     ``destroy()``). Its steps run eagerly through the graph step (recording
-    their sizes) until ``manager.graphs.capture()`` is called between two
+    their sizes) until ``gr.hf.graphs_of(manager).capture()`` is called between two
     sessions (the manager stopped, its batch processor created by a first
     session): the keys are then planned from the sizes recorded (or from
     ``buckets``/``keys``), and every later session replays them. The cache keeps its
@@ -84,8 +85,19 @@ def init_continuous_batching(
     except BaseException:
         manager.destroy()
         raise
-    manager.graphs = hook  # type: ignore[attr-defined]  # the documented handle on transformers' manager
+    _GRAPHS[manager] = hook
     return manager
+
+
+#: The graphs of each manager :func:`init_continuous_batching` made (weakly: they go with their manager).
+_GRAPHS: weakref.WeakKeyDictionary[ContinuousBatchingManager, GraphBatching] = weakref.WeakKeyDictionary()
+
+
+def graphs_of(manager: ContinuousBatchingManager) -> GraphBatching | None:
+    """The :class:`~graphrunner.hf.batching.GraphBatching` (the graph step, its stats and :meth:`capture
+    <graphrunner.hf.batching.GraphBatching.capture>`) of a manager :func:`init_continuous_batching` made;
+    ``None`` for any other manager (transformers' own)."""
+    return _GRAPHS.get(manager)
 
 
 # --------------------------------------------------------------------------- generate_batch

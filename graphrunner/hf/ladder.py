@@ -16,7 +16,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from graphrunner.hf.planning import plan_keys
+from graphrunner.hf.planning import dim_limits, plan_keys
 
 __all__ = [
     "LADDER_GRAPHS",
@@ -68,10 +68,10 @@ def ladder_keys(
     and every key a step can land on: no more requests than tokens (a request has a token in the
     step) and, for the keys dims, at least as many keys as the smallest ladder size of tokens. The
     ``dims`` are ``("tokens", <keys dims>..., "reqs")``."""
-    counts = {**LADDER_GRAPHS, **(counts or {})}
+    per_dim = dim_limits(dims, counts, LADDER_GRAPHS)
     buckets: dict[str, list[int]] = {}
     for d in dims:
-        n = counts.get(d, counts["kv"] if d.startswith("kv") else 4)
+        n = per_dim[d]
         low = 16 if d.startswith("kv") else 1
         top = min(int(maxima[d]), int(maxima[dims[0]])) if d == dims[-1] else int(maxima[d])  # reqs <= tokens
         buckets[d] = ladder(top, n, low)
@@ -131,7 +131,7 @@ def replan(
     replays."""
     if not sizes or not keys:
         return None
-    buckets, planned = plan_keys(sizes, {**LADDER_GRAPHS, **(max_graphs or {})}, dims)
+    buckets, planned = plan_keys(sizes, dim_limits(dims, max_graphs, LADDER_GRAPHS), dims)
     chosen = set(planned) | {tuple(max(int(k[i]) for k in keys) for i in range(len(dims)))}
     chosen.add(tuple(max(k[i] for k in chosen) for i in range(len(dims))))  # the key covering every other one
     new = sorted(chosen)

@@ -8,9 +8,9 @@ through :func:`plan_keys`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from graphrunner.hf.batch_step import DIMS
+from graphrunner.hf.batch_step import DIMS, for_dim
 from graphrunner.planning import plan_buckets
 
 __all__ = ["DEFAULT_MAX_GRAPHS", "dim_limits", "plan_keys"]
@@ -28,15 +28,13 @@ def _covering(buckets: Sequence[int], n: int) -> int:
     raise ValueError(f"no bucket of {list(buckets)} holds {n}")
 
 
-def dim_limits(dims: Sequence[str], max_graphs: dict[str, int] | None = None) -> dict[str, int]:
-    """Graphs per dim: ``max_graphs[dim]``, else (a keys dim) ``max_graphs["kv"]``, else
-    :data:`DEFAULT_MAX_GRAPHS`'s."""
+def dim_limits(
+    dims: Sequence[str], max_graphs: Mapping[str, int] | None = None, defaults: Mapping[str, int] = DEFAULT_MAX_GRAPHS
+) -> dict[str, int]:
+    """Graphs per dim: ``max_graphs[dim]``, else ``defaults[dim]`` (:data:`DEFAULT_MAX_GRAPHS`), a keys dim
+    not named taking ``kv``'s (:func:`~graphrunner.hf.batch_step.for_dim`)."""
     given = dict(max_graphs or {})
-    out = {}
-    for d in dims:
-        fallback = "kv" if d.startswith("kv") else d
-        out[d] = int(given.get(d, given.get(fallback, DEFAULT_MAX_GRAPHS[fallback])))
-    return out
+    return {d: int(for_dim(given, d, for_dim(defaults, d))) for d in dims}
 
 
 def plan_keys(

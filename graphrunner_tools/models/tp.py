@@ -61,7 +61,7 @@ class RowParallelLinear(nn.Module):
         return y
 
 
-class _ShardedMLP(nn.Module):
+class ShardedMLP(nn.Module):
     """SwiGLU MLP over this rank's slice of the intermediate features, output summed over ranks."""
 
     def __init__(self, mlp: nn.Module, rank: int, world: int, process_group: Any) -> None:
@@ -106,7 +106,7 @@ def shard_tensor_parallel(
         raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
     with torch.inference_mode(False), torch.no_grad():
         for layer in model.model.layers:
-            layer.mlp = _ShardedMLP(layer.mlp, rank, world_size, process_group)
+            layer.mlp = ShardedMLP(layer.mlp, rank, world_size, process_group)
             if attention:
                 attn = layer.self_attn
                 attn.o_proj = RowParallelLinear(attn.o_proj, rank, world_size, process_group)
