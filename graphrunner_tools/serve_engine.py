@@ -16,6 +16,7 @@ from typing import Any
 from transformers.cli.serving.model_manager import ModelLoader
 
 from graphrunner.hf import graphs_of, init_continuous_batching
+from graphrunner.hf.internals import engine_state
 
 __all__ = ["GraphModelLoader", "ServedModel", "engine_metrics"]
 
@@ -113,46 +114,3 @@ def engine_metrics(model: Any, processor: Any = None) -> dict[str, Any]:
             )
         out.update(engine_state(manager))
     return out
-
-
-def engine_state(manager: Any) -> dict[str, int]:
-    """The requests a continuous-batching ``manager`` runs and holds, and its paged cache's blocks: all, free,
-    held by running requests, kept by the prefix cache for a later prompt (reclaimable). Read it with the
-    manager's loop paused (:func:`engine_metrics`).
-
-    transformers has no public API for these figures; this function is the one place that reads its
-    internals (checked with transformers 5.25; docs/serving.md, "transformers internals the server uses"):
-
-    1. ``manager.batch_processor.scheduler.active_requests`` / ``.waiting_requests`` and
-       ``.cache.num_blocks`` / ``.cache.compute_free_capacity()``: what ``transformers serve`` reads itself
-       for its stats line (``CBGenerateRunner.state``);
-    2. each of ``cache.cache_allocators``' ``block_table`` (request -> blocks) and
-       ``ledger.cached_blocks``: the blocks requests hold and the prefix cache keeps.
-
-    Raises ``RuntimeError`` naming the attribute for a transformers without one (the server's start
-    fails, not its serving)."""
-    try:
-        bp = manager.batch_processor
-        sched, cache = bp.scheduler, bp.cache
-        total = int(cache.num_blocks)
-        held = cached = 0
-        for alloc in cache.cache_allocators.values():
-            held += len({b for blocks in alloc.block_table.values() for b in blocks})
-            cached += len(alloc.ledger.cached_blocks)
-        return {
-            "requests_active": len(sched.active_requests),
-            "requests_waiting": len(sched.waiting_requests),
-            "cache_blocks": total,
-            # of the first allocator: each attention type has its own
-            "cache_free_blocks": int(round(float(cache.compute_free_capacity()) * total)),
-            "cache_held_blocks": held,
-            "cache_cached_blocks": cached,
-        }
-    except AttributeError as exc:
-        import transformers
-
-        raise RuntimeError(
-            f"graphrunner serve reads the continuous-batching engine's state for /metrics from transformers' "
-            f"internals (checked with transformers 5.25); transformers {transformers.__version__} has no {exc.name!r} "
-            f"there ({exc}): use transformers 5.25, or update graphrunner_tools.serve_engine.engine_state"
-        ) from exc

@@ -278,6 +278,7 @@ def test_every_public_name_has_a_docstring():
     for module, name in (
         (entrypoints, "generate_batch"),
         (entrypoints, "init_continuous_batching"),
+        (entrypoints, "graphs_of"),
         (batching, "GraphBatching"),
         (batching, "BatchingStats"),
         (metadata, "MetadataError"),
@@ -290,7 +291,7 @@ def test_every_public_name_has_a_docstring():
     ):
         obj = getattr(module, name)
         assert obj.__doc__ and len(obj.__doc__.strip()) > 40, name
-    for name in ("install", "compute_batch", "plan", "capture"):
+    for name in ("install", "forward", "recording", "plan", "capture", "release"):
         assert getattr(batching.GraphBatching, name).__doc__, name
 
 

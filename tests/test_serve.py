@@ -348,27 +348,3 @@ def test_a_replan_share_outside_0_1_is_a_usage_error(share, capsys):
     assert main(["serve", "--replan-share", share]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--replan-share" in err and "(0, 1]" in err
-
-
-def test_the_engine_state_reads_transformers_internals_and_names_a_missing_one():
-    """``engine_state`` is the one reader of transformers' engine internals: on the 5.25 layout it gives the
-    figures; on a layout without one (negative control) its error names the attribute and the version checked."""
-    from types import SimpleNamespace as NS
-
-    from graphrunner_tools.serve_engine import engine_state
-
-    alloc = NS(block_table={"a": [0, 1], "b": [1, 2]}, ledger=NS(cached_blocks={5: None}))
-    cache = NS(num_blocks=8, cache_allocators={"full_attention": alloc}, compute_free_capacity=lambda: 0.5)
-    sched = NS(active_requests={"a": 0, "b": 0}, waiting_requests={"c": 0})
-    manager = NS(batch_processor=NS(scheduler=sched, cache=cache))
-    assert engine_state(manager) == {
-        "requests_active": 2,
-        "requests_waiting": 1,
-        "cache_blocks": 8,
-        "cache_free_blocks": 4,
-        "cache_held_blocks": 3,
-        "cache_cached_blocks": 1,
-    }
-    del alloc.ledger
-    with pytest.raises(RuntimeError, match=r"checked with transformers 5\.25.*'ledger'"):
-        engine_state(manager)

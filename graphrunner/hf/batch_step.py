@@ -20,6 +20,7 @@ import torch
 
 from graphrunner.errors import CaptureError
 from graphrunner.hf.attention import per_request_mask, routed
+from graphrunner.hf.internals import allocator_layout
 from graphrunner.inputs import BatchInput
 
 if TYPE_CHECKING:
@@ -116,26 +117,19 @@ def cache_groups(cache: PagedAttentionCache) -> list[CacheGroup]:
     out = []
     types = list(cache.cache_allocators)
     for layer_type, alloc in cache.cache_allocators.items():
-        views = list(getattr(alloc, "_kv_token_views", {}).values())
-        if not views:
-            raise CaptureError(
-                f"cache allocator {type(alloc).__name__} ({layer_type}) keeps no per-token K/V views: "
-                "not an index-based paged cache"
-            )
-        last = min(min(k.shape[0], v.shape[0]) for k, v in views) - 1
-        sector = int(alloc.block_physical_stride) * int(alloc.blocks_per_sector)  # slots of one sector
+        lay = allocator_layout(alloc, sliding=layer_type == "sliding_attention")
         out.append(
             CacheGroup(
-                index=alloc.index,
+                index=lay.index,
                 layer_type=layer_type,
                 dim=kv_dim(layer_type, types),
-                write_trash=int(alloc.write_trash_index),
-                read_trash=int(alloc.read_trash_index),
-                sentinel=int(alloc.sentinel_index),
-                first_real=2 * sector,
-                last_index=int(last),
-                write_sector=sector,
-                window=getattr(alloc, "sliding_window", None) if layer_type == "sliding_attention" else None,
+                write_trash=lay.write_trash,
+                read_trash=lay.read_trash,
+                sentinel=lay.sentinel,
+                first_real=2 * lay.sector,
+                last_index=lay.last_index,
+                write_sector=lay.sector,
+                window=lay.window,
             )
         )
     return sorted(out, key=lambda g: _kv_order(g.dim))

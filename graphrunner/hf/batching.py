@@ -39,6 +39,7 @@ import contextlib
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -58,12 +59,13 @@ from graphrunner.hf.batch_step import (
     step_inputs,
 )
 from graphrunner.hf.equivalence import EquivalenceCheck
+from graphrunner.hf.internals import wrap_step_methods
 from graphrunner.hf.ladder import ladder_keys, replan, rest_after
 from graphrunner.hf.metadata import check_trash, step_feeds
 from graphrunner.hf.model_runner import GraphModelRunner
 from graphrunner.hf.options import BatchingOptions
 from graphrunner.hf.planning import plan_keys
-from graphrunner.hf.refusals import check_served, refused
+from graphrunner.hf.refusals import RefusedError, check_served, refused
 from graphrunner.runner import GraphRunner
 from graphrunner.tape.jit import traces_at_first_replay
 from graphrunner.tape.state import reuse_snapshot_buffers
@@ -212,7 +214,7 @@ class GraphBatching:
         self.stats = BatchingStats()
         #: The manager's batch processor, once the manager created it (:attr:`processor` raises before).
         self.batch_processor: ContinuousBatchProcessor | None = None
-        self.manager: ContinuousBatchingManager | None = None
+        self._manager: weakref.ref[ContinuousBatchingManager] | None = None
         self.groups: list[CacheGroup] = []
         self.record_token = 0
         self._step_fn: Callable[..., torch.Tensor] | None = None
@@ -231,7 +233,7 @@ class GraphBatching:
         self._eos = [eos] if isinstance(eos, int) else list(eos or [])
         vocab = self._vocab()
         self.record_token = next(t for t in range(vocab) if t not in self._eos)
-        self.manager = manager
+        self._manager = weakref.ref(manager)
         # the batch processor is made now (manager.warmup, public), with the model's attention routed through
         # graphrunner's so that transformers allocates no host mask it would fill at every step (the step builds
         # its own), but in debug mode, whose check compares transformers' mask with the step's
@@ -241,17 +243,15 @@ class GraphBatching:
         if bp is None:
             raise GraphRunnerError("transformers' manager.warmup() made no batch processor")
         self._attach(bp)
-        destroy = manager.destroy
-
-        def destroy_and_release() -> None:
-            destroy()
-            self.release()
-
-        manager.destroy = destroy_and_release  # type: ignore[method-assign]  # graphs go with their manager
+        # the graphs (and a background capture's thread) go with their manager: released when it is collected,
+        # or by release() (gr.hf.release, generate_batch and the server call it when they destroy a manager)
+        weakref.finalize(manager, self.release)
 
     def release(self) -> None:
-        """Stop a background capture and release the graphs (``manager.destroy()`` calls it): a capture
-        thread must not outlive its manager. The steps run eagerly again until :meth:`capture`."""
+        """Stop a background capture and release the graphs: a capture thread must not outlive its manager.
+        Runs when the manager is garbage collected; call it when you destroy the manager
+        (``manager.destroy(); gr.hf.graphs_of(manager).release()``). The steps run eagerly again until
+        :meth:`capture`."""
         runners, self.runner, self._pending = (self.runner, self._pending), None, None
         for runner in runners:
             if runner is not None:
@@ -290,8 +290,7 @@ class GraphBatching:
             # transformers writes the cache outside the forward too (prefix-cache forks, offloading) and
             # samples from the default generator after it: a background key capture, which puts back
             # what it wrote when it ends, must not run beside any of that
-            for name in ("prepare_next_batch", "_generation_step", "update_batch"):
-                setattr(bp, name, self._guarded(getattr(bp, name)))
+            wrap_step_methods(bp, self._guarded)
             self.capture()
 
     def _guarded(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -605,9 +604,9 @@ class GraphBatching:
                 if self.options.equivalence:
                     with reuse_snapshot_buffers():
                         self.stats.equivalence_checked = self._equivalence(runner).run()
+        except RefusedError:
+            raise
         except GraphRunnerError as exc:
-            if isinstance(exc, CaptureError) and "gr.hf.generate_batch" in str(exc):
-                raise
             raise refused(self.model, exc) from exc
         finally:
             cache.cache_tensor.copy_(saved)

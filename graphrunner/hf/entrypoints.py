@@ -352,14 +352,12 @@ def _keep_or_destroy(
     if keep:
         setattr(model, _HELD, _Held(settings, manager, hook))
     else:
-        if getattr(model, _HELD, None) is not None and getattr(model, _HELD).manager is manager:
+        held = getattr(model, _HELD, None)
+        if held is not None and held.manager is manager:
             delattr(model, _HELD)
-        manager.destroy()  # releases the graphs too
+        manager.destroy()
+        hook.release()
     return runner
-
-
-#: The attribute of a model that holds what :func:`generate_batch` keeps for its next call.
-_HELD = "_graphrunner_generate_batch"
 
 
 @dataclass
@@ -378,8 +376,14 @@ def release(model: PreTrainedModel) -> bool:
     if held is None:
         return False
     delattr(model, _HELD)
-    held.manager.destroy()  # GraphBatching.install makes it release the graphs
+    held.manager.destroy()
+    held.hook.release()
     return True
+
+
+#: graphrunner's attribute on a model that holds what :func:`generate_batch` keeps for its next call (an
+#: attribute, so it goes with the model: the manager it holds refers to the model).
+_HELD = "_graphrunner_generate_batch"
 
 
 def _reraise(hook: GraphBatching) -> None:

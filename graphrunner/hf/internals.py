@@ -1,35 +1,108 @@
-"""Every use gr.hf makes of a transformers internal (a name transformers does not document), in one place.
+"""Every use gr.hf and ``graphrunner serve`` make of a transformers internal (a name transformers does not
+document as its API), in one place.
 
-Each function below reads or calls one internal; nothing else in graphrunner
-imports or touches it. :data:`CHECKED_WITH` names the transformers versions
-they were checked on; :func:`check` runs at every entry point (before a
-manager is built) and raises :class:`~graphrunner.errors.GraphRunnerError`
-naming the internal and those versions when a release changed one, instead of
-failing mid-serving. ``docs/continuous-batching.md`` ("transformers internals")
-lists them with the test that fails when transformers changes each.
+Each function below reads or touches one entry of :data:`INTERNALS`; nothing
+else in graphrunner does. They were checked on transformers
+:data:`CHECKED_WITH`; where one is missing or changed they raise
+:class:`TransformersChanged` naming the entry and those versions, at the start
+(a manager's install, the server's first ``/metrics`` snapshot), not
+mid-serving. ``docs/continuous-batching.md`` ("transformers internals") lists
+them with the test that fails when transformers changes each
+(``tests/test_hf_internals.py``).
+
+Everything else gr.hf uses of transformers is public: ``AttentionInterface``
+and ``set_attn_implementation`` (the attention), ``init_continuous_batching``,
+the manager's ``warmup``, ``start``, ``add_requests``, ``get_result``,
+``stop`` and ``pause``, the batch processor's ``model_runner`` (a
+``ModelRunner`` built through its constructor), the paged cache's
+``cache_allocators``, and the step's inputs as ``ContinuousBatchingIOs`` holds
+them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from graphrunner.errors import GraphRunnerError
 
-__all__ = ["CHECKED_WITH", "INTERNALS", "attention_implementation", "check", "forget_kept_manager", "kept_manager"]
+__all__ = [
+    "CHECKED_WITH",
+    "INTERNALS",
+    "AllocatorLayout",
+    "TransformersChanged",
+    "allocator_layout",
+    "attention_implementation",
+    "config_attention_implementation",
+    "engine_state",
+    "forget_kept_manager",
+    "kept_manager",
+    "wrap_step_methods",
+]
 
 #: The transformers versions these internals were checked on.
 CHECKED_WITH = "5.25"
 
-#: ``name -> what it is for``: the internals gr.hf uses.
+#: ``name -> what gr.hf uses it for``: every transformers internal gr.hf and ``graphrunner serve`` use.
 INTERNALS = {
     "PretrainedConfig._attn_implementation": (
-        "the attention implementation a model runs (no public getter; set_attn_implementation is the setter)"
+        "the attention implementation a model runs, read (no public getter; set_attn_implementation is the "
+        "public setter)"
     ),
     "ContinuousMixin._cached_continuous_batching_manager": (
         "where manager.stop(keep_for_next_session=True) keeps a manager for the model's next generate_batch: "
-        "gr.hf keeps its own managers, so it takes them out of that slot"
+        "gr.hf.generate_batch keeps its own managers, so it takes them out of that slot"
+    ),
+    "the paged cache's allocators and scheduler": (
+        "each allocator's per-token K/V views (_kv_token_views), trash, sentinel and sector indices (the slots "
+        "the step pads with and checks writes against), block_table and ledger.cached_blocks, and the "
+        "scheduler's active_requests / waiting_requests (the server's /metrics)"
+    ),
+    "ContinuousBatchProcessor.prepare_next_batch / _generation_step / update_batch": (
+        "wrapped on the batch processor of a server's manager (autocapture), so that no background key "
+        "capture runs beside transformers' cache writes outside the forward (prefix-cache forks, offloading) "
+        "and its sampling"
     ),
 }
+
+
+class TransformersChanged(GraphRunnerError):
+    """A transformers internal that gr.hf relies on (an entry of :data:`INTERNALS`) is missing or changed in
+    the installed transformers: the message names it and the versions it was checked on."""
+
+
+def _changed(name: str, detail: object = "") -> TransformersChanged:
+    import transformers
+
+    extra = f" ({detail})" if detail else ""
+    return TransformersChanged(
+        f"transformers {transformers.__version__} changed {name}{extra}: gr.hf uses it for {INTERNALS[name]}. "
+        f"Install transformers {CHECKED_WITH} (pip install 'transformers=={CHECKED_WITH}.*'), the version it "
+        "was checked on"
+    )
+
+
+# --------------------------------------------------------------------------- 1. the attention implementation
+
+
+def config_attention_implementation(config: Any) -> str | None:
+    """The attention implementation a model config names (its ``_attn_implementation``); ``None`` for no config.
+    Raises :class:`TransformersChanged` for a config without the attribute."""
+    if config is None:
+        return None
+    if not hasattr(config, "_attn_implementation"):
+        raise _changed("PretrainedConfig._attn_implementation", f"a {type(config).__name__} has none")
+    return config._attn_implementation
+
+
+def attention_implementation(model: Any) -> str | None:
+    """The attention implementation ``model`` runs (``sdpa``, ``paged|eager``, ...), ``None`` for an object
+    without a config (see :func:`config_attention_implementation`)."""
+    return config_attention_implementation(getattr(model, "config", None))
+
+
+# --------------------------------------------------------------------------- 2. the kept manager
 
 
 def kept_manager(model: Any) -> Any:
@@ -39,30 +112,95 @@ def kept_manager(model: Any) -> Any:
 
 def forget_kept_manager(model: Any, manager: Any) -> None:
     """Take ``manager`` out of the slot where ``manager.stop(keep_for_next_session=True)`` keeps it on ``model``
-    (``model.generate_batch`` and ``model.init_continuous_batching`` would run it); another manager stays."""
-    if kept_manager(model) is manager:
-        del model._cached_continuous_batching_manager
+    (``model.generate_batch`` and ``model.init_continuous_batching`` would run it); another manager stays.
+    Raises :class:`TransformersChanged` when ``manager`` was not put there (transformers keeps it elsewhere:
+    its next ``generate_batch`` could run graphrunner's manager)."""
+    if kept_manager(model) is not manager:
+        raise _changed(
+            "ContinuousMixin._cached_continuous_batching_manager",
+            "a manager stopped with keep_for_next_session=True is not there",
+        )
+    del model._cached_continuous_batching_manager
 
 
-def attention_implementation(model: Any) -> str | None:
-    """The attention implementation ``model`` runs (``sdpa``, ``paged|eager``, ...): its config's
-    ``_attn_implementation`` (transformers' internal)."""
-    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+# --------------------------------------------------------------------------- 3. the cache and the scheduler
 
 
-def check(model: Any) -> None:
-    """Raise :class:`~graphrunner.errors.GraphRunnerError` naming the first internal of :data:`INTERNALS` that
-    ``model`` (a transformers model) does not have as gr.hf expects it, with the versions it was checked on."""
-    config = getattr(model, "config", None)
-    if config is None or not isinstance(getattr(config, "_attn_implementation", None), str):
-        _changed("PretrainedConfig._attn_implementation")
+@dataclass(frozen=True)
+class AllocatorLayout:
+    """The slots of one paged-cache allocator (an attention type) the step needs: ``index`` (its position in
+    the step's read/write index lists), ``write_trash``, ``read_trash``, ``sentinel`` (slots no request owns),
+    ``sector`` (slots of one sector), ``last_index`` (the last slot its K/V views hold) and ``window``."""
+
+    index: int
+    write_trash: int
+    read_trash: int
+    sentinel: int
+    sector: int
+    last_index: int
+    window: int | None
 
 
-def _changed(name: str) -> None:
-    import transformers
+def allocator_layout(alloc: Any, sliding: bool) -> AllocatorLayout:
+    """The :class:`AllocatorLayout` of paged-cache allocator ``alloc`` (``sliding``: its layers are sliding
+    ones, whose ``sliding_window`` is read). Raises :class:`TransformersChanged` naming what is missing."""
+    name = "the paged cache's allocators and scheduler"
+    try:
+        views = list(alloc._kv_token_views.values())
+        if not views:
+            raise _changed(name, f"{type(alloc).__name__}._kv_token_views is empty: not an index-based paged cache")
+        return AllocatorLayout(
+            index=int(alloc.index),
+            write_trash=int(alloc.write_trash_index),
+            read_trash=int(alloc.read_trash_index),
+            sentinel=int(alloc.sentinel_index),
+            sector=int(alloc.block_physical_stride) * int(alloc.blocks_per_sector),
+            last_index=min(min(k.shape[0], v.shape[0]) for k, v in views) - 1,
+            window=alloc.sliding_window if sliding else None,
+        )
+    except AttributeError as exc:
+        raise _changed(name, f"{type(alloc).__name__} has no {exc.name!r}") from exc
 
-    raise GraphRunnerError(
-        f"transformers {transformers.__version__} changed {name} ({INTERNALS[name]}), which gr.hf relies on: "
-        f"install transformers {CHECKED_WITH} (pip install 'transformers=={CHECKED_WITH}.*'), the version it was "
-        "checked on"
-    )
+
+def engine_state(manager: Any) -> dict[str, int]:
+    """The requests a continuous-batching ``manager`` runs and holds, and its paged cache's blocks: all, free
+    (of the first allocator: each attention type has its own), held by running requests, kept by the prefix
+    cache for a later prompt (reclaimable). Read it with the manager's loop paused (``manager.pause()``).
+    Raises :class:`TransformersChanged` naming what is missing."""
+    try:
+        bp = manager.batch_processor
+        sched, cache = bp.scheduler, bp.cache
+        total = int(cache.num_blocks)
+        held = cached = 0
+        for alloc in cache.cache_allocators.values():
+            held += len({b for blocks in alloc.block_table.values() for b in blocks})
+            cached += len(alloc.ledger.cached_blocks)
+        return {
+            "requests_active": len(sched.active_requests),
+            "requests_waiting": len(sched.waiting_requests),
+            "cache_blocks": total,
+            "cache_free_blocks": int(round(float(cache.compute_free_capacity()) * total)),
+            "cache_held_blocks": held,
+            "cache_cached_blocks": cached,
+        }
+    except AttributeError as exc:
+        raise _changed("the paged cache's allocators and scheduler", f"no {exc.name!r}: {exc}") from exc
+
+
+# --------------------------------------------------------------------------- 4. the processor's step methods
+
+#: The batch processor's methods that run transformers' work around the forward, in the order of a step.
+STEP_METHODS = ("prepare_next_batch", "_generation_step", "update_batch")
+
+
+def wrap_step_methods(bp: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace each of :data:`STEP_METHODS` on batch processor ``bp`` by ``wrap(method)``. Raises
+    :class:`TransformersChanged` (before wrapping any) when one is missing."""
+    missing = [m for m in STEP_METHODS if not callable(getattr(bp, m, None))]
+    if missing:
+        raise _changed(
+            "ContinuousBatchProcessor.prepare_next_batch / _generation_step / update_batch",
+            f"{type(bp).__name__} has no {missing}",
+        )
+    for m in STEP_METHODS:
+        setattr(bp, m, wrap(getattr(bp, m)))

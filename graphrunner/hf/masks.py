@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from graphrunner.hf.internals import config_attention_implementation
+
 #: mask kinds by ``masking_utils`` creator name
 _KIND_BY_CREATOR = {
     "create_causal_mask": "causal",
@@ -121,7 +123,7 @@ def plan_masks(config: Any) -> MaskPlan:
     from transformers import masking_utils
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    impl = getattr(text, "_attn_implementation", None) or getattr(config, "_attn_implementation", None) or "sdpa"
+    impl = config_attention_implementation(text) or config_attention_implementation(config) or "sdpa"
     if impl not in _IMPLEMENTATIONS:
         return MaskPlan("model", reason=f"attention implementation {impl!r} (masks are built for sdpa and eager)")
     window = getattr(text, "sliding_window", None)

@@ -13,11 +13,12 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from graphrunner.errors import CaptureError
+from graphrunner.hf.internals import attention_implementation
 
 if TYPE_CHECKING:
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-__all__ = ["MASKED_IMPLEMENTATIONS", "check_served", "model_type", "refusal", "refused"]
+__all__ = ["MASKED_IMPLEMENTATIONS", "RefusedError", "check_served", "model_type", "refusal", "refused"]
 
 #: The attention implementations whose paged attention reads the step's attention mask (the ones served).
 MASKED_IMPLEMENTATIONS = ("sdpa", "paged|sdpa", "paged|eager", "eager")
@@ -28,9 +29,14 @@ def model_type(model: Any) -> str:
     return str(getattr(getattr(model, "config", None), "model_type", type(model).__name__))
 
 
+class RefusedError(CaptureError):
+    """A :class:`~graphrunner.errors.CaptureError` that says ``gr.hf`` cannot serve a model and why (made by
+    :func:`refused`): already worded, so a caller re-raises it as it is."""
+
+
 def refused(model: Any, why: object, entry: str = "generate_batch") -> CaptureError:
-    """The :class:`CaptureError` of ``gr.hf.<entry>`` refusing ``model`` for the reason ``why``."""
-    return CaptureError(f"gr.hf.{entry} cannot serve architecture {model_type(model)!r}: {why}")
+    """The :class:`RefusedError` of ``gr.hf.<entry>`` refusing ``model`` for the reason ``why``."""
+    return RefusedError(f"gr.hf.{entry} cannot serve architecture {model_type(model)!r}: {why}")
 
 
 def check_served(
@@ -111,7 +117,7 @@ def refusal(model: Any, continuous_batching_config: ContinuousBatchingConfig | N
             f"{why}: continuous batching takes them for full-attention layers, so it cannot build their cache "
             "or (given head counts) restarts that state at every step and returns wrong tokens without an error"
         )
-    impl = getattr(config, "_attn_implementation", None)
+    impl = attention_implementation(model)
     if impl not in MASKED_IMPLEMENTATIONS:
         return (
             f"its attention implementation {impl!r} is not mask-based: flash varlen attention takes "
