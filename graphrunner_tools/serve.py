@@ -327,6 +327,7 @@ def _graph_options(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.graph_device,
         "replan_every": args.replan_every,
         "replan_share": args.replan_share,
+        "attention": args.attention,
     }
     if args.buckets is not None:
         options["buckets"] = args.buckets
@@ -454,6 +455,13 @@ def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
         default=0.1,
         help="the share of the serving time background captures may take: a re-plan waits after the last "
         "capture until they would take no more (default 0.1: 9x the last capture's seconds; 1: no wait)",
+    )
+    p.add_argument(
+        "--attention",
+        choices=("auto", "per_request", "dense"),
+        default="auto",
+        help="the step's attention: per_request (each request's queries against its own keys; the CPU tape), "
+        "dense (the [tokens, kv] masks CUDA graphs replay), auto (per_request on the tape, dense on CUDA graphs)",
     )
     p.add_argument(
         "--shutdown-timeout",

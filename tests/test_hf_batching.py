@@ -291,7 +291,7 @@ def test_every_public_name_has_a_docstring():
     ):
         obj = getattr(module, name)
         assert obj.__doc__ and len(obj.__doc__.strip()) > 40, name
-    for name in ("install", "forward", "recording", "plan", "capture", "release"):
+    for name in ("install", "serve_step", "recording", "plan", "capture", "release"):
         assert getattr(batching.GraphBatching, name).__doc__, name
 
 

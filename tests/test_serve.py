@@ -122,6 +122,21 @@ def test_greedy_chat_completions_equal_the_eager_server(servers):
     assert _replayed(eager) == 0
 
 
+def test_the_dense_attention_cuda_replays_serves_the_eager_servers_answers(servers, tmp_path):
+    """``--attention dense``: the step's dense masks (what CUDA graphs replay) on the tape; greedy answers equal
+    the eager server's, from replayed steps."""
+    _, eager = servers
+    dense = Server(str(tmp_path), "--attention", "dense", "--max-graphs", "tokens=3,kv=2,reqs=2")
+    try:
+        _warm(dense)
+        replayed = _replayed(dense)
+        got = [dense.chat(p) for p in PROMPTS[:4]]
+        assert got == [eager.chat(p) for p in PROMPTS[:4]]
+        assert _replayed(dense) - replayed >= 12 * 4 / 2
+    finally:
+        assert dense.stop() == 0, dense.output()
+
+
 def test_streaming_equals_non_streaming(servers):
     graphs, _ = servers
     for p in PROMPTS[:4]:

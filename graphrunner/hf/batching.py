@@ -8,10 +8,16 @@ and per-step metadata tensors (``cu_seq_lens_q/k``, ``read_index``,
 method runs the model for a step: ``ModelRunner.compute_batch(model,
 batch_data)`` (forward, logits processors, sampling into ``output_ids``).
 
-:func:`generate_batch` (and :class:`GraphBatching` under it) substitutes that
-one method. Everything else is transformers' own code: the manager, the
-scheduler, the cache and its allocators, ``prepare_batch_tensors`` (which
-builds the metadata), the logits processors and the sampler. The forward of
+:class:`GraphBatching` puts a :class:`~graphrunner.hf.model_runner.GraphModelRunner`
+(that class, built through its constructor) on the batch processor: it turns
+each step's metadata into the graph step's inputs and asks
+:meth:`GraphBatching.serve_step` for the logits, which transformers' own
+``compute_batch`` then processes and samples. Everything else is transformers'
+own code: the manager, the scheduler, the cache and its allocators,
+``prepare_batch_tensors`` (which builds the metadata), the logits processors
+and the sampler; the attention goes through transformers' attention dispatch
+(:mod:`~graphrunner.hf.attention`), and the few transformers internals used
+stand in :mod:`~graphrunner.hf.internals`. The forward of
 each varlen step goes through one :class:`graphrunner.GraphRunner` with three
 named dims, ``tokens`` (query tokens), ``kv`` (keys read, per attention type,
 the longest of them) and ``reqs`` (requests), whose inputs are the step's
@@ -61,7 +67,7 @@ from graphrunner.hf.batch_step import (
 from graphrunner.hf.equivalence import EquivalenceCheck
 from graphrunner.hf.internals import wrap_step_methods
 from graphrunner.hf.ladder import ladder_keys, replan, rest_after
-from graphrunner.hf.metadata import check_trash, step_feeds
+from graphrunner.hf.metadata import check_trash
 from graphrunner.hf.model_runner import GraphModelRunner
 from graphrunner.hf.options import BatchingOptions
 from graphrunner.hf.planning import plan_keys
@@ -157,8 +163,9 @@ class GraphBatching:
     """The graph-served step of one transformers ``ContinuousBatchingManager``.
 
     ``GraphBatching(model, options=BatchingOptions())``; :meth:`install` it on a manager
-    (``model.init_continuous_batching(...)``) before the manager starts: the
-    manager's batch processor then runs every varlen step's forward through
+    (``model.init_continuous_batching(...)``) before the manager starts: it makes the manager's batch
+    processor (``manager.warmup()``) and puts a :class:`~graphrunner.hf.model_runner.GraphModelRunner` on it,
+    which serves every varlen step through :meth:`serve_step`: the forward through
     :attr:`runner` (a :class:`~graphrunner.GraphRunner` over the dims :attr:`dims`:
     ``tokens``, a keys dim per attention type (``kv``, and ``kv_sliding`` for a
     model that mixes sliding and full layers: :func:`~graphrunner.hf.batch_step.batch_dims`), ``reqs``) once
@@ -170,13 +177,13 @@ class GraphBatching:
     The options (:class:`~graphrunner.hf.options.BatchingOptions`, one object:
     ``buckets``, ``keys``, ``max_graphs``, ``backend``, ``device``, ``debug``,
     ``checks``, ``equivalence``, ``validate``, ``background``, ``autocapture``,
-    ``replan_every``) say how the keys are planned (:meth:`plan`), captured
+    ``replan_every``, ``replan_share``, ``attention``) say how the keys are planned (:meth:`plan`), captured
     (:meth:`capture`; in the background with ``background`` or
     ``autocapture``), checked (:class:`~graphrunner.hf.equivalence.EquivalenceCheck`
     after a blocking capture) and served (every step's metadata checked by
     :func:`~graphrunner.hf.metadata.step_feeds` unless ``validate=False``).
-    With ``autocapture`` the background capture starts by itself when the
-    manager creates its batch processor, over keys from
+    With ``autocapture`` the background capture starts at :meth:`install` (the model loaded, before any
+    request), over keys from
     :func:`graphrunner.hf.ladder.ladder_keys` (``buckets``/``keys`` when given),
     and every ``replan_every`` steps (0: never) the keys are re-planned from the
     recent step sizes (:func:`graphrunner.hf.ladder.replan`); the manager's
@@ -225,7 +232,7 @@ class GraphBatching:
     # ----------------------------------------------------------------- installation
     def install(self, manager: ContinuousBatchingManager) -> None:
         """Hook this object into ``manager`` (a ``ContinuousBatchingManager``, not started): its batch processor,
-        made now (``manager.warmup()``), runs the forward through :meth:`forward` (a :class:`GraphModelRunner` on
+        made now (``manager.warmup()``), serves each step through :meth:`serve_step` (a :class:`GraphModelRunner` on
         ``bp.model_runner``). Raises
         :class:`~graphrunner.errors.CaptureError` when :func:`~graphrunner.hf.refusals.refusal` refuses the model."""
         check_served(self.model, manager.continuous_batching_config)
@@ -285,7 +292,10 @@ class GraphBatching:
             )
         _sync_io(bp)
         self._logits_to_keep = mr.supports_logits_to_keep(self.model)
-        bp.model_runner = GraphModelRunner(bp, self.forward)  # the one place graphrunner enters the processor
+        # the one place graphrunner enters the processor
+        bp.model_runner = GraphModelRunner(
+            bp, self.groups, self.serve_step, debug=self.options.debug, validate=self.options.validate
+        )
         if self.options.autocapture:
             # transformers writes the cache outside the forward too (prefix-cache forks, offloading) and
             # samples from the default generator after it: a background key capture, which puts back
@@ -342,52 +352,44 @@ class GraphBatching:
         finally:
             self._recording = False
 
-    def forward(self, batch_data: dict[str, Any]) -> torch.Tensor:
-        """The logits ``[reqs, vocab]`` of one varlen step (the forward :class:`GraphModelRunner` hands
-        transformers): replayed from :attr:`runner`'s graphs once it serves, eagerly before; inside
-        :meth:`recording`, no forward. The first exception is kept in :attr:`error` (transformers' generation
-        thread only logs it and fails the step's requests) and re-raised."""
+    def serve_step(self, feeds: dict[str, torch.Tensor], size: tuple[int, ...]) -> torch.Tensor:
+        """The logits ``[reqs, vocab]`` of one varlen step of ``size`` (its :class:`GraphModelRunner` hands it the
+        step's ``feeds``): replayed from :attr:`runner`'s graphs once it serves (GraphRunner's eager fallback for
+        a step larger than every key), eagerly before; inside :meth:`recording`, no forward. Counted in
+        :attr:`stats`. The first exception is kept in :attr:`error` (transformers' generation thread only logs it
+        and fails the step's requests) and re-raised."""
         try:
-            return self._forward()
+            return self._serve_step(feeds, size)
         except BaseException as exc:
             if self.error is None:
                 self.error = exc
             raise
 
-    def _forward(self) -> torch.Tensor:
-        bp = self.processor
-        io = _sync_io(bp)
-        feeds = step_feeds(io, bp.cache, self.groups, debug=self.options.debug, validate=self.options.validate)
-        size = (
-            int(io.total_seqlen_q),
-            *(int(feeds[f"read_index_{g.index}"].shape[0]) for g in self.groups),
-            int(io.num_request_in_batch),
-        )
-        self._record(size, io)
+    def _serve_step(self, feeds: dict[str, torch.Tensor], size: tuple[int, ...]) -> torch.Tensor:
+        self._record(size)
         if self._recording:
             # every request's only possible token is record_token, whatever transformers' sampling does
-            logits = torch.full((size[-1], self._vocab()), float("-inf"), device=io.input_ids.device)
+            logits = torch.full((size[-1], self._vocab()), float("-inf"), device=feeds["input_ids"].device)
             return logits.index_fill_(1, torch.tensor([self.record_token], device=logits.device), 0.0)
         self.stats.steps += 1
         runner = self.runner
-        if runner is not None:
-            before = runner.stats.fallbacks
-            logits = runner(**feeds)
-            if runner.stats.fallbacks > before:
-                self.stats.eager_steps += 1
-            else:
-                self.stats.replayed += 1
-                key = runner.stats.last_bucket
-                self.stats.real_tokens += size[0]
-                self.stats.padded_tokens += int(key[0]) - size[0]
-                self.stats.real_keys += sum(size[1:-1])
-                self.stats.padded_keys += sum(int(k) for k in key[1:-1]) - sum(size[1:-1])
-        else:
+        if runner is None:
             self.stats.eager_steps += 1
-            logits = self._step()(**feeds)
+            return self._step()(**feeds)
+        before = runner.stats.fallbacks
+        logits = runner(**feeds)
+        if runner.stats.fallbacks > before:
+            self.stats.eager_steps += 1
+        else:
+            self.stats.replayed += 1
+            key = runner.stats.last_bucket
+            self.stats.real_tokens += size[0]
+            self.stats.padded_tokens += int(key[0]) - size[0]
+            self.stats.real_keys += sum(size[1:-1])
+            self.stats.padded_keys += sum(int(k) for k in key[1:-1]) - sum(size[1:-1])
         return logits
 
-    def _record(self, size: tuple[int, ...], io: ContinuousBatchingIOs) -> None:
+    def _record(self, size: tuple[int, ...]) -> None:
         """Count a step of ``size`` (and transformers' own sizes of it) in ``stats``; ``autocapture``: in
         the window a re-plan reads, a re-plan due every ``replan_every`` steps."""
         self.stats.step_sizes.append(size)
@@ -401,6 +403,7 @@ class GraphBatching:
             if self.options.replan_every and self._since_plan >= self.options.replan_every:
                 self._since_plan = 0
                 self._replan_due = True
+        io = _sync_io(self.processor)  # transformers' own sizes of the step, for stats.engine_sizes
         self.stats.engine_sizes.append((size[0], int(io.max_kv_read), tuple(int(v) for v in io.max_length_k.values())))
 
     def _step(self) -> Callable[..., torch.Tensor]:

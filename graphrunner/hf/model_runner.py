@@ -1,30 +1,36 @@
-"""transformers' ``ModelRunner`` with the step's forward served by graphrunner: :class:`GraphModelRunner`.
+"""transformers' ``ModelRunner`` with the step served by graphrunner: :class:`GraphModelRunner`.
 
 transformers' batch processor runs each step through its model runner's public
 ``compute_batch(model, batch_data)``: carry-over, the model's forward, logits
 processing and sampling into the step's output tensor. :class:`GraphModelRunner`
 is that class, built through its public constructor from the processor's own
-parts, with one difference: the forward is a function of the step's inputs
-(``forward(batch_data) -> logits [reqs, vocab]``, the graphs or the eager step),
-handed to transformers' ``compute_batch`` as the model it calls. Everything else
-(logits processors, sampling, log-probabilities, output) is transformers' own
-code. The adapter puts one on the batch processor (``bp.model_runner``), the one
-place it enters the processor.
+parts, and owns the step end to end: the step's metadata (transformers'
+``ContinuousBatchingIOs``) checked and turned into the graph step's inputs
+(:func:`~graphrunner.hf.metadata.step_feeds`), then ``serve(feeds, size)`` (the
+policy's choice of graphs or the eager step) for the logits, handed to
+transformers' ``compute_batch`` as the model's output. Everything after the
+forward (logits processors, sampling, log-probabilities, output) is
+transformers' own code. The adapter puts one on the batch processor
+(``bp.model_runner``), the one place it enters the processor.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
 from transformers.generation.continuous_batching.model_runner import ModelRunner
+
+from graphrunner.hf.batch_step import CacheGroup
+from graphrunner.hf.metadata import step_feeds
 
 if TYPE_CHECKING:
     from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
 
-__all__ = ["GraphModelRunner"]
+__all__ = ["GraphModelRunner", "Serve"]
 
 
 @dataclass
@@ -35,24 +41,34 @@ class _Logits:
 
 
 class _StepModel:
-    """The model transformers' ``compute_batch`` calls: ``forward(batch_data)``'s logits as ``[1, reqs, vocab]``."""
+    """The model transformers' ``compute_batch`` calls: ``forward()``'s logits as ``[1, reqs, vocab]``."""
 
-    def __init__(self, forward: Callable[[dict[str, Any]], torch.Tensor], batch_data: dict[str, Any]) -> None:
-        self.forward, self.batch_data = forward, batch_data
+    def __init__(self, forward: Callable[[], torch.Tensor]) -> None:
+        self.forward = forward
 
     def __call__(self, **batch_data: Any) -> _Logits:
-        return _Logits(self.forward(self.batch_data)[None])
+        return _Logits(self.forward()[None])
+
+
+#: ``serve(feeds, size) -> logits [reqs, vocab]``: the step's inputs (:func:`~graphrunner.hf.metadata.step_feeds`)
+#: and its size per dim (``(tokens, keys per attention type..., reqs)``).
+Serve = Callable[[dict[str, torch.Tensor], tuple[int, ...]], torch.Tensor]
 
 
 class GraphModelRunner(ModelRunner):
     """transformers' ``ModelRunner`` for batch processor ``bp`` (built from ``bp``'s logits processor, batching
-    config, inputs and outputs, cache and sampling flags, as transformers builds its own), whose varlen steps'
-    forward is ``forward(batch_data) -> logits [reqs, vocab]`` (the logits of the step's ``logits_indices``).
-    Steps on transformers' decode fast path (a block table: flash attention only, which gr.hf refuses) run
-    the model's own forward. ``forward`` runs in transformers' generation thread; what it raises fails the
-    step's requests there, as transformers' own forward would."""
+    config, inputs and outputs, cache and sampling flags, as transformers builds its own) that serves each
+    varlen step: its metadata checked and turned into the graph step's inputs over the cache's ``groups``
+    (:func:`~graphrunner.hf.metadata.step_feeds`, ``debug``/``validate`` as there), then ``serve(feeds,
+    size)`` for the logits of the step's ``logits_indices``, which transformers' ``compute_batch`` processes and
+    samples. Steps on transformers' decode fast path (a block table: flash attention only, which gr.hf refuses)
+    run the model's own forward. It runs in transformers' generation thread; what it raises fails the step's
+    requests there, as transformers' own forward would. Raises ``TypeError`` for asynchronous batching's
+    double-buffered inputs (refused: run it with ``use_async_batching=False``)."""
 
-    def __init__(self, bp: ContinuousBatchProcessor, forward: Callable[[dict[str, Any]], torch.Tensor]) -> None:
+    def __init__(
+        self, bp: ContinuousBatchProcessor, groups: Sequence[CacheGroup], serve: Serve, debug: bool, validate: bool
+    ) -> None:
         super().__init__(
             logit_processor=bp.logit_processor,
             cb_config=bp.cb_config,
@@ -61,14 +77,29 @@ class GraphModelRunner(ModelRunner):
             do_sample=bp.do_sample,
             return_logprobs=bp.return_logprobs,
         )
-        self.forward = forward
+        if not isinstance(self.inputs_and_outputs, ContinuousBatchingIOs):
+            raise TypeError("asynchronous batching double-buffers the step's inputs: use use_async_batching=False")
+        self.groups, self.serve, self.debug, self.validate = list(groups), serve, debug, validate
 
     def supports_logits_to_keep(self, model: torch.nn.Module) -> bool:
-        """True: the forward returns the logits of the step's ``logits_indices`` only (transformers slices none)."""
+        """True: the step returns the logits of the step's ``logits_indices`` only (transformers slices none)."""
         return True
 
+    def step_inputs(self) -> tuple[dict[str, torch.Tensor], tuple[int, ...]]:
+        """``(feeds, size)`` of the step transformers prepared: the graph step's inputs and its size per dim."""
+        io = self.inputs_and_outputs
+        assert isinstance(io, ContinuousBatchingIOs)  # checked at construction
+        feeds = step_feeds(io, self.cache, self.groups, debug=self.debug, validate=self.validate)
+        size = (
+            int(io.total_seqlen_q),
+            *(int(feeds[f"read_index_{g.index}"].shape[0]) for g in self.groups),
+            int(io.num_request_in_batch),
+        )
+        return feeds, size
+
     def compute_batch(self, model: torch.nn.Module, batch_data: dict) -> None:
-        """transformers' ``compute_batch`` with :attr:`forward` as the model's forward (not on the decode fast path)."""
+        """transformers' ``compute_batch`` with the served step as the model's forward (not on the decode fast
+        path)."""
         if self.inputs_and_outputs.use_block_table:
             return super().compute_batch(model, batch_data)
-        return super().compute_batch(_StepModel(self.forward, batch_data), batch_data)  # type: ignore[arg-type]
+        return super().compute_batch(_StepModel(lambda: self.serve(*self.step_inputs())), batch_data)  # type: ignore[arg-type]
