@@ -413,6 +413,7 @@ KNOWN_FUNCTION_LEVEL_IMPORTS_OUTSIDE_CORE: list[tuple[str, str]] = [
     ("graphrunner_tools.loadtest", "graphrunner_tools.models.tp"),
     ("graphrunner_tools.loadtest", "graphrunner_tools.spec"),
     ("graphrunner_tools.loadtest", "graphrunner_tools.threads"),
+    ("graphrunner_tools.serve", "graphrunner_tools.models.tiny_chat"),
     ("graphrunner_tools.serve", "graphrunner_tools.plan"),
     ("graphrunner_tools.serve", "graphrunner_tools.serve_engine"),
     ("graphrunner_tools.spec", "graphrunner"),
