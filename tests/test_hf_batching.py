@@ -31,6 +31,7 @@ import graphrunner.hf.batching as batching  # noqa: E402
 import graphrunner.hf.entrypoints as entrypoints  # noqa: E402
 import graphrunner.hf.equivalence as equivalence  # noqa: E402
 import graphrunner.hf.metadata as metadata  # noqa: E402
+import graphrunner.hf.model_runner as model_runner  # noqa: E402
 import graphrunner.hf.planning as planning  # noqa: E402
 import graphrunner.hf.refusals as refusals  # noqa: E402
 from graphrunner.errors import CaptureError  # noqa: E402
@@ -609,7 +610,7 @@ def real_step():
     """A real varlen step of transformers' scheduler (llama: 2+ requests, keys read from the cache): a copy of
     its IO, the cache and the groups, taken inside gr.hf.generate_batch."""
     taken = {}
-    original = batching.step_feeds
+    original = model_runner.step_feeds
 
     def spy(io, cache, groups, **kw):
         if (
@@ -621,11 +622,11 @@ def real_step():
             taken.update(io=_copy_io(io), cache=cache, groups=list(groups))
         return original(io, cache, groups, **kw)
 
-    batching.step_feeds = spy
+    model_runner.step_feeds = spy
     try:
         gr.hf.generate_batch(model_of("llama"), prompts(), gen_config(), cb_config(), device="tape", buckets=ONE_KEY)
     finally:
-        batching.step_feeds = original
+        model_runner.step_feeds = original
     assert "io" in taken, "the workload has a mixed step that reads the cache"
     return taken
 

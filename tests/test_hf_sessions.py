@@ -7,7 +7,7 @@ session reuses the cache blocks of an earlier one's prompts, so a capture that s
 wrong tokens silently (the negative control). Tiny random-weight models, nothing downloaded.
 """
 
-import gc
+import gc as garbage_collector
 
 import pytest
 from extras_util import require
@@ -145,7 +145,7 @@ def test_autocapture_serves_from_the_first_step_and_equals_transformers():
     assert keys == expect_keys and captured == len(expect_keys) and s.capture_seconds > 0
     assert hook.runner is not None
     del manager
-    gc.collect()
+    garbage_collector.collect()
     assert hook.runner is None, "the graphs went with their manager"
 
 

@@ -294,7 +294,12 @@ class GraphBatching:
         self._logits_to_keep = mr.supports_logits_to_keep(self.model)
         # the one place graphrunner enters the processor
         bp.model_runner = GraphModelRunner(
-            bp, self.groups, self.serve_step, debug=self.options.debug, validate=self.options.validate
+            bp,
+            self.groups,
+            self.serve_step,
+            debug=self.options.debug,
+            validate=self.options.validate,
+            on_error=self._keep_error,
         )
         if self.options.autocapture:
             # transformers writes the cache outside the forward too (prefix-cache forks, offloading) and
@@ -352,20 +357,17 @@ class GraphBatching:
         finally:
             self._recording = False
 
+    def _keep_error(self, exc: BaseException) -> None:
+        """Keep the first exception a step raised in :attr:`error` (transformers' generation thread only logs it
+        and fails the step's requests; gr.hf.generate_batch re-raises it)."""
+        if self.error is None:
+            self.error = exc
+
     def serve_step(self, feeds: dict[str, torch.Tensor], size: tuple[int, ...]) -> torch.Tensor:
         """The logits ``[reqs, vocab]`` of one varlen step of ``size`` (its :class:`GraphModelRunner` hands it the
         step's ``feeds``): replayed from :attr:`runner`'s graphs once it serves (GraphRunner's eager fallback for
         a step larger than every key), eagerly before; inside :meth:`recording`, no forward. Counted in
-        :attr:`stats`. The first exception is kept in :attr:`error` (transformers' generation thread only logs it
-        and fails the step's requests) and re-raised."""
-        try:
-            return self._serve_step(feeds, size)
-        except BaseException as exc:
-            if self.error is None:
-                self.error = exc
-            raise
-
-    def _serve_step(self, feeds: dict[str, torch.Tensor], size: tuple[int, ...]) -> torch.Tensor:
+        :attr:`stats`."""
         self._record(size)
         if self._recording:
             # every request's only possible token is record_token, whatever transformers' sampling does

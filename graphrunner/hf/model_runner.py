@@ -63,11 +63,18 @@ class GraphModelRunner(ModelRunner):
     size)`` for the logits of the step's ``logits_indices``, which transformers' ``compute_batch`` processes and
     samples. Steps on transformers' decode fast path (a block table: flash attention only, which gr.hf refuses)
     run the model's own forward. It runs in transformers' generation thread; what it raises fails the step's
-    requests there, as transformers' own forward would. Raises ``TypeError`` for asynchronous batching's
+    requests there, as transformers' own forward would, and is handed to ``on_error`` first (transformers' thread
+    only logs it). Raises ``TypeError`` for asynchronous batching's
     double-buffered inputs (refused: run it with ``use_async_batching=False``)."""
 
     def __init__(
-        self, bp: ContinuousBatchProcessor, groups: Sequence[CacheGroup], serve: Serve, debug: bool, validate: bool
+        self,
+        bp: ContinuousBatchProcessor,
+        groups: Sequence[CacheGroup],
+        serve: Serve,
+        debug: bool,
+        validate: bool,
+        on_error: Callable[[BaseException], None] | None = None,
     ) -> None:
         super().__init__(
             logit_processor=bp.logit_processor,
@@ -80,6 +87,7 @@ class GraphModelRunner(ModelRunner):
         if not isinstance(self.inputs_and_outputs, ContinuousBatchingIOs):
             raise TypeError("asynchronous batching double-buffers the step's inputs: use use_async_batching=False")
         self.groups, self.serve, self.debug, self.validate = list(groups), serve, debug, validate
+        self.on_error = on_error
 
     def supports_logits_to_keep(self, model: torch.nn.Module) -> bool:
         """True: the step returns the logits of the step's ``logits_indices`` only (transformers slices none)."""
@@ -102,4 +110,12 @@ class GraphModelRunner(ModelRunner):
         path)."""
         if self.inputs_and_outputs.use_block_table:
             return super().compute_batch(model, batch_data)
-        return super().compute_batch(_StepModel(lambda: self.serve(*self.step_inputs())), batch_data)  # type: ignore[arg-type]
+        return super().compute_batch(_StepModel(self._serve), batch_data)  # type: ignore[arg-type]
+
+    def _serve(self) -> torch.Tensor:
+        try:
+            return self.serve(*self.step_inputs())
+        except BaseException as exc:
+            if self.on_error is not None:
+                self.on_error(exc)
+            raise
