@@ -15,8 +15,11 @@ used as they are, through their public entry points (:mod:`transformers.cli.serv
   the background from the first step, keys from a ladder, re-planned from the steps served
   (``docs/serving.md``). ``--eager`` serves without graphs (transformers' own engine, the same
   command and flags otherwise);
-- in front of the app, :class:`RefuseNoTokens`: a request for fewer than 1 new token is a 400 naming
-  the field (transformers' engine fails it with a 500);
+- in front of the app, :class:`~graphrunner_tools.serve_admission.FrontDoor`: the API key
+  (``--api-key``), the admin routes closed (``--admin`` opens them), a bound on the requests in flight
+  (429 beyond ``--max-concurrent-requests``), every parameter honoured or refused, malformed messages
+  and requests longer than the context or the cache refused (400 with an OpenAI error object naming the
+  field), and ``data: [DONE]`` at the end of a stream;
 - ``GET /metrics``: Prometheus text (``prometheus_client``) of the graphs, the
   engine and the HTTP requests (:func:`~graphrunner_tools.serve_engine.engine_metrics` runs in the model's
   process through ``EngineClient.submit``; read once at the start, so a transformers whose engine
@@ -39,7 +42,7 @@ import signal
 import sys
 from typing import Any
 
-__all__ = ["RefuseNoTokens", "add_serve_subparser", "build_app", "serve"]
+__all__ = ["add_serve_subparser", "build_app", "serve"]
 
 logger = logging.getLogger("graphrunner")
 
@@ -74,8 +77,29 @@ _SCALARS = (
 )
 
 
-def _metrics_text(engine: dict[str, Any], http: dict[tuple, int], model_id: str) -> bytes:
-    """The Prometheus exposition of ``engine`` (:func:`engine_metrics`) and ``http`` ((path, status) -> count)."""
+#: ``/metrics``' families of the front door (:class:`~graphrunner_tools.serve_admission.FrontDoor`).
+_FRONT = (
+    (
+        "gauge",
+        "graphrunner_http_requests_in_flight",
+        "in_flight",
+        "generation requests admitted and not answered yet: generating or queued (the queue depth)",
+    ),
+    ("gauge", "graphrunner_http_requests_max", "max_requests", "most generation requests in flight (429 beyond)"),
+    (
+        "counter",
+        "graphrunner_http_requests_refused_busy",
+        "refused_busy",
+        "requests refused with 429: too many in flight",
+    ),
+)
+
+
+def _metrics_text(
+    engine: dict[str, Any], http: dict[tuple, int], model_id: str, front: dict[str, int] | None = None
+) -> bytes:
+    """The Prometheus exposition of ``engine`` (:func:`engine_metrics`), ``http`` ((path, status) -> count) and
+    ``front`` (the front door's ``in_flight``, ``max_requests``, ``refused_busy``)."""
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -105,84 +129,34 @@ def _metrics_text(engine: dict[str, Any], http: dict[tuple, int], model_id: str)
             for (path, status), n in sorted(http.items()):
                 req.add_metric([path, str(status)], n)
             yield req
+            for kind, name, key, doc in _FRONT:
+                family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc)
+                family.add_metric([], float((front or {}).get(key, 0)))
+                yield family
 
     registry = CollectorRegistry()
     registry.register(Snapshot())
     return generate_latest(registry)
 
 
-#: The field that sets the tokens to generate, by route (``max_completion_tokens`` first: transformers' order).
-_TOKEN_FIELDS = {
-    "/v1/chat/completions": ("max_completion_tokens", "max_tokens"),
-    "/v1/completions": ("max_tokens",),
-    "/v1/responses": ("max_output_tokens",),
-}
-
-
-def _token_count_error(path: str, body: bytes) -> tuple[str, str] | None:
-    """``(field, message)`` when the JSON ``body`` of a POST to ``path`` asks for fewer than 1 new token;
-    ``None`` otherwise, a body that is not a JSON object included (transformers' app answers that one)."""
-    try:
-        request = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(request, dict):
-        return None
-    for field in _TOKEN_FIELDS[path]:
-        value = request.get(field)
-        if value is None:
-            continue
-        if not isinstance(value, bool) and isinstance(value, (int, float)) and value < 1:
-            return field, f"{field} must be at least 1 (the tokens to generate), got {value}"
-        return None  # the field transformers reads: what else it holds is transformers' to answer
-    return None
-
-
-class RefuseNoTokens:
-    """ASGI middleware in front of transformers' app: a POST to a generation route that asks for fewer than 1
-    new token (``max_tokens``, ``max_completion_tokens``, ``max_output_tokens``) is answered 400 with an
-    OpenAI error object naming the field (``{"error": {"message", "type", "param", "code"}}``), before it
-    reaches the engine (transformers' engine fails such a request with a 500). Every other request, and
-    the body it read, goes on as it came."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in _TOKEN_FIELDS:
-            await self.app(scope, receive, send)
-            return
-        messages = []
-        while True:
-            message = await receive()
-            messages.append(message)
-            if message["type"] != "http.request" or not message.get("more_body", False):
-                break
-        body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
-        error = _token_count_error(scope["path"], body)
-        if error is not None:
-            from starlette.responses import JSONResponse
-
-            field, message_text = error
-            answer = {"message": message_text, "type": "invalid_request_error", "param": field, "code": None}
-            await JSONResponse({"error": answer}, status_code=400)(scope, receive, send)
-            return
-
-        async def replay() -> Any:  # the messages read above, then the client's next ones (a disconnect)
-            return messages.pop(0) if messages else await receive()
-
-        await self.app(scope, replay, send)
-
-
-def build_app(model_manager: Any, generation_state: Any, model_id: str) -> Any:
+def build_app(
+    model_manager: Any,
+    generation_state: Any,
+    model_id: str,
+    *,
+    api_key: str | None = None,
+    admin: bool = False,
+    max_requests: int = 256,
+) -> Any:
     """transformers serve's FastAPI app (its public ``build_server`` with its handlers, as ``Serve.run``
     builds them, no CORS, no chat template defaults) for ``model_manager`` (a ``ModelManager`` serving
-    ``model_id``), plus :class:`RefuseNoTokens` in front and ``GET /metrics``. Its start reads the engine's
-    state once (:func:`~graphrunner_tools.serve_engine.engine_metrics`): a transformers whose engine
-    ``/metrics`` cannot read fails the start, naming what is missing."""
+    ``model_id``), plus :class:`~graphrunner_tools.serve_admission.FrontDoor` in front (``api_key``,
+    ``admin``, ``max_requests``: the request checks, docs/serving.md) and ``GET /metrics``. Its start reads
+    the engine's state once (:func:`~graphrunner_tools.serve_engine.engine_metrics`): a transformers whose
+    engine ``/metrics`` cannot read fails the start, naming what is missing."""
     from contextlib import asynccontextmanager
 
-    from fastapi import APIRouter, FastAPI, Request, Response
+    from fastapi import APIRouter, FastAPI, Response
     from transformers.cli.serving.chat_completion import ChatCompletionHandler
     from transformers.cli.serving.completion import CompletionHandler
     from transformers.cli.serving.response import ResponseHandler
@@ -190,37 +164,60 @@ def build_app(model_manager: Any, generation_state: Any, model_id: str) -> Any:
     from transformers.cli.serving.systemone import SystemOneHandler
     from transformers.cli.serving.transcription import TranscriptionHandler
 
+    from graphrunner_tools.serve_admission import FrontDoor, Limits, response_messages
     from graphrunner_tools.serve_engine import engine_metrics
 
+    chat = ChatCompletionHandler(model_manager=model_manager, generation_state=generation_state)
     app = build_server(
         model_manager,
-        ChatCompletionHandler(model_manager=model_manager, generation_state=generation_state),
+        chat,
         completion_handler=CompletionHandler(model_manager=model_manager, generation_state=generation_state),
         response_handler=ResponseHandler(model_manager=model_manager, generation_state=generation_state),
         transcription_handler=TranscriptionHandler(model_manager),
         systemone_handler=SystemOneHandler(model_manager=model_manager, generation_state=generation_state),
     )
-    app.add_middleware(RefuseNoTokens)
-    http: dict[tuple, int] = {}
+    engine = model_manager.get_engine(None)
+    config = engine.generation_config
+    limits = Limits(
+        max_model_len=generation_state.context_length(engine.model_config),
+        # transformers' default tokens to generate (BaseHandler._build_generation_kwargs): the model's, at least 1024
+        default_new_tokens=max(config.max_new_tokens or 0, 1024),
+        sampling={name: getattr(config, name, None) for name in ("do_sample", "temperature", "top_p", "top_k")},
+    )
 
-    @app.middleware("http")  # outside RefuseNoTokens: its 400s are counted too
-    async def count(request: Request, call_next: Any) -> Any:
-        response = await call_next(request)
-        key = (request.url.path, response.status_code)
-        http[key] = http.get(key, 0) + 1
-        return response
+    async def count_prompt(path: str, body: dict[str, Any]) -> int:
+        """The prompt's tokens, rendered as transformers' handler renders it (on its tokenizer thread)."""
+        if path == "/v1/completions":
+            tokenizer = getattr(engine.processor, "tokenizer", engine.processor)
+            inputs = await chat.run_in_thread(tokenizer, body["prompt"])
+        else:
+            messages = body["messages"] if path == "/v1/chat/completions" else response_messages(body)
+            inputs = await chat.run_in_thread(chat.render_messages, engine, messages, body)
+        return len(inputs["input_ids"])
+
+    door_options = {"api_key": api_key, "admin": admin, "max_requests": max_requests}
+    app.add_middleware(FrontDoor, limits=limits, count_prompt=count_prompt, **door_options)
+
+    def front_door() -> FrontDoor | None:  # Starlette builds the middleware stack at the first request
+        stack = app.middleware_stack
+        while stack is not None and not isinstance(stack, FrontDoor):
+            stack = getattr(stack, "app", None)
+        return stack
 
     async def engine_stats() -> dict[str, Any]:
-        engine = model_manager.get_engine(None)
-        return await engine.submit(engine_metrics) if engine.process_running else {}
+        current = model_manager.get_engine(None)
+        return await current.submit(engine_metrics) if current.process_running else {}
 
     @asynccontextmanager
     async def check_engine(_app: FastAPI) -> Any:  # FastAPI runs it after transformers' own start
         try:
-            await engine_stats()
+            stats = await engine_stats()
         except Exception as exc:
             print(f"graphrunner serve: {exc}", file=sys.stderr, flush=True)
             raise
+        page = getattr(generation_state.cb_config, "page_size", None)
+        if stats.get("cache_blocks") and page:  # the paged cache as the engine made it
+            limits.cache_tokens = int(stats["cache_blocks"]) * int(page)
         yield
 
     router = APIRouter(lifespan=check_engine)
@@ -229,7 +226,13 @@ def build_app(model_manager: Any, generation_state: Any, model_id: str) -> Any:
     async def metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        return Response(_metrics_text(await engine_stats(), http, model_id), media_type=CONTENT_TYPE_LATEST)
+        door = front_door()
+        http = door.http if door is not None else {}
+        front = {"in_flight": door.in_flight if door else 0, "max_requests": max_requests}
+        if door is not None:
+            front["refused_busy"] = door.refused_busy
+        text = _metrics_text(await engine_stats(), http, model_id, front)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(router)
     return app
@@ -287,7 +290,10 @@ def serve(args: argparse.Namespace) -> int:
     except RuntimeError as exc:  # the model's process failed to load it: transformers' message says why
         print(f"graphrunner serve: could not load {model!r}: {exc}", file=sys.stderr)
         return 1
-    app = build_app(model_manager, state, model)
+    api_key = args.api_key if args.api_key is not None else os.environ.get("GRAPHRUNNER_API_KEY") or None
+    app = build_app(
+        model_manager, state, model, api_key=api_key, admin=args.admin, max_requests=args.max_concurrent_requests
+    )
 
     async def stop_if_the_engine_died() -> None:
         if model_manager.is_dead:
@@ -408,7 +414,7 @@ def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="longest request, prompt and answer, in tokens (default: the model's context, or the paged "
-        "cache's blocks x block size when both are given); a longer prompt is a 400",
+        "cache's blocks x block size when both are given); a longer one is a 400",
     )
     p.add_argument("--default-seed", type=int, default=None, help="torch seed of the model's process")
     p.add_argument("--log-level", default="warning", help="log level of the server (default warning)")
@@ -469,6 +475,24 @@ def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
         default=5.0,
         help="seconds SIGTERM waits for requests in flight before cancelling them (default 5)",
     )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health (401 otherwise); default: the "
+        "environment's GRAPHRUNNER_API_KEY, or none (open)",
+    )
+    p.add_argument(
+        "--admin",
+        action="store_true",
+        help="open transformers' routes that reset the engine or load another model (/reset, /load_model; "
+        "404 without it)",
+    )
+    p.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=256,
+        help="most generation requests in flight, generating or queued (default 256); beyond it a 429 with Retry-After",
+    )
     p.add_argument("--tiny-dir", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=serve, check=_check)
     return p
@@ -488,6 +512,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"argument --replan-every: must be >= 0 (0: never), got {args.replan_every}")
     if not 0 < args.replan_share <= 1:
         parser.error(f"argument --replan-share: must be in (0, 1], got {args.replan_share}")
+    if args.max_concurrent_requests < 1:
+        parser.error(f"argument --max-concurrent-requests: must be >= 1, got {args.max_concurrent_requests}")
     if not 0 < args.port < 65536:
         parser.error(f"argument --port: must be 1..65535, got {args.port}")
 

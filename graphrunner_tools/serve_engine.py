@@ -73,7 +73,17 @@ class GraphModelLoader(ModelLoader):
         self.graph_options = graph_options
 
     def load_model_and_processor(self, model_id: str, on_progress: Any = None) -> Any:
-        """transformers' loading, the model handed on as a :class:`ServedModel` (in the model's process)."""
+        """transformers' loading, the model handed on as a :class:`ServedModel` (in the model's process).
+
+        Its progress bars write under a thread lock, not tqdm's default, which adds a named multiprocessing
+        semaphore: the model's process is stopped with SIGTERM (transformers' ``EngineClient.shutdown``),
+        never unlinks it, and the resource tracker it shares with the server warned of a leaked semaphore
+        at every stop."""
+        import threading
+
+        from tqdm import tqdm
+
+        tqdm.set_lock(threading.RLock())  # tqdm's public seam; the model's process is its only writer
         model, processor = super().load_model_and_processor(model_id, on_progress=on_progress)
         return ServedModel(model, self.graph_options), processor
 

@@ -178,7 +178,7 @@ def test_sixteen_concurrent_clients_are_all_answered_and_equal(servers):
         ({"model": "no-such-model"}, 400, "no-such-model"),
         ({"max_tokens": 0}, 400, "max_tokens must be at least 1"),
         ({"max_tokens": -3}, 400, "got -3"),
-        ({"messages": [{"role": "user", "content": "y" * 2000}]}, 400, "at most 1024"),
+        ({"messages": [{"role": "user", "content": "y" * 2000}]}, 400, "maximum context length is 1024 tokens"),
     ],
 )
 def test_bad_input_is_a_4xx_naming_it_and_the_next_request_is_right(servers, bad, status, words):
