@@ -415,6 +415,7 @@ KNOWN_FUNCTION_LEVEL_IMPORTS_OUTSIDE_CORE: list[tuple[str, str]] = [
     ("graphrunner_tools.loadtest", "graphrunner_tools.threads"),
     ("graphrunner_tools.serve", "graphrunner_tools.models.tiny_chat"),
     ("graphrunner_tools.serve", "graphrunner_tools.plan"),
+    ("graphrunner_tools.serve", "graphrunner_tools.serve_admission"),
     ("graphrunner_tools.serve", "graphrunner_tools.serve_engine"),
     ("graphrunner_tools.spec", "graphrunner"),
     ("graphrunner_tools.steptime", "graphrunner.checks.lint"),
