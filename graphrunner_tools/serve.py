@@ -62,6 +62,7 @@ _SCALARS = (
     ("gauge", "graphrunner_graphs_enabled", "graphs_on", "1 when the steps are served from graphs"),
     ("gauge", "graphrunner_graphs_planned", "graphs_planned", "keys (graphs) planned"),
     ("gauge", "graphrunner_graphs_captured", "graphs_captured", "graphs captured and replaying"),
+    ("gauge", "graphrunner_ready", "ready", "1 when every planned graph is captured: the server runs at full speed"),
     ("gauge", "graphrunner_capture_seconds", "capture_seconds", "seconds the finished captures took"),
     ("gauge", "graphrunner_requests_active", "requests_active", "requests the engine is generating"),
     ("gauge", "graphrunner_requests_waiting", "requests_waiting", "requests waiting for the engine"),
@@ -233,6 +234,14 @@ def build_app(
             front["refused_busy"] = door.refused_busy
         text = _metrics_text(await engine_stats(), http, model_id, front)
         return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    @router.get("/ready")
+    async def ready() -> Response:
+        """Readiness, not liveness (``/health``): 200 once every planned graph is captured, 503 before."""
+        stats = await engine_stats()
+        body = {k: stats.get(k, 0) for k in ("graphs_planned", "graphs_captured")}
+        body["ready"] = bool(stats.get("ready", 0))
+        return Response(json.dumps(body), status_code=200 if body["ready"] else 503, media_type="application/json")
 
     app.include_router(router)
     return app

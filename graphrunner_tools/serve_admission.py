@@ -51,7 +51,7 @@ GENERATION_ROUTES: dict[str, tuple[str, ...]] = {
 #: transformers' routes that reset the engine or load another model: closed unless ``--admin``.
 ADMIN_ROUTES = frozenset({"/reset", "/load_model"})
 #: Routes that answer without an API key.
-OPEN_ROUTES = frozenset({"/health"})
+OPEN_ROUTES = frozenset({"/health", "/ready"})
 #: Chat roles a message may have (OpenAI's).
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 

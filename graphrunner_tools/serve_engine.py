@@ -94,7 +94,8 @@ def engine_metrics(model: Any, processor: Any = None) -> dict[str, Any]:
     :class:`~graphrunner.hf.batching.BatchingStats` (steps replayed and eager, graphs planned and captured,
     capture seconds, padding, re-plans, fallbacks by reason), and the engine's state
     (:func:`engine_state`), read with the generation loop paused between two steps (transformers'
-    ``manager.pause()``), so every figure is of the same moment. The server calls it once at its start,
+    ``manager.pause()``), so every figure is of the same moment; ``ready``: 1 once every planned graph is
+    captured (the capture starts when the model is loaded, before any request), or at once without graphs. The server calls it once at its start,
     where a transformers whose engine :func:`engine_state` cannot read fails it."""
     manager = getattr(model, "manager", None)
     out: dict[str, Any] = {"graphs_on": False}
@@ -123,4 +124,6 @@ def engine_metrics(model: Any, processor: Any = None) -> dict[str, Any]:
                 fallbacks=dict(runner.stats.fallback_reasons) if runner is not None else {},
             )
         out.update(engine_state(manager))
+    # full speed: every planned graph captured (transformers' own engine, --eager: once it runs)
+    out["ready"] = int(not out["graphs_on"] or 0 < out["graphs_captured"] == out["graphs_planned"])
     return out

@@ -122,12 +122,29 @@ def test_greedy_chat_completions_equal_the_eager_server(servers):
     assert _replayed(eager) == 0
 
 
+def _ready(server, timeout=120):
+    """``GET /ready``'s status and body once it answers 200, or the last 503's after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(server.url + "/ready", timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            if time.monotonic() > deadline:
+                return exc.code, json.loads(exc.read())
+        time.sleep(0.2)
+
+
 def test_the_dense_attention_cuda_replays_serves_the_eager_servers_answers(servers, tmp_path):
     """``--attention dense``: the step's dense masks (what CUDA graphs replay) on the tape; greedy answers equal
-    the eager server's, from replayed steps."""
+    the eager server's, from replayed steps. The server captures its keys from the start: ``/ready`` turns 200
+    with every planned key captured before any request was served (no step run)."""
     _, eager = servers
     dense = Server(str(tmp_path), "--attention", "dense", "--max-graphs", "tokens=3,kv=2,reqs=2")
     try:
+        status, body = _ready(dense)
+        assert status == 200 and body["ready"] and body["graphs_captured"] == body["graphs_planned"] > 0, body
+        assert dense.metric("graphrunner_steps_total") == 0 and dense.metric("graphrunner_ready") == 1
         _warm(dense)
         replayed = _replayed(dense)
         got = [dense.chat(p) for p in PROMPTS[:4]]

@@ -497,6 +497,8 @@ class GraphBatching:
         if runner is None:
             return 0
         n = len(runner.captured_keys)
+        if n < len(runner.keys) and runner.wait_captured(timeout=0) is not None:
+            n = len(runner.captured_keys)  # a finished capture's keys replay from now, a step served or not
         if self._capture_began is not None and n == len(runner.keys):
             self._captured_for(time.perf_counter() - self._capture_began)
             self._capture_began = None
