@@ -352,3 +352,131 @@ def test_negative_control_compare_without_stand_ins_differs(monkeypatch):
     r.capture()
     torch.manual_seed(3)
     assert not r.compare(x=torch.zeros(4, 3)).equal  # the two runs drew different numbers
+
+
+# ---------------------------------------------------------------- issue 52 item 7: dropout under shadow verification
+# aten.dropout (and the other seeded ops a dispatch mode sees under inference_mode without a
+# generator= overload) drew from the engine's generator under a redirect: the shadow reference
+# advanced it and the replay drew the next numbers (a false ContractError, first op aten.dropout).
+P = 0.5
+
+
+class _Dropper(torch.nn.Module):
+    """A layer, then a random op of ``kind`` in train mode (the default generator), times ``scale``."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 6)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(0)
+            self.lin.weight.copy_(torch.randn(6, 6, generator=g))
+            self.lin.bias.copy_(torch.randn(6, generator=g))
+        self.kind, self.scale = kind, 1.0
+        self.drop = torch.nn.Dropout(P)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.kind == "dropout":
+            h = self.drop(h)
+        elif self.kind == "dropout1d":
+            h = torch.nn.functional.dropout1d(h.unsqueeze(-1), P, training=True).squeeze(-1)
+        elif self.kind == "alpha_dropout":
+            h = torch.nn.functional.alpha_dropout(h, P, training=True)
+        elif self.kind == "rrelu":
+            h = torch.nn.functional.rrelu(h, training=True)
+        elif self.kind == "native_dropout":
+            h = torch.native_dropout(h, P, True)[0]
+        return h * self.scale
+
+
+RANDOM_KINDS = ["dropout", "dropout1d", "alpha_dropout", "rrelu", "native_dropout"]
+
+
+def _dropout_calls(step, runner=None, calls=8, seed=21):
+    """``calls`` outputs of ``step`` (through ``runner`` when given) from seed ``seed``: bucket sizes
+    only (padding rows draw too, so the eager reference runs the bucket's rows)."""
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(seed)
+    out = []
+    for i in range(calls):
+        n = (4, 2, 1)[i % 3]
+        with torch.inference_mode():
+            y = runner(x=x[:n]) if runner is not None else step(x[:n])
+        out.append(y.clone())
+    return out
+
+
+@pytest.mark.parametrize("kind", RANDOM_KINDS)
+def test_a_dropout_step_under_verify_every_1_serves_what_eager_serves(kind):
+    step = _Dropper(kind).train()
+    want = _dropout_calls(step)
+    r = gr.GraphRunner(
+        step, {"x": gr.BatchInput(trailing=(6,))}, [1, 2, 4], device="tape", progress=False, verify_every=1
+    )
+    r.capture()
+    got = _dropout_calls(step, r)  # no ContractError
+    assert sum(r.stats.replays.values()) == len(got) and r.stats.fallbacks == 0
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert not torch.equal(got[0], _dropout_calls(step, calls=1, seed=22)[0])  # the step is random
+
+
+def test_negative_control_without_the_decomposition_dropouts_verification_fails_falsely(monkeypatch):
+    """The seeded op run as it is under the redirect (the old path: aten.dropout drew from the
+    engine's generator in the shadow reference): a false ContractError naming aten.dropout."""
+    from graphrunner.tape import rng
+
+    monkeypatch.setattr(rng, "_decomposition", lambda func, args, kwargs: None)
+    step = _Dropper("dropout").train()
+    r = gr.GraphRunner(
+        step, {"x": gr.BatchInput(trailing=(6,))}, [1, 2, 4], device="tape", progress=False, verify_every=1
+    )
+    r.capture()
+    with pytest.raises(gr.ContractError, match="aten.dropout"):
+        _dropout_calls(step, r)
+
+
+def test_negative_control_a_dropout_step_whose_replay_differs_is_still_caught():
+    """A random step whose replay really differs from eager (a Python scale changed after capture):
+    shadow verification still raises, at the first call."""
+    step = _Dropper("dropout").train()
+    r = gr.GraphRunner(
+        step, {"x": gr.BatchInput(trailing=(6,))}, [1, 2, 4], device="tape", progress=False, verify_every=1
+    )
+    r.capture()
+    step.scale = 3.0
+    with pytest.raises(gr.ContractError, match="shadow verification of call 1"):
+        _dropout_calls(step, r)
+
+
+def test_a_background_capture_of_a_dropout_step_leaves_the_engines_numbers_alone():
+    """A dropout step captured on another thread (its warmups, checks and capture draw from stand-ins)
+    while the engine serves it with verify_every=1 and draws itself: every output and every draw
+    as without a runner, served both eagerly and by replay."""
+
+    def run(background):
+        step = _Dropper("dropout").train()
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+        r = None
+        if background:
+            r = gr.GraphRunner(
+                step, {"x": gr.BatchInput(trailing=(6,))}, [1, 2, 4], device="tape", progress=False, verify_every=1
+            )
+            gate = threading.Event()
+            r.capturer.background_gate = gate
+            r.capture(background=True)
+        torch.manual_seed(5)
+        out = []
+        for i in range(12):
+            n = (4, 2, 1)[i % 3]
+            with torch.inference_mode():
+                out += [(r(x=x[:n]) if r is not None else step(x[:n])).clone().reshape(-1), torch.rand(3)]
+            if r is not None and i == 3:
+                gate.set()
+                assert r.wait_captured(timeout=120) is not None
+        return torch.cat(out), r
+
+    want, _ = run(background=False)
+    got, r = run(background=True)
+    assert r.stats.fallbacks > 0 and sum(r.stats.replays.values()) > 0
+    assert torch.equal(got, want)
