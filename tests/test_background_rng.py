@@ -4,6 +4,7 @@ capture, check or verification there reads, draws from or sets a generator the e
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -15,36 +16,88 @@ from graphrunner.checks.leak_check import LeakCheck
 V, H = 11, 8
 
 
-def _sampled(background, calls=40, seed=1234):
+_HOLD: dict = {}
+
+
+def _sampled(background, calls=40, seed=1234, monkeypatch=None, redirect=True):
     """Tokens an engine samples with ``torch.multinomial`` (the default generator) from the runner's
-    logits after each call, and every ``torch.rand`` it draws, with a background capture or eagerly."""
+    logits after each call, and every ``torch.rand`` it draws, with a background capture or eagerly.
+    The step draws too (noise from the default generator on its logits); sizes are buckets (the
+    padding rows of a replay would draw as well). Background: the capture thread's first run of
+    the step (a warmup of the first key) draws, then is held while the engine draws (``overlap``:
+    what the engine drew then), so the capture and the engine's draws overlap on every run.
+    ``redirect=False``: the planted fault of REVIEW item 6 (``shared_generators`` without its
+    redirect: the capture thread draws from the engine's generator)."""
     w = torch.randn(H, V, generator=torch.Generator().manual_seed(0))
+    # a module global, not a closure cell: the padding check puts back the Python values a step's
+    # objects re-bind (an Event's flag among them) before each of its runs
+    _HOLD.clear()
+    _HOLD.update(capturing=threading.Event(), drawn=threading.Event(), draws=[])
+    capturing, drawn, capture_thread_draws = _HOLD["capturing"], _HOLD["drawn"], _HOLD["draws"]
 
-    def step(x):  # no randomness in the step
-        return torch.softmax(x @ w, dim=-1)
+    def step(x):
+        logits = x @ w + torch.rand(x.shape[0], V)  # the default generator (a stand-in on the capture thread)
+        if threading.current_thread() is not threading.main_thread():
+            _HOLD["draws"].append(threading.current_thread().name)
+            capturing, drawn = _HOLD["capturing"], _HOLD["drawn"]
+            if not capturing.is_set():
+                capturing.set()  # the capture thread drew (its first run of the step)
+                assert drawn.wait(60)  # held until the engine drew meanwhile
+        return torch.softmax(logits, dim=-1)
 
+    if not redirect:
+        import graphrunner.background as background_module
+
+        @contextlib.contextmanager
+        def shared_without_redirect(seed=0):
+            yield
+
+        monkeypatch.setattr(background_module, "shared_generators", shared_without_redirect)
     r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(H,))}, [1, 2, 4, 8, 16], device="tape", progress=False)
-    torch.manual_seed(seed)
+    gate = threading.Event()
     if background:
+        r.capturer.background_gate = gate
         r.capture(background=True)
+    torch.manual_seed(seed)
     g = torch.Generator().manual_seed(5)
-    tokens, draws = [], []
-    for _ in range(calls):
-        n = int(torch.randint(1, 17, (1,), generator=g))
+    tokens, draws, overlap = [], [], []
+    for i in range(calls):
+        n = (1, 2, 4, 8, 16)[int(torch.randint(0, 5, (1,), generator=g))]
         x = torch.randn(n, H, generator=g)
         probs = r(x=x) if background else step(x)
         tokens.append(torch.multinomial(probs, 1).reshape(-1))
         draws.append(torch.rand(8))
+        if i == 5:
+            if background:
+                gate.set()
+                assert capturing.wait(60)  # the capture thread is inside its first warmup, having drawn
+            for _ in range(10):  # the engine draws while the capture thread is held inside its capture
+                overlap.append(torch.rand(4))
+                tokens.append(torch.multinomial(probs, 1).reshape(-1))
+            drawn.set()
+        if background and i == 25:
+            assert r.wait_captured(timeout=120) is not None
+    stats = r.stats if background else None
     if background:
-        r.wait_captured(timeout=60)
-    return torch.cat(tokens), torch.cat(draws)
+        r.cleanup()
+    return torch.cat(tokens), torch.cat(draws + overlap), stats, capture_thread_draws
 
 
 def test_the_engine_samples_exactly_what_it_samples_without_a_capture():
-    want_tokens, want_draws = _sampled(background=False)
-    got_tokens, got_draws = _sampled(background=True)
+    want_tokens, want_draws, _, _ = _sampled(background=False)
+    got_tokens, got_draws, stats, capture_draws = _sampled(background=True)
+    # the capture drew on its own thread, overlapping the engine's draws (held there while the engine
+    # drew 10 times), and calls were served both eagerly (before) and by replay (after)
+    assert capture_draws and set(capture_draws) == {"graphrunner-background-capture"}
+    assert stats.fallbacks > 0 and sum(stats.replays.values()) > 0
     assert torch.equal(got_tokens, want_tokens)
     assert torch.equal(got_draws, want_draws)
+
+
+def test_negative_control_a_capture_thread_drawing_from_the_engines_generator_shifts_its_numbers(monkeypatch):
+    want_tokens, want_draws, _, _ = _sampled(background=False)
+    got_tokens, got_draws, _, _ = _sampled(background=True, monkeypatch=monkeypatch, redirect=False)
+    assert not torch.equal(got_draws, want_draws)
 
 
 # ---------------------------------------------------------------- issue 42 item 1: the padding check's follow-up
