@@ -66,16 +66,15 @@ from graphrunner.budget import one_time_imports
 from graphrunner.capturing import Capturer, CaptureRun, wait_seconds
 from graphrunner.channel import fail_ranks
 from graphrunner.devices import TapeDevice
-from graphrunner.errors import CaptureError
+from graphrunner.errors import AgreementError, CaptureError
 from graphrunner.layout import user_error
 from graphrunner.recording.hooks import Capture, CaptureHook
-from graphrunner.recording.ops import OpRecorder, WriteGuard
+from graphrunner.recording.ops import OpConsumer, OpEvent, OpRecorder, WriteGuard
 from graphrunner.serving import Server
 from graphrunner.tape.rng import shared_generators
 
 if TYPE_CHECKING:
     from graphrunner.backends.base import GraphBackend
-    from graphrunner.recording.ops import OpConsumer
     from graphrunner.report import CaptureReport
     from graphrunner.staging import StaticInputs
 
@@ -123,6 +122,7 @@ class BackgroundCapture:
         gate: threading.Event | None = None,
         fail: Callable[[BaseException, str, bool], BaseException] | None = None,
         deadline: float = 60.0,
+        end_key: Callable[[Sizes, BaseException | None], BaseException | None] | None = None,
     ) -> None:
         self.keys = list(keys)
         self._capture_key, self._session, self._finish = capture_key, session, finish
@@ -133,6 +133,13 @@ class BackgroundCapture:
         self.shared = bool(shared)
         #: The group's collective deadline in seconds (how long a collective of the thread can take).
         self.deadline = float(deadline)
+        #: Several ranks: ``end_key(key, exc)`` after each key (``exc``: its error on this rank, or None)
+        #: agrees the key's outcome over the ranks (one collective) and returns the error this rank's key
+        #: ends with (None: captured on every rank); it raises ``exc`` where it cannot agree (a peer may be
+        #: inside the step's own collectives).
+        self._end_key = end_key
+        #: True once a key's failure was agreed by every rank: the ranks are in step, nothing to abort.
+        self.agreed_failure = False
         #: Held by a key's capture and by every call of the runner.
         self.mutex = threading.RLock()  # re-entrant: a call inside hold(), or a step calling its runner (refused)
         #: Keys captured on this rank, in capture order.
@@ -186,7 +193,19 @@ class BackgroundCapture:
             time.sleep(0.0002)
         with self.mutex:
             key = self._next_key() if key is None else key
-            self._capture_key(key)
+            try:
+                self._capture_key(key)
+            except Exception as exc:
+                if self._end_key is None:
+                    raise
+                err = self._end_key(key, exc)  # raises exc where the ranks cannot agree on it
+                self.agreed_failure = True
+                raise (err or exc) from (None if err is exc or err is None else exc)
+            if self._end_key is not None:
+                err = self._end_key(key, None)  # a peer's capture of the key may have failed
+                if err is not None:
+                    self.agreed_failure = True
+                    raise err
             self.done.append(key)
         with self._settled:
             self._settled.notify_all()
@@ -227,7 +246,10 @@ class BackgroundCapture:
                     self._capture_next(grant)
                 self.report = self._finish()
         except BaseException as exc:  # surfaced on the next call (every rank, see vector())
-            failed = self._fail(exc, "in its background capture", False)  # alone: reported, the group aborted
+            # a key's failure every rank agreed on (end_key) leaves the ranks in step: the key stays eager on
+            # every rank and serving goes on; else it is reported and the group aborted unless every rank
+            # failed alike (fail_ranks)
+            failed = exc if self.agreed_failure else self._fail(exc, "in its background capture", False)
             if failed is not exc:
                 failed.__cause__ = exc
             logger.error("GraphRunner: background capture failed: %s", failed)
@@ -355,7 +377,7 @@ def start_background(
         if not begun:  # the capture's first collective, paired like a key's (under a grant)
             begun.append(True)
             run.begin()
-        put = PutBack(staging, executes)
+        put = PutBack(staging, executes, collectives)
         try:
             run.key(key, extra_hooks=[put], around_hook=put.around)
         except BaseException as exc:
@@ -377,6 +399,28 @@ def start_background(
 
     group = server.group
     agreement = server.agreement
+    collectives = StepCollectives()
+
+    def end_key(key: Sizes, exc: BaseException | None) -> BaseException | None:
+        if exc is not None and not collectives.none:
+            raise exc  # the step may hold collectives of its own, a peer inside one: fail_ranks decides
+        failed = agree_key_end(group, key, exc is not None)
+        if failed == 0:
+            return None
+        met_peer = isinstance(exc, AgreementError) and exc.collectives is not None
+        if exc is not None and not met_peer:
+            return exc  # this rank's own error; every rank knows the key is not captured
+        if failed - 1 == group.rank:  # its end met a peer's other collective: out of step, kept eager
+            return CaptureError(
+                f"rank {group.rank} of {group.size}: the ranks' collectives for {server.key_text(key)} were out of "
+                "step at the end of its background capture; every rank keeps it eager"
+            )
+        return CaptureError(
+            f"rank {failed - 1} of {group.size}: its background capture of {server.key_text(key)} failed (its "
+            f"error is raised there); rank {group.rank} captured it but every rank agreed to keep it eager, so "
+            "it and the keys not captured yet are served eagerly on every rank"
+        )
+
     bg = BackgroundCapture(
         run.order,
         capture_key,
@@ -386,12 +430,57 @@ def start_background(
         gate,
         lambda exc, where, alone: fail_ranks(group, exc, where, alone),
         float(getattr(group, "timeout", 60.0) or 60.0),
+        end_key if agreement.shared else None,
     )
     if isinstance(agreement, RankAgreement):  # several ranks: the thread's counts ride on every call's collective
         agreement.extra = bg.vector
     server.serve_in_background(bg)
     bg.start()
     return None
+
+
+#: Retries of a key's end agreement whose frame met a peer still inside the key's capture.
+KEY_END_TRIES = 4
+
+
+def agree_key_end(group: Any, key: Sizes, failed: bool) -> int:
+    """A key's background capture ended on every rank: one collective (``all_max``, phase
+    ``background_key``) whose result is 0 when the key was captured on every rank, else the highest
+    failed rank + 1. A rank whose capture failed comes here at once; a peer may still be inside the
+    key's framed collectives (a warmup barrier, the padding check's verdict): the frames differ, the
+    channel raises :class:`~graphrunner.errors.AgreementError` on both (nothing aborted, sequence
+    numbers set past the highest), the peer's key fails with it and comes here too, and this
+    rank tries again."""
+    for i in range(KEY_END_TRIES):
+        try:
+            return int(group.all_max(group.rank + 1 if failed else 0, phase="background_key", key=key))
+        except AgreementError as exc:
+            if exc.collectives is None or i == KEY_END_TRIES - 1:
+                raise
+            failed = True  # the peer's key failed with the same error: so does this rank's
+    raise AssertionError("unreachable")
+
+
+class StepCollectives(OpConsumer):
+    """Whether the step makes collectives of its own, as this rank's background warmups saw it:
+    :attr:`none` once a warmup ran to its end without one and none was ever seen. Only then can a
+    key's failure on one rank be agreed on by a collective (a peer cannot be inside the step's
+    own ``all_reduce``, where a frame would pair wrongly or abort the process)."""
+
+    NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+
+    def __init__(self) -> None:
+        self.seen = False
+        self.runs = 0
+
+    def before(self, ev: OpEvent) -> None:
+        if ev.func.namespace in self.NAMESPACES:
+            self.seen = True
+
+    @property
+    def none(self) -> bool:
+        """True: a whole warmup ran and the step never made a collective of its own."""
+        return self.runs > 0 and not self.seen
 
 
 class PutBack(CaptureHook):
@@ -417,12 +506,15 @@ class PutBack(CaptureHook):
 
     name = "put-back"
 
-    def __init__(self, staging: StaticInputs, executes_capture: bool) -> None:
+    def __init__(
+        self, staging: StaticInputs, executes_capture: bool, collectives: StepCollectives | None = None
+    ) -> None:
 
         self.staging = staging
         self.guard, self.executes = WriteGuard(list(staging.buffers.values())), bool(executes_capture)
         self._kept: dict[str, Any] | None = None
         self._filled: Any = None
+        self.collectives = collectives
 
     def begin(self, cap: Capture) -> None:
         """Keep the static buffers and set every input to its pad value (the key's own inputs)."""
@@ -446,14 +538,16 @@ class PutBack(CaptureHook):
     def after_warmup(self, cap: Capture, i: int, out: Any) -> None:
         """``state=True`` inputs back to their pad value after warmup ``i``."""
         self._state_to_pad()  # the next warmup starts where the first did
+        if self.collectives is not None:
+            self.collectives.runs += 1
 
     def after_warmups(self, cap: Capture) -> None:
         """``state=True`` inputs back to their pad value before the capture."""
         self._state_to_pad()  # the capture too (after the checks' runs, which put back their own data)
 
     def warmup_consumers(self, cap: Capture, i: int) -> Sequence[OpConsumer]:
-        """The write guard watches every warmup."""
-        return [self.guard]
+        """The write guard watches every warmup (and the step's own collectives are looked for)."""
+        return [self.guard] if self.collectives is None else [self.guard, self.collectives]
 
     def capture_consumers(self, cap: Capture) -> Sequence[OpConsumer]:
         """The write guard watches a tape capture (it computes); a CUDA capture only records."""

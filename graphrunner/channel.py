@@ -96,6 +96,7 @@ PHASES = (
     "capture",
     "config",
     "capture_break",
+    "background_key",
 )
 _PHASE_BITS = 12  # phase id; then 2 bits of kind; the rest of the tag is the sequence number
 _CODE_BITS = _PHASE_BITS + 2

@@ -4,6 +4,7 @@ capture, check or verification there reads, draws from or sets a generator the e
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -15,36 +16,88 @@ from graphrunner.checks.leak_check import LeakCheck
 V, H = 11, 8
 
 
-def _sampled(background, calls=40, seed=1234):
+_HOLD: dict = {}
+
+
+def _sampled(background, calls=40, seed=1234, monkeypatch=None, redirect=True):
     """Tokens an engine samples with ``torch.multinomial`` (the default generator) from the runner's
-    logits after each call, and every ``torch.rand`` it draws, with a background capture or eagerly."""
+    logits after each call, and every ``torch.rand`` it draws, with a background capture or eagerly.
+    The step draws too (noise from the default generator on its logits); sizes are buckets (the
+    padding rows of a replay would draw as well). Background: the capture thread's first run of
+    the step (a warmup of the first key) draws, then is held while the engine draws (``overlap``:
+    what the engine drew then), so the capture and the engine's draws overlap on every run.
+    ``redirect=False``: the planted fault of REVIEW item 6 (``shared_generators`` without its
+    redirect: the capture thread draws from the engine's generator)."""
     w = torch.randn(H, V, generator=torch.Generator().manual_seed(0))
+    # a module global, not a closure cell: the padding check puts back the Python values a step's
+    # objects re-bind (an Event's flag among them) before each of its runs
+    _HOLD.clear()
+    _HOLD.update(capturing=threading.Event(), drawn=threading.Event(), draws=[])
+    capturing, drawn, capture_thread_draws = _HOLD["capturing"], _HOLD["drawn"], _HOLD["draws"]
 
-    def step(x):  # no randomness in the step
-        return torch.softmax(x @ w, dim=-1)
+    def step(x):
+        logits = x @ w + torch.rand(x.shape[0], V)  # the default generator (a stand-in on the capture thread)
+        if threading.current_thread() is not threading.main_thread():
+            _HOLD["draws"].append(threading.current_thread().name)
+            capturing, drawn = _HOLD["capturing"], _HOLD["drawn"]
+            if not capturing.is_set():
+                capturing.set()  # the capture thread drew (its first run of the step)
+                assert drawn.wait(60)  # held until the engine drew meanwhile
+        return torch.softmax(logits, dim=-1)
 
+    if not redirect:
+        import graphrunner.background as background_module
+
+        @contextlib.contextmanager
+        def shared_without_redirect(seed=0):
+            yield
+
+        monkeypatch.setattr(background_module, "shared_generators", shared_without_redirect)
     r = gr.GraphRunner(step, {"x": gr.BatchInput(trailing=(H,))}, [1, 2, 4, 8, 16], device="tape", progress=False)
-    torch.manual_seed(seed)
+    gate = threading.Event()
     if background:
+        r.capturer.background_gate = gate
         r.capture(background=True)
+    torch.manual_seed(seed)
     g = torch.Generator().manual_seed(5)
-    tokens, draws = [], []
-    for _ in range(calls):
-        n = int(torch.randint(1, 17, (1,), generator=g))
+    tokens, draws, overlap = [], [], []
+    for i in range(calls):
+        n = (1, 2, 4, 8, 16)[int(torch.randint(0, 5, (1,), generator=g))]
         x = torch.randn(n, H, generator=g)
         probs = r(x=x) if background else step(x)
         tokens.append(torch.multinomial(probs, 1).reshape(-1))
         draws.append(torch.rand(8))
+        if i == 5:
+            if background:
+                gate.set()
+                assert capturing.wait(60)  # the capture thread is inside its first warmup, having drawn
+            for _ in range(10):  # the engine draws while the capture thread is held inside its capture
+                overlap.append(torch.rand(4))
+                tokens.append(torch.multinomial(probs, 1).reshape(-1))
+            drawn.set()
+        if background and i == 25:
+            assert r.wait_captured(timeout=120) is not None
+    stats = r.stats if background else None
     if background:
-        r.wait_captured(timeout=60)
-    return torch.cat(tokens), torch.cat(draws)
+        r.cleanup()
+    return torch.cat(tokens), torch.cat(draws + overlap), stats, capture_thread_draws
 
 
 def test_the_engine_samples_exactly_what_it_samples_without_a_capture():
-    want_tokens, want_draws = _sampled(background=False)
-    got_tokens, got_draws = _sampled(background=True)
+    want_tokens, want_draws, _, _ = _sampled(background=False)
+    got_tokens, got_draws, stats, capture_draws = _sampled(background=True)
+    # the capture drew on its own thread, overlapping the engine's draws (held there while the engine
+    # drew 10 times), and calls were served both eagerly (before) and by replay (after)
+    assert capture_draws and set(capture_draws) == {"graphrunner-background-capture"}
+    assert stats.fallbacks > 0 and sum(stats.replays.values()) > 0
     assert torch.equal(got_tokens, want_tokens)
     assert torch.equal(got_draws, want_draws)
+
+
+def test_negative_control_a_capture_thread_drawing_from_the_engines_generator_shifts_its_numbers(monkeypatch):
+    want_tokens, want_draws, _, _ = _sampled(background=False)
+    got_tokens, got_draws, _, _ = _sampled(background=True, monkeypatch=monkeypatch, redirect=False)
+    assert not torch.equal(got_draws, want_draws)
 
 
 # ---------------------------------------------------------------- issue 42 item 1: the padding check's follow-up
@@ -352,3 +405,131 @@ def test_negative_control_compare_without_stand_ins_differs(monkeypatch):
     r.capture()
     torch.manual_seed(3)
     assert not r.compare(x=torch.zeros(4, 3)).equal  # the two runs drew different numbers
+
+
+# ---------------------------------------------------------------- issue 52 item 7: dropout under shadow verification
+# aten.dropout (and the other seeded ops a dispatch mode sees under inference_mode without a
+# generator= overload) drew from the engine's generator under a redirect: the shadow reference
+# advanced it and the replay drew the next numbers (a false ContractError, first op aten.dropout).
+P = 0.5
+
+
+class _Dropper(torch.nn.Module):
+    """A layer, then a random op of ``kind`` in train mode (the default generator), times ``scale``."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 6)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(0)
+            self.lin.weight.copy_(torch.randn(6, 6, generator=g))
+            self.lin.bias.copy_(torch.randn(6, generator=g))
+        self.kind, self.scale = kind, 1.0
+        self.drop = torch.nn.Dropout(P)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.kind == "dropout":
+            h = self.drop(h)
+        elif self.kind == "dropout1d":
+            h = torch.nn.functional.dropout1d(h.unsqueeze(-1), P, training=True).squeeze(-1)
+        elif self.kind == "alpha_dropout":
+            h = torch.nn.functional.alpha_dropout(h, P, training=True)
+        elif self.kind == "rrelu":
+            h = torch.nn.functional.rrelu(h, training=True)
+        elif self.kind == "native_dropout":
+            h = torch.native_dropout(h, P, True)[0]
+        return h * self.scale
+
+
+RANDOM_KINDS = ["dropout", "dropout1d", "alpha_dropout", "rrelu", "native_dropout"]
+
+
+def _dropout_calls(step, runner=None, calls=8, seed=21):
+    """``calls`` outputs of ``step`` (through ``runner`` when given) from seed ``seed``: bucket sizes
+    only (padding rows draw too, so the eager reference runs the bucket's rows)."""
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(seed)
+    out = []
+    for i in range(calls):
+        n = (4, 2, 1)[i % 3]
+        with torch.inference_mode():
+            y = runner(x=x[:n]) if runner is not None else step(x[:n])
+        out.append(y.clone())
+    return out
+
+
+@pytest.mark.parametrize("kind", RANDOM_KINDS)
+def test_a_dropout_step_under_verify_every_1_serves_what_eager_serves(kind):
+    step = _Dropper(kind).train()
+    want = _dropout_calls(step)
+    r = gr.GraphRunner(
+        step, {"x": gr.BatchInput(trailing=(6,))}, [1, 2, 4], device="tape", progress=False, verify_every=1
+    )
+    r.capture()
+    got = _dropout_calls(step, r)  # no ContractError
+    assert sum(r.stats.replays.values()) == len(got) and r.stats.fallbacks == 0
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert not torch.equal(got[0], _dropout_calls(step, calls=1, seed=22)[0])  # the step is random
+
+
+def test_negative_control_without_the_decomposition_dropouts_verification_fails_falsely(monkeypatch):
+    """The seeded op run as it is under the redirect (the old path: aten.dropout drew from the
+    engine's generator in the shadow reference): a false ContractError naming aten.dropout."""
+    from graphrunner.tape import rng
+
+    monkeypatch.setattr(rng, "_decomposition", lambda func, args, kwargs: None)
+    step = _Dropper("dropout").train()
+    r = gr.GraphRunner(
+        step, {"x": gr.BatchInput(trailing=(6,))}, [1, 2, 4], device="tape", progress=False, verify_every=1
+    )
+    r.capture()
+    with pytest.raises(gr.ContractError, match="aten.dropout"):
+        _dropout_calls(step, r)
+
+
+def test_negative_control_a_dropout_step_whose_replay_differs_is_still_caught():
+    """A random step whose replay really differs from eager (a Python scale changed after capture):
+    shadow verification still raises, at the first call."""
+    step = _Dropper("dropout").train()
+    r = gr.GraphRunner(
+        step, {"x": gr.BatchInput(trailing=(6,))}, [1, 2, 4], device="tape", progress=False, verify_every=1
+    )
+    r.capture()
+    step.scale = 3.0
+    with pytest.raises(gr.ContractError, match="shadow verification of call 1"):
+        _dropout_calls(step, r)
+
+
+def test_a_background_capture_of_a_dropout_step_leaves_the_engines_numbers_alone():
+    """A dropout step captured on another thread (its warmups, checks and capture draw from stand-ins)
+    while the engine serves it with verify_every=1 and draws itself: every output and every draw
+    as without a runner, served both eagerly and by replay."""
+
+    def run(background):
+        step = _Dropper("dropout").train()
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+        r = None
+        if background:
+            r = gr.GraphRunner(
+                step, {"x": gr.BatchInput(trailing=(6,))}, [1, 2, 4], device="tape", progress=False, verify_every=1
+            )
+            gate = threading.Event()
+            r.capturer.background_gate = gate
+            r.capture(background=True)
+        torch.manual_seed(5)
+        out = []
+        for i in range(12):
+            n = (4, 2, 1)[i % 3]
+            with torch.inference_mode():
+                out += [(r(x=x[:n]) if r is not None else step(x[:n])).clone().reshape(-1), torch.rand(3)]
+            if r is not None and i == 3:
+                gate.set()
+                assert r.wait_captured(timeout=120) is not None
+        return torch.cat(out), r
+
+    want, _ = run(background=False)
+    got, r = run(background=True)
+    assert r.stats.fallbacks > 0 and sum(r.stats.replays.values()) > 0
+    assert torch.equal(got, want)

@@ -61,6 +61,34 @@ def test_debug_flag_and_env(monkeypatch):
         debug_enabled("yes")
 
 
+@pytest.mark.parametrize("env", ["1", "0"], ids=["debug", "negative-control-off"])
+def test_the_debug_switch_runs_the_bounds_check_before_the_step(monkeypatch, env):
+    """REVIEW item 8: GRAPHRUNNER_DEBUG=1 (no debug= argument) does run a debug check: a slot index out
+    of its bounds is refused before the step with a ValueError naming the input, the row and the
+    value; nothing ran (no replay, the cache as before) and the next call is served. Negative
+    control: with GRAPHRUNNER_DEBUG=0 nothing checks it first: the call reaches the replay, where
+    the step's own index_copy_ fails on it (an IndexError raised by the replay)."""
+    monkeypatch.setenv("GRAPHRUNNER_DEBUG", env)
+    m = Decoder()
+    r = _runner(m)
+    r.capture()
+    assert r.debug is (env == "1")
+    x, slot = _batch()
+    torch.testing.assert_close(r(x=x, slot=slot), m.eager(x, slot))
+    before, replays = m.cache.clone(), dict(r.stats.replays)
+    bad = torch.tensor([0, 9, 2])
+    if env == "1":
+        with pytest.raises(ValueError, match=r"input 'slot' row 1 holds 9, outside its bounds \[0, 7\]") as err:
+            r(x=x, slot=bad)
+        assert "raised by the replay" not in str(err.value)
+        assert torch.equal(m.cache, before) and r.stats.replays == replays  # refused before the step
+    else:
+        with pytest.raises(IndexError, match="out of bounds") as err:
+            r(x=x, slot=bad)
+        assert "raised by the replay of bucket 4" in "\n".join(getattr(err.value, "__notes__", []))
+    torch.testing.assert_close(r(x=x, slot=slot), m.eager(x, slot))  # still served
+
+
 @pytest.mark.parametrize("value", ["2", "debug", "enabled", "On please"])
 def test_a_debug_switch_value_not_understood_is_refused_not_read_as_off(monkeypatch, value):
     """Issue 42 item 5: GRAPHRUNNER_DEBUG is spelled like GRAPHRUNNER_DISABLE; a value it does not

@@ -27,7 +27,7 @@ from .bindings import Verifier
 from .collapse import COLLAPSIBLE, COLLAPSIBLE_FUNCTIONAL
 from .proof import eager_tls
 from .proof import stats as proof_stats
-from .rng import op_generator, redirected, stand_in_op
+from .rng import drawn_generator, op_generator, redirected, stand_in_op
 from .state import release_snapshot, snapshot_copy, storage_bytes, storage_of
 from .streams import CLOCKS, current_stream
 from .survivors import POISONED, SURVIVORS, EscapedTensorWarning, Poisoned
@@ -400,7 +400,7 @@ class Recorder(TorchDispatchMode):
                 run, run_kwargs = stand_in_op(func, args, kwargs)
                 if run_kwargs is not kwargs:
                     cap.redirected_draws += 1
-                    cap.track_generator(op_generator(args, run_kwargs))
+                    cap.track_generator(drawn_generator(args, kwargs))  # the stand-in
                 elif redirected() is None:
                     cap.track_generator(op_generator(args, kwargs))
         except BaseException as e:

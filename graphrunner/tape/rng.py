@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.random as trandom
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphrunner.errors import CaptureError
 
@@ -231,20 +232,72 @@ _MISSING = object()
 
 def stand_in_op(func: Any, args: tuple, kwargs: dict) -> tuple[Any, dict]:
     """``(func, kwargs)`` to run seeded op ``func`` with under the active :func:`redirect`: its
-    generator argument the stand-in of the generator it would draw from. Unchanged without a
-    redirect, for an op that is not seeded, or one without a generator overload (it draws from
-    its generator as before)."""
+    generator argument the stand-in of the generator it would draw from. A seeded op without a
+    generator overload (``aten.dropout``, ``aten.feature_dropout``, ``aten.rrelu``, ``aten.lstm``
+    with dropout, ``aten.native_dropout`` on the CPU: whatever a dispatch mode sees under
+    ``torch.inference_mode()``) runs as its decomposition (its ``CompositeImplicitAutograd``
+    kernel, or for ``native_dropout`` the CPU kernel's own steps) with every seeded part drawing
+    from the stand-in: the same numbers the op would draw, from the stand-in's state. Unchanged
+    without a redirect, for an op that is not seeded, or one with neither (it draws from its
+    generator as before: a fused GPU kernel, which the host cannot redirect)."""
     owned = redirected()
     if owned is None or torch.Tag.nondeterministic_seeded not in func.tags:
         return func, kwargs
     target = _generator_overload(func)
     if target is None:
-        return func, kwargs
+        parts = _decomposition(func, args, kwargs)
+        return (func, kwargs) if parts is None else (parts, {**kwargs})
     source = op_generator(args, kwargs)
     if source is None:
         return func, kwargs
     owned.draws += 1
     return target, {**kwargs, "generator": owned.stand_in(source)}
+
+
+def drawn_generator(args: tuple, kwargs: dict) -> torch.Generator | None:
+    """The generator a seeded op called with ``args``/``kwargs`` draws from: under a
+    :func:`redirect` the stand-in of :func:`op_generator`'s, else that generator itself."""
+    source, owned = op_generator(args, kwargs), redirected()
+    return source if owned is None or source is None else owned.stand_in(source)
+
+
+class _Parts(TorchDispatchMode):
+    """While a decomposed seeded op runs (:func:`stand_in_op`): each of its parts through
+    :func:`stand_in_op` again, so a seeded part draws from the active redirect's stand-in."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        run, run_kwargs = stand_in_op(func, args, kwargs or {})
+        return run(*args, **run_kwargs)
+
+
+def _native_dropout_cpu(x: torch.Tensor, p: float, train: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``aten.native_dropout`` as ATen's CPU kernel computes it (``native_dropout_cpu``): a
+    ``bernoulli_(1 - p)`` mask, the input times it, scaled; the same draws, bit for bit."""
+    p1m = 1.0 - p
+    mask = torch.empty_like(x, memory_format=torch.contiguous_format).bernoulli_(p1m)
+    return x.mul(mask).mul_(0.0 if p1m == 0 else 1.0 / p1m), mask.to(torch.bool)
+
+
+def _decomposition(func: Any, args: tuple, kwargs: dict) -> Callable | None:
+    """A function computing seeded op ``func`` (no generator overload) from parts that each draw
+    from the active redirect's stand-in, or None (it has no such decomposition here)."""
+    run: Callable | None = None
+    if func is torch.ops.aten.native_dropout.default:
+        x = args[0] if args else kwargs.get("input")
+        train = args[2] if len(args) > 2 else kwargs.get("train")
+        if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.numel() and train is not False:
+            run = _native_dropout_cpu
+    elif torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+        run = func.decompose
+    if run is None:
+        return None
+    parts = run
+
+    def decomposed(*a: Any, **kw: Any) -> Any:
+        with _Parts():
+            return parts(*a, **kw)
+
+    return decomposed
 
 
 def generators_shared() -> bool:
