@@ -319,6 +319,11 @@ class GraphBatching:
                     if runner is not None:
                         held.enter_context(runner.hold())
                 out = fn(*args, **kwargs)
+            runner = self.runner
+            if self._capture_began is not None and runner is not None and runner.wait_captured(timeout=0) is not None:
+                # the background capture is done: its keys replay from now (and count as captured) whether or not
+                # a step was served meanwhile (an idle server); outside the holds, in the engine's thread
+                self.captured()
             if self._pending is not None:
                 self._settle_replan()
             elif self._replan_due:
@@ -497,8 +502,6 @@ class GraphBatching:
         if runner is None:
             return 0
         n = len(runner.captured_keys)
-        if n < len(runner.keys) and runner.wait_captured(timeout=0) is not None:
-            n = len(runner.captured_keys)  # a finished capture's keys replay from now, a step served or not
         if self._capture_began is not None and n == len(runner.keys):
             self._captured_for(time.perf_counter() - self._capture_began)
             self._capture_began = None
