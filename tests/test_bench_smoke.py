@@ -531,3 +531,177 @@ def test_hf_bench_scripts_record_a_skip_without_transformers(tmp_path, monkeypat
     assert result["skipped"] == "transformers is not installed (pip install -e '.[hf]')"
     assert json.loads(out.read_text())["skipped"] == result["skipped"]
     assert f"{name}: skipped: transformers is not installed" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- bench/serve_sweep.py
+def _serve_sweep():
+    return grbench.load_script(BENCH_DIR / "serve_sweep.py", "serve_sweep")
+
+
+def _req(ok=True, prompt=0, out=0, ttft=None, e2el=None, itl=()):
+    return {"ok": ok, "prompt_tokens": prompt, "output_tokens": out, "ttft": ttft, "e2el": e2el, "itl": list(itl)}
+
+
+def test_serve_sweep_metrics_and_goodput_equal_a_hand_computation():
+    """vllm bench serve's figures for three requests and a failed one, worked out by hand: throughputs over
+    the duration, TPOT = (E2EL - TTFT) / (tokens - 1) over the requests of 2 tokens or more, percentiles
+    interpolated between ranks (numpy's), goodput counting the requests that meet every objective."""
+    ss = _serve_sweep()
+    results = [
+        _req(prompt=10, out=5, ttft=0.1, e2el=0.5, itl=[0.1] * 4),  # TPOT 0.4 / 4 = 0.1
+        _req(prompt=20, out=1, ttft=0.3, e2el=0.3),  # one token: no TPOT (0 for goodput)
+        _req(prompt=30, out=3, ttft=0.2, e2el=1.0, itl=[0.4, 0.4]),  # TPOT 0.8 / 2 = 0.4
+        {"ok": False, "error": "boom"},
+    ]
+    m = ss.metrics(results, 2.0, {"ttft": 250, "tpot": 150})
+    expect = {
+        "duration": 2.0,
+        "completed": 3,
+        "failed": 1,
+        "total_input_tokens": 60,
+        "total_output_tokens": 9,
+        "request_throughput": 1.5,
+        "request_goodput": 0.5,  # only the first: the second's TTFT 300 > 250, the third's TPOT 400 > 150
+        "output_throughput": 4.5,
+        "total_token_throughput": 34.5,
+        "mean_ttft_ms": 200.0,
+        "median_ttft_ms": 200.0,
+        "std_ttft_ms": (0.02 / 3) ** 0.5 * 1e3,
+        "p99_ttft_ms": 298.0,  # rank 1.98 of [100, 200, 300]
+        "mean_tpot_ms": 250.0,
+        "median_tpot_ms": 250.0,
+        "std_tpot_ms": 150.0,
+        "p99_tpot_ms": 397.0,  # rank 0.99 of [100, 400]
+        "mean_itl_ms": 200.0,  # four of 100 and two of 400
+        "median_itl_ms": 100.0,
+        "std_itl_ms": ((4 * 0.01 + 2 * 0.04) / 6) ** 0.5 * 1e3,  # deviations 100 (x4) and 200 (x2)
+        "p99_itl_ms": 400.0,
+        "mean_e2el_ms": 600.0,
+        "median_e2el_ms": 500.0,
+        "std_e2el_ms": ((0.01 + 0.09 + 0.16) / 3) ** 0.5 * 1e3,
+        "p99_e2el_ms": 990.0,  # rank 1.98 of [300, 500, 1000]
+    }
+    assert set(m) == set(expect)
+    for k, v in expect.items():
+        assert m[k] == pytest.approx(v), k
+    assert ss.metrics(results, 2.0, {"e2el": 400})["request_goodput"] == 0.5  # only the second: 300 ms
+    assert ss.metrics(results, 2.0, {"tpot": 0})["request_goodput"] == 0.5  # the one-token request's TPOT is 0
+    assert ss.metrics(results, 2.0, {})["request_goodput"] is None  # no objectives: not reported
+    assert ss.metrics([results[-1]], 1.0, {})["mean_ttft_ms"] is None  # nothing answered: no figure, not 0
+    np = pytest.importorskip("numpy")
+    for xs in ([3.0], [1.0, 2.0], [5.0, 1.0, 4.0, 2.0, 9.0, 7.0]):
+        for p in (0, 25, 50, 90, 99, 100):
+            assert ss.percentile(xs, p) == pytest.approx(float(np.percentile(xs, p)))
+    assert ss.parse_goodput(["ttft:200", "tpot:20.5", "e2el:0"]) == {"ttft": 200.0, "tpot": 20.5, "e2el": 0.0}
+    for bad in (["itl:5"], ["ttft"], ["ttft:x"], ["ttft:-1"]):
+        with pytest.raises(ValueError):
+            ss.parse_goodput(bad)
+
+
+def test_serve_sweep_arrivals_dataset_and_time_to_full_speed():
+    """Arrivals: all at once for an infinite rate, seeded gamma gaps ending at n / rate otherwise (more even
+    for a larger burstiness). The random dataset: seeded, its prompt and output lengths in vllm's ranges,
+    counted in the tokenizer's tokens. The time to full speed on a made-up token timeline."""
+    ss = _serve_sweep()
+    assert ss.arrivals(5, float("inf"), 1.0, 0) == [0.0] * 5
+    a = ss.arrivals(100, 4.0, 1.0, 0)
+    assert a == ss.arrivals(100, 4.0, 1.0, 0) and a != ss.arrivals(100, 4.0, 1.0, 1)
+    assert a[-1] == pytest.approx(25.0) and all(x < y for x, y in zip(a, a[1:]))
+
+    def spread(xs):
+        gaps = [y - x for x, y in zip([0.0, *xs], xs)]
+        mean = sum(gaps) / len(gaps)
+        return (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5 / mean
+
+    assert (
+        spread(ss.arrivals(400, 4.0, 10.0, 0))
+        < spread(ss.arrivals(400, 4.0, 1.0, 0))
+        < spread(ss.arrivals(400, 4.0, 0.2, 0))
+    )
+    with pytest.raises(ValueError):
+        ss.arrivals(3, 1.0, 0.0, 0)
+
+    class CharTokenizer:  # one token a character; 0 is special
+        all_special_ids = [0]
+
+        def __len__(self):
+            return 27
+
+        def decode(self, ids):
+            return "".join(chr(96 + i) for i in ids)
+
+        def encode(self, text, add_special_tokens=False):
+            return [ord(c) - 96 for c in text]
+
+    data = ss.random_dataset(CharTokenizer(), 50, 20, 10, 0.5, seed=3)
+    assert data == ss.random_dataset(CharTokenizer(), 50, 20, 10, 0.5, seed=3)
+    assert all(10 <= d["prompt_len"] == len(d["prompt"]) <= 30 and 5 <= d["max_tokens"] <= 15 for d in data)
+    assert all(set(d["prompt"]) <= set("abcdefghijklmnopqrstuvwxyz") for d in data)
+    assert len({d["prompt_len"] for d in data}) > 5
+    assert {d["prompt_len"] for d in ss.random_dataset(CharTokenizer(), 5, 20, 10, 0.0, seed=0)} == {20}
+    with pytest.raises(ValueError):
+        ss.random_dataset(CharTokenizer(), 1, 20, 10, 1.0, seed=0)
+
+    # Nothing for 3 s (the start), 50 tokens/s for 2 s, then 100/s to 12 s: full speed from second 5.
+    stamps = [3 + i / 50 for i in range(100)] + [5 + i / 100 for i in range(700)]
+    fs = ss.full_speed(stamps, end=12.0, steady_from=8.0, window=2.0)
+    assert fs["rolling_tokens_per_s"] == [0, 0, 25, 50, 75, 100, 100, 100, 100, 100, 100]
+    assert fs["steady_tokens_per_s"] == 100 and fs["full_speed_s"] == 5
+    # A stall in [7, 8) after it: full speed only once the windows are past the stall.
+    stalled = [t for t in stamps if not 7 <= t < 8]
+    assert ss.full_speed(stalled, end=12.0, steady_from=8.0, window=2.0)["full_speed_s"] == 8
+    assert ss.full_speed([], end=12.0, steady_from=8.0)["full_speed_s"] is None  # no tokens: nothing to tell
+    assert ss.full_speed(stamps, end=1.0, steady_from=0.0)["steady_tokens_per_s"] is None  # no whole window
+
+
+def test_serve_sweep_usage_errors_before_any_server(capsys):
+    ss = _serve_sweep()
+    for argv in (
+        ["--max-concurrency", "1,2", "--num-prompts", "1,2,3"],
+        ["--goodput", "itl:5"],
+        ["--burstiness", "0"],
+        ["--columns", "graphs,nope"],
+        ["--max-concurrency", "x"],
+    ):
+        with pytest.raises(SystemExit) as err:
+            ss.main(argv)
+        assert err.value.code == 2, argv
+
+
+@pytest.mark.hf
+@pytest.mark.slow
+def test_serve_sweep_small_run_reports_vllm_names_and_equal_answers(tmp_path, monkeypatch):
+    """bench/serve_sweep.py, a small run of two columns (graphs and --eager, 6 prompts at a rate with
+    Poisson arrivals, 4 at most in flight): vllm bench serve's names with sane values, every request
+    answered, the same greedy answers in both columns, JSON written. Never a timing."""
+    for module in ("transformers", "fastapi", "uvicorn", "prometheus_client", "openai"):
+        require(module)
+    monkeypatch.setenv("GRAPHRUNNER_CACHE", str(tmp_path.parent / "cache"))  # the tiny model: shared in a session
+    out = tmp_path / "sweep.json"
+    argv = ["--columns", "graphs,eager", "--max-concurrency", "4", "--num-prompts", "6", "--request-rate", "50"]
+    argv += ["--random-input-len", "12", "--random-output-len", "6", "--num-warmups", "0", "--threads", "1"]
+    argv += ["--full-speed-settle", "0"]  # no waiting for the capture: the time to full speed is not measured
+    argv += ["--goodput", "ttft:60000", "tpot:60000", "--out", str(out)]
+    result = _serve_sweep().main(argv)
+    assert json.loads(out.read_text())["benchmark"] == "serve_sweep"
+    assert result["failed"] == 0 and result["mismatches"] == 0
+    assert list(result["columns"]) == ["graphs", "eager"]
+    for name, col in result["columns"].items():
+        assert col["exit_code"] == 0, name
+        (run,) = col["runs"]
+        assert run["completed"] == run["num_prompts"] == 6 and run["failed"] == 0
+        assert run["max_concurrency"] == 4 and run["request_rate"] == 50.0 and run["burstiness"] == 1.0
+        assert run["duration"] > 0 and run["total_output_tokens"] > 0 and run["total_input_tokens"] > 0
+        for k in ("request_throughput", "output_throughput", "total_token_throughput"):
+            assert run[k] > 0, k
+        assert run["total_token_throughput"] > run["output_throughput"]
+        assert 0 < run["request_goodput"] <= run["request_throughput"]
+        for m in ("ttft", "tpot", "itl", "e2el"):
+            mean, median, p99 = (run[f"{s}_{m}_ms"] for s in ("mean", "median", "p99"))
+            assert 0 <= mean <= p99 and 0 <= median <= p99 and run[f"std_{m}_ms"] >= 0, m
+        assert run["mean_ttft_ms"] <= run["mean_e2el_ms"]
+        assert len(run["generated_texts"]) == len(run["ttfts"]) == len(run["latencies"]) == 6
+        assert all(run["input_lens"]) and run["errors"] == [""] * 6
+    assert result["columns"]["eager"]["runs"][0]["same"] == 6
+    assert result["columns"]["graphs"]["runs"][0]["replayed_steps"] > 0
+    assert result["columns"]["eager"]["runs"][0]["replayed_steps"] == 0

@@ -344,27 +344,6 @@ def test_metrics_show_graphs_steps_and_requests(servers):
     assert ok >= len(PROMPTS)
 
 
-def test_the_serving_sweep_quick_run_writes_its_table(tmp_path, monkeypatch):
-    """bench/serve_sweep.py --quick: both servers answer every request, the same answers, JSON written."""
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "serve_sweep.py")
-    spec = importlib.util.spec_from_file_location("serve_sweep", path)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
-    out = tmp_path / "sweep.json"
-    monkeypatch.setenv("GRAPHRUNNER_CACHE", str(tmp_path / "cache"))
-    result = sweep.main(["--quick", "--out", str(out)])
-    assert out.is_file() and json.loads(out.read_text())["benchmark"] == "serve_sweep"
-    assert result["failed"] == 0 and result["mismatches"] == 0 and result["same"] == [6, 12]
-    for server in ("graphs", "eager"):
-        assert [lv["concurrency"] for lv in result[server]["levels"]] == [1, 4]
-        assert all(lv["tokens_per_s"] > 0 and lv["output_tokens"] > 0 for lv in result[server]["levels"])
-        assert result[server]["exit_code"] == 0
-    assert sum(lv["replayed_steps"] for lv in result["graphs"]["levels"]) > 0
-    assert all(lv["replayed_steps"] == 0 for lv in result["eager"]["levels"])
-
-
 def test_a_model_dir_that_is_not_a_directory_is_a_usage_error(tmp_path, capsys):
     from graphrunner_tools.cli import main
 
