@@ -270,9 +270,15 @@ def mismatched(ref, out):
     return [k for k in ref if ref[k].generated_tokens != out[k].generated_tokens]
 
 
-@pytest.mark.parametrize("attention", ["per_request", "dense"])
 @pytest.mark.parametrize(
-    "arch,sample", [("llama", False), ("mistral", False), ("qwen3", True), ("gemma2", False), ("gpt_oss", True)]
+    "arch,sample,attention",
+    [
+        *((a, s, "dense") for a, s in (("llama", False), ("mistral", False), ("qwen3", True), ("gemma2", False))),
+        ("gpt_oss", True, "dense"),
+        # the per-request form (auto on the tape) also runs every test of test_hf_batching.py's 7 architectures
+        ("mistral", False, "per_request"),
+        ("gpt_oss", True, "per_request"),
+    ],
 )
 def test_continuous_batching_on_graphs_equals_eager_tokens_in_both_forms(arch, sample, attention, monkeypatch):
     """Greedy and sampled tokens equal transformers' eager engine's with either attention form; every step
