@@ -697,9 +697,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from transformers import AutoTokenizer
 
-    from graphrunner_tools.models.tiny_chat import tiny_model_dir
+    if args.model is None:
+        from graphrunner_tools.models.tiny_chat import tiny_model_dir
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model or tiny_model_dir())
+        args.model = tiny_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
     shape = (args.random_input_len, args.random_output_len, args.random_range_ratio)
     try:
         plan = [
