@@ -761,3 +761,24 @@ def test_the_step_builds_the_reference_mask(max_requests):
             want = _reference_mask(tok_req, pos, key_req, key_pos, g.window)
             assert torch.equal(mask == 0, want) and torch.equal(mask != 0, mask == float("-inf"))
             assert not torch.equal(mask == 0, _reference_mask(tok_req, pos, key_req, key_pos, g.window, own=False))
+
+
+def test_a_manager_that_pads_for_its_own_graphs_is_refused_before_its_warmup(monkeypatch):
+    """A manager set for transformers' own CUDA graphs (``use_cuda_graph``, which pad the step's inputs; on this
+    CPU transformers resolves it off, so it is set on the resolved config here) is refused at install, before
+    ``manager.warmup()`` would capture them: its model runner's warmup is never entered."""
+    from transformers.generation.continuous_batching.model_runner import ModelRunner
+
+    warmed = []
+    monkeypatch.setattr(ModelRunner, "warmup", lambda self, model: warmed.append(1))
+    model = model_of("llama")
+    manager = model.init_continuous_batching(generation_config=gen_config(), continuous_batching_config=cb_config())
+    manager.continuous_batching_config.use_cuda_graph = True
+    with pytest.raises(CaptureError, match="pads its inputs for its own CUDA graphs"):
+        batching.GraphBatching(model).install(manager)
+    assert warmed == [] and manager.batch_processor is None
+    # control: without transformers' graphs it installs, and the warmup runs
+    manager.continuous_batching_config.use_cuda_graph = False
+    batching.GraphBatching(model).install(manager)
+    assert warmed == [1] and manager.batch_processor is not None
+    manager.destroy()

@@ -92,6 +92,12 @@ logger = logging.getLogger("graphrunner")
 
 Keys = tuple[dict[str, list[int]], list[tuple[int, ...]]]
 
+#: Why a manager that pads its inputs (transformers' own CUDA graphs or torch.compile) is refused.
+_PADDED_MANAGER = (
+    "the manager pads its inputs for its own CUDA graphs or torch.compile: build it with "
+    "use_cuda_graph=False and no compile config (graphrunner captures the step)"
+)
+
 
 @dataclass
 class BatchingStats:
@@ -241,6 +247,14 @@ class GraphBatching:
         vocab = self._vocab()
         self.record_token = next(t for t in range(vocab) if t not in self._eos)
         self._manager = weakref.ref(manager)
+        cfg = manager.continuous_batching_config
+        if (
+            any(cfg.cuda_graph_booleans)
+            or cfg.varlen_compile_config is not None
+            or cfg.decode_compile_config is not None
+        ):
+            # refused before manager.warmup(), which would capture transformers' own graphs first
+            raise CaptureError(_PADDED_MANAGER)
         # the batch processor is made now (manager.warmup, public), with the model's attention routed through
         # graphrunner's so that transformers allocates no host mask it would fill at every step (the step builds
         # its own), but in debug mode, whose check compares transformers' mask with the step's
@@ -280,10 +294,7 @@ class GraphBatching:
         self.batch_processor = bp
         mr = bp.model_runner
         if mr.pad_inputs:
-            raise CaptureError(
-                "the manager pads its inputs for its own CUDA graphs or torch.compile: build it with "
-                "use_cuda_graph=False and no compile config (graphrunner captures the step)"
-            )
+            raise CaptureError(_PADDED_MANAGER)
         self.groups = cache_groups(bp.cache)
         if tuple(g.dim for g in self.groups) != self.dims[1:-1]:
             raise CaptureError(
