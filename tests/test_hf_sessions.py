@@ -7,6 +7,7 @@ session reuses the cache blocks of an earlier one's prompts, so a capture that s
 wrong tokens silently (the negative control). Tiny random-weight models, nothing downloaded.
 """
 
+import contextlib
 import gc as garbage_collector
 
 import pytest
@@ -119,6 +120,28 @@ def test_negative_control_a_capture_that_spoils_the_cache_gives_wrong_tokens():
     finally:
         manager.destroy()
     assert equal(ref, second) < 10, "a spoiled prefix cache changes the tokens"
+
+
+def test_negative_control_without_the_put_back_the_byte_check_sees_the_captures_writes(monkeypatch):
+    """The first test's real assertion is the byte comparison (tokens alone cannot see a capture that writes
+    only a few slots): with the capture's own put-back switched off (its path, not a hand-made spoil), the
+    cache differs from before the capture."""
+    import graphrunner.hf.batching as batching
+
+    monkeypatch.setattr(
+        batching.GraphBatching, "_put_back", staticmethod(lambda cache_tensor: contextlib.nullcontext())
+    )
+    model, gc = qwen2(), gen_config()
+    manager = gr.hf.init_continuous_batching(model, gc, cb_config(), device="tape")
+    try:
+        session(manager, prompts())
+        hook = gr.hf.graphs_of(manager)
+        cache = hook.batch_processor.cache.cache_tensor
+        before = cache.clone()
+        hook.capture()
+        assert not torch.equal(cache, before), "the capture's forwards wrote the cache; nothing put it back"
+    finally:
+        manager.destroy()
 
 
 @pytest.mark.slow

@@ -610,31 +610,39 @@ class GraphBatching:
             return None
         cache = bp.cache
         t0 = time.perf_counter()
-        # the capture's forwards write the paged cache, whose blocks the prefix cache gives to later
-        # sessions, and may draw from the default generator: both are put back as they were
-        saved = cache.cache_tensor.to("cpu", copy=True)
-        rng = torch.get_rng_state()
         try:
-            runner = self.runner = self._new_runner(buckets, keys)
-            # the equivalence check replays every key right after the capture: that replay traces the
-            # key's replay (graphrunner.tape.jit), not a run of its own at each capture's end; the
-            # copies those first replays take go to reused buffers (the capture's own are freed by then)
-            with torch.inference_mode():
-                with traces_at_first_replay() if self.options.equivalence else contextlib.nullcontext():
-                    self.report = runner.capture()
-                if self.options.equivalence:
-                    with reuse_snapshot_buffers():
-                        self.stats.equivalence_checked = self._equivalence(runner).run()
+            with self._put_back(cache.cache_tensor):
+                runner = self.runner = self._new_runner(buckets, keys)
+                # the equivalence check replays every key right after the capture: that replay traces the
+                # key's replay (graphrunner.tape.jit), not a run of its own at each capture's end; the
+                # copies those first replays take go to reused buffers (the capture's own are freed by then)
+                with torch.inference_mode():
+                    with traces_at_first_replay() if self.options.equivalence else contextlib.nullcontext():
+                        self.report = runner.capture()
+                    if self.options.equivalence:
+                        with reuse_snapshot_buffers():
+                            self.stats.equivalence_checked = self._equivalence(runner).run()
         except RefusedError:
             raise
         except GraphRunnerError as exc:
             raise refused(self.model, exc) from exc
-        finally:
-            cache.cache_tensor.copy_(saved)
-            torch.set_rng_state(rng)
         self.stats.capture_seconds += time.perf_counter() - t0
         self._serve_through(runner)
         return self.report
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _put_back(cache_tensor: torch.Tensor) -> Iterator[None]:
+        """The paged cache and the default generator as they were before the block, whatever it raised: a
+        blocking capture's forwards write the cache, whose blocks the prefix cache gives to later sessions,
+        and may draw from the generator."""
+        saved = cache_tensor.to("cpu", copy=True)
+        rng = torch.get_rng_state()
+        try:
+            yield
+        finally:
+            cache_tensor.copy_(saved)
+            torch.set_rng_state(rng)
 
     def _equivalence(self, runner: GraphRunner) -> EquivalenceCheck:
         """The equivalence check of ``runner``'s keys over this manager's cache. Its eager steps build the
