@@ -68,6 +68,7 @@ from graphrunner.channel import fail_ranks
 from graphrunner.devices import TapeDevice
 from graphrunner.errors import AgreementError, CaptureError
 from graphrunner.layout import user_error
+from graphrunner.pacing import Pace, check_share
 from graphrunner.recording.hooks import Capture, CaptureHook
 from graphrunner.recording.ops import OpConsumer, OpEvent, OpRecorder, WriteGuard
 from graphrunner.serving import Server
@@ -123,6 +124,7 @@ class BackgroundCapture:
         fail: Callable[[BaseException, str, bool], BaseException] | None = None,
         deadline: float = 60.0,
         end_key: Callable[[Sizes, BaseException | None], BaseException | None] | None = None,
+        pace: Pace | None = None,
     ) -> None:
         self.keys = list(keys)
         self._capture_key, self._session, self._finish = capture_key, session, finish
@@ -138,6 +140,8 @@ class BackgroundCapture:
         #: ends with (None: captured on every rank); it raises ``exc`` where it cannot agree (a peer may be
         #: inside the step's own collectives).
         self._end_key = end_key
+        #: The rest between keys while calls come (:class:`graphrunner.pacing.Pace`; share 1: none).
+        self.pace = pace or Pace()
         #: True once a key's failure was agreed by every rank: the ranks are in step, nothing to abort.
         self.agreed_failure = False
         #: Held by a key's capture and by every call of the runner.
@@ -175,7 +179,13 @@ class BackgroundCapture:
     @contextlib.contextmanager
     def call(self) -> Iterator[None]:
         """Held by a call of the runner: waits for the key being captured (a call waiting has the
-        next turn: the thread lets waiting calls run before it starts another key)."""
+        next turn: the thread lets waiting calls run before it starts another key); the runner counts
+        as busy meanwhile (:meth:`graphrunner.pacing.Pace.busy`)."""
+        with self.pace.busy(), self._call():
+            yield
+
+    @contextlib.contextmanager
+    def _call(self) -> Iterator[None]:
         with self._waiting_lock:
             self._waiting += 1
         try:
@@ -189,10 +199,13 @@ class BackgroundCapture:
             self.mutex.release()
 
     def _capture_next(self, key: Sizes | None = None) -> None:
+        if not self.shared:  # several ranks rest before the grant instead (vector(), after_agreement())
+            self.pace.rest(self._stop)
         while self._waiting and not self._stop.is_set():  # calls first: serving is never starved by capture
             time.sleep(0.0002)
         with self.mutex:
             key = self._next_key() if key is None else key
+            began = time.perf_counter()
             try:
                 self._capture_key(key)
             except Exception as exc:
@@ -207,6 +220,7 @@ class BackgroundCapture:
                     self.agreed_failure = True
                     raise err
             self.done.append(key)
+            self.pace.captured(time.perf_counter() - began)
         with self._settled:
             self._settled.notify_all()
 
@@ -266,9 +280,10 @@ class BackgroundCapture:
         return self._finished.is_set()
 
     def vector(self) -> list[int]:
-        """What this rank adds to a call's agreement: ``[-captured keys, failed]`` (the max over the
-        ranks gives the smallest count and whether any rank failed)."""
-        return [-len(self.done), 1 if self.error is not None else 0]
+        """What this rank adds to a call's agreement: ``[-captured keys, failed, resting]`` (the max over
+        the ranks gives the smallest count, whether any rank failed, and whether any rank still rests
+        after its last key: no key is granted then, :class:`graphrunner.pacing.Pace`)."""
+        return [-len(self.done), 1 if self.error is not None else 0, 1 if self.pace.resting() else 0]
 
     def after_agreement(
         self, extra: list[int] | None, call_key: Sizes | None
@@ -281,9 +296,9 @@ class BackgroundCapture:
         if call_key is not None:
             self.hits[call_key] = self.hits.get(call_key, 0) + 1
         if extra is None:
-            agreed, failed = len(self.done), self.error is not None
+            agreed, failed, resting = len(self.done), self.error is not None, False
         else:
-            agreed, failed = -int(extra[0]), bool(extra[1])
+            agreed, failed, resting = -int(extra[0]), bool(extra[1]), bool(extra[2])
         new = self.done[self.agreed : agreed]
         self.agreed = max(self.agreed, agreed)
         if failed:
@@ -300,7 +315,7 @@ class BackgroundCapture:
                 f"GraphRunner: background capture failed, this call was not served (retry it; "
                 f"later calls are served, eagerly for the keys not captured): {err}"
             )
-        if self.shared and len(self.done) == agreed == self._granted and agreed < len(self.keys):
+        if self.shared and not resting and len(self.done) == agreed == self._granted and agreed < len(self.keys):
             self._granted += 1
             self._grants.put(self._next_key())  # captured right after this call returns
         return new, None
@@ -360,13 +375,15 @@ class BackgroundCapture:
 
 
 def start_background(
-    server: Server, run: CaptureRun, backend: GraphBackend, gate: threading.Event | None = None
+    server: Server, run: CaptureRun, backend: GraphBackend, gate: threading.Event | None = None, share: float = 1.0
 ) -> None:
     """``runner.capture(background=True)``: ``server`` (:class:`graphrunner.serving.Server`) serves
     every call from now on while ``run`` (a :class:`~graphrunner.capturing.CaptureRun`, which
     already set the server's agreement up) captures the keys on a thread through ``backend``;
-    ``gate``: tests hold the thread before its first key."""
+    ``gate``: tests hold the thread before its first key; ``share``: the capture's share of the time
+    while calls come (:class:`graphrunner.pacing.Pace`)."""
 
+    pace = Pace(share)  # before anything starts: a bad share starts nothing
     begun: list[bool] = []
     executes = isinstance(
         getattr(backend, "device", None), TapeDevice
@@ -431,6 +448,7 @@ def start_background(
         lambda exc, where, alone: fail_ranks(group, exc, where, alone),
         float(getattr(group, "timeout", 60.0) or 60.0),
         end_key if agreement.shared else None,
+        pace,
     )
     if isinstance(agreement, RankAgreement):  # several ranks: the thread's counts ride on every call's collective
         agreement.extra = bg.vector
@@ -617,16 +635,18 @@ def hold_background(server: Server) -> Iterator[None]:
         yield
 
 
-def capture_in_background(capturer: Capturer, agree: bool) -> None:
-    """``runner.capture(background=True)``: start a background capture of ``capturer``'s keys
-    (:func:`start_background`); ``ValueError`` with a memory budget, which it cannot apply."""
+def capture_in_background(capturer: Capturer, agree: bool, share: float = 1.0) -> None:
+    """``runner.capture(background=True, share=share)``: start a background capture of ``capturer``'s
+    keys (:func:`start_background`); ``ValueError`` with a memory budget, which it cannot apply, or a
+    ``share`` outside ``(0, 1]``."""
+    check_share(share)
     if capturer.budget.budget is not None:
         raise ValueError(
             "GraphRunner.capture(background=True) does not apply memory_budget (it measures each "
             "key's graph after the capture); capture in the foreground, or drop memory_budget"
         )
     run = CaptureRun(capturer, capturer.server.space.capture_order(), agree)  # sets the server's agreement up
-    start_background(capturer.server, run, capturer.backend, capturer.background_gate)
+    start_background(capturer.server, run, capturer.backend, capturer.background_gate, share)
 
 
 def wait_captured(capturer: Capturer, timeout: float | None) -> CaptureReport | None:

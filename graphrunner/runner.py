@@ -50,6 +50,7 @@ from graphrunner.keys import (
     resolve_output_dims,
 )
 from graphrunner.layout import OutputLayout
+from graphrunner.pacing import check_share
 from graphrunner.report import CaptureReport, RunnerStats
 from graphrunner.serving import Server
 from graphrunner.staging import StaticInputs
@@ -298,7 +299,7 @@ class GraphRunner:
         return config_fields(self.server, self.capturer.checks)
 
     # -------------------------------------------------------------- capture
-    def capture(self, background: bool = False) -> CaptureReport | None:
+    def capture(self, background: bool = False, share: float = 1.0) -> CaptureReport | None:
         """Capture every key, largest first, inside one ``backend.capture_session()`` under
         ``torch.inference_mode()``, and return a :class:`CaptureReport`. Every rank must call it.
         On any error the backend is cleaned up, the runner stays uncaptured and the error
@@ -306,11 +307,17 @@ class GraphRunner:
         :class:`~graphrunner.errors.PaddingLeakError`, other failures as :class:`CaptureError`
         naming the key). Raises ``CaptureError`` if already captured (:meth:`cleanup` first).
         ``background=True`` returns ``None`` at once and captures on a thread while calls are
-        served (:mod:`graphrunner.background`; :meth:`wait_captured`, :attr:`captured_keys`)."""
+        served (:mod:`graphrunner.background`; :meth:`wait_captured`, :attr:`captured_keys`). ``share``
+        (background only, in ``(0, 1]``): the capture's share of the time while calls come; after a key
+        that took ``d`` s it rests ``d * (1 - share) / share`` s unless no call came for 50 ms
+        (:class:`graphrunner.pacing.Pace`; 1, the default: keys back to back, a waiting call first).
+        ``ValueError`` for a share outside ``(0, 1]`` or one below 1 with a blocking capture."""
+        if not background and check_share(share) != 1.0:
+            raise ValueError(f"GraphRunner.capture(share={share!r}) paces a background capture: pass background=True")
         if self.captured:
             raise CaptureError("GraphRunner.capture() was already called; call runner.cleanup() before capturing again")
         if background:
-            capture_in_background(self.capturer, self.agree_bucket)
+            capture_in_background(self.capturer, self.agree_bucket, share)
             bg = self.server.background
             if bg is not None:  # garbage collection and interpreter exit end the thread before the runner is gone
                 weakref.finalize(self, bg.end, "GraphRunner garbage collected or the interpreter exiting")

@@ -46,6 +46,9 @@ __all__ = ["add_serve_subparser", "build_app", "serve"]
 
 logger = logging.getLogger("graphrunner")
 
+#: ``--capture-share``'s default: a capture's keys take at most this share of the time while requests are served.
+CAPTURE_SHARE = 1.0
+
 #: transformers serve's continuous-batching options, under its names.
 _CB_OPTIONS = ("cb_block_size", "cb_num_blocks", "cb_max_batch_tokens", "cb_max_memory_percent", "cb_max_requests")
 #: ... and the ContinuousBatchingConfig field of each that is named otherwise.
@@ -342,6 +345,7 @@ def _graph_options(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.graph_device,
         "replan_every": args.replan_every,
         "replan_share": args.replan_share,
+        "capture_share": args.capture_share,
         "attention": args.attention,
     }
     if args.buckets is not None:
@@ -472,6 +476,14 @@ def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
         "capture until they would take no more (default 0.1: 9x the last capture's seconds; 1: no wait)",
     )
     p.add_argument(
+        "--capture-share",
+        type=float,
+        default=CAPTURE_SHARE,
+        help="the share of the time a capture's keys take while requests are served: after a key that took d s "
+        f"the capture rests d*(1-share)/share s, or until no step came for 50 ms (default {CAPTURE_SHARE}; "
+        "1: keys back to back, a waiting step first)",
+    )
+    p.add_argument(
         "--attention",
         choices=("auto", "per_request", "dense"),
         default="auto",
@@ -521,6 +533,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"argument --replan-every: must be >= 0 (0: never), got {args.replan_every}")
     if not 0 < args.replan_share <= 1:
         parser.error(f"argument --replan-share: must be in (0, 1], got {args.replan_share}")
+    if not 0 < args.capture_share <= 1:
+        parser.error(f"argument --capture-share: must be in (0, 1], got {args.capture_share}")
     if args.max_concurrent_requests < 1:
         parser.error(f"argument --max-concurrent-requests: must be >= 1, got {args.max_concurrent_requests}")
     if not 0 < args.port < 65536:

@@ -22,6 +22,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 import graphrunner as gr  # noqa: E402
 import graphrunner.hf  # noqa: E402,F401
 from graphrunner.hf import ladder  # noqa: E402
+from graphrunner.pacing import rest_after  # noqa: E402
 from graphrunner_tools.models.hf_tiny import build_tiny  # noqa: E402
 
 pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_torch_thread")]
@@ -232,11 +233,11 @@ def test_a_replan_waits_out_the_rest_its_share_of_the_serving_time_earns():
 
 
 def test_the_rest_after_a_capture_by_hand():
-    assert ladder.rest_after(2.0, 0.1) == pytest.approx(18.0)  # 2 s of capture in every 20 s
-    assert ladder.rest_after(3.0, 0.5) == pytest.approx(3.0) and ladder.rest_after(3.0, 1) == 0.0
-    assert ladder.rest_after(2.0) == pytest.approx(2.0 * (1 - ladder.REPLAN_SHARE) / ladder.REPLAN_SHARE)
-    with pytest.raises(ValueError, match="share must be in"):
-        ladder.rest_after(1.0, 0)
+    assert rest_after(2.0, 0.1) == pytest.approx(18.0)  # 2 s of capture in every 20 s
+    assert rest_after(3.0, 0.5) == pytest.approx(3.0) and rest_after(3.0, 1) == 0.0
+    for bad in (0, 1.5, -0.1, float("nan"), "x"):
+        with pytest.raises(ValueError, match="share"):
+            rest_after(1.0, bad)
     for bad in (0, 1.5, -1, True, "0.1"):
         with pytest.raises(ValueError, match="replan_share must be a share"):
             gr.hf.BatchingOptions(replan_share=bad)

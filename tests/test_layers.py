@@ -79,6 +79,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "graphrunner.trace",
             "graphrunner.report",
             "graphrunner.progress",
+            "graphrunner.pacing",
         ),
     ),
     ("tape", ("graphrunner.tape",)),

@@ -66,12 +66,13 @@ from graphrunner.hf.batch_step import (
 )
 from graphrunner.hf.equivalence import EquivalenceCheck
 from graphrunner.hf.internals import wrap_step_methods
-from graphrunner.hf.ladder import ladder_keys, replan, rest_after
+from graphrunner.hf.ladder import ladder_keys, replan
 from graphrunner.hf.metadata import check_trash
 from graphrunner.hf.model_runner import GraphModelRunner
 from graphrunner.hf.options import BatchingOptions
 from graphrunner.hf.planning import plan_keys
 from graphrunner.hf.refusals import RefusedError, check_served, refused
+from graphrunner.pacing import rest_after
 from graphrunner.runner import GraphRunner
 from graphrunner.tape.jit import traces_at_first_replay
 from graphrunner.tape.state import reuse_snapshot_buffers
@@ -215,7 +216,7 @@ class GraphBatching:
         self._replan_due = False
         self._capture_began: float | None = None
         #: No re-plan starts before this ``time.perf_counter()``: the rest after the last background
-        #: capture (:func:`graphrunner.hf.ladder.rest_after`, ``replan_share``).
+        #: capture (:func:`graphrunner.pacing.rest_after`, ``replan_share``).
         self._rest_until = 0.0
         #: A re-plan's runner while its keys are captured (the current one serves meanwhile).
         self._pending: GraphRunner | None = None
@@ -496,7 +497,9 @@ class GraphBatching:
     def _background(self, buckets: dict[str, list[int]], keys: Sequence[tuple[int, ...]]) -> None:
         """Serve through a new runner over ``keys`` at once, its keys captured on a thread."""
         runner = self._new_runner(buckets, keys)
-        runner.capture(background=True)  # puts back what each key's capture writes: no cache reset
+        runner.capture(
+            background=True, share=self.options.capture_share
+        )  # puts back what each key's capture writes: no cache reset
         self._capture_began = time.perf_counter()
         self._serve_through(runner)
 
@@ -547,7 +550,7 @@ class GraphBatching:
             len(plan[1]),
         )
         self._pending = self._new_runner(*plan)
-        self._pending.capture(background=True)
+        self._pending.capture(background=True, share=self.options.capture_share)
         self._pending_began = time.perf_counter()
 
     def wait_captured(self, timeout: float | None = None) -> bool:

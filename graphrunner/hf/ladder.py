@@ -27,7 +27,6 @@ __all__ = [
     "ladder_keys",
     "padding",
     "replan",
-    "rest_after",
 ]
 
 #: Sizes per dim of the starting ladder (a keys dim not named takes ``kv``'s).
@@ -37,7 +36,7 @@ LADDER_GRAPHS = {"tokens": 5, "kv": 4, "reqs": 3}
 REPLAN_GAIN = 0.6
 
 #: The share of the serving time a server's background captures (the ladder's, then each re-plan's) may
-#: take: a re-plan starts no sooner than :func:`rest_after` the last capture ended.
+#: take: a re-plan starts no sooner than :func:`graphrunner.pacing.rest_after` the last capture ended.
 REPLAN_SHARE = 0.1
 
 Sizes = tuple[int, ...]
@@ -143,13 +142,3 @@ def replan(
     if old_pad == 0 or new_pad > gain * old_pad:
         return None
     return buckets, new
-
-
-def rest_after(capture_seconds: float, share: float = REPLAN_SHARE) -> float:
-    """Seconds of serving after a background capture of ``capture_seconds`` before the next re-plan may
-    start, so that captures take at most ``share`` of the time: ``capture_seconds * (1 - share) / share``
-    (a 2 s capture at 0.1: 18 s; ``share=1``: 0). A re-plan's capture holds the engine key by key beside
-    the serving; its padding cut pays back only over the steps served after it."""
-    if not 0 < share <= 1:
-        raise ValueError(f"share must be in (0, 1], got {share!r}")
-    return max(0.0, float(capture_seconds)) * (1.0 - share) / share

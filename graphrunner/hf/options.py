@@ -46,13 +46,16 @@ class BatchingOptions:
     every ``replan_every`` steps (0: never) from the recent step sizes, and no
     sooner than ``replan_share`` allows: a re-plan's capture (and the ladder's)
     takes at most that share of the serving time
-    (:func:`graphrunner.hf.ladder.rest_after`; 1: no rest).
+    (:func:`graphrunner.pacing.rest_after`; 1: no rest). ``capture_share``: within one background capture
+    (the ladder's, a re-plan's), the keys' share of the time while steps come: after a key that took
+    ``d`` s the capture rests ``d * (1 - share) / share`` s unless no step came for 50 ms
+    (:class:`graphrunner.pacing.Pace`; 1: keys back to back, a waiting step first).
     ``attention``: the step's attention form (:data:`graphrunner.hf.batch_step.ATTENTION_FORMS`):
     ``per_request`` (each request's queries against its own keys, a host-reading op the CPU tape replays),
     ``dense`` (the ``[tokens, kv]`` masks CUDA graphs replay, on any device), ``auto`` (per request on the
     tape, dense on CUDA graphs).
     Raises ``ValueError`` for an unknown ``attention``, for a ``replan_every`` that is no number of steps >= 0
-    or a ``replan_share`` outside ``(0, 1]``."""
+    or a ``replan_share`` or ``capture_share`` outside ``(0, 1]``."""
 
     buckets: Mapping[str, Sequence[int]] | None = None
     keys: Sequence[Sequence[int]] | None = None
@@ -67,6 +70,7 @@ class BatchingOptions:
     autocapture: bool = False
     replan_every: int = 256
     replan_share: float = REPLAN_SHARE
+    capture_share: float = 1.0
     attention: str = "auto"
 
     def __post_init__(self) -> None:
@@ -79,6 +83,11 @@ class BatchingOptions:
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
             raise ValueError(
                 f"replan_share must be a share of the serving time in (0, 1] (1: re-plan without rest), got {share!r}"
+            )
+        share = self.capture_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ValueError(
+                f"capture_share must be a share of the serving time in (0, 1] (1: keys without rest), got {share!r}"
             )
 
     @classmethod
