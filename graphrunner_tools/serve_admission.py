@@ -412,8 +412,8 @@ class FrontDoor:
     ``FrontDoor(app, limits=, count_prompt=, api_key=None, admin=False, max_requests=256, seeds=None)``:
     ``count_prompt(path, body)`` returns the prompt's tokens as transformers will render them (awaited;
     its exception is a 400 naming the prompt: the chat template refused the messages); ``limits`` a
-    :class:`Limits` (read as each request comes); ``seeds`` a ``random.Random`` that draws the seed of a
-    request that sends none (default: the system's random source). A request admitted reaches the app as
+    :class:`Limits` (read as each request comes); ``seeds`` a ``random.Random`` that draws the seed of each
+    request that sends none, one after another (default: the system's random source). A request admitted reaches the app as
     :func:`admitted_body` writes it. :attr:`http` counts answers by ``(path, status)``,
     :attr:`in_flight` the generation requests admitted and not answered yet."""
 
@@ -519,7 +519,8 @@ class FrontDoor:
                 return
             if set_tokens is not None:  # the default, cut to what the context leaves
                 body[GENERATION_ROUTES[path][-1]] = set_tokens
-            body = admitted_body(body, self.seeds.getrandbits(63))
+            seed = body["seed"] if body.get("seed") is not None else self.seeds.getrandbits(63)
+            body = admitted_body(body, seed)
             raw = json.dumps(body).encode()
             headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
             scope = {**scope, "headers": [*headers, (b"content-length", str(len(raw)).encode())]}

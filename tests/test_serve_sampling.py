@@ -199,6 +199,49 @@ def test_the_front_door_spells_out_each_requests_sampling_and_seed_whatever_the_
     }
 
 
+def test_the_front_door_hands_the_app_the_spelled_out_body_a_seed_drawn_only_for_a_request_without_one():
+    import asyncio
+    import random
+
+    from graphrunner_tools.serve_admission import FrontDoor, Limits
+
+    got = []
+
+    async def app(scope, receive, send):  # transformers' app: what it reads
+        got.append(json.loads((await receive())["body"]))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def count(path, body):
+        return 5
+
+    def post(door, body):
+        raw = json.dumps(body).encode()
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": [], "query_string": b""}
+        messages = [{"type": "http.request", "body": raw, "more_body": False}]
+
+        async def receive():
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        async def send(message):
+            pass
+
+        asyncio.run(door(scope, receive, send))
+        return got[-1]
+
+    hi = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    doors = [FrontDoor(app, limits=Limits(max_model_len=100), count_prompt=count, seeds=random.Random(3)) for _ in "ab"]
+    first = [post(doors[0], {**hi, "temperature": 0.5, "top_k": 4}), post(doors[0], hi)]
+    assert first[0]["seed"] != first[1]["seed"] and "top_k" not in first[0]
+    assert json.loads(first[0]["generation_config"])["top_k"] == 4
+    # the same default seed: the same seeds for the requests without one; a seeded request draws none
+    assert post(doors[1], {**hi, "seed": 8})["seed"] == 8
+    assert [post(doors[1], {**hi, "temperature": 0.5, "top_k": 4})["seed"], post(doors[1], hi)["seed"]] == [
+        first[0]["seed"],
+        first[1]["seed"],
+    ]
+
+
 # ---- two real servers (the serve extra; the tests above need transformers only) ----
 
 ENGINE = ["--cb-num-blocks", "64", "--cb-block-size", "16", "--cb-max-batch-tokens", "64", "--cb-max-requests", "16"]
