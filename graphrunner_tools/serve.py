@@ -20,6 +20,10 @@ used as they are, through their public entry points (:mod:`transformers.cli.serv
   (429 beyond ``--max-concurrent-requests``), every parameter honoured or refused, malformed messages
   and requests longer than the context or the cache refused (400 with an OpenAI error object naming the
   field), and ``data: [DONE]`` at the end of a stream;
+- sampling per request: each request's temperature, top-k, top-p and a generator of its own seeded from
+  its ``seed`` (the front door spells them out, :func:`~graphrunner_tools.serve_admission.admitted_body`;
+  the engine draws each row with them, :class:`~graphrunner_tools.serve_engine.ServedManager` and
+  :func:`graphrunner.hf.model_runner.sample_per_request`), on graphs and ``--eager`` alike;
 - ``GET /metrics``: Prometheus text (``prometheus_client``) of the graphs, the
   engine and the HTTP requests (:func:`~graphrunner_tools.serve_engine.engine_metrics` runs in the model's
   process through ``EngineClient.submit``; read once at the start, so a transformers whose engine
@@ -38,6 +42,7 @@ import argparse
 import json
 import logging
 import os
+import random
 import signal
 import sys
 from typing import Any
@@ -186,7 +191,6 @@ def build_app(
         max_model_len=generation_state.context_length(engine.model_config),
         # transformers' default tokens to generate (BaseHandler._build_generation_kwargs): the model's, at least 1024
         default_new_tokens=max(config.max_new_tokens or 0, 1024),
-        sampling={name: getattr(config, name, None) for name in ("do_sample", "temperature", "top_p", "top_k")},
     )
 
     async def count_prompt(path: str, body: dict[str, Any]) -> int:
@@ -199,7 +203,9 @@ def build_app(
             inputs = await chat.run_in_thread(chat.render_messages, engine, messages, body)
         return len(inputs["input_ids"])
 
-    door_options = {"api_key": api_key, "admin": admin, "max_requests": max_requests}
+    # the seeds of requests that send none: --default-seed makes them a sequence (in arrival order)
+    seeds = random.Random(generation_state.seed) if generation_state.seed is not None else None
+    door_options = {"api_key": api_key, "admin": admin, "max_requests": max_requests, "seeds": seeds}
     app.add_middleware(FrontDoor, limits=limits, count_prompt=count_prompt, **door_options)
 
     def front_door() -> FrontDoor | None:  # Starlette builds the middleware stack at the first request
@@ -429,7 +435,13 @@ def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
         help="longest request, prompt and answer, in tokens (default: the model's context, or the paged "
         "cache's blocks x block size when both are given); a longer one is a 400",
     )
-    p.add_argument("--default-seed", type=int, default=None, help="torch seed of the model's process")
+    p.add_argument(
+        "--default-seed",
+        type=int,
+        default=None,
+        help="seeds the seeds of the requests that send none, in the order they come, and the model process's "
+        "torch (default: each such request gets a random seed)",
+    )
     p.add_argument("--log-level", default="warning", help="log level of the server (default warning)")
     p.add_argument(
         "--eager",

@@ -12,6 +12,10 @@ it reads the request, answers it or hands it on, and watches what is sent back):
   transformers renders them) plus the tokens to generate exceed the context (``--max-model-len``) or the
   paged cache is refused (:func:`check_length`), all with a 400 and an OpenAI error object naming the
   field: no request reaches the engine in a state that kills it;
+- each request's sampling is its own, whatever the model's generation config says: the request reaches
+  transformers' app with its temperature, top-k and top-p spelled out and a seed (one drawn for it when it
+  sends none; :func:`admitted_body`), which the engine's per-request sampler takes
+  (:class:`graphrunner_tools.serve_engine.ServedManager`);
 - a chat or completions stream ends with ``data: [DONE]``, OpenAI's wire format;
 - HTTP requests are counted by path and status (``/metrics``), a client that left before its answer as
   499, without a traceback.
@@ -26,8 +30,9 @@ import asyncio
 import hmac
 import json
 import math
+import random
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
@@ -36,8 +41,11 @@ __all__ = [
     "FrontDoor",
     "Limits",
     "RequestError",
+    "Sampling",
+    "admitted_body",
     "check_length",
     "check_request",
+    "request_sampling",
     "requested_new_tokens",
     "response_messages",
 ]
@@ -116,34 +124,17 @@ class Limits:
     ``max_model_len``: the longest request, prompt and answer, in tokens (transformers'
     ``GenerationState.context_length``: ``--max-model-len`` or the model's context); ``cache_tokens``: the
     paged cache's blocks x block size (``None``: not known yet); ``default_new_tokens``: the tokens to
-    generate when a request names none (transformers': the model's ``max_new_tokens``, at least 1024);
-    ``sampling``: the model's generation config's ``do_sample``, ``temperature``, ``top_p``, ``top_k``
-    (transformers' engine samples only where it does, and takes a request's temperature, top-p and top-k
-    only where the model's config makes their logits processors: temperature neither unset nor 1, top-p
-    below 1, top-k set and not 0)."""
+    generate when a request names none (transformers': the model's ``max_new_tokens``, at least 1024)."""
 
     max_model_len: int | None = None
     cache_tokens: int | None = None
     default_new_tokens: int = 1024
-    sampling: dict[str, Any] = field(default_factory=dict)
 
     @property
     def tokens(self) -> int | None:
         """The most tokens one request may hold, prompt and answer: the smaller of the context and the cache."""
         known = [n for n in (self.max_model_len, self.cache_tokens) if n is not None]
         return min(known) if known else None
-
-    def per_request(self, name: str) -> bool:
-        """Whether the engine takes sampling setting ``name`` per request (its logits processor exists)."""
-        s = self.sampling
-        if not s.get("do_sample"):
-            return False
-        value = s.get(name)
-        if name == "temperature":
-            return value is not None and value != 1.0
-        if name == "top_p":
-            return value is not None and value < 1.0
-        return value is not None and value != 0  # top_k
 
 
 def _is_int(value: Any) -> bool:
@@ -154,30 +145,32 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _sampling(name: str, value: Any, limits: Limits, where: str) -> None:
-    """``temperature``, ``top_p`` or ``top_k`` of a request: in range, and honoured by the engine."""
+#: The seeds ``torch.manual_seed`` takes (what a request's ``seed`` seeds: its own generator).
+SEEDS = range(-(2**63), 2**64)
+
+
+def _sampling(name: str, value: Any, where: str) -> None:
+    """``temperature``, ``top_p`` or ``top_k`` of a request: in range (each request samples with its own)."""
     if value is None:
         return
     if name == "top_k":
-        if not _is_int(value) or value < 0:
-            raise RequestError(f"{where} must be an integer >= 0 (0: off), got {value!r}", where)
+        if not _is_int(value) or value < -1:
+            raise RequestError(f"{where} must be an integer >= 0 (0 or -1: off), got {value!r}", where)
     elif not _is_number(value):
         raise RequestError(f"{where} must be a number, got {value!r}", where)
     elif name == "temperature" and not 0 <= value <= 2:
         raise RequestError(f"{where} must be between 0 and 2, got {value!r}", where)
     elif name == "top_p" and not 0 < value <= 1:
         raise RequestError(f"{where} must be greater than 0 and at most 1, got {value!r}", where)
-    no_op = {"temperature": 0, "top_p": 1, "top_k": 0}[name]
-    if value == no_op or limits.per_request(name):
-        return
-    if name == "temperature" and not limits.sampling.get("do_sample"):
-        why = "this model's generation config does not sample (do_sample is false): its answers are greedy"
-    else:
-        why = f"this model's generation config sets no {name} ({limits.sampling.get(name)!r}), so the engine takes none"
-    raise RequestError(f"{where}={value!r} is not supported: {why}; send {no_op} or leave it out", where)
 
 
-def _check_generation_config(text: Any, limits: Limits) -> None:
+def _generation_config(body: dict[str, Any]) -> dict[str, Any]:
+    """The request's ``generation_config`` (transformers' JSON of generation settings) as a dict (checked)."""
+    text = body.get("generation_config")
+    return json.loads(text) if text else {}
+
+
+def _check_generation_config(text: Any) -> None:
     if text is None:
         return
     try:
@@ -198,17 +191,65 @@ def _check_generation_config(text: Any, limits: Limits) -> None:
         raise RequestError(
             f"generation_config's max_new_tokens must be an integer >= 1, got {n!r}", "generation_config"
         )
-    if settings.get("do_sample") and not limits.sampling.get("do_sample"):
+    if settings.get("do_sample") is not None and not isinstance(settings["do_sample"], bool):
         raise RequestError(
-            "generation_config's do_sample is not supported: this model's generation config does not sample, and "
-            "the engine takes no sampling settings from a request",
-            "generation_config",
+            f"generation_config's do_sample must be true or false, got {settings['do_sample']!r}", "generation_config"
         )
     for name in ("temperature", "top_p", "top_k"):
         try:
-            _sampling(name, settings.get(name), limits, f"generation_config.{name}")
+            _sampling(name, settings.get(name), f"generation_config.{name}")
         except RequestError as exc:
             raise RequestError(exc.message, "generation_config") from None
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a request samples, whatever the model's generation config says: ``temperature`` (0: greedy),
+    ``top_k`` (0: off), ``top_p`` (1: off)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+
+
+def request_sampling(body: dict[str, Any]) -> Sampling:
+    """How a checked request (:func:`check_request`) samples: its ``temperature``, else ``generation_config``'s,
+    else 1 where ``generation_config`` says ``do_sample: true``, else 0 (greedy); ``do_sample: false`` is
+    greedy whatever the temperature (as transformers' ``generate``). ``top_p`` and ``top_k`` (vLLM's
+    parameter, beside OpenAI's): the request's, else ``generation_config``'s, else off (1 and 0; ``top_k``
+    -1 is off too). The model's own generation config is not read: the request says all."""
+    config = _generation_config(body)
+    temperature = body.get("temperature")
+    if temperature is None:
+        temperature = config.get("temperature")
+    if temperature is None:
+        temperature = 1.0 if config.get("do_sample") else 0.0
+    if config.get("do_sample") is False:
+        temperature = 0.0
+    top_p = body.get("top_p") if body.get("top_p") is not None else config.get("top_p")
+    top_k = body.get("top_k") if body.get("top_k") is not None else config.get("top_k")
+    return Sampling(float(temperature), max(int(top_k or 0), 0), float(1.0 if top_p is None else top_p))
+
+
+def admitted_body(body: dict[str, Any], seed: int) -> dict[str, Any]:
+    """A checked request's body as transformers' app gets it: its sampling (:func:`request_sampling`) spelled
+    out in its ``generation_config`` (``do_sample``, and ``temperature``, ``top_k``, ``top_p`` when it
+    samples), so that transformers' handler hands the engine exactly these and not the model's defaults;
+    ``top_k`` moved there (transformers' schemas have no ``top_k``); a ``seed`` always (``seed``: the one to
+    give a request that sends none), as the engine seeds each request's own generator with it."""
+    sampling = request_sampling(body)
+    config = {
+        k: v for k, v in _generation_config(body).items() if k not in ("do_sample", "temperature", "top_k", "top_p")
+    }
+    if sampling.temperature > 0:
+        config.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+    else:
+        config["do_sample"] = False
+    out = {k: v for k, v in body.items() if k != "top_k"}
+    out["generation_config"] = json.dumps(config)
+    if out.get("seed") is None:
+        out["seed"] = seed
+    return out
 
 
 def _check_content(content: Any, where: str, role: str) -> None:
@@ -300,14 +341,15 @@ def check_request(path: str, body: dict[str, Any], limits: Limits) -> None:
         value = body.get(name)
         if value is not None and (not _is_int(value) or value < 1):
             raise RequestError(f"{name} must be at least 1 (the tokens to generate), got {value!r}", name)
-    _sampling("temperature", body.get("temperature"), limits, "temperature")
-    _sampling("top_p", body.get("top_p"), limits, "top_p")
+    for name in ("temperature", "top_p", "top_k"):
+        _sampling(name, body.get(name), name)
     for name in ("stream",):
         if body.get(name) is not None and not isinstance(body[name], bool):
             raise RequestError(f"{name} must be true or false, got {body[name]!r}", name)
-    if body.get("seed") is not None and not _is_int(body["seed"]):
-        raise RequestError(f"seed must be an integer, got {body['seed']!r}", "seed")
-    _check_generation_config(body.get("generation_config"), limits)
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or seed not in SEEDS):
+        raise RequestError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}", "seed")
+    _check_generation_config(body.get("generation_config"))
     if path == "/v1/chat/completions":
         if "messages" not in body:
             raise RequestError("messages is missing: a chat completion needs a list of messages", "messages")
@@ -367,10 +409,12 @@ class FrontDoor:
     """ASGI middleware in front of transformers' app (see the module's docstring): API key, closed admin
     routes, a bound on requests in flight (429), request checks (400) and the stream's ``[DONE]``.
 
-    ``FrontDoor(app, limits=, count_prompt=, api_key=None, admin=False, max_requests=256)``:
+    ``FrontDoor(app, limits=, count_prompt=, api_key=None, admin=False, max_requests=256, seeds=None)``:
     ``count_prompt(path, body)`` returns the prompt's tokens as transformers will render them (awaited;
     its exception is a 400 naming the prompt: the chat template refused the messages); ``limits`` a
-    :class:`Limits` (read as each request comes). :attr:`http` counts answers by ``(path, status)``,
+    :class:`Limits` (read as each request comes); ``seeds`` a ``random.Random`` that draws the seed of each
+    request that sends none, one after another (default: the system's random source). A request admitted reaches the app as
+    :func:`admitted_body` writes it. :attr:`http` counts answers by ``(path, status)``,
     :attr:`in_flight` the generation requests admitted and not answered yet."""
 
     def __init__(
@@ -382,8 +426,10 @@ class FrontDoor:
         api_key: str | None = None,
         admin: bool = False,
         max_requests: int = 256,
+        seeds: random.Random | None = None,
     ) -> None:
         self.app, self.limits, self.count_prompt = app, limits, count_prompt
+        self.seeds = seeds if seeds is not None else random.SystemRandom()
         self.api_key, self.admin, self.max_requests = api_key, admin, max_requests
         self.http: dict[tuple[str, int], int] = {}
         self.in_flight = 0
@@ -473,9 +519,11 @@ class FrontDoor:
                 return
             if set_tokens is not None:  # the default, cut to what the context leaves
                 body[GENERATION_ROUTES[path][-1]] = set_tokens
-                raw = json.dumps(body).encode()
-                headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
-                scope = {**scope, "headers": [*headers, (b"content-length", str(len(raw)).encode())]}
+            seed = body["seed"] if body.get("seed") is not None else self.seeds.getrandbits(63)
+            body = admitted_body(body, seed)
+            raw = json.dumps(body).encode()
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
+            scope = {**scope, "headers": [*headers, (b"content-length", str(len(raw)).encode())]}
             messages = [{"type": "http.request", "body": raw, "more_body": False}]
             if body.get("stream") and path != "/v1/responses":
                 send = _ending_with_done(send)

@@ -1,38 +1,127 @@
 """The part of ``graphrunner serve`` that runs in the model's process: the loader that gives transformers' engine a
-model whose continuous-batching manager has graphs, and the engine's figures for ``/metrics``.
+model whose continuous-batching manager has graphs and samples per request, and the engine's figures for
+``/metrics``.
 
 transformers' serving app starts the model in a process of its own and loads it there with the server's
 ``ModelLoader`` (pickled; ``ModelManager(loader=...)``). :class:`GraphModelLoader` loads as transformers
 does and hands the engine a :class:`ServedModel`: the model, whose ``init_continuous_batching`` (what the
-engine calls to make its manager) makes the manager with :func:`graphrunner.hf.init_continuous_batching`.
+engine calls to make its manager) makes the manager with :func:`graphrunner.hf.init_continuous_batching`
+(or transformers' own, ``--eager``), its steps sampled per request
+(:func:`graphrunner.hf.model_runner.sample_per_request`), and hands the engine's runner that manager as a
+:class:`ServedManager`, which keeps each request's sampling settings and seed as it is added.
 Nothing of transformers' is replaced or patched. ``/metrics`` asks the process for :func:`engine_metrics`
 through transformers' ``EngineClient.submit``. Imports transformers' serving code (the ``serve`` extra).
 """
 
 from __future__ import annotations
 
+import copy
+import itertools
 from typing import Any
 
 from transformers.cli.serving.model_manager import ModelLoader
 
 from graphrunner.hf import graphs_of, init_continuous_batching
-from graphrunner.hf.internals import engine_state
+from graphrunner.hf.internals import REQUEST_SAMPLING_KEYS, engine_state, request_seed
+from graphrunner.hf.model_runner import sample_per_request
+from graphrunner.hf.sampling import RequestSampler, SamplingParams
 
-__all__ = ["GraphModelLoader", "ServedModel", "engine_metrics"]
+__all__ = ["GraphModelLoader", "ServedManager", "ServedModel", "engine_metrics"]
+
+
+class _SamplingKeys:
+    """What transformers serve's runner reads of a manager's logits processors: the sampling settings it may hand
+    a request (``supported_keys``), all of them, whatever the model's generation config."""
+
+    supported_keys = REQUEST_SAMPLING_KEYS
+
+
+class ServedManager:
+    """A continuous-batching manager (:attr:`wrapped`) as transformers serve's runner (``CBGenerateRunner``)
+    drives it, every request sampled per request by ``sampler`` (a :class:`~graphrunner.hf.sampling.RequestSampler`
+    installed on the manager's steps). Every attribute it does not have itself is the manager's.
+
+    It tells the runner it takes ``temperature``, ``top_k`` and ``top_p`` from every request
+    (``logit_processor.supported_keys``: transformers' manager takes them only where its model's generation
+    config makes their logits processors), and :meth:`add_request` keeps them, with the request's seed, in
+    ``sampler`` before the manager sees the request (which gets none of them: its steps are sampled by
+    ``sampler``); a request ends (:meth:`get_result`) or is cancelled: forgotten."""
+
+    def __init__(self, manager: Any, sampler: RequestSampler) -> None:
+        self.wrapped = manager
+        self.sampler = sampler
+        self.logit_processor = _SamplingKeys()
+        self._ids = itertools.count()
+
+    def __getattr__(self, name: str) -> Any:  # called only for names this object does not have
+        if name == "wrapped":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self.wrapped, name)
+
+    def add_request(self, input_ids: list[int], request_id: str | None = None, *args: Any, **kwargs: Any) -> str | None:
+        """The manager's ``add_request`` (its arguments), the request's sampling settings (``temperature``: 0 or
+        none is greedy, ``top_k``, ``top_p``) and seed kept first: the seed is the one transformers' runner set
+        for the request just before (:func:`~graphrunner.hf.internals.request_seed`). ``ValueError`` for a
+        setting out of range or another one."""
+        sampling = {name: kwargs.pop(name) for name in list(kwargs) if name in REQUEST_SAMPLING_KEYS}
+        unknown = sorted(set(kwargs) - {"max_new_tokens", "streaming", "record_timestamps", "eos_token_id"})
+        if unknown:
+            raise ValueError(f"continuous batching takes no {', '.join(unknown)} from a request")
+        params = SamplingParams(
+            temperature=float(sampling.get("temperature") or 0.0),
+            top_k=int(sampling.get("top_k") or 0),
+            top_p=float(sampling.get("top_p") or 1.0),
+            seed=request_seed(),
+        )
+        if request_id is None:
+            request_id = f"served_{next(self._ids)}"
+        self.sampler.add(request_id, params)
+        try:
+            added = self.wrapped.add_request(input_ids, request_id, *args, **kwargs)
+        except BaseException:
+            self.sampler.forget(request_id)
+            raise
+        if added is None:  # not taken (the manager stops)
+            self.sampler.forget(request_id)
+        return added
+
+    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> Any:
+        """The manager's ``get_result``; a request's last result (finished or failed) forgets its settings."""
+        output = self.wrapped.get_result(request_id=request_id, timeout=timeout)
+        if output is not None and output.is_finished():
+            self.sampler.forget(output.request_id)
+        return output
+
+    def cancel_request(self, request_id: str) -> None:
+        """The manager's ``cancel_request``; the request's settings forgotten (a step of it still running
+        samples it greedily: its token is dropped)."""
+        self.wrapped.cancel_request(request_id)
+        self.sampler.forget(request_id)
+
+
+def greedy_config(generation_config: Any) -> Any:
+    """A copy of ``generation_config`` that does not sample (``do_sample=False``): the manager made with it runs
+    no sampling logits processor (temperature, top-k, top-p, ...) of the model's own, as each request samples
+    with its own settings (:class:`ServedManager`); the model's other logits processors stay."""
+    config = copy.deepcopy(generation_config)
+    config.do_sample = False
+    return config
 
 
 class ServedModel:
     """A loaded transformers model as :class:`GraphModelLoader` hands it to transformers' serving engine: the
     model (:attr:`wrapped`; every attribute it does not have itself is the model's), whose
-    :meth:`init_continuous_batching` makes a manager with graphs and keeps it (:attr:`manager`, for
-    :func:`engine_metrics`). It does not own the model or change it: the manager is made on the model
-    itself, by :func:`graphrunner.hf.init_continuous_batching` (or, with ``graph_options=None``,
-    transformers' own ``init_continuous_batching``)."""
+    :meth:`init_continuous_batching` makes a manager with graphs, its steps sampled per request by
+    :attr:`sampler`, and keeps it (:attr:`manager`, for :func:`engine_metrics`). It does not own the model or
+    change it: the manager is made on the model itself, by :func:`graphrunner.hf.init_continuous_batching`
+    (or, with ``graph_options=None``, transformers' own ``init_continuous_batching``)."""
 
     def __init__(self, model: Any, graph_options: dict[str, Any] | None) -> None:
         self.wrapped = model
         self.graph_options = graph_options
         self.manager: Any = None
+        #: Each request's sampling settings and generator (:class:`ServedManager` keeps them).
+        self.sampler = RequestSampler()
 
     def __getattr__(self, name: str) -> Any:  # called only for names this object does not have
         if name == "wrapped":  # not set yet (a copy being made): no recursion
@@ -45,21 +134,29 @@ class ServedModel:
         """The model's manager (transformers' ``init_continuous_batching`` signature) with
         :func:`graphrunner.hf.init_continuous_batching`'s graphs, ``autocapture=True`` plus the options
         (``backend``, ``device``, ``buckets``, ``max_graphs``, ``replan_every``, ``replan_share``), or, with
-        ``graph_options=None`` (``--eager``), transformers' own."""
+        ``graph_options=None`` (``--eager``), transformers' own; either way made with the generation config
+        (default: the model's) less its sampling (:func:`greedy_config`), its steps sampled per request
+        (:func:`graphrunner.hf.model_runner.sample_per_request`), handed on as a :class:`ServedManager`."""
+        config = greedy_config(generation_config if generation_config is not None else self.wrapped.generation_config)
         if self.graph_options is None:
-            self.manager = self.wrapped.init_continuous_batching(
-                generation_config, continuous_batching_config, workload_hints
-            )
+            manager = self.wrapped.init_continuous_batching(config, continuous_batching_config, workload_hints)
+            manager.warmup()  # makes its batch processor (the engine's runner calls it again: it is made once)
         else:
-            self.manager = init_continuous_batching(
+            manager = init_continuous_batching(
                 self.wrapped,
-                generation_config,
+                config,
                 continuous_batching_config,
                 workload_hints,
                 autocapture=True,
                 **self.graph_options,
             )
-        return self.manager
+        try:
+            sample_per_request(manager.batch_processor, self.sampler)
+        except BaseException:
+            manager.destroy()
+            raise
+        self.manager = manager
+        return ServedManager(manager, self.sampler)
 
 
 class GraphModelLoader(ModelLoader):

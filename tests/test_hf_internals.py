@@ -39,7 +39,7 @@ def manager_of(arch="llama", **cb):
 def test_every_entry_is_documented_with_its_test():
     doc = open("docs/continuous-batching.md").read()
     section = doc[doc.index("## transformers internals") :]
-    assert internals.CHECKED_WITH in section and len(internals.INTERNALS) <= 4
+    assert internals.CHECKED_WITH in section and len(internals.INTERNALS) <= 5
     for name in internals.INTERNALS:
         assert f"`{name}`" in section, name
     assert section.count("tests/test_hf_internals.py::") >= len(internals.INTERNALS)
@@ -141,4 +141,62 @@ def test_the_step_methods_are_wrapped_and_run_through_the_wrapper():
     with pytest.raises(internals.TransformersChanged, match=rf"_generation_step.*{CHECKED}"):
         internals.wrap_step_methods(bare, wrap)
     assert bare.prepare_next_batch is original, "nothing wrapped when one is missing"
+    manager.destroy()
+
+
+def test_the_serving_runner_hands_a_requests_seed_and_sampling_to_the_served_manager():
+    """transformers serve's ``CBGenerateRunner.generate`` (its own code; the object made without its threads)
+    seeds the default generator with a request's seed right before ``manager.add_request`` (read there:
+    ``request_seed``) and passes the sampling settings ``logit_processor.supported_keys`` names; the step's
+    sampling is ``ModelRunner._sample(scores, output_ids)`` over the requests that get a token."""
+    import threading
+
+    from transformers.cli.serving.utils import CBGenerateRunner
+    from transformers.generation.continuous_batching.model_runner import ModelRunner
+
+    from graphrunner.hf.sampling import RequestSampler, SamplingParams
+    from graphrunner_tools.serve_engine import ServedManager
+
+    added = []
+
+    class Manager:  # what the served manager hands on
+        background_thread_status = types.SimpleNamespace(fatal_error=None)
+        logit_processor = types.SimpleNamespace(supported_keys={})  # a model config that does not sample
+
+        def add_request(self, input_ids, request_id=None, **kwargs):
+            added.append((request_id, kwargs))
+            return request_id
+
+    def runner_over(manager):
+        runner = object.__new__(CBGenerateRunner)  # its generate() alone, without its threads and manager
+        runner.manager, runner.lock, runner.active_requests = manager, threading.Lock(), {}
+        runner.prompt_tokens = runner.generated_tokens = 0
+        return runner
+
+    sampler = RequestSampler()
+    runner = runner_over(ServedManager(Manager(), sampler))
+    base = {"max_new_tokens": 4, "eos_token_id": -1}
+    sample = {**base, "do_sample": True, "temperature": 0.5, "top_k": 3, "top_p": 0.9}
+    runner.generate(7, {"input_ids": [1, 2, 3]}, {**sample, "seed": 1234}, False)
+    greedy = {**base, "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
+    runner.generate(8, {"input_ids": [1, 2]}, {**greedy, "seed": 2**64 - 9}, True)
+    assert sampler.params("7") == SamplingParams(temperature=0.5, top_k=3, top_p=0.9, seed=1234)
+    assert sampler.params("8") == SamplingParams(top_k=1, seed=2**64 - 9)  # greedy: transformers says top_k=1
+    assert added == [("7", {"streaming": False, **base}), ("8", {"streaming": True, **base})]
+    # negative control: transformers' own manager of a model that does not sample gets no setting at all
+    added.clear()
+    runner_over(Manager()).generate(9, {"input_ids": [1]}, {**sample, "seed": 5}, False)
+    assert added == [("9", {"streaming": False, **base})]
+    # the sampling step and its rows
+    internals.check_sampling_step(ModelRunner)
+    with pytest.raises(internals.TransformersChanged, match=rf"ModelRunner._sample.*{CHECKED}"):
+        internals.check_sampling_step(type("Runner", (), {"_sample": lambda self, scores: None}))
+    _, manager = manager_of()
+    io = manager.batch_processor.inputs_and_outputs
+    assert internals.step_rows(io) == []
+    req = types.SimpleNamespace
+    io.requests_in_batch = [req(state=req(request_id=r), has_new_token=r != "b") for r in "abc"]
+    assert internals.step_rows(io) == ["a", "c"]
+    with pytest.raises(internals.TransformersChanged, match=rf"'requests_in_batch'.*{CHECKED}"):
+        internals.step_rows(types.SimpleNamespace())
     manager.destroy()

@@ -159,7 +159,7 @@ CASES = [
     ("/v1/completions", {"prompt": "hi", "stop": "e"}, 400, "stop", "not supported"),
     (CHAT, {"messages": HI, "temperature": -1}, 400, "temperature", "between 0 and 2"),
     (CHAT, {"messages": HI, "temperature": 3}, 400, "temperature", "between 0 and 2"),
-    (CHAT, {"messages": HI, "temperature": 0.7}, 400, "temperature", "greedy"),
+    (CHAT, {"messages": HI, "top_k": -2}, 400, "top_k", "integer >= 0"),
     (CHAT, {"messages": HI, "top_p": 0}, 400, "top_p", "greater than 0"),
     (CHAT, {"messages": HI, "top_p": 1.5}, 400, "top_p", "at most 1"),
     (CHAT, {"messages": HI, "max_tokens": 0}, 400, "max_tokens", "at least 1"),
@@ -177,6 +177,10 @@ CASES = [
     # admin routes closed, the API key required
     ("/reset", {}, 404, None, "--admin"),
     ("/load_model", {"model": "x"}, 404, None, "--admin"),
+    # the sampling settings each request samples with: out of range (tests/test_serve_sampling.py: honoured)
+    (CHAT, {"messages": HI, "seed": 2**64}, 400, "seed", "[-2**63, 2**64)"),
+    (CHAT, {"messages": HI, "seed": "7"}, 400, "seed", "integer"),
+    (CHAT, {"messages": HI, "generation_config": '{"do_sample": "yes"}'}, 400, "generation_config", "do_sample"),
 ]
 
 
@@ -317,9 +321,9 @@ def test_admin_opens_the_reset_routes_and_the_checks_refuse_without_a_server():
     for admin, status in ((False, 404), (True, 200)):
         app = FrontDoor(inner, limits=Limits(max_model_len=100), count_prompt=count, admin=admin)
         assert _asgi_status(app, "POST", "/reset") == status
-    limits = Limits(max_model_len=100, cache_tokens=64, sampling={"do_sample": True, "temperature": 0.6})
-    check_request(CHAT, {"messages": HI, "temperature": 0.9, "n": 1, "stop": None}, limits)  # honoured
-    for body in ({"messages": HI, "top_p": 0.5}, {"messages": HI, "temperature": 2.5}):
+    limits = Limits(max_model_len=100, cache_tokens=64)
+    check_request(CHAT, {"messages": HI, "temperature": 0.9, "top_p": 0.5, "n": 1, "stop": None}, limits)  # honoured
+    for body in ({"messages": HI, "top_p": 0}, {"messages": HI, "temperature": 2.5}, {"messages": HI, "top_k": 1.5}):
         with pytest.raises(RequestError):
             check_request(CHAT, body, limits)
     assert check_length(CHAT, {"messages": HI, "max_tokens": 54}, 10, limits) is None

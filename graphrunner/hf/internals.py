@@ -21,23 +21,30 @@ them.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from graphrunner.errors import GraphRunnerError
 
 __all__ = [
     "CHECKED_WITH",
     "INTERNALS",
+    "REQUEST_SAMPLING_KEYS",
     "AllocatorLayout",
     "TransformersChanged",
     "allocator_layout",
     "attention_implementation",
+    "check_sampling_step",
     "config_attention_implementation",
     "engine_state",
     "forget_kept_manager",
     "kept_manager",
+    "request_seed",
+    "step_rows",
     "wrap_step_methods",
 ]
 
@@ -63,6 +70,14 @@ INTERNALS = {
         "wrapped on the batch processor of a server's manager (autocapture), so that no background key "
         "capture runs beside transformers' cache writes outside the forward (prefix-cache forks, offloading) "
         "and its sampling"
+    ),
+    "CBGenerateRunner's request settings / ModelRunner._sample": (
+        "sampling per request: transformers serve's continuous-batching runner hands a request's seed to the "
+        "model's process only as torch.manual_seed(seed), called right before manager.add_request in the same "
+        "thread (read there: request_seed), and its temperature, top_k and top_p only where "
+        "manager.logit_processor.supported_keys names them; ModelRunner._sample(scores, output_ids) is the "
+        "step's sampling, whose rows are the step's requests that get a token (requests_in_batch, "
+        "has_new_token), in order"
     ),
 }
 
@@ -204,3 +219,41 @@ def wrap_step_methods(bp: Any, wrap: Callable[[Callable[..., Any]], Callable[...
         )
     for m in STEP_METHODS:
         setattr(bp, m, wrap(getattr(bp, m)))
+
+
+# --------------------------------------------------------------------------- 5. the request's sampling
+
+#: What transformers serve's continuous-batching runner (``CBGenerateRunner``) hands a manager of a request's
+#: sampling settings, with their types: the names of ``manager.logit_processor.supported_keys`` it passes on
+#: to ``manager.add_request`` (cast to these types); the seed comes apart (:func:`request_seed`).
+REQUEST_SAMPLING_KEYS: dict[str, type] = {"temperature": float, "top_k": int, "top_p": float}
+
+_SAMPLING = "CBGenerateRunner's request settings / ModelRunner._sample"
+
+
+def request_seed() -> int:
+    """The seed of the request being added, inside ``manager.add_request`` as transformers serve's
+    ``CBGenerateRunner.generate`` calls it: it sets a request's seed as the default generator's
+    (``torch.manual_seed(seed)``) in the thread that calls ``add_request`` next, and hands it no other way
+    (``torch.initial_seed()``: draws from the generator do not change it; a seed of ``torch.manual_seed``'s
+    negative range reads as its 64-bit two's complement)."""
+    return int(torch.initial_seed())
+
+
+def check_sampling_step(runner_class: type) -> None:
+    """Raise :class:`TransformersChanged` unless ``runner_class`` (transformers' ``ModelRunner``) samples a step
+    in ``_sample(scores, output_ids)``."""
+    fn = getattr(runner_class, "_sample", None)
+    params = list(inspect.signature(fn).parameters) if callable(fn) else None
+    if params != ["self", "scores", "output_ids"]:
+        raise _changed(_SAMPLING, f"{runner_class.__name__}._sample{'' if params is None else tuple(params)}")
+
+
+def step_rows(io: Any) -> list[str]:
+    """The request ids of a step's logits rows, in order: the step's requests (``io.requests_in_batch``, of
+    transformers' ``ContinuousBatchingIOs``) that get a new token this step. Raises
+    :class:`TransformersChanged` naming what is missing."""
+    try:
+        return [fs.state.request_id for fs in io.requests_in_batch if fs.has_new_token]
+    except AttributeError as exc:
+        raise _changed(_SAMPLING, f"no {exc.name!r} on the step's requests: {exc}") from exc
