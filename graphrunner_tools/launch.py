@@ -19,8 +19,9 @@ Two ways a tool (``graphrunner loadtest``, ``graphrunner verify``) gets its rank
   group; one that raised leaves it (a collective may still be pending) and exits with code 1
   (``sys.exit``; never ``os._exit``). The launcher then stops every other rank (SIGTERM, SIGKILL
   after 5 s): one failed rank ends the run on every rank. The whole run is bounded by ``timeout``:
-  ranks still running then are killed (SIGKILL) and reported as timed out, and the launcher
-  returns. Every rank's outcome is one :class:`RankOutcome`.
+  ranks still running then are stopped (SIGTERM, SIGKILL after 5 s) and reported as timed out, and the launcher
+  returns (the elastic agent's own shutdown, through its SIGTERM handler: ``launch_ranks`` runs in
+  the main thread). Every rank's outcome is one :class:`RankOutcome`.
 
 * Under ``torchrun`` (one node or several): :func:`torchrun_env` reads the worker's environment and
   :func:`run_joined` runs this rank's part in this process: it joins torchrun's group
@@ -174,8 +175,15 @@ def torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv | None
     return TorchrunEnv(rank, world, local_rank, local_world, env["MASTER_ADDR"], port)
 
 
-def _join(backend: str, local_rank: int, threads: int | None, init_timeout: float) -> None:
-    """Join torchrun's (or the elastic launcher's) group from the environment (``env://``)."""
+def _join(backend: str, local_rank: int, threads: int | None, init_timeout: float) -> Any:
+    """Join torchrun's (or the elastic launcher's) group from the environment and return the group's
+    key-value store (a ``torch.distributed.TCPStore``), or ``None`` when the group was already joined.
+
+    The store is made here with the public ``TCPStore``, as ``env://`` makes it: a client of the
+    elastic agent's store when the agent hosts it (``TORCHELASTIC_USE_AGENT_STORE=True``: torchrun,
+    ``elastic_launch``), else hosted by rank 0; the group is initialised on it
+    (``init_process_group(store=...)``), so the outcomes can travel through it without reaching into
+    torch's private default store."""
     import torch
     import torch.distributed as dist
 
@@ -183,8 +191,30 @@ def _join(backend: str, local_rank: int, threads: int | None, init_timeout: floa
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
     bind_gpu(local_rank)  # before NCCL's init: its communicator uses the current device
-    if not dist.is_initialized():
+    if dist.is_initialized():
+        return None
+    env = torchrun_env()
+    if env is None:  # not a worker's environment: env:// names what is missing
         dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=init_timeout))
+        return None
+    timeout = datetime.timedelta(seconds=init_timeout)
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(
+        env.master_addr,
+        env.master_port,
+        world_size=env.world_size,
+        is_master=env.rank == 0 and not agent_hosts,
+        timeout=timeout,
+        multi_tenant=True,
+    )
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("default_pg", store),
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timeout,
+    )
+    return store
 
 
 def _failure(exc: BaseException) -> tuple[str, str, Any]:
@@ -226,7 +256,7 @@ def run_joined(
         )
     import torch.distributed as dist
 
-    _join(backend, env.local_rank, threads, init_timeout)
+    store = _join(backend, env.local_rank, threads, init_timeout)
     mine = RankOutcome(rank=env.rank)
     try:
         mine.value = fn(env.rank, env.world_size, *args)
@@ -234,7 +264,7 @@ def run_joined(
         mine.ok = True
     except Exception as exc:  # noqa: BLE001 - reported as this rank's outcome
         mine.error, mine.traceback, mine.value = _failure(exc)
-    outcomes = _exchange(mine, env, exchange_timeout)
+    outcomes = _exchange(mine, env, exchange_timeout, store)
     if mine.ok:
         try:
             dist.destroy_process_group()
@@ -243,16 +273,23 @@ def run_joined(
     return env, outcomes
 
 
-def _exchange(mine: RankOutcome, env: TorchrunEnv, timeout: float) -> list[RankOutcome]:
-    """Every rank's outcome, through the default group's store (no collective: none can be left in
-    flight at exit, and a rank whose group failed can still report)."""
+def _exchange(mine: RankOutcome, env: TorchrunEnv, timeout: float, store: Any = None) -> list[RankOutcome]:
+    """Every rank's outcome, through the group's store (no collective: none can be left in flight at
+    exit, and a rank whose group failed can still report). ``store``: the one :func:`_join` made;
+    ``None`` (the group was joined before) opens a client of torchrun's store."""
     import torch.distributed as dist
 
     prefix = f"graphrunner/outcome/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     outcomes: list[RankOutcome | None] = [None] * env.world_size
     outcomes[env.rank] = mine
     try:
-        store = dist.distributed_c10d._get_default_store()
+        if store is None:
+            store = dist.TCPStore(
+                env.master_addr,
+                env.master_port,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
         store.set(f"{prefix}/{env.rank}", pickle.dumps(mine))
         deadline = time.monotonic() + timeout
         missing = [r for r in range(env.world_size) if r != env.rank]
@@ -323,24 +360,16 @@ def _read(folder: str, name: str) -> Any:
         return None
 
 
-def _is_child(pid: int) -> bool:
-    """Whether ``pid`` is still a child of this process (never kill a reused pid)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-        return int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid()
-    except (OSError, ValueError, IndexError):
-        return False
-
-
 class _Deadline:
-    """Kills (SIGKILL) the ranks of a :func:`launch_ranks` run still alive ``timeout`` seconds after
-    it starts, reported or not (a rank stuck on its way out would hold the launcher too);
-    elastic_launch has no deadline of its own. ``killed``: their ranks."""
+    """Stops a :func:`launch_ranks` run still going ``timeout`` seconds after it starts (elastic_launch
+    has no deadline of its own) through the elastic agent's own shutdown: a SIGTERM to this process,
+    which the agent's handler (``LaunchConfig.signals_to_handle``) turns into its ``SignalException``,
+    stopping every rank (SIGTERM, SIGKILL after the config's ``shutdown_timeout``). ``fired``: whether
+    it did (so that the launcher tells the deadline from a SIGTERM of the user's)."""
 
-    def __init__(self, report_dir: str, world_size: int, timeout: float) -> None:
-        self.report_dir, self.world_size, self.timeout = report_dir, world_size, timeout
-        self.killed: list[int] = []
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.fired = False
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="graphrunner-launch-deadline", daemon=True)
 
@@ -355,14 +384,8 @@ class _Deadline:
     def _run(self) -> None:
         if self._done.wait(self.timeout):
             return
-        for r in range(self.world_size):
-            pid = _read(self.report_dir, f"rank{r}.pid")
-            if pid is not None and _is_child(pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    self.killed.append(r)
-                except ProcessLookupError:
-                    pass
+        self.fired = True
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class _QuietElastic:
@@ -425,6 +448,11 @@ def launch_ranks(
         raise ValueError(f"launch_ranks: world_size must be >= 1, got {world_size}")
     if not timeout > 0:
         raise ValueError(f"launch_ranks: timeout must be > 0 seconds, got {timeout}")
+    if threading.current_thread() is not threading.main_thread():
+        raise ValueError(
+            "launch_ranks: call it from the main thread: torch's elastic agent stops the ranks (on a failure, "
+            "Ctrl-C, SIGTERM or the deadline) through signal handlers, which only the main thread can install"
+        )
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -450,13 +478,14 @@ def launch_ranks(
     interrupted: BaseException | None = None
     t0 = time.monotonic()
     try:
-        with _QuietElastic(), _Deadline(report_dir, world_size, timeout) as deadline:
+        with _QuietElastic(), _Deadline(timeout) as deadline:
             try:
                 elastic_launch(config, _rank_main)(fn, tuple(args), report_dir, backend, threads, init_timeout)
             except ChildFailedError as exc:
                 failures = dict(exc.failures)
-            except SignalException as exc:  # Ctrl-C or a kill of this process: the ranks are already stopped
-                interrupted = KeyboardInterrupt() if exc.sigval == signal.SIGINT else exc
+            except SignalException as exc:  # the deadline, Ctrl-C or a kill of this process: the ranks are stopped
+                if not (deadline.fired and exc.sigval == signal.SIGTERM):
+                    interrupted = KeyboardInterrupt() if exc.sigval == signal.SIGINT else exc
             except Exception as exc:  # noqa: BLE001 - the launcher itself failed (e.g. its rendezvous)
                 launch_error = f"torch's elastic launcher failed: {type(exc).__name__}: {exc}"
         for r, out in enumerate(outcomes):
@@ -470,7 +499,7 @@ def launch_ranks(
                 out.ok, out.value = True, report[1]
             elif report is not None:
                 out.error, out.traceback, out.value = report[1], report[2], report[3]
-            elif r in deadline.killed:
+            elif deadline.fired:
                 out.timed_out = True
                 out.error = f"rank {r} still running at the deadline ({timeout:g}s after the start): killed"
             elif launch_error is not None:
