@@ -51,7 +51,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PartialResult", "RankOutcome", "TorchrunEnv", "bind_gpu", "launch_ranks", "run_joined", "torchrun_env"]
+__all__ = [
+    "PartialResult",
+    "RankOutcome",
+    "TorchrunEnv",
+    "bind_gpu",
+    "join_group",
+    "launch_ranks",
+    "run_joined",
+    "torchrun_env",
+]
 
 #: The environment a torchrun worker has (``torchrun`` and ``elastic_launch`` set them all).
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -217,6 +226,21 @@ def _join(backend: str, local_rank: int, threads: int | None, init_timeout: floa
     return store
 
 
+def join_group(backend: str = "gloo", init_timeout: float = 60.0, threads: int | None = None) -> Any:
+    """Join torchrun's (or :func:`launch_ranks`') group from this process's environment (a torchrun
+    worker's, or inherited from one: the model's process a rank of ``graphrunner serve --tp`` starts)
+    and return its key-value store (``None`` when the group was joined already). ``backend``:
+    ``"gloo"`` or ``"nccl"``; ``init_timeout`` bounds the rendezvous and every collective of the
+    group. Raises ``ValueError`` when the environment is not a torchrun worker's."""
+    env = torchrun_env()
+    if env is None:
+        raise ValueError(
+            f"join_group: not a torchrun worker ({', '.join(TORCHRUN_VARS)} are not set); run it under torchrun, "
+            "or start ranks with launch_ranks"
+        )
+    return _join(backend, env.local_rank, threads, init_timeout)
+
+
 def _failure(exc: BaseException) -> tuple[str, str, Any]:
     """``(error, traceback, partial value)`` of a rank's exception (the value only when picklable)."""
     partial = exc.value if isinstance(exc, PartialResult) else None
@@ -318,14 +342,26 @@ def _exchange(mine: RankOutcome, env: TorchrunEnv, timeout: float, store: Any = 
 
 # --------------------------------------------------------------------------- ranks through elastic_launch
 def _rank_main(
-    fn: Callable[..., Any], args: tuple, report_dir: str, backend: str, threads: int, init_timeout: float
+    fn: Callable[..., Any],
+    args: tuple,
+    report_dir: str,
+    backend: str | None,
+    threads: int,
+    init_timeout: float,
 ) -> None:
-    """One rank started by :func:`launch_ranks` (a worker of ``elastic_launch``, environment as under torchrun)."""
+    """One rank started by :func:`launch_ranks` (a worker of ``elastic_launch``, environment as under torchrun);
+    ``backend=None``: ``fn`` joins the group itself (or has a process of its own join it)."""
     rank = int(os.environ["RANK"])
     _write(report_dir, f"rank{rank}.pid", os.getpid())
     ok = False
     try:
-        _join(backend, int(os.environ.get("LOCAL_RANK", rank)), threads, init_timeout)
+        if backend is None:
+            import torch
+
+            os.environ["OMP_NUM_THREADS"] = str(threads)
+            torch.set_num_threads(threads)
+        else:
+            _join(backend, int(os.environ.get("LOCAL_RANK", rank)), threads, init_timeout)
         value = fn(rank, int(os.environ["WORLD_SIZE"]), *args)
         pickle.dumps(value)  # an unpicklable result is this rank's error, reported below
         report: tuple[Any, ...] = ("ok", value)
@@ -337,7 +373,8 @@ def _rank_main(
         import torch.distributed as dist
 
         try:
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - the result is already reported
             pass
     else:
@@ -367,7 +404,7 @@ class _Deadline:
     stopping every rank (SIGTERM, SIGKILL after the config's ``shutdown_timeout``). ``fired``: whether
     it did (so that the launcher tells the deadline from a SIGTERM of the user's)."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float | None) -> None:
         self.timeout = timeout
         self.fired = False
         self._done = threading.Event()
@@ -382,7 +419,7 @@ class _Deadline:
         self._thread.join()
 
     def _run(self) -> None:
-        if self._done.wait(self.timeout):
+        if self._done.wait(self.timeout):  # None: until the run ends
             return
         self.fired = True
         os.kill(os.getpid(), signal.SIGTERM)
@@ -424,10 +461,12 @@ def launch_ranks(
     fn: Callable[..., Any],
     world_size: int,
     args: Sequence[Any] = (),
-    timeout: float = 600.0,
+    timeout: float | None = 600.0,
     init_timeout: float = 60.0,
     threads: int = 1,
     backend: str = "gloo",
+    join: bool = True,
+    stop_grace: float = STOP_GRACE,
 ) -> list[RankOutcome]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes started by torch's elastic
     launcher; one :class:`RankOutcome` per rank (module docstring).
@@ -436,7 +475,11 @@ def launch_ranks(
     ``spawn`` processes). torch.distributed (``backend``: ``"gloo"`` or ``"nccl"``; local rank
     ``r`` on GPU ``r`` either way when there are GPUs) is initialised from the environment before
     ``fn`` runs; ``init_timeout`` bounds the rendezvous and every collective of the default group.
-    ``timeout`` bounds the whole run: ranks that have not reported by then are killed. The first
+    ``timeout`` bounds the whole run: ranks that have not reported by then are killed (``None``: no
+    deadline, a server's). ``join=False``: the ranks do not join torch.distributed before ``fn``, which
+    joins it itself (:func:`join_group`), or has a process it starts join it in its place (the environment
+    is a torchrun worker's either way). ``stop_grace``: seconds the launcher's SIGTERM to the ranks
+    (one failed, Ctrl-C, SIGTERM, the deadline) waits before its SIGKILL. The first
     rank that fails ends the run: the launcher stops the others, whose outcomes say so. Never
     raises for a failing rank: read the outcomes. Raises ``ValueError`` for ``world_size < 1``,
     a non-positive ``timeout`` or another backend; ``KeyboardInterrupt`` on Ctrl-C (SIGINT) and
@@ -446,8 +489,8 @@ def launch_ranks(
         raise ValueError(f"launch_ranks: backend must be 'gloo' or 'nccl', got {backend!r}")
     if world_size < 1:
         raise ValueError(f"launch_ranks: world_size must be >= 1, got {world_size}")
-    if not timeout > 0:
-        raise ValueError(f"launch_ranks: timeout must be > 0 seconds, got {timeout}")
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"launch_ranks: timeout must be > 0 seconds (or None: no deadline), got {timeout}")
     if threading.current_thread() is not threading.main_thread():
         raise ValueError(
             "launch_ranks: call it from the main thread: torch's elastic agent stops the ranks (on a failure, "
@@ -470,7 +513,7 @@ def launch_ranks(
         max_restarts=0,
         start_method="spawn",
         monitor_interval=0.1,
-        shutdown_timeout=STOP_GRACE,
+        shutdown_timeout=int(max(1, stop_grace)),
     )
     outcomes = [RankOutcome(rank=r) for r in range(world_size)]
     failures: dict[int, Any] = {}
@@ -480,7 +523,9 @@ def launch_ranks(
     try:
         with _QuietElastic(), _Deadline(timeout) as deadline:
             try:
-                elastic_launch(config, _rank_main)(fn, tuple(args), report_dir, backend, threads, init_timeout)
+                elastic_launch(config, _rank_main)(
+                    fn, tuple(args), report_dir, backend if join else None, threads, init_timeout
+                )
             except ChildFailedError as exc:
                 failures = dict(exc.failures)
             except SignalException as exc:  # the deadline, Ctrl-C or a kill of this process: the ranks are stopped
