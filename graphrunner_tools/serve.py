@@ -253,7 +253,7 @@ def serve(args: argparse.Namespace) -> int:
     if getattr(args, "tp", 1) > 1:
         from graphrunner_tools.serve_tp import serve_tp
 
-        return serve_tp(args)
+        return serve_tp(args, (serve_http, engine_parts))
     return serve_http(args)
 
 

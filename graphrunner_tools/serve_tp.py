@@ -36,7 +36,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from graphrunner_tools.launch import join_group, launch_ranks, torchrun_env
@@ -118,7 +118,14 @@ class TPModelLoader(GraphModelLoader):
 
 
 # --------------------------------------------------------------------------- the ranks
-def serve_tp(args: argparse.Namespace) -> int:
+#: ``(args) -> exit code``: rank 0's HTTP server (``graphrunner_tools.serve.serve_http``), and ``(args) ->
+#: (model_dir, cb_config, generation_state, graph_options)`` (``graphrunner_tools.serve.engine_parts``): handed in
+#: by ``graphrunner_tools.serve``, which imports this module (not the other way round).
+EngineParts = Callable[[argparse.Namespace], tuple[str, Any, Any, Any]]
+Parts = tuple[Callable[[argparse.Namespace], int], EngineParts]
+
+
+def serve_tp(args: argparse.Namespace, parts: Parts) -> int:
     """``graphrunner serve --tp N``: under torchrun this process is one rank (its part: :func:`run_rank`);
     otherwise N ranks are started with torch's elastic launcher and this process waits for them: exit 0
     after a stop (SIGTERM, Ctrl+C), 1 naming the rank that failed and its cause."""
@@ -132,7 +139,7 @@ def serve_tp(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        return run_rank(env.rank, env.world_size, args)
+        return run_rank(env.rank, env.world_size, args, parts)
     from torch.distributed.elastic.multiprocessing import SignalException
 
     print(f"graphrunner serve: starting {args.tp} tensor-parallel ranks", file=sys.stderr, flush=True)
@@ -140,7 +147,7 @@ def serve_tp(args: argparse.Namespace) -> int:
         outcomes = launch_ranks(
             run_rank,
             args.tp,
-            args=(args,),
+            args=(args, parts),
             timeout=None,
             init_timeout=args.tp_timeout,
             backend=_backend(args.device),
@@ -166,14 +173,13 @@ def serve_tp(args: argparse.Namespace) -> int:
     return 1
 
 
-def run_rank(rank: int, world_size: int, args: argparse.Namespace) -> int:
+def run_rank(rank: int, world_size: int, args: argparse.Namespace, parts: Parts) -> int:
     """One rank's part: rank 0 serves HTTP (its model's process drives), the others follow. Returns the
     exit code."""
+    serve_http, engine_parts = parts
     if rank == 0:
-        from graphrunner_tools.serve import serve_http
-
         return serve_http(args)
-    return _follow(rank, world_size, args)
+    return _follow(rank, world_size, args, engine_parts)
 
 
 def make_loader(args: argparse.Namespace, options: dict[str, Any] | None) -> TPModelLoader:
@@ -194,11 +200,9 @@ def make_loader(args: argparse.Namespace, options: dict[str, Any] | None) -> TPM
     )
 
 
-def _follow(rank: int, world_size: int, args: argparse.Namespace) -> int:
+def _follow(rank: int, world_size: int, args: argparse.Namespace, engine_parts: EngineParts) -> int:
     """A follower rank: the driver's manager, made and started here, follows the driver until it stops."""
     from transformers.generation.continuous_batching.utils import WorkloadHints
-
-    from graphrunner_tools.serve import engine_parts
 
     stopping = threading.Event()
 
