@@ -159,7 +159,8 @@ def serve_tp(args: argparse.Namespace, parts: Parts) -> int:
     failed = [o for o in outcomes if not o.ok or (o.value or 0) != 0]
     if not failed:
         return 0
-    first = failed[0]
+    # the cause: a rank that died or raised, before one that returned non-zero because its peer was gone
+    first = next((o for o in failed if not o.ok), failed[0])
     for o in outcomes:
         if o.ok and o.value:
             print(f"graphrunner serve: rank {o.rank} exited with {o.value}", file=sys.stderr)
