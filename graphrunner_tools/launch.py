@@ -19,8 +19,9 @@ Two ways a tool (``graphrunner loadtest``, ``graphrunner verify``) gets its rank
   group; one that raised leaves it (a collective may still be pending) and exits with code 1
   (``sys.exit``; never ``os._exit``). The launcher then stops every other rank (SIGTERM, SIGKILL
   after 5 s): one failed rank ends the run on every rank. The whole run is bounded by ``timeout``:
-  ranks still running then are killed (SIGKILL) and reported as timed out, and the launcher
-  returns. Every rank's outcome is one :class:`RankOutcome`.
+  ranks still running then are stopped (SIGTERM, SIGKILL after 5 s) and reported as timed out, and the launcher
+  returns (the elastic agent's own shutdown, through its SIGTERM handler: ``launch_ranks`` runs in
+  the main thread). Every rank's outcome is one :class:`RankOutcome`.
 
 * Under ``torchrun`` (one node or several): :func:`torchrun_env` reads the worker's environment and
   :func:`run_joined` runs this rank's part in this process: it joins torchrun's group
@@ -50,7 +51,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PartialResult", "RankOutcome", "TorchrunEnv", "bind_gpu", "launch_ranks", "run_joined", "torchrun_env"]
+__all__ = [
+    "PartialResult",
+    "RankOutcome",
+    "TorchrunEnv",
+    "bind_gpu",
+    "join_group",
+    "launch_ranks",
+    "run_joined",
+    "torchrun_env",
+]
 
 #: The environment a torchrun worker has (``torchrun`` and ``elastic_launch`` set them all).
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -174,8 +184,15 @@ def torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv | None
     return TorchrunEnv(rank, world, local_rank, local_world, env["MASTER_ADDR"], port)
 
 
-def _join(backend: str, local_rank: int, threads: int | None, init_timeout: float) -> None:
-    """Join torchrun's (or the elastic launcher's) group from the environment (``env://``)."""
+def _join(backend: str, local_rank: int, threads: int | None, init_timeout: float) -> Any:
+    """Join torchrun's (or the elastic launcher's) group from the environment and return the group's
+    key-value store (a ``torch.distributed.TCPStore``), or ``None`` when the group was already joined.
+
+    The store is made here with the public ``TCPStore``, as ``env://`` makes it: a client of the
+    elastic agent's store when the agent hosts it (``TORCHELASTIC_USE_AGENT_STORE=True``: torchrun,
+    ``elastic_launch``), else hosted by rank 0; the group is initialised on it
+    (``init_process_group(store=...)``), so the outcomes can travel through it without reaching into
+    torch's private default store."""
     import torch
     import torch.distributed as dist
 
@@ -183,8 +200,45 @@ def _join(backend: str, local_rank: int, threads: int | None, init_timeout: floa
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
     bind_gpu(local_rank)  # before NCCL's init: its communicator uses the current device
-    if not dist.is_initialized():
+    if dist.is_initialized():
+        return None
+    env = torchrun_env()
+    if env is None:  # not a worker's environment: env:// names what is missing
         dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=init_timeout))
+        return None
+    timeout = datetime.timedelta(seconds=init_timeout)
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(
+        env.master_addr,
+        env.master_port,
+        world_size=env.world_size,
+        is_master=env.rank == 0 and not agent_hosts,
+        timeout=timeout,
+        multi_tenant=True,
+    )
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("default_pg", store),
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timeout,
+    )
+    return store
+
+
+def join_group(backend: str = "gloo", init_timeout: float = 60.0, threads: int | None = None) -> Any:
+    """Join torchrun's (or :func:`launch_ranks`') group from this process's environment (a torchrun
+    worker's, or inherited from one: the model's process a rank of ``graphrunner serve --tp`` starts)
+    and return its key-value store (``None`` when the group was joined already). ``backend``:
+    ``"gloo"`` or ``"nccl"``; ``init_timeout`` bounds the rendezvous and every collective of the
+    group. Raises ``ValueError`` when the environment is not a torchrun worker's."""
+    env = torchrun_env()
+    if env is None:
+        raise ValueError(
+            f"join_group: not a torchrun worker ({', '.join(TORCHRUN_VARS)} are not set); run it under torchrun, "
+            "or start ranks with launch_ranks"
+        )
+    return _join(backend, env.local_rank, threads, init_timeout)
 
 
 def _failure(exc: BaseException) -> tuple[str, str, Any]:
@@ -226,7 +280,7 @@ def run_joined(
         )
     import torch.distributed as dist
 
-    _join(backend, env.local_rank, threads, init_timeout)
+    store = _join(backend, env.local_rank, threads, init_timeout)
     mine = RankOutcome(rank=env.rank)
     try:
         mine.value = fn(env.rank, env.world_size, *args)
@@ -234,7 +288,7 @@ def run_joined(
         mine.ok = True
     except Exception as exc:  # noqa: BLE001 - reported as this rank's outcome
         mine.error, mine.traceback, mine.value = _failure(exc)
-    outcomes = _exchange(mine, env, exchange_timeout)
+    outcomes = _exchange(mine, env, exchange_timeout, store)
     if mine.ok:
         try:
             dist.destroy_process_group()
@@ -243,16 +297,23 @@ def run_joined(
     return env, outcomes
 
 
-def _exchange(mine: RankOutcome, env: TorchrunEnv, timeout: float) -> list[RankOutcome]:
-    """Every rank's outcome, through the default group's store (no collective: none can be left in
-    flight at exit, and a rank whose group failed can still report)."""
+def _exchange(mine: RankOutcome, env: TorchrunEnv, timeout: float, store: Any = None) -> list[RankOutcome]:
+    """Every rank's outcome, through the group's store (no collective: none can be left in flight at
+    exit, and a rank whose group failed can still report). ``store``: the one :func:`_join` made;
+    ``None`` (the group was joined before) opens a client of torchrun's store."""
     import torch.distributed as dist
 
     prefix = f"graphrunner/outcome/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     outcomes: list[RankOutcome | None] = [None] * env.world_size
     outcomes[env.rank] = mine
     try:
-        store = dist.distributed_c10d._get_default_store()
+        if store is None:
+            store = dist.TCPStore(
+                env.master_addr,
+                env.master_port,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
         store.set(f"{prefix}/{env.rank}", pickle.dumps(mine))
         deadline = time.monotonic() + timeout
         missing = [r for r in range(env.world_size) if r != env.rank]
@@ -281,14 +342,26 @@ def _exchange(mine: RankOutcome, env: TorchrunEnv, timeout: float) -> list[RankO
 
 # --------------------------------------------------------------------------- ranks through elastic_launch
 def _rank_main(
-    fn: Callable[..., Any], args: tuple, report_dir: str, backend: str, threads: int, init_timeout: float
+    fn: Callable[..., Any],
+    args: tuple,
+    report_dir: str,
+    backend: str | None,
+    threads: int,
+    init_timeout: float,
 ) -> None:
-    """One rank started by :func:`launch_ranks` (a worker of ``elastic_launch``, environment as under torchrun)."""
+    """One rank started by :func:`launch_ranks` (a worker of ``elastic_launch``, environment as under torchrun);
+    ``backend=None``: ``fn`` joins the group itself (or has a process of its own join it)."""
     rank = int(os.environ["RANK"])
     _write(report_dir, f"rank{rank}.pid", os.getpid())
     ok = False
     try:
-        _join(backend, int(os.environ.get("LOCAL_RANK", rank)), threads, init_timeout)
+        if backend is None:
+            import torch
+
+            os.environ["OMP_NUM_THREADS"] = str(threads)
+            torch.set_num_threads(threads)
+        else:
+            _join(backend, int(os.environ.get("LOCAL_RANK", rank)), threads, init_timeout)
         value = fn(rank, int(os.environ["WORLD_SIZE"]), *args)
         pickle.dumps(value)  # an unpicklable result is this rank's error, reported below
         report: tuple[Any, ...] = ("ok", value)
@@ -300,7 +373,8 @@ def _rank_main(
         import torch.distributed as dist
 
         try:
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - the result is already reported
             pass
     else:
@@ -323,24 +397,16 @@ def _read(folder: str, name: str) -> Any:
         return None
 
 
-def _is_child(pid: int) -> bool:
-    """Whether ``pid`` is still a child of this process (never kill a reused pid)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-        return int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid()
-    except (OSError, ValueError, IndexError):
-        return False
-
-
 class _Deadline:
-    """Kills (SIGKILL) the ranks of a :func:`launch_ranks` run still alive ``timeout`` seconds after
-    it starts, reported or not (a rank stuck on its way out would hold the launcher too);
-    elastic_launch has no deadline of its own. ``killed``: their ranks."""
+    """Stops a :func:`launch_ranks` run still going ``timeout`` seconds after it starts (elastic_launch
+    has no deadline of its own) through the elastic agent's own shutdown: a SIGTERM to this process,
+    which the agent's handler (``LaunchConfig.signals_to_handle``) turns into its ``SignalException``,
+    stopping every rank (SIGTERM, SIGKILL after the config's ``shutdown_timeout``). ``fired``: whether
+    it did (so that the launcher tells the deadline from a SIGTERM of the user's)."""
 
-    def __init__(self, report_dir: str, world_size: int, timeout: float) -> None:
-        self.report_dir, self.world_size, self.timeout = report_dir, world_size, timeout
-        self.killed: list[int] = []
+    def __init__(self, timeout: float | None) -> None:
+        self.timeout = timeout
+        self.fired = False
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="graphrunner-launch-deadline", daemon=True)
 
@@ -353,16 +419,10 @@ class _Deadline:
         self._thread.join()
 
     def _run(self) -> None:
-        if self._done.wait(self.timeout):
+        if self._done.wait(self.timeout):  # None: until the run ends
             return
-        for r in range(self.world_size):
-            pid = _read(self.report_dir, f"rank{r}.pid")
-            if pid is not None and _is_child(pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    self.killed.append(r)
-                except ProcessLookupError:
-                    pass
+        self.fired = True
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class _QuietElastic:
@@ -401,10 +461,12 @@ def launch_ranks(
     fn: Callable[..., Any],
     world_size: int,
     args: Sequence[Any] = (),
-    timeout: float = 600.0,
+    timeout: float | None = 600.0,
     init_timeout: float = 60.0,
     threads: int = 1,
     backend: str = "gloo",
+    join: bool = True,
+    stop_grace: float = STOP_GRACE,
 ) -> list[RankOutcome]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes started by torch's elastic
     launcher; one :class:`RankOutcome` per rank (module docstring).
@@ -413,7 +475,11 @@ def launch_ranks(
     ``spawn`` processes). torch.distributed (``backend``: ``"gloo"`` or ``"nccl"``; local rank
     ``r`` on GPU ``r`` either way when there are GPUs) is initialised from the environment before
     ``fn`` runs; ``init_timeout`` bounds the rendezvous and every collective of the default group.
-    ``timeout`` bounds the whole run: ranks that have not reported by then are killed. The first
+    ``timeout`` bounds the whole run: ranks that have not reported by then are killed (``None``: no
+    deadline, a server's). ``join=False``: the ranks do not join torch.distributed before ``fn``, which
+    joins it itself (:func:`join_group`), or has a process it starts join it in its place (the environment
+    is a torchrun worker's either way). ``stop_grace``: seconds the launcher's SIGTERM to the ranks
+    (one failed, Ctrl-C, SIGTERM, the deadline) waits before its SIGKILL. The first
     rank that fails ends the run: the launcher stops the others, whose outcomes say so. Never
     raises for a failing rank: read the outcomes. Raises ``ValueError`` for ``world_size < 1``,
     a non-positive ``timeout`` or another backend; ``KeyboardInterrupt`` on Ctrl-C (SIGINT) and
@@ -423,8 +489,13 @@ def launch_ranks(
         raise ValueError(f"launch_ranks: backend must be 'gloo' or 'nccl', got {backend!r}")
     if world_size < 1:
         raise ValueError(f"launch_ranks: world_size must be >= 1, got {world_size}")
-    if not timeout > 0:
-        raise ValueError(f"launch_ranks: timeout must be > 0 seconds, got {timeout}")
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"launch_ranks: timeout must be > 0 seconds (or None: no deadline), got {timeout}")
+    if threading.current_thread() is not threading.main_thread():
+        raise ValueError(
+            "launch_ranks: call it from the main thread: torch's elastic agent stops the ranks (on a failure, "
+            "Ctrl-C, SIGTERM or the deadline) through signal handlers, which only the main thread can install"
+        )
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -442,7 +513,7 @@ def launch_ranks(
         max_restarts=0,
         start_method="spawn",
         monitor_interval=0.1,
-        shutdown_timeout=STOP_GRACE,
+        shutdown_timeout=int(max(1, stop_grace)),
     )
     outcomes = [RankOutcome(rank=r) for r in range(world_size)]
     failures: dict[int, Any] = {}
@@ -450,13 +521,16 @@ def launch_ranks(
     interrupted: BaseException | None = None
     t0 = time.monotonic()
     try:
-        with _QuietElastic(), _Deadline(report_dir, world_size, timeout) as deadline:
+        with _QuietElastic(), _Deadline(timeout) as deadline:
             try:
-                elastic_launch(config, _rank_main)(fn, tuple(args), report_dir, backend, threads, init_timeout)
+                elastic_launch(config, _rank_main)(
+                    fn, tuple(args), report_dir, backend if join else None, threads, init_timeout
+                )
             except ChildFailedError as exc:
                 failures = dict(exc.failures)
-            except SignalException as exc:  # Ctrl-C or a kill of this process: the ranks are already stopped
-                interrupted = KeyboardInterrupt() if exc.sigval == signal.SIGINT else exc
+            except SignalException as exc:  # the deadline, Ctrl-C or a kill of this process: the ranks are stopped
+                if not (deadline.fired and exc.sigval == signal.SIGTERM):
+                    interrupted = KeyboardInterrupt() if exc.sigval == signal.SIGINT else exc
             except Exception as exc:  # noqa: BLE001 - the launcher itself failed (e.g. its rendezvous)
                 launch_error = f"torch's elastic launcher failed: {type(exc).__name__}: {exc}"
         for r, out in enumerate(outcomes):
@@ -470,7 +544,7 @@ def launch_ranks(
                 out.ok, out.value = True, report[1]
             elif report is not None:
                 out.error, out.traceback, out.value = report[1], report[2], report[3]
-            elif r in deadline.killed:
+            elif deadline.fired:
                 out.timed_out = True
                 out.error = f"rank {r} still running at the deadline ({timeout:g}s after the start): killed"
             elif launch_error is not None:

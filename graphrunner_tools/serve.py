@@ -257,20 +257,24 @@ def build_app(
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Run ``graphrunner serve`` with parsed ``args`` until SIGTERM or Ctrl+C (then exit 0)."""
-    import gc
+    """Run ``graphrunner serve`` with parsed ``args`` until SIGTERM or Ctrl+C (then exit 0); ``--tp N`` (N > 1):
+    on N tensor-parallel ranks (:func:`graphrunner_tools.serve_tp.serve_tp`)."""
+    if getattr(args, "tp", 1) > 1:
+        from graphrunner_tools.serve_tp import serve_tp
 
-    import uvicorn
+        return serve_tp(args, (serve_http, engine_parts))
+    return serve_http(args)
+
+
+def engine_parts(args: argparse.Namespace) -> tuple[str, Any, Any, dict[str, Any] | None]:
+    """``(model_dir, cb_config, generation_state, graph_options)`` of ``args``: what every rank's engine is
+    made of (transformers' ``ContinuousBatchingConfig`` and ``GenerationState``; ``None`` options: ``--eager``)."""
     from transformers import ContinuousBatchingConfig
-    from transformers.cli.serving.model_manager import ModelManager
-    from transformers.cli.serving.utils import GenerationState, freeze_garbage_collector, set_serve_log_level
-    from transformers.utils import logging as hf_logging
+    from transformers.cli.serving.utils import GenerationState
 
     from graphrunner_tools.models.tiny_chat import tiny_model_dir
 
     model = os.path.abspath(args.model or tiny_model_dir(args.tiny_dir))
-    level = hf_logging.log_levels[args.log_level.lower()]
-    set_serve_log_level(level, False)
     cb = {_CB_NAMES.get(name, name[3:]): getattr(args, name) for name in _CB_OPTIONS if getattr(args, name)}
     cb.setdefault("use_cuda_graph", False)  # graphrunner captures the step (transformers' own graphs pad it)
     if args.eager:
@@ -287,17 +291,37 @@ def serve(args: argparse.Namespace) -> int:
     state = GenerationState(
         continuous_batching=True, cb_config=cb_config, seed=args.default_seed, max_model_len=max_model_len
     )
+    return model, cb_config, state, options
+
+
+def serve_http(args: argparse.Namespace) -> int:
+    """The HTTP server and its model's process (the driver rank under ``--tp``)."""
+    import gc
+
+    import uvicorn
+    from transformers.cli.serving.model_manager import ModelManager
+    from transformers.cli.serving.utils import freeze_garbage_collector, set_serve_log_level
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.log_levels[args.log_level.lower()]
+    set_serve_log_level(level, False)
+    model, cb_config, state, options = engine_parts(args)
     from graphrunner_tools.serve_engine import GraphModelLoader
 
-    loader = GraphModelLoader(
-        options,
-        device=args.device,
-        dtype=args.dtype,
-        trust_remote_code=False,
-        attn_implementation=args.attn_implementation,
-        quantization=None,
-        continuous_batching=True,
-    )
+    if getattr(args, "tp", 1) > 1:
+        from graphrunner_tools.serve_tp import make_loader
+
+        loader: GraphModelLoader = make_loader(args, options)
+    else:
+        loader = GraphModelLoader(
+            options,
+            device=args.device,
+            dtype=args.dtype,
+            trust_remote_code=False,
+            attn_implementation=args.attn_implementation,
+            quantization=None,
+            continuous_batching=True,
+        )
     print(
         f"graphrunner serve: loading {model} ({'eager: no graphs' if options is None else 'graphs: ' + json.dumps(options)})",
         file=sys.stderr,
@@ -526,6 +550,26 @@ def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
         default=256,
         help="most generation requests in flight, generating or queued (default 256); beyond it a 429 with Retry-After",
     )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks (default 1): rank 0 serves HTTP and drives, the others follow step by step; "
+        "started with torch's elastic launcher, or joined from torchrun (torchrun --nproc-per-node N -m "
+        "graphrunner_tools serve MODEL_DIR --tp N); gloo on CPUs, NCCL on GPUs",
+    )
+    p.add_argument(
+        "--tp-timeout",
+        type=float,
+        default=60.0,
+        help="--tp: seconds the ranks' rendezvous and each of their collectives may take (default 60)",
+    )
+    p.add_argument(
+        "--tp-debug",
+        action="store_true",
+        help="--tp: compare every rank's sampled tokens at every step and fail naming the step and the "
+        "requests that differ (one all-gather per step)",
+    )
     p.add_argument("--tiny-dir", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=serve, check=_check)
     return p
@@ -551,6 +595,16 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"argument --max-concurrent-requests: must be >= 1, got {args.max_concurrent_requests}")
     if not 0 < args.port < 65536:
         parser.error(f"argument --port: must be 1..65535, got {args.port}")
+    if args.tp < 1:
+        parser.error(f"argument --tp: must be >= 1 (tensor-parallel ranks), got {args.tp}")
+    if args.tp > 1 and not args.eager:
+        parser.error(
+            f"argument --tp {args.tp}: tensor-parallel ranks serve with --eager (transformers' engine) only so far: "
+            "graphs on them are not done (the CPU tape refuses the data-dependent ops of transformers' DTensor "
+            "redistribution, and every rank's background capture must pair with its peers'); add --eager"
+        )
+    if not args.tp_timeout > 0:
+        parser.error(f"argument --tp-timeout: must be > 0 seconds, got {args.tp_timeout}")
 
 
 def _importable(name: str) -> bool:

@@ -200,7 +200,9 @@ def engine_metrics(model: Any, processor: Any = None) -> dict[str, Any]:
         return out
     if not manager.is_running():  # its loop is gone (the engine died): nothing to pause, nothing to read
         return out
-    with manager.pause():
+    # transformers' pause is the TP group's (every rank must enter it): on tensor-parallel ranks the figures
+    # are read beside the loop (graphrunner_tools.serve_tp.TPServedModel.read_beside)
+    with getattr(model, "read_beside", manager.pause)():
         hook = graphs_of(manager)
         if hook is not None:
             s = hook.stats
@@ -220,7 +222,13 @@ def engine_metrics(model: Any, processor: Any = None) -> dict[str, Any]:
                 replans=s.replans,
                 fallbacks=dict(runner.stats.fallback_reasons) if runner is not None else {},
             )
-        out.update(engine_state(manager))
+        for attempt in range(5):  # beside a running loop (tensor-parallel ranks) a read may race a step
+            try:
+                out.update(engine_state(manager))
+                break
+            except RuntimeError:
+                if attempt == 4:
+                    raise
     # full speed: every planned graph captured (transformers' own engine, --eager: once it runs)
     out["ready"] = int(not out["graphs_on"] or 0 < out["graphs_captured"] == out["graphs_planned"])
     return out

@@ -39,7 +39,7 @@ def manager_of(arch="llama", **cb):
 def test_every_entry_is_documented_with_its_test():
     doc = open("docs/continuous-batching.md").read()
     section = doc[doc.index("## transformers internals") :]
-    assert internals.CHECKED_WITH in section and len(internals.INTERNALS) <= 5
+    assert internals.CHECKED_WITH in section and len(internals.INTERNALS) <= 6
     for name in internals.INTERNALS:
         assert f"`{name}`" in section, name
     assert section.count("tests/test_hf_internals.py::") >= len(internals.INTERNALS)
@@ -200,3 +200,39 @@ def test_the_serving_runner_hands_a_requests_seed_and_sampling_to_the_served_man
     with pytest.raises(internals.TransformersChanged, match=rf"'requests_in_batch'.*{CHECKED}"):
         internals.step_rows(types.SimpleNamespace())
     manager.destroy()
+
+
+def _tp_step(rank, world, debug):
+    """A rank of a fake two-rank batch processor whose step 'samples' a token of its own (rank 1's differs on
+    request r1): :func:`internals.sync_sampled_ids` over the real gloo group."""
+    import torch
+    import torch.distributed as dist
+
+    io = types.SimpleNamespace(
+        output_ids=torch.tensor([[7, 8 + rank, 0]]),
+        num_request_in_batch=2,
+        requests_in_batch=[types.SimpleNamespace(state=types.SimpleNamespace(request_id=f"r{i}")) for i in range(2)],
+    )
+    helper = types.SimpleNamespace(tp_size=world, cpu_comm_group=dist.group.WORLD, tp_root_global_rank=0)
+    bp = types.SimpleNamespace(distributed_helper=helper, inputs_and_outputs=io, _generation_step=lambda: None)
+    internals.sync_sampled_ids(bp, debug=debug)
+    try:
+        bp._generation_step()
+    except RuntimeError as exc:
+        return str(exc)
+    return io.output_ids[0, :2].tolist()
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_the_tp_ranks_take_the_drivers_sampled_ids_and_debug_names_the_request_that_differs():
+    from graphrunner_tools.launch import launch_ranks
+
+    taken = launch_ranks(_tp_step, 2, args=(False,), timeout=90)
+    assert [o.value for o in taken] == [[7, 8], [7, 8]], [o.error for o in taken]  # rank 1 took the driver's
+    compared = launch_ranks(_tp_step, 2, args=(True,), timeout=90)
+    for o in compared:  # debug: every rank raises, naming the step and the request
+        assert "at step 1 for request(s) r1" in o.value and "[[8, 9]]" in o.value, (o.value, o.error)
+    bare = types.SimpleNamespace(distributed_helper=types.SimpleNamespace(), inputs_and_outputs=None)
+    with pytest.raises(internals.TransformersChanged, match=rf"tensor-parallel step.*{CHECKED}"):
+        internals.sync_sampled_ids(bare)

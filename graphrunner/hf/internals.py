@@ -45,6 +45,7 @@ __all__ = [
     "kept_manager",
     "request_seed",
     "step_rows",
+    "sync_sampled_ids",
     "wrap_step_methods",
 ]
 
@@ -78,6 +79,11 @@ INTERNALS = {
         "manager.logit_processor.supported_keys names them; ModelRunner._sample(scores, output_ids) is the "
         "step's sampling, whose rows are the step's requests that get a token (requests_in_batch, "
         "has_new_token), in order"
+    ),
+    "the batch processor's tensor-parallel step": (
+        "_generation_step wrapped on every rank of graphrunner serve --tp, after which the sampled ids "
+        "(inputs_and_outputs.output_ids, num_request_in_batch, requests_in_batch) are broadcast from the driver "
+        "over distributed_helper.cpu_comm_group (tp_root_global_rank), so that every rank takes the same token"
     ),
 }
 
@@ -257,3 +263,68 @@ def step_rows(io: Any) -> list[str]:
         return [fs.state.request_id for fs in io.requests_in_batch if fs.has_new_token]
     except AttributeError as exc:
         raise _changed(_SAMPLING, f"no {exc.name!r} on the step's requests: {exc}") from exc
+
+
+def sync_sampled_ids(bp: Any, debug: bool = False) -> None:
+    """Every rank of a tensor-parallel batch processor ``bp`` takes the tokens its driver sampled: its
+    ``_generation_step`` is wrapped so that, after the step, the driver's sampled ids (``output_ids``
+    of the step's requests) are broadcast over transformers' CPU group of the TP ranks. transformers
+    seeds a request's sampling on the driver only (``seed``), so the ranks would otherwise sample
+    different tokens and the next step's all-reduce would mix different sequences, silently.
+    ``debug``: first compare every rank's own sampled ids (an all-gather) and raise
+    ``RuntimeError`` naming the step and the requests whose token differs. A no-op on one rank.
+    Raises :class:`TransformersChanged` (before wrapping) when an entry it reads is missing."""
+    name = "the batch processor's tensor-parallel step"
+    helper = getattr(bp, "distributed_helper", None)
+    io = getattr(bp, "inputs_and_outputs", None)
+    missing = [
+        n
+        for n, obj, attr in (
+            ("distributed_helper", bp, "distributed_helper"),
+            ("_generation_step", bp, "_generation_step"),
+            ("inputs_and_outputs.output_ids", io, "output_ids"),
+            ("inputs_and_outputs.requests_in_batch", io, "requests_in_batch"),
+            ("inputs_and_outputs.num_request_in_batch", io, "num_request_in_batch"),
+            ("distributed_helper.cpu_comm_group", helper, "cpu_comm_group"),
+            ("distributed_helper.tp_root_global_rank", helper, "tp_root_global_rank"),
+        )
+        if obj is None or not hasattr(obj, attr)
+    ]
+    if missing:
+        raise _changed(name, f"{type(bp).__name__} has no {missing}")
+    assert helper is not None and io is not None  # checked above
+    if int(getattr(helper, "tp_size", 1)) <= 1:
+        return
+    import torch
+    import torch.distributed as dist
+
+    step_fn = bp._generation_step
+    steps = [0]
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        out = step_fn(*args, **kwargs)
+        steps[0] += 1
+        n = int(io.num_request_in_batch)
+        ids = io.output_ids[:, :n]
+        group = helper.cpu_comm_group
+        if debug:
+            mine = ids[0].to("cpu", torch.int64).contiguous()
+            every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(every, mine, group=group)
+            apart = sorted({i for other in every for i in (other != every[0]).nonzero().flatten().tolist()})
+            if apart:
+                requests = [getattr(getattr(r, "state", r), "request_id", "?") for r in io.requests_in_batch]
+                names = [str(requests[i]) if i < len(requests) else f"#{i}" for i in apart]
+                raise RuntimeError(
+                    f"graphrunner serve --tp: the ranks sampled different tokens at step {steps[0]} for request(s) "
+                    f"{', '.join(names)} ({[[int(t[i]) for t in every] for i in apart]} by rank): their next "
+                    "all-reduce would mix different sequences. Every rank must sample alike: seed every rank "
+                    "(--default-seed) or leave the sampling to the driver (the default)"
+                )
+        host = ids.to("cpu").contiguous()
+        dist.broadcast(host, src=int(helper.tp_root_global_rank), group=group)
+        if host.data_ptr() != ids.data_ptr():
+            ids.copy_(host)
+        return out
+
+    bp._generation_step = step

@@ -1,0 +1,248 @@
+"""``graphrunner serve --tp N``: the server on N tensor-parallel ranks (transformers' tensor parallelism).
+
+The topology. Rank 0 is the server of ``--tp 1``, unchanged: transformers' HTTP app, and the model's process
+it spawns (transformers' ``EngineClient``), which is the TP *driver*: it joins the ranks' group
+(torch.distributed, from the rank's torchrun environment it inherits), loads the model with
+``from_pretrained(..., distributed_config=DistributedConfig(tp_size=N))`` and runs transformers'
+continuous-batching manager, to which the HTTP app adds the requests. Every other rank is a *follower*: it
+joins the group, loads the model the same way, makes the same manager (the same batching config and
+workload hints as transformers' ``CBGenerateRunner`` makes on the driver) and starts it: transformers'
+manager on a non-driver rank follows the driver step by step (a small all-reduce per step, then the
+driver's new requests broadcast). Nobody reads a follower's outputs: a thread drains them.
+
+The ranks come from torch's elastic launcher (:func:`graphrunner_tools.launch.launch_ranks`: ``graphrunner
+serve MODEL --tp N``), or from torchrun (``torchrun --nproc-per-node N -m graphrunner_tools serve MODEL
+--tp N``, one node or several): each worker runs its rank's part here.
+
+Every rank takes the same token: after each step the driver's sampled ids are broadcast to the followers
+(:func:`graphrunner.hf.internals.sync_sampled_ids`; ``--tp-debug`` first compares every rank's own and
+raises naming the step and the requests that differ).
+
+Faults: a rank that dies ends its launcher's run: torch's launcher stops every other rank (SIGTERM, then
+SIGKILL) and ``graphrunner serve`` exits 1 naming the rank and its cause; the driver's requests in flight
+fail at its next collective (the peer's connection closed). A follower whose driver went away without a
+stop (SIGTERM) raises. SIGTERM stops every rank: rank 0 as the one-rank server (requests in flight get
+``--shutdown-timeout`` seconds), then its model's process, after which each follower's manager ends and
+the follower exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from graphrunner_tools.launch import join_group, launch_ranks, torchrun_env
+from graphrunner_tools.serve_engine import GraphModelLoader, ServedModel
+
+__all__ = ["TPModelLoader", "TPServedModel", "serve_tp"]
+
+logger = logging.getLogger("graphrunner")
+
+
+def _backend(device: str) -> str:
+    """gloo on CPUs, NCCL on GPUs."""
+    import torch
+
+    return "nccl" if device != "cpu" and torch.cuda.is_available() else "gloo"
+
+
+class TPServedModel(ServedModel):
+    """A :class:`ServedModel` on one of ``tp`` ranks: its manager's every rank takes the driver's sampled
+    tokens (:func:`~graphrunner.hf.internals.sync_sampled_ids`, ``debug``: compared first)."""
+
+    def __init__(self, model: Any, graph_options: dict[str, Any] | None, debug: bool = False) -> None:
+        super().__init__(model, graph_options)
+        self.debug = debug
+
+    @contextlib.contextmanager
+    def read_beside(self) -> Iterator[None]:
+        """What :func:`~graphrunner_tools.serve_engine.engine_metrics` reads the engine in: not transformers'
+        pause, which every rank must enter (the followers never would), so the figures are read beside the
+        running loop (each a moment apart; a read that raced the loop is retried by the caller)."""
+        yield
+
+    def init_continuous_batching(
+        self, generation_config: Any = None, continuous_batching_config: Any = None, workload_hints: Any = None
+    ) -> Any:
+        from graphrunner.hf.internals import sync_sampled_ids
+
+        manager = super().init_continuous_batching(generation_config, continuous_batching_config, workload_hints)
+        manager.warmup()  # makes the batch processor (a no-op when gr.hf's install made it)
+        sync_sampled_ids(manager.batch_processor, debug=self.debug)
+        return manager
+
+
+class TPModelLoader(GraphModelLoader):
+    """:class:`GraphModelLoader` for a rank of ``graphrunner serve --tp``: in the process that loads (the
+    model's process of rank 0, a follower rank itself) it joins the ranks' group (``backend``, from the
+    torchrun environment) and loads the model with transformers' tensor parallelism
+    (``distributed_config=DistributedConfig(tp_size=tp)``). Picklable."""
+
+    def __init__(
+        self,
+        graph_options: dict[str, Any] | None = None,
+        *,
+        tp: int,
+        backend: str,
+        init_timeout: float,
+        debug: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(graph_options, **kwargs)
+        self.tp, self.backend, self.init_timeout, self.debug = tp, backend, init_timeout, debug
+
+    def load_model_and_processor(self, model_id: str, on_progress: Any = None) -> Any:
+        import threading
+
+        from tqdm import tqdm
+        from transformers import AutoModelForCausalLM
+        from transformers.distributed import DistributedConfig
+
+        tqdm.set_lock(threading.RLock())  # as GraphModelLoader: no named semaphore left behind
+        join_group(self.backend, init_timeout=self.init_timeout)
+        processor = self.load_processor(model_id)
+        kwargs: dict[str, Any] = {"attn_implementation": self.attn_implementation, "dtype": self.dtype}
+        model = AutoModelForCausalLM.from_pretrained(
+            model_id.split("@")[0], distributed_config=DistributedConfig(tp_size=self.tp), **kwargs
+        )
+        model.eval()
+        return TPServedModel(model, self.graph_options, self.debug), processor
+
+
+# --------------------------------------------------------------------------- the ranks
+#: ``(args) -> exit code``: rank 0's HTTP server (``graphrunner_tools.serve.serve_http``), and ``(args) ->
+#: (model_dir, cb_config, generation_state, graph_options)`` (``graphrunner_tools.serve.engine_parts``): handed in
+#: by ``graphrunner_tools.serve``, which imports this module (not the other way round).
+EngineParts = Callable[[argparse.Namespace], tuple[str, Any, Any, Any]]
+Parts = tuple[Callable[[argparse.Namespace], int], EngineParts]
+
+
+def serve_tp(args: argparse.Namespace, parts: Parts) -> int:
+    """``graphrunner serve --tp N``: under torchrun this process is one rank (its part: :func:`run_rank`);
+    otherwise N ranks are started with torch's elastic launcher and this process waits for them: exit 0
+    after a stop (SIGTERM, Ctrl+C), 1 naming the rank that failed and its cause."""
+    env = torchrun_env()
+    if env is not None:
+        if env.world_size != args.tp:
+            print(
+                f"graphrunner serve: --tp {args.tp}, but torchrun started WORLD_SIZE={env.world_size} ranks: "
+                f"start it with torchrun --nproc-per-node {args.tp} (over all its nodes), or pass --tp "
+                f"{env.world_size}",
+                file=sys.stderr,
+            )
+            return 2
+        return run_rank(env.rank, env.world_size, args, parts)
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    print(f"graphrunner serve: starting {args.tp} tensor-parallel ranks", file=sys.stderr, flush=True)
+    try:
+        outcomes = launch_ranks(
+            run_rank,
+            args.tp,
+            args=(args, parts),
+            timeout=None,
+            init_timeout=args.tp_timeout,
+            backend=_backend(args.device),
+            join=False,
+            stop_grace=args.shutdown_timeout + 10,
+        )
+    except (KeyboardInterrupt, SignalException):  # a stop: the launcher stopped every rank
+        return 0
+    failed = [o for o in outcomes if not o.ok or (o.value or 0) != 0]
+    if not failed:
+        return 0
+    # the cause: a rank that died or raised, before one that returned non-zero because its peer was gone
+    first = next((o for o in failed if not o.ok), failed[0])
+    for o in outcomes:
+        if o.ok and o.value:
+            print(f"graphrunner serve: rank {o.rank} exited with {o.value}", file=sys.stderr)
+        elif not o.ok:
+            print(f"graphrunner serve: rank {o.rank}: {o.error}", file=sys.stderr)
+    print(
+        f"graphrunner serve: stopped: rank {first.rank} failed ({first.error or f'exit {first.value}'})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 1
+
+
+def run_rank(rank: int, world_size: int, args: argparse.Namespace, parts: Parts) -> int:
+    """One rank's part: rank 0 serves HTTP (its model's process drives), the others follow. Returns the
+    exit code."""
+    serve_http, engine_parts = parts
+    if rank == 0:
+        return serve_http(args)
+    return _follow(rank, world_size, args, engine_parts)
+
+
+def make_loader(args: argparse.Namespace, options: dict[str, Any] | None) -> TPModelLoader:
+    """The loader every rank uses (the driver's model's process and each follower): the same model, dtype,
+    attention and graph options on every rank."""
+    return TPModelLoader(
+        options,
+        tp=args.tp,
+        backend=_backend(args.device),
+        init_timeout=args.tp_timeout,
+        debug=args.tp_debug,
+        device=args.device,
+        dtype=args.dtype,
+        trust_remote_code=False,
+        attn_implementation=args.attn_implementation,
+        quantization=None,
+        continuous_batching=True,
+    )
+
+
+def _follow(rank: int, world_size: int, args: argparse.Namespace, engine_parts: EngineParts) -> int:
+    """A follower rank: the driver's manager, made and started here, follows the driver until it stops."""
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    stopping = threading.Event()
+
+    def stop(*_: Any) -> None:
+        stopping.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+    model_dir, cb_config, state, options = engine_parts(args)
+    if state.seed is not None:
+        import torch
+
+        torch.manual_seed(state.seed)  # as transformers' model's process does on the driver
+    loader = make_loader(args, options)
+    served, _ = loader.load_model_and_processor(model_dir)
+    context_length = state.context_length(served.config)
+    cb_config.per_request_processors = True  # as transformers' CBGenerateRunner sets it on the driver
+    hints = WorkloadHints(max_prompt_length=context_length) if context_length else None
+    manager = served.init_continuous_batching(continuous_batching_config=cb_config, workload_hints=hints)
+    manager.warmup()  # as CBGenerateRunner on the driver: the same steps (and collectives) on every rank
+    manager.start()
+    logger.info("graphrunner serve: rank %d of %d follows the driver", rank, world_size)
+
+    def drain() -> None:  # nobody reads a follower's outputs: they must not pile up
+        while manager.is_running():
+            manager.get_result(timeout=0.5)
+
+    threading.Thread(target=drain, name="graphrunner-tp-drain", daemon=True).start()
+    grace = None
+    while manager.is_running():
+        if stopping.is_set() and grace is None:  # the driver stops too: its end ends this manager's loop
+            grace = time.monotonic() + args.shutdown_timeout + 5
+        if grace is not None and time.monotonic() > grace:
+            manager.stop(block=False)
+            break
+        time.sleep(0.1)
+    error = manager.background_thread_status.fatal_error
+    if stopping.is_set():
+        os._exit(0)  # the loop's thread may still be inside a collective with a driver that is gone
+    raise RuntimeError(
+        f"rank {rank}: the tensor-parallel group stopped without a stop (SIGTERM): {error or 'the driver went away'}"
+    )

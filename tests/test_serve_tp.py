@@ -1,0 +1,182 @@
+"""``graphrunner serve --tp 2`` on real processes (gloo, 127.0.0.1) with the ``openai`` client.
+
+Three servers start at once (module fixtures, each once): ``--tp 2 --eager`` (two ranks from torch's
+elastic launcher: rank 0 serves HTTP and drives, rank 1 follows), the one-rank ``--eager`` server (the
+reference answers), and a second ``--tp 2 --eager`` whose rank 1 is SIGKILLed mid-serving. Greedy answers
+of the two-rank server equal the one-rank server's (streamed and not, one at a time and from concurrent
+clients); SIGTERM stops every rank (exit 0); a killed rank stops the server (exit 1 within 60 s, naming
+the rank), and the client in flight gets an error, not a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from extras_util import require  # noqa: E402
+
+openai = require("openai")
+
+from serve_util import ServerProcess  # noqa: E402
+
+pytestmark = [pytest.mark.hf, pytest.mark.slow, pytest.mark.multirank]
+
+ENGINE = ["--cb-num-blocks", "64", "--cb-block-size", "16", "--cb-max-batch-tokens", "64", "--cb-max-requests", "16"]
+START = 240
+PROMPTS = ["hello", "what is 2+2?", "tell me a story", "a", "The quick brown fox", "why?", "list three colors", "ok"]
+
+
+class Server(ServerProcess):
+    def __init__(self, log, *flags):
+        try:
+            super().__init__([*ENGINE, *flags], log, START, env={"OMP_NUM_THREADS": "1"})
+        except RuntimeError as exc:
+            raise AssertionError(str(exc)) from None
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        self.model = self.client.models.list().data[0].id
+
+    def chat(self, content, max_tokens=12, stream=False):
+        kw = {"model": self.model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+        if not stream:
+            return self.client.chat.completions.create(temperature=0, **kw).choices[0].message.content
+        chunks = self.client.chat.completions.create(temperature=0, stream=True, **kw)
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    def ranks(self):
+        """The pids of the launcher's rank processes: ``{rank: pid}`` (rank 0 is the one with the model's
+        process among its children)."""
+        kids = _children(self.proc.pid)
+        ranks = [p for p in kids if "multiprocessing.spawn" in _cmdline(p) and "resource_tracker" not in _cmdline(p)]
+        driver = [p for p in ranks if any("multiprocessing.spawn" in _cmdline(c) for c in _children(p))]
+        assert len(ranks) == 2 and len(driver) == 1, (kids, ranks, driver)
+        return {0: driver[0], 1: next(p for p in ranks if p != driver[0])}
+
+
+def _children(pid):
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(name))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    from graphrunner_tools.models.tiny_chat import tiny_model_dir
+
+    tiny_model_dir()  # built once, before three servers would race to build it
+    tmp = str(tmp_path_factory.mktemp("serve_tp"))
+    flags = {"tp": ["--tp", "2", "--eager"], "one": ["--eager"], "doomed": ["--tp", "2", "--eager"]}
+    made, errors = {}, []
+
+    def start(name):
+        try:
+            made[name] = Server(os.path.join(tmp, f"{name}.log"), *flags[name])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(n,)) for n in flags]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        for s in made.values():
+            s.stop(signal.SIGKILL)
+        raise errors[0]
+    yield made
+    for s in made.values():
+        if s.proc.poll() is None:
+            s.stop()
+
+
+@pytest.mark.timeout(600)  # includes the three servers' start (each a minute or two on a loaded 2-core machine)
+def test_tp2_greedy_answers_equal_the_one_rank_servers(servers):
+    tp, one = servers["tp"], servers["one"]
+    got = [tp.chat(p) for p in PROMPTS]
+    want = [one.chat(p) for p in PROMPTS]
+    assert got == want
+    assert len(set(got)) > 1  # not one answer for every prompt: the prompts reach the model
+    # streamed: the same tokens
+    assert [tp.chat(p, stream=True) for p in PROMPTS[:3]] == want[:3]
+
+
+@pytest.mark.timeout(120)
+def test_tp2_serves_16_concurrent_clients_their_own_answers(servers):
+    tp, one = servers["tp"], servers["one"]
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(16)]
+    want = [one.chat(p) for p in prompts]
+    got = [None] * 16
+
+    def ask(i):
+        got[i] = tp.chat(prompts[i])
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert got == want
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_stops_every_rank_and_exits_0(servers):
+    tp = servers["tp"]
+    ranks = tp.ranks()
+    assert tp.stop(signal.SIGTERM, timeout=60) == 0, tp.output()
+    time.sleep(0.5)
+    assert not any(os.path.exists(f"/proc/{p}") and _alive(p) for p in ranks.values())
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_mid_serving_stops_the_server_non_zero_within_60s(servers):
+    doomed = servers["doomed"]
+    assert doomed.chat("hello")  # it serves
+    rank1 = doomed.ranks()[1]
+    outcome = {}
+
+    def ask():  # a request in flight when the rank dies: an error, never a hang
+        try:
+            outcome["answer"] = doomed.chat("tell me a long story", max_tokens=400)
+        except Exception as exc:  # noqa: BLE001
+            outcome["error"] = exc
+
+    client = threading.Thread(target=ask)
+    client.start()
+    time.sleep(0.3)
+    os.kill(rank1, signal.SIGKILL)
+    t0 = time.monotonic()
+    code = doomed.proc.wait(60)
+    assert time.monotonic() - t0 < 60
+    client.join(60)
+    assert not client.is_alive()
+    assert code == 1, doomed.output()
+    assert "rank 1 failed (rank 1 killed by SIGKILL" in doomed.output(tail=1 << 20)
+    assert outcome  # answered before the kill, or failed: it returned
