@@ -10,6 +10,7 @@ wrong tokens silently (the negative control). Tiny random-weight models, nothing
 import contextlib
 import gc as garbage_collector
 import threading
+import time
 
 import pytest
 from extras_util import require
@@ -456,3 +457,97 @@ def test_a_replan_key_held_mid_capture_holds_transformers_steps_back(monkeypatch
 def test_negative_control_without_the_guard_a_step_runs_inside_a_keys_capture(monkeypatch):
     held, out, _ = _replan_held_mid_key(monkeypatch, guard=False)
     assert held.resumed == "step" and held.steps_while_held >= 1, "a step ran while the key was being captured"
+
+
+# ----------------------------------------------------------------------------- a step that raises (a server's manager)
+
+
+def _faulty_manager(model, gc):
+    """A server's manager (autocapture) whose step raises ``RuntimeError("step fault for the test")`` at the
+    next ``fault["next"]`` steps: the fault is put on graphrunner's own model runner (its ``serve``)."""
+    manager = gr.hf.init_continuous_batching(
+        model,
+        gc,
+        cb_config(),
+        device="tape",
+        autocapture=True,
+        replan_every=0,
+        max_graphs={"tokens": 2, "kv": 1, "reqs": 1},
+    )
+    model_runner = gr.hf.graphs_of(manager).batch_processor.model_runner
+    serve, fault = model_runner.serve, {"next": 0}
+
+    def faulty_serve(feeds, size):
+        if fault["next"]:
+            fault["next"] -= 1
+            raise RuntimeError("step fault for the test")
+        return serve(feeds, size)
+
+    model_runner.serve = faulty_serve
+    return manager, fault
+
+
+def _one(manager, prompt, name):
+    manager.add_request(prompt, request_id=name, max_new_tokens=NEW)
+    while True:
+        r = manager.get_result(timeout=60)
+        assert r is not None, "a result within 60 s"
+        if r.error is not None or r.is_finished():
+            return r
+
+
+def test_a_step_that_raises_fails_its_requests_and_the_engine_serves_on():
+    model, gc = qwen2(), gen_config()
+    a = prompts(n=6, seed=8)
+    ref = reference(model, a, gc)
+    manager, fault = _faulty_manager(model, gc)
+    try:
+        hook = gr.hf.graphs_of(manager)
+        manager.start()
+        fault["next"] = 1
+        bad = _one(manager, a[0], "bad")
+        assert "the step serving this request raised RuntimeError: step fault for the test" in str(bad.error)
+        assert manager.is_running(), "the engine serves on"
+        names = {rid: f"req_{i}" for i, rid in enumerate(manager.add_requests(inputs=a, max_new_tokens=NEW))}
+        out = {}
+        while len(out) < len(a):
+            r = manager.get_result(timeout=60)
+            assert r is not None and r.error is None
+            if r.is_finished():
+                out[names[r.request_id]] = r.generated_tokens
+        assert out == ref, "every later request is answered as transformers answers it"
+        # three failed steps in a row are the engine's: it stops, failing its requests
+        fault["next"] = 3
+        errors = [str(_one(manager, p, f"doomed{i}").error) for i, p in enumerate(a[:3])]
+        deadline = time.monotonic() + 30
+        while manager.is_running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not manager.is_running(), "the engine stopped"
+        assert all("step fault for the test" in e for e in errors), errors
+        assert hook.stats.failed_steps == 4
+    finally:
+        manager.stop(block=True)
+        manager.destroy()
+
+
+def test_negative_control_without_the_step_failure_path_the_engine_stops_at_the_first(monkeypatch):
+    import graphrunner.hf.batching as batching
+
+    def raise_on(self, exc):
+        raise exc
+
+    monkeypatch.setattr(batching.GraphBatching, "_step_failed", raise_on)
+    model, gc = qwen2(), gen_config()
+    manager, fault = _faulty_manager(model, gc)
+    try:
+        manager.start()
+        fault["next"] = 1
+        bad = _one(manager, prompts(n=1)[0], "bad")
+        assert "step fault for the test" in str(bad.error)
+        deadline = time.monotonic() + 30
+        while manager.is_running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not manager.is_running(), "transformers' loop stopped the engine at the first step that raised"
+    finally:
+        manager.stop(block=True)
+        manager.destroy()
