@@ -1,5 +1,6 @@
 """The manager form of gr.hf (``gr.hf.init_continuous_batching``): sessions, a capture between them, and a
-server's form (``autocapture=True``: captured in the background from the first step, keys re-planned).
+server's form (``autocapture=True``: captured in the background from the first step, keys re-planned, no step
+beside a key's capture, a step that raises failing only its own requests).
 
 The reference is transformers' own ``model.generate_batch`` on the same model, prompts and configs,
 token for token. Prefix caching is on (transformers' default, ``allow_block_sharing``): a later
@@ -463,8 +464,9 @@ def test_negative_control_without_the_guard_a_step_runs_inside_a_keys_capture(mo
 
 
 def _faulty_manager(model, gc):
-    """A server's manager (autocapture) whose step raises ``RuntimeError("step fault for the test")`` at the
-    next ``fault["next"]`` steps: the fault is put on graphrunner's own model runner (its ``serve``)."""
+    """A server's manager (autocapture) whose step raises ``fault["raise"]("step fault for the test")``
+    (``RuntimeError``) at the next ``fault["next"]`` steps: the fault is put on graphrunner's own model runner
+    (its ``serve``)."""
     manager = gr.hf.init_continuous_batching(
         model,
         gc,
@@ -475,12 +477,12 @@ def _faulty_manager(model, gc):
         max_graphs={"tokens": 2, "kv": 1, "reqs": 1},
     )
     model_runner = gr.hf.graphs_of(manager).batch_processor.model_runner
-    serve, fault = model_runner.serve, {"next": 0}
+    serve, fault = model_runner.serve, {"next": 0, "raise": RuntimeError}
 
     def faulty_serve(feeds, size):
         if fault["next"]:
             fault["next"] -= 1
-            raise RuntimeError("step fault for the test")
+            raise fault["raise"]("step fault for the test")
         return serve(feeds, size)
 
     model_runner.serve = faulty_serve
@@ -548,6 +550,26 @@ def test_negative_control_without_the_step_failure_path_the_engine_stops_at_the_
         while manager.is_running() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not manager.is_running(), "transformers' loop stopped the engine at the first step that raised"
+    finally:
+        manager.stop(block=True)
+        manager.destroy()
+
+
+def test_an_exception_that_is_no_exception_stops_the_engine_with_an_error_not_a_hang():
+    """A ``BaseException`` that is no ``Exception`` (``SystemExit``) would end transformers' generation loop
+    without its error handling: no request would ever get an answer. It is raised as a ``RuntimeError``: the
+    engine stops, its request fails naming it."""
+    model, gc = qwen2(), gen_config()
+    manager, fault = _faulty_manager(model, gc)
+    try:
+        manager.start()
+        fault.update({"next": 1, "raise": SystemExit})
+        bad = _one(manager, prompts(n=1)[0], "bad")
+        assert "_generation_step raised SystemExit: step fault for the test" in str(bad.error)
+        deadline = time.monotonic() + 30
+        while manager.is_running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not manager.is_running()
     finally:
         manager.stop(block=True)
         manager.destroy()
