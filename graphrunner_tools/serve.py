@@ -28,6 +28,9 @@ used as they are, through their public entry points (:mod:`transformers.cli.serv
   engine and the HTTP requests (:func:`~graphrunner_tools.serve_engine.engine_metrics` runs in the model's
   process through ``EngineClient.submit``; read once at the start, so a transformers whose engine
   it cannot read fails the start);
+- a step that raises fails only its own requests (gr.hf's ``autocapture``: a 500 naming the error) and the
+  engine serves on; if the engine dies all the same, the server exits 1 within seconds, naming the cause
+  (``docs/serving.md``, "When a step fails");
 - with no model on the command line, a tiny built-in model
   (:func:`graphrunner_tools.models.tiny_chat.tiny_model_dir`), so the server runs on a fresh
   machine with no download.
@@ -67,6 +70,7 @@ _SCALARS = (
     ("counter", "graphrunner_real_keys", "real_keys", "keys read by replayed steps"),
     ("counter", "graphrunner_padded_keys", "padded_keys", "padding keys the graphs computed"),
     ("counter", "graphrunner_replans", "replans", "times the keys were re-planned from the steps served"),
+    ("counter", "graphrunner_failed_steps", "failed_steps", "steps that raised: their requests failed (a 500)"),
     ("gauge", "graphrunner_graphs_enabled", "graphs_on", "1 when the steps are served from graphs"),
     ("gauge", "graphrunner_graphs_planned", "graphs_planned", "keys (graphs) planned"),
     ("gauge", "graphrunner_graphs_captured", "graphs_captured", "graphs captured and replaying"),
@@ -338,7 +342,11 @@ def serve_http(args: argparse.Namespace) -> int:
     )
 
     async def stop_if_the_engine_died() -> None:
-        if model_manager.is_dead:
+        # transformers fails the engine's requests when it dies (a 500, a 503 for those that come after) and marks
+        # the model's client dead; the server then stops at once and exits 1, never a process answering 503
+        if model_manager.is_dead and not server.should_exit:
+            reasons = "; ".join(f"{e.fatal_error}" for e in model_manager.engines.values() if e.is_dead)
+            print(f"graphrunner serve: the engine died ({reasons}): exiting 1", file=sys.stderr, flush=True)
             server.should_exit = True
 
     config = uvicorn.Config(
@@ -347,7 +355,7 @@ def serve_http(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level.lower(),
         callback_notify=stop_if_the_engine_died,
-        timeout_notify=5,
+        timeout_notify=0,  # uvicorn calls it at most once a second: every second
         timeout_graceful_shutdown=args.shutdown_timeout,
     )
     server = uvicorn.Server(config)

@@ -18,7 +18,11 @@ it reads the request, answers it or hands it on, and watches what is sent back):
   (:class:`graphrunner_tools.serve_engine.ServedManager`);
 - a chat or completions stream ends with ``data: [DONE]``, OpenAI's wire format;
 - HTTP requests are counted by path and status (``/metrics``), a client that left before its answer as
-  499, without a traceback.
+  499, without a traceback;
+- a generation request the engine failed (a step that raised) is a 500 with an OpenAI error object
+  (``server_error``, code ``engine_error``) whose message names the error, logged in one line (transformers'
+  app lets it reach the ASGI server, which answers a bare "Internal Server Error" and logs a traceback); a
+  stream that had started ends with transformers' error event.
 
 The checks are plain functions of the request body (:func:`check_request`, :func:`check_length`), each
 error a :class:`RequestError`; docs/serving.md has the table of parameters, honoured or refused.
@@ -29,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import math
 import random
 from collections.abc import Awaitable, Callable
@@ -49,6 +54,8 @@ __all__ = [
     "requested_new_tokens",
     "response_messages",
 ]
+
+logger = logging.getLogger("graphrunner")
 
 #: The generation routes and the field each reads for the tokens to generate (transformers' order: first set wins).
 GENERATION_ROUTES: dict[str, tuple[str, ...]] = {
@@ -531,7 +538,21 @@ class FrontDoor:
         async def replay() -> Any:  # the request read above, then the client's next messages (a disconnect)
             return messages.pop(0) if messages else await receive()
 
-        await self.app(scope, replay, send)
+        started = [False]
+
+        async def watched(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                started[0] = True
+            await send(message)
+
+        try:
+            await self.app(scope, replay, watched)
+        except Exception as exc:  # the engine failed the request (asyncio.CancelledError is no Exception)
+            if started[0]:
+                raise
+            logger.error("graphrunner serve: %s failed in the engine: %s", path, exc)
+            error = RequestError(f"The engine failed the request: {exc}", None, "engine_error", status=500)
+            await _answer(error, scope, receive, send)
 
     async def _admit(self, path: str, body: dict[str, Any]) -> int | None:
         check_request(path, body, self.limits)

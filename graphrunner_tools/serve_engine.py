@@ -17,16 +17,22 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
+from collections.abc import Callable
 from typing import Any
 
 from transformers.cli.serving.model_manager import ModelLoader
 
 from graphrunner.hf import graphs_of, init_continuous_batching
 from graphrunner.hf.internals import REQUEST_SAMPLING_KEYS, engine_state, request_seed
-from graphrunner.hf.model_runner import sample_per_request
+from graphrunner.hf.model_runner import GraphModelRunner, sample_per_request
 from graphrunner.hf.sampling import RequestSampler, SamplingParams
 
-__all__ = ["GraphModelLoader", "ServedManager", "ServedModel", "engine_metrics"]
+__all__ = ["FAULT_ENV", "GraphModelLoader", "ServedManager", "ServedModel", "engine_metrics"]
+
+#: Tests only: the environment variable naming a trigger file (:func:`_with_fault`); read in one place,
+#: :meth:`ServedModel.init_continuous_batching`.
+FAULT_ENV = "GRAPHRUNNER_SERVE_FAULT"
 
 
 class _SamplingKeys:
@@ -156,7 +162,36 @@ class ServedModel:
             manager.destroy()
             raise
         self.manager = manager
+        trigger = os.environ.get(FAULT_ENV)
+        if trigger:  # tests only
+            hook = graphs_of(manager)
+            model_runner = None if hook is None else hook.processor.model_runner
+            if not isinstance(model_runner, GraphModelRunner):
+                raise ValueError(f"{FAULT_ENV} needs the graphs: it faults graphrunner's step (not with --eager)")
+            model_runner.serve = _with_fault(model_runner.serve, trigger)
         return ServedManager(manager, self.sampler)
+
+
+def _with_fault(serve: Callable[..., Any], trigger: str) -> Callable[..., Any]:
+    """Tests only (:data:`FAULT_ENV`): ``serve`` (graphrunner's step, ``GraphModelRunner.serve``), but while
+    the file ``trigger`` exists the step raises ``RuntimeError`` naming the fault, as a step that fails does:
+    the file holds how many steps raise (empty: 1), counted down, and is removed when they have."""
+
+    def serve_or_raise(*args: Any) -> Any:
+        try:
+            with open(trigger) as f:
+                text = f.read().strip()
+        except FileNotFoundError:
+            return serve(*args)
+        left = int(text or 1) - 1
+        if left > 0:
+            with open(trigger, "w") as f:
+                f.write(str(left))
+        else:
+            os.remove(trigger)
+        raise RuntimeError(f"a fault injected for a test ({FAULT_ENV}={trigger})")
+
+    return serve_or_raise
 
 
 class GraphModelLoader(ModelLoader):
@@ -220,6 +255,7 @@ def engine_metrics(model: Any, processor: Any = None) -> dict[str, Any]:
                 graphs_captured=hook.captured(),
                 capture_seconds=s.capture_seconds,
                 replans=s.replans,
+                failed_steps=s.failed_steps,
                 fallbacks=dict(runner.stats.fallback_reasons) if runner is not None else {},
             )
         for attempt in range(5):  # beside a running loop (tensor-parallel ranks) a read may race a step

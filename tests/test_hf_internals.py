@@ -117,9 +117,9 @@ def test_the_step_methods_are_wrapped_and_run_through_the_wrapper():
     bp = manager.batch_processor
     calls: list[str] = []
 
-    def wrap(fn):
+    def wrap(name, fn):
         def run(*a, **k):
-            calls.append(fn.__name__)
+            calls.append(name)
             return fn(*a, **k)
 
         return run
@@ -141,6 +141,9 @@ def test_the_step_methods_are_wrapped_and_run_through_the_wrapper():
     with pytest.raises(internals.TransformersChanged, match=rf"_generation_step.*{CHECKED}"):
         internals.wrap_step_methods(bare, wrap)
     assert bare.prepare_next_batch is original, "nothing wrapped when one is missing"
+    bare = types.SimpleNamespace(prepare_next_batch=original, update_batch=original, _generation_step=original)
+    with pytest.raises(internals.TransformersChanged, match=rf"handle_batch_error.*{CHECKED}"):
+        internals.wrap_step_methods(bare, wrap)
     manager.destroy()
 
 
@@ -236,3 +239,76 @@ def test_the_tp_ranks_take_the_drivers_sampled_ids_and_debug_names_the_request_t
     bare = types.SimpleNamespace(distributed_helper=types.SimpleNamespace(), inputs_and_outputs=None)
     with pytest.raises(internals.TransformersChanged, match=rf"tensor-parallel step.*{CHECKED}"):
         internals.sync_sampled_ids(bare)
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_serves_the_next():
+    """fail_step in the wrapped _generation_step (that step's update_batch skipped): the step's request ends with
+    the error and its tokens so far, its blocks are freed, and the next request is served; negative control:
+    without fail_step (the exception goes on to transformers' loop) the engine stops."""
+    model, manager = manager_of()
+    bp = manager.batch_processor
+    fail = {"next": 0, "failed": False}
+
+    def wrap(name, fn):
+        def run(*a, **k):
+            if name == "update_batch" and fail["failed"]:
+                fail["failed"] = False
+                return None
+            if name == "_generation_step" and fail["next"]:
+                fail["next"] -= 1
+                internals.fail_step(bp, RuntimeError("step fault for the test"))
+                fail["failed"] = True
+                return None
+            return fn(*a, **k)
+
+        return run
+
+    internals.wrap_step_methods(bp, wrap)
+    manager.start()
+    try:
+        fail["next"] = 1
+        manager.add_request(list(range(3, 40)), request_id="bad", max_new_tokens=3)
+        bad = manager.get_result(timeout=30)
+        assert bad is not None and bad.request_id == "bad" and "step fault for the test" in str(bad.error)
+        assert bad.generated_tokens == [] and manager.is_running()
+        manager.add_request([5, 6, 7], request_id="good", max_new_tokens=3)
+        good = None
+        while good is None or not good.is_finished():
+            good = manager.get_result(timeout=30)
+            assert good is not None and good.error is None
+        assert len(good.generated_tokens) == 3
+        with manager.pause():
+            state = internals.engine_state(manager)
+        assert state["cache_held_blocks"] == 0 and state["requests_active"] == 0, "the failed request's blocks freed"
+        with pytest.raises(internals.TransformersChanged, match=rf"handle_batch_error.*{CHECKED}"):
+            internals.fail_step(types.SimpleNamespace(), RuntimeError("x"))
+    finally:
+        manager.stop(block=True)
+        manager.destroy()
+
+
+def test_negative_control_a_step_that_raises_stops_transformers_engine():
+    model, manager = manager_of()
+    bp = manager.batch_processor
+
+    def wrap(name, fn):
+        def run(*a, **k):
+            if name == "_generation_step":
+                raise RuntimeError("step fault for the test")
+            return fn(*a, **k)
+
+        return run
+
+    internals.wrap_step_methods(bp, wrap)
+    manager.start()
+    try:
+        manager.add_request(list(range(3, 40)), request_id="bad", max_new_tokens=3)
+        bad = manager.get_result(timeout=30)
+        assert bad is not None and "step fault for the test" in str(bad.error)
+        deadline = time.monotonic() + 30
+        while manager.is_running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not manager.is_running(), "transformers' loop stops the engine on a step's exception"
+    finally:
+        manager.stop(block=True)
+        manager.destroy()

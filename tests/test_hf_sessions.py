@@ -1,5 +1,6 @@
 """The manager form of gr.hf (``gr.hf.init_continuous_batching``): sessions, a capture between them, and a
-server's form (``autocapture=True``: captured in the background from the first step, keys re-planned).
+server's form (``autocapture=True``: captured in the background from the first step, keys re-planned, no step
+beside a key's capture, a step that raises failing only its own requests).
 
 The reference is transformers' own ``model.generate_batch`` on the same model, prompts and configs,
 token for token. Prefix caching is on (transformers' default, ``allow_block_sharing``): a later
@@ -9,6 +10,8 @@ wrong tokens silently (the negative control). Tiny random-weight models, nothing
 
 import contextlib
 import gc as garbage_collector
+import threading
+import time
 
 import pytest
 from extras_util import require
@@ -319,3 +322,255 @@ def test_generate_batch_reuses_its_graphs_for_the_same_settings():
     st = {}
     gr.hf.generate_batch(model, a, gc, cb_config(), device="tape", stats=st, reuse=False)
     assert not st["runner"].captured and not gr.hf.release(model), "reuse=False keeps nothing"
+
+
+# ----------------------------------------------------------------------------- the guard, deterministically
+#
+# With autocapture, a re-plan's runner captures its keys on a thread while the current runner serves on; a
+# key's capture runs forwards that write the paged cache and puts back what they wrote when the key ends.
+# GraphBatching wraps transformers' step methods (prepare_next_batch, _generation_step, update_batch) in
+# ``runner.hold()`` of both runners, so that none of transformers' step work (the forward's K/V writes, its
+# cache copies outside the forward) runs while a key is being captured. Left to chance, the overlap came in 1
+# run of 6 of test_a_replan_swaps_keys_without_a_wrong_token. Here it is forced: the re-plan's first key is
+# held mid-capture (a forward hook on the test's model, in the capture thread) until transformers' engine,
+# given new requests, either waits at the guard (the guard holds) or has served a step meanwhile (no guard).
+
+CAPTURE_THREAD = "graphrunner-background-capture"  # graphrunner.background's capture thread
+
+
+class HeldReplanCapture:
+    """Holds the first key a re-plan captures, once :meth:`arm` ed, until transformers' engine has requests
+    (:meth:`requests_added`) and either one of its step methods waits in ``runner.hold()`` (counted by a
+    wrapper of the real ``GraphRunner.hold``; ``guard=False`` puts a no-op there instead) or it served a step
+    (``GraphBatching.serve_step`` returned) while the key was held: :attr:`steps_while_held`."""
+
+    def __init__(self, model, monkeypatch, guard=True):
+        import graphrunner.hf.batching as batching
+
+        self.cond = threading.Condition()
+        self.armed = self.held = self.added = False
+        self.was_held = threading.Event()
+        self.waiting = 0  # step methods inside runner.hold() that have not got in yet
+        self.steps_while_held = 0
+        self.resumed = None  # what let the key go on: "guard" (a step method waits), "step", or "timeout"
+        model.register_forward_hook(self._capture_forward)  # PyTorch's public hook, on the test's own model
+        serve_step = batching.GraphBatching.serve_step
+
+        def counted_serve_step(hook, feeds, size):
+            out = serve_step(hook, feeds, size)
+            with self.cond:
+                if self.held:
+                    self.steps_while_held += 1
+                    self.cond.notify_all()
+            return out
+
+        monkeypatch.setattr(batching.GraphBatching, "serve_step", counted_serve_step)
+        if not guard:  # the negative control: the guard is a no-op context
+            monkeypatch.setattr(gr.GraphRunner, "hold", lambda runner: contextlib.nullcontext())
+            return
+        hold = gr.GraphRunner.hold
+
+        @contextlib.contextmanager
+        def counted_hold(runner):
+            with contextlib.ExitStack() as stack:
+                with self.cond:
+                    self.waiting += 1
+                    self.cond.notify_all()
+                try:
+                    stack.enter_context(hold(runner))
+                finally:
+                    with self.cond:
+                        self.waiting -= 1
+                yield
+
+        monkeypatch.setattr(gr.GraphRunner, "hold", counted_hold)
+
+    def arm(self):
+        with self.cond:
+            self.armed = True
+
+    def requests_added(self):
+        with self.cond:
+            self.added = True
+            self.cond.notify_all()
+
+    def _capture_forward(self, module, args, output):
+        if threading.current_thread().name != CAPTURE_THREAD:
+            return  # the engine's eager steps, transformers' own reference
+        with self.cond:
+            if not self.armed:
+                return
+            self.armed, self.held = False, True
+            self.was_held.set()
+            go_on = self.cond.wait_for(lambda: self.added and (self.waiting or self.steps_while_held), timeout=120)
+            self.resumed = "timeout" if not go_on else "step" if self.steps_while_held else "guard"
+            self.held = False
+
+
+def _replan_held_mid_key(monkeypatch, guard):
+    """A server's manager (autocapture, a 1-key ladder, a re-plan due at the 8th step, no rest) whose ladder is
+    captured before any request; prompts ``b`` start a re-plan, whose first key is held mid-capture
+    (:class:`HeldReplanCapture`) while prompts ``c`` are added. ``(held, tokens of b and c by name, the
+    references)``."""
+    model, gc = qwen2(), gen_config()
+    b, c = prompts(n=10, seed=5), prompts(n=6, seed=6)
+    ref = {**reference(model, b, gc), **{f"c{k}": v for k, v in reference(model, c, gc).items()}}
+    held = HeldReplanCapture(model, monkeypatch, guard=guard)
+    manager = gr.hf.init_continuous_batching(
+        model,
+        gc,
+        cb_config(),
+        device="tape",
+        autocapture=True,
+        replan_every=8,
+        replan_share=1.0,
+        max_graphs={"tokens": 2, "kv": 1, "reqs": 1},
+    )
+    out = {}
+    try:
+        hook = gr.hf.graphs_of(manager)
+        assert hook.wait_captured(timeout=300), "the ladder's capture"
+        held.arm()  # the next key captured is the re-plan's
+        manager.start()
+        names = {rid: f"req_{i}" for i, rid in enumerate(manager.add_requests(inputs=b, max_new_tokens=NEW))}
+        assert held.was_held.wait(300), f"no re-plan started (keys {hook.runner.keys}, steps {hook.stats.steps})"
+        names.update({rid: f"creq_{i}" for i, rid in enumerate(manager.add_requests(inputs=c, max_new_tokens=NEW))})
+        held.requests_added()
+        while len(out) < len(names):
+            r = manager.get_result(timeout=120)
+            assert r is not None, "a result within 120 s"
+            if r.error is not None or r.is_finished():
+                out[names[r.request_id]] = r.error if r.error is not None else r.generated_tokens
+        manager.stop(block=True)
+    finally:
+        manager.destroy()
+    return held, out, ref
+
+
+@pytest.mark.slow
+def test_a_replan_key_held_mid_capture_holds_transformers_steps_back(monkeypatch):
+    held, out, ref = _replan_held_mid_key(monkeypatch, guard=True)
+    assert held.resumed == "guard", "transformers' engine, with requests to serve, waited at the guard"
+    assert held.steps_while_held == 0, "no step was served while a key was being captured"
+    assert out == ref, "every token is transformers' own"
+
+
+@pytest.mark.slow
+def test_negative_control_without_the_guard_a_step_runs_inside_a_keys_capture(monkeypatch):
+    held, out, _ = _replan_held_mid_key(monkeypatch, guard=False)
+    assert held.resumed == "step" and held.steps_while_held >= 1, "a step ran while the key was being captured"
+
+
+# ----------------------------------------------------------------------------- a step that raises (a server's manager)
+
+
+def _faulty_manager(model, gc):
+    """A server's manager (autocapture) whose step raises ``fault["raise"]("step fault for the test")``
+    (``RuntimeError``) at the next ``fault["next"]`` steps: the fault is put on graphrunner's own model runner
+    (its ``serve``)."""
+    manager = gr.hf.init_continuous_batching(
+        model,
+        gc,
+        cb_config(),
+        device="tape",
+        autocapture=True,
+        replan_every=0,
+        max_graphs={"tokens": 2, "kv": 1, "reqs": 1},
+    )
+    model_runner = gr.hf.graphs_of(manager).batch_processor.model_runner
+    serve, fault = model_runner.serve, {"next": 0, "raise": RuntimeError}
+
+    def faulty_serve(feeds, size):
+        if fault["next"]:
+            fault["next"] -= 1
+            raise fault["raise"]("step fault for the test")
+        return serve(feeds, size)
+
+    model_runner.serve = faulty_serve
+    return manager, fault
+
+
+def _one(manager, prompt, name):
+    manager.add_request(prompt, request_id=name, max_new_tokens=NEW)
+    while True:
+        r = manager.get_result(timeout=60)
+        assert r is not None, "a result within 60 s"
+        if r.error is not None or r.is_finished():
+            return r
+
+
+def test_a_step_that_raises_fails_its_requests_and_the_engine_serves_on():
+    model, gc = qwen2(), gen_config()
+    a = prompts(n=6, seed=8)
+    ref = reference(model, a, gc)
+    manager, fault = _faulty_manager(model, gc)
+    try:
+        hook = gr.hf.graphs_of(manager)
+        manager.start()
+        fault["next"] = 1
+        bad = _one(manager, a[0], "bad")
+        assert "the step serving this request raised RuntimeError: step fault for the test" in str(bad.error)
+        assert manager.is_running(), "the engine serves on"
+        names = {rid: f"req_{i}" for i, rid in enumerate(manager.add_requests(inputs=a, max_new_tokens=NEW))}
+        out = {}
+        while len(out) < len(a):
+            r = manager.get_result(timeout=60)
+            assert r is not None and r.error is None
+            if r.is_finished():
+                out[names[r.request_id]] = r.generated_tokens
+        assert out == ref, "every later request is answered as transformers answers it"
+        # three failed steps in a row are the engine's: it stops, failing its requests
+        fault["next"] = 3
+        errors = [str(_one(manager, p, f"doomed{i}").error) for i, p in enumerate(a[:3])]
+        deadline = time.monotonic() + 30
+        while manager.is_running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not manager.is_running(), "the engine stopped"
+        assert all("step fault for the test" in e for e in errors), errors
+        assert hook.stats.failed_steps == 4
+    finally:
+        manager.stop(block=True)
+        manager.destroy()
+
+
+def test_negative_control_without_the_step_failure_path_the_engine_stops_at_the_first(monkeypatch):
+    import graphrunner.hf.batching as batching
+
+    def raise_on(self, exc):
+        raise exc
+
+    monkeypatch.setattr(batching.GraphBatching, "_step_failed", raise_on)
+    model, gc = qwen2(), gen_config()
+    manager, fault = _faulty_manager(model, gc)
+    try:
+        manager.start()
+        fault["next"] = 1
+        bad = _one(manager, prompts(n=1)[0], "bad")
+        assert "step fault for the test" in str(bad.error)
+        deadline = time.monotonic() + 30
+        while manager.is_running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not manager.is_running(), "transformers' loop stopped the engine at the first step that raised"
+    finally:
+        manager.stop(block=True)
+        manager.destroy()
+
+
+def test_an_exception_that_is_no_exception_stops_the_engine_with_an_error_not_a_hang():
+    """A ``BaseException`` that is no ``Exception`` (``SystemExit``) would end transformers' generation loop
+    without its error handling: no request would ever get an answer. It is raised as a ``RuntimeError``: the
+    engine stops, its request fails naming it."""
+    model, gc = qwen2(), gen_config()
+    manager, fault = _faulty_manager(model, gc)
+    try:
+        manager.start()
+        fault.update({"next": 1, "raise": SystemExit})
+        bad = _one(manager, prompts(n=1)[0], "bad")
+        assert "_generation_step raised SystemExit: step fault for the test" in str(bad.error)
+        deadline = time.monotonic() + 30
+        while manager.is_running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not manager.is_running()
+    finally:
+        manager.stop(block=True)
+        manager.destroy()

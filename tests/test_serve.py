@@ -39,14 +39,15 @@ class Server(ServerProcess):
     """A ``graphrunner serve`` process (:class:`serve_util.ServerProcess`) with the small
     :data:`ENGINE` settings, a tiny model built under the test's temp dir, and an ``openai`` client."""
 
-    def __init__(self, tmp, *flags):
+    def __init__(self, tmp, *flags, env=None):
         log = os.path.join(tmp, f"serve-{len(os.listdir(tmp))}.log")
+        cache = os.path.join(os.path.dirname(tmp), "cache")
         try:
             super().__init__(
                 [*ENGINE, *flags],
                 log,
                 START,
-                env={"GRAPHRUNNER_CACHE": os.path.join(os.path.dirname(tmp), "cache"), "OMP_NUM_THREADS": "1"},
+                env={"GRAPHRUNNER_CACHE": cache, "OMP_NUM_THREADS": "1", **(env or {})},
             )
         except RuntimeError as exc:
             raise AssertionError(str(exc)) from None
@@ -318,6 +319,65 @@ def test_sigterm_with_a_request_in_flight_exits_0_within_seconds(tmp_path):
     assert code == 0, server.output()
     assert seconds < 20, f"SIGTERM took {seconds:.1f} s (bounds a hang: the shutdown waits at most 5 s for requests)"
     assert done, "the client got an answer or an error, not a hang"
+
+
+FAULT = "a fault injected for a test"
+
+
+def _fails(call):
+    """The 5xx error ``call()`` raises (``openai.APIError``: a status error, or a stream's error event)."""
+    with pytest.raises(openai.APIError) as info:
+        call()
+    exc = info.value
+    assert getattr(exc, "status_code", 500) >= 500, exc
+    return f"{exc} {exc.body}"
+
+
+def test_a_step_that_raises_fails_its_request_the_engine_serves_on_and_a_broken_engine_exits_1(tmp_path):
+    """``GRAPHRUNNER_SERVE_FAULT`` (tests only) names a file: while it exists, the steps raise (the count it
+    holds). One step raises: its request is a 500 naming the error (a stream: an error event), the next
+    greedy request is answered as before, ``/health`` is 200. Three steps in a row raise (the engine's fault):
+    the engine stops and the server exits 1 within seconds, naming the cause, not a process answering 503."""
+    fault = tmp_path / "fault"
+    # one graph (the ladder's largest key): little capture beside the steps
+    server = Server(str(tmp_path), "--max-graphs", "1", env={"GRAPHRUNNER_SERVE_FAULT": str(fault)})
+    try:
+        before = server.chat("hello there")
+        fault.write_text("1")
+        error = _fails(lambda: server.chat("what is a graph?"))
+        assert "500" in error and FAULT in error and "the step serving this request raised" in error, error
+        assert not fault.exists(), "the step that raised took the fault"
+        assert server.chat("hello there") == before, "the engine serves on, its answers as before"
+        stream = server.client.chat.completions.create(
+            model=server.model,
+            messages=[{"role": "user", "content": "long"}],
+            max_tokens=900,
+            temperature=0,
+            stream=True,
+            extra_body=ENDLESS,
+        )
+        chunks = iter(stream)
+        next(chunks)
+        fault.write_text("1")  # mid-stream: the request's next step raises
+        assert FAULT in _fails(lambda: [None for _ in chunks])
+        with urllib.request.urlopen(server.url + "/health", timeout=30) as r:
+            assert r.status == 200
+        assert server.chat("hello there") == before
+        assert server.metric("graphrunner_failed_steps_total") == 2
+        # a broken engine (every step raises): the third failed step in a row stops it
+        fault.write_text("3")
+        errors = [_fails(lambda p=p: server.chat(p)) for p in ("a", "b", "c")]
+        assert all(FAULT in e for e in errors), errors
+        t0 = time.monotonic()
+        code = server.proc.wait(timeout=60)
+        seconds = time.monotonic() - t0
+    finally:
+        server.stop()
+    with open(server.log_path) as f:
+        output = f.read()
+    assert code == 1, output
+    assert seconds < 10, f"the server took {seconds:.1f} s to exit after the engine died"
+    assert "graphrunner serve: the engine died" in output and FAULT in output, output
 
 
 def test_metrics_show_graphs_steps_and_requests(servers):

@@ -65,7 +65,7 @@ from graphrunner.hf.batch_step import (
     step_inputs,
 )
 from graphrunner.hf.equivalence import EquivalenceCheck
-from graphrunner.hf.internals import wrap_step_methods
+from graphrunner.hf.internals import fail_step, wrap_step_methods
 from graphrunner.hf.ladder import ladder_keys, replan
 from graphrunner.hf.metadata import check_trash
 from graphrunner.hf.model_runner import GraphModelRunner
@@ -87,7 +87,7 @@ if TYPE_CHECKING:
 
     from graphrunner.report import CaptureReport
 
-__all__ = ["BatchingStats", "GraphBatching"]
+__all__ = ["FAILED_STEPS_IN_A_ROW", "BatchingStats", "GraphBatching", "StepError"]
 
 logger = logging.getLogger("graphrunner")
 
@@ -100,6 +100,17 @@ _PADDED_MANAGER = (
 )
 
 
+#: ``autocapture`` (a server's manager): a step that raises fails only its own requests, but this many steps
+#: in a row that raise stop the engine (a device error that fails every step): transformers' generation
+#: loop then fails every request, and ``graphrunner serve`` exits.
+FAILED_STEPS_IN_A_ROW = 3
+
+
+class StepError(GraphRunnerError):
+    """What fails the requests of a step that raised, with ``autocapture``: the message names the step's
+    exception (the engine serves on)."""
+
+
 @dataclass
 class BatchingStats:
     """What a :class:`GraphBatching` served: ``steps`` (forward steps), ``replayed`` (served by a graph),
@@ -109,8 +120,9 @@ class BatchingStats:
     ``graphs`` (keys captured), ``capture_seconds``, ``dry_run_seconds`` (the planning run of the scheduler),
     ``step_sizes`` (``(tokens, kv..., reqs)``: a size per dim of :func:`batch_dims`, of every varlen step seen, dry run included), ``engine_sizes``
     (the same steps as transformers' own graph keys count them: ``(query tokens, max_kv_read, max_length_k
-    per attention type)``, unpadded), ``keys`` (the keys captured) and ``equivalence_checked`` (keys the
-    equivalence check replayed)."""
+    per attention type)``, unpadded), ``keys`` (the keys captured), ``equivalence_checked`` (keys the
+    equivalence check replayed), ``replans`` (re-plans that took over) and ``failed_steps`` (``autocapture``:
+    steps that raised, their requests failed)."""
 
     steps: int = 0
     replayed: int = 0
@@ -127,6 +139,7 @@ class BatchingStats:
     keys: list[tuple[int, ...]] = field(default_factory=list)
     equivalence_checked: int = 0
     replans: int = 0
+    failed_steps: int = 0
 
 
 def _sync_io(bp: ContinuousBatchProcessor) -> ContinuousBatchingIOs:
@@ -194,7 +207,9 @@ class GraphBatching:
     :func:`graphrunner.hf.ladder.ladder_keys` (``buckets``/``keys`` when given),
     and every ``replan_every`` steps (0: never) the keys are re-planned from the
     recent step sizes (:func:`graphrunner.hf.ladder.replan`); the manager's
-    cache-writing and sampling work never runs beside a key's capture.
+    cache-writing and sampling work never runs beside a key's capture, and a step that raises fails
+    only its own requests (:class:`StepError` naming the exception; ``stats.failed_steps``) while the engine
+    serves on, up to :data:`FAILED_STEPS_IN_A_ROW` steps in a row (then transformers stops the engine).
     Raises ``ValueError`` for ``buckets``, ``keys`` or ``max_graphs`` that do not
     name the model's dims, :class:`~graphrunner.errors.CaptureError` at
     :meth:`install` for a model :func:`~graphrunner.hf.refusals.refusal` refuses
@@ -235,6 +250,10 @@ class GraphBatching:
         self._eos: list[int] = []
         #: The first exception the step raised inside transformers' generation thread (re-raised by generate_batch).
         self.error: BaseException | None = None
+        # autocapture: the last step raised and its requests were failed (its update_batch is skipped), and
+        # how many steps in a row raised
+        self._failed_step = False
+        self._failures_in_a_row = 0
 
     # ----------------------------------------------------------------- installation
     def install(self, manager: ContinuousBatchingManager) -> None:
@@ -320,17 +339,35 @@ class GraphBatching:
             wrap_step_methods(bp, self._guarded)
             self.capture()
 
-    def _guarded(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` run while no background key capture runs (``runner.hold()`` of the runner serving and
-        of a re-plan's runner being captured); a re-plan found due by a step is started after it,
-        outside the holds, and a re-plan's runner takes over once every key of it is captured."""
+    def _guarded(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Batch processor method ``name`` (``fn``) run while no background key capture runs
+        (``runner.hold()`` of the runner serving and of a re-plan's runner being captured); a re-plan found
+        due by a step is started after it, outside the holds, and a re-plan's runner takes over once every key
+        of it is captured. A step that raises (``_generation_step``) fails its own requests and the engine
+        serves on (:meth:`_step_failed`); an exception that is no ``Exception`` is raised as a
+        ``RuntimeError``, which transformers' generation loop records (it would end the loop silently, every
+        request in flight left waiting)."""
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            with contextlib.ExitStack() as held:
-                for runner in (self.runner, self._pending):
-                    if runner is not None:
-                        held.enter_context(runner.hold())
-                out = fn(*args, **kwargs)
+            if name == "update_batch" and self._failed_step:
+                self._failed_step = False
+                return None  # the step's requests were failed: nothing to update
+            try:
+                with contextlib.ExitStack() as held:
+                    for runner in (self.runner, self._pending):
+                        if runner is not None:
+                            held.enter_context(runner.hold())
+                    out = fn(*args, **kwargs)
+            except Exception as exc:
+                if name != "_generation_step":
+                    raise  # transformers' own scheduling and bookkeeping: its loop stops the engine
+                self._step_failed(exc)
+                out = None
+            except BaseException as exc:
+                raise RuntimeError(f"the engine's {name} raised {type(exc).__name__}: {exc}") from exc
+            else:
+                if name == "_generation_step":
+                    self._failures_in_a_row = 0
             runner = self.runner
             if self._capture_began is not None and runner is not None and runner.wait_captured(timeout=0) is not None:
                 # the background capture is done: its keys replay from now (and count as captured) whether or not
@@ -344,6 +381,26 @@ class GraphBatching:
             return out
 
         return run
+
+    def _step_failed(self, exc: Exception) -> None:
+        """The step raised ``exc``: its requests fail with an error naming it (transformers' own way,
+        :func:`~graphrunner.hf.internals.fail_step`; a step cannot tell whose input raised) and the engine
+        serves on; its ``update_batch`` is skipped. The :data:`FAILED_STEPS_IN_A_ROW`-th step in a row that
+        raises is the engine's fault (a sticky device error fails every step): ``exc`` is raised on, and
+        transformers' generation loop stops the engine and fails every request."""
+        self._failures_in_a_row += 1
+        self.stats.failed_steps += 1
+        if self._failures_in_a_row >= FAILED_STEPS_IN_A_ROW:
+            logger.error(
+                "gr.hf: %d steps in a row raised, the engine stops: %s: %s",
+                self._failures_in_a_row,
+                type(exc).__name__,
+                exc,
+            )
+            raise exc
+        logger.error("gr.hf: a step raised %s: %s; its requests fail, the engine serves on", type(exc).__name__, exc)
+        fail_step(self.processor, StepError(f"the step serving this request raised {type(exc).__name__}: {exc}"))
+        self._failed_step = True
 
     def _max_position(self) -> int:
         """An upper bound on positions: the model's max_position_embeddings or what the cache can hold, the larger."""

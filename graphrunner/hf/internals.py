@@ -41,6 +41,7 @@ __all__ = [
     "check_sampling_step",
     "config_attention_implementation",
     "engine_state",
+    "fail_step",
     "forget_kept_manager",
     "kept_manager",
     "request_seed",
@@ -67,10 +68,12 @@ INTERNALS = {
         "the step pads with and checks writes against), block_table and ledger.cached_blocks, and the "
         "scheduler's active_requests / waiting_requests (the server's /metrics)"
     ),
-    "ContinuousBatchProcessor.prepare_next_batch / _generation_step / update_batch": (
+    "ContinuousBatchProcessor.prepare_next_batch / _generation_step / update_batch / handle_batch_error": (
         "wrapped on the batch processor of a server's manager (autocapture), so that no background key "
         "capture runs beside transformers' cache writes outside the forward (prefix-cache forks, offloading) "
-        "and its sampling"
+        "and its sampling, and so that a step that raised fails only its own requests (handle_batch_error, the "
+        "scheduler's block_new_requests cleared as update_batch clears it when a request ends, that step's "
+        "update_batch skipped) instead of stopping the engine"
     ),
     "CBGenerateRunner's request settings / ModelRunner._sample": (
         "sampling per request: transformers serve's continuous-batching runner hands a request's seed to the "
@@ -213,18 +216,19 @@ def engine_state(manager: Any) -> dict[str, int]:
 #: The batch processor's methods that run transformers' work around the forward, in the order of a step.
 STEP_METHODS = ("prepare_next_batch", "_generation_step", "update_batch")
 
+_STEP_ENTRY = "ContinuousBatchProcessor.prepare_next_batch / _generation_step / update_batch / handle_batch_error"
 
-def wrap_step_methods(bp: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    """Replace each of :data:`STEP_METHODS` on batch processor ``bp`` by ``wrap(method)``. Raises
-    :class:`TransformersChanged` (before wrapping any) when one is missing."""
-    missing = [m for m in STEP_METHODS if not callable(getattr(bp, m, None))]
-    if missing:
-        raise _changed(
-            "ContinuousBatchProcessor.prepare_next_batch / _generation_step / update_batch",
-            f"{type(bp).__name__} has no {missing}",
-        )
+
+def wrap_step_methods(bp: Any, wrap: Callable[[str, Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace each of :data:`STEP_METHODS` on batch processor ``bp`` by ``wrap(name, method)``. Raises
+    :class:`TransformersChanged` (before wrapping any) when one is missing, or ``handle_batch_error``
+    (what :func:`fail_step` calls)."""
+    missing = [m for m in (*STEP_METHODS, "handle_batch_error") if not callable(getattr(bp, m, None))]
+    if missing or not hasattr(getattr(bp, "scheduler", None), "block_new_requests"):
+        detail = f"{type(bp).__name__} has no {missing}" if missing else "its scheduler has no block_new_requests"
+        raise _changed(_STEP_ENTRY, detail)
     for m in STEP_METHODS:
-        setattr(bp, m, wrap(getattr(bp, m)))
+        setattr(bp, m, wrap(m, getattr(bp, m)))
 
 
 # --------------------------------------------------------------------------- 5. the request's sampling
@@ -328,3 +332,16 @@ def sync_sampled_ids(bp: Any, debug: bool = False) -> None:
         return out
 
     bp._generation_step = step
+
+
+def fail_step(bp: Any, error: Exception) -> None:
+    """Fail the requests of the step batch processor ``bp`` just ran (its ``_generation_step`` raised) with
+    ``error``, as transformers fails a request: each gets its tokens so far and the error
+    (``handle_batch_error``) and its cache blocks are freed; the scheduler admits new requests again, as
+    ``update_batch`` lets it when a request ends. The caller skips that step's ``update_batch``: its
+    requests are over. Raises :class:`TransformersChanged` naming what is missing."""
+    try:
+        bp.handle_batch_error(error)
+        bp.scheduler.block_new_requests = False
+    except AttributeError as exc:
+        raise _changed(_STEP_ENTRY, f"no {exc.name!r}") from exc

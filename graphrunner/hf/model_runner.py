@@ -132,9 +132,10 @@ class GraphModelRunner(SamplingModelRunner):
     (:func:`~graphrunner.hf.metadata.step_feeds`, ``debug``/``validate`` as there), then ``serve(feeds,
     size)`` for the logits of the step's ``logits_indices``, which transformers' ``compute_batch`` processes and
     samples. Steps on transformers' decode fast path (a block table: flash attention only, which gr.hf refuses)
-    run the model's own forward. It runs in transformers' generation thread; what it raises fails the step's
-    requests there, as transformers' own forward would, and is handed to ``on_error`` first (transformers' thread
-    only logs it). Raises ``TypeError`` for asynchronous batching's
+    run the model's own forward. It runs in transformers' generation thread; what it raises is handed to
+    ``on_error`` first and goes on to transformers, whose generation loop stops the engine and fails every request
+    (a server's manager, ``autocapture``, fails only the step's requests:
+    :class:`~graphrunner.hf.batching.GraphBatching`). Raises ``TypeError`` for asynchronous batching's
     double-buffered inputs (refused: run it with ``use_async_batching=False``). Its sampling is transformers'
     own, or per request once given a ``sampler`` (:class:`SamplingModelRunner`, :func:`sample_per_request`)."""
 
