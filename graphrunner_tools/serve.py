@@ -55,7 +55,7 @@ __all__ = ["add_serve_subparser", "build_app", "serve"]
 logger = logging.getLogger("graphrunner")
 
 #: ``--capture-share``'s default: a capture's keys take at most this share of the time while requests are served.
-CAPTURE_SHARE = 1.0
+CAPTURE_SHARE = 0.1
 
 #: transformers serve's continuous-batching options, under its names.
 _CB_OPTIONS = ("cb_block_size", "cb_num_blocks", "cb_max_batch_tokens", "cb_max_memory_percent", "cb_max_requests")

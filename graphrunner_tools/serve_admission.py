@@ -479,6 +479,9 @@ class FrontDoor:
         if scope["method"] != "POST" or path not in GENERATION_ROUTES:
             await self.app(scope, receive, send)
             return
+        messages = await _read_body(receive)  # a client that sends its body slowly holds no request slot
+        if messages[-1]["type"] == "http.disconnect":
+            return  # the client left before its request was read
         if self.in_flight >= self.max_requests:
             self.refused_busy += 1
             error = RequestError(
@@ -492,7 +495,7 @@ class FrontDoor:
             return
         self.in_flight += 1
         try:
-            await self._generate(scope, receive, send)
+            await self._generate(scope, messages, receive, send)
         finally:
             self.in_flight -= 1
 
@@ -503,17 +506,9 @@ class FrontDoor:
                 return scheme.lower() == "bearer" and hmac.compare_digest(token.strip(), self.api_key or "")
         return False
 
-    async def _generate(self, scope: Any, receive: Any, send: Send) -> None:
+    async def _generate(self, scope: Any, messages: list[dict[str, Any]], receive: Any, send: Send) -> None:
         path = scope["path"]
-        messages = []
-        while True:
-            message = await receive()
-            messages.append(message)
-            if message["type"] != "http.request" or not message.get("more_body", False):
-                break
         raw = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
-        if messages[-1]["type"] == "http.disconnect":
-            return  # the client left before its request was read
         try:
             body = json.loads(raw)
         except ValueError:
@@ -547,6 +542,9 @@ class FrontDoor:
 
         try:
             await self.app(scope, replay, watched)
+        except asyncio.CancelledError:  # the server stops (SIGTERM) and its grace (--shutdown-timeout) ran out
+            logger.warning("graphrunner serve: %s cancelled: the server stops", path)
+            await _end_cancelled(scope, receive, send, started[0])
         except Exception as exc:  # the engine failed the request (asyncio.CancelledError is no Exception)
             if started[0]:
                 raise
@@ -566,6 +564,34 @@ class FrontDoor:
             where = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}.get(path, "input")
             raise RequestError(f"the {where} could not be rendered for the model: {exc}", where) from None
         return check_length(path, body, tokens, self.limits)
+
+
+async def _read_body(receive: Any) -> list[dict[str, Any]]:
+    """A request's messages up to its whole body (or the client's disconnect: the last message then)."""
+    messages = []
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return messages
+
+
+async def _end_cancelled(scope: Any, receive: Any, send: Send, started: bool) -> None:
+    """End a request the stopping server cancelled, with no traceback: a stream gets an error event and its end
+    (``data: [DONE]`` after it), a request not answered yet a 503. The client may be gone: nothing is raised."""
+    try:
+        if started:
+            error = {"error": {"message": "The server stopped (SIGTERM)", "type": "server_stopping", "code": 503}}
+            event = f"data: {json.dumps(error)}\n\n".encode()
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        else:
+            stopped = RequestError(
+                "The server stopped (SIGTERM); retry on another", None, "server_stopping", status=503
+            )
+            await _answer(stopped, scope, receive, send)
+    except Exception as exc:  # noqa: BLE001 - the client or the transport is gone: nothing left to tell it
+        logger.info("graphrunner serve: the end of a cancelled request was not sent: %s", exc)
 
 
 def _ending_with_done(send: Send) -> Send:

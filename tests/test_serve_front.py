@@ -304,6 +304,60 @@ def test_concurrent_hostile_and_normal_clients(front):
     assert got == [front.want] and bad == [400]
 
 
+def _endless_stream(front, max_tokens=900):
+    """A streamed chat completion that cannot end by itself, its first chunk read: the open stream."""
+    s = front.client.chat.completions.create(
+        model=front.model,
+        messages=HI,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body={"generation_config": ENDLESS},
+    )
+    next(iter(s))
+    return s
+
+
+def _settled(front, name, want, timeout=30):
+    deadline = time.monotonic() + timeout
+    while front.metric(name) != want:
+        assert time.monotonic() < deadline, f"{name} stayed {front.metric(name)}, not {want}:\n{front.output()}"
+        time.sleep(0.2)
+
+
+def test_a_slow_client_holds_no_request_slot_and_the_server_serves_on(front):
+    """A client that sends half a request and then nothing (headers, part of the body) for as long as a normal
+    request takes: the normal request is answered right meanwhile, the slow one holds none of the two request
+    slots, and closing it leaves nothing in flight."""
+    host, port = front.url.removeprefix("http://").split(":")
+    body = json.dumps({"model": front.model, "messages": HI, "max_tokens": 2}).encode()
+    slow = socket.create_connection((host, int(port)), timeout=10)
+    try:
+        head = f"POST {CHAT} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+        head += f"authorization: Bearer {KEY}\r\ncontent-length: {len(body)}\r\n\r\n"
+        slow.sendall(head.encode() + body[: len(body) // 2])
+        assert front.chat(REF) == front.want  # served while the slow client waits
+        assert front.metric("graphrunner_http_requests_in_flight") == 0  # counted once its body is read
+    finally:
+        slow.close()
+    _still_right(front)
+
+
+def test_mass_disconnects_free_every_request_and_its_cache(front):
+    """Clients that leave together mid-stream (twice the bound, in two waves): each request was running when
+    its client left, and after each wave nothing is in flight and the engine holds no cache block."""
+    for _ in range(2):
+        streams = [_endless_stream(front) for _ in range(2)]
+        assert front.metric("graphrunner_http_requests_in_flight") == 2
+        assert front.metric("graphrunner_kv_cache_held_blocks") >= 2  # both running when their clients leave
+        for s in streams:
+            s.close()
+        _settled(front, "graphrunner_http_requests_in_flight", 0)
+        _settled(front, "graphrunner_requests_active", 0)
+        _settled(front, "graphrunner_kv_cache_held_blocks", 0)
+    _still_right(front)
+
+
 # ---- without a server: the checks and the admin switch ----
 
 
@@ -345,3 +399,24 @@ def _asgi_status(app, method, path):
 
     asyncio.run(app(scope, receive, send))
     return next(m["status"] for m in sent if m["type"] == "http.response.start")
+
+
+# ---- last: the server stops under load (the fixture's stop then finds it stopped) ----
+
+
+def test_sigterm_under_load_exits_0_with_requests_in_flight(front):
+    """SIGTERM while two requests that cannot end by themselves are streaming: exit 0 within seconds, and the
+    clients' streams end (no hang). The fixture then checks the log for tracebacks and leaked semaphores."""
+    streams = [_endless_stream(front) for _ in range(2)]
+    _settled(front, "graphrunner_requests_active", 2)  # both running in the engine
+    began = time.monotonic()
+    code = front.stop(timeout=60)
+    assert code == 0 and time.monotonic() - began < 60, front.output()
+    for s in streams:  # each stream ends with the server (closed, or an error): no client hangs
+        left = time.monotonic()
+        try:
+            for _ in s:
+                pass
+        except Exception:  # noqa: BLE001 - the transport's error for a stream cut (openai's own httpx fork)
+            pass
+        assert time.monotonic() - left < 10
