@@ -681,6 +681,7 @@ def test_serve_sweep_small_run_reports_vllm_names_and_equal_answers(tmp_path, mo
     argv = ["--columns", "graphs,eager", "--max-concurrency", "4", "--num-prompts", "6", "--request-rate", "50"]
     argv += ["--random-input-len", "12", "--random-output-len", "6", "--num-warmups", "0", "--threads", "1"]
     argv += ["--full-speed-settle", "0"]  # no waiting for the capture: the time to full speed is not measured
+    argv += ["--flags", "--capture-share 1"]  # the keys captured back to back under the run's load: some replay
     argv += ["--goodput", "ttft:60000", "tpot:60000", "--out", str(out)]
     result = _serve_sweep().main(argv)
     assert json.loads(out.read_text())["benchmark"] == "serve_sweep"

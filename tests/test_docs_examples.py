@@ -1,5 +1,8 @@
 """Every python block in README.md and docs/*.md runs as pasted, each in a
 fresh Python process, unless the line just above it is ``<!-- fragment -->``.
+The process is forked from one that imported torch, graphrunner and
+transformers once (``tests/block_zygote.py``): a fresh interpreter as
+``python -c`` gives it, without paying the imports for every block.
 
 A block whose imports need an optional extra that is not installed
 (``import transformers``, ``from graphrunner import hf``, ``gr.hf``: the ``hf``
@@ -18,6 +21,7 @@ import sys
 from typing import NamedTuple
 
 import pytest
+from block_zygote import Zygote
 from extras_util import missing, skip_reason
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -93,16 +97,43 @@ ALL_BLOCKS = [b for doc in DOCS for b in python_blocks((ROOT / doc).read_text(),
 RUNNABLE = [b for b in ALL_BLOCKS if not b.fragment]
 
 
+@pytest.fixture(scope="module")
+def zygote():
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    z = Zygote(env)
+    yield z
+    z.close()
+
+
 @pytest.mark.parametrize("block", RUNNABLE, ids=[f"{b.doc}:{b.line}" for b in RUNNABLE])
-def test_python_block_runs_as_pasted(block, tmp_path):
+def test_python_block_runs_as_pasted(block, tmp_path, zygote):
     reason = missing_extra(block.code)
     if reason:
         pytest.skip(reason)
-    proc = run_block(block.code, tmp_path)
-    assert proc.returncode == 0, (
+    status, _, stderr = zygote.run(block.code, str(tmp_path))
+    assert status == 0, (
         f"{block.doc}:{block.line} fails when pasted (mark it {FRAGMENT} on the line "
-        f"above if it is not meant to run):\n{proc.stderr[-3000:]}"
+        f"above if it is not meant to run):\n{stderr[-3000:]}"
     )
+
+
+def test_a_forked_block_runs_as_python_c_runs_it(tmp_path, zygote):
+    """The zygote's child against a real ``python -c`` (:func:`run_block`), on a block that prints what a
+    script sees of its process (``__name__``, ``sys.argv``, the working directory, the path's head, a fresh
+    ``__main__``), then fails with an exit status of its own: the same output and status."""
+    code = (
+        "import os, sys\n"
+        "print(__name__, sys.argv, os.getcwd() == os.path.realpath('.'), repr(sys.path[0]))\n"
+        "print(sorted(k for k in vars(sys.modules['__main__']) if not k.startswith('__')))\n"
+        "x = 1\n"
+        "print('err', file=sys.stderr)\n"
+        "sys.exit(3)\n"
+    )
+    status, out, err = zygote.run(code, str(tmp_path))
+    ref = run_block(code, tmp_path)
+    assert (status, out, err.strip()) == (ref.returncode, ref.stdout, ref.stderr.strip()) == (3, ref.stdout, "err")
+    status, out, err = zygote.run("raise ValueError('planted')", str(tmp_path))
+    assert status == 1 and "ValueError: planted" in err and out == ""
 
 
 def test_blocks_are_found_and_most_run():
@@ -169,7 +200,7 @@ def test_blocks_needing_a_missing_extra_skip_and_run_when_it_is_there(monkeypatc
     for b in hf_blocks:
         assert missing_extra(b.code) == "needs transformers: pip install -e '.[hf]'"
         with pytest.raises(pytest.skip.Exception, match=r"pip install -e '\.\[hf\]'"):
-            test_python_block_runs_as_pasted(b, tmp_path)
+            test_python_block_runs_as_pasted(b, tmp_path, None)  # skips before it runs: no process needed
     assert all(missing_extra(b.code) is None for b in plain)
     assert missing_extra("import matplotlib\n") == "needs matplotlib: pip install -e '.[bench]'"
 

@@ -418,6 +418,8 @@ KNOWN_FUNCTION_LEVEL_IMPORTS_OUTSIDE_CORE: list[tuple[str, str]] = [
     ("graphrunner_tools.serve", "graphrunner_tools.plan"),
     ("graphrunner_tools.serve", "graphrunner_tools.serve_admission"),
     ("graphrunner_tools.serve", "graphrunner_tools.serve_engine"),
+    ("graphrunner_tools.serve", "graphrunner_tools.serve_tp"),  # loaded only with --tp N
+    ("graphrunner_tools.serve_tp", "graphrunner.hf.internals"),  # gr.hf needs transformers: in the rank's process
     ("graphrunner_tools.spec", "graphrunner"),
     ("graphrunner_tools.steptime", "graphrunner.checks.lint"),
     ("graphrunner_tools.steptime", "graphrunner.runner"),
