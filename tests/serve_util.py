@@ -90,3 +90,31 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+def start_together(makers: dict[str, Any]) -> dict[str, Any]:
+    """Start servers side by side (each start is mostly one core's imports): ``makers`` maps a name to a
+    function that starts one and returns it (a :class:`ServerProcess`). Returns ``{name: server}`` once all
+    listen; when one fails to start, the others are stopped (SIGKILL) and its error is raised."""
+    import threading
+
+    started: dict[str, Any] = {}
+
+    def start(name: str) -> None:
+        try:
+            started[name] = makers[name]()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after every start ended
+            started[name] = exc
+
+    threads = [threading.Thread(target=start, args=(name,)) for name in makers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    failed = [s for s in started.values() if isinstance(s, BaseException)]
+    if failed:
+        for s in started.values():
+            if not isinstance(s, BaseException):
+                s.stop(signal.SIGKILL)
+        raise failed[0]
+    return {name: started[name] for name in makers}

@@ -9,6 +9,7 @@ seconds and its keys are re-planned (``--replan-every 32 --replan-share 1``) dur
 
 import json
 import os
+import pathlib
 import signal
 import threading
 import time
@@ -24,7 +25,7 @@ require("uvicorn")
 require("prometheus_client")
 openai = require("openai")
 
-from serve_util import ServerProcess  # noqa: E402
+from serve_util import ServerProcess, start_together  # noqa: E402
 
 pytestmark = [pytest.mark.hf, pytest.mark.slow]
 
@@ -39,8 +40,8 @@ class Server(ServerProcess):
     """A ``graphrunner serve`` process (:class:`serve_util.ServerProcess`) with the small
     :data:`ENGINE` settings, a tiny model built under the test's temp dir, and an ``openai`` client."""
 
-    def __init__(self, tmp, *flags, env=None):
-        log = os.path.join(tmp, f"serve-{len(os.listdir(tmp))}.log")
+    def __init__(self, tmp, *flags, env=None, name=None):
+        log = os.path.join(tmp, f"serve-{name or len(os.listdir(tmp))}.log")
         cache = os.path.join(os.path.dirname(tmp), "cache")
         try:
             super().__init__(
@@ -65,18 +66,40 @@ class Server(ServerProcess):
         return r.choices[0].message.content
 
 
+#: The module's servers, started side by side once: name -> (flags, extra environment).
+FLEET = {
+    "graphs": (("--replan-every", "32", "--replan-share", "1"), {}),  # re-plans without rest: during the tests
+    "eager": (("--eager",), {}),
+    "dense": (("--attention", "dense", "--max-graphs", "tokens=3,kv=2,reqs=2"), {}),  # its own test only
+    "sigterm": ((), {}),  # stopped by its test
+    # one graph (the ladder's largest key): little capture beside the steps; steps raise while the file exists
+    "fault": (("--max-graphs", "1"), {"GRAPHRUNNER_SERVE_FAULT": "{tmp}/fault"}),
+}
+
+
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def fleet(tmp_path_factory):
+    from graphrunner_tools.models.tiny_chat import tiny_model_dir
+
     tmp = str(tmp_path_factory.mktemp("serve"))
-    graphs = Server(tmp, "--replan-every", "32", "--replan-share", "1")  # re-plans without rest: during the tests
-    try:
-        eager = Server(tmp, "--eager")
-    except BaseException:
-        graphs.stop()
-        raise
-    yield graphs, eager
-    codes = graphs.stop(), eager.stop()
-    assert codes == (0, 0), f"SIGTERM: both servers exit 0, got {codes}\n{graphs.output()}\n{eager.output()}"
+    tiny_model_dir(os.path.join(os.path.dirname(tmp), "cache", "tiny-chat-3"))  # built once, before they load it
+
+    def maker(name):
+        flags, env = FLEET[name]
+        return lambda: Server(tmp, *flags, env={k: v.format(tmp=tmp) for k, v in env.items()}, name=name)
+
+    made = start_together({name: maker(name) for name in FLEET})
+    made["tmp"] = tmp
+    yield made
+    codes = {name: made[name].stop() for name in ("graphs", "eager")}
+    assert codes == {"graphs": 0, "eager": 0}, f"SIGTERM: both exit 0, got {codes}\n{made['graphs'].output()}"
+    for name in ("dense", "sigterm", "fault"):
+        made[name].stop(signal.SIGKILL)  # stopped by their tests, unless one failed first
+
+
+@pytest.fixture(scope="module")
+def servers(fleet):
+    return fleet["graphs"], fleet["eager"]
 
 
 PROMPTS = [
@@ -136,12 +159,12 @@ def _ready(server, timeout=120):
         time.sleep(0.2)
 
 
-def test_the_dense_attention_cuda_replays_serves_the_eager_servers_answers(servers, tmp_path):
+def test_the_dense_attention_cuda_replays_serves_the_eager_servers_answers(servers, fleet):
     """``--attention dense``: the step's dense masks (what CUDA graphs replay) on the tape; greedy answers equal
     the eager server's, from replayed steps. The server captures its keys from the start: ``/ready`` turns 200
     with every planned key captured before any request was served (no step run)."""
     _, eager = servers
-    dense = Server(str(tmp_path), "--attention", "dense", "--max-graphs", "tokens=3,kv=2,reqs=2")
+    dense = fleet["dense"]
     try:
         status, body = _ready(dense)
         assert status == 200 and body["ready"] and body["graphs_captured"] == body["graphs_planned"] > 0, body
@@ -290,8 +313,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_cache_blocks(servers):
     assert free + cached == total, "every block is free or kept by the prefix cache for a later prompt"
 
 
-def test_sigterm_with_a_request_in_flight_exits_0_within_seconds(tmp_path):
-    server = Server(str(tmp_path))
+def test_sigterm_with_a_request_in_flight_exits_0_within_seconds(fleet):
+    server = fleet["sigterm"]
     done = []
 
     def ask():
@@ -333,14 +356,13 @@ def _fails(call):
     return f"{exc} {exc.body}"
 
 
-def test_a_step_that_raises_fails_its_request_the_engine_serves_on_and_a_broken_engine_exits_1(tmp_path):
+def test_a_step_that_raises_fails_its_request_the_engine_serves_on_and_a_broken_engine_exits_1(fleet):
     """``GRAPHRUNNER_SERVE_FAULT`` (tests only) names a file: while it exists, the steps raise (the count it
     holds). One step raises: its request is a 500 naming the error (a stream: an error event), the next
     greedy request is answered as before, ``/health`` is 200. Three steps in a row raise (the engine's fault):
     the engine stops and the server exits 1 within seconds, naming the cause, not a process answering 503."""
-    fault = tmp_path / "fault"
-    # one graph (the ladder's largest key): little capture beside the steps
-    server = Server(str(tmp_path), "--max-graphs", "1", env={"GRAPHRUNNER_SERVE_FAULT": str(fault)})
+    fault = pathlib.Path(fleet["tmp"]) / "fault"
+    server = fleet["fault"]
     try:
         before = server.chat("hello there")
         fault.write_text("1")

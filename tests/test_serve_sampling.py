@@ -14,14 +14,13 @@ against each other.
 import concurrent.futures
 import json
 import os
-import threading
 import time
 import types
 
 import pytest
 import torch
 from extras_util import require
-from serve_util import ServerProcess
+from serve_util import ServerProcess, start_together
 
 require("transformers")
 
@@ -303,25 +302,7 @@ def servers(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("sampling"))
     tiny_model_dir(os.path.join(tmp, "cache", "tiny-chat-3"))  # built once, before both servers load it
     flags = {"graphs": ("--max-graphs", "tokens=3,kv=2,reqs=3"), "eager": ("--eager",)}
-    started: dict = {}
-
-    def start(name):
-        try:
-            started[name] = Server(tmp, name, *flags[name])
-        except BaseException as exc:  # noqa: BLE001  (re-raised below, after both tried)
-            started[name] = exc
-
-    threads = [threading.Thread(target=start, args=(n,)) for n in flags]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    failed = [s for s in started.values() if isinstance(s, BaseException)]
-    if failed:
-        for s in started.values():
-            if not isinstance(s, BaseException):
-                s.stop()
-        raise failed[0]
+    started = start_together({name: (lambda name=name: Server(tmp, name, *flags[name])) for name in flags})
     yield started
     codes = {name: s.stop() for name, s in started.items()}
     assert codes == {"graphs": 0, "eager": 0}, codes

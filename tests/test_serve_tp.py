@@ -23,7 +23,7 @@ from extras_util import require  # noqa: E402
 
 openai = require("openai")
 
-from serve_util import ServerProcess  # noqa: E402
+from serve_util import ServerProcess, start_together  # noqa: E402
 
 pytestmark = [pytest.mark.hf, pytest.mark.slow, pytest.mark.multirank]
 
@@ -86,23 +86,9 @@ def servers(tmp_path_factory):
     tiny_model_dir()  # built once, before three servers would race to build it
     tmp = str(tmp_path_factory.mktemp("serve_tp"))
     flags = {"tp": ["--tp", "2", "--eager"], "one": ["--eager"], "doomed": ["--tp", "2", "--eager"]}
-    made, errors = {}, []
-
-    def start(name):
-        try:
-            made[name] = Server(os.path.join(tmp, f"{name}.log"), *flags[name])
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(n,)) for n in flags]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        for s in made.values():
-            s.stop(signal.SIGKILL)
-        raise errors[0]
+    made = start_together(
+        {name: (lambda name=name: Server(os.path.join(tmp, f"{name}.log"), *flags[name])) for name in flags}
+    )
     yield made
     for s in made.values():
         if s.proc.poll() is None:
