@@ -203,20 +203,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
-        help="capture a Llama-style decoder per bucket and serve decode steps, checked against eager",
+        help="capture a Llama-style decoder per bucket, serve decode steps checked against eager, graphs vs eager",
         description="Build a small Llama-style decoder (random weights), capture its decode step through "
-        "GraphRunner once per bucket, serve decode steps with random batch sizes (some above the "
-        "largest bucket: eager fallback), check every call against eager PyTorch, print the capture "
-        "report (with a legend line), latencies and the trace checker's verdict, and write the "
-        "trace. Exits 1 on any mismatch or protocol violation, 2 (one line on stderr) for a bad "
-        "command line.",
+        "GraphRunner once per bucket, serve decode steps with random batch sizes (by default 1 to the "
+        "largest bucket, so every call replays a graph; --max-batch above it shows the eager fallback), "
+        "check every call against eager PyTorch, print the capture report (with a legend line), the "
+        "fallbacks, a latency table of graphs vs eager per bucket with a speed line saying what the ratio "
+        "means on this device, the trace checker's verdict, and write the trace. Exits 1 on any mismatch "
+        "or protocol violation, 2 (one line on stderr) for a bad command line.",
     )
     demo.add_argument(
         "--backend",
-        default="breakable",
+        default="full",
         choices=["full", "breakable", "eager"],
-        help="breakable: attention is an eager break (default); full: one graph per bucket "
-        "(uses capturable masked attention); eager: no graph",
+        help="full: one graph per bucket, capturable masked attention (default); breakable: attention is "
+        "an eager break between graph segments; eager: no graph",
     )
     demo.add_argument(
         "--device",
@@ -234,8 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--max-batch",
         type=positive_int,
-        default=40,
-        help="largest batch size drawn; above the largest bucket means fallback (default: 40)",
+        default=None,
+        help="largest batch size drawn (default: the largest bucket, so no call falls back); above the "
+        "largest bucket a call runs eagerly, an eager fallback",
     )
     demo.add_argument("--layers", type=positive_int, default=4, help="decoder layers (default: 4)")
     demo.add_argument("--seed", type=int, default=0, help="seed of weights and batches (default: 0)")

@@ -1,10 +1,11 @@
 """``graphrunner demo``: capture the demo decoder through GraphRunner and serve decode steps.
 
 The demo builds the Llama-style decoder of :mod:`graphrunner_tools.models` with
-random weights, captures its decode step once per bucket (attention is an
-eager break for the breakable backend; the full backend uses the masked,
-capturable attention), then serves a stream of decode steps with random
-batch sizes, some above the largest bucket (eager fallback). Every call is
+random weights, captures its decode step once per bucket (the default full
+backend uses the masked, capturable attention; for the breakable backend
+attention is an eager break), then serves a stream of decode steps with random
+batch sizes, by default from 1 to the largest bucket so every call replays a
+graph (``max_batch`` above it shows the eager fallback). Every call is
 checked twice:
 
 - bit for bit against eager PyTorch on the same padded batch (what the graph
@@ -13,8 +14,9 @@ checked twice:
   GEMMs may round differently for a different number of rows), which shows
   padding rows never leak into real rows.
 
-It prints the capture report, a latency table per bucket (runner call vs
-eager on the real batch), the fallback count and the trace checker's verdict,
+It prints the capture report, the fallbacks in words, a latency table per bucket
+(runner call vs eager on the same batch) with one speed line saying what the
+ratio means on this device, and the trace checker's verdict,
 writes the trace as JSONL and Chrome trace, and returns non-zero on any
 mismatch or protocol violation.
 """
@@ -63,6 +65,11 @@ class DemoResult:
     violations: list[str]
     latency: dict[str, dict[str, float]] = field(default_factory=dict)
     trace_files: list[str] = field(default_factory=list)
+    #: The batch size of each served step, in order (the latency table's calls are not among them).
+    batches: list[int] = field(default_factory=list)
+    #: Padding rows computed and real rows served by those steps (``runner.stats`` before the latency table).
+    padding_rows: int = 0
+    real_rows: int = 0
     threads: int = 0  #: torch intra-op threads the steps ran with
     #: Why the trace files could not be written (``None`` when they were, or none was asked for).
     trace_error: str | None = None
@@ -108,6 +115,53 @@ def _legend(backend: str, reps: int) -> str:
         f"columns: eager_ms = eager step, graph_ms = runner call (copy in, pad, replay, slice), "
         f"speedup = eager_ms / graph_ms; medians of {reps} interleaved calls"
     )
+
+
+def _fallback_line(
+    fallbacks: int, calls: int, reasons: dict[str, int], buckets: list[int], max_batch: int, graphed: bool
+) -> str:
+    """The fallbacks of the served steps in a new user's words: none, or how many calls ran
+    eagerly instead of through their bucket, and why (a batch above the largest bucket, ...)."""
+    if fallbacks == 0:
+        through = "replayed their bucket's graph" if graphed else "ran through their bucket"
+        return f"fallbacks: none: every batch drawn (1..{max_batch}) fits a bucket, so all {calls} calls {through}"
+    over = reasons.get("over_max_bucket", 0)
+    why = []
+    if over:
+        why.append(
+            f"{over} had a batch above the largest bucket, {buckets[-1]} (batches drawn up to {max_batch}; "
+            f"a bucket of {max_batch} would hold them)"
+        )
+    why += [f"{n} {reason}" for reason, n in sorted(reasons.items()) if reason != "over_max_bucket"]
+    head = f"fallbacks: {fallbacks} of {calls} calls ran eagerly, without a graph (correct, not faster): "
+    return head + "; ".join(why)
+
+
+def _speed_lines(latency: dict[str, dict[str, float]], device_kind: str) -> list[str]:
+    """What the latency table says, graphs vs eager in one line, then what the ratio means on
+    this device (the tape is an emulation: its ratio is no GPU's)."""
+    ratios = {int(b): row["speedup"] for b, row in latency.items()}
+    lo_b, hi_b = min(ratios, key=ratios.__getitem__), max(ratios, key=ratios.__getitem__)
+    lo, hi = ratios[lo_b], ratios[hi_b]
+    span = f"{lo:.2f}x (bucket {lo_b}) to {hi:.2f}x (bucket {hi_b})"
+    if lo >= 1.0:
+        head = f"speed: graphs faster than eager at every bucket: {span}"
+    elif hi < 1.0:
+        head = f"speed: graphs slower than eager at every bucket: {span}"
+    else:
+        head = f"speed: graphs {span} (below 1.00x eager is faster)"
+    if device_kind == "tape":
+        return [
+            head,
+            "  no GPU here: the graphs are the tape, graphrunner's CPU emulation of CUDA graphs; a replay skips",
+            "  each op's Python and dispatch work (most of a small batch's step), not GPU kernel launches, so a",
+            "  GPU gives other ratios (docs/speed.md)",
+        ]
+    return [
+        head,
+        f"  {device_kind} graphs: a replay launches the captured step at once, not kernel by kernel; the gain is",
+        "  largest where launches dominate the step: small batches (docs/speed.md)",
+    ]
 
 
 def _latency_table(
@@ -183,11 +237,11 @@ def _write_trace(trace: Trace, prefix: str, files: list[str]) -> str | None:
 
 
 def run_demo(
-    backend: str = "breakable",
+    backend: str = "full",
     device: str = "auto",
     steps: int = 200,
     buckets: Sequence[int] = (1, 2, 4, 8, 16, 32),
-    max_batch: int = 40,
+    max_batch: int | None = None,
     seed: int = 0,
     layers: int = 4,
     trace_out: str | None = "graphrunner-demo-trace",
@@ -198,8 +252,9 @@ def run_demo(
 ) -> DemoResult:
     """Run the demo and return its :class:`DemoResult` (see the module docstring).
 
-    ``max_batch`` is the largest batch size drawn; batches above
-    ``max(buckets)`` take the eager fallback. ``trace_out`` is a path prefix:
+    ``max_batch`` is the largest batch size drawn (default ``max(buckets)``,
+    so every call replays a graph); batches above ``max(buckets)`` take the
+    eager fallback. ``trace_out`` is a path prefix:
     ``<prefix>.jsonl`` and ``<prefix>.chrome.json`` are written (``None``
     writes nothing). The steps run with the caller's torch thread count
     (``graphrunner demo --threads N`` sets it; ``threads`` in the result and
@@ -209,6 +264,7 @@ def run_demo(
     out = sys.stdout if out is None else out  # looked up per call, so redirected stdout is honoured
     if backend not in ("full", "breakable", "eager"):
         raise ValueError(f"backend must be 'full', 'breakable' or 'eager', got {backend!r}")
+    max_batch = max(buckets) if max_batch is None else max_batch
     if steps < 1 or max_batch < 1:
         raise ValueError(f"steps and max_batch must be >= 1, got steps={steps}, max_batch={max_batch}")
     dev = get_device(device)
@@ -247,12 +303,14 @@ def run_demo(
     graph_bad = pad_bad = 0
     max_padded = max_unpadded = 0.0
     threads = torch.get_num_threads()
+    batches: list[int] = []
     # serving progress on stderr: about ten milestones (redrawn in place on a terminal)
     status = StatusLine() if progress else None
     every = max(1, steps // 10)
     t_start = time.perf_counter()
     for i in range(steps):
         n = int(torch.randint(1, max_batch + 1, (1,), generator=gen))
+        batches.append(n)
         ids = torch.randint(0, config.vocab_size, (n,), generator=gen).to(torch_device)
         pos = torch.randint(0, config.max_seq_len, (n,), generator=gen).to(torch_device)
 
@@ -279,17 +337,24 @@ def run_demo(
             )
 
     stats = runner.stats
+    fallbacks, padding_rows, real_rows = stats.fallbacks, stats.padding_rows, stats.real_rows
+    graphed = backend != "eager"
+    reasons = dict(stats.fallback_reasons)
+    print("\n" + _fallback_line(fallbacks, stats.calls, reasons, list(buckets), max_batch, graphed), file=out)
     print(
-        f"\nfallbacks: {stats.fallbacks} of {stats.calls} calls {dict(stats.fallback_reasons) or ''}; "
-        f"padding rows computed: {stats.padding_rows} for {stats.real_rows} real rows",
+        f"padding: {padding_rows} padding rows computed beside {real_rows} real rows (a call runs the smallest "
+        f"bucket that holds its batch)",
         file=out,
     )
-    latency = _latency_table(runner, model, dev, list(buckets), config, gen, out, graphed=backend != "eager")
+    latency = _latency_table(runner, model, dev, list(buckets), config, gen, out, graphed=graphed)
     print(_legend(backend, LATENCY_REPS), file=out)
+    if graphed:
+        for line in _speed_lines(latency, dev.kind):
+            print(line, file=out)
     if backend == "breakable":
         print(
             "note: breakable runs attention eagerly at every replay, so it gains little; --backend full "
-            "captures the whole step, the faster one (docs/speed.md)",
+            "(the default) captures the whole step, the faster one (docs/speed.md)",
             file=out,
         )
     print(
@@ -335,10 +400,13 @@ def run_demo(
         padding_mismatches=pad_bad,
         max_abs_diff_padded=max_padded,
         max_abs_diff_unpadded=max_unpadded,
-        fallbacks=stats.fallbacks,
+        fallbacks=fallbacks,
         violations=violations,
         latency=latency,
         trace_files=files,
+        batches=batches,
+        padding_rows=padding_rows,
+        real_rows=real_rows,
         threads=threads,
         trace_error=trace_error,
     )

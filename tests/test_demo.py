@@ -34,13 +34,85 @@ def test_demo_serves_steps_equal_to_eager(backend, tmp_path):
     assert result.ok, text
     assert result.graph_mismatches == 0 and result.padding_mismatches == 0 and result.violations == []
     assert result.max_abs_diff_padded == 0.0
-    assert result.fallbacks > 0  # batch 5 and 6 are above the largest bucket
+    # batch 5 and 6 are above the largest bucket: counted by hand from the batches drawn, and said in words
+    assert len(result.batches) == 12 and max(result.batches) <= 6
+    over = sum(n > 4 for n in result.batches)
+    assert result.fallbacks == over > 0
+    assert result.padding_rows == _hand_padding(result.batches, (1, 2, 4))
+    assert result.real_rows == sum(result.batches)  # fallbacks serve real rows too
+    assert f"fallbacks: {over} of 12 calls ran eagerly" in text
+    assert f"{over} had a batch above the largest bucket, 4 (batches drawn up to 6" in text
     assert "capture protocol held" in text and "demo: OK" in text
     lines = (tmp_path / "trace.jsonl").read_text().splitlines()
     kinds = {json.loads(line)["kind"] for line in lines}
     assert {"warmup_forward", "synchronize", "barrier", "graph_construct", "capture_forward", "replay"} <= kinds
     chrome = json.loads((tmp_path / "trace.chrome.json").read_text())
     assert chrome["traceEvents"]
+
+
+def _hand_padding(batches, buckets):
+    """Padding rows by hand: each batch that fits runs the smallest bucket that holds it."""
+    return sum(min(b for b in buckets if b >= n) - n for n in batches if n <= max(buckets))
+
+
+@pytest.mark.slow
+def test_the_default_demo_shows_what_graphs_gain_with_no_fallback():
+    """Issue 53 item 5: the default run (full backend, batches up to the largest bucket) replays a
+    graph at every call and prints graphs vs eager side by side with what the ratio means. The
+    over-bucket run of test_demo_serves_steps_equal_to_eager is the negative control of the
+    hand computation: the same count is > 0 there."""
+    out = io.StringIO()
+    result = demo.run_demo(device="tape", steps=40, layers=1, trace_out=None, progress=False, out=out)
+    text = out.getvalue()
+    assert result.ok, text
+    header = text.splitlines()[0]
+    assert "backend=full" in header and "buckets=[1, 2, 4, 8, 16, 32]" in header and "batch 1..32" in header
+    assert len(result.batches) == 40 and 1 <= min(result.batches) and max(result.batches) <= 32
+    assert result.fallbacks == sum(n > 32 for n in result.batches) == 0
+    assert result.padding_rows == _hand_padding(result.batches, (1, 2, 4, 8, 16, 32))
+    assert result.real_rows == sum(result.batches)
+    assert "fallbacks: none: every batch drawn (1..32) fits a bucket, so all 40 calls replayed" in text
+    assert "over_max_bucket" not in text
+    # the speed line is the table's lowest and highest ratio, each with its bucket
+    ratios = {int(b): row["speedup"] for b, row in result.latency.items()}
+    lo, hi = min(ratios, key=ratios.__getitem__), max(ratios, key=ratios.__getitem__)
+    speed = next(line for line in text.splitlines() if line.startswith("speed: graphs"))
+    assert f"{ratios[lo]:.2f}x (bucket {lo}) to {ratios[hi]:.2f}x (bucket {hi})" in speed
+    assert "no GPU here: the graphs are the tape" in text
+
+
+def test_the_demo_command_defaults_are_run_demos(monkeypatch):
+    """`graphrunner demo` with no option passes what run_demo defaults to: the full backend and
+    batches up to the largest bucket (no fallback), so the command and the library agree."""
+    import inspect
+
+    defaults = {k: p.default for k, p in inspect.signature(demo.run_demo).parameters.items()}
+    seen = {}
+
+    def recording(**kwargs):
+        seen.update(kwargs)
+        return demo.DemoResult(0, 0, 0, 0.0, 0.0, 0, [])
+
+    monkeypatch.setattr(demo, "run_demo", recording)
+    assert main(["demo", "--trace-out", ""]) == 0
+    assert seen["backend"] == defaults["backend"] == "full"
+    assert seen["max_batch"] is defaults["max_batch"] is None
+    assert list(seen["buckets"]) == list(defaults["buckets"]) == [1, 2, 4, 8, 16, 32]
+    assert seen["steps"] == defaults["steps"] == 200
+
+
+@pytest.mark.parametrize(
+    "speedups,head",
+    [
+        ({"1": 1.5, "8": 1.2}, "speed: graphs faster than eager at every bucket: 1.20x (bucket 8) to 1.50x (bucket 1)"),
+        ({"1": 0.8, "8": 0.9}, "speed: graphs slower than eager at every bucket: 0.80x (bucket 1) to 0.90x (bucket 8)"),
+        ({"1": 1.3, "8": 0.97}, "speed: graphs 0.97x (bucket 8) to 1.30x (bucket 1) (below 1.00x eager is faster)"),
+    ],
+)
+def test_the_speed_line_says_faster_only_when_every_bucket_is(speedups, head):
+    lines = demo._speed_lines({b: {"speedup": r} for b, r in speedups.items()}, "tape")
+    assert lines[0] == head and "CPU emulation of CUDA graphs" in " ".join(lines)
+    assert "kernel by kernel" in " ".join(demo._speed_lines({b: {"speedup": r} for b, r in speedups.items()}, "cuda"))
 
 
 @pytest.mark.slow
