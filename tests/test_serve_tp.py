@@ -4,12 +4,15 @@ Three servers start at once (module fixtures, each once): ``--tp 2 --eager`` (tw
 elastic launcher: rank 0 serves HTTP and drives, rank 1 follows), the one-rank ``--eager`` server (the
 reference answers), and a second ``--tp 2 --eager`` whose rank 1 is SIGKILLed mid-serving. Greedy answers
 of the two-rank server equal the one-rank server's (streamed and not, one at a time and from concurrent
-clients); SIGTERM stops every rank (exit 0); a killed rank stops the server (exit 1 within 60 s, naming
-the rank), and the client in flight gets an error, not a hang."""
+clients); /metrics shows every rank's figures (the steps each rank synced equal the driver's; each rank's
+wait in collectives; the one-rank server's are 0); SIGTERM stops every rank (exit 0, the follower's loop
+ended, not its process cut short); a killed rank stops the server (exit 1 within 60 s, naming the rank), and
+the client in flight gets an error, not a hang."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -122,6 +125,38 @@ def test_tp2_serves_16_concurrent_clients_their_own_answers(servers):
     for t in threads:
         t.join(90)
     assert got == want
+
+
+def _by_rank(server, name):
+    """``{rank: value}`` of the per-rank family ``name`` on ``server``'s /metrics."""
+    out = {}
+    for key, value in server.metrics().items():
+        if key.startswith(name + "{"):
+            out[int(re.search(r'rank="(\d+)"', key).group(1))] = value
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_metrics_show_every_ranks_figures(servers):
+    tp, one = servers["tp"], servers["one"]
+    assert tp.chat("hello") and one.chat("hello")
+    # rank 1 publishes its figures every second: poll (bounded) until it has counted the driver's steps
+    for _ in range(60):
+        synced = _by_rank(tp, "graphrunner_rank_synced_steps_total")
+        if synced.get(1) == synced.get(0):
+            break
+        time.sleep(0.5)
+    assert set(synced) == {0, 1} and synced[0] > 0
+    assert synced[1] == synced[0]  # every rank took the driver's ids at every step: the same steps
+    waited = _by_rank(tp, "graphrunner_rank_collective_wait_seconds_total")
+    assert set(waited) == {0, 1} and all(v > 0 for v in waited.values())  # the broadcast each step
+    for name in ("graphrunner_rank_graphs_captured", "graphrunner_rank_capture_seconds"):
+        assert _by_rank(tp, name) == {0: 0.0, 1: 0.0}  # --eager: no graphs on any rank
+    steps = [k for k in tp.metrics() if k.startswith("graphrunner_rank_steps_total{")]
+    assert {re.search(r'rank="(\d+)"', k).group(1) for k in steps} == {"0", "1"}
+    # the control: one rank has no peer to wait for, and syncs nothing
+    assert _by_rank(one, "graphrunner_rank_synced_steps_total") == {0: 0.0}
+    assert _by_rank(one, "graphrunner_rank_collective_wait_seconds_total") == {0: 0.0}
 
 
 @pytest.mark.timeout(120)

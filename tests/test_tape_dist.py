@@ -50,3 +50,42 @@ def test_all_reduce_and_all_gather_replay_matches_eager():
         ok_undo, results = r.value
         assert ok_undo, f"rank {r.rank}: capture left its write to an external in place\n{format_results(res)}"
         assert len(results) == 6 and all(results), f"rank {r.rank}: {results}"
+
+
+def _functional(rank, world, functional):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from graphrunner.errors import CaptureError
+    from graphrunner.tape import TapeGraph, tape_graph
+
+    x = torch.full((2, 3), float(rank + 1))
+
+    def step():
+        if functional:  # what a DTensor redistribute issues (transformers' tensor parallelism)
+            return funcol.all_reduce(x * 2, "sum", dist.group.WORLD).wait() + 1
+        y = x * 2
+        dist.all_reduce(y)
+        return y + 1
+
+    with torch.inference_mode():
+        g = TapeGraph()
+        try:
+            with tape_graph(g):
+                out = step()
+        except CaptureError as exc:
+            return str(exc)
+        g.replay()
+        return out.tolist()
+
+
+@pytest.mark.parametrize("functional", [True, False], ids=["functional", "in_place_control"])
+def test_a_functional_collective_is_refused_at_capture_naming_it(functional):
+    res = run_ranks(_functional, 2, timeout=60, args=(functional,))
+    assert_all_ok(res)
+    for r in res:
+        if functional:
+            assert "the tape does not replay functional collectives yet" in r.value, r.value
+            assert "_c10d_functional.all_reduce" in r.value, r.value
+        else:  # the in-place collective is recorded and replayed: (1 + 2) * 2 + 1
+            assert r.value == [[7.0] * 3] * 2, r.value

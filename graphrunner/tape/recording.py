@@ -347,6 +347,21 @@ def _kept_values(cap: TapeCapture, templates, values) -> dict:
     return kept
 
 
+#: The op namespaces of the functional collectives (``torch.distributed._functional_collectives``: DTensor's
+#: redistribution, transformers' tensor parallelism), whose ``all_reduce`` returns a new tensor that a later
+#: ``wait_tensor`` waits on. The tape refuses them at capture: re-issued at replay, the wait did not always
+#: wait on the replayed collective (a rank read its output before the reduction; issue 51 item 2).
+FUNCTIONAL_COLLECTIVES = ("_c10d_functional", "c10d_functional")
+
+
+def _functional_collective(func: Any) -> CaptureError:
+    return CaptureError(
+        f"the tape does not replay functional collectives yet: {func} at {user_frame()} (torch.distributed's "
+        "functional collectives, e.g. a DTensor redistribute: transformers' tensor parallelism). Use "
+        "torch.distributed's in-place collectives (dist.all_reduce) in the captured step, or run it eagerly"
+    )
+
+
 class Recorder(TorchDispatchMode):
     """Records every aten op of a capture (and runs it, once)."""
 
@@ -359,6 +374,8 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         collective = func.namespace == "c10d"
         try:
+            if func.namespace in FUNCTIONAL_COLLECTIVES:
+                raise _functional_collective(func)
             if not collective:
                 check_safe(func, args, kwargs)
             schema = func._schema
