@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+import types
 
 import pytest
 
@@ -201,3 +202,42 @@ def test_a_rank_killed_mid_serving_stops_the_server_non_zero_within_60s(servers)
     assert code == 1, doomed.output()
     assert "rank 1 failed (rank 1 killed by SIGKILL" in doomed.output(tail=1 << 20)
     assert outcome  # answered before the kill, or failed: it returned
+
+
+class _StuckLoop:
+    """A follower's manager whose loop is inside a collective with a driver that is gone: a stop is not seen
+    (``leaves_on="stop"``: it is), and an abort of one of its groups fails the collective, ending the loop
+    (``leaves_on=None``: nothing ends it)."""
+
+    def __init__(self, leaves_on):
+        self.running, self.leaves_on, self.aborted = True, leaves_on, []
+        group = lambda name: types.SimpleNamespace(abort=lambda: self._abort(name))  # noqa: E731
+        self.distributed_helper = types.SimpleNamespace(cpu_comm_group=group("cpu"), tp_group=group("tp"))
+
+    def _abort(self, name):
+        self.aborted.append(name)
+        self.running = self.leaves_on != "abort" and self.running
+
+    def is_running(self):
+        return self.running
+
+    def stop(self, block, timeout):
+        self.running = self.running and self.leaves_on != "stop"
+
+    def join(self, stop_trigger_time, timeout):
+        pass
+
+
+def test_a_stopped_follower_aborts_its_groups_only_when_its_loop_is_stuck():
+    from graphrunner_tools.serve_tp import _end_loop
+
+    stuck = _StuckLoop("abort")
+    _end_loop(stuck, 1, grace=0.1)  # returns: the aborted groups failed the loop's collective
+    assert stuck.aborted == ["cpu", "tp"] and not stuck.running
+    ends = _StuckLoop("stop")
+    _end_loop(ends, 1, grace=0.1)
+    assert ends.aborted == []  # the loop ended at the stop: nothing aborted
+    # the control: a loop that nothing ends is an error naming the rank, not a hang nor a silent exit 0
+    never = _StuckLoop(None)
+    with pytest.raises(RuntimeError, match="rank 1: the generation loop did not end"):
+        _end_loop(never, 1, grace=0.1)

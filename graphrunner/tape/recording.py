@@ -349,8 +349,8 @@ def _kept_values(cap: TapeCapture, templates, values) -> dict:
 
 #: The op namespaces of the functional collectives (``torch.distributed._functional_collectives``: DTensor's
 #: redistribution, transformers' tensor parallelism), whose ``all_reduce`` returns a new tensor that a later
-#: ``wait_tensor`` waits on. The tape refuses them at capture: re-issued at replay, the wait did not always
-#: wait on the replayed collective (a rank read its output before the reduction; issue 51 item 2).
+#: ``wait_tensor`` waits on. The tape refuses them at capture: re-issued at replay, one run in seven of a
+#: two-rank test replayed a wrong reduction on one rank, not explained yet (docs/serving.md, ``--tp``).
 FUNCTIONAL_COLLECTIVES = ("_c10d_functional", "c10d_functional")
 
 
