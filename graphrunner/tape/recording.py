@@ -362,6 +362,15 @@ def _functional_collective(func: Any) -> CaptureError:
     )
 
 
+def _subclass_op(func: Any, subclasses: list) -> CaptureError:
+    names = ", ".join(sorted({t.__name__ for t in subclasses}))
+    return CaptureError(
+        f"the tape does not record ops on tensor subclasses yet: {func} on a {names} at {user_frame()} (e.g. "
+        "DTensor: transformers' tensor parallelism). Capture a step whose tensors are plain torch.Tensors (a "
+        "DTensor's .to_local()), or run it eagerly"
+    )
+
+
 class Recorder(TorchDispatchMode):
     """Records every aten op of a capture (and runs it, once)."""
 
@@ -372,6 +381,12 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         cap = self.cap
         kwargs = kwargs or {}
+        subclasses = [t for t in types if t is not torch.Tensor and t is not torch.nn.Parameter]
+        if subclasses:
+            # a DTensor-level op: recorded as it is, the proof of its binding would run it (DTensor's Python, its
+            # collectives) a second time
+            cap.failed = _subclass_op(func, subclasses)
+            raise cap.failed
         collective = func.namespace == "c10d"
         try:
             if func.namespace in FUNCTIONAL_COLLECTIVES:
