@@ -309,7 +309,7 @@ def _end_loop(manager: Any, rank: int, grace: float) -> None:
     groups = tp_process_groups(manager)
     if dist.is_initialized():
         groups.append(dist.group.WORLD)
-    for group in groups:
+    for group in {id(g): g for g in groups}.values():  # the TP group may be the world's: each aborted once
         group.abort()  # ProcessGroup.abort(): its pending collectives fail at once (gloo closes its connections)
     manager.join(time.perf_counter(), timeout=grace)
     if manager.is_running():
