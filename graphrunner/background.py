@@ -626,11 +626,14 @@ def wait_background(server: Server, bg: BackgroundCapture, timeout: float | None
 
 @contextlib.contextmanager
 def hold_background(server: Server) -> Iterator[None]:
-    """``runner.hold()``: no key starts (or is being captured) while the body runs."""
+    """``runner.hold()``: no key starts (or is being captured) while the body runs. Several ranks: a key
+    granted at an earlier call is captured first (:meth:`BackgroundCapture.before_call`, outside the lock),
+    as the next call would wait for it: that call may be in the body, which holds the lock the capture needs."""
     bg = server.background
     if bg is None:
         yield
         return
+    bg.before_call()
     with bg.call():
         yield
 

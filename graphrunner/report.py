@@ -310,6 +310,9 @@ class RunnerStats:
     of the sizes). ``last_bucket`` is the bucket (key) the most
     recent call replayed, ``None`` when it fell back. Calls that raised
     (invalid inputs, ``fallback="error"``) are not counted.
+    ``agreement_seconds``: the seconds the calls spent in their agreement
+    with the other ranks (the one collective per call: waiting for the
+    slowest rank included; 0 on one rank).
     """
 
     replays: dict[Hashable, int] = field(default_factory=dict)  # int keys, or tuples with dims
@@ -318,6 +321,7 @@ class RunnerStats:
     padding_rows: int = 0
     real_rows: int = 0
     last_bucket: Hashable | None = None
+    agreement_seconds: float = 0.0
 
     def count(self, bucket: Any, sizes: Any, rows: Any, reason: str | None = None) -> None:
         """Count one call of real ``sizes`` computed at ``rows`` (a key, or the padded fallback):
@@ -352,6 +356,7 @@ class RunnerStats:
         self.padding_rows = 0
         self.real_rows = 0
         self.last_bucket = None
+        self.agreement_seconds = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready copy of the counters."""
@@ -363,4 +368,5 @@ class RunnerStats:
             "padding_rows": self.padding_rows,
             "real_rows": self.real_rows,
             "last_bucket": self.last_bucket,
+            "agreement_seconds": self.agreement_seconds,
         }

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -222,12 +223,16 @@ class Server:
                 self._agree(staging.zero, step, invalid=True)
                 raise
             copy_outputs = self.copy_outputs if copy_outputs is None else copy_outputs
+            began = time.perf_counter()
             try:  # _agree's valid case, in this frame
                 rows = self.agreement.agree(sizes, self.calls, step)
             except AgreementError as exc:
                 if exc.collectives is not None:
                     self.calls -= 1
                 raise
+            finally:
+                if self.agreement.shared:  # one rank agrees with itself: no wait
+                    self.stats.agreement_seconds += time.perf_counter() - began
             if self.background is not None:
                 self.background.settle(self, rows)
             route = self.routes.get(rows) or self.routes.route(rows)

@@ -25,7 +25,7 @@ used as they are, through their public entry points (:mod:`transformers.cli.serv
   the engine draws each row with them, :class:`~graphrunner_tools.serve_engine.ServedManager` and
   :func:`graphrunner.hf.model_runner.sample_per_request`), on graphs and ``--eager`` alike;
 - ``GET /metrics``: Prometheus text (``prometheus_client``) of the graphs, the
-  engine and the HTTP requests (:func:`~graphrunner_tools.serve_engine.engine_metrics` runs in the model's
+  engine (every rank's figures under ``--tp``: ``graphrunner_rank_*{rank}``) and the HTTP requests (:func:`~graphrunner_tools.serve_engine.engine_metrics` runs in the model's
   process through ``EngineClient.submit``; read once at the start, so a transformers whose engine
   it cannot read fails the start);
 - a step that raises fails only its own requests (gr.hf's ``autocapture``: a 500 naming the error) and the
@@ -90,6 +90,26 @@ _SCALARS = (
 )
 
 
+#: ``/metrics``' per-rank families (label ``rank``; ``--tp N``: every rank's, a follower's a second old at most).
+_RANK_SCALARS = (
+    ("gauge", "graphrunner_rank_graphs_captured", "graphs_captured", "graphs captured and replaying on each rank"),
+    ("gauge", "graphrunner_rank_capture_seconds", "capture_seconds", "seconds each rank's finished captures took"),
+    (
+        "counter",
+        "graphrunner_rank_collective_wait_seconds",
+        "collective_seconds",
+        "seconds each rank's steps waited in collectives with the other ranks (the graphs' agreement per step, "
+        "the sampled ids' broadcast)",
+    ),
+    (
+        "counter",
+        "graphrunner_rank_synced_steps",
+        "synced_steps",
+        "steps whose sampled ids each rank took from the driver (--tp: every rank runs the same steps)",
+    ),
+)
+
+
 #: ``/metrics``' families of the front door (:class:`~graphrunner_tools.serve_admission.FrontDoor`).
 _FRONT = (
     (
@@ -135,6 +155,21 @@ def _metrics_text(
             for kind, name, key, doc in _SCALARS:
                 family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=["model"])
                 family.add_metric([model_id], float(engine.get(key, 0)))
+                yield family
+            ranks = sorted(engine.get("ranks", {}).items(), key=lambda kv: int(kv[0]))
+            rank_steps = CounterMetricFamily(
+                "graphrunner_rank_steps", "steps served on each rank, by path", labels=["model", "rank", "path"]
+            )
+            for rank, figures in ranks:
+                rank_steps.add_metric([model_id, str(rank), "replayed"], float(figures.get("replayed", 0)))
+                rank_steps.add_metric([model_id, str(rank), "eager"], float(figures.get("eager_steps", 0)))
+            yield rank_steps
+            for kind, name, key, doc in _RANK_SCALARS:
+                family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+                    name, doc, labels=["model", "rank"]
+                )
+                for rank, figures in ranks:
+                    family.add_metric([model_id, str(rank)], float(figures.get(key, 0)))
                 yield family
             req = CounterMetricFamily(
                 "graphrunner_http_requests", "HTTP requests answered, by path and status", labels=["path", "status"]
@@ -310,22 +345,14 @@ def serve_http(args: argparse.Namespace) -> int:
     level = hf_logging.log_levels[args.log_level.lower()]
     set_serve_log_level(level, False)
     model, cb_config, state, options = engine_parts(args)
-    from graphrunner_tools.serve_engine import GraphModelLoader
+    from graphrunner_tools.serve_engine import GraphModelLoader, loader_arguments
 
     if getattr(args, "tp", 1) > 1:
         from graphrunner_tools.serve_tp import make_loader
 
         loader: GraphModelLoader = make_loader(args, options)
     else:
-        loader = GraphModelLoader(
-            options,
-            device=args.device,
-            dtype=args.dtype,
-            trust_remote_code=False,
-            attn_implementation=args.attn_implementation,
-            quantization=None,
-            continuous_batching=True,
-        )
+        loader = GraphModelLoader(options, **loader_arguments(args))
     print(
         f"graphrunner serve: loading {model} ({'eager: no graphs' if options is None else 'graphs: ' + json.dumps(options)})",
         file=sys.stderr,
@@ -608,8 +635,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.tp > 1 and not args.eager:
         parser.error(
             f"argument --tp {args.tp}: tensor-parallel ranks serve with --eager (transformers' engine) only so far: "
-            "graphs on them are not done (the CPU tape refuses the data-dependent ops of transformers' DTensor "
-            "redistribution, and every rank's background capture must pair with its peers'); add --eager"
+            "the CPU tape does not replay the functional collectives of transformers' tensor parallelism (its "
+            "DTensor redistributions) yet, so no rank could capture its step (docs/serving.md, --tp); add --eager"
         )
     if not args.tp_timeout > 0:
         parser.error(f"argument --tp-timeout: must be > 0 seconds, got {args.tp_timeout}")

@@ -28,7 +28,15 @@ from graphrunner.hf.internals import REQUEST_SAMPLING_KEYS, engine_state, reques
 from graphrunner.hf.model_runner import GraphModelRunner, sample_per_request
 from graphrunner.hf.sampling import RequestSampler, SamplingParams
 
-__all__ = ["FAULT_ENV", "GraphModelLoader", "ServedManager", "ServedModel", "engine_metrics"]
+__all__ = [
+    "FAULT_ENV",
+    "GraphModelLoader",
+    "ServedManager",
+    "ServedModel",
+    "RANK_FIGURES",
+    "engine_metrics",
+    "loader_arguments",
+]
 
 #: Tests only: the environment variable naming a trigger file (:func:`_with_fault`); read in one place,
 #: :meth:`ServedModel.init_continuous_batching`.
@@ -194,6 +202,20 @@ def _with_fault(serve: Callable[..., Any], trigger: str) -> Callable[..., Any]:
     return serve_or_raise
 
 
+def loader_arguments(args: Any) -> dict[str, Any]:
+    """transformers' ``ModelLoader`` arguments of ``graphrunner serve``'s parsed ``args`` (device, dtype, attention
+    implementation; no remote code, no quantization, continuous batching): what every loader of the server takes
+    (:class:`GraphModelLoader`, and ``graphrunner_tools.serve_tp.TPModelLoader`` on every TP rank)."""
+    return {
+        "device": args.device,
+        "dtype": args.dtype,
+        "trust_remote_code": False,
+        "attn_implementation": args.attn_implementation,
+        "quantization": None,
+        "continuous_batching": True,
+    }
+
+
 class GraphModelLoader(ModelLoader):
     """transformers serve's ``ModelLoader`` whose models serve their continuous-batching steps from graphs
     (:class:`ServedModel` with ``graph_options``; ``None``: transformers' own engine, for ``--eager``).
@@ -220,6 +242,10 @@ class GraphModelLoader(ModelLoader):
         return ServedModel(model, self.graph_options), processor
 
 
+#: The figures ``/metrics`` shows per rank (``graphrunner_rank_*{rank}``), of :func:`engine_metrics`' keys.
+RANK_FIGURES = ("graphs_captured", "capture_seconds", "replayed", "eager_steps", "collective_seconds", "synced_steps")
+
+
 def engine_metrics(model: Any, processor: Any = None) -> dict[str, Any]:
     """What ``/metrics`` shows of the engine, read in the model's process (transformers'
     ``EngineClient.submit`` runs it there; ``model``: a :class:`ServedModel`): the graphs'
@@ -227,8 +253,12 @@ def engine_metrics(model: Any, processor: Any = None) -> dict[str, Any]:
     capture seconds, padding, re-plans, fallbacks by reason), and the engine's state
     (:func:`engine_state`), read with the generation loop paused between two steps (transformers'
     ``manager.pause()``), so every figure is of the same moment; ``ready``: 1 once every planned graph is
-    captured (the capture starts when the model is loaded, before any request), or at once without graphs. The server calls it once at its start,
-    where a transformers whose engine :func:`engine_state` cannot read fails it."""
+    captured (the capture starts when the model is loaded, before any request), or at once without graphs;
+    ``collective_seconds``: the seconds the steps waited in collectives with other ranks (the graphs' agreement
+    per step, and on TP ranks the sampled ids' broadcast; 0 on one rank); ``synced_steps``: TP ranks, the steps
+    whose sampled ids were broadcast (0 on one rank); ``ranks``: ``{rank: {figure: value}}``
+    of :data:`RANK_FIGURES`, every rank's (the model's ``rank_figures``; one rank: its own). The server calls
+    it once at its start, where a transformers whose engine :func:`engine_state` cannot read fails it."""
     manager = getattr(model, "manager", None)
     out: dict[str, Any] = {"graphs_on": False}
     if manager is None:
@@ -257,7 +287,11 @@ def engine_metrics(model: Any, processor: Any = None) -> dict[str, Any]:
                 replans=s.replans,
                 failed_steps=s.failed_steps,
                 fallbacks=dict(runner.stats.fallback_reasons) if runner is not None else {},
+                collective_seconds=0.0 if runner is None else runner.stats.agreement_seconds,
             )
+        sync = getattr(model, "sync", None)  # TP ranks: the sampled ids' broadcast
+        out["collective_seconds"] = out.get("collective_seconds", 0.0) + (0.0 if sync is None else sync.seconds)
+        out["synced_steps"] = 0 if sync is None else sync.steps
         for attempt in range(5):  # beside a running loop (tensor-parallel ranks) a read may race a step
             try:
                 out.update(engine_state(manager))
@@ -267,4 +301,7 @@ def engine_metrics(model: Any, processor: Any = None) -> dict[str, Any]:
                     raise
     # full speed: every planned graph captured (transformers' own engine, --eager: once it runs)
     out["ready"] = int(not out["graphs_on"] or 0 < out["graphs_captured"] == out["graphs_planned"])
+    own = {k: out.get(k, 0) for k in RANK_FIGURES}
+    rank_figures = getattr(model, "rank_figures", None)
+    out["ranks"] = rank_figures(own) if rank_figures is not None else {0: own}
     return out

@@ -22,16 +22,20 @@ Faults: a rank that dies ends its launcher's run: torch's launcher stops every o
 SIGKILL) and ``graphrunner serve`` exits 1 naming the rank and its cause; the driver's requests in flight
 fail at its next collective (the peer's connection closed). A follower whose driver went away without a
 stop (SIGTERM) raises. SIGTERM stops every rank: rank 0 as the one-rank server (requests in flight get
-``--shutdown-timeout`` seconds), then its model's process, after which each follower's manager ends and
-the follower exits 0.
+``--shutdown-timeout`` seconds), then its model's process, after which each follower's manager loop ends
+(a loop still inside a collective with the gone driver leaves it when its process groups are aborted) and
+the follower returns 0.
+
+``/metrics`` shows every rank: a follower puts its figures in the ranks' rendezvous store every second
+(:meth:`TPServedModel.publish_figures`), the driver reads them at each scrape (:meth:`TPServedModel.rank_figures`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
-import os
 import signal
 import sys
 import threading
@@ -40,7 +44,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from graphrunner_tools.launch import join_group, launch_ranks, torchrun_env
-from graphrunner_tools.serve_engine import GraphModelLoader, ServedModel
+from graphrunner_tools.serve_engine import GraphModelLoader, ServedModel, engine_metrics, loader_arguments
 
 __all__ = ["TPModelLoader", "TPServedModel", "serve_tp"]
 
@@ -58,9 +62,17 @@ class TPServedModel(ServedModel):
     """A :class:`ServedModel` on one of ``tp`` ranks: its manager's every rank takes the driver's sampled
     tokens (:func:`~graphrunner.hf.internals.sync_sampled_ids`, ``debug``: compared first)."""
 
-    def __init__(self, model: Any, graph_options: dict[str, Any] | None, debug: bool = False) -> None:
+    def __init__(
+        self, model: Any, graph_options: dict[str, Any] | None, debug: bool = False, timeout: float = 60.0
+    ) -> None:
         super().__init__(model, graph_options)
         self.debug = debug
+        #: Seconds each of graphrunner's collectives may take (``--tp-timeout``).
+        self.timeout = timeout
+        #: The sampled ids' broadcast: its steps and seconds (set by :meth:`init_continuous_batching`).
+        self.sync: Any = None
+        #: The ranks' group (graphrunner's, over the world: the TP ranks), made by :meth:`init_continuous_batching`.
+        self.group: Any = None
 
     @contextlib.contextmanager
     def read_beside(self) -> Iterator[None]:
@@ -72,12 +84,42 @@ class TPServedModel(ServedModel):
     def init_continuous_batching(
         self, generation_config: Any = None, continuous_batching_config: Any = None, workload_hints: Any = None
     ) -> Any:
+        from graphrunner.group import TorchDistGroup
         from graphrunner.hf.internals import sync_sampled_ids
 
+        # the ranks' group (the world: the TP ranks): its store carries the followers' figures to the driver;
+        # the process group's timeouts are transformers' (no graphrunner collective runs on it yet)
+        self.group = TorchDistGroup(timeout=self.timeout, bound_process_group=False)
         manager = super().init_continuous_batching(generation_config, continuous_batching_config, workload_hints)
         manager.warmup()  # makes the batch processor (a no-op when gr.hf's install made it)
-        sync_sampled_ids(manager.batch_processor, debug=self.debug)
+        self.sync = sync_sampled_ids(manager.batch_processor, debug=self.debug)
         return manager
+
+    def _figures_key(self, rank: int) -> str:
+        return f"graphrunner/serve/figures/rank{rank}"
+
+    def publish_figures(self) -> None:
+        """A follower: put this rank's :data:`~graphrunner_tools.serve_engine.RANK_FIGURES` (read by
+        :func:`~graphrunner_tools.serve_engine.engine_metrics`) in the group's store, where the driver's
+        :meth:`rank_figures` reads them."""
+        store = self.group.channel.store if self.group is not None else None
+        if store is not None:
+            figures = engine_metrics(self)["ranks"][self.group.rank]
+            store.set(self._figures_key(self.group.rank), json.dumps(figures))
+
+    def rank_figures(self, own: dict[str, Any]) -> dict[int, dict[str, Any]]:
+        """Every rank's figures: ``own`` (this rank's), and each other rank's last published ones
+        (:meth:`publish_figures`, a second old at most; zeros before its first)."""
+        rank = 0 if self.group is None else self.group.rank
+        out: dict[int, dict[str, Any]] = {rank: own}
+        store = None if self.group is None else self.group.channel.store
+        if store is None:
+            return out
+        for r in range(self.group.size):
+            key = self._figures_key(r)
+            if r != rank:
+                out[r] = json.loads(store.get(key)) if store.check([key]) else dict.fromkeys(own, 0)
+        return out
 
 
 class TPModelLoader(GraphModelLoader):
@@ -114,7 +156,7 @@ class TPModelLoader(GraphModelLoader):
             model_id.split("@")[0], distributed_config=DistributedConfig(tp_size=self.tp), **kwargs
         )
         model.eval()
-        return TPServedModel(model, self.graph_options, self.debug), processor
+        return TPServedModel(model, self.graph_options, self.debug, self.init_timeout), processor
 
 
 # --------------------------------------------------------------------------- the ranks
@@ -192,12 +234,7 @@ def make_loader(args: argparse.Namespace, options: dict[str, Any] | None) -> TPM
         backend=_backend(args.device),
         init_timeout=args.tp_timeout,
         debug=args.tp_debug,
-        device=args.device,
-        dtype=args.dtype,
-        trust_remote_code=False,
-        attn_implementation=args.attn_implementation,
-        quantization=None,
-        continuous_batching=True,
+        **loader_arguments(args),
     )
 
 
@@ -227,9 +264,16 @@ def _follow(rank: int, world_size: int, args: argparse.Namespace, engine_parts: 
     manager.start()
     logger.info("graphrunner serve: rank %d of %d follows the driver", rank, world_size)
 
-    def drain() -> None:  # nobody reads a follower's outputs: they must not pile up
+    def drain() -> None:  # nobody reads a follower's outputs: they must not pile up; the figures published
+        published = 0.0
         while manager.is_running():
             manager.get_result(timeout=0.5)
+            if time.monotonic() - published > 1.0:
+                published = time.monotonic()
+                try:
+                    served.publish_figures()
+                except Exception as exc:  # noqa: BLE001 - /metrics shows the last figures; the serving goes on
+                    logger.warning("graphrunner serve: rank %d could not publish its figures: %s", rank, exc)
 
     threading.Thread(target=drain, name="graphrunner-tp-drain", daemon=True).start()
     grace = None
@@ -242,7 +286,33 @@ def _follow(rank: int, world_size: int, args: argparse.Namespace, engine_parts: 
         time.sleep(0.1)
     error = manager.background_thread_status.fatal_error
     if stopping.is_set():
-        os._exit(0)  # the loop's thread may still be inside a collective with a driver that is gone
+        _end_loop(manager, rank, args.shutdown_timeout + 5)
+        return 0
     raise RuntimeError(
         f"rank {rank}: the tensor-parallel group stopped without a stop (SIGTERM): {error or 'the driver went away'}"
     )
+
+
+def _end_loop(manager: Any, rank: int, grace: float) -> None:
+    """A stopped follower's manager: its loop ends at its next step, or, still inside a collective with a driver
+    that is gone after ``grace`` seconds, when that collective fails: the loop's process groups (transformers'
+    CPU group and the TP group) are aborted, and the loop is joined. ``RuntimeError`` when it still runs."""
+    import torch.distributed as dist
+
+    from graphrunner.hf.internals import tp_process_groups
+
+    if manager.is_running():
+        manager.stop(block=True, timeout=grace)
+    if not manager.is_running():
+        return
+    logger.warning("graphrunner serve: rank %d: the driver is gone mid-collective; aborting the TP groups", rank)
+    groups = tp_process_groups(manager)
+    if dist.is_initialized():
+        groups.append(dist.group.WORLD)
+    for group in {id(g): g for g in groups}.values():  # the TP group may be the world's: each aborted once
+        group.abort()  # ProcessGroup.abort(): its pending collectives fail at once (gloo closes its connections)
+    manager.join(time.perf_counter(), timeout=grace)
+    if manager.is_running():
+        raise RuntimeError(
+            f"rank {rank}: the generation loop did not end {grace:.0f} s after its process groups were aborted"
+        )

@@ -3,6 +3,7 @@ raises a clear error, serving goes on with the keys already captured, every proc
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -93,3 +94,51 @@ def test_background_capture_on_one_rank_and_blocking_on_the_other_raise_on_both(
         # < TIMEOUT (the collective deadline): the channel found the mismatch, no deadline expired
         assert r.value["type"] == "AgreementError" and r.value["seconds"] < TIMEOUT, r.value
         assert "out of step" in r.value["message"]
+
+
+def _calls_inside_hold(rank, world, stale_hold):
+    import threading
+
+    from graphrunner import runner as runner_module
+
+    if stale_hold:  # the negative control: hold() takes the lock before a granted key is captured
+
+        @contextlib.contextmanager
+        def stale(server):
+            with server.background.call():
+                yield
+
+        runner_module.hold_background = stale
+    runner = _runner()
+    runner.capture(background=True)
+    outs = []
+
+    def serve():  # as gr.hf's engine: every call inside hold() (the step's other work beside no capture)
+        for i in range(6):
+            with runner.hold():
+                x = torch.full((3, D), float(i + 1))
+                outs.append((x, runner(x=x).clone()))  # the next call overwrites the output
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    t.join(TIMEOUT)  # a deadlock detector, not a timing claim: far above six calls and four keys
+    if t.is_alive():
+        return {"stuck": True}
+    for x, out in outs:
+        torch.testing.assert_close(out, _want(x, world), rtol=1e-5, atol=1e-5)
+    assert runner.wait_captured(timeout=TIMEOUT) is not None
+    return {"stuck": False, "keys": sorted(runner.captured_keys), "agreement_s": runner.stats.agreement_seconds}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stale_hold", [False, True], ids=["hold", "negative_control_stale_hold"])
+def test_calls_inside_hold_on_several_ranks_are_served_while_keys_are_granted(stale_hold):
+    res = run_ranks(_calls_inside_hold, world_size=2, timeout=120, args=(stale_hold,))
+    for r in res:
+        assert r.ok and r.exitcode == 0 and not r.timed_out, r
+    if stale_hold:  # a call in hold() waits for the key its grant handed the capture, which waits for the lock
+        assert all(r.value["stuck"] for r in res)
+    else:
+        assert not any(r.value["stuck"] for r in res)
+        assert res[0].value["keys"] == res[1].value["keys"] == [1, 2, 4, 8]
+        assert all(r.value["agreement_s"] > 0 for r in res)  # six calls' agreements, counted in the stats

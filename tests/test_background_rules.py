@@ -83,6 +83,7 @@ def test_a_call_inside_hold_during_a_background_capture_is_served():
     assert _in_thread(_call_inside_hold, r, out, seconds=30), "a call inside runner.hold() deadlocked"
     assert torch.equal(out[0], torch.full((3, 3), 2.0))
     assert r.wait_captured(timeout=60) is not None
+    assert r.stats.agreement_seconds == 0  # one rank: no agreement to wait in (several: test_background_multirank)
 
 
 def test_negative_control_with_a_plain_lock_a_call_inside_hold_deadlocks(monkeypatch):

@@ -422,6 +422,15 @@ def test_metrics_show_graphs_steps_and_requests(servers):
     graphs.chat("one more call")  # a background capture's keys start replaying at a call
     assert _wait_for(graphs, "graphrunner_graphs_captured", lambda v: v == planned > 0, timeout=60) == planned > 0
     assert graphs.metric("graphrunner_capture_seconds") > 0
+    # the per-rank families: one rank, rank "0", the same figures as the server's own (one snapshot)
+    m = graphs.metrics()
+    label = f'{{model="{graphs.model}",rank="0"}}'
+    assert m["graphrunner_rank_graphs_captured" + label] == planned
+    assert m["graphrunner_rank_capture_seconds" + label] == m[f'graphrunner_capture_seconds{{model="{graphs.model}"}}']
+    for path in ("replayed", "eager"):
+        own = f'graphrunner_steps_total{{model="{graphs.model}",path="{path}"}}'
+        assert m[f'graphrunner_rank_steps_total{{model="{graphs.model}",path="{path}",rank="0"}}'] == m[own]
+    assert m["graphrunner_rank_collective_wait_seconds_total" + label] == 0  # no other rank to wait for
     ok = sum(v for k, v in m.items() if k.startswith("graphrunner_http_requests_total") and 'status="200"' in k)
     assert ok >= len(PROMPTS)
 

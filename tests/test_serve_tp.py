@@ -4,16 +4,20 @@ Three servers start at once (module fixtures, each once): ``--tp 2 --eager`` (tw
 elastic launcher: rank 0 serves HTTP and drives, rank 1 follows), the one-rank ``--eager`` server (the
 reference answers), and a second ``--tp 2 --eager`` whose rank 1 is SIGKILLed mid-serving. Greedy answers
 of the two-rank server equal the one-rank server's (streamed and not, one at a time and from concurrent
-clients); SIGTERM stops every rank (exit 0); a killed rank stops the server (exit 1 within 60 s, naming
-the rank), and the client in flight gets an error, not a hang."""
+clients); /metrics shows every rank's figures (the steps each rank synced equal the driver's; each rank's
+wait in collectives; the one-rank server's are 0); SIGTERM stops every rank (exit 0, the follower's loop
+ended, not its process cut short); a killed rank stops the server (exit 1 within 60 s, naming the rank), and
+the client in flight gets an error, not a hang."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
 import time
+import types
 
 import pytest
 
@@ -124,6 +128,38 @@ def test_tp2_serves_16_concurrent_clients_their_own_answers(servers):
     assert got == want
 
 
+def _by_rank(server, name):
+    """``{rank: value}`` of the per-rank family ``name`` on ``server``'s /metrics."""
+    out = {}
+    for key, value in server.metrics().items():
+        if key.startswith(name + "{"):
+            out[int(re.search(r'rank="(\d+)"', key).group(1))] = value
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_metrics_show_every_ranks_figures(servers):
+    tp, one = servers["tp"], servers["one"]
+    assert tp.chat("hello") and one.chat("hello")
+    # rank 1 publishes its figures every second: poll (bounded) until it has counted the driver's steps
+    for _ in range(60):
+        synced = _by_rank(tp, "graphrunner_rank_synced_steps_total")
+        if synced.get(1) == synced.get(0):
+            break
+        time.sleep(0.5)
+    assert set(synced) == {0, 1} and synced[0] > 0
+    assert synced[1] == synced[0]  # every rank took the driver's ids at every step: the same steps
+    waited = _by_rank(tp, "graphrunner_rank_collective_wait_seconds_total")
+    assert set(waited) == {0, 1} and all(v > 0 for v in waited.values())  # the broadcast each step
+    for name in ("graphrunner_rank_graphs_captured", "graphrunner_rank_capture_seconds"):
+        assert _by_rank(tp, name) == {0: 0.0, 1: 0.0}  # --eager: no graphs on any rank
+    steps = [k for k in tp.metrics() if k.startswith("graphrunner_rank_steps_total{")]
+    assert {re.search(r'rank="(\d+)"', k).group(1) for k in steps} == {"0", "1"}
+    # the control: one rank has no peer to wait for, and syncs nothing
+    assert _by_rank(one, "graphrunner_rank_synced_steps_total") == {0: 0.0}
+    assert _by_rank(one, "graphrunner_rank_collective_wait_seconds_total") == {0: 0.0}
+
+
 @pytest.mark.timeout(120)
 def test_sigterm_stops_every_rank_and_exits_0(servers):
     tp = servers["tp"]
@@ -166,3 +202,42 @@ def test_a_rank_killed_mid_serving_stops_the_server_non_zero_within_60s(servers)
     assert code == 1, doomed.output()
     assert "rank 1 failed (rank 1 killed by SIGKILL" in doomed.output(tail=1 << 20)
     assert outcome  # answered before the kill, or failed: it returned
+
+
+class _StuckLoop:
+    """A follower's manager whose loop is inside a collective with a driver that is gone: a stop is not seen
+    (``leaves_on="stop"``: it is), and an abort of one of its groups fails the collective, ending the loop
+    (``leaves_on=None``: nothing ends it)."""
+
+    def __init__(self, leaves_on):
+        self.running, self.leaves_on, self.aborted = True, leaves_on, []
+        group = lambda name: types.SimpleNamespace(abort=lambda: self._abort(name))  # noqa: E731
+        self.distributed_helper = types.SimpleNamespace(cpu_comm_group=group("cpu"), tp_group=group("tp"))
+
+    def _abort(self, name):
+        self.aborted.append(name)
+        self.running = self.leaves_on != "abort" and self.running
+
+    def is_running(self):
+        return self.running
+
+    def stop(self, block, timeout):
+        self.running = self.running and self.leaves_on != "stop"
+
+    def join(self, stop_trigger_time, timeout):
+        pass
+
+
+def test_a_stopped_follower_aborts_its_groups_only_when_its_loop_is_stuck():
+    from graphrunner_tools.serve_tp import _end_loop
+
+    stuck = _StuckLoop("abort")
+    _end_loop(stuck, 1, grace=0.1)  # returns: the aborted groups failed the loop's collective
+    assert stuck.aborted == ["cpu", "tp"] and not stuck.running
+    ends = _StuckLoop("stop")
+    _end_loop(ends, 1, grace=0.1)
+    assert ends.aborted == []  # the loop ended at the stop: nothing aborted
+    # the control: a loop that nothing ends is an error naming the rank, not a hang nor a silent exit 0
+    never = _StuckLoop(None)
+    with pytest.raises(RuntimeError, match="rank 1: the generation loop did not end"):
+        _end_loop(never, 1, grace=0.1)

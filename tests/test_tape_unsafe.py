@@ -42,7 +42,12 @@ UNSAFE = {
     ),
     "mask_index": (lambda: X[M], "boolean-mask indexing", "aten.index.Tensor"),
     "uint8_mask_index": (lambda: X[M.to(torch.uint8)], "boolean-mask indexing", "aten.index.Tensor"),
-    "mask_assign": (lambda: X.clone().__setitem__(M, 0.0), "boolean-mask assignment", "aten.index_put_.default"),
+    # a tensor of values: ATen gathers the mask's positions (nonzero); a scalar is masked_fill (safe, below)
+    "mask_assign": (
+        lambda: X.clone().__setitem__(M, torch.ones(2)),
+        "boolean-mask assignment",
+        "aten.index_put_.default",
+    ),
     "masked_select": (lambda: torch.masked_select(X, M), "torch.masked_select", "aten.masked_select.default"),
     "unique": (lambda: torch.unique(X), "torch.unique (", "aten._unique2.default"),
     "unique_dim": (lambda: torch.unique(X, dim=0), "torch.unique", "aten.unique_dim.default"),
@@ -180,6 +185,28 @@ def test_repeat_interleave_with_int_repeats_is_safe(ctx):
         refill,
         lambda: [torch.repeat_interleave(x, 2), x.repeat_interleave(3)],
     )
+
+
+@pytest.mark.parametrize("ctx", [torch.inference_mode, torch.no_grad])
+def test_mask_assign_of_a_scalar_is_safe_and_replays_the_new_mask(ctx):
+    # x[mask] = 0 is ATen's masked_fill_ (CUDA stream capture holds it: the scalar stays on the host); DTensor's
+    # vocab-parallel embedding does it at every step (transformers' tensor parallelism)
+    x = torch.randn(6)
+    m = torch.zeros(6, dtype=torch.bool)
+
+    def refill(seed):
+        g = torch.Generator().manual_seed(seed)
+        x.copy_(torch.randn(6, generator=g))
+        m.copy_(torch.rand(6, generator=g) > 0.5)
+
+    def build():
+        y = x.clone()
+        y[m] = 0
+        z = x.clone().view(2, 3)
+        z[m[:2]] = -1.0  # a mask on the leading dim: whole rows
+        return [y, z]
+
+    _capture_and_check(ctx, build, refill, build)
 
 
 @pytest.mark.parametrize("ctx", [torch.inference_mode, torch.no_grad])

@@ -269,14 +269,24 @@ def step_rows(io: Any) -> list[str]:
         raise _changed(_SAMPLING, f"no {exc.name!r} on the step's requests: {exc}") from exc
 
 
-def sync_sampled_ids(bp: Any, debug: bool = False) -> None:
+class SampledIdSync:
+    """What :func:`sync_sampled_ids` measured on one rank: ``steps`` synchronised and ``seconds`` spent in their
+    collectives (the broadcast, waiting for the driver included; the debug comparison too)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.seconds = 0.0
+
+
+def sync_sampled_ids(bp: Any, debug: bool = False) -> SampledIdSync:
     """Every rank of a tensor-parallel batch processor ``bp`` takes the tokens its driver sampled: its
     ``_generation_step`` is wrapped so that, after the step, the driver's sampled ids (``output_ids``
     of the step's requests) are broadcast over transformers' CPU group of the TP ranks. transformers
     seeds a request's sampling on the driver only (``seed``), so the ranks would otherwise sample
     different tokens and the next step's all-reduce would mix different sequences, silently.
     ``debug``: first compare every rank's own sampled ids (an all-gather) and raise
-    ``RuntimeError`` naming the step and the requests whose token differs. A no-op on one rank.
+    ``RuntimeError`` naming the step and the requests whose token differs. A no-op on one rank. Returns the
+    :class:`SampledIdSync` it counts its steps and seconds in.
     Raises :class:`TransformersChanged` (before wrapping) when an entry it reads is missing."""
     name = "the batch processor's tensor-parallel step"
     helper = getattr(bp, "distributed_helper", None)
@@ -297,8 +307,11 @@ def sync_sampled_ids(bp: Any, debug: bool = False) -> None:
     if missing:
         raise _changed(name, f"{type(bp).__name__} has no {missing}")
     assert helper is not None and io is not None  # checked above
+    sync = SampledIdSync()
     if int(getattr(helper, "tp_size", 1)) <= 1:
-        return
+        return sync
+    import time
+
     import torch
     import torch.distributed as dist
 
@@ -308,6 +321,15 @@ def sync_sampled_ids(bp: Any, debug: bool = False) -> None:
     def step(*args: Any, **kwargs: Any) -> Any:
         out = step_fn(*args, **kwargs)
         steps[0] += 1
+        began = time.perf_counter()
+        try:
+            _sync(steps[0])
+        finally:
+            sync.steps += 1
+            sync.seconds += time.perf_counter() - began
+        return out
+
+    def _sync(at: int) -> None:
         n = int(io.num_request_in_batch)
         ids = io.output_ids[:, :n]
         group = helper.cpu_comm_group
@@ -320,7 +342,7 @@ def sync_sampled_ids(bp: Any, debug: bool = False) -> None:
                 requests = [getattr(getattr(r, "state", r), "request_id", "?") for r in io.requests_in_batch]
                 names = [str(requests[i]) if i < len(requests) else f"#{i}" for i in apart]
                 raise RuntimeError(
-                    f"graphrunner serve --tp: the ranks sampled different tokens at step {steps[0]} for request(s) "
+                    f"graphrunner serve --tp: the ranks sampled different tokens at step {at} for request(s) "
                     f"{', '.join(names)} ({[[int(t[i]) for t in every] for i in apart]} by rank): their next "
                     "all-reduce would mix different sequences. Every rank must sample alike: seed every rank "
                     "(--default-seed) or leave the sampling to the driver (the default)"
@@ -329,9 +351,18 @@ def sync_sampled_ids(bp: Any, debug: bool = False) -> None:
         dist.broadcast(host, src=int(helper.tp_root_global_rank), group=group)
         if host.data_ptr() != ids.data_ptr():
             ids.copy_(host)
-        return out
 
     bp._generation_step = step
+    return sync
+
+
+def tp_process_groups(manager: Any) -> list[Any]:
+    """The process groups a tensor-parallel ``manager``'s generation loop makes collectives on: transformers' CPU
+    group of the TP ranks (``distributed_helper.cpu_comm_group``, its per-step state and the driver's requests)
+    and the model's TP group (``distributed_helper.tp_group``, the forward's all-reduces); none on one rank."""
+    helper = getattr(manager, "distributed_helper", None)
+    groups = [getattr(helper, "cpu_comm_group", None), getattr(helper, "tp_group", None)]
+    return [g for g in groups if g is not None]
 
 
 def fail_step(bp: Any, error: Exception) -> None:

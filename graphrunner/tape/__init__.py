@@ -21,7 +21,9 @@ one runs on the other:
   the generator's current state.  Re-seeding (``torch.manual_seed``, ...)
   during capture raises :class:`~graphrunner.errors.CaptureError`.  An empty
   capture warns (:data:`EMPTY_GRAPH_MESSAGE`).
-* Collectives (``c10d`` ops) are re-issued and waited on.
+* Collectives (``c10d`` ops) are re-issued and waited on; functional collectives (``_c10d_functional``)
+  and ops on tensor subclasses (DTensor) are refused at capture (:class:`~graphrunner.errors.CaptureError`
+  naming the op).
 * Graphs captured into one pool (``pool=``) share its memory as on CUDA: a
   later capture reuses memory freed after an earlier one (including
   outputs the user dropped), so out-of-order replays corrupt as on a GPU;

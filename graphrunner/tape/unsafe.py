@@ -164,6 +164,8 @@ def unsafe_reason(func, args, kwargs) -> tuple[str, str] | None:
             return _FRIENDLY[name], str(func)
     if name in _INDEX_OPS:
         idx = args[1] if len(args) > 1 else kwargs.get("indices")
+        if "put" in name and _is_masked_fill(args, kwargs):
+            return None
         for t in idx or ():
             if isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8):
                 what = (
@@ -173,6 +175,27 @@ def unsafe_reason(func, args, kwargs) -> tuple[str, str] | None:
                 )
                 return what, str(func)
     return None
+
+
+def _is_masked_fill(args, kwargs) -> bool:
+    """Whether an ``index_put`` is ``x[mask] = scalar``: ATen runs it as ``masked_fill_`` (no data-dependent
+    shape, no host read), so CUDA stream capture holds it. ATen's condition (``canDispatchToMaskedFill``):
+    no accumulation, a one-element value on the host (Python's ``x[mask] = 0`` puts the scalar there, also
+    for a CUDA ``x``), and one bool/uint8 index on ``x``'s device whose sizes are ``x``'s dims it indexes."""
+    self = args[0] if args else kwargs.get("self")
+    idx = args[1] if len(args) > 1 else kwargs.get("indices")
+    value = args[2] if len(args) > 2 else kwargs.get("values")
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    if accumulate or not isinstance(self, torch.Tensor) or not isinstance(value, torch.Tensor):
+        return False
+    if value.numel() != 1 or value.device.type != "cpu":
+        return False
+    masks = [t for t in idx or () if t is not None]
+    if len(masks) != 1 or masks[0].dtype not in (torch.bool, torch.uint8) or masks[0].device != self.device:
+        return False
+    start = next(i for i, t in enumerate(idx) if t is not None)
+    mask = masks[0]
+    return start + mask.dim() <= self.dim() and tuple(mask.shape) == tuple(self.shape[start : start + mask.dim()])
 
 
 def check_safe(func, args, kwargs) -> None:
