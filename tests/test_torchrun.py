@@ -170,7 +170,9 @@ def test_loadtest_spec_on_two_torchrun_nodes(tmp_path):
         mark,
     )
     assert ref.returncode == 0, out[-3000:]
-    procs = _two_nodes(port, mark, lambda n: _tool("loadtest", "--spec", "2", *SMALL, "--json", str(tmp_path / f"n{n}.json")))
+    procs = _two_nodes(
+        port, mark, lambda n: _tool("loadtest", "--spec", "2", *SMALL, "--json", str(tmp_path / f"n{n}.json"))
+    )
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
     assert "PASS in" in outs[0] and "PASS in" not in outs[1]  # rank 0 (node 0) prints and writes the JSON
