@@ -14,13 +14,15 @@ reports, under its JSON names: ``completed``, ``failed``, ``duration``, ``reques
 ``total_token_throughput``, and ``mean_/median_/std_/p99_`` of ``ttft_ms``, ``tpot_ms``, ``itl_ms``
 and ``e2el_ms``; plus the share of steps replayed from graphs (``/metrics``). Greedy answers are
 compared across the columns request by request (``mismatches``), and the graphs column reports its
-time to full speed (docs/benchmarks.md defines it). Prints a table with the columns' ratios, writes
+time to full speed (docs/benchmarks.md defines it). ``--tp N`` runs every column on N tensor-parallel ranks
+(``graphrunner serve --tp N``) but ``one-rank``, the one-rank ``--eager`` server, whose greedy answers are
+reported as ``one_rank_agreement`` (tensor parallelism reorders sums), never as mismatches. Prints a table with the columns' ratios, writes
 JSON (``--out``) and, with matplotlib, a plot next to it. Timings are never assertions.
 
     python bench/serve_sweep.py [--quick] [--max-concurrency 1,4,16,64] [--num-prompts 100,300,600,1000]
         [--request-rate inf] [--burstiness 1] [--random-input-len 48] [--random-output-len 32]
         [--random-range-ratio 0.75] [--num-warmups 64] [--goodput ttft:200 tpot:20]
-        [--columns graphs,backend-eager,eager] [--threads 1] [MODEL_DIR]
+        [--columns graphs,backend-eager,eager] [--tp 1] [--threads 1] [MODEL_DIR]
 """
 
 from __future__ import annotations
@@ -48,7 +50,12 @@ COLUMNS: dict[str, list[str]] = {
     "graphs": [],
     "backend-eager": ["--backend", "eager"],
     "eager": ["--eager"],
+    "one-rank": ["--eager"],
 }
+
+#: Columns that run on one rank whatever ``--tp`` says: the reference of tensor parallelism's agreement
+#: (its sums are reordered, so its greedy answers are compared as ``agreement``, never as mismatches).
+ONE_RANK = ("one-rank",)
 
 #: The latency metrics, as ``vllm bench serve`` names them (``mean_<m>_ms``, ``median_<m>_ms``, ...).
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
@@ -468,6 +475,7 @@ def compare_answers(result: dict[str, Any], names: Sequence[str]) -> None:
     ``mismatches`` in all."""
     ref = names[0]
     total = 0
+    agreement = [0, 0]
     for name in names[1:]:
         col = result["columns"][name]
         col["same_as"] = ref
@@ -476,9 +484,15 @@ def compare_answers(result: dict[str, Any], names: Sequence[str]) -> None:
                 (x, y) for x, y in zip(a["generated_texts"], b["generated_texts"]) if x is not None and y is not None
             ]
             b["same"] = sum(x == y for x, y in pairs)
+            if name in ONE_RANK and ref not in ONE_RANK:
+                agreement[0] += b["same"]
+                agreement[1] += len(pairs)
+                continue
             b["mismatches"] = len(pairs) - b["same"]
             total += b["mismatches"]
     result["mismatches"] = total
+    if agreement[1]:
+        result["one_rank_agreement"] = {"same": agreement[0], "compared": agreement[1]}
     result["failed"] = sum(r["failed"] for c in result["columns"].values() for r in c["runs"])
 
 
@@ -615,9 +629,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--columns",
         type=_columns,
-        default=list(COLUMNS),
+        default=["graphs", "backend-eager", "eager"],
         help="the servers, in order: graphs (graphrunner serve), backend-eager (--backend eager), eager "
-        "(--eager: transformers' engine); default all three",
+        "(--eager: transformers' engine), one-rank (--eager on one rank whatever --tp says: answers compared "
+        "as agreement); default graphs,backend-eager,eager",
     )
     ap.add_argument(
         "--max-concurrency",
@@ -677,6 +692,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     ap.add_argument("--full-speed-window", type=float, default=2.0, help="the rolling window, seconds (default 2)")
     ap.add_argument("--flags", default="", help="more graphrunner serve flags for every column")
+    ap.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks of every column (graphrunner serve --tp N) but one-rank, the one-rank "
+        "--eager server whose greedy answers are compared as agreement (default 1)",
+    )
     add_threads_argument(ap)  # the servers' torch threads (OMP_NUM_THREADS of their processes)
     args = ap.parse_args(argv)
     levels = args.max_concurrency or ([1, 4] if args.quick else [1, 4, 16, 64])
@@ -685,6 +707,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         counts = counts * len(levels)
     if len(counts) != len(levels):
         ap.error(f"--num-prompts gives {len(counts)} counts for {len(levels)} levels")
+    if args.tp < 1:
+        ap.error(f"--tp must be >= 1, got {args.tp}")
+    if "--tp" in args.flags.split():
+        ap.error("pass --tp N to the benchmark itself, not in --flags: the one-rank column runs without it")
+    if args.columns[0] in ONE_RANK:
+        ap.error(f"--columns: {args.columns[0]} is the agreement reference, not the first column; put it last")
     try:
         goodput = parse_goodput(args.goodput)
         arrivals(1, args.request_rate, args.burstiness, 0)
@@ -718,6 +746,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ap.error(str(exc))
     warmup = random_dataset(tokenizer, max(num_warmups, 16), *shape, seed=args.seed + 999)
     base = ([args.model] if args.model else []) + args.flags.split()
+    # C64..C1024 need more requests in flight than the server's default bound: queued in the engine, not refused
+    most = max((c or counts[i] for i, c in enumerate(levels)), default=1)
+    if "--max-concurrent-requests" not in base:
+        base += ["--max-concurrent-requests", str(max(256, most))]
+    tp = ["--tp", str(args.tp)] if args.tp > 1 else []
     logs = tempfile.mkdtemp(prefix="serve-sweep-")
     result: dict[str, Any] = {
         "benchmark": "serve_sweep",
@@ -739,6 +772,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "flags": base,
             "seed": args.seed,
             "threads": args.threads,
+            "tp": args.tp,
             "logs": logs,
         },
         "columns": {},
@@ -746,7 +780,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name in args.columns:
         result["columns"][name] = run_column(
             name,
-            base + COLUMNS[name],
+            base + COLUMNS[name] + ([] if name in ONE_RANK else tp),
             plan,
             warmup,
             num_warmups,
@@ -764,6 +798,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"[serve_sweep] {sum(counts)} prompts a column; failed {result['failed']}, mismatches "
         f"{result['mismatches']} (against {args.columns[0]}); exit codes {codes}"
     )
+    if "one_rank_agreement" in result:
+        agree = result["one_rank_agreement"]
+        print(
+            f"[serve_sweep] greedy answers equal to the one-rank --eager server's: {agree['same']} of "
+            f"{agree['compared']} (tensor parallelism reorders sums)"
+        )
     g = result["columns"].get("graphs")
     if g is not None:
         tfs = g.get("time_to_full_speed") or {}

@@ -93,6 +93,7 @@ class TPServedModel(ServedModel):
         manager = super().init_continuous_batching(generation_config, continuous_batching_config, workload_hints)
         manager.warmup()  # makes the batch processor (a no-op when gr.hf's install made it)
         self.sync = sync_sampled_ids(manager.batch_processor, debug=self.debug)
+        self.manager = manager
         return manager
 
     def _figures_key(self, rank: int) -> str:
@@ -120,6 +121,21 @@ class TPServedModel(ServedModel):
             if r != rank:
                 out[r] = json.loads(store.get(key)) if store.check([key]) else dict.fromkeys(own, 0)
         return out
+
+    def stop_cleanly_on_sigterm(self, timeout: float = 4.0) -> None:
+        """On the driver (the model's process of rank 0, its main thread): SIGTERM, which transformers' server
+        sends this process as it stops, first stops the manager (up to ``timeout`` s, within the 5 s it
+        waits before a SIGKILL), whose last step tells every follower to stop (transformers' stop status,
+        all-reduced each step), then exits 0. Without it the process dies at once and each follower sees
+        its group's connection closed: a failure, on every node that is not the driver's."""
+
+        def stop(*_: Any) -> None:
+            manager = getattr(self, "manager", None)
+            if manager is not None and manager.is_running():
+                manager.stop(block=True, timeout=timeout)
+            raise SystemExit(0)
+
+        signal.signal(signal.SIGTERM, stop)
 
 
 class TPModelLoader(GraphModelLoader):
@@ -156,7 +172,12 @@ class TPModelLoader(GraphModelLoader):
             model_id.split("@")[0], distributed_config=DistributedConfig(tp_size=self.tp), **kwargs
         )
         model.eval()
-        return TPServedModel(model, self.graph_options, self.debug, self.init_timeout), processor
+        served = TPServedModel(model, self.graph_options, self.debug, self.init_timeout)
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:  # the driver: the model's process of the HTTP server
+            served.stop_cleanly_on_sigterm()
+        return served, processor
 
 
 # --------------------------------------------------------------------------- the ranks
@@ -285,6 +306,9 @@ def _follow(rank: int, world_size: int, args: argparse.Namespace, engine_parts: 
             break
         time.sleep(0.1)
     error = manager.background_thread_status.fatal_error
+    if error is None and not stopping.is_set():  # the driver stopped and told this rank so: a clean stop
+        logger.info("graphrunner serve: rank %d: the driver stopped; exiting", rank)
+        return 0
     if stopping.is_set():
         _end_loop(manager, rank, args.shutdown_timeout + 5)
         return 0

@@ -662,10 +662,36 @@ def test_serve_sweep_usage_errors_before_any_server(capsys):
         ["--burstiness", "0"],
         ["--columns", "graphs,nope"],
         ["--max-concurrency", "x"],
+        ["--tp", "0"],
+        ["--flags", "--tp 2"],
+        ["--columns", "one-rank,eager"],
     ):
         with pytest.raises(SystemExit) as err:
             ss.main(argv)
         assert err.value.code == 2, argv
+
+
+def test_serve_sweep_counts_one_rank_answers_as_agreement_never_as_mismatches():
+    """``--tp N``'s reference column: the one-rank server's answers differing from the first column's are
+    counted in ``one_rank_agreement`` (tensor parallelism reorders sums), a differing tensor-parallel
+    column's in ``mismatches``: by hand, 3 requests over two runs."""
+    ss = _serve_sweep()
+
+    def col(*runs):
+        return {"runs": [{"generated_texts": list(r), "failed": 0} for r in runs]}
+
+    result = {
+        "columns": {
+            "graphs": col(["a", "b"], ["c"]),
+            "eager": col(["a", "x"], ["c"]),  # one request differs: a mismatch
+            "one-rank": col(["a", "y"], [None]),  # one differs, one unanswered: agreement 1 of 2
+        }
+    }
+    ss.compare_answers(result, ["graphs", "eager", "one-rank"])
+    assert result["mismatches"] == 1
+    assert result["one_rank_agreement"] == {"same": 1, "compared": 2}
+    assert [r["mismatches"] for r in result["columns"]["eager"]["runs"]] == [1, 0]
+    assert all("mismatches" not in r for r in result["columns"]["one-rank"]["runs"])
 
 
 @pytest.mark.hf

@@ -78,6 +78,42 @@ def _marked(mark):
     return found
 
 
+def _two_nodes(port, mark, tool):
+    """Two torchrun "nodes" on 127.0.0.1, one worker each, running ``tool(node_rank)``'s argv; their
+    output merged into ``stdout``."""
+    return [
+        subprocess.Popen(
+            _torchrun(
+                *("--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1"),
+                *("--master-addr", "127.0.0.1", "--master-port", str(port)),
+                *tool(n),
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=_env(mark),
+            cwd=str(ROOT),
+        )
+        for n in (0, 1)
+    ]
+
+
+def _rank_worker(mark, rank, argv_has):
+    """The pid of the marked process of ``rank`` whose command line has ``argv_has`` (a worker, not the
+    processes it spawned, which inherit its ``RANK``), or None."""
+    for pid, is_worker in _marked(mark):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if is_worker and f"RANK={rank}".encode() in env and argv_has in argv and "torch.distributed.run" not in argv:
+            return pid
+    return None
+
+
 def _levels(path):
     doc = json.loads(pathlib.Path(path).read_text())
     doc["levels"] = [{k: v for k, v in lv.items() if k not in TIMINGS} for lv in doc["levels"]]
@@ -134,29 +170,9 @@ def test_loadtest_spec_on_two_torchrun_nodes(tmp_path):
         mark,
     )
     assert ref.returncode == 0, out[-3000:]
-    procs = [
-        subprocess.Popen(
-            _torchrun(
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(n),
-                "--nproc-per-node",
-                "1",
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                str(port),
-                *_tool("loadtest", "--spec", "2", *SMALL, "--json", str(tmp_path / f"n{n}.json")),
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=_env(mark),
-            cwd=str(ROOT),
-        )
-        for n in (0, 1)
-    ]
+    procs = _two_nodes(
+        port, mark, lambda n: _tool("loadtest", "--spec", "2", *SMALL, "--json", str(tmp_path / f"n{n}.json"))
+    )
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
     assert "PASS in" in outs[0] and "PASS in" not in outs[1]  # rank 0 (node 0) prints and writes the JSON
@@ -226,38 +242,12 @@ def test_killing_one_nodes_worker_ends_the_other_node():
     node 1's torchrun exits non-zero; no process is left."""
     mark, port = uuid.uuid4().hex, _free_port()
     args = ["--requests", "400", "--concurrency", "4,8", "--layers", "1", "--timeout", "5", "--no-progress"]
-    procs = [
-        subprocess.Popen(
-            _torchrun(
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(n),
-                "--nproc-per-node",
-                "1",
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                str(port),
-                *_tool("loadtest", *args),
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=_env(mark),
-            cwd=str(ROOT),
-        )
-        for n in (0, 1)
-    ]
+    procs = _two_nodes(port, mark, lambda n: _tool("loadtest", *args))
     try:
         victim = None
         deadline = time.monotonic() + 120
         while victim is None and time.monotonic() < deadline:
-            workers = [pid for pid, is_worker in _marked(mark) if is_worker]
-            for pid in workers:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    if b"RANK=1" in f.read().split(b"\0"):
-                        victim = pid
+            victim = _rank_worker(mark, 1, "graphrunner_tools loadtest")
             time.sleep(0.2)
         assert victim is not None, "node 1's worker never started"
         time.sleep(8)  # past the start-up and capture: the ranks serve (the outcome must not depend on where)
@@ -278,4 +268,73 @@ def test_killing_one_nodes_worker_ends_the_other_node():
     assert "PASS in" not in out0 and "FAIL in" in out0
     assert "rank 1 never reported" in out0, out0[-3000:]  # the dead rank is named ...
     assert "fault: rank 0:" in out0, out0[-3000:]  # ... and rank 0's own failed collective is reported
+    assert _marked(mark) == []
+
+
+def _greedy_reference(model_dir, prompts, max_tokens):
+    """Each prompt's greedy answer from the one-rank model in this process, with transformers' own
+    ``generate`` (the chat template, as the server applies it): the reference of the served answers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    out = []
+    for p in prompts:
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+        got = model.generate(**ids, max_new_tokens=max_tokens, do_sample=False)
+        out.append(tok.decode(got[0, ids["input_ids"].shape[1] :], skip_special_tokens=True))
+    return out
+
+
+@pytest.mark.hf
+@pytest.mark.timeout(400)
+def test_serve_on_two_torchrun_nodes_answers_and_stops_with_sigterm(tmp_path):
+    """``graphrunner serve --tp 2`` from two torchrun "nodes" on 127.0.0.1 (one worker each, node 0's is
+    the HTTP server and the driver): the ``openai`` client's greedy answers equal the one-rank model's
+    (``generate``, in this process); SIGTERM to the server stops every rank: both torchruns exit 0 and no
+    process is left."""
+    from extras_util import require
+
+    openai = require("openai")
+    require("transformers")
+    from graphrunner_tools.models.tiny_chat import tiny_model_dir
+
+    model_dir = tiny_model_dir()
+    prompts, max_tokens = ["hello", "what is 2+2?", "tell me a story"], 8
+    mark, port, http = uuid.uuid4().hex, _free_port(), _free_port()
+    engine = ["--cb-num-blocks", "64", "--cb-block-size", "16", "--cb-max-batch-tokens", "64"]
+    serve = _tool("serve", model_dir, "--tp", "2", "--eager", "--port", str(http), *engine)
+    procs = _two_nodes(port, mark, lambda n: serve)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="none", max_retries=0, timeout=60)
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                model = client.models.list().data[0].id
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "never served"
+                time.sleep(1)
+        got = [
+            client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": p}], max_tokens=max_tokens, temperature=0
+            )
+            .choices[0]
+            .message.content
+            for p in prompts
+        ]
+        server = _rank_worker(mark, 0, "graphrunner_tools serve")
+        assert server is not None
+        os.kill(server, signal.SIGTERM)
+        outs = [p.communicate(timeout=90)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    assert got == _greedy_reference(model_dir, prompts, max_tokens)
+    assert len(set(got)) > 1  # the prompts reach the model
     assert _marked(mark) == []
