@@ -61,6 +61,7 @@ from typing import Any
 
 import torch
 
+from .codegen import compiled_source
 from .state import release_snapshot, snapshot_copy, storage_bytes
 
 logger = logging.getLogger("graphrunner.tape")
@@ -198,7 +199,7 @@ class JitReplay:
         )
         self.source = src
         glob["__name__"] = __name__
-        exec(compile(src, "<tape replay (traced)>", "exec"), glob)
+        exec(compiled_source(src, "<tape replay (traced)>"), glob)
         self._fn = glob["_replay_traced"]
         self._fn.__module__ = __name__
         self._args = tuple(args)
@@ -294,9 +295,7 @@ class JitReplay:
 
 def _tensor_constants(trace) -> str | None:
     """Why a trace cannot be used (it froze a tensor into a constant), or None."""
-    consts = [
-        n for n in trace.graph.nodes() if n.kind() == "prim::Constant" and n.output().type().kind() == "TensorType"
-    ]
+    consts = [n for n in trace.graph.findAllNodes("prim::Constant") if n.output().type().kind() == "TensorType"]
     return f"the trace holds {len(consts)} tensor constant(s)" if consts else None
 
 
