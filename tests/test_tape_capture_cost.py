@@ -7,15 +7,19 @@
   allocated the storage); after an in-place metadata change it replays through the recorded aten op.
 * Within a capture session a generated source compiled before is not compiled again
   (``codegen.compiled_source``): keys whose text is equal (their sizes show only in the externals'
-  shapes) share the code object, each with its own bindings.
+  shapes) share the code object, each with its own bindings; and the TorchScript trace of such a
+  program (``jit.JitReplay.shared``), when its tensors differ only in sizes and strides and its trace
+  raised no ``TracerWarning``.
 
 Each against fresh work (the skip switched off) and eager, with a negative control.
 """
 
+import warnings
+
 import pytest
 import torch
 
-from graphrunner.tape import TapeGraph, bindings, codegen, tape_graph
+from graphrunner.tape import TapeGraph, bindings, codegen, jit, tape_graph
 from graphrunner.tape.recording import TapeCapture
 from graphrunner.tape.state import reuse_snapshot_buffers
 
@@ -181,3 +185,58 @@ def test_negative_control_a_different_text_is_compiled_anew():
         g2, _ = _capture(lambda q, kv: _kv_step(q, kv) * 2, q, torch.randn(16, 8))  # one more op
     assert g1.source != g2.source
     assert codegen.CODE_STATS[1] == before[1] and codegen.CODE_STATS[0] - before[0] == 2
+
+
+def _shared_pair(kvs, q=None, at_first_replay=False):
+    """Two graphs of ``_kv_step`` over ``kvs`` captured (and first replayed) in one session, traced."""
+    q = torch.randn(4, 8) if q is None else q
+    with reuse_snapshot_buffers():
+        with jit.traces_at_first_replay() if at_first_replay else _nothing():
+            got = [_capture(_kv_step, q, kv, jit=True) for kv in kvs]
+        if at_first_replay:
+            with torch.inference_mode():
+                for g, _ in got:
+                    g.replay()
+    return q, got
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("at_first_replay", [False, True])
+def test_a_program_equal_but_for_sizes_replays_through_the_first_ones_trace_like_eager(at_first_replay):
+    kvs = [torch.randn(16, 8), torch.randn(24, 8)]
+    q, ((g1, out1), (g2, out2)) = _shared_pair(kvs, at_first_replay=at_first_replay)
+    assert g1.replay_engine == g2.replay_engine == "jit"
+    assert (g1._jit.shared, g2._jit.shared) == (False, True) and g2._jit._trace is g1._jit._trace
+    gf, outf = _capture(_kv_step, q, kvs[1], jit=True)  # outside a session: traced for itself
+    assert gf.replay_engine == "jit" and not gf._jit.shared and gf._jit._trace is not g1._jit._trace
+    for _ in range(2):
+        fresh_q, fresh_kv = torch.randn(4, 8), torch.randn(24, 8)
+        assert _replays_like_eager(g2, out2, _kv_step, (q, kvs[1]), (fresh_q, fresh_kv))
+        with torch.inference_mode():
+            gf.replay()
+        assert torch.equal(out2, outf)  # the shared trace computes what the graph's own trace does
+        assert _replays_like_eager(g1, out1, _kv_step, (q, kvs[0]), (fresh_q, torch.randn(16, 8)))
+
+
+def test_negative_control_other_dtypes_or_a_tracer_warning_share_nothing(monkeypatch):
+    q = torch.randn(4, 8)
+    with reuse_snapshot_buffers():
+        g1, _ = _capture(_kv_step, q, torch.randn(16, 8), jit=True)
+        g2, out2 = _capture(_kv_step, q.double(), torch.randn(24, 8).double(), jit=True)
+    assert not g2._jit.shared and g2._jit._trace is not g1._jit._trace
+    real = torch.jit.trace
+
+    def warns(*a, **k):
+        warnings.warn("a value read on the host", torch.jit.TracerWarning, stacklevel=2)
+        return real(*a, **k)
+
+    monkeypatch.setattr(torch.jit, "trace", warns)
+    _, ((g1, _), (g2, _)) = _shared_pair([torch.randn(16, 8), torch.randn(24, 8)])
+    assert g1.replay_engine == g2.replay_engine == "jit" and not g2._jit.shared
