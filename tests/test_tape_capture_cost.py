@@ -225,12 +225,17 @@ def test_a_program_equal_but_for_sizes_replays_through_the_first_ones_trace_like
         assert _replays_like_eager(g1, out1, _kv_step, (q, kvs[0]), (fresh_q, torch.randn(16, 8)))
 
 
-def test_negative_control_other_dtypes_or_a_tracer_warning_share_nothing(monkeypatch):
+def test_negative_control_other_dtypes_other_aliasing_or_a_tracer_warning_share_nothing(monkeypatch):
     q = torch.randn(4, 8)
     with reuse_snapshot_buffers():
         g1, _ = _capture(_kv_step, q, torch.randn(16, 8), jit=True)
         g2, out2 = _capture(_kv_step, q.double(), torch.randn(24, 8).double(), jit=True)
     assert not g2._jit.shared and g2._jit._trace is not g1._jit._trace
+    with reuse_snapshot_buffers():
+        g1, _ = _capture(_kv_step, q, torch.randn(16, 8), jit=True)
+        kv = torch.randn(24, 8)
+        g3, _ = _capture(_kv_step, kv[:4], kv, jit=True)  # the query is a view of the cache: other aliasing
+    assert g1.source == g3.source and g3.replay_engine == "jit" and not g3._jit.shared
     real = torch.jit.trace
 
     def warns(*a, **k):

@@ -37,7 +37,7 @@ the engine's own generators) is the trace made at the first replay
 Within a capture session (:func:`~graphrunner.tape.state.reuse_snapshot_buffers`) a graph whose
 traced program is another's but for the sizes of the tensors it binds (the same source text, so the
 same calls with the same literals; the same non-tensor bindings; per tensor the same type, dtype,
-device, rank and ``requires_grad``: :func:`_share_key`) replays through that graph's trace instead of
+device, rank, ``requires_grad`` and aliasing: :func:`_share_key`) replays through that graph's trace instead of
 tracing its own (``JitReplay.shared``): the trace records each call of the text as the aten op it
 dispatches, with the text's literals, so it runs this program's calls on this graph's tensors; a trace
 made with a ``TracerWarning`` (a value the trace may have frozen) is never shared. Keys of one runner
@@ -342,7 +342,8 @@ on_session_end(_SHARED.clear)
 def _share_key(src: str, glob: dict, args: tuple) -> tuple | None:
     """What makes two graphs' traces interchangeable: the traced source text, every non-tensor value it
     binds (C callables by identity, literals by type and ``repr``) and, per tensor parameter, its type,
-    dtype, device, rank and ``requires_grad``; not its sizes or strides. The text holds every size the
+    dtype, device, rank, ``requires_grad`` and the first parameter on its storage (their aliasing);
+    not its sizes or strides. The text holds every size the
     program passes (a view's, a factory's) as a literal, and the trace records each call of the text as
     the aten op it dispatches, with those literals: a trace of the one program runs the other's calls
     on its tensors. ``None`` for a binding it cannot describe so (nothing shared)."""
@@ -354,8 +355,17 @@ def _share_key(src: str, glob: dict, args: tuple) -> tuple | None:
             vals.append((name, "C", v))
         else:
             return None
-    tensors = tuple((type(t), t.dtype, t.device, t.dim(), t.requires_grad) for t in args)
+    first: dict[int, int] = {}  # storage -> the first parameter on it: the parameters' aliasing too
+    tensors = tuple(
+        (type(t), t.dtype, t.device, t.dim(), t.requires_grad, first.setdefault(_storage_ptr(t), i))
+        for i, t in enumerate(args)
+    )
     return (src, tuple(vals), tensors)
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    st = t.untyped_storage()
+    return st.data_ptr() if st.nbytes() else -1 - id(t)  # (an empty storage aliases nothing)
 
 
 def _tensor_constants(trace) -> str | None:
