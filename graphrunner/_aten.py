@@ -39,13 +39,29 @@ def written_tensors(func: Any, args: Sequence[Any], kwargs: dict, every_argument
     """The tensors the aten op ``func`` writes: every argument its schema marks as written
     (``Tensor(a!)``: in-place ``self``, ``out=``), lists of tensors included; with
     ``every_argument`` (a collective, which writes its buffers in place) every tensor argument."""
-    schema = func._schema
-    if not every_argument and not schema.is_mutable:
+    slots = _WRITTEN.get((func, every_argument))
+    if slots is None:
+        slots = _WRITTEN[(func, every_argument)] = _written_slots(func, every_argument)
+    if not slots:
         return []
     out: list[torch.Tensor] = []
-    for i, a in enumerate(schema.arguments):
-        if not every_argument and (a.alias_info is None or not a.alias_info.is_write):
-            continue
-        v = args[i] if i < len(args) else kwargs.get(a.name)
+    for i, name in slots:
+        v = args[i] if i < len(args) else kwargs.get(name)
         out.extend(tensors_in(v))
     return out
+
+
+def _written_slots(func: Any, every_argument: bool) -> tuple[tuple[int, str], ...]:
+    """``(position, name)`` of the arguments :func:`written_tensors` reads for ``func``."""
+    schema = func._schema
+    if not every_argument and not schema.is_mutable:
+        return ()
+    return tuple(
+        (i, a.name)
+        for i, a in enumerate(schema.arguments)
+        if every_argument or (a.alias_info is not None and a.alias_info.is_write)
+    )
+
+
+# (op, every_argument) -> _written_slots: a schema's arguments are asked once per op, not per call
+_WRITTEN: dict = {}

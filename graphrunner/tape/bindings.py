@@ -325,8 +325,11 @@ class Verifier:
                     return False
         return True
 
-    def pick(self, cap: VerifiedCapture, func, args, kwargs, out):
-        """Return (binding, args, kwargs) verified equal to ``func`` on this data, or None."""
+    def pick(self, cap: VerifiedCapture, func, args, kwargs, out, plannable: bool = True):
+        """Return (binding, args, kwargs) verified equal to ``func`` on this data, or None. ``plannable``:
+        whether a preplanned buffer may stand in for ``out`` (:meth:`TapeCapture.owns_storage
+        <graphrunner.tape.recording.TapeCapture.owns_storage>`); only then is the binding's ``out=``
+        form checked (:attr:`out_ok`), since no other result is ever given one."""
         if not self.ok:
             return None
         schema_args = func._schema.arguments
@@ -396,7 +399,7 @@ class Verifier:
                 and _is_same_call(fn, va, vk, func, args, kwargs, out)
             ):
                 SAME_CALL_STATS[0] += 1
-                self.out_ok = _out_same_kernel(func, fn) and self._out_ok(fn, va, vk, out)
+                self.out_ok = plannable and _out_same_kernel(func, fn) and self._out_ok(fn, va, vk, out)
                 self.out_ok = self.out_ok and (not _needs_proof(func, fn) or self._proven_out(fn, va, vk, out, cap))
                 return fn, tuple(va), vk
             SAME_CALL_STATS[1] += 1
@@ -431,7 +434,7 @@ class Verifier:
                     continue
             except Exception:
                 continue
-            self.out_ok = _out_same_kernel(func, fn) and self._out_ok(fn, ca, ck, out)
+            self.out_ok = plannable and _out_same_kernel(func, fn) and self._out_ok(fn, ca, ck, out)
             self.out_ok = self.out_ok and (not _needs_proof(func, fn) or self._proven_out(fn, ca, ck, out, cap))
             return fn, tuple(va), vk
         return None

@@ -18,7 +18,33 @@ import torch
 
 from .bindings import VF
 from .collapse import COLLAPSIBLE, COLLAPSIBLE_FUNCTIONAL, collapse, collapse_functional, view_like
-from .recording import RecordedOp, Ref
+from .recording import RecordedOp, Ref, extent
+from .state import in_session, on_session_end
+
+# Code objects of generated sources within a capture session (compiled_source): source text -> code.
+# Keys whose shapes differ only where the text does not show them (a KV-length dim, which only the
+# externals' shapes carry) generate the same text.  Emptied when the outermost session exits.
+_CODE: dict[tuple[str, str], Any] = {}
+_CODE_MAX = 256
+on_session_end(_CODE.clear)
+#: ``[compiled, reused]``: generated sources compiled, and those answered by the session's cache.
+CODE_STATS = [0, 0]
+
+
+def compiled_source(src: str, filename: str) -> Any:
+    """``compile(src, filename, "exec")``, reused within a capture session for a source text compiled
+    before (a code object is immutable: each ``exec`` of it makes fresh functions, with their own
+    bindings)."""
+    key = (src, filename)
+    code = _CODE.get(key)
+    if code is not None:
+        CODE_STATS[1] += 1
+        return code
+    code = compile(src, filename, "exec")
+    CODE_STATS[0] += 1
+    if in_session() and len(_CODE) < _CODE_MAX:
+        _CODE[key] = code
+    return code
 
 
 def _literal(v) -> str | None:
@@ -69,7 +95,7 @@ class _Program:
         # Bound values become closure cells of _replay (LOAD_DEREF: no per-call setup).
         src = f"def _make({', '.join(names)}):\n    def _replay():\n{body}\n    return _replay\n"
         self.source = src
-        code = compile(src, "<tape replay>", "exec")
+        code = compiled_source(src, "<tape replay>")
         ns: dict[str, Any] = {}
         exec(code, ns)
         return ns["_make"](**self.env)
@@ -422,15 +448,7 @@ def plan_buffers(
                 functional = targs and collapse_functional(op.call, targs, cap.inference, seen(op, targs), cap.tls)
                 if not functional:
                     meta = None
-            if (
-                n in op.new
-                and k is not None
-                and cap.internal_storages.get(k) == n
-                and meta is not None
-                and meta[4] == 0
-                and n not in spills
-                and cap.alloc_bytes[n] == _extent(meta)
-            ):
+            if n in op.new and meta is not None and n not in spills and cap.owns_storage(n):
                 if n in survivors:
                     t = survivors[n]
                     if (t.dtype, t.device, tuple(t.shape), t.stride(), t.storage_offset()) == meta:
@@ -446,7 +464,7 @@ def plan_buffers(
                             if scratch is None:
                                 buf = torch.empty_strided(size, stride, dtype=dtype, device=device)
                             else:
-                                st = scratch(plan.allocated, _extent(meta), device)
+                                st = scratch(plan.allocated, extent(meta), device)
                                 buf = torch.empty(0, dtype=dtype, device=device).set_(st, 0, size, stride)
                         plan.allocated += 1
                     plan.out[i] = buf
@@ -472,14 +490,6 @@ def _release_after(i: int, last_use: int) -> int:
     """Index of the op after which a buffer taken by op ``i`` is free again:
     the last op reading its storage (never before ``i`` itself)."""
     return max(i, last_use)
-
-
-def _extent(meta) -> int:
-    """Bytes spanned by a tensor of metadata ``(dtype, device, size, stride, offset)``."""
-    dtype, _, size, stride, off = meta
-    if any(s == 0 for s in size):
-        return 0
-    return (off + 1 + sum((s - 1) * st for s, st in zip(size, stride))) * dtype.itemsize
 
 
 def _key(v, cn):

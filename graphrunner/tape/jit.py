@@ -34,6 +34,17 @@ the engine's own generators) is the trace made at the first replay
 (``engine == "jit-pending"`` until then): that replay traces, and tracing
 *is* the replay.
 
+Within a capture session (:func:`~graphrunner.tape.state.reuse_snapshot_buffers`) a graph whose
+traced program is another's but for the sizes of the tensors it binds (the same source text, so the
+same calls with the same literals; the same non-tensor bindings; per tensor the same type, dtype,
+device, rank, ``requires_grad`` and aliasing: :func:`_share_key`) replays through that graph's trace instead of
+tracing its own (``JitReplay.shared``): the trace records each call of the text as the aten op it
+dispatches, with the text's literals, so it runs this program's calls on this graph's tensors; a trace
+made with a ``TracerWarning`` (a value the trace may have frozen) is never shared. Keys of one runner
+that differ only in a dim the text does not show (a KV length, carried by the externals' shapes) share
+it. Its first run here is guarded as a trace's first run is (written externals put back and the Python
+replay run, should it raise).
+
 A graph replays in Python instead when its program replays fewer than
 :data:`JIT_MIN_OPS` ops (the Python replay is faster there), when it is not eligible
 (:func:`eligible`: collectives, or a bound value other than tensors,
@@ -61,7 +72,8 @@ from typing import Any
 
 import torch
 
-from .state import release_snapshot, snapshot_copy, storage_bytes
+from .codegen import compiled_source
+from .state import in_session, on_session_end, release_snapshot, snapshot_copy, storage_bytes
 
 logger = logging.getLogger("graphrunner.tape")
 
@@ -197,11 +209,14 @@ class JitReplay:
             + f"\n    return {ret}\n"
         )
         self.source = src
+        self._args = tuple(args)
+        self._shared_as = _share_key(src, glob, self._args)
         glob["__name__"] = __name__
-        exec(compile(src, "<tape replay (traced)>", "exec"), glob)
+        exec(compiled_source(src, "<tape replay (traced)>"), glob)
         self._fn = glob["_replay_traced"]
         self._fn.__module__ = __name__
-        self._args = tuple(args)
+        #: Whether the trace was made for another graph of equal text and bindings (:func:`_share_key`).
+        self.shared = False
 
     def __call__(self) -> None:
         if torch._C._len_torch_dispatch_stack():
@@ -241,7 +256,9 @@ class JitReplay:
         saved = _snapshot(list(self._written) + list(keep))
         states = [(g, g.get_state()) for g in generators]
         try:
-            trace = self._make_trace()
+            trace = self._shared_trace()
+            if trace is None:
+                trace = self._make_trace()
             why = _tensor_constants(trace)
             if why is None:
                 with torch.jit.optimized_execution(False):
@@ -266,7 +283,12 @@ class JitReplay:
         restored."""
         saved = _snapshot(self._written)
         try:
-            trace = self._make_trace()
+            trace = self._shared_trace()
+            if trace is not None:  # this replay runs it (tracing ran the program; running it is the replay)
+                with torch.jit.optimized_execution(False):
+                    trace(*self._args)
+            else:
+                trace = self._make_trace()
         except Exception as exc:  # noqa: BLE001 - the Python replay is always there
             _restore(saved)
             self._fallback(f"tracing failed: {type(exc).__name__}: {str(exc)[:200]}")
@@ -281,10 +303,28 @@ class JitReplay:
         self.engine = "jit"
 
     def _make_trace(self):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always", torch.jit.TracerWarning)
             warnings.simplefilter("ignore", DeprecationWarning)  # torch 2.13 deprecates torch.jit.trace
-            return torch.jit.trace(self._fn, self._args, check_trace=False)
+            trace = torch.jit.trace(self._fn, self._args, check_trace=False)
+        # a trace made with a TracerWarning (a value read on the host, ...) may hold this graph's shapes:
+        # never given to another
+        if (
+            self._shared_as is not None
+            and in_session()
+            and not any(issubclass(w.category, torch.jit.TracerWarning) for w in seen)
+        ):
+            _SHARED.setdefault(self._shared_as, trace)
+        return trace
+
+    def _shared_trace(self):
+        """The trace of an earlier graph of this session whose program is this one's but for the sizes of
+        the tensors it binds (:func:`_share_key`), or None."""
+        if self._shared_as is None or not in_session():
+            return None
+        trace = _SHARED.get(self._shared_as)
+        self.shared = trace is not None
+        return trace
 
     def _fallback(self, why: str) -> None:
         self.engine = "python"
@@ -292,11 +332,45 @@ class JitReplay:
         logger.debug("tape replay in Python: %s", why)
 
 
+# Traces within a capture session, by _share_key: a graph whose program is another's but for the sizes
+# of the tensors it binds replays through that graph's trace (JitReplay.shared). Emptied when the
+# outermost session exits.
+_SHARED: dict = {}
+on_session_end(_SHARED.clear)
+
+
+def _share_key(src: str, glob: dict, args: tuple) -> tuple | None:
+    """What makes two graphs' traces interchangeable: the traced source text, every non-tensor value it
+    binds (C callables by identity, literals by type and ``repr``) and, per tensor parameter, its type,
+    dtype, device, rank, ``requires_grad`` and the first parameter on its storage (their aliasing);
+    not its sizes or strides. The text holds every size the
+    program passes (a view's, a factory's) as a literal, and the trace records each call of the text as
+    the aten op it dispatches, with those literals: a trace of the one program runs the other's calls
+    on its tensors. ``None`` for a binding it cannot describe so (nothing shared)."""
+    vals = []
+    for name, v in glob.items():
+        if isinstance(v, _LITERAL_TYPES):
+            vals.append((name, type(v).__name__, repr(v)))
+        elif _torch_callable(v):
+            vals.append((name, "C", v))
+        else:
+            return None
+    first: dict[int, int] = {}  # storage -> the first parameter on it: the parameters' aliasing too
+    tensors = tuple(
+        (type(t), t.dtype, t.device, t.dim(), t.requires_grad, first.setdefault(_storage_ptr(t), i))
+        for i, t in enumerate(args)
+    )
+    return (src, tuple(vals), tensors)
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    st = t.untyped_storage()
+    return st.data_ptr() if st.nbytes() else -1 - id(t)  # (an empty storage aliases nothing)
+
+
 def _tensor_constants(trace) -> str | None:
     """Why a trace cannot be used (it froze a tensor into a constant), or None."""
-    consts = [
-        n for n in trace.graph.nodes() if n.kind() == "prim::Constant" and n.output().type().kind() == "TensorType"
-    ]
+    consts = [n for n in trace.graph.findAllNodes("prim::Constant") if n.output().type().kind() == "TensorType"]
     return f"the trace holds {len(consts)} tensor constant(s)" if consts else None
 
 

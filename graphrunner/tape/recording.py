@@ -236,6 +236,21 @@ class TapeCapture:
             self.alloc_bytes[n] = self.storages[k].nbytes()
         return n, True
 
+    def owns_storage(self, n: str) -> bool:
+        """Whether internal tensor ``n`` allocated its storage (the first recorded tensor on it) at offset
+        0 and spans all of it: the only results a preplanned ``out=`` buffer may stand in for
+        (:func:`graphrunner.tape.codegen.plan_buffers`), so the only ones whose binding is checked
+        with ``out=`` (:meth:`graphrunner.tape.bindings.Verifier.pick`)."""
+        k = self.skey.get(n)
+        meta = self.alloc_meta.get(n)
+        return (
+            k is not None
+            and self.internal_storages.get(k) == n
+            and meta is not None
+            and meta[4] == 0
+            and self.alloc_bytes[n] == extent(meta)
+        )
+
     # -- templates --------------------------------------------------------
     def template_in(self, v, names: list):
         if isinstance(v, torch.Tensor):
@@ -318,6 +333,14 @@ class TapeCapture:
                 storage_bytes(st).copy_(snap)
                 release_snapshot(snap)
         self.snapshots.clear()
+
+
+def extent(meta) -> int:
+    """Bytes spanned by a tensor of metadata ``(dtype, device, size, stride, offset)``."""
+    dtype, _, size, stride, off = meta
+    if any(s == 0 for s in size):
+        return 0
+    return (off + 1 + sum((s - 1) * st for s, st in zip(size, stride))) * dtype.itemsize
 
 
 # Temporaries read by a call a rewrite may replace are kept (copied) up to this
@@ -498,8 +521,13 @@ class Recorder(TorchDispatchMode):
                     b = cap.strong.get(base)
                     if b is not None and b.dtype == out.dtype and not (b.is_conj() or b.is_neg()):
                         op.view = (base, tuple(out.size()), tuple(out.stride()), out.storage_offset())
-            if verifier is not None and op.alias is None:
-                got = verifier.pick(cap, func, args, kwargs, out)
+            # A view of an internal storage replays as that as_strided call (codegen), whatever binding
+            # would be picked, unless an in-place metadata change came first or comes later: then as
+            # picked here if one came first, else as the recorded aten op itself.
+            if verifier is not None and op.alias is None and (op.view is None or cap.meta_mutated):
+                # (out= is checked only for a result a preplanned buffer may stand in for)
+                plannable = isinstance(op.outs, Ref) and op.outs.name in op.new and cap.owns_storage(op.outs.name)
+                got = verifier.pick(cap, func, args, kwargs, out, plannable)
                 if got is not None:
                     fn, cargs, ckwargs = got
                     op.call = fn

@@ -137,12 +137,10 @@ def _returns_only_tensors(schema) -> bool:
     return True
 
 
-def unsafe_reason(func, args, kwargs) -> tuple[str, str] | None:
-    """Why the aten op ``func`` called with ``args``/``kwargs`` cannot be held
-    by a device graph, as ``(what, op)`` (a friendly description and the op's
-    name), or ``None`` when it can. The predicate behind :func:`check_safe`,
-    exported for tools that report every unsafe op instead of raising at the
-    first (``graphrunner check``)."""
+def _op_reason(func) -> tuple[tuple[str, str] | None, str | None]:
+    """What :func:`unsafe_reason` decides from the op alone: ``(reason, None)`` (unsafe, or safe
+    whatever its arguments) or ``(None, name)`` for an op whose arguments decide (a mask index, a
+    ``repeat_interleave`` without ``output_size``)."""
     name = func._schema.name.split("::", 1)[-1]
     tags = func.tags
     # index.Tensor is tagged dynamic_output_shape, but only a bool/uint8 mask
@@ -154,11 +152,35 @@ def unsafe_reason(func, args, kwargs) -> tuple[str, str] | None:
         and name != "repeat_interleave"
         and (torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags)
     ):
-        return _FRIENDLY.get(name, f"{name} (output shape or value read on the host)"), str(func)
+        return (_FRIENDLY.get(name, f"{name} (output shape or value read on the host)"), str(func)), None
     if not _returns_only_tensors(func._schema) and name not in _METADATA_OPS:
-        return _FRIENDLY.get(name, f"{name} (returns a host value computed from tensor data)"), str(func)
+        return (_FRIENDLY.get(name, f"{name} (returns a host value computed from tensor data)"), str(func)), None
     if name in _EXPLICIT_UNSAFE or f"{name}.{func._overloadname}" in _EXPLICIT_UNSAFE:
-        return _EXPLICIT_UNSAFE.get(name) or _EXPLICIT_UNSAFE[f"{name}.{func._overloadname}"], str(func)
+        return (_EXPLICIT_UNSAFE.get(name) or _EXPLICIT_UNSAFE[f"{name}.{func._overloadname}"], str(func)), None
+    if name == "repeat_interleave" or name in _INDEX_OPS:
+        return None, name
+    return None, None
+
+
+# An op its name, schema and tags do not make unsafe (_op_reason) -> None, or its name when its arguments
+# decide: asked once per op, not per recorded call
+_SAFE_OPS: dict = {}
+
+
+def unsafe_reason(func, args, kwargs) -> tuple[str, str] | None:
+    """Why the aten op ``func`` called with ``args``/``kwargs`` cannot be held
+    by a device graph, as ``(what, op)`` (a friendly description and the op's
+    name), or ``None`` when it can. The predicate behind :func:`check_safe`,
+    exported for tools that report every unsafe op instead of raising at the
+    first (``graphrunner check``)."""
+    name = _SAFE_OPS.get(func, False)
+    if name is False:
+        reason, name = _op_reason(func)
+        if reason is not None:  # (not kept: rare, and its text follows the tables as they are now)
+            return reason
+        _SAFE_OPS[func] = name
+    if name is None:
+        return None
     if name == "repeat_interleave" and func._overloadname in ("Tensor", "self_Tensor"):
         if kwargs.get("output_size") is None:  # with output_size the shape is static
             return _FRIENDLY[name], str(func)
