@@ -82,6 +82,16 @@ def session(manager, inputs):
     return out
 
 
+def destroy(manager):
+    """``manager.destroy()``, then its graphs released as ``GraphBatching.release`` asks: a background capture
+    still running would otherwise keep the model's attention routed (``graphrunner``) for the next test's
+    transformers engine, which refuses that name."""
+    manager.destroy()
+    graphs = gr.hf.graphs_of(manager)
+    if graphs is not None:
+        graphs.release()
+
+
 def equal(ref, out):
     return sum(ref[k] == out.get(k) for k in ref)
 
@@ -104,7 +114,7 @@ def test_three_sessions_around_a_capture_equal_transformers_with_prefix_caching(
         replayed = hook.stats.replayed
         third = session(manager, b)  # other prompts
     finally:
-        manager.destroy()
+        destroy(manager)
     assert (equal(ref_a, first), equal(ref_a, second), equal(ref_b, third)) == (10, 10, 10)
     assert replayed > 0 and hook.stats.replayed > replayed, "the second and third sessions replayed graphs"
 
@@ -122,7 +132,7 @@ def test_negative_control_a_capture_that_spoils_the_cache_gives_wrong_tokens():
         gr.hf.graphs_of(manager).batch_processor.cache.cache_tensor.zero_()
         second = session(manager, a)
     finally:
-        manager.destroy()
+        destroy(manager)
     assert equal(ref, second) < 10, "a spoiled prefix cache changes the tokens"
 
 
@@ -145,7 +155,7 @@ def test_negative_control_without_the_put_back_the_byte_check_sees_the_captures_
         hook.capture()
         assert not torch.equal(cache, before), "the capture's forwards wrote the cache; nothing put it back"
     finally:
-        manager.destroy()
+        destroy(manager)
 
 
 @pytest.mark.slow
@@ -185,7 +195,7 @@ def test_autocapture_seeded_sampling_equals_transformers():
     try:
         out = session(manager, a)
     finally:
-        manager.destroy()
+        destroy(manager)
     assert equal(ref, out) == 10
     assert ref != reference(model, a, gen_config()), "control: the sampler really sampled"
 
@@ -210,7 +220,7 @@ def _three_sessions(replan_share):
         third = session(manager, a)
         keys = sorted(tuple(k) for k in hook.runner.keys)
     finally:
-        manager.destroy()
+        destroy(manager)
     return (equal(ref_a, first), equal(ref_b, second), equal(ref_a, third)), hook, ladder_keys, keys
 
 
@@ -443,7 +453,7 @@ def _replan_held_mid_key(monkeypatch, guard):
                 out[names[r.request_id]] = r.error if r.error is not None else r.generated_tokens
         manager.stop(block=True)
     finally:
-        manager.destroy()
+        destroy(manager)
     return held, out, ref
 
 
@@ -530,7 +540,7 @@ def test_a_step_that_raises_fails_its_requests_and_the_engine_serves_on():
         assert hook.stats.failed_steps == 4
     finally:
         manager.stop(block=True)
-        manager.destroy()
+        destroy(manager)
 
 
 def test_negative_control_without_the_step_failure_path_the_engine_stops_at_the_first(monkeypatch):
@@ -553,7 +563,7 @@ def test_negative_control_without_the_step_failure_path_the_engine_stops_at_the_
         assert not manager.is_running(), "transformers' loop stopped the engine at the first step that raised"
     finally:
         manager.stop(block=True)
-        manager.destroy()
+        destroy(manager)
 
 
 def test_an_exception_that_is_no_exception_stops_the_engine_with_an_error_not_a_hang():
@@ -573,4 +583,4 @@ def test_an_exception_that_is_no_exception_stops_the_engine_with_an_error_not_a_
         assert not manager.is_running()
     finally:
         manager.stop(block=True)
-        manager.destroy()
+        destroy(manager)
