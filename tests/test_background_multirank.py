@@ -121,7 +121,9 @@ def _calls_inside_hold(rank, world, stale_hold):
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()
-    t.join(TIMEOUT)  # a deadlock detector, not a timing claim: far above six calls and four keys
+    # a deadlock detector, not a timing claim: far above six calls and four keys (about 2.5 s); the negative
+    # control, which deadlocks, is given 8 s of it, well above that too
+    t.join(8.0 if stale_hold else TIMEOUT)
     if t.is_alive():
         return {"stuck": True}
     for x, out in outs:
