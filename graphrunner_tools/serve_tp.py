@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from graphrunner.group import TorchDistGroup
 from graphrunner_tools.launch import join_group, launch_ranks, torchrun_env
 from graphrunner_tools.serve_engine import GraphModelLoader, ServedModel, engine_metrics, loader_arguments
 
@@ -84,7 +85,6 @@ class TPServedModel(ServedModel):
     def init_continuous_batching(
         self, generation_config: Any = None, continuous_batching_config: Any = None, workload_hints: Any = None
     ) -> Any:
-        from graphrunner.group import TorchDistGroup
         from graphrunner.hf.internals import sync_sampled_ids
 
         # the ranks' group (the world: the TP ranks): its store carries the followers' figures to the driver;
