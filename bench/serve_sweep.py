@@ -312,7 +312,9 @@ async def _one(client: Any, model: str, req: dict[str, Any]) -> dict[str, Any]:
                 stamps.append(time.perf_counter())
                 parts.append(chunk.choices[0].delta.content)
     except Exception as exc:  # noqa: BLE001 - a failed request is counted, not raised
-        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300], "start": start}
+        cause = exc.__cause__ or exc.__context__  # the openai client's "Connection error." hides what failed
+        why = f"{type(exc).__name__}: {exc}" + (f" ({type(cause).__name__}: {cause})" if cause is not None else "")
+        return {"ok": False, "error": why[:300], "start": start}
     end = time.perf_counter()
     return {
         "ok": True,

@@ -333,6 +333,11 @@ def engine_parts(args: argparse.Namespace) -> tuple[str, Any, Any, dict[str, Any
     return model, cb_config, state, options
 
 
+#: Seconds an idle HTTP/1.1 connection is kept open (uvicorn's ``timeout_keep_alive``, 5 by default): above the
+#: 5 s after which httpx (the openai client) stops reusing one, so the client always lets go first.
+KEEP_ALIVE_S = 30
+
+
 def serve_http(args: argparse.Namespace) -> int:
     """The HTTP server and its model's process (the driver rank under ``--tp``)."""
     import gc
@@ -384,6 +389,9 @@ def serve_http(args: argparse.Namespace) -> int:
         callback_notify=stop_if_the_engine_died,
         timeout_notify=0,  # uvicorn calls it at most once a second: every second
         timeout_graceful_shutdown=args.shutdown_timeout,
+        # longer than a client's own keep-alive expiry (httpx's, the openai client's: 5 s), so the server never
+        # closes an idle connection the client is sending a request on (uvicorn's 5 s raced it: a ReadError)
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
     server = uvicorn.Server(config)
     # uvicorn stops on SIGTERM / Ctrl+C, then raises the signal again for the handler found before it:

@@ -226,16 +226,22 @@ def _tp_step(rank, world, debug):
     return io.output_ids[0, :2].tolist()
 
 
+def _tp_steps(rank, world):
+    """:func:`_tp_step` without debug, then with it (a fresh processor each), in one pair of rank processes."""
+    return _tp_step(rank, world, False), _tp_step(rank, world, True)
+
+
 @pytest.mark.multirank
 @pytest.mark.timeout(120)
 def test_the_tp_ranks_take_the_drivers_sampled_ids_and_debug_names_the_request_that_differs():
     from graphrunner_tools.launch import launch_ranks
 
-    taken = launch_ranks(_tp_step, 2, args=(False,), timeout=90)
-    assert [o.value for o in taken] == [[7, 8], [7, 8]], [o.error for o in taken]  # rank 1 took the driver's
-    compared = launch_ranks(_tp_step, 2, args=(True,), timeout=90)
-    for o in compared:  # debug: every rank raises, naming the step and the request
-        assert "at step 1 for request(s) r1" in o.value and "[[8, 9]]" in o.value, (o.value, o.error)
+    outcomes = launch_ranks(_tp_steps, 2, timeout=90)
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes]
+    taken, compared = zip(*(o.value for o in outcomes))
+    assert list(taken) == [[7, 8], [7, 8]]  # rank 1 took the driver's
+    for message in compared:  # debug: every rank raises, naming the step and the request
+        assert "at step 1 for request(s) r1" in message and "[[8, 9]]" in message, message
     bare = types.SimpleNamespace(distributed_helper=types.SimpleNamespace(), inputs_and_outputs=None)
     with pytest.raises(internals.TransformersChanged, match=rf"tensor-parallel step.*{CHECKED}"):
         internals.sync_sampled_ids(bare)
