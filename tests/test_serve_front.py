@@ -361,6 +361,33 @@ def test_mass_disconnects_free_every_request_and_its_cache(front):
 # ---- without a server: the checks and the admin switch ----
 
 
+def test_an_idle_connection_outlives_the_clients_keep_alive_expiry(front):
+    """The server keeps an idle HTTP/1.1 connection open longer than the openai client (httpx) keeps reusing
+    one (its ``keepalive_expiry``, the reference), so the client always lets go first: with uvicorn's 5 s
+    against httpx's 5 s, a request sent on a connection the server was closing failed with a ReadError
+    (22 of 5,120 requests at 512 in flight, ``bench/serve_sweep.py``). Checked on a real connection: a
+    request, 1 s past the client's expiry without a byte, then a second request on the same socket."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    from openai._constants import DEFAULT_CONNECTION_LIMITS
+
+    url = urlsplit(front.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+    try:
+        conn.request("GET", "/health")
+        first = conn.getresponse()
+        assert first.status == 200 and first.read()
+        sock = conn.sock
+        time.sleep(DEFAULT_CONNECTION_LIMITS.keepalive_expiry + 1.0)
+        conn.request("GET", "/health")  # http.client reconnects only if the socket is gone: it is not
+        second = conn.getresponse()
+        assert second.status == 200 and second.read()
+        assert conn.sock is sock  # the same connection served it
+    finally:
+        conn.close()
+
+
 def test_admin_opens_the_reset_routes_and_the_checks_refuse_without_a_server():
     from starlette.applications import Starlette
     from starlette.responses import PlainTextResponse
@@ -420,30 +447,3 @@ def test_sigterm_under_load_exits_0_with_requests_in_flight(front):
         except Exception:  # noqa: BLE001 - the transport's error for a stream cut (openai's own httpx fork)
             pass
         assert time.monotonic() - left < 10
-
-
-def test_an_idle_connection_outlives_the_clients_keep_alive_expiry(front):
-    """The server keeps an idle HTTP/1.1 connection open longer than the openai client (httpx) keeps reusing
-    one (its ``keepalive_expiry``, the reference), so the client always lets go first: with uvicorn's 5 s
-    against httpx's 5 s, a request sent on a connection the server was closing failed with a ReadError
-    (22 of 5,120 requests at 512 in flight, ``bench/serve_sweep.py``). Checked on a real connection: a
-    request, 1 s past the client's expiry without a byte, then a second request on the same socket."""
-    import http.client
-    from urllib.parse import urlsplit
-
-    from openai._constants import DEFAULT_CONNECTION_LIMITS
-
-    url = urlsplit(front.url)
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
-    try:
-        conn.request("GET", "/health")
-        first = conn.getresponse()
-        assert first.status == 200 and first.read()
-        sock = conn.sock
-        time.sleep(DEFAULT_CONNECTION_LIMITS.keepalive_expiry + 1.0)
-        conn.request("GET", "/health")  # http.client reconnects only if the socket is gone: it is not
-        second = conn.getresponse()
-        assert second.status == 200 and second.read()
-        assert conn.sock is sock  # the same connection served it
-    finally:
-        conn.close()
