@@ -56,20 +56,24 @@ def _functional(rank, world, functional):
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     from graphrunner.errors import CaptureError
     from graphrunner.tape import TapeGraph, tape_graph
 
     x = torch.full((2, 3), float(rank + 1))
     if functional == "dtensor":  # a vocabulary-parallel embedding, as transformers' tensor parallelism shards it
+        mesh = init_device_mesh("cpu", (world,))
         emb = torch.nn.Embedding(8, 3)
-        weight = distribute_tensor(torch.ones(8, 3), init_device_mesh("cpu", (world,)), [Shard(0)])
+        weight = distribute_tensor(torch.ones(8, 3), mesh, [Shard(0)])
         emb.weight = torch.nn.Parameter(weight, requires_grad=False)
+    other = _Wrapper(x) if functional == "other_subclass" else None
 
     def step():
         if functional == "dtensor":
-            return emb(torch.tensor([1, 7]))
+            return emb(DTensor.from_local(torch.tensor([1, 7]), mesh, [Replicate()])).full_tensor() * (x[0, 0] + 2)
+        if functional == "other_subclass":
+            return other * 2
         if functional:  # what a DTensor redistribute issues (transformers' tensor parallelism)
             return funcol.all_reduce(x * 2, "sum", dist.group.WORLD).wait() + 1
         y = x * 2
@@ -87,16 +91,33 @@ def _functional(rank, world, functional):
         return out.tolist()
 
 
-@pytest.mark.parametrize("functional", [True, "dtensor", False], ids=["functional", "dtensor", "in_place_control"])
-def test_a_functional_collective_or_a_dtensor_op_is_refused_at_capture_naming_it(functional):
+class _Wrapper(torch.Tensor):
+    """A minimal wrapper tensor subclass (not DTensor): the tape refuses ops on it."""
+
+    @staticmethod
+    def __new__(cls, elem):
+        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype, device=elem.device)
+
+    def __init__(self, elem):
+        self.elem = elem
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda t: t.elem if isinstance(t, _Wrapper) else t  # noqa: E731
+        return func(*torch.utils._pytree.tree_map(unwrap, args), **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "functional", [True, "dtensor", False, "other_subclass"], ids=["functional", "dtensor", "in_place", "other"]
+)
+def test_a_functional_collective_or_a_dtensor_op_is_replayed_another_subclass_refused(functional):
     res = run_ranks(_functional, 2, timeout=60, args=(functional,))
     assert_all_ok(res)
     for r in res:
-        if functional == "dtensor":  # recorded as it is, the tape's proof would run DTensor's op a second time
-            assert "the tape does not record ops on tensor subclasses yet" in r.value, r.value
-            assert "aten.embedding.default on a DTensor" in r.value, r.value
-        elif functional:
-            assert "the tape does not replay functional collectives yet" in r.value, r.value
-            assert "_c10d_functional.all_reduce" in r.value, r.value
-        else:  # the in-place collective is recorded and replayed: (1 + 2) * 2 + 1
+        if functional == "dtensor":  # embedding rows of ones (all-reduced over the shards) times x[0, 0] + 2
+            assert r.value == [[r.rank + 3.0] * 3] * 2, r.value
+        elif functional == "other_subclass":
+            assert "the tape does not record ops on tensor subclasses other than DTensor" in r.value, r.value
+            assert "on a _Wrapper" in r.value, r.value
+        else:  # the functional and the in-place collective are recorded and replayed: (1 + 2) * 2 + 1
             assert r.value == [[7.0] * 3] * 2, r.value

@@ -21,9 +21,14 @@ one runs on the other:
   the generator's current state.  Re-seeding (``torch.manual_seed``, ...)
   during capture raises :class:`~graphrunner.errors.CaptureError`.  An empty
   capture warns (:data:`EMPTY_GRAPH_MESSAGE`).
-* Collectives (``c10d`` ops) are re-issued and waited on; functional collectives (``_c10d_functional``)
-  and ops on tensor subclasses (DTensor) are refused at capture (:class:`~graphrunner.errors.CaptureError`
-  naming the op).
+* Collectives (``c10d`` ops) are re-issued and waited on.  Functional collectives (``_c10d_functional``:
+  ``all_reduce``, ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ... then ``wait_tensor``) are
+  re-issued at replay on the recorded group in recorded order, and their results are read (refreshed,
+  their input buffers reused) only after their ``wait_tensor``, or at the end of the replay when the
+  capture never waited.  An op on a DTensor is never recorded: DTensor's own dispatch runs once, with the
+  recorder active, and the plain-tensor ops it issues (the local op, its redistributions' collectives) are
+  recorded; ops DTensor runs on fake tensors (sharding propagation) are not.  Ops on other tensor
+  subclasses are refused at capture (:class:`~graphrunner.errors.CaptureError` naming the op).
 * Graphs captured into one pool (``pool=``) share its memory as on CUDA: a
   later capture reuses memory freed after an earlier one (including
   outputs the user dropped), so out-of-order replays corrupt as on a GPU;

@@ -18,7 +18,7 @@ import torch
 
 from .bindings import VF
 from .collapse import COLLAPSIBLE, COLLAPSIBLE_FUNCTIONAL, collapse, collapse_functional, view_like
-from .recording import RecordedOp, Ref, extent
+from .recording import FUNCTIONAL_COLLECTIVES, RecordedOp, Ref, extent
 from .state import in_session, on_session_end
 
 # Code objects of generated sources within a capture session (compiled_source): source text -> code.
@@ -264,6 +264,18 @@ def generate(cap, consts: dict, survivors: dict, spills: dict | None = None, scr
             return f"[{inner}]" if isinstance(v, list) else f"({inner},)"
         return prog.const(v)
 
+    # A functional collective's result is written by the collective until a wait_tensor on it: its refresh
+    # copies (survivor, spill) wait for that wait, and a result never waited in the recording is waited at the
+    # end of the replay (a CUDA graph's stream has finished the collective by then).  {name: copy lines}
+    unwaited: dict[str, list[str]] = {}
+
+    def waited(n: str) -> None:
+        """``n``'s collective was waited on: refresh its copies now, read the static tensor from here on."""
+        prog.lines.extend(unwaited.pop(n))
+        if n in static_names:
+            ref_expr[n] = static_names[n]
+            prog.lines.append(f"del {n}")
+
     n_ops = 0
     for i, op in enumerate(ops):
         if not keep[i]:
@@ -297,7 +309,11 @@ def generate(cap, consts: dict, survivors: dict, spills: dict | None = None, scr
                     + ")"
                 )
             ref_expr[n] = b
-            dead = [cn(m) for m in set(op.in_names) if last_use.get(cn(m)) == i and ref_expr.get(cn(m)) == cn(m)]
+            dead = [
+                cn(m)
+                for m in set(op.in_names)
+                if last_use.get(cn(m)) == i and ref_expr.get(cn(m)) == cn(m) and cn(m) not in unwaited
+            ]
             if dead:
                 prog.lines.append("del " + ", ".join(sorted(set(dead))))
             continue
@@ -335,22 +351,42 @@ def generate(cap, consts: dict, survivors: dict, spills: dict | None = None, scr
             for path, ref in paths:
                 if ref.name in newset:
                     lines.append(f"{ref.name} = {bind_src}{path}")
+        issued = _functional(op) and op.func is not _WAIT
         for n in op.new:
+            copies = []
             if spills and n in spills:
-                lines.append(f"{prog.const(spills[n], 'p')}.copy_({n})")
+                copies.append(f"{prog.const(spills[n], 'p')}.copy_({n})")
             if n in static_names:
-                s = static_names[n]
-                lines.append(f"{s}.copy_({n})")
-                ref_expr[n] = s
+                copies.append(f"{static_names[n]}.copy_({n})")
+            if issued:  # not written yet: refreshed after its wait
+                unwaited[n] = copies
+                ref_expr[n] = n
+                continue
+            lines.extend(copies)
+            if n in static_names:
+                ref_expr[n] = static_names[n]
                 lines.append(f"del {n}")
             else:
                 ref_expr[n] = n
-        dead = [cn(n) for n in set(op.in_names) if last_use.get(cn(n)) == i and ref_expr.get(cn(n)) == cn(n)]
-        dead += [n for n in op.new if ref_expr[n] == n and n not in last_use]
+        if op.func is _WAIT:
+            for n in {cn(m) for m in op.in_names} & unwaited.keys():
+                waited(n)
+        # (a collective's result not waited yet stays bound until its wait)
+        dead = [
+            cn(n)
+            for n in set(op.in_names)
+            if last_use.get(cn(n)) == i and ref_expr.get(cn(n)) == cn(n) and cn(n) not in unwaited
+        ]
+        dead += [n for n in op.new if ref_expr[n] == n and n not in last_use and n not in unwaited]
         if dead:
             lines.append("del " + ", ".join(sorted(set(dead))))
         if bind_src == "_o":
             lines.append("del _o")
+    for n in list(unwaited):
+        prog.lines.append(f"{prog.const(_WAIT, 'f')}({n})")
+        waited(n)
+        if ref_expr.get(n) == n:
+            prog.lines.append(f"del {n}")
     prog.fn = prog.build()
     return prog, n_ops
 
@@ -421,6 +457,15 @@ def plan_buffers(
                 k = cap.skey.get(cn(n))
                 if k is not None:
                     last[k] = i
+    # A functional collective may read its input until its wait (gloo's all_gather / reduce_scatter read it
+    # on their own thread): the input's buffer is not reused before then.
+    for i, op in enumerate(ops):
+        if keep[i] and _functional(op) and op.func is not _WAIT:
+            until = _wait_index(ops, keep, i, cn)
+            for n in op.in_names:
+                k = cap.skey.get(cn(n))
+                if k is not None:
+                    last[k] = max(last.get(k, i), until)
     free: dict[tuple, list] = {}
     held: dict[int, tuple] = {}  # storage key -> (free-list key, buffer) of a planned temporary
     release_at: dict[int, list] = {}
@@ -484,6 +529,25 @@ def plan_buffers(
             fk, buf = held[k]
             free.setdefault(fk, []).append(buf)
     return plan
+
+
+#: ``_c10d_functional.wait_tensor`` (None without torch.distributed: then no functional collective is recorded)
+_WAIT = torch.ops._c10d_functional.wait_tensor.default if torch.distributed.is_available() else None
+
+
+def _functional(op: RecordedOp) -> bool:
+    """Whether ``op`` is a functional collective (its result is written until a ``wait_tensor`` on it)."""
+    return op.collective and op.func.namespace in FUNCTIONAL_COLLECTIVES
+
+
+def _wait_index(ops, keep, i: int, cn) -> int:
+    """Index of the first kept ``wait_tensor`` on a result of the functional collective ``ops[i]`` (past the
+    last op when none: its result is waited at the end of the replay)."""
+    mine = {cn(n) for n in ops[i].new}
+    for j in range(i + 1, len(ops)):
+        if keep[j] and ops[j].func is _WAIT and any(cn(n) in mine for n in ops[j].in_names):
+            return j
+    return len(ops)
 
 
 def _release_after(i: int, last_use: int) -> int:

@@ -371,26 +371,46 @@ def _kept_values(cap: TapeCapture, templates, values) -> dict:
 
 
 #: The op namespaces of the functional collectives (``torch.distributed._functional_collectives``: DTensor's
-#: redistribution, transformers' tensor parallelism), whose ``all_reduce`` returns a new tensor that a later
-#: ``wait_tensor`` waits on. The tape refuses them at capture: re-issued at replay, one run in seven of a
-#: two-rank test replayed a wrong reduction on one rank, not explained yet (docs/serving.md, ``--tp``).
+#: redistribution, transformers' tensor parallelism): ``all_reduce`` and the others return a new tensor that
+#: a collective fills asynchronously, and a later ``wait_tensor`` on that tensor waits for it.  Recorded as
+#: collectives: issued once at capture, re-issued at replay in recorded order on the recorded group (its
+#: name is an argument), never run by a binding proof, never merged, hoisted, dropped or treated as an alias
+#: (``wait_tensor`` returns its input unchanged: as a pure op it was an alias, and its replay dropped the wait;
+#: a later op could then read the result before the collective had written it), and their results are read
+#: only after their wait (:func:`graphrunner.tape.codegen.generate`).
 FUNCTIONAL_COLLECTIVES = ("_c10d_functional", "c10d_functional")
+#: Ops of those namespaces that issue nothing: ``_wrap_tensor_autograd`` wraps its (recorded) input in an
+#: ``AsyncCollectiveTensor``, whose ops come back here unwrapped; it is run and not recorded.
+_WRAPS = ("_c10d_functional::_wrap_tensor_autograd",)
+_FAKE = torch._C._TorchDispatchModeKey.FAKE
 
 
-def _functional_collective(func: Any) -> CaptureError:
-    return CaptureError(
-        f"the tape does not replay functional collectives yet: {func} at {user_frame()} (torch.distributed's "
-        "functional collectives, e.g. a DTensor redistribute: transformers' tensor parallelism). Use "
-        "torch.distributed's in-place collectives (dist.all_reduce) in the captured step, or run it eagerly"
-    )
+def _unwrapping_subclasses() -> tuple[type, ...]:
+    """The tensor subclasses whose own dispatch the tape lets run, recording the plain-tensor ops it issues
+    (DTensor: sharding propagation, the local op, redistributions as functional collectives;
+    ``AsyncCollectiveTensor``: ``wait_tensor``, then the op on the plain result).  Empty without
+    ``torch.distributed``."""
+    global _UNWRAPPING
+    if _UNWRAPPING is None:
+        found: list[type] = []
+        if torch.distributed.is_available():
+            # imported when a capture first meets a tensor subclass: DTensor's package is heavy to import
+            from torch.distributed._functional_collectives import AsyncCollectiveTensor
+            from torch.distributed.tensor import DTensor  # (the same: imported at first use)
+
+            found = [DTensor, AsyncCollectiveTensor]
+        _UNWRAPPING = tuple(found)
+    return _UNWRAPPING
+
+
+_UNWRAPPING: tuple[type, ...] | None = None
 
 
 def _subclass_op(func: Any, subclasses: list) -> CaptureError:
     names = ", ".join(sorted({t.__name__ for t in subclasses}))
     return CaptureError(
-        f"the tape does not record ops on tensor subclasses yet: {func} on a {names} at {user_frame()} (e.g. "
-        "DTensor: transformers' tensor parallelism). Capture a step whose tensors are plain torch.Tensors (a "
-        "DTensor's .to_local()), or run it eagerly"
+        f"the tape does not record ops on tensor subclasses other than DTensor: {func} on a {names} at "
+        f"{user_frame()}. Capture a step whose tensors are plain torch.Tensors, or run it eagerly"
     )
 
 
@@ -404,16 +424,24 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         cap = self.cap
         kwargs = kwargs or {}
+        if torch._C._get_dispatch_mode(_FAKE) is not None:
+            # metadata only (DTensor's sharding propagation runs the op on fake tensors): nothing to replay
+            return func(*args, **kwargs)
         subclasses = [t for t in types if t is not torch.Tensor and t is not torch.nn.Parameter]
         if subclasses:
-            # a DTensor-level op: recorded as it is, the proof of its binding would run it (DTensor's Python, its
-            # collectives) a second time
+            if all(issubclass(t, _unwrapping_subclasses()) for t in subclasses):
+                # A DTensor-level op is never recorded: its dispatch runs once, with this mode still active, and
+                # the ops it issues on plain tensors (the local op, its redistributions' collectives) come back
+                # here and are recorded.  Recorded as it is, the proof of its binding ran DTensor's Python (a
+                # MaskPartial's mask, its collectives) a second time.
+                return NotImplemented
             cap.failed = _subclass_op(func, subclasses)
             raise cap.failed
-        collective = func.namespace == "c10d"
+        functional = func.namespace in FUNCTIONAL_COLLECTIVES
+        if functional and func._schema.name in _WRAPS:
+            return func(*args, **kwargs)
+        collective = functional or func.namespace == "c10d"
         try:
-            if func.namespace in FUNCTIONAL_COLLECTIVES:
-                raise _functional_collective(func)
             if not collective:
                 check_safe(func, args, kwargs)
             schema = func._schema
@@ -436,7 +464,8 @@ class Recorder(TorchDispatchMode):
                 cap.meta_mutated = True
             # which arguments does the op write?
             mutable = collective or schema.is_mutable
-            written = written_tensors(func, args, kwargs, every_argument=collective)
+            # (a c10d collective writes its buffers in place; a functional one writes what its schema says)
+            written = written_tensors(func, args, kwargs, every_argument=collective and not functional)
             in_names: list[str] = []
             targs = cap.template_in(tuple(args), in_names)
             tkwargs = {k: cap.template_in(v, in_names) for k, v in kwargs.items()}
