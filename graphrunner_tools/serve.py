@@ -643,8 +643,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.tp > 1 and not args.eager:
         parser.error(
             f"argument --tp {args.tp}: tensor-parallel ranks serve with --eager (transformers' engine) only so far: "
-            "the CPU tape does not replay the functional collectives of transformers' tensor parallelism (its "
-            "DTensor redistributions) yet, so no rank could capture its step (docs/serving.md, --tp); add --eager"
+            "a re-plan is not decided in the ranks' agreement yet and the capture fingerprint differs across TP "
+            "ranks, so their graphs would not pair (docs/serving.md, --tp); add --eager"
         )
     if not args.tp_timeout > 0:
         parser.error(f"argument --tp-timeout: must be > 0 seconds, got {args.tp_timeout}")
