@@ -160,7 +160,7 @@ def _functional(rank, world, kind, variant, n):
             return y, y + 1  # and a result read from it
         if kind == "all_gather":
             a = funcol.all_reduce(x * 5, "sum", group)  # in flight first: the group's thread waits in it
-            y = funcol.all_gather_tensor(x * 2, 0, group)  # read by that thread once the all_reduce is done
+            y = funcol.all_gather_single(x * 2, 0, group)  # read by that thread once the all_reduce is done
             z = x * 3  # a temporary of x * 2's shape: takes its buffer once that is free
             return y.wait(), z + a.wait()
         y = funcol.reduce_scatter_tensor(x * 2, "sum", 0, group)
