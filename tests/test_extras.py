@@ -52,6 +52,8 @@ def test_hf_tests_skip_with_the_reason_when_the_extras_are_missing(tmp_path):
             sys.executable,
             "-m",
             "pytest",
+            "-o",
+            "addopts=",  # no xdist workers (pyproject's -n 2): the plugin below hides the extras in this process
             "-p",
             "hide_extras",
             "-p",
