@@ -232,6 +232,14 @@ class BreakableGraph:
         return None if len(known) < len(counts) else sum(known)
 
     @property
+    def num_collectives(self) -> int | None:
+        """Collectives recorded over all segments when every segment is a tape graph
+        (:attr:`TapeGraph.num_collectives`), else ``None``."""
+        counts = [getattr(g, "num_collectives", None) for g in self._graphs]
+        known = [c for c in counts if c is not None]
+        return None if len(known) < len(counts) else sum(known)
+
+    @property
     def captured(self) -> bool:
         """True once a capture has completed and replay is allowed."""
         return bool(self._steps)

@@ -145,6 +145,14 @@ class TorchDistGroup:
             ``RankTimeoutError``. Collectives on *another* process group
             (e.g. a separate tensor-parallel group) keep that group's timeout:
             wrap it in a ``TorchDistGroup`` too.
+        tensor_parallel: the ranks run shards of one model (tensor
+            parallelism), not replicas (default ``False``): their captures of
+            a key may record different numbers of ops (uneven shards, e.g. a
+            vocabulary that does not divide by the ranks), so the capture
+            fingerprint (:mod:`graphrunner.checks.fingerprint`) compares the
+            collectives they recorded instead of their op counts; everything
+            else (configuration, keys, outputs, segments and breaks) is
+            compared as for replicas.
 
     Every method is a collective: all ranks of the group must call the same
     methods in the same order. Each is one collective of the process group's
@@ -167,7 +175,14 @@ class TorchDistGroup:
     size within ``process_group``.
     """
 
-    def __init__(self, process_group: Any = None, timeout: float = 60.0, bound_process_group: bool = True):
+    def __init__(
+        self,
+        process_group: Any = None,
+        timeout: float = 60.0,
+        bound_process_group: bool = True,
+        *,
+        tensor_parallel: bool = False,
+    ):
         # torch.distributed only where a process group is used (absent from some builds)
         import torch.distributed as dist
 
@@ -182,6 +197,9 @@ class TorchDistGroup:
         self._dist = dist
         self.process_group = process_group
         self.timeout = timeout
+        #: The ranks run shards of one model (``tensor_parallel=``): the fingerprint compares their collectives,
+        #: not their op counts.
+        self.tensor_parallel = bool(tensor_parallel)
         if bound_process_group:
             _bound_timeout(process_group, timeout)
         self.rank: int = dist.get_rank(process_group)

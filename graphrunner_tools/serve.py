@@ -640,12 +640,6 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"argument --port: must be 1..65535, got {args.port}")
     if args.tp < 1:
         parser.error(f"argument --tp: must be >= 1 (tensor-parallel ranks), got {args.tp}")
-    if args.tp > 1 and not args.eager:
-        parser.error(
-            f"argument --tp {args.tp}: tensor-parallel ranks serve with --eager (transformers' engine) only so far: "
-            "a re-plan is not decided in the ranks' agreement yet and the capture fingerprint differs across TP "
-            "ranks, so their graphs would not pair (docs/serving.md, --tp); add --eager"
-        )
     if not args.tp_timeout > 0:
         parser.error(f"argument --tp-timeout: must be > 0 seconds, got {args.tp_timeout}")
 

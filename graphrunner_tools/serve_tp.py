@@ -26,6 +26,11 @@ stop (SIGTERM) raises. SIGTERM stops every rank: rank 0 as the one-rank server (
 (a loop still inside a collective with the gone driver leaves it when its process groups are aborted) and
 the follower returns 0.
 
+Graphs (no ``--eager``): every rank's manager serves its steps from ``gr.hf``'s graphs over a group of the TP ranks
+(``BatchingOptions.group``, a ``TorchDistGroup(tensor_parallel=True)`` over the world): each step's agreement decides
+its key on every rank, the background capture's keys are granted at a step and captured on every rank before the
+next; the keys are the ladder's (no re-plan on several ranks). docs/serving.md, "Graphs on TP ranks".
+
 ``/metrics`` shows every rank: a follower puts its figures in the ranks' rendezvous store every second
 (:meth:`TPServedModel.publish_figures`), the driver reads them at each scrape (:meth:`TPServedModel.rank_figures`).
 """
@@ -87,13 +92,18 @@ class TPServedModel(ServedModel):
     ) -> Any:
         from graphrunner.hf.internals import sync_sampled_ids
 
-        # the ranks' group (the world: the TP ranks): its store carries the followers' figures to the driver;
-        # the process group's timeouts are transformers' (no graphrunner collective runs on it yet)
-        self.group = TorchDistGroup(timeout=self.timeout, bound_process_group=False)
+        # the ranks' group (the world: the TP ranks): its store carries the followers' figures to the driver, and
+        # with graphs every runner of the manager agrees over it (each step's key, the keys granted to the
+        # background capture; the fingerprint compares the ranks' collectives, not their op counts: the shards
+        # differ); the process group's own timeouts stay transformers' (the channel has its deadline)
+        self.group = TorchDistGroup(timeout=self.timeout, bound_process_group=False, tensor_parallel=True)
+        if self.graph_options is not None:
+            self.graph_options = {**self.graph_options, "group": self.group}
         manager = super().init_continuous_batching(generation_config, continuous_batching_config, workload_hints)
         manager.warmup()  # makes the batch processor (a no-op when gr.hf's install made it)
         self.sync = sync_sampled_ids(manager.batch_processor, debug=self.debug)
-        self.manager = manager
+        # self.manager stays the manager ServedModel keeps (transformers', not the ServedManager handed on): what
+        # engine_metrics reads, graphs_of(self.manager) its graphs
         return manager
 
     def _figures_key(self, rank: int) -> str:

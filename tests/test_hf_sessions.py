@@ -200,15 +200,29 @@ def test_autocapture_seeded_sampling_equals_transformers():
     assert ref != reference(model, a, gen_config()), "control: the sampler really sampled"
 
 
-def _three_sessions(replan_share):
-    """A server's manager (autocapture, a re-plan due every 8 steps, ``replan_share``): sessions of prompts
-    a, b (a step after the ladder is captured may start a re-plan's capture), then a again (its first step
+class _TwoRanksAlike(gr.LocalGroup):
+    """A group of two ranks whose peer always agrees (every collective returns this rank's values): the runners
+    agree as on several ranks (each step's agreement, keys granted to the background capture) in one process."""
+
+    size = 2
+
+
+def _three_sessions(replan_share, group=None):
+    """A server's manager (autocapture, a re-plan due every 8 steps, ``replan_share``, ``group``): sessions of
+    prompts a, b (a step after the ladder is captured may start a re-plan's capture), then a again (its first step
     switches to re-planned keys). ``(tokens equal to transformers' per session, hook, ladder keys, final keys)``."""
     model, gc = qwen2(), gen_config()
     a, b = prompts(n=16, seed=4), prompts(n=16, seed=5)
     ref_a, ref_b = reference(model, a, gc), reference(model, b, gc)
     manager = gr.hf.init_continuous_batching(
-        model, gc, cb_config(), device="tape", autocapture=True, replan_every=8, replan_share=replan_share
+        model,
+        gc,
+        cb_config(),
+        device="tape",
+        autocapture=True,
+        replan_every=8,
+        replan_share=replan_share,
+        group=group,
     )
     try:
         hook = gr.hf.graphs_of(manager)
@@ -233,6 +247,19 @@ def test_a_replan_swaps_keys_without_a_wrong_token():
     # decided on padded tokens (the CPU's weigh) over the steps before it, not over the third session's
     sizes = hook.stats.step_sizes
     assert ladder.padding(sizes, keys)[0] < ladder.padding(sizes, ladder_keys)[0]
+
+
+@pytest.mark.slow
+def test_no_replan_starts_on_several_ranks_the_ladders_keys_serve():
+    """The same flow as above (a re-plan due every 8 steps, no rest) on a group of two ranks (``group=``, as
+    ``graphrunner serve --tp`` gives every rank's manager): the keys are granted in the steps' agreement and no
+    re-plan starts (a rank's re-plan would start on its own clock, its runner granted nothing); the ladder's
+    keys serve, replayed, and the tokens are transformers' own. The control is the test above: one rank
+    re-plans."""
+    same, hook, ladder_keys, keys = _three_sessions(replan_share=1.0, group=_TwoRanksAlike())
+    assert same == (16, 16, 16)
+    assert hook.stats.replans == 0 and keys == ladder_keys
+    assert hook.stats.replayed > 0 and hook.shared and not hook.replans
 
 
 @pytest.mark.slow

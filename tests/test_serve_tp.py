@@ -2,12 +2,14 @@
 
 Three servers start at once (module fixtures, each once): ``--tp 2 --eager`` (two ranks from torch's
 elastic launcher: rank 0 serves HTTP and drives, rank 1 follows), the one-rank ``--eager`` server (the
-reference answers), and a second ``--tp 2 --eager`` whose rank 1 is SIGKILLed mid-serving. Greedy answers
-of the two-rank server equal the one-rank server's (streamed and not, one at a time and from concurrent
-clients); /metrics shows every rank's figures (the steps each rank synced equal the driver's; each rank's
-wait in collectives; the one-rank server's are 0); SIGTERM stops every rank (exit 0, the follower's loop
-ended, not its process cut short); a killed rank stops the server (exit 1 within 60 s, naming the rank), and
-the client in flight gets an error, not a hang."""
+reference answers), and ``--tp 2`` with graphs on every rank, whose rank 1 is SIGKILLed mid-serving at the
+end. Greedy answers of the two-rank server equal the one-rank server's (streamed and not, one at a time and
+from concurrent clients); the graphs' answers equal ``--tp 2 --eager``'s, streamed and not, from steps every
+rank replayed (per-rank /metrics; the eager server's show none: the control); /metrics shows every rank's
+figures (the steps each rank synced equal the driver's; each rank's wait in collectives; the one-rank
+server's are 0); SIGTERM stops every rank (exit 0, the follower's loop ended, not its process cut short); a
+killed rank stops the server (exit 1 within 60 s, naming the rank), and the client in flight gets an error,
+not a hang."""
 
 from __future__ import annotations
 
@@ -91,7 +93,9 @@ def servers(tmp_path_factory):
 
     tiny_model_dir()  # built once, before three servers would race to build it
     tmp = str(tmp_path_factory.mktemp("serve_tp"))
-    flags = {"tp": ["--tp", "2", "--eager"], "one": ["--eager"], "doomed": ["--tp", "2", "--eager"]}
+    # graphs: every step grants the next key (--capture-share 1: no rest between keys), so the ladder's keys are
+    # captured on both ranks within the first prompts' steps
+    flags = {"tp": ["--tp", "2", "--eager"], "one": ["--eager"], "graphs": ["--tp", "2", "--capture-share", "1"]}
     made = start_together(
         {name: (lambda name=name: Server(os.path.join(tmp, f"{name}.log"), *flags[name])) for name in flags}
     )
@@ -178,6 +182,45 @@ def test_metrics_show_every_ranks_figures(servers):
     assert _by_rank(one, "graphrunner_rank_collective_wait_seconds_total") == {0: 0.0}
 
 
+def _rank_steps(server):
+    """``{rank: (replayed, eager)}`` of ``server``'s per-rank step counts, once rank 1's published figures have
+    caught up with the driver's (it publishes every second: the same number of steps on both ranks)."""
+    for _ in range(60):
+        out = {}
+        for key, value in server.metrics().items():
+            if key.startswith("graphrunner_rank_steps_total{"):
+                rank, path = int(re.search(r'rank="(\d+)"', key).group(1)), re.search(r'path="(\w+)"', key).group(1)
+                out.setdefault(rank, {})[path] = value
+        steps = {r: (v.get("replayed", 0.0), v.get("eager", 0.0)) for r, v in out.items()}
+        if set(steps) == {0, 1} and sum(steps[0]) == sum(steps[1]):
+            return steps
+        time.sleep(0.5)
+    raise AssertionError(f"rank 1's figures did not catch up with rank 0's: {steps}")
+
+
+@pytest.mark.timeout(600)
+def test_tp2_graphs_answer_as_tp2_eager_from_steps_every_rank_replayed(servers):
+    graphs, tp = servers["graphs"], servers["tp"]
+    want = [tp.chat(p) for p in PROMPTS]
+    assert len(set(want)) > 1  # the prompts reach the model
+    # the first prompts' steps: eager (padded to their key) until the key is granted and captured on both ranks
+    assert [graphs.chat(p) for p in PROMPTS] == want
+    planned = graphs.metric("graphrunner_graphs_planned")
+    assert planned > 0 and _by_rank(graphs, "graphrunner_rank_graphs_captured") == {0: planned, 1: planned}
+    before = _rank_steps(graphs)
+    again = [graphs.chat(p) for p in PROMPTS]
+    streamed = [graphs.chat(p, stream=True) for p in PROMPTS[:4]]
+    after = _rank_steps(graphs)
+    assert again == want and streamed == want[:4]
+    # every step of these answers was replayed from a graph on both ranks, the same steps on each
+    replayed = {r: after[r][0] - before[r][0] for r in (0, 1)}
+    eager = {r: after[r][1] - before[r][1] for r in (0, 1)}
+    assert replayed[0] == replayed[1] >= len(again) + len(streamed) and eager == {0: 0.0, 1: 0.0}, (before, after)
+    # the control: the same check on the --tp 2 --eager server finds no replayed step on any rank
+    control = _rank_steps(tp)
+    assert control[0][0] == control[1][0] == 0.0, control
+
+
 @pytest.mark.timeout(120)
 def test_sigterm_stops_every_rank_and_exits_0(servers):
     tp = servers["tp"]
@@ -197,7 +240,7 @@ def _alive(pid):
 
 @pytest.mark.timeout(120)
 def test_a_rank_killed_mid_serving_stops_the_server_non_zero_within_60s(servers):
-    doomed = servers["doomed"]
+    doomed = servers["graphs"]  # the graphs' server, last: its rank 1 is killed
     assert doomed.chat("hello")  # it serves
     rank1 = doomed.ranks()[1]
     outcome = {}

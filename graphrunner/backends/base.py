@@ -625,8 +625,8 @@ class GraphBackend:
         ``graph_capture_seconds`` (construction + capture only),
         ``checks_seconds`` (the capture hooks' share of ``capture_seconds``:
         :attr:`Capture.check_seconds <graphrunner.recording.hooks.Capture.check_seconds>`),
-        ``num_segments``, ``num_breaks``, ``num_ops`` (tape graphs only: aten ops recorded), ``output_bytes`` (this key's
-        views), ``output_buffer_bytes`` (the whole shared buffer, the same
+        ``num_segments``, ``num_breaks``, ``num_ops`` and ``num_collectives`` (tape graphs only: aten ops
+        recorded, and the collectives among them), ``output_bytes`` (this key's views), ``output_buffer_bytes`` (the whole shared buffer, the same
         for every key: do not sum it over keys), ``capture_input_bytes``
         (distinct storages reachable from ``capture_inputs``),
         ``bytes_held`` = ``output_bytes + capture_input_bytes``, and, where the

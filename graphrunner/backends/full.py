@@ -48,4 +48,7 @@ class FullGraphBackend(GraphBackend):
         ops = getattr(graph, "num_ops", None)  # tape graphs count their recorded aten ops
         if isinstance(ops, int):
             d["num_ops"] = ops
+        collectives = getattr(graph, "num_collectives", None)
+        if isinstance(collectives, int):
+            d["num_collectives"] = collectives
         return d

@@ -104,4 +104,7 @@ class BreakableGraphBackend(GraphBackend):
         ops = getattr(graph, "num_ops", None)
         if isinstance(ops, int):
             d["num_ops"] = ops
+        collectives = getattr(graph, "num_collectives", None)
+        if isinstance(collectives, int):
+            d["num_collectives"] = collectives
         return d

@@ -110,6 +110,9 @@ def _gather_texts(group: Any, texts: list[str], key: Any) -> list[list[str]]:
 class FingerprintCheck(CaptureHook):
     """After each key's capture, :func:`check` that every rank captured the same thing: the
     output structure and shapes, the number of segments and breaks, and the tape's op count.
+    On a group of tensor-parallel ranks (``group.tensor_parallel``, :class:`~graphrunner.group.TorchDistGroup`)
+    the tape's count of collectives instead of its op count: the ranks' shards may differ in size (a vocabulary
+    that does not divide by the ranks records an op more on one of them), but the collectives must pair.
     One collective per key (plus one when something differs); nothing with one rank."""
 
     name = "fingerprint"
@@ -121,14 +124,13 @@ class FingerprintCheck(CaptureHook):
 
         info = cap.backend.info(cap.key)
         spec, views = cap.outputs
-        check(
-            group,
-            {
-                "output": describe(spec, views),
-                "num_segments": info.get("num_segments"),
-                "num_breaks": info.get("num_breaks"),
-                "tape_ops": info.get("num_ops"),
-            },
-            f"captures of key {cap.key!r}",
-            key=cap.key,
-        )
+        fields = {
+            "output": describe(spec, views),
+            "num_segments": info.get("num_segments"),
+            "num_breaks": info.get("num_breaks"),
+        }
+        if getattr(group, "tensor_parallel", False):  # shards: their op counts may differ, their collectives not
+            fields["tape_collectives"] = info.get("num_collectives")
+        else:
+            fields["tape_ops"] = info.get("num_ops")
+        check(group, fields, f"captures of key {cap.key!r}", key=cap.key)

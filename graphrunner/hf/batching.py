@@ -369,7 +369,11 @@ class GraphBatching:
                 if name == "_generation_step":
                     self._failures_in_a_row = 0
             runner = self.runner
-            if self._capture_began is not None and runner is not None and runner.wait_captured(timeout=0) is not None:
+            if self.shared:
+                # several ranks: the keys replay from the step whose agreement found them captured on every rank
+                # (runner.wait_captured would grant every remaining key at once and hold the next step for them)
+                self.captured()
+            elif self._capture_began is not None and runner is not None and runner.wait_captured(timeout=0) is not None:
                 # the background capture is done: its keys replay from now (and count as captured) whether or not
                 # a step was served meanwhile (an idle server); outside the holds, in the engine's thread
                 self.captured()
@@ -476,11 +480,25 @@ class GraphBatching:
                 del self.stats.step_sizes[:-keep]
                 del self.stats.engine_sizes[:-keep]
             self._since_plan += 1
-            if self.options.replan_every and self._since_plan >= self.options.replan_every:
+            if self.replans and self._since_plan >= self.options.replan_every:
                 self._since_plan = 0
                 self._replan_due = True
         io = _sync_io(self.processor)  # transformers' own sizes of the step, for stats.engine_sizes
         self.stats.engine_sizes.append((size[0], int(io.max_kv_read), tuple(int(v) for v in io.max_length_k.values())))
+
+    @property
+    def shared(self) -> bool:
+        """Whether the runners agree over several ranks (``options.group``): every step's key, and the keys a
+        background capture captures, decided in each step's agreement on every rank alike."""
+        return int(getattr(self.options.group, "size", 1)) > 1
+
+    @property
+    def replans(self) -> bool:
+        """Whether the keys are re-planned (``autocapture`` with ``replan_every`` > 0, on one rank). Not on several
+        ranks: a re-plan starts when a rank's own clock says its rest is over, so two ranks would start it at
+        different steps, and its runner, which serves no step until it takes over, would get no grant for its keys
+        (they are granted in a step's agreement); the ladder's keys serve."""
+        return bool(self.options.autocapture and self.options.replan_every and not self.shared)
 
     def _step(self) -> Callable[..., torch.Tensor]:
         """The step's forward (:func:`~graphrunner.hf.batch_step.make_step`), built once."""
@@ -549,6 +567,7 @@ class GraphBatching:
             checks=self.options.checks,
             debug=self.options.debug,
             fallback="eager",
+            group=self.options.group,
         )
 
     def _background(self, buckets: dict[str, list[int]], keys: Sequence[tuple[int, ...]]) -> None:
@@ -590,7 +609,9 @@ class GraphBatching:
         over the new keys in the background while the current one serves on; it takes over when all
         its keys are captured (:meth:`_settle_replan`), so a re-plan never serves a step eagerly."""
         old = self.runner
-        if old is None or self._pending is not None or self.captured() < len(old.keys) or self.buckets is not None:
+        if not self.replans or old is None or self._pending is not None or self.buckets is not None:
+            return
+        if self.captured() < len(old.keys):
             return
         if time.perf_counter() < self._rest_until:  # the last capture's rest: due again at the next step
             self._replan_due = True

@@ -54,6 +54,12 @@ class BatchingOptions:
     ``per_request`` (each request's queries against its own keys, a host-reading op the CPU tape replays),
     ``dense`` (the ``[tokens, kv]`` masks CUDA graphs replay, on any device), ``auto`` (per request on the
     tape, dense on CUDA graphs).
+    ``group``: the ranks' group (:class:`graphrunner.TorchDistGroup` of a tensor-parallel model's ranks; ``None``: one
+    rank) every runner of the manager agrees over: each step's one agreement collective decides the key on every
+    rank, and a background capture's keys are granted at a step and captured on every rank before the next one
+    (every rank must run the same steps: transformers' TP manager does). On a group of several ranks the keys are
+    not re-planned (``replan_every`` is not applied): a re-plan starts on each rank's own clock and its runner,
+    which serves no step, would get no grant (docs/serving.md, the TP section).
     Raises ``ValueError`` for an unknown ``attention``, for a ``replan_every`` that is no number of steps >= 0
     or a ``replan_share`` or ``capture_share`` outside ``(0, 1]``."""
 
@@ -72,6 +78,7 @@ class BatchingOptions:
     replan_share: float = REPLAN_SHARE
     capture_share: float = 1.0
     attention: str = "auto"
+    group: Any = None  # GraphRunner(group=): the ranks every runner agrees over (None: one rank)
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_FORMS:

@@ -83,7 +83,9 @@ class TapeGraph:
         code eagerly would, from the generator's current state.  Re-seeding a
         generator during capture raises :class:`CaptureError`.
       * ``reset()`` drops the recording (and aborts a capture in progress).
-      * ``num_ops`` is the number of aten ops recorded (0 when empty).
+      * ``num_ops`` is the number of aten ops recorded (0 when empty);
+        ``num_collectives`` the number of those that are collectives (c10d and
+        functional ones, their waits included).
       * Pools (``pool=``): graphs captured into one pool share its memory as
         CUDA graphs do (:mod:`graphrunner.tape.pool`): replayed out of
         capture order they corrupt each other as on CUDA; replaying two of
@@ -131,6 +133,7 @@ class TapeGraph:
         self._modes: tuple | None = None
         self._fn: Callable[[], None] | None = None
         self._num_ops = 0
+        self._num_collectives = 0
         self._inference = False
         self._statics: list[torch.Tensor] = []
         self._versioned: list[tuple[weakref.ref, int]] = []
@@ -290,6 +293,7 @@ class TapeGraph:
         self._fn = None
         self._jit = None
         self._num_ops = 0
+        self._num_collectives = 0
         self._statics = []
         self._versioned = []
         self._surv_storages = []
@@ -313,6 +317,13 @@ class TapeGraph:
     def num_ops(self) -> int:
         """Number of aten ops recorded by the last capture (0 when empty)."""
         return self._num_ops
+
+    @property
+    def num_collectives(self) -> int:
+        """Number of collectives among the ops recorded by the last capture (c10d and functional ones, their
+        ``wait_tensor`` included; 0 when empty): what the ranks of a tensor-parallel step must record alike,
+        whatever their op counts (uneven shards)."""
+        return self._num_collectives
 
     # -- replay ---------------------------------------------------------------
     def replay(self) -> None:
@@ -448,6 +459,7 @@ class TapeGraph:
         self._env = prog.env
         self._labels = prog.labels
         self._num_ops = len(cap.ops)
+        self._num_collectives = sum(1 for op in cap.ops if op.collective)
         self._num_replayed = n_ops
         self.rewrite_proofs = tuple(a - b for a, b in zip(proof_stats.snapshot(), cap.proofs_before))
         self._inference = cap.inference
