@@ -42,8 +42,9 @@ def test_require_skips_only_a_missing_module(monkeypatch):
 
 def test_hf_tests_skip_with_the_reason_when_the_extras_are_missing(tmp_path):
     (tmp_path / "hide_extras.py").write_text(_HIDE.format(names=tuple(EXTRAS)))
+    # not an xdist worker's environment (PYTEST_XDIST_WORKER: pytest-benchmark would warn it is disabled)
     env = dict(
-        os.environ,
+        {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")},
         OMP_NUM_THREADS="1",
         PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")]),
     )
