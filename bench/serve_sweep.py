@@ -353,8 +353,79 @@ class _CapturePoller(threading.Thread):
             self.stop_event.wait(self.period)
 
 
+class HealthPoller(threading.Thread):
+    """Asks ``GET /health`` every ``period`` seconds until :meth:`finish`: :attr:`polls` answers asked for,
+    :attr:`not_ok` of them not a 200 (another status, a refused or timed-out connection), :attr:`first_failure`
+    the first of those as text."""
+
+    def __init__(self, url: str, period: float = 0.5, timeout: float = 10.0) -> None:
+        super().__init__(daemon=True)
+        self.url, self.period, self.timeout = url.rstrip("/") + "/health", period, timeout
+        self.polls = self.not_ok = 0
+        self.first_failure: str | None = None
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        import urllib.error
+        import urllib.request
+
+        while not self.stop_event.is_set():
+            failure = None
+            try:
+                with urllib.request.urlopen(self.url, timeout=self.timeout) as r:
+                    if r.status != 200:
+                        failure = f"HTTP {r.status}"
+            except urllib.error.HTTPError as exc:
+                failure = f"HTTP {exc.code}"
+            except OSError as exc:
+                failure = f"{type(exc).__name__}: {exc}"
+            self.polls += 1
+            if failure is not None:
+                self.not_ok += 1
+                self.first_failure = self.first_failure or failure
+            self.stop_event.wait(self.period)
+
+    def finish(self) -> dict[str, Any]:
+        """Stops the polling; ``health_polls``, ``health_not_ok`` and ``health_first_failure``."""
+        self.stop_event.set()
+        self.join(self.timeout + 5)
+        return {"health_polls": self.polls, "health_not_ok": self.not_ok, "health_first_failure": self.first_failure}
+
+
 def _steps(path: str, m: dict[str, float]) -> float:
     return sum(v for k, v in m.items() if k.startswith("graphrunner_steps_total") and f'path="{path}"' in k)
+
+
+def _labels(key: str) -> dict[str, str]:
+    """``name{a="x",b="y"}`` -> ``{"a": "x", "b": "y"}``."""
+    inner = key.partition("{")[2].rstrip("}")
+    return dict((k, v.strip('"')) for k, _, v in (part.partition("=") for part in inner.split(",") if part))
+
+
+def rank_figures(before: dict[str, float], after: dict[str, float], output_tokens: int) -> dict[str, dict[str, Any]]:
+    """Per rank (``/metrics``' ``graphrunner_rank_*{rank}`` families), what a run added: ``steps`` (replayed and
+    eager), ``replayed``, ``collective_s`` (seconds its steps waited in collectives with the other ranks),
+    ``collective_ms_per_step`` and ``tokens_per_step`` (the run's output tokens over the rank's steps: the mean
+    running batch of a decode step; the ranks run the same steps). Empty for a server without the families."""
+    ranks: dict[str, dict[str, Any]] = {}
+    for key in set(before) | set(after):
+        name = key.partition("{")[0]
+        if name not in ("graphrunner_rank_steps_total", "graphrunner_rank_collective_wait_seconds_total"):
+            continue
+        labels = _labels(key)
+        fig = ranks.setdefault(labels["rank"], {"steps": 0.0, "replayed": 0.0, "collective_s": 0.0})
+        delta = after.get(key, 0.0) - before.get(key, 0.0)
+        if name == "graphrunner_rank_steps_total":
+            fig["steps"] += delta
+            if labels.get("path") == "replayed":
+                fig["replayed"] += delta
+        else:
+            fig["collective_s"] += delta
+    for fig in ranks.values():
+        steps = fig["steps"]
+        fig["collective_ms_per_step"] = fig["collective_s"] * 1000 / steps if steps else None
+        fig["tokens_per_step"] = output_tokens / steps if steps else None
+    return dict(sorted(ranks.items(), key=lambda kv: int(kv[0])))
 
 
 def run_column(
@@ -417,11 +488,14 @@ def run_column(
         runs = []
         for step in plan:
             before = server.metrics()
+            health = HealthPoller(server.url)
+            health.start()
             r0 = time.perf_counter()
             results = asyncio.run(
                 _drive(server.url, model, step["requests"], step["max_concurrency"], send_at=step["send_at"])
             )
             duration = time.perf_counter() - r0
+            polled = health.finish()
             after = server.metrics()
             run = {
                 "max_concurrency": step["max_concurrency"],
@@ -434,6 +508,8 @@ def run_column(
             eager = _steps("eager", after) - _steps("eager", before)
             run["replayed_steps"], run["eager_steps"] = replayed, eager
             run["replayed_share"] = replayed / (replayed + eager) if replayed + eager else None
+            run.update(polled)
+            run["ranks"] = rank_figures(before, after, sum(r.get("output_tokens", 0) for r in results))
             run["input_lens"] = [q["prompt_len"] for q in step["requests"]]
             run["output_lens"] = [r.get("output_tokens", 0) for r in results]
             run["ttfts"] = [r.get("ttft") for r in results]
@@ -444,7 +520,8 @@ def run_column(
             print(
                 f"[serve_sweep] {name:<13} c={step['max_concurrency'] or 'inf'!s:<4} {run['completed']}/"
                 f"{run['num_prompts']} ok, {run['output_throughput']:.0f} tok/s, replayed "
-                f"{(run['replayed_share'] or 0) * 100:.0f}%",
+                f"{(run['replayed_share'] or 0) * 100:.0f}%, /health {run['health_polls'] - run['health_not_ok']}/"
+                f"{run['health_polls']} ok" + "".join(f"; {line}" for line in rank_lines(run["ranks"])),
                 file=sys.stderr,
                 flush=True,
             )
@@ -471,6 +548,16 @@ def run_column(
 
 
 # ----------------------------------------------------------------------------- comparing and printing
+def rank_lines(ranks: dict[str, dict[str, Any]]) -> list[str]:
+    """One short text per rank of :func:`rank_figures`: its steps, the share replayed, collective ms a step and
+    output tokens a step."""
+    return [
+        f"rank {rank}: {f['steps']:.0f} steps, {f['replayed'] / f['steps'] * 100 if f['steps'] else 0:.0f}% replayed, "
+        f"collectives {_f(f['collective_ms_per_step'], 2)} ms/step, {_f(f['tokens_per_step'], 1)} tokens/step"
+        for rank, f in ranks.items()
+    ]
+
+
 def compare_answers(result: dict[str, Any], names: Sequence[str]) -> None:
     """Per run, each column's greedy answers against the first column's, request by request: ``same``
     and ``mismatches`` (requests answered by both, with different text) per column and run, and
@@ -524,6 +611,13 @@ def table(result: dict[str, Any]) -> list[str]:
                 f"{r['request_throughput']:>6.2f} {_f(r['request_goodput'], 2):>6} {r['output_throughput']:>9.0f} "
                 f"{r['total_token_throughput']:>9.0f}  {lat}  {share:>8}  {same:>9}"
             )
+        for name in names:
+            r = cols[name]["runs"][i]
+            if r.get("health_polls") is not None and (r["health_not_ok"] or r.get("ranks")):
+                detail = [f"/health {r['health_polls'] - r['health_not_ok']}/{r['health_polls']} ok"]
+                if r["health_first_failure"]:
+                    detail.append(f"first failure: {r['health_first_failure']}")
+                lines.append(f"      {name}: " + "; ".join(detail + rank_lines(r.get("ranks", {}))))
         ratios = [
             (a, b)
             for a, b in (("graphs", "backend-eager"), ("backend-eager", "eager"), ("graphs", "eager"))

@@ -12,6 +12,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -694,6 +696,71 @@ def test_serve_sweep_counts_one_rank_answers_as_agreement_never_as_mismatches():
     assert all("mismatches" not in r for r in result["columns"]["one-rank"]["runs"])
 
 
+def test_serve_sweep_rank_figures_equal_a_hand_computation():
+    """Per rank, what a run added to ``/metrics``' ``graphrunner_rank_*`` counters, by hand: rank 0 served 30
+    steps (all replayed) and waited 0.3 s in collectives, rank 1 30 eager steps and none; 120 output tokens
+    over 30 steps are 4 a step; families of other names are not counted."""
+    ss = _serve_sweep()
+    steps = 'graphrunner_rank_steps_total{model="m",rank="%s",path="%s"}'
+    wait = 'graphrunner_rank_collective_wait_seconds_total{model="m",rank="%s"}'
+    before = {steps % (0, "replayed"): 10, steps % (0, "eager"): 5, wait % 0: 1.0, steps % (1, "replayed"): 10}
+    before['graphrunner_steps_total{model="m",path="replayed"}'] = 7  # not a rank family
+    after = dict(before)
+    after[steps % (0, "replayed")] = 40
+    after[wait % 0] = 1.3
+    after[steps % (1, "eager")] = 30  # absent before: counted from 0
+    after['graphrunner_steps_total{model="m",path="replayed"}'] = 99
+    ranks = ss.rank_figures(before, after, output_tokens=120)
+    assert list(ranks) == ["0", "1"]
+    assert ranks["0"]["steps"] == 30 and ranks["0"]["replayed"] == 30
+    assert ranks["0"]["collective_ms_per_step"] == pytest.approx(300 / 30)
+    assert ranks["1"]["steps"] == 30 and ranks["1"]["replayed"] == 0 and ranks["1"]["collective_s"] == 0
+    assert ranks["0"]["tokens_per_step"] == ranks["1"]["tokens_per_step"] == 4
+    assert ss.rank_figures({}, {}, 5) == {}  # a server without the families
+    assert ss.rank_lines(ranks)[0] == "rank 0: 30 steps, 100% replayed, collectives 10.00 ms/step, 4.0 tokens/step"
+
+
+def test_serve_sweep_health_poller_counts_every_answer_that_is_not_a_200():
+    """``HealthPoller`` against a real HTTP server on 127.0.0.1 whose ``/health`` answers 200, then 503, then
+    is gone: the 503s and the refused connections are counted, the first named; a server that always
+    answers 200 gives none (the control)."""
+    import http.server
+
+    ss = _serve_sweep()
+    status = [200]
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            self.send_response(status[0] if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        healthy = ss.HealthPoller(url, period=0.02)
+        healthy.start()
+        time.sleep(0.3)
+        ok = healthy.finish()
+        assert ok["health_polls"] >= 3 and ok["health_not_ok"] == 0 and ok["health_first_failure"] is None
+
+        poller = ss.HealthPoller(url, period=0.02, timeout=2)
+        poller.start()
+        time.sleep(0.2)
+        status[0] = 503
+        time.sleep(0.3)
+    finally:
+        server.shutdown()
+        server.server_close()
+    time.sleep(0.2)  # gone: refused connections
+    got = poller.finish()
+    assert got["health_first_failure"] == "HTTP 503"
+    assert 2 <= got["health_not_ok"] < got["health_polls"]
+
+
 @pytest.mark.hf
 @pytest.mark.slow
 def test_serve_sweep_small_run_reports_vllm_names_and_equal_answers(tmp_path, monkeypatch):
@@ -718,6 +785,7 @@ def test_serve_sweep_small_run_reports_vllm_names_and_equal_answers(tmp_path, mo
         (run,) = col["runs"]
         assert run["completed"] == run["num_prompts"] == 6 and run["failed"] == 0
         assert run["max_concurrency"] == 4 and run["request_rate"] == 50.0 and run["burstiness"] == 1.0
+        assert run["health_polls"] >= 1 and run["health_not_ok"] == 0, run["health_first_failure"]
         assert run["duration"] > 0 and run["total_output_tokens"] > 0 and run["total_input_tokens"] > 0
         for k in ("request_throughput", "output_throughput", "total_token_throughput"):
             assert run[k] > 0, k
