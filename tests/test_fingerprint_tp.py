@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from mp_util import assert_all_ok, run_ranks  # noqa: E402
+from tp_util import tiny_llama_dir
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow, pytest.mark.hf]
 
@@ -24,21 +25,8 @@ VOCAB = 97  # odd: the two ranks' vocabulary shards differ in size
 
 
 def _tiny_llama_dir(path) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(str(path))
-    return str(path)
+    """A tiny Llama with random weights saved to ``path`` (no download)."""
+    return tiny_llama_dir(path, vocab_size=VOCAB, num_hidden_layers=1)
 
 
 def _runner(step, group, trailing, dtype, bounds):

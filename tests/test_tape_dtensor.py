@@ -14,6 +14,7 @@ late peer, which makes the race they lose certain.
 import pytest
 import torch
 from mp_util import assert_all_ok, format_results, run_ranks
+from tp_util import tiny_llama_dir
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]  # slow: spawns rank processes (-m "not slow" skips it)
 
@@ -226,21 +227,7 @@ def test_negative_control_reading_before_the_wait_replays_wrong_with_a_late_peer
 # --------------------------------------------------------------------------- a tiny Llama with tp_size=2
 def _tiny_llama_dir(tmp_path) -> str:
     """A tiny Llama with random weights saved to ``tmp_path`` (no download)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(str(tmp_path))
-    return str(tmp_path)
+    return tiny_llama_dir(tmp_path, vocab_size=96, num_hidden_layers=2)
 
 
 def _llama(rank, world, path, variant):
