@@ -402,27 +402,39 @@ def _labels(key: str) -> dict[str, str]:
     return dict((k, v.strip('"')) for k, _, v in (part.partition("=") for part in inner.split(",") if part))
 
 
+#: ``/metrics``' per-rank counters :func:`rank_figures` reads.
+_RANK_COUNTERS = (
+    "graphrunner_rank_steps_total",
+    "graphrunner_rank_synced_steps_total",
+    "graphrunner_rank_collective_wait_seconds_total",
+)
+
+
 def rank_figures(before: dict[str, float], after: dict[str, float], output_tokens: int) -> dict[str, dict[str, Any]]:
     """Per rank (``/metrics``' ``graphrunner_rank_*{rank}`` families), what a run added: ``steps`` (replayed and
-    eager), ``replayed``, ``collective_s`` (seconds its steps waited in collectives with the other ranks),
+    eager; for transformers' engine, which counts neither, the steps whose sampled ids were synced), ``replayed``, ``collective_s`` (seconds its steps waited in collectives with the other ranks),
     ``collective_ms_per_step`` and ``tokens_per_step`` (the run's output tokens over the rank's steps: the mean
     running batch of a decode step; the ranks run the same steps). Empty for a server without the families."""
     ranks: dict[str, dict[str, Any]] = {}
     for key in set(before) | set(after):
         name = key.partition("{")[0]
-        if name not in ("graphrunner_rank_steps_total", "graphrunner_rank_collective_wait_seconds_total"):
+        if name not in _RANK_COUNTERS:
             continue
         labels = _labels(key)
-        fig = ranks.setdefault(labels["rank"], {"steps": 0.0, "replayed": 0.0, "collective_s": 0.0})
+        fig = ranks.setdefault(labels["rank"], {"steps": 0.0, "replayed": 0.0, "collective_s": 0.0, "synced": 0.0})
         delta = after.get(key, 0.0) - before.get(key, 0.0)
         if name == "graphrunner_rank_steps_total":
             fig["steps"] += delta
             if labels.get("path") == "replayed":
                 fig["replayed"] += delta
+        elif name == "graphrunner_rank_synced_steps_total":
+            fig["synced"] += delta
         else:
             fig["collective_s"] += delta
     for fig in ranks.values():
-        steps = fig["steps"]
+        # transformers' engine (--eager) counts no step by path: its steps are the ones whose sampled ids synced
+        steps = fig["steps"] = fig["steps"] or fig.pop("synced")
+        fig.pop("synced", None)
         fig["collective_ms_per_step"] = fig["collective_s"] * 1000 / steps if steps else None
         fig["tokens_per_step"] = output_tokens / steps if steps else None
     return dict(sorted(ranks.items(), key=lambda kv: int(kv[0])))

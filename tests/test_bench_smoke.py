@@ -717,6 +717,11 @@ def test_serve_sweep_rank_figures_equal_a_hand_computation():
     assert ranks["1"]["steps"] == 30 and ranks["1"]["replayed"] == 0 and ranks["1"]["collective_s"] == 0
     assert ranks["0"]["tokens_per_step"] == ranks["1"]["tokens_per_step"] == 4
     assert ss.rank_figures({}, {}, 5) == {}  # a server without the families
+    synced = 'graphrunner_rank_synced_steps_total{model="m",rank="%s"}'
+    eager = ss.rank_figures({synced % 0: 2}, {synced % 0: 12}, output_tokens=30)  # --eager: no step by path
+    assert eager == {
+        "0": {"steps": 10, "replayed": 0, "collective_s": 0, "collective_ms_per_step": 0, "tokens_per_step": 3}
+    }
     assert ss.rank_lines(ranks)[0] == "rank 0: 30 steps, 100% replayed, collectives 10.00 ms/step, 4.0 tokens/step"
 
 
