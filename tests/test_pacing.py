@@ -135,8 +135,11 @@ def test_while_calls_come_each_key_waits_the_rest_its_predecessor_earned(share):
         early = _early_starts(keys, 0.2)
         if share < 1:
             assert early == []
-            spent = sum(end - start for start, end, _ in keys[1:])
-            assert spent <= 0.2 * (keys[-1][1] - keys[0][1]) + 1e-3
+            # the keys' share of the time from the first key's start to the last's: each key before the last
+            # is followed by its rest, so those keys took at most 0.2 of it (the last key's own time is not
+            # followed by its rest inside the span: a slow last key on a busy machine is no violation)
+            spent = sum(end - start for start, end, _ in keys[:-1])
+            assert spent <= 0.2 * (keys[-1][0] - keys[0][0]) + 1e-3 * len(keys), keys
         else:
             assert len(early) >= len(BUCKETS) - 2, keys  # back to back: not the rest of share 0.2
     finally:
