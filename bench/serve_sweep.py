@@ -433,8 +433,8 @@ def rank_figures(before: dict[str, float], after: dict[str, float], output_token
             fig["collective_s"] += delta
     for fig in ranks.values():
         # transformers' engine (--eager) counts no step by path: its steps are the ones whose sampled ids synced
-        steps = fig["steps"] = fig["steps"] or fig.pop("synced")
-        fig.pop("synced", None)
+        synced = fig.pop("synced")
+        steps = fig["steps"] = fig["steps"] or synced
         fig["collective_ms_per_step"] = fig["collective_s"] * 1000 / steps if steps else None
         fig["tokens_per_step"] = output_tokens / steps if steps else None
     return dict(sorted(ranks.items(), key=lambda kv: int(kv[0])))
