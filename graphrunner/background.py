@@ -25,7 +25,10 @@ it right after the call returns; the next call waits until it is captured
 agreed (smallest) count covers replay from that call on, on every rank
 alike, so every rank switches a key from eager to graph at the same call.
 Without calls nothing is granted: :meth:`wait` (every rank must call it)
-captures the remaining keys.
+captures the remaining keys, or an idle server calls the runner with no rows
+on every rank at the same point (a call whose every input is empty: it only
+agrees, and the key it grants is captured at full speed, since an idle call
+does not count as busy for the pace).
 
 A failed capture stops the background capture. When every rank raised it
 together (the channel found the ranks out of step: an ``AgreementError``), the
@@ -177,11 +180,13 @@ class BackgroundCapture:
         return max(left, key=lambda k: (self.hits.get(k, 0), -self.keys.index(k)))
 
     @contextlib.contextmanager
-    def call(self) -> Iterator[None]:
+    def call(self, busy: bool = True) -> Iterator[None]:
         """Held by a call of the runner: waits for the key being captured (a call waiting has the
         next turn: the thread lets waiting calls run before it starts another key); the runner counts
-        as busy meanwhile (:meth:`graphrunner.pacing.Pace.busy`)."""
-        with self.pace.busy(), self._call():
+        as busy meanwhile (:meth:`graphrunner.pacing.Pace.busy`) unless ``busy=False``: an idle call
+        (no rows on this rank: an idle server's tick that only agrees) serves nothing the capture
+        would slow, so the capture's rest does not apply to it."""
+        with self.pace.busy() if busy else contextlib.nullcontext(), self._call():
             yield
 
     @contextlib.contextmanager

@@ -395,7 +395,9 @@ class GraphRunner:
         (any device). Returns what ``step`` returns, sliced to the call's sizes: views the next
         call overwrites unless ``copy_outputs`` (default: the runner's). A size of 0 (an idle rank)
         is valid: the step runs only if a peer has rows there or some output would not be empty
-        (``docs/multirank.md``, "Idle ranks"); the outputs have 0 rows. Invalid inputs raise
+        (``docs/multirank.md``, "Idle ranks"); the outputs have 0 rows. During a background capture
+        on several ranks, a call with every input empty on every rank is an idle server's tick: its
+        agreement grants the next key, and it does not count as busy for ``share``'s rest. Invalid inputs raise
         ``ValueError``/``TypeError`` before anything is written; the runner stays usable. Raises
         :class:`CaptureError` before :meth:`capture`, :class:`GraphRunnerError` during another call.
         ``step``: the engine's own step number (an int >= 0), on several ranks agreed with the call:
@@ -407,7 +409,8 @@ class GraphRunner:
         bg = server.background
         if bg is not None:  # a background capture: wait for the key it is capturing, hold it back meanwhile
             bg.before_call()
-            with bg.call():
+            # a call without rows (every input empty: an idle rank's tick) serves nothing a capture would slow
+            with bg.call(busy=any(t.numel() for t in inputs.values() if isinstance(t, torch.Tensor))):
                 return server.run(inputs, copy_outputs, step)
         return server.run(inputs, copy_outputs, step)
 

@@ -70,8 +70,9 @@ class BackgroundWork(Protocol):
         """Before a call: wait for the key being captured."""
         ...
 
-    def call(self) -> contextlib.AbstractContextManager[None]:
-        """Around a call: no key starts meanwhile."""
+    def call(self, busy: bool = True) -> contextlib.AbstractContextManager[None]:
+        """Around a call: no key starts meanwhile; ``busy=False`` for a call without rows (it does not slow
+        the capture's pace)."""
         ...
 
     def stop(self, timeout: float | None = None) -> None:

@@ -28,8 +28,9 @@ the follower returns 0.
 
 Graphs (no ``--eager``): every rank's manager serves its steps from ``gr.hf``'s graphs over a group of the TP ranks
 (``BatchingOptions.group``, a ``TorchDistGroup(tensor_parallel=True)`` over the world): each step's agreement decides
-its key on every rank, the background capture's keys are granted at a step and captured on every rank before the
-next; the keys are the ladder's (no re-plan on several ranks). docs/serving.md, "Graphs on TP ranks".
+its key on every rank, the background capture's keys are granted at a step (or at an idle iteration of the loop:
+an idle server captures its ladder from the start) and captured on every rank before the next; a re-plan is
+decided at the same step on every rank. docs/serving.md, "Graphs on TP ranks".
 
 ``/metrics`` shows every rank: a follower puts its figures in the ranks' rendezvous store every second
 (:meth:`TPServedModel.publish_figures`), the driver reads them at each scrape (:meth:`TPServedModel.rank_figures`).

@@ -144,3 +144,34 @@ def test_calls_inside_hold_on_several_ranks_are_served_while_keys_are_granted(st
         assert not any(r.value["stuck"] for r in res)
         assert res[0].value["keys"] == res[1].value["keys"] == [1, 2, 4, 8]
         assert all(r.value["agreement_s"] > 0 for r in res)  # six calls' agreements, counted in the stats
+
+
+def _idle_ticks(rank, world, rows):
+    """Calls of ``rows`` rows (0: an idle tick) on every rank, 0.1 s apart, until every key replays, with the
+    capture's share 0.01 (a rest of 99 times a key's capture while calls come); how many calls that took."""
+    runner = _runner()
+    runner.capture(background=True, share=0.01)
+    calls, t0 = 0, time.monotonic()
+    while len(runner.captured_keys) < 4 and time.monotonic() - t0 < 60:
+        x = torch.full((rows, D), 1.0)
+        out = runner(x=x)
+        assert out.shape == (rows, D)
+        if rows:
+            torch.testing.assert_close(out, _want(x, world), rtol=1e-5, atol=1e-5)
+        calls += 1
+        time.sleep(0.1)
+    return {"keys": sorted(runner.captured_keys), "calls": calls}
+
+
+@pytest.mark.slow
+def test_idle_calls_on_every_rank_grant_a_key_each_without_the_captures_rest():
+    """An idle server's ticks (calls without rows on every rank) grant the keys: each grants the next, captured
+    before the next call, so the 4 keys replay after 5 calls, the share's rest not applied (an idle call is not
+    busy). The control: the same calls with a row each are busy, and the rest (99 times a key's capture) holds
+    the grants back for several calls per key."""
+    idle = run_ranks(_idle_ticks, world_size=2, timeout=120, args=(0,))
+    busy = run_ranks(_idle_ticks, world_size=2, timeout=120, args=(1,))
+    for r in idle + busy:
+        assert r.ok and r.exitcode == 0 and not r.timed_out, r
+    assert [r.value for r in idle] == [{"keys": [1, 2, 4, 8], "calls": 5}] * 2
+    assert busy[0].value["keys"] == [1, 2, 4, 8] and busy[0].value["calls"] == busy[1].value["calls"] > 8

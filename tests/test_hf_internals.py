@@ -131,7 +131,9 @@ def test_the_step_methods_are_wrapped_and_run_through_the_wrapper():
     while result is None or not result.is_finished():
         result = manager.get_result(timeout=30)
         assert result is not None
+    assert internals.loop_goes_on(bp), "the loop runs: its agreed stop status is DONT_STOP"
     manager.stop(block=True)
+    assert not internals.loop_goes_on(bp), "stopped: an idle iteration now ends the loop, no tick follows"
     assert set(calls) == set(internals.STEP_METHODS), "transformers ran every wrapped method in its steps"
 
     def original():
@@ -144,6 +146,9 @@ def test_the_step_methods_are_wrapped_and_run_through_the_wrapper():
     bare = types.SimpleNamespace(prepare_next_batch=original, update_batch=original, _generation_step=original)
     with pytest.raises(internals.TransformersChanged, match=rf"handle_batch_error.*{CHECKED}"):
         internals.wrap_step_methods(bare, wrap)
+    bare = types.SimpleNamespace(background_thread_status=types.SimpleNamespace(local_status=0))
+    with pytest.raises(internals.TransformersChanged, match=rf"tp_status.*{CHECKED}"):
+        internals.loop_goes_on(bare)
     manager.destroy()
 
 

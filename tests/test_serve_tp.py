@@ -5,7 +5,8 @@ elastic launcher: rank 0 serves HTTP and drives, rank 1 follows), the one-rank `
 reference answers), and ``--tp 2`` with graphs on every rank, whose rank 1 is SIGKILLed mid-serving at the
 end. Greedy answers of the two-rank server equal the one-rank server's (streamed and not, one at a time and
 from concurrent clients); the graphs' answers equal ``--tp 2 --eager``'s, streamed and not, from steps every
-rank replayed (per-rank /metrics; the eager server's show none: the control); /metrics shows every rank's
+rank replayed (per-rank /metrics; the eager server's show none: the control), after the graphs' server
+captured every key on both ranks while idle, before any request; /metrics shows every rank's
 figures (the steps each rank synced equal the driver's; each rank's wait in collectives; the one-rank
 server's are 0); SIGTERM stops every rank (exit 0, the follower's loop ended, not its process cut short); a
 killed rank stops the server (exit 1 within 60 s, naming the rank), and the client in flight gets an error,
@@ -93,8 +94,7 @@ def servers(tmp_path_factory):
 
     tiny_model_dir()  # built once, before three servers would race to build it
     tmp = str(tmp_path_factory.mktemp("serve_tp"))
-    # graphs: every step grants the next key (--capture-share 1: no rest between keys), so the ladder's keys are
-    # captured on both ranks within the first prompts' steps
+    # graphs: the idle loop grants the ladder's keys (no request reaches it before its test)
     flags = {"tp": ["--tp", "2", "--eager"], "one": ["--eager"], "graphs": ["--tp", "2", "--capture-share", "1"]}
     made = start_together(
         {name: (lambda name=name: Server(os.path.join(tmp, f"{name}.log"), *flags[name])) for name in flags}
@@ -203,10 +203,17 @@ def test_tp2_graphs_answer_as_tp2_eager_from_steps_every_rank_replayed(servers):
     graphs, tp = servers["graphs"], servers["tp"]
     want = [tp.chat(p) for p in PROMPTS]
     assert len(set(want)) > 1  # the prompts reach the model
-    # the first prompts' steps: eager (padded to their key) until the key is granted and captured on both ranks
-    assert [graphs.chat(p) for p in PROMPTS] == want
-    planned = graphs.metric("graphrunner_graphs_planned")
+    # no request has reached the graphs' server yet: its idle loop's iterations grant the keys (a call without
+    # rows on every rank), so it turns ready with every key captured on both ranks and no step served
+    deadline, planned = time.monotonic() + 240, graphs.metric("graphrunner_graphs_planned")
+    while time.monotonic() < deadline and not (
+        graphs.metric("graphrunner_ready") == 1
+        and _by_rank(graphs, "graphrunner_rank_graphs_captured") == {0: planned, 1: planned}  # rank 1's: 1 s late
+    ):
+        time.sleep(1)
     assert planned > 0 and _by_rank(graphs, "graphrunner_rank_graphs_captured") == {0: planned, 1: planned}
+    assert _rank_steps(graphs) == {0: (0.0, 0.0), 1: (0.0, 0.0)}, "captured before any step"
+    assert [graphs.chat(p) for p in PROMPTS] == want
     before = _rank_steps(graphs)
     again = [graphs.chat(p) for p in PROMPTS]
     streamed = [graphs.chat(p, stream=True) for p in PROMPTS[:4]]

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from graphrunner.devices import CudaDevice, get_device
-from graphrunner.errors import CaptureError, GraphRunnerError
+from graphrunner.errors import CaptureError, GraphRunnerError, RankFailedError
 from graphrunner.hf.attention import routed
 from graphrunner.hf.batch_step import (
     CacheGroup,
@@ -65,7 +65,7 @@ from graphrunner.hf.batch_step import (
     step_inputs,
 )
 from graphrunner.hf.equivalence import EquivalenceCheck
-from graphrunner.hf.internals import fail_step, wrap_step_methods
+from graphrunner.hf.internals import fail_step, loop_goes_on, wrap_step_methods
 from graphrunner.hf.ladder import ladder_keys, replan
 from graphrunner.hf.metadata import check_trash
 from graphrunner.hf.model_runner import GraphModelRunner
@@ -104,6 +104,10 @@ _PADDED_MANAGER = (
 #: in a row that raise stop the engine (a device error that fails every step): transformers' generation
 #: loop then fails every request, and ``graphrunner serve`` exits.
 FAILED_STEPS_IN_A_ROW = 3
+
+
+#: Several ranks: steps between two agreements on whether a re-plan's rest still runs (one collective each).
+RECHECK_STEPS = 64
 
 
 class StepError(GraphRunnerError):
@@ -237,6 +241,8 @@ class GraphBatching:
         self._pending: GraphRunner | None = None
         self._pending_began = 0.0
         self._recording = False
+        # runners whose idle ticks ended (several ranks: an agreed capture failure), by id
+        self._ticks_off: set[int] = set()
         self._logits_to_keep = False
         self.runner: GraphRunner | None = None
         self.report: CaptureReport | None = None
@@ -368,6 +374,8 @@ class GraphBatching:
             else:
                 if name == "_generation_step":
                     self._failures_in_a_row = 0
+            if name == "prepare_next_batch" and self.shared:
+                self._tick(idle=not out)
             runner = self.runner
             if self.shared:
                 # several ranks: the keys replay from the step whose agreement found them captured on every rank
@@ -385,6 +393,35 @@ class GraphBatching:
             return out
 
         return run
+
+    def _tick(self, idle: bool) -> None:
+        """Several ranks, after each ``prepare_next_batch`` (the same loop iteration on every rank; ``idle``: it
+        found no request, so no step follows): keys are granted without steps too. A runner with keys left to
+        capture agrees in a call without rows, whose agreement grants its next key (captured before the next step,
+        which holds both runners): the serving runner when no step follows (an idle server captures its ladder
+        from the start, as one rank does), a re-plan's runner at every iteration (it serves no step until it
+        takes over). Nothing when the loop stops (its agreed stop status) or every key is captured. A capture
+        failure the ranks agreed on (raised by that call on every rank) ends the runner's ticks; a re-plan's
+        runner is dropped then, the current keys serve on."""
+        if not loop_goes_on(self.processor):
+            return
+        for runner in (self.runner if idle else None, self._pending):
+            if runner is None or id(runner) in self._ticks_off or len(runner.captured_keys) == len(runner.keys):
+                continue
+            try:
+                runner(**{name: buf[:0] for name, buf in runner.static_inputs.items()})
+            except RankFailedError:
+                raise  # a rank failed: the runner stops on every rank, the engine with it
+            except CaptureError as exc:  # agreed: raised by this call on every rank
+                self._ticks_off.add(id(runner))
+                if runner is self._pending:
+                    logger.warning(
+                        "gr.hf: the re-planned keys' capture failed, serving on with the current keys: %s", exc
+                    )
+                    self._pending = None
+                    runner.cleanup()
+                else:
+                    logger.warning("gr.hf: a key's background capture failed, its steps are served eagerly: %s", exc)
 
     def _step_failed(self, exc: Exception) -> None:
         """The step raised ``exc``: its requests fail with an error naming it (transformers' own way,
@@ -494,11 +531,11 @@ class GraphBatching:
 
     @property
     def replans(self) -> bool:
-        """Whether the keys are re-planned (``autocapture`` with ``replan_every`` > 0, on one rank). Not on several
-        ranks: a re-plan starts when a rank's own clock says its rest is over, so two ranks would start it at
-        different steps, and its runner, which serves no step until it takes over, would get no grant for its keys
-        (they are granted in a step's agreement); the ladder's keys serve."""
-        return bool(self.options.autocapture and self.options.replan_every and not self.shared)
+        """Whether the keys are re-planned (``autocapture`` with ``replan_every`` > 0). On several ranks a
+        re-plan is decided at the same step on every rank (:meth:`_replan`: the steps' sizes are the same on
+        every rank, and whether any rank's rest is still running is agreed), and its runner's keys are granted
+        in idle calls (:meth:`_tick`)."""
+        return bool(self.options.autocapture and self.options.replan_every)
 
     def _step(self) -> Callable[..., torch.Tensor]:
         """The step's forward (:func:`~graphrunner.hf.batch_step.make_step`), built once."""
@@ -613,8 +650,11 @@ class GraphBatching:
             return
         if self.captured() < len(old.keys):
             return
-        if time.perf_counter() < self._rest_until:  # the last capture's rest: due again at the next step
-            self._replan_due = True
+        if self._resting():  # the last capture's rest: due again at the next step (several ranks: an agreement
+            if self.shared:  # each time, so once in at most RECHECK_STEPS steps)
+                self._since_plan = self.options.replan_every - min(RECHECK_STEPS, self.options.replan_every)
+            else:
+                self._replan_due = True
             return
         # the padding that costs: padded query tokens where the attention skips padding keys, else cells
         weigh = "tokens" if self.per_request else "cells"
@@ -631,6 +671,16 @@ class GraphBatching:
         self._pending.capture(background=True, share=self.options.capture_share)
         self._pending_began = time.perf_counter()
 
+    def _resting(self) -> bool:
+        """Whether the rest after the last background capture still runs (``replan_share``). Each rank keeps its
+        own clock, so on several ranks whether any rank still rests is agreed (one collective, at the same step on
+        every rank: a re-plan is due after the same steps everywhere), and a re-plan starts on every rank or on
+        none."""
+        resting = time.perf_counter() < self._rest_until
+        if self.shared:
+            resting = bool(self.options.group.all_max_vector([int(resting)], phase="re-plan", key="rest")[0])
+        return resting
+
     def wait_captured(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` s (each) for the background capture of :attr:`runner`'s keys and of a
         re-plan's keys (which take over at the step after); True when both are done."""
@@ -646,7 +696,10 @@ class GraphBatching:
         pending = self._pending
         if pending is None:
             return
-        if pending.capture_error is not None:
+        if self.shared:  # the keys every rank has captured (agreed): the same step on every rank; failures: _tick
+            if len(pending.captured_keys) < len(pending.keys):
+                return
+        elif pending.capture_error is not None:
             logger.warning(
                 "gr.hf: the re-planned keys' capture failed, serving on with the current keys: %s",
                 pending.capture_error,
@@ -654,7 +707,7 @@ class GraphBatching:
             self._pending = None
             pending.cleanup()
             return
-        if pending.wait_captured(timeout=0) is None:
+        elif pending.wait_captured(timeout=0) is None:
             return
         old, self._pending = self.runner, None
         self._serve_through(pending)

@@ -44,6 +44,7 @@ __all__ = [
     "fail_step",
     "forget_kept_manager",
     "kept_manager",
+    "loop_goes_on",
     "request_seed",
     "step_rows",
     "sync_sampled_ids",
@@ -73,7 +74,9 @@ INTERNALS = {
         "capture runs beside transformers' cache writes outside the forward (prefix-cache forks, offloading) "
         "and its sampling, and so that a step that raised fails only its own requests (handle_batch_error, the "
         "scheduler's block_new_requests cleared as update_batch clears it when a request ends, that step's "
-        "update_batch skipped) instead of stopping the engine"
+        "update_batch skipped) instead of stopping the engine; on several ranks an iteration whose "
+        "prepare_next_batch found no request is an idle tick while background_thread_status.tp_status (the stop "
+        "status the TP group agreed in that call) says the loop goes on"
     ),
     "CBGenerateRunner's request settings / ModelRunner._sample": (
         "sampling per request: transformers serve's continuous-batching runner hands a request's seed to the "
@@ -227,8 +230,21 @@ def wrap_step_methods(bp: Any, wrap: Callable[[str, Callable[..., Any]], Callabl
     if missing or not hasattr(getattr(bp, "scheduler", None), "block_new_requests"):
         detail = f"{type(bp).__name__} has no {missing}" if missing else "its scheduler has no block_new_requests"
         raise _changed(_STEP_ENTRY, detail)
+    loop_goes_on(bp)  # raises now, not at the first idle iteration
     for m in STEP_METHODS:
         setattr(bp, m, wrap(m, getattr(bp, m)))
+
+
+def loop_goes_on(bp: Any) -> bool:
+    """Whether the generation loop of batch processor ``bp`` goes on after an iteration whose
+    ``prepare_next_batch`` returned no batch: the stop status its TP group agreed in that call
+    (``background_thread_status.tp_status``) is ``DONT_STOP``. The same on every rank of the group (it is the
+    max of every rank's status). Raises :class:`TransformersChanged` where the status is not there."""
+    status = getattr(bp, "background_thread_status", None)
+    running = getattr(type(status), "DONT_STOP", None)
+    if status is None or running is None or not hasattr(status, "tp_status"):
+        raise _changed(_STEP_ENTRY, f"{type(bp).__name__}.background_thread_status has no tp_status / DONT_STOP")
+    return bool(status.tp_status == running)
 
 
 # --------------------------------------------------------------------------- 5. the request's sampling

@@ -56,10 +56,10 @@ class BatchingOptions:
     tape, dense on CUDA graphs).
     ``group``: the ranks' group (:class:`graphrunner.TorchDistGroup` of a tensor-parallel model's ranks; ``None``: one
     rank) every runner of the manager agrees over: each step's one agreement collective decides the key on every
-    rank, and a background capture's keys are granted at a step and captured on every rank before the next one
-    (every rank must run the same steps: transformers' TP manager does). On a group of several ranks the keys are
-    not re-planned (``replan_every`` is not applied): a re-plan starts on each rank's own clock and its runner,
-    which serves no step, would get no grant (docs/serving.md, the TP section).
+    rank, and a background capture's keys are granted at a step (or at an idle iteration of the loop, in a call
+    without rows) and captured on every rank before the next one (every rank must run the same steps:
+    transformers' TP manager does). A re-plan is decided at the same step on every rank (whether any rank's
+    rest still runs is agreed) and its keys are granted at every iteration (docs/serving.md, the TP section).
     Raises ``ValueError`` for an unknown ``attention``, for a ``replan_every`` that is no number of steps >= 0
     or a ``replan_share`` or ``capture_share`` outside ``(0, 1]``."""
 
