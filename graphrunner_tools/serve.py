@@ -369,7 +369,7 @@ def serve_http(args: argparse.Namespace) -> int:
     try:
         model_manager = ModelManager(loader, state, model_timeout=-1, force_model=model)
     except RuntimeError as exc:  # the model's process failed to load it: transformers' message says why
-        print(f"graphrunner serve: could not load {model!r}: {exc}", file=sys.stderr)
+        print(f"graphrunner serve: could not load {model!r} and start its engine: {exc}", file=sys.stderr)
         return 1
     api_key = args.api_key if args.api_key is not None else os.environ.get("GRAPHRUNNER_API_KEY") or None
     app = build_app(

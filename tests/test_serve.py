@@ -221,6 +221,53 @@ def test_capture_first_answers_health_only_once_every_graph_is_captured_then_rep
     assert replayed >= len(PROMPTS) * 2, replayed  # at least a prefill and a decode step each
 
 
+def _capture_first_session(model):
+    """A tiny model's manager made as ``graphrunner serve --capture-first`` makes it (``ServedModel``, in this
+    process), over a short ladder."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from graphrunner_tools.serve_engine import ServedModel
+
+    options = {"device": "tape", "replan_every": 0, "max_graphs": {"tokens": 2, "kv": 2, "reqs": 1}}
+    config = ContinuousBatchingConfig(
+        page_size=16, num_blocks=32, max_batch_tokens=32, max_requests_per_batch=4, use_cuda_graph=False
+    )
+    generation = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    return ServedModel(model, options, capture_first=True).init_continuous_batching(generation, config)
+
+
+def test_capture_first_a_capture_that_fails_at_the_start_raises_naming_it(capsys):
+    """``--capture-first`` in the model's process: a key's capture that fails makes the model's load raise a
+    ``CaptureError`` naming the error and the keys captured (transformers' loader then fails the server's start,
+    exit 1), at once, not a wait for ever; the control, the same model without the fault, returns its manager
+    with every key captured and no step run."""
+    import graphrunner as gr
+    from graphrunner.errors import CaptureError
+    from graphrunner_tools.models.hf_tiny import build_tiny
+
+    served = _capture_first_session(build_tiny("llama", seed=0, max_position_embeddings=512))
+    hook = gr.hf.graphs_of(served.wrapped)
+    try:
+        planned = len(hook.runner.keys)
+        assert hook.captured() == planned > 1 and hook.stats.steps == 0
+        assert f"captured {planned}/{planned} keys in " in capsys.readouterr().err
+    finally:
+        served.wrapped.destroy()
+        hook.release()
+    model = build_tiny("llama", seed=0, max_position_embeddings=512)
+
+    def broken(module, args):  # every forward of the capture raises (the manager's own warm-up runs none)
+        raise RuntimeError("a fault of the test")
+
+    model.register_forward_pre_hook(broken)
+    t0 = time.monotonic()
+    with pytest.raises(CaptureError, match=rf"failed after 0 of {planned} keys .*RuntimeError: a fault of the test"):
+        _capture_first_session(model)
+    assert time.monotonic() - t0 < 60
+    assert f"the capture failed after 0/{planned} keys" in capsys.readouterr().err
+
+
 def test_streaming_equals_non_streaming(servers):
     graphs, _ = servers
     for p in PROMPTS[:4]:
