@@ -152,7 +152,9 @@ class ServedModel:
 
     def __init__(self, model: Any, graph_options: dict[str, Any] | None, *, capture_first: bool = False) -> None:
         if capture_first and graph_options is None:
-            raise ValueError("capture_first=True needs graph_options: without graphs (--eager) there is nothing to capture")
+            raise ValueError(
+                "capture_first=True needs graph_options: without graphs (--eager) there is nothing to capture"
+            )
         self.wrapped = model
         self.graph_options = graph_options
         #: Capture every planned key before the manager is handed to the engine (``--capture-first``).
@@ -331,7 +333,9 @@ class GraphModelLoader(ModelLoader):
         self, graph_options: dict[str, Any] | None = None, *, capture_first: bool = False, **kwargs: Any
     ) -> None:
         if capture_first and graph_options is None:
-            raise ValueError("capture_first=True needs graph_options: without graphs (--eager) there is nothing to capture")
+            raise ValueError(
+                "capture_first=True needs graph_options: without graphs (--eager) there is nothing to capture"
+            )
         super().__init__(**kwargs)
         self.graph_options = graph_options
         #: Capture every planned key before the engine starts (``--capture-first``).
