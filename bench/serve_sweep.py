@@ -840,7 +840,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--graphs-flags",
         default="",
-        help="more graphrunner serve flags for the graphs column only, e.g. --capture-first (which --eager refuses)",
+        help="more graphrunner serve flags for the graphs column only, e.g. --graphs-flags=--capture-first (which "
+        "--eager refuses; the = form for a single flag)",
     )
     ap.add_argument(
         "--tp",
