@@ -64,8 +64,9 @@ class ServerProcess:
             except (urllib.error.URLError, OSError):
                 pass
             if time.monotonic() > deadline:
+                printed = self.output()  # before stop() closes the log
                 self.stop()
-                raise RuntimeError(f"graphrunner serve did not listen within {start_timeout:.0f} s:\n{self.output()}")
+                raise RuntimeError(f"graphrunner serve did not listen within {start_timeout:.0f} s:\n{printed}")
             time.sleep(0.5)
 
     def probe(self) -> dict[str, Any]:
