@@ -22,7 +22,8 @@ JSON (``--out``) and, with matplotlib, a plot next to it. Timings are never asse
     python bench/serve_sweep.py [--quick] [--max-concurrency 1,4,16,64] [--num-prompts 100,300,600,1000]
         [--request-rate inf] [--burstiness 1] [--random-input-len 48] [--random-output-len 32]
         [--random-range-ratio 0.75] [--num-warmups 64] [--goodput ttft:200 tpot:20]
-        [--columns graphs,backend-eager,eager] [--tp 1] [--threads 1] [MODEL_DIR]
+        [--columns graphs,backend-eager,eager] [--flags "..."] [--graphs-flags "--capture-first"] [--tp 1]
+        [--threads 1] [MODEL_DIR]
 """
 
 from __future__ import annotations
@@ -392,6 +393,40 @@ class HealthPoller(threading.Thread):
         return {"health_polls": self.polls, "health_not_ok": self.not_ok, "health_first_failure": self.first_failure}
 
 
+def ready_at_start(probe: dict[str, Any] | None) -> dict[str, Any]:
+    """A column's readiness when its ``/health`` first answered 200, from the server harness's probe
+    (``serve_util.ServerProcess.at_health``: ``/ready``'s status and body, read right after that 200):
+    ``ready_at_start`` (``/ready`` was 200: every planned graph captured, or no graphs) and
+    ``graphs_captured_at_start`` (``None`` where ``/ready`` did not answer)."""
+    ready = (probe or {}).get("ready") or {}
+    status = (probe or {}).get("ready_status")
+    return {
+        "ready_at_start": None if status is None else status == 200,
+        "graphs_captured_at_start": ready.get("graphs_captured"),
+    }
+
+
+def column_flags(name: str, base: list[str], graphs_flags: list[str], tp: list[str]) -> list[str]:
+    """The ``graphrunner serve`` flags of column ``name``: ``base`` (the model and ``--flags``), the column's own
+    (:data:`COLUMNS`), ``graphs_flags`` (``--graphs-flags``) for the ``graphs`` column only, and ``tp`` (``--tp N``)
+    but for the one-rank columns."""
+    own = COLUMNS[name] + (graphs_flags if name == "graphs" else [])
+    return base + own + ([] if name in ONE_RANK else tp)
+
+
+def start_line(columns: dict[str, dict[str, Any]]) -> str:
+    """One line: each column's start (seconds from the launch to its first ``/health`` 200) and whether its
+    ``/ready`` was 200 then."""
+    parts = []
+    for name, col in columns.items():
+        ready = col.get("ready_at_start")
+        state = "" if ready is None else " ready" if ready else " not ready"
+        parts.append(f"{name} {col['start_seconds']:.1f} s{state}")
+        if ready is False and col.get("graphs_captured_at_start") is not None:
+            parts[-1] += f" ({col['graphs_captured_at_start']:.0f} graphs captured)"
+    return "[serve_sweep] start (launch to /health 200; /ready then): " + ", ".join(parts)
+
+
 def _steps(path: str, m: dict[str, float]) -> float:
     return sum(v for k, v in m.items() if k.startswith("graphrunner_steps_total") and f'path="{path}"' in k)
 
@@ -462,13 +497,14 @@ def run_column(
 
     graphs = name == "graphs"
     t0 = time.perf_counter()
-    server = ServerProcess([*ENGINE, *flags], log, start_timeout=300, env={"OMP_NUM_THREADS": str(threads)})
-    listening = time.perf_counter() - t0
+    env = {"OMP_NUM_THREADS": str(threads)}
+    server = ServerProcess([*ENGINE, *flags], log, start_timeout=300, env=env, probe=True)
     poller = _CapturePoller(server) if graphs else None
     if poller:
         poller.start()
     model = openai.OpenAI(base_url=server.url + "/v1", api_key="none").models.list().data[0].id
-    out: dict[str, Any] = {"name": name, "flags": flags, "start_seconds": listening}
+    out: dict[str, Any] = {"name": name, "flags": flags, "start_seconds": server.start_seconds}
+    out.update(ready_at_start(server.at_health))
     try:
         conc = plan[0]["max_concurrency"] or 16
         wait_capture = graphs and settle > 0
@@ -725,8 +761,9 @@ def _columns(text: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; return (and write to ``--out``) the result: ``environment``, ``config``,
-    ``columns`` (per column: its ``runs``, each with ``vllm bench serve``'s names, and its server's start,
-    exit code, graphs captured, ``graphs_ready_s`` and ``time_to_full_speed`` for the graphs column),
+    ``columns`` (per column: its ``runs``, each with ``vllm bench serve``'s names, and its server's start
+    (``start_seconds``, ``ready_at_start``, ``graphs_captured_at_start``), exit code, graphs captured,
+    ``graphs_ready_s`` and ``time_to_full_speed`` for the graphs column),
     ``mismatches`` (greedy answers different from the first column's) and ``failed`` (failed requests)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", nargs="?", default=None, help="a local model directory (default: the built-in tiny one)")
@@ -801,6 +838,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--full-speed-window", type=float, default=2.0, help="the rolling window, seconds (default 2)")
     ap.add_argument("--flags", default="", help="more graphrunner serve flags for every column")
     ap.add_argument(
+        "--graphs-flags",
+        default="",
+        help="more graphrunner serve flags for the graphs column only, e.g. --graphs-flags=--capture-first (which "
+        "--eager refuses; the = form for a single flag)",
+    )
+    ap.add_argument(
         "--tp",
         type=int,
         default=1,
@@ -817,7 +860,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ap.error(f"--num-prompts gives {len(counts)} counts for {len(levels)} levels")
     if args.tp < 1:
         ap.error(f"--tp must be >= 1, got {args.tp}")
-    if "--tp" in args.flags.split():
+    if "--tp" in args.flags.split() + args.graphs_flags.split():
         ap.error("pass --tp N to the benchmark itself, not in --flags: the one-rank column runs without it")
     if args.columns[0] in ONE_RANK:
         ap.error(f"--columns: {args.columns[0]} is the agreement reference, not the first column; put it last")
@@ -878,6 +921,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "full_speed_window_s": args.full_speed_window,
             "engine": ENGINE,
             "flags": base,
+            "graphs_flags": args.graphs_flags.split(),
             "seed": args.seed,
             "threads": args.threads,
             "tp": args.tp,
@@ -888,7 +932,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name in args.columns:
         result["columns"][name] = run_column(
             name,
-            base + COLUMNS[name] + ([] if name in ONE_RANK else tp),
+            column_flags(name, base, args.graphs_flags.split(), tp),
             plan,
             warmup,
             num_warmups,
@@ -906,6 +950,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"[serve_sweep] {sum(counts)} prompts a column; failed {result['failed']}, mismatches "
         f"{result['mismatches']} (against {args.columns[0]}); exit codes {codes}"
     )
+    print(start_line(result["columns"]))
     if "one_rank_agreement" in result:
         agree = result["one_rank_agreement"]
         print(

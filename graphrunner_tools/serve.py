@@ -12,9 +12,13 @@ used as they are, through their public entry points (:mod:`transformers.cli.serv
   process) hands transformers' engine the model with an ``init_continuous_batching`` of its own
   (:class:`~graphrunner_tools.serve_engine.ServedModel`): the engine's manager is made by
   :func:`graphrunner.hf.init_continuous_batching` with ``autocapture=True``: graphs are captured in
-  the background from the first step, keys from a ladder, re-planned from the steps served
-  (``docs/serving.md``). ``--eager`` serves without graphs (transformers' own engine, the same
-  command and flags otherwise);
+  the background from the model's load on, keys from a ladder, re-planned from the steps served
+  (``docs/serving.md``). The model is loaded, and its engine made, before the HTTP server listens
+  (transformers' ``ModelManager(force_model=...)``); ``--capture-first`` makes that load also wait
+  until every key of the ladder is captured
+  (:func:`~graphrunner_tools.serve_engine.capture_before_serving`), so ``/health`` answers only then
+  and every step replays from the first request. ``--eager`` serves without graphs (transformers' own
+  engine, the same command and flags otherwise);
 - in front of the app, :class:`~graphrunner_tools.serve_admission.FrontDoor`: the API key
   (``--api-key``), the admin routes closed (``--admin`` opens them), a bound on the requests in flight
   (429 beyond ``--max-concurrent-requests``), every parameter honoured or refused, malformed messages
@@ -357,16 +361,15 @@ def serve_http(args: argparse.Namespace) -> int:
 
         loader: GraphModelLoader = make_loader(args, options)
     else:
-        loader = GraphModelLoader(options, **loader_arguments(args))
-    print(
-        f"graphrunner serve: loading {model} ({'eager: no graphs' if options is None else 'graphs: ' + json.dumps(options)})",
-        file=sys.stderr,
-        flush=True,
-    )
+        loader = GraphModelLoader(options, capture_first=args.capture_first, **loader_arguments(args))
+    what = "eager: no graphs" if options is None else "graphs: " + json.dumps(options)
+    if args.capture_first:
+        what += "; every key captured before the server answers (--capture-first)"
+    print(f"graphrunner serve: loading {model} ({what})", file=sys.stderr, flush=True)
     try:
         model_manager = ModelManager(loader, state, model_timeout=-1, force_model=model)
     except RuntimeError as exc:  # the model's process failed to load it: transformers' message says why
-        print(f"graphrunner serve: could not load {model!r}: {exc}", file=sys.stderr)
+        print(f"graphrunner serve: could not load {model!r} and start its engine: {exc}", file=sys.stderr)
         return 1
     api_key = args.api_key if args.api_key is not None else os.environ.get("GRAPHRUNNER_API_KEY") or None
     app = build_app(
@@ -462,7 +465,8 @@ def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
         help="serve a transformers model over an OpenAI-compatible HTTP API, its steps replayed from graphs",
         description="transformers' own server (transformers serve --continuous-batching: /v1/chat/completions, "
         "/v1/completions, /v1/responses, streaming) with its continuous-batching steps replayed from "
-        "graphrunner graphs, captured in the background from the first request; GET /metrics in "
+        "graphrunner graphs, captured in the background from the start (or all before it answers: "
+        "--capture-first); GET /metrics in "
         "Prometheus' format. MODEL_DIR: a local transformers model directory (omit it for a tiny "
         "built-in model with random weights). Needs the serve extra: pip install -e '.[serve]'. "
         "SIGTERM or Ctrl+C stops it (exit 0). See docs/serving.md.",
@@ -563,6 +567,16 @@ def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
         "1: keys back to back, a waiting step first)",
     )
     p.add_argument(
+        "--capture-first",
+        action="store_true",
+        help="capture every key of the ladder before the server answers (as vLLM and SGLang capture their CUDA "
+        "graphs at start): /health answers only once every planned graph is captured, at full speed (no step "
+        "beside it), so every step replays from the first request; the start takes the capture's seconds more "
+        "(keys captured of planned shown meanwhile), and a capture that fails stops the start (exit 1) naming "
+        "the error. Default off: the server answers at once and captures beside the first requests, which are "
+        "served more slowly meanwhile (--capture-share). Not with --eager, nor yet with --tp",
+    )
+    p.add_argument(
         "--attention",
         choices=("auto", "per_request", "dense"),
         default="auto",
@@ -640,6 +654,16 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"argument --port: must be 1..65535, got {args.port}")
     if args.tp < 1:
         parser.error(f"argument --tp: must be >= 1 (tensor-parallel ranks), got {args.tp}")
+    if args.capture_first and args.eager:
+        parser.error(
+            "argument --capture-first: not allowed with --eager, which serves without graphs (nothing to capture); "
+            "drop one of them"
+        )
+    if args.capture_first and args.tp > 1:
+        parser.error(
+            f"argument --capture-first: not supported with --tp {args.tp} yet (the ranks' keys are granted step by "
+            "step there, docs/serving.md); drop --capture-first, or serve on one rank"
+        )
     if not args.tp_timeout > 0:
         parser.error(f"argument --tp-timeout: must be > 0 seconds, got {args.tp_timeout}")
 

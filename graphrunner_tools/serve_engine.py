@@ -18,22 +18,30 @@ from __future__ import annotations
 import copy
 import itertools
 import os
+import sys
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TextIO
 
+import torch
 from transformers.cli.serving.model_manager import ModelLoader
 
+from graphrunner.errors import CaptureError
 from graphrunner.hf import graphs_of, init_continuous_batching
 from graphrunner.hf.internals import REQUEST_SAMPLING_KEYS, engine_state, request_seed
 from graphrunner.hf.model_runner import GraphModelRunner, sample_per_request
 from graphrunner.hf.sampling import RequestSampler, SamplingParams
+from graphrunner.progress import StatusLine
 
 __all__ = [
     "FAULT_ENV",
+    "SLOW_CAPTURE_ENV",
+    "SLOW_CAPTURE_SECONDS",
     "GraphModelLoader",
     "ServedManager",
     "ServedModel",
     "RANK_FIGURES",
+    "capture_before_serving",
     "engine_metrics",
     "loader_arguments",
 ]
@@ -41,6 +49,15 @@ __all__ = [
 #: Tests only: the environment variable naming a trigger file (:func:`_with_fault`); read in one place,
 #: :meth:`ServedModel.init_continuous_batching`.
 FAULT_ENV = "GRAPHRUNNER_SERVE_FAULT"
+
+#: Tests only: the environment variable naming a trigger file: while the file exists, every forward of the model
+#: first sleeps :data:`SLOW_CAPTURE_SECONDS` (:func:`_slowed_while`), so a background capture that starts with the
+#: model's load is still under way when the server first answers (the negative control of ``--capture-first``);
+#: read in one place, :meth:`ServedModel.init_continuous_batching`.
+SLOW_CAPTURE_ENV = "GRAPHRUNNER_SERVE_SLOW_CAPTURE"
+
+#: Seconds each forward sleeps while :data:`SLOW_CAPTURE_ENV`'s file exists (a key's capture runs 3 or 4 forwards).
+SLOW_CAPTURE_SECONDS = 0.25
 
 
 class _SamplingKeys:
@@ -128,11 +145,20 @@ class ServedModel:
     :meth:`init_continuous_batching` makes a manager with graphs, its steps sampled per request by
     :attr:`sampler`, and keeps it (:attr:`manager`, for :func:`engine_metrics`). It does not own the model or
     change it: the manager is made on the model itself, by :func:`graphrunner.hf.init_continuous_batching`
-    (or, with ``graph_options=None``, transformers' own ``init_continuous_batching``)."""
+    (or, with ``graph_options=None``, transformers' own ``init_continuous_batching``). ``capture_first``
+    (``graphrunner serve --capture-first``; graphs only): :meth:`init_continuous_batching` returns the manager
+    only once every planned key is captured (:func:`capture_before_serving`), so the engine starts, and the
+    server answers, at full speed."""
 
-    def __init__(self, model: Any, graph_options: dict[str, Any] | None) -> None:
+    def __init__(self, model: Any, graph_options: dict[str, Any] | None, *, capture_first: bool = False) -> None:
+        if capture_first and graph_options is None:
+            raise ValueError(
+                "capture_first=True needs graph_options: without graphs (--eager) there is nothing to capture"
+            )
         self.wrapped = model
         self.graph_options = graph_options
+        #: Capture every planned key before the manager is handed to the engine (``--capture-first``).
+        self.capture_first = capture_first
         self.manager: Any = None
         #: Each request's sampling settings and generator (:class:`ServedManager` keeps them).
         self.sampler = RequestSampler()
@@ -150,7 +176,11 @@ class ServedModel:
         (``backend``, ``device``, ``buckets``, ``max_graphs``, ``replan_every``, ``replan_share``), or, with
         ``graph_options=None`` (``--eager``), transformers' own; either way made with the generation config
         (default: the model's) less its sampling (:func:`greedy_config`), its steps sampled per request
-        (:func:`graphrunner.hf.model_runner.sample_per_request`), handed on as a :class:`ServedManager`."""
+        (:func:`graphrunner.hf.model_runner.sample_per_request`), handed on as a :class:`ServedManager`. With
+        :attr:`capture_first`, returns once every planned key is captured (:func:`capture_before_serving`,
+        progress on stderr), before the engine's loop starts; a capture that fails raises
+        :class:`~graphrunner.errors.CaptureError` naming it (transformers' loader then fails the server's
+        start)."""
         config = greedy_config(generation_config if generation_config is not None else self.wrapped.generation_config)
         if self.graph_options is None:
             manager = self.wrapped.init_continuous_batching(config, continuous_batching_config, workload_hints)
@@ -165,9 +195,17 @@ class ServedModel:
                 **self.graph_options,
             )
         try:
+            slow = os.environ.get(SLOW_CAPTURE_ENV)
+            if slow:  # tests only: after the manager's own warm-up, so only the capture's forwards are slowed
+                self.wrapped.register_forward_pre_hook(_slowed_while(slow))
             sample_per_request(manager.batch_processor, self.sampler)
+            if self.capture_first:
+                capture_before_serving(manager)
         except BaseException:
             manager.destroy()
+            hook = graphs_of(manager)
+            if hook is not None:  # its capture thread goes with it, not at the process's exit
+                hook.release()
             raise
         self.manager = manager
         trigger = os.environ.get(FAULT_ENV)
@@ -178,6 +216,74 @@ class ServedModel:
                 raise ValueError(f"{FAULT_ENV} needs the graphs: it faults graphrunner's step (not with --eager)")
             model_runner.serve = _with_fault(model_runner.serve, trigger)
         return ServedManager(manager, self.sampler)
+
+
+def capture_before_serving(manager: Any, stream: TextIO | None = None, interval: float = 1.0) -> tuple[int, float]:
+    """Wait until every key the graphs of ``manager`` planned is captured (``graphrunner serve --capture-first``):
+    ``manager`` is one :func:`graphrunner.hf.init_continuous_batching` made with ``autocapture=True`` (its ladder's
+    background capture started when it was made), not started yet, so no step runs beside the capture and the
+    capture never rests (its pacing rests only while steps come): its keys are captured back to back, with the
+    process's torch threads. Shows ``keys captured of planned, seconds`` on ``stream`` (default ``sys.stderr``)
+    every ``interval`` seconds (in place on a terminal) and a last line; returns ``(keys captured, seconds)``.
+
+    Raises :class:`~graphrunner.errors.CaptureError` naming the error (its type, message and notes) and how many
+    keys were captured when a key's capture fails, or when the capture ends with keys not replayable;
+    ``ValueError`` for a manager without graphs (``--eager``: nothing to capture)."""
+    hook = graphs_of(manager)
+    runner = None if hook is None else hook.runner
+    if hook is None or runner is None:
+        raise ValueError(
+            "capture_before_serving needs a manager made by gr.hf.init_continuous_batching(..., autocapture=True): "
+            "this one has no graphs to capture (--eager serves without graphs: drop --capture-first)"
+        )
+    planned = len(runner.keys)
+    line = StatusLine(stream if stream is not None else sys.stderr)
+    threads = torch.get_num_threads()
+    t0 = time.perf_counter()
+
+    def done() -> int:  # keys whose graph exists (they replay once the capture ends)
+        return sum(1 for k in runner.keys if runner.backend.can_run(k))
+
+    while runner.wait_captured(timeout=interval) is None:
+        error = runner.capture_error
+        if error is not None:
+            notes = "".join(f"; {n}" for n in getattr(error, "__notes__", ()))
+            line.write(f"graphrunner serve: the capture failed after {done()}/{planned} keys", final=True)
+            raise CaptureError(
+                f"--capture-first: capturing the graphs before serving failed after {done()} of {planned} keys "
+                f"({time.perf_counter() - t0:.1f} s): {type(error).__name__}: {error}{notes}. The server does not "
+                "start; drop --capture-first to serve with the keys that capture (the others eagerly), or fix "
+                "the model's step"
+            ) from error
+        line.write(
+            f"graphrunner serve: capturing the graphs before serving: {done()}/{planned} keys, "
+            f"{time.perf_counter() - t0:.1f} s ({threads} torch threads)"
+        )
+    seconds = time.perf_counter() - t0
+    captured = hook.captured()  # the keys that replay now (the capture's end made them replayable)
+    if captured != planned:
+        raise CaptureError(
+            f"--capture-first: the capture ended with {captured} of {planned} keys replayable (backend "
+            f"{getattr(runner.backend, 'name', type(runner.backend).__name__)!r}): the server would not start at "
+            "full speed; drop --capture-first, or use a backend that captures graphs (--backend full or breakable)"
+        )
+    line.write(
+        f"graphrunner serve: captured {captured}/{planned} keys in {seconds:.1f} s before serving "
+        f"({threads} torch threads): every step replays from the first request",
+        final=True,
+    )
+    return captured, seconds
+
+
+def _slowed_while(trigger: str) -> Callable[..., None]:
+    """Tests only (:data:`SLOW_CAPTURE_ENV`): a forward pre-hook that sleeps :data:`SLOW_CAPTURE_SECONDS` while the
+    file ``trigger`` exists (Python around the forward: a graph captured meanwhile records none of it)."""
+
+    def slow(module: Any, args: Any) -> None:
+        if os.path.exists(trigger):
+            time.sleep(SLOW_CAPTURE_SECONDS)
+
+    return slow
 
 
 def _with_fault(serve: Callable[..., Any], trigger: str) -> Callable[..., Any]:
@@ -219,12 +325,21 @@ def loader_arguments(args: Any) -> dict[str, Any]:
 class GraphModelLoader(ModelLoader):
     """transformers serve's ``ModelLoader`` whose models serve their continuous-batching steps from graphs
     (:class:`ServedModel` with ``graph_options``; ``None``: transformers' own engine, for ``--eager``).
-    ``GraphModelLoader(graph_options, **ModelLoader's arguments)``; picklable (it crosses to the model's
-    process)."""
+    ``GraphModelLoader(graph_options, capture_first=False, **ModelLoader's arguments)``; ``capture_first``
+    (``--capture-first``): the model's load ends once every planned key is captured (:class:`ServedModel`);
+    picklable (it crosses to the model's process)."""
 
-    def __init__(self, graph_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, graph_options: dict[str, Any] | None = None, *, capture_first: bool = False, **kwargs: Any
+    ) -> None:
+        if capture_first and graph_options is None:
+            raise ValueError(
+                "capture_first=True needs graph_options: without graphs (--eager) there is nothing to capture"
+            )
         super().__init__(**kwargs)
         self.graph_options = graph_options
+        #: Capture every planned key before the engine starts (``--capture-first``).
+        self.capture_first = capture_first
 
     def load_model_and_processor(self, model_id: str, on_progress: Any = None) -> Any:
         """transformers' loading, the model handed on as a :class:`ServedModel` (in the model's process).
@@ -239,7 +354,7 @@ class GraphModelLoader(ModelLoader):
 
         tqdm.set_lock(threading.RLock())  # tqdm's public seam; the model's process is its only writer
         model, processor = super().load_model_and_processor(model_id, on_progress=on_progress)
-        return ServedModel(model, self.graph_options), processor
+        return ServedModel(model, self.graph_options, capture_first=self.capture_first), processor
 
 
 #: The figures ``/metrics`` shows per rank (``graphrunner_rank_*{rank}``), of :func:`engine_metrics`' keys.

@@ -12,14 +12,21 @@ from typing import Any
 class ServerProcess:
     """A ``graphrunner serve`` process on a free port of 127.0.0.1.
 
-    ``ServerProcess(flags, log_path, start_timeout=180, env=None)`` starts ``python -m graphrunner_tools
-    serve --port <free> *flags`` with its output in ``log_path`` and returns once ``/health`` answers
-    200; raises ``RuntimeError`` with the log's tail when it exits or does not listen in time.
+    ``ServerProcess(flags, log_path, start_timeout=180, env=None, probe=False)`` starts ``python -m
+    graphrunner_tools serve --port <free> *flags`` with its output in ``log_path`` and returns once ``/health``
+    answers 200 (polled every 0.5 s); raises ``RuntimeError`` with the log's tail when it exits or does not
+    listen in time. :attr:`start_seconds`: seconds from the launch to that first 200. ``probe=True``: right
+    after that first 200, ``/ready`` and ``/metrics`` are read once into :attr:`at_health` (:meth:`probe`).
     :attr:`url` is its base URL; :meth:`metrics` parses ``/metrics``; :meth:`stop` sends SIGTERM
     and returns the exit code (killed after ``timeout`` seconds)."""
 
     def __init__(
-        self, flags: Any, log_path: str, start_timeout: float = 180.0, env: dict[str, str] | None = None
+        self,
+        flags: Any,
+        log_path: str,
+        start_timeout: float = 180.0,
+        env: dict[str, str] | None = None,
+        probe: bool = False,
     ) -> None:
         import socket
         import subprocess
@@ -39,20 +46,49 @@ class ServerProcess:
             env={**os.environ, **(env or {})},
         )
         self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + start_timeout
+        #: What :meth:`probe` read right after the first ``/health`` 200 (``probe=True``), else ``None``.
+        self.at_health: dict[str, Any] | None = None
+        t0 = time.monotonic()
+        deadline = t0 + start_timeout
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"graphrunner serve exited with {self.proc.returncode}:\n{self.output()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
+                        #: Seconds from the launch to the first ``/health`` 200 seen.
+                        self.start_seconds = time.monotonic() - t0
+                        if probe:
+                            self.at_health = self.probe()
                         return
             except (urllib.error.URLError, OSError):
                 pass
             if time.monotonic() > deadline:
+                printed = self.output()  # before stop() closes the log
                 self.stop()
-                raise RuntimeError(f"graphrunner serve did not listen within {start_timeout:.0f} s:\n{self.output()}")
+                raise RuntimeError(f"graphrunner serve did not listen within {start_timeout:.0f} s:\n{printed}")
             time.sleep(0.5)
+
+    def probe(self) -> dict[str, Any]:
+        """``GET /ready`` then ``GET /metrics``, now: ``{"ready_status": 200 or 503, "ready": /ready's JSON,
+        "metrics": {"name{labels}": value}}``; a route that fails is ``None`` (``/metrics`` behind an API key)."""
+        import json
+        import urllib.error
+        import urllib.request
+
+        out: dict[str, Any] = {"ready_status": None, "ready": None, "metrics": None}
+        try:
+            with urllib.request.urlopen(self.url + "/ready", timeout=30) as r:
+                out["ready_status"], out["ready"] = r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:  # 503: not ready, with the same body
+            out["ready_status"], out["ready"] = exc.code, json.loads(exc.read() or b"null")
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        try:
+            out["metrics"] = self.metrics()
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        return out
 
     def output(self, tail: int = 4000) -> str:
         """The last ``tail`` characters the server printed."""

@@ -666,11 +666,38 @@ def test_serve_sweep_usage_errors_before_any_server(capsys):
         ["--max-concurrency", "x"],
         ["--tp", "0"],
         ["--flags", "--tp 2"],
+        ["--graphs-flags", "--tp 2"],
         ["--columns", "one-rank,eager"],
     ):
         with pytest.raises(SystemExit) as err:
             ss.main(argv)
         assert err.value.code == 2, argv
+
+
+def test_serve_sweep_graphs_flags_reach_the_graphs_column_only_and_the_start_is_reported_per_column():
+    """``--graphs-flags`` (e.g. ``--capture-first``, which ``--eager`` refuses) go to the ``graphs`` column alone,
+    ``--flags`` and ``--tp`` as before; each column's start line names its seconds to the first ``/health`` 200
+    and whether ``/ready`` was 200 then, from the harness's probe (by hand)."""
+    ss = _serve_sweep()
+    base, first, tp = ["model", "--flags-for-all"], ["--capture-first"], ["--tp", "2"]
+    assert ss.column_flags("graphs", base, first, tp) == [*base, "--capture-first", "--tp", "2"]
+    assert ss.column_flags("eager", base, first, tp) == [*base, "--eager", "--tp", "2"]
+    assert ss.column_flags("backend-eager", base, first, []) == [*base, "--backend", "eager"]
+    assert ss.column_flags("one-rank", base, first, tp) == [*base, "--eager"]  # one rank, no graphs flags
+    ready = {"ready_status": 200, "ready": {"ready": True, "graphs_planned": 44, "graphs_captured": 44}}
+    behind = {"ready_status": 503, "ready": {"ready": False, "graphs_planned": 44, "graphs_captured": 3}}
+    assert ss.ready_at_start(ready) == {"ready_at_start": True, "graphs_captured_at_start": 44}
+    assert ss.ready_at_start(behind) == {"ready_at_start": False, "graphs_captured_at_start": 3}
+    assert ss.ready_at_start(None) == {"ready_at_start": None, "graphs_captured_at_start": None}  # not probed
+    columns = {
+        "graphs": {"start_seconds": 21.04, **ss.ready_at_start(ready)},
+        "backend-eager": {"start_seconds": 12.0, **ss.ready_at_start(behind)},
+        "eager": {"start_seconds": 11.96, **ss.ready_at_start(None)},
+    }
+    assert ss.start_line(columns) == (
+        "[serve_sweep] start (launch to /health 200; /ready then): graphs 21.0 s ready, "
+        "backend-eager 12.0 s not ready (3 graphs captured), eager 12.0 s"
+    )
 
 
 def test_serve_sweep_counts_one_rank_answers_as_agreement_never_as_mismatches():

@@ -49,6 +49,7 @@ class Server(ServerProcess):
                 log,
                 START,
                 env={"GRAPHRUNNER_CACHE": cache, "OMP_NUM_THREADS": "1", **(env or {})},
+                probe=True,  # /ready and /metrics read at the first /health 200: at_health
             )
         except RuntimeError as exc:
             raise AssertionError(str(exc)) from None
@@ -71,7 +72,9 @@ FLEET = {
     "graphs": (("--replan-every", "32", "--replan-share", "1"), {}),  # re-plans without rest: during the tests
     "eager": (("--eager",), {}),
     "dense": (("--attention", "dense", "--max-graphs", "tokens=3,kv=2,reqs=2"), {}),  # its own test only
-    "sigterm": ((), {}),  # stopped by its test
+    # stopped by its test; its capture slowed until the fleet listens: the negative control of --capture-first
+    "sigterm": ((), {"GRAPHRUNNER_SERVE_SLOW_CAPTURE": "{tmp}/slow"}),
+    "first": (("--capture-first",), {}),  # every key captured before /health answers
     # one graph (the ladder's largest key): little capture beside the steps; steps raise while the file exists
     "fault": (("--max-graphs", "1"), {"GRAPHRUNNER_SERVE_FAULT": "{tmp}/fault"}),
 }
@@ -88,11 +91,17 @@ def fleet(tmp_path_factory):
         flags, env = FLEET[name]
         return lambda: Server(tmp, *flags, env={k: v.format(tmp=tmp) for k, v in env.items()}, name=name)
 
-    made = start_together({name: maker(name) for name in FLEET})
+    slow = pathlib.Path(tmp) / "slow"
+    slow.write_text("")  # the sigterm server's capture is slowed while it exists
+    try:
+        made = start_together({name: maker(name) for name in FLEET})
+    finally:
+        slow.unlink()
     made["tmp"] = tmp
     yield made
-    codes = {name: made[name].stop() for name in ("graphs", "eager")}
-    assert codes == {"graphs": 0, "eager": 0}, f"SIGTERM: both exit 0, got {codes}\n{made['graphs'].output()}"
+    codes = {name: made[name].stop() for name in ("graphs", "eager", "first")}
+    want = {"graphs": 0, "eager": 0, "first": 0}
+    assert codes == want, f"SIGTERM: each exits 0, got {codes}\n{made['graphs'].output()}"
     for name in ("dense", "sigterm", "fault"):
         made[name].stop(signal.SIGKILL)  # stopped by their tests, unless one failed first
 
@@ -176,6 +185,87 @@ def test_the_dense_attention_cuda_replays_serves_the_eager_servers_answers(serve
         assert _replayed(dense) - replayed >= 12 * 4 / 2
     finally:
         assert dense.stop() == 0, dense.output()
+
+
+def _steps_at(metrics, model):
+    """``(replayed, eager)`` steps in a ``/metrics`` snapshot."""
+    return tuple(metrics[f'graphrunner_steps_total{{model="{model}",path="{path}"}}'] for path in ("replayed", "eager"))
+
+
+def test_capture_first_answers_health_only_once_every_graph_is_captured_then_replays_every_step(servers, fleet):
+    """``--capture-first``: the first time ``/health`` answers 200, ``/ready`` is already 200 with every planned key
+    captured and no step run (``/metrics``), and the server printed its last progress line; then greedy
+    answers equal the ``--eager`` server's, every step of them replayed from graphs (none eager). The negative
+    control: the same probe of a default server (background capture from the start; the ``sigterm`` server, its
+    capture slowed by ``GRAPHRUNNER_SERVE_SLOW_CAPTURE`` until every server listens) sees ``/ready`` 503 with
+    fewer keys captured than planned: ``/health`` there does not wait for the graphs."""
+    _, eager = servers
+    first, default = fleet["first"], fleet["sigterm"]
+    probe = first.at_health
+    assert probe["ready_status"] == 200, probe["ready"]
+    ready = probe["ready"]
+    assert ready["ready"] and ready["graphs_captured"] == ready["graphs_planned"] > 1, ready
+    assert _steps_at(probe["metrics"], first.model) == (0, 0), "no step ran before the server answered"
+    planned = ready["graphs_planned"]
+    log = first.output(tail=100_000)
+    assert f"captured {planned}/{planned} keys in " in log, log  # its last progress line
+    # negative control: a default server answers /health while its keys are still being captured
+    control = default.at_health
+    assert control["ready_status"] == 503, control
+    assert control["ready"]["graphs_captured"] < control["ready"]["graphs_planned"], control
+    # from the first request on, every step replays
+    got = [first.chat(p) for p in PROMPTS]
+    replayed, eager_steps = _steps_at(first.metrics(), first.model)
+    assert got == [eager.chat(p) for p in PROMPTS]
+    assert eager_steps == 0, f"{eager_steps:.0f} steps ran eagerly: a key was not captured at the start"
+    assert replayed >= len(PROMPTS) * 2, replayed  # at least a prefill and a decode step each
+
+
+def _capture_first_session(model):
+    """A tiny model's manager made as ``graphrunner serve --capture-first`` makes it (``ServedModel``, in this
+    process), over a short ladder."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from graphrunner_tools.serve_engine import ServedModel
+
+    options = {"device": "tape", "replan_every": 0, "max_graphs": {"tokens": 2, "kv": 2, "reqs": 1}}
+    config = ContinuousBatchingConfig(
+        page_size=16, num_blocks=32, max_batch_tokens=32, max_requests_per_batch=4, use_cuda_graph=False
+    )
+    generation = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    return ServedModel(model, options, capture_first=True).init_continuous_batching(generation, config)
+
+
+def test_capture_first_a_capture_that_fails_at_the_start_raises_naming_it(capsys):
+    """``--capture-first`` in the model's process: a key's capture that fails makes the model's load raise a
+    ``CaptureError`` naming the error and the keys captured (transformers' loader then fails the server's start,
+    exit 1), at once, not a wait for ever; the control, the same model without the fault, returns its manager
+    with every key captured and no step run."""
+    import graphrunner as gr
+    from graphrunner.errors import CaptureError
+    from graphrunner_tools.models.hf_tiny import build_tiny
+
+    served = _capture_first_session(build_tiny("llama", seed=0, max_position_embeddings=512))
+    hook = gr.hf.graphs_of(served.wrapped)
+    try:
+        planned = len(hook.runner.keys)
+        assert hook.captured() == planned > 1 and hook.stats.steps == 0
+        assert f"captured {planned}/{planned} keys in " in capsys.readouterr().err
+    finally:
+        served.wrapped.destroy()
+        hook.release()
+    model = build_tiny("llama", seed=0, max_position_embeddings=512)
+
+    def broken(module, args):  # every forward of the capture raises (the manager's own warm-up runs none)
+        raise RuntimeError("a fault of the test")
+
+    model.register_forward_pre_hook(broken)
+    t0 = time.monotonic()
+    with pytest.raises(CaptureError, match=rf"failed after 0 of {planned} keys .*RuntimeError: a fault of the test"):
+        _capture_first_session(model)
+    assert time.monotonic() - t0 < 60
+    assert f"the capture failed after 0/{planned} keys" in capsys.readouterr().err
 
 
 def test_streaming_equals_non_streaming(servers):
@@ -441,6 +531,27 @@ def test_a_model_dir_that_is_not_a_directory_is_a_usage_error(tmp_path, capsys):
     assert main(["serve", str(tmp_path / "no-such-model")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no-such-model" in err and "is not a directory" in err
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--eager"], ["--capture-first", "--eager", "nothing to capture"]),
+        (["--tp", "2"], ["--capture-first", "--tp 2", "not supported", "yet"]),
+    ],
+)
+def test_capture_first_with_eager_or_tp_is_a_usage_error(flags, words, capsys):
+    """``--capture-first`` with ``--eager`` (no graphs) or ``--tp`` > 1 (not built there yet): one line naming both,
+    exit 2, before anything starts; the control, ``--capture-first`` alone, passes the same checks."""
+    from graphrunner_tools.cli import build_parser, main
+
+    assert main(["serve", "--capture-first", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and all(w in err for w in words), err
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--capture-first"])
+    args.check(parser, args)  # no usage error
+    assert args.capture_first and not args.eager and args.tp == 1
 
 
 @pytest.mark.parametrize("share", ["0", "1.5", "-0.1"])
