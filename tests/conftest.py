@@ -10,7 +10,6 @@
 - ``hf``-marked tests skip without transformers (the ``hf`` extra, which the README's quick
   start does not install).
 - The ``one_torch_thread`` fixture.
-- Files that hold a ``slow`` test run first (the two workers' load balance).
 """
 
 import os
@@ -26,7 +25,6 @@ _STANDIN_FIXTURES = ("cuda_device", "cuda_standin")
 
 
 def pytest_collection_modifyitems(config, items):
-    _slow_files_first(items)
     no_hf = missing("transformers")
     for item in items:
         if (
@@ -37,14 +35,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         elif no_hf and item.get_closest_marker("hf") is not None:
             item.add_marker(pytest.mark.skip(reason=skip_reason("transformers")))
-
-
-def _slow_files_first(items):
-    """Run the files that hold a ``slow`` test first, each file's tests in their order: the suite's two
-    workers (``-n 2 --dist loadfile``) take whole files in collection order, so a long file (rank processes,
-    servers) collected last would run alone at the end while the other worker idles."""
-    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.path not in slow)  # stable: the order within each group is kept
 
 
 @pytest.fixture(autouse=True)
