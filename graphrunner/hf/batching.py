@@ -415,11 +415,7 @@ class GraphBatching:
             except CaptureError as exc:  # agreed: raised by this call on every rank
                 self._ticks_off.add(id(runner))
                 if runner is self._pending:
-                    logger.warning(
-                        "gr.hf: the re-planned keys' capture failed, serving on with the current keys: %s", exc
-                    )
-                    self._pending = None
-                    runner.cleanup()
+                    self._drop_replan(exc)
                 else:
                     logger.warning("gr.hf: a key's background capture failed, its steps are served eagerly: %s", exc)
 
@@ -700,12 +696,7 @@ class GraphBatching:
             if len(pending.captured_keys) < len(pending.keys):
                 return
         elif pending.capture_error is not None:
-            logger.warning(
-                "gr.hf: the re-planned keys' capture failed, serving on with the current keys: %s",
-                pending.capture_error,
-            )
-            self._pending = None
-            pending.cleanup()
+            self._drop_replan(pending.capture_error)
             return
         elif pending.wait_captured(timeout=0) is None:
             return
@@ -715,6 +706,13 @@ class GraphBatching:
         self.stats.replans += 1
         if old is not None:
             old.cleanup()
+
+    def _drop_replan(self, error: BaseException) -> None:
+        """The re-plan's runner failed its capture (``error``): released, the current keys serve on."""
+        pending, self._pending = self._pending, None
+        logger.warning("gr.hf: the re-planned keys' capture failed, serving on with the current keys: %s", error)
+        if pending is not None:
+            pending.cleanup()
 
     def capture(self) -> CaptureReport | None:
         """Build :attr:`runner` over the planned keys and capture it (blocking); return GraphRunner's report
