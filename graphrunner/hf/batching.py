@@ -241,8 +241,9 @@ class GraphBatching:
         self._pending: GraphRunner | None = None
         self._pending_began = 0.0
         self._recording = False
-        # runners whose idle ticks ended (several ranks: an agreed capture failure), by id
-        self._ticks_off: set[int] = set()
+        # runners whose idle ticks ended (several ranks: an agreed capture failure); weak, so that a later
+        # runner is never taken for a released one (an id can be reused)
+        self._ticks_off: weakref.WeakSet[GraphRunner] = weakref.WeakSet()
         self._logits_to_keep = False
         self.runner: GraphRunner | None = None
         self.report: CaptureReport | None = None
@@ -406,14 +407,14 @@ class GraphBatching:
         if not loop_goes_on(self.processor):
             return
         for runner in (self.runner if idle else None, self._pending):
-            if runner is None or id(runner) in self._ticks_off or len(runner.captured_keys) == len(runner.keys):
+            if runner is None or runner in self._ticks_off or len(runner.captured_keys) == len(runner.keys):
                 continue
             try:
                 runner(**{name: buf[:0] for name, buf in runner.static_inputs.items()})
             except RankFailedError:
                 raise  # a rank failed: the runner stops on every rank, the engine with it
             except CaptureError as exc:  # agreed: raised by this call on every rank
-                self._ticks_off.add(id(runner))
+                self._ticks_off.add(runner)
                 if runner is self._pending:
                     self._drop_replan(exc)
                 else:
