@@ -22,7 +22,7 @@ JSON (``--out``) and, with matplotlib, a plot next to it. Timings are never asse
     python bench/serve_sweep.py [--quick] [--max-concurrency 1,4,16,64] [--num-prompts 100,300,600,1000]
         [--request-rate inf] [--burstiness 1] [--random-input-len 48] [--random-output-len 32]
         [--random-range-ratio 0.75] [--num-warmups 64] [--goodput ttft:200 tpot:20]
-        [--columns graphs,backend-eager,eager] [--flags "..."] [--graphs-flags "--capture-first"] [--tp 1]
+        [--columns graphs,backend-eager,eager] [--flags "..."] [--graphs-flags "--capture-in-background"] [--tp 1]
         [--threads 1] [MODEL_DIR]
 """
 
@@ -840,8 +840,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--graphs-flags",
         default="",
-        help="more graphrunner serve flags for the graphs column only, e.g. --graphs-flags=--capture-first (which "
-        "--eager refuses; the = form for a single flag)",
+        help="more graphrunner serve flags for the graphs column only, e.g. --graphs-flags=--capture-in-background "
+        "(which --eager refuses; the = form for a single flag)",
     )
     ap.add_argument(
         "--tp",

@@ -11,11 +11,12 @@ used as they are, through their public entry points (:mod:`transformers.cli.serv
 - the model loader (:class:`graphrunner_tools.serve_engine.GraphModelLoader`, which runs in the model's
   process) hands transformers' engine the model with an ``init_continuous_batching`` of its own
   (:class:`~graphrunner_tools.serve_engine.ServedModel`): the engine's manager is made by
-  :func:`graphrunner.hf.init_continuous_batching` with ``autocapture=True``: graphs are captured in
-  the background from the model's load on, keys from a ladder, re-planned from the steps served
+  :func:`graphrunner.hf.init_continuous_batching` with ``autocapture=True``: graphs are captured
+  from the model's load on, keys from a ladder, re-planned from the steps served
   (``docs/serving.md``). The model is loaded, and its engine made, before the HTTP server listens
-  (transformers' ``ModelManager(force_model=...)``); ``--capture-first`` makes that load also wait
-  until every key of the ladder is captured
+  (transformers' ``ModelManager(force_model=...)``); on one rank with a graph backend that load also
+  waits (``--capture-first``, the default there; ``--capture-in-background`` opts out) until every key of
+  the ladder is captured
   (:func:`~graphrunner_tools.serve_engine.capture_before_serving`), so ``/health`` answers only then
   and every step replays from the first request. ``--eager`` serves without graphs (transformers' own
   engine, the same command and flags otherwise);
@@ -364,7 +365,7 @@ def serve_http(args: argparse.Namespace) -> int:
         loader = GraphModelLoader(options, capture_first=args.capture_first, **loader_arguments(args))
     what = "eager: no graphs" if options is None else "graphs: " + json.dumps(options)
     if args.capture_first:
-        what += "; every key captured before the server answers (--capture-first)"
+        what += "; every key captured before the server answers (--capture-first, the default on one rank)"
     print(f"graphrunner serve: loading {model} ({what})", file=sys.stderr, flush=True)
     try:
         model_manager = ModelManager(loader, state, model_timeout=-1, force_model=model)
@@ -566,15 +567,23 @@ def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
         f"the capture rests d*(1-share)/share s, or until no step came for 50 ms (default {CAPTURE_SHARE}; "
         "1: keys back to back, a waiting step first)",
     )
-    p.add_argument(
+    when = p.add_mutually_exclusive_group()
+    when.add_argument(
         "--capture-first",
         action="store_true",
-        help="capture every key of the ladder before the server answers (as vLLM and SGLang capture their CUDA "
-        "graphs at start): /health answers only once every planned graph is captured, at full speed (no step "
-        "beside it), so every step replays from the first request; the start takes the capture's seconds more "
-        "(keys captured of planned shown meanwhile), and a capture that fails stops the start (exit 1) naming "
-        "the error. Default off: the server answers at once and captures beside the first requests, which are "
-        "served more slowly meanwhile (--capture-share). Not with --eager, nor yet with --tp",
+        default=None,
+        help="capture every key of the ladder before the server answers, as vLLM and SGLang capture their CUDA "
+        "graphs at start (the default on one rank with a graph backend): /health answers only once every planned graph "
+        "is captured, at full speed (no step beside it), so every step replays from the first request; the "
+        "start takes the capture's seconds more (keys captured of planned shown meanwhile), and a capture that "
+        "fails stops the start (exit 1) naming the error. Not with --eager, nor yet with --tp",
+    )
+    when.add_argument(
+        "--capture-in-background",
+        action="store_true",
+        help="answer at once and capture the ladder beside the first requests, which are served more slowly "
+        "meanwhile (--capture-share); /ready turns 200 once every key is captured. The default with --tp > 1 "
+        "(an idle server's ranks capture at every iteration of their loop)",
     )
     p.add_argument(
         "--attention",
@@ -654,6 +663,11 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"argument --port: must be 1..65535, got {args.port}")
     if args.tp < 1:
         parser.error(f"argument --tp: must be >= 1 (tensor-parallel ranks), got {args.tp}")
+    if args.capture_in_background and args.eager:
+        parser.error(
+            "argument --capture-in-background: not allowed with --eager, which serves without graphs (nothing to "
+            "capture); drop one of them"
+        )
     if args.capture_first and args.eager:
         parser.error(
             "argument --capture-first: not allowed with --eager, which serves without graphs (nothing to capture); "
@@ -666,6 +680,10 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         )
     if not args.tp_timeout > 0:
         parser.error(f"argument --tp-timeout: must be > 0 seconds, got {args.tp_timeout}")
+    if args.capture_first is None:  # the default: capture before serving where it can (one rank, graphs)
+        args.capture_first = (
+            not args.eager and args.tp == 1 and args.backend != "eager" and not args.capture_in_background
+        )
 
 
 def _importable(name: str) -> bool:

@@ -2,8 +2,8 @@
 
 The reference is the same command with ``--eager`` (transformers' own continuous-batching engine, no
 graphs): greedy answers must be equal, text for text, one request at a time and 16 at once. The
-server under test has small cache and batch settings, so its background capture finishes in
-seconds and its keys are re-planned (``--replan-every 32 --replan-share 1``) during the tests. Skipped without the
+server under test has small cache and batch settings, so its capture before serving (the default)
+takes seconds and its keys are re-planned (``--replan-every 32 --replan-share 1``) during the tests. Skipped without the
 ``serve`` extra (``pip install -e '.[serve]'``).
 """
 
@@ -72,9 +72,10 @@ FLEET = {
     "graphs": (("--replan-every", "32", "--replan-share", "1"), {}),  # re-plans without rest: during the tests
     "eager": (("--eager",), {}),
     "dense": (("--attention", "dense", "--max-graphs", "tokens=3,kv=2,reqs=2"), {}),  # its own test only
-    # stopped by its test; its capture slowed until the fleet listens: the negative control of --capture-first
-    "sigterm": ((), {"GRAPHRUNNER_SERVE_SLOW_CAPTURE": "{tmp}/slow"}),
-    "first": (("--capture-first",), {}),  # every key captured before /health answers
+    # stopped by its test; answers at once, its capture slowed until the fleet listens: the negative control of the
+    # default capture before serving
+    "sigterm": (("--capture-in-background",), {"GRAPHRUNNER_SERVE_SLOW_CAPTURE": "{tmp}/slow"}),
+    "first": ((), {}),  # the default flags: every key captured before /health answers
     # one graph (the ladder's largest key): little capture beside the steps; steps raise while the file exists
     "fault": (("--max-graphs", "1"), {"GRAPHRUNNER_SERVE_FAULT": "{tmp}/fault"}),
 }
@@ -193,11 +194,11 @@ def _steps_at(metrics, model):
 
 
 def test_capture_first_answers_health_only_once_every_graph_is_captured_then_replays_every_step(servers, fleet):
-    """``--capture-first``: the first time ``/health`` answers 200, ``/ready`` is already 200 with every planned key
-    captured and no step run (``/metrics``), and the server printed its last progress line; then greedy
-    answers equal the ``--eager`` server's, every step of them replayed from graphs (none eager). The negative
-    control: the same probe of a default server (background capture from the start; the ``sigterm`` server, its
-    capture slowed by ``GRAPHRUNNER_SERVE_SLOW_CAPTURE`` until every server listens) sees ``/ready`` 503 with
+    """The default on one rank (``--capture-first``): the first time ``/health`` answers 200, ``/ready`` is already
+    200 with every planned key captured and no step run (``/metrics``), and the server printed its last progress
+    line; then greedy answers equal the ``--eager`` server's, every step of them replayed from graphs (none
+    eager). The negative control: the same probe of a ``--capture-in-background`` server (the ``sigterm`` server,
+    its capture slowed by ``GRAPHRUNNER_SERVE_SLOW_CAPTURE`` until every server listens) sees ``/ready`` 503 with
     fewer keys captured than planned: ``/health`` there does not wait for the graphs."""
     _, eager = servers
     first, default = fleet["first"], fleet["sigterm"]
@@ -209,7 +210,7 @@ def test_capture_first_answers_health_only_once_every_graph_is_captured_then_rep
     planned = ready["graphs_planned"]
     log = first.output(tail=100_000)
     assert f"captured {planned}/{planned} keys in " in log, log  # its last progress line
-    # negative control: a default server answers /health while its keys are still being captured
+    # negative control: a --capture-in-background server answers /health while its keys are still being captured
     control = default.at_health
     assert control["ready_status"] == 503, control
     assert control["ready"]["graphs_captured"] < control["ready"]["graphs_planned"], control
@@ -509,7 +510,7 @@ def test_metrics_show_graphs_steps_and_requests(servers):
     ):
         assert name in names or name == "graphrunner_fallbacks_total", name
     planned = graphs.metric("graphrunner_graphs_planned")
-    graphs.chat("one more call")  # a background capture's keys start replaying at a call
+    graphs.chat("one more call")  # a re-plan's keys start replaying at a call
     assert _wait_for(graphs, "graphrunner_graphs_captured", lambda v: v == planned > 0, timeout=60) == planned > 0
     assert graphs.metric("graphrunner_capture_seconds") > 0
     # the per-rank families: one rank, rank "0", the same figures as the server's own (one snapshot)
@@ -536,22 +537,44 @@ def test_a_model_dir_that_is_not_a_directory_is_a_usage_error(tmp_path, capsys):
 @pytest.mark.parametrize(
     "flags, words",
     [
-        (["--eager"], ["--capture-first", "--eager", "nothing to capture"]),
-        (["--tp", "2"], ["--capture-first", "--tp 2", "not supported", "yet"]),
+        (["--capture-first", "--eager"], ["--capture-first", "--eager", "nothing to capture"]),
+        (["--capture-first", "--tp", "2"], ["--capture-first", "--tp 2", "not supported", "yet"]),
+        (["--capture-in-background", "--eager"], ["--capture-in-background", "--eager", "nothing to capture"]),
+        (["--capture-first", "--capture-in-background"], ["--capture-in-background", "not allowed with"]),
     ],
 )
 def test_capture_first_with_eager_or_tp_is_a_usage_error(flags, words, capsys):
-    """``--capture-first`` with ``--eager`` (no graphs) or ``--tp`` > 1 (not built there yet): one line naming both,
-    exit 2, before anything starts; the control, ``--capture-first`` alone, passes the same checks."""
-    from graphrunner_tools.cli import build_parser, main
+    """``--capture-first`` with ``--eager`` (no graphs) or ``--tp`` > 1 (not built there yet), ``--capture-in-background``
+    with ``--eager``, or both: one line naming them, exit 2, before anything starts."""
+    from graphrunner_tools.cli import main
 
-    assert main(["serve", "--capture-first", *flags]) == 2
+    assert main(["serve", *flags]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and all(w in err for w in words), err
+
+
+@pytest.mark.parametrize(
+    "flags, first",
+    [
+        ([], True),  # one rank with graphs: capture before serving
+        (["--capture-first"], True),
+        (["--capture-in-background"], False),
+        (["--eager"], False),  # nothing to capture
+        (["--backend", "eager"], False),  # graphrunner's step without graphs: nothing replays
+        (["--tp", "2"], False),  # several ranks: their idle loop captures beside /health
+        (["--tp", "2", "--capture-in-background"], False),
+    ],
+)
+def test_the_capture_before_serving_is_the_default_on_one_rank_with_graphs(flags, first):
+    """Where the ladder is captured, as the checks resolve it: before the server answers by default on one rank
+    with a graph backend (or with ``--capture-first``), beside the first requests with ``--capture-in-background``
+    or ``--tp`` > 1, not before serving with ``--eager`` or ``--backend eager`` (no graph to wait for)."""
+    from graphrunner_tools.cli import build_parser
+
     parser = build_parser()
-    args = parser.parse_args(["serve", "--capture-first"])
+    args = parser.parse_args(["serve", *flags])
     args.check(parser, args)  # no usage error
-    assert args.capture_first and not args.eager and args.tp == 1
+    assert args.capture_first is first
 
 
 @pytest.mark.parametrize("share", ["0", "1.5", "-0.1"])
