@@ -14,9 +14,9 @@ used as they are, through their public entry points (:mod:`transformers.cli.serv
   :func:`graphrunner.hf.init_continuous_batching` with ``autocapture=True``: graphs are captured
   from the model's load on, keys from a ladder, re-planned from the steps served
   (``docs/serving.md``). The model is loaded, and its engine made, before the HTTP server listens
-  (transformers' ``ModelManager(force_model=...)``); on one rank with a graph backend that load also
-  waits (``--capture-first``, the default there; ``--capture-in-background`` opts out) until every key of
-  the ladder is captured
+  (transformers' ``ModelManager(force_model=...)``); with a graph backend that load also waits
+  (``--capture-first``, the default; ``--capture-in-background`` opts out; on ``--tp`` ranks every rank's
+  loop runs meanwhile, granting the keys) until every key of the ladder is captured
   (:func:`~graphrunner_tools.serve_engine.capture_before_serving`), so ``/health`` answers only then
   and every step replays from the first request. ``--eager`` serves without graphs (transformers' own
   engine, the same command and flags otherwise);
@@ -365,7 +365,7 @@ def serve_http(args: argparse.Namespace) -> int:
         loader = GraphModelLoader(options, capture_first=args.capture_first, **loader_arguments(args))
     what = "eager: no graphs" if options is None else "graphs: " + json.dumps(options)
     if args.capture_first:
-        what += "; every key captured before the server answers (--capture-first, the default on one rank)"
+        what += "; every key captured before the server answers (--capture-first, the default)"
     print(f"graphrunner serve: loading {model} ({what})", file=sys.stderr, flush=True)
     try:
         model_manager = ModelManager(loader, state, model_timeout=-1, force_model=model)
@@ -466,8 +466,8 @@ def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
         help="serve a transformers model over an OpenAI-compatible HTTP API, its steps replayed from graphs",
         description="transformers' own server (transformers serve --continuous-batching: /v1/chat/completions, "
         "/v1/completions, /v1/responses, streaming) with its continuous-batching steps replayed from "
-        "graphrunner graphs, captured in the background from the start (or all before it answers: "
-        "--capture-first); GET /metrics in "
+        "graphrunner graphs, all captured before it answers (or beside the first requests: "
+        "--capture-in-background); GET /metrics in "
         "Prometheus' format. MODEL_DIR: a local transformers model directory (omit it for a tiny "
         "built-in model with random weights). Needs the serve extra: pip install -e '.[serve]'. "
         "SIGTERM or Ctrl+C stops it (exit 0). See docs/serving.md.",
@@ -573,17 +573,17 @@ def add_serve_subparser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         default=None,
         help="capture every key of the ladder before the server answers, as vLLM and SGLang capture their CUDA "
-        "graphs at start (the default on one rank with a graph backend): /health answers only once every planned graph "
-        "is captured, at full speed (no step beside it), so every step replays from the first request; the "
-        "start takes the capture's seconds more (keys captured of planned shown meanwhile), and a capture that "
-        "fails stops the start (exit 1) naming the error. Not with --eager, nor yet with --tp",
+        "graphs at start (the default with a graph backend): /health answers only once every planned graph is "
+        "captured, at full speed (no step beside it; with --tp, on every rank, at the loop's idle iterations), "
+        "so every step replays from the first request; the start takes the capture's seconds more (keys "
+        "captured of planned shown meanwhile), and a capture that fails stops the start (exit 1) naming the "
+        "error. Not with --eager",
     )
     when.add_argument(
         "--capture-in-background",
         action="store_true",
         help="answer at once and capture the ladder beside the first requests, which are served more slowly "
-        "meanwhile (--capture-share); /ready turns 200 once every key is captured. The default with --tp > 1 "
-        "(an idle server's ranks capture at every iteration of their loop)",
+        "meanwhile (--capture-share); /ready turns 200 once every key is captured",
     )
     p.add_argument(
         "--attention",
@@ -673,17 +673,10 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             "argument --capture-first: not allowed with --eager, which serves without graphs (nothing to capture); "
             "drop one of them"
         )
-    if args.capture_first and args.tp > 1:
-        parser.error(
-            f"argument --capture-first: not supported with --tp {args.tp} yet (the ranks' keys are granted step by "
-            "step there, docs/serving.md); drop --capture-first, or serve on one rank"
-        )
     if not args.tp_timeout > 0:
         parser.error(f"argument --tp-timeout: must be > 0 seconds, got {args.tp_timeout}")
-    if args.capture_first is None:  # the default: capture before serving where it can (one rank, graphs)
-        args.capture_first = (
-            not args.eager and args.tp == 1 and args.backend != "eager" and not args.capture_in_background
-        )
+    if args.capture_first is None:  # the default: capture before serving wherever a graph replays
+        args.capture_first = not args.eager and args.backend != "eager" and not args.capture_in_background
 
 
 def _importable(name: str) -> bool:

@@ -116,6 +116,12 @@ class ServedManager:
             self.sampler.forget(request_id)
         return added
 
+    def start(self) -> None:
+        """The manager's ``start``, and nothing when its loop already runs (a tensor-parallel rank starts it to
+        capture before serving: its keys are granted at the loop's iterations)."""
+        if not self.wrapped.is_running():
+            self.wrapped.start()
+
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> Any:
         """The manager's ``get_result``; a request's last result (finished or failed) forgets its settings."""
         output = self.wrapped.get_result(request_id=request_id, timeout=timeout)
@@ -221,20 +227,31 @@ class ServedModel:
 def capture_before_serving(manager: Any, stream: TextIO | None = None, interval: float = 1.0) -> tuple[int, float]:
     """Wait until every key the graphs of ``manager`` planned is captured (``graphrunner serve --capture-first``):
     ``manager`` is one :func:`graphrunner.hf.init_continuous_batching` made with ``autocapture=True`` (its ladder's
-    background capture started when it was made), not started yet, so no step runs beside the capture and the
-    capture never rests (its pacing rests only while steps come): its keys are captured back to back, with the
-    process's torch threads. Shows ``keys captured of planned, seconds`` on ``stream`` (default ``sys.stderr``)
-    every ``interval`` seconds (in place on a terminal) and a last line; returns ``(keys captured, seconds)``.
+    background capture started when it was made). On one rank it is not started yet, so no step runs beside the
+    capture and the capture never rests (its pacing rests only while steps come): its keys are captured back to
+    back, with the process's torch threads. On several ranks (its graphs agree over a group of several) its loop
+    runs, on every rank, with no request: its keys are granted at the loop's idle iterations, captured on every
+    rank at full speed, and a key counts once every rank has it (never granted from here, which would leave the
+    ranks' collectives). Shows ``keys captured of planned, seconds`` on ``stream`` (default ``sys.stderr``) every
+    ``interval`` seconds (in place on a terminal) and a last line; returns ``(keys captured, seconds)``.
 
     Raises :class:`~graphrunner.errors.CaptureError` naming the error (its type, message and notes) and how many
-    keys were captured when a key's capture fails, or when the capture ends with keys not replayable;
-    ``ValueError`` for a manager without graphs (``--eager``: nothing to capture)."""
+    keys were captured when a key's capture fails, when the capture ends with keys not replayable, or when a
+    several-rank manager's loop stops meanwhile; ``ValueError`` for a manager without graphs (``--eager``:
+    nothing to capture) or a several-rank one whose loop does not run."""
     hook = graphs_of(manager)
     runner = None if hook is None else hook.runner
     if hook is None or runner is None:
         raise ValueError(
             "capture_before_serving needs a manager made by gr.hf.init_continuous_batching(..., autocapture=True): "
             "this one has no graphs to capture (--eager serves without graphs: drop --capture-first)"
+        )
+    group = getattr(hook.options, "group", None)
+    several = group is not None and getattr(group, "size", 1) > 1
+    if several and not manager.is_running():
+        raise ValueError(
+            "capture_before_serving on several ranks needs the manager's loop running on every rank: its keys are "
+            "granted at the loop's iterations (manager.start() first)"
         )
     planned = len(runner.keys)
     line = StatusLine(stream if stream is not None else sys.stderr)
@@ -244,7 +261,23 @@ def capture_before_serving(manager: Any, stream: TextIO | None = None, interval:
     def done() -> int:  # keys whose graph exists (they replay once the capture ends)
         return sum(1 for k in runner.keys if runner.backend.can_run(k))
 
-    while runner.wait_captured(timeout=interval) is None:
+    def finished() -> bool:  # within ``interval`` s
+        if not several:
+            return runner.wait_captured(timeout=interval) is not None
+        until = time.perf_counter() + interval
+        while hook.captured() < planned and runner.capture_error is None and manager.is_running():
+            if time.perf_counter() > until:
+                return False
+            time.sleep(0.02)
+        return hook.captured() == planned
+
+    while not finished():
+        if several and not manager.is_running():
+            raise CaptureError(
+                f"--capture-first: the engine's loop stopped after {done()} of {planned} keys were captured on "
+                f"rank {group.rank} ({time.perf_counter() - t0:.1f} s): "
+                f"{manager.background_thread_status.fatal_error or 'stopped'}; the server does not start"
+            )
         error = runner.capture_error
         if error is not None:
             notes = "".join(f"; {n}" for n in getattr(error, "__notes__", ()))

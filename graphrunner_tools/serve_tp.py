@@ -30,7 +30,10 @@ Graphs (no ``--eager``): every rank's manager serves its steps from ``gr.hf``'s 
 (``BatchingOptions.group``, a ``TorchDistGroup(tensor_parallel=True)`` over the world): each step's agreement decides
 its key on every rank, the background capture's keys are granted at a step (or at an idle iteration of the loop:
 an idle server captures its ladder from the start) and captured on every rank before the next; a re-plan is
-decided at the same step on every rank. docs/serving.md, "Graphs on TP ranks".
+decided at the same step on every rank. By default (``--capture-first``) every rank starts its loop in its
+model's load and waits there until every key of the ladder is captured on every rank
+(:meth:`TPServedModel.init_continuous_batching`), so rank 0 builds its HTTP server only then.
+docs/serving.md, "Graphs on TP ranks".
 
 ``/metrics`` shows every rank: a follower puts its figures in the ranks' rendezvous store every second
 (:meth:`TPServedModel.publish_figures`), the driver reads them at each scrape (:meth:`TPServedModel.rank_figures`).
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import logging
 import signal
@@ -51,7 +55,13 @@ from typing import Any
 
 from graphrunner.group import TorchDistGroup
 from graphrunner_tools.launch import join_group, launch_ranks, torchrun_env
-from graphrunner_tools.serve_engine import GraphModelLoader, ServedModel, engine_metrics, loader_arguments
+from graphrunner_tools.serve_engine import (
+    GraphModelLoader,
+    ServedModel,
+    capture_before_serving,
+    engine_metrics,
+    loader_arguments,
+)
 
 __all__ = ["TPModelLoader", "TPServedModel", "serve_tp"]
 
@@ -67,12 +77,27 @@ def _backend(device: str) -> str:
 
 class TPServedModel(ServedModel):
     """A :class:`ServedModel` on one of ``tp`` ranks: its manager's every rank takes the driver's sampled
-    tokens (:func:`~graphrunner.hf.internals.sync_sampled_ids`, ``debug``: compared first)."""
+    tokens (:func:`~graphrunner.hf.internals.sync_sampled_ids`, ``debug``: compared first). ``capture_first``
+    (graphs only): :meth:`init_continuous_batching` starts the manager's loop and returns once every planned key
+    is captured on every rank (:func:`~graphrunner_tools.serve_engine.capture_before_serving`; progress on rank
+    0's stderr); a capture that fails stops the loop (which stops the other ranks) and raises."""
 
     def __init__(
-        self, model: Any, graph_options: dict[str, Any] | None, debug: bool = False, timeout: float = 60.0
+        self,
+        model: Any,
+        graph_options: dict[str, Any] | None,
+        debug: bool = False,
+        timeout: float = 60.0,
+        *,
+        capture_first: bool = False,
     ) -> None:
-        super().__init__(model, graph_options)
+        super().__init__(model, graph_options)  # (its own capture_first waits before the loop runs: one rank only)
+        if capture_first and graph_options is None:
+            raise ValueError(
+                "capture_first=True needs graph_options: without graphs (--eager) there is nothing to capture"
+            )
+        #: Every rank's loop started, and every planned key captured on every rank, before the manager is handed on.
+        self.capture_first_on_ranks = capture_first
         self.debug = debug
         #: Seconds each of graphrunner's collectives may take (``--tp-timeout``).
         self.timeout = timeout
@@ -105,6 +130,15 @@ class TPServedModel(ServedModel):
         self.sync = sync_sampled_ids(manager.batch_processor, debug=self.debug)
         # self.manager stays the manager ServedModel keeps (transformers', not the ServedManager handed on): what
         # engine_metrics reads, graphs_of(self.manager) its graphs
+        if self.capture_first_on_ranks:
+            # every rank: the loop started (the followers' start, the driver's before the HTTP server is built),
+            # its idle iterations grant the keys; the engine's own start() later finds it running
+            manager.start()
+            try:
+                capture_before_serving(self.manager, None if self.group.rank == 0 else io.StringIO())
+            except BaseException:
+                self.manager.stop(block=True, timeout=self.timeout)  # its last iteration stops the other ranks
+                raise
         return manager
 
     def _figures_key(self, rank: int) -> str:
@@ -183,7 +217,9 @@ class TPModelLoader(GraphModelLoader):
             model_id.split("@")[0], distributed_config=DistributedConfig(tp_size=self.tp), **kwargs
         )
         model.eval()
-        served = TPServedModel(model, self.graph_options, self.debug, self.init_timeout)
+        served = TPServedModel(
+            model, self.graph_options, self.debug, self.init_timeout, capture_first=self.capture_first
+        )
         import torch.distributed as dist
 
         if dist.get_rank() == 0:  # the driver: the model's process of the HTTP server
@@ -266,6 +302,7 @@ def make_loader(args: argparse.Namespace, options: dict[str, Any] | None) -> TPM
         backend=_backend(args.device),
         init_timeout=args.tp_timeout,
         debug=args.tp_debug,
+        capture_first=bool(getattr(args, "capture_first", False)),
         **loader_arguments(args),
     )
 

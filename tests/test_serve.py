@@ -538,14 +538,13 @@ def test_a_model_dir_that_is_not_a_directory_is_a_usage_error(tmp_path, capsys):
     "flags, words",
     [
         (["--capture-first", "--eager"], ["--capture-first", "--eager", "nothing to capture"]),
-        (["--capture-first", "--tp", "2"], ["--capture-first", "--tp 2", "not supported", "yet"]),
         (["--capture-in-background", "--eager"], ["--capture-in-background", "--eager", "nothing to capture"]),
         (["--capture-first", "--capture-in-background"], ["--capture-in-background", "not allowed with"]),
     ],
 )
-def test_capture_first_with_eager_or_tp_is_a_usage_error(flags, words, capsys):
-    """``--capture-first`` with ``--eager`` (no graphs) or ``--tp`` > 1 (not built there yet), ``--capture-in-background``
-    with ``--eager``, or both: one line naming them, exit 2, before anything starts."""
+def test_capture_first_or_in_background_with_eager_is_a_usage_error(flags, words, capsys):
+    """``--capture-first`` or ``--capture-in-background`` with ``--eager`` (no graphs), or both: one line naming
+    them, exit 2, before anything starts."""
     from graphrunner_tools.cli import main
 
     assert main(["serve", *flags]) == 2
@@ -561,14 +560,16 @@ def test_capture_first_with_eager_or_tp_is_a_usage_error(flags, words, capsys):
         (["--capture-in-background"], False),
         (["--eager"], False),  # nothing to capture
         (["--backend", "eager"], False),  # graphrunner's step without graphs: nothing replays
-        (["--tp", "2"], False),  # several ranks: their idle loop captures beside /health
+        (["--tp", "2"], True),  # every rank's loop runs, granting the keys, before the server answers
         (["--tp", "2", "--capture-in-background"], False),
+        (["--tp", "2", "--eager"], False),
     ],
 )
-def test_the_capture_before_serving_is_the_default_on_one_rank_with_graphs(flags, first):
-    """Where the ladder is captured, as the checks resolve it: before the server answers by default on one rank
-    with a graph backend (or with ``--capture-first``), beside the first requests with ``--capture-in-background``
-    or ``--tp`` > 1, not before serving with ``--eager`` or ``--backend eager`` (no graph to wait for)."""
+def test_the_capture_before_serving_is_the_default_with_a_graph_backend(flags, first):
+    """Where the ladder is captured, as the checks resolve it: before the server answers by default with a graph
+    backend, on one rank or several (or with ``--capture-first``), beside the first requests with
+    ``--capture-in-background``, not before serving with ``--eager`` or ``--backend eager`` (no graph to wait
+    for)."""
     from graphrunner_tools.cli import build_parser
 
     parser = build_parser()

@@ -42,7 +42,7 @@ PROMPTS = ["hello", "what is 2+2?", "tell me a story", "a", "The quick brown fox
 class Server(ServerProcess):
     def __init__(self, log, *flags):
         try:
-            super().__init__([*ENGINE, *flags], log, START, env={"OMP_NUM_THREADS": "1"})
+            super().__init__([*ENGINE, *flags], log, START, env={"OMP_NUM_THREADS": "1"}, probe=True)
         except RuntimeError as exc:
             raise AssertionError(str(exc)) from None
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=60)
@@ -94,7 +94,7 @@ def servers(tmp_path_factory):
 
     tiny_model_dir()  # built once, before three servers would race to build it
     tmp = str(tmp_path_factory.mktemp("serve_tp"))
-    # graphs: the idle loop grants the ladder's keys (no request reaches it before its test)
+    # graphs: the default capture before serving: every rank's idle loop grants the ladder's keys before /health
     flags = {"tp": ["--tp", "2", "--eager"], "one": ["--eager"], "graphs": ["--tp", "2", "--capture-share", "1"]}
     made = start_together(
         {name: (lambda name=name: Server(os.path.join(tmp, f"{name}.log"), *flags[name])) for name in flags}
@@ -198,14 +198,31 @@ def _rank_steps(server):
     raise AssertionError(f"rank 1's figures did not catch up with rank 0's: {steps}")
 
 
+def _steps_at_health(probe):
+    """``(replayed, eager)`` steps of rank 0 in the ``/metrics`` read at the first ``/health`` 200."""
+    m = probe["metrics"]
+    return tuple(
+        sum(v for k, v in m.items() if k.startswith("graphrunner_steps_total{") and f'path="{path}"' in k)
+        for path in ("replayed", "eager")
+    )
+
+
 @pytest.mark.timeout(600)
 def test_tp2_graphs_answer_as_tp2_eager_from_steps_every_rank_replayed(servers):
     graphs, tp = servers["graphs"], servers["tp"]
     want = [tp.chat(p) for p in PROMPTS]
     assert len(set(want)) > 1  # the prompts reach the model
-    # no request has reached the graphs' server yet: its idle loop's iterations grant the keys (a call without
-    # rows on every rank), so it turns ready with every key captured on both ranks and no step served
-    deadline, planned = time.monotonic() + 240, graphs.metric("graphrunner_graphs_planned")
+    # the default capture before serving: every rank's loop ran before the HTTP server was built, its idle
+    # iterations granting the keys (a call without rows on every rank), so the first /health 200 came with /ready
+    # 200, every key captured on every rank (/ready counts a key once every rank has it) and no step served
+    probe = graphs.at_health
+    assert probe["ready_status"] == 200, probe
+    assert probe["ready"]["graphs_captured"] == probe["ready"]["graphs_planned"] > 1, probe
+    assert _steps_at_health(probe) == (0.0, 0.0), probe
+    log = graphs.output(tail=200_000)
+    planned = probe["ready"]["graphs_planned"]
+    assert f"captured {planned}/{planned} keys in " in log, log  # rank 0's last progress line, before it listened
+    deadline = time.monotonic() + 240
     while time.monotonic() < deadline and not (
         graphs.metric("graphrunner_ready") == 1
         and _by_rank(graphs, "graphrunner_rank_graphs_captured") == {0: planned, 1: planned}  # rank 1's: 1 s late
