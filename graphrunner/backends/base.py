@@ -197,9 +197,7 @@ class GraphBackend:
     def capture_session(self) -> Iterator[GraphBackend]:
         """Context manager around a batch of :meth:`capture_one` calls.
 
-        On entry, on a device with a cache to return (CUDA): ``gc.collect()``
-        and the device's ``empty_cache()``, as ``torch.cuda.graph`` does; on
-        every device: ``gc.freeze()`` (objects that exist
+        On entry: ``gc.collect()`` then ``gc.freeze()`` (objects that exist
         now are never scanned by the collector during capture, so a GC pass
         cannot free memory a capture is using nor stall one rank), and a
         ``session_begin`` event. On exit, also on an exception:
@@ -213,14 +211,10 @@ class GraphBackend:
         if self._in_session:
             raise CaptureError(f"{type(self).__name__}.capture_session() is already active; sessions do not nest")
         caller_froze = gc.get_freeze_count() > 0  # e.g. an engine that froze its heap after fork
+        gc.collect()
         empty_cache = getattr(self.device, "empty_cache", None)
         if empty_cache is not None:
-            # as torch.cuda.graph does: the garbage's tensors freed, then cached blocks and released pools back
-            # to the driver. A device without a cache to return (the tape's host memory) skips the full
-            # collection (a third of a second on a heap with transformers loaded): its garbage is frozen with
-            # the rest and collected after the session.
-            gc.collect()
-            empty_cache()
+            empty_cache()  # as torch.cuda.graph does: cached blocks and released pools back to the driver
         gc.freeze()
         self._in_session = True
         self.trace.record(EventKind.SESSION_BEGIN, backend=self.name)
