@@ -128,7 +128,7 @@ def test_while_calls_come_each_key_waits_the_rest_its_predecessor_earned(share):
     pace.idle_after = 1.0
     try:
         calls = _serve_until_captured(runner)
-        assert calls > len(BUCKETS)
+        assert calls >= len(BUCKETS)  # at least one call waited at every key (share 1: exactly one)
         keys = pace.keys
         assert len(keys) == len(BUCKETS)
         assert _early_starts(keys, share) == []  # the rule held for the share it ran with
