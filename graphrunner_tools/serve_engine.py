@@ -156,6 +156,11 @@ class ServedModel:
     only once every planned key is captured (:func:`capture_before_serving`), so the engine starts, and the
     server answers, at full speed."""
 
+    #: Whether :meth:`init_continuous_batching` captures (``capture_first``) before the manager's loop starts: one
+    #: rank. A subclass whose keys are granted by the running loop (several ranks) sets it ``False`` and captures
+    #: once it started the loop.
+    capture_before_loop = True
+
     def __init__(self, model: Any, graph_options: dict[str, Any] | None, *, capture_first: bool = False) -> None:
         if capture_first and graph_options is None:
             raise ValueError(
@@ -205,7 +210,7 @@ class ServedModel:
             if slow:  # tests only: after the manager's own warm-up, so only the capture's forwards are slowed
                 self.wrapped.register_forward_pre_hook(_slowed_while(slow))
             sample_per_request(manager.batch_processor, self.sampler)
-            if self.capture_first:
+            if self.capture_first and self.capture_before_loop:
                 capture_before_serving(manager)
         except BaseException:
             manager.destroy()

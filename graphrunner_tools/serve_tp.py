@@ -82,6 +82,9 @@ class TPServedModel(ServedModel):
     is captured on every rank (:func:`~graphrunner_tools.serve_engine.capture_before_serving`; progress on rank
     0's stderr); a capture that fails stops the loop (which stops the other ranks) and raises."""
 
+    #: The keys are granted by the running loop: captured once :meth:`init_continuous_batching` started it.
+    capture_before_loop = False
+
     def __init__(
         self,
         model: Any,
@@ -91,13 +94,7 @@ class TPServedModel(ServedModel):
         *,
         capture_first: bool = False,
     ) -> None:
-        super().__init__(model, graph_options)  # (its own capture_first waits before the loop runs: one rank only)
-        if capture_first and graph_options is None:
-            raise ValueError(
-                "capture_first=True needs graph_options: without graphs (--eager) there is nothing to capture"
-            )
-        #: Every rank's loop started, and every planned key captured on every rank, before the manager is handed on.
-        self.capture_first_on_ranks = capture_first
+        super().__init__(model, graph_options, capture_first=capture_first)
         self.debug = debug
         #: Seconds each of graphrunner's collectives may take (``--tp-timeout``).
         self.timeout = timeout
@@ -130,7 +127,7 @@ class TPServedModel(ServedModel):
         self.sync = sync_sampled_ids(manager.batch_processor, debug=self.debug)
         # self.manager stays the manager ServedModel keeps (transformers', not the ServedManager handed on): what
         # engine_metrics reads, graphs_of(self.manager) its graphs
-        if self.capture_first_on_ranks:
+        if self.capture_first:
             # every rank: the loop started (the followers' start, the driver's before the HTTP server is built),
             # its idle iterations grant the keys; the engine's own start() later finds it running
             manager.start()
